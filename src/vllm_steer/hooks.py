@@ -1,0 +1,19 @@
+"""The steering hook points: their names and order, shared by every layer of the plugin."""
+
+from enum import Enum
+
+
+class HookPoint(str, Enum):
+    """Where in a decoder layer the residual stream is read or steered.
+
+    - ``pre_attn``: the residual stream entering the layer.
+    - ``post_attn``: after the attention output is added to the residual.
+    - ``post_mlp``: the layer's output residual (after the MLP output is added).
+    """
+
+    PRE_ATTN = "pre_attn"
+    POST_ATTN = "post_attn"
+    POST_MLP = "post_mlp"
+
+
+HOOK_NAMES: tuple[str, ...] = tuple(h.value for h in HookPoint)

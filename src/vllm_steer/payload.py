@@ -1,0 +1,106 @@
+"""The engine-internal steering payload: what the API side puts in ``SamplingParams.extra_args``.
+
+The front end validates, resolves tiers and hashes once per request, then ships each distinct
+effective vector set once, already in the model dtype and in table layout, keyed by its hash.
+The worker only copies bytes into table rows. A plain dict of str/int/bytes so msgspec carries
+it between processes unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PAYLOAD_KEY = "vllm_steer"
+PAYLOAD_VERSION = 1
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _TORCH_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported model dtype for steering tables: {dtype}")
+
+
+@dataclass(frozen=True)
+class HookVectors:
+    """Vectors of one hook point: ``data[i]`` is added at layer ``layers[i]``."""
+
+    layers: tuple[int, ...]
+    data: torch.Tensor  # [len(layers), D], model dtype, CPU
+
+
+@dataclass(frozen=True)
+class EngineSteering:
+    """The decoded payload of one request: a config key per phase (None: unsteered phase)."""
+
+    prefill_key: str | None
+    decode_key: str | None
+    configs: dict[str, dict[str, HookVectors]]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return _distinct(self.prefill_key, self.decode_key)
+
+
+def encode_payload(
+    prefill_key: str | None,
+    decode_key: str | None,
+    configs: dict[str, dict[str, tuple[list[int], np.ndarray]]],
+    dtype: torch.dtype,
+) -> dict:
+    """Pack effective float32 vectors (per key, per hook: layers + [n, D] array) in ``dtype``."""
+    packed: dict[str, list] = {}
+    for key, hooks in configs.items():
+        entries = []
+        for hook, (layers, arr) in hooks.items():
+            t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype)
+            raw = t.view(torch.uint8).numpy().tobytes()
+            entries.append([hook, list(layers), raw])
+        packed[key] = entries
+    return {
+        "v": PAYLOAD_VERSION,
+        "dtype": dtype_name(dtype),
+        "prefill": prefill_key,
+        "decode": decode_key,
+        "configs": packed,
+    }
+
+
+def decode_payload(payload: dict, hidden_size: int) -> EngineSteering:
+    """Inverse of encode_payload (on the worker)."""
+    if payload.get("v") != PAYLOAD_VERSION:
+        raise ValueError(f"steering payload version {payload.get('v')} != {PAYLOAD_VERSION}")
+    dtype = _TORCH_DTYPES[payload["dtype"]]
+    configs: dict[str, dict[str, HookVectors]] = {}
+    for key, entries in payload["configs"].items():
+        hooks = {}
+        for hook, layers, raw in entries:
+            buf = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+            data = buf.view(dtype).view(len(layers), hidden_size)
+            hooks[hook] = HookVectors(tuple(layers), data)
+        configs[key] = hooks
+    return EngineSteering(payload["prefill"], payload["decode"], configs)
+
+
+def payload_keys(extra_args: dict | None) -> tuple[str, ...]:
+    """The distinct config keys a request needs rows for (no decoding of vectors)."""
+    if not extra_args:
+        return ()
+    payload = extra_args.get(PAYLOAD_KEY)
+    if not payload:
+        return ()
+    return _distinct(payload["prefill"], payload["decode"])
+
+
+def _distinct(*keys: str | None) -> tuple[str, ...]:
+    """Non-None keys, first occurrence kept, in a fixed order (row allocation is deterministic)."""
+    return tuple(dict.fromkeys(k for k in keys if k is not None))

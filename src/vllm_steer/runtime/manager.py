@@ -1,0 +1,153 @@
+"""The worker's steering runtime: request rows in, a token -> row index out, every step.
+
+Control work happens when requests arrive or leave (row acquire/release, table writes). The
+per-step work is one host ``np.repeat`` over the batch and one non-blocking copy of the index,
+skipped entirely while no steered token is (or was last step) in the batch. No device sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from vllm_steer.config import SteerConfig, steer_config_of
+from vllm_steer.hooks import HOOK_NAMES
+from vllm_steer.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.runtime.install import find_decoder_layers, install_steering
+from vllm_steer.runtime.rows import RowAllocator
+from vllm_steer.runtime.tables import SteeringTables
+
+logger = logging.getLogger("vllm_steer")
+
+
+@dataclass
+class _Held:
+    rows: tuple[int, int]  # (prefill row, decode row); 0 = unsteered phase
+    keys: tuple[str, ...]
+
+
+def hooked_layers_for(cfg: SteerConfig, layer_ids: list[int]) -> dict[str, list[int]]:
+    wanted = set(cfg.layers) if cfg.layers is not None else None
+    ids = [i for i in layer_ids if wanted is None or i in wanted]
+    return {h: list(ids) for h in HOOK_NAMES if h in cfg.hooks}
+
+
+class SteeringRuntime:
+    def __init__(
+        self,
+        cfg: SteerConfig,
+        model: nn.Module,
+        hidden_size: int,
+        max_num_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.hidden_size = hidden_size
+        layer_ids = [i for i, _ in find_decoder_layers(model)]
+        self.hooked_layers = hooked_layers_for(cfg, layer_ids)
+        self.tables = SteeringTables(
+            self.hooked_layers, cfg.max_configs, hidden_size, max_num_tokens, dtype, device
+        )
+        self.rows = RowAllocator(cfg.max_configs)
+        self.num_ops = install_steering(model, self.tables, self.hooked_layers)
+        self._held: dict[str, _Held] = {}
+        self._index_extent = 0  # tokens of the device index that may hold non-zero rows
+        self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
+        logger.info(
+            "vllm-steer: %d steering ops installed (hooks %s, %d layers, %d rows)",
+            self.num_ops, list(self.hooked_layers), len(layer_ids), cfg.max_configs,
+        )
+
+    @property
+    def any_steered(self) -> bool:
+        return bool(self._held)
+
+    # ---- control plane: requests come and go -------------------------------------------
+    def add_request(self, req_id: str, extra_args: dict | None) -> tuple[int, int]:
+        """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row)."""
+        payload = (extra_args or {}).get(PAYLOAD_KEY)
+        if not payload:
+            return (0, 0)
+        if req_id in self._held:  # re-added (streaming input): drop the old state first
+            self.remove_request(req_id)
+        steering = decode_payload(payload, self.hidden_size)
+        rows: dict[str, int] = {}
+        for key in steering.keys:
+            row, needs_write, became_live = self.rows.acquire(key)
+            if needs_write:
+                self.tables.write_row(row, steering.configs[key])
+            if became_live:
+                self.tables.set_live(row, True)
+            rows[key] = row
+        pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
+        self._held[req_id] = _Held(pair, steering.keys)
+        return pair
+
+    def remove_request(self, req_id: str) -> None:
+        held = self._held.pop(req_id, None)
+        if held is None:
+            return
+        for key in held.keys:
+            row = self.rows.row_of(key)
+            if self.rows.release(key):
+                self.tables.set_live(row, False)
+
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """[len(req_ids), 2] int32 rows of requests in batch order (0 for unsteered)."""
+        zero = (0, 0)
+        held = self._held
+        return np.array([held[r].rows if r in held else zero for r in req_ids], dtype=np.int32).reshape(-1, 2)
+
+    # ---- data plane: once per step, before the forward ------------------------------------
+    def prepare_step(
+        self,
+        rows: np.ndarray | None,  # [num_reqs, 2] (prefill row, decode row), batch order
+        num_scheduled_tokens: np.ndarray,  # [num_reqs]
+        num_computed_tokens: np.ndarray,  # [num_reqs], before this step
+        prompt_len: np.ndarray,  # [num_reqs]
+    ) -> None:
+        """Write the token -> row index for this step (tokens in batch order, as vLLM lays them out).
+
+        ``rows`` None means no request of the batch is steered."""
+        if rows is None or not rows.any():
+            if self._index_extent:
+                self.tables.index[: self._index_extent].zero_()
+                self._index_extent = 0
+            return
+        # Tokens before the prompt's end are prefill tokens (also when recomputed after preemption).
+        n_prefill = np.clip(prompt_len - num_computed_tokens, 0, num_scheduled_tokens)
+        counts = np.stack([n_prefill, num_scheduled_tokens - n_prefill], axis=1).reshape(-1)
+        expanded = np.repeat(rows.reshape(-1), counts)
+        n = expanded.shape[0]
+        extent = max(n, self._index_extent)  # also clear what the last step left beyond n
+        host = self._index_host[:extent]
+        host[:n] = expanded
+        host[n:] = 0
+        src = torch.from_numpy(host)
+        if self.tables.index.is_cuda:
+            src = src.pin_memory()
+        self.tables.index[:extent].copy_(src, non_blocking=True)
+        self._index_extent = n
+
+
+def build_runtime(runner: object) -> SteeringRuntime | None:
+    """The runtime for a model runner (V1 or V2) whose model was just loaded; None: steering off."""
+    cfg = steer_config_of(runner.vllm_config)
+    if cfg is None:
+        return None
+    mc = runner.vllm_config.model_config
+    runtime = SteeringRuntime(
+        cfg,
+        runner.model,
+        hidden_size=mc.get_hidden_size(),
+        max_num_tokens=runner.vllm_config.scheduler_config.max_num_batched_tokens,
+        dtype=mc.dtype,
+        device=runner.device,
+    )
+    runner.steer_runtime = runtime
+    return runtime

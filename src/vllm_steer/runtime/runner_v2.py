@@ -1,0 +1,87 @@
+"""Adapter for vLLM's V2 model runner (``vllm/v1/worker/gpu/model_runner.py``, 0.26).
+
+Patch: ``GPUModelRunner.load_model`` (V2) -- after the model is loaded and before its first
+forward (the profile run, which triggers torch.compile), build the SteeringRuntime, install the
+ops, and swap the runner's ModelState for a subclass that feeds the runtime from
+``add_request`` / ``remove_request`` / ``prepare_inputs``. Why a patch: vLLM offers no worker-side
+per-request hook for plugins. Remove when it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vllm_steer.runtime.manager import SteeringRuntime, build_runtime
+
+_STEERED_STATE_CLASSES: dict[type, type] = {}
+
+
+def _steered_model_state_class(base: type) -> type:
+    cls = _STEERED_STATE_CLASSES.get(base)
+    if cls is not None:
+        return cls
+
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        base.add_request(self, req_index, new_req_data)
+        sp = new_req_data.sampling_params
+        rt = self._steer_runtime
+        self._steer_slot_rows[req_index] = rt.add_request(
+            new_req_data.req_id, sp.extra_args if sp is not None else None
+        )
+        self._steer_slot_of[new_req_data.req_id] = req_index
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self._steer_slot_of.pop(req_id, None)
+        if slot is not None:
+            self._steer_slot_rows[slot] = 0
+        self._steer_runtime.remove_request(req_id)
+        base.remove_request(self, req_id)
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        rt = self._steer_runtime
+        idx = input_batch.idx_mapping_np
+        rt.prepare_step(
+            self._steer_slot_rows[idx] if rt.any_steered else None,
+            input_batch.num_scheduled_tokens,
+            input_batch.num_computed_tokens_np,
+            req_states.prompt_len.np[idx],
+        )
+        return base.prepare_inputs(self, input_batch, req_states)
+
+    cls = type(
+        f"Steered{base.__name__}",
+        (base,),
+        {"add_request": add_request, "remove_request": remove_request, "prepare_inputs": prepare_inputs},
+    )
+    _STEERED_STATE_CLASSES[base] = cls
+    return cls
+
+
+def attach_runtime(runner: Any) -> SteeringRuntime | None:
+    """Build the runtime for a V2 runner whose model was just loaded (None: steering off)."""
+    runtime = build_runtime(runner)
+    if runtime is None:
+        return None
+    state = runner.model_state
+    state.__class__ = _steered_model_state_class(type(state))
+    state._steer_runtime = runtime
+    state._steer_slot_rows = np.zeros((runner.max_num_reqs, 2), dtype=np.int32)
+    state._steer_slot_of = {}
+    return runtime
+
+
+def patch_v2_runner() -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner.load_model, "_vllm_steer", False):
+        return
+    original = GPUModelRunner.load_model
+
+    def load_model(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        attach_runtime(self)
+
+    load_model._vllm_steer = True  # type: ignore[attr-defined]
+    GPUModelRunner.load_model = load_model

@@ -1,0 +1,82 @@
+"""Device buffers of the steering data plane, allocated once and updated in place.
+
+Per hook point: ``table[hook]`` ``[L_h, R, D]`` (model dtype) and ``active[hook]`` ``[L_h, 1]``
+(uint8: some live row is non-zero at that layer). Shared by every hook: the token -> row
+``index`` ``[max_num_tokens]`` int32. Row writes are one pinned, non-blocking copy per hook.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_steer.payload import HookVectors
+
+
+class SteeringTables:
+    def __init__(
+        self,
+        hooked_layers: dict[str, list[int]],
+        num_rows: int,
+        hidden_size: int,
+        max_num_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+        self.num_rows = num_rows
+        self.slot_of_layer = {h: {l: i for i, l in enumerate(ls)} for h, ls in hooked_layers.items()}
+        self.table = {
+            h: torch.zeros(len(ls), num_rows, hidden_size, dtype=dtype, device=device)
+            for h, ls in hooked_layers.items()
+        }
+        self.active = {
+            h: torch.zeros(len(ls), 1, dtype=torch.uint8, device=device)
+            for h, ls in hooked_layers.items()
+        }
+        self.index = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        # Host bookkeeping: per hook, per layer slot, how many live rows are non-zero there.
+        self._nonzero_live = {h: np.zeros(len(ls), dtype=np.int64) for h, ls in hooked_layers.items()}
+        # Per hook, per row: the layer slots where that row is non-zero.
+        self._row_layers: dict[str, dict[int, np.ndarray]] = {h: {} for h in hooked_layers}
+        self._pin = torch.cuda.is_available() and device.type == "cuda"
+
+    def layer_views(self, hook: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self.slot_of_layer[hook][layer]
+        return self.table[hook][slot], self.active[hook][slot]
+
+    def write_row(self, row: int, vectors: dict[str, HookVectors]) -> None:
+        """Overwrite ``row`` of every hooked table (hooks absent from ``vectors`` get zeros)."""
+        for hook, table in self.table.items():
+            slots = self.slot_of_layer[hook]
+            staging = torch.zeros(table.shape[0], self.hidden_size, dtype=self.dtype, pin_memory=self._pin)
+            nz: list[int] = []
+            hv = vectors.get(hook)
+            if hv is not None:
+                for i, layer in enumerate(hv.layers):
+                    slot = slots.get(layer)
+                    if slot is None:
+                        continue  # layer not hooked on this engine (validated API-side)
+                    staging[slot] = hv.data[i]
+                    nz.append(slot)
+            if nz or self._row_layers[hook].get(row) is not None:
+                table[:, row].copy_(staging, non_blocking=True)
+            self._row_layers[hook][row] = np.asarray(sorted(nz), dtype=np.int64)
+
+    def set_live(self, row: int, live: bool) -> None:
+        """Count ``row`` in (or out of) the any-active flags; flags change only at 0 <-> 1."""
+        delta = 1 if live else -1
+        for hook, counts in self._nonzero_live.items():
+            slots = self._row_layers[hook].get(row)
+            if slots is None or slots.size == 0:
+                continue
+            before = counts > 0
+            counts[slots] += delta
+            after = counts > 0
+            if not np.array_equal(before, after):
+                flags = torch.from_numpy(after.astype(np.uint8)).view(-1, 1)
+                if self._pin:
+                    flags = flags.pin_memory()
+                self.active[hook].copy_(flags, non_blocking=True)

@@ -1,0 +1,110 @@
+"""Strict row capacity in the scheduler: a steered request waits until its configs fit the tables.
+
+The gate counts the distinct config keys of admitted requests (scheduled at least once and not
+finished; a preempted request keeps its keys, so it can always resume). Before each
+``Scheduler.schedule`` it sets aside the waiting requests whose new keys would exceed
+``max_configs - 1`` rows (first come, first served), and puts them back after; unsteered requests
+and requests whose keys are already live pass. The worker's live rows are always a subset of the
+admitted keys, so its allocator never runs out, and no request runs unsteered or on another's row.
+
+Patch: ``vllm.v1.core.sched.scheduler.Scheduler.{__init__, schedule, _free_request}`` (0.26).
+Why: vLLM has no admission hook for plugins (LoRA's max_loras check is inline). Remove when it does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from vllm_steer.config import steer_config_of
+from vllm_steer.payload import payload_keys
+
+
+class RowGate:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._refs: Counter[str] = Counter()
+        self._admitted: dict[str, tuple[str, ...]] = {}
+
+    @property
+    def live_keys(self) -> int:
+        return len(self._refs)
+
+    def admit(self, req_id: str, keys: tuple[str, ...]) -> None:
+        if req_id in self._admitted or not keys:
+            return
+        self._admitted[req_id] = keys
+        self._refs.update(keys)
+
+    def release(self, req_id: str) -> None:
+        keys = self._admitted.pop(req_id, None)
+        if keys:
+            self._refs.subtract(keys)
+            for k in keys:
+                if self._refs[k] <= 0:
+                    del self._refs[k]
+
+    def select_held(self, requests: list[Any]) -> list[Any]:
+        """Requests (in queue order) that cannot be admitted now."""
+        tentative: set[str] = set()
+        held = []
+        for req in requests:
+            if req.request_id in self._admitted:
+                continue
+            keys = payload_keys(req.sampling_params.extra_args if req.sampling_params else None)
+            new = {k for k in keys if k not in self._refs and k not in tentative}
+            if not new:
+                continue
+            if len(self._refs) + len(tentative) + len(new) <= self.capacity:
+                tentative |= new
+            else:
+                held.append(req)
+        return held
+
+
+def _queues(scheduler: Any) -> list[Any]:
+    return [q for q in (scheduler.skipped_waiting, scheduler.waiting) if q]
+
+
+def patch_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.schedule, "_vllm_steer", False):
+        return
+    orig_init, orig_schedule, orig_free = Scheduler.__init__, Scheduler.schedule, Scheduler._free_request
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        cfg = steer_config_of(self.vllm_config)
+        self.steer_gate = RowGate(cfg.usable_rows) if cfg is not None else None
+
+    def schedule(self, *args, **kwargs):
+        gate: RowGate | None = self.steer_gate
+        if gate is None:
+            return orig_schedule(self, *args, **kwargs)
+        set_aside = []
+        for queue in _queues(self):
+            held = gate.select_held(list(queue))
+            if held:
+                queue.remove_requests(held)
+                set_aside.append((queue, held))
+        try:
+            out = orig_schedule(self, *args, **kwargs)
+        finally:
+            for queue, held in set_aside:
+                for req in reversed(held):
+                    queue.prepend_request(req)
+        for new_req in out.scheduled_new_reqs:
+            sp = new_req.sampling_params
+            gate.admit(new_req.req_id, payload_keys(sp.extra_args if sp else None))
+        return out
+
+    def _free_request(self, request, *args, **kwargs):
+        if self.steer_gate is not None:
+            self.steer_gate.release(request.request_id)
+        return orig_free(self, request, *args, **kwargs)
+
+    schedule._vllm_steer = True  # type: ignore[attr-defined]
+    Scheduler.__init__ = __init__
+    Scheduler.schedule = schedule
+    Scheduler._free_request = _free_request

@@ -1,0 +1,1 @@
+"""HTTP surface of vllm-steer (the ``vllm.endpoint_plugins`` entry point)."""

@@ -1,0 +1,51 @@
+"""The ``steer`` endpoint plugin: routes under /v1/steering on vLLM's OpenAI server.
+
+HTTP surface only (vLLM's EndpointPlugin contract); engine work goes through
+``engine_client.collective_rpc`` to the methods vllm_steer.worker_rpc adds to the workers.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from vllm_steer import __version__
+from vllm_steer.config import steer_config_of
+
+router = APIRouter(prefix="/v1/steering", tags=["steering"])
+
+
+@router.get("")
+async def steering_status(raw: Request) -> JSONResponse:
+    """Whether steering is on, its config, and each worker's view (pid, ops installed, rows)."""
+    state = raw.app.state
+    engine = getattr(state, "steer_engine_client", None)
+    cfg = state.steer_config
+    workers: list[Any] = []
+    if engine is not None:
+        workers = await engine.collective_rpc("vllm_steer_status")
+    return JSONResponse(
+        {
+            "version": __version__,
+            "enabled": cfg is not None,
+            "config": cfg.model_dump(mode="json", exclude={"api_key"}) if cfg else None,
+            "workers": workers,
+        }
+    )
+
+
+class SteeringEndpointPlugin:
+    """Factory target of the ``vllm.endpoint_plugins`` entry point ``steer``."""
+
+    name = "steer"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        state.steer_engine_client = engine_client
+        state.steer_config = steer_config_of(engine_client.vllm_config) if engine_client else None

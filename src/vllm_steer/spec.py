@@ -1,0 +1,264 @@
+"""Parse, validate and resolve a request's steering fields into effective per-phase vectors.
+
+Accepted in ``SamplingParams.extra_args`` (and, through the OpenAI server, the request body):
+``steering_vectors`` (both phases), ``prefill_steering_vectors``, ``decode_steering_vectors``;
+each maps a hook point to ``{layer: [floats]}`` or to the packed form
+``{"dtype", "shape": [n, hidden], "layer_indices", "data": base64, "scales"?}``
+(when a hook's object has ``data`` it is the packed form; packed wins over any layer keys beside it).
+Every problem raises SteeringSpecError naming the field. Vectors are resolved in float32:
+effective(phase) = base + phase tier, per hook and layer.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_steer.hooks import HOOK_NAMES
+
+TIER_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors")
+MODULE_FIELD = "steering_module"
+REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD,)
+
+_PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
+
+# hook -> layer -> float32 vector [D]
+Vectors = dict[str, dict[int, np.ndarray]]
+
+
+class SteeringSpecError(ValueError):
+    """Invalid steering input; ``field`` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a steering spec is validated against."""
+
+    num_layers: int
+    hidden_size: int
+    hooks: tuple[str, ...]  # hook points enabled on this engine
+    layers: frozenset[int] | None  # steerable layers (None: all)
+    max_bytes: int
+
+
+@dataclass(frozen=True)
+class ModuleRef:
+    name: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class SteeringSpec:
+    """The validated steering of one request, before resolution into phases."""
+
+    tiers: dict[str, Vectors]  # tier field -> vectors
+    module: ModuleRef | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.module is None and not any(self.tiers.values())
+
+
+def _check_layer(field: str, raw: Any, shape: ModelShape) -> int:
+    try:
+        layer = int(raw)
+        if isinstance(raw, float) or isinstance(raw, bool) or str(layer) != str(raw).strip():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise SteeringSpecError(field, f"layer index must be an integer, got {raw!r}") from None
+    if not 0 <= layer < shape.num_layers:
+        raise SteeringSpecError(
+            field, f"layer {layer} out of range: the model has {shape.num_layers} layers"
+        )
+    if shape.layers is not None and layer not in shape.layers:
+        raise SteeringSpecError(
+            field, f"layer {layer} is not steerable on this server (steer.layers={sorted(shape.layers)})"
+        )
+    return layer
+
+
+def _check_finite(field: str, arr: np.ndarray) -> None:
+    if not np.isfinite(arr).all():
+        raise SteeringSpecError(field, "contains NaN or Inf")
+
+
+def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
+    out: dict[int, np.ndarray] = {}
+    for raw_layer, values in obj.items():
+        f = f"{field}.{raw_layer}"
+        layer = _check_layer(f, raw_layer, shape)
+        if not isinstance(values, (list, tuple, np.ndarray)):
+            raise SteeringSpecError(f, f"expected a list of {shape.hidden_size} floats")
+        if len(values) != shape.hidden_size:
+            raise SteeringSpecError(
+                f, f"expected {shape.hidden_size} floats (hidden size), got {len(values)}"
+            )
+        try:
+            arr = np.asarray(values, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise SteeringSpecError(f, "values must be numbers") from None
+        if arr.ndim != 1:
+            raise SteeringSpecError(f, "expected a flat list of floats")
+        _check_finite(f, arr)
+        if layer in out:
+            raise SteeringSpecError(f, f"layer {layer} given twice")
+        out[layer] = arr
+    return out
+
+
+def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
+    """The packed form -> {layer: float32 vector}; zero-copy up to the float32 conversion."""
+    dtype_name = obj.get("dtype")
+    if dtype_name not in _PACKED_DTYPES:
+        raise SteeringSpecError(
+            f"{field}.dtype", f"unknown dtype {dtype_name!r}; expected one of {list(_PACKED_DTYPES)}"
+        )
+    dims = obj.get("shape")
+    if (
+        not isinstance(dims, (list, tuple))
+        or len(dims) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in dims)
+    ):
+        raise SteeringSpecError(f"{field}.shape", f"expected [n_layers, hidden], got {dims!r}")
+    n, d = dims
+    if d != shape.hidden_size:
+        raise SteeringSpecError(
+            f"{field}.shape", f"hidden size {d} != the model's hidden size {shape.hidden_size}"
+        )
+    indices = obj.get("layer_indices")
+    if not isinstance(indices, (list, tuple)) or len(indices) != n:
+        raise SteeringSpecError(
+            f"{field}.layer_indices", f"expected a list of {n} layer indices (shape[0])"
+        )
+    layers = [_check_layer(f"{field}.layer_indices[{i}]", x, shape) for i, x in enumerate(indices)]
+    if len(set(layers)) != len(layers):
+        raise SteeringSpecError(f"{field}.layer_indices", "duplicate layer index")
+    data = obj.get("data")
+    if not isinstance(data, (str, bytes)):
+        raise SteeringSpecError(f"{field}.data", "expected a base64 string")
+    itemsize = 4 if dtype_name == "float32" else 2
+    expected = n * d * itemsize
+    if expected > shape.max_bytes:
+        raise SteeringSpecError(
+            f"{field}.data", f"{expected} bytes exceeds the server's cap of {shape.max_bytes}"
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise SteeringSpecError(f"{field}.data", "invalid base64") from None
+    if len(raw) != expected:
+        raise SteeringSpecError(
+            f"{field}.data",
+            f"decoded {len(raw)} bytes, but shape {list(dims)} of {dtype_name} needs {expected}",
+        )
+    if dtype_name == "bfloat16":
+        src = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(n, d)
+    else:
+        src = np.frombuffer(raw, dtype=_PACKED_DTYPES[dtype_name]).reshape(n, d)
+    scales = obj.get("scales")
+    if scales is not None:
+        if not isinstance(scales, (list, tuple)) or len(scales) != n:
+            raise SteeringSpecError(
+                f"{field}.scales", f"expected {n} scales (one per layer), got {scales!r}"
+            )
+        if not all(isinstance(s, (int, float)) and math.isfinite(s) for s in scales):
+            raise SteeringSpecError(f"{field}.scales", "scales must be finite numbers")
+        src = _scale_rows(src, scales)
+    arr = _to_float32(src)
+    _check_finite(f"{field}.data", arr)
+    return {layer: arr[i] for i, layer in enumerate(layers)}
+
+
+def _scale_rows(src: np.ndarray | torch.Tensor, scales: list) -> np.ndarray | torch.Tensor:
+    """Multiply row i by scales[i] in the source dtype (bf16 stays bf16)."""
+    if isinstance(src, torch.Tensor):
+        return src * torch.tensor(scales, dtype=src.dtype).view(-1, 1)
+    return src * np.asarray(scales, dtype=src.dtype).reshape(-1, 1)
+
+
+def _to_float32(src: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(src, torch.Tensor):
+        return src.to(torch.float32).numpy()
+    return src.astype(np.float32, copy=False)
+
+
+def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise SteeringSpecError(field, "expected an object mapping hook points to vectors")
+    out: Vectors = {}
+    for hook, value in obj.items():
+        f = f"{field}.{hook}"
+        if hook not in HOOK_NAMES:
+            raise SteeringSpecError(f, f"unknown hook point {hook!r}; expected one of {list(HOOK_NAMES)}")
+        if hook not in shape.hooks:
+            raise SteeringSpecError(
+                f, f"hook point {hook!r} is not enabled on this server (steer.hooks={list(shape.hooks)})"
+            )
+        if not isinstance(value, dict):
+            raise SteeringSpecError(f, "expected {layer: [floats]} or a packed object with 'data'")
+        layers = decode_packed(f, value, shape) if "data" in value else _parse_float_layers(f, value, shape)
+        if layers:
+            out[hook] = layers
+    return out
+
+
+def _parse_module(obj: Any) -> ModuleRef | None:
+    if obj is None:
+        return None
+    if isinstance(obj, str):
+        obj = {"name": obj}
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise SteeringSpecError(MODULE_FIELD, 'expected {"name": str, "scale": float}')
+    extra = set(obj) - {"name", "scale"}
+    if extra:
+        raise SteeringSpecError(MODULE_FIELD, f"unknown keys {sorted(extra)}")
+    scale = obj.get("scale", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise SteeringSpecError(f"{MODULE_FIELD}.scale", f"expected a finite number, got {scale!r}")
+    return ModuleRef(obj["name"], float(scale))
+
+
+def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:
+    """Validate the steering fields of one request (those absent are empty)."""
+    tiers = {name: _parse_tier(name, fields.get(name), shape) for name in TIER_FIELDS}
+    return SteeringSpec(tiers=tiers, module=_parse_module(fields.get(MODULE_FIELD)))
+
+
+def merge(*parts: Vectors) -> Vectors:
+    """Sum vector sets (per hook, per layer), in float32."""
+    out: Vectors = {}
+    for part in parts:
+        for hook, layers in part.items():
+            dst = out.setdefault(hook, {})
+            for layer, vec in layers.items():
+                dst[layer] = vec if layer not in dst else dst[layer] + vec
+    return out
+
+
+def scaled(vectors: Vectors, scale: float) -> Vectors:
+    if scale == 1.0:
+        return vectors
+    s = np.float32(scale)
+    return {h: {l: v * s for l, v in ls.items()} for h, ls in vectors.items()}
+
+
+def nonzero(vectors: Vectors) -> Vectors:
+    """Drop all-zero vectors and empty hooks (an all-zero config is no steering at all)."""
+    out: Vectors = {}
+    for hook, layers in vectors.items():
+        kept = {l: v for l, v in layers.items() if np.any(v)}
+        if kept:
+            out[hook] = kept
+    return out

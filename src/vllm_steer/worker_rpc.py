@@ -1,0 +1,44 @@
+"""Methods added to vLLM's worker class, reached with ``collective_rpc("vllm_steer_<name>")``.
+
+Patch: ``vllm.v1.worker.worker_base.WorkerBase`` gains methods (nothing existing is replaced).
+Why: collective_rpc is vLLM's documented way to reach every worker; the plugin cannot pass
+``--worker-extension-cls`` on the user's behalf.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _runtime(worker: Any) -> Any:
+    runner = getattr(worker, "model_runner", None)
+    return getattr(runner, "steer_runtime", None)
+
+
+def vllm_steer_status(self) -> dict[str, Any]:
+    """This worker's view: its pid, whether the ops are installed, and row usage."""
+    rt = _runtime(self)
+    status: dict[str, Any] = {"pid": os.getpid(), "runner": type(getattr(self, "model_runner", None)).__name__}
+    if rt is None:
+        status.update(steering=False)
+    else:
+        status.update(
+            steering=True,
+            ops=rt.num_ops,
+            hooks=list(rt.hooked_layers),
+            rows=rt.cfg.max_configs,
+            live_configs=len(rt.rows.live_keys()),
+        )
+    return status
+
+
+WORKER_METHODS = {"vllm_steer_status": vllm_steer_status}
+
+
+def patch_worker() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for name, fn in WORKER_METHODS.items():
+        if not hasattr(WorkerBase, name):
+            setattr(WorkerBase, name, fn)
