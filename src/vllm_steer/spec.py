@@ -32,11 +32,20 @@ _PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None
 Vectors = dict[str, dict[int, np.ndarray]]
 
 
-class SteeringSpecError(ValueError):
+try:  # vLLM's OpenAI server maps this to a 400 with ``param`` set to the field
+    from vllm.exceptions import VLLMValidationError as _ValidationBase
+except ImportError:  # pragma: no cover - the client side has no vLLM
+    _ValidationBase = ValueError  # type: ignore[misc,assignment]
+
+
+class SteeringSpecError(_ValidationBase):
     """Invalid steering input; ``field`` is the dotted path of the offending field."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        if _ValidationBase is ValueError:
+            super().__init__(f"{field}: {message}")
+        else:
+            super().__init__(f"{field}: {message}", parameter=field)
         self.field = field
 
 

@@ -29,6 +29,7 @@ def vllm_steer_status(self) -> dict[str, Any]:
             hooks=list(rt.hooked_layers),
             rows=rt.cfg.max_configs,
             live_configs=len(rt.rows.live_keys()),
+            peak_live_configs=rt.peak_live_configs,
         )
     return status
 

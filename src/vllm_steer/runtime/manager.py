@@ -56,6 +56,7 @@ class SteeringRuntime:
         self.rows = RowAllocator(cfg.max_configs)
         self.num_ops = install_steering(model, self.tables, self.hooked_layers)
         self._held: dict[str, _Held] = {}
+        self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
         self._index_extent = 0  # tokens of the device index that may hold non-zero rows
         self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
         logger.info(
@@ -84,6 +85,7 @@ class SteeringRuntime:
             if became_live:
                 self.tables.set_live(row, True)
             rows[key] = row
+        self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
         pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
         self._held[req_id] = _Held(pair, steering.keys)
         return pair

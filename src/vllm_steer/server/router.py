@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_steer import __version__
 from vllm_steer.config import steer_config_of
+from vllm_steer.server.openai_fields import patch_openai_requests
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"])
 
@@ -44,6 +45,7 @@ class SteeringEndpointPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        patch_openai_requests()
         app.include_router(router)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

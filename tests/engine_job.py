@@ -1,0 +1,87 @@
+"""Runs one vLLM engine in a child process for a test and returns what it generated.
+
+Tests describe a job (model, LLM kwargs, a list of generate() calls) and get plain results back,
+so every engine lives and dies in its own process: no state leaks between tests, and an engine
+crash fails one test instead of the session. Run as ``python -m tests.engine_job IN OUT``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_PLUGINS": "steer",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def run_job(job: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None, timeout: int = 600) -> dict:
+    """Run ``job`` in a fresh process; raise with the child's log tail if it fails."""
+    src, dst = tmp_path / "job.pkl", tmp_path / "result.pkl"
+    src.write_bytes(pickle.dumps(job))
+    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine_job", str(src), str(dst)],
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0 or not dst.exists():
+        raise RuntimeError(f"engine job failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return pickle.loads(dst.read_bytes())
+
+
+def _output_record(out: Any) -> dict:
+    comp = out.outputs[0]
+    rec = {
+        "token_ids": list(comp.token_ids),
+        "text": comp.text,
+        "num_cached_tokens": out.num_cached_tokens,
+        "logprobs": None,
+        "prompt_logprobs": None,
+    }
+    if comp.logprobs is not None:
+        rec["logprobs"] = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = [
+            None if lp is None else lp[t].logprob
+            for lp, t in zip(out.prompt_logprobs, out.prompt_token_ids)
+        ]
+    return rec
+
+
+def _main(src: str, dst: str) -> None:
+    job = pickle.loads(Path(src).read_bytes())
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], **job.get("llm_kwargs", {}))
+    result: dict[str, Any] = {"calls": []}
+    if job.get("rpc"):
+        result["rpc"] = {name: llm.collective_rpc(name) for name in job["rpc"]}
+    for call in job.get("calls", []):
+        params = [SamplingParams(**p) for p in call["params"]]
+        outs = llm.generate(call["prompts"], params, use_tqdm=False)
+        result["calls"].append([_output_record(o) for o in outs])
+    if job.get("rpc_after"):
+        result["rpc_after"] = {name: llm.collective_rpc(name) for name in job["rpc_after"]}
+    result["parent_pid"] = os.getpid()
+    Path(dst).write_bytes(pickle.dumps(result))
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,93 @@
+"""The reference no one here wrote: Hugging Face transformers on the same weights, with the steering
+vector added by forward hooks at the same points, greedy-decoded in float32.
+
+Hook points, defined on HF's layer structure (stream = residual stream):
+- pre_attn at layer i: a forward pre-hook on layers[i] adds v to its input hidden states.
+- post_attn: a forward hook adds v to the output of the module whose output is added to the
+  residual after attention (``self_attn`` for Llama/Qwen/Mistral; Gemma's ``post_attention_layernorm``).
+- post_mlp: a forward hook on layers[i] adds v to the layer's output.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+_POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm"}
+
+
+@lru_cache(maxsize=4)
+def load(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _add(v: torch.Tensor):
+    def out_hook(module, args, output):
+        if isinstance(output, tuple):
+            return (output[0] + v,) + tuple(output[1:])
+        return output + v
+
+    return out_hook
+
+
+def _add_input(v: torch.Tensor):
+    def pre_hook(module, args, kwargs):
+        if args:
+            return (args[0] + v,) + tuple(args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = kwargs["hidden_states"] + v
+        return args, kwargs
+
+    return pre_hook
+
+
+def install_hooks(model, family: str, steer: dict[str, dict[int, np.ndarray]]) -> list:
+    handles = []
+    layers = model.model.layers
+    for hook, per_layer in steer.items():
+        for layer, vec in per_layer.items():
+            v = torch.as_tensor(np.asarray(vec), dtype=torch.float32)
+            block = layers[int(layer)]
+            if hook == "pre_attn":
+                handles.append(block.register_forward_pre_hook(_add_input(v), with_kwargs=True))
+            elif hook == "post_attn":
+                target = getattr(block, _POST_ATTN_MODULE.get(family, "self_attn"))
+                handles.append(target.register_forward_hook(_add(v)))
+            elif hook == "post_mlp":
+                handles.append(block.register_forward_hook(_add(v)))
+            else:
+                raise ValueError(hook)
+    return handles
+
+
+@torch.no_grad()
+def greedy(
+    path: str,
+    prompt_ids: list[int],
+    max_tokens: int,
+    steer: dict[str, dict[int, np.ndarray]] | None = None,
+    family: str = "llama",
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs, full recompute each step (no cache: simplest to trust)."""
+    model, _ = load(path)
+    handles = install_hooks(model, family, steer or {})
+    try:
+        ids = list(prompt_ids)
+        tokens, logprobs = [], []
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            tok = int(torch.argmax(lp))
+            tokens.append(tok)
+            logprobs.append(float(lp[tok]))
+            ids.append(tok)
+        return tokens, logprobs
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,53 @@
+"""Starts vLLM's OpenAI server (through the vllm-steer launcher) on loopback for HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.engine_job import CPU_ENV, ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def openai_server(model: str, *args: str, log: Path, env: dict | None = None, timeout: float = 300):
+    """Yield (base_url, process) of a running server; kill it on exit."""
+    port = free_port()
+    full_env = {**os.environ, **CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", "512", *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited rc={proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"server not up in {timeout}s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base, proc
+    finally:
+        try:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=30)
+        except Exception:
+            os.killpg(proc.pid, 9)

@@ -1,0 +1,74 @@
+"""The steer config block, the version guard, and start-up failures on a bad config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm_steer.compat import OVERRIDE_ENV, UnsupportedVllmError, check_vllm_version
+from vllm_steer.config import SteerConfigError, parse_steer_config
+
+
+def test_no_steer_key_or_disabled_means_steering_off():
+    assert parse_steer_config(None) is None
+    assert parse_steer_config({}) is None
+    assert parse_steer_config({"other": 1}) is None
+    assert parse_steer_config({"steer": {"enabled": False}}) is None
+
+
+def test_empty_steer_block_turns_steering_on_with_defaults():
+    cfg = parse_steer_config({"steer": {}})
+    assert cfg is not None and cfg.max_configs == 32 and cfg.hooks == ("pre_attn", "post_attn", "post_mlp")
+    assert cfg.usable_rows == 31
+
+
+@pytest.mark.parametrize(
+    "block, key",
+    [
+        ({"max_configs": -1}, "max_configs"),
+        ({"max_configz": 4}, "max_configz"),
+        ({"max_configs": "8"}, "max_configs"),
+        ({"hooks": ["post_mlp", "mid_mlp"]}, "hooks"),
+        ({"layers": [-1]}, "layers"),
+        ({"enabled": "yes"}, "enabled"),
+    ],
+    ids=["negative", "unknown-key", "wrong-type", "unknown-hook", "negative-layer", "bool-type"],
+)
+def test_malformed_config_names_the_key(block, key):
+    with pytest.raises(SteerConfigError) as e:
+        parse_steer_config({"steer": block})
+    assert f"additional_config.steer.{key}" in str(e.value)
+
+
+def test_steer_block_must_be_an_object():
+    with pytest.raises(SteerConfigError, match="additional_config.steer: expected an object"):
+        parse_steer_config({"steer": [1]})
+
+
+def test_version_guard():
+    assert check_vllm_version("0.26.0") == "0.26.0"
+    assert check_vllm_version("0.26.3+cpu") == "0.26.3+cpu"
+    for bad in ("0.25.1", "0.27.0", "1.0.0", "garbage"):
+        with pytest.raises(UnsupportedVllmError, match=r"supports vLLM >=0.26.0,<0.27.0"):
+            check_vllm_version(bad)
+
+
+def test_version_guard_override(monkeypatch):
+    monkeypatch.setenv(OVERRIDE_ENV, "1")
+    assert check_vllm_version("0.27.1") == "0.27.1"
+
+
+def test_server_start_up_fails_on_bad_config_with_one_clear_line(tiny_model):
+    """The real CLI path: the API server refuses to start and says which key is wrong."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_steer.launcher", "serve", tiny_model("llama"),
+         "--additional-config", '{"steer": {"max_configs": -1}}', "--port", "0"],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "VLLM_PLUGINS": "steer"},
+    )
+    assert proc.returncode != 0
+    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "additional_config.steer.max_configs" in l]
+    assert lines, (proc.stdout + proc.stderr)[-3000:]
+    assert "greater than or equal to 2" in lines[-1]

@@ -1,0 +1,53 @@
+"""Row allocation (worker) and the scheduler's capacity gate, without an engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_steer.payload import PAYLOAD_KEY
+from vllm_steer.runtime.rows import RowAllocator, RowsExhaustedError
+from vllm_steer.scheduler_gate import RowGate
+
+
+def test_allocator_shares_rows_for_identical_configs_and_reuses_released_contents():
+    rows = RowAllocator(3)  # rows 1, 2 usable
+    a, write_a, live_a = rows.acquire("A")
+    assert (a, write_a, live_a) == (1, True, True)
+    assert rows.acquire("A") == (1, False, False)  # shared, refcounted
+    b = rows.acquire("B")[0]
+    assert b == 2
+    with pytest.raises(RowsExhaustedError):
+        rows.acquire("C")
+    assert rows.release("A") is False and rows.release("A") is True
+    assert rows.acquire("A") == (1, False, True)  # still resident: no rewrite
+    rows.release("A")
+    c, write_c, _ = rows.acquire("C")  # evicts A's released row
+    assert (c, write_c) == (1, True)
+    assert rows.release("C") is True
+    assert rows.acquire("A") == (1, True, True)  # A was evicted: written again
+
+
+def _req(rid, *keys):
+    payload = {"prefill": keys[0] if keys else None, "decode": keys[-1] if keys else None}
+    return SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: payload} if keys else None))
+
+
+def test_gate_holds_back_requests_whose_new_configs_do_not_fit():
+    gate = RowGate(capacity=2)
+    reqs = [_req("a", "K1"), _req("u"), _req("b", "K2"), _req("c", "K3"), _req("d", "K1")]
+    held = gate.select_held(reqs)
+    assert [r.request_id for r in held] == ["c"]  # K1, K2 fit; K3 would be a third; d shares K1
+    gate.admit("a", ("K1",))
+    gate.admit("b", ("K2",))
+    assert [r.request_id for r in gate.select_held([_req("c", "K3")])] == ["c"]
+    gate.release("a")
+    assert gate.select_held([_req("c", "K3")]) == []
+
+
+def test_gate_counts_prefill_and_decode_configs_of_one_request():
+    gate = RowGate(capacity=2)
+    gate.admit("x", ("P1",))
+    assert [r.request_id for r in gate.select_held([_req("y", "P2", "D2")])] == ["y"]
+    assert gate.select_held([_req("z", "P1", "D2")]) == []

@@ -1,0 +1,110 @@
+"""Request spec parsing, tier resolution and the config hash (no engine)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.hashing import config_hash
+from vllm_steer.spec import ModelShape, SteeringSpecError, merge, nonzero, parse_spec
+
+SHAPE = ModelShape(num_layers=4, hidden_size=8, hooks=("pre_attn", "post_attn", "post_mlp"), layers=None, max_bytes=1 << 20)
+
+
+def packed(arr: np.ndarray, layers, dtype="float32", **extra) -> dict:
+    if dtype == "bfloat16":
+        raw = torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    else:
+        raw = arr.astype(dtype).tobytes()
+    return {"dtype": dtype, "shape": list(arr.shape), "layer_indices": list(layers), "data": base64.b64encode(raw).decode(), **extra}
+
+
+def test_floats_and_packed_in_any_exact_dtype_hash_identically():
+    arr = np.array([[0.5, -1.0, 2.0, 0.0, 0.25, 3.0, -0.125, 1.5], [1, 2, 3, 4, 5, 6, 7, 8]], dtype=np.float32)
+    as_floats = parse_spec({"steering_vectors": {"post_mlp": {"1": arr[0].tolist(), 3: arr[1].tolist()}}}, SHAPE)
+    keys = {config_hash(as_floats.tiers["steering_vectors"])}
+    for dt in ("float32", "float16", "bfloat16"):
+        spec = parse_spec({"steering_vectors": {"post_mlp": packed(arr, [1, 3], dt)}}, SHAPE)
+        keys.add(config_hash(spec.tiers["steering_vectors"]))
+    assert len(keys) == 1 and None not in keys
+
+
+def test_hash_separates_hooks_layers_and_values():
+    v = np.ones(8, dtype=np.float32)
+    hashes = {
+        config_hash({"post_mlp": {1: v}}),
+        config_hash({"post_attn": {1: v}}),
+        config_hash({"post_mlp": {2: v}}),
+        config_hash({"post_mlp": {1: v * 2}}),
+    }
+    assert len(hashes) == 4
+    assert config_hash({}) is None
+
+
+def test_packed_wins_over_layer_keys_beside_it():
+    arr = np.full((1, 8), 2.0, dtype=np.float32)
+    obj = packed(arr, [0])
+    obj["0"] = [9.0] * 8
+    spec = parse_spec({"steering_vectors": {"pre_attn": obj}}, SHAPE)
+    np.testing.assert_array_equal(spec.tiers["steering_vectors"]["pre_attn"][0], arr[0])
+
+
+def test_scales_multiply_rows_in_source_dtype():
+    arr = np.ones((2, 8), dtype=np.float16)
+    spec = parse_spec({"steering_vectors": {"post_mlp": packed(arr, [0, 2], "float16", scales=[2.0, -0.5])}}, SHAPE)
+    got = spec.tiers["steering_vectors"]["post_mlp"]
+    np.testing.assert_array_equal(got[0], np.full(8, 2.0, np.float32))
+    np.testing.assert_array_equal(got[2], np.full(8, -0.5, np.float32))
+
+
+def test_effective_vector_is_base_plus_phase_tier_and_zero_is_unsteered():
+    one = np.ones(8, dtype=np.float32)
+    base = {"post_mlp": {1: one}}
+    decode = {"post_mlp": {1: -one}, "pre_attn": {0: one}}
+    eff = nonzero(merge(base, decode))
+    assert set(eff) == {"pre_attn"}  # base + (-base) cancels to nothing at post_mlp
+    assert config_hash(nonzero(merge(base, {}))) == config_hash(base)
+
+
+BAD = [
+    ({"steering_vectors": {"mid_mlp": {"0": [0.0] * 8}}}, "steering_vectors.mid_mlp", "unknown hook"),
+    ({"steering_vectors": {"post_mlp": {"9": [0.0] * 8}}}, "steering_vectors.post_mlp.9", "out of range"),
+    ({"steering_vectors": {"post_mlp": {"x": [0.0] * 8}}}, "steering_vectors.post_mlp.x", "integer"),
+    ({"steering_vectors": {"post_mlp": {"0": [0.0] * 7}}}, "steering_vectors.post_mlp.0", "hidden size"),
+    ({"steering_vectors": {"post_mlp": {"0": [float("nan")] * 8}}}, "steering_vectors.post_mlp.0", "NaN"),
+    ({"decode_steering_vectors": {"post_mlp": {"0": ["a"] * 8}}}, "decode_steering_vectors.post_mlp.0", "numbers"),
+    ({"steering_vectors": {"post_mlp": {**packed(np.zeros((1, 8)), [0]), "dtype": "int8"}}}, "steering_vectors.post_mlp.dtype", "unknown dtype"),
+    ({"steering_vectors": {"post_mlp": {**packed(np.zeros((1, 8)), [0]), "data": "!!!"}}}, "steering_vectors.post_mlp.data", "base64"),
+    ({"steering_vectors": {"post_mlp": {**packed(np.zeros((1, 8)), [0]), "shape": [2, 8]}}}, "steering_vectors.post_mlp.layer_indices", "2 layer indices"),
+    ({"steering_vectors": {"post_mlp": {**packed(np.zeros((2, 8)), [0, 1]), "data": base64.b64encode(b"\0" * 12).decode()}}}, "steering_vectors.post_mlp.data", "needs 64"),
+    ({"steering_vectors": {"post_mlp": packed(np.zeros((1, 8)), [0], scales=[1.0, 2.0])}}, "steering_vectors.post_mlp.scales", "expected 1 scales"),
+    ({"steering_vectors": {"post_mlp": packed(np.zeros((1, 4)), [0])}}, "steering_vectors.post_mlp.shape", "hidden size 4"),
+    ({"steering_vectors": {"post_mlp": packed(np.full((1, 8), np.inf), [0])}}, "steering_vectors.post_mlp.data", "NaN or Inf"),
+    ({"steering_module": {"name": 3}}, "steering_module", "name"),
+    ({"steering_module": {"name": "m", "scale": "big"}}, "steering_module.scale", "finite number"),
+]
+
+
+@pytest.mark.parametrize("fields, field, words", BAD, ids=[b[1] + "-" + b[2] for b in BAD])
+def test_bad_input_names_the_field(fields, field, words):
+    with pytest.raises(SteeringSpecError) as e:
+        parse_spec(fields, SHAPE)
+    assert e.value.field == field
+    assert words in str(e.value)
+
+
+def test_payload_over_byte_cap_is_refused():
+    small = ModelShape(4, 8, SHAPE.hooks, None, max_bytes=16)
+    with pytest.raises(SteeringSpecError, match="exceeds the server's cap of 16"):
+        parse_spec({"steering_vectors": {"post_mlp": packed(np.zeros((1, 8)), [0])}}, small)
+
+
+def test_disabled_hook_and_unsteerable_layer_are_refused():
+    narrow = ModelShape(4, 8, ("post_mlp",), frozenset({1}), 1 << 20)
+    with pytest.raises(SteeringSpecError, match="not enabled on this server"):
+        parse_spec({"steering_vectors": {"pre_attn": {"1": [0.0] * 8}}}, narrow)
+    with pytest.raises(SteeringSpecError, match="not steerable"):
+        parse_spec({"steering_vectors": {"post_mlp": {"2": [0.0] * 8}}}, narrow)
