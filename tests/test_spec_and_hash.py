@@ -108,3 +108,18 @@ def test_disabled_hook_and_unsteerable_layer_are_refused():
         parse_spec({"steering_vectors": {"pre_attn": {"1": [0.0] * 8}}}, narrow)
     with pytest.raises(SteeringSpecError, match="not steerable"):
         parse_spec({"steering_vectors": {"post_mlp": {"2": [0.0] * 8}}}, narrow)
+
+
+def test_numpy_bf16_rounding_matches_torch_and_client_pack_roundtrips():
+    from vllm_steer import bf16
+    from vllm_steer.client import pack
+
+    vals = np.random.default_rng(1).standard_normal(4096).astype(np.float32) * 1000
+    vals[:6] = [0.0, -0.0, 1e-40, 3.0e38, np.inf, -np.inf]
+    want = torch.from_numpy(vals).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bf16.to_bits(vals), want)
+    got = parse_spec({"steering_vectors": {"post_mlp": pack(vals[8:16][None], [2], "bfloat16")}}, SHAPE)
+    np.testing.assert_array_equal(got.tiers["steering_vectors"]["post_mlp"][2], bf16.round_to_bf16(vals[8:16]))
+    torch_scaled = (torch.from_numpy(vals[8:16]).to(torch.bfloat16) * torch.tensor(0.3, dtype=torch.bfloat16)).float().numpy()
+    scaled = parse_spec({"steering_vectors": {"post_mlp": pack(vals[8:16][None], [2], "bfloat16", scales=[0.3])}}, SHAPE)
+    np.testing.assert_array_equal(scaled.tiers["steering_vectors"]["post_mlp"][2], torch_scaled)

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from vllm_steer import bf16
+
 __all__ = ["pack", "steering_body"]
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -34,9 +36,8 @@ def _as_2d_bytes(vectors: Any, dtype: str) -> tuple[bytes, tuple[int, int]]:
     if arr.ndim != 2:
         raise ValueError(f"expected [n_layers, hidden] vectors, got shape {arr.shape}")
     if dtype == "bfloat16":
-        import torch
-
-        return _as_2d_bytes(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)), dtype)
+        words = bf16.to_bits(arr)
+        return words.tobytes(), (words.shape[0], words.shape[1])
     arr = np.ascontiguousarray(arr, dtype=_NUMPY_DTYPES[dtype])
     return arr.tobytes(), (arr.shape[0], arr.shape[1])
 

@@ -7,7 +7,7 @@ engine. Errors raise SteeringSpecError (a ValueError), which vLLM's OpenAI serve
 
 from __future__ import annotations
 
-import logging
+import copy
 from typing import Any
 
 import numpy as np
@@ -20,13 +20,12 @@ from vllm_steer.spec import (
     ModelShape,
     SteeringSpecError,
     Vectors,
-    merge,
-    nonzero,
+    effective_phases,
     parse_spec,
-    scaled,
 )
+from vllm_steer.modules.store import STORE
 
-logger = logging.getLogger("vllm_steer")
+_ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY,)
 
 
 def _table_layout(vectors: Vectors) -> dict[str, tuple[list[int], np.ndarray]]:
@@ -40,7 +39,7 @@ def _table_layout(vectors: Vectors) -> dict[str, tuple[list[int], np.ndarray]]:
 class SteeringFrontend:
     """Turns the steering fields of a request into the engine payload."""
 
-    def __init__(self, vllm_config: Any, module_lookup: Any = None) -> None:
+    def __init__(self, vllm_config: Any) -> None:
         self.cfg: SteerConfig | None = steer_config_of(vllm_config)
         mc = vllm_config.model_config
         self.dtype = mc.dtype
@@ -52,7 +51,6 @@ class SteeringFrontend:
             layers=frozenset(cfg.layers) if cfg and cfg.layers is not None else None,
             max_bytes=cfg.max_request_bytes if cfg else 0,
         )
-        self.module_lookup = module_lookup  # name -> Vectors per tier, or None
 
     def resolve(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
         """(payload or None, prefill key, decode key) for a request's extra_args."""
@@ -68,62 +66,76 @@ class SteeringFrontend:
                 "--additional-config '{\"steer\": {}}')",
             )
         spec = parse_spec(fields, self.shape)
-        base, pre, dec = (spec.tiers[f] for f in ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors"))
+        module = None
+        module_tiers = None
+        scale = 1.0
         if spec.module is not None:
-            if self.module_lookup is None:
+            module = STORE.get(spec.module.name)
+            if module is None:
                 raise SteeringSpecError("steering_module.name", f"unknown steering module {spec.module.name!r}")
-            m_base, m_pre, m_dec = self.module_lookup(spec.module.name)
-            s = spec.module.scale
-            base = merge(scaled(m_base, s), base)
-            pre = merge(scaled(m_pre, s), pre)
-            dec = merge(scaled(m_dec, s), dec)
-        prefill = nonzero(merge(base, pre))
-        decode = nonzero(merge(base, dec))
-        pk, dk = config_hash(prefill), config_hash(decode)
-        configs = {}
-        for key, vecs in ((pk, prefill), (dk, decode)):
-            if key is not None and key not in configs:
-                configs[key] = _table_layout(vecs)
-        if not configs:
+            module_tiers, scale = module.tiers, spec.module.scale
+        prefill, decode = effective_phases(spec.tiers, module_tiers, scale)
+        pk = config_hash(prefill)
+        dk = pk if decode is prefill else config_hash(decode)
+        if pk is None and dk is None:
             return None, None, None
-        return encode_payload(pk, dk, configs, self.dtype), pk, dk
+        ref = None
+        if module is not None:
+            ref = {"name": module.name, "version": module.version, "scale": scale}
+        configs = {}
+        if module is None or any(spec.tiers.values()):
+            # Inline vectors (alone or on top of a module) travel; a bare module ref does not.
+            for key, vecs in ((pk, prefill), (dk, decode)):
+                if key is not None and key not in configs:
+                    configs[key] = _table_layout(vecs)
+        return encode_payload(pk, dk, configs, self.dtype, module=ref), pk, dk
 
-    def prepare(self, engine_request: Any) -> None:
-        """Rewrite an EngineCoreRequest in place: payload into extra_args, prefill key into salt."""
-        sp = engine_request.sampling_params
-        if sp is None or not sp.extra_args:
-            return
-        payload, pk, dk = self.resolve(sp.extra_args)
-        extra = {k: v for k, v in sp.extra_args.items() if k not in REQUEST_FIELDS}
+    def engine_extra_args(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
+        """(extra_args with the steering fields replaced by the payload, prefill key, decode key)."""
+        payload, pk, dk = self.resolve(extra_args)
+        extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
         if payload is not None:
             extra[PAYLOAD_KEY] = payload
-        sp.extra_args = extra or None
-        if pk is not None:
-            salt = f"vllm-steer:{pk}"
-            engine_request.cache_salt = f"{engine_request.cache_salt}|{salt}" if engine_request.cache_salt else salt
-        if payload is not None:
-            logger.info(
-                "vllm-steer: request %s steering prefill=%s decode=%s",
-                engine_request.request_id, pk, dk,
-            )
+        return extra or None, pk, dk
+
+
+def salted(cache_salt: str | None, prefill_key: str) -> str:
+    """The request's cache_salt with the prefill key folded in (a user salt is kept)."""
+    salt = f"vllm-steer:{prefill_key}"
+    return f"{cache_salt}|{salt}" if cache_salt else salt
 
 
 def patch_input_processor() -> None:
     """Patch: ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (0.26).
     Why: it is where every request (LLM and OpenAI server alike) becomes an EngineCoreRequest,
     before the engine computes block hashes from its cache_salt. Remove if vLLM grows a hook."""
+    from vllm import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_steer.applied import record_applied
 
     if getattr(InputProcessor.process_inputs, "_vllm_steer", False):
         return
     original = InputProcessor.process_inputs
 
-    def process_inputs(self, *args, **kwargs):
-        request = original(self, *args, **kwargs)
-        frontend = self.__dict__.get("_steer_frontend")
-        if frontend is None:
-            frontend = self._steer_frontend = SteeringFrontend(self.vllm_config)
-        frontend.prepare(request)
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        keys = None
+        extra = getattr(params, "extra_args", None)
+        if extra and isinstance(params, SamplingParams) and any(k in extra for k in _ALL_FIELDS):
+            frontend = self.__dict__.get("_steer_frontend")
+            if frontend is None:
+                frontend = self._steer_frontend = SteeringFrontend(self.vllm_config)
+            # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
+            # packed payload, not lists of floats. The caller's object is left untouched.
+            new_extra, pk, dk = frontend.engine_extra_args(extra)
+            params = copy.copy(params)
+            params.extra_args = new_extra
+            keys = (pk, dk)
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if keys is not None and (keys[0] or keys[1]):
+            if keys[0]:
+                request.cache_salt = salted(request.cache_salt, keys[0])
+            record_applied(request.request_id, *keys)
         return request
 
     process_inputs._vllm_steer = True  # type: ignore[attr-defined]

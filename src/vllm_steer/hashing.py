@@ -27,9 +27,9 @@ def config_hash(vectors: Vectors) -> str | None:
         layers = vectors.get(hook)
         if not layers:
             continue
+        ids = sorted(layers)
         h.update(hook.encode())
-        for layer in sorted(layers):
-            h.update(int(layer).to_bytes(4, "little"))
-            # + 0.0 folds -0.0 into 0.0 so equal values hash equally
-            h.update((np.ascontiguousarray(layers[layer], dtype=np.float32) + _ZERO).tobytes())
+        h.update(np.asarray(ids, dtype="<i4").tobytes())
+        # + 0.0 folds -0.0 into 0.0 so equal values hash equally
+        h.update((np.stack([layers[i] for i in ids]).astype(np.float32, copy=False) + _ZERO).tobytes())
     return h.hexdigest()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_steer import bf16
+
 PAYLOAD_KEY = "vllm_steer"
 PAYLOAD_VERSION = 1
 
@@ -40,11 +42,15 @@ class HookVectors:
 
 @dataclass(frozen=True)
 class EngineSteering:
-    """The decoded payload of one request: a config key per phase (None: unsteered phase)."""
+    """The decoded payload of one request: a config key per phase (None: unsteered phase).
+
+    ``configs`` holds the vectors of each key, except for a bare module reference (``module``:
+    name, version, scale), whose rows the worker builds from its module registry."""
 
     prefill_key: str | None
     decode_key: str | None
     configs: dict[str, dict[str, HookVectors]]
+    module: dict | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -56,15 +62,14 @@ def encode_payload(
     decode_key: str | None,
     configs: dict[str, dict[str, tuple[list[int], np.ndarray]]],
     dtype: torch.dtype,
+    module: dict | None = None,
 ) -> dict:
     """Pack effective float32 vectors (per key, per hook: layers + [n, D] array) in ``dtype``."""
     packed: dict[str, list] = {}
     for key, hooks in configs.items():
         entries = []
         for hook, (layers, arr) in hooks.items():
-            t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype)
-            raw = t.view(torch.uint8).numpy().tobytes()
-            entries.append([hook, list(layers), raw])
+            entries.append([hook, list(layers), to_dtype_bytes(arr, dtype)])
         packed[key] = entries
     return {
         "v": PAYLOAD_VERSION,
@@ -72,7 +77,18 @@ def encode_payload(
         "prefill": prefill_key,
         "decode": decode_key,
         "configs": packed,
+        "module": module,
     }
+
+
+def to_dtype_bytes(arr: np.ndarray, dtype: torch.dtype) -> bytes:
+    """float32 array -> raw bytes in ``dtype`` (bf16 by round-to-nearest-even, as torch does)."""
+    f32 = np.ascontiguousarray(arr, dtype=np.float32)
+    if dtype == torch.float32:
+        return f32.tobytes()
+    if dtype == torch.float16:
+        return f32.astype(np.float16).tobytes()
+    return bf16.to_bits(f32).tobytes()
 
 
 def decode_payload(payload: dict, hidden_size: int) -> EngineSteering:
@@ -88,7 +104,17 @@ def decode_payload(payload: dict, hidden_size: int) -> EngineSteering:
             data = buf.view(dtype).view(len(layers), hidden_size)
             hooks[hook] = HookVectors(tuple(layers), data)
         configs[key] = hooks
-    return EngineSteering(payload["prefill"], payload["decode"], configs)
+    return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"))
+
+
+def hook_vectors(vectors: dict[str, dict[int, np.ndarray]], dtype: torch.dtype) -> dict[str, HookVectors]:
+    """float32 {hook: {layer: vec}} -> table-layout HookVectors in the model dtype (worker side)."""
+    out = {}
+    for hook, layers in vectors.items():
+        ids = sorted(layers)
+        data = torch.from_numpy(np.stack([layers[i] for i in ids]).astype(np.float32)).to(dtype)
+        out[hook] = HookVectors(tuple(ids), data)
+    return out
 
 
 def payload_keys(extra_args: dict | None) -> tuple[str, ...]:

@@ -44,6 +44,18 @@ class RowGate:
                 if self._refs[k] <= 0:
                     del self._refs[k]
 
+    def try_pin(self, name: str, keys: tuple[str, ...]) -> bool:
+        """Reserve rows for a module's pre-materialized configs, if they fit (best effort)."""
+        self.unpin(name)
+        new = {k for k in keys if k not in self._refs}
+        if len(self._refs) + len(new) > self.capacity:
+            return False
+        self.admit(_pin_id(name), tuple(keys))
+        return True
+
+    def unpin(self, name: str) -> None:
+        self.release(_pin_id(name))
+
     def select_held(self, requests: list[Any]) -> list[Any]:
         """Requests (in queue order) that cannot be admitted now."""
         tentative: set[str] = set()
@@ -60,6 +72,10 @@ class RowGate:
             else:
                 held.append(req)
         return held
+
+
+def _pin_id(name: str) -> str:
+    return f"\0module:{name}"  # cannot collide with a request id
 
 
 def _queues(scheduler: Any) -> list[Any]:
@@ -108,3 +124,28 @@ def patch_scheduler() -> None:
     Scheduler.__init__ = __init__
     Scheduler.schedule = schedule
     Scheduler._free_request = _free_request
+    _patch_engine_core_rpc()
+
+
+def _patch_engine_core_rpc() -> None:
+    """Patch: ``EngineCore.collective_rpc`` (0.26). Module registration passes through the engine
+    core on its way to the workers; the gate reserves (pins) rows for the module's configs here,
+    and tells the workers whether they may pre-materialize them. Why: the gate and the workers
+    must agree on every row in use."""
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.collective_rpc
+    if getattr(original, "_vllm_steer", False):
+        return
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        gate = getattr(getattr(self, "scheduler", None), "steer_gate", None)
+        if gate is not None and method == "vllm_steer_register_module":
+            name, _version, _tiers, keys = args[:4]
+            args = (*args[:4], gate.try_pin(name, tuple(keys)))
+        elif gate is not None and method == "vllm_steer_unregister_module":
+            gate.unpin(args[0])
+        return original(self, method, timeout, args, kwargs)
+
+    collective_rpc._vllm_steer = True  # type: ignore[attr-defined]
+    EngineCore.collective_rpc = collective_rpc

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from vllm_steer import bf16
 from vllm_steer.hooks import HOOK_NAMES
 
 TIER_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors")
@@ -171,7 +171,7 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndar
             f"decoded {len(raw)} bytes, but shape {list(dims)} of {dtype_name} needs {expected}",
         )
     if dtype_name == "bfloat16":
-        src = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(n, d)
+        src = bf16.from_bits(np.frombuffer(raw, dtype=np.uint16)).reshape(n, d)
     else:
         src = np.frombuffer(raw, dtype=_PACKED_DTYPES[dtype_name]).reshape(n, d)
     scales = obj.get("scales")
@@ -182,23 +182,19 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndar
             )
         if not all(isinstance(s, (int, float)) and math.isfinite(s) for s in scales):
             raise SteeringSpecError(f"{field}.scales", "scales must be finite numbers")
-        src = _scale_rows(src, scales)
-    arr = _to_float32(src)
+        src = _scale_rows(src, scales, bf16_source=dtype_name == "bfloat16")
+    arr = src.astype(np.float32, copy=False)
     _check_finite(f"{field}.data", arr)
     return {layer: arr[i] for i, layer in enumerate(layers)}
 
 
-def _scale_rows(src: np.ndarray | torch.Tensor, scales: list) -> np.ndarray | torch.Tensor:
-    """Multiply row i by scales[i] in the source dtype (bf16 stays bf16)."""
-    if isinstance(src, torch.Tensor):
-        return src * torch.tensor(scales, dtype=src.dtype).view(-1, 1)
+def _scale_rows(src: np.ndarray, scales: list, bf16_source: bool) -> np.ndarray:
+    """Multiply row i by scales[i] in the source dtype (a bf16 source stays on the bf16 grid:
+    the float32 product of two bf16 values is exact, then rounds once, as torch's bf16 mul)."""
+    if bf16_source:
+        factors = bf16.round_to_bf16(np.asarray(scales, dtype=np.float32)).reshape(-1, 1)
+        return bf16.round_to_bf16(src * factors)
     return src * np.asarray(scales, dtype=src.dtype).reshape(-1, 1)
-
-
-def _to_float32(src: np.ndarray | torch.Tensor) -> np.ndarray:
-    if isinstance(src, torch.Tensor):
-        return src.to(torch.float32).numpy()
-    return src.astype(np.float32, copy=False)
 
 
 def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
@@ -242,6 +238,10 @@ def _parse_module(obj: Any) -> ModuleRef | None:
 def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:
     """Validate the steering fields of one request (those absent are empty)."""
     tiers = {name: _parse_tier(name, fields.get(name), shape) for name in TIER_FIELDS}
+    for name, tier in tiers.items():
+        nbytes = sum(v.nbytes for layers in tier.values() for v in layers.values())
+        if nbytes > shape.max_bytes:
+            raise SteeringSpecError(name, f"{nbytes} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
     return SteeringSpec(tiers=tiers, module=_parse_module(fields.get(MODULE_FIELD)))
 
 
@@ -267,7 +267,30 @@ def nonzero(vectors: Vectors) -> Vectors:
     """Drop all-zero vectors and empty hooks (an all-zero config is no steering at all)."""
     out: Vectors = {}
     for hook, layers in vectors.items():
-        kept = {l: v for l, v in layers.items() if np.any(v)}
+        if not layers:
+            continue
+        ids = list(layers)
+        keep = np.stack([layers[i] for i in ids]).any(axis=1)  # one pass per hook
+        kept = {l: layers[l] for l, k in zip(ids, keep) if k}
         if kept:
             out[hook] = kept
     return out
+
+
+def effective_phases(
+    tiers: dict[str, Vectors], module_tiers: dict[str, Vectors] | None = None, scale: float = 1.0
+) -> tuple[Vectors, Vectors]:
+    """(prefill, decode) effective vectors: (module tiers x scale) + request tiers, base + phase.
+
+    The one place this arithmetic lives: the front end hashes its result and the worker rebuilds
+    module rows with it, so both agree to the bit."""
+    base, pre, dec = (tiers.get(f, {}) for f in TIER_FIELDS)
+    if module_tiers is None and not pre and not dec:
+        both = nonzero(base)
+        return both, both  # the same object: callers hash it once
+    if module_tiers is not None:
+        m_base, m_pre, m_dec = (module_tiers.get(f, {}) for f in TIER_FIELDS)
+        base = merge(scaled(m_base, scale), base)
+        pre = merge(scaled(m_pre, scale), pre)
+        dec = merge(scaled(m_dec, scale), dec)
+    return nonzero(merge(base, pre)), nonzero(merge(base, dec))

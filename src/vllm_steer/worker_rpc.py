@@ -34,7 +34,34 @@ def vllm_steer_status(self) -> dict[str, Any]:
     return status
 
 
-WORKER_METHODS = {"vllm_steer_status": vllm_steer_status}
+def vllm_steer_register_module(self, name: str, version: int, wire_tiers: dict, keys: list, pin: bool = False) -> list[str]:
+    """Keep a module's tiers on this worker; pre-materialize its rows when the gate allowed it."""
+    from vllm_steer.modules.store import tiers_from_wire
+
+    rt = _runtime(self)
+    if rt is None:
+        return []
+    return rt.register_module(name, version, tiers_from_wire(wire_tiers, rt.hidden_size), pin)
+
+
+def vllm_steer_unregister_module(self, name: str) -> None:
+    rt = _runtime(self)
+    if rt is not None:
+        rt.unregister_module(name)
+
+
+def vllm_steer_module_users(self) -> dict[str, int]:
+    """Live requests per module name on this worker."""
+    rt = _runtime(self)
+    return rt.module_users() if rt is not None else {}
+
+
+WORKER_METHODS = {
+    "vllm_steer_status": vllm_steer_status,
+    "vllm_steer_register_module": vllm_steer_register_module,
+    "vllm_steer_unregister_module": vllm_steer_unregister_module,
+    "vllm_steer_module_users": vllm_steer_module_users,
+}
 
 
 def patch_worker() -> None:

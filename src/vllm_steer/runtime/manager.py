@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,8 +17,10 @@ import torch.nn as nn
 
 from vllm_steer.config import SteerConfig, steer_config_of
 from vllm_steer.hooks import HOOK_NAMES
-from vllm_steer.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.hashing import config_hash
+from vllm_steer.payload import PAYLOAD_KEY, EngineSteering, HookVectors, decode_payload, hook_vectors
 from vllm_steer.runtime.install import find_decoder_layers, install_steering
+from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.tables import SteeringTables
 
@@ -28,6 +31,7 @@ logger = logging.getLogger("vllm_steer")
 class _Held:
     rows: tuple[int, int]  # (prefill row, decode row); 0 = unsteered phase
     keys: tuple[str, ...]
+    module: str | None = None
 
 
 def hooked_layers_for(cfg: SteerConfig, layer_ids: list[int]) -> dict[str, list[int]]:
@@ -54,6 +58,7 @@ class SteeringRuntime:
             self.hooked_layers, cfg.max_configs, hidden_size, max_num_tokens, dtype, device
         )
         self.rows = RowAllocator(cfg.max_configs)
+        self.modules = WorkerModules()
         self.num_ops = install_steering(model, self.tables, self.hooked_layers)
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
@@ -79,25 +84,66 @@ class SteeringRuntime:
         steering = decode_payload(payload, self.hidden_size)
         rows: dict[str, int] = {}
         for key in steering.keys:
-            row, needs_write, became_live = self.rows.acquire(key)
-            if needs_write:
-                self.tables.write_row(row, steering.configs[key])
-            if became_live:
-                self.tables.set_live(row, True)
-            rows[key] = row
+            rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
         pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
-        self._held[req_id] = _Held(pair, steering.keys)
+        self._held[req_id] = _Held(pair, steering.keys, steering.module["name"] if steering.module else None)
         return pair
+
+    def _acquire(self, key: str, vectors: Callable[[], dict[str, HookVectors]]) -> int:
+        row, needs_write, became_live = self.rows.acquire(key)
+        if needs_write:
+            self.tables.write_row(row, vectors())
+        if became_live:
+            self.tables.set_live(row, True)
+        return row
+
+    def _release(self, key: str) -> None:
+        row = self.rows.row_of(key)
+        if self.rows.release(key):
+            self.tables.set_live(row, False)
+
+    def _vectors_for(self, steering: EngineSteering, key: str) -> dict[str, HookVectors]:
+        if key in steering.configs:
+            return steering.configs[key]
+        ref = steering.module  # a bare module reference: build the row from the registry
+        prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"])
+        return hook_vectors(prefill if key == steering.prefill_key else decode, self.tables.dtype)
 
     def remove_request(self, req_id: str) -> None:
         held = self._held.pop(req_id, None)
         if held is None:
             return
         for key in held.keys:
-            row = self.rows.row_of(key)
-            if self.rows.release(key):
-                self.tables.set_live(row, False)
+            self._release(key)
+
+    # ---- named modules ----------------------------------------------------------------
+    def module_users(self) -> dict[str, int]:
+        users: dict[str, int] = {}
+        for held in self._held.values():
+            if held.module is not None:
+                users[held.module] = users.get(held.module, 0) + 1
+        return users
+
+    def register_module(self, name: str, version: int, tiers: dict, pin: bool) -> list[str]:
+        """Keep a module's tiers; if ``pin``, pre-materialize and pin its scale-1 rows."""
+        self.unregister_module(name)
+        self.modules.add(name, version, tiers)
+        if not pin:
+            return []
+        prefill, decode = self.modules.phases(name, version, 1.0)
+        pinned = []
+        for vecs in (prefill, decode):
+            key = config_hash(vecs)
+            if key is not None and key not in pinned:
+                self._acquire(key, lambda v=vecs: hook_vectors(v, self.tables.dtype))
+                pinned.append(key)
+        self.modules.pinned[name] = tuple(pinned)
+        return pinned
+
+    def unregister_module(self, name: str) -> None:
+        for key in self.modules.pinned.pop(name, ()):
+            self._release(key)
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         """[len(req_ids), 2] int32 rows of requests in batch order (0 for unsteered)."""

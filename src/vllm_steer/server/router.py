@@ -14,7 +14,11 @@ from fastapi.responses import JSONResponse
 
 from vllm_steer import __version__
 from vllm_steer.config import steer_config_of
+from vllm_steer.frontend import SteeringFrontend
+from vllm_steer.modules.registration import load_path, register_async
+from vllm_steer.server.modules_routes import router as modules_router
 from vllm_steer.server.openai_fields import patch_openai_requests
+from vllm_steer.server.response_field import SteeringResponseMiddleware
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"])
 
@@ -47,7 +51,16 @@ class SteeringEndpointPlugin:
     def attach_router(self, app: FastAPI) -> None:
         patch_openai_requests()
         app.include_router(router)
+        app.include_router(modules_router)
+        app.add_middleware(SteeringResponseMiddleware)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.steer_engine_client = engine_client
         state.steer_config = steer_config_of(engine_client.vllm_config) if engine_client else None
+        if state.steer_config is None:
+            return
+        state.steer_frontend = SteeringFrontend(engine_client.vllm_config)
+        # Start-up preload: before the server accepts requests.
+        for name, path in state.steer_config.modules.items():
+            module = load_path(name, path, state.steer_frontend.shape)
+            await register_async(engine_client.collective_rpc, module, replace=True)

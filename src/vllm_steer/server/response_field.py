@@ -1,0 +1,71 @@
+"""Adds ``"steering": {"prefill": key, "decode": key}`` to OpenAI completion/chat responses of
+steered requests (every SSE chunk when streaming), so a client can see that steering happened.
+
+A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.applied) and rewrites
+only responses whose holder was filled; everything else streams through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm_steer.applied import close_holder, open_holder
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _inject(obj: Any, applied: dict) -> Any:
+    if isinstance(obj, dict):
+        obj["steering"] = dict(applied)
+    return obj
+
+
+def _rewrite_sse(chunk: bytes, applied: dict) -> bytes:
+    out = []
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {"):
+            line = b"data: " + json.dumps(_inject(json.loads(line[6:]), applied), separators=(",", ":")).encode()
+        out.append(line)
+    return b"\n".join(out)
+
+
+class SteeringResponseMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("path") not in PATHS:
+            await self.app(scope, receive, send)
+            return
+        holder, token = open_holder()
+        state: dict[str, Any] = {"mode": None, "start": None, "body": []}
+
+        async def wrapped_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                if b"event-stream" in ctype:
+                    state["mode"] = "sse"
+                elif holder and b"json" in ctype:
+                    state["mode"], state["start"] = "json", message
+                    return  # held until the whole body is here (its length changes)
+                await send(message)
+            elif message["type"] == "http.response.body" and state["mode"] == "json":
+                state["body"].append(message.get("body", b""))
+                if message.get("more_body"):
+                    return
+                body = json.dumps(_inject(json.loads(b"".join(state["body"])), holder)).encode()
+                start = state["start"]
+                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({**start, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+            elif message["type"] == "http.response.body" and state["mode"] == "sse" and holder:
+                await send({**message, "body": _rewrite_sse(message.get("body", b""), holder)})
+            else:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, wrapped_send)
+        finally:
+            close_holder(token)

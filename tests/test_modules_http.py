@@ -1,0 +1,202 @@
+"""Named steering modules over HTTP (real server, multi-process): register JSON / packed /
+safetensors / GGUF, list, get, use at two scales in one batch, delete while in flight, auth,
+malformed registrations, start-up preload; a module equals the same vectors sent inline."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+from safetensors.numpy import save
+
+from tests.conftest import API_KEY, PRELOAD_LAYER
+from tests.steering_cases import vector
+from vllm_steer.client import pack
+
+HIDDEN, LAYER = 576, 14
+VEC = vector(HIDDEN, 21, 60.0)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def base(api_server):
+    return api_server[0]
+
+
+@pytest.fixture(scope="module")
+def model(api_server):
+    return api_server[1]
+
+
+def complete(base, model, max_tokens=10, **body):
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "The capital of France is", "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, **body})
+    return r
+
+
+def register(base, body=None, files=None, data=None, headers=AUTH, params=None):
+    if files is not None:
+        return httpx.post(f"{base}/v1/steering/modules", files=files, data=data, headers=headers, params=params, timeout=60)
+    return httpx.post(f"{base}/v1/steering/modules", json=body, headers=headers, params=params, timeout=60)
+
+
+def gguf_control_vector(vectors: dict[int, np.ndarray]) -> bytes:
+    """A control vector file as llama.cpp's cvector-generator / repeng write it."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+        w = gguf.GGUFWriter(f.name, "controlvector")
+        w.add_string("controlvector.model_hint", "llama")
+        w.add_uint32("controlvector.layer_count", len(vectors))
+        for layer, v in vectors.items():
+            w.add_tensor(f"direction.{layer}", v.astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return open(f.name, "rb").read()
+
+
+def test_register_json_and_use_equals_inline(base, model):
+    r = register(base, {"name": "json-mod", "description": "d", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}})
+    assert r.status_code == 201, r.text
+    s = r.json()
+    assert s["hooks"] == ["post_mlp"] and s["layers"] == [LAYER] and s["bytes"] == HIDDEN * 4
+    via_module = complete(base, model, steering_module={"name": "json-mod", "scale": 1.0}).json()
+    inline = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
+    plain = complete(base, model).json()
+    assert via_module["choices"][0]["text"] == inline["choices"][0]["text"] != plain["choices"][0]["text"]
+    assert via_module["steering"] == inline["steering"]  # same config key: shares rows and cache salt
+
+
+def test_register_packed_list_and_get(base):
+    r = register(base, {"name": "packed-mod", "decode_steering_vectors": {"pre_attn": pack(VEC[None], [3], "float16")}})
+    assert r.status_code == 201, r.text
+    listing = httpx.get(f"{base}/v1/steering/modules", timeout=30).json()
+    names = {m["name"]: m for m in listing["data"]}
+    assert {"packed-mod", "preloaded"} <= set(names)
+    got = httpx.get(f"{base}/v1/steering/modules/packed-mod", timeout=30).json()
+    assert got["tiers"] == ["decode_steering_vectors"] and got["hooks"] == ["pre_attn"] and got["in_flight"] == 0
+    assert httpx.get(f"{base}/v1/steering/modules/nope", timeout=30).status_code == 404
+
+
+def test_preloaded_module_from_config_is_usable(base, model):
+    got = httpx.get(f"{base}/v1/steering/modules/preloaded", timeout=30).json()
+    assert got["source"] == "safetensors" and got["layers"] == [PRELOAD_LAYER] and got["description"] == "from disk"
+    vec = np.linspace(-1, 1, 576, dtype=np.float32) * 30
+    a = complete(base, model, steering_module={"name": "preloaded"}).json()
+    b = complete(base, model, steering_vectors={"post_mlp": {str(PRELOAD_LAYER): vec.tolist()}}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_safetensors_upload_with_tiers(base, model):
+    data = save({f"post_mlp.{LAYER}": VEC, "decode.pre_attn.3": VEC / 2}, metadata={"description": "st"})
+    r = register(base, files={"file": ("v.safetensors", data)}, data={"name": "st-mod"})
+    assert r.status_code == 201, r.text
+    assert r.json()["tiers"] == ["steering_vectors", "decode_steering_vectors"]
+    a = complete(base, model, steering_module={"name": "st-mod"}).json()
+    b = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}},
+                 decode_steering_vectors={"pre_attn": {"3": (VEC / 2).tolist()}}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_gguf_control_vector_direction_n_is_post_mlp_of_layer_n(base, model):
+    r = register(base, files={"file": ("cv.gguf", gguf_control_vector({LAYER: VEC}))}, data={"name": "gguf-mod"})
+    assert r.status_code == 201, r.text
+    assert r.json()["source"] == "gguf" and r.json()["hooks"] == ["post_mlp"] and r.json()["layers"] == [LAYER]
+    a = complete(base, model, steering_module={"name": "gguf-mod"}).json()
+    b = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_two_scales_of_one_module_in_one_batch(base, model):
+    register(base, {"name": "scaled", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}})
+    results = {}
+
+    def run(tag, **body):
+        results[tag] = complete(base, model, max_tokens=16, **body).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=run, args=(s,), kwargs={"steering_module": {"name": "scaled", "scale": s}})
+               for s in (0.5, 1.0)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    half = complete(base, model, max_tokens=16, steering_vectors={"post_mlp": {str(LAYER): (VEC * np.float32(0.5)).tolist()}}).json()
+    full = complete(base, model, max_tokens=16, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
+    assert results[0.5] == half["choices"][0]["text"]
+    assert results[1.0] == full["choices"][0]["text"]
+    assert results[0.5] != results[1.0]
+
+
+def test_409_on_existing_name_and_replace(base, model):
+    body = {"name": "dup", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}}
+    assert register(base, body).status_code == 201
+    r = register(base, body)
+    assert r.status_code == 409 and "replace=true" in r.json()["error"]["message"]
+    first = complete(base, model, steering_module={"name": "dup"}).json()
+    r = register(base, {**body, "steering_vectors": {"post_mlp": {str(LAYER): (-VEC).tolist()}}, "replace": True})
+    assert r.status_code == 201
+    second = complete(base, model, steering_module={"name": "dup"}).json()
+    assert first["steering"] != second["steering"]
+
+
+def test_delete_while_in_flight_finishes_then_refuses(base, model):
+    assert register(base, {"name": "doomed", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}}).status_code == 201
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=complete(base, model, max_tokens=300, steering_module={"name": "doomed"})))
+    t.start()
+    in_flight = 0
+    for _ in range(100):
+        in_flight = httpx.get(f"{base}/v1/steering/modules/doomed", timeout=30).json().get("in_flight", 0)
+        if in_flight:
+            break
+    assert in_flight == 1
+    assert httpx.delete(f"{base}/v1/steering/modules/doomed", headers=AUTH, timeout=30).status_code == 200
+    t.join()
+    inline = complete(base, model, max_tokens=300, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
+    assert out["r"].status_code == 200
+    assert out["r"].json()["choices"][0]["text"] == inline["choices"][0]["text"]
+    after = complete(base, model, steering_module={"name": "doomed"})
+    assert after.status_code == 400 and "unknown steering module" in after.json()["error"]["message"]
+    assert httpx.get(f"{base}/v1/steering/modules/doomed", timeout=30).status_code == 404
+
+
+def test_mutations_need_the_api_key(base):
+    body = {"name": "noauth", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}}
+    assert register(base, body, headers={}).status_code == 401
+    assert register(base, body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.delete(f"{base}/v1/steering/modules/preloaded", timeout=30).status_code == 401
+    assert httpx.get(f"{base}/v1/steering/modules", timeout=30).status_code == 200
+
+
+BAD = [
+    ({"steering_vectors": {"post_mlp": {"1": [0.0] * HIDDEN}}}, "name"),
+    ({"name": "x", "steering_vectors": {"post_mlp": {"1": [0.0] * 5}}}, "steering_vectors.post_mlp.1"),
+    ({"name": "x", "steering_vectors": {"sideways": {"1": [0.0] * HIDDEN}}}, "steering_vectors.sideways"),
+    ({"name": "x", "vectorz": {}}, "vectorz"),
+    ({"name": "x"}, "steering_vectors"),
+]
+
+
+@pytest.mark.parametrize("body, field", BAD, ids=[b[1] for b in BAD])
+def test_malformed_json_registration_is_a_400_with_the_reason(base, body, field):
+    r = register(base, body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("filename, payload, words", [
+    ("v.safetensors", b"garbage", "safetensors"),
+    ("v.safetensors", save({"mlp.3": np.zeros(HIDDEN, np.float32)}), "tensor names"),
+    ("v.safetensors", save({"post_mlp.3": np.zeros(7, np.float32)}), "hidden size"),
+    ("v.gguf", b"GGUF" + b"\0" * 20, "GGUF"),
+], ids=["not-safetensors", "bad-name", "bad-size", "bad-gguf"])
+def test_malformed_file_registration_is_a_400_with_the_reason(base, filename, payload, words):
+    r = register(base, files={"file": (filename, payload)}, data={"name": "bad-file"})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text

@@ -1,0 +1,126 @@
+"""Request API over HTTP (real OpenAI server, multi-process): floats vs packed, vllm_xargs, chat,
+streaming, the applied-config response field, and a clear 400 for every kind of bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from openai import BadRequestError, OpenAI
+
+from tests.steering_cases import vector
+from vllm_steer.client import pack
+
+HIDDEN, LAYER = 576, 14
+from tests.conftest import API_SERVER_CAP as CAP  # noqa: E402
+
+
+def bf16_exact(v: np.ndarray) -> np.ndarray:
+    """Round to bf16 so every wire dtype represents the vector exactly."""
+    return torch.from_numpy(v).to(torch.bfloat16).to(torch.float32).numpy()
+
+
+VEC = bf16_exact(vector(HIDDEN, 3, 60.0))
+
+
+@pytest.fixture(scope="module")
+def server(api_server):
+    return api_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server[0]}/v1", api_key="EMPTY")
+
+
+def complete(client, server, **body):
+    return client.completions.create(model=server[1], prompt="The capital of France is", max_tokens=10,
+                                     temperature=0, extra_body=body or None)
+
+
+def test_floats_and_packed_in_every_dtype_give_identical_output_and_hash(client, server):
+    plain = complete(client, server)
+    assert "steering" not in (plain.model_extra or {})
+    floats = complete(client, server, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}})
+    packed = [complete(client, server, steering_vectors={"post_mlp": pack(VEC[None], [LAYER], dt)})
+              for dt in ("float32", "float16", "bfloat16")]
+    applied = floats.model_extra["steering"]
+    assert applied["prefill"] == applied["decode"] and len(applied["prefill"]) == 32
+    assert floats.choices[0].text != plain.choices[0].text
+    for p in packed:
+        assert p.choices[0].text == floats.choices[0].text
+        assert p.model_extra["steering"] == applied
+
+
+def test_vllm_xargs_json_string_and_phase_tiers(client, server):
+    top = complete(client, server, decode_steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}})
+    xargs = complete(client, server, vllm_xargs={"decode_steering_vectors": json.dumps({"post_mlp": {str(LAYER): VEC.tolist()}})})
+    assert xargs.choices[0].text == top.choices[0].text
+    assert top.model_extra["steering"]["prefill"] is None and top.model_extra["steering"]["decode"]
+
+
+def test_chat_streaming_and_non_streaming_agree_and_report_steering(client, server):
+    body = {"steering_vectors": {"post_mlp": pack(VEC[None], [LAYER])}}
+    msgs = [{"role": "user", "content": "Say something about the sea."}]
+    full = client.chat.completions.create(model=server[1], messages=msgs, max_tokens=8, temperature=0, extra_body=body)
+    chunks = list(client.chat.completions.create(model=server[1], messages=msgs, max_tokens=8, temperature=0,
+                                                 extra_body=body, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert {json.dumps(c.model_extra.get("steering"), sort_keys=True) for c in chunks} == {
+        json.dumps(full.model_extra["steering"], sort_keys=True)}
+
+
+def _packed(**over):
+    return {"post_mlp": {**pack(VEC[None], [LAYER]), **over}}
+
+
+BAD = [
+    ({"steering_vectors": {"mid_mlp": {"1": [0.0] * HIDDEN}}}, "steering_vectors.mid_mlp"),
+    ({"steering_vectors": {"post_mlp": {"30": [0.0] * HIDDEN}}}, "steering_vectors.post_mlp.30"),
+    ({"steering_vectors": {"post_mlp": {"1": [0.0] * 7}}}, "steering_vectors.post_mlp.1"),
+    ({"steering_vectors": _packed(shape=[2, HIDDEN])}, "steering_vectors.post_mlp.layer_indices"),
+    ({"steering_vectors": _packed(data=base64.b64encode(b"\0" * 10).decode())}, "steering_vectors.post_mlp.data"),
+    ({"steering_vectors": _packed(data="not base64!")}, "steering_vectors.post_mlp.data"),
+    ({"steering_vectors": _packed(dtype="int4")}, "steering_vectors.post_mlp.dtype"),
+    ({"steering_vectors": {"post_mlp": pack(np.full((1, HIDDEN), np.nan, np.float32), [LAYER])}}, "steering_vectors.post_mlp.data"),
+    ({"steering_vectors": _packed(scales=[1.0, 2.0])}, "steering_vectors.post_mlp.scales"),
+    ({"steering_module": {"name": "no-such-module"}}, "steering_module.name"),
+    ({"steering_vectors": {"post_mlp": pack(np.ones((25, HIDDEN), np.float32), list(range(25)))}}, "steering_vectors.post_mlp.data"),
+    ({"prefill_steering_vectors": {"post_mlp": {str(i): [1.0] * HIDDEN for i in range(25)}}}, "prefill_steering_vectors"),
+    ({"vllm_xargs": {"steering_vectors": "{not json"}}, "vllm_xargs.steering_vectors"),
+]
+
+
+@pytest.mark.parametrize("body, field", BAD, ids=[b[1] + f"-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client, server, body, field):
+    with pytest.raises(BadRequestError) as e:
+        complete(client, server, **body)
+    err = e.value.body if isinstance(e.value.body, dict) else {}
+    assert e.value.status_code == 400
+    assert field in str(err.get("message", "")) or err.get("param") == field, err
+    ok = complete(client, server, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}})
+    assert ok.choices[0].text
+
+
+def test_raw_json_body_and_status_after_errors(server):
+    base, model, _ = server
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+        "steering_vectors": {"pre_attn": {"3": [0.5] * HIDDEN}}})
+    assert r.status_code == 200 and r.json()["steering"]["prefill"]
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "model": model, "prompt": "Hello", "max_tokens": 4, "steering_vectors": {"pre_attn": {"3": [0.5]}}})
+    assert r.status_code == 400 and "steering_vectors.pre_attn.3" in r.json()["error"]["message"]
+    status = httpx.get(f"{base}/v1/steering", timeout=30).json()
+    assert status["workers"][0]["steering"] is True
+
+
+def test_applied_keys_are_in_the_server_log(server, client):
+    res = complete(client, server, steering_vectors={"post_attn": {"2": VEC.tolist()}})
+    key = res.model_extra["steering"]["prefill"]
+    assert f"prefill={key}" in server[2].read_text()
