@@ -13,7 +13,7 @@ from tests.engine_job import run_job
 from tests.steering_cases import floats, params, vector
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3")
 
 
 def _hidden(path: str) -> int:

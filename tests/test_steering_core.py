@@ -148,3 +148,25 @@ def test_prefix_cache_shared_by_decode_only_steering_not_by_prefill_steering(pha
     assert pre["num_cached_tokens"] == 0  # a differently steered prompt must not share KV
     assert pre_again["num_cached_tokens"] >= full_blocks - 32  # same prefill steering shares
     assert pre_again["token_ids"] == pre["token_ids"]
+
+
+def test_preempted_requests_resume_with_their_own_steering(core_run, smollm2_path, prompt_ids, tmp_path):
+    """A KV cache too small for the batch forces preemption; every request still produces what
+    it produces alone, so its steering survived preemption and resumption."""
+    reqs = [params(100, logprobs=False)] + [
+        params(100, logprobs=False, steering_vectors=floats(HOOKS[i % 3], 6 + i, vector(HIDDEN, 300 + i, SCALE)))
+        for i in range(5)
+    ]
+    job = {
+        "model": smollm2_path,
+        "llm_kwargs": {**_engine(max_configs=8, block_size=16, num_gpu_blocks_override=16, enable_prefix_caching=False), "max_model_len": 256},
+        "calls": [{"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}]
+        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in reqs],
+        "rpc_after": ["vllm_steer_status"],
+    }
+    out = run_job(job, tmp_path)
+    (worker,) = out["rpc_after"]["vllm_steer_status"]
+    assert worker["preemptions_seen"] > 0
+    together, alone = out["calls"][0], [c[0] for c in out["calls"][1:]]
+    for i, (t, a) in enumerate(zip(together, alone)):
+        assert t["token_ids"] == a["token_ids"], f"request {i}"

@@ -30,6 +30,7 @@ def vllm_steer_status(self) -> dict[str, Any]:
             rows=rt.cfg.max_configs,
             live_configs=len(rt.rows.live_keys()),
             peak_live_configs=rt.peak_live_configs,
+            preemptions_seen=rt.preemptions_seen,
         )
     return status
 

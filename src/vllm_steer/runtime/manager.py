@@ -62,6 +62,7 @@ class SteeringRuntime:
         self.num_ops = install_steering(model, self.tables, self.hooked_layers)
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
+        self.preemptions_seen = 0  # requests the scheduler preempted (their steering must survive)
         self._index_extent = 0  # tokens of the device index that may hold non-zero rows
         self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
         logger.info(
@@ -116,6 +117,19 @@ class SteeringRuntime:
             return
         for key in held.keys:
             self._release(key)
+
+    def warm_up_kernel(self, capture_sizes: list[int]) -> None:
+        """JIT the Triton kernel for every CUDA-graph capture size (and both flag states) now, so
+        no compile lands inside a captured graph or a served request."""
+
+        sizes = sorted(set(capture_sizes) | {1, self.tables.index.shape[0]})
+        table = torch.zeros(2, self.hidden_size, dtype=self.tables.dtype, device=self.tables.index.device)
+        hidden = torch.zeros(max(sizes), self.hidden_size, dtype=self.tables.dtype, device=table.device)
+        for active in (0, 1):
+            flag = torch.full((1,), active, dtype=torch.uint8, device=table.device)
+            for n in sizes:
+                torch.ops.vllm_steer.apply_steering_(hidden[:n], table, self.tables.index, flag)
+        torch.cuda.synchronize(table.device)
 
     # ---- named modules ----------------------------------------------------------------
     def module_users(self) -> dict[str, int]:
