@@ -162,7 +162,7 @@ class Server:
             "--disable-uvicorn-access-log",
         ]
         if a.launcher != "cpu":
-            cmd += ["--gpu-memory-utilization", str(a.gpu_mem)]
+            cmd += ["--gpu-memory-utilization", str(a.eager_gpu_mem if self.name == "eager" else a.gpu_mem)]
         if a.enforce_eager or self.name == "eager":
             cmd += ["--enforce-eager"]
         if self.name in ("steer", "eager"):
@@ -792,6 +792,15 @@ def parse_trace(path: Path) -> dict:
     top: dict[str, float] = {}
     for e in kern:
         top[e["name"][:80]] = top.get(e["name"][:80], 0.0) + float(e.get("dur", 0))
+    host: dict[str, list] = {}
+    for e in ev:
+        if e.get("cat") in ("user_annotation", "python_function", "cpu_op") and e.get("cat") != "kernel":
+            h = host.setdefault(f"{e.get('cat')}:{e.get('name', '')[:70]}", [0, 0.0])
+            h[0] += 1
+            h[1] += float(e.get("dur", 0))
+    span = 0.0
+    if kern:
+        span = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kern) - min(float(e["ts"]) for e in kern)
     return {
         "trace": path.name,
         "kernels": len(kern),
@@ -802,6 +811,8 @@ def parse_trace(path: Path) -> dict:
         "graph_kernels": len(graph_k),
         "graph_launches": sum(1 for e in ev if e.get("name") == "cudaGraphLaunch"),
         "top_kernels_us": sorted(((round(v, 1), k) for k, v in top.items()), reverse=True)[:12],
+        "gpu_span_us": round(span, 1),
+        "top_host_us": sorted(((round(v[1], 1), v[0], k) for k, v in host.items()), reverse=True)[:25],
     }
 
 
@@ -961,6 +972,7 @@ def main() -> int:
     ap.add_argument("--eager-trials", type=int, default=2)
     ap.add_argument("--std", type=float, default=0.05, help="std of the steering vectors' entries")
     ap.add_argument("--gpu-mem", type=float, default=0.24, help="gpu_memory_utilization per server")
+    ap.add_argument("--eager-gpu-mem", type=float, default=0.20, help="gpu_memory_utilization of the eager server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--port-base", type=int, default=8100)

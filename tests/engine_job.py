@@ -43,6 +43,7 @@ def run_job(job: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = No
 def _output_record(out: Any) -> dict:
     comp = out.outputs[0]
     rec = {
+        "request_id": out.request_id,
         "token_ids": list(comp.token_ids),
         "text": comp.text,
         "num_cached_tokens": out.num_cached_tokens,
@@ -70,7 +71,11 @@ def _main(src: str, dst: str) -> None:
     for call in job.get("calls", []):
         params = [SamplingParams(**p) for p in call["params"]]
         outs = llm.generate(call["prompts"], params, use_tqdm=False)
-        result["calls"].append([_output_record(o) for o in outs])
+        if job.get("collect_capture"):
+            from vllm_steer.capture.collect import collect
+
+            collect(llm, outs)
+        result["calls"].append([{**_output_record(o), "capture": getattr(o, "capture", None)} for o in outs])
     if job.get("rpc_after"):
         result["rpc_after"] = {name: llm.collective_rpc(name) for name in job["rpc_after"]}
     result["parent_pid"] = os.getpid()

@@ -20,6 +20,38 @@ class SteerConfigError(ValueError):
     """A malformed ``steer`` block; the message names the offending key."""
 
 
+class ConsumerConfig(BaseModel):
+    """One capture consumer instance: the entry-point name, its instance name, its params."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    instance: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def instance_name(self) -> str:
+        return self.instance or self.name
+
+
+def parse_consumer_shorthand(text: str) -> dict[str, Any]:
+    """``name:key=val,key=val`` (values parsed as JSON when they parse, else kept as strings)."""
+    import json
+
+    name, _, rest = text.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"expected key=value in {item!r}")
+        try:
+            params[key.strip()] = json.loads(val)
+        except json.JSONDecodeError:
+            params[key.strip()] = val
+    instance = params.pop("instance", None)
+    return {"name": name.strip(), "instance": instance, "params": params}
+
+
 class SteerConfig(BaseModel):
     """Engine-wide steering settings (all optional; ``{}`` means defaults)."""
 
@@ -39,6 +71,17 @@ class SteerConfig(BaseModel):
     """Largest decoded steering payload one request may carry."""
     modules: dict[str, str] = Field(default_factory=dict)
     """Named modules to load at start-up: name -> file path."""
+    capture: tuple[ConsumerConfig, ...] = ()
+    """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
+    capture_max_rows: int = Field(default=4096, ge=16)
+    """Residual rows one step can capture across all sites (the device pool's size)."""
+
+    @field_validator("capture", mode="before")
+    @classmethod
+    def _capture_list(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(parse_consumer_shorthand(x) if isinstance(x, str) else x for x in v)
+        return v
 
     @field_validator("hooks", mode="before")
     @classmethod
@@ -58,6 +101,14 @@ class SteerConfig(BaseModel):
             v = tuple(v)
         if isinstance(v, tuple) and any(isinstance(x, int) and x < 0 for x in v):
             raise ValueError("layer indices must be >= 0")
+        return v
+
+    @field_validator("capture", mode="after")
+    @classmethod
+    def _unique_instances(cls, v: Any) -> Any:
+        names = [c.instance_name for c in v]
+        if len(set(names)) != len(names):
+            raise ValueError("capture consumer instance names must be unique")
         return v
 
     @property

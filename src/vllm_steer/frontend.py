@@ -12,10 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from vllm_steer.capture.consumer import consumer_class
+from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
 from vllm_steer.config import SteerConfig, steer_config_of
 from vllm_steer.hashing import config_hash
 from vllm_steer.payload import PAYLOAD_KEY, encode_payload
 from vllm_steer.spec import (
+    CAPTURE_FIELD,
     REQUEST_FIELDS,
     ModelShape,
     SteeringSpecError,
@@ -66,6 +69,7 @@ class SteeringFrontend:
                 "--additional-config '{\"steer\": {}}')",
             )
         spec = parse_spec(fields, self.shape)
+        capture = self._capture(fields.get(CAPTURE_FIELD))
         module = None
         module_tiers = None
         scale = 1.0
@@ -77,7 +81,7 @@ class SteeringFrontend:
         prefill, decode = effective_phases(spec.tiers, module_tiers, scale)
         pk = config_hash(prefill)
         dk = pk if decode is prefill else config_hash(decode)
-        if pk is None and dk is None:
+        if pk is None and dk is None and capture is None:
             return None, None, None
         ref = None
         if module is not None:
@@ -88,11 +92,41 @@ class SteeringFrontend:
             for key, vecs in ((pk, prefill), (dk, decode)):
                 if key is not None and key not in configs:
                     configs[key] = _table_layout(vecs)
-        return encode_payload(pk, dk, configs, self.dtype, module=ref), pk, dk
+        return encode_payload(pk, dk, configs, self.dtype, module=ref, capture=capture), pk, dk
 
-    def engine_extra_args(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
+    def _capture(self, raw: Any) -> dict | None:
+        """Validate a request's ``capture`` field (each consumer checks its own keys)."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or not raw:
+            raise SteeringSpecError(CAPTURE_FIELD, "expected {consumer_instance: spec}")
+        configured = {c.instance_name: c for c in self.cfg.capture}
+        out = {}
+        for instance, spec_raw in raw.items():
+            field = f"{CAPTURE_FIELD}.{instance}"
+            if instance not in configured:
+                raise SteeringSpecError(field, f"no capture consumer instance {instance!r} on this server "
+                                               f"(configured: {sorted(configured)})")
+            try:
+                spec = parse_capture_spec(instance, spec_raw, self.shape.num_layers, self.shape.hooks)
+                bad = [l for l in spec.layers if self.shape.layers is not None and l not in self.shape.layers]
+                if bad:
+                    raise CaptureSpecError(f"{field}.layers: layer {bad[0]} has no capture site (steer.layers)")
+                consumer_class(configured[instance].name).validate_params(dict(spec.params))
+            except CaptureSpecError as e:
+                raise SteeringSpecError(field, str(e).split(": ", 1)[-1]) from None
+            except ValueError as e:
+                raise SteeringSpecError(field, f"consumer {configured[instance].name!r}: {e}") from None
+            out[instance] = spec_raw
+        return out
+
+    def engine_extra_args(
+        self, extra_args: dict[str, Any], request_id: str | None = None
+    ) -> tuple[dict | None, str | None, str | None]:
         """(extra_args with the steering fields replaced by the payload, prefill key, decode key)."""
         payload, pk, dk = self.resolve(extra_args)
+        if payload is not None and payload.get("capture") and request_id is not None:
+            payload["external_id"] = request_id  # vLLM suffixes the id later; consumers report both
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
         if payload is not None:
             extra[PAYLOAD_KEY] = payload
@@ -127,7 +161,7 @@ def patch_input_processor() -> None:
                 frontend = self._steer_frontend = SteeringFrontend(self.vllm_config)
             # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
             # packed payload, not lists of floats. The caller's object is left untouched.
-            new_extra, pk, dk = frontend.engine_extra_args(extra)
+            new_extra, pk, dk = frontend.engine_extra_args(extra, request_id)
             params = copy.copy(params)
             params.extra_args = new_extra
             keys = (pk, dk)

@@ -63,6 +63,7 @@ def encode_payload(
     configs: dict[str, dict[str, tuple[list[int], np.ndarray]]],
     dtype: torch.dtype,
     module: dict | None = None,
+    capture: dict | None = None,
 ) -> dict:
     """Pack effective float32 vectors (per key, per hook: layers + [n, D] array) in ``dtype``."""
     packed: dict[str, list] = {}
@@ -78,6 +79,7 @@ def encode_payload(
         "decode": decode_key,
         "configs": packed,
         "module": module,
+        "capture": capture,
     }
 
 

@@ -24,7 +24,8 @@ from vllm_steer.hooks import HOOK_NAMES
 
 TIER_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors")
 MODULE_FIELD = "steering_module"
-REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD,)
+CAPTURE_FIELD = "capture"
+REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD)
 
 _PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 

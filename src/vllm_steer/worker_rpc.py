@@ -31,6 +31,7 @@ def vllm_steer_status(self) -> dict[str, Any]:
             live_configs=len(rt.rows.live_keys()),
             peak_live_configs=rt.peak_live_configs,
             preemptions_seen=rt.preemptions_seen,
+            capture=dict(rt.capture.stats) if rt.capture is not None else None,
         )
     return status
 
@@ -57,7 +58,16 @@ def vllm_steer_module_users(self) -> dict[str, int]:
     return rt.module_users() if rt is not None else {}
 
 
+def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
+    """Publish the captures of finished requests now and return driver consumers' results."""
+    rt = _runtime(self)
+    if rt is None or rt.capture is None:
+        return {}
+    return rt.capture.collect_results(list(request_ids))
+
+
 WORKER_METHODS = {
+    "vllm_steer_capture_collect": vllm_steer_capture_collect,
     "vllm_steer_status": vllm_steer_status,
     "vllm_steer_register_module": vllm_steer_register_module,
     "vllm_steer_unregister_module": vllm_steer_unregister_module,

@@ -1,7 +1,7 @@
 """Model-family adapters: where pre_attn / post_attn / post_mlp sit in each supported decoder layer.
 
-Each family names, per hook point, the submodule of a decoder layer to wrap and on which side of
-it the residual stream is reachable. Nothing else lives here. See NOTES.md for the derivations.
+Each family names, per hook point, where in a decoder layer the residual stream is reachable.
+Nothing else lives here. See NOTES.md for the derivations.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from vllm_steer.hooks import HookPoint
 
 @dataclass(frozen=True)
 class HookSite:
-    """A submodule of the decoder layer and how to reach the residual stream through it.
+    """Where a hook point's residual stream is reachable, as ``a + b`` (``b`` may be None).
 
     side:
-      - ``"residual_in"``: a fused add+norm called as ``norm(x, residual)``; the stream is
-        ``x + residual`` (or ``x`` alone when residual is None), steer by adding to ``residual``
-        (or to ``x`` when residual is None), before the norm.
-      - ``"input"``: the stream is ``submodule_input + residual``: add to the submodule's input.
-      - ``"output"``: the stream is ``submodule_output + residual``: add to its output.
+      - ``"layer_input"``: the decoder layer's ``(hidden_states, residual)`` arguments (residual
+        None on the first layer); steer by adding to ``residual`` (or ``hidden_states``).
+      - ``"layer_output"``: the layer's returned ``(hidden_states, residual)``; steer ``hidden_states``.
+      - ``"norm_input"``: a fused add+norm submodule called as ``norm(x, residual)``; steer ``x``.
+    ``attr`` names the submodule for ``norm_input`` (empty for the layer itself).
     """
 
     attr: str
@@ -33,28 +33,24 @@ class FamilyAdapter:
     sites: dict[HookPoint, HookSite]
 
 
-# vLLM carries the residual separately; a layer returns (h, residual) with stream = h + residual,
-# and the next fused add+norm sums them. Llama-style layers (one norm before attn, one fused norm
-# after it, then the MLP):
-#   pre_attn  = layer input           -> before input_layernorm(x, residual)
-#   post_attn = attn_out + residual    -> attn_out is post_attention_layernorm's first input
-#   post_mlp  = mlp_out + residual     -> the MLP's output
+# vLLM carries the residual separately; a layer takes and returns (h, residual) with
+# stream = h + residual, and the next fused add+norm sums them. So pre_attn is the layer's input
+# and post_mlp its output, for every family. post_attn is the input of the fused add+norm that
+# adds the attention branch to the residual: post_attention_layernorm(attn_out, residual) in
+# Llama-style layers; in Gemma2/3, which normalize the branch first, it is
+# pre_feedforward_layernorm(post_attention_layernorm(attn_out), residual).
+_LAYER_IN = HookSite("", "layer_input")
+_LAYER_OUT = HookSite("", "layer_output")
 LLAMA_STYLE = {
-    HookPoint.PRE_ATTN: HookSite("input_layernorm", "residual_in"),
-    HookPoint.POST_ATTN: HookSite("post_attention_layernorm", "input"),
-    HookPoint.POST_MLP: HookSite("mlp", "output"),
+    HookPoint.PRE_ATTN: _LAYER_IN,
+    HookPoint.POST_ATTN: HookSite("post_attention_layernorm", "norm_input"),
+    HookPoint.POST_MLP: _LAYER_OUT,
 }
-
-# Gemma2/3 normalize each branch before the add: post_attention_layernorm(attn_out) is what is
-# added to the residual (inside pre_feedforward_layernorm's fused add), and likewise
-# post_feedforward_layernorm(mlp_out) for the layer output.
 GEMMA_STYLE = {
-    HookPoint.PRE_ATTN: HookSite("input_layernorm", "residual_in"),
-    HookPoint.POST_ATTN: HookSite("post_attention_layernorm", "output"),
-    HookPoint.POST_MLP: HookSite("post_feedforward_layernorm", "output"),
+    HookPoint.PRE_ATTN: _LAYER_IN,
+    HookPoint.POST_ATTN: HookSite("pre_feedforward_layernorm", "norm_input"),
+    HookPoint.POST_MLP: _LAYER_OUT,
 }
-
-MIXTRAL_STYLE = {**LLAMA_STYLE, HookPoint.POST_MLP: HookSite("block_sparse_moe", "output")}
 
 _BY_LAYER_CLASS: dict[str, FamilyAdapter] = {
     "LlamaDecoderLayer": FamilyAdapter("llama", LLAMA_STYLE),
@@ -62,7 +58,7 @@ _BY_LAYER_CLASS: dict[str, FamilyAdapter] = {
     "Qwen2DecoderLayer": FamilyAdapter("qwen2", LLAMA_STYLE),
     "Qwen3DecoderLayer": FamilyAdapter("qwen3", LLAMA_STYLE),
     "Qwen3MoeDecoderLayer": FamilyAdapter("qwen3_moe", LLAMA_STYLE),
-    "MixtralDecoderLayer": FamilyAdapter("mixtral", MIXTRAL_STYLE),
+    "MixtralDecoderLayer": FamilyAdapter("mixtral", LLAMA_STYLE),
     "Gemma2DecoderLayer": FamilyAdapter("gemma2", GEMMA_STYLE),
     "Gemma3DecoderLayer": FamilyAdapter("gemma3", GEMMA_STYLE),
 }

@@ -1,10 +1,12 @@
-"""Puts the steering op into a loaded vLLM model: only at the configured hooks and layers.
+"""Puts the steering (and capture) ops into a loaded vLLM model: only at the configured sites.
 
-Each hooked submodule of a decoder layer gets its class swapped for a subclass whose forward adds
-``table[index]`` (one opaque in-place op) on the side named by the family adapter. Parameters,
-names and weights are untouched. The table, index and flag tensors are registered as
-non-persistent buffers, so torch.compile lifts them as graph inputs and CUDA graphs read their
-fixed addresses: the runtime updates them in place. With steering disabled nothing is installed.
+A hooked module (the decoder layer itself for pre_attn / post_mlp, a fused add+norm for
+post_attn) gets its class swapped for a cached subclass whose forward runs, per site and in this
+order: ``capture_rows_`` (reads the pristine stream ``a + b``) then ``apply_steering_`` (adds
+``table[index]`` in place). Parameters, names and weights are untouched. Tables, index, flags,
+capture pool and plans are registered as non-persistent buffers: torch.compile lifts them as
+graph inputs and CUDA graphs read fixed addresses, which the runtime updates in place. Which
+sites exist is a class attribute, so the traced graph holds exactly those ops and nothing else.
 """
 
 from __future__ import annotations
@@ -13,39 +15,50 @@ import torch.nn as nn
 
 from vllm_steer.hooks import HookPoint
 from vllm_steer.kernels.apply_steering import op as steer_op
-from vllm_steer.models import HookSite, UnsupportedModelError, adapter_for_layer
+from vllm_steer.kernels.capture_rows import op as capture_op
+from vllm_steer.models import UnsupportedModelError, adapter_for_layer
 from vllm_steer.runtime.tables import SteeringTables
 
-_BUF_TABLE, _BUF_INDEX, _BUF_ACTIVE = "_steer_table", "_steer_index", "_steer_active"
-_STEERED_CLASSES: dict[tuple[type, str], type] = {}
+_STEERED_CLASSES: dict[tuple, type] = {}
 
 
-def _forward_residual_in(self, x, residual=None, *args, **kwargs):
-    target = x if residual is None else residual
-    steer_op.apply_steering_(target, self._steer_table, self._steer_index, self._steer_active)
-    return self._steer_base.forward(self, x, residual, *args, **kwargs)
+def _site(self, hook: str, a, b, steer_target):
+    """Capture then steer one hook point (both optional, fixed per class)."""
+    if hook in self._vs_capture:
+        capture_op.capture_rows_(self.vs_capture_pool, a, b, getattr(self, f"vs_{hook}_plan"))
+    if hook in self._vs_steer:
+        steer_op.apply_steering_(
+            steer_target, getattr(self, f"vs_{hook}_table"), self.vs_index, getattr(self, f"vs_{hook}_active")
+        )
 
 
-def _forward_input(self, x, *args, **kwargs):
-    steer_op.apply_steering_(x, self._steer_table, self._steer_index, self._steer_active)
-    return self._steer_base.forward(self, x, *args, **kwargs)
-
-
-def _forward_output(self, *args, **kwargs):
-    out = self._steer_base.forward(self, *args, **kwargs)
-    steer_op.apply_steering_(out, self._steer_table, self._steer_index, self._steer_active)
+def _forward_layer(self, positions, hidden_states, residual, *args, **kwargs):
+    if "pre_attn" in self._vs_hooks:
+        target = hidden_states if residual is None else residual
+        _site(self, "pre_attn", hidden_states, residual, target)
+    out = self._vs_base.forward(self, positions, hidden_states, residual, *args, **kwargs)
+    if "post_mlp" in self._vs_hooks:
+        h, r = out
+        _site(self, "post_mlp", h, r, h)
     return out
 
 
-_FORWARDS = {"residual_in": _forward_residual_in, "input": _forward_input, "output": _forward_output}
+def _forward_norm_input(self, x, residual=None, *args, **kwargs):
+    _site(self, "post_attn", x, residual, x)
+    return self._vs_base.forward(self, x, residual, *args, **kwargs)
 
 
-def steered_class(base: type, side: str) -> type:
-    """The (cached) subclass of ``base`` that steers on ``side``."""
-    key = (base, side)
+_FORWARDS = {"layer": _forward_layer, "norm_input": _forward_norm_input}
+
+
+def hooked_class(base: type, kind: str, steer: tuple[str, ...], capture: tuple[str, ...]) -> type:
+    """The (cached) subclass of ``base`` that captures/steers the given hooks."""
+    key = (base, kind, steer, capture)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
-        cls = type(f"Steered{base.__name__}", (base,), {"forward": _FORWARDS[side], "_steer_base": base})
+        attrs = {"forward": _FORWARDS[kind], "_vs_base": base, "_vs_steer": steer, "_vs_capture": capture,
+                 "_vs_hooks": tuple(sorted(set(steer) | set(capture)))}
+        cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
 
@@ -68,32 +81,43 @@ def num_decoder_layers(model: nn.Module) -> int:
     return len(model.model.layers)
 
 
-def install_steering(
-    model: nn.Module, tables: SteeringTables, hooked_layers: dict[str, list[int]]
-) -> int:
-    """Install the op at every (hook, layer) of ``hooked_layers``; returns how many were installed."""
+def install_steering(model: nn.Module, tables: SteeringTables, hooked_layers: dict[str, list[int]],
+                     capture: object | None = None) -> int:
+    """Install the ops at every (hook, layer) of ``hooked_layers``; returns how many sites.
+
+    ``capture`` (a CaptureBuffers) adds a capture op at every site too."""
     layers = dict(find_decoder_layers(model))
-    installed = 0
+    plan: dict[tuple[nn.Module, str], dict[str, list[str]]] = {}
     for hook, layer_ids in hooked_layers.items():
         for layer_id in layer_ids:
             layer = layers.get(layer_id)
             if layer is None:
                 continue
-            site: HookSite = adapter_for_layer(layer).sites[HookPoint(hook)]
-            sub = getattr(layer, site.attr)
-            if hasattr(sub, "_steer_base"):
-                raise RuntimeError(f"layer {layer_id}.{site.attr} is already steered")
+            site = adapter_for_layer(layer).sites[HookPoint(hook)]
+            module = getattr(layer, site.attr) if site.attr else layer
+            kind = "layer" if not site.attr else site.side
+            entry = plan.setdefault((module, kind), {"steer": [], "capture": [], "layer": layer_id})
+            entry["steer"].append(hook)
+            if capture is not None:
+                entry["capture"].append(hook)
+    for (module, kind), entry in plan.items():
+        if hasattr(type(module), "_vs_base"):
+            raise RuntimeError(f"{type(module).__name__} is already steered")
+        layer_id = entry["layer"]
+        module.__class__ = hooked_class(type(module), kind, tuple(entry["steer"]), tuple(entry["capture"]))
+        module.register_buffer("vs_index", tables.index, persistent=False)
+        for hook in entry["steer"]:
             table, active = tables.layer_views(hook, layer_id)
-            sub.__class__ = steered_class(type(sub), site.side)
-            sub.register_buffer(_BUF_TABLE, table, persistent=False)
-            sub.register_buffer(_BUF_INDEX, tables.index, persistent=False)
-            sub.register_buffer(_BUF_ACTIVE, active, persistent=False)
-            installed += 1
+            module.register_buffer(f"vs_{hook}_table", table, persistent=False)
+            module.register_buffer(f"vs_{hook}_active", active, persistent=False)
+        if entry["capture"]:
+            module.register_buffer("vs_capture_pool", capture.pool, persistent=False)
+            for hook in entry["capture"]:
+                module.register_buffer(f"vs_{hook}_plan", capture.plan_view(hook, layer_id), persistent=False)
     steer_op.register()
-    return installed
+    capture_op.register()
+    return sum(len(e["steer"]) for e in plan.values())
 
 
 def steered_submodules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(type(m), "_steer_base")]
-
-
+    return [m for m in model.modules() if hasattr(type(m), "_vs_base")]

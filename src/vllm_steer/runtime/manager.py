@@ -19,7 +19,8 @@ from vllm_steer.config import SteerConfig, steer_config_of
 from vllm_steer.hooks import HOOK_NAMES
 from vllm_steer.hashing import config_hash
 from vllm_steer.payload import PAYLOAD_KEY, EngineSteering, HookVectors, decode_payload, hook_vectors
-from vllm_steer.runtime.install import find_decoder_layers, install_steering
+from vllm_steer.runtime.capture import CaptureRuntime
+from vllm_steer.runtime.install import find_decoder_layers, install_steering, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.tables import SteeringTables
@@ -59,7 +60,14 @@ class SteeringRuntime:
         )
         self.rows = RowAllocator(cfg.max_configs)
         self.modules = WorkerModules()
-        self.num_ops = install_steering(model, self.tables, self.hooked_layers)
+        self.capture: CaptureRuntime | None = None
+        if cfg.capture:
+            sites = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
+            self.capture = CaptureRuntime(cfg, sites, num_decoder_layers(model), max_num_tokens,
+                                          hidden_size, dtype, device, rank=_rank())
+        self.num_ops = install_steering(
+            model, self.tables, self.hooked_layers, self.capture.buffers if self.capture else None
+        )
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
         self.preemptions_seen = 0  # requests the scheduler preempted (their steering must survive)
@@ -75,10 +83,13 @@ class SteeringRuntime:
         return bool(self._held)
 
     # ---- control plane: requests come and go -------------------------------------------
-    def add_request(self, req_id: str, extra_args: dict | None) -> tuple[int, int]:
+    def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int = 0) -> tuple[int, int]:
         """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row)."""
         payload = (extra_args or {}).get(PAYLOAD_KEY)
-        if not payload:
+        if self.capture is not None:
+            meta = {"external_id": payload.get("external_id")} if payload else {}
+            self.capture.add_request(req_id, payload.get("capture") if payload else None, prompt_len, meta)
+        if not payload or (payload["prefill"] is None and payload["decode"] is None):
             return (0, 0)
         if req_id in self._held:  # re-added (streaming input): drop the old state first
             self.remove_request(req_id)
@@ -195,6 +206,12 @@ class SteeringRuntime:
             src = src.pin_memory()
         self.tables.index[:extent].copy_(src, non_blocking=True)
         self._index_extent = n
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def build_runtime(runner: object) -> SteeringRuntime | None:

@@ -6,7 +6,8 @@ The V1 runner is vLLM 0.26's runner on CPU (V2 needs Triton on a GPU) and on GPU
   install the ops before the first forward (the profile run that triggers torch.compile).
 - ``_update_states``: release rows of finished requests, acquire rows of new ones. Preempted
   requests keep their rows (V1 keeps their state and resumes them as cached requests).
-- ``_prepare_inputs``: write the token -> row index for the persistent batch's order.
+- ``_prepare_inputs``: write the token -> row index (and the capture plan) in the batch's order.
+- ``execute_model``: after the forward is enqueued, hand captured rows to the dispatch thread.
 Why: vLLM has no per-request worker hook for plugins. Remove when it does.
 """
 
@@ -44,11 +45,13 @@ def patch_v1_runner() -> None:
             return orig_update(self, scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             rt.remove_request(req_id)
+            if rt.capture is not None:
+                rt.capture.finish_request(req_id)
         rt.preemptions_seen += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         result = orig_update(self, scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             sp = new_req.sampling_params
-            rt.add_request(new_req.req_id, sp.extra_args if sp is not None else None)
+            rt.add_request(new_req.req_id, sp.extra_args if sp is not None else None, len(new_req.prompt_token_ids or ()))
         return result
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
@@ -62,8 +65,20 @@ def patch_v1_runner() -> None:
                 batch.num_computed_tokens_cpu[:n],
                 batch.num_prompt_tokens[:n],
             )
+            if rt.capture is not None and rt.capture.active:
+                rt.capture.plan_step(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
         return orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+    orig_execute = GPUModelRunner.execute_model
+
+    def execute_model(self, *args, **kwargs):
+        out = orig_execute(self, *args, **kwargs)
+        rt = getattr(self, "steer_runtime", None)
+        if rt is not None and rt.capture is not None:
+            rt.capture.after_forward()
+        return out
 
     _update_states._vllm_steer = True  # type: ignore[attr-defined]
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.execute_model = execute_model

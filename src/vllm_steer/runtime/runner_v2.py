@@ -28,7 +28,7 @@ def _steered_model_state_class(base: type) -> type:
         sp = new_req_data.sampling_params
         rt = self._steer_runtime
         self._steer_slot_rows[req_index] = rt.add_request(
-            new_req_data.req_id, sp.extra_args if sp is not None else None
+            new_req_data.req_id, sp.extra_args if sp is not None else None, len(new_req_data.prompt_token_ids or ())
         )
         self._steer_slot_of[new_req_data.req_id] = req_index
 
@@ -48,6 +48,8 @@ def _steered_model_state_class(base: type) -> type:
             input_batch.num_computed_tokens_np,
             req_states.prompt_len.np[idx],
         )
+        if rt.capture is not None and rt.capture.active:
+            rt.capture.plan_step(input_batch.req_ids, input_batch.num_scheduled_tokens, input_batch.num_computed_tokens_np)
         return base.prepare_inputs(self, input_batch, req_states)
 
     cls = type(
@@ -85,3 +87,21 @@ def patch_v2_runner() -> None:
 
     load_model._vllm_steer = True  # type: ignore[attr-defined]
     GPUModelRunner.load_model = load_model
+    orig_finish, orig_execute = GPUModelRunner.finish_requests, GPUModelRunner.execute_model
+
+    def finish_requests(self, scheduler_output):
+        rt = getattr(self, "steer_runtime", None)
+        if rt is not None and rt.capture is not None:
+            for req_id in scheduler_output.finished_req_ids:  # finished, not merely preempted
+                rt.capture.finish_request(req_id)
+        return orig_finish(self, scheduler_output)
+
+    def execute_model(self, *args, **kwargs):
+        out = orig_execute(self, *args, **kwargs)
+        rt = getattr(self, "steer_runtime", None)
+        if rt is not None and rt.capture is not None:
+            rt.capture.after_forward()
+        return out
+
+    GPUModelRunner.finish_requests = finish_requests
+    GPUModelRunner.execute_model = execute_model

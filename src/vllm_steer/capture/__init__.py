@@ -1,0 +1,1 @@
+"""Activation capture: read the residual stream at hook points and route it to consumer plugins."""

@@ -1,0 +1,71 @@
+"""The capture-consumer contract and its discovery through the ``vllm.capture_consumers`` entry points.
+
+A consumer class (advertised as ``name = "package.module:Class"``) declares ``location``:
+``"worker"`` (an instance runs in every worker, on that rank's chunks) or ``"driver"`` (one
+instance, on the first rank, whose ``on_request_finished`` may return a JSON-able per-request
+result that comes back with the request's output). Consumers run on a dispatch thread, never on
+the engine's step; exceptions are caught and counted.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+GROUP = "vllm.capture_consumers"
+
+
+@runtime_checkable
+class CaptureConsumer(Protocol):
+    location: ClassVar[str]  # "worker" | "driver"
+    global_spec: dict | None  # captured for every request when set (after __init__)
+
+    def __init__(self, instance: str, **params: Any) -> None: ...
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> None:
+        """Raise ValueError on a bad per-request spec's consumer-specific keys."""
+
+    def on_rows(self, request_id: str, layer: int, hook: str, positions: np.ndarray, rows: np.ndarray,
+                meta: dict[str, Any]) -> None:
+        """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``."""
+
+    def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
+        """All rows of the request were delivered. Driver consumers may return a result."""
+
+    def close(self) -> None: ...
+
+
+class BaseConsumer:
+    """Convenience base: no global spec, no params check, nothing to do on finish."""
+
+    location: ClassVar[str] = "worker"
+
+    def __init__(self, instance: str, **params: Any) -> None:
+        self.instance = instance
+        self.params = params
+        self.global_spec = params.pop("global_spec", None)
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> None:
+        return None
+
+    def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def consumer_class(name: str) -> type:
+    """The class advertised as ``name`` in the ``vllm.capture_consumers`` group."""
+    found = [ep for ep in entry_points(group=GROUP) if ep.name == name]
+    if not found:
+        available = sorted(ep.name for ep in entry_points(group=GROUP))
+        raise ValueError(f"no capture consumer named {name!r} (installed: {available})")
+    cls = found[0].load()
+    if getattr(cls, "location", None) not in ("worker", "driver"):
+        raise ValueError(f"capture consumer {name!r} must declare location = 'worker' or 'driver'")
+    return cls

@@ -1,0 +1,240 @@
+"""Worker-side capture: per-step plans, the device pool, and the dispatch thread to consumers.
+
+Per step (host, only while some request captures): for each capturing request of the batch, the
+positions each consumer wants at each (hook, layer) site become pool rows; rows wanted by several
+consumers are gathered once and carry a bitmask of them. The plan (token -> pool row, per site)
+goes to the device in one non-blocking copy; the capture op fills the pool inside the forward.
+After the forward, the used rows are copied to host (non-blocking, then an event) and handed to
+a dispatch thread that waits on the event and calls consumers. A full queue drops the packet
+(counted), a raising consumer is counted; neither stalls nor kills the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_steer.capture.consumer import consumer_class
+from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
+from vllm_steer.config import SteerConfig
+
+logger = logging.getLogger("vllm.steer.capture")
+
+
+class CaptureBuffers:
+    """Device pool ``[max_rows, D]`` and per-site plans ``[n_sites, max_tokens]`` (int32, -1 = none)."""
+
+    def __init__(self, sites: list[tuple[str, int]], max_rows: int, max_tokens: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.site_index = {s: i for i, s in enumerate(sites)}
+        self.pool = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
+        self.plan = torch.full((len(sites), max_tokens), -1, dtype=torch.int32, device=device)
+        self.plan_host = np.full((len(sites), max_tokens), -1, dtype=np.int32)
+        self.max_rows = max_rows
+
+    def plan_view(self, hook: str, layer: int) -> torch.Tensor:
+        return self.plan[self.site_index[(hook, layer)]]
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    specs: dict[int, CaptureSpec]  # consumer bit -> spec
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Entry:
+    request_id: str
+    layer: int
+    hook: str
+    positions: np.ndarray
+    row0: int
+    masks: np.ndarray  # consumer bitmask per row
+
+
+class CaptureRuntime:
+    def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
+                 hidden: int, dtype: torch.dtype, device: torch.device, rank: int = 0) -> None:
+        self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device)
+        self.num_layers = num_layers
+        self.hooks = tuple(cfg.hooks)
+        self.consumers: dict[int, tuple[str, Any]] = {}  # bit -> (instance, consumer)
+        self.bit_of: dict[str, int] = {}
+        self.global_specs: dict[int, CaptureSpec] = {}
+        for i, c in enumerate(cfg.capture):
+            cls = consumer_class(c.name)
+            if cls.location == "driver" and rank != 0:
+                continue
+            consumer = cls(c.instance_name, **c.params)
+            bit = 1 << i
+            self.consumers[bit] = (c.instance_name, consumer)
+            self.bit_of[c.instance_name] = bit
+            if getattr(consumer, "global_spec", None):
+                self.global_specs[bit] = parse_capture_spec(c.instance_name, consumer.global_spec, num_layers, self.hooks)
+        self._requests: dict[str, _Request] = {}
+        self._plan_dirty: list[int] = []  # site rows of plan_host set last step
+        self._pending: list[_Entry] = []
+        self._rows_used = 0
+        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "consumer_errors": 0}
+        self.results: dict[str, dict[str, Any]] = {}
+        self._finished: set[str] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=256)
+        self._thread = threading.Thread(target=self._dispatch_loop, name="vllm-steer-capture", daemon=True)
+        self._thread.start()
+
+    # ---- control plane -----------------------------------------------------------------
+    def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None) -> None:
+        specs = dict(self.global_specs)
+        for instance, raw in (capture or {}).items():
+            bit = self.bit_of.get(instance)
+            if bit is not None:  # a driver instance lives on rank 0 only
+                specs[bit] = parse_capture_spec(instance, raw, self.num_layers, self.hooks)
+        if specs:
+            self._requests[request_id] = _Request(prompt_len, specs, meta or {})
+            self._finished.discard(request_id)
+
+    def finish_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and request_id not in self._finished:
+            self._finished.add(request_id)
+            self._put(("finish", request_id, {**req.meta, "prompt_len": req.prompt_len}))
+
+    @property
+    def active(self) -> bool:
+        return bool(self._requests) or bool(self._plan_dirty)
+
+    # ---- data plane: plan before the forward, hand off after it --------------------------
+    def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
+        host, bufs = self.buffers.plan_host, self.buffers
+        for s in self._plan_dirty:
+            host[s, :] = -1
+        dirty: list[int] = []
+        entries: list[_Entry] = []
+        row = 0
+        offset = 0
+        for i, rid in enumerate(req_ids):
+            n = int(num_scheduled[i])
+            req = self._requests.get(rid)
+            if req is not None and n:
+                positions = int(num_computed[i]) + np.arange(n)
+                per_site: dict[tuple[str, int], np.ndarray] = {}
+                for bit, spec in req.specs.items():
+                    sel = spec.select(positions, req.prompt_len)
+                    if not sel.any():
+                        continue
+                    for hook in spec.hooks:
+                        for layer in spec.layers:
+                            if (hook, layer) in bufs.site_index:
+                                m = per_site.setdefault((hook, layer), np.zeros(n, dtype=np.int64))
+                                m[sel] |= bit
+                for (hook, layer), masks in per_site.items():
+                    toks = np.flatnonzero(masks)
+                    k = min(len(toks), bufs.max_rows - row)
+                    if k < len(toks):
+                        self.stats["dropped_rows"] += len(toks) - k
+                    if k == 0:
+                        continue
+                    s = bufs.site_index[(hook, layer)]
+                    host[s, offset + toks[:k]] = np.arange(row, row + k, dtype=np.int32)
+                    dirty.append(s)
+                    entries.append(_Entry(rid, layer, hook, positions[toks[:k]], row, masks[toks[:k]]))
+                    row += k
+            offset += n
+        if dirty or self._plan_dirty:
+            src = torch.from_numpy(host)
+            if bufs.plan.is_cuda:
+                src = src.pin_memory()
+            bufs.plan.copy_(src, non_blocking=True)
+        self._plan_dirty = sorted(set(dirty))
+        self._pending, self._rows_used = entries, row
+
+    def after_forward(self) -> None:
+        """Hand the rows this step captured to the dispatch thread (no device sync here)."""
+        if not self._pending:
+            return
+        rows = self.buffers.pool[: self._rows_used]
+        event = None
+        if rows.is_cuda:
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = rows.clone()
+        self.stats["rows"] += self._rows_used
+        self._put(("rows", event, host, self._pending))
+        self._pending = []
+
+    # ---- dispatch thread ---------------------------------------------------------------
+    def _put(self, packet: tuple) -> None:
+        try:
+            self._queue.put_nowait(packet)
+        except queue.Full:
+            self.stats["dropped_packets"] += 1
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            packet = self._queue.get()
+            try:
+                if packet[0] == "rows":
+                    self._deliver_rows(*packet[1:])
+                else:
+                    self._deliver_finish(*packet[1:])
+            except Exception:  # never let a consumer take the engine down
+                self.stats["consumer_errors"] += 1
+                logger.exception("vllm-steer: capture dispatch failed")
+            finally:
+                self._queue.task_done()
+
+    def _deliver_rows(self, event: Any, host: torch.Tensor, entries: list[_Entry]) -> None:
+        if event is not None:
+            event.synchronize()
+        data = (host.float() if host.dtype == torch.bfloat16 else host).numpy()
+        for e in entries:
+            block = data[e.row0 : e.row0 + len(e.positions)]
+            for bit, (instance, consumer) in self.consumers.items():
+                take = (e.masks & bit) != 0
+                if not take.any():
+                    continue
+                try:
+                    consumer.on_rows(e.request_id, e.layer, e.hook, e.positions[take], block[take], {})
+                except Exception:
+                    self.stats["consumer_errors"] += 1
+                    logger.exception("vllm-steer: capture consumer %s raised in on_rows", instance)
+
+    def _deliver_finish(self, request_id: str, meta: dict) -> None:
+        results = {}
+        for bit, (instance, consumer) in self.consumers.items():
+            try:
+                out = consumer.on_request_finished(request_id, meta)
+            except Exception:
+                self.stats["consumer_errors"] += 1
+                logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", instance)
+                continue
+            if out is not None:
+                results[instance] = out
+        if results:
+            self.results[request_id] = results
+
+    def collect_results(self, request_ids: list[str], timeout: float = 30.0) -> dict[str, dict]:
+        """Finish (publish) the given requests, which the caller knows are done, wait until every
+        consumer has seen them, and return driver results by the ids given (engine or external)."""
+        internal = {rid: rid for rid in request_ids}
+        for rid, req in self._requests.items():
+            ext = req.meta.get("external_id")
+            if ext in internal:
+                internal[ext] = rid
+        for rid in internal.values():
+            self.finish_request(rid)
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True)
+        waiter.start()
+        done.wait(timeout)
+        return {given: self.results.pop(rid) for given, rid in internal.items() if rid in self.results}

@@ -1,0 +1,101 @@
+"""Activation capture on real SmolLM2 (float32, CPU lane): the filesystem consumer's files match
+transformers' hidden states at every hook, steering does not change what its own hook captures,
+and a bad capture spec is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests import hf_oracle
+from tests.engine_job import run_job
+from tests.steering_cases import floats, params, vector
+from vllm_steer.capture.filesystem import load_request
+
+HIDDEN, LAYERS = 576, 30
+PROMPT = "The robot looked at the sea and"
+ALL = {"layers": "all", "hooks": "all", "positions": "all_prompt"}
+
+
+@pytest.fixture(scope="module")
+def capture_run(smollm2_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("captures")
+    _, tok = hf_oracle.load(smollm2_path)
+    ids = tok(PROMPT)["input_ids"]
+    steer = floats("post_mlp", 10, vector(HIDDEN, 5, 60.0))
+    steer["pre_attn"] = floats("pre_attn", 20, vector(HIDDEN, 6, 60.0))["pre_attn"]
+    reqs = [params(4, capture={"fs": ALL}),
+            params(4, capture={"fs": ALL}, steering_vectors=steer),
+            params(6, capture={"fs": {"layers": [3], "hooks": ["post_attn"], "positions": "all_generated"}})]
+    job = {"model": smollm2_path,
+           "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "distributed_executor_backend": "uni",
+                          "additional_config": {"steer": {"max_configs": 4, "capture": [
+                              {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
+                              "logging"]}}},
+           "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs],
+           "rpc_after": ["vllm_steer_status"], "collect_capture": True}
+    res = run_job(job, tmp_path_factory.mktemp("capjob"))
+    return root, ids, [c[0] for c in res["calls"]], res
+
+
+@torch.no_grad()
+def hf_streams(path: str, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
+    """Reference residual streams from transformers: output_hidden_states for pre_attn/post_mlp,
+    and layer input + attention output (forward hooks) for post_attn."""
+    model, _ = hf_oracle.load(path)
+    layer_in, attn_out, handles = {}, {}, []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, k, i=i: layer_in.__setitem__(i, (a[0] if a else k["hidden_states"])[0].clone()), with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(lambda m, a, o, i=i: attn_out.__setitem__(i, o[0][0].clone())))
+    layer_out = {}
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: layer_out.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].clone())))
+    try:
+        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for i in range(len(model.model.layers)):
+        out[(i, "pre_attn")] = hs[i][0].numpy()
+        out[(i, "post_attn")] = (layer_in[i] + attn_out[i]).numpy()
+        out[(i, "post_mlp")] = (hs[i + 1][0] if i + 1 < len(model.model.layers) else layer_out[i]).numpy()
+    return out
+
+
+def test_captured_residuals_match_transformers_at_every_hook(capture_run, smollm2_path):
+    root, ids, results, _ = capture_run
+    got = load_request(str(root), results[0]["request_id"])
+    ref = hf_streams(smollm2_path, ids)
+    assert len(got) == LAYERS * 3
+    for key, (positions, rows) in got.items():
+        np.testing.assert_array_equal(positions, np.arange(len(ids)))
+        np.testing.assert_allclose(rows, ref[key], rtol=1e-4, atol=2e-3, err_msg=str(key))
+
+
+def test_steering_does_not_change_its_own_hook_or_upstream_capture(capture_run):
+    root, _, results, _ = capture_run
+    plain = load_request(str(root), results[0]["request_id"])
+    steered = load_request(str(root), results[1]["request_id"])
+    assert results[1]["token_ids"] != results[0]["token_ids"]
+    # steered at post_mlp of layer 10 and pre_attn of layer 20: those sites and everything before
+    # them read the pristine stream; the stream after a steered site differs
+    for layer in range(11):  # up to and including the steered site (10, post_mlp)
+        for hook in ("pre_attn", "post_attn", "post_mlp"):
+            np.testing.assert_array_equal(plain[(layer, hook)][1], steered[(layer, hook)][1], err_msg=f"{layer} {hook}")
+    assert not np.array_equal(plain[(11, "pre_attn")][1], steered[(11, "pre_attn")][1])
+
+
+def test_generated_positions_and_selected_sites_only(capture_run):
+    root, ids, results, res = capture_run
+    got = load_request(str(root), results[2]["request_id"])
+    assert list(got) == [(3, "post_attn")]
+    positions, rows = got[(3, "post_attn")]
+    # 6 generated tokens; the last one is sampled but never fed back, so 5 residual rows
+    np.testing.assert_array_equal(positions, np.arange(len(ids), len(ids) + 5))
+    assert rows.shape == (5, HIDDEN)
+    (worker,) = res["rpc_after"]["vllm_steer_status"]
+    assert worker["capture"]["consumer_errors"] == 0 and worker["capture"]["dropped_rows"] == 0
