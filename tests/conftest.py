@@ -34,10 +34,36 @@ API_KEY = "sekret"  # steer.api_key of the shared API server
 PRELOAD_LAYER = 5
 
 
+PROBE_SEED, PROBE_LAYER = 3, 20
+
+
 @pytest.fixture(scope="session")
-def api_server(smollm2_path, tmp_path_factory):
-    """One OpenAI server (SmolLM2, float32, multi-process) for the request-API and module tests,
-    with a byte cap, a module API key and a module preloaded from a safetensors file."""
+def probe_plugin():
+    """Install the example third-party consumer package (plugins/vllm-steer-probe) like a user
+    would, so the tests prove discovery through its entry points."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = str(Path(__file__).resolve().parent.parent / "plugins" / "vllm-steer-probe")
+    pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
+    if pip.returncode == 0:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", pkg]
+    else:
+        cmd = [shutil.which("uv") or "uv", "pip", "install", "-q", "-p", sys.executable, "--no-deps", "-e", pkg]
+    subprocess.run(cmd, check=True)
+    import importlib
+
+    importlib.invalidate_caches()
+    return pkg
+
+
+@pytest.fixture(scope="session")
+def api_server(smollm2_path, probe_plugin, tmp_path_factory):
+    """One OpenAI server (SmolLM2, float32, multi-process) for the request-API, module and capture
+    tests: a byte cap, a module API key, a module preloaded from a safetensors file, and capture
+    consumers (the example probe with a global spec, a raising one, the filesystem one)."""
     import json
 
     import numpy as np
@@ -48,8 +74,11 @@ def api_server(smollm2_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("api")
     vec = np.linspace(-1, 1, 576, dtype=np.float32) * 30
     save_file({f"post_mlp.{PRELOAD_LAYER}": vec}, str(d / "preloaded.safetensors"), metadata={"description": "from disk"})
+    probe = {"name": "probe", "params": {"dim": 576, "seed": PROBE_SEED, "global_spec": {
+        "layers": [PROBE_LAYER], "hooks": ["post_mlp"], "positions": "last_prompt"}}}
+    capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}]
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
-                                "modules": {"preloaded": str(d / "preloaded.safetensors")}}})
+                                "modules": {"preloaded": str(d / "preloaded.safetensors")}, "capture": capture}})
     log = d / "server.log"
     with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log) as (base, _):
-        yield base, smollm2_path, log
+        yield base, smollm2_path, log, d / "captures"

@@ -37,7 +37,9 @@ def run_job(job: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = No
     )
     if proc.returncode != 0 or not dst.exists():
         raise RuntimeError(f"engine job failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return pickle.loads(dst.read_bytes())
+    result = pickle.loads(dst.read_bytes())
+    result["log"] = proc.stdout + proc.stderr
+    return result
 
 
 def _output_record(out: Any) -> dict:

@@ -19,20 +19,21 @@ ALL = {"layers": "all", "hooks": "all", "positions": "all_prompt"}
 
 
 @pytest.fixture(scope="module")
-def capture_run(smollm2_path, tmp_path_factory):
+def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
     root = tmp_path_factory.mktemp("captures")
     _, tok = hf_oracle.load(smollm2_path)
     ids = tok(PROMPT)["input_ids"]
     steer = floats("post_mlp", 10, vector(HIDDEN, 5, 60.0))
     steer["pre_attn"] = floats("pre_attn", 20, vector(HIDDEN, 6, 60.0))["pre_attn"]
-    reqs = [params(4, capture={"fs": ALL}),
+    reqs = [params(4, capture={"fs": ALL, "logging": ALL}),
             params(4, capture={"fs": ALL}, steering_vectors=steer),
-            params(6, capture={"fs": {"layers": [3], "hooks": ["post_attn"], "positions": "all_generated"}})]
+            params(6, capture={"fs": {"layers": [3], "hooks": ["post_attn"], "positions": "all_generated"},
+                               "probe": {"layers": [20], "hooks": ["post_mlp"], "positions": "last_prompt"}})]
     job = {"model": smollm2_path,
            "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "distributed_executor_backend": "uni",
                           "additional_config": {"steer": {"max_configs": 4, "capture": [
                               {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
-                              "logging"]}}},
+                              "logging", "probe:dim=576,seed=3"]}}},
            "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs],
            "rpc_after": ["vllm_steer_status"], "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
@@ -99,3 +100,26 @@ def test_generated_positions_and_selected_sites_only(capture_run):
     assert rows.shape == (5, HIDDEN)
     (worker,) = res["rpc_after"]["vllm_steer_status"]
     assert worker["capture"]["consumer_errors"] == 0 and worker["capture"]["dropped_rows"] == 0
+
+
+def test_rows_wanted_by_two_consumers_are_gathered_once_and_logged(capture_run):
+    _, ids, results, res = capture_run
+    (worker,) = res["rpc_after"]["vllm_steer_status"]
+    n = len(ids)
+    # request 0: fs + logging want the same 90 sites x n prompt tokens; request 1: fs, the same;
+    # request 2: 5 generated rows for fs + 1 row for the probe
+    assert worker["capture"]["rows"] == 90 * n + 90 * n + 5 + 1
+    assert f"vllm-steer capture logging: request {results[0]['request_id']}" in res["log"]
+
+
+def test_driver_result_comes_back_in_the_python_output_and_sidecars_describe_the_files(capture_run, smollm2_path):
+    root, ids, results, _ = capture_run
+    assert set(results[2]["capture"]) == {"probe"} and results[2]["capture"]["probe"]["rows"] == 1
+    assert results[0]["capture"] == {}  # fs and logging return nothing
+    import json
+
+    d = next(p.parent for p in root.rglob("request.json") if json.loads(p.read_text())["external_id"] == results[0]["request_id"])
+    meta = json.loads((d / "request.json").read_text())
+    assert meta["prompt_len"] == len(ids)
+    side = json.loads((d / "3_post_attn.json").read_text())
+    assert side["dtype"] == "float32" and side["shape"] == [len(ids), HIDDEN] and side["positions"] == list(range(len(ids)))

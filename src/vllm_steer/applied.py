@@ -30,3 +30,10 @@ def record_applied(request_id: str, prefill_key: str | None, decode_key: str | N
     if holder is not None:
         holder["prefill"] = prefill_key
         holder["decode"] = decode_key
+
+
+def record_capture(request_id: str) -> None:
+    """The request captures: the response middleware collects driver results for it."""
+    holder = _HOLDER.get()
+    if holder is not None:
+        holder.setdefault("capture_ids", []).append(request_id)

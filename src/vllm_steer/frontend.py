@@ -47,6 +47,8 @@ class SteeringFrontend:
         mc = vllm_config.model_config
         self.dtype = mc.dtype
         cfg = self.cfg
+        # A consumer with a global spec captures every request: each needs a payload (its id).
+        self.captures_all = bool(cfg and any(c.params.get("global_spec") for c in cfg.capture))
         self.shape = ModelShape(
             num_layers=mc.hf_text_config.num_hidden_layers,
             hidden_size=mc.get_hidden_size(),
@@ -61,6 +63,8 @@ class SteeringFrontend:
             raise SteeringSpecError(PAYLOAD_KEY, "is reserved for vllm-steer's engine payload")
         fields = {k: extra_args[k] for k in REQUEST_FIELDS if k in extra_args}
         if not any(v is not None for v in fields.values()):
+            if self.captures_all:
+                return encode_payload(None, None, {}, self.dtype, capture={}), None, None
             return None, None, None
         if self.cfg is None:
             raise SteeringSpecError(
@@ -70,6 +74,8 @@ class SteeringFrontend:
             )
         spec = parse_spec(fields, self.shape)
         capture = self._capture(fields.get(CAPTURE_FIELD))
+        if capture is None and self.captures_all:
+            capture = {}
         module = None
         module_tiers = None
         scale = 1.0
@@ -114,7 +120,7 @@ class SteeringFrontend:
                     raise CaptureSpecError(f"{field}.layers: layer {bad[0]} has no capture site (steer.layers)")
                 consumer_class(configured[instance].name).validate_params(dict(spec.params))
             except CaptureSpecError as e:
-                raise SteeringSpecError(field, str(e).split(": ", 1)[-1]) from None
+                raise SteeringSpecError(e.field, e.reason) from None
             except ValueError as e:
                 raise SteeringSpecError(field, f"consumer {configured[instance].name!r}: {e}") from None
             out[instance] = spec_raw
@@ -125,7 +131,7 @@ class SteeringFrontend:
     ) -> tuple[dict | None, str | None, str | None]:
         """(extra_args with the steering fields replaced by the payload, prefill key, decode key)."""
         payload, pk, dk = self.resolve(extra_args)
-        if payload is not None and payload.get("capture") and request_id is not None:
+        if payload is not None and payload.get("capture") is not None and request_id is not None:
             payload["external_id"] = request_id  # vLLM suffixes the id later; consumers report both
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
         if payload is not None:
@@ -146,7 +152,7 @@ def patch_input_processor() -> None:
     from vllm import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_steer.applied import record_applied
+    from vllm_steer.applied import record_applied, record_capture
 
     if getattr(InputProcessor.process_inputs, "_vllm_steer", False):
         return
@@ -154,22 +160,27 @@ def patch_input_processor() -> None:
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         keys = None
+        captures = False
         extra = getattr(params, "extra_args", None)
-        if extra and isinstance(params, SamplingParams) and any(k in extra for k in _ALL_FIELDS):
-            frontend = self.__dict__.get("_steer_frontend")
-            if frontend is None:
-                frontend = self._steer_frontend = SteeringFrontend(self.vllm_config)
+        frontend = self.__dict__.get("_steer_frontend")
+        if frontend is None:
+            frontend = self._steer_frontend = SteeringFrontend(self.vllm_config)
+        asks = bool(extra) and any(k in extra for k in _ALL_FIELDS)
+        if isinstance(params, SamplingParams) and (asks or frontend.captures_all):
             # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
             # packed payload, not lists of floats. The caller's object is left untouched.
-            new_extra, pk, dk = frontend.engine_extra_args(extra, request_id)
+            new_extra, pk, dk = frontend.engine_extra_args(extra or {}, request_id)
             params = copy.copy(params)
             params.extra_args = new_extra
             keys = (pk, dk)
+            captures = (new_extra or {}).get(PAYLOAD_KEY, {}).get("capture") is not None
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if keys is not None and (keys[0] or keys[1]):
             if keys[0]:
                 request.cache_salt = salted(request.cache_salt, keys[0])
             record_applied(request.request_id, *keys)
+        if captures:
+            record_capture(request_id)
         return request
 
     process_inputs._vllm_steer = True  # type: ignore[attr-defined]

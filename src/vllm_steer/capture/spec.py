@@ -19,7 +19,15 @@ POSITION_MODES = ("all_prompt", "all_generated", "last_prompt", "all")
 
 
 class CaptureSpecError(ValueError):
-    """Invalid capture spec; the message names the consumer instance and the problem."""
+    """Invalid capture spec; the message starts with the field (``capture.<instance>...``)."""
+
+    @property
+    def field(self) -> str:
+        return str(self).split(": ", 1)[0]
+
+    @property
+    def reason(self) -> str:
+        return str(self).split(": ", 1)[-1]
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,8 @@ class CaptureRuntime:
         req = self._requests.pop(request_id, None)
         if req is not None and request_id not in self._finished:
             self._finished.add(request_id)
-            self._put(("finish", request_id, {**req.meta, "prompt_len": req.prompt_len}))
+            bits = sum(req.specs)  # only the consumers this request used hear of its end
+            self._put(("finish", request_id, {**req.meta, "prompt_len": req.prompt_len}, bits))
 
     @property
     def active(self) -> bool:
@@ -209,9 +210,11 @@ class CaptureRuntime:
                     self.stats["consumer_errors"] += 1
                     logger.exception("vllm-steer: capture consumer %s raised in on_rows", instance)
 
-    def _deliver_finish(self, request_id: str, meta: dict) -> None:
+    def _deliver_finish(self, request_id: str, meta: dict, bits: int) -> None:
         results = {}
         for bit, (instance, consumer) in self.consumers.items():
+            if not bits & bit:
+                continue
             try:
                 out = consumer.on_request_finished(request_id, meta)
             except Exception:
@@ -220,21 +223,18 @@ class CaptureRuntime:
                 continue
             if out is not None:
                 results[instance] = out
-        if results:
-            self.results[request_id] = results
+        if results:  # keyed by the id callers know (vLLM suffixes the external id internally)
+            self.results[meta.get("external_id") or request_id] = results
 
     def collect_results(self, request_ids: list[str], timeout: float = 30.0) -> dict[str, dict]:
         """Finish (publish) the given requests, which the caller knows are done, wait until every
         consumer has seen them, and return driver results by the ids given (engine or external)."""
-        internal = {rid: rid for rid in request_ids}
-        for rid, req in self._requests.items():
-            ext = req.meta.get("external_id")
-            if ext in internal:
-                internal[ext] = rid
-        for rid in internal.values():
-            self.finish_request(rid)
+        wanted = set(request_ids)
+        for rid, req in list(self._requests.items()):
+            if rid in wanted or req.meta.get("external_id") in wanted:
+                self.finish_request(rid)
         done = threading.Event()
         waiter = threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True)
         waiter.start()
         done.wait(timeout)
-        return {given: self.results.pop(rid) for given, rid in internal.items() if rid in self.results}
+        return {rid: self.results.pop(rid) for rid in request_ids if rid in self.results}

@@ -2,7 +2,8 @@
 steered requests (every SSE chunk when streaming), so a client can see that steering happened.
 
 A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.applied) and rewrites
-only responses whose holder was filled; everything else streams through untouched.
+only responses whose holder was filled; everything else streams through untouched. Non-streaming
+responses of capturing requests also get ``"capture"``: the driver consumers' per-request results.
 """
 
 from __future__ import annotations
@@ -16,9 +17,21 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _inject(obj: Any, applied: dict) -> Any:
-    if isinstance(obj, dict):
-        obj["steering"] = dict(applied)
+    if isinstance(obj, dict) and ("prefill" in applied or "decode" in applied):
+        obj["steering"] = {"prefill": applied.get("prefill"), "decode": applied.get("decode")}
     return obj
+
+
+async def _capture_results(scope: dict, ids: list[str]) -> dict:
+    """Driver consumers' results for finished requests, from the workers (collect publishes)."""
+    engine = getattr(scope["app"].state, "steer_engine_client", None)
+    if engine is None:
+        return {}
+    merged: dict[str, dict] = {}
+    for per_worker in await engine.collective_rpc("vllm_steer_capture_collect", args=(ids,)):
+        for rid, res in per_worker.items():
+            merged.setdefault(rid, {}).update(res)
+    return merged
 
 
 def _rewrite_sse(chunk: bytes, applied: dict) -> bytes:
@@ -54,8 +67,13 @@ class SteeringResponseMiddleware:
                 state["body"].append(message.get("body", b""))
                 if message.get("more_body"):
                     return
-                body = json.dumps(_inject(json.loads(b"".join(state["body"])), holder)).encode()
                 start = state["start"]
+                obj = _inject(json.loads(b"".join(state["body"])), holder)
+                ids = holder.get("capture_ids")
+                if ids and isinstance(obj, dict) and start.get("status", 200) == 200:
+                    results = await _capture_results(scope, ids)
+                    obj["capture"] = results.get(ids[0], {}) if len(ids) == 1 else results
+                body = json.dumps(obj).encode()
                 headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                 headers.append((b"content-length", str(len(body)).encode()))
                 await send({**start, "headers": headers})

@@ -1,0 +1,89 @@
+"""Capture over HTTP: a third-party driver consumer (plugins/vllm-steer-probe) found by entry point
+returns a per-request result in the OpenAI response that matches transformers; a bad capture spec
+is a 400; a consumer that raises leaves the server serving; filesystem captures of concurrent
+requests are each complete."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests import hf_oracle
+from tests.conftest import PROBE_LAYER, PROBE_SEED
+from vllm_steer.capture.filesystem import load_request
+
+PROMPT = "The capital of France is"
+
+
+def complete(base, model, **body):
+    return httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **body})
+
+
+def test_probe_result_comes_back_in_the_response_and_matches_transformers(api_server):
+    from vllm_steer_probe import probe_weights
+
+    base, model = api_server[0], api_server[1]
+    r = complete(base, model)
+    assert r.status_code == 200, r.text
+    got = r.json()["capture"]["probe"]
+    hf, tok = hf_oracle.load(model)
+    with torch.no_grad():
+        hs = hf(torch.tensor([tok(PROMPT)["input_ids"]]), output_hidden_states=True).hidden_states
+    h = hs[PROBE_LAYER + 1][0, -1].double().numpy()  # post_mlp of PROBE_LAYER at the last prompt token
+    logit = float(probe_weights(576, PROBE_SEED) @ h)
+    assert got["rows"] == 1
+    assert math.isclose(got["logit"], logit, rel_tol=1e-4, abs_tol=1e-3)
+    assert math.isclose(got["score"], 1 / (1 + math.exp(-logit)), rel_tol=1e-4, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("capture, words", [
+    ({"nope": {"layers": [1]}}, "capture.nope"),
+    ({"fs": {"layers": [99]}}, "capture.fs.layers"),
+    ({"fs": {"hooks": ["mid"]}}, "capture.fs.hooks"),
+    ({"fs": {"positions": "some"}}, "capture.fs.positions"),
+    ({"fs": {"layers": [1], "colour": "red"}}, "capture.fs"),
+    ({"probe": {"layers": [1], "threshold": 2}}, "capture.probe"),
+], ids=["unknown-instance", "layer-range", "hook", "positions", "fs-extra-key", "probe-extra-key"])
+def test_bad_capture_spec_is_a_400_naming_the_consumer(api_server, capture, words):
+    base, model = api_server[0], api_server[1]
+    r = complete(base, model, capture=capture)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    assert complete(base, model).status_code == 200
+
+
+def test_a_raising_consumer_is_counted_and_the_server_keeps_serving(api_server):
+    base, model = api_server[0], api_server[1]
+    for _ in range(2):
+        r = complete(base, model, capture={"explode": {"layers": [2], "hooks": ["pre_attn"]}})
+        assert r.status_code == 200
+    status = httpx.get(f"{base}/v1/steering", timeout=30).json()
+    assert status["workers"][0]["capture"]["consumer_errors"] >= 4  # on_rows + on_finish, twice
+    assert complete(base, model).status_code == 200
+
+
+def test_concurrent_requests_each_get_complete_files(api_server):
+    base, model, _, root = api_server
+    ids, errors = [], []
+
+    def run(i):
+        r = complete(base, model, prompt=f"{PROMPT} number {i}",
+                     capture={"fs": {"layers": [0, 7], "hooks": ["pre_attn", "post_mlp"], "positions": "all_prompt"}})
+        (ids if r.status_code == 200 else errors).append((i, r.json()["id"]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors and len(ids) == 8
+    for i, resp_id in ids:
+        got = load_request(str(root), f"{resp_id}-0")
+        assert sorted(got) == [(0, "post_mlp"), (0, "pre_attn"), (7, "post_mlp"), (7, "pre_attn")]
+        n = len(got[(0, "pre_attn")][0])
+        assert all(rows.shape == (n, 576) and np.isfinite(rows).all() for _, rows in got.values())
+    assert not list(root.rglob("*.tmp"))
