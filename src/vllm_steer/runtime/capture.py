@@ -86,6 +86,10 @@ class CaptureRuntime:
         self.results: dict[str, dict[str, Any]] = {}
         self._finished: set[str] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=256)
+        self._pinned_free: dict[int, list[torch.Tensor]] = {}
+        self._pinned_lock = threading.Lock()
+        self._copy_done: Any = None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = threading.Thread(target=self._dispatch_loop, name="vllm-steer-capture", daemon=True)
         self._thread.start()
 
@@ -148,6 +152,8 @@ class CaptureRuntime:
                     entries.append(_Entry(rid, layer, hook, positions[toks[:k]], row, masks[toks[:k]]))
                     row += k
             offset += n
+        if bufs.plan.is_cuda:
+            self.before_forward()
         if dirty or self._plan_dirty:
             src = torch.from_numpy(host)
             if bufs.plan.is_cuda:
@@ -157,21 +163,52 @@ class CaptureRuntime:
         self._pending, self._rows_used = entries, row
 
     def after_forward(self) -> None:
-        """Hand the rows this step captured to the dispatch thread (no device sync here)."""
+        """Hand the rows this step captured to the dispatch thread (no device sync here).
+
+        On a GPU the copy runs on a side stream into a leased pinned buffer: the side stream waits
+        for the forward (an event), the next step's compute waits for the copy (an event) before
+        its capture op overwrites the pool, and the dispatch thread waits for the copy's event."""
         if not self._pending:
             return
-        rows = self.buffers.pool[: self._rows_used]
+        n = self._rows_used
+        rows = self.buffers.pool[:n]
         event = None
         if rows.is_cuda:
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            forward_done = torch.cuda.Event()
+            forward_done.record()
+            host = self._lease(n)
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(forward_done)
+                host[:n].copy_(rows, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            self._copy_done = event
         else:
             host = rows.clone()
-        self.stats["rows"] += self._rows_used
+        self.stats["rows"] += n
         self._put(("rows", event, host, self._pending))
         self._pending = []
+
+    def before_forward(self) -> None:
+        """The forward may overwrite the pool only once the last copy out of it is done (GPU-side wait)."""
+        if self._copy_done is not None:
+            torch.cuda.current_stream().wait_event(self._copy_done)
+            self._copy_done = None
+
+    def _lease(self, n: int) -> torch.Tensor:
+        """A pinned host buffer of at least ``n`` rows, sized in 16-row steps, reused after delivery."""
+        cap = -(-n // 16) * 16
+        with self._pinned_lock:
+            free = self._pinned_free.get(cap)
+            if free:
+                return free.pop()
+        pool = self.buffers.pool
+        return torch.empty(cap, pool.shape[1], dtype=pool.dtype, pin_memory=True)
+
+    def _give_back(self, host: torch.Tensor) -> None:
+        if host.is_pinned():
+            with self._pinned_lock:
+                self._pinned_free.setdefault(host.shape[0], []).append(host)
 
     # ---- dispatch thread ---------------------------------------------------------------
     def _put(self, packet: tuple) -> None:
@@ -197,6 +234,12 @@ class CaptureRuntime:
     def _deliver_rows(self, event: Any, host: torch.Tensor, entries: list[_Entry]) -> None:
         if event is not None:
             event.synchronize()
+        try:
+            self._deliver_rows_synced(host, entries)
+        finally:
+            self._give_back(host)  # consumers got copies (boolean-mask indexing)
+
+    def _deliver_rows_synced(self, host: torch.Tensor, entries: list[_Entry]) -> None:
         data = (host.float() if host.dtype == torch.bfloat16 else host).numpy()
         for e in entries:
             block = data[e.row0 : e.row0 + len(e.positions)]
