@@ -117,7 +117,3 @@ def install_steering(model: nn.Module, tables: SteeringTables, hooked_layers: di
     steer_op.register()
     capture_op.register()
     return sum(len(e["steer"]) for e in plan.values())
-
-
-def steered_submodules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(type(m), "_vs_base")]

@@ -142,6 +142,16 @@ class SteeringRuntime:
                 torch.ops.vllm_steer.apply_steering_(hidden[:n], table, self.tables.index, flag)
         torch.cuda.synchronize(table.device)
 
+    def after_forward(self) -> None:
+        """Once the forward is enqueued: hand this step's captured rows to the consumers."""
+        if self.capture is not None:
+            self.capture.after_forward()
+
+    def finish_request(self, req_id: str) -> None:
+        """The request is done (not merely preempted): its captures can be published."""
+        if self.capture is not None:
+            self.capture.finish_request(req_id)
+
     # ---- named modules ----------------------------------------------------------------
     def module_users(self) -> dict[str, int]:
         users: dict[str, int] = {}

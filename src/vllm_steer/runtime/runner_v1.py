@@ -45,8 +45,7 @@ def patch_v1_runner() -> None:
             return orig_update(self, scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             rt.remove_request(req_id)
-            if rt.capture is not None:
-                rt.capture.finish_request(req_id)
+            rt.finish_request(req_id)
         rt.preemptions_seen += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         result = orig_update(self, scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
@@ -74,8 +73,8 @@ def patch_v1_runner() -> None:
     def execute_model(self, *args, **kwargs):
         out = orig_execute(self, *args, **kwargs)
         rt = getattr(self, "steer_runtime", None)
-        if rt is not None and rt.capture is not None:
-            rt.capture.after_forward()
+        if rt is not None:
+            rt.after_forward()
         return out
 
     _update_states._vllm_steer = True  # type: ignore[attr-defined]

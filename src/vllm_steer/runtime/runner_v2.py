@@ -91,16 +91,16 @@ def patch_v2_runner() -> None:
 
     def finish_requests(self, scheduler_output):
         rt = getattr(self, "steer_runtime", None)
-        if rt is not None and rt.capture is not None:
+        if rt is not None:
             for req_id in scheduler_output.finished_req_ids:  # finished, not merely preempted
-                rt.capture.finish_request(req_id)
+                rt.finish_request(req_id)
         return orig_finish(self, scheduler_output)
 
     def execute_model(self, *args, **kwargs):
         out = orig_execute(self, *args, **kwargs)
         rt = getattr(self, "steer_runtime", None)
-        if rt is not None and rt.capture is not None:
-            rt.capture.after_forward()
+        if rt is not None:
+            rt.after_forward()
         return out
 
     GPUModelRunner.finish_requests = finish_requests
