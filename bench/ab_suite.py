@@ -641,6 +641,7 @@ def delta(a: tuple, b: tuple) -> dict:
 
 
 def reference_label(phase: str, label: str, entry: dict) -> str | None:
+    phase = phase.split("#")[0]
     if phase == "ab":
         return "stock_c256" if ARMS[entry["arm"]].get("wide") else "stock"
     if phase == "sweep":
@@ -670,10 +671,14 @@ def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
         d = json.loads(Path(p).read_text())
         merged["meta"].append(d.get("meta", {}))
         for ph, v in d.get("phases", {}).items():
-            merged["phases"].setdefault(ph, {}).update(v)
+            name, k = ph, 2
+            while name in merged["phases"] and set(v) & set(merged["phases"][name]):
+                name, k = f"{ph}#{k}", k + 1  # same arms again (another run): keep it apart
+            merged["phases"].setdefault(name, {}).update(v)
     lines: list[str] = []
     deltas_for_plot: list[tuple[str, dict]] = []
-    for ph in ("ab", "sweep", "eager"):
+    order = [ph for ph in merged["phases"] if ph.split("#")[0] in ("ab", "sweep", "eager")]
+    for ph in sorted(order, key=lambda x: (["ab", "sweep", "eager"].index(x.split("#")[0]), x)):
         arms = merged["phases"].get(ph)
         if not arms:
             continue
@@ -701,11 +706,12 @@ def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
                 continue
             s, r = stats[label], stats[ref]
             ds = {m: delta(s[m], r[m]) for m, _ in METRICS}
-            deltas_for_plot.append((f"{ph}:{label}", ds))
+            if not ph.startswith("eager"):  # the eager check compares against the graphed arm, not stock
+                deltas_for_plot.append((f"{ph}:{label}", ds))
             lines.append(f"| {label} | {ref} | " + " | ".join(
                 fmt_delta(ds[m], u) for m, u in METRICS if m not in ("ttft_p99_ms",)) + " |")
             e["_deltas"] = ds
-        if ph == "ab" and "k256" in stats and "disabled_c256" in stats:
+        if ph.startswith("ab") and "k256" in stats and "disabled_c256" in stats:
             k, dd = stats["k256"]["throughput"], stats["disabled_c256"]["throughput"]
             if k[0] == k[0] and dd[0]:
                 ratio = k[0] / dd[0]
@@ -714,15 +720,14 @@ def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
     if g:
         lines.append("\n#### Phase `graph` (torch.profiler via /start_profile, kernels in the window)\n")
         lines.append("| server / requests | kernels | apply_steering kernels | apply_steering GPU µs | all kernels GPU µs "
-                     "| cudaGraphLaunch calls | graph kernels | /v1/steering ops |")
-        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+                     "| cudaGraphLaunch calls | /v1/steering ops |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- |")
         for label, e in g.items():
             if "error" in e:
-                lines.append(f"| {label} | error: {e['error'][:100]} | | | | | | |")
+                lines.append(f"| {label} | error: {e['error'][:100]} | | | | | |")
                 continue
             lines.append(f"| {label} | {e.get('kernels')} | {e.get('steer_kernels')} | {e.get('steer_kernel_us')} | "
-                         f"{e.get('kernel_us')} | {e.get('graph_launches')} | {e.get('graph_kernels')} | "
-                         f"{e.get('status_ops')} |")
+                         f"{e.get('kernel_us')} | {e.get('graph_launches')} | {e.get('status_ops')} |")
     kb = merged["phases"].get("kernel")
     if kb and kb.get("rows"):
         lines.append(f"\n#### Phase `kernel` (bf16, all tokens steered, table of {kb.get('rows_in_table')} rows; "
@@ -1122,6 +1127,8 @@ if __name__ == "__main__":
     code = 1
     try:
         code = main()
+    except SystemExit as e:  # --help, argparse errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     sys.stdout.flush()
