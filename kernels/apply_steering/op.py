@@ -7,6 +7,7 @@ devices run the plain-torch reference, skipping the work when the table is idle 
 import torch
 from torch.library import Library
 
+from vllm_steer.kernels.apply_steering import live
 from vllm_steer.kernels.apply_steering.naive import apply_steering_naive
 
 _LIB = Library("vllm_steer", "FRAGMENT")
@@ -19,6 +20,8 @@ def _apply_steering_impl(
     index: torch.Tensor,
     active: torch.Tensor,
 ) -> None:
+    if live.may_skip(live.steering_live):
+        return
     if hidden.is_cuda:
         from vllm_steer.kernels.apply_steering.triton import apply_steering_triton
 

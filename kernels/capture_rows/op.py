@@ -5,6 +5,7 @@ CUDA tensors run the Triton kernel (no host sync); CPU runs the plain-torch refe
 
 import torch
 
+from vllm_steer.kernels.apply_steering import live
 from vllm_steer.kernels.apply_steering.op import _LIB
 from vllm_steer.kernels.capture_rows.naive import capture_rows_naive
 
@@ -12,6 +13,8 @@ _registered = False
 
 
 def _impl(pool: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, plan: torch.Tensor) -> None:
+    if live.may_skip(live.capture_live):
+        return
     if a.is_cuda:
         from vllm_steer.kernels.capture_rows.triton import capture_rows_triton
 

@@ -47,6 +47,7 @@ class SteeringFrontend:
         mc = vllm_config.model_config
         self.dtype = mc.dtype
         cfg = self.cfg
+        self._module_cache: dict[tuple, tuple[dict, str | None, str | None]] = {}
         # A consumer with a global spec captures every request: each needs a payload (its id).
         self.captures_all = bool(cfg and any(c.params.get("global_spec") for c in cfg.capture))
         self.shape = ModelShape(
@@ -76,6 +77,14 @@ class SteeringFrontend:
         capture = self._capture(fields.get(CAPTURE_FIELD))
         if capture is None and self.captures_all:
             capture = {}
+        bare_module = spec.module is not None and not any(spec.tiers.values())
+        if bare_module:
+            module = STORE.get(spec.module.name)
+            cache_key = (spec.module.name, module.version if module else None, spec.module.scale)
+            hit = self._module_cache.get(cache_key)
+            if hit is not None:  # depends only on (name, version, scale): reuse, no rehash
+                payload, pk, dk = hit
+                return {**payload, "capture": capture}, pk, dk
         module = None
         module_tiers = None
         scale = 1.0
@@ -98,7 +107,13 @@ class SteeringFrontend:
             for key, vecs in ((pk, prefill), (dk, decode)):
                 if key is not None and key not in configs:
                     configs[key] = _table_layout(vecs)
-        return encode_payload(pk, dk, configs, self.dtype, module=ref, capture=capture), pk, dk
+        payload = encode_payload(pk, dk, configs, self.dtype, module=ref, capture=capture)
+        if bare_module:
+            if len(self._module_cache) > 1024:
+                self._module_cache.clear()
+            self._module_cache[(module.name, module.version, scale)] = (payload, pk, dk)
+            return dict(payload), pk, dk  # callers add per-request keys to their copy
+        return payload, pk, dk
 
     def _capture(self, raw: Any) -> dict | None:
         """Validate a request's ``capture`` field (each consumer checks its own keys)."""

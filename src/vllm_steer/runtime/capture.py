@@ -23,6 +23,7 @@ import torch
 from vllm_steer.capture.consumer import consumer_class
 from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
 from vllm_steer.config import SteerConfig
+from vllm_steer.kernels.apply_steering import live
 
 logger = logging.getLogger("vllm.steer.capture")
 
@@ -161,6 +162,7 @@ class CaptureRuntime:
             bufs.plan.copy_(src, non_blocking=True)
         self._plan_dirty = sorted(set(dirty))
         self._pending, self._rows_used = entries, row
+        live.capture_live = bool(entries)
 
     def after_forward(self) -> None:
         """Hand the rows this step captured to the dispatch thread (no device sync here).

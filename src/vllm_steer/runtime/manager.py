@@ -18,6 +18,7 @@ import torch.nn as nn
 from vllm_steer.config import SteerConfig, steer_config_of
 from vllm_steer.hooks import HOOK_NAMES
 from vllm_steer.hashing import config_hash
+from vllm_steer.kernels.apply_steering import live
 from vllm_steer.payload import PAYLOAD_KEY, EngineSteering, HookVectors, decode_payload, hook_vectors
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import find_decoder_layers, install_steering, num_decoder_layers
@@ -142,6 +143,13 @@ class SteeringRuntime:
                 torch.ops.vllm_steer.apply_steering_(hidden[:n], table, self.tables.index, flag)
         torch.cuda.synchronize(table.device)
 
+    def plan_capture(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
+        """Before the forward: this step's capture plan (nothing to do while nobody captures)."""
+        if self.capture is not None and self.capture.active:
+            self.capture.plan_step(req_ids, num_scheduled, num_computed)
+        else:
+            live.capture_live = False
+
     def after_forward(self) -> None:
         """Once the forward is enqueued: hand this step's captured rows to the consumers."""
         if self.capture is not None:
@@ -198,10 +206,12 @@ class SteeringRuntime:
 
         ``rows`` None means no request of the batch is steered."""
         if rows is None or not rows.any():
+            live.steering_live = False
             if self._index_extent:
                 self.tables.index[: self._index_extent].zero_()
                 self._index_extent = 0
             return
+        live.steering_live = True
         # Tokens before the prompt's end are prefill tokens (also when recomputed after preemption).
         n_prefill = np.clip(prompt_len - num_computed_tokens, 0, num_scheduled_tokens)
         counts = np.stack([n_prefill, num_scheduled_tokens - n_prefill], axis=1).reshape(-1)

@@ -64,8 +64,7 @@ def patch_v1_runner() -> None:
                 batch.num_computed_tokens_cpu[:n],
                 batch.num_prompt_tokens[:n],
             )
-            if rt.capture is not None and rt.capture.active:
-                rt.capture.plan_step(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
+            rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
         return orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
     orig_execute = GPUModelRunner.execute_model

@@ -48,8 +48,7 @@ def _steered_model_state_class(base: type) -> type:
             input_batch.num_computed_tokens_np,
             req_states.prompt_len.np[idx],
         )
-        if rt.capture is not None and rt.capture.active:
-            rt.capture.plan_step(input_batch.req_ids, input_batch.num_scheduled_tokens, input_batch.num_computed_tokens_np)
+        rt.plan_capture(input_batch.req_ids, input_batch.num_scheduled_tokens, input_batch.num_computed_tokens_np)
         return base.prepare_inputs(self, input_batch, req_states)
 
     cls = type(
