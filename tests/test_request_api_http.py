@@ -108,7 +108,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client
 
 
 def test_raw_json_body_and_status_after_errors(server):
-    base, model, _ = server
+    base, model = server[0], server[1]
     r = httpx.post(f"{base}/v1/completions", timeout=60, json={
         "model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
         "steering_vectors": {"pre_attn": {"3": [0.5] * HIDDEN}}})
