@@ -243,9 +243,8 @@ def worker_probe(self) -> dict:
         "model_class": type(r.model).__name__,
     }
     try:
-        from vllm_steer.runtime.install import steered_submodules
-
-        info["steered_submodules"] = len(steered_submodules(r.model))
+        # hooked modules carry the class attribute ``_vs_base`` (vllm_steer.runtime.install.hooked_class)
+        info["steered_submodules"] = sum(1 for m in r.model.modules() if hasattr(type(m), "_vs_base"))
     except Exception as e:  # noqa: BLE001
         info["steered_submodules"] = f"error: {e!r}"
     return info

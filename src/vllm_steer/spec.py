@@ -79,7 +79,7 @@ class SteeringSpec:
         return self.module is None and not any(self.tiers.values())
 
 
-def _check_layer(field: str, raw: Any, shape: ModelShape) -> int:
+def check_layer(field: str, raw: Any, shape: ModelShape) -> int:
     try:
         layer = int(raw)
         if isinstance(raw, float) or isinstance(raw, bool) or str(layer) != str(raw).strip():
@@ -97,7 +97,7 @@ def _check_layer(field: str, raw: Any, shape: ModelShape) -> int:
     return layer
 
 
-def _check_finite(field: str, arr: np.ndarray) -> None:
+def check_finite(field: str, arr: np.ndarray) -> None:
     if not np.isfinite(arr).all():
         raise SteeringSpecError(field, "contains NaN or Inf")
 
@@ -106,7 +106,7 @@ def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, n
     out: dict[int, np.ndarray] = {}
     for raw_layer, values in obj.items():
         f = f"{field}.{raw_layer}"
-        layer = _check_layer(f, raw_layer, shape)
+        layer = check_layer(f, raw_layer, shape)
         if not isinstance(values, (list, tuple, np.ndarray)):
             raise SteeringSpecError(f, f"expected a list of {shape.hidden_size} floats")
         if len(values) != shape.hidden_size:
@@ -119,7 +119,7 @@ def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, n
             raise SteeringSpecError(f, "values must be numbers") from None
         if arr.ndim != 1:
             raise SteeringSpecError(f, "expected a flat list of floats")
-        _check_finite(f, arr)
+        check_finite(f, arr)
         if layer in out:
             raise SteeringSpecError(f, f"layer {layer} given twice")
         out[layer] = arr
@@ -150,7 +150,7 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndar
         raise SteeringSpecError(
             f"{field}.layer_indices", f"expected a list of {n} layer indices (shape[0])"
         )
-    layers = [_check_layer(f"{field}.layer_indices[{i}]", x, shape) for i, x in enumerate(indices)]
+    layers = [check_layer(f"{field}.layer_indices[{i}]", x, shape) for i, x in enumerate(indices)]
     if len(set(layers)) != len(layers):
         raise SteeringSpecError(f"{field}.layer_indices", "duplicate layer index")
     data = obj.get("data")
@@ -185,7 +185,7 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndar
             raise SteeringSpecError(f"{field}.scales", "scales must be finite numbers")
         src = _scale_rows(src, scales, bf16_source=dtype_name == "bfloat16")
     arr = src.astype(np.float32, copy=False)
-    _check_finite(f"{field}.data", arr)
+    check_finite(f"{field}.data", arr)
     return {layer: arr[i] for i, layer in enumerate(layers)}
 
 

@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 from vllm_steer.hooks import HOOK_NAMES
-from vllm_steer.spec import TIER_FIELDS, ModelShape, SteeringSpecError, Vectors, _check_finite, _check_layer
+from vllm_steer.spec import TIER_FIELDS, ModelShape, SteeringSpecError, Vectors, check_finite, check_layer
 
 _TIER_PREFIX = {"": "steering_vectors", "prefill.": "prefill_steering_vectors", "decode.": "decode_steering_vectors"}
 _NAME = re.compile(r"^(prefill\.|decode\.)?(" + "|".join(HOOK_NAMES) + r")\.(\d+)$")
@@ -25,13 +25,13 @@ _GGUF_NAME = re.compile(r"^direction\.(\d+)$")
 
 
 def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str, arr: np.ndarray, shape: ModelShape, field: str) -> None:
-    layer = _check_layer(field, layer_raw, shape)
+    layer = check_layer(field, layer_raw, shape)
     if hook not in shape.hooks:
         raise SteeringSpecError(field, f"hook point {hook!r} is not enabled on this server")
     vec = np.asarray(arr, dtype=np.float32).reshape(-1)
     if vec.shape[0] != shape.hidden_size:
         raise SteeringSpecError(field, f"expected {shape.hidden_size} values (hidden size), got {vec.shape[0]}")
-    _check_finite(field, vec)
+    check_finite(field, vec)
     tiers[tier].setdefault(hook, {})[layer] = vec
 
 
