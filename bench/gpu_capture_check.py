@@ -66,7 +66,9 @@ def main() -> int:
     got = load_request(str(root), outs[0].request_id)
     got_s = load_request(str(root), outs[1].request_id)
     ref = hf_streams(str(ckpt), ids)
-    worst = max(float(np.max(np.abs(rows - ref[key]) / (np.abs(ref[key]) + 1e-2))) for key, (_, rows) in got.items())
+    # Relative to each site's largest |value|: vLLM's float32 GPU attention runs in TF32 (~5e-4
+    # rounding), which puts elementwise ratios near zero far off while the stream agrees to ~1e-3.
+    worst = max(float(np.max(np.abs(rows - ref[key])) / np.max(np.abs(ref[key]))) for key, (_, rows) in got.items())
     same_upstream = all(np.array_equal(got[(l, h)][1], got_s[(l, h)][1]) for l in range(2)
                         for h in ("pre_attn", "post_attn", "post_mlp"))
     summary = {

@@ -23,6 +23,7 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
     root = tmp_path_factory.mktemp("captures")
     _, tok = hf_oracle.load(smollm2_path)
     ids = tok(PROMPT)["input_ids"]
+    long_ids = tok(PROMPT * 12)["input_ids"]
     steer = floats("post_mlp", 10, vector(HIDDEN, 5, 60.0))
     steer["pre_attn"] = floats("pre_attn", 20, vector(HIDDEN, 6, 60.0))["pre_attn"]
     reqs = [params(4, capture={"fs": ALL, "logging": ALL}),
@@ -31,13 +32,17 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
                                "probe": {"layers": [20], "hooks": ["post_mlp"], "positions": "last_prompt"}})]
     job = {"model": smollm2_path,
            "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "distributed_executor_backend": "uni",
+                          "block_size": 16, "enable_prefix_caching": True,
                           "additional_config": {"steer": {"max_configs": 4, "capture": [
                               {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
                               "logging", "probe:dim=576,seed=3"]}}},
-           "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs],
+           "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs]
+           # a long prompt seen once without capture (its blocks get cached), then captured
+           + [{"prompts": [{"prompt_token_ids": long_ids}], "params": [p]}
+              for p in (params(2), params(2, capture={"fs": {"layers": [0], "hooks": ["pre_attn"]}}))],
            "rpc_after": ["vllm_steer_status"], "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
-    return root, ids, [c[0] for c in res["calls"]], res
+    return root, ids, [c[0] for c in res["calls"]], res, len(long_ids)
 
 
 @torch.no_grad()
@@ -68,7 +73,7 @@ def hf_streams(path: str, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
 
 
 def test_captured_residuals_match_transformers_at_every_hook(capture_run, smollm2_path):
-    root, ids, results, _ = capture_run
+    root, ids, results, *_ = capture_run
     got = load_request(str(root), results[0]["request_id"])
     ref = hf_streams(smollm2_path, ids)
     assert len(got) == LAYERS * 3
@@ -78,7 +83,7 @@ def test_captured_residuals_match_transformers_at_every_hook(capture_run, smollm
 
 
 def test_steering_does_not_change_its_own_hook_or_upstream_capture(capture_run):
-    root, _, results, _ = capture_run
+    root, _, results, *_ = capture_run
     plain = load_request(str(root), results[0]["request_id"])
     steered = load_request(str(root), results[1]["request_id"])
     assert results[1]["token_ids"] != results[0]["token_ids"]
@@ -91,7 +96,7 @@ def test_steering_does_not_change_its_own_hook_or_upstream_capture(capture_run):
 
 
 def test_generated_positions_and_selected_sites_only(capture_run):
-    root, ids, results, res = capture_run
+    root, ids, results, res, _ = capture_run
     got = load_request(str(root), results[2]["request_id"])
     assert list(got) == [(3, "post_attn")]
     positions, rows = got[(3, "post_attn")]
@@ -103,17 +108,17 @@ def test_generated_positions_and_selected_sites_only(capture_run):
 
 
 def test_rows_wanted_by_two_consumers_are_gathered_once_and_logged(capture_run):
-    _, ids, results, res = capture_run
+    _, ids, results, res, n_long = capture_run
     (worker,) = res["rpc_after"]["vllm_steer_status"]
     n = len(ids)
     # request 0: fs + logging want the same 90 sites x n prompt tokens; request 1: fs, the same;
-    # request 2: 5 generated rows for fs + 1 row for the probe
-    assert worker["capture"]["rows"] == 90 * n + 90 * n + 5 + 1
+    # request 2: 5 generated rows for fs + 1 row for the probe; request 4: the long prompt at one site
+    assert worker["capture"]["rows"] == 90 * n + 90 * n + 5 + 1 + n_long
     assert f"vllm-steer capture logging: request {results[0]['request_id']}" in res["log"]
 
 
 def test_driver_result_comes_back_in_the_python_output_and_sidecars_describe_the_files(capture_run, smollm2_path):
-    root, ids, results, _ = capture_run
+    root, ids, results, *_ = capture_run
     assert set(results[2]["capture"]) == {"probe"} and results[2]["capture"]["probe"]["rows"] == 1
     assert results[0]["capture"] == {}  # fs and logging return nothing
     import json
@@ -123,3 +128,10 @@ def test_driver_result_comes_back_in_the_python_output_and_sidecars_describe_the
     assert meta["prompt_len"] == len(ids)
     side = json.loads((d / "3_post_attn.json").read_text())
     assert side["dtype"] == "float32" and side["shape"] == [len(ids), HIDDEN] and side["positions"] == list(range(len(ids)))
+
+
+def test_capturing_the_prompt_bypasses_prefix_cache_hits(capture_run):
+    root, _, results, _, n_long = capture_run
+    assert results[3]["num_cached_tokens"] == 0 and results[4]["num_cached_tokens"] == 0
+    positions, rows = load_request(str(root), results[4]["request_id"])[(0, "pre_attn")]
+    np.testing.assert_array_equal(positions, np.arange(n_long))  # every prompt position, none cached

@@ -115,6 +115,13 @@ class SteeringFrontend:
             return dict(payload), pk, dk  # callers add per-request keys to their copy
         return payload, pk, dk
 
+    def needs_whole_prompt(self, capture: dict) -> bool:
+        """Whether a request's captures (its own and the consumers' global specs) read prompt
+        positions before the last one, which a prefix-cache hit would skip."""
+        specs = list(capture.values()) + [c.params["global_spec"] for c in self.cfg.capture
+                                          if c.params.get("global_spec")]
+        return any(s.get("positions", "all_prompt") not in ("all_generated", "last_prompt") for s in specs)
+
     def _capture(self, raw: Any) -> dict | None:
         """Validate a request's ``capture`` field (each consumer checks its own keys)."""
         if raw is None:
@@ -188,7 +195,11 @@ def patch_input_processor() -> None:
             params = copy.copy(params)
             params.extra_args = new_extra
             keys = (pk, dk)
-            captures = (new_extra or {}).get(PAYLOAD_KEY, {}).get("capture") is not None
+            capture = (new_extra or {}).get(PAYLOAD_KEY, {}).get("capture")
+            captures = capture is not None
+            if captures and frontend.needs_whole_prompt(capture):
+                # Cached prompt blocks are never recomputed, so their residuals would be missing.
+                params.skip_reading_prefix_cache = True
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if keys is not None and (keys[0] or keys[1]):
             if keys[0]:
