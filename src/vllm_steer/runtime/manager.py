@@ -250,3 +250,17 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
     )
     runner.steer_runtime = runtime
     return runtime
+
+
+def with_after_forward(execute_model: Callable) -> Callable:
+    """Wrap a runner's ``execute_model`` (V1 or V2): after the forward is enqueued, hand the
+    step's captured rows on (``SteeringRuntime.after_forward``)."""
+
+    def wrapper(self, *args, **kwargs):
+        out = execute_model(self, *args, **kwargs)
+        rt = getattr(self, "steer_runtime", None)
+        if rt is not None:
+            rt.after_forward()
+        return out
+
+    return wrapper

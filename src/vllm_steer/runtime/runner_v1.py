@@ -13,7 +13,7 @@ Why: vLLM has no per-request worker hook for plugins. Remove when it does.
 
 from __future__ import annotations
 
-from vllm_steer.runtime.manager import build_runtime
+from vllm_steer.runtime.manager import build_runtime, with_after_forward
 
 
 def _patch_load_model(cls: type) -> None:
@@ -67,16 +67,7 @@ def patch_v1_runner() -> None:
             rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
         return orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
-    orig_execute = GPUModelRunner.execute_model
-
-    def execute_model(self, *args, **kwargs):
-        out = orig_execute(self, *args, **kwargs)
-        rt = getattr(self, "steer_runtime", None)
-        if rt is not None:
-            rt.after_forward()
-        return out
-
     _update_states._vllm_steer = True  # type: ignore[attr-defined]
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
-    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.execute_model = with_after_forward(GPUModelRunner.execute_model)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_steer.runtime.manager import SteeringRuntime, build_runtime
+from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward
 
 _STEERED_STATE_CLASSES: dict[type, type] = {}
 
@@ -95,12 +95,5 @@ def patch_v2_runner() -> None:
                 rt.finish_request(req_id)
         return orig_finish(self, scheduler_output)
 
-    def execute_model(self, *args, **kwargs):
-        out = orig_execute(self, *args, **kwargs)
-        rt = getattr(self, "steer_runtime", None)
-        if rt is not None:
-            rt.after_forward()
-        return out
-
     GPUModelRunner.finish_requests = finish_requests
-    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.execute_model = with_after_forward(orig_execute)
