@@ -53,9 +53,10 @@ def probe_plugin():
     else:
         cmd = [shutil.which("uv") or "uv", "pip", "install", "-q", "-p", sys.executable, "--no-deps", "-e", pkg]
     subprocess.run(cmd, check=True)
-    import importlib
-
-    importlib.invalidate_caches()
+    # New processes (the servers) see the editable install through its .pth file; this already
+    # running one needs the source path itself.
+    if str(Path(pkg) / "src") not in sys.path:
+        sys.path.append(str(Path(pkg) / "src"))
     return pkg
 
 
