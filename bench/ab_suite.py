@@ -11,6 +11,8 @@ Servers (each its own process, all alive together so trials of different servers
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
              serves every steered arm (enabled_idle, named_shared, all_steered_shared,
              per_request_n4, per_request_n16, k256): one start-up, one compile.
+  steer_inline  the steer server with "apply": "inline" (plain torch ops that Inductor fuses
+             into the neighbouring add+RMSNorm kernels): arms named ``<steered arm>_inline``
   eager      the steer server's exact config plus --enforce-eager (graph check only)
 All servers share one VLLM_CACHE_ROOT (stock and disabled have the same compile key).
 
@@ -62,6 +64,8 @@ SHAPES = {
     "tiny": dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=2048),
 }
 STEER_BLOCK = {"steer": {"max_configs": 272}}
+STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK,
+                 "steer_inline": {"steer": {**STEER_BLOCK["steer"], "apply": "inline"}}}
 MODULE_NAME = "ab_bench_module"
 STATE_FILE = Path(tempfile.gettempdir()) / "vllm_steer_ab_servers.json"
 T0 = time.time()
@@ -165,8 +169,8 @@ class Server:
             cmd += ["--gpu-memory-utilization", str(a.eager_gpu_mem if self.name == "eager" else a.gpu_mem)]
         if a.enforce_eager or self.name == "eager":
             cmd += ["--enforce-eager"]
-        if self.name in ("steer", "eager"):
-            cmd += ["--additional-config", json.dumps(STEER_BLOCK)]
+        if self.name in STEER_SERVERS:
+            cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
         if a.profile_servers:
             cmd += ["--profiler-config", json.dumps({
                 "profiler": "torch", "torch_profiler_dir": str(self.prof_dir),
@@ -273,7 +277,7 @@ class Pool:
         self.args, self.model_dir, self.workdir = args, model_dir, workdir
         self.servers: dict[str, Server] = {}
         self.ports = {"stock": args.port_base, "disabled": args.port_base + 1, "steer": args.port_base + 2,
-                      "eager": args.port_base + 3}
+                      "eager": args.port_base + 3, "steer_inline": args.port_base + 4}
         self.pending: dict[str, Server] = {}
         if args.reuse_servers and STATE_FILE.exists():
             for name, st in json.loads(STATE_FILE.read_text()).items():
@@ -501,6 +505,8 @@ ARMS = {
     # graph check: the same steered arm on the --enforce-eager server
     "eager_per_request_n16": dict(server="eager", kind="per_request", n_configs=16),
 }
+for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
+    ARMS[f"{_arm}_inline"] = {**ARMS[_arm], "server": "steer_inline"}
 AB_ARMS = ["stock", "disabled", "enabled_idle", "named_shared", "all_steered_shared", "per_request_n4",
            "per_request_n16", "stock_c256", "disabled_c256", "k256"]
 SWEEP_ARMS = ["stock", "enabled_idle", "per_request_n16"]
@@ -825,8 +831,10 @@ def graph_phase(pool: Pool, ctx: dict, results: dict, save) -> None:
     res = results.setdefault("graph", {})
     plan = [("stock / unsteered", "stock", "plain"), ("disabled / unsteered", "disabled", "plain"),
             ("steer / unsteered (enabled_idle)", "steer", "plain"),
-            ("steer / per_request_n4", "steer", "per_request")]
-    for label, sname, kind in plan:
+            ("steer / per_request_n4", "steer", "per_request"),
+            ("steer_inline / unsteered (enabled_idle_inline)", "steer_inline", "plain"),
+            ("steer_inline / per_request_n4", "steer_inline", "per_request")]
+    for label, sname, kind in [p for p in plan if p[1] in ctx["graph_servers"]]:
         try:
             server = pool.get(sname)
             before = set(server.prof_dir.rglob("*.json*"))
@@ -989,6 +997,8 @@ def main() -> int:
     ap.add_argument("--keep-servers", action="store_true", help="leave the servers running (own sessions)")
     ap.add_argument("--reuse-servers", action="store_true", help="adopt servers left by --keep-servers")
     ap.add_argument("--servers", default="stock,disabled,steer", help="servers the start phase starts")
+    ap.add_argument("--graph-servers", default="stock,disabled,steer,steer_inline",
+                    help="servers the graph phase profiles")
     ap.add_argument("--stop-servers", default="", help="stop these servers (names) before the phases")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
     ap.add_argument("--reserve-s", type=float, default=25)
@@ -1027,7 +1037,7 @@ def main() -> int:
     phases = [p for p in args.phases.split(",") if p]
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "shape": args.shape, **shape,
-            "dtype": args.dtype, "pack_dtype": args.pack_dtype, "steer_block": STEER_BLOCK,
+            "dtype": args.dtype, "pack_dtype": args.pack_dtype, "steer_blocks": STEER_SERVERS,
             "launcher": args.launcher}
     try:
         import vllm
@@ -1056,7 +1066,8 @@ def main() -> int:
         model_dir = write_model_dir(workdir / f"model-{args.shape}-{args.dtype}", shape, args.dtype)
     meta["model_dir"] = str(model_dir)
     ctx = {"shape": shape, "std": args.std, "pack_dtype": args.pack_dtype, "prompt_len": args.prompt_len,
-           "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide}
+           "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide,
+           "graph_servers": args.graph_servers.split(",")}
     log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}; results -> {out_json}")
 
     pool = Pool(args, model_dir, workdir)

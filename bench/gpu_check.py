@@ -131,48 +131,14 @@ def as_request_field(vecs: dict) -> dict:
 # --------------------------------------------------------------------------- HF oracle
 
 
-def hf_install(model, vecs: dict, device) -> list:
-    import torch
-
-    def add_out(v):
-        def hook(module, args, output):
-            if isinstance(output, tuple):
-                return (output[0] + v,) + tuple(output[1:])
-            return output + v
-
-        return hook
-
-    def add_in(v):
-        def pre_hook(module, args, kwargs):
-            if args:
-                return (args[0] + v,) + tuple(args[1:]), kwargs
-            kwargs = dict(kwargs)
-            kwargs["hidden_states"] = kwargs["hidden_states"] + v
-            return args, kwargs
-
-        return pre_hook
-
-    handles = []
-    layers = model.model.layers
-    for hook, per_layer in vecs.items():
-        for layer, vec in per_layer.items():
-            v = torch.as_tensor(vec, dtype=torch.float32, device=device)
-            if hook == "pre_attn":
-                handles.append(layers[layer].register_forward_pre_hook(add_in(v), with_kwargs=True))
-            elif hook == "post_attn":
-                handles.append(layers[layer].self_attn.register_forward_hook(add_out(v)))
-            elif hook == "post_mlp":
-                handles.append(layers[layer].register_forward_hook(add_out(v)))
-            else:
-                raise ValueError(hook)
-    return handles
-
-
 def hf_greedy(model, ids: list[int], steps: int, vecs: dict | None, device) -> dict:
     """Greedy tokens, their logprobs and the top-1 minus top-2 logit gap, full recompute each step."""
     import torch
 
-    handles = hf_install(model, vecs or {}, device)
+    sys.path.insert(0, str(ROOT))
+    from tests.hf_oracle import install_hooks  # the same forward hooks the CPU lane's oracle uses
+
+    handles = install_hooks(model, "llama", vecs or {}, device)
     try:
         x = torch.tensor([ids], device=device)
         toks, lps, gaps = [], [], []
@@ -386,6 +352,8 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (CPU smoke run only)")
     ap.add_argument("--mem", type=float, default=0.30, help="gpu_memory_utilization per engine")
     ap.add_argument("--max-configs", type=int, default=64)
+    ap.add_argument("--apply", choices=("kernel", "inline"), default="kernel", help="steer config 'apply'")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--scale", type=float, default=0.5, help="std of the steering vectors' entries")
     ap.add_argument("--oracle-tokens", type=int, default=16)
     ap.add_argument("--check-tokens", type=int, default=32)
@@ -460,7 +428,7 @@ def main() -> int:
 
     llm = None
     try:
-        llm, init_s = make_llm(path, args, {"max_configs": args.max_configs})
+        llm, init_s = make_llm(path, args, {"max_configs": args.max_configs, "apply": args.apply})
         summary["steer_engine_init_seconds"] = round(init_s, 1)
         status = llm.collective_rpc("vllm_steer_status")
         probe = llm.collective_rpc(worker_probe)
@@ -639,7 +607,7 @@ def main() -> int:
     }
     summary["all_checks_passed"] = bool(checks) and all(c["ok"] for c in checks.values()) and not summary["errors"]
     text = json.dumps(summary, indent=1, default=str)
-    (out_dir() / "gpu_check.json").write_text(text)
+    (out_dir() / f"gpu_check{args.tag}.json").write_text(text)
     short = {k: v for k, v in summary.items() if k not in ("tokens", "unsteered_tokens_for_stock", "worker_probe")}
     print(json.dumps(short, default=str))
     log("checks:", {k: v["ok"] for k, v in checks.items()})

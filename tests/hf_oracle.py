@@ -47,12 +47,13 @@ def _add_input(v: torch.Tensor):
     return pre_hook
 
 
-def install_hooks(model, family: str, steer: dict[str, dict[int, np.ndarray]]) -> list:
+def install_hooks(model, family: str, steer: dict[str, dict[int, np.ndarray]], device=None) -> list:
+    """Forward (pre-)hooks that add each vector at its hook point; returns their handles."""
     handles = []
     layers = model.model.layers
     for hook, per_layer in steer.items():
         for layer, vec in per_layer.items():
-            v = torch.as_tensor(np.asarray(vec), dtype=torch.float32)
+            v = torch.as_tensor(np.asarray(vec), dtype=torch.float32, device=device)
             block = layers[int(layer)]
             if hook == "pre_attn":
                 handles.append(block.register_forward_pre_hook(_add_input(v), with_kwargs=True))

@@ -5,6 +5,7 @@ requests are each complete."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
@@ -40,6 +41,30 @@ def test_probe_result_comes_back_in_the_response_and_matches_transformers(api_se
     assert got["rows"] == 1
     assert math.isclose(got["logit"], logit, rel_tol=1e-4, abs_tol=1e-3)
     assert math.isclose(got["score"], 1 / (1 + math.exp(-logit)), rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_streaming_response_ends_with_a_capture_chunk_equal_to_the_non_streaming_result(api_server):
+    from openai import OpenAI
+
+    base, model = api_server[0], api_server[1]
+    whole = complete(base, model).json()["capture"]["probe"]
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    with_capture = [c for c in chunks if "capture" in c]
+    assert len(with_capture) == 1 and with_capture[0] is chunks[-1]  # one last chunk, before [DONE]
+    last = with_capture[0]
+    assert last["choices"] == [] and last["id"] == chunks[0]["id"] and last["object"] == chunks[0]["object"]
+    assert last["capture"]["probe"]["rows"] == whole["rows"] == 1
+    assert math.isclose(last["capture"]["probe"]["logit"], whole["logit"], rel_tol=1e-5, abs_tol=1e-5)
+    # the openai client takes the extra chunk in its stride (as it does the usage chunk)
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    got = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in got if c.choices) == complete(base, model).json()["choices"][0]["text"]
+    assert got[-1].model_extra["capture"]["probe"]["rows"] == 1
 
 
 @pytest.mark.parametrize("capture, words", [

@@ -44,7 +44,8 @@ def test_family_steers_each_hook_like_transformers(family, tiny_model, tmp_path)
 
 def test_compiled_matches_eager_and_stale_graph_never_loads(tiny_model, tmp_path):
     """Compile with steering off, restart with it on (same compile cache dir): steering works and
-    matches eager, so the steering-off graph was not reused."""
+    matches eager, so the steering-off graph was not reused. The ``inline`` apply mode (plain
+    torch ops that Inductor fuses) compiles to the same results as the opaque op."""
     path = tiny_model("llama")
     _, tok = hf_oracle.load(path)
     ids = tok("once upon a time the robot")["input_ids"]
@@ -60,10 +61,15 @@ def test_compiled_matches_eager_and_stale_graph_never_loads(tiny_model, tmp_path
                        _mk(tmp_path / "on"), env=env)["calls"][0]
     eager = run_job({"model": path, "llm_kwargs": {**base, "enforce_eager": True, "additional_config": steer},
                      "calls": calls}, _mk(tmp_path / "eager"), env=env)["calls"][0]
+    inline_steer = {"steer": {"max_configs": 4, "apply": "inline"}}
+    inline = run_job({"model": path, "llm_kwargs": {**base, "additional_config": inline_steer}, "calls": calls,
+                      "rpc": ["vllm_steer_status"]}, _mk(tmp_path / "inline"), env=env)
+    assert inline["rpc"]["vllm_steer_status"][0]["apply"] == "inline"
     assert compiled[0]["token_ids"] == unsteered
-    for c, e in zip(compiled, eager):
-        assert c["token_ids"] == e["token_ids"]
+    for c, e, i in zip(compiled, eager, inline["calls"][0]):
+        assert c["token_ids"] == e["token_ids"] == i["token_ids"]
         np.testing.assert_allclose(c["logprobs"], e["logprobs"], atol=1e-4)
+        np.testing.assert_allclose(i["logprobs"], e["logprobs"], atol=1e-4)
     assert all(c["token_ids"] != unsteered for c in compiled[1:])
 
 

@@ -45,7 +45,10 @@ import numpy as np
 from vllm_steer.capture.filesystem import FilesystemConsumer
 fs = FilesystemConsumer("fs", root=sys.argv[1], threads=1)
 fs.on_rows("victim", 0, "pre_attn", np.arange(4), np.ones((4, 8), np.float32), {})
-time.sleep(0.5)  # the writer thread has written the .tmp file
+deadline = time.monotonic() + 60
+while not any(n.endswith(".bin.tmp") for _, _, names in os.walk(sys.argv[1]) for n in names):
+    assert time.monotonic() < deadline, "the writer thread never wrote the .tmp file"
+    time.sleep(0.01)
 os._exit(9)  # killed before the request finished
 """
 

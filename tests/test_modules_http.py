@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 
 import gguf
 import httpx
@@ -151,12 +152,13 @@ def test_delete_while_in_flight_finishes_then_refuses(base, model):
     out = {}
     t = threading.Thread(target=lambda: out.update(r=complete(base, model, max_tokens=300, steering_module={"name": "doomed"})))
     t.start()
-    in_flight = 0
-    for _ in range(100):
+    in_flight, deadline = 0, time.monotonic() + 60
+    while t.is_alive() and time.monotonic() < deadline:  # the count appears once the worker runs it
         in_flight = httpx.get(f"{base}/v1/steering/modules/doomed", timeout=30).json().get("in_flight", 0)
         if in_flight:
             break
-    assert in_flight == 1
+        time.sleep(0.01)
+    assert in_flight == 1, "the request finished before the module listed it as in flight"
     assert httpx.delete(f"{base}/v1/steering/modules/doomed", headers=AUTH, timeout=30).status_code == 200
     t.join()
     inline = complete(base, model, max_tokens=300, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()

@@ -10,6 +10,7 @@ import sys
 
 TARGETS = {
     "vllm.v1.engine.input_processor:InputProcessor.process_inputs": ["self", "request_id", "prompt", "params"],
+    "vllm.v1.engine.async_llm:AsyncLLM.add_request": ["self", "request_id", "prompt", "params"],
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": ["self"],
     "vllm.v1.core.sched.scheduler:Scheduler._free_request": ["self", "request"],
     "vllm.v1.engine.core:EngineCore.collective_rpc": ["self", "method", "timeout", "args", "kwargs"],

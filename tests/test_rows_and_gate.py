@@ -51,3 +51,28 @@ def test_gate_counts_prefill_and_decode_configs_of_one_request():
     gate.admit("x", ("P1",))
     assert [r.request_id for r in gate.select_held([_req("y", "P2", "D2")])] == ["y"]
     assert gate.select_held([_req("z", "P1", "D2")]) == []
+
+
+def test_table_rows_written_per_layer_and_cleared_on_overwrite():
+    import torch
+
+    from vllm_steer.payload import HookVectors
+    from vllm_steer.runtime.tables import SteeringTables
+
+    hooked = {"pre_attn": [0, 2, 5], "post_mlp": [1, 2]}
+    t = SteeringTables(hooked, num_rows=4, hidden_size=8, max_num_tokens=16, dtype=torch.bfloat16,
+                       device=torch.device("cpu"))
+    full = torch.arange(24, dtype=torch.float32).view(3, 8)
+    t.write_row(1, {"pre_attn": HookVectors((0, 2, 5), full)})  # every hooked layer, in order
+    assert torch.equal(t.table["pre_attn"][:, 1], full.to(torch.bfloat16))
+    assert not t.table["post_mlp"].any()  # a hook the row does not use is never touched
+    # unordered, partial, and a layer this engine does not hook (3): placed by layer, rest zero
+    part = torch.tensor([[1.0] * 8, [2.0] * 8, [3.0] * 8])
+    t.write_row(1, {"pre_attn": HookVectors((5, 3, 0), part), "post_mlp": HookVectors((2,), part[:1])})
+    expect = torch.zeros(3, 8)
+    expect[2], expect[0] = 1.0, 3.0
+    assert torch.equal(t.table["pre_attn"][:, 1].float(), expect)
+    assert torch.equal(t.table["post_mlp"][:, 1].float(), torch.tensor([[0.0] * 8, [1.0] * 8]))
+    t.write_row(1, {})  # overwrite with nothing: the old vectors are cleared
+    assert not t.table["pre_attn"].any() and not t.table["post_mlp"].any()
+    assert not t.table["pre_attn"][:, 0].any()  # row 0 stays the zero no-op throughout

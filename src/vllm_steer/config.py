@@ -65,6 +65,12 @@ class SteerConfig(BaseModel):
     """Hook points that get a steering op in the graph; others cost nothing."""
     layers: tuple[int, ...] | None = None
     """Layers that get a steering op (default: all)."""
+    apply: Literal["kernel", "inline"] = "kernel"
+    """How a site adds its row: ``kernel`` = the opaque op (``apply_steering_``, a Triton gather-add
+    that an any-active flag turns into a no-op); ``inline`` = plain torch ops (``x + table[index]``)
+    that torch.compile fuses into the neighbouring add+RMSNorm kernel, so a site costs no launch
+    of its own. Both read the same device tables; ``inline`` suits compiled engines, ``kernel``
+    eager ones (see bench/RESULTS.md)."""
     api_key: str | None = None
     """Bearer token required for mutations of /v1/steering/modules (None: vLLM's own --api-key)."""
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1)

@@ -17,6 +17,7 @@ from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
 from vllm_steer.config import SteerConfig, steer_config_of
 from vllm_steer.hashing import config_hash
 from vllm_steer.payload import PAYLOAD_KEY, encode_payload
+from vllm_steer.prepare_async import patch_async_add_request, prepared_for
 from vllm_steer.spec import (
     CAPTURE_FIELD,
     REQUEST_FIELDS,
@@ -25,6 +26,7 @@ from vllm_steer.spec import (
     Vectors,
     effective_phases,
     parse_spec,
+    stack_rows,
 )
 from vllm_steer.modules.store import STORE
 
@@ -35,7 +37,7 @@ def _table_layout(vectors: Vectors) -> dict[str, tuple[list[int], np.ndarray]]:
     out = {}
     for hook, layers in vectors.items():
         ids = sorted(layers)
-        out[hook] = (ids, np.stack([layers[i] for i in ids]))
+        out[hook] = (ids, stack_rows(layers, ids))
     return out
 
 
@@ -167,10 +169,19 @@ def salted(cache_salt: str | None, prefill_key: str) -> str:
     return f"{cache_salt}|{salt}" if cache_salt else salt
 
 
+def frontend_of(input_processor: Any) -> SteeringFrontend:
+    """The (lazily built) front end of an ``InputProcessor``."""
+    frontend = input_processor.__dict__.get("_steer_frontend")
+    if frontend is None:
+        frontend = input_processor._steer_frontend = SteeringFrontend(input_processor.vllm_config)
+    return frontend
+
+
 def patch_input_processor() -> None:
     """Patch: ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` (0.26).
     Why: it is where every request (LLM and OpenAI server alike) becomes an EngineCoreRequest,
-    before the engine computes block hashes from its cache_salt. Remove if vLLM grows a hook."""
+    before the engine computes block hashes from its cache_salt. Remove if vLLM grows a hook.
+    Also patches ``AsyncLLM.add_request`` to prepare inline vectors off the event loop."""
     from vllm import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -179,19 +190,19 @@ def patch_input_processor() -> None:
     if getattr(InputProcessor.process_inputs, "_vllm_steer", False):
         return
     original = InputProcessor.process_inputs
+    patch_async_add_request(frontend_of)
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         keys = None
         captures = False
         extra = getattr(params, "extra_args", None)
-        frontend = self.__dict__.get("_steer_frontend")
-        if frontend is None:
-            frontend = self._steer_frontend = SteeringFrontend(self.vllm_config)
+        frontend = frontend_of(self)
         asks = bool(extra) and any(k in extra for k in _ALL_FIELDS)
         if isinstance(params, SamplingParams) and (asks or frontend.captures_all):
             # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
             # packed payload, not lists of floats. The caller's object is left untouched.
-            new_extra, pk, dk = frontend.engine_extra_args(extra or {}, request_id)
+            prepared = prepared_for(extra) if extra else None  # done off the event loop (async path)
+            new_extra, pk, dk = prepared or frontend.engine_extra_args(extra or {}, request_id)
             params = copy.copy(params)
             params.extra_args = new_extra
             keys = (pk, dk)

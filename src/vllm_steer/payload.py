@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from vllm_steer import bf16
+from vllm_steer.spec import stack_rows
 
 PAYLOAD_KEY = "vllm_steer"
 PAYLOAD_VERSION = 1
@@ -90,6 +91,9 @@ def to_dtype_bytes(arr: np.ndarray, dtype: torch.dtype) -> bytes:
         return f32.tobytes()
     if dtype == torch.float16:
         return f32.astype(np.float16).tobytes()
+    words = f32.view(np.uint32)
+    if not (words & np.uint32(0xFFFF)).any():  # already on the bf16 grid (a bf16 request): no rounding
+        return (words >> np.uint32(16)).astype(np.uint16).tobytes()
     return bf16.to_bits(f32).tobytes()
 
 
@@ -114,7 +118,7 @@ def hook_vectors(vectors: dict[str, dict[int, np.ndarray]], dtype: torch.dtype) 
     out = {}
     for hook, layers in vectors.items():
         ids = sorted(layers)
-        data = torch.from_numpy(np.stack([layers[i] for i in ids]).astype(np.float32)).to(dtype)
+        data = torch.from_numpy(np.array(stack_rows(layers, ids), dtype=np.float32)).to(dtype)
         out[hook] = HookVectors(tuple(ids), data)
     return out
 

@@ -11,13 +11,13 @@ effective(phase) = base + phase tier, per hook and layer.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from vllm_steer import bf16
 from vllm_steer.hooks import HOOK_NAMES
@@ -102,6 +102,23 @@ def check_finite(field: str, arr: np.ndarray) -> None:
         raise SteeringSpecError(field, "contains NaN or Inf")
 
 
+class PackedLayers(dict):
+    """{layer: vector} whose vectors are the rows of one float32 block, in ``order``: what
+    ``decode_packed`` returns, so ``stack_rows`` can hand out the block instead of a copy."""
+
+    def __init__(self, block: np.ndarray, order: list[int]) -> None:
+        super().__init__((layer, block[i]) for i, layer in enumerate(order))
+        self.block = block
+        self.order = order
+
+
+def stack_rows(layers: dict[int, np.ndarray], ids: list[int]) -> np.ndarray:
+    """``np.stack([layers[i] for i in ids])``, without the copy for a whole packed block."""
+    if isinstance(layers, PackedLayers) and layers.order == ids:
+        return layers.block
+    return np.stack([layers[i] for i in ids])
+
+
 def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
     out: dict[int, np.ndarray] = {}
     for raw_layer, values in obj.items():
@@ -126,7 +143,7 @@ def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, n
     return out
 
 
-def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
+def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
     """The packed form -> {layer: float32 vector}; zero-copy up to the float32 conversion."""
     dtype_name = obj.get("dtype")
     if dtype_name not in _PACKED_DTYPES:
@@ -163,7 +180,7 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndar
             f"{field}.data", f"{expected} bytes exceeds the server's cap of {shape.max_bytes}"
         )
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise SteeringSpecError(f"{field}.data", "invalid base64") from None
     if len(raw) != expected:
@@ -186,7 +203,7 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndar
         src = _scale_rows(src, scales, bf16_source=dtype_name == "bfloat16")
     arr = src.astype(np.float32, copy=False)
     check_finite(f"{field}.data", arr)
-    return {layer: arr[i] for i, layer in enumerate(layers)}
+    return PackedLayers(arr, layers)
 
 
 def _scale_rows(src: np.ndarray, scales: list, bf16_source: bool) -> np.ndarray:
@@ -271,8 +288,8 @@ def nonzero(vectors: Vectors) -> Vectors:
         if not layers:
             continue
         ids = list(layers)
-        keep = np.stack([layers[i] for i in ids]).any(axis=1)  # one pass per hook
-        kept = {l: layers[l] for l, k in zip(ids, keep) if k}
+        keep = stack_rows(layers, ids).any(axis=1)  # one pass per hook
+        kept = layers if keep.all() else {l: layers[l] for l, k in zip(ids, keep) if k}
         if kept:
             out[hook] = kept
     return out

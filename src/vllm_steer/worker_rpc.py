@@ -26,6 +26,7 @@ def vllm_steer_status(self) -> dict[str, Any]:
         status.update(
             steering=True,
             ops=rt.num_ops,
+            apply=rt.cfg.apply,
             hooks=list(rt.hooked_layers),
             rows=rt.cfg.max_configs,
             live_configs=len(rt.rows.live_keys()),

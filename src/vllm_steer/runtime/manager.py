@@ -67,7 +67,8 @@ class SteeringRuntime:
             self.capture = CaptureRuntime(cfg, sites, num_decoder_layers(model), max_num_tokens,
                                           hidden_size, dtype, device, rank=_rank())
         self.num_ops = install_steering(
-            model, self.tables, self.hooked_layers, self.capture.buffers if self.capture else None
+            model, self.tables, self.hooked_layers, self.capture.buffers if self.capture else None,
+            inline=cfg.apply == "inline",
         )
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
@@ -75,8 +76,8 @@ class SteeringRuntime:
         self._index_extent = 0  # tokens of the device index that may hold non-zero rows
         self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
         logger.info(
-            "vllm-steer: %d steering ops installed (hooks %s, %d layers, %d rows)",
-            self.num_ops, list(self.hooked_layers), len(layer_ids), cfg.max_configs,
+            "vllm-steer: %d steering sites installed (apply=%s, hooks %s, %d layers, %d rows)",
+            self.num_ops, cfg.apply, list(self.hooked_layers), len(layer_ids), cfg.max_configs,
         )
 
     @property

@@ -48,22 +48,29 @@ class SteeringTables:
         return self.table[hook][slot], self.active[hook][slot]
 
     def write_row(self, row: int, vectors: dict[str, HookVectors]) -> None:
-        """Overwrite ``row`` of every hooked table (hooks absent from ``vectors`` get zeros)."""
+        """Overwrite ``row`` of every hooked table (hooks absent from ``vectors`` get zeros):
+        per hook at most one pinned staging tensor, filled by one indexed copy, and one
+        non-blocking H2D copy; nothing for a hook the row neither had nor gets."""
         for hook, table in self.table.items():
             slots = self.slot_of_layer[hook]
-            staging = torch.zeros(table.shape[0], self.hidden_size, dtype=self.dtype, pin_memory=self._pin)
-            nz: list[int] = []
             hv = vectors.get(hook)
+            src, dst = [], []
             if hv is not None:
                 for i, layer in enumerate(hv.layers):
                     slot = slots.get(layer)
-                    if slot is None:
-                        continue  # layer not hooked on this engine (validated API-side)
-                    staging[slot] = hv.data[i]
-                    nz.append(slot)
-            if nz or self._row_layers[hook].get(row) is not None:
+                    if slot is not None:  # else: layer not hooked on this engine (validated API-side)
+                        src.append(i)
+                        dst.append(slot)
+            if dst or self._row_layers[hook].get(row) is not None:
+                staging = torch.empty(table.shape[0], self.hidden_size, dtype=self.dtype, pin_memory=self._pin)
+                if dst == list(range(table.shape[0])) and src == dst:
+                    staging.copy_(hv.data)  # every hooked layer, in order: the common case
+                else:
+                    staging.zero_()
+                    if dst:
+                        staging[torch.tensor(dst)] = hv.data[torch.tensor(src)].to(self.dtype)
                 table[:, row].copy_(staging, non_blocking=True)
-            self._row_layers[hook][row] = np.asarray(sorted(nz), dtype=np.int64)
+            self._row_layers[hook][row] = np.asarray(sorted(dst), dtype=np.int64)
 
     def set_live(self, row: int, live: bool) -> None:
         """Count ``row`` in (or out of) the any-active flags; flags change only at 0 <-> 1."""

@@ -2,8 +2,10 @@
 steered requests (every SSE chunk when streaming), so a client can see that steering happened.
 
 A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.applied) and rewrites
-only responses whose holder was filled; everything else streams through untouched. Non-streaming
-responses of capturing requests also get ``"capture"``: the driver consumers' per-request results.
+only responses whose holder was filled; everything else streams through untouched. Responses of
+capturing requests also get ``"capture"``: the driver consumers' per-request results, in the body
+(non-streaming) or, when streaming, in one last chunk with empty ``choices`` just before
+``data: [DONE]`` (the shape of the usage chunk, which OpenAI clients accept).
 """
 
 from __future__ import annotations
@@ -34,13 +36,24 @@ async def _capture_results(scope: dict, ids: list[str]) -> dict:
     return merged
 
 
-def _rewrite_sse(chunk: bytes, applied: dict) -> bytes:
+_ENVELOPE = ("id", "object", "created", "model")
+_DONE = b"data: [DONE]"
+
+
+def _rewrite_sse(chunk: bytes, applied: dict, envelope: dict) -> bytes:
     out = []
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {"):
-            line = b"data: " + json.dumps(_inject(json.loads(line[6:]), applied), separators=(",", ":")).encode()
+            obj = json.loads(line[6:])
+            if isinstance(obj, dict) and not envelope:
+                envelope.update({k: obj[k] for k in _ENVELOPE if k in obj})
+            line = b"data: " + json.dumps(_inject(obj, applied), separators=(",", ":")).encode()
         out.append(line)
     return b"\n".join(out)
+
+
+def _capture_field(results: dict, ids: list[str]) -> dict:
+    return results.get(ids[0], {}) if len(ids) == 1 else results
 
 
 class SteeringResponseMiddleware:
@@ -72,14 +85,21 @@ class SteeringResponseMiddleware:
                 ids = holder.get("capture_ids")
                 if ids and isinstance(obj, dict) and start.get("status", 200) == 200:
                     results = await _capture_results(scope, ids)
-                    obj["capture"] = results.get(ids[0], {}) if len(ids) == 1 else results
+                    obj["capture"] = _capture_field(results, ids)
                 body = json.dumps(obj).encode()
                 headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                 headers.append((b"content-length", str(len(body)).encode()))
                 await send({**start, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
             elif message["type"] == "http.response.body" and state["mode"] == "sse" and holder:
-                await send({**message, "body": _rewrite_sse(message.get("body", b""), holder)})
+                body = _rewrite_sse(message.get("body", b""), holder, state.setdefault("envelope", {}))
+                ids = holder.get("capture_ids")
+                if ids and _DONE in body:  # the stream is complete: its requests have finished
+                    event = _inject({**state["envelope"], "choices": [],
+                                     "capture": _capture_field(await _capture_results(scope, ids), ids)}, holder)
+                    body = body.replace(_DONE, b"data: " + json.dumps(event, separators=(",", ":")).encode()
+                                        + b"\n\n" + _DONE, 1)
+                await send({**message, "body": body})
             else:
                 await send(message)
 
