@@ -62,6 +62,15 @@ def _output_record(out: Any) -> dict:
     return rec
 
 
+def _continued(prompt: dict, done: list) -> dict:
+    """``{"continue_call": k}``: the prompt and generated tokens of call k's first request (a
+    multi-turn follow-up); any other prompt as given."""
+    if "continue_call" not in prompt:
+        return prompt
+    out = done[prompt["continue_call"]][0]
+    return {"prompt_token_ids": list(out.prompt_token_ids) + list(out.outputs[0].token_ids)}
+
+
 def _main(src: str, dst: str) -> None:
     job = pickle.loads(Path(src).read_bytes())
     from vllm import LLM, SamplingParams
@@ -70,9 +79,12 @@ def _main(src: str, dst: str) -> None:
     result: dict[str, Any] = {"calls": []}
     if job.get("rpc"):
         result["rpc"] = {name: llm.collective_rpc(name) for name in job["rpc"]}
+    done: list = []  # outputs of earlier calls, for prompts that continue them
     for call in job.get("calls", []):
         params = [SamplingParams(**p) for p in call["params"]]
-        outs = llm.generate(call["prompts"], params, use_tqdm=False)
+        prompts = [_continued(p, done) for p in call["prompts"]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        done.append(outs)
         if job.get("collect_capture"):
             from vllm_steer.capture.collect import collect
 

@@ -12,6 +12,8 @@ TARGETS = {
     "vllm.v1.engine.input_processor:InputProcessor.process_inputs": ["self", "request_id", "prompt", "params"],
     "vllm.v1.engine.async_llm:AsyncLLM.add_request": ["self", "request_id", "prompt", "params"],
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": ["self"],
+    "vllm.v1.core.sched.scheduler:Scheduler.add_request": ["self", "request"],
+    "vllm.v1.core.kv_cache_utils:get_request_block_hasher": ["hash_block_size", "caching_hash_fn"],
     "vllm.v1.core.sched.scheduler:Scheduler._free_request": ["self", "request"],
     "vllm.v1.engine.core:EngineCore.collective_rpc": ["self", "method", "timeout", "args", "kwargs"],
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": ["self", "scheduler_output"],

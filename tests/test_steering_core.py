@@ -121,10 +121,15 @@ def phase_run(smollm2_path, tmp_path_factory):
     plp = dict(max_tokens=8, prompt_logprobs=True)
     order = [params(**plp), params(**plp, **dec), params(**plp, **pre),  # prompt logprobs
              params(8), params(8, **dec), params(8, **pre_other), params(8, **pre_other)]  # prefix cache
+    # multi-turn: a decode-steered reply (70 tokens: two full blocks past the prompt), then its
+    # conversation continued unsteered, reading the cache and not
+    turn = [params(70, **dec), params(16), {**params(16), "skip_reading_prefix_cache": True}]
+    calls = [{"prompts": [_prompt(ids)], "params": [p]} for p in order + turn[:1]]
+    calls += [{"prompts": [{"continue_call": len(order)}], "params": [p]} for p in turn[1:]]
     job = {
         "model": smollm2_path,
         "llm_kwargs": _engine(max_configs=8, block_size=32, enable_prefix_caching=True),
-        "calls": [{"prompts": [_prompt(ids)], "params": [p]} for p in order],
+        "calls": calls,
     }
     res = run_job(job, tmp_path_factory.mktemp("phase"))
     return [c[0] for c in res["calls"]], len(ids)
@@ -141,13 +146,25 @@ def test_decode_only_steering_leaves_prompt_logprobs_and_first_token_unchanged(p
 
 def test_prefix_cache_shared_by_decode_only_steering_not_by_prefill_steering(phase_run):
     results, n_prompt = phase_run
-    unsteered, dec, pre, pre_again = results[3:]
+    unsteered, dec, pre, pre_again = results[3:7]
     full_blocks = (n_prompt // 32) * 32
     assert unsteered["num_cached_tokens"] >= full_blocks - 32
     assert dec["num_cached_tokens"] >= full_blocks - 32  # reuses the unsteered prompt's blocks
     assert pre["num_cached_tokens"] == 0  # a differently steered prompt must not share KV
     assert pre_again["num_cached_tokens"] >= full_blocks - 32  # same prefill steering shares
     assert pre_again["token_ids"] == pre["token_ids"]
+
+
+def test_decode_steered_reply_blocks_are_not_reused_by_an_unsteered_follow_up(phase_run):
+    """KV of generated tokens was computed with the decode vector: a follow-up prompt that extends
+    over the reply may reuse the prompt's blocks, never the reply's."""
+    results, n_prompt = phase_run
+    _, follow_cached, follow_fresh = results[7:]
+    assert follow_cached["num_cached_tokens"] <= (n_prompt // 32) * 32
+    assert follow_cached["num_cached_tokens"] > 0  # the prompt's blocks are shared
+    assert follow_fresh["num_cached_tokens"] == 0
+    assert follow_cached["token_ids"] == follow_fresh["token_ids"]
+    np.testing.assert_allclose(follow_cached["logprobs"], follow_fresh["logprobs"], atol=1e-4)
 
 
 def test_preempted_requests_resume_with_their_own_steering(core_run, smollm2_path, prompt_ids, tmp_path):

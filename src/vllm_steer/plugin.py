@@ -64,6 +64,7 @@ def register() -> None:
     if _done:
         return
     check_vllm_version()
+    from vllm_steer.decode_block_salt import patch_scheduler_add_request
     from vllm_steer.frontend import patch_input_processor
     from vllm_steer.runtime.runner_v1 import patch_v1_runner
     from vllm_steer.runtime.runner_v2 import patch_v2_runner
@@ -73,6 +74,7 @@ def register() -> None:
     _patch_engine_config()
     patch_input_processor()
     patch_scheduler()
+    patch_scheduler_add_request()
     patch_worker()
     patch_v1_runner()
     patch_v2_runner()
