@@ -76,3 +76,16 @@ def test_table_rows_written_per_layer_and_cleared_on_overwrite():
     t.write_row(1, {})  # overwrite with nothing: the old vectors are cleared
     assert not t.table["pre_attn"].any() and not t.table["post_mlp"].any()
     assert not t.table["pre_attn"][:, 0].any()  # row 0 stays the zero no-op throughout
+
+
+def test_module_users_counts_unfinished_requests_by_module_name():
+    from vllm_steer.scheduler_gate import module_users
+
+    def req(module):
+        payload = {"prefill": "k", "decode": "k", "module": module and {"name": module, "version": 1, "scale": 1.0}}
+        return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: payload}))
+
+    plain = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=None))
+    pooling = SimpleNamespace(sampling_params=None)
+    assert module_users([req("a"), req("b"), req("a"), req(None), plain, pooling]) == {"a": 2, "b": 1}
+    assert module_users([]) == {}

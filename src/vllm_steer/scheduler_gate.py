@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from vllm_steer.config import steer_config_of
-from vllm_steer.payload import payload_keys
+from vllm_steer.payload import PAYLOAD_KEY, payload_keys
 
 
 class RowGate:
@@ -127,11 +127,23 @@ def patch_scheduler() -> None:
     _patch_engine_core_rpc()
 
 
+def module_users(requests: Any) -> dict[str, int]:
+    """Unfinished requests (waiting, running or preempted) per named module they reference."""
+    users: Counter[str] = Counter()
+    for request in requests:
+        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+        module = (extra.get(PAYLOAD_KEY) or {}).get("module")
+        if module:
+            users[module["name"]] += 1
+    return dict(users)
+
+
 def _patch_engine_core_rpc() -> None:
     """Patch: ``EngineCore.collective_rpc`` (0.26). Module registration passes through the engine
     core on its way to the workers; the gate reserves (pins) rows for the module's configs here,
     and tells the workers whether they may pre-materialize them. Why: the gate and the workers
-    must agree on every row in use."""
+    must agree on every row in use. ``vllm_steer_module_users`` is answered here (one entry, as
+    if from one worker): the scheduler sees queued requests too, which no worker has yet."""
     from vllm.v1.engine.core import EngineCore
 
     original = EngineCore.collective_rpc
@@ -139,7 +151,10 @@ def _patch_engine_core_rpc() -> None:
         return
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        gate = getattr(getattr(self, "scheduler", None), "steer_gate", None)
+        scheduler = getattr(self, "scheduler", None)
+        gate = getattr(scheduler, "steer_gate", None)
+        if method == "vllm_steer_module_users":
+            return [module_users(scheduler.requests.values()) if gate is not None else {}]
         if gate is not None and method == "vllm_steer_register_module":
             name, _version, _tiers, keys = args[:4]
             args = (*args[:4], gate.try_pin(name, tuple(keys)))

@@ -53,12 +53,6 @@ def vllm_steer_unregister_module(self, name: str) -> None:
         rt.unregister_module(name)
 
 
-def vllm_steer_module_users(self) -> dict[str, int]:
-    """Live requests per module name on this worker."""
-    rt = _runtime(self)
-    return rt.module_users() if rt is not None else {}
-
-
 def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
     """Publish the captures of finished requests now and return driver consumers' results."""
     rt = _runtime(self)
@@ -72,7 +66,6 @@ WORKER_METHODS = {
     "vllm_steer_status": vllm_steer_status,
     "vllm_steer_register_module": vllm_steer_register_module,
     "vllm_steer_unregister_module": vllm_steer_unregister_module,
-    "vllm_steer_module_users": vllm_steer_module_users,
 }
 
 

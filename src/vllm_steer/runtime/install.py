@@ -2,11 +2,13 @@
 
 A hooked module (the decoder layer itself for pre_attn / post_mlp, a fused add+norm for
 post_attn) gets its class swapped for a cached subclass whose forward runs, per site and in this
-order: ``capture_rows_`` (reads the pristine stream ``a + b``) then ``apply_steering_`` (adds
-``table[index]`` in place). Parameters, names and weights are untouched. Tables, index, flags,
-capture pool and plans are registered as non-persistent buffers: torch.compile lifts them as
-graph inputs and CUDA graphs read fixed addresses, which the runtime updates in place. Which
-sites exist is a class attribute, so the traced graph holds exactly those ops and nothing else.
+order: ``capture_rows_`` (reads the pristine stream ``a + b``) then the steering add: the opaque
+``apply_steering_`` (``table[index]`` in place; config ``apply: kernel``) or, with ``apply:
+inline``, ``x + table.index_select(0, index)`` as plain ops for Inductor to fuse. Parameters,
+names and weights are untouched. Tables, index, flags, capture pool and plans are registered as
+non-persistent buffers: torch.compile lifts them as graph inputs and CUDA graphs read fixed
+addresses, which the runtime updates in place. Which sites exist is a class attribute, so the
+traced graph holds exactly those ops and nothing else.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch.nn as nn
 from vllm_steer.hooks import HookPoint
 from vllm_steer.kernels.apply_steering import live
 from vllm_steer.kernels.apply_steering import op as steer_op
-from vllm_steer.kernels.apply_steering.live import may_skip
 from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.models import UnsupportedModelError, adapter_for_layer
 from vllm_steer.runtime.tables import SteeringTables
@@ -36,7 +37,7 @@ def _site(self, hook: str, a, b, target):
         return target
     table = getattr(self, f"vs_{hook}_table")
     if self._vs_inline:
-        if not torch.compiler.is_compiling() and may_skip(live.steering_live):
+        if not torch.compiler.is_compiling() and live.may_skip(live.steering_live):
             return target  # eager step with nothing steered (a traced graph always holds the add)
         return target + table.index_select(0, self.vs_index[: target.shape[0]])
     steer_op.apply_steering_(target, table, self.vs_index, getattr(self, f"vs_{hook}_active"))

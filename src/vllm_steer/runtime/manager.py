@@ -33,7 +33,6 @@ logger = logging.getLogger("vllm_steer")
 class _Held:
     rows: tuple[int, int]  # (prefill row, decode row); 0 = unsteered phase
     keys: tuple[str, ...]
-    module: str | None = None
 
 
 def hooked_layers_for(cfg: SteerConfig, layer_ids: list[int]) -> dict[str, list[int]]:
@@ -101,7 +100,7 @@ class SteeringRuntime:
             rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
         pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
-        self._held[req_id] = _Held(pair, steering.keys, steering.module["name"] if steering.module else None)
+        self._held[req_id] = _Held(pair, steering.keys)
         return pair
 
     def _acquire(self, key: str, vectors: Callable[[], dict[str, HookVectors]]) -> int:
@@ -162,13 +161,6 @@ class SteeringRuntime:
             self.capture.finish_request(req_id)
 
     # ---- named modules ----------------------------------------------------------------
-    def module_users(self) -> dict[str, int]:
-        users: dict[str, int] = {}
-        for held in self._held.values():
-            if held.module is not None:
-                users[held.module] = users.get(held.module, 0) + 1
-        return users
-
     def register_module(self, name: str, version: int, tiers: dict, pin: bool) -> list[str]:
         """Keep a module's tiers; if ``pin``, pre-materialize and pin its scale-1 rows."""
         self.unregister_module(name)

@@ -35,8 +35,8 @@ def _unauthorized(raw: Request) -> JSONResponse | None:
 
 async def _users(raw: Request) -> dict[str, int]:
     engine = raw.app.state.steer_engine_client
-    per_worker = await engine.collective_rpc("vllm_steer_module_users")
-    return per_worker[0] if per_worker else {}
+    per_core = await engine.collective_rpc("vllm_steer_module_users")  # answered by the engine core
+    return per_core[0] if per_core else {}
 
 
 def _truthy(v: Any) -> bool:
