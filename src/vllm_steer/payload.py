@@ -123,11 +123,14 @@ def hook_vectors(vectors: dict[str, dict[int, np.ndarray]], dtype: torch.dtype) 
     return out
 
 
-def payload_keys(extra_args: dict | None) -> tuple[str, ...]:
+def payload_of(sampling_params: object | None) -> dict | None:
+    """The steering payload a request's SamplingParams carry (None: unsteered, or no params)."""
+    extra = getattr(sampling_params, "extra_args", None)
+    return extra.get(PAYLOAD_KEY) if extra else None
+
+
+def payload_keys(payload: dict | None) -> tuple[str, ...]:
     """The distinct config keys a request needs rows for (no decoding of vectors)."""
-    if not extra_args:
-        return ()
-    payload = extra_args.get(PAYLOAD_KEY)
     if not payload:
         return ()
     return _distinct(payload["prefill"], payload["decode"])

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from vllm_steer.config import steer_config_of
-from vllm_steer.payload import PAYLOAD_KEY, payload_keys
+from vllm_steer.payload import payload_keys, payload_of
 
 
 class RowGate:
@@ -63,7 +63,7 @@ class RowGate:
         for req in requests:
             if req.request_id in self._admitted:
                 continue
-            keys = payload_keys(req.sampling_params.extra_args if req.sampling_params else None)
+            keys = payload_keys(payload_of(req.sampling_params))
             new = {k for k in keys if k not in self._refs and k not in tentative}
             if not new:
                 continue
@@ -111,8 +111,7 @@ def patch_scheduler() -> None:
                 for req in reversed(held):
                     queue.prepend_request(req)
         for new_req in out.scheduled_new_reqs:
-            sp = new_req.sampling_params
-            gate.admit(new_req.req_id, payload_keys(sp.extra_args if sp else None))
+            gate.admit(new_req.req_id, payload_keys(payload_of(new_req.sampling_params)))
         return out
 
     def _free_request(self, request, *args, **kwargs):
@@ -131,8 +130,7 @@ def module_users(requests: Any) -> dict[str, int]:
     """Unfinished requests (waiting, running or preempted) per named module they reference."""
     users: Counter[str] = Counter()
     for request in requests:
-        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-        module = (extra.get(PAYLOAD_KEY) or {}).get("module")
+        module = (payload_of(getattr(request, "sampling_params", None)) or {}).get("module")
         if module:
             users[module["name"]] += 1
     return dict(users)

@@ -65,7 +65,7 @@ class SteeringResponseMiddleware:
             await self.app(scope, receive, send)
             return
         holder, token = open_holder()
-        state: dict[str, Any] = {"mode": None, "start": None, "body": []}
+        state: dict[str, Any] = {"mode": None, "start": None, "body": [], "envelope": {}}
 
         async def wrapped_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -92,7 +92,7 @@ class SteeringResponseMiddleware:
                 await send({**start, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
             elif message["type"] == "http.response.body" and state["mode"] == "sse" and holder:
-                body = _rewrite_sse(message.get("body", b""), holder, state.setdefault("envelope", {}))
+                body = _rewrite_sse(message.get("body", b""), holder, state["envelope"])
                 ids = holder.get("capture_ids")
                 if ids and _DONE in body:  # the stream is complete: its requests have finished
                     event = _inject({**state["envelope"], "choices": [],
