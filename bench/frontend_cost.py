@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vllm_steer.client import pack
-from vllm_steer.frontend import SteeringFrontend
+from vllm_steer.frontend.prepare import SteeringFrontend
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 
@@ -45,8 +45,8 @@ def main() -> None:
                 for h in HOOKS}
         bodies[f"inline packed {dt}"] = json.dumps({"prompt": [1] * 256, "steering_vectors": vecs}).encode()
     # a registered module, referenced by name
-    from vllm_steer.modules.registration import module_from_json, prepare
-    from vllm_steer.modules.store import STORE
+    from vllm_steer.frontend.module_registration import module_from_json, prepare
+    from vllm_steer.frontend.module_store import STORE
 
     mod_vecs = {h: pack(rng.standard_normal((args.layers, args.hidden), dtype=np.float32) * 0.05, layers, "bfloat16")
                 for h in HOOKS}

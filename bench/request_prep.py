@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vllm_steer.client import pack
-from vllm_steer.frontend import SteeringFrontend
+from vllm_steer.frontend.prepare import SteeringFrontend
 
 LAYERS, HIDDEN, HOOKS = 34, 2560, ("pre_attn", "post_attn", "post_mlp")
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from vllm_steer.compat import OVERRIDE_ENV, UnsupportedVllmError, check_vllm_version
-from vllm_steer.config import SteerConfigError, parse_steer_config
+from vllm_steer.core.compat import OVERRIDE_ENV, UnsupportedVllmError, check_vllm_version
+from vllm_steer.core.config import SteerConfigError, parse_steer_config
 
 
 def test_no_steer_key_or_disabled_means_steering_off():

@@ -10,9 +10,9 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from vllm_steer.frontend import SteeringFrontend
-from vllm_steer.modules.registration import module_from_json
-from vllm_steer.modules.store import STORE
+from vllm_steer.frontend.prepare import SteeringFrontend
+from vllm_steer.frontend.module_registration import module_from_json
+from vllm_steer.frontend.module_store import STORE
 
 LAYERS, HIDDEN = 34, 2560
 

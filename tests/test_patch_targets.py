@@ -1,6 +1,7 @@
-"""Every vLLM internal the plugin patches still has the signature the patch was written for, so a
-vLLM upgrade fails here, loudly, instead of silently unsteering. Read in a fresh process where no
-plugin has been loaded, so the originals are inspected."""
+"""Every vLLM internal the plugin patches (``vllm_steer.patches.PATCHES``) still has the parameters
+the patch was written for, so a vLLM upgrade fails here, naming the target and the version, instead
+of silently unsteering. Read in a fresh process where no plugin has been loaded, so the originals
+are inspected."""
 
 from __future__ import annotations
 
@@ -8,46 +9,42 @@ import json
 import subprocess
 import sys
 
-TARGETS = {
-    "vllm.v1.engine.input_processor:InputProcessor.process_inputs": ["self", "request_id", "prompt", "params"],
-    "vllm.v1.engine.async_llm:AsyncLLM.add_request": ["self", "request_id", "prompt", "params"],
-    "vllm.v1.core.sched.scheduler:Scheduler.schedule": ["self"],
-    "vllm.v1.core.sched.scheduler:Scheduler.add_request": ["self", "request"],
-    "vllm.v1.core.kv_cache_utils:get_request_block_hasher": ["hash_block_size", "caching_hash_fn"],
-    "vllm.v1.core.sched.scheduler:Scheduler._free_request": ["self", "request"],
-    "vllm.v1.engine.core:EngineCore.collective_rpc": ["self", "method", "timeout", "args", "kwargs"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": ["self", "scheduler_output"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model": ["self", "scheduler_output"],
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model": ["self", "load_dummy_weights"],
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.finish_requests": ["self", "scheduler_output"],
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model": ["self", "scheduler_output"],
-    "vllm.v1.worker.gpu.model_states.interface:ModelState.add_request": ["self", "req_index", "new_req_data"],
-    "vllm.v1.worker.gpu.model_states.interface:ModelState.remove_request": ["self", "req_id"],
-    "vllm.v1.worker.gpu.model_states.interface:ModelState.prepare_inputs": ["self", "input_batch", "req_states"],
-    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model": ["self", "load_dummy_weights"],
-    "vllm.engine.arg_utils:EngineArgs.create_engine_config": ["self"],
-    "vllm.entrypoints.openai.completion.protocol:CompletionRequest.to_sampling_params": ["self"],
-    "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest.to_sampling_params": ["self"],
-}
+from vllm_steer.patches import GENERAL_APPLIERS, PATCHES, SERVER_APPLIERS
 
 PROBE = """
 import importlib, inspect, json, sys
-out = {}
+import vllm
+out = {"__version__": vllm.__version__}
 for target in json.loads(sys.argv[1]):
-    mod, attr = target.split(":")
-    obj = importlib.import_module(mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    out[target] = list(inspect.signature(obj).parameters)
+    mod, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        out[target] = list(inspect.signature(obj).parameters) if callable(obj) and not isinstance(obj, type) else []
+    except Exception as e:
+        out[target] = f"missing: {type(e).__name__}: {e}"
 print(json.dumps(out))
 """
 
 
 def test_patched_vllm_internals_keep_their_signatures():
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(TARGETS))],
+    targets = [p.target for p in PATCHES]
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(targets)],
                           capture_output=True, text=True, timeout=300, env={"VLLM_PLUGINS": "", "PATH": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    for target, prefix in TARGETS.items():
-        assert found[target][: len(prefix)] == prefix, f"{target}: {found[target]}"
+    version = found.pop("__version__")
+    bad = [f"{p.target} (vLLM {version}): expected leading parameters {list(p.params)}, found {found[p.target]}"
+           for p in PATCHES
+           if isinstance(found[p.target], str) or found[p.target][: len(p.params)] != list(p.params)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_patch_has_an_owner_that_applies_it():
+    """Each table row names a module whose applier is run by the plugin or the endpoint plugin."""
+    applier_modules = {ref.split(":")[0] for ref in GENERAL_APPLIERS + SERVER_APPLIERS}
+    owners = {p.owner for p in PATCHES}
+    # the norm classes are subclassed at install time (runtime.install), reached through the runners
+    assert owners - applier_modules <= {"vllm_steer.runtime.install"}, owners - applier_modules
+    assert all(p.why and p.until for p in PATCHES)

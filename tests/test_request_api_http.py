@@ -124,3 +124,53 @@ def test_applied_keys_are_in_the_server_log(server, client):
     res = complete(client, server, steering_vectors={"post_attn": {"2": VEC.tolist()}})
     key = res.model_extra["steering"]["prefill"]
     assert f"prefill={key}" in server[2].read_text()
+
+
+def test_msgpack_body_with_raw_bytes_equals_the_json_body(server):
+    """The binary wire form: a msgpack body whose packed data is raw bytes (no base64)."""
+    from vllm_steer.client import MSGPACK_CONTENT_TYPE, msgpack_body
+
+    base, model = server[0], server[1]
+    common = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    as_json = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        **common, "steering_vectors": {"post_mlp": pack(VEC[None], [LAYER], "bfloat16")}})
+    body = msgpack_body({**common, "steering_vectors": {"post_mlp": pack(VEC[None], [LAYER], "bfloat16", binary=True)}})
+    as_msgpack = httpx.post(f"{base}/v1/completions", timeout=60, content=body,
+                            headers={"content-type": MSGPACK_CONTENT_TYPE})
+    assert as_json.status_code == as_msgpack.status_code == 200, as_msgpack.text
+    assert as_msgpack.json()["choices"][0]["text"] == as_json.json()["choices"][0]["text"]
+    assert as_msgpack.json()["steering"] == as_json.json()["steering"]
+    bad = httpx.post(f"{base}/v1/completions", timeout=60, content=b"\xc1not msgpack",
+                     headers={"content-type": MSGPACK_CONTENT_TYPE})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
+
+
+STREAM_BAD = [
+    ({"steering_vectors": {"post_mlp": {"1": [0.0] * 7}}}, "steering_vectors.post_mlp.1"),
+    ({"steering_module": {"name": "no-such-module"}}, "steering_module.name"),
+    ({"capture": {"nobody": {"layers": [1]}}}, "capture.nobody"),
+    ({"vllm_xargs": {"steering_vectors": "[" * 5000 + "]" * 5000}}, "vllm_xargs.steering_vectors"),
+    ({"vllm_xargs": {"capture": json.dumps({"fs": {"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}})}},
+     "vllm_xargs.capture"),
+    ({"vllm_steer_prepared": "0123"}, "vllm_steer_prepared"),
+]
+
+
+@pytest.mark.parametrize("body, field", STREAM_BAD, ids=[b[1] + f"-{i}" for i, b in enumerate(STREAM_BAD)])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_bad_input_is_refused_before_a_stream_starts(server, body, field, route):
+    """stream: true gets the same 400 as a plain request, before any event (not 200 + an error event)."""
+    base, model = server[0], server[1]
+    req = {"model": model, "max_tokens": 4, "stream": True, **body}
+    if route == "chat":
+        url, req["messages"] = f"{base}/v1/chat/completions", [{"role": "user", "content": "Hi"}]
+    else:
+        url, req["prompt"] = f"{base}/v1/completions", "Hello"
+    with httpx.stream("POST", url, json=req, timeout=60) as r:
+        text = r.read().decode()
+    assert r.status_code == 400, text[:500]
+    assert "data:" not in text
+    err = json.loads(text)["error"]
+    assert err["param"] == field or field in err["message"], err
+    plain = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert plain.status_code == 200

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from vllm_steer.core.payload import PAYLOAD_KEY
+
 import pytest
 
-from vllm_steer.payload import PAYLOAD_KEY
 from vllm_steer.runtime.rows import RowAllocator, RowsExhaustedError
-from vllm_steer.scheduler_gate import RowGate
+from vllm_steer.engine.row_gate import RowGate
 
 
 def test_allocator_shares_rows_for_identical_configs_and_reuses_released_contents():
@@ -29,34 +30,44 @@ def test_allocator_shares_rows_for_identical_configs_and_reuses_released_content
     assert rows.acquire("A") == (1, True, True)  # A was evicted: written again
 
 
-def _req(rid, *keys):
-    payload = {"prefill": keys[0] if keys else None, "decode": keys[-1] if keys else None}
-    return SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: payload} if keys else None))
+def _req(gate: RowGate, rid: str, *keys: str):
+    """A request arriving at the scheduler (the gate notes steered ones), as the queue holds it."""
+    gate.arrive(rid, tuple(dict.fromkeys(keys)))
+    return SimpleNamespace(request_id=rid)
 
 
 def test_gate_holds_back_requests_whose_new_configs_do_not_fit():
     gate = RowGate(capacity=2)
-    reqs = [_req("a", "K1"), _req("u"), _req("b", "K2"), _req("c", "K3"), _req("d", "K1")]
+    reqs = [_req(gate, "a", "K1"), _req(gate, "u"), _req(gate, "b", "K2"), _req(gate, "c", "K3"),
+            _req(gate, "d", "K1")]
+    assert set(gate.waiting) == {"a", "b", "c", "d"}  # the unsteered request never involves the gate
     held = gate.select_held(reqs)
     assert [r.request_id for r in held] == ["c"]  # K1, K2 fit; K3 would be a third; d shares K1
-    gate.admit("a", ("K1",))
-    gate.admit("b", ("K2",))
-    assert [r.request_id for r in gate.select_held([_req("c", "K3")])] == ["c"]
-    gate.release("a")
-    assert gate.select_held([_req("c", "K3")]) == []
+    gate.admit_scheduled(["a", "u", "b"])
+    assert set(gate.waiting) == {"c", "d"} and gate.live_keys == 2
+    assert [r.request_id for r in gate.select_held(reqs)] == ["c"]
+    gate.release("a")  # K1 is no longer live: c's K3 fits now, and d's K1 would be a third row
+    assert [r.request_id for r in gate.select_held(reqs)] == ["d"]
 
 
 def test_gate_counts_prefill_and_decode_configs_of_one_request():
     gate = RowGate(capacity=2)
     gate.admit("x", ("P1",))
-    assert [r.request_id for r in gate.select_held([_req("y", "P2", "D2")])] == ["y"]
-    assert gate.select_held([_req("z", "P1", "D2")]) == []
+    assert [r.request_id for r in gate.select_held([_req(gate, "y", "P2", "D2")])] == ["y"]
+    assert gate.select_held([_req(gate, "z", "P1", "D2")]) == []
+
+
+def test_gate_forgets_a_waiting_request_that_is_freed_before_it_runs():
+    gate = RowGate(capacity=1)
+    _req(gate, "w", "K1")
+    gate.release("w")  # aborted while waiting
+    assert gate.waiting == {} and gate.live_keys == 0
 
 
 def test_table_rows_written_per_layer_and_cleared_on_overwrite():
     import torch
 
-    from vllm_steer.payload import HookVectors
+    from vllm_steer.core.payload import HookVectors
     from vllm_steer.runtime.tables import SteeringTables
 
     hooked = {"pre_attn": [0, 2, 5], "post_mlp": [1, 2]}
@@ -79,7 +90,7 @@ def test_table_rows_written_per_layer_and_cleared_on_overwrite():
 
 
 def test_module_users_counts_unfinished_requests_by_module_name():
-    from vllm_steer.scheduler_gate import module_users
+    from vllm_steer.engine.module_rpc import module_users
 
     def req(module):
         payload = {"prefill": "k", "decode": "k", "module": module and {"name": module, "version": 1, "scale": 1.0}}

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_steer.hashing import config_hash
-from vllm_steer.spec import ModelShape, SteeringSpecError, merge, nonzero, parse_spec
+from vllm_steer.core.layout import config_hash as _config_hash
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.vectors import merge, nonzero
+from vllm_steer.frontend.spec import ModelShape, parse_spec
+
+def config_hash(vectors, dtype="float32"):
+    return _config_hash(vectors, dtype)
+
 
 SHAPE = ModelShape(num_layers=4, hidden_size=8, hooks=("pre_attn", "post_attn", "post_mlp"), layers=None, max_bytes=1 << 20)
 
@@ -111,7 +117,7 @@ def test_disabled_hook_and_unsteerable_layer_are_refused():
 
 
 def test_numpy_bf16_rounding_matches_torch_and_client_pack_roundtrips():
-    from vllm_steer import bf16
+    from vllm_steer.core import bf16
     from vllm_steer.client import pack
 
     vals = np.random.default_rng(1).standard_normal(4096).astype(np.float32) * 1000
@@ -123,3 +129,60 @@ def test_numpy_bf16_rounding_matches_torch_and_client_pack_roundtrips():
     torch_scaled = (torch.from_numpy(vals[8:16]).to(torch.bfloat16) * torch.tensor(0.3, dtype=torch.bfloat16)).float().numpy()
     scaled = parse_spec({"steering_vectors": {"post_mlp": pack(vals[8:16][None], [2], "bfloat16", scales=[0.3])}}, SHAPE)
     np.testing.assert_array_equal(scaled.tiers["steering_vectors"]["post_mlp"][2], torch_scaled)
+
+
+def _frontend(dtype=torch.bfloat16, layers=4, hidden=8, **steer):
+    from types import SimpleNamespace
+
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    mc = SimpleNamespace(dtype=dtype, hf_text_config=SimpleNamespace(num_hidden_layers=layers),
+                         get_hidden_size=lambda: hidden)
+    return SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": steer}))
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_packed_in_the_model_dtype_takes_the_byte_path_to_the_same_key_and_rows(model_dtype):
+    """Rows sent packed in the model dtype are keyed and shipped as they came (no float32 round
+    trip), and give exactly the key and bytes of the general path: floats, unsorted layers, zero
+    rows and -0.0 included."""
+    from vllm_steer.client import pack
+    from vllm_steer.core.payload import PAYLOAD_KEY
+
+    name = str(model_dtype).split(".")[-1]
+    fe = _frontend(model_dtype)
+    rng = np.random.default_rng(3)
+    rows = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)).to(model_dtype).float().numpy()
+    rows[1] = 0.0  # an all-zero row: no steering at that layer
+    rows[2, :3] = -0.0
+    packed_field = {"post_mlp": pack(rows, [3, 0, 2], name), "pre_attn": pack(rows[:1], [1], name)}
+    floats_field = {"post_mlp": {"3": rows[0].tolist(), "0": rows[1].tolist(), "2": (rows[2] + np.float32(0)).tolist()},
+                    "pre_attn": {"1": rows[0].tolist()}}
+    fast, pk_fast, dk_fast = fe.engine_extra_args({"steering_vectors": packed_field})
+    slow, pk_slow, dk_slow = fe.engine_extra_args({"steering_vectors": floats_field})
+    assert pk_fast == dk_fast == pk_slow == dk_slow is not None
+    assert fast[PAYLOAD_KEY]["configs"] == slow[PAYLOAD_KEY]["configs"]
+    (entries,) = fast[PAYLOAD_KEY]["configs"].values()
+    assert [(h, ids) for h, ids, _ in entries] == [("pre_attn", [1]), ("post_mlp", [2, 3])]
+    pre_only, pk, dk = fe.engine_extra_args({"prefill_steering_vectors": packed_field})
+    assert (pk, dk) == (pk_fast, None)
+
+
+def test_byte_path_refuses_bad_rows_naming_the_field():
+    from vllm_steer.client import pack
+
+    fe = _frontend(torch.bfloat16, max_request_bytes=40)
+    bad = np.zeros((1, 8), dtype=np.float32)
+    bad[0, 5] = np.nan
+    with pytest.raises(SteeringSpecError) as e:
+        fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(bad, [1], "bfloat16")}})
+    assert e.value.field == "steering_vectors.post_mlp.data" and "NaN or Inf" in str(e.value)
+    two = np.ones((2, 8), dtype=np.float32)
+    with pytest.raises(SteeringSpecError, match="exceeds the server's cap of 40"):
+        fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(two, [1, 2], "bfloat16"),
+                                                   "pre_attn": pack(two, [1, 2], "bfloat16")}})
+    with pytest.raises(SteeringSpecError) as e:
+        fe.engine_extra_args({"steering_vectors": {"mid": pack(two, [1, 2], "bfloat16")}})
+    assert e.value.field == "steering_vectors.mid"
+    zero, pk, dk = fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(np.zeros((1, 8)), [1], "bfloat16")}})
+    assert zero is None and pk is dk is None  # all-zero vectors are no steering at all

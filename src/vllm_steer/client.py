@@ -3,6 +3,8 @@
     from vllm_steer.client import pack
     body = {"steering_vectors": {"post_mlp": pack(vectors, layers=[10, 11])}}
 
+The binary wire form skips base64 and the server's JSON parse of the vectors: pack with
+``binary=True`` and send ``msgpack_body(body)`` with ``Content-Type: application/msgpack``.
 Works with numpy arrays or torch tensors; needs neither vLLM nor a GPU.
 """
 
@@ -13,9 +15,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vllm_steer import bf16
+from vllm_steer.core import bf16
 
-__all__ = ["pack", "steering_body"]
+__all__ = ["MSGPACK_CONTENT_TYPE", "msgpack_body", "pack", "steering_body"]
+
+MSGPACK_CONTENT_TYPE = "application/msgpack"
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -47,8 +51,10 @@ def pack(
     layers: Sequence[int],
     dtype: str = "float32",
     scales: Sequence[float] | None = None,
+    binary: bool = False,
 ) -> dict:
-    """The packed form of one hook's vectors: row i is added at ``layers[i]``."""
+    """The packed form of one hook's vectors: row i is added at ``layers[i]``. ``binary``: ``data``
+    as raw bytes (for msgpack bodies and ``extra_args``) instead of a base64 string (JSON)."""
     raw, shape = _as_2d_bytes(vectors, dtype)
     if len(layers) != shape[0]:
         raise ValueError(f"{shape[0]} vectors but {len(layers)} layer indices")
@@ -56,7 +62,7 @@ def pack(
         "dtype": dtype,
         "shape": list(shape),
         "layer_indices": [int(l) for l in layers],
-        "data": base64.b64encode(raw).decode("ascii"),
+        "data": raw if binary else base64.b64encode(raw).decode("ascii"),
     }
     if scales is not None:
         out["scales"] = [float(s) for s in scales]
@@ -67,7 +73,15 @@ def steering_body(
     hooks: dict[str, tuple[Any, Sequence[int]]],
     phase: str = "both",
     dtype: str = "float32",
+    binary: bool = False,
 ) -> dict:
     """``{field: {hook: packed}}`` for ``extra_body`` / ``extra_args``; phase: both|prefill|decode."""
     field = {"both": "steering_vectors", "prefill": "prefill_steering_vectors", "decode": "decode_steering_vectors"}[phase]
-    return {field: {hook: pack(v, layers, dtype) for hook, (v, layers) in hooks.items()}}
+    return {field: {hook: pack(v, layers, dtype, binary=binary) for hook, (v, layers) in hooks.items()}}
+
+
+def msgpack_body(body: dict) -> bytes:
+    """A whole OpenAI request body as msgpack (send with ``Content-Type: application/msgpack``)."""
+    import msgspec
+
+    return msgspec.msgpack.encode(body)

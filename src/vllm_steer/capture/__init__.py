@@ -1,1 +1,4 @@
-"""Activation capture: read the residual stream at hook points and route it to consumer plugins."""
+"""Activation capture, public API for consumer authors: the consumer contract and its entry-point
+discovery, the capture spec, the built-in consumers (they run in the workers), and the readers
+users call (``collect`` for ``vllm.LLM``, ``filesystem.load_request``). Imports only ``core``.
+"""

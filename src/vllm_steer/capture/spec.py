@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_steer.hooks import HOOK_NAMES
+from vllm_steer.core.hooks import HOOK_NAMES
 
 POSITION_MODES = ("all_prompt", "all_generated", "last_prompt", "all")
 

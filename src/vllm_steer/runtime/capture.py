@@ -22,8 +22,8 @@ import torch
 
 from vllm_steer.capture.consumer import consumer_class
 from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
-from vllm_steer.config import SteerConfig
-from vllm_steer.kernels.apply_steering import live
+from vllm_steer.core.config import SteerConfig
+from vllm_steer.kernels.capture_rows import live
 
 logger = logging.getLogger("vllm.steer.capture")
 

@@ -1,81 +1,40 @@
-"""Puts the steering (and capture) ops into a loaded vLLM model: only at the configured sites.
+"""Puts steering (and capture) into a loaded vLLM model: only at the norms that receive a hooked site.
 
-A hooked module (the decoder layer itself for pre_attn / post_mlp, a fused add+norm for
-post_attn) gets its class swapped for a cached subclass whose forward runs, per site and in this
-order: ``capture_rows_`` (reads the pristine stream ``a + b``) then the steering add: the opaque
-``apply_steering_`` (``table[index]`` in place; config ``apply: kernel``) or, with ``apply:
-inline``, ``x + table.index_select(0, index)`` as plain ops for Inductor to fuse. Parameters,
+Each such fused add + RMSNorm instance gets its class swapped for a cached subclass whose forward
+calls ``torch.ops.vllm_steer.steered_rms_norm`` (the same contract as vLLM's norm, with the site's
+steering rows added to the stream inside the kernel) and, when capture consumers are configured,
+``capture_rows_`` first, so capture reads the stream before that site's steering. Parameters,
 names and weights are untouched. Tables, index, flags, capture pool and plans are registered as
 non-persistent buffers: torch.compile lifts them as graph inputs and CUDA graphs read fixed
-addresses, which the runtime updates in place. Which sites exist is a class attribute, so the
-traced graph holds exactly those ops and nothing else.
+addresses, which the runtime updates in place. Which tables a norm has is a class attribute, so
+the traced graph holds exactly those ops and nothing else; norms of unhooked sites stay vLLM's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
-from vllm_steer.hooks import HookPoint
-from vllm_steer.kernels.apply_steering import live
-from vllm_steer.kernels.apply_steering import op as steer_op
 from vllm_steer.kernels.capture_rows import op as capture_op
-from vllm_steer.models import UnsupportedModelError, adapter_for_layer
+from vllm_steer.kernels.steered_rms_norm import op as norm_op
+from vllm_steer.runtime.families import FINAL_NORM, INPUT_NORM, UnsupportedModelError, adapter_for_layer
 from vllm_steer.runtime.tables import SteeringTables
+
+Site = tuple[str, int]  # (hook, layer)
 
 _STEERED_CLASSES: dict[tuple, type] = {}
 
 
-def _site(self, hook: str, a, b, target):
-    """Capture then steer one hook point (both optional, fixed per class); returns the steered target.
+@dataclass(frozen=True)
+class NormSite:
+    """A fused norm of this rank and the hooked sites folded into it (A first, then B)."""
 
-    ``kernel`` mode adds in place through the opaque op; ``inline`` mode returns ``target +
-    table[index]`` as plain torch ops, which torch.compile fuses into the next add+norm kernel."""
-    if hook in self._vs_capture:
-        capture_op.capture_rows_(self.vs_capture_pool, a, b, getattr(self, f"vs_{hook}_plan"))
-    if hook not in self._vs_steer:
-        return target
-    table = getattr(self, f"vs_{hook}_table")
-    if self._vs_inline:
-        if not torch.compiler.is_compiling() and live.may_skip(live.steering_live):
-            return target  # eager step with nothing steered (a traced graph always holds the add)
-        return target + table.index_select(0, self.vs_index[: target.shape[0]])
-    steer_op.apply_steering_(target, table, self.vs_index, getattr(self, f"vs_{hook}_active"))
-    return target
-
-
-def _forward_layer(self, positions, hidden_states, residual, *args, **kwargs):
-    if "pre_attn" in self._vs_hooks:
-        if residual is None:  # first layer: the stream is the embedding itself
-            hidden_states = _site(self, "pre_attn", hidden_states, residual, hidden_states)
-        else:
-            residual = _site(self, "pre_attn", hidden_states, residual, residual)
-    out = self._vs_base.forward(self, positions, hidden_states, residual, *args, **kwargs)
-    if "post_mlp" in self._vs_hooks:
-        h, r = out
-        out = (_site(self, "post_mlp", h, r, h), r)
-    return out
-
-
-def _forward_norm_input(self, x, residual=None, *args, **kwargs):
-    x = _site(self, "post_attn", x, residual, x)
-    return self._vs_base.forward(self, x, residual, *args, **kwargs)
-
-
-_FORWARDS = {"layer": _forward_layer, "norm_input": _forward_norm_input}
-
-
-def hooked_class(base: type, kind: str, steer: tuple[str, ...], capture: tuple[str, ...],
-                 inline: bool = False) -> type:
-    """The (cached) subclass of ``base`` that captures/steers the given hooks."""
-    key = (base, kind, steer, capture, inline)
-    cls = _STEERED_CLASSES.get(key)
-    if cls is None:
-        attrs = {"forward": _FORWARDS[kind], "_vs_base": base, "_vs_steer": steer, "_vs_capture": capture,
-                 "_vs_inline": inline, "_vs_hooks": tuple(sorted(set(steer) | set(capture)))}
-        cls = type(f"Steered{base.__name__}", (base,), attrs)
-        _STEERED_CLASSES[key] = cls
-    return cls
+    name: str
+    norm: nn.Module
+    a: Site | None
+    b: Site | None
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -96,40 +55,94 @@ def num_decoder_layers(model: nn.Module) -> int:
     return len(model.model.layers)
 
 
-def install_steering(model: nn.Module, tables: SteeringTables, hooked_layers: dict[str, list[int]],
-                     capture: object | None = None, inline: bool = False) -> int:
-    """Install the ops at every (hook, layer) of ``hooked_layers``; returns how many sites.
+def norm_sites(model: nn.Module, wanted: set[Site]) -> list[NormSite]:
+    """The fused norms of this rank that receive at least one wanted site (see runtime.families)."""
+    n_layers = num_decoder_layers(model)
 
-    ``capture`` (a CaptureBuffers) adds a capture op at every site too; ``inline`` steers with
-    plain torch ops instead of the opaque op (config ``apply``)."""
-    layers = dict(find_decoder_layers(model))
-    plan: dict[tuple[nn.Module, str], dict[str, list[str]]] = {}
-    for hook, layer_ids in hooked_layers.items():
-        for layer_id in layer_ids:
-            layer = layers.get(layer_id)
-            if layer is None:
+    def pick(hook: str, layer: int) -> Site | None:
+        return (hook, layer) if (hook, layer) in wanted else None
+
+    sites = []
+    for i, layer in find_decoder_layers(model):
+        post_attn = adapter_for_layer(layer).post_attn_norm
+        sites.append(NormSite(f"layers.{i}.{INPUT_NORM}", getattr(layer, INPUT_NORM),
+                              pick("post_mlp", i - 1) if i > 0 else None, pick("pre_attn", i)))
+        sites.append(NormSite(f"layers.{i}.{post_attn}", getattr(layer, post_attn), pick("post_attn", i), None))
+    final = getattr(model.model, FINAL_NORM, None)
+    if final is not None and type(final).__name__ != "PPMissingLayer":
+        sites.append(NormSite(FINAL_NORM, final, pick("post_mlp", n_layers - 1), None))
+    return [s for s in sites if s.a is not None or s.b is not None]
+
+
+def _norm_params(norm: nn.Module) -> tuple[float, float]:
+    """(eps, weight offset) of a vLLM RMSNorm / GemmaRMSNorm; refuses what the kernel cannot mirror."""
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    if isinstance(norm, GemmaRMSNorm):
+        return float(norm.variance_epsilon), 1.0
+    if isinstance(norm, RMSNorm):
+        if not norm.has_weight or norm.variance_size_override is not None:
+            raise UnsupportedModelError(f"vllm-steer cannot steer through {norm!r} (no weight or a partial variance)")
+        return float(norm.variance_epsilon), 0.0
+    raise UnsupportedModelError(f"vllm-steer expects vLLM's RMSNorm or GemmaRMSNorm, found {type(norm).__name__}")
+
+
+def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """The steered norm: (capture, then) vLLM's fused add + RMSNorm with this site's rows added."""
+    if residual is None:  # the first layer: the stream is x itself, and the caller keeps x as residual
+        if "b" in self._vs_capture:
+            torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, None, self.vs_b_plan)
+        if not self._vs_has_b:
+            return self._vs_base.forward(self, x)
+        return torch.ops.vllm_steer.steered_rms_norm_first_(
+            x, self.weight, self._vs_eps, self._vs_offset, self.vs_index, self.vs_b_table, self.vs_b_flag)
+    ta = self.vs_a_table if self._vs_has_a else None
+    fa = self.vs_a_flag if self._vs_has_a else None
+    if "a" in self._vs_capture:
+        torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_a_plan)
+    if "b" in self._vs_capture:  # after A: pre_attn[L] sees post_mlp[L-1]'s steering
+        torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_b_plan, ta, fa, self.vs_index)
+    return torch.ops.vllm_steer.steered_rms_norm(
+        x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
+        self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None)
+
+
+def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
+                       offset: float) -> type:
+    """The (cached) subclass of a norm class that steers (and captures) the given slots."""
+    key = (base, has_a, has_b, capture, eps, offset)
+    cls = _STEERED_CLASSES.get(key)
+    if cls is None:
+        attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
+                 "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset}
+        cls = type(f"Steered{base.__name__}", (base,), attrs)
+        _STEERED_CLASSES[key] = cls
+    return cls
+
+
+def install_steering(sites: list[NormSite], tables: SteeringTables, capture: object | None = None) -> int:
+    """Swap every site's norm for its steered subclass; returns how many hooked sites it serves.
+
+    ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites."""
+    for site in sites:
+        norm = site.norm
+        if hasattr(type(norm), "_vs_base"):
+            raise RuntimeError(f"{site.name} is already steered")
+        eps, offset = _norm_params(norm)
+        slots = {"a": site.a, "b": site.b}
+        captured = tuple(k for k, s in slots.items() if s is not None and capture is not None)
+        norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset)
+        norm.register_buffer("vs_index", tables.index, persistent=False)
+        for slot, where in slots.items():
+            if where is None:
                 continue
-            site = adapter_for_layer(layer).sites[HookPoint(hook)]
-            module = getattr(layer, site.attr) if site.attr else layer
-            kind = "layer" if not site.attr else site.side
-            entry = plan.setdefault((module, kind), {"steer": [], "capture": [], "layer": layer_id})
-            entry["steer"].append(hook)
-            if capture is not None:
-                entry["capture"].append(hook)
-    for (module, kind), entry in plan.items():
-        if hasattr(type(module), "_vs_base"):
-            raise RuntimeError(f"{type(module).__name__} is already steered")
-        layer_id = entry["layer"]
-        module.__class__ = hooked_class(type(module), kind, tuple(entry["steer"]), tuple(entry["capture"]), inline)
-        module.register_buffer("vs_index", tables.index, persistent=False)
-        for hook in entry["steer"]:
-            table, active = tables.layer_views(hook, layer_id)
-            module.register_buffer(f"vs_{hook}_table", table, persistent=False)
-            module.register_buffer(f"vs_{hook}_active", active, persistent=False)
-        if entry["capture"]:
-            module.register_buffer("vs_capture_pool", capture.pool, persistent=False)
-            for hook in entry["capture"]:
-                module.register_buffer(f"vs_{hook}_plan", capture.plan_view(hook, layer_id), persistent=False)
-    steer_op.register()
+            table, flag = tables.layer_views(*where)
+            norm.register_buffer(f"vs_{slot}_table", table, persistent=False)
+            norm.register_buffer(f"vs_{slot}_flag", flag, persistent=False)
+            if slot in captured:
+                norm.register_buffer(f"vs_{slot}_plan", capture.plan_view(*where), persistent=False)
+        if captured:
+            norm.register_buffer("vs_pool", capture.pool, persistent=False)
+    norm_op.register()
     capture_op.register()
-    return sum(len(e["steer"]) for e in plan.values())
+    return sum((s.a is not None) + (s.b is not None) for s in sites)

@@ -2,7 +2,8 @@
 
 Control work happens when requests arrive or leave (row acquire/release, table writes). The
 per-step work is one host ``np.repeat`` over the batch and one non-blocking copy of the index,
-skipped entirely while no steered token is (or was last step) in the batch. No device sync.
+skipped entirely (one attribute check) while no steered token is, or was last step, in the batch.
+No device sync.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from vllm_steer.config import SteerConfig, steer_config_of
-from vllm_steer.hooks import HOOK_NAMES
-from vllm_steer.hashing import config_hash
-from vllm_steer.kernels.apply_steering import live
-from vllm_steer.payload import PAYLOAD_KEY, EngineSteering, HookVectors, decode_payload, hook_vectors
+from vllm_steer.core.config import SteerConfig, steer_config_of
+from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.layout import layout_key, table_layout
+from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, HookVectors, decode_payload, dtype_name, hook_vectors_of
+from vllm_steer.core.vectors import Vectors
+from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture import CaptureRuntime
-from vllm_steer.runtime.install import find_decoder_layers, install_steering, num_decoder_layers
+from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.tables import SteeringTables
@@ -35,10 +37,17 @@ class _Held:
     keys: tuple[str, ...]
 
 
-def hooked_layers_for(cfg: SteerConfig, layer_ids: list[int]) -> dict[str, list[int]]:
-    wanted = set(cfg.layers) if cfg.layers is not None else None
-    ids = [i for i in layer_ids if wanted is None or i in wanted]
-    return {h: list(ids) for h in HOOK_NAMES if h in cfg.hooks}
+def wanted_sites(cfg: SteerConfig, num_layers: int) -> set[tuple[str, int]]:
+    """Every (hook, layer) the config asks for, whichever rank's norm receives it."""
+    layers = [i for i in range(num_layers) if cfg.layers is None or i in cfg.layers]
+    return {(h, l) for h in cfg.hooks for l in layers}
+
+
+def hooked_layers_of(sites: list) -> dict[str, list[int]]:
+    """{hook: sorted layers} of the sites folded into this rank's norms, in hook order."""
+    found = {(w[0], w[1]) for s in sites for w in (s.a, s.b) if w is not None}
+    out = {h: sorted(l for hh, l in found if hh == h) for h in HOOK_NAMES}
+    return {h: ls for h, ls in out.items() if ls}
 
 
 class SteeringRuntime:
@@ -53,8 +62,9 @@ class SteeringRuntime:
     ) -> None:
         self.cfg = cfg
         self.hidden_size = hidden_size
-        layer_ids = [i for i, _ in find_decoder_layers(model)]
-        self.hooked_layers = hooked_layers_for(cfg, layer_ids)
+        self._dtype_name = dtype_name(dtype)
+        sites = norm_sites(model, wanted_sites(cfg, num_decoder_layers(model)))
+        self.hooked_layers = hooked_layers_of(sites)
         self.tables = SteeringTables(
             self.hooked_layers, cfg.max_configs, hidden_size, max_num_tokens, dtype, device
         )
@@ -62,26 +72,29 @@ class SteeringRuntime:
         self.modules = WorkerModules()
         self.capture: CaptureRuntime | None = None
         if cfg.capture:
-            sites = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
-            self.capture = CaptureRuntime(cfg, sites, num_decoder_layers(model), max_num_tokens,
+            flat = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
+            self.capture = CaptureRuntime(cfg, flat, num_decoder_layers(model), max_num_tokens,
                                           hidden_size, dtype, device, rank=_rank())
-        self.num_ops = install_steering(
-            model, self.tables, self.hooked_layers, self.capture.buffers if self.capture else None,
-            inline=cfg.apply == "inline",
-        )
+        self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None)
+        self.steered_norms = [s.name for s in sites]
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
         self.preemptions_seen = 0  # requests the scheduler preempted (their steering must survive)
         self._index_extent = 0  # tokens of the device index that may hold non-zero rows
         self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
         logger.info(
-            "vllm-steer: %d steering sites installed (apply=%s, hooks %s, %d layers, %d rows)",
-            self.num_ops, cfg.apply, list(self.hooked_layers), len(layer_ids), cfg.max_configs,
+            "vllm-steer: %d steering sites folded into %d norms (hooks %s, %d rows)",
+            self.num_ops, len(sites), list(self.hooked_layers), cfg.max_configs,
         )
 
     @property
     def any_steered(self) -> bool:
         return bool(self._held)
+
+    @property
+    def step_work(self) -> bool:
+        """Whether ``prepare_step`` has anything to do (a steered request, or an index to clear)."""
+        return bool(self._held) or self._index_extent > 0
 
     # ---- control plane: requests come and go -------------------------------------------
     def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int = 0) -> tuple[int, int]:
@@ -121,7 +134,11 @@ class SteeringRuntime:
             return steering.configs[key]
         ref = steering.module  # a bare module reference: build the row from the registry
         prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"])
-        return hook_vectors(prefill if key == steering.prefill_key else decode, self.tables.dtype)
+        return self._hook_vectors(prefill if key == steering.prefill_key else decode)
+
+    def _hook_vectors(self, vectors: Vectors) -> dict[str, HookVectors]:
+        """float32 vectors -> table rows in the model dtype (the bytes the front end hashed)."""
+        return hook_vectors_of(table_layout(vectors, self._dtype_name), self.tables.dtype, self.hidden_size)
 
     def remove_request(self, req_id: str) -> None:
         held = self._held.pop(req_id, None)
@@ -130,30 +147,12 @@ class SteeringRuntime:
         for key in held.keys:
             self._release(key)
 
-    def warm_up_kernel(self, capture_sizes: list[int]) -> None:
-        """JIT the Triton kernel for every CUDA-graph capture size (and both flag states) now, so
-        no compile lands inside a captured graph or a served request."""
-
-        sizes = sorted(set(capture_sizes) | {1, self.tables.index.shape[0]})
-        table = torch.zeros(2, self.hidden_size, dtype=self.tables.dtype, device=self.tables.index.device)
-        hidden = torch.zeros(max(sizes), self.hidden_size, dtype=self.tables.dtype, device=table.device)
-        for active in (0, 1):
-            flag = torch.full((1,), active, dtype=torch.uint8, device=table.device)
-            for n in sizes:
-                torch.ops.vllm_steer.apply_steering_(hidden[:n], table, self.tables.index, flag)
-        torch.cuda.synchronize(table.device)
-
     def plan_capture(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
-        """Before the forward: this step's capture plan (nothing to do while nobody captures)."""
-        if self.capture is not None and self.capture.active:
+        """Before the forward: this step's capture plan (callers check ``capture`` is configured)."""
+        if self.capture.active:
             self.capture.plan_step(req_ids, num_scheduled, num_computed)
         else:
             live.capture_live = False
-
-    def after_forward(self) -> None:
-        """Once the forward is enqueued: hand this step's captured rows to the consumers."""
-        if self.capture is not None:
-            self.capture.after_forward()
 
     def finish_request(self, req_id: str) -> None:
         """The request is done (not merely preempted): its captures can be published."""
@@ -170,9 +169,10 @@ class SteeringRuntime:
         prefill, decode = self.modules.phases(name, version, 1.0)
         pinned = []
         for vecs in (prefill, decode):
-            key = config_hash(vecs)
+            layout = table_layout(vecs, self._dtype_name)
+            key = layout_key(layout, self._dtype_name)
             if key is not None and key not in pinned:
-                self._acquire(key, lambda v=vecs: hook_vectors(v, self.tables.dtype))
+                self._acquire(key, lambda l=layout: hook_vectors_of(l, self.tables.dtype, self.hidden_size))
                 pinned.append(key)
         self.modules.pinned[name] = tuple(pinned)
         return pinned
@@ -199,12 +199,10 @@ class SteeringRuntime:
 
         ``rows`` None means no request of the batch is steered."""
         if rows is None or not rows.any():
-            live.steering_live = False
             if self._index_extent:
                 self.tables.index[: self._index_extent].zero_()
                 self._index_extent = 0
             return
-        live.steering_live = True
         # Tokens before the prompt's end are prefill tokens (also when recomputed after preemption).
         n_prefill = np.clip(prompt_len - num_computed_tokens, 0, num_scheduled_tokens)
         counts = np.stack([n_prefill, num_scheduled_tokens - n_prefill], axis=1).reshape(-1)
@@ -242,18 +240,19 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
         device=runner.device,
     )
     runner.steer_runtime = runtime
+    runner.steer_capture = runtime.capture
     return runtime
 
 
 def with_after_forward(execute_model: Callable) -> Callable:
     """Wrap a runner's ``execute_model`` (V1 or V2): after the forward is enqueued, hand the
-    step's captured rows on (``SteeringRuntime.after_forward``)."""
+    step's captured rows on (only runners whose runtime captures do anything here)."""
 
     def wrapper(self, *args, **kwargs):
         out = execute_model(self, *args, **kwargs)
-        rt = getattr(self, "steer_runtime", None)
-        if rt is not None:
-            rt.after_forward()
+        capture = getattr(self, "steer_capture", None)
+        if capture is not None:
+            capture.after_forward()
         return out
 
     return wrapper

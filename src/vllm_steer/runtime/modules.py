@@ -9,7 +9,7 @@ admitted before the change may still arrive), so a request never mixes two versi
 
 from __future__ import annotations
 
-from vllm_steer.spec import Vectors, effective_phases
+from vllm_steer.core.vectors import Vectors, effective_phases
 
 
 class WorkerModules:

@@ -1,14 +1,13 @@
 """Adapter for vLLM's V1 model runner (``gpu_model_runner.GPUModelRunner`` and the CPU runner).
 
 The V1 runner is vLLM 0.26's runner on CPU (V2 needs Triton on a GPU) and on GPU with
-``VLLM_USE_V2_MODEL_RUNNER=0``. Patches (0.26):
+``VLLM_USE_V2_MODEL_RUNNER=0``. Patches (listed in ``vllm_steer.patches``):
 - ``load_model`` (GPUModelRunner and CPUModelRunner, which overrides it): build the runtime and
-  install the ops before the first forward (the profile run that triggers torch.compile).
+  install the steered norms before the first forward (the profile run that triggers torch.compile).
 - ``_update_states``: release rows of finished requests, acquire rows of new ones. Preempted
   requests keep their rows (V1 keeps their state and resumes them as cached requests).
 - ``_prepare_inputs``: write the token -> row index (and the capture plan) in the batch's order.
 - ``execute_model``: after the forward is enqueued, hand captured rows to the dispatch thread.
-Why: vLLM has no per-request worker hook for plugins. Remove when it does.
 """
 
 from __future__ import annotations
@@ -55,16 +54,18 @@ def patch_v1_runner() -> None:
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
         rt = getattr(self, "steer_runtime", None)
-        if rt is not None:
+        if rt is not None and (rt.step_work or rt.capture is not None):
             batch = self.input_batch
             n = batch.num_reqs
-            rt.prepare_step(
-                rt.rows_of(batch.req_ids[:n]) if rt.any_steered else None,
-                num_scheduled_tokens,
-                batch.num_computed_tokens_cpu[:n],
-                batch.num_prompt_tokens[:n],
-            )
-            rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
+            if rt.step_work:
+                rt.prepare_step(
+                    rt.rows_of(batch.req_ids[:n]) if rt.any_steered else None,
+                    num_scheduled_tokens,
+                    batch.num_computed_tokens_cpu[:n],
+                    batch.num_prompt_tokens[:n],
+                )
+            if rt.capture is not None:
+                rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
         return orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
     _update_states._vllm_steer = True  # type: ignore[attr-defined]

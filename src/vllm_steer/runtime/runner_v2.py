@@ -1,10 +1,9 @@
-"""Adapter for vLLM's V2 model runner (``vllm/v1/worker/gpu/model_runner.py``, 0.26).
+"""Adapter for vLLM's V2 model runner (``vllm/v1/worker/gpu/model_runner.py``).
 
-Patch: ``GPUModelRunner.load_model`` (V2) -- after the model is loaded and before its first
-forward (the profile run, which triggers torch.compile), build the SteeringRuntime, install the
-ops, and swap the runner's ModelState for a subclass that feeds the runtime from
-``add_request`` / ``remove_request`` / ``prepare_inputs``. Why a patch: vLLM offers no worker-side
-per-request hook for plugins. Remove when it does.
+After the model is loaded and before its first forward (the profile run, which triggers
+torch.compile), build the SteeringRuntime, install the steered norms, and swap the runner's
+ModelState for a subclass that feeds the runtime from ``add_request`` / ``remove_request`` /
+``prepare_inputs``. The patched targets and why are listed in ``vllm_steer.patches``.
 """
 
 from __future__ import annotations
@@ -41,14 +40,17 @@ def _steered_model_state_class(base: type) -> type:
 
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         rt = self._steer_runtime
-        idx = input_batch.idx_mapping_np
-        rt.prepare_step(
-            self._steer_slot_rows[idx] if rt.any_steered else None,
-            input_batch.num_scheduled_tokens,
-            input_batch.num_computed_tokens_np,
-            req_states.prompt_len.np[idx],
-        )
-        rt.plan_capture(input_batch.req_ids, input_batch.num_scheduled_tokens, input_batch.num_computed_tokens_np)
+        if rt.step_work:  # nothing (one attribute check) while no request is steered
+            idx = input_batch.idx_mapping_np
+            rt.prepare_step(
+                self._steer_slot_rows[idx] if rt.any_steered else None,
+                input_batch.num_scheduled_tokens,
+                input_batch.num_computed_tokens_np,
+                req_states.prompt_len.np[idx],
+            )
+        if rt.capture is not None:
+            rt.plan_capture(input_batch.req_ids, input_batch.num_scheduled_tokens,
+                            input_batch.num_computed_tokens_np)
         return base.prepare_inputs(self, input_batch, req_states)
 
     cls = type(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_steer.payload import HookVectors
+from vllm_steer.core.payload import HookVectors
 
 
 class SteeringTables:

@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.modules.registration import module_from_file, module_from_json, register_async, unregister_async
-from vllm_steer.modules.store import STORE, ModuleExistsError
-from vllm_steer.spec import SteeringSpecError
+from vllm_steer.frontend.module_registration import module_from_file, module_from_json, register_async, unregister_async
+from vllm_steer.frontend.module_store import STORE, ModuleExistsError
+from vllm_steer.core.errors import SteeringSpecError
 
 router = APIRouter(prefix="/v1/steering/modules", tags=["steering"])
 

@@ -1,37 +1,85 @@
 """Steering fields in OpenAI request bodies: top level (the ``openai`` client's ``extra_body``) or
-inside ``vllm_xargs`` as JSON strings, copied into ``SamplingParams.extra_args``.
+inside ``vllm_xargs`` as JSON strings.
 
-Patch: ``CompletionRequest.to_sampling_params`` and ``ChatCompletionRequest.to_sampling_params``
-(0.26). Why: vLLM keeps unknown top-level fields (``extra="allow"``) but only forwards
-``vllm_xargs``, whose values must be flat. Applied by the endpoint plugin, in the API server only.
+``steering_fields`` finds them in a decoded body (the request middleware takes them out and
+prepares them before vLLM parses the body). ``to_sampling_params`` (patched on the completion and
+chat request classes) carries the middleware's token, or, for a body the middleware left alone,
+the fields themselves, into ``SamplingParams.extra_args``: vLLM keeps unknown top-level fields
+(``extra="allow"``) but only forwards ``vllm_xargs``, whose values must be flat.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from vllm_steer.spec import REQUEST_FIELDS, SteeringSpecError
+import msgspec
+
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.vectors import REQUEST_FIELDS
+from vllm_steer.frontend.prepared import TOKEN_FIELD
+
+MAX_NESTING = 8  # {hook: {layer: [floats]}} is 3 deep; a capture spec 3 or 4
+MAX_XARG_CHARS = 256 * 1024 * 1024
 
 
-def steering_fields(request: Any) -> dict[str, Any]:
-    """The steering fields of an OpenAI request: top level first, then vllm_xargs (JSON strings)."""
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value, stopping once past ``limit``."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node)
+    return deepest
+
+
+def decode_xarg(key: str, value: Any) -> Any:
+    """A steering field given as a JSON string inside vllm_xargs; every failure is a 400."""
+    if not isinstance(value, str):
+        return value
+    field = f"vllm_xargs.{key}"
+    if len(value) > MAX_XARG_CHARS:
+        raise SteeringSpecError(field, f"longer than {MAX_XARG_CHARS} characters")
+    try:
+        decoded = msgspec.json.decode(value)
+    except (msgspec.DecodeError, RecursionError, ValueError) as e:
+        raise SteeringSpecError(field, f"invalid JSON: {str(e)[:200]}") from None
+    if _depth(decoded, MAX_NESTING) > MAX_NESTING:
+        raise SteeringSpecError(field, f"nested deeper than {MAX_NESTING} levels")
+    return decoded
+
+
+def steering_fields(body: dict) -> dict[str, Any]:
+    """Take the steering fields out of a decoded request body (top level wins over vllm_xargs)."""
     found: dict[str, Any] = {}
-    xargs = getattr(request, "vllm_xargs", None) or {}
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for key in REQUEST_FIELDS:
+            if key in xargs:
+                found[key] = decode_xarg(key, xargs.pop(key))
     for key in REQUEST_FIELDS:
-        if key in xargs:
-            value = xargs[key]
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise SteeringSpecError(f"vllm_xargs.{key}", f"invalid JSON: {e.msg}") from None
+        if key in body:
+            value = body.pop(key)
+            if _depth(value, MAX_NESTING) > MAX_NESTING:
+                raise SteeringSpecError(key, f"nested deeper than {MAX_NESTING} levels")
             found[key] = value
-    extra = request.model_extra or {}
-    for key in REQUEST_FIELDS:
-        if key in extra:
-            found[key] = extra[key]
     return found
+
+
+def _request_fields(request: Any) -> dict[str, Any]:
+    """What a parsed request carries for us: the middleware's token, or fields it left in place."""
+    extra = dict(request.model_extra or {})
+    if TOKEN_FIELD in extra:
+        return {TOKEN_FIELD: extra[TOKEN_FIELD]}
+    body = {k: v for k, v in extra.items() if k in REQUEST_FIELDS}
+    xargs = getattr(request, "vllm_xargs", None)
+    if xargs and any(k in xargs for k in REQUEST_FIELDS):
+        body["vllm_xargs"] = dict(xargs)
+    return steering_fields(body) if body else {}
 
 
 def _patch(cls: type) -> None:
@@ -41,9 +89,10 @@ def _patch(cls: type) -> None:
 
     def to_sampling_params(self, *args, **kwargs):
         params = original(self, *args, **kwargs)
-        fields = steering_fields(self)
+        fields = _request_fields(self)
         if fields:
-            params.extra_args = {**(params.extra_args or {}), **fields}
+            extra = {k: v for k, v in (params.extra_args or {}).items() if k not in REQUEST_FIELDS}
+            params.extra_args = {**extra, **fields}
         return params
 
     to_sampling_params._vllm_steer = True  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """Adds ``"steering": {"prefill": key, "decode": key}`` to OpenAI completion/chat responses of
-steered requests (every SSE chunk when streaming), so a client can see that steering happened.
+steered requests (every SSE event when streaming, spliced in as bytes), so a client can see that
+steering happened. Responses of unsteered requests pass through untouched.
 
-A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.applied) and rewrites
+A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.frontend.applied) and rewrites
 only responses whose holder was filled; everything else streams through untouched. Responses of
 capturing requests also get ``"capture"``: the driver consumers' per-request results, in the body
 (non-streaming) or, when streaming, in one last chunk with empty ``choices`` just before
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm_steer.applied import close_holder, open_holder
+from vllm_steer.frontend.applied import close_holder, open_holder
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -40,14 +41,28 @@ _ENVELOPE = ("id", "object", "created", "model")
 _DONE = b"data: [DONE]"
 
 
-def _rewrite_sse(chunk: bytes, applied: dict, envelope: dict) -> bytes:
+def _steering_bytes(applied: dict) -> bytes:
+    """``"steering":{...},`` once per response, spliced after the ``{`` of every SSE event."""
+    field = {"prefill": applied.get("prefill"), "decode": applied.get("decode")}
+    return b'"steering":' + json.dumps(field, separators=(",", ":")).encode() + b","
+
+
+def _note_envelope(chunk: bytes, envelope: dict) -> None:
+    """Keep id/object/created/model of the first event (for the closing capture event)."""
+    start = chunk.find(b"data: {")
+    if start >= 0 and not envelope:
+        line = chunk[start + 6 :].split(b"\n", 1)[0]
+        obj = json.loads(line)
+        envelope.update({k: obj[k] for k in _ENVELOPE if k in obj})
+        envelope.setdefault("object", obj.get("object"))
+
+
+def _rewrite_sse(chunk: bytes, splice: bytes) -> bytes:
+    """Splice the steering field into each ``data: {...}`` line: bytes only, no JSON round trip."""
     out = []
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {"):
-            obj = json.loads(line[6:])
-            if isinstance(obj, dict) and not envelope:
-                envelope.update({k: obj[k] for k in _ENVELOPE if k in obj})
-            line = b"data: " + json.dumps(_inject(obj, applied), separators=(",", ":")).encode()
+            line = b"data: {" + splice + line[7:] if line[7:8] != b"}" else b"data: {" + splice[:-1] + b"}"
         out.append(line)
     return b"\n".join(out)
 
@@ -65,7 +80,7 @@ class SteeringResponseMiddleware:
             await self.app(scope, receive, send)
             return
         holder, token = open_holder()
-        state: dict[str, Any] = {"mode": None, "start": None, "body": [], "envelope": {}}
+        state: dict[str, Any] = {"mode": None, "start": None, "body": [], "envelope": {}, "splice": None}
 
         async def wrapped_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -92,8 +107,14 @@ class SteeringResponseMiddleware:
                 await send({**start, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
             elif message["type"] == "http.response.body" and state["mode"] == "sse" and holder:
-                body = _rewrite_sse(message.get("body", b""), holder, state["envelope"])
+                if state["splice"] is None:
+                    state["splice"] = _steering_bytes(holder) if ("prefill" in holder or "decode" in holder) else b""
+                body = message.get("body", b"")
                 ids = holder.get("capture_ids")
+                if ids and not state["envelope"]:
+                    _note_envelope(body, state["envelope"])
+                if state["splice"]:
+                    body = _rewrite_sse(body, state["splice"])
                 if ids and _DONE in body:  # the stream is complete: its requests have finished
                     event = _inject({**state["envelope"], "choices": [],
                                      "capture": _capture_field(await _capture_results(scope, ids), ids)}, holder)

@@ -1,7 +1,7 @@
 """The ``steer`` endpoint plugin: routes under /v1/steering on vLLM's OpenAI server.
 
 HTTP surface only (vLLM's EndpointPlugin contract); engine work goes through
-``engine_client.collective_rpc`` to the methods vllm_steer.worker_rpc adds to the workers.
+``engine_client.collective_rpc`` to the methods vllm_steer.runtime.worker_rpc adds to the workers.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from vllm_steer import __version__
-from vllm_steer.config import steer_config_of
-from vllm_steer.frontend import SteeringFrontend
-from vllm_steer.modules.registration import load_path, register_async
+from vllm_steer.core.config import steer_config_of
+from vllm_steer.frontend.prepare import SteeringFrontend
+from vllm_steer.frontend.module_registration import load_path, register_async
+from vllm_steer.patches import apply_server
 from vllm_steer.server.modules_routes import router as modules_router
-from vllm_steer.server.openai_fields import patch_openai_requests
+from vllm_steer.server.request_body import SteeringRequestMiddleware
 from vllm_steer.server.response_field import SteeringResponseMiddleware
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"])
@@ -49,17 +50,19 @@ class SteeringEndpointPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
-        patch_openai_requests()
+        apply_server()
         app.include_router(router)
         app.include_router(modules_router)
         app.add_middleware(SteeringResponseMiddleware)
+        app.add_middleware(SteeringRequestMiddleware)  # added last: runs first, before the holder opens
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.steer_engine_client = engine_client
         state.steer_config = steer_config_of(engine_client.vllm_config) if engine_client else None
+        # Also with steering off: it answers steering fields with "steering is disabled" (400).
+        state.steer_frontend = SteeringFrontend(engine_client.vllm_config) if engine_client else None
         if state.steer_config is None:
             return
-        state.steer_frontend = SteeringFrontend(engine_client.vllm_config)
         # Start-up preload: before the server accepts requests.
         for name, path in state.steer_config.modules.items():
             module = load_path(name, path, state.steer_frontend.shape)

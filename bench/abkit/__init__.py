@@ -1,0 +1,26 @@
+"""abkit: the pieces of vllm-steer's benchmark scripts (bench/ab_suite.py, bench/gpu_check.py).
+
+The two entry scripts put ``bench/`` (for ``abkit``) and the repository root (for ``tests.*``) on
+``sys.path`` themselves, so the kit runs from a checkout where only the ``vllm_steer`` wheel is
+installed. Nothing here imports vLLM or torch at import time.
+
+A/B suite (HTTP, one server process per configuration):
+  common         repository paths, the log clock, the results folder
+  model_dir      SHAPES and the config + tokenizer directory of a shape (weights: --load-format dummy)
+  old_release    installs the previous plugin release (a wheel) into a private site folder
+  servers        Server / Pool: start, adopt (state file), stop the OpenAI servers
+  client         the async streaming HTTP client (run_load) and http_json
+  arms           the ARMS table, request bodies, steering configs, module registration
+  stats          per-trial summaries, mean / SEM, deltas
+  runner         run_matrix: warm-up checks, interleaved trials, progress lines
+  kernel_phase   runs bench/kernels_bench.py and keeps its JSON
+  profile_graph  the torch.profiler graph phase and the trace parser (kernels per CUDA-graph launch)
+  host_profile   the host phase: py-spy on the engine core / API server, steps from /metrics
+  report         the markdown report of result JSONs
+  plot           the PNG of the deltas
+GPU check (one process, vllm.LLM):
+  checkpoint     random-weight Llama checkpoint, the check's prompts and steering vectors
+  hf_reference   the Hugging Face greedy oracle with the steering hooks
+  llm_helpers    vllm.LLM construction, generation, timing, worker probe
+  engine_checks  the checks of the steer engine and of the stock engine
+"""

@@ -1,0 +1,250 @@
+"""The markdown report of one or more result JSONs of the A/B suite (+ the PNG of the deltas).
+
+Tables: per phase (ab, sweep, eager) the arms' mean ± SEM over trials and the deltas against the
+reference arm (``stock``; ``stock_c256`` for the wide load; ``stock@mtN`` for ``…@mtN`` labels;
+``<arm>_old`` arms also against their new twin); the graph phase's kernel counts; the kernel
+phase's rows (columns from the row keys); the host phase's CPU time per engine step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .arms import ARMS, OLD_SUFFIX
+from .plot import plot
+from .stats import METRICS, arm_stats, delta
+
+AB_PHASES = ("ab", "sweep", "eager")
+
+
+def _wide(arm: str) -> bool:
+    return ARMS.get(arm, {}).get("wide", "c256" in arm or arm.startswith("k256"))
+
+
+def reference_label(phase: str, label: str, entry: dict) -> str | None:
+    phase = phase.split("#")[0]
+    if phase == "ab":
+        if "@" in label:
+            return "stock@" + label.split("@", 1)[1]
+        return "stock_c256" if _wide(entry["arm"]) else "stock"
+    if phase == "sweep":
+        return "stock@" + label.split("@")[1]
+    if phase == "eager":
+        return "per_request_n16@eager_ref"
+    return None
+
+
+def new_twin_label(label: str, entry: dict) -> str | None:
+    """``per_request_n16_old@mt256`` -> ``per_request_n16@mt256`` (the same arm on the new release)."""
+    arm = entry.get("arm", "")
+    if not arm.endswith(OLD_SUFFIX):
+        return None
+    return label.replace(arm, arm[:-len(OLD_SUFFIX)], 1)
+
+
+def fmt(m: float, s: float, nd: int = 2) -> str:
+    if m != m:
+        return "—"
+    return f"{m:.{nd}f} ± {s:.{nd}f}" if s == s else f"{m:.{nd}f}"
+
+
+def fmt_delta(d: dict, unit: str) -> str:
+    if d["delta"] != d["delta"]:
+        return "—"
+    mark = " **\\***" if d["significant"] else ""
+    nd = 1 if unit == "tok/s" else 2
+    return f"{d['delta']:+.{nd}f} ({d['pct']:+.2f}% ± {d['se_pct']:.2f}){mark}"
+
+
+def fmt_cell(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool) or isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "—"
+        a = abs(v)
+        if a >= 100:
+            return f"{v:.1f}"
+        if a >= 1:
+            return f"{v:.2f}"
+        return "0" if v == 0 else f"{v:.3g}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, default=str)[:80].replace("|", "/")
+    return str(v).replace("|", "/").replace("\n", " ")
+
+
+def merge(paths: list[str]) -> dict:
+    merged: dict = {"phases": {}, "meta": []}
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        merged["meta"].append(d.get("meta", {}))
+        for ph, v in d.get("phases", {}).items():
+            if not isinstance(v, dict):
+                merged["phases"][ph] = v
+                continue
+            name, k = ph, 2
+            while name in merged["phases"] and set(v) & set(merged["phases"][name]):
+                name, k = f"{ph}#{k}", k + 1  # same arms again (another run): keep it apart
+            merged["phases"].setdefault(name, {}).update(v)
+    return merged
+
+
+def _phases(merged: dict, base: str) -> list[str]:
+    return sorted(ph for ph in merged["phases"] if ph.split("#")[0] == base)
+
+
+def ab_tables(merged: dict, lines: list[str], deltas_for_plot: list) -> None:
+    order = [ph for ph in merged["phases"] if ph.split("#")[0] in AB_PHASES]
+    for ph in sorted(order, key=lambda x: (AB_PHASES.index(x.split("#")[0]), x)):
+        arms = merged["phases"].get(ph)
+        if not arms:
+            continue
+        lines.append(f"\n#### Phase `{ph}`\n")
+        lines.append("| arm | trials | output tok/s | TTFT med ms | TTFT p99 ms | TPOT med ms | TPOT p99 ms "
+                     "| E2EL med ms | E2EL p99 ms |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        stats = {label: arm_stats(e) for label, e in arms.items()}
+        for label, e in arms.items():
+            s = stats[label]
+            if e.get("failed"):
+                lines.append(f"| {label} | FAILED: {e['failed'][:120]} | | | | | | | |")
+                continue
+            cells = [fmt(*s["throughput"], 1)] + [fmt(*s[m]) for m, _ in METRICS[1:]]
+            lines.append(f"| {label} | {s['n_trials']} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append("Deltas against the reference arm (mean of per-trial values; ± is the combined SEM; "
+                     "**\\*** marks |Δ| > 2·SE; `_old` arms also against the same arm on the new release):\n")
+        lines.append("| arm | vs | Δ output tok/s | Δ TTFT med ms | Δ TPOT med ms | Δ TPOT p99 ms | Δ E2EL med ms "
+                     "| Δ E2EL p99 ms |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for label, e in arms.items():
+            if e.get("failed") or not stats[label]["n_trials"]:
+                continue
+            refs = [reference_label(ph, label, e), new_twin_label(label, e)]
+            for j, ref in enumerate(refs):
+                if ref is None or ref == label or ref not in stats or not stats[ref]["n_trials"]:
+                    continue
+                s, r = stats[label], stats[ref]
+                ds = {m: delta(s[m], r[m]) for m, _ in METRICS}
+                # the eager check compares against the graphed arm, and "vs new" against the new release
+                if j == 0 and not ph.startswith("eager"):
+                    deltas_for_plot.append((f"{ph}:{label}", ds))
+                    e["_deltas"] = ds
+                lines.append(f"| {label} | {ref} | " + " | ".join(
+                    fmt_delta(ds[m], u) for m, u in METRICS if m not in ("ttft_p99_ms",)) + " |")
+        if ph.startswith("ab") and "k256" in stats and "disabled_c256" in stats:
+            k, dd = stats["k256"]["throughput"], stats["disabled_c256"]["throughput"]
+            if k[0] == k[0] and dd[0]:
+                lines.append(f"\nk256 / disabled_c256 output throughput: {k[0] / dd[0] * 100:.1f}%")
+
+
+def _hist(h) -> str:
+    if not h:
+        return "—"
+    items = sorted(h.items(), key=lambda kv: -kv[1])[:6]
+    more = "" if len(h) <= 6 else f", +{len(h) - 6} more"
+    return ", ".join(f"{k}×{v}" for k, v in items) + more
+
+
+def graph_table(merged: dict, lines: list[str]) -> None:
+    for ph in _phases(merged, "graph"):
+        g = merged["phases"][ph]
+        lines.append(f"\n#### Phase `{ph}` (torch.profiler via /start_profile, kernels in the window; steer kernels: "
+                     "name contains steer / apply_steering / capture_rows)\n")
+        lines.append("| server / requests | kernels | all kernels GPU µs | cudaGraphLaunch calls | kernels per launch "
+                     "(value×launches) | kernels per step (mode) | eager kernels | eager GPU µs | steer kernels "
+                     "| steer kernels in graphs | steer kernels per step | steer GPU µs | /v1/steering ops |")
+        lines.append("| --- " * 13 + "|")
+        for label, e in g.items():
+            if "error" in e:
+                lines.append(f"| {label} | error: {fmt_cell(e['error'][:100])} |" + " |" * 11)
+                continue
+            cells = [e.get("kernels"), e.get("kernel_us"), e.get("graph_launches"),
+                     _hist(e.get("kernels_per_launch_hist")), e.get("kernels_per_step"), e.get("eager_kernels"),
+                     e.get("eager_kernel_us"), e.get("steer_kernels"), e.get("steer_kernels_in_graphs"),
+                     e.get("steer_kernels_per_step"), e.get("steer_kernel_us"), e.get("status_ops")]
+            lines.append(f"| {label} | " + " | ".join(c if isinstance(c, str) and "×" in c else fmt_cell(c)
+                                                     for c in cells) + " |")
+
+
+def kernel_table(merged: dict, lines: list[str]) -> None:
+    for ph in _phases(merged, "kernel"):
+        kb = merged["phases"][ph]
+        lines.append(f"\n#### Phase `{ph}` (bench/kernels_bench.py)\n")
+        scalars = {k: v for k, v in kb.items() if k != "rows" and not isinstance(v, (dict, list))}
+        if scalars:
+            lines.append("; ".join(f"{k}: {fmt_cell(v)}" for k, v in scalars.items()) + "\n")
+        rows = [r for r in kb.get("rows") or [] if isinstance(r, dict)]
+        if not rows:
+            continue
+        cols: list[str] = []
+        for r in rows:
+            cols += [k for k in r if k not in cols]
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("| --- " * len(cols) + "|")
+        for r in rows:
+            lines.append("| " + " | ".join(fmt_cell(r.get(c)) for c in cols) + " |")
+
+
+def host_table(merged: dict, lines: list[str]) -> None:
+    for ph in _phases(merged, "host"):
+        h = merged["phases"][ph]
+        lines.append(f"\n#### Phase `{ph}` (py-spy, active = non-idle samples; per engine step from /metrics)\n")
+        lines.append("| server / traffic | process | steps | output tok/s | samples | active CPU ms / step "
+                     "| vllm_steer share | vllm_steer ms / step | top vllm_steer frame (samples) |")
+        lines.append("| --- " * 9 + "|")
+        details: list[str] = []
+        notes = set()
+        for label, rec in h.items():
+            if "error" in rec:
+                lines.append(f"| {label} | error: {fmt_cell(rec['error'][:200])} |" + " |" * 7)
+                continue
+            if rec.get("step_note") and not rec["step_note"].startswith("one observation"):
+                notes.add(f"{rec.get('step_metric')}: {rec['step_note']}")
+            tput = (rec.get("trial") or {}).get("throughput")
+            for pname, p in (rec.get("processes") or {}).items():
+                if p.get("error") and "samples" not in p:
+                    lines.append(f"| {label} | {pname} | {fmt_cell(rec.get('steps'))} | {fmt_cell(tput)} | "
+                                 f"error: {fmt_cell(p['error'][:160])} | | | | |")
+                    continue
+                top = p.get("top_vllm_steer") or []
+                lines.append(f"| {label} | {pname} | {fmt_cell(rec.get('steps'))} | {fmt_cell(tput)} | "
+                             f"{fmt_cell(p.get('samples'))} | {fmt_cell(p.get('active_cpu_ms_per_step'))} | "
+                             f"{fmt_cell(p.get('vllm_steer_share'))} | {fmt_cell(p.get('vllm_steer_ms_per_step'))} | "
+                             f"{fmt_cell(f'{top[0][0]} ({top[0][1]})') if top else '—'} |")
+                if top:
+                    details.append(f"- **{label} / {pname}**: " + "; ".join(
+                        f"`{fmt_cell(k)}` {n}/{s}" for k, n, s in top))
+        for n in sorted(notes):
+            lines.append(f"\nNote: {n}")
+        if details:
+            lines.append("\nTop vllm_steer frames (samples with the frame on the stack / as the leaf):\n")
+            lines += details
+
+
+def error_lines(merged: dict, lines: list[str]) -> None:
+    for name, err in (merged["phases"].get("server_errors") or {}).items():
+        lines.append(f"\nServer `{name}` did not start: {fmt_cell(str(err)[-300:])}")
+    err = merged["phases"].get("error")
+    if isinstance(err, str):
+        lines.append("\nThe suite stopped on an error:\n\n```\n" + err[-1500:] + "\n```")
+
+
+def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
+    merged = merge(paths)
+    lines: list[str] = []
+    error_lines(merged, lines)
+    deltas_for_plot: list[tuple[str, dict]] = []
+    ab_tables(merged, lines, deltas_for_plot)
+    graph_table(merged, lines)
+    host_table(merged, lines)
+    kernel_table(merged, lines)
+    text = "\n".join(lines) + "\n"
+    if md_path:
+        Path(md_path).write_text(text)
+    if png_path and deltas_for_plot:
+        plot(deltas_for_plot, png_path)
+    return text

@@ -1,0 +1,249 @@
+"""The OpenAI-server processes of the A/B suite: Server (one process), Pool (by name, state file).
+
+Servers (each its own process group, all alive together so trials of different servers interleave):
+  stock      VLLM_PLUGINS=none, no steer block
+  disabled   VLLM_PLUGINS=steer, no steer block
+  steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
+  steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, old_release.py)
+  eager      the steer server's config plus --enforce-eager
+All but steer_old share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
+steer_old compiles into ``<cache root>-old`` so that no artifact crosses plugin versions.
+``--keep-servers`` leaves them running and writes STATE_FILE; ``--reuse-servers`` adopts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from .common import ROOT, log
+from .old_release import install_old_wheel
+
+STEER_BLOCK = {"steer": {"max_configs": 272}}
+STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK}
+PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4}
+OLD_SERVER = "steer_old"
+STATE_FILE = Path(tempfile.gettempdir()) / "vllm_steer_ab_servers.json"
+
+
+class Server:
+    def __init__(self, name: str, port: int, args, model_dir: Path, workdir: Path):
+        self.name, self.port, self.args, self.model_dir = name, port, args, model_dir
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / "logs" / f"{name}.log"
+        self.prof_dir = workdir / "prof" / name
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.start_s: float | None = None
+        self.adopted = False
+        self.pythonpath_first: Path | None = None  # steer_old: the old release's site folder
+        self._t_start = time.time()
+
+    def command(self) -> list[str]:
+        a = self.args
+        if a.launcher == "cpu":
+            cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", str(self.model_dir)]
+        else:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
+        cmd += [
+            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench",
+            "--load-format", "dummy", "--dtype", a.dtype, "--seed", "0",
+            "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+            "--disable-uvicorn-access-log",
+        ]
+        if a.launcher != "cpu":
+            cmd += ["--gpu-memory-utilization", str(a.eager_gpu_mem if self.name == "eager" else a.gpu_mem)]
+        if a.enforce_eager or self.name == "eager":
+            cmd += ["--enforce-eager"]
+        if self.name in STEER_SERVERS:
+            cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
+        if a.profile_servers:
+            cmd += ["--profiler-config", json.dumps({
+                "profiler": "torch", "torch_profiler_dir": str(self.prof_dir),
+                "torch_profiler_with_stack": False, "ignore_frontend": True,
+                "torch_profiler_dump_cuda_time_total": False,
+            })]
+        return cmd
+
+    def env(self) -> dict:
+        e = dict(os.environ)
+        e["VLLM_PLUGINS"] = "none" if self.name == "stock" else "steer"
+        e["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        e["VLLM_CACHE_ROOT"] = self.args.cache_root + ("-old" if self.name == OLD_SERVER else "")
+        e["TOKENIZERS_PARALLELISM"] = "false"
+        e["HF_HUB_OFFLINE"] = "1"
+        e["PYTHONUNBUFFERED"] = "1"
+        if self.pythonpath_first is not None:
+            e["PYTHONPATH"] = os.pathsep.join([str(self.pythonpath_first)]
+                                              + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
+        if self.args.launcher == "cpu":
+            e.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            e.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        return e
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=3) as r:
+                return r.status == 200
+        except Exception:  # noqa: BLE001
+            return False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.prof_dir.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        env = self.env()
+        extra = f" (PYTHONPATH={env['PYTHONPATH']})" if self.pythonpath_first is not None else ""
+        log(f"server {self.name}: starting on :{self.port}{extra}: {' '.join(cmd)}")
+        self._t_start = time.time()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log_path, "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.tail(60)}")
+            if self.proc is None and not self.alive():
+                raise RuntimeError(f"server {self.name} (adopted) exited:\n{self.tail(60)}")
+            if self.healthy():
+                self.start_s = round(time.time() - self._t_start, 1)
+                log(f"server {self.name}: ready after {self.start_s} s")
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"server {self.name} not ready after {timeout} s:\n{self.tail(60)}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        if self.proc is not None:
+            return self.proc.poll() is None
+        try:
+            os.kill(self.pid, 0)
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """SIGINT to the server's own process group (it started a new session), then escalate."""
+        if not self.alive():
+            return
+        log(f"server {self.name}: stopping (pid {self.pid})")
+        for sig, wait in ((signal.SIGINT, 40), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.pid, sig)
+            except OSError:
+                return
+            t_end = time.time() + wait
+            while time.time() < t_end:
+                if self.proc is not None:
+                    if self.proc.poll() is not None:
+                        break
+                elif not self.alive():
+                    break
+                time.sleep(0.5)
+            else:
+                continue
+            break
+        # the process group may still hold the engine core for a moment
+        for _ in range(20):
+            try:
+                os.killpg(self.pid, 0)
+            except OSError:
+                return
+            time.sleep(0.5)
+
+
+def server_unavailable(name: str, args) -> str | None:
+    """Why server ``name`` cannot run in this invocation (None: it can)."""
+    if name not in PORT_OFFSETS:
+        return f"unknown server {name!r} (known: {', '.join(PORT_OFFSETS)})"
+    if name == OLD_SERVER and not getattr(args, "old_wheel", None):
+        return "steer_old needs --old-wheel PATH (the previous release's vllm_steer-*.whl)"
+    return None
+
+
+class Pool:
+    """Servers by name, started lazily (one after another: memory profiling must not overlap)."""
+
+    def __init__(self, args, model_dir: Path, workdir: Path):
+        self.args, self.model_dir, self.workdir = args, model_dir, workdir
+        self.servers: dict[str, Server] = {}
+        self.ports = {name: args.port_base + off for name, off in PORT_OFFSETS.items()}
+        self.pending: dict[str, Server] = {}
+        self.old_site: Path | None = None
+        self.failed: dict[str, str] = {}  # servers that did not start: not tried again in this run
+        if args.reuse_servers and STATE_FILE.exists():
+            for name, st in json.loads(STATE_FILE.read_text()).items():
+                s = Server(name, st["port"], args, model_dir, workdir)
+                s.pid, s.start_s, s.adopted = st["pid"], st.get("start_s"), True
+                s._t_start = st.get("t_start") or time.time()
+                if s.alive() and s.healthy():
+                    self.servers[name] = s
+                    log(f"server {name}: adopted (pid {s.pid}, :{s.port})")
+                elif s.alive():  # left while still starting: wait for it when needed
+                    self.pending[name] = s
+                    log(f"server {name}: adopted while starting (pid {s.pid}, :{s.port})")
+
+    def old_release_site(self) -> Path:
+        if self.old_site is None:
+            self.old_site = install_old_wheel(self.args.old_wheel, self.workdir)
+        return self.old_site
+
+    def ensure(self, names: list[str]) -> None:
+        for name in names:
+            if name not in self.servers:
+                if name in self.failed:
+                    raise RuntimeError(f"server {name} failed earlier in this run: {self.failed[name][:1500]}")
+                s = self.pending.pop(name, None)
+                if s is None:
+                    why = server_unavailable(name, self.args)
+                    if why:
+                        raise RuntimeError(why)
+                    s = Server(name, self.ports[name], self.args, self.model_dir, self.workdir)
+                    try:
+                        if name == OLD_SERVER:
+                            s.pythonpath_first = self.old_release_site()
+                    except Exception as e:
+                        self.failed[name] = f"{type(e).__name__}: {e}"
+                        raise
+                    s.start()
+                self.servers[name] = s
+                self.save_state()  # a server still starting is adopted by the next --reuse-servers
+                try:
+                    s.wait_ready(self.args.start_timeout)
+                except Exception as e:
+                    self.failed[name] = f"{type(e).__name__}: {e}"
+                    self.servers.pop(name, None)
+                    s.stop()
+                    self.save_state()
+                    raise
+                self.save_state()
+
+    def get(self, name: str) -> Server:
+        self.ensure([name])
+        return self.servers[name]
+
+    def save_state(self) -> None:
+        STATE_FILE.write_text(json.dumps({n: {"pid": s.pid, "port": s.port, "start_s": s.start_s,
+                                              "t_start": getattr(s, "_t_start", None)}
+                                          for n, s in self.servers.items() if s.alive()}))
+
+    def stop_all(self) -> None:
+        for s in list(self.servers.values())[::-1] + list(self.pending.values()):
+            s.stop()
+        STATE_FILE.unlink(missing_ok=True)

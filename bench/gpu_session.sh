@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The steps of one GPU session, run from the repo root on the GPU machine (bench/RESULTS.md has
+# the session log). Before: the bundle parts were copied to /tmp/gb (one run each, carry .gpuK), and
+# .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/old/ the previous release, .whl/tools/ py-spy.
+#   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
+#   bash bench/gpu_session.sh checks      tests/gpu, kernels_bench, compiled_code, gpu_check, gpu_capture_check
+#   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
+#   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
+#   bash bench/gpu_session.sh graph-host  the graph and host phases, then stop the servers
+# Every later run starts with: python3 -c 'import vllm' || exit 3 (a fresh machine fails fast).
+set -uo pipefail
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+OLD_WHEEL="$(ls .whl/old/vllm_steer-*.whl 2>/dev/null | head -1)"
+AB=(python3 bench/ab_suite.py --shape 8b --old-wheel "$OLD_WHEEL" --gpu-mem 0.22)
+case "${1:-}" in
+  install)
+    bash /tmp/gb/install.sh || exit 4
+    python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site .whl/vllm_steer-*.whl .whl/tools/*.whl || exit 5
+    python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/old_site "$OLD_WHEEL" || exit 6
+    python3 -c 'import vllm, vllm_steer; print("vllm", vllm.__version__, "vllm_steer", vllm_steer.__version__)'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    ;;
+  checks)
+    timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
+    timeout 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tail -70
+    timeout 400 python3 bench/compiled_code.py --old-site /tmp/old_site 2>&1 | tail -8
+    VLLM_PLUGINS=steer timeout 420 python3 bench/gpu_check.py --tag -new 2>&1 | tail -12
+    VLLM_PLUGINS=steer timeout 240 python3 bench/gpu_capture_check.py 2>&1 | tail -25
+    ;;
+  ab-start)
+    timeout 590 "${AB[@]}" --phases start --servers stock,disabled,steer,steer_old --keep-servers --tag start 2>&1 | tail -12
+    ;;
+  ab)
+    timeout 590 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag ab \
+      --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,enabled_idle_old,named_shared_old,per_request_n16_old,stock_c256,disabled_c256,k256,k256_old}" \
+      --long-arms stock,per_request_n16,per_request_n16_old 2>&1 | tail -60
+    ;;
+  graph-host)
+    timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 2>&1 | tail -40
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh install|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
+esac

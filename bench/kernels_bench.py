@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Microbenchmark of the steered norm against the norms it replaces (GPU, bf16, inside CUDA graphs).
+
+Per (N, D): vLLM's CUDA ``_C.fused_add_rms_norm`` (eager vLLM), vLLM's native fused add + RMSNorm
+compiled by Inductor (what a compiled vLLM 0.26 runs), the steered norm idle (flags 0), with its
+tables live but every token unsteered (row 0), and with every token steered through two tables,
+and the previous design: a separate gather-add before the norm. Timed with
+``triton.testing.do_bench_cudagraph`` (median of graph replays; 20 launches per replay so launch
+gaps are amortized as in a decode graph). Correctness is checked before anything is timed.
+
+    python3 bench/kernels_bench.py --out $OUT/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+EPS = 1e-5
+R = 272
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="kernels.json")
+    ap.add_argument("--ns", default="1,16,64,256,2048,8192")
+    ap.add_argument("--ds", default="4096,8192")
+    ap.add_argument("--warps", default="4,8,16", help="num_warps variants of the steered kernel at D=4096")
+    args = ap.parse_args()
+
+    import torch
+    import triton.testing
+
+    import vllm._custom_ops  # noqa: F401  (torch.ops._C)
+    from vllm.ir.ops.layernorm import fused_add_rms_norm
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
+    from vllm_steer.kernels.steered_rms_norm.triton import _launch, steered_rms_norm_triton
+
+    dev = torch.cuda.get_device_name()
+    src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    copy_gbps = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+    del src, dst
+    native = torch.compile(fused_add_rms_norm.impls["native"].impl_fn, dynamic=False)
+    rows = []
+    reps = 20
+
+    def timed(fn) -> float:
+        def many():
+            for _ in range(reps):
+                fn()
+
+        return triton.testing.do_bench_cudagraph(many, rep=200, return_mode="median") * 1e3 / reps
+
+    for d in [int(v) for v in args.ds.split(",")]:
+        for n in [int(v) for v in args.ns.split(",")]:
+            g = torch.Generator(device="cuda").manual_seed(n + d)
+            x = torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
+            r = torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
+            w = torch.randn(d, device="cuda", generator=g).to(torch.bfloat16)
+            ta = (torch.randn(R, d, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+            tb = ta.flip(0).contiguous()
+            ta[0].zero_()
+            tb[0].zero_()
+            on, off = (torch.full((1,), v, dtype=torch.uint8, device="cuda") for v in (1, 0))
+            steered = torch.randint(1, R, (max(n, 8192),), device="cuda", dtype=torch.int32, generator=g)
+            zero = torch.zeros_like(steered)
+            # correctness first: the steered kernel vs its reference, and unsteered vs vLLM's kernel
+            got = steered_rms_norm_triton(x, r, w, EPS, 0.0, steered, ta, on, tb, on)
+            want = steered_rms_norm_naive(x, r, w, EPS, 0.0, steered, ta, on, tb, on)
+            err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+            cx, cr = x.clone(), r.clone()
+            torch.ops._C.fused_add_rms_norm(cx, cr, w, EPS)
+            plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, zero, ta, off, tb, off)
+            err_vllm = max(float((plain[0].float() - cx.float()).abs().max()), float((plain[1].float() - cr.float()).abs().max()))
+            xs, rs = x.clone(), r.clone()
+            idx_l = steered[:n].long()
+            cases = {
+                "vllm_c": lambda: torch.ops._C.fused_add_rms_norm(xs, rs, w, EPS),
+                "inductor_native": lambda: native(x, r, w, EPS),
+                "steered_idle": lambda: steered_rms_norm_triton(x, r, w, EPS, 0.0, zero, ta, off, tb, off),
+                "steered_row0": lambda: steered_rms_norm_triton(x, r, w, EPS, 0.0, zero, ta, on, tb, on),
+                "steered_all": lambda: steered_rms_norm_triton(x, r, w, EPS, 0.0, steered, ta, on, tb, on),
+                "gather_add_then_norm": lambda: (xs.add_(ta.index_select(0, idx_l)),
+                                                 torch.ops._C.fused_add_rms_norm(xs, rs, w, EPS)),
+            }
+            if d == 4096:
+                for nw in [int(v) for v in args.warps.split(",")]:
+                    def variant(nw=nw):
+                        out, res = torch.empty_like(x), torch.empty_like(x)
+                        _launch(x, r, w, EPS, 0.0, steered, ta, on, tb, on, out, res, False, num_warps=nw)
+                    cases[f"steered_all_w{nw}"] = variant
+            for impl, fn in cases.items():
+                fn()
+                torch.cuda.synchronize()
+                us = timed(fn)
+                rec = {"N": n, "D": d, "impl": impl, "us": round(us, 3),
+                       "GBps": round(4 * n * d * 2 / (us * 1e-6) / 1e9, 1),
+                       "max_abs_err_vs_ref": err, "max_abs_err_unsteered_vs_vllm_c": err_vllm}
+                rows.append(rec)
+                print(f"N={n:5d} D={d:5d} {impl:24s} {us:8.2f} us  {rec['GBps']:8.1f} GB/s", flush=True)
+    doc = {"gpu": dev, "copy_GBps": round(copy_gbps, 1), "bytes_model": "4*N*D*2 (read x, r; write out, residual)",
+           "launches_per_replay": reps, "rows": rows}
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({k: v for k, v in doc.items() if k != "rows"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

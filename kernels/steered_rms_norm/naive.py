@@ -1,0 +1,71 @@
+"""Plain-torch reference of steered_rms_norm: the spec the Triton kernel is tested against, and the
+implementation on CPU. Mirrors vLLM's native ``fused_add_rms_norm`` / ``rms_norm`` (vllm/ir/ops)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _stream(
+    x: torch.Tensor,  # [N, D]
+    residual: torch.Tensor | None,  # [N, D] or None (first layer: the stream is x)
+    index: torch.Tensor,  # [>= N] int32: table row of each token (0 = unsteered)
+    tables: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],  # (table [R, D], flag [1] uint8)
+) -> torch.Tensor:
+    """s = ((x + residual) + A[index]) + B[index] in float32; a table whose flag is 0 adds nothing."""
+    n = x.shape[0]
+    s = x.float()
+    if residual is not None:
+        s = s + residual.float()
+    rows = None
+    for table, flag in tables:
+        if table is None or (flag is not None and not flag.is_cuda and not bool(flag[0])):
+            continue  # a host flag is free to read; on a GPU the zero rows make the add exact anyway
+        if rows is None:
+            rows = index[:n].long()
+        s = s + table.index_select(0, rows).float()
+    return s
+
+
+def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's RMSNorm on the float32 stream: ``x * rsqrt(mean(x^2) + eps)``, then the weight.
+
+    ``weight_offset`` 0: ``(x.to(w.dtype) * w).to(dtype)`` (RMSNorm); 1: ``x * (w.float() + 1)``
+    in float32, then ``.to(dtype)`` (GemmaRMSNorm, which hands vLLM a float32 ``w + 1``)."""
+    normed = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight_offset:
+        return (normed * (weight.float() + weight_offset)).to(dtype)
+    return (normed.to(weight.dtype) * weight).to(dtype)
+
+
+def steered_rms_norm_naive(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None = None,
+    flag_a: torch.Tensor | None = None,
+    table_b: torch.Tensor | None = None,
+    flag_b: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalized output, new residual) of ``x + residual`` steered by A then B."""
+    s = _stream(x, residual, index, ((table_a, flag_a), (table_b, flag_b)))
+    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
+
+
+def steered_rms_norm_first_naive(
+    x: torch.Tensor,  # [N, D], becomes x + B[index] in place (it is also the caller's residual)
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_b: torch.Tensor | None = None,
+    flag_b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first layer's norm (no residual yet): steer the stream ``x`` in place, return its norm."""
+    s = _stream(x, None, index, ((table_b, flag_b),))
+    x.copy_(s.to(x.dtype))
+    return _normalize(s, weight, eps, weight_offset, x.dtype)

@@ -1,0 +1,142 @@
+"""The ``steer`` block of vLLM's ``additional_config``: one typed, validated config object.
+
+``--additional-config '{"steer": {...}}'`` (or ``LLM(additional_config={"steer": {...}})``) turns
+steering on; no ``steer`` key, or ``"enabled": false``, leaves the plugin loaded and steering off.
+Because the block lives in ``additional_config`` it is part of vLLM's compile-cache hash.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vllm_steer.core.hooks import HOOK_NAMES
+
+HookName = Literal["pre_attn", "post_attn", "post_mlp"]
+
+
+class SteerConfigError(ValueError):
+    """A malformed ``steer`` block; the message names the offending key."""
+
+
+class ConsumerConfig(BaseModel):
+    """One capture consumer instance: the entry-point name, its instance name, its params."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    instance: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def instance_name(self) -> str:
+        return self.instance or self.name
+
+
+def parse_consumer_shorthand(text: str) -> dict[str, Any]:
+    """``name:key=val,key=val`` (values parsed as JSON when they parse, else kept as strings)."""
+    import json
+
+    name, _, rest = text.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"expected key=value in {item!r}")
+        try:
+            params[key.strip()] = json.loads(val)
+        except json.JSONDecodeError:
+            params[key.strip()] = val
+    instance = params.pop("instance", None)
+    return {"name": name.strip(), "instance": instance, "params": params}
+
+
+class SteerConfig(BaseModel):
+    """Engine-wide steering settings (all optional; ``{}`` means defaults)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    enabled: bool = True
+    max_configs: int = Field(default=32, ge=2, le=4096)
+    """Rows per hook table, row 0 included (the zero no-op): ``max_configs - 1`` distinct
+    steering configs can be live at once; further requests wait in the scheduler."""
+    hooks: tuple[HookName, ...] = HOOK_NAMES  # type: ignore[assignment]
+    """Hook points that can be steered; the norms that receive no hooked site stay vLLM's."""
+    layers: tuple[int, ...] | None = None
+    """Layers that can be steered (default: all)."""
+    api_key: str | None = None
+    """Bearer token required for mutations of /v1/steering/modules (None: vLLM's own --api-key)."""
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    """Largest decoded steering payload one request may carry."""
+    modules: dict[str, str] = Field(default_factory=dict)
+    """Named modules to load at start-up: name -> file path."""
+    capture: tuple[ConsumerConfig, ...] = ()
+    """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
+    capture_max_rows: int = Field(default=4096, ge=16)
+    """Residual rows one step can capture across all sites (the device pool's size)."""
+
+    @field_validator("capture", mode="before")
+    @classmethod
+    def _capture_list(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(parse_consumer_shorthand(x) if isinstance(x, str) else x for x in v)
+        return v
+
+    @field_validator("hooks", mode="before")
+    @classmethod
+    def _hooks_list(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple) and len(set(v)) != len(v):
+            raise ValueError("duplicate hook names")
+        if isinstance(v, tuple) and not v:
+            raise ValueError("at least one hook point is required")
+        return v
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layers_list(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple) and any(isinstance(x, int) and x < 0 for x in v):
+            raise ValueError("layer indices must be >= 0")
+        return v
+
+    @field_validator("capture", mode="after")
+    @classmethod
+    def _unique_instances(cls, v: Any) -> Any:
+        names = [c.instance_name for c in v]
+        if len(set(names)) != len(names):
+            raise ValueError("capture consumer instance names must be unique")
+        return v
+
+    @property
+    def usable_rows(self) -> int:
+        """Distinct non-zero configs that fit at once."""
+        return self.max_configs - 1
+
+
+def parse_steer_config(additional_config: dict[str, Any] | None) -> SteerConfig | None:
+    """Return the enabled config, or None when steering is off. Raises SteerConfigError."""
+    if not additional_config or "steer" not in additional_config:
+        return None
+    raw = additional_config["steer"]
+    if not isinstance(raw, dict):
+        raise SteerConfigError(
+            f"additional_config.steer: expected an object, got {type(raw).__name__}"
+        )
+    try:
+        cfg = SteerConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "steer"
+        raise SteerConfigError(
+            f"additional_config.steer.{key}: {err['msg']} (got {err.get('input')!r})"
+        ) from None
+    return cfg if cfg.enabled else None
+
+
+def steer_config_of(vllm_config: Any) -> SteerConfig | None:
+    """The enabled steer config of a VllmConfig (None when steering is off)."""
+    return parse_steer_config(getattr(vllm_config, "additional_config", None))

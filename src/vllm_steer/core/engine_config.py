@@ -1,0 +1,55 @@
+"""The ``steer`` block as vLLM's engine config sees it: validated before anything starts, and part
+of the compile-cache key (with the data plane's source) so a plugin change never loads a stale
+compiled graph. Runs in every process that builds or hashes a ``VllmConfig``."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+from vllm_steer.core.config import parse_steer_config, steer_config_of
+
+
+def _package_dir(name: str) -> Path:
+    """Where a package's files are, without importing it (the kernels may live outside src/)."""
+    spec = importlib.util.find_spec(name)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def data_plane_digest() -> str:
+    """Hash of everything that shapes the compiled graph: the worker runtime and the kernels."""
+    from vllm_steer import __version__
+
+    h = hashlib.sha256(__version__.encode())
+    for pkg in ("vllm_steer.runtime", "vllm_steer.kernels"):
+        root = _package_dir(pkg)
+        for f in sorted(root.rglob("*.py")):
+            h.update(f"{pkg}/{f.relative_to(root)}".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def patch_engine_config() -> None:
+    """Patches ``EngineArgs.create_engine_config`` (reject a malformed steer block with one line
+    naming the key) and ``VllmConfig.compute_hash`` (with steering on, mix in the data plane)."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_engine_config, "_vllm_steer", False):
+        return
+    orig_create, orig_hash = EngineArgs.create_engine_config, VllmConfig.compute_hash
+
+    def create_engine_config(self, *args, **kwargs):
+        parse_steer_config(self.additional_config if isinstance(self.additional_config, dict) else None)
+        return orig_create(self, *args, **kwargs)
+
+    def compute_hash(self) -> str:
+        base = orig_hash(self)
+        if steer_config_of(self) is None:
+            return base
+        return hashlib.sha256(f"{base}:{data_plane_digest()}".encode()).hexdigest()[: len(base)]
+
+    create_engine_config._vllm_steer = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
+    VllmConfig.compute_hash = compute_hash

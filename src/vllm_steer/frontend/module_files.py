@@ -1,0 +1,91 @@
+"""Module files -> tiers of vectors: safetensors and GGUF control vectors.
+
+safetensors: tensors named ``<hook>.<layer>`` (both phases), ``prefill.<hook>.<layer>`` or
+``decode.<hook>.<layer>``, each ``[hidden]``; metadata ``description`` (optional).
+
+GGUF control vectors (llama.cpp ``cvector-generator``, repeng ``export_gguf``): tensors
+``direction.N``. Convention, as llama.cpp applies them: ``direction.N`` is added to the output of
+decoder layer N (0-based; llama.cpp never writes ``direction.0``), i.e. our ``post_mlp`` at layer N.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import numpy as np
+
+from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.vectors import TIER_FIELDS, Vectors
+from vllm_steer.frontend.spec import ModelShape, check_finite, check_layer
+
+_TIER_PREFIX = {"": "steering_vectors", "prefill.": "prefill_steering_vectors", "decode.": "decode_steering_vectors"}
+_NAME = re.compile(r"^(prefill\.|decode\.)?(" + "|".join(HOOK_NAMES) + r")\.(\d+)$")
+_GGUF_NAME = re.compile(r"^direction\.(\d+)$")
+
+
+def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str, arr: np.ndarray, shape: ModelShape, field: str) -> None:
+    layer = check_layer(field, layer_raw, shape)
+    if hook not in shape.hooks:
+        raise SteeringSpecError(field, f"hook point {hook!r} is not enabled on this server")
+    vec = np.asarray(arr, dtype=np.float32).reshape(-1)
+    if vec.shape[0] != shape.hidden_size:
+        raise SteeringSpecError(field, f"expected {shape.hidden_size} values (hidden size), got {vec.shape[0]}")
+    check_finite(field, vec)
+    tiers[tier].setdefault(hook, {})[layer] = vec
+
+
+def read_safetensors(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors], dict[str, str]]:
+    """(tiers, metadata) of a safetensors file's bytes."""
+    from safetensors import safe_open
+    from safetensors.numpy import load
+
+    try:
+        tensors = load(data)
+    except Exception as e:  # safetensors raises its own error types
+        raise SteeringSpecError("file", f"not a readable safetensors file: {e}") from None
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        with safe_open(f.name, "np") as st:
+            metadata = dict(st.metadata() or {})
+    tiers: dict[str, Vectors] = {t: {} for t in TIER_FIELDS}
+    for name, arr in tensors.items():
+        m = _NAME.match(name)
+        if not m:
+            raise SteeringSpecError(f"file.{name}", "tensor names must be [prefill.|decode.]<hook>.<layer>")
+        _add(tiers, _TIER_PREFIX[m.group(1) or ""], m.group(2), m.group(3), arr, shape, f"file.{name}")
+    if not any(tiers.values()):
+        raise SteeringSpecError("file", "no steering tensors in the file")
+    return tiers, metadata
+
+
+def read_gguf_control_vector(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors], dict[str, str]]:
+    """(tiers, metadata) of a GGUF control vector: ``direction.N`` -> post_mlp at layer N."""
+    import gguf
+
+    fd, path = tempfile.mkstemp(suffix=".gguf")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as e:
+            raise SteeringSpecError("file", f"not a readable GGUF file: {e}") from None
+        tiers: dict[str, Vectors] = {t: {} for t in TIER_FIELDS}
+        for t in reader.tensors:
+            m = _GGUF_NAME.match(t.name)
+            if not m:
+                continue
+            _add(tiers, "steering_vectors", "post_mlp", m.group(1), np.array(t.data), shape, f"file.{t.name}")
+        meta = {}
+        hint = reader.get_field("controlvector.model_hint")
+        if hint is not None:
+            meta["model_hint"] = bytes(hint.parts[hint.data[0]]).decode(errors="replace")
+    finally:
+        os.unlink(path)
+    if not any(tiers.values()):
+        raise SteeringSpecError("file", "no direction.N tensors in the GGUF file")
+    return tiers, meta

@@ -1,0 +1,93 @@
+"""Building and (un)registering named modules: validate the input, ship the tiers to every worker
+once (``collective_rpc``), then publish the name. The same steps serve the HTTP routes (async
+engine client), start-up preload, and Python users of ``vllm.LLM`` (sync)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.payload import tiers_to_wire
+from vllm_steer.core.vectors import TIER_FIELDS
+from vllm_steer.frontend.module_store import STORE, ModuleExistsError, SteeringModule
+from vllm_steer.frontend.module_files import read_gguf_control_vector, read_safetensors
+from vllm_steer.frontend.spec import ModelShape, parse_spec
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > 128 or "/" in name:
+        raise SteeringSpecError("name", "a module name is a non-empty string of at most 128 characters, no '/'")
+    return name
+
+
+def module_from_json(body: dict, shape: ModelShape) -> SteeringModule:
+    extra = set(body) - {"name", "description", "replace", *TIER_FIELDS}
+    if extra:
+        raise SteeringSpecError(sorted(extra)[0], "unknown field in a module registration")
+    spec = parse_spec({k: body.get(k) for k in TIER_FIELDS}, shape)
+    if not any(spec.tiers.values()):
+        raise SteeringSpecError("steering_vectors", "a module needs at least one vector")
+    return SteeringModule(_check_name(body.get("name")), spec.tiers, str(body.get("description") or ""), "json",
+                          dtype=shape.dtype)
+
+
+def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, description: str = "") -> SteeringModule:
+    if data[:4] == GGUF_MAGIC or filename.endswith(".gguf"):
+        tiers, meta = read_gguf_control_vector(data, shape)
+        source = "gguf"
+    elif filename.endswith(".json"):
+        return module_from_json({**json.loads(data), "name": name}, shape)
+    else:
+        tiers, meta = read_safetensors(data, shape)
+        source = "safetensors"
+    return SteeringModule(_check_name(name), tiers, description or meta.get("description", ""), source,
+                          dtype=shape.dtype)
+
+
+def _register_args(module: SteeringModule) -> tuple:
+    keys = [k for k in module.keys if k is not None]
+    return (module.name, module.version, tiers_to_wire(module.tiers), keys)
+
+
+def prepare(module: SteeringModule, replace: bool) -> SteeringModule:
+    """Give the module its version; refuse an existing name unless ``replace`` (409)."""
+    if STORE.get(module.name) is not None and not replace:
+        raise ModuleExistsError(module.name)
+    module.version = STORE.reserve_version()
+    return module
+
+
+async def register_async(rpc: Callable[..., Awaitable[Any]], module: SteeringModule, replace: bool) -> SteeringModule:
+    prepare(module, replace)
+    await rpc("vllm_steer_register_module", args=_register_args(module))
+    return STORE.publish(module)  # only now can a request name it (workers already have it)
+
+
+def register_sync(rpc: Callable[..., Any], module: SteeringModule, replace: bool) -> SteeringModule:
+    prepare(module, replace)
+    rpc("vllm_steer_register_module", args=_register_args(module))
+    return STORE.publish(module)
+
+
+async def unregister_async(rpc: Callable[..., Awaitable[Any]], name: str) -> SteeringModule:
+    module = STORE.remove(name)  # new requests are refused from here on
+    await rpc("vllm_steer_unregister_module", args=(name,))
+    return module
+
+
+def load_path(name: str, path: str, shape: ModelShape) -> SteeringModule:
+    p = Path(path)
+    return module_from_file(name, p.read_bytes(), p.name, shape)
+
+
+def register_module(llm: Any, name: str, replace: bool = False, description: str = "", **tiers: Any) -> dict:
+    """Register a named module on a ``vllm.LLM`` (tiers as in requests: ``steering_vectors=...``)."""
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    shape = SteeringFrontend(llm.llm_engine.vllm_config).shape
+    module = module_from_json({"name": name, "description": description, **tiers}, shape)
+    return register_sync(llm.collective_rpc, module, replace).summary()

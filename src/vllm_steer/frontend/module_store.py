@@ -1,0 +1,73 @@
+"""API-side registry of named modules (one per API process): name -> tiers, version, metadata."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_steer.core.layout import config_hash
+from vllm_steer.core.vectors import TIER_FIELDS, Vectors, effective_phases
+
+
+class ModuleExistsError(KeyError):
+    pass
+
+
+@dataclass
+class SteeringModule:
+    name: str
+    tiers: dict[str, Vectors]
+    description: str = ""
+    source: str = "json"
+    dtype: str = "float32"  # the model's: the keys name rows as its tables hold them
+    version: int = 0
+    created: float = field(default_factory=time.time)
+
+    @property
+    def keys(self) -> tuple[str | None, str | None]:
+        """(prefill key, decode key) at scale 1, as the model's tables hold the rows."""
+        pre, dec = effective_phases({}, self.tiers, 1.0)
+        return config_hash(pre, self.dtype), config_hash(dec, self.dtype)
+
+    def summary(self) -> dict:
+        hooks = sorted({h for t in self.tiers.values() for h in t})
+        layers = sorted({l for t in self.tiers.values() for ls in t.values() for l in ls})
+        nbytes = sum(v.nbytes for t in self.tiers.values() for ls in t.values() for v in ls.values())
+        return {"name": self.name, "description": self.description, "source": self.source,
+                "version": self.version, "hooks": hooks, "layers": layers,
+                "tiers": [t for t in TIER_FIELDS if self.tiers.get(t)], "dtype": "float32",
+                "bytes": nbytes, "created": self.created}
+
+
+class ModuleStore:
+    def __init__(self) -> None:
+        self._modules: dict[str, SteeringModule] = {}
+        self._lock = threading.Lock()
+        self._next_version = 1
+
+    def reserve_version(self) -> int:
+        with self._lock:
+            v = self._next_version
+            self._next_version += 1
+            return v
+
+    def publish(self, module: SteeringModule) -> SteeringModule:
+        with self._lock:
+            self._modules[module.name] = module
+            return module
+
+    def get(self, name: str) -> SteeringModule | None:
+        return self._modules.get(name)
+
+    def remove(self, name: str) -> SteeringModule:
+        with self._lock:
+            return self._modules.pop(name)
+
+    def all(self) -> list[SteeringModule]:
+        return sorted(self._modules.values(), key=lambda m: m.name)
+
+
+STORE = ModuleStore()

@@ -1,0 +1,229 @@
+"""Front-end side of a request (API server / LLM process): validate, resolve, hash, pack, salt.
+
+Runs once per request inside ``InputProcessor.process_inputs``, before the request reaches the
+engine. Errors raise SteeringSpecError (a ValueError), which vLLM's OpenAI server answers with a
+400 carrying the message; the engine never sees a bad request.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm_steer.capture.consumer import consumer_class
+from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
+from vllm_steer.core.config import SteerConfig, steer_config_of
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.layout import layout_key, table_layout
+from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
+from vllm_steer.core.vectors import CAPTURE_FIELD, REQUEST_FIELDS, effective_phases
+from vllm_steer.frontend.module_store import STORE
+from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
+from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
+
+_ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY, TOKEN_FIELD)
+_PHASES = {"steering_vectors": (True, True), "prefill_steering_vectors": (True, False),
+           "decode_steering_vectors": (False, True)}
+
+
+class SteeringFrontend:
+    """Turns the steering fields of a request into the engine payload."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.cfg: SteerConfig | None = steer_config_of(vllm_config)
+        mc = vllm_config.model_config
+        self.dtype = dtype_name(mc.dtype)
+        cfg = self.cfg
+        self._module_cache: dict[tuple, tuple[dict, str | None, str | None]] = {}
+        # A consumer with a global spec captures every request: each needs a payload (its id).
+        self.captures_all = bool(cfg and any(c.params.get("global_spec") for c in cfg.capture))
+        self.shape = ModelShape(
+            num_layers=mc.hf_text_config.num_hidden_layers,
+            hidden_size=mc.get_hidden_size(),
+            hooks=tuple(cfg.hooks) if cfg else (),
+            layers=frozenset(cfg.layers) if cfg and cfg.layers is not None else None,
+            max_bytes=cfg.max_request_bytes if cfg else 0,
+            dtype=self.dtype,
+        )
+
+    def resolve(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
+        """(payload or None, prefill key, decode key) for a request's extra_args."""
+        for reserved in (PAYLOAD_KEY, TOKEN_FIELD):
+            if reserved in extra_args:
+                raise SteeringSpecError(reserved, "is reserved for vllm-steer's engine payload")
+        fields = {k: extra_args[k] for k in REQUEST_FIELDS if k in extra_args}
+        if not any(v is not None for v in fields.values()):
+            if self.captures_all:
+                return encode_payload(None, None, {}, self.dtype, capture={}), None, None
+            return None, None, None
+        if self.cfg is None:
+            raise SteeringSpecError(
+                next(iter(fields)),
+                "steering is disabled on this server (start it with "
+                "--additional-config '{\"steer\": {}}')",
+            )
+        capture = self._capture(fields.get(CAPTURE_FIELD))
+        if capture is None and self.captures_all:
+            capture = {}
+        fast = parse_packed_fast(fields, self.shape)
+        if fast is not None:  # one tier, packed in the model dtype: bytes in, bytes out
+            tier, layout = fast
+            key = layout_key(layout, self.dtype)
+            if key is None and capture is None:
+                return None, None, None
+            pre, dec = _PHASES[tier]
+            pk, dk = (key if pre else None), (key if dec else None)
+            configs = {key: layout} if key is not None else {}
+            return encode_payload(pk, dk, configs, self.dtype, capture=capture), pk, dk
+        spec = parse_spec(fields, self.shape)
+        bare_module = spec.module is not None and not any(spec.tiers.values())
+        if bare_module:
+            module = STORE.get(spec.module.name)
+            cache_key = (spec.module.name, module.version if module else None, spec.module.scale)
+            hit = self._module_cache.get(cache_key)
+            if hit is not None:  # depends only on (name, version, scale): reuse, no rehash
+                payload, pk, dk = hit
+                return {**payload, "capture": capture}, pk, dk
+        module = None
+        module_tiers = None
+        scale = 1.0
+        if spec.module is not None:
+            module = STORE.get(spec.module.name)
+            if module is None:
+                raise SteeringSpecError("steering_module.name", f"unknown steering module {spec.module.name!r}")
+            module_tiers, scale = module.tiers, spec.module.scale
+        prefill, decode = effective_phases(spec.tiers, module_tiers, scale)
+        layouts = {"prefill": table_layout(prefill, self.dtype)}
+        layouts["decode"] = layouts["prefill"] if decode is prefill else table_layout(decode, self.dtype)
+        pk = layout_key(layouts["prefill"], self.dtype)
+        dk = pk if decode is prefill else layout_key(layouts["decode"], self.dtype)
+        if pk is None and dk is None and capture is None:
+            return None, None, None
+        ref = None
+        if module is not None:
+            ref = {"name": module.name, "version": module.version, "scale": scale}
+        configs = {}
+        if module is None or any(spec.tiers.values()):
+            # Inline vectors (alone or on top of a module) travel; a bare module ref does not.
+            for key, phase in ((pk, "prefill"), (dk, "decode")):
+                if key is not None and key not in configs:
+                    configs[key] = layouts[phase]
+        payload = encode_payload(pk, dk, configs, self.dtype, module=ref, capture=capture)
+        if bare_module:
+            if len(self._module_cache) > 1024:
+                self._module_cache.clear()
+            self._module_cache[(module.name, module.version, scale)] = (payload, pk, dk)
+            return dict(payload), pk, dk  # callers add per-request keys to their copy
+        return payload, pk, dk
+
+    def needs_whole_prompt(self, capture: dict) -> bool:
+        """Whether a request's captures (its own and the consumers' global specs) read prompt
+        positions before the last one, which a prefix-cache hit would skip."""
+        specs = list(capture.values()) + [c.params["global_spec"] for c in self.cfg.capture
+                                          if c.params.get("global_spec")]
+        return any(s.get("positions", "all_prompt") not in ("all_generated", "last_prompt") for s in specs)
+
+    def _capture(self, raw: Any) -> dict | None:
+        """Validate a request's ``capture`` field (each consumer checks its own keys)."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or not raw:
+            raise SteeringSpecError(CAPTURE_FIELD, "expected {consumer_instance: spec}")
+        configured = {c.instance_name: c for c in self.cfg.capture}
+        out = {}
+        for instance, spec_raw in raw.items():
+            field = f"{CAPTURE_FIELD}.{instance}"
+            if instance not in configured:
+                raise SteeringSpecError(field, f"no capture consumer instance {instance!r} on this server "
+                                               f"(configured: {sorted(configured)})")
+            try:
+                spec = parse_capture_spec(instance, spec_raw, self.shape.num_layers, self.shape.hooks)
+                bad = [l for l in spec.layers if self.shape.layers is not None and l not in self.shape.layers]
+                if bad:
+                    raise CaptureSpecError(f"{field}.layers: layer {bad[0]} has no capture site (steer.layers)")
+                consumer_class(configured[instance].name).validate_params(dict(spec.params))
+            except CaptureSpecError as e:
+                raise SteeringSpecError(e.field, e.reason) from None
+            except ValueError as e:
+                raise SteeringSpecError(field, f"consumer {configured[instance].name!r}: {e}") from None
+            out[instance] = spec_raw
+        return out
+
+    def engine_extra_args(
+        self, extra_args: dict[str, Any], request_id: str | None = None
+    ) -> tuple[dict | None, str | None, str | None]:
+        """(extra_args with the steering fields replaced by the payload, prefill key, decode key)."""
+        payload, pk, dk = self.resolve(extra_args)
+        if payload is not None and payload.get("capture") is not None and request_id is not None:
+            payload["external_id"] = request_id  # vLLM suffixes the id later; consumers report both
+        extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
+        if payload is not None:
+            extra[PAYLOAD_KEY] = payload
+        return extra or None, pk, dk
+
+
+def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str):
+    """The request's engine extra_args and keys: prepared off the event loop (a live token), or now."""
+    if TOKEN_FIELD in extra:
+        prepared = PREPARED.get(extra[TOKEN_FIELD])
+        if prepared is not None:
+            return for_request(prepared, extra, request_id)
+    return frontend.engine_extra_args(extra, request_id)
+
+
+def salted(cache_salt: str | None, prefill_key: str) -> str:
+    """The request's cache_salt with the prefill key folded in (a user salt is kept)."""
+    salt = f"vllm-steer:{prefill_key}"
+    return f"{cache_salt}|{salt}" if cache_salt else salt
+
+
+def frontend_of(input_processor: Any) -> SteeringFrontend:
+    """The (lazily built) front end of an ``InputProcessor``."""
+    frontend = input_processor.__dict__.get("_steer_frontend")
+    if frontend is None:
+        frontend = input_processor._steer_frontend = SteeringFrontend(input_processor.vllm_config)
+    return frontend
+
+
+def patch_input_processor() -> None:
+    """Patch: ``InputProcessor.process_inputs`` (see vllm_steer.patches): every request (LLM and
+    OpenAI server alike) becomes an EngineCoreRequest there, before the engine computes block
+    hashes from its cache_salt."""
+    from vllm import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_steer.frontend.applied import record_applied, record_capture
+
+    if getattr(InputProcessor.process_inputs, "_vllm_steer", False):
+        return
+    original = InputProcessor.process_inputs
+
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        keys = None
+        captures = False
+        extra = getattr(params, "extra_args", None)
+        frontend = frontend_of(self)
+        asks = bool(extra) and any(k in extra for k in _ALL_FIELDS)
+        if isinstance(params, SamplingParams) and (asks or frontend.captures_all):
+            # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
+            # packed payload, not lists of floats. The caller's object is left untouched.
+            new_extra, pk, dk = _prepared(frontend, extra or {}, request_id)
+            params = copy.copy(params)
+            params.extra_args = new_extra
+            keys = (pk, dk)
+            capture = (new_extra or {}).get(PAYLOAD_KEY, {}).get("capture")
+            captures = capture is not None
+            if captures and frontend.needs_whole_prompt(capture):
+                # Cached prompt blocks are never recomputed, so their residuals would be missing.
+                params.skip_reading_prefix_cache = True
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if keys is not None and (keys[0] or keys[1]):
+            if keys[0]:
+                request.cache_salt = salted(request.cache_salt, keys[0])
+            record_applied(request.request_id, *keys)
+        if captures:
+            record_capture(request_id)
+        return request
+
+    process_inputs._vllm_steer = True  # type: ignore[attr-defined]
+    InputProcessor.process_inputs = process_inputs

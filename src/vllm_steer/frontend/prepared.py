@@ -1,0 +1,70 @@
+"""Requests whose steering was prepared before they reached the engine, handed over by token.
+
+The OpenAI request middleware (server.request_body) and the ``AsyncLLM.add_request`` patch
+(frontend.prepare_async) validate and resolve a request's steering fields in a small thread pool,
+off the event loop, then replace those fields in ``extra_args`` by one token (``vllm_steer_prepared``):
+a short string that survives vLLM's deep copies of the params. ``process_inputs`` looks the prepared
+payload up by that token. Tokens are unguessable and live only while their request is being added;
+a token that is not live is refused like any reserved field.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vllm_steer.core.payload import PAYLOAD_KEY
+
+TOKEN_FIELD = "vllm_steer_prepared"
+Prepared = tuple[dict | None, str | None, str | None]  # (engine extra_args, prefill key, decode key)
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The preparation pool (base64, numpy and BLAKE3 release the GIL on large buffers)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-steer-prepare")
+        return _POOL
+
+
+class PreparedRequests:
+    def __init__(self) -> None:
+        self._by_token: dict[str, Prepared] = {}
+
+    def put(self, prepared: Prepared) -> str:
+        token = secrets.token_hex(16)
+        self._by_token[token] = prepared
+        return token
+
+    def get(self, token: Any) -> Prepared | None:
+        return self._by_token.get(token) if isinstance(token, str) else None
+
+    def drop(self, token: str) -> None:
+        self._by_token.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._by_token)
+
+
+PREPARED = PreparedRequests()
+
+
+def for_request(prepared: Prepared, extra_args: dict, request_id: str) -> Prepared:
+    """The prepared result for one engine request: the caller's other extra_args kept, and the
+    request's id in a capturing payload (one HTTP request may become several engine requests)."""
+    extra, pk, dk = prepared
+    merged = {k: v for k, v in extra_args.items() if k != TOKEN_FIELD}
+    if extra:
+        payload = extra.get(PAYLOAD_KEY)
+        if payload is not None and payload.get("capture") is not None:
+            payload = {**payload, "external_id": request_id}
+        merged.update({k: v for k, v in extra.items() if k != PAYLOAD_KEY})
+        if payload is not None:
+            merged[PAYLOAD_KEY] = payload
+    return merged or None, pk, dk

@@ -1,0 +1,274 @@
+"""Parse and validate a request's steering fields (the arithmetic on them is ``core.vectors``).
+
+Accepted in ``SamplingParams.extra_args`` (and, through the OpenAI server, the request body):
+``steering_vectors`` (both phases), ``prefill_steering_vectors``, ``decode_steering_vectors``;
+each maps a hook point to ``{layer: [floats]}`` or to the packed form
+``{"dtype", "shape": [n, hidden], "layer_indices", "data", "scales"?}`` where ``data`` is the
+rows' little-endian bytes, base64 in a string (JSON) or raw (a msgpack bin, or Python bytes)
+(when a hook's object has ``data`` it is the packed form; packed wins over any layer keys beside it).
+Every problem raises SteeringSpecError naming the field. Vectors come out in float32.
+"""
+
+from __future__ import annotations
+
+import binascii
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pybase64
+
+from vllm_steer.core import bf16
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.layout import Layout, finite, itemsize, raw_rows
+from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
+
+_PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a steering spec is validated against."""
+
+    num_layers: int
+    hidden_size: int
+    hooks: tuple[str, ...]  # hook points enabled on this engine
+    layers: frozenset[int] | None  # steerable layers (None: all)
+    max_bytes: int
+    dtype: str = "float32"  # the model's dtype: what table rows (and config keys) are made of
+
+
+@dataclass(frozen=True)
+class ModuleRef:
+    name: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class SteeringSpec:
+    """The validated steering of one request, before resolution into phases."""
+
+    tiers: dict[str, Vectors]  # tier field -> vectors
+    module: ModuleRef | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.module is None and not any(self.tiers.values())
+
+
+def check_layer(field: str, raw: Any, shape: ModelShape) -> int:
+    try:
+        layer = int(raw)
+        if isinstance(raw, float) or isinstance(raw, bool) or str(layer) != str(raw).strip():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise SteeringSpecError(field, f"layer index must be an integer, got {raw!r}") from None
+    if not 0 <= layer < shape.num_layers:
+        raise SteeringSpecError(
+            field, f"layer {layer} out of range: the model has {shape.num_layers} layers"
+        )
+    if shape.layers is not None and layer not in shape.layers:
+        raise SteeringSpecError(
+            field, f"layer {layer} is not steerable on this server (steer.layers={sorted(shape.layers)})"
+        )
+    return layer
+
+
+def check_finite(field: str, arr: np.ndarray) -> None:
+    if not np.isfinite(arr).all():
+        raise SteeringSpecError(field, "contains NaN or Inf")
+
+
+def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
+    out: dict[int, np.ndarray] = {}
+    for raw_layer, values in obj.items():
+        f = f"{field}.{raw_layer}"
+        layer = check_layer(f, raw_layer, shape)
+        if not isinstance(values, (list, tuple, np.ndarray)):
+            raise SteeringSpecError(f, f"expected a list of {shape.hidden_size} floats")
+        if len(values) != shape.hidden_size:
+            raise SteeringSpecError(
+                f, f"expected {shape.hidden_size} floats (hidden size), got {len(values)}"
+            )
+        try:
+            arr = np.asarray(values, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise SteeringSpecError(f, "values must be numbers") from None
+        if arr.ndim != 1:
+            raise SteeringSpecError(f, "expected a flat list of floats")
+        check_finite(f, arr)
+        if layer in out:
+            raise SteeringSpecError(f, f"layer {layer} given twice")
+        out[layer] = arr
+    return out
+
+
+def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int], bytes]:
+    """Validate the packed form's header and decode its base64: (dtype name, layers, raw bytes)."""
+    dtype_name = obj.get("dtype")
+    if dtype_name not in _PACKED_DTYPES:
+        raise SteeringSpecError(
+            f"{field}.dtype", f"unknown dtype {dtype_name!r}; expected one of {list(_PACKED_DTYPES)}"
+        )
+    dims = obj.get("shape")
+    if (
+        not isinstance(dims, (list, tuple))
+        or len(dims) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in dims)
+    ):
+        raise SteeringSpecError(f"{field}.shape", f"expected [n_layers, hidden], got {dims!r}")
+    n, d = dims
+    if d != shape.hidden_size:
+        raise SteeringSpecError(
+            f"{field}.shape", f"hidden size {d} != the model's hidden size {shape.hidden_size}"
+        )
+    indices = obj.get("layer_indices")
+    if not isinstance(indices, (list, tuple)) or len(indices) != n:
+        raise SteeringSpecError(
+            f"{field}.layer_indices", f"expected a list of {n} layer indices (shape[0])"
+        )
+    if all(type(x) is int for x in indices) and (not indices or (
+            min(indices) >= 0 and max(indices) < shape.num_layers and shape.layers is None)):
+        layers = list(indices)  # the common case, checked in bulk
+    else:
+        layers = [check_layer(f"{field}.layer_indices[{i}]", x, shape) for i, x in enumerate(indices)]
+    if len(set(layers)) != len(layers):
+        raise SteeringSpecError(f"{field}.layer_indices", "duplicate layer index")
+    data = obj.get("data")
+    if not isinstance(data, (str, bytes, bytearray, memoryview)):
+        raise SteeringSpecError(f"{field}.data", "expected a base64 string (or raw bytes in a msgpack body)")
+    expected = n * d * itemsize(dtype_name)
+    if expected > shape.max_bytes:
+        raise SteeringSpecError(
+            f"{field}.data", f"{expected} bytes exceeds the server's cap of {shape.max_bytes}"
+        )
+    if isinstance(data, str):
+        try:
+            raw = pybase64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise SteeringSpecError(f"{field}.data", "invalid base64") from None
+    else:
+        raw = bytes(data)  # binary already (a msgpack bin, or bytes from Python)
+    if len(raw) != expected:
+        raise SteeringSpecError(
+            f"{field}.data",
+            f"decoded {len(raw)} bytes, but shape {list(dims)} of {dtype_name} needs {expected}",
+        )
+    return dtype_name, layers, raw
+
+
+def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
+    """The packed form -> {layer: float32 vector}; zero-copy up to the float32 conversion."""
+    dtype_name, layers, raw = _packed_raw(field, obj, shape)
+    n, d = len(layers), shape.hidden_size
+    if dtype_name == "bfloat16":
+        src = bf16.from_bits(np.frombuffer(raw, dtype=np.uint16)).reshape(n, d)
+    else:
+        src = np.frombuffer(raw, dtype=_PACKED_DTYPES[dtype_name]).reshape(n, d)
+    scales = obj.get("scales")
+    if scales is not None:
+        if not isinstance(scales, (list, tuple)) or len(scales) != n:
+            raise SteeringSpecError(
+                f"{field}.scales", f"expected {n} scales (one per layer), got {scales!r}"
+            )
+        if not all(isinstance(s, (int, float)) and math.isfinite(s) for s in scales):
+            raise SteeringSpecError(f"{field}.scales", "scales must be finite numbers")
+        src = _scale_rows(src, scales, bf16_source=dtype_name == "bfloat16")
+    arr = src.astype(np.float32, copy=False)
+    check_finite(f"{field}.data", arr)
+    return PackedLayers(arr, layers)
+
+
+def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, Layout] | None:
+    """The common per-request case, straight to table layout without float32: one tier, every
+    hook packed in the model's dtype, no scales, no module. Returns (tier field, layout), or None
+    when the request needs the general path (which then reports any error)."""
+    if fields.get(MODULE_FIELD) is not None:
+        return None
+    dtype_name = shape.dtype
+    present = [t for t in TIER_FIELDS if fields.get(t) is not None]
+    if len(present) != 1 or not isinstance(fields[present[0]], dict):
+        return None
+    tier = present[0]
+    hooks = fields[tier]
+    if not all(isinstance(v, dict) and "data" in v and v.get("dtype") == dtype_name and v.get("scales") is None
+               for v in hooks.values()):
+        return None
+    layout: Layout = {}
+    total = 0
+    for hook in sorted(hooks, key=lambda h: HOOK_NAMES.index(h) if h in HOOK_NAMES else -1):
+        f = f"{tier}.{hook}"
+        _check_hook(f, hook, shape)
+        _, layers, raw = _packed_raw(f, hooks[hook], shape)
+        if not finite(raw, dtype_name):
+            raise SteeringSpecError(f"{f}.data", "contains NaN or Inf")
+        total += len(raw)
+        rows = raw_rows(raw, layers, dtype_name, shape.hidden_size) if layers else None
+        if rows is not None:
+            layout[hook] = rows
+    if total > shape.max_bytes:
+        raise SteeringSpecError(tier, f"{total} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
+    return tier, layout
+
+
+def _scale_rows(src: np.ndarray, scales: list, bf16_source: bool) -> np.ndarray:
+    """Multiply row i by scales[i] in the source dtype (a bf16 source stays on the bf16 grid:
+    the float32 product of two bf16 values is exact, then rounds once, as torch's bf16 mul)."""
+    if bf16_source:
+        factors = bf16.round_to_bf16(np.asarray(scales, dtype=np.float32)).reshape(-1, 1)
+        return bf16.round_to_bf16(src * factors)
+    return src * np.asarray(scales, dtype=src.dtype).reshape(-1, 1)
+
+
+def _check_hook(field: str, hook: Any, shape: ModelShape) -> None:
+    if hook not in HOOK_NAMES:
+        raise SteeringSpecError(field, f"unknown hook point {hook!r}; expected one of {list(HOOK_NAMES)}")
+    if hook not in shape.hooks:
+        raise SteeringSpecError(
+            field, f"hook point {hook!r} is not enabled on this server (steer.hooks={list(shape.hooks)})"
+        )
+
+
+def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise SteeringSpecError(field, "expected an object mapping hook points to vectors")
+    out: Vectors = {}
+    for hook, value in obj.items():
+        f = f"{field}.{hook}"
+        _check_hook(f, hook, shape)
+        if not isinstance(value, dict):
+            raise SteeringSpecError(f, "expected {layer: [floats]} or a packed object with 'data'")
+        layers = decode_packed(f, value, shape) if "data" in value else _parse_float_layers(f, value, shape)
+        if layers:
+            out[hook] = layers
+    return out
+
+
+def _parse_module(obj: Any) -> ModuleRef | None:
+    if obj is None:
+        return None
+    if isinstance(obj, str):
+        obj = {"name": obj}
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise SteeringSpecError(MODULE_FIELD, 'expected {"name": str, "scale": float}')
+    extra = set(obj) - {"name", "scale"}
+    if extra:
+        raise SteeringSpecError(MODULE_FIELD, f"unknown keys {sorted(extra)}")
+    scale = obj.get("scale", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise SteeringSpecError(f"{MODULE_FIELD}.scale", f"expected a finite number, got {scale!r}")
+    return ModuleRef(obj["name"], float(scale))
+
+
+def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:
+    """Validate the steering fields of one request (those absent are empty)."""
+    tiers = {name: _parse_tier(name, fields.get(name), shape) for name in TIER_FIELDS}
+    for name, tier in tiers.items():
+        nbytes = sum(v.nbytes for layers in tier.values() for v in layers.values())
+        if nbytes > shape.max_bytes:
+            raise SteeringSpecError(name, f"{nbytes} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
+    return SteeringSpec(tiers=tiers, module=_parse_module(fields.get(MODULE_FIELD)))

@@ -1,1 +1,0 @@
-"""Named steering modules: reusable vector sets registered once, referenced by name and scale."""

@@ -1,0 +1,77 @@
+"""Methods added to vLLM's worker class, reached with ``collective_rpc("vllm_steer_<name>")``.
+
+``vllm.v1.worker.worker_base.WorkerBase`` gains methods (nothing existing is replaced):
+collective_rpc is vLLM's documented way to reach every worker, and the plugin cannot pass
+``--worker-extension-cls`` on the user's behalf.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _runtime(worker: Any) -> Any:
+    runner = getattr(worker, "model_runner", None)
+    return getattr(runner, "steer_runtime", None)
+
+
+def vllm_steer_status(self) -> dict[str, Any]:
+    """This worker's view: its pid, whether the ops are installed, and row usage."""
+    rt = _runtime(self)
+    status: dict[str, Any] = {"pid": os.getpid(), "runner": type(getattr(self, "model_runner", None)).__name__}
+    if rt is None:
+        status.update(steering=False)
+    else:
+        status.update(
+            steering=True,
+            ops=rt.num_ops,
+            steered_norms=len(rt.steered_norms),
+            hooks=list(rt.hooked_layers),
+            rows=rt.cfg.max_configs,
+            live_configs=len(rt.rows.live_keys()),
+            peak_live_configs=rt.peak_live_configs,
+            preemptions_seen=rt.preemptions_seen,
+            capture=dict(rt.capture.stats) if rt.capture is not None else None,
+        )
+    return status
+
+
+def vllm_steer_register_module(self, name: str, version: int, wire_tiers: dict, keys: list, pin: bool = False) -> list[str]:
+    """Keep a module's tiers on this worker; pre-materialize its rows when the gate allowed it."""
+    from vllm_steer.core.payload import tiers_from_wire
+
+    rt = _runtime(self)
+    if rt is None:
+        return []
+    return rt.register_module(name, version, tiers_from_wire(wire_tiers, rt.hidden_size), pin)
+
+
+def vllm_steer_unregister_module(self, name: str) -> None:
+    rt = _runtime(self)
+    if rt is not None:
+        rt.unregister_module(name)
+
+
+def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
+    """Publish the captures of finished requests now and return driver consumers' results."""
+    rt = _runtime(self)
+    if rt is None or rt.capture is None:
+        return {}
+    return rt.capture.collect_results(list(request_ids))
+
+
+WORKER_METHODS = {
+    "vllm_steer_capture_collect": vllm_steer_capture_collect,
+    "vllm_steer_status": vllm_steer_status,
+    "vllm_steer_register_module": vllm_steer_register_module,
+    "vllm_steer_unregister_module": vllm_steer_unregister_module,
+}
+
+
+def patch_worker() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for name, fn in WORKER_METHODS.items():
+        if not hasattr(WorkerBase, name):
+            setattr(WorkerBase, name, fn)

@@ -1,0 +1,147 @@
+"""Steering fields of OpenAI request bodies are validated and prepared before the response starts.
+
+A pure ASGI middleware on /v1/completions and /v1/chat/completions. For a body that carries steering
+fields (top level or inside ``vllm_xargs``), it decodes the body, takes the fields out and runs
+the front end (validate, resolve modules and tiers, hash, pack) in the preparation pool, awaited
+before vLLM's handler sees the request: a bad field is a 400 naming it, in streaming and
+non-streaming mode alike, before any byte of a response. The handler then parses a body without
+the vectors (megabytes of base64 never go through vLLM's JSON parse on the event loop), carrying a
+token that hands the prepared payload to ``process_inputs`` (frontend.prepared).
+
+Bodies may also be msgpack (``Content-Type: application/msgpack``): the same object as the JSON
+body, where a packed vector's ``data`` is a msgpack bin of the raw little-endian rows instead of
+base64. Bodies without steering fields pass through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.vectors import REQUEST_FIELDS
+from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
+from vllm_steer.server.openai_fields import steering_fields
+
+logger = logging.getLogger("vllm.steer")
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
+_MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS + (TOKEN_FIELD,))
+_JSON_DECODER = msgspec.json.Decoder()
+_MSGPACK_DECODER = msgspec.msgpack.Decoder()
+
+
+def error_response(status: int, message: str, param: str | None) -> tuple[dict, bytes]:
+    """vLLM's error shape, as an ASGI start message and body."""
+    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(status, "Error")
+    body = msgspec.json.encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    return start, body
+
+
+def _decode(body: bytes, msgpack: bool) -> dict | None:
+    """The body as a dict; None for a JSON body this cannot read (vLLM reports its own error)."""
+    try:
+        obj = (_MSGPACK_DECODER if msgpack else _JSON_DECODER).decode(body)
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        if msgpack:
+            raise SteeringSpecError("body", "invalid msgpack") from None
+        return None
+    if not isinstance(obj, dict):
+        if msgpack:
+            raise SteeringSpecError("body", "expected a msgpack map")
+        return None
+    return obj
+
+
+def _prepare(frontend: Any, body: bytes, msgpack: bool) -> tuple[dict | None, Any]:
+    """In the pool: (the body without steering fields, or None to pass it through; prepared)."""
+    obj = _decode(body, msgpack)
+    if obj is None:
+        return None, None
+    if TOKEN_FIELD in obj:
+        raise SteeringSpecError(TOKEN_FIELD, "is reserved for vllm-steer's engine payload")
+    fields = steering_fields(obj)
+    if not fields:
+        return (obj if msgpack else None), None
+    return obj, frontend.engine_extra_args(fields)
+
+
+async def _read_body(receive: Any) -> tuple[bytes, bool]:
+    """The whole request body, and whether the client went away."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(chunks), True
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks), False
+
+
+class SteeringRequestMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+            await self.app(scope, receive, send)
+            return
+        body, gone = await _read_body(receive)
+        headers = dict(scope.get("headers") or [])
+        msgpack = headers.get(b"content-type", b"").split(b";")[0].strip() in MSGPACK_TYPES
+        if gone or not (msgpack or any(m in body for m in _MARKERS)):
+            await self.app(scope, _replay(body, receive), send)
+            return
+        frontend = getattr(scope["app"].state, "steer_frontend", None)
+        try:
+            obj, prepared = await asyncio.get_running_loop().run_in_executor(
+                pool(), _prepare, frontend, body, msgpack)
+        except SteeringSpecError as e:
+            await _send_error(send, 400, str(e), e.field)
+            return
+        except Exception as e:  # no input may become a 500: the engine never saw this request
+            logger.exception("vllm-steer: preparing a request's steering fields failed")
+            await _send_error(send, 400, f"steering fields could not be processed: {type(e).__name__}: {e}",
+                              "steering_vectors")
+            return
+        if obj is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        token = PREPARED.put(prepared) if prepared is not None else None
+        if token is not None:
+            obj[TOKEN_FIELD] = token
+        new_body = msgspec.json.encode(obj)
+        headers[b"content-type"] = b"application/json"
+        headers[b"content-length"] = str(len(new_body)).encode()
+        scope = {**scope, "headers": list(headers.items())}
+        try:
+            await self.app(scope, _replay(new_body, receive), send)
+        finally:
+            if token is not None:
+                PREPARED.drop(token)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A receive callable that yields ``body`` once, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(send: Any, status: int, message: str, param: str | None) -> None:
+    start, body = error_response(status, message, param)
+    await send(start)
+    await send({"type": "http.response.body", "body": body})

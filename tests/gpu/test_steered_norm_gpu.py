@@ -1,0 +1,164 @@
+"""GPU checks of the steered_rms_norm Triton kernel (runs only where CUDA is available).
+
+- Triton vs the plain-torch reference for every (N, D, dtype, norm kind, tables): the new residual
+  bit for bit (the same float32 sums in the same order), the normalized output within a few units
+  in the last place (the reductions sum in another order);
+- unsteered tokens equal vLLM's own norm: its CUDA kernel (``_C.fused_add_rms_norm``) and its native
+  implementation compiled by Inductor;
+- inside a CUDA graph captured while the tables were idle, tables, index and flags changed in place
+  afterwards take effect at replay; under ``torch.compile(fullgraph=True)`` zero tables are not
+  folded away (the op is opaque).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.naive import (  # noqa: E402
+    steered_rms_norm_first_naive,
+    steered_rms_norm_naive,
+)
+from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
+    steered_rms_norm_first_triton,
+    steered_rms_norm_triton,
+)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+R = 9
+EPS = 1e-5
+
+
+def _case(n: int, d: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, generator=g, device="cuda").to(dtype)
+    r = (torch.randn(n, d, generator=g, device="cuda") * 3).to(dtype)
+    w = (torch.randn(d, generator=g, device="cuda") * 0.5).to(dtype)
+    ta, tb = ((torch.randn(R, d, generator=g, device="cuda") * 2).to(dtype) for _ in range(2))
+    ta[0].zero_()
+    tb[0].zero_()
+    index = torch.randint(1, R, (n + 37,), generator=g, device="cuda", dtype=torch.int32)
+    index[: n : 3] = 0
+    return x, r, w, ta, tb, index
+
+
+def _flag(v: int) -> torch.Tensor:
+    return torch.full((1,), v, dtype=torch.uint8, device="cuda")
+
+
+CASES = [pytest.param(n, d, name, kind, tables, id=f"N{n}-D{d}-{name}-{kind}-{tables}")
+         for n in (1, 7, 256, 8192) for d in (64, 4096, 4099, 8192) for name in DTYPES
+         for kind in ("rms", "gemma") for tables in ("none", "ab")]
+CASES += [pytest.param(16, 4096, name, "rms", tables, id=f"N16-D4096-{name}-rms-{tables}")
+          for name in DTYPES for tables in ("a", "b")]
+
+
+@pytest.mark.parametrize("n,d,dtype_name,kind,tables", CASES)
+def test_triton_matches_reference(n, d, dtype_name, kind, tables):
+    dtype = DTYPES[dtype_name]
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=n * 31 + d)
+    offset = 1.0 if kind == "gemma" else 0.0
+    args = (ta if "a" in tables else None, _flag(1) if "a" in tables else None,
+            tb if "b" in tables else None, _flag(1) if "b" in tables else None)
+    out, res = steered_rms_norm_triton(x, r, w, EPS, offset, index, *args)
+    want_out, want_res = steered_rms_norm_naive(x, r, w, EPS, offset, index, *args)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(out, want_out, **TOL[dtype])
+    if tables != "none":  # unsteered tokens are exactly the unsteered norm's rows
+        plain_out, plain_res = steered_rms_norm_triton(x, r, w, EPS, offset, torch.zeros_like(index))
+        rows = index[:n] == 0
+        assert torch.equal(out[rows], plain_out[rows]) and torch.equal(res[rows], plain_res[rows])
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("n", [1, 300])
+def test_first_layer_in_place(n, dtype_name):
+    dtype = DTYPES[dtype_name]
+    x, _, w, _, tb, index = _case(n, 4096, dtype, seed=5)
+    x1, x2 = x.clone(), x.clone()
+    out = steered_rms_norm_first_triton(x1, w, EPS, 0.0, index, tb, _flag(1))
+    want = steered_rms_norm_first_naive(x2, w, EPS, 0.0, index, tb, _flag(1))
+    assert torch.equal(x1, x2)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    rows = index[:n] == 0
+    assert torch.equal(x1[rows], x[rows])
+    x3 = x.clone()
+    steered_rms_norm_first_triton(x3, w, EPS, 0.0, index, tb, _flag(0))
+    assert torch.equal(x3, x)  # an idle table writes nothing
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 16, 2048])
+def test_unsteered_equals_vllm_norm_kernels(n, dtype_name):
+    """Against vLLM's CUDA fused_add_rms_norm (eager vLLM) and its native op compiled by Inductor."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+    from vllm.ir.ops.layernorm import fused_add_rms_norm
+
+    dtype = DTYPES[dtype_name]
+    x, r, w, ta, _, index = _case(n, 4096, dtype, seed=n)
+    out, res = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, _flag(0))
+    cx, cr = x.clone(), r.clone()
+    torch.ops._C.fused_add_rms_norm(cx, cr, w, EPS)
+    assert torch.equal(res, cr)
+    torch.testing.assert_close(out, cx, **TOL[dtype])
+    native = torch.compile(fused_add_rms_norm.impls["native"].impl_fn, fullgraph=True)
+    nx, nr = native(x, r, w, EPS)
+    assert torch.equal(res, nr)
+    torch.testing.assert_close(out, nx, **TOL[dtype])
+
+
+@pytest.fixture(scope="module")
+def registered():
+    op.register()
+    return torch.ops.vllm_steer
+
+
+def test_op_in_cuda_graph_follows_tables_changed_after_capture(registered):
+    n, d, dtype = 16, 4096, torch.bfloat16
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=7)
+    steered_index = index.clone()
+    index.zero_()
+    fa, fb = _flag(0), _flag(0)
+    registered.steered_rms_norm(x, r, w, EPS, 0.0, index, ta, fa, tb, fb)  # JIT outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = registered.steered_rms_norm(x, r, w, EPS, 0.0, index, ta, fa, tb, fb)
+    graph.replay()
+    plain = steered_rms_norm_naive(x, r, w, EPS, 0.0, torch.zeros_like(index))
+    torch.testing.assert_close(out, plain[0], **TOL[dtype])
+    index.copy_(steered_index)
+    fa.fill_(1)
+    fb.fill_(1)
+    graph.replay()
+    want = steered_rms_norm_naive(x, r, w, EPS, 0.0, steered_index, ta, fa, tb, fb)
+    assert torch.equal(res, want[1])
+    torch.testing.assert_close(out, want[0], **TOL[dtype])
+    fa.fill_(0)
+    fb.fill_(0)
+    graph.replay()
+    assert torch.equal(res, plain[1])
+
+
+def test_op_stays_opaque_under_torch_compile(registered):
+    n, d, dtype = 8, 256, torch.float32
+    x, r, w, ta, _, index = _case(n, d, dtype, seed=9)
+    table = torch.zeros_like(ta)
+    flag = _flag(1)
+
+    @torch.compile(fullgraph=True)
+    def f(x, r):
+        return registered.steered_rms_norm(x, r, w, EPS, 0.0, index, table, flag, None, None)
+
+    first = f(x, r)
+    torch.testing.assert_close(first[1], (x.float() + r.float()).to(dtype), rtol=0, atol=0)
+    table.copy_(ta)  # after compilation: a folded zero table would ignore this
+    second = f(x, r)
+    want = steered_rms_norm_naive(x, r, w, EPS, 0.0, index, ta, flag)
+    assert torch.equal(second[1], want[1])
