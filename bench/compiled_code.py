@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--old-site", default=None)
     ap.add_argument("--variants", default="stock,steer,old_kernel,old_inline")
     ap.add_argument("--mem", type=float, default=0.1)
-    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--timeout", type=int, default=130)
     args = ap.parse_args()
     out = Path(os.environ.get("OUT") or ".")
     work = Path(tempfile.mkdtemp(prefix="compiled-code-"))

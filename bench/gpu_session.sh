@@ -3,7 +3,9 @@
 # the session log). Before: the bundle parts were copied to /tmp/gb (one run each, carry .gpuK), and
 # .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/old/ the previous release, .whl/tools/ py-spy.
 #   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
-#   bash bench/gpu_session.sh checks      tests/gpu, kernels_bench, compiled_code, gpu_check, gpu_capture_check
+#   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
+#   bash bench/gpu_session.sh compiled    compiled_code (Inductor's output for stock, steer, old kernel, old inline)
+#   bash bench/gpu_session.sh checks      gpu_check (HF oracle, compiled + CUDA graphs) and gpu_capture_check
 #   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
 #   bash bench/gpu_session.sh graph-host  the graph and host phases, then stop the servers
@@ -22,12 +24,16 @@ case "${1:-}" in
     python3 -c 'import vllm, vllm_steer; print("vllm", vllm.__version__, "vllm_steer", vllm_steer.__version__)'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
-  checks)
+  kernels)
     timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
     timeout 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tail -70
-    timeout 400 python3 bench/compiled_code.py --old-site /tmp/old_site 2>&1 | tail -8
-    VLLM_PLUGINS=steer timeout 420 python3 bench/gpu_check.py --tag -new 2>&1 | tail -12
-    VLLM_PLUGINS=steer timeout 240 python3 bench/gpu_capture_check.py 2>&1 | tail -25
+    ;;
+  compiled)
+    timeout 560 python3 bench/compiled_code.py --old-site /tmp/old_site 2>&1 | tail -8
+    ;;
+  checks)
+    VLLM_PLUGINS=steer timeout 360 python3 bench/gpu_check.py --tag -new 2>&1 | tail -12
+    VLLM_PLUGINS=steer timeout 200 python3 bench/gpu_capture_check.py 2>&1 | tail -25
     ;;
   ab-start)
     timeout 590 "${AB[@]}" --phases start --servers stock,disabled,steer,steer_old --keep-servers --tag start 2>&1 | tail -12
@@ -40,5 +46,5 @@ case "${1:-}" in
   graph-host)
     timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 2>&1 | tail -40
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|compiled|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
 esac
