@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 OLD_WHEEL="$(ls .whl/old/vllm_steer-*.whl 2>/dev/null | head -1)"
-AB=(python3 bench/ab_suite.py --shape 8b --old-wheel "$OLD_WHEEL" --gpu-mem 0.22)
+AB=(python3 bench/ab_suite.py --shape 8b --old-wheel "$OLD_WHEEL" --gpu-mem 0.23)
 case "${1:-}" in
   install)
     bash /tmp/gb/install.sh || exit 4
@@ -39,7 +39,7 @@ case "${1:-}" in
     timeout 590 "${AB[@]}" --phases start --servers stock,disabled,steer,steer_old --keep-servers --tag start 2>&1 | tail -12
     ;;
   ab)
-    timeout 590 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag ab \
+    timeout 590 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag ab --trials "${TRIALS:-5}" \
       --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,enabled_idle_old,named_shared_old,per_request_n16_old,stock_c256,disabled_c256,k256,k256_old}" \
       --long-arms stock,per_request_n16,per_request_n16_old 2>&1 | tail -60
     ;;

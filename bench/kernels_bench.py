@@ -93,7 +93,7 @@ def main() -> int:
                 for nw in [int(v) for v in args.warps.split(",")]:
                     def variant(nw=nw):
                         out, res = torch.empty_like(x), torch.empty_like(x)
-                        _launch(x, r, w, EPS, 0.0, steered, ta, on, tb, on, out, res, False, num_warps=nw)
+                        _launch(x, r, w, EPS, 0.0, steered, ta, on, tb, on, out, res, num_warps=nw)
                     cases[f"steered_all_w{nw}"] = variant
             for impl, fn in cases.items():
                 fn()

@@ -22,7 +22,7 @@ def _hidden(path: str) -> int:
         return json.load(f)["hidden_size"]
 
 
-# Every site of a 2-layer model: pre_attn[0] (the first norm, no residual: steered in place),
+# Every site of a 2-layer model: pre_attn[0] (the first norm, no residual: x steered in place),
 # post_mlp[0] and pre_attn[1] (tables A and B of layer 1's input norm), post_mlp[1] (the final norm),
 # post_attn[0/1]; and one request with A and B of the same norm at once plus post_attn.
 SITE_CASES = [{h: {l: 10 * i + l} for l in (0, 1)} for i, h in enumerate(HOOKS)]

@@ -54,18 +54,3 @@ def steered_rms_norm_naive(
     """(normalized output, new residual) of ``x + residual`` steered by A then B."""
     s = _stream(x, residual, index, ((table_a, flag_a), (table_b, flag_b)))
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
-
-
-def steered_rms_norm_first_naive(
-    x: torch.Tensor,  # [N, D], becomes x + B[index] in place (it is also the caller's residual)
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_b: torch.Tensor | None = None,
-    flag_b: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The first layer's norm (no residual yet): steer the stream ``x`` in place, return its norm."""
-    s = _stream(x, None, index, ((table_b, flag_b),))
-    x.copy_(s.to(x.dtype))
-    return _normalize(s, weight, eps, weight_offset, x.dtype)

@@ -28,7 +28,7 @@ def _steered_rms_norm_kernel(
     p_res,  # [N, D] (ignored unless HAS_RES)
     p_w,  # [D]
     p_out,  # [N, D] normalized output
-    p_res_out,  # [N, D] new residual (with IN_PLACE: p_x itself)
+    p_res_out,  # [N, D] new residual
     p_index,  # [>= N] int32
     p_ta, p_fa,  # table A [R, D], flag A [1] uint8 (ignored unless HAS_A)
     p_tb, p_fb,  # table B, flag B (ignored unless HAS_B)
@@ -40,7 +40,6 @@ def _steered_rms_norm_kernel(
     HAS_A: tl.constexpr,
     HAS_B: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
-    IN_PLACE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
@@ -51,17 +50,11 @@ def _steered_rms_norm_kernel(
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0).to(tl.float32)
     if HAS_A or HAS_B:
         i_row = tl.load(p_index + i_t)
-        # Why: with IN_PLACE the stream row is written back only when steering changed it.
         if HAS_A:
             b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
         if HAS_B:
             b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
-    if IN_PLACE:
-        if HAS_B:
-            if (tl.load(p_fb) != 0) & (i_row != 0):
-                tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d)
-    else:
-        tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d)
+    tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d)
     b_var = tl.sum(b_s * b_s, axis=0) / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
@@ -78,7 +71,7 @@ def _num_warps(block_d: int) -> int:
 
 
 def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            in_place: bool, num_warps: int | None = None) -> None:
+            num_warps: int | None = None) -> None:
     n, d = x.shape
     if n == 0:
         return
@@ -94,7 +87,7 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
         table_a.stride(0) if table_a is not None else 0, table_b.stride(0) if table_b is not None else 0,
         eps, weight_offset,
         D=d, HAS_RES=residual is not None, HAS_A=table_a is not None, HAS_B=table_b is not None,
-        OFFSET_WEIGHT=weight_offset != 0.0, IN_PLACE=in_place, BLOCK_D=block_d, num_warps=num_warps or _num_warps(block_d),
+        OFFSET_WEIGHT=weight_offset != 0.0, BLOCK_D=block_d, num_warps=num_warps or _num_warps(block_d),
     )
 
 
@@ -112,19 +105,5 @@ def steered_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(x)
     res_out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out, False)
+    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out)
     return out, res_out
-
-
-def steered_rms_norm_first_triton(
-    x: torch.Tensor,  # [N, D], steered in place
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_b: torch.Tensor | None = None,
-    flag_b: torch.Tensor | None = None,
-) -> torch.Tensor:
-    out = torch.empty_like(x)
-    _launch(x, None, weight, eps, weight_offset, index, None, None, table_b, flag_b, out, x, True)
-    return out

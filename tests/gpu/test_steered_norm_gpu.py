@@ -20,14 +20,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
-from vllm_steer.kernels.steered_rms_norm.naive import (  # noqa: E402
-    steered_rms_norm_first_naive,
-    steered_rms_norm_naive,
-)
-from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
-    steered_rms_norm_first_triton,
-    steered_rms_norm_triton,
-)
+from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -75,23 +69,6 @@ def test_triton_matches_reference(n, d, dtype_name, kind, tables):
         plain_out, plain_res = steered_rms_norm_triton(x, r, w, EPS, offset, torch.zeros_like(index))
         rows = index[:n] == 0
         assert torch.equal(out[rows], plain_out[rows]) and torch.equal(res[rows], plain_res[rows])
-
-
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("n", [1, 300])
-def test_first_layer_in_place(n, dtype_name):
-    dtype = DTYPES[dtype_name]
-    x, _, w, _, tb, index = _case(n, 4096, dtype, seed=5)
-    x1, x2 = x.clone(), x.clone()
-    out = steered_rms_norm_first_triton(x1, w, EPS, 0.0, index, tb, _flag(1))
-    want = steered_rms_norm_first_naive(x2, w, EPS, 0.0, index, tb, _flag(1))
-    assert torch.equal(x1, x2)
-    torch.testing.assert_close(out, want, **TOL[dtype])
-    rows = index[:n] == 0
-    assert torch.equal(x1[rows], x[rows])
-    x3 = x.clone()
-    steered_rms_norm_first_triton(x3, w, EPS, 0.0, index, tb, _flag(0))
-    assert torch.equal(x3, x)  # an idle table writes nothing
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])

@@ -92,10 +92,12 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
     if residual is None:  # the first layer: the stream is x itself, and the caller keeps x as residual
         if "b" in self._vs_capture:
             torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, None, self.vs_b_plan)
-        if not self._vs_has_b:
-            return self._vs_base.forward(self, x)
-        return torch.ops.vllm_steer.steered_rms_norm_first_(
-            x, self.weight, self._vs_eps, self._vs_offset, self.vs_index, self.vs_b_table, self.vs_b_flag)
+        if self._vs_has_b:
+            # In place (x is the caller's residual too), as plain ops: compiled, Inductor fuses the
+            # gather and the add into its embedding + RMSNorm kernel (no GEMM here to pull the add
+            # into an addmm), so the first layer costs no launch of its own either.
+            x.add_(self.vs_b_table.index_select(0, self.vs_index[: x.shape[0]]))
+        return self._vs_base.forward(self, x)
     ta = self.vs_a_table if self._vs_has_a else None
     fa = self.vs_a_flag if self._vs_has_a else None
     if "a" in self._vs_capture:
