@@ -30,6 +30,9 @@ ARMS = {
     "stock_c256": dict(server="stock", kind="plain", wide=True),
     "disabled_c256": dict(server="disabled", kind="plain", wide=True),
     "k256": dict(server="steer", kind="per_request", n_configs=None, wide=True),  # --wide distinct configs
+    # the binary wire form: msgpack bodies with raw vector bytes (no base64, no JSON parse of vectors)
+    "per_request_n16_msgpack": dict(server="steer", kind="per_request", n_configs=16, wire="msgpack"),
+    "k256_msgpack": dict(server="steer", kind="per_request", n_configs=None, wide=True, wire="msgpack"),
     # graph check: the same steered arm on the --enforce-eager server
     "eager_per_request_n16": dict(server="eager", kind="per_request", n_configs=16),
 }
@@ -55,8 +58,9 @@ def usable_arms(names: list[str], args, what: str) -> list[str]:
     return out
 
 
-def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str) -> list[dict]:
-    """n distinct ``steering_vectors`` fields: all three hooks on every layer, packed binary."""
+def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str, binary: bool = False) -> list[dict]:
+    """n distinct ``steering_vectors`` fields: all three hooks on every layer, packed (base64, or
+    raw bytes with ``binary`` for msgpack bodies)."""
     import numpy as np
 
     from vllm_steer.client import pack
@@ -66,7 +70,7 @@ def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str
     out = []
     for _ in range(n):
         out.append({h: pack((rng.standard_normal((len(layers), shape["hidden"]), dtype=np.float32) * std),
-                            layers, pack_dtype) for h in HOOKS})
+                            layers, pack_dtype, binary=binary) for h in HOOKS})
     return out
 
 
@@ -87,19 +91,23 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
         cfg = ctx.setdefault("shared_cfg", steering_configs(1, 777, ctx["shape"], ctx["std"], ctx["pack_dtype"])[0])
         return [{"steering_vectors": cfg}] * n_requests
     if kind == "per_request":
-        cfgs = steering_configs(arm["n_configs"] or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"])
+        cfgs = steering_configs(arm["n_configs"] or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
+                                binary=arm.get("wire") == "msgpack")
         return [{"steering_vectors": cfgs[i % len(cfgs)]} for i in range(n_requests)]
     raise ValueError(kind)
 
 
-def build_bodies(prompts, fields, max_tokens: int) -> list[bytes]:
+def build_bodies(prompts, fields, max_tokens: int, wire: str = "json") -> list[bytes]:
+    """Request bodies: JSON, or msgpack (``wire="msgpack"``, sent as application/msgpack)."""
+    import msgspec
+
     out = []
     for p, f in zip(prompts, fields):
         body = {"model": "bench", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         if f:
             body.update(f)
-        out.append(json.dumps(body, separators=(",", ":")).encode())
+        out.append(msgspec.msgpack.encode(body) if wire == "msgpack" else json.dumps(body, separators=(",", ":")).encode())
     return out
 
 

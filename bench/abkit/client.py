@@ -33,11 +33,15 @@ def http_text(url: str, timeout: float = 30.0) -> str:
         return r.read().decode(errors="replace")
 
 
+def _content_type(body: bytes) -> str:
+    return "application/json" if body[:1] == b"{" else "application/msgpack"
+
+
 async def _one(session, url: str, body: bytes) -> dict:
     rec: dict = {}
     t0 = time.perf_counter()
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(url, data=body, headers={"Content-Type": _content_type(body)}) as resp:
             if resp.status != 200:
                 rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return rec

@@ -22,7 +22,7 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
     tag = "warmup" if warmup else f"t{trial}"
     prompts = make_prompts(n, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of(phase, arm_name, tag, mt))
     fields = arm_fields(arm, n, seed_of(phase, arm_name, tag, "vec"), ctx)
-    bodies = build_bodies(prompts, fields, mt)
+    bodies = build_bodies(prompts, fields, mt, arm.get("wire", "json"))
     res, wall = run_load(server, bodies, conc)
     t = summarize_trial(res, wall, arm["kind"] != "plain")
     t["body_bytes_mean"] = int(sum(map(len, bodies)) / len(bodies))

@@ -61,30 +61,26 @@ def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
     return out
 
 
-def finite(raw: bytes, dtype_name: str) -> bool:
-    """No NaN or Inf among the elements of ``raw`` (checked on the bit patterns: no conversion)."""
-    word, _, exponent = _WORDS[dtype_name]
-    w = np.frombuffer(raw, dtype=word)
-    return not ((w & word(exponent)) == word(exponent)).any()
-
-
 def raw_rows(raw: bytes, layers: list[int], dtype_name: str, hidden: int) -> tuple[tuple[int, ...], bytes] | None:
     """Rows already in the model dtype -> (sorted ids, bytes) without all-zero rows (None: none
-    left). Same bytes as ``table_layout`` of the same values: -0.0 becomes 0.0."""
-    word, sign, _ = _WORDS[dtype_name]
+    left), the same bytes ``table_layout`` makes of the same values (-0.0 becomes 0.0). Raises
+    ValueError on NaN or Inf. Checked on the bit patterns, a few passes over one temporary."""
+    word, sign, exponent = _WORDS[dtype_name]
     w = np.frombuffer(raw, dtype=word).reshape(len(layers), hidden)
-    keep = (w & word(sign - 1)).any(axis=1)  # any bit but the sign: a non-zero element
+    magnitude = w & word(sign - 1)  # every bit but the sign
+    if magnitude.size and magnitude.max() >= exponent:  # all exponent bits set: Inf or NaN
+        raise ValueError("contains NaN or Inf")
+    keep = magnitude.any(axis=1)
     order = np.argsort(np.asarray(layers), kind="stable")
     order = order[keep[order]]
     if not order.size:
         return None
     changed = order.size != len(layers) or bool((order != np.arange(len(layers))).any())
+    if np.count_nonzero(w) != np.count_nonzero(magnitude):  # some -0.0
+        w = np.where(magnitude == 0, word(0), w)
+        changed = True
     if changed:
         w = w[order]
-    negative_zero = w == word(sign)
-    if negative_zero.any():
-        w = np.where(negative_zero, word(0), w)
-        changed = True
     ids = tuple(int(layers[i]) for i in order)
     return ids, (w.tobytes() if changed else bytes(raw))
 

@@ -22,7 +22,7 @@ import pybase64
 from vllm_steer.core import bf16
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import HOOK_NAMES
-from vllm_steer.core.layout import Layout, finite, itemsize, raw_rows
+from vllm_steer.core.layout import Layout, itemsize, raw_rows
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
 
 _PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
@@ -202,10 +202,11 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
         f = f"{tier}.{hook}"
         _check_hook(f, hook, shape)
         _, layers, raw = _packed_raw(f, hooks[hook], shape)
-        if not finite(raw, dtype_name):
-            raise SteeringSpecError(f"{f}.data", "contains NaN or Inf")
         total += len(raw)
-        rows = raw_rows(raw, layers, dtype_name, shape.hidden_size) if layers else None
+        try:
+            rows = raw_rows(raw, layers, dtype_name, shape.hidden_size) if layers else None
+        except ValueError as e:
+            raise SteeringSpecError(f"{f}.data", str(e)) from None
         if rows is not None:
             layout[hook] = rows
     if total > shape.max_bytes:

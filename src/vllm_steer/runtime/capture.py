@@ -35,8 +35,9 @@ class CaptureBuffers:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.site_index = {s: i for i, s in enumerate(sites)}
         self.pool = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
-        self.plan = torch.full((len(sites), max_tokens), -1, dtype=torch.int32, device=device)
-        self.plan_host = np.full((len(sites), max_tokens), -1, dtype=np.int32)
+        width = -(-max_tokens // 4) * 4  # each site's row starts on 16 bytes (see runtime.tables)
+        self.plan = torch.full((len(sites), width), -1, dtype=torch.int32, device=device)
+        self.plan_host = np.full((len(sites), width), -1, dtype=np.int32)
         self.max_rows = max_rows
 
     def plan_view(self, hook: str, layer: int) -> torch.Tensor:

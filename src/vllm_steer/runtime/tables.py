@@ -1,8 +1,14 @@
 """Device buffers of the steering data plane, allocated once and updated in place.
 
-Per hook point: ``table[hook]`` ``[L_h, R, D]`` (model dtype) and ``active[hook]`` ``[L_h, 1]``
-(uint8: some live row is non-zero at that layer). Shared by every hook: the token -> row
-``index`` ``[max_num_tokens]`` int32. Row writes are one pinned, non-blocking copy per hook.
+Per hook point: ``table[hook]`` ``[R, L_h, D]`` (model dtype; a config's row across every layer
+is contiguous, so writing it is one non-blocking copy from pinned memory per hook) and
+``active[hook]`` (uint8: some live row is non-zero at that layer). Shared by every hook: the
+token -> row ``index`` ``[max_num_tokens]`` int32.
+
+Every per-layer view handed to the model starts on a 16-byte boundary: Inductor compiles a piece
+once and reuses it for every layer, assuming its inputs are as aligned as the first layer's, and
+copies any input that is not (one copy kernel per misaligned input per replay, measured on an
+H200: two per layer when the flags were 1-byte views of one ``[L, 1]`` tensor).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import numpy as np
 import torch
 
 from vllm_steer.core.payload import HookVectors
+
+_ALIGN = 16  # bytes
 
 
 class SteeringTables:
@@ -29,11 +37,12 @@ class SteeringTables:
         self.num_rows = num_rows
         self.slot_of_layer = {h: {l: i for i, l in enumerate(ls)} for h, ls in hooked_layers.items()}
         self.table = {
-            h: torch.zeros(len(ls), num_rows, hidden_size, dtype=dtype, device=device)
+            h: torch.zeros(num_rows, len(ls), hidden_size, dtype=dtype, device=device)
             for h, ls in hooked_layers.items()
         }
+        # One flag per layer, each in its own 16 bytes (see the module docstring).
         self.active = {
-            h: torch.zeros(len(ls), 1, dtype=torch.uint8, device=device)
+            h: torch.zeros(len(ls), _ALIGN, dtype=torch.uint8, device=device)
             for h, ls in hooked_layers.items()
         }
         self.index = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
@@ -44,8 +53,9 @@ class SteeringTables:
         self._pin = torch.cuda.is_available() and device.type == "cuda"
 
     def layer_views(self, hook: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table ``[R, D]``, flag ``[1]``) of one hooked layer, both 16-byte aligned."""
         slot = self.slot_of_layer[hook][layer]
-        return self.table[hook][slot], self.active[hook][slot]
+        return self.table[hook][:, slot], self.active[hook][slot, :1]
 
     def write_row(self, row: int, vectors: dict[str, HookVectors]) -> None:
         """Overwrite ``row`` of every hooked table (hooks absent from ``vectors`` get zeros):
@@ -62,14 +72,15 @@ class SteeringTables:
                         src.append(i)
                         dst.append(slot)
             if dst or self._row_layers[hook].get(row) is not None:
-                staging = torch.empty(table.shape[0], self.hidden_size, dtype=self.dtype, pin_memory=self._pin)
-                if dst == list(range(table.shape[0])) and src == dst:
+                n_layers = table.shape[1]
+                staging = torch.empty(n_layers, self.hidden_size, dtype=self.dtype, pin_memory=self._pin)
+                if dst == list(range(n_layers)) and src == dst:
                     staging.copy_(hv.data)  # every hooked layer, in order: the common case
                 else:
                     staging.zero_()
                     if dst:
                         staging[torch.tensor(dst)] = hv.data[torch.tensor(src)].to(self.dtype)
-                table[:, row].copy_(staging, non_blocking=True)
+                table[row].copy_(staging, non_blocking=True)  # contiguous [L, D]: one plain copy
             self._row_layers[hook][row] = np.asarray(sorted(dst), dtype=np.int64)
 
     def set_live(self, row: int, live: bool) -> None:
@@ -83,7 +94,9 @@ class SteeringTables:
             counts[slots] += delta
             after = counts > 0
             if not np.array_equal(before, after):
-                flags = torch.from_numpy(after.astype(np.uint8)).view(-1, 1)
+                host = np.zeros((after.size, _ALIGN), dtype=np.uint8)
+                host[:, 0] = after
+                flags = torch.from_numpy(host)
                 if self._pin:
                     flags = flags.pin_memory()
                 self.active[hook].copy_(flags, non_blocking=True)
