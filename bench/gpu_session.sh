@@ -36,15 +36,16 @@ case "${1:-}" in
     VLLM_PLUGINS=steer timeout 200 python3 bench/gpu_capture_check.py 2>&1 | tail -25
     ;;
   ab-start)
-    timeout 590 "${AB[@]}" --phases start --servers stock,disabled,steer,steer_old --keep-servers --tag start 2>&1 | tail -12
+    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer,steer_old}" --keep-servers --tag start 2>&1 | tail -12
     ;;
   ab)
     timeout 590 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag ab --trials "${TRIALS:-5}" \
       --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,enabled_idle_old,named_shared_old,per_request_n16_old,stock_c256,disabled_c256,k256,k256_old}" \
-      --long-arms stock,per_request_n16,per_request_n16_old 2>&1 | tail -60
+      --long-arms "${LONG_ARMS:-stock,per_request_n16,per_request_n16_old}" 2>&1 | tail -60
     ;;
   graph-host)
-    timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 2>&1 | tail -40
+    timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 \
+      --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer,steer_old}" --host-servers "${HOST_SERVERS:-stock,steer,steer_old}" 2>&1 | tail -40
     ;;
   *) echo "usage: bash bench/gpu_session.sh install|kernels|compiled|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
 esac
