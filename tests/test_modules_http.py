@@ -177,8 +177,18 @@ def test_mutations_need_the_api_key(base):
     assert httpx.get(f"{base}/v1/steering/modules", timeout=30).status_code == 200
 
 
+GOOD_VEC = {"post_mlp": {"1": [0.5] * HIDDEN}}
 BAD = [
     ({"steering_vectors": {"post_mlp": {"1": [0.0] * HIDDEN}}}, "name"),
+    ({"name": "a/b", "steering_vectors": GOOD_VEC}, "name"),
+    ({"name": "..", "steering_vectors": GOOD_VEC}, "name"),
+    ({"name": ".hidden", "steering_vectors": GOOD_VEC}, "name"),
+    ({"name": "tab\there", "steering_vectors": GOOD_VEC}, "name"),
+    ({"name": "x" * 10_000, "steering_vectors": GOOD_VEC}, "name"),
+    ({"name": 7, "steering_vectors": GOOD_VEC}, "name"),
+    ({"name": "ok", "description": 12, "steering_vectors": GOOD_VEC}, "description"),
+    ({"name": "ok", "replace": "maybe", "steering_vectors": GOOD_VEC}, "replace"),
+    ({"name": "ok", "replace": 1, "steering_vectors": GOOD_VEC}, "replace"),
     ({"name": "x", "steering_vectors": {"post_mlp": {"1": [0.0] * 5}}}, "steering_vectors.post_mlp.1"),
     ({"name": "x", "steering_vectors": {"sideways": {"1": [0.0] * HIDDEN}}}, "steering_vectors.sideways"),
     ({"name": "x", "vectorz": {}}, "vectorz"),
@@ -186,11 +196,23 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("body, field", BAD, ids=[b[1] for b in BAD])
+@pytest.mark.parametrize("body, field", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
 def test_malformed_json_registration_is_a_400_with_the_reason(base, body, field):
     r = register(base, body)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == field, r.text
+
+
+def test_unreadable_registration_bodies_are_400s_not_500s(base):
+    for raw in (b"{not json", b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe", b"[1, 2]"):
+        r = httpx.post(f"{base}/v1/steering/modules", content=raw, timeout=60,
+                       headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text[:300]
+    r = register(base, files={"file": ("v.safetensors", save({"post_mlp.1": VEC}))}, data={"name": "a b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    r = register(base, files={"file": ("v.safetensors", save({"post_mlp.1": VEC}))},
+                 data={"name": "ok-form", "replace": "perhaps"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "replace"
 
 
 @pytest.mark.parametrize("filename, payload, words", [
@@ -198,7 +220,23 @@ def test_malformed_json_registration_is_a_400_with_the_reason(base, body, field)
     ("v.safetensors", save({"mlp.3": np.zeros(HIDDEN, np.float32)}), "tensor names"),
     ("v.safetensors", save({"post_mlp.3": np.zeros(7, np.float32)}), "hidden size"),
     ("v.gguf", b"GGUF" + b"\0" * 20, "GGUF"),
-], ids=["not-safetensors", "bad-name", "bad-size", "bad-gguf"])
+    ("v.json", b"{not json", "not a readable JSON module file"),
+    ("v.json", b"[1, 2]", "holds an object"),
+    ("v.json", b'{"steering_vectors": {"post_mlp": {"1": [1.0, 2.0]}}}', "hidden size"),
+    ("v.txt", b"hello", "unsupported module file"),
+], ids=["not-safetensors", "bad-name", "bad-size", "bad-gguf", "json-syntax", "json-list", "json-size", "txt"])
 def test_malformed_file_registration_is_a_400_with_the_reason(base, filename, payload, words):
     r = register(base, files={"file": (filename, payload)}, data={"name": "bad-file"})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"].startswith("file"), r.text
+
+
+def test_json_module_file_upload_equals_the_json_route(base, model):
+    import json as _json
+
+    body = {"steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}, "description": "from a file"}
+    r = register(base, files={"file": ("m.json", _json.dumps(body).encode())}, data={"name": "json-file-mod"})
+    assert r.status_code == 201 and r.json()["description"] == "from a file", r.text
+    a = complete(base, model, steering_module={"name": "json-file-mod"}).json()
+    b = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]

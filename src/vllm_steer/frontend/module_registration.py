@@ -5,6 +5,7 @@ engine client), start-up preload, and Python users of ``vllm.LLM`` (sync)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -18,34 +19,81 @@ from vllm_steer.frontend.spec import ModelShape, parse_spec
 GGUF_MAGIC = b"GGUF"
 
 
-def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name or len(name) > 128 or "/" in name:
-        raise SteeringSpecError("name", "a module name is a non-empty string of at most 128 characters, no '/'")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+NAME_RULE = "1 to 128 letters, digits, '-', '_' or '.', not starting with '.'"
+MAX_DESCRIPTION = 4096
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 64 else repr(name[:64]) + "..."
+        raise SteeringSpecError("name", f"a module name is {NAME_RULE}; got {shown}")
     return name
+
+
+def check_description(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_DESCRIPTION:
+        raise SteeringSpecError("description", f"expected a string of at most {MAX_DESCRIPTION} characters")
+    return value
+
+
+def check_replace(value: Any) -> bool:
+    """``replace``: a JSON boolean, or in a form / query string one of true/false/1/0/yes/no."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+        return value.lower() in ("1", "true", "yes")
+    raise SteeringSpecError("replace", f"expected true or false, got {value!r}")
 
 
 def module_from_json(body: dict, shape: ModelShape) -> SteeringModule:
     extra = set(body) - {"name", "description", "replace", *TIER_FIELDS}
     if extra:
         raise SteeringSpecError(sorted(extra)[0], "unknown field in a module registration")
+    name = check_name(body.get("name"))
+    description = check_description(body.get("description"))
+    check_replace(body.get("replace"))
     spec = parse_spec({k: body.get(k) for k in TIER_FIELDS}, shape)
     if not any(spec.tiers.values()):
         raise SteeringSpecError("steering_vectors", "a module needs at least one vector")
-    return SteeringModule(_check_name(body.get("name")), spec.tiers, str(body.get("description") or ""), "json",
-                          dtype=shape.dtype)
+    return SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
+
+
+def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> SteeringModule:
+    """A .json module file: the registration object's fields; its errors are named under ``file``."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise SteeringSpecError("file", f"not a readable JSON module file: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise SteeringSpecError("file", "a JSON module file holds an object of steering fields")
+    try:
+        module = module_from_json({**body, "name": name}, shape)
+    except SteeringSpecError as e:
+        if e.field == "name":
+            raise
+        raise SteeringSpecError(f"file.{e.field}", str(e).split(": ", 1)[-1]) from None
+    if description:
+        module.description = description
+    return module
 
 
 def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, description: str = "") -> SteeringModule:
+    check_name(name)
+    description = check_description(description or None)
     if data[:4] == GGUF_MAGIC or filename.endswith(".gguf"):
         tiers, meta = read_gguf_control_vector(data, shape)
         source = "gguf"
     elif filename.endswith(".json"):
-        return module_from_json({**json.loads(data), "name": name}, shape)
-    else:
+        return _json_file(name, data, shape, description)
+    elif filename.endswith(".safetensors") or not filename:
         tiers, meta = read_safetensors(data, shape)
         source = "safetensors"
-    return SteeringModule(_check_name(name), tiers, description or meta.get("description", ""), source,
-                          dtype=shape.dtype)
+    else:
+        raise SteeringSpecError("file", f"unsupported module file {filename!r}: expected .safetensors, .gguf or .json")
+    return SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype)
 
 
 def _register_args(module: SteeringModule) -> tuple:

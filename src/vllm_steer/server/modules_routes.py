@@ -8,15 +8,23 @@ Errors use vLLM's error shape ``{"error": {"message", "type", "param", "code"}}`
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.frontend.module_registration import module_from_file, module_from_json, register_async, unregister_async
+from vllm_steer.frontend.module_registration import (
+    check_replace,
+    module_from_file,
+    module_from_json,
+    register_async,
+    unregister_async,
+)
 from vllm_steer.frontend.module_store import STORE, ModuleExistsError
 from vllm_steer.core.errors import SteeringSpecError
 
+logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/modules", tags=["steering"])
 
 
@@ -39,10 +47,6 @@ async def _users(raw: Request) -> dict[str, int]:
     return per_core[0] if per_core else {}
 
 
-def _truthy(v: Any) -> bool:
-    return v is True or (isinstance(v, str) and v.lower() in ("1", "true", "yes"))
-
-
 @router.post("")
 async def register(raw: Request) -> JSONResponse:
     if (denied := _unauthorized(raw)) is not None:
@@ -57,21 +61,26 @@ async def register(raw: Request) -> JSONResponse:
             upload = form.get("file")
             if upload is None or isinstance(upload, str):
                 raise SteeringSpecError("file", "a multipart registration needs a 'file' part")
-            module = module_from_file(str(form.get("name") or ""), await upload.read(), upload.filename or "",
-                                      shape, str(form.get("description") or ""))
-            replace = _truthy(form.get("replace")) or _truthy(raw.query_params.get("replace"))
+            module = module_from_file(form.get("name"), await upload.read(), upload.filename or "",
+                                      shape, form.get("description"))
+            replace = check_replace(form.get("replace")) or check_replace(raw.query_params.get("replace"))
         else:
             try:
-                body = await raw.json()
-            except json.JSONDecodeError as e:
-                raise SteeringSpecError("body", f"invalid JSON: {e.msg}") from None
+                body = json.loads(await raw.body())
+            except (ValueError, RecursionError) as e:
+                raise SteeringSpecError("body", f"invalid JSON: {str(e)[:200]}") from None
             if not isinstance(body, dict):
                 raise SteeringSpecError("body", "expected a JSON object")
             module = module_from_json(body, shape)
-            replace = _truthy(body.get("replace")) or _truthy(raw.query_params.get("replace"))
-        module = await register_async(state.steer_engine_client.collective_rpc, module, replace)
+            replace = check_replace(body.get("replace")) or check_replace(raw.query_params.get("replace"))
     except SteeringSpecError as e:
         return error(400, str(e), e.field)
+    except Exception as e:  # no input may become a 500: name what was being read
+        logger.exception("vllm-steer: reading a module registration failed")
+        return error(400, f"could not read the module registration: {type(e).__name__}: {str(e)[:300]}",
+                     "file" if raw.headers.get("content-type", "").startswith("multipart/") else "body")
+    try:
+        module = await register_async(state.steer_engine_client.collective_rpc, module, replace)
     except ModuleExistsError as e:
         return error(409, f"steering module {e.args[0]!r} exists; pass replace=true to replace it", "name")
     return JSONResponse(module.summary(), status_code=201)
