@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from vllm_steer.core.hooks import HookPoint
 from vllm_steer.runtime.families import UnsupportedModelError, adapter_for_layer
 from vllm_steer.runtime.install import find_decoder_layers
 

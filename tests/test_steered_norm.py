@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_steer.kernels.capture_rows import naive as capture_naive
 from vllm_steer.kernels.steered_rms_norm import op
 from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
 

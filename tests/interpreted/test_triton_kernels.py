@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.test_steered_norm import NORMS, DTYPES, _case, _off, _on, vllm_norm  # noqa: F401
+from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
 from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
 
