@@ -14,15 +14,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable
 
-from vllm_steer.core.payload import payload_of
-
 _DOMAIN = b"vllm-steer-decode-kv\0"
 
 
-def decode_salt_key(request: Any) -> str | None:
-    """The salt (decode key, or ``"-"`` for an unsteered decode) when the request's generated KV
+def decode_salt_key(payload: dict | None) -> str | None:
+    """The salt (decode key, or ``"-"`` for an unsteered decode) when a request's generated KV
     differs from what a prompt would compute there; None when vLLM's hashes are right as they are."""
-    payload = payload_of(getattr(request, "sampling_params", None))
     if not payload or payload.get("prefill") == payload.get("decode"):
         return None
     return payload.get("decode") or "-"

@@ -16,7 +16,6 @@ from collections import Counter
 from typing import Any
 
 
-
 class RowGate:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -42,7 +42,7 @@ def patch_scheduler() -> None:
             if payload:
                 gate.arrive(request.request_id, payload_keys(payload))
                 hasher = getattr(request, "_block_hasher", None)
-                key = decode_salt_key(request)
+                key = decode_salt_key(payload)
                 if key is not None and hasher is not None and not isinstance(hasher, DecodeSaltedHasher):
                     request._block_hasher = DecodeSaltedHasher(hasher, key, self.hash_block_size)
         return orig_add(self, request)

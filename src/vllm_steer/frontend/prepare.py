@@ -149,13 +149,10 @@ class SteeringFrontend:
             out[instance] = spec_raw
         return out
 
-    def engine_extra_args(
-        self, extra_args: dict[str, Any], request_id: str | None = None
-    ) -> tuple[dict | None, str | None, str | None]:
-        """(extra_args with the steering fields replaced by the payload, prefill key, decode key)."""
+    def engine_extra_args(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
+        """(extra_args with the steering fields replaced by the payload, prefill key, decode key);
+        ``prepared.for_request`` then makes it one engine request's."""
         payload, pk, dk = self.resolve(extra_args)
-        if payload is not None and payload.get("capture") is not None and request_id is not None:
-            payload["external_id"] = request_id  # vLLM suffixes the id later; consumers report both
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
         if payload is not None:
             extra[PAYLOAD_KEY] = payload
@@ -164,11 +161,8 @@ class SteeringFrontend:
 
 def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str):
     """The request's engine extra_args and keys: prepared off the event loop (a live token), or now."""
-    if TOKEN_FIELD in extra:
-        prepared = PREPARED.get(extra[TOKEN_FIELD])
-        if prepared is not None:
-            return for_request(prepared, extra, request_id)
-    return frontend.engine_extra_args(extra, request_id)
+    prepared = PREPARED.get(extra[TOKEN_FIELD]) if TOKEN_FIELD in extra else None
+    return for_request(prepared or frontend.engine_extra_args(extra), extra, request_id)
 
 
 def salted(cache_salt: str | None, prefill_key: str) -> str:

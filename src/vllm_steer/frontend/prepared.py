@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_steer.core.payload import PAYLOAD_KEY
+from vllm_steer.core.vectors import REQUEST_FIELDS
 
 TOKEN_FIELD = "vllm_steer_prepared"
 Prepared = tuple[dict | None, str | None, str | None]  # (engine extra_args, prefill key, decode key)
@@ -57,9 +58,10 @@ PREPARED = PreparedRequests()
 
 def for_request(prepared: Prepared, extra_args: dict, request_id: str) -> Prepared:
     """The prepared result for one engine request: the caller's other extra_args kept, and the
-    request's id in a capturing payload (one HTTP request may become several engine requests)."""
+    request's id in a capturing payload (one HTTP request may become several engine requests;
+    vLLM suffixes the id later, and consumers report both)."""
     extra, pk, dk = prepared
-    merged = {k: v for k, v in extra_args.items() if k != TOKEN_FIELD}
+    merged = {k: v for k, v in extra_args.items() if k != TOKEN_FIELD and k not in REQUEST_FIELDS}
     if extra:
         payload = extra.get(PAYLOAD_KEY)
         if payload is not None and payload.get("capture") is not None:

@@ -22,14 +22,14 @@ from vllm_steer.frontend.module_registration import (
 )
 from vllm_steer.frontend.module_store import STORE, ModuleExistsError
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.server.errors import error_body
 
 logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/modules", tags=["steering"])
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError"}.get(status, "Error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
 def _unauthorized(raw: Request) -> JSONResponse | None:

@@ -24,6 +24,7 @@ import msgspec
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
+from vllm_steer.server.errors import error_body
 from vllm_steer.server.openai_fields import steering_fields
 
 logger = logging.getLogger("vllm.steer")
@@ -37,8 +38,7 @@ _MSGPACK_DECODER = msgspec.msgpack.Decoder()
 
 def error_response(status: int, message: str, param: str | None) -> tuple[dict, bytes]:
     """vLLM's error shape, as an ASGI start message and body."""
-    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(status, "Error")
-    body = msgspec.json.encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
+    body = msgspec.json.encode(error_body(status, message, param))
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
     return start, body
