@@ -106,6 +106,7 @@ def parse_args(argv=None):
     ap.add_argument("--eager-gpu-mem", type=float, default=0.20, help="gpu_memory_utilization of the eager server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--api-servers", type=int, default=4, help="--api-server-count of the *_multi servers")
     ap.add_argument("--port-base", type=int, default=8100)
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--cache-root", default=str(Path(tempfile.gettempdir()) / "vllm_steer_ab_cache"))

@@ -4,6 +4,7 @@
 # .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/old/ the previous release, .whl/tools/ py-spy.
 #   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
 #   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
+#   bash bench/gpu_session.sh cost        request_path_cost (host cost per request, per stage) and the table-write test
 #   bash bench/gpu_session.sh compiled    compiled_code (Inductor's output for stock, steer, old kernel, old inline)
 #   bash bench/gpu_session.sh checks      gpu_check (HF oracle, compiled + CUDA graphs) and gpu_capture_check
 #   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
@@ -28,6 +29,10 @@ case "${1:-}" in
     timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
     timeout 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tail -70
     ;;
+  cost)
+    timeout 120 python3 -m pytest tests/gpu/test_tables_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -4
+    timeout 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
+    ;;
   compiled)
     timeout 560 python3 bench/compiled_code.py --old-site /tmp/old_site 2>&1 | tail -8
     ;;
@@ -47,5 +52,5 @@ case "${1:-}" in
     timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 \
       --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer,steer_old}" --host-servers "${HOST_SERVERS:-stock,steer,steer_old}" 2>&1 | tail -40
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|compiled|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|compiled|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
 esac

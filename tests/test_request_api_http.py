@@ -174,3 +174,20 @@ def test_bad_input_is_refused_before_a_stream_starts(server, body, field, route)
     assert err["param"] == field or field in err["message"], err
     plain = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "Hi", "max_tokens": 2})
     assert plain.status_code == 200
+
+
+def test_sse_splice_touches_event_starts_only():
+    """The steering field goes after the ``{`` of each event, never into generated text that
+    happens to contain ``data: {``, and an empty event object gets no dangling comma."""
+    import json
+
+    from vllm_steer.server.response_field import _rewrite_sse, _steering_bytes
+
+    splice = _steering_bytes({"prefill": "p", "decode": None})
+    text = json.dumps({"text": "data: {\n}", "n": 1})
+    chunk = f"data: {text}\n\ndata: {{}}\n\ndata: [DONE]\n\n".encode()
+    events = [line[6:] for line in _rewrite_sse(chunk, splice).split(b"\n") if line.startswith(b"data: {")]
+    assert [json.loads(e) for e in events] == [
+        {"steering": {"prefill": "p", "decode": None}, "text": "data: {\n}", "n": 1},
+        {"steering": {"prefill": "p", "decode": None}},
+    ]

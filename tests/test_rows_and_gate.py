@@ -64,22 +64,28 @@ def test_gate_forgets_a_waiting_request_that_is_freed_before_it_runs():
     assert gate.waiting == {} and gate.live_keys == 0
 
 
+def _bf16_rows(layers: tuple, values) -> tuple:
+    """A hook's entry in table layout: (layer ids, the rows' bfloat16 bytes)."""
+    import torch
+
+    return layers, values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+
+
 def test_table_rows_written_per_layer_and_cleared_on_overwrite():
     import torch
 
-    from vllm_steer.core.payload import HookVectors
     from vllm_steer.runtime.tables import SteeringTables
 
     hooked = {"pre_attn": [0, 2, 5], "post_mlp": [1, 2]}
     t = SteeringTables(hooked, num_rows=4, hidden_size=8, max_num_tokens=16, dtype=torch.bfloat16,
                        device=torch.device("cpu"))
     full = torch.arange(24, dtype=torch.float32).view(3, 8)
-    t.write_row(1, {"pre_attn": HookVectors((0, 2, 5), full)})  # every hooked layer, in order
+    t.write_row(1, {"pre_attn": _bf16_rows((0, 2, 5), full)})  # every hooked layer, in order
     assert torch.equal(t.table["pre_attn"][1], full.to(torch.bfloat16))
     assert not t.table["post_mlp"].any()  # a hook the row does not use is never touched
     # unordered, partial, and a layer this engine does not hook (3): placed by layer, rest zero
     part = torch.tensor([[1.0] * 8, [2.0] * 8, [3.0] * 8])
-    t.write_row(1, {"pre_attn": HookVectors((5, 3, 0), part), "post_mlp": HookVectors((2,), part[:1])})
+    t.write_row(1, {"pre_attn": _bf16_rows((5, 3, 0), part), "post_mlp": _bf16_rows((2,), part[:1])})
     expect = torch.zeros(3, 8)
     expect[2], expect[0] = 1.0, 3.0
     assert torch.equal(t.table["pre_attn"][1].float(), expect)
@@ -94,7 +100,6 @@ def test_every_view_handed_to_the_model_is_16_byte_aligned():
     than the first layer's: each table and flag view must start on a 16-byte boundary."""
     import torch
 
-    from vllm_steer.core.payload import HookVectors
     from vllm_steer.runtime.tables import SteeringTables
 
     hooked = {"pre_attn": list(range(7)), "post_mlp": [1, 4, 6]}
@@ -105,7 +110,7 @@ def test_every_view_handed_to_the_model_is_16_byte_aligned():
             table, flag = t.layer_views(hook, layer)
             assert table.shape == (5, 24) and flag.shape == (1,)
             assert table.data_ptr() % 16 == 0 and flag.data_ptr() % 16 == 0, (hook, layer)
-    t.write_row(2, {"post_mlp": HookVectors((4,), torch.ones(1, 24))})
+    t.write_row(2, {"post_mlp": _bf16_rows((4,), torch.ones(1, 24))})
     t.set_live(2, True)
     assert [int(t.layer_views("post_mlp", l)[1]) for l in (1, 4, 6)] == [0, 1, 0]
     assert torch.equal(t.layer_views("post_mlp", 4)[0][2], torch.ones(24, dtype=torch.bfloat16))

@@ -12,7 +12,7 @@ import json
 
 from .client import http_json
 from .common import log
-from .servers import OLD_SERVER, server_unavailable
+from .servers import MULTI_SUFFIX, OLD_SERVER, server_unavailable
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 MODULE_NAME = "ab_bench_module"
@@ -38,6 +38,9 @@ ARMS = {
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{OLD_SUFFIX}"] = {**ARMS[_arm], "server": OLD_SERVER}
+    ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "steer" + MULTI_SUFFIX}
+for _arm in ("stock", "stock_c256"):
+    ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "stock" + MULTI_SUFFIX}
 AB_ARMS = ["stock", "disabled", "enabled_idle", "named_shared", "all_steered_shared", "per_request_n4",
            "per_request_n16", "stock_c256", "disabled_c256", "k256"]
 LONG_ARMS = ["stock", "per_request_n16", "per_request_n16_old"]  # run at --long-max-tokens in the ab phase

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from .arms import ARMS, OLD_SUFFIX
+from .servers import MULTI_SUFFIX
 from .plot import plot
 from .stats import METRICS, arm_stats, delta
 
@@ -25,9 +26,10 @@ def _wide(arm: str) -> bool:
 def reference_label(phase: str, label: str, entry: dict) -> str | None:
     phase = phase.split("#")[0]
     if phase == "ab":
+        multi = MULTI_SUFFIX if entry["arm"].endswith(MULTI_SUFFIX) else ""
         if "@" in label:
-            return "stock@" + label.split("@", 1)[1]
-        return "stock_c256" if _wide(entry["arm"]) else "stock"
+            return f"stock{multi}@" + label.split("@", 1)[1]
+        return ("stock_c256" if _wide(entry["arm"]) else "stock") + multi
     if phase == "sweep":
         return "stock@" + label.split("@")[1]
     if phase == "eager":

@@ -6,6 +6,8 @@ Servers (each its own process group, all alive together so trials of different s
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
   steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, old_release.py)
   eager      the steer server's config plus --enforce-eager
+  stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
+             (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
 All but steer_old share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
 steer_old compiles into ``<cache root>-old`` so that no artifact crosses plugin versions.
 ``--keep-servers`` leaves them running and writes STATE_FILE; ``--reuse-servers`` adopts them.
@@ -27,9 +29,10 @@ from .common import ROOT, log
 from .old_release import install_old_wheel
 
 STEER_BLOCK = {"steer": {"max_configs": 272}}
-STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK}
-PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4}
+STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK, "steer_multi": STEER_BLOCK}
+PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6}
 OLD_SERVER = "steer_old"
+MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
 STATE_FILE = Path(tempfile.gettempdir()) / "vllm_steer_ab_servers.json"
 
 
@@ -50,6 +53,9 @@ class Server:
         a = self.args
         if a.launcher == "cpu":
             cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", str(self.model_dir)]
+        elif self.name.endswith(MULTI_SUFFIX):  # only the CLI starts several API server processes
+            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(self.model_dir),
+                   "--api-server-count", str(a.api_servers)]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
         cmd += [
@@ -74,7 +80,7 @@ class Server:
 
     def env(self) -> dict:
         e = dict(os.environ)
-        e["VLLM_PLUGINS"] = "none" if self.name == "stock" else "steer"
+        e["VLLM_PLUGINS"] = "none" if self.name.startswith("stock") else "steer"
         e["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         e["VLLM_CACHE_ROOT"] = self.args.cache_root + ("-old" if self.name == OLD_SERVER else "")
         e["TOKENIZERS_PARALLELISM"] = "false"

@@ -64,20 +64,23 @@ def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
 def raw_rows(raw: bytes, layers: list[int], dtype_name: str, hidden: int) -> tuple[tuple[int, ...], bytes] | None:
     """Rows already in the model dtype -> (sorted ids, bytes) without all-zero rows (None: none
     left), the same bytes ``table_layout`` makes of the same values (-0.0 becomes 0.0). Raises
-    ValueError on NaN or Inf. Checked on the bit patterns, a few passes over one temporary."""
+    ValueError on NaN or Inf. Checked on the bit patterns: three passes over the data (the
+    magnitudes, their per-row maximum, the -0.0 test), each in numpy without the GIL."""
     word, sign, exponent = _WORDS[dtype_name]
     w = np.frombuffer(raw, dtype=word).reshape(len(layers), hidden)
     magnitude = w & word(sign - 1)  # every bit but the sign
-    if magnitude.size and magnitude.max() >= exponent:  # all exponent bits set: Inf or NaN
+    row_max = magnitude.max(axis=1) if magnitude.size else np.zeros(len(layers), dtype=word)
+    if row_max.size and row_max.max() >= exponent:  # all exponent bits set: Inf or NaN
         raise ValueError("contains NaN or Inf")
-    keep = magnitude.any(axis=1)
+    keep = row_max > 0
     order = np.argsort(np.asarray(layers), kind="stable")
     order = order[keep[order]]
     if not order.size:
         return None
     changed = order.size != len(layers) or bool((order != np.arange(len(layers))).any())
-    if np.count_nonzero(w) != np.count_nonzero(magnitude):  # some -0.0
-        w = np.where(magnitude == 0, word(0), w)
+    negative_zero = w == word(sign)
+    if negative_zero.any():
+        w = np.where(negative_zero, word(0), w)
         changed = True
     if changed:
         w = w[order]

@@ -2,7 +2,7 @@
 
 The front end validates, resolves tiers and hashes once per request, then ships each distinct
 effective vector set once, already in the model dtype and in table layout (``core.layout``),
-keyed by its hash. The worker only copies bytes into table rows. A plain dict of str/int/bytes so
+keyed by its hash. The worker only copies those bytes into table rows. A plain dict of str/int/bytes so
 msgspec carries it between processes unchanged. Also the codec that ships a named module's tiers
 to the workers once, through ``collective_rpc``.
 """
@@ -35,23 +35,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
-class HookVectors:
-    """Vectors of one hook point: ``data[i]`` is added at layer ``layers[i]``."""
-
-    layers: tuple[int, ...]
-    data: torch.Tensor  # [len(layers), D], model dtype, CPU
-
-
-@dataclass(frozen=True)
 class EngineSteering:
     """The decoded payload of one request: a config key per phase (None: unsteered phase).
 
-    ``configs`` holds the vectors of each key, except for a bare module reference (``module``:
+    ``configs`` holds each key's rows in table layout (the shipped bytes), except for a bare module reference (``module``:
     name, version, scale), whose rows the worker builds from its module registry."""
 
     prefill_key: str | None
     decode_key: str | None
-    configs: dict[str, dict[str, HookVectors]]
+    configs: dict[str, Layout]
     module: dict | None = None
 
     @property
@@ -80,23 +72,13 @@ def encode_payload(
     }
 
 
-def decode_payload(payload: dict, hidden_size: int) -> EngineSteering:
-    """Inverse of encode_payload (on the worker): zero-copy views of the shipped bytes."""
+def decode_payload(payload: dict) -> EngineSteering:
+    """Inverse of encode_payload (on the worker): the shipped bytes themselves, no copy."""
     if payload.get("v") != PAYLOAD_VERSION:
         raise ValueError(f"steering payload version {payload.get('v')} != {PAYLOAD_VERSION}")
-    dtype = _TORCH_DTYPES[payload["dtype"]]
-    configs = {key: hook_vectors_of({hook: (layers, raw) for hook, layers, raw in entries}, dtype, hidden_size)
+    configs = {key: {hook: (tuple(layers), raw) for hook, layers, raw in entries}
                for key, entries in payload["configs"].items()}
     return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"))
-
-
-def hook_vectors_of(layout: Layout, dtype: torch.dtype, hidden_size: int) -> dict[str, HookVectors]:
-    """A config in table layout -> per-hook CPU tensors holding its bytes (one copy each)."""
-    out = {}
-    for hook, (layers, raw) in layout.items():
-        data = torch.frombuffer(bytearray(raw), dtype=dtype)
-        out[hook] = HookVectors(tuple(layers), data.view(len(layers), hidden_size))
-    return out
 
 
 def payload_of(sampling_params: object | None) -> dict | None:

@@ -19,8 +19,8 @@ import torch.nn as nn
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import layout_key, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, HookVectors, decode_payload, dtype_name, hook_vectors_of
-from vllm_steer.core.vectors import Vectors
+from vllm_steer.core.layout import Layout
+from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload, dtype_name
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
@@ -107,7 +107,7 @@ class SteeringRuntime:
             return (0, 0)
         if req_id in self._held:  # re-added (streaming input): drop the old state first
             self.remove_request(req_id)
-        steering = decode_payload(payload, self.hidden_size)
+        steering = decode_payload(payload)
         rows: dict[str, int] = {}
         for key in steering.keys:
             rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k))
@@ -116,10 +116,10 @@ class SteeringRuntime:
         self._held[req_id] = _Held(pair, steering.keys)
         return pair
 
-    def _acquire(self, key: str, vectors: Callable[[], dict[str, HookVectors]]) -> int:
+    def _acquire(self, key: str, rows: Callable[[], Layout]) -> int:
         row, needs_write, became_live = self.rows.acquire(key)
         if needs_write:
-            self.tables.write_row(row, vectors())
+            self.tables.write_row(row, rows())
         if became_live:
             self.tables.set_live(row, True)
         return row
@@ -129,16 +129,13 @@ class SteeringRuntime:
         if self.rows.release(key):
             self.tables.set_live(row, False)
 
-    def _vectors_for(self, steering: EngineSteering, key: str) -> dict[str, HookVectors]:
+    def _vectors_for(self, steering: EngineSteering, key: str) -> Layout:
         if key in steering.configs:
             return steering.configs[key]
         ref = steering.module  # a bare module reference: build the row from the registry
         prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"])
-        return self._hook_vectors(prefill if key == steering.prefill_key else decode)
-
-    def _hook_vectors(self, vectors: Vectors) -> dict[str, HookVectors]:
-        """float32 vectors -> table rows in the model dtype (the bytes the front end hashed)."""
-        return hook_vectors_of(table_layout(vectors, self._dtype_name), self.tables.dtype, self.hidden_size)
+        # float32 vectors -> table rows in the model dtype (the bytes the front end hashed)
+        return table_layout(prefill if key == steering.prefill_key else decode, self._dtype_name)
 
     def remove_request(self, req_id: str) -> None:
         held = self._held.pop(req_id, None)
@@ -172,7 +169,7 @@ class SteeringRuntime:
             layout = table_layout(vecs, self._dtype_name)
             key = layout_key(layout, self._dtype_name)
             if key is not None and key not in pinned:
-                self._acquire(key, lambda l=layout: hook_vectors_of(l, self.tables.dtype, self.hidden_size))
+                self._acquire(key, lambda l=layout: l)
                 pinned.append(key)
         self.modules.pinned[name] = tuple(pinned)
         return pinned

@@ -1,7 +1,8 @@
 """Device buffers of the steering data plane, allocated once and updated in place.
 
 Per hook point: ``table[hook]`` ``[R, L_h, D]`` (model dtype; a config's row across every layer
-is contiguous, so writing it is one non-blocking copy from pinned memory per hook) and
+is contiguous, so writing it is one non-blocking copy per hook, from a persistent pinned staging
+ring filled by one numpy copy of the shipped bytes: no allocation, no torch op on the host) and
 ``active[hook]`` (uint8: some live row is non-zero at that layer). Shared by every hook: the
 token -> row ``index`` ``[max_num_tokens]`` int32.
 
@@ -16,9 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_steer.core.payload import HookVectors
+from vllm_steer.core.layout import Layout
 
 _ALIGN = 16  # bytes
+_STAGING_SLOTS = 8  # pinned [L, D] slots per hook; a busy ring falls back to a fresh pinned block
+_WORD = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}  # element bits, copied as words
 
 
 class SteeringTables:
@@ -51,37 +54,69 @@ class SteeringTables:
         # Per hook, per row: the layer slots where that row is non-zero.
         self._row_layers: dict[str, dict[int, np.ndarray]] = {h: {} for h in hooked_layers}
         self._pin = torch.cuda.is_available() and device.type == "cuda"
+        self._word_t, self._word_np = _WORD[torch.empty((), dtype=dtype).element_size()]
+        self._staging = {h: torch.zeros(_STAGING_SLOTS, len(ls), hidden_size, dtype=dtype, pin_memory=True)
+                         for h, ls in hooked_layers.items()} if self._pin else {}
+        self._staged: dict[str, list] = {h: [None] * _STAGING_SLOTS for h in self._staging}  # copy events
+        self._cursor = 0
 
     def layer_views(self, hook: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(table ``[R, D]``, flag ``[1]``) of one hooked layer, both 16-byte aligned."""
         slot = self.slot_of_layer[hook][layer]
         return self.table[hook][:, slot], self.active[hook][slot, :1]
 
-    def write_row(self, row: int, vectors: dict[str, HookVectors]) -> None:
-        """Overwrite ``row`` of every hooked table (hooks absent from ``vectors`` get zeros):
-        per hook at most one pinned staging tensor, filled by one indexed copy, and one
-        non-blocking H2D copy; nothing for a hook the row neither had nor gets."""
+    def write_row(self, row: int, layout: Layout) -> None:
+        """Overwrite ``row`` of every hooked table with a config in table layout (hooks absent
+        from ``layout`` get zeros; layers this engine does not hook are skipped, validated
+        API-side); nothing for a hook the row neither had nor gets."""
         for hook, table in self.table.items():
             slots = self.slot_of_layer[hook]
-            hv = vectors.get(hook)
-            src, dst = [], []
-            if hv is not None:
-                for i, layer in enumerate(hv.layers):
+            entry = layout.get(hook)
+            src: list[int] = []
+            dst: list[int] = []
+            if entry is not None:
+                for i, layer in enumerate(entry[0]):
                     slot = slots.get(layer)
-                    if slot is not None:  # else: layer not hooked on this engine (validated API-side)
+                    if slot is not None:
                         src.append(i)
                         dst.append(slot)
             if dst or self._row_layers[hook].get(row) is not None:
                 n_layers = table.shape[1]
-                staging = torch.empty(n_layers, self.hidden_size, dtype=self.dtype, pin_memory=self._pin)
-                if dst == list(range(n_layers)) and src == dst:
-                    staging.copy_(hv.data)  # every hooked layer, in order: the common case
+                target, done = self._target(hook, table, row)
+                words = target.view(self._word_t).numpy()
+                if dst:
+                    rows = np.frombuffer(entry[1], dtype=self._word_np).reshape(len(entry[0]), self.hidden_size)
+                if len(dst) == n_layers and dst == src and dst == list(range(n_layers)):
+                    words[...] = rows  # every hooked layer, in order: the common case
                 else:
-                    staging.zero_()
+                    words[...] = 0
                     if dst:
-                        staging[torch.tensor(dst)] = hv.data[torch.tensor(src)].to(self.dtype)
-                table[row].copy_(staging, non_blocking=True)  # contiguous [L, D]: one plain copy
+                        words[dst] = rows[src]
+                done()
             self._row_layers[hook][row] = np.asarray(sorted(dst), dtype=np.int64)
+
+    def _target(self, hook: str, table: torch.Tensor, row: int):
+        """(host tensor to fill with the row's ``[L, D]``, callable that lands it in the table).
+        CPU: the table row itself. CUDA: a pinned staging slot whose previous copy has finished
+        (never a wait: a busy ring gives a fresh pinned block), then one non-blocking copy."""
+        if not self._pin:
+            return table[row], lambda: None
+        events = self._staged[hook]
+        i = self._cursor % _STAGING_SLOTS
+        self._cursor += 1
+        if events[i] is None or events[i].query():
+            staging = self._staging[hook][i]
+        else:
+            staging, i = torch.empty(table.shape[1:], dtype=self.dtype, pin_memory=True), None
+
+        def land() -> None:
+            table[row].copy_(staging, non_blocking=True)
+            if i is not None:
+                event = events[i] or torch.cuda.Event()
+                event.record()
+                events[i] = event
+
+        return staging, land
 
     def set_live(self, row: int, live: bool) -> None:
         """Count ``row`` in (or out of) the any-active flags; flags change only at 0 <-> 1."""

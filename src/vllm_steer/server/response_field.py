@@ -58,13 +58,14 @@ def _note_envelope(chunk: bytes, envelope: dict) -> None:
 
 
 def _rewrite_sse(chunk: bytes, splice: bytes) -> bytes:
-    """Splice the steering field into each ``data: {...}`` line: bytes only, no JSON round trip."""
-    out = []
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {"):
-            line = b"data: {" + splice + line[7:] if line[7:8] != b"}" else b"data: {" + splice[:-1] + b"}"
-        out.append(line)
-    return b"\n".join(out)
+    """Splice the steering field into each ``data: {...}`` event: byte replaces, no JSON. Events
+    start a line, and a JSON string never holds a raw newline, so ``\ndata: {`` is only ever an
+    event's start, never generated text."""
+    lines = b"\n" + chunk
+    out = lines.replace(b"\ndata: {", b"\ndata: {" + splice)
+    if b"\ndata: {}" in lines:  # an empty object takes the field without its trailing comma
+        out = out.replace(b"\ndata: {" + splice + b"}", b"\ndata: {" + splice[:-1] + b"}")
+    return out[1:]
 
 
 def _capture_field(results: dict, ids: list[str]) -> dict:

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Host cost of one steered request along its path, per stage, at a model shape (no engine).
+
+API server (what ``server/request_body`` runs before vLLM's handler, per request):
+  decode   the body (JSON with base64 rows, or msgpack with raw rows)
+  prepare  the front end: validate, NaN/Inf and zero rows, config key (BLAKE3), payload
+  wave     16 requests of one wave prepared in the 4-thread pool vs one by one (the GIL's share)
+Engine core (what the worker runs when the request is added):
+  write    its rows into the steering tables (pinned staging ring, one copy per hook; on CUDA
+           when there is one, else into CPU tables)
+Forms: packed in the model dtype (bf16; the byte fast path), packed float32, floats lists, and a
+named-module reference.
+
+    python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import torch
+
+from vllm_steer.client import pack
+from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.frontend.prepare import SteeringFrontend
+from vllm_steer.server import request_body
+
+HOOKS = ("pre_attn", "post_attn", "post_mlp")
+
+
+def _bodies(layers: int, hidden: int, rng: np.random.Generator) -> dict[str, tuple[bytes, bool]]:
+    ids = list(range(layers))
+
+    def vecs():
+        return {h: rng.standard_normal((layers, hidden), dtype=np.float32) * 0.05 for h in HOOKS}
+
+    out = {}
+    for dt in ("bfloat16", "float32"):
+        packed = {h: pack(v, ids, dt) for h, v in vecs().items()}
+        base = {"model": "m", "prompt": [1] * 256, "max_tokens": 128, "stream": True}
+        out[f"packed {dt}, JSON"] = (json.dumps({**base, "steering_vectors": packed}).encode(), False)
+        binary = {h: {**p, "data": base64.b64decode(p["data"])} for h, p in packed.items()}
+        out[f"packed {dt}, msgpack"] = (msgspec.msgpack.encode({**base, "steering_vectors": binary}), True)
+    floats = {h: {str(l): v[l].tolist() for l in ids} for h, v in vecs().items()}
+    out["floats, JSON"] = (json.dumps({"prompt": [1] * 256, "steering_vectors": floats}).encode(), False)
+    out["module ref, JSON"] = (json.dumps({"prompt": [1] * 256, "steering_module": {"name": "m"}}).encode(), False)
+    return out
+
+
+def _median_ms(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=args.layers),
+                         get_hidden_size=lambda: args.hidden)
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {"max_configs": 272}}))
+    rng = np.random.default_rng(0)
+    from vllm_steer.frontend.module_registration import module_from_json, prepare
+    from vllm_steer.frontend.module_store import STORE
+
+    mod = {h: pack(rng.standard_normal((args.layers, args.hidden), dtype=np.float32) * 0.05,
+                   list(range(args.layers)), "bfloat16") for h in HOOKS}
+    STORE.publish(prepare(module_from_json({"name": "m", "steering_vectors": mod}, fe.shape), True))
+
+    from vllm_steer.runtime.tables import SteeringTables
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tables = SteeringTables({h: list(range(args.layers)) for h in HOOKS}, 64, args.hidden, 16,
+                            torch.bfloat16, device)
+    row = iter(range(10**9))
+    rows_written = [0]
+
+    def write(payload: dict) -> None:
+        steering = decode_payload(payload)
+        for key in steering.keys:
+            if key in steering.configs:
+                tables.write_row(1 + next(row) % 63, steering.configs[key])
+                rows_written[0] += 1
+
+    pool = ThreadPoolExecutor(4)
+    results = []
+    print(f"per request, {args.layers} layers x {args.hidden} x {len(HOOKS)} hooks, model bf16, tables on {device}, "
+          f"median of {args.repeat} (ms)")
+    print("| request | body bytes | decode | prepare | engine write | wave of 16: one by one | wave of 16: pool of 4 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items():
+        obj = request_body._decode(body, msgpack)
+        fields = request_body.steering_fields(dict(obj))
+        t_dec = _median_ms(lambda: request_body._decode(body, msgpack), args.repeat)
+        t_prep = _median_ms(lambda: fe.engine_extra_args(dict(fields)), args.repeat)
+        extra, _, _ = fe.engine_extra_args(dict(fields))
+        payload = (extra or {}).get(PAYLOAD_KEY)
+        t_write = _median_ms(lambda: write(payload), args.repeat) if payload and payload["configs"] else 0.0
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wave = [body] * 16
+        t_serial = _median_ms(lambda: [request_body._prepare(fe, b, msgpack) for b in wave], max(3, args.repeat // 5))
+        t_pool = _median_ms(lambda: list(pool.map(lambda b: request_body._prepare(fe, b, msgpack), wave)),
+                            max(3, args.repeat // 5))
+        results.append({"request": name, "body_bytes": len(body), "decode_ms": t_dec, "prepare_ms": t_prep,
+                        "engine_write_ms": t_write, "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool})
+        print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_write:.2f} | {t_serial:.1f} | {t_pool:.1f} |")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"layers": args.layers, "hidden": args.hidden, "device": str(device),
+                       "cpu": _cpu_name(), "results": results}, fh, indent=1)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+if __name__ == "__main__":
+    main()
