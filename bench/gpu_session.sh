@@ -37,7 +37,7 @@ case "${1:-}" in
     timeout 560 python3 bench/compiled_code.py --old-site /tmp/old_site 2>&1 | tail -8
     ;;
   checks)
-    VLLM_PLUGINS=steer timeout 360 python3 bench/gpu_check.py --tag -new 2>&1 | tail -12
+    VLLM_PLUGINS=steer timeout 360 python3 bench/gpu_check.py --tag=-new 2>&1 | tail -12
     VLLM_PLUGINS=steer timeout 200 python3 bench/gpu_capture_check.py 2>&1 | tail -25
     ;;
   ab-start)
