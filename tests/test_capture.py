@@ -32,7 +32,7 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
                                "probe": {"layers": [20], "hooks": ["post_mlp"], "positions": "last_prompt"}})]
     job = {"model": smollm2_path,
            "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "distributed_executor_backend": "uni",
-                          "block_size": 16, "enable_prefix_caching": True,
+                          "block_size": 32, "enable_prefix_caching": True,
                           "additional_config": {"steer": {"max_configs": 4, "capture": [
                               {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
                               "logging", "probe:dim=576,seed=3"]}}},

@@ -47,17 +47,27 @@ def test_steer_block_must_be_an_object():
         parse_steer_config({"steer": [1]})
 
 
-def test_version_guard():
-    assert check_vllm_version("0.26.0") == "0.26.0"
-    assert check_vllm_version("0.26.3+cpu") == "0.26.3+cpu"
-    for bad in ("0.25.1", "0.27.0", "1.0.0", "garbage"):
-        with pytest.raises(UnsupportedVllmError, match=r"supports vLLM >=0.26.0,<0.27.0"):
+def test_version_guard_range(caplog):
+    """0.26 through 0.33 load; older or unreadable versions are refused naming the range."""
+    for ok in ("0.26.0", "0.26.3+cpu", "0.29.1", "0.32.0+cpu", "0.33.0"):
+        assert check_vllm_version(ok, problems=lambda: ["not consulted in the range"]) == ok
+    for bad in ("0.25.1", "0.9.0", "garbage"):
+        with pytest.raises(UnsupportedVllmError, match=r"supports vLLM >=0.26.0,<0.34.0"):
             check_vllm_version(bad)
+
+
+def test_newer_vllm_loads_with_a_warning_unless_a_patch_target_changed(caplog):
+    with caplog.at_level("WARNING", logger="vllm.steer"):
+        assert check_vllm_version("0.34.0", problems=lambda: []) == "0.34.0"
+    assert "newer than the newest release" in caplog.text
+    with pytest.raises(UnsupportedVllmError, match=r"Scheduler.schedule: expected leading parameters"):
+        check_vllm_version("0.35.1", problems=lambda: ["vllm.x:Scheduler.schedule: expected leading parameters"])
 
 
 def test_version_guard_override(monkeypatch):
     monkeypatch.setenv(OVERRIDE_ENV, "1")
-    assert check_vllm_version("0.27.1") == "0.27.1"
+    assert check_vllm_version("0.25.1") == "0.25.1"
+    assert check_vllm_version("0.35.0", problems=lambda: ["changed"]) == "0.35.0"
 
 
 def test_server_start_up_fails_on_bad_config_with_one_clear_line(tiny_model):
@@ -72,3 +82,17 @@ def test_server_start_up_fails_on_bad_config_with_one_clear_line(tiny_model):
     lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "additional_config.steer.max_configs" in l]
     assert lines, (proc.stdout + proc.stderr)[-3000:]
     assert "greater than or equal to 2" in lines[-1]
+
+
+def test_a_steered_model_handed_back_to_load_model_keeps_its_runtime():
+    """vLLM 0.32+ ``load_model(model=...)`` can pass the already loaded (already steered) model
+    again: the runner keeps its runtime instead of steering the model twice."""
+    from types import SimpleNamespace
+
+    from vllm_steer.runtime.manager import build_runtime
+
+    model = object()
+    runtime = SimpleNamespace(model=model)
+    runner = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"steer": {}}), model=model,
+                             steer_runtime=runtime)
+    assert build_runtime(runner) is runtime

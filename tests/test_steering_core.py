@@ -176,7 +176,7 @@ def test_preempted_requests_resume_with_their_own_steering(core_run, smollm2_pat
     ]
     job = {
         "model": smollm2_path,
-        "llm_kwargs": {**_engine(max_configs=8, block_size=16, num_gpu_blocks_override=16, enable_prefix_caching=False), "max_model_len": 256},
+        "llm_kwargs": {**_engine(max_configs=8, block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False), "max_model_len": 256},
         "calls": [{"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}]
         + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in reqs],
         "rpc_after": ["vllm_steer_status"],

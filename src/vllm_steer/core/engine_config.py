@@ -44,8 +44,8 @@ def patch_engine_config() -> None:
         parse_steer_config(self.additional_config if isinstance(self.additional_config, dict) else None)
         return orig_create(self, *args, **kwargs)
 
-    def compute_hash(self) -> str:
-        base = orig_hash(self)
+    def compute_hash(self, *args, **kwargs) -> str:  # vLLM 0.30+ adds include_version
+        base = orig_hash(self, *args, **kwargs)
         if steer_config_of(self) is None:
             return base
         return hashlib.sha256(f"{base}:{data_plane_digest()}".encode()).hexdigest()[: len(base)]

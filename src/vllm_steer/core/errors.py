@@ -7,9 +7,13 @@ try:  # vLLM's OpenAI server maps this to a 400 with ``param`` set to the field
 except ImportError:  # pragma: no cover - the client side has no vLLM
     _ValidationBase = ValueError  # type: ignore[misc,assignment]
 
+# vLLM 0.26's VLLMValidationError is a ValueError; from 0.27 it is not (VLLMClientError): stay both,
+# so callers (and vLLM's LLM path) that catch ValueError keep catching it.
+_BASES = (_ValidationBase,) if issubclass(_ValidationBase, ValueError) else (_ValidationBase, ValueError)
 
-class SteeringSpecError(_ValidationBase):
-    """Invalid steering input; ``field`` is the dotted path of the offending field."""
+
+class SteeringSpecError(*_BASES):  # type: ignore[misc]
+    """Invalid steering input; ``field`` is the dotted path of the offending field (a ValueError)."""
 
     def __init__(self, field: str, message: str) -> None:
         if _ValidationBase is ValueError:
@@ -17,3 +21,7 @@ class SteeringSpecError(_ValidationBase):
         else:
             super().__init__(f"{field}: {message}", parameter=field)
         self.field = field
+        self._text = f"{field}: {message}"
+
+    def __str__(self) -> str:  # one form on every vLLM (0.27+ would append "(parameter=...)")
+        return self._text

@@ -10,16 +10,12 @@
 
 from __future__ import annotations
 
-from typing import Any
 
+from vllm_steer.core.compat import waiting_queues
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.core.payload import payload_keys, payload_of
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
 from vllm_steer.engine.row_gate import RowGate
-
-
-def _queues(scheduler: Any) -> list[Any]:
-    return [q for q in (scheduler.skipped_waiting, scheduler.waiting) if q]
 
 
 def patch_scheduler() -> None:
@@ -52,7 +48,7 @@ def patch_scheduler() -> None:
         if gate is None or not gate.waiting:
             return orig_schedule(self, *args, **kwargs)
         set_aside = []
-        for queue in _queues(self):
+        for queue in waiting_queues(self):
             held = gate.select_held(list(queue))
             if held:
                 queue.remove_requests(held)

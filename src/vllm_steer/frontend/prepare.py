@@ -8,6 +8,7 @@ engine. Errors raise SteeringSpecError (a ValueError), which vLLM's OpenAI serve
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 from vllm_steer.capture.consumer import consumer_class
@@ -171,11 +172,18 @@ def salted(cache_salt: str | None, prefill_key: str) -> str:
     return f"{cache_salt}|{salt}" if cache_salt else salt
 
 
+_FRONTEND_LOCK = threading.Lock()
+
+
 def frontend_of(input_processor: Any) -> SteeringFrontend:
-    """The (lazily built) front end of an ``InputProcessor``."""
+    """The (lazily built, once) front end of an ``InputProcessor``; vLLM 0.27+ may call
+    ``process_inputs`` from several threads."""
     frontend = input_processor.__dict__.get("_steer_frontend")
     if frontend is None:
-        frontend = input_processor._steer_frontend = SteeringFrontend(input_processor.vllm_config)
+        with _FRONTEND_LOCK:
+            frontend = input_processor.__dict__.get("_steer_frontend")
+            if frontend is None:
+                frontend = input_processor._steer_frontend = SteeringFrontend(input_processor.vllm_config)
     return frontend
 
 

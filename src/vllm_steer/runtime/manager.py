@@ -61,6 +61,7 @@ class SteeringRuntime:
         device: torch.device,
     ) -> None:
         self.cfg = cfg
+        self.model = model
         self.hidden_size = hidden_size
         self._dtype_name = dtype_name(dtype)
         sites = norm_sites(model, wanted_sites(cfg, num_decoder_layers(model)))
@@ -227,6 +228,9 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
     cfg = steer_config_of(runner.vllm_config)
     if cfg is None:
         return None
+    existing = getattr(runner, "steer_runtime", None)
+    if existing is not None and existing.model is runner.model:
+        return existing  # vLLM 0.32+: load_model(model=...) handed the already steered model back
     mc = runner.vllm_config.model_config
     runtime = SteeringRuntime(
         cfg,

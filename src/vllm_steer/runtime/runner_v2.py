@@ -68,6 +68,8 @@ def attach_runtime(runner: Any) -> SteeringRuntime | None:
     if runtime is None:
         return None
     state = runner.model_state
+    if getattr(state, "_steer_runtime", None) is runtime:
+        return runtime  # the same runtime again (load_model(model=...)): the state already feeds it
     state.__class__ = _steered_model_state_class(type(state))
     state._steer_runtime = runtime
     state._steer_slot_rows = np.zeros((runner.max_num_reqs, 2), dtype=np.int32)
