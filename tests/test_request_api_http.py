@@ -120,6 +120,28 @@ def test_raw_json_body_and_status_after_errors(server):
     assert status["workers"][0]["steering"] is True
 
 
+def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
+    """steer.max_body_bytes (default 2 * max_request_bytes + 1 MiB): refused on the declared length,
+    and on a chunked body as it arrives; the server keeps serving."""
+    base, model = server[0], server[1]
+    cap = 2 * CAP + (1 << 20)
+    pad = {"model": model, "prompt": "Hello", "max_tokens": 2, "user": "x" * (cap + 10)}
+    body = json.dumps(pad).encode()
+    r = httpx.post(f"{base}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["param"] == "body" and str(cap) in r.json()["error"]["message"]
+
+    def chunks():  # no content-length: transfer-encoding chunked
+        for i in range(0, len(body), 1 << 16):
+            yield body[i:i + (1 << 16)]
+
+    r = httpx.post(f"{base}/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200
+
+
 def test_applied_keys_are_in_the_server_log(server, client):
     res = complete(client, server, steering_vectors={"post_attn": {"2": VEC.tolist()}})
     key = res.model_extra["steering"]["prefill"]

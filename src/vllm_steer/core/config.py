@@ -69,6 +69,10 @@ class SteerConfig(BaseModel):
     """Bearer token required for mutations of /v1/steering/modules (None: vLLM's own --api-key)."""
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest decoded steering payload one request may carry."""
+    max_body_bytes: int | None = Field(default=None, ge=1)
+    """Largest completion / chat request body the server reads (413 beyond it, before parsing);
+    None: ``2 * max_request_bytes + 1 MiB`` (the cap's payload packed, in base64 JSON, plus the
+    rest of the request)."""
     modules: dict[str, str] = Field(default_factory=dict)
     """Named modules to load at start-up: name -> file path."""
     capture: tuple[ConsumerConfig, ...] = ()
@@ -110,6 +114,10 @@ class SteerConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("capture consumer instance names must be unique")
         return v
+
+    @property
+    def body_cap(self) -> int:
+        return self.max_body_bytes or 2 * self.max_request_bytes + (1 << 20)
 
     @property
     def usable_rows(self) -> int:

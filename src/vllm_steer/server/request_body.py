@@ -10,7 +10,8 @@ token that hands the prepared payload to ``process_inputs`` (frontend.prepared).
 
 Bodies may also be msgpack (``Content-Type: application/msgpack``): the same object as the JSON
 body, where a packed vector's ``data`` is a msgpack bin of the raw little-endian rows instead of
-base64. Bodies without steering fields pass through untouched.
+base64. Bodies without steering fields pass through untouched. With steering on, a body larger than
+``steer.max_body_bytes`` is a 413 before it is read further (declared length first, then as it arrives).
 """
 
 from __future__ import annotations
@@ -72,14 +73,24 @@ def _prepare(frontend: Any, body: bytes, msgpack: bool) -> tuple[dict | None, An
     return obj, frontend.engine_extra_args(fields)
 
 
-async def _read_body(receive: Any) -> tuple[bytes, bool]:
-    """The whole request body, and whether the client went away."""
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Any, cap: int | None) -> tuple[bytes, bool]:
+    """The whole request body, and whether the client went away; BodyTooLarge past ``cap``
+    bytes (what was read so far is dropped)."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return b"".join(chunks), True
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if cap is not None and size > cap:
+            raise BodyTooLarge
+        chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks), False
 
@@ -92,8 +103,21 @@ class SteeringRequestMiddleware:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
             await self.app(scope, receive, send)
             return
-        body, gone = await _read_body(receive)
+        cfg = getattr(scope["app"].state, "steer_config", None)
+        cap = cfg.body_cap if cfg is not None else None  # steering off: vLLM's behaviour, no cap
         headers = dict(scope.get("headers") or [])
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        try:
+            if cap is not None and declared > cap:
+                raise BodyTooLarge
+            body, gone = await _read_body(receive, cap)
+        except BodyTooLarge:
+            await _send_error(send, 413, f"request body larger than the server's cap of {cap} bytes "
+                                         "(steer.max_body_bytes)", "body")
+            return
         msgpack = headers.get(b"content-type", b"").split(b";")[0].strip() in MSGPACK_TYPES
         if gone or not (msgpack or any(m in body for m in _MARKERS)):
             await self.app(scope, _replay(body, receive), send)
