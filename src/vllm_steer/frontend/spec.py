@@ -61,10 +61,10 @@ class SteeringSpec:
 def check_layer(field: str, raw: Any, shape: ModelShape) -> int:
     try:
         layer = int(raw)
-        if isinstance(raw, float) or isinstance(raw, bool) or str(layer) != str(raw).strip():
+        if isinstance(raw, float) or isinstance(raw, bool) or str(layer) != str(raw):
             raise ValueError
     except (TypeError, ValueError):
-        raise SteeringSpecError(field, f"layer index must be an integer, got {raw!r}") from None
+        raise SteeringSpecError(field, f"layer index must be a decimal integer, got {raw!r}") from None
     if not 0 <= layer < shape.num_layers:
         raise SteeringSpecError(
             field, f"layer {layer} out of range: the model has {shape.num_layers} layers"

@@ -1,0 +1,210 @@
+"""Generated malformed inputs against the running server (the shared SmolLM2 API server): every
+target (completions, chat, ``vllm_xargs``, module registration as JSON and as files) × every field ×
+a set of corruptions. Each must be a 4xx whose error names the field; after each batch a known steered
+and a known unsteered request still give their baseline tokens, and the server never restarted."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import save
+
+from tests.conftest import API_KEY
+from vllm_steer.client import pack
+
+HIDDEN, LAYER, N_LAYERS = 576, 14, 30
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GOOD_VEC = (np.sin(np.arange(HIDDEN)) * 40).astype(np.float32)
+TIERS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors")
+Case = tuple[str, dict, str]  # (id, steering fields, field the error must name)
+
+
+def _packed(**over: Any) -> dict:
+    return {**pack(GOOD_VEC[None], [LAYER]), **over}
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _tier_cases(tier: str) -> Iterator[Case]:
+    f = tier
+    for bad in ([], "vectors", 5, True, [1.0] * HIDDEN):
+        yield f"{tier}:type:{bad!r}"[:60], {tier: bad}, f
+    for hook in ("mid_mlp", "", "POST_MLP", "post_mlp "):
+        yield f"{tier}:hook:{hook!r}", {tier: {hook: {str(LAYER): GOOD_VEC.tolist()}}}, f"{f}.{hook}"
+    for bad in ([1.0] * HIDDEN, "x", 3, None if False else 7.5):
+        yield f"{tier}:hookval:{type(bad).__name__}", {tier: {"post_mlp": bad}}, f"{f}.post_mlp"
+    h = f"{f}.post_mlp"
+    for layer in ("-1", str(N_LAYERS), "99", "1.5", "abc", "", " 3", "1e1"):
+        yield f"{tier}:layer:{layer!r}", {tier: {"post_mlp": {layer: GOOD_VEC.tolist()}}}, f"{h}.{layer}"
+    for name, vals in (("short", [0.0] * 7), ("long", [0.0] * (HIDDEN + 1)), ("empty", []),
+                       ("strings", ["a"] * HIDDEN), ("nested", [[0.0]] * HIDDEN), ("null", [None] * HIDDEN),
+                       ("overflow", [1e400] * HIDDEN), ("mixed", [0.0] * (HIDDEN - 1) + ["x"]),
+                       ("object", {"a": 1}), ("number", 3.0)):
+        yield f"{tier}:values:{name}", {tier: {"post_mlp": {str(LAYER): vals}}}, f"{h}.{LAYER}"
+    for name, over, field in (
+        ("dtype-int8", {"dtype": "int8"}, "dtype"), ("dtype-num", {"dtype": 5}, "dtype"),
+        ("dtype-null", {"dtype": None}, "dtype"), ("dtype-empty", {"dtype": ""}, "dtype"),
+        ("shape-1d", {"shape": [HIDDEN]}, "shape"), ("shape-3d", {"shape": [1, 1, HIDDEN]}, "shape"),
+        ("shape-str", {"shape": "1x576"}, "shape"), ("shape-neg", {"shape": [-1, HIDDEN]}, "shape"),
+        ("shape-hidden", {"shape": [1, HIDDEN + 1]}, "shape"), ("shape-float", {"shape": [1.0, HIDDEN]}, "shape"),
+        ("shape-bool", {"shape": [True, HIDDEN]}, "shape"), ("shape-null", {"shape": None}, "shape"),
+        ("idx-len", {"layer_indices": [1, 2]}, "layer_indices"), ("idx-neg", {"layer_indices": [-1]}, "layer_indices"),
+        ("idx-range", {"layer_indices": [N_LAYERS]}, "layer_indices"),
+        ("idx-float", {"layer_indices": [1.5]}, "layer_indices"), ("idx-str", {"layer_indices": ["x"]}, "layer_indices"),
+        ("idx-null", {"layer_indices": None}, "layer_indices"), ("idx-obj", {"layer_indices": {"0": 1}}, "layer_indices"),
+        ("data-b64", {"data": "not base64!"}, "data"), ("data-num", {"data": 5}, "data"),
+        ("data-list", {"data": [1, 2]}, "data"), ("data-empty", {"data": ""}, "data"),
+        ("data-short", {"data": _b64(b"\0" * 10)}, "data"), ("data-long", {"data": _b64(b"\0" * (4 * HIDDEN + 4))}, "data"),
+        ("data-nan", {"data": _b64(np.full(HIDDEN, np.nan, np.float32).tobytes())}, "data"),
+        ("data-inf", {"data": _b64(np.full(HIDDEN, np.inf, np.float32).tobytes())}, "data"),
+        ("data-null", {"data": None}, "data"),
+        ("scales-len", {"scales": [1.0, 2.0]}, "scales"), ("scales-str", {"scales": ["a"]}, "scales"),
+        ("scales-inf", {"scales": [1e400]}, "scales"), ("scales-type", {"scales": "x"}, "scales"),
+        ("scales-nested", {"scales": [[1.0]]}, "scales"),
+    ):
+        yield f"{tier}:packed:{name}", {tier: {"post_mlp": _packed(**over)}}, f"{h}.{field}"
+    dup = pack(np.stack([GOOD_VEC, GOOD_VEC]), [LAYER, LAYER])
+    yield f"{tier}:packed:idx-dup", {tier: {"post_mlp": dup}}, f"{h}.layer_indices"
+    big = pack(np.ones((25, HIDDEN), np.float32), list(range(25)))
+    yield f"{tier}:packed:over-cap", {tier: {"post_mlp": big}}, f"{h}.data"
+
+
+def _other_cases() -> Iterator[Case]:
+    m = "steering_module"
+    for name, bad, field in (("int", 5, m), ("list", [], m), ("name-int", {"name": 5}, m),
+                             ("scale-str", {"name": "preloaded", "scale": "a"}, f"{m}.scale"),
+                             ("scale-inf", {"name": "preloaded", "scale": 1e400}, f"{m}.scale"),
+                             ("scale-bool", {"name": "preloaded", "scale": True}, f"{m}.scale"),
+                             ("extra", {"name": "preloaded", "boost": 1}, m),
+                             ("unknown", {"name": "no-such-module"}, f"{m}.name"),
+                             ("unknown-str", "no-such-module", f"{m}.name")):
+        yield f"module:{name}", {m: bad}, field
+    c = "capture"
+    for name, bad, field in (("int", 5, c), ("list", [], c), ("empty", {}, c), ("instance", {"nope": {}}, f"{c}.nope"),
+                             ("spec-int", {"fs": 5}, f"{c}.fs"), ("layers", {"fs": {"layers": [99]}}, f"{c}.fs"),
+                             ("hooks", {"fs": {"hooks": ["mid"]}}, f"{c}.fs"),
+                             ("positions", {"fs": {"positions": "sometimes"}}, f"{c}.fs"),
+                             ("extra", {"fs": {"colour": "red"}}, f"{c}.fs")):
+        yield f"capture:{name}", {c: bad}, field
+
+
+def completion_cases() -> list[Case]:
+    out = [c for t in TIERS for c in _tier_cases(t)] + list(_other_cases())
+    return out
+
+
+def _xargs(fields: dict) -> dict:
+    return {"vllm_xargs": {k: json.dumps(v, allow_nan=True) for k, v in fields.items()}}
+
+
+def module_cases() -> Iterator[tuple[str, dict | None, dict | None, str]]:
+    """(id, JSON body or None, multipart dict or None, field)."""
+    vec = {"steering_vectors": {"post_mlp": {str(LAYER): GOOD_VEC.tolist()}}}
+    for name in ("a/b", "../x", "a\\b", "a\x00b", "a\nb", "x" * 10_000, "", " lead", "é", ".hidden"[1:] + "/"):
+        yield f"mod:name:{name[:12]!r}", {"name": name, **vec}, None, "name"
+    for bad in (5, None, [], {"n": 1}):
+        yield f"mod:nametype:{bad!r}", {"name": bad, **vec}, None, "name"
+    for tid, fields, field in [c for c in _tier_cases("steering_vectors")][::3]:
+        yield f"mod:{tid}", {"name": "fz", **fields}, None, field
+    yield "mod:no-vectors", {"name": "fz"}, None, "steering_vectors"
+    yield "mod:description", {"name": "fz", **vec, "description": 5}, None, "description"
+    yield "mod:replace", {"name": "fz", **vec, "replace": "perhaps"}, None, "replace"
+    yield "mod:replace-num", {"name": "fz", **vec, "replace": 2}, None, "replace"
+    st = save({"post_mlp.3": GOOD_VEC})
+    for fname, payload in (("v.safetensors", st[: len(st) // 2]), ("v.safetensors", st[:8]),
+                           ("v.safetensors", b"\xff" * 64), ("v.gguf", st), ("v.gguf", b"GGUF\x03\0\0\0" + b"\xff" * 40),
+                           ("v.json", st), ("v.safetensors", b""), ("v", b"{}"),
+                           ("v.safetensors", save({"post_mlp.x": GOOD_VEC})),
+                           ("v.safetensors", save({"post_mlp.99": GOOD_VEC})),
+                           ("v.safetensors", save({"post_mlp.3": np.stack([GOOD_VEC, GOOD_VEC])}))):
+        yield f"mod:file:{fname}:{len(payload)}", None, {"file": (fname, payload)}, "file"
+
+
+def _error_names(r: httpx.Response, field: str, xargs: bool = False) -> bool:
+    """The error names the field (in ``param`` or the message); inside ``vllm_xargs`` a JSON string
+    the server cannot read (Infinity, NaN) is named by its entry, ``vllm_xargs.<field>``."""
+    try:
+        err = r.json()["error"]
+    except Exception:  # noqa: BLE001
+        return False
+    param, msg = str(err.get("param") or ""), str(err.get("message") or "")
+    names = [field] + ([f"vllm_xargs.{field.split('.')[0]}"] if xargs else [])
+    return any(f in msg or param == f or param.endswith(f) or param.startswith(f) for f in names)
+
+
+def _baseline(base: str, model: str) -> tuple[str, str]:
+    def text(body: dict) -> str:
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    return text({}), text({"steering_vectors": {"post_mlp": {str(LAYER): GOOD_VEC.tolist()}}})
+
+
+def _engine_pid(base: str) -> int:
+    return httpx.get(f"{base}/v1/steering", timeout=30).json()["workers"][0]["pid"]
+
+
+@pytest.fixture(scope="module")
+def live(api_server):
+    base, model = api_server[0], api_server[1]
+    return base, model, _baseline(base, model), _engine_pid(base)
+
+
+def _check_still_serving(live) -> None:
+    base, model, baseline, pid = live
+    assert _baseline(base, model) == baseline, "a known request's tokens changed after the batch"
+    assert baseline[0] != baseline[1]
+    assert _engine_pid(base) == pid, "the engine restarted"
+
+
+@pytest.mark.parametrize("target", ["completions", "chat", "vllm_xargs"])
+def test_every_malformed_steering_field_is_a_4xx_naming_it(live, target):
+    base, model = live[0], live[1]
+    cases = completion_cases()
+    failures = []
+    with httpx.Client(timeout=120) as client:
+        for cid, fields, field in cases:
+            if target == "completions":
+                url, body = "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2, **fields}
+            elif target == "chat":
+                url, body = "/v1/chat/completions", {"model": model, "max_tokens": 2, **fields,
+                                                     "messages": [{"role": "user", "content": "Hi"}]}
+            else:
+                url, body = "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2, **_xargs(fields)}
+            raw = json.dumps(body, allow_nan=True).encode()
+            r = client.post(base + url, content=raw, headers={"content-type": "application/json"})
+            if not (400 <= r.status_code < 500 and _error_names(r, field, xargs=target == "vllm_xargs")):
+                failures.append(f"{cid}: HTTP {r.status_code} (want 4xx naming {field!r}): {r.text[:200]}")
+    assert len(cases) >= 100
+    assert not failures, f"{len(failures)} of {len(cases)}:\n" + "\n".join(failures)
+    _check_still_serving(live)
+
+
+def test_every_malformed_module_registration_is_a_4xx_naming_it(live):
+    base = live[0]
+    failures, n = [], 0
+    with httpx.Client(timeout=120) as client:
+        for cid, body, files, field in module_cases():
+            n += 1
+            if files is not None:
+                r = client.post(f"{base}/v1/steering/modules", files=files, data={"name": "fz-file"}, headers=AUTH)
+            else:
+                r = client.post(f"{base}/v1/steering/modules", content=json.dumps(body, allow_nan=True).encode(),
+                                headers={**AUTH, "content-type": "application/json"})
+            if not (400 <= r.status_code < 500 and _error_names(r, field)):
+                failures.append(f"{cid}: HTTP {r.status_code} (want 4xx naming {field!r}): {r.text[:200]}")
+    assert n >= 40
+    assert not failures, f"{len(failures)} of {n}:\n" + "\n".join(failures)
+    assert "fz" not in [m["name"] for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]]
+    _check_still_serving(live)

@@ -1,0 +1,115 @@
+"""The SAE clamping reference (kernels/sae_clamp/naive.py) against the README's formulas written
+directly in numpy (float64), for each activation, both modes and every clamp kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.kernels.sae_clamp.naive import (
+    ADD, DELTA, JUMPRELU, NONE, OFF, RECONSTRUCT, RELU, SCALE, SET, TOPK, Sae, encode, sae_clamp_naive,
+)
+
+D, F, K = 24, 40, 6
+
+
+def _sae(activation: int, b_dec_in: bool, dtype=torch.float32) -> Sae:
+    g = torch.Generator().manual_seed(activation * 2 + b_dec_in)
+    w_enc = (torch.randn(D, F, generator=g) * 0.4).to(dtype)
+    return Sae(w_enc=w_enc, b_enc=(torch.randn(F, generator=g) * 0.2).to(dtype),
+               w_dec=(torch.randn(F, D, generator=g) * 0.3).to(dtype), b_dec=(torch.randn(D, generator=g) * 0.1).to(dtype),
+               activation=activation, threshold=(torch.rand(F, generator=g) * 0.5).to(dtype), k=K, b_dec_in=b_dec_in)
+
+
+def _numpy_features(sae: Sae, x: np.ndarray) -> np.ndarray:
+    w_enc, b_enc = sae.w_enc.double().numpy(), sae.b_enc.double().numpy()
+    b_dec = sae.b_dec.double().numpy()
+    pre = (x - b_dec * sae.b_dec_in) @ w_enc + b_enc
+    if sae.activation == RELU:
+        return np.maximum(pre, 0)
+    if sae.activation == JUMPRELU:
+        return np.where(pre > sae.threshold.double().numpy(), pre, 0.0)
+    out = np.zeros_like(pre)
+    for t in range(pre.shape[0]):
+        top = np.argsort(-pre[t])[:K]
+        out[t, top] = np.maximum(pre[t, top], 0)
+    return out
+
+
+def _numpy_clamp(f, kind, value, only):
+    new = f.copy()
+    for i in range(f.shape[0]):
+        if kind[i] == NONE or (only[i] and f[i] <= 0):
+            continue
+        new[i] = {SET: value[i], ADD: f[i] + value[i], SCALE: f[i] * value[i]}[kind[i]]
+    return new
+
+
+def _tables(rows: int, seed: int):
+    g = np.random.default_rng(seed)
+    kind = g.integers(0, 4, size=(rows, F)).astype(np.int8)
+    kind[:, F // 2:] = NONE  # a sparse clamp set
+    value = g.normal(0, 2, size=(rows, F)).astype(np.float32)
+    only = g.integers(0, 2, size=(rows, F)).astype(np.int8)
+    kind[0], mode = NONE, np.array([OFF, DELTA, RECONSTRUCT, DELTA, OFF], dtype=np.int8)[:rows]
+    return mode, kind, value, only
+
+
+@pytest.mark.parametrize("activation", [RELU, JUMPRELU, TOPK], ids=["relu", "jumprelu", "topk"])
+@pytest.mark.parametrize("b_dec_in", [False, True], ids=["gemma-scope", "b_dec-in"])
+def test_reference_equals_the_formulas(activation, b_dec_in):
+    sae = _sae(activation, b_dec_in)
+    mode, kind, value, only = _tables(5, activation)
+    g = np.random.default_rng(7)
+    x = g.normal(0, 1, size=(11, D)).astype(np.float32)
+    index = np.array([0, 1, 2, 3, 4, 1, 2, 0, 3, 1, 2, 9], dtype=np.int32)  # one spare entry past N
+    got = sae_clamp_naive(torch.from_numpy(x), torch.from_numpy(index), sae, torch.from_numpy(mode),
+                          torch.from_numpy(kind), torch.from_numpy(value), torch.from_numpy(only)).numpy()
+    f = _numpy_features(sae, x.astype(np.float64))
+    w_dec, b_dec = sae.w_dec.double().numpy(), sae.b_dec.double().numpy()
+    for t in range(x.shape[0]):
+        r = index[t]
+        if mode[r] == OFF:
+            assert np.array_equal(got[t], x[t]), t  # untouched, bit for bit
+            continue
+        fn = _numpy_clamp(f[t], kind[r], value[r].astype(np.float64), only[r])
+        want = x[t] + (fn - f[t]) @ w_dec if mode[r] == DELTA else fn @ w_dec + b_dec
+        np.testing.assert_allclose(got[t], want, rtol=1e-4, atol=1e-4, err_msg=f"token {t}")
+    assert (kind[index[:11]] != NONE).any() and (mode[index[:11]] != OFF).any()  # the case is not vacuous
+
+
+def test_clamping_a_feature_to_its_own_value_is_a_no_op_and_reconstruct_without_clamps_decodes():
+    sae = _sae(JUMPRELU, False)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(3))
+    f = encode(sae, x)
+    index = torch.arange(6, dtype=torch.int32)
+    kind = torch.full((6, F), SET, dtype=torch.int8)
+    only = torch.zeros(6, F, dtype=torch.int8)
+    delta = torch.full((6,), DELTA, dtype=torch.int8)
+    same = sae_clamp_naive(x, index, sae, delta, kind, f, only)
+    torch.testing.assert_close(same, x, rtol=0, atol=1e-5)
+    none = torch.zeros(6, F, dtype=torch.int8)
+    recon = sae_clamp_naive(x, index, sae, torch.full((6,), RECONSTRUCT, dtype=torch.int8), none, f, only)
+    torch.testing.assert_close(recon, f @ sae.w_dec + sae.b_dec, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(recon, x, atol=1e-2)  # lossy: the reconstruction is not the stream
+
+
+def test_bf16_weights_accumulate_in_float32_and_only_if_active_gates():
+    sae = _sae(RELU, False, dtype=torch.bfloat16)
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    f = encode(sae, x)
+    assert f.dtype == torch.float32
+    inactive = int((f[0] <= 0).nonzero()[0])
+    kind = torch.zeros(1 + 1, F, dtype=torch.int8)
+    kind[1, inactive] = SET
+    value = torch.zeros(2, F)
+    value[1, inactive] = 50.0
+    only = torch.zeros(2, F, dtype=torch.int8)
+    mode = torch.tensor([OFF, DELTA], dtype=torch.int8)
+    index = torch.tensor([1, 1, 1, 1], dtype=torch.int32)
+    moved = sae_clamp_naive(x, index, sae, mode, kind, value, only)
+    only[1, inactive] = 1
+    gated = sae_clamp_naive(x, index, sae, mode, kind, value, only)
+    assert moved.dtype == torch.bfloat16 and not torch.equal(moved[0], x[0])
+    assert torch.equal(gated[0], x[0].float().to(torch.bfloat16))  # the feature was off: nothing to clamp
