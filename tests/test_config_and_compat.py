@@ -47,7 +47,7 @@ def test_steer_block_must_be_an_object():
         parse_steer_config({"steer": [1]})
 
 
-def test_version_guard_range(caplog):
+def test_version_guard_range():
     """0.26 through 0.33 load; older or unreadable versions are refused naming the range."""
     for ok in ("0.26.0", "0.26.3+cpu", "0.29.1", "0.32.0+cpu", "0.33.0"):
         assert check_vllm_version(ok, problems=lambda: ["not consulted in the range"]) == ok

@@ -4,8 +4,6 @@ malformed registrations, start-up preload; a module equals the same vectors sent
 
 from __future__ import annotations
 
-import io
-import json
 import threading
 import time
 
@@ -13,7 +11,6 @@ import gguf
 import httpx
 import numpy as np
 import pytest
-from openai import OpenAI
 from safetensors.numpy import save
 
 from tests.conftest import API_KEY, PRELOAD_LAYER

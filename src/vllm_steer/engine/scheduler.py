@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-
 from vllm_steer.core.compat import waiting_queues
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.core.payload import payload_keys, payload_of

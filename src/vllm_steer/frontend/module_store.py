@@ -6,7 +6,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-
 from vllm_steer.core.layout import config_hash
 from vllm_steer.core.vectors import TIER_FIELDS, Vectors, effective_phases
 

@@ -86,7 +86,7 @@ class SteeringTables:
                 words = target.view(self._word_t).numpy()
                 if dst:
                     rows = np.frombuffer(entry[1], dtype=self._word_np).reshape(len(entry[0]), self.hidden_size)
-                if len(dst) == n_layers and dst == src and dst == list(range(n_layers)):
+                if dst == src and dst == list(range(n_layers)):
                     words[...] = rows  # every hooked layer, in order: the common case
                 else:
                     words[...] = 0
