@@ -4,8 +4,8 @@ malformed registrations, start-up preload; a module equals the same vectors sent
 
 from __future__ import annotations
 
+import json
 import threading
-import time
 
 import gguf
 import httpx
@@ -144,23 +144,40 @@ def test_409_on_existing_name_and_replace(base, model):
     assert first["steering"] != second["steering"]
 
 
+def stream_completion(base, model, started, out, **body):
+    """A streamed completion: ``started`` is set at its first token (the request is then running),
+    ``out`` gets the status and the whole text (or the error body)."""
+    req = {"model": model, "prompt": "The capital of France is", "max_tokens": 300, "temperature": 0,
+           "ignore_eos": True, "stream": True, **body}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=req, timeout=120) as r:
+            out["status"], text = r.status_code, []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
+                    started.set()
+                elif line and not line.startswith("data: [DONE]"):
+                    text.append(line)
+            out["text"] = "".join(text)
+    finally:
+        started.set()
+
+
 def test_delete_while_in_flight_finishes_then_refuses(base, model):
     assert register(base, {"name": "doomed", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}}}).status_code == 201
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=complete(base, model, max_tokens=300, steering_module={"name": "doomed"})))
+    out, started = {}, threading.Event()
+    t = threading.Thread(target=stream_completion, args=(base, model, started, out),
+                         kwargs={"steering_module": {"name": "doomed"}})
     t.start()
-    in_flight, deadline = 0, time.monotonic() + 60
-    while t.is_alive() and time.monotonic() < deadline:  # the count appears once the worker runs it
-        in_flight = httpx.get(f"{base}/v1/steering/modules/doomed", timeout=30).json().get("in_flight", 0)
-        if in_flight:
-            break
-        time.sleep(0.01)
-    assert in_flight == 1, "the request finished before the module listed it as in flight"
+    assert started.wait(120), "no token streamed within 120 s"
+    # The first token has streamed, so the request is running (299 tokens to go): the scheduler counts it.
+    in_flight = httpx.get(f"{base}/v1/steering/modules/doomed", timeout=30).json().get("in_flight", 0)
+    assert in_flight == 1, f"in_flight {in_flight} while the request streams; the request so far: {out}"
     assert httpx.delete(f"{base}/v1/steering/modules/doomed", headers=AUTH, timeout=30).status_code == 200
     t.join()
     inline = complete(base, model, max_tokens=300, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
-    assert out["r"].status_code == 200
-    assert out["r"].json()["choices"][0]["text"] == inline["choices"][0]["text"]
+    assert out["status"] == 200, out
+    assert out["text"] == inline["choices"][0]["text"]
     after = complete(base, model, steering_module={"name": "doomed"})
     assert after.status_code == 400 and "unknown steering module" in after.json()["error"]["message"]
     assert httpx.get(f"{base}/v1/steering/modules/doomed", timeout=30).status_code == 404
