@@ -67,6 +67,41 @@ def install_hooks(model, family: str, steer: dict[str, dict[int, np.ndarray]], d
     return handles
 
 
+def _edit_output(fn):
+    def out_hook(module, args, output):
+        if isinstance(output, tuple):
+            return (fn(output[0]),) + tuple(output[1:])
+        return fn(output)
+
+    return out_hook
+
+
+def _edit_input(fn):
+    def pre_hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = fn(kwargs["hidden_states"])
+        return args, kwargs
+
+    return pre_hook
+
+
+def install_edits(model, edits: list) -> list:
+    """Hooks that replace the residual stream at (hook, layer) by ``fn(stream)``, in list order:
+    pre_attn = a layer's input, post_mlp = its output (post_attn has no module boundary in HF)."""
+    handles = []
+    for hook, layer, fn in edits:
+        block = model.model.layers[int(layer)]
+        if hook == "pre_attn":
+            handles.append(block.register_forward_pre_hook(_edit_input(fn), with_kwargs=True))
+        elif hook == "post_mlp":
+            handles.append(block.register_forward_hook(_edit_output(fn)))
+        else:
+            raise ValueError(f"no stream edit at {hook}")
+    return handles
+
+
 @torch.no_grad()
 def greedy(
     path: str,
@@ -74,10 +109,12 @@ def greedy(
     max_tokens: int,
     steer: dict[str, dict[int, np.ndarray]] | None = None,
     family: str = "llama",
+    edits: list | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs, full recompute each step (no cache: simplest to trust)."""
+    """Greedy tokens and their logprobs, full recompute each step (no cache: simplest to trust).
+    ``edits``: (hook, layer, fn) stream edits applied before ``steer``'s vectors."""
     model, _ = load(path)
-    handles = install_hooks(model, family, steer or {})
+    handles = install_edits(model, edits or []) + install_hooks(model, family, steer or {})
     try:
         ids = list(prompt_ids)
         tokens, logprobs = [], []

@@ -113,3 +113,45 @@ def test_bf16_weights_accumulate_in_float32_and_only_if_active_gates():
     gated = sae_clamp_naive(x, index, sae, mode, kind, value, only)
     assert moved.dtype == torch.bfloat16 and not torch.equal(moved[0], x[0])
     assert torch.equal(gated[0], x[0].float().to(torch.bfloat16))  # the feature was off: nothing to clamp
+
+
+@pytest.mark.parametrize("activation,full", [(RELU, False), (RELU, True), (JUMPRELU, False), (JUMPRELU, True),
+                                             (TOPK, True)],  # TopK always stages the whole SAE: ranking needs it
+                         ids=["relu-clamp-set", "relu-whole", "jumprelu-clamp-set", "jumprelu-whole", "topk-whole"])
+def test_the_engine_pack_equals_the_reference(activation, full):
+    """The worker's layout (a subset of clampable features staged, b_dec folded into the bias, rows
+    written from the wire form) gives the reference's stream for each row's mode."""
+    from vllm_steer.core.config import SaeModuleConfig
+    from vllm_steer.core.sae_catalog import SaeEntry
+    from vllm_steer.core.sae_files import SaeMeta, SaeWeights
+    from vllm_steer.core.sae_rows import ONLY_IF_ACTIVE, wire_entry
+    from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
+    from vllm_steer.runtime.sae_tables import SaeTables, _pack
+
+    sae = _sae(activation, b_dec_in=True)
+    mode, kind, value, only = _tables(5, activation)
+    clampable = sorted(set(np.nonzero(kind.any(axis=0))[0].tolist()) | {F - 1})
+    name = {RELU: "relu", JUMPRELU: "jumprelu", TOPK: "topk"}[activation]
+    meta = SaeMeta(d_model=D, d_sae=F, activation=name, k=K if activation == TOPK else 0, dtype="float32",
+                   b_dec_in=True)
+    w = SaeWeights(meta, sae.w_enc.numpy(), sae.b_enc.numpy(), sae.w_dec.numpy(), sae.b_dec.numpy(),
+                   sae.threshold.numpy() if activation == JUMPRELU else None)
+    entry = SaeEntry("s", SaeModuleConfig(path="unused", reconstruct=full), {("post_mlp", 1): meta},
+                     tuple(clampable), {f: i for i, f in enumerate(clampable)}, "id")
+    tables = SaeTables({}, set(), 5, torch.device("cpu"))
+    tables.packs[("post_mlp", 1)] = _pack(w, entry, 5, torch.device("cpu"))
+    for r in range(1, 5):
+        feats = np.nonzero(kind[r])[0]
+        codes = kind[r, feats].astype(np.int32) | (only[r, feats].astype(np.int32) * ONLY_IF_ACTIVE)
+        m = int(mode[r]) if full or mode[r] != RECONSTRUCT else DELTA
+        mode[r] = m
+        slots = np.asarray([entry.slot_of[f] for f in feats], dtype=np.int32)
+        tables.write_row(r, [wire_entry("s", "post_mlp", 1, m, slots, codes, value[r, feats])] if m else [])
+    x = torch.from_numpy(np.random.default_rng(9).normal(0, 1, size=(11, D)).astype(np.float32))
+    index = torch.tensor([0, 1, 2, 3, 4, 1, 2, 0, 3, 1, 2], dtype=torch.int32)
+    want = sae_clamp_naive(x, index, sae, torch.from_numpy(mode), torch.from_numpy(kind), torch.from_numpy(value),
+                           torch.from_numpy(only))
+    got = apply_site_naive(x, index.long(), tables.packs[("post_mlp", 1)], meta.k)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    off = (torch.from_numpy(mode)[index.long()] == OFF)
+    assert torch.equal(got[off], x[off]) and bool((~off).any())

@@ -54,3 +54,32 @@ def steered_rms_norm_naive(
     """(normalized output, new residual) of ``x + residual`` steered by A then B."""
     s = _stream(x, residual, index, ((table_a, flag_a), (table_b, flag_b)))
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
+
+
+def steered_sae_rms_norm_naive(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],  # a site's SAE pack (kernels/sae_clamp/packed.py), or [] for none
+    sae_b: list[torch.Tensor],
+    topk_a: int,
+    topk_b: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``steered_rms_norm_naive``, with each slot's SAE clamps applied before its vectors:
+    ``s = x + residual``, then SAE A, + A, SAE B, + B, then the norm."""
+    from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
+
+    s = _stream(x, residual, index, ())
+    rows = index[: x.shape[0]].long()
+    for pack, topk, table, flag in ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b)):
+        if pack:
+            s = apply_site_naive(s, rows, pack, topk)
+        s = _stream(s, None, index, ((table, flag),))
+    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_steer.kernels.library import LIB
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive, steered_sae_rms_norm_naive
 
 _registered = False
 
@@ -50,6 +50,45 @@ def _fake(
     return torch.empty_like(x), torch.empty_like(x)
 
 
+def _sae_impl(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],
+    sae_b: list[torch.Tensor],
+    topk_a: int,
+    topk_b: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return steered_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
+                                      flag_b, sae_a, sae_b, topk_a, topk_b)
+
+
+def _sae_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],
+    sae_b: list[torch.Tensor],
+    topk_a: int,
+    topk_b: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 def register() -> None:
     """Define the op once per process (idempotent)."""
     global _registered
@@ -58,4 +97,7 @@ def register() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
 
     direct_register_custom_op("steered_rms_norm", _impl, mutates_args=[], fake_impl=_fake, target_lib=LIB)
+    # Norms that receive a site with an SAE (steer.sae): the same, with the SAE clamps first.
+    direct_register_custom_op("steered_sae_rms_norm", _sae_impl, mutates_args=[], fake_impl=_sae_fake,
+                              target_lib=LIB)
     _registered = True

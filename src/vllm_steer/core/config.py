@@ -52,6 +52,41 @@ def parse_consumer_shorthand(text: str) -> dict[str, Any]:
     return {"name": name.strip(), "instance": instance, "params": params}
 
 
+class SaeModuleConfig(BaseModel):
+    """One SAE to load at start-up (``steer.sae.<name>``); README "SAE clamping" has the formats."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    path: str
+    """A Gemma Scope ``params.npz`` (or its folder), a sae-lens folder, or a manifest folder."""
+    format: Literal["gemma_scope", "sae_lens", "manifest"] | None = None
+    """None: told by the files."""
+    site: str | None = None
+    """``hook.layer`` (e.g. ``post_mlp.12``) of a single-site file (sae-lens names its own)."""
+    features: tuple[int, ...] | None = None
+    """The features requests may clamp (their encoder columns / decoder rows are staged on every
+    worker); None: all of them, allowed up to MAX_CLAMPABLE features."""
+    reconstruct: bool = False
+    """Keep the whole SAE on the workers so requests may ask for ``mode: reconstruct``."""
+
+    @field_validator("features", mode="before")
+    @classmethod
+    def _features_list(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple):
+            if not v:
+                raise ValueError("at least one feature")
+            if len(set(v)) != len(v):
+                raise ValueError("duplicate feature ids")
+            if any(isinstance(x, int) and x < 0 for x in v):
+                raise ValueError("feature ids must be >= 0")
+        return v
+
+
+MAX_CLAMPABLE = 4096  # clampable features per SAE site
+
+
 class SteerConfig(BaseModel):
     """Engine-wide steering settings (all optional; ``{}`` means defaults)."""
 
@@ -79,6 +114,8 @@ class SteerConfig(BaseModel):
     """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
     capture_max_rows: int = Field(default=4096, ge=16)
     """Residual rows one step can capture across all sites (the device pool's size)."""
+    sae: dict[str, SaeModuleConfig] = Field(default_factory=dict)
+    """SAEs requests may clamp features of (``"sae": {"name": ...}``), by name."""
 
     @field_validator("capture", mode="before")
     @classmethod

@@ -45,6 +45,7 @@ class EngineSteering:
     decode_key: str | None
     configs: dict[str, Layout]
     module: dict | None = None
+    sae: dict | None = None  # key -> SAE clamp entries (core.sae_rows wire form)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -78,7 +79,7 @@ def decode_payload(payload: dict) -> EngineSteering:
         raise ValueError(f"steering payload version {payload.get('v')} != {PAYLOAD_VERSION}")
     configs = {key: {hook: (tuple(layers), raw) for hook, layers, raw in entries}
                for key, entries in payload["configs"].items()}
-    return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"))
+    return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"), payload.get("sae"))
 
 
 def payload_of(sampling_params: object | None) -> dict | None:

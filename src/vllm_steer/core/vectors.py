@@ -12,7 +12,8 @@ import numpy as np
 TIER_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors")
 MODULE_FIELD = "steering_module"
 CAPTURE_FIELD = "capture"
-REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD)
+SAE_FIELD = "sae"
+REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD, SAE_FIELD)
 
 # hook -> layer -> float32 vector [D]
 Vectors = dict[str, dict[int, np.ndarray]]

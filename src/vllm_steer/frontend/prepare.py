@@ -17,9 +17,12 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
-from vllm_steer.core.vectors import CAPTURE_FIELD, REQUEST_FIELDS, effective_phases
+from vllm_steer.core.sae_catalog import sae_catalog
+from vllm_steer.core.sae_rows import SaeWire, sae_config_key
+from vllm_steer.core.vectors import CAPTURE_FIELD, REQUEST_FIELDS, SAE_FIELD, effective_phases
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
+from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
 
 _ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY, TOKEN_FIELD)
@@ -46,6 +49,8 @@ class SteeringFrontend:
             max_bytes=cfg.max_request_bytes if cfg else 0,
             dtype=self.dtype,
         )
+        self.sae = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
+        self._sae_identity = {name: e.identity for name, e in self.sae.items()}
 
     def resolve(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
         """(payload or None, prefill key, decode key) for a request's extra_args."""
@@ -66,6 +71,34 @@ class SteeringFrontend:
         capture = self._capture(fields.get(CAPTURE_FIELD))
         if capture is None and self.captures_all:
             capture = {}
+        sae_raw = fields.pop(SAE_FIELD, None)
+        if sae_raw is not None:
+            pre_sae, dec_sae = parse_sae(sae_raw, self.sae)
+            return self._with_sae(*self._vectors(fields, capture), pre_sae, dec_sae)
+        return self._vectors(fields, capture)
+
+    def _with_sae(self, payload: dict | None, pk: str | None, dk: str | None, pre: list[SaeWire],
+                  dec: list[SaeWire]) -> tuple[dict | None, str | None, str | None]:
+        """The vector payload re-keyed with each phase's SAE clamps (which travel beside the rows)."""
+        if not pre and not dec:
+            return payload, pk, dk
+        kp = sae_config_key(pk, pre, self._sae_identity)
+        kd = kp if pk == dk and pre == dec else sae_config_key(dk, dec, self._sae_identity)
+        base = payload or encode_payload(None, None, {}, self.dtype)
+        configs: dict = {}
+        for new, old in ((kp, pk), (kd, dk)):
+            if new is None:
+                continue
+            if old is None:
+                configs[new] = []  # clamps only: no vector rows
+            elif old in base["configs"]:
+                configs[new] = base["configs"][old]
+            # else: a bare module reference, whose rows the worker builds
+        sae = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
+        return {**base, "prefill": kp, "decode": kd, "configs": configs, "sae": sae}, kp, kd
+
+    def _vectors(self, fields: dict[str, Any], capture: dict | None) -> tuple[dict | None, str | None, str | None]:
+        """(payload, prefill key, decode key) of the vector fields (and capture) of a request."""
         fast = parse_packed_fast(fields, self.shape)
         if fast is not None:  # one tier, packed in the model dtype: bytes in, bytes out
             tier, layout = fast

@@ -20,6 +20,7 @@ import torch.nn as nn
 from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.kernels.steered_rms_norm import op as norm_op
 from vllm_steer.runtime.families import FINAL_NORM, INPUT_NORM, UnsupportedModelError, adapter_for_layer
+from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.tables import SteeringTables
 
 Site = tuple[str, int]  # (hook, layer)
@@ -104,28 +105,39 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_a_plan)
     if "b" in self._vs_capture:  # after A: pre_attn[L] sees post_mlp[L-1]'s steering
         torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_b_plan, ta, fa, self.vs_index)
+    if self._vs_sae:  # a site of this norm has an SAE: its clamps come before its vectors
+        packs = [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae)]
+        return torch.ops.vllm_steer.steered_sae_rms_norm(
+            x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
+            self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
+            packs[0], packs[1], self._vs_topk[0], self._vs_topk[1])
     return torch.ops.vllm_steer.steered_rms_norm(
         x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
         self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None)
 
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
-                       offset: float) -> type:
-    """The (cached) subclass of a norm class that steers (and captures) the given slots."""
-    key = (base, has_a, has_b, capture, eps, offset)
+                       offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0)) -> type:
+    """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
+    the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k."""
+    key = (base, has_a, has_b, capture, eps, offset, sae, topk)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
-                 "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset}
+                 "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
+                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
 
 
-def install_steering(sites: list[NormSite], tables: SteeringTables, capture: object | None = None) -> int:
+def install_steering(sites: list[NormSite], tables: SteeringTables, capture: object | None = None,
+                     sae: SaeTables | None = None) -> int:
     """Swap every site's norm for its steered subclass; returns how many hooked sites it serves.
 
-    ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites."""
+    ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites;
+    ``sae`` gives the norms of its sites the SAE packs (and the op that applies them)."""
+    packs = sae.packs if sae is not None else {}
     for site in sites:
         norm = site.norm
         if hasattr(type(norm), "_vs_base"):
@@ -133,7 +145,14 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
         eps, offset = _norm_params(norm)
         slots = {"a": site.a, "b": site.b}
         captured = tuple(k for k, s in slots.items() if s is not None and capture is not None)
-        norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset)
+        site_packs = {k: packs.get(s, []) for k, s in slots.items()}
+        lengths = (len(site_packs["a"]), len(site_packs["b"]))
+        topk = tuple(sae.topk.get(s, 0) if sae is not None and s is not None else 0 for s in (site.a, site.b))
+        norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
+                                            lengths, topk)
+        for slot, pack in site_packs.items():
+            for i, t in enumerate(pack):
+                norm.register_buffer(f"vs_{slot}_sae_{i}", t, persistent=False)
         norm.register_buffer("vs_index", tables.index, persistent=False)
         for slot, where in slots.items():
             if where is None:

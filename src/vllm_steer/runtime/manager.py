@@ -21,11 +21,13 @@ from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.layout import Layout
 from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload, dtype_name
+from vllm_steer.core.sae_catalog import sae_catalog
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.rows import RowAllocator
+from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.tables import SteeringTables
 
 logger = logging.getLogger("vllm_steer")
@@ -76,7 +78,10 @@ class SteeringRuntime:
             flat = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
             self.capture = CaptureRuntime(cfg, flat, num_decoder_layers(model), max_num_tokens,
                                           hidden_size, dtype, device, rank=_rank())
-        self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None)
+        catalog = sae_catalog(cfg, hidden_size, num_decoder_layers(model))
+        mine = {(h, l) for h, ls in self.hooked_layers.items() for l in ls}
+        self.sae = SaeTables(catalog, mine, cfg.max_configs, device) if catalog else None
+        self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae)
         self.steered_norms = [s.name for s in sites]
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
@@ -110,17 +115,20 @@ class SteeringRuntime:
             self.remove_request(req_id)
         steering = decode_payload(payload)
         rows: dict[str, int] = {}
+        sae = steering.sae or {}
         for key in steering.keys:
-            rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k))
+            rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k), sae.get(key))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
         pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
         self._held[req_id] = _Held(pair, steering.keys)
         return pair
 
-    def _acquire(self, key: str, rows: Callable[[], Layout]) -> int:
+    def _acquire(self, key: str, rows: Callable[[], Layout], sae: list | None = None) -> int:
         row, needs_write, became_live = self.rows.acquire(key)
         if needs_write:
             self.tables.write_row(row, rows())
+            if self.sae is not None:
+                self.sae.write_row(row, sae)
         if became_live:
             self.tables.set_live(row, True)
         return row
@@ -133,6 +141,8 @@ class SteeringRuntime:
     def _vectors_for(self, steering: EngineSteering, key: str) -> Layout:
         if key in steering.configs:
             return steering.configs[key]
+        if steering.module is None:
+            return {}
         ref = steering.module  # a bare module reference: build the row from the registry
         prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"])
         # float32 vectors -> table rows in the model dtype (the bytes the front end hashed)

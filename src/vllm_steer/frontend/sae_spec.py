@@ -1,0 +1,131 @@
+"""Parse and validate a request's ``sae`` field against the server's SAEs (``core.sae_catalog``).
+
+``"sae": {"name", "site"?, "mode"?: "delta" | "reconstruct", "phase"?: "both" | "prefill" | "decode",
+"clamps": [{"feature", "kind": "set" | "add" | "scale", "value", "only_if_active"?}]}``, or a list of such
+objects (one per SAE site and phase). Every problem raises SteeringSpecError naming the field, e.g.
+``sae.clamps[3].feature``. Out come the wire entries (``core.sae_rows``) of each phase.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.sae_catalog import SaeEntry
+from vllm_steer.core.sae_files import SaeFileError, parse_site
+from vllm_steer.core.sae_rows import ADD, DELTA, ONLY_IF_ACTIVE, RECONSTRUCT, SCALE, SET, SaeWire, wire_entry
+from vllm_steer.core.vectors import SAE_FIELD
+
+_MODES = {"delta": DELTA, "reconstruct": RECONSTRUCT}
+_KINDS = {"set": SET, "add": ADD, "scale": SCALE}
+_PHASES = {"both": (True, True), "prefill": (True, False), "decode": (False, True)}
+_ENTRY_KEYS = {"name", "site", "mode", "phase", "clamps"}
+_CLAMP_KEYS = {"feature", "kind", "value", "only_if_active"}
+
+
+def _choice(field: str, raw: Any, options: dict, default: str) -> Any:
+    value = default if raw is None else raw
+    if not isinstance(value, str) or value not in options:
+        raise SteeringSpecError(field, f"expected one of {list(options)}, got {raw!r}")
+    return options[value]
+
+
+def _site(field: str, raw: Any, entry: SaeEntry) -> tuple[str, int]:
+    if raw is None:
+        if len(entry.sites) != 1:
+            raise SteeringSpecError(field, f"SAE {entry.name!r} has several sites: name one of "
+                                           f"{sorted(f'{h}.{l}' for h, l in entry.sites)}")
+        return next(iter(entry.sites))
+    if not isinstance(raw, str):
+        raise SteeringSpecError(field, f"expected a site 'hook.layer', got {raw!r}")
+    try:
+        site = parse_site(raw, field)
+    except SaeFileError as e:
+        raise SteeringSpecError(field, str(e)) from None
+    if site not in entry.sites:
+        raise SteeringSpecError(field, f"SAE {entry.name!r} has no site {raw!r}")
+    return site
+
+
+def _clamps(field: str, raw: Any, entry: SaeEntry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slots, codes, values) of a clamp list."""
+    if not isinstance(raw, list):
+        raise SteeringSpecError(field, "expected a list of {feature, kind, value, only_if_active}")
+    if len(raw) > len(entry.features):
+        raise SteeringSpecError(field, f"{len(raw)} clamps, but SAE {entry.name!r} has {len(entry.features)} "
+                                       "clampable features")
+    slots, codes, values = [], [], []
+    seen: set[int] = set()
+    for i, clamp in enumerate(raw):
+        f = f"{field}[{i}]"
+        if not isinstance(clamp, dict):
+            raise SteeringSpecError(f, "expected {feature, kind, value, only_if_active}")
+        extra = set(clamp) - _CLAMP_KEYS
+        if extra:
+            raise SteeringSpecError(f, f"unknown keys {sorted(extra)}")
+        feature = clamp.get("feature")
+        if type(feature) is not int:
+            raise SteeringSpecError(f"{f}.feature", f"expected a feature id (an integer), got {feature!r}")
+        if feature not in entry.slot_of:
+            raise SteeringSpecError(f"{f}.feature", f"feature {feature} is not clampable on SAE {entry.name!r} "
+                                                    "(steer.sae.<name>.features)")
+        if feature in seen:
+            raise SteeringSpecError(f"{f}.feature", f"feature {feature} clamped twice")
+        seen.add(feature)
+        kind = _choice(f"{f}.kind", clamp.get("kind"), _KINDS, "set")
+        value = clamp.get("value")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise SteeringSpecError(f"{f}.value", f"expected a finite number, got {value!r}")
+        only = clamp.get("only_if_active", False)
+        if not isinstance(only, bool):
+            raise SteeringSpecError(f"{f}.only_if_active", f"expected true or false, got {only!r}")
+        slots.append(entry.slot_of[feature])
+        codes.append(kind | (ONLY_IF_ACTIVE if only else 0))
+        values.append(value)
+    return np.asarray(slots, np.int32), np.asarray(codes, np.int32), np.asarray(values, np.float32)
+
+
+def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], list[SaeWire]]:
+    """(prefill entries, decode entries) of a request's ``sae`` field (None: none)."""
+    if raw is None:
+        return [], []
+    if not catalog:
+        raise SteeringSpecError(SAE_FIELD, "this server has no SAE (start it with steer.sae)")
+    items = raw if isinstance(raw, list) else [raw]
+    if not items:
+        raise SteeringSpecError(SAE_FIELD, "expected an object or a non-empty list of objects")
+    phases: tuple[list[SaeWire], list[SaeWire]] = ([], [])
+    taken: set[tuple[int, tuple[str, int]]] = set()
+    for i, item in enumerate(items):
+        field = f"{SAE_FIELD}[{i}]" if isinstance(raw, list) else SAE_FIELD
+        if not isinstance(item, dict):
+            raise SteeringSpecError(field, 'expected {"name", "clamps", "mode"?, "phase"?, "site"?}')
+        extra = set(item) - _ENTRY_KEYS
+        if extra:
+            raise SteeringSpecError(field, f"unknown keys {sorted(extra)}")
+        name = item.get("name")
+        if not isinstance(name, str) or name not in catalog:
+            raise SteeringSpecError(f"{field}.name", f"unknown SAE {name!r} (this server has {sorted(catalog)})")
+        entry = catalog[name]
+        site = _site(f"{field}.site", item.get("site"), entry)
+        mode = _choice(f"{field}.mode", item.get("mode"), _MODES, "delta")
+        if mode == RECONSTRUCT and not entry.config.reconstruct:
+            raise SteeringSpecError(f"{field}.mode", f"SAE {name!r} was not loaded for reconstruct "
+                                                     "(steer.sae.<name>.reconstruct: true)")
+        pre, dec = _choice(f"{field}.phase", item.get("phase"), _PHASES, "both")
+        clamps = item.get("clamps", [] if mode == RECONSTRUCT else None)
+        slots, codes, values = _clamps(f"{field}.clamps", clamps, entry)
+        if mode == DELTA and not len(slots):
+            continue  # no clamp, no change
+        wire = wire_entry(name, site[0], site[1], mode, slots, codes, values)
+        for p, on in enumerate((pre, dec)):
+            if on:
+                if (p, site) in taken:
+                    raise SteeringSpecError(field, f"site {site[0]}.{site[1]} is clamped twice in the "
+                                                   f"{('prefill', 'decode')[p]} phase")
+                taken.add((p, site))
+                phases[p].append(wire)
+    return phases

@@ -1,0 +1,149 @@
+"""SAE feature clamping in the engine (SmolLM2, float32, CPU lane) against transformers with a
+forward hook doing the same clamp (kernels/sae_clamp/naive.py) at the same site: delta and
+reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens and manifest files, in
+one mixed batch with vector and plain requests; phases; a clamp to a feature's own value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests import hf_oracle
+from tests.engine_job import run_job
+from tests.sae_writers import random_sae, write_gemma_scope, write_manifest, write_sae_lens
+from tests.steering_cases import floats, params, vector
+from vllm_steer.kernels.sae_clamp import naive
+
+HIDDEN, F = 576, 64
+PROMPT = "The capital of France is"
+LOGPROB_ATOL = 2e-3
+ACT = {"relu": naive.RELU, "jumprelu": naive.JUMPRELU, "topk": naive.TOPK}
+KIND = {"set": naive.SET, "add": naive.ADD, "scale": naive.SCALE}
+VEC = vector(HIDDEN, 5, 60.0)
+
+SAES = {  # name -> {site: weights}
+    "gs": {("post_mlp", 14): random_sae(HIDDEN, F, "jumprelu", seed=1)},
+    "lens": {("post_mlp", 10): random_sae(HIDDEN, F, "relu", seed=2, b_dec_in=True)},
+    "man": {("pre_attn", 6): random_sae(HIDDEN, F, "topk", k=8, seed=3),
+            ("post_mlp", 20): random_sae(HIDDEN, F, "topk", k=8, seed=4)},
+}
+BIG = [{"feature": 3, "kind": "set", "value": 40.0}, {"feature": 17, "kind": "set", "value": 35.0},
+       {"feature": 30, "kind": "add", "value": 25.0, "only_if_active": False}]
+REQUESTS = {  # name -> (steering fields, the oracle's edits as [(sae, site, mode, clamps)], vectors)
+    "plain": ({}, [], None),
+    "gs_delta": ({"sae": {"name": "gs", "clamps": BIG}}, [("gs", ("post_mlp", 14), "delta", BIG)], None),
+    "gs_reconstruct": ({"sae": {"name": "gs", "mode": "reconstruct"}},
+                       [("gs", ("post_mlp", 14), "reconstruct", [])], None),
+    "gs_reconstruct_clamped": ({"sae": {"name": "gs", "mode": "reconstruct", "clamps": BIG[:1]}},
+                               [("gs", ("post_mlp", 14), "reconstruct", BIG[:1])], None),
+    "lens_delta": ({"sae": {"name": "lens", "clamps": [{"feature": 5, "kind": "scale", "value": 6.0},
+                                                       {"feature": 9, "kind": "add", "value": 30.0,
+                                                        "only_if_active": True}]}},
+                   [("lens", ("post_mlp", 10), "delta", [{"feature": 5, "kind": "scale", "value": 6.0},
+                                                         {"feature": 9, "kind": "add", "value": 30.0,
+                                                          "only_if_active": True}])], None),
+    "man_topk": ({"sae": [{"name": "man", "site": "pre_attn.6", "clamps": BIG},
+                          {"name": "man", "site": "post_mlp.20", "clamps": BIG[1:]}]},
+                 [("man", ("pre_attn", 6), "delta", BIG), ("man", ("post_mlp", 20), "delta", BIG[1:])], None),
+    "vector": ({"steering_vectors": floats("post_mlp", 14, VEC)}, [], {"post_mlp": {14: VEC}}),
+    "gs_and_vector": ({"sae": {"name": "gs", "clamps": BIG}, "steering_vectors": floats("post_mlp", 14, VEC)},
+                      [("gs", ("post_mlp", 14), "delta", BIG)], {"post_mlp": {14: VEC}}),
+}
+NO_OP = [{"feature": 3, "kind": "scale", "value": 1.0}, {"feature": 17, "kind": "add", "value": 0.0}]
+PHASED = {
+    "own_value": {"sae": {"name": "gs", "clamps": NO_OP}},
+    "decode_only": {"sae": {"name": "gs", "clamps": BIG, "phase": "decode"}},
+    "prefill_only": {"sae": {"name": "gs", "clamps": BIG, "phase": "prefill"}},
+    "both": {"sae": {"name": "gs", "clamps": BIG}},
+    "plain": {},
+}
+
+
+def _files(d) -> dict:
+    gs = write_gemma_scope(d / "gs", SAES["gs"][("post_mlp", 14)])
+    lens = write_sae_lens(d / "lens", SAES["lens"][("post_mlp", 10)], hook_name="blocks.10.hook_resid_post")
+    man = write_manifest(d / "man", {f"{h}.{l}": w for (h, l), w in SAES["man"].items()}, "topk", 8)
+    return {"gs": {"path": str(gs), "site": "post_mlp.14", "reconstruct": True},
+            "lens": {"path": str(lens), "features": list(range(32))},
+            "man": {"path": str(man)}}
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_path):
+    return hf_oracle.load(smollm2_path)[1](PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def run(smollm2_path, prompt_ids, tmp_path_factory):
+    d = tmp_path_factory.mktemp("sae")
+    batch = [params(**fields) for fields, _, _ in REQUESTS.values()]
+    phased = [params(prompt_logprobs=True, **fields) for fields in PHASED.values()]
+    prompt = {"prompt_token_ids": list(prompt_ids)}
+    job = {
+        "model": smollm2_path,
+        "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16,
+                       "distributed_executor_backend": "uni",
+                       "additional_config": {"steer": {"max_configs": 16, "sae": _files(d)}}},
+        "calls": [{"prompts": [prompt] * len(batch), "params": batch},
+                  {"prompts": [prompt] * len(phased), "params": phased}],
+    }
+    res = run_job(job, d)
+    return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1]))}
+
+
+def _edit(weights, mode: str, clamps: list):
+    sae = naive.Sae(torch.from_numpy(weights.w_enc), torch.from_numpy(weights.b_enc), torch.from_numpy(weights.w_dec),
+                    torch.from_numpy(weights.b_dec), ACT[weights.meta.activation],
+                    None if weights.threshold is None else torch.from_numpy(weights.threshold), weights.meta.k,
+                    weights.meta.b_dec_in)
+    kind = torch.zeros(2, F, dtype=torch.int8)
+    value = torch.zeros(2, F)
+    only = torch.zeros(2, F, dtype=torch.int8)
+    for c in clamps:
+        kind[1, c["feature"]], value[1, c["feature"]] = KIND[c["kind"]], c["value"]
+        only[1, c["feature"]] = int(c.get("only_if_active", False))
+    modes = torch.tensor([naive.OFF, naive.DELTA if mode == "delta" else naive.RECONSTRUCT], dtype=torch.int8)
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        index = torch.ones(flat.shape[0], dtype=torch.int32)
+        return naive.sae_clamp_naive(flat, index, sae, modes, kind, value, only).reshape(h.shape)
+
+    return fn
+
+
+@pytest.mark.parametrize("name", [n for n in REQUESTS if n != "plain"])
+def test_each_request_of_a_mixed_batch_equals_transformers_with_the_same_clamp(run, smollm2_path, prompt_ids, name):
+    _, edits, vectors = REQUESTS[name]
+    hf_edits = [(site[0], site[1], _edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in edits]
+    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)
+    got = run["batch"][name]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    assert got["token_ids"] != run["batch"]["plain"]["token_ids"]  # the clamp really steered
+
+
+def test_plain_request_beside_sae_requests_equals_transformers(run, smollm2_path, prompt_ids):
+    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12)
+    assert run["batch"]["plain"]["token_ids"] == ref_tokens
+    np.testing.assert_allclose(run["batch"]["plain"]["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+
+
+def test_clamping_features_to_their_own_value_changes_nothing(run):
+    own, plain = run["phased"]["own_value"], run["phased"]["plain"]
+    assert own["token_ids"] == plain["token_ids"]
+    np.testing.assert_allclose(own["logprobs"], plain["logprobs"], atol=1e-4)
+
+
+def test_phases_clamp_only_their_tokens(run):
+    p = run["phased"]
+    plain_prompt = p["plain"]["prompt_logprobs"][1:]
+    # decode only: the prompt is read unclamped, so its logprobs and the first token are plain's
+    np.testing.assert_allclose(p["decode_only"]["prompt_logprobs"][1:], plain_prompt, atol=1e-5)
+    assert p["decode_only"]["token_ids"][0] == p["plain"]["token_ids"][0]
+    assert p["decode_only"]["token_ids"] != p["plain"]["token_ids"]
+    # prefill only / both: the prompt is clamped (same prompt logprobs for both)
+    np.testing.assert_allclose(p["prefill_only"]["prompt_logprobs"][1:], p["both"]["prompt_logprobs"][1:], atol=1e-5)
+    assert not np.allclose(p["prefill_only"]["prompt_logprobs"][1:], plain_prompt, atol=1e-3)
+    assert p["prefill_only"]["token_ids"] != p["both"]["token_ids"]
