@@ -35,6 +35,7 @@ PRELOAD_LAYER = 5
 
 
 PROBE_SEED, PROBE_LAYER = 3, 20
+SAE_SITE, SAE_D, SAE_CLAMPABLE, SAE_SEED = "post_mlp.12", 64, 32, 11  # the shared server's SAE "fz"
 
 
 @pytest.fixture(scope="session")
@@ -75,11 +76,15 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory):
     d = tmp_path_factory.mktemp("api")
     vec = np.linspace(-1, 1, 576, dtype=np.float32) * 30
     save_file({f"post_mlp.{PRELOAD_LAYER}": vec}, str(d / "preloaded.safetensors"), metadata={"description": "from disk"})
+    from tests.sae_writers import random_sae, write_gemma_scope
+
+    sae = write_gemma_scope(str(d / "sae"), random_sae(576, SAE_D, "jumprelu", seed=SAE_SEED))
     probe = {"name": "probe", "params": {"dim": 576, "seed": PROBE_SEED, "global_spec": {
         "layers": [PROBE_LAYER], "hooks": ["post_mlp"], "positions": "last_prompt"}}}
     capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}]
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
-                                "modules": {"preloaded": str(d / "preloaded.safetensors")}, "capture": capture}})
+                                "modules": {"preloaded": str(d / "preloaded.safetensors")}, "capture": capture,
+                                "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}}}})
     log = d / "server.log"
     with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log) as (base, _):
         yield base, smollm2_path, log, d / "captures"

@@ -95,8 +95,49 @@ def _other_cases() -> Iterator[Case]:
         yield f"capture:{name}", {c: bad}, field
 
 
+def _sae_cases() -> Iterator[Case]:
+    s, ok = "sae", {"feature": 3, "kind": "set", "value": 5.0}
+    for name, bad, field in (("int", 5, s), ("str", "fz", s), ("empty-list", [], s), ("bool", True, s),
+                             ("name-int", {"name": 5, "clamps": [ok]}, f"{s}.name"),
+                             ("name-unknown", {"name": "nope", "clamps": [ok]}, f"{s}.name"),
+                             ("extra", {"name": "fz", "clamps": [ok], "colour": 1}, s),
+                             ("mode", {"name": "fz", "mode": "both", "clamps": [ok]}, f"{s}.mode"),
+                             ("mode-int", {"name": "fz", "mode": 1, "clamps": [ok]}, f"{s}.mode"),
+                             ("mode-reconstruct", {"name": "fz", "mode": "reconstruct"}, f"{s}.mode"),
+                             ("phase", {"name": "fz", "phase": "always", "clamps": [ok]}, f"{s}.phase"),
+                             ("site", {"name": "fz", "site": "post_mlp.3", "clamps": [ok]}, f"{s}.site"),
+                             ("site-bad", {"name": "fz", "site": "x", "clamps": [ok]}, f"{s}.site"),
+                             ("site-int", {"name": "fz", "site": 12, "clamps": [ok]}, f"{s}.site"),
+                             ("no-clamps", {"name": "fz"}, f"{s}.clamps"),
+                             ("clamps-int", {"name": "fz", "clamps": 5}, f"{s}.clamps"),
+                             ("clamps-many", {"name": "fz", "clamps": [{**ok, "feature": i} for i in range(40)]},
+                              f"{s}.clamps"),
+                             ("list-second", [{"name": "fz", "clamps": [ok]}, {"name": "fz", "clamps": 5}],
+                              f"{s}[1].clamps"),
+                             ("list-same-site", [{"name": "fz", "clamps": [ok]}, {"name": "fz", "clamps": [ok]}],
+                              f"{s}[1]")):
+        yield f"sae:{name}", {s: bad}, field
+    c = f"{s}.clamps[0]"
+    for name, clamp, field in (("str", "x", c), ("extra", {**ok, "boost": 1}, c),
+                               ("feature-str", {**ok, "feature": "3"}, f"{c}.feature"),
+                               ("feature-float", {**ok, "feature": 3.0}, f"{c}.feature"),
+                               ("feature-neg", {**ok, "feature": -1}, f"{c}.feature"),
+                               ("feature-unclampable", {**ok, "feature": 40}, f"{c}.feature"),
+                               ("feature-range", {**ok, "feature": 10**6}, f"{c}.feature"),
+                               ("feature-null", {**ok, "feature": None}, f"{c}.feature"),
+                               ("kind", {**ok, "kind": "mul"}, f"{c}.kind"), ("kind-int", {**ok, "kind": 1}, f"{c}.kind"),
+                               ("value-str", {**ok, "value": "a"}, f"{c}.value"),
+                               ("value-inf", {**ok, "value": 1e400}, f"{c}.value"),
+                               ("value-null", {**ok, "value": None}, f"{c}.value"),
+                               ("value-bool", {**ok, "value": True}, f"{c}.value"),
+                               ("only", {**ok, "only_if_active": "yes"}, f"{c}.only_if_active"),
+                               ("only-int", {**ok, "only_if_active": 1}, f"{c}.only_if_active")):
+        yield f"sae:clamp:{name}", {s: {"name": "fz", "clamps": [clamp]}}, field
+    yield "sae:clamp:dup", {s: {"name": "fz", "clamps": [ok, ok]}}, f"{s}.clamps[1].feature"
+
+
 def completion_cases() -> list[Case]:
-    return [c for t in TIERS for c in _tier_cases(t)] + list(_other_cases())
+    return [c for t in TIERS for c in _tier_cases(t)] + list(_other_cases()) + list(_sae_cases())
 
 
 def _xargs(fields: dict) -> dict:

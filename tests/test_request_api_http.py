@@ -213,3 +213,28 @@ def test_sse_splice_touches_event_starts_only():
         {"steering": {"prefill": "p", "decode": None}, "text": "data: {\n}", "n": 1},
         {"steering": {"prefill": "p", "decode": None}},
     ]
+
+
+def test_sae_clamps_through_the_openai_routes(server):
+    """The shared server's SAE ("fz", conftest): listed, a clamp steers completions and chat alike
+    (the same request twice: the same text), and a request without it is untouched."""
+    from tests.conftest import SAE_CLAMPABLE, SAE_SITE
+
+    base, model = server[0], server[1]
+    listed = httpx.get(f"{base}/v1/steering/sae", timeout=30).json()["data"]
+    assert [(s["name"], s["sites"], s["clampable"], s["modes"]) for s in listed] == [
+        ("fz", [SAE_SITE], SAE_CLAMPABLE, ["delta"])]
+    sae = {"name": "fz", "clamps": [{"feature": f, "kind": "set", "value": 60.0} for f in (1, 2, 3, 4)]}
+
+    def text(**fields):
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    plain, clamped = text(), text(sae=sae)
+    assert clamped != plain and text(sae=sae) == clamped and text() == plain
+    chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": 8, "temperature": 0, "sae": sae,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200 and chat.json()["steering"]["prefill"] is not None

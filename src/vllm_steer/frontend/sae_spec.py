@@ -44,7 +44,7 @@ def _site(field: str, raw: Any, entry: SaeEntry) -> tuple[str, int]:
     try:
         site = parse_site(raw, field)
     except SaeFileError as e:
-        raise SteeringSpecError(field, str(e)) from None
+        raise SteeringSpecError(field, e.detail) from None
     if site not in entry.sites:
         raise SteeringSpecError(field, f"SAE {entry.name!r} has no site {raw!r}")
     return site

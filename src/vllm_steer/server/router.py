@@ -43,6 +43,21 @@ async def steering_status(raw: Request) -> JSONResponse:
     )
 
 
+@router.get("/sae")
+async def list_sae(raw: Request) -> JSONResponse:
+    """The SAEs requests may clamp (``steer.sae``): sites, sizes, activation, clampable features."""
+    frontend = getattr(raw.app.state, "steer_frontend", None)
+    data = []
+    for name, e in (frontend.sae if frontend is not None else {}).items():
+        metas = list(e.sites.values())
+        data.append({"name": name, "sites": [f"{h}.{l}" for h, l in e.sites], "d_sae": metas[0].d_sae,
+                     "activation": metas[0].activation, "k": metas[0].k or None, "dtype": metas[0].dtype,
+                     "modes": ["delta", "reconstruct"] if e.config.reconstruct else ["delta"],
+                     "clampable": len(e.features),
+                     "features": list(e.features) if e.config.features is not None else None})
+    return JSONResponse({"object": "list", "data": data})
+
+
 class SteeringEndpointPlugin:
     """Factory target of the ``vllm.endpoint_plugins`` entry point ``steer``."""
 
