@@ -10,6 +10,8 @@
 #   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
 #   bash bench/gpu_session.sh graph-host  the graph and host phases, then stop the servers
+#   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests, then the SAE arms on kept servers
+#                                         (first: SERVERS=stock,sae,sae_full bash bench/gpu_session.sh ab-start)
 # Every later run starts with: python3 -c 'import vllm' || exit 3 (a fresh machine fails fast).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -52,5 +54,10 @@ case "${1:-}" in
     timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 \
       --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer,steer_old}" --host-servers "${HOST_SERVERS:-stock,steer,steer_old}" 2>&1 | tail -40
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|compiled|checks|ab-start|ab|graph-host" >&2; exit 2 ;;
+  sae)
+    timeout 120 python3 -m pytest tests/gpu/test_sae_norm_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -6
+    timeout 470 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag sae --trials "${TRIALS:-3}" --long-arms "" \
+      --arms "${ARMS:-stock,sae_idle,sae_delta_n16,sae_full_idle,sae_reconstruct_n16}" 2>&1 | tail -40
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|compiled|checks|ab-start|ab|graph-host|sae" >&2; exit 2 ;;
 esac

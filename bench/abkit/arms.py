@@ -35,6 +35,11 @@ ARMS = {
     "k256_msgpack": dict(server="steer", kind="per_request", n_configs=None, wide=True, wire="msgpack"),
     # graph check: the same steered arm on the --enforce-eager server
     "eager_per_request_n16": dict(server="eager", kind="per_request", n_configs=16),
+    # SAE clamping (abkit/sae_files.py): 16 distinct clamp sets of 64 features at 4 layers
+    "sae_idle": dict(server="sae", kind="plain"),
+    "sae_delta_n16": dict(server="sae", kind="sae", mode="delta", n_configs=16),
+    "sae_full_idle": dict(server="sae_full", kind="plain"),
+    "sae_reconstruct_n16": dict(server="sae_full", kind="sae", mode="reconstruct", n_configs=16),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{OLD_SUFFIX}"] = {**ARMS[_arm], "server": OLD_SERVER}
@@ -93,6 +98,11 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
     if kind == "shared":
         cfg = ctx.setdefault("shared_cfg", steering_configs(1, 777, ctx["shape"], ctx["std"], ctx["pack_dtype"])[0])
         return [{"steering_vectors": cfg}] * n_requests
+    if kind == "sae":
+        from .sae_files import sae_fields
+
+        cfgs = sae_fields(arm["n_configs"], seed, ctx["shape"]["layers"], arm["mode"])
+        return [{"sae": cfgs[i % len(cfgs)]} for i in range(n_requests)]
     if kind == "per_request":
         cfgs = steering_configs(arm["n_configs"] or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
                                 binary=arm.get("wire") == "msgpack")

@@ -6,6 +6,7 @@ Servers (each its own process group, all alive together so trials of different s
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
   steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, old_release.py)
   eager      the steer server's config plus --enforce-eager
+  sae, sae_full   steer with an SAE at 4 layers (abkit/sae_files.py): clampable features only / whole SAE
   stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
              (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
 All but steer_old share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
@@ -30,7 +31,9 @@ from .old_release import install_old_wheel
 
 STEER_BLOCK = {"steer": {"max_configs": 272}}
 STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK, "steer_multi": STEER_BLOCK}
-PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6}
+PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6,
+                "sae": 7, "sae_full": 8}
+SAE_SERVERS = {"sae": False, "sae_full": True}  # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct
 OLD_SERVER = "steer_old"
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
 STATE_FILE = Path(tempfile.gettempdir()) / "vllm_steer_ab_servers.json"
@@ -70,6 +73,11 @@ class Server:
             cmd += ["--enforce-eager"]
         if self.name in STEER_SERVERS:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
+        elif self.name in SAE_SERVERS:
+            from .sae_files import sae_block
+
+            block = sae_block(self.log_path.parent.parent, self.model_dir, SAE_SERVERS[self.name])
+            cmd += ["--additional-config", json.dumps(block)]
         if a.profile_servers:
             cmd += ["--profiler-config", json.dumps({
                 "profiler": "torch", "torch_profiler_dir": str(self.prof_dir),
