@@ -3,6 +3,11 @@
 Opaque to Inductor (so zero tables are never folded away), it takes the place of vLLM's fused
 add + RMSNorm at hooked norms: the steering add costs no launch of its own. CUDA tensors run the
 Triton kernel, other devices the plain-torch reference.
+
+``steered_sae_rms_norm`` (norms with a site that has an SAE): on CUDA, when both slots' packs are
+clamp-only or empty (ReLU / JumpReLU without reconstruct), the same single Triton launch with the
+clamps fused in; a full pack (TopK, or a site that allows reconstruct) takes the dense plain-torch
+path for the whole op (graph-safe, no host sync). Other devices: the reference.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from vllm_steer.kernels.library import LIB
+from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive, steered_sae_rms_norm_naive
 
 _registered = False
@@ -66,6 +72,12 @@ def _sae_impl(
     topk_a: int,
     topk_b: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and all(len(p) in (0, N_CLAMP_ONLY) for p in (sae_a, sae_b)):
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_sae_rms_norm_triton
+
+        return steered_sae_rms_norm_triton(x, residual, weight, eps, weight_offset, index, table_a, flag_a,
+                                           table_b, flag_b, sae_a, sae_b)
+    # CPU, or a full pack (TopK / reconstruct): the dense torch path, in the reference's order
     return steered_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
                                       flag_b, sae_a, sae_b, topk_a, topk_b)
 

@@ -1,5 +1,5 @@
-"""The Triton kernels (steered_rms_norm, capture_rows) against their plain-torch references, run by
-Triton's CPU interpreter. Only meaningful with TRITON_INTERPRET=1 set before Triton is imported:
+"""The Triton kernels (steered_rms_norm, steered_sae_rms_norm, capture_rows) against their plain-torch
+references, run by Triton's CPU interpreter. Only meaningful with TRITON_INTERPRET=1 set before Triton is imported:
 ``tests/test_steered_norm.py`` runs this directory in such a process (``./dev test`` ignores it)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive, steered_sae_rms_norm_naive
+from tests.sae_packs import IDLE_ROWS, clamp_pack, token_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -54,6 +55,86 @@ def test_triton_idle_flag_skips_the_table(interpreted):
     plain = steered_rms_norm_naive(x, r, w, 1e-5, 0.0, torch.zeros_like(index))
     for a, b in zip(idle, plain):
         torch.testing.assert_close(a, b, **_TOL[torch.float32])
+
+
+# The SAE clamps sum their dot products in another order than the reference's matmuls.
+_SAE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: _TOL[torch.bfloat16]}
+# The interpreter hands a runtime int argument (the clamp-set size C, a loop bound) over as a 1-element
+# array and converts it with int(), which NumPy >= 1.25 deprecates: Triton's warning, not the kernel's.
+_INTERPRETER_INDEX = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("c", [1, 37], ids=["C1", "C37"])  # 37: not a power of two, two blocks of codes
+@pytest.mark.parametrize("tables", ["none", "ab"])
+@pytest.mark.parametrize("sae", ["a", "b", "ab"])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_triton_sae_kernel_matches_reference(interpreted, dtype_name, sae, tables, c):
+    norm, _ = interpreted
+    dtype = DTYPES[dtype_name]
+    n, d = 12, 80  # D not a power of two: masked lanes
+    x, r, (ta, tb), _ = _case(n, d, dtype, seed=20 + c)
+    index = token_rows(n)
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(21)) * 0.5).to(dtype)
+    offset = 1.0 if c == 37 else 0.0  # GemmaRMSNorm's weight for one of the two
+    pa = clamp_pack(d, c, seed=30 + c, jumprelu=True) if "a" in sae else []
+    pb = clamp_pack(d, c, seed=40 + c, jumprelu=False) if "b" in sae else []
+    vec = (ta if "a" in tables else None, _on() if "a" in tables else None,
+           tb if "b" in tables else None, _on() if "b" in tables else None)
+    got = norm.steered_sae_rms_norm_triton(x, r, w, 1e-5, offset, index, *vec, pa, pb)
+    want = steered_sae_rms_norm_naive(x, r, w, 1e-5, offset, index, *vec, pa, pb, 0, 0)
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, **_SAE_TOL[dtype])
+    # the clamps moved the stream (the case is not vacuous) ...
+    plain = norm.steered_rms_norm_triton(x, r, w, 1e-5, offset, index, *vec)
+    rows = index[:n].long()
+    idle = torch.isin(rows, torch.tensor(IDLE_ROWS))
+    assert not torch.allclose(got[1][~idle].float(), plain[1][~idle].float(), rtol=1e-2, atol=1e-2)
+    # ... and tokens of row 0, of an OFF row, or of a row with no codes are the no-SAE kernel's, bit for bit
+    assert torch.equal(got[0][idle], plain[0][idle]) and torch.equal(got[1][idle], plain[1][idle])
+
+
+@_INTERPRETER_INDEX
+def test_triton_sae_kernel_each_clamp_kind(interpreted):
+    """One feature, one token per (kind, only_if_active), on an active and an inactive feature: the
+    stream moves by exactly (f' - f) * dec."""
+    norm, _ = interpreted
+    d = 80
+    pack = clamp_pack(d, 1, seed=5, jumprelu=False)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, d, generator=g) * 3
+    enc, bias = pack[3][0], pack[5][0]
+    x[0] += enc * (4.0 - float(x[0] @ enc + bias)) / float(enc @ enc)  # pre = 4: active
+    x[1] += enc * (-2.0 - float(x[1] @ enc + bias)) / float(enc @ enc)  # pre = -2: inactive
+    codes = [k | (4 * o) for k in range(4) for o in (0, 1)]
+    pack[0] = torch.ones(len(codes) + 1, dtype=torch.int32)
+    pack[0][0] = 0
+    pack[1] = torch.tensor([[0]] + [[k] for k in codes], dtype=torch.int32)
+    pack[2] = torch.full((len(codes) + 1, 1), 3.0)
+    w = torch.ones(d)
+    for t in range(2):
+        xs = x[t : t + 1].expand(len(codes), d).contiguous()
+        index = torch.arange(1, len(codes) + 1, dtype=torch.int32)
+        got = norm.steered_sae_rms_norm_triton(xs, None, w, 1e-5, 0.0, index, None, None, None, None, pack, [])
+        want = steered_sae_rms_norm_naive(xs, None, w, 1e-5, 0.0, index, None, None, None, None, pack, [], 0, 0)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        f = max(float(x[t] @ enc + bias), 0.0)
+        for i, code in enumerate(codes):
+            kind, only = code & 3, code >> 2
+            new = {0: f, 1: 3.0, 2: f + 3.0, 3: f * 3.0}[kind]
+            if only and f <= 0:
+                new = f
+            torch.testing.assert_close(got[1][i], x[t] + (new - f) * pack[4][0], rtol=1e-5, atol=1e-5)
+
+
+def test_triton_sae_kernel_refuses_full_packs(interpreted):
+    norm, _ = interpreted
+    x, r, _, index = _case(2, 16, torch.float32, seed=7)
+    full = clamp_pack(16, 2, seed=8) + [torch.zeros(16, 4), torch.zeros(4), torch.zeros(4), torch.zeros(4, 16),
+                                        torch.zeros(16)]
+    with pytest.raises(ValueError, match="clamp-only"):
+        norm.steered_sae_rms_norm_triton(x, r, torch.ones(16), 1e-5, 0.0, index, None, None, None, None, full, [])
 
 
 @pytest.mark.parametrize("with_b", [True, False], ids=["a+b", "a"])

@@ -1,0 +1,197 @@
+"""GPU checks of steered_sae_rms_norm's Triton path (clamp-only SAE packs; runs only where CUDA is available).
+
+- Triton vs the plain-torch reference (``steered_sae_rms_norm_naive``) for (N, D, dtype, SAE slots,
+  vector tables, clamp-set size): within float32 rounding (the clamps' dot products sum in another
+  order), tokens whose pre-activation sits on a threshold left out (there a rounding flips the feature);
+- tokens of row 0, of an OFF row or of a row without codes equal the no-SAE kernel bit for bit;
+- the registered op routes clamp-only packs to Triton and full packs (TopK / reconstruct) to the
+  reference; inside a CUDA graph captured while every row was OFF, mode / code / value rows changed in
+  place afterwards take effect at replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from tests.sae_packs import IDLE_ROWS, R, clamp_pack, token_rows  # noqa: E402
+from vllm_steer.kernels.sae_clamp.packed import apply_site_naive  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.naive import steered_sae_rms_norm_naive  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
+    steered_rms_norm_triton, steered_sae_rms_norm_triton,
+)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+EPS = 1e-5
+MARGIN = 1e-3  # |pre - threshold| (or |pre|, the only_if_active gate) below this: rounding may flip f
+
+
+@pytest.fixture(autouse=True)
+def _full_fp32_matmuls():
+    """The reference's matmuls in true float32 (no TF32), whatever the process set."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _case(n: int, d: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, generator=g, device="cuda").to(dtype)
+    r = (torch.randn(n, d, generator=g, device="cuda") * 3).to(dtype)
+    w = (torch.randn(d, generator=g, device="cuda") * 0.5).to(dtype)
+    ta, tb = ((torch.randn(R, d, generator=g, device="cuda") * 2).to(dtype) for _ in range(2))
+    ta[0].zero_()
+    tb[0].zero_()
+    return x, r, w, ta, tb, token_rows(n, "cuda")
+
+
+def _flag(v: int) -> torch.Tensor:
+    return torch.full((1,), v, dtype=torch.uint8, device="cuda")
+
+
+def _ambiguous(x, r, index, vec, pa, pb) -> torch.Tensor:
+    """[N] bool: tokens with a clamped feature whose pre-activation (as the reference computes it) is
+    within MARGIN of its threshold or of 0, where the two implementations may legitimately disagree."""
+    n = x.shape[0]
+    rows = index[:n].long()
+    s = x.float() + r.float()
+    out = torch.zeros(n, dtype=torch.bool, device=x.device)
+    for pack, table in ((pa, vec[0]), (pb, vec[2])):
+        if pack:
+            mode, code, _, enc, _, bias, thr = pack[:7]
+            pre = s @ enc.T + bias
+            near = ((pre - thr).abs() < MARGIN) | (pre.abs() < MARGIN)
+            live = (code[rows] != 0) & (mode[rows] != 0)[:, None]
+            out |= (near & live).any(dim=1)
+            s = apply_site_naive(s, rows, pack, 0)
+        if table is not None:
+            s = s + table[rows].float()
+    return out
+
+
+def _check(got, want, plain, index, dtype, ambiguous):
+    n = got[0].shape[0]
+    rows = index[:n].long()
+    keep = ~ambiguous
+    assert int(ambiguous.sum()) <= max(2, n // 20), "too many tokens on a threshold: the case is degenerate"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[keep], w[keep], **TOL[dtype])
+    idle = torch.isin(rows, torch.tensor(IDLE_ROWS, device=rows.device))
+    assert torch.equal(got[0][idle], plain[0][idle]) and torch.equal(got[1][idle], plain[1][idle])
+
+
+CASES = [pytest.param(n, d, name, sae, tables, 37, id=f"N{n}-D{d}-{name}-sae_{sae}-vec_{tables}-C37")
+         for n in (1, 7, 300) for d in (80, 4096, 4099) for name in DTYPES
+         for sae in ("a", "b", "ab") for tables in ("none", "ab")]
+CASES += [pytest.param(64, 4096, "bfloat16", "ab", "ab", c, id=f"N64-D4096-bfloat16-sae_ab-vec_ab-C{c}")
+          for c in (1, 300, 4096)]
+CASES += [pytest.param(16, 8192, "float32", "ab", "ab", 130, id="N16-D8192-float32-sae_ab-vec_ab-C130")]
+
+
+@pytest.mark.parametrize("n,d,dtype_name,sae,tables,c", CASES)
+def test_triton_sae_matches_reference(n, d, dtype_name, sae, tables, c):
+    dtype = DTYPES[dtype_name]
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=n * 31 + d + c)
+    offset = 1.0 if d % 2 else 0.0  # GemmaRMSNorm's weight at odd D
+    pa = clamp_pack(d, c, seed=d + c, jumprelu=True, device="cuda") if "a" in sae else []
+    pb = clamp_pack(d, c, seed=d + c + 1, jumprelu=False, device="cuda") if "b" in sae else []
+    vec = (ta if "a" in tables else None, _flag(1) if "a" in tables else None,
+           tb if "b" in tables else None, _flag(1) if "b" in tables else None)
+    got = steered_sae_rms_norm_triton(x, r, w, EPS, offset, index, *vec, pa, pb)
+    want = steered_sae_rms_norm_naive(x, r, w, EPS, offset, index, *vec, pa, pb, 0, 0)
+    plain = steered_rms_norm_triton(x, r, w, EPS, offset, index, *vec)
+    _check(got, want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
+    if n >= 7:  # the clamps moved the steered tokens
+        rows = index[:n].long()
+        live = ~torch.isin(rows, torch.tensor(IDLE_ROWS, device="cuda"))
+        assert not torch.allclose(got[1][live].float(), plain[1][live].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def registered():
+    op.register()
+    return torch.ops.vllm_steer
+
+
+def _full(pack: list[torch.Tensor], d: int, seed: int) -> list[torch.Tensor]:
+    """``pack`` grown into a full pack (TopK / reconstruct): the whole SAE, its clampable slots
+    consistent with the clamp-only part."""
+    g = torch.Generator().manual_seed(seed)
+    feats = pack[7].cpu()
+    f = int(feats.max()) + 3
+    w_enc = torch.randn(d, f, generator=g) * 0.05
+    w_dec = torch.randn(f, d, generator=g) * 0.3
+    b_enc, thr_f = torch.randn(f, generator=g) * 0.5, torch.zeros(f)
+    w_enc[:, feats] = pack[3].T.cpu()
+    w_dec[feats] = pack[4].cpu()
+    b_enc[feats] = pack[5].cpu()
+    thr_f[feats] = pack[6].cpu()
+    dev = pack[0].device
+    return pack + [t.to(dev) for t in (w_enc, b_enc, thr_f, w_dec, torch.randn(d, generator=g) * 0.1)]
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_reference(registered, which):
+    n, d, dtype = 32, 512, torch.bfloat16
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=3)
+    pa = clamp_pack(d, 37, seed=4, device="cuda")
+    pb = clamp_pack(d, 37, seed=5, jumprelu=False, device="cuda")
+    vec = (ta, _flag(1), tb, _flag(1))
+    got = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(got, steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec,
+                                                                                  pa, pb)))
+    if which == "a":
+        pa, topk = _full(pa, d, seed=6), (4, 0)
+    else:
+        pb, topk = _full(pb, d, seed=7), (0, 0)
+        pb[0][1] = 2  # RECONSTRUCT: only a full pack can
+    got = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, *topk)
+    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, *topk)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
+    n, d, dtype = 24, 4096, torch.bfloat16
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=11)
+    pa = clamp_pack(d, 37, seed=12, device="cuda")
+    pb = clamp_pack(d, 37, seed=13, jumprelu=False, device="cuda")
+    vec = (ta, _flag(1), tb, _flag(1))
+    steered = [[t.clone() for t in p[:3]] for p in (pa, pb)]  # mode, code, value as written later
+    for p in (pa, pb):
+        p[0].zero_()
+        p[1].zero_()
+        p[2].zero_()
+    registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)  # JIT outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    graph.replay()
+    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
+    assert torch.equal(out, plain[0]) and torch.equal(res, plain[1])  # every row OFF: the plain kernel
+
+    for p, rows in zip((pa, pb), steered):  # the engine writes rows in place (SaeTables.write_row)
+        for t, v in zip(p[:3], rows):
+            t.copy_(v)
+    graph.replay()
+    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
+    assert not torch.equal(res, plain[1])
+
+    pa[2].mul_(-2.0)  # other values, and row 5 of B switched off
+    pb[0][5] = 0
+    graph.replay()
+    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
+
+    pa[0].zero_()
+    pb[0].zero_()
+    graph.replay()
+    assert torch.equal(out, plain[0]) and torch.equal(res, plain[1])

@@ -1,0 +1,48 @@
+"""Clamp-only SAE packs (the layout of kernels/sae_clamp/packed.py) built by hand, for the kernel tests.
+
+Rows (R = 6) are laid out so every case the kernel distinguishes is present:
+
+- row 0: the no-op row (mode OFF, no codes);
+- row 1: DELTA, slot j gets code ``j % 7 + 1``: every kind, with and without only_if_active;
+- row 2: OFF although it has codes (the codes must be ignored);
+- row 3: DELTA with no codes (the stream must come back bit for bit);
+- row 4: DELTA, only the last slot and slot 31 clamped (SET): the ends of the blocks of codes;
+- row 5: DELTA, random codes (about half the slots clamped).
+"""
+
+from __future__ import annotations
+
+import torch
+
+R = 6
+ROW_OFF, ROW_BARE = 2, 3
+IDLE_ROWS = (0, ROW_OFF, ROW_BARE)  # rows whose tokens must equal the no-SAE kernel exactly
+
+
+def clamp_pack(d: int, c: int, seed: int, jumprelu: bool = True, device: str | torch.device = "cpu",
+               hidden_scale: float = 3.0) -> list[torch.Tensor]:
+    """[mode, code, value, enc, dec, bias, thr, features] for ``c`` clampable features of a random SAE
+    with hidden size ``d``; ``hidden_scale`` is about the stream's per-element std (so pre ~ O(1..5))."""
+    g = torch.Generator().manual_seed(seed)
+    enc = torch.randn(c, d, generator=g) * (1.5 / (hidden_scale * d ** 0.5))
+    dec = torch.randn(c, d, generator=g) * 0.3
+    bias = torch.randn(c, generator=g) * 0.5
+    thr = torch.rand(c, generator=g) * 0.8 if jumprelu else torch.zeros(c)
+    mode = torch.ones(R, dtype=torch.int32)
+    mode[0] = mode[ROW_OFF] = 0
+    code = torch.zeros(R, c, dtype=torch.int32)
+    code[1] = torch.arange(c, dtype=torch.int32) % 7 + 1
+    code[ROW_OFF] = torch.arange(c, dtype=torch.int32) % 3 + 1
+    code[4, c - 1] = 1  # SET
+    code[4, min(c, 32) - 1] = 1  # the last slot of the first block of codes (the kernel's BLOCK_C is 32)
+    code[5] = torch.randint(0, 8, (c,), generator=g, dtype=torch.int32) * (torch.rand(c, generator=g) < 0.5)
+    value = torch.randn(R, c, generator=g) * 3
+    value[4, c - 1] = 4.0
+    features = torch.randperm(4 * c, generator=g)[:c].sort().values
+    pack = [mode, code, value.float(), enc, dec, bias, thr, features]
+    return [t.to(device) for t in pack]
+
+
+def token_rows(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An index [n + 5] int32 that cycles through every row (so each row has tokens)."""
+    return (torch.arange(n + 5, device=device) % R).to(torch.int32)
