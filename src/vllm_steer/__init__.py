@@ -3,6 +3,6 @@
 Turn it on with ``VLLM_PLUGINS=steer`` and ``--additional-config '{"steer": {}}'``; see README.md.
 """
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = ["__version__"]
