@@ -1,0 +1,95 @@
+"""GPU time of the steered norm with SAE clamps (kernels/steered_rms_norm/triton.py) against the
+plain steered norm, per launch, replayed from a CUDA graph (no launch overhead): the clamp-only path
+by clamps per token (its cost should follow the clamp count, not d_sae), and the dense whole-SAE path
+(TopK / reconstruct) by d_sae. Usage: python3 bench/sae_kernel_bench.py [--out FILE.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
+from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton, steered_sae_rms_norm_triton
+
+D, STAGED, ROWS = 4096, 256, 4
+
+
+def _time(fn, iters: int = 200) -> float:
+    """µs per call, replayed from a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters // 10):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / iters
+
+
+def _pack(clamps: int, dev) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(clamps)
+    mode = torch.ones(ROWS, dtype=torch.int32)
+    mode[0] = 0
+    code = torch.zeros(ROWS, STAGED, dtype=torch.int32)
+    for r in range(1, ROWS):
+        code[r, torch.randperm(STAGED, generator=g)[:clamps]] = 1
+    value = torch.randn(ROWS, STAGED, generator=g)
+    enc, dec = torch.randn(STAGED, D, generator=g) * 0.02, torch.randn(STAGED, D, generator=g) * 0.02
+    return [t.to(dev) for t in (mode, code, value, enc, dec, torch.zeros(STAGED), torch.zeros(STAGED),
+                               torch.arange(STAGED))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    w = torch.ones(D, dtype=torch.bfloat16, device=dev)
+    rows: list[dict] = []
+    for n in (16, 256, 2048):
+        x = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
+        res = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
+        steered = torch.arange(n, device=dev, dtype=torch.int32) % (ROWS - 1) + 1  # every token clamps
+        idle = torch.zeros(n, dtype=torch.int32, device=dev)
+        base = _time(lambda: steered_rms_norm_triton(x, res, w, 1e-5, 0.0, idle))
+        rows.append({"n": n, "path": "plain norm", "clamps": 0, "us": round(base, 2)})
+        for clamps in (0, 8, 32, 64, 128, 256):
+            pack = _pack(clamps, dev)
+            index = idle if clamps == 0 else steered
+            us = _time(lambda: steered_sae_rms_norm_triton(x, res, w, 1e-5, 0.0, index, None, None, None, None,
+                                                           pack, []))
+            rows.append({"n": n, "path": "clamp-only (Triton)" + (" idle" if clamps == 0 else ""), "clamps": clamps,
+                         "us": round(us, 2)})
+        for d_sae in (16384, 65536):
+            if n > 256 and d_sae > 16384:
+                continue
+            full = _pack(64, dev) + [torch.randn(D, d_sae, device=dev) * 0.02, torch.zeros(d_sae, device=dev),
+                                     torch.zeros(d_sae, device=dev), torch.randn(d_sae, D, device=dev) * 0.02,
+                                     torch.zeros(D, device=dev)]
+            s = x.float() + res.float()
+            rows_l = steered.long()
+            us = _time(lambda: apply_site_naive(s, rows_l, full, 0), iters=50)
+            rows.append({"n": n, "path": f"whole SAE (torch, fp32) d_sae {d_sae}", "clamps": 64, "us": round(us, 1)})
+    print("| tokens | path | clamps per token | µs |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['n']} | {r['path']} | {r['clamps']} | {r['us']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "D": D, "staged": STAGED, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
