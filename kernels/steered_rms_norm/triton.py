@@ -38,8 +38,7 @@ def _add_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d):
 
 @triton.jit
 def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C,
-                   stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr,
-                   BLOCK_J: tl.constexpr = 4):
+                   stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
     """b_s after the row's SAE clamps (delta mode): b_s + sum over clamped slots c of
     (f'_c - f_c) * dec[c], each f_c from the unclamped b_s. Row 0 and OFF rows: b_s untouched."""
     if i_row != 0:
@@ -52,24 +51,20 @@ def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_
             for c0 in range(0, C, BLOCK_C):
                 b_code = tl.load(p_code_row + c0 + o_c, mask=c0 + o_c < C, other=0)
                 if tl.sum((b_code != 0).to(tl.int32), axis=0) != 0:  # a block with no clamp costs one load
-                    for j in range(0, BLOCK_C, BLOCK_J):  # BLOCK_J slots at once: their loads overlap
-                        o_j = c0 + j + tl.arange(0, BLOCK_J)
-                        m_j = o_j < C
-                        b_cj = tl.load(p_code_row + o_j, mask=m_j, other=0)
-                        on = b_cj != 0
-                        if tl.sum(on.to(tl.int32), axis=0) != 0:
-                            o_j64 = o_j.to(tl.int64)
-                            m_t = on[:, None] & m_d[None, :]  # unclamped slots' rows are never read
-                            b_enc = tl.load(p_enc + o_j64[:, None] * stride_enc + o_d[None, :], mask=m_t, other=0.0)
-                            pre = tl.sum(b_enc.to(tl.float32) * b_s[None, :], axis=1)
-                            pre += tl.load(p_bias + o_j, mask=on, other=0.0).to(tl.float32)
-                            f = tl.where(pre > tl.load(p_thr + o_j, mask=on, other=0.0).to(tl.float32), pre, 0.0)
-                            v = tl.load(p_value_row + o_j, mask=on, other=0.0).to(tl.float32)
-                            kind = b_cj & 3
+                    for j in range(BLOCK_C):
+                        c = c0 + j
+                        code = tl.load(p_code_row + c, mask=c < C, other=0)
+                        if code != 0:
+                            c64 = c.to(tl.int64)
+                            b_enc = tl.load(p_enc + c64 * stride_enc + o_d, mask=m_d, other=0.0).to(tl.float32)
+                            pre = tl.sum(b_s * b_enc, axis=0) + tl.load(p_bias + c).to(tl.float32)
+                            f = tl.where(pre > tl.load(p_thr + c).to(tl.float32), pre, 0.0)
+                            v = tl.load(p_value_row + c).to(tl.float32)
+                            kind = code & 3
                             new = tl.where(kind == 1, v, tl.where(kind == 2, f + v, tl.where(kind == 3, f * v, f)))
-                            f_new = tl.where(on & (((b_cj & 4) == 0) | (f > 0)), new, f)
-                            b_dec = tl.load(p_dec + o_j64[:, None] * stride_dec + o_d[None, :], mask=m_t, other=0.0)
-                            b_acc += tl.sum((f_new - f)[:, None] * b_dec.to(tl.float32), axis=0)
+                            f_new = tl.where(((code & 4) == 0) | (f > 0), new, f)
+                            b_dec = tl.load(p_dec + c64 * stride_dec + o_d, mask=m_d, other=0.0).to(tl.float32)
+                            b_acc += (f_new - f) * b_dec
             b_s += b_acc
     return b_s
 
