@@ -238,3 +238,31 @@ def test_sae_clamps_through_the_openai_routes(server):
         "model": model, "max_tokens": 8, "temperature": 0, "sae": sae,
         "messages": [{"role": "user", "content": "Hi"}]})
     assert chat.status_code == 200 and chat.json()["steering"]["prefill"] is not None
+
+
+def _metric(base: str, name: str, **labels) -> float:
+    """The value of one sample on vLLM's /metrics (0 when absent); labels in any order."""
+    import re
+
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        m = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if m and m[1] == name and dict(re.findall(r'(\w+)="([^"]*)"', m[2] or "")) == labels:
+            return float(m[3])
+    return 0.0
+
+
+def test_prometheus_counts_steered_and_refused_requests(server):
+    base, model = server[0], server[1]
+    before = {k: _metric(base, "vllm_steer_requests_total", kind=k) for k in ("vectors", "sae")}
+    refused = _metric(base, "vllm_steer_rejected_total", status="400", field="sae")
+    timed = _metric(base, "vllm_steer_prepare_seconds_count")
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2,
+            "steering_vectors": {"post_mlp": {"3": [0.5] * 576}},
+            "sae": {"name": "fz", "clamps": [{"feature": 1, "kind": "set", "value": 3.0}]}}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=120).status_code == 200
+    bad = {**body, "sae": {"name": "fz", "clamps": [{"feature": "one", "kind": "set", "value": 3.0}]}}
+    assert httpx.post(f"{base}/v1/completions", json=bad, timeout=120).status_code == 400
+    assert _metric(base, "vllm_steer_requests_total", kind="vectors") == before["vectors"] + 1
+    assert _metric(base, "vllm_steer_requests_total", kind="sae") == before["sae"] + 1
+    assert _metric(base, "vllm_steer_rejected_total", status="400", field="sae") == refused + 1
+    assert _metric(base, "vllm_steer_prepare_seconds_count") == timed + 2  # refused ones are timed too

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
 from vllm_steer.server.errors import error_body
@@ -70,7 +71,10 @@ def _prepare(frontend: Any, body: bytes, msgpack: bool) -> tuple[dict | None, An
     fields = steering_fields(obj)
     if not fields:
         return (obj if msgpack else None), None
-    return obj, frontend.engine_extra_args(fields)
+    with PREPARE_SECONDS.time():
+        prepared = frontend.engine_extra_args(fields)
+    count_request(fields)
+    return obj, prepared
 
 
 class BodyTooLarge(Exception):
@@ -166,6 +170,7 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 
 async def _send_error(send: Any, status: int, message: str, param: str | None) -> None:
+    count_rejected(status, param)
     start, body = error_response(status, message, param)
     await send(start)
     await send({"type": "http.response.body", "body": body})
