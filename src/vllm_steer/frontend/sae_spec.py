@@ -8,7 +8,6 @@ objects (one per SAE site and phase). Every problem raises SteeringSpecError nam
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from vllm_steer.core.sae_catalog import SaeEntry
 from vllm_steer.core.sae_files import SaeFileError, parse_site
 from vllm_steer.core.sae_rows import ADD, DELTA, ONLY_IF_ACTIVE, RECONSTRUCT, SCALE, SET, SaeWire, wire_entry
 from vllm_steer.core.vectors import SAE_FIELD
+from vllm_steer.frontend.spec import finite_number
 
 _MODES = {"delta": DELTA, "reconstruct": RECONSTRUCT}
 _KINDS = {"set": SET, "add": ADD, "scale": SCALE}
@@ -31,6 +31,16 @@ def _choice(field: str, raw: Any, options: dict, default: str) -> Any:
     if not isinstance(value, str) or value not in options:
         raise SteeringSpecError(field, f"expected one of {list(options)}, got {raw!r}")
     return options[value]
+
+
+def _object(field: str, raw: Any, keys: set[str], shape: str) -> dict:
+    """``raw`` if it is an object with only ``keys``; SteeringSpecError naming ``field`` else."""
+    if not isinstance(raw, dict):
+        raise SteeringSpecError(field, f"expected {shape}")
+    extra = set(raw) - keys
+    if extra:
+        raise SteeringSpecError(field, f"unknown keys {sorted(extra)}")
+    return raw
 
 
 def _site(field: str, raw: Any, entry: SaeEntry) -> tuple[str, int]:
@@ -61,11 +71,7 @@ def _clamps(field: str, raw: Any, entry: SaeEntry) -> tuple[np.ndarray, np.ndarr
     seen: set[int] = set()
     for i, clamp in enumerate(raw):
         f = f"{field}[{i}]"
-        if not isinstance(clamp, dict):
-            raise SteeringSpecError(f, "expected {feature, kind, value, only_if_active}")
-        extra = set(clamp) - _CLAMP_KEYS
-        if extra:
-            raise SteeringSpecError(f, f"unknown keys {sorted(extra)}")
+        _object(f, clamp, _CLAMP_KEYS, "{feature, kind, value, only_if_active}")
         feature = clamp.get("feature")
         if type(feature) is not int:
             raise SteeringSpecError(f"{f}.feature", f"expected a feature id (an integer), got {feature!r}")
@@ -76,9 +82,7 @@ def _clamps(field: str, raw: Any, entry: SaeEntry) -> tuple[np.ndarray, np.ndarr
             raise SteeringSpecError(f"{f}.feature", f"feature {feature} clamped twice")
         seen.add(feature)
         kind = _choice(f"{f}.kind", clamp.get("kind"), _KINDS, "set")
-        value = clamp.get("value")
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise SteeringSpecError(f"{f}.value", f"expected a finite number, got {value!r}")
+        value = finite_number(f"{f}.value", clamp.get("value"))
         only = clamp.get("only_if_active", False)
         if not isinstance(only, bool):
             raise SteeringSpecError(f"{f}.only_if_active", f"expected true or false, got {only!r}")
@@ -101,11 +105,7 @@ def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], li
     taken: set[tuple[int, tuple[str, int]]] = set()
     for i, item in enumerate(items):
         field = f"{SAE_FIELD}[{i}]" if isinstance(raw, list) else SAE_FIELD
-        if not isinstance(item, dict):
-            raise SteeringSpecError(field, 'expected {"name", "clamps", "mode"?, "phase"?, "site"?}')
-        extra = set(item) - _ENTRY_KEYS
-        if extra:
-            raise SteeringSpecError(field, f"unknown keys {sorted(extra)}")
+        _object(field, item, _ENTRY_KEYS, '{"name", "clamps", "mode"?, "phase"?, "site"?}')
         name = item.get("name")
         if not isinstance(name, str) or name not in catalog:
             raise SteeringSpecError(f"{field}.name", f"unknown SAE {name!r} (this server has {sorted(catalog)})")

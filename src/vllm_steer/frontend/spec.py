@@ -76,6 +76,13 @@ def check_layer(field: str, raw: Any, shape: ModelShape) -> int:
     return layer
 
 
+def finite_number(field: str, raw: Any) -> float:
+    """``raw`` as a float if it is a finite JSON number (not a bool); SteeringSpecError naming ``field`` else."""
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not math.isfinite(raw):
+        raise SteeringSpecError(field, f"expected a finite number, got {raw!r}")
+    return float(raw)
+
+
 def check_finite(field: str, arr: np.ndarray) -> None:
     if not np.isfinite(arr).all():
         raise SteeringSpecError(field, "contains NaN or Inf")
@@ -259,10 +266,7 @@ def _parse_module(obj: Any) -> ModuleRef | None:
     extra = set(obj) - {"name", "scale"}
     if extra:
         raise SteeringSpecError(MODULE_FIELD, f"unknown keys {sorted(extra)}")
-    scale = obj.get("scale", 1.0)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise SteeringSpecError(f"{MODULE_FIELD}.scale", f"expected a finite number, got {scale!r}")
-    return ModuleRef(obj["name"], float(scale))
+    return ModuleRef(obj["name"], finite_number(f"{MODULE_FIELD}.scale", obj.get("scale", 1.0)))
 
 
 def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:

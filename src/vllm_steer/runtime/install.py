@@ -138,6 +138,7 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
     ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites;
     ``sae`` gives the norms of its sites the SAE packs (and the op that applies them)."""
     packs = sae.packs if sae is not None else {}
+    topk_of = sae.topk if sae is not None else {}
     for site in sites:
         norm = site.norm
         if hasattr(type(norm), "_vs_base"):
@@ -147,7 +148,7 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
         captured = tuple(k for k, s in slots.items() if s is not None and capture is not None)
         site_packs = {k: packs.get(s, []) for k, s in slots.items()}
         lengths = (len(site_packs["a"]), len(site_packs["b"]))
-        topk = tuple(sae.topk.get(s, 0) if sae is not None and s is not None else 0 for s in (site.a, site.b))
+        topk = (topk_of.get(site.a, 0), topk_of.get(site.b, 0))
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
                                             lengths, topk)
         for slot, pack in site_packs.items():

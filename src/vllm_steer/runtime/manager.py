@@ -74,13 +74,12 @@ class SteeringRuntime:
         self.rows = RowAllocator(cfg.max_configs)
         self.modules = WorkerModules()
         self.capture: CaptureRuntime | None = None
+        flat = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
         if cfg.capture:
-            flat = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
             self.capture = CaptureRuntime(cfg, flat, num_decoder_layers(model), max_num_tokens,
                                           hidden_size, dtype, device, rank=_rank())
         catalog = sae_catalog(cfg, hidden_size, num_decoder_layers(model))
-        mine = {(h, l) for h, ls in self.hooked_layers.items() for l in ls}
-        self.sae = SaeTables(catalog, mine, cfg.max_configs, device) if catalog else None
+        self.sae = SaeTables(catalog, set(flat), cfg.max_configs, device) if catalog else None
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae)
         self.steered_norms = [s.name for s in sites]
         self._held: dict[str, _Held] = {}
@@ -141,8 +140,6 @@ class SteeringRuntime:
     def _vectors_for(self, steering: EngineSteering, key: str) -> Layout:
         if key in steering.configs:
             return steering.configs[key]
-        if steering.module is None:
-            return {}
         ref = steering.module  # a bare module reference: build the row from the registry
         prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"])
         # float32 vectors -> table rows in the model dtype (the bytes the front end hashed)

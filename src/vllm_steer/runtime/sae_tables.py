@@ -62,14 +62,13 @@ class SaeTables:
             pack = self.packs.get((hook, layer))
             if pack is None:
                 continue  # another rank's site
-            device = pack[0].device
             code = torch.zeros(pack[1].shape[1], dtype=torch.int32)
             value = torch.zeros(pack[2].shape[1], dtype=torch.float32)
             idx = torch.from_numpy(slots.astype(np.int64))
             code[idx] = torch.from_numpy(codes.copy())
             value[idx] = torch.from_numpy(values.copy())
-            pack[1][row].copy_(code.to(device), non_blocking=True)
-            pack[2][row].copy_(value.to(device), non_blocking=True)
+            pack[1][row].copy_(code)  # one host -> device copy each (control plane, not per step)
+            pack[2][row].copy_(value)
             pack[0][row : row + 1].fill_(mode)
             touched.append((hook, layer))
         if touched:
