@@ -31,11 +31,14 @@ def tiny_model():
 
 API_SERVER_CAP = 50_000  # steer.max_request_bytes of the shared API server
 API_KEY = "sekret"  # steer.api_key of the shared API server
+MODULE_CAP = 150_000  # steer.max_module_bytes of the shared API server (above API_SERVER_CAP)
+MAX_MODULES = 24  # steer.max_modules of the shared API server (the tests hold at most ~10 at once)
 PRELOAD_LAYER = 5
 
 
 PROBE_SEED, PROBE_LAYER = 3, 20
 SAE_SITE, SAE_D, SAE_CLAMPABLE, SAE_SEED = "post_mlp.12", 64, 32, 11  # the shared server's SAE "fz"
+SAE_SLOT, SAE_SLOT_SIZE = "post_mlp.8", 16  # its site reserved for SAEs registered at runtime
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +67,7 @@ def probe_plugin():
 @pytest.fixture(scope="session")
 def api_server(smollm2_path, probe_plugin, tmp_path_factory):
     """One OpenAI server (SmolLM2, float32, multi-process) for the request-API, module and capture
-    tests: a byte cap, a module API key, a module preloaded from a safetensors file, and capture
+    tests: byte caps, module limits, a module API key, a module preloaded from a safetensors file, and capture
     consumers (the example probe with a global spec, a raising one, the filesystem one)."""
     import json
 
@@ -83,8 +86,10 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory):
         "layers": [PROBE_LAYER], "hooks": ["post_mlp"], "positions": "last_prompt"}}}
     capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}]
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
-                                "modules": {"preloaded": str(d / "preloaded.safetensors")}, "capture": capture,
-                                "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}}}})
+                                "modules": {"preloaded": str(d / "preloaded.safetensors")},
+                                "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,
+                                "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
+                                "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}}})
     log = d / "server.log"
     with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log) as (base, _):
         yield base, smollm2_path, log, d / "captures"

@@ -81,6 +81,13 @@ def _main(src: str, dst: str) -> None:
         result["rpc"] = {name: llm.collective_rpc(name) for name in job["rpc"]}
     done: list = []  # outputs of earlier calls, for prompts that continue them
     for call in job.get("calls", []):
+        if "llm_call" in call:  # {"llm_call": "module:function", "kwargs": {...}}: fn(llm, **kwargs)
+            import importlib
+
+            module, _, fn = call["llm_call"].partition(":")
+            result["calls"].append(getattr(importlib.import_module(module), fn)(llm, **call.get("kwargs", {})))
+            done.append(None)
+            continue
         params = [SamplingParams(**p) for p in call["params"]]
         prompts = [_continued(p, done) for p in call["prompts"]]
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -33,13 +33,52 @@ def test_empty_steer_block_turns_steering_on_with_defaults():
         ({"hooks": ["post_mlp", "mid_mlp"]}, "hooks"),
         ({"layers": [-1]}, "layers"),
         ({"enabled": "yes"}, "enabled"),
+        ({"max_modules": 0}, "max_modules"),
+        ({"max_modules": "8"}, "max_modules"),
+        ({"max_module_bytes": 0}, "max_module_bytes"),
+        ({"max_module_bytes": 1.5}, "max_module_bytes"),
+        ({"max_modules": 1, "modules": {"a": "a.safetensors", "b": "b.safetensors"}}, "modules"),
     ],
-    ids=["negative", "unknown-key", "wrong-type", "unknown-hook", "negative-layer", "bool-type"],
+    ids=["negative", "unknown-key", "wrong-type", "unknown-hook", "negative-layer", "bool-type",
+         "max-modules-zero", "max-modules-str", "module-bytes-zero", "module-bytes-float", "preloads-over-max"],
 )
 def test_malformed_config_names_the_key(block, key):
     with pytest.raises(SteerConfigError) as e:
         parse_steer_config({"steer": block})
     assert f"additional_config.steer.{key}" in str(e.value)
+
+
+def test_module_limits_defaults_and_the_registration_body_cap():
+    cfg = parse_steer_config({"steer": {}})
+    assert cfg.max_modules == 256 and cfg.max_module_bytes == 64 << 20
+    assert cfg.module_body_cap == 2 * (64 << 20) + (1 << 20)
+    with pytest.raises(SteerConfigError, match=r"2 modules to preload, over steer.max_modules \(1\)"):
+        parse_steer_config({"steer": {"max_modules": 1, "modules": {"a": "a.gguf", "b": "b.gguf"}}})
+
+
+def test_a_preloaded_module_over_max_module_bytes_stops_start_up_naming_the_key(tmp_path):
+    """``steer.modules`` files obey ``max_module_bytes``: a module over it, or a file too large to
+    hold one under it (not read), is a SteerConfigError naming ``steer.modules.<name>``."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from vllm_steer.frontend.module_registration import load_path
+    from vllm_steer.frontend.spec import ModelShape
+
+    shape = ModelShape(num_layers=4, hidden_size=64, hooks=("pre_attn", "post_attn", "post_mlp"), layers=None,
+                       max_bytes=3 * 64 * 4)  # three vectors
+    vec = np.ones(64, np.float32)
+    save_file({f"post_mlp.{l}": vec for l in range(3)}, str(tmp_path / "fits.safetensors"))
+    save_file({f"post_mlp.{l}": vec for l in range(4)}, str(tmp_path / "over.safetensors"))
+    assert load_path("fits", str(tmp_path / "fits.safetensors"), shape).nbytes == 3 * 64 * 4
+    with pytest.raises(SteerConfigError, match=r"additional_config\.steer\.modules\.over: .*1024 bytes of float32"
+                                               r" vectors, over the server's cap of 768"):
+        load_path("over", str(tmp_path / "over.safetensors"), shape)
+    huge = tmp_path / "huge.safetensors"
+    with open(huge, "wb") as f:  # sparse: larger than 2 x max_module_bytes + 1 MiB
+        f.truncate(2 * shape.max_bytes + (1 << 20) + 1)
+    with pytest.raises(SteerConfigError, match=r"additional_config\.steer\.modules\.huge: .* not read"):
+        load_path("huge", str(huge), shape)
 
 
 def test_steer_block_must_be_an_object():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from tests.conftest import API_KEY
+from tests.conftest import API_KEY, MODULE_CAP
 from vllm_steer.client import pack
 
 HIDDEN, LAYER, N_LAYERS = 576, 14, 30
@@ -157,6 +157,12 @@ def module_cases() -> Iterator[tuple[str, dict | None, dict | None, str]]:
     yield "mod:description", {"name": "fz", **vec, "description": 5}, None, "description"
     yield "mod:replace", {"name": "fz", **vec, "replace": "perhaps"}, None, "replace"
     yield "mod:replace-num", {"name": "fz", **vec, "replace": 2}, None, "replace"
+    hooks = ("pre_attn", "post_attn", "post_mlp")  # 3 hooks x 30 layers: 207,360 bytes > MODULE_CAP
+    rows = pack(np.tile(GOOD_VEC, (N_LAYERS, 1)), list(range(N_LAYERS)))
+    yield "mod:over-module-cap", {"name": "fz", "steering_vectors": {h: rows for h in hooks}}, None, "steering_vectors"
+    yield ("mod:file:over-module-cap", None,
+           {"file": ("v.safetensors", save({f"{h}.{l}": GOOD_VEC for h in hooks for l in range(N_LAYERS)}))}, "file")
+    yield "mod:file:over-body-cap", None, {"file": ("v.safetensors", b"\0" * (2 * MODULE_CAP + (1 << 20) + 1))}, "file"
     st = save({"post_mlp.3": GOOD_VEC})
     for fname, payload in (("v.safetensors", st[: len(st) // 2]), ("v.safetensors", st[:8]),
                            ("v.safetensors", b"\xff" * 64), ("v.gguf", st), ("v.gguf", b"GGUF\x03\0\0\0" + b"\xff" * 40),

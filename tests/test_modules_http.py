@@ -1,6 +1,7 @@
 """Named steering modules over HTTP (real server, multi-process): register JSON / packed /
 safetensors / GGUF, list, get, use at two scales in one batch, delete while in flight, auth,
-malformed registrations, start-up preload; a module equals the same vectors sent inline."""
+malformed registrations, start-up preload, the module limits (count, bytes, body size); a module
+equals the same vectors sent inline."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from tests.conftest import API_KEY, PRELOAD_LAYER
+from tests.conftest import API_KEY, API_SERVER_CAP, MAX_MODULES, MODULE_CAP, PRELOAD_LAYER
 from tests.steering_cases import vector
 from vllm_steer.client import pack
 
@@ -254,3 +255,83 @@ def test_json_module_file_upload_equals_the_json_route(base, model):
     a = complete(base, model, steering_module={"name": "json-file-mod"}).json()
     b = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+ROWS30 = pack(np.tile(VEC, (30, 1)), list(range(30)))  # 30 layers: 69,120 bytes of float32 per hook
+
+
+def _gone(base, name):
+    return httpx.get(f"{base}/v1/steering/modules/{name}", timeout=30).status_code == 404
+
+
+def test_module_byte_cap_is_its_own_and_a_module_over_it_is_a_413_naming_the_field(base, model):
+    # 138,240 bytes: over the request cap (max_request_bytes), under max_module_bytes: a module may be
+    # larger than what one request may carry, and it steers as the same vectors do
+    r = register(base, {"name": "big-ok", "steering_vectors": {"post_mlp": ROWS30, "pre_attn": ROWS30}})
+    assert r.status_code == 201, r.text
+    assert API_SERVER_CAP < r.json()["bytes"] == 2 * 30 * HIDDEN * 4 <= MODULE_CAP
+    assert httpx.delete(f"{base}/v1/steering/modules/big-ok", headers=AUTH, timeout=30).status_code == 200
+    three_hooks = {"post_mlp": ROWS30, "pre_attn": ROWS30, "post_attn": ROWS30}  # 207,360 bytes
+    two_hooks = {"post_mlp": ROWS30, "pre_attn": ROWS30}
+    st = save({f"{h}.{l}": VEC for h in ("pre_attn", "post_attn", "post_mlp") for l in range(30)})
+    cases = [
+        ({"name": "big", "steering_vectors": three_hooks}, None, "steering_vectors"),  # one tier over
+        ({"name": "big", "prefill_steering_vectors": two_hooks, "decode_steering_vectors": {"post_mlp": ROWS30}},
+         None, "prefill_steering_vectors"),  # each tier under, the module over: the largest tier is named
+        (None, {"file": ("v.safetensors", st)}, "file"),
+        (None, {"file": ("v.json", json.dumps({"steering_vectors": three_hooks}).encode())}, "file.steering_vectors"),
+    ]
+    for body, files, field in cases:
+        r = register(base, body, files=files, data={"name": "big"} if files else None)
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "max_module_bytes" in err["message"], r.text
+        assert _gone(base, "big")
+
+
+def test_a_registration_body_over_the_cap_is_a_413_before_it_is_read(base):
+    cap = 2 * MODULE_CAP + (1 << 20)  # module_body_cap
+    junk = b"\xff" * (cap + 1)  # read, it would be a 400 (not a safetensors file)
+    r = register(base, files={"file": ("v.safetensors", junk)}, data={"name": "huge"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "file", r.text
+    assert "max_module_bytes" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/steering/modules", content=b"{" + b" " * cap + b"}", timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+
+    def chunks():  # no content-length: refused once the bytes that arrived pass the cap
+        yield b'{"name": "huge", "description": "'
+        for _ in range(cap // 65536 + 2):
+            yield b"x" * 65536
+
+    r = httpx.post(f"{base}/v1/steering/modules", content=chunks(), timeout=60,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+    assert _gone(base, "huge")
+
+
+def test_registering_beyond_max_modules_is_a_409_naming_the_limit(base, model):
+    small = {"post_mlp": {str(LAYER): VEC.tolist()}}
+    held = [m["name"] for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]]
+    fillers = [f"fill-{i}" for i in range(MAX_MODULES - len(held))]
+    assert fillers, f"the shared server already holds {len(held)} modules (max_modules {MAX_MODULES})"
+    try:
+        for name in fillers:
+            assert register(base, {"name": name, "steering_vectors": small}).status_code == 201
+        for r in (register(base, {"name": "one-too-many", "steering_vectors": small}),
+                  register(base, files={"file": ("v.safetensors", save({f"post_mlp.{LAYER}": VEC}))},
+                           data={"name": "one-too-many"})):
+            assert r.status_code == 409, r.text
+            assert f"max_modules ({MAX_MODULES})" in r.json()["error"]["message"] and r.json()["error"]["param"] == "name"
+        assert _gone(base, "one-too-many")
+        # replacing an existing name is not a new module; deleting one frees a place
+        r = register(base, {"name": fillers[0], "steering_vectors": {"post_mlp": {str(LAYER): (-VEC).tolist()}},
+                            "replace": True})
+        assert r.status_code == 201, r.text
+        assert complete(base, model, steering_module={"name": fillers[0]}).status_code == 200
+        assert httpx.delete(f"{base}/v1/steering/modules/{fillers[-1]}", headers=AUTH, timeout=30).status_code == 200
+        assert register(base, {"name": "one-too-many", "steering_vectors": small}).status_code == 201
+    finally:
+        for name in fillers + ["one-too-many"]:
+            httpx.delete(f"{base}/v1/steering/modules/{name}", headers=AUTH, timeout=30)
+    assert len(httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]) == len(held)

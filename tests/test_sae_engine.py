@@ -50,6 +50,12 @@ REQUESTS = {  # name -> (steering fields, the oracle's edits as [(sae, site, mod
     "gs_and_vector": ({"sae": {"name": "gs", "clamps": BIG}, "steering_vectors": floats("post_mlp", 14, VEC)},
                       [("gs", ("post_mlp", 14), "delta", BIG)], {"post_mlp": {14: VEC}}),
 }
+# SAEs registered while the engine runs, one after the other at the reserved site post_mlp.16: the
+# second (fewer features) replaces the first's staged weights in place after the first is deleted
+RT_SITE = ("post_mlp", 16)
+RT = {"rt_a": random_sae(HIDDEN, F, "relu", seed=21), "rt_b": random_sae(HIDDEN, F, "jumprelu", seed=22)}
+RT_FEATURES = {"rt_a": list(range(40)), "rt_b": [3, 17, 30, 41]}
+RT_CLAMPS = BIG
 NO_OP = [{"feature": 3, "kind": "scale", "value": 1.0}, {"feature": 17, "kind": "add", "value": 0.0}]
 PHASED = {
     "own_value": {"sae": {"name": "gs", "clamps": NO_OP}},
@@ -80,16 +86,35 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
     batch = [params(**fields) for fields, _, _ in REQUESTS.values()]
     phased = [params(prompt_logprobs=True, **fields) for fields in PHASED.values()]
     prompt = {"prompt_token_ids": list(prompt_ids)}
+    rt_request = params(sae={"name": "rt", "clamps": RT_CLAMPS})
     job = {
         "model": smollm2_path,
         "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16,
                        "distributed_executor_backend": "uni",
-                       "additional_config": {"steer": {"max_configs": 16, "sae": _files(d)}}},
+                       "additional_config": {"steer": {"max_configs": 16, "sae": _files(d),
+                                                       "sae_slots": {"post_mlp.16": 48}}}},
         "calls": [{"prompts": [prompt] * len(batch), "params": batch},
-                  {"prompts": [prompt] * len(phased), "params": phased}],
+                  {"prompts": [prompt] * len(phased), "params": phased}]
+        + _runtime_calls(d, prompt, rt_request),
     }
     res = run_job(job, d)
-    return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1]))}
+    return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1])),
+            "runtime": res["calls"][2:]}
+
+
+def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
+    """Register rt_a's file as "rt", steer with it beside a plain request, delete it, register rt_b's
+    file under the same name at the same site, steer again."""
+    files = {"rt_a": {"path": str(write_sae_lens(d / "rt_a", RT["rt_a"], hook_name="blocks.16.hook_resid_post"))},
+             "rt_b": {"path": str(write_gemma_scope(d / "rt_b", RT["rt_b"])), "site": "post_mlp.16"}}
+    calls = []
+    for which in ("rt_a", "rt_b"):
+        if which == "rt_b":
+            calls.append({"llm_call": "vllm_steer.frontend.sae_registration:unregister_sae", "kwargs": {"name": "rt"}})
+        calls.append({"llm_call": "vllm_steer.frontend.sae_registration:register_sae", "kwargs": {
+            "name": "rt", "features": RT_FEATURES[which], **files[which]}})
+        calls.append({"prompts": [prompt] * 2, "params": [request, params()]})
+    return calls
 
 
 def _edit(weights, mode: str, clamps: list):
@@ -147,3 +172,18 @@ def test_phases_clamp_only_their_tokens(run):
     np.testing.assert_allclose(p["prefill_only"]["prompt_logprobs"][1:], p["both"]["prompt_logprobs"][1:], atol=1e-5)
     assert not np.allclose(p["prefill_only"]["prompt_logprobs"][1:], plain_prompt, atol=1e-3)
     assert p["prefill_only"]["token_ids"] != p["both"]["token_ids"]
+
+
+def test_runtime_registered_saes_clamp_like_transformers_and_replace_each_other(run, smollm2_path, prompt_ids):
+    """SAEs registered at a reserved site while the engine runs clamp exactly like transformers with the
+    same SAE; deleting one and registering another at the same site stages the new weights in place."""
+    reg_a, (got_a, plain_a), _deleted, reg_b, (got_b, plain_b) = run["runtime"]
+    assert reg_a["sites"] == reg_b["sites"] == ["post_mlp.16"] and reg_a["source"] == "runtime"
+    assert (reg_a["clampable"], reg_b["clampable"]) == (40, 4)
+    for which, got in (("rt_a", got_a), ("rt_b", got_b)):
+        edit = _edit(RT[which], "delta", RT_CLAMPS)
+        ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[(*RT_SITE, edit)])
+        assert got["token_ids"] == ref_tokens, which
+        np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    assert got_a["token_ids"] != got_b["token_ids"] != plain_b["token_ids"]
+    assert plain_a["token_ids"] == plain_b["token_ids"] == run["batch"]["plain"]["token_ids"]

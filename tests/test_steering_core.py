@@ -1,13 +1,19 @@
-"""Steering core on real SmolLM2-135M (float32, CPU lane): oracle, mixed batch, capacity, phases."""
+"""Steering core on real SmolLM2-135M (float32, CPU lane): oracle, mixed batch, capacity, phases,
+isolation under pressure (4 x max_configs distinct configs at once, vectors, named modules and SAE
+clamps; preemption), capture of preempted requests and capture pool exhaustion."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from tests import hf_oracle
 from tests.engine_job import run_job
+from tests.sae_writers import random_sae, write_gemma_scope
 from tests.steering_cases import floats, params, vector
+from vllm_steer.capture.filesystem import load_request
 
 HIDDEN = 576
 LAYER = 14
@@ -91,20 +97,92 @@ def test_mixed_batch_each_request_as_if_alone(core_run):
     assert mixed[0]["token_ids"] == mixed[-1]["token_ids"] == core_run["oracle"][0]["token_ids"]
 
 
-def test_more_configs_than_rows_all_complete_with_their_own_steering(core_run, smollm2_path, prompt_ids, tmp_path):
-    mixed_params = core_run["mixed_params"][1:9]  # 8 distinct configs
+SAE_SITE = "post_mlp.12"
+CLAMPS = [{"feature": 3, "kind": "set", "value": 40.0}, {"feature": 17, "kind": "set", "value": 35.0}]
+REGISTER = "vllm_steer.frontend.module_registration:register_module"  # an engine_job llm_call
+
+
+def _sae(d) -> dict:
+    """``steer.sae`` with one clamp-only JumpReLU SAE ("pz", 64 features) at SAE_SITE."""
+    path = write_gemma_scope(str(d / "sae"), random_sae(HIDDEN, 64, "jumprelu", seed=11))
+    return {"pz": {"path": path, "site": SAE_SITE, "features": list(range(32))}}
+
+
+def _register(name: str, hook: str, layer: int, seed: int) -> dict:
+    return {"llm_call": REGISTER, "kwargs": {"name": name, "steering_vectors": floats(hook, layer, vector(HIDDEN, seed, SCALE))}}
+
+
+@pytest.fixture(scope="module")
+def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
+    """max_configs=3 (2 usable rows): 12 distinct configs at once (the 8 vector configs of core_run,
+    a named module at two scales, an SAE clamp, the clamp plus a vector), then each new one alone.
+    The same engine runs capture with the smallest pool (capture_max_rows=16): a long prompt
+    captured at every position of two sites, and the same prompt uncaptured."""
+    d = tmp_path_factory.mktemp("pressure")
+    _, tok = hf_oracle.load(smollm2_path)
+    long_ids = tok(LONG_PROMPT)["input_ids"]
+    new = [params(steering_module={"name": "pm", "scale": 1.0}), params(steering_module={"name": "pm", "scale": 0.5}),
+           params(sae={"name": "pz", "clamps": CLAMPS}),
+           params(sae={"name": "pz", "clamps": CLAMPS}, steering_vectors=floats("pre_attn", 9, vector(HIDDEN, 400, SCALE)))]
+    batch = core_run["mixed_params"][1:9] + new
+    spec = {"layers": [2, 20], "hooks": ["post_mlp"], "positions": "all"}
     job = {
         "model": smollm2_path,
-        "llm_kwargs": _engine(max_configs=3),  # 2 usable rows
-        "calls": [{"prompts": [_prompt(prompt_ids)] * 8, "params": mixed_params}],
-        "rpc_after": ["vllm_steer_status"],
+        "llm_kwargs": _engine(max_configs=3, additional_config={"steer": {
+            "max_configs": 3, "sae": _sae(d), "capture_max_rows": 16,
+            "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}]}}),
+        "calls": [_register("pm", "post_mlp", 8, 500),
+                  {"prompts": [_prompt(prompt_ids)] * len(batch), "params": batch}]
+        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in new]
+        + [{"prompts": [_prompt(long_ids)], "params": [p]} for p in (params(8), params(8, capture={"fs": spec}))],
+        "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
-    out = run_job(job, tmp_path)
+    out = run_job(job, d)
     (worker,) = out["rpc_after"]["vllm_steer_status"]
-    assert worker["peak_live_configs"] == 2  # never more live configs than usable rows
-    res = out["calls"][0]
-    for i, (got, want) in enumerate(zip(res, core_run["alone"][1:9])):
+    calls = out["calls"][1:]  # calls[0]: the module registration's summary
+    return {"worker": worker, "batch": calls[0], "new_alone": [c[0] for c in calls[1:5]], "long": calls[5:7],
+            "long_ids": long_ids, "root": d / "captures"}
+
+
+def test_more_configs_than_rows_all_complete_with_their_own_steering(pressure_run, core_run):
+    """12 distinct configs (4 x max_configs) on 2 usable rows: every request gets its own steering
+    (vectors, a module at two scales, an SAE clamp, clamp + vector), the same tokens as alone."""
+    assert pressure_run["worker"]["peak_live_configs"] == 2  # never more live configs than usable rows
+    batch = pressure_run["batch"]
+    assert len(batch) == 12
+    for i, (got, want) in enumerate(zip(batch, core_run["alone"][1:9] + pressure_run["new_alone"])):
         assert got["token_ids"] == want["token_ids"], f"request {i}"
+    plain = core_run["alone"][0]["token_ids"]
+    assert all(r["token_ids"] != plain for r in batch[8:])  # the module and the SAE really steer
+    assert batch[8]["token_ids"] != batch[9]["token_ids"] and batch[10]["token_ids"] != batch[11]["token_ids"]
+
+
+def test_a_full_capture_pool_drops_rows_never_tokens_and_tells_the_consumer(pressure_run, smollm2_path):
+    """capture_max_rows=16 and 2 sites x every position of a long prompt: the step keeps 16 rows and
+    drops the rest (counted), tokens equal the uncaptured run, every delivered row is the right one
+    (transformers' residual at that position), and the finish meta lists exactly the missing ones."""
+    from tests.test_capture import hf_streams
+
+    plain, captured = (c[0] for c in pressure_run["long"])
+    assert captured["token_ids"] == plain["token_ids"]
+    stats = pressure_run["worker"]["capture"]
+    assert stats["dropped_rows"] > 0 and stats["consumer_errors"] == 0
+    ids = pressure_run["long_ids"]
+    n = len(ids) + 8 - 1  # prompt + generated tokens fed back
+    got = load_request(str(pressure_run["root"]), captured["request_id"])
+    d = next(p.parent for p in pressure_run["root"].rglob("request.json")
+             if json.loads(p.read_text())["external_id"] == captured["request_id"])
+    meta = json.loads((d / "request.json").read_text())
+    ref = hf_streams(smollm2_path, ids + captured["token_ids"][:-1])
+    delivered = 0
+    for layer in (2, 20):
+        positions, rows = got.get((layer, "post_mlp"), (np.zeros(0, int), np.zeros((0, HIDDEN))))
+        missing = meta["dropped"].get(f"post_mlp.{layer}", [])
+        assert sorted(positions.tolist() + missing) == list(range(n)), layer  # each position: delivered xor listed
+        np.testing.assert_allclose(rows, ref[(layer, "post_mlp")][positions], rtol=1e-4, atol=2e-3)
+        delivered += len(positions)
+    assert meta["dropped_rows"] == 2 * n - delivered == stats["dropped_rows"]
+    assert delivered >= 16
 
 
 LONG_PROMPT = "Once upon a time there was a little robot who wanted to learn how to write stories. " * 6
@@ -167,23 +245,46 @@ def test_decode_steered_reply_blocks_are_not_reused_by_an_unsteered_follow_up(ph
     np.testing.assert_allclose(follow_cached["logprobs"], follow_fresh["logprobs"], atol=1e-4)
 
 
-def test_preempted_requests_resume_with_their_own_steering(core_run, smollm2_path, prompt_ids, tmp_path):
-    """A KV cache too small for the batch forces preemption; every request still produces what
-    it produces alone, so its steering survived preemption and resumption."""
-    reqs = [params(100, logprobs=False)] + [
-        params(100, logprobs=False, steering_vectors=floats(HOOKS[i % 3], 6 + i, vector(HIDDEN, 300 + i, SCALE)))
+def test_preempted_requests_resume_with_their_own_steering_and_capture_each_position_once(
+        core_run, smollm2_path, prompt_ids, tmp_path):
+    """A KV cache too small for the batch forces preemption; every request (unsteered, vectors, a
+    named module, an SAE clamp) still produces what it produces alone, so its steering survived
+    preemption and resumption. Every request also captures every position at 4 sites: a preempted
+    request recomputes its prompt and generated tokens, yet each position is delivered once, and
+    its rows equal those of the same request alone (no preemption)."""
+    spec = {"layers": [3, 17], "hooks": ["pre_attn", "post_mlp"], "positions": "all"}
+    reqs = [params(100, logprobs=False, capture={"fs": spec})] + [
+        params(100, logprobs=False, capture={"fs": spec},
+               steering_vectors=floats(HOOKS[i % 3], 6 + i, vector(HIDDEN, 300 + i, SCALE)))
         for i in range(5)
-    ]
+    ] + [params(100, logprobs=False, capture={"fs": spec}, steering_module={"name": "pm", "scale": 0.7}),
+         params(100, logprobs=False, capture={"fs": spec}, sae={"name": "pz", "clamps": CLAMPS})]
+    root = tmp_path / "captures"
+    steer = {"max_configs": 8, "sae": _sae(tmp_path),
+             "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}}]}
     job = {
         "model": smollm2_path,
-        "llm_kwargs": {**_engine(max_configs=8, block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False), "max_model_len": 256},
-        "calls": [{"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}]
+        "llm_kwargs": {**_engine(max_configs=8, block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False,
+                                 additional_config={"steer": steer}), "max_model_len": 256},
+        "calls": [_register("pm", "post_attn", 11, 600),
+                  {"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}]
         + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in reqs],
-        "rpc_after": ["vllm_steer_status"],
+        "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
     out = run_job(job, tmp_path)
     (worker,) = out["rpc_after"]["vllm_steer_status"]
     assert worker["preemptions_seen"] > 0
-    together, alone = out["calls"][0], [c[0] for c in out["calls"][1:]]
+    # preempted requests recomputed positions they had captured: those were not planned again
+    assert worker["capture"]["recomputed_positions"] > 0
+    assert worker["capture"]["dropped_rows"] == worker["capture"]["dropped_packets"] == 0
+    together, alone = out["calls"][1], [c[0] for c in out["calls"][2:]]
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t["token_ids"] == a["token_ids"], f"request {i}"
+    assert all(t["token_ids"] != together[0]["token_ids"] for t in together[1:])
+    n = len(prompt_ids) + 100 - 1  # prompt + generated tokens fed back
+    for i, (t, a) in enumerate(zip(together, alone)):
+        got, want = load_request(str(root), t["request_id"]), load_request(str(root), a["request_id"])
+        assert set(got) == set(want) == {(l, h) for l in (3, 17) for h in ("pre_attn", "post_mlp")}
+        for site, (positions, rows) in got.items():
+            np.testing.assert_array_equal(positions, np.arange(n), err_msg=f"request {i} {site}")  # once each, in order
+            np.testing.assert_allclose(rows, want[site][1], rtol=1e-4, atol=1e-3, err_msg=f"request {i} {site}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -69,6 +70,14 @@ def analyze_events(events: list) -> dict:
     steer_per_modal = Counter(
         sum(1 for k in by_corr.get(_corr(e), []) if is_steer_kernel(k.get("name", "")))
         for e, n in zip(launches, per_launch) if n == mode)
+    # GPU time of the forward graph (the launches with the most kernels), in all and per kernel name
+    biggest = max(per_launch, default=None)
+    modal = [by_corr.get(_corr(e), []) for e, n in zip(launches, per_launch) if n == biggest]
+    step_us = sorted(sum(float(k.get("dur", 0)) for k in ks) for ks in modal)
+    per_name: dict[str, float] = {}
+    for ks in modal:
+        for k in ks:
+            per_name[k["name"][:80]] = per_name.get(k["name"][:80], 0.0) + float(k.get("dur", 0)) / len(modal)
     eager_names = Counter(e.get("name", "")[:80] for e in eager)
     top: dict[str, float] = {}
     for e in kern:
@@ -88,6 +97,10 @@ def analyze_events(events: list) -> dict:
         "graph_launches": len(launches),
         "kernels_per_launch_hist": {str(k): v for k, v in sorted(hist.items())},
         "kernels_per_step": mode,
+        "step_kernel_us_median": round(step_us[len(step_us) // 2], 1) if step_us else None,
+        "step_kernel_us_mean": round(sum(step_us) / len(step_us), 1) if step_us else None,
+        "step_launches": len(step_us),
+        "step_top_kernels_us": sorted(((round(v, 2), k) for k, v in per_name.items()), reverse=True)[:20],
         "graph_kernels": len(in_graph),
         "graph_kernel_us": _us(in_graph),
         "eager_kernels": len(eager),
@@ -138,7 +151,7 @@ def graph_phase(pool, ctx: dict, results: dict, save) -> None:
         try:
             server = pool.get(sname)
             before = set(server.prof_dir.rglob("*.json*"))
-            n, mt = 4, 16
+            n, mt = int(os.environ.get("GRAPH_REQUESTS", "4")), 16
             prompts = make_prompts(n, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of("graph", label))
             fields = arm_fields({"kind": kind, "n_configs": 4}, n, seed_of("graph", label, "v"), ctx)
             bodies = build_bodies(prompts, fields, mt)
@@ -164,7 +177,8 @@ def graph_phase(pool, ctx: dict, results: dict, save) -> None:
             res[label] = rec
             log(f"[graph] {label}: kernels {rec['kernels']} ({rec['kernel_us']} µs), graph launches "
                 f"{rec['graph_launches']}, kernels/launch {rec['kernels_per_launch_hist']} (per step "
-                f"{rec['kernels_per_step']}), eager kernels {rec['eager_kernels']} ({rec['eager_kernel_us']} µs), "
+                f"{rec['kernels_per_step']}; forward graph median {rec['step_kernel_us_median']} µs GPU over "
+                f"{rec['step_launches']} launches), eager kernels {rec['eager_kernels']} ({rec['eager_kernel_us']} µs), "
                 f"steer kernels {rec['steer_kernels']} ({rec['steer_kernel_us']} µs; in graphs "
                 f"{rec['steer_kernels_in_graphs']}, per step {rec['steer_kernels_per_step']}), "
                 f"/v1/steering ops {rec['status_ops']}")

@@ -48,7 +48,7 @@ PATCHES: tuple[Patch, ...] = (
           "as above"),
     Patch("vllm.v1.engine.core:EngineCore.collective_rpc", ("self", "method", "timeout", "args", "kwargs"),
           "vllm_steer.engine.module_rpc",
-          "module registration pins rows in the gate; in_flight counts come from the scheduler",
+          "module registration pins rows in the gate; in_flight counts and /metrics values come from the scheduler",
           "vLLM has engine-side plugin RPCs"),
     Patch("vllm.v1.worker.worker_base:WorkerBase", (), "vllm_steer.runtime.worker_rpc",
           "adds vllm_steer_* methods for collective_rpc (nothing replaced)",

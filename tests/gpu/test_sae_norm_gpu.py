@@ -197,3 +197,40 @@ def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
     pb[0].zero_()
     graph.replay()
     assert torch.equal(out, plain[0]) and torch.equal(res, plain[1])
+
+
+def test_runtime_sae_staged_into_a_reserved_site_after_capture(registered, tmp_path):
+    """A site reserved by ``steer.sae_slots`` (SaeTables, empty pack) inside a CUDA graph captured before
+    any SAE existed: staging one (``load_runtime``) and writing rows in place take effect at replay; a
+    second SAE with fewer features staged over it leaves nothing of the first."""
+    import numpy as np
+
+    from tests.sae_writers import random_sae, write_gemma_scope
+    from vllm_steer.core.sae_rows import DELTA, SET, wire_entry
+    from vllm_steer.runtime.sae_tables import SaeTables
+
+    n, d, dtype, site = 24, 1024, torch.bfloat16, ("post_mlp", 3)
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=21)
+    sae = SaeTables({}, {site: 48}, {site}, R, d, torch.device("cuda"))
+    pa, pb = sae.packs[site], clamp_pack(d, 8, seed=22, device="cuda")
+    pb[0].zero_()
+    vec = (ta, _flag(1), tb, _flag(1))
+    registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)  # JIT outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    graph.replay()
+    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
+    assert torch.equal(out, plain[0]) and torch.equal(res, plain[1])
+
+    for seed, features in ((23, list(range(40))), (24, [5, 9, 33])):
+        path = write_gemma_scope(str(tmp_path / f"s{seed}"), random_sae(d, 64, "jumprelu", seed=seed))
+        assert sae.load_runtime(f"s{seed}", seed, path, None, "post_mlp.3", tuple(features), [site]) == [site]
+        slots = np.arange(len(features), dtype=np.int32)
+        sae.write_row(1, [wire_entry(f"s{seed}", *site, DELTA, slots, np.full(len(slots), SET, np.int32),
+                                     np.full(len(slots), 6.0, np.float32))])
+        graph.replay()
+        want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+        _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
+        assert not torch.equal(res, plain[1])
+        assert int(torch.count_nonzero(pa[3][len(features):])) == 0  # the slots past its features are empty

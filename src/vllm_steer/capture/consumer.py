@@ -4,7 +4,8 @@ A consumer class (advertised as ``name = "package.module:Class"``) declares ``lo
 ``"worker"`` (an instance runs in every worker, on that rank's chunks) or ``"driver"`` (one
 instance, on the first rank, whose ``on_request_finished`` may return a JSON-able per-request
 result that comes back with the request's output). Consumers run on a dispatch thread, never on
-the engine's step; exceptions are caught and counted.
+the engine's step; exceptions are caught and counted. The engine never waits for capture: rows it
+cannot keep are dropped, and ``on_request_finished``'s ``meta["dropped"]`` names their positions.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ class CaptureConsumer(Protocol):
         """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``."""
 
     def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
-        """All rows of the request were delivered. Driver consumers may return a result."""
+        """All rows of the request were delivered. Driver consumers may return a result.
+
+        ``meta``: ``prompt_len``; ``external_id`` (the id the caller knows, when it differs);
+        ``dropped``: ``{"hook.layer": [positions]}`` this consumer wanted and will never get
+        (empty when nothing was dropped); ``dropped_rows``: how many. Rows are dropped, never
+        waited for, when a step wants more than the device pool holds (``steer.capture_max_rows``)
+        or 256 row packets are still undelivered (a slow consumer). Each position of a request
+        arrives at most once, also when a preempted request recomputes it; positions the engine
+        does not compute (prefix-cache hits) are not captured and not listed."""
 
     def close(self) -> None: ...
 

@@ -87,6 +87,12 @@ class SaeModuleConfig(BaseModel):
 MAX_CLAMPABLE = 4096  # clampable features per SAE site
 
 
+def upload_cap(max_bytes: int) -> int:
+    """The largest body worth reading for ``max_bytes`` of vectors: twice them (packed in base64
+    JSON they are 4/3 as large) plus 1 MiB for the rest of the body."""
+    return 2 * max_bytes + (1 << 20)
+
+
 class SteerConfig(BaseModel):
     """Engine-wide steering settings (all optional; ``{}`` means defaults)."""
 
@@ -110,12 +116,23 @@ class SteerConfig(BaseModel):
     rest of the request)."""
     modules: dict[str, str] = Field(default_factory=dict)
     """Named modules to load at start-up: name -> file path."""
+    max_modules: int = Field(default=256, ge=1)
+    """Named modules one API server process holds (preloaded ones included); registering a new
+    name beyond it is a 409 (replacing an existing name is not a new module)."""
+    max_module_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    """Largest module, in bytes of its float32 vectors (all tiers; ``GET .../modules`` ``bytes``):
+    a 413 beyond it. A registration body or file larger than ``module_body_cap`` is refused
+    before it is read further."""
     capture: tuple[ConsumerConfig, ...] = ()
     """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
     capture_max_rows: int = Field(default=4096, ge=16)
     """Residual rows one step can capture across all sites (the device pool's size)."""
     sae: dict[str, SaeModuleConfig] = Field(default_factory=dict)
     """SAEs requests may clamp features of (``"sae": {"name": ...}``), by name."""
+    sae_slots: dict[str, int] = Field(default_factory=dict)
+    """Sites reserved for SAEs registered while the server runs (``POST /v1/steering/sae``):
+    ``"hook.layer"`` -> how many clampable features the site holds (its tables are allocated at
+    start-up, so CUDA graphs and torch.compile see them from the first step)."""
 
     @field_validator("capture", mode="before")
     @classmethod
@@ -144,6 +161,14 @@ class SteerConfig(BaseModel):
             raise ValueError("layer indices must be >= 0")
         return v
 
+    @field_validator("sae_slots", mode="after")
+    @classmethod
+    def _slot_sizes(cls, v: Any) -> Any:
+        for site, n in v.items():
+            if not 1 <= n <= MAX_CLAMPABLE:
+                raise ValueError(f"{site}: between 1 and {MAX_CLAMPABLE} clampable features, got {n}")
+        return v
+
     @field_validator("capture", mode="after")
     @classmethod
     def _unique_instances(cls, v: Any) -> Any:
@@ -154,7 +179,12 @@ class SteerConfig(BaseModel):
 
     @property
     def body_cap(self) -> int:
-        return self.max_body_bytes or 2 * self.max_request_bytes + (1 << 20)
+        return self.max_body_bytes or upload_cap(self.max_request_bytes)
+
+    @property
+    def module_body_cap(self) -> int:
+        """Largest module registration body (JSON or multipart) the server reads."""
+        return upload_cap(self.max_module_bytes)
 
     @property
     def usable_rows(self) -> int:
@@ -179,6 +209,11 @@ def parse_steer_config(additional_config: dict[str, Any] | None) -> SteerConfig 
         raise SteerConfigError(
             f"additional_config.steer.{key}: {err['msg']} (got {err.get('input')!r})"
         ) from None
+    if len(cfg.modules) > cfg.max_modules:
+        raise SteerConfigError(
+            f"additional_config.steer.modules: {len(cfg.modules)} modules to preload, over "
+            f"steer.max_modules ({cfg.max_modules})"
+        )
     return cfg if cfg.enabled else None
 
 

@@ -15,6 +15,8 @@ _BASES = (_ValidationBase,) if issubclass(_ValidationBase, ValueError) else (_Va
 class SteeringSpecError(*_BASES):  # type: ignore[misc]
     """Invalid steering input; ``field`` is the dotted path of the offending field (a ValueError)."""
 
+    status = 400  # the HTTP status of routes that answer by the error's kind (module registration)
+
     def __init__(self, field: str, message: str) -> None:
         if _ValidationBase is ValueError:
             super().__init__(f"{field}: {message}")
@@ -25,3 +27,10 @@ class SteeringSpecError(*_BASES):  # type: ignore[misc]
 
     def __str__(self) -> str:  # one form on every vLLM (0.27+ would append "(parameter=...)")
         return self._text
+
+
+class SteeringTooLarge(SteeringSpecError):
+    """Input over a byte cap (``max_request_bytes`` for requests, ``max_module_bytes`` for modules).
+    Module registration answers it with a 413; requests keep their 400."""
+
+    status = 413

@@ -1,15 +1,18 @@
-"""The SAEs a server was started with (``steer.sae``), checked against the model: for each name, its
-sites, its clampable features and their slots, whether it may reconstruct. The API process builds it
-from file headers only (to validate requests); every worker builds the same one before loading the
-weights of its sites, so both agree on slots and sites."""
+"""The SAEs a server knows, checked against the model: for each name, its sites, its clampable
+features and their slots, whether it may reconstruct. Those of ``steer.sae`` are built at start-up by
+the API process from file headers only (to validate requests) and by every worker before loading the
+weights of its sites, so both agree on slots and sites. Those registered at runtime take sites that
+``steer.sae_slots`` reserved (``runtime_entry``)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from vllm_steer.core.config import MAX_CLAMPABLE, SaeModuleConfig, SteerConfig, SteerConfigError
-from vllm_steer.core.sae_files import SaeFileError, SaeMeta, read_sae_meta
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.sae_files import SaeFileError, SaeMeta, parse_site, read_sae_meta
 
 Site = tuple[str, int]
 
@@ -22,6 +25,7 @@ class SaeEntry:
     features: tuple[int, ...]  # clampable feature ids, in slot order
     slot_of: dict[int, int]  # feature id -> slot
     identity: str  # changes when the files do (hashed into config keys)
+    version: int = 0  # > 0: registered at runtime (POST /v1/steering/sae), its registration number
 
     @property
     def full(self) -> bool:
@@ -29,50 +33,83 @@ class SaeEntry:
         return self.config.reconstruct or any(m.activation == "topk" for m in self.sites.values())
 
 
-def _identity(name: str, path: str) -> str:
+def _identity(name: str, path: str, version: int = 0) -> str:
     stats = [os.stat(path)]
     if os.path.isdir(path):
         stats += [os.stat(os.path.join(path, f)) for f in sorted(os.listdir(path))]
-    return f"{name}\0{os.path.abspath(path)}\0" + ",".join(f"{s.st_size}:{s.st_mtime_ns}" for s in stats)
+    tag = f"\0v{version}" if version else ""  # a runtime registration: keys never outlive it
+    return f"{name}\0{os.path.abspath(path)}\0" + ",".join(f"{s.st_size}:{s.st_mtime_ns}" for s in stats) + tag
 
 
-def _entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_layers: int) -> SaeEntry:
-    key = f"additional_config.steer.sae.{name}"
+Fail = Callable[[str, str], Exception]  # (sub-field or "", message) -> the error to raise
+
+
+def _entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_layers: int, fail: Fail,
+           version: int = 0) -> SaeEntry:
     try:
         sites = read_sae_meta(c.path, c.format, c.site)
-    except (SaeFileError, OSError) as e:
-        raise SteerConfigError(f"{key}: {e}") from None
+    except SaeFileError as e:
+        raise fail("site" if e.key == "site" else "path", str(e)) from None
+    except OSError as e:
+        raise fail("path", str(e)) from None
     for (hook, layer), meta in sites.items():
-        where = f"{key}: site {hook}.{layer}"
+        where = f"site {hook}.{layer}"
         if meta.d_model != hidden:
-            raise SteerConfigError(f"{where}: d_model {meta.d_model} != the model's hidden size {hidden}")
+            raise fail("path", f"{where}: d_model {meta.d_model} != the model's hidden size {hidden}")
         if not 0 <= layer < num_layers:
-            raise SteerConfigError(f"{where}: the model has {num_layers} layers")
+            raise fail("site", f"{where}: the model has {num_layers} layers")
         if hook not in cfg.hooks or (cfg.layers is not None and layer not in cfg.layers):
-            raise SteerConfigError(f"{where} is not a steerable site (steer.hooks / steer.layers)")
+            raise fail("site", f"{where} is not a steerable site (steer.hooks / steer.layers)")
         if (hook, layer) == ("pre_attn", 0):
-            raise SteerConfigError(f"{where}: pre_attn of layer 0 cannot take an SAE (use post_attn.0 or later)")
+            raise fail("site", f"{where}: pre_attn of layer 0 cannot take an SAE (use post_attn.0 or later)")
     d_sae = {m.d_sae for m in sites.values()}
     features = c.features
     if features is None:
         if max(d_sae) > MAX_CLAMPABLE:
-            raise SteerConfigError(f"{key}.features: d_sae is {max(d_sae)}; list the features requests may clamp "
+            raise fail("features", f"d_sae is {max(d_sae)}; list the features requests may clamp "
                                    f"(at most {MAX_CLAMPABLE})")
         features = tuple(range(max(d_sae)))
     if len(features) > MAX_CLAMPABLE:
-        raise SteerConfigError(f"{key}.features: {len(features)} features, at most {MAX_CLAMPABLE}")
+        raise fail("features", f"{len(features)} features, at most {MAX_CLAMPABLE}")
     bad = [f for f in features if f >= min(d_sae)]
     if bad:
-        raise SteerConfigError(f"{key}.features: feature {bad[0]} out of range (d_sae {min(d_sae)})")
-    return SaeEntry(name, c, sites, features, {f: i for i, f in enumerate(features)}, _identity(name, c.path))
+        raise fail("features", f"feature {bad[0]} out of range (d_sae {min(d_sae)})")
+    return SaeEntry(name, c, sites, features, {f: i for i, f in enumerate(features)},
+                    _identity(name, c.path, version), version)
+
+
+def _config_fail(key: str) -> Fail:
+    return lambda sub, message: SteerConfigError(f"{key}{'.' + sub if sub == 'features' else ''}: {message}")
+
+
+def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, int]:
+    """``steer.sae_slots`` as sites -> capacity; SteerConfigError naming the key of a bad one (a
+    site no config SAE holds, steerable, not pre_attn.0)."""
+    if cfg is None or not cfg.sae_slots:
+        return {}
+    out: dict[Site, int] = {}
+    for text, capacity in cfg.sae_slots.items():
+        key = f"additional_config.steer.sae_slots.{text}"
+        try:
+            hook, layer = parse_site(text, key)
+        except SaeFileError as e:
+            raise SteerConfigError(f"{key}: {e.detail}") from None
+        if not 0 <= layer < num_layers or hook not in cfg.hooks or (cfg.layers is not None and layer not in cfg.layers):
+            raise SteerConfigError(f"{key}: not a steerable site (steer.hooks / steer.layers, {num_layers} layers)")
+        if (hook, layer) == ("pre_attn", 0):
+            raise SteerConfigError(f"{key}: pre_attn of layer 0 cannot take an SAE")
+        out[(hook, layer)] = capacity
+    return out
 
 
 def sae_catalog(cfg: SteerConfig | None, hidden: int, num_layers: int) -> dict[str, SaeEntry]:
     """name -> entry of every configured SAE; raises SteerConfigError naming the key at fault
-    (two SAEs may not share a site: their clamps would have no defined order)."""
+    (two SAEs may not share a site: their clamps would have no defined order; nor may an SAE take
+    a site reserved in ``sae_slots``)."""
     if cfg is None or not cfg.sae:
         return {}
-    out = {name: _entry(name, c, cfg, hidden, num_layers) for name, c in cfg.sae.items()}
+    out = {name: _entry(name, c, cfg, hidden, num_layers, _config_fail(f"additional_config.steer.sae.{name}"))
+           for name, c in cfg.sae.items()}
     owner: dict[Site, str] = {}
     for name, e in out.items():
         for site in e.sites:
@@ -80,4 +117,36 @@ def sae_catalog(cfg: SteerConfig | None, hidden: int, num_layers: int) -> dict[s
                 raise SteerConfigError(f"additional_config.steer.sae.{name}: site {site[0]}.{site[1]} already has "
                                        f"the SAE {owner[site]!r}")
             owner[site] = name
+    for site in slot_sites(cfg, num_layers):
+        if site in owner:
+            raise SteerConfigError(f"additional_config.steer.sae_slots.{site[0]}.{site[1]}: the SAE {owner[site]!r} "
+                                   "is loaded there")
     return out
+
+
+class SlotError(Exception):
+    """A runtime SAE that cannot take its sites now (409: the sites are taken or still in use)."""
+
+
+def runtime_entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_layers: int,
+                  slots: dict[Site, int], version: int) -> SaeEntry:
+    """The entry of an SAE registered while the server runs, checked against its reserved slots;
+    SteeringSpecError naming the registration's field (``path``, ``site``, ``features``, ...)."""
+    def fail(sub: str, message: str) -> Exception:
+        return SteeringSpecError(sub or "path", message)
+
+    if c.reconstruct:
+        raise fail("reconstruct", "an SAE registered at runtime clamps only (delta); reconstruct needs the whole "
+                                  "SAE on every worker: load it at start-up (steer.sae)")
+    entry = _entry(name, c, cfg, hidden, num_layers, fail, version)
+    for (hook, layer), meta in entry.sites.items():
+        if meta.activation == "topk":
+            raise fail("path", f"site {hook}.{layer}: a TopK SAE needs every feature on the workers: load it at "
+                               "start-up (steer.sae)")
+        if (hook, layer) not in slots:
+            raise fail("site", f"site {hook}.{layer} is not reserved for SAEs registered at runtime (reserved: "
+                               f"{sorted(f'{h}.{l}' for h, l in slots)}; steer.sae_slots)")
+        if len(entry.features) > slots[(hook, layer)]:
+            raise fail("features", f"{len(entry.features)} clampable features, but site {hook}.{layer} holds "
+                                   f"{slots[(hook, layer)]} (steer.sae_slots); list fewer features")
+    return entry

@@ -1,7 +1,8 @@
-"""Engine side of named-module registration: ``EngineCore.collective_rpc`` sees every module
-registration on its way to the workers, so the row gate can pin (reserve) rows for the module's
-configs, and answers the modules' ``in_flight`` counts from the scheduler, which knows queued
-requests no worker has seen yet."""
+"""Engine side of named-module and runtime-SAE registration: ``EngineCore.collective_rpc`` sees every
+registration on its way to the workers, so the row gate can pin (reserve) rows for a module's
+configs, and an SAE is staged into reserved sites only while no unfinished request clamps there. It
+answers the ``in_flight`` counts of modules and SAEs from the scheduler, which knows queued requests
+no worker has seen yet."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from vllm_steer.core.payload import payload_of
+from vllm_steer.engine.metrics_rpc import engine_metrics
 
 
 def module_users(requests: Any) -> dict[str, int]:
@@ -19,6 +21,19 @@ def module_users(requests: Any) -> dict[str, int]:
         if module:
             users[module["name"]] += 1
     return dict(users)
+
+
+def sae_users(requests: Any) -> dict[str, dict[str, int]]:
+    """Unfinished requests per SAE name and per SAE site (``hook.layer``) their clamps use."""
+    names: Counter[str] = Counter()
+    sites: Counter[str] = Counter()
+    for request in requests:
+        sae = (payload_of(getattr(request, "sampling_params", None)) or {}).get("sae")
+        if sae:
+            entries = [e for phase in sae.values() for e in phase]
+            names.update({e[0] for e in entries})
+            sites.update({f"{e[1]}.{e[2]}" for e in entries})
+    return {"names": dict(names), "sites": dict(sites)}
 
 
 def patch_engine_core_rpc() -> None:
@@ -36,8 +51,17 @@ def patch_engine_core_rpc() -> None:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         scheduler = getattr(self, "scheduler", None)
         gate = getattr(scheduler, "steer_gate", None)
+        if method == "vllm_steer_metrics":  # a /metrics scrape (engine.metrics_rpc)
+            return [engine_metrics(self, gate, lambda: original(self, "vllm_steer_status", timeout))]
         if method == "vllm_steer_module_users":
             return [module_users(scheduler.requests.values()) if gate is not None else {}]
+        if method == "vllm_steer_sae_users":
+            return [sae_users(scheduler.requests.values()) if gate is not None else {"names": {}, "sites": {}}]
+        if gate is not None and method == "vllm_steer_register_sae":
+            in_use = sae_users(scheduler.requests.values())["sites"]
+            busy = {site: in_use[site] for site in args[-1] if site in in_use}
+            if busy:  # requests of the SAE that held these sites are still running: refuse, do not overwrite
+                return [{"busy": busy}]
         if gate is not None and method == "vllm_steer_register_module":
             name, _version, _tiers, keys = args[:4]
             args = (*args[:4], gate.try_pin(name, tuple(keys)))

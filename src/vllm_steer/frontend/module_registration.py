@@ -1,6 +1,11 @@
 """Building and (un)registering named modules: validate the input, ship the tiers to every worker
 once (``collective_rpc``), then publish the name. The same steps serve the HTTP routes (async
-engine client), start-up preload, and Python users of ``vllm.LLM`` (sync)."""
+engine client), start-up preload, and Python users of ``vllm.LLM`` (sync).
+
+Limits (``steer.max_modules``, ``steer.max_module_bytes``): modules are parsed against the
+*module* shape (``SteeringFrontend.module_shape``, whose ``max_bytes`` is ``max_module_bytes``),
+so a module over the byte cap raises SteeringTooLarge naming the field (413 over HTTP); a new
+name beyond ``max_modules`` raises ModuleLimitError (409)."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import re
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.config import SteerConfigError, upload_cap
+from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
 from vllm_steer.core.vectors import TIER_FIELDS
-from vllm_steer.frontend.module_store import STORE, ModuleExistsError, SteeringModule
+from vllm_steer.frontend.module_store import STORE, SteeringModule
 from vllm_steer.frontend.module_files import read_gguf_control_vector, read_safetensors
 from vllm_steer.frontend.spec import ModelShape, parse_spec
 
@@ -55,10 +61,23 @@ def module_from_json(body: dict, shape: ModelShape) -> SteeringModule:
     name = check_name(body.get("name"))
     description = check_description(body.get("description"))
     check_replace(body.get("replace"))
-    spec = parse_spec({k: body.get(k) for k in TIER_FIELDS}, shape)
+    try:
+        spec = parse_spec({k: body.get(k) for k in TIER_FIELDS}, shape)
+    except SteeringTooLarge as e:  # a tier (or one packed hook) alone is over the cap
+        raise SteeringTooLarge(e.field, f"{str(e).split(': ', 1)[-1]} (steer.max_module_bytes)") from None
     if not any(spec.tiers.values()):
         raise SteeringSpecError("steering_vectors", "a module needs at least one vector")
-    return SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
+    module = SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
+    sizes = {t: sum(v.nbytes for ls in vecs.values() for v in ls.values()) for t, vecs in spec.tiers.items()}
+    check_module_bytes(module, shape, max(sizes, key=sizes.__getitem__))
+    return module
+
+
+def check_module_bytes(module: SteeringModule, shape: ModelShape, field: str) -> None:
+    """SteeringTooLarge (naming ``field``) when the module's float32 vectors exceed the cap."""
+    if module.nbytes > shape.max_bytes:
+        raise SteeringTooLarge(field, f"the module holds {module.nbytes} bytes of float32 vectors, over "
+                                      f"the server's cap of {shape.max_bytes} (steer.max_module_bytes)")
 
 
 def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> SteeringModule:
@@ -74,7 +93,7 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> S
     except SteeringSpecError as e:
         if e.field == "name":
             raise
-        raise SteeringSpecError(f"file.{e.field}", str(e).split(": ", 1)[-1]) from None
+        raise type(e)(f"file.{e.field}", str(e).split(": ", 1)[-1]) from None
     if description:
         module.description = description
     return module
@@ -93,7 +112,9 @@ def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, d
         source = "safetensors"
     else:
         raise SteeringSpecError("file", f"unsupported module file {filename!r}: expected .safetensors, .gguf or .json")
-    return SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype)
+    module = SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype)
+    check_module_bytes(module, shape, "file")
+    return module
 
 
 def _register_args(module: SteeringModule) -> tuple:
@@ -101,23 +122,33 @@ def _register_args(module: SteeringModule) -> tuple:
     return (module.name, module.version, tiers_to_wire(module.tiers), keys)
 
 
-def prepare(module: SteeringModule, replace: bool) -> SteeringModule:
-    """Give the module its version; refuse an existing name unless ``replace`` (409)."""
-    if STORE.get(module.name) is not None and not replace:
-        raise ModuleExistsError(module.name)
+def prepare(module: SteeringModule, replace: bool, max_modules: int | None = None) -> SteeringModule:
+    """Claim the name and give the module its version: an existing name without ``replace`` is a
+    ModuleExistsError, a new name beyond ``max_modules`` a ModuleLimitError (both 409)."""
+    STORE.claim(module.name, replace, max_modules)
     module.version = STORE.reserve_version()
     return module
 
 
-async def register_async(rpc: Callable[..., Awaitable[Any]], module: SteeringModule, replace: bool) -> SteeringModule:
-    prepare(module, replace)
-    await rpc("vllm_steer_register_module", args=_register_args(module))
+async def register_async(rpc: Callable[..., Awaitable[Any]], module: SteeringModule, replace: bool,
+                         max_modules: int | None = None) -> SteeringModule:
+    prepare(module, replace, max_modules)
+    try:
+        await rpc("vllm_steer_register_module", args=_register_args(module))
+    except BaseException:
+        STORE.unclaim(module.name)
+        raise
     return STORE.publish(module)  # only now can a request name it (workers already have it)
 
 
-def register_sync(rpc: Callable[..., Any], module: SteeringModule, replace: bool) -> SteeringModule:
-    prepare(module, replace)
-    rpc("vllm_steer_register_module", args=_register_args(module))
+def register_sync(rpc: Callable[..., Any], module: SteeringModule, replace: bool,
+                  max_modules: int | None = None) -> SteeringModule:
+    prepare(module, replace, max_modules)
+    try:
+        rpc("vllm_steer_register_module", args=_register_args(module))
+    except BaseException:
+        STORE.unclaim(module.name)
+        raise
     return STORE.publish(module)
 
 
@@ -128,14 +159,25 @@ async def unregister_async(rpc: Callable[..., Awaitable[Any]], name: str) -> Ste
 
 
 def load_path(name: str, path: str, shape: ModelShape) -> SteeringModule:
+    """A start-up preload (``steer.modules``), ``shape`` the module shape: a file or module over
+    the byte cap is a SteerConfigError naming the key (a file too large is not read)."""
     p = Path(path)
-    return module_from_file(name, p.read_bytes(), p.name, shape)
+    where = f"additional_config.steer.modules.{name}"
+    size, cap = p.stat().st_size, upload_cap(shape.max_bytes)
+    if size > cap:
+        raise SteerConfigError(f"{where}: {path} is {size} bytes, more than a module of at most "
+                               f"steer.max_module_bytes ({shape.max_bytes}) needs ({cap}); not read")
+    try:
+        return module_from_file(name, p.read_bytes(), p.name, shape)
+    except SteeringTooLarge as e:
+        raise SteerConfigError(f"{where}: {path}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def register_module(llm: Any, name: str, replace: bool = False, description: str = "", **tiers: Any) -> dict:
     """Register a named module on a ``vllm.LLM`` (tiers as in requests: ``steering_vectors=...``)."""
     from vllm_steer.frontend.prepare import SteeringFrontend
 
-    shape = SteeringFrontend(llm.llm_engine.vllm_config).shape
-    module = module_from_json({"name": name, "description": description, **tiers}, shape)
-    return register_sync(llm.collective_rpc, module, replace).summary()
+    frontend = SteeringFrontend(llm.llm_engine.vllm_config)
+    module = module_from_json({"name": name, "description": description, **tiers}, frontend.module_shape)
+    max_modules = frontend.cfg.max_modules if frontend.cfg is not None else None
+    return register_sync(llm.collective_rpc, module, replace, max_modules).summary()

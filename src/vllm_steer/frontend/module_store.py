@@ -14,6 +14,14 @@ class ModuleExistsError(KeyError):
     pass
 
 
+class ModuleLimitError(Exception):
+    """The store holds ``steer.max_modules`` names (published or being registered)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
 @dataclass
 class SteeringModule:
     name: str
@@ -25,6 +33,11 @@ class SteeringModule:
     created: float = field(default_factory=time.time)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the module's float32 vectors, all tiers (``summary()["bytes"]``)."""
+        return sum(v.nbytes for t in self.tiers.values() for ls in t.values() for v in ls.values())
+
+    @property
     def keys(self) -> tuple[str | None, str | None]:
         """(prefill key, decode key) at scale 1, as the model's tables hold the rows."""
         pre, dec = effective_phases({}, self.tiers, 1.0)
@@ -33,11 +46,10 @@ class SteeringModule:
     def summary(self) -> dict:
         hooks = sorted({h for t in self.tiers.values() for h in t})
         layers = sorted({l for t in self.tiers.values() for ls in t.values() for l in ls})
-        nbytes = sum(v.nbytes for t in self.tiers.values() for ls in t.values() for v in ls.values())
         return {"name": self.name, "description": self.description, "source": self.source,
                 "version": self.version, "hooks": hooks, "layers": layers,
                 "tiers": [t for t in TIER_FIELDS if self.tiers.get(t)], "dtype": "float32",
-                "bytes": nbytes, "created": self.created}
+                "bytes": self.nbytes, "created": self.created}
 
 
 class ModuleStore:
@@ -45,6 +57,28 @@ class ModuleStore:
         self._modules: dict[str, SteeringModule] = {}
         self._lock = threading.Lock()
         self._next_version = 1
+        self._claimed: dict[str, int] = {}  # names being registered -> registrations in flight
+
+    def claim(self, name: str, replace: bool, max_modules: int | None = None) -> None:
+        """Reserve ``name`` for a registration in flight (``publish`` or ``unclaim`` ends it):
+        ModuleExistsError when the name is taken (published or in flight) and not ``replace``;
+        ModuleLimitError when it is new and ``max_modules`` names are taken."""
+        with self._lock:
+            taken = name in self._modules or name in self._claimed
+            if taken and not replace:
+                raise ModuleExistsError(name)
+            if not taken and max_modules is not None and len(self._modules.keys() | self._claimed.keys()) >= max_modules:
+                raise ModuleLimitError(max_modules)
+            self._claimed[name] = self._claimed.get(name, 0) + 1
+
+    def unclaim(self, name: str) -> None:
+        with self._lock:
+            self._unclaim(name)
+
+    def _unclaim(self, name: str) -> None:
+        n = self._claimed.pop(name, 0) - 1
+        if n > 0:
+            self._claimed[name] = n
 
     def reserve_version(self) -> int:
         with self._lock:
@@ -55,6 +89,7 @@ class ModuleStore:
     def publish(self, module: SteeringModule) -> SteeringModule:
         with self._lock:
             self._modules[module.name] = module
+            self._unclaim(module.name)
             return module
 
     def get(self, name: str) -> SteeringModule | None:

@@ -8,6 +8,7 @@ engine. Errors raise SteeringSpecError (a ValueError), which vLLM's OpenAI serve
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from typing import Any
 
@@ -17,11 +18,13 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
-from vllm_steer.core.sae_catalog import sae_catalog
+from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import CAPTURE_FIELD, REQUEST_FIELDS, SAE_FIELD, effective_phases
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
+from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
+from vllm_steer.frontend.sae_registry import VERSIONS_KEY as SAE_VERSIONS_KEY
 from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
 
@@ -49,8 +52,15 @@ class SteeringFrontend:
             max_bytes=cfg.max_request_bytes if cfg else 0,
             dtype=self.dtype,
         )
-        self.sae = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
-        self._sae_identity = {name: e.identity for name, e in self.sae.items()}
+        # Modules (registered or preloaded) are checked against their own byte cap.
+        self.module_shape = dataclasses.replace(self.shape, max_bytes=cfg.max_module_bytes if cfg else 0)
+        self.sae_config = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
+        self.sae_slots = slot_sites(cfg, self.shape.num_layers)
+
+    @property
+    def sae(self) -> dict[str, SaeEntry]:
+        """Every SAE requests may name: those of ``steer.sae`` and those registered since."""
+        return {**self.sae_config, **SAE_REGISTRY.entries} if SAE_REGISTRY.entries else self.sae_config
 
     def resolve(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
         """(payload or None, prefill key, decode key) for a request's extra_args."""
@@ -73,17 +83,19 @@ class SteeringFrontend:
             capture = {}
         sae_raw = fields.pop(SAE_FIELD, None)
         if sae_raw is not None:
-            pre_sae, dec_sae = parse_sae(sae_raw, self.sae)
-            return self._with_sae(*self._vectors(fields, capture), pre_sae, dec_sae)
+            catalog = self.sae
+            pre_sae, dec_sae = parse_sae(sae_raw, catalog)
+            return self._with_sae(*self._vectors(fields, capture), pre_sae, dec_sae, catalog)
         return self._vectors(fields, capture)
 
     def _with_sae(self, payload: dict | None, pk: str | None, dk: str | None, pre: list[SaeWire],
-                  dec: list[SaeWire]) -> tuple[dict | None, str | None, str | None]:
+                  dec: list[SaeWire], catalog: dict[str, SaeEntry]) -> tuple[dict | None, str | None, str | None]:
         """The vector payload re-keyed with each phase's SAE clamps (which travel beside the rows)."""
         if not pre and not dec:
             return payload, pk, dk
-        kp = sae_config_key(pk, pre, self._sae_identity)
-        kd = kp if pk == dk and pre == dec else sae_config_key(dk, dec, self._sae_identity)
+        identity = {e[0]: catalog[e[0]].identity for e in pre + dec}
+        kp = sae_config_key(pk, pre, identity)
+        kd = kp if pk == dk and pre == dec else sae_config_key(dk, dec, identity)
         base = payload or encode_payload(None, None, {}, self.dtype)
         configs: dict = {}
         for new, old in ((kp, pk), (kd, dk)):
@@ -95,7 +107,11 @@ class SteeringFrontend:
                 configs[new] = base["configs"][old]
             # else: a bare module reference, whose rows the worker builds
         sae = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
-        return {**base, "prefill": kp, "decode": kd, "configs": configs, "sae": sae}, kp, kd
+        out = {**base, "prefill": kp, "decode": kd, "configs": configs, "sae": sae}
+        versions = {name: catalog[name].version for name in identity if catalog[name].version}
+        if versions:  # checked when the request is handed to the engine (frontend.prepared)
+            out[SAE_VERSIONS_KEY] = versions
+        return out, kp, kd
 
     def _vectors(self, fields: dict[str, Any], capture: dict | None) -> tuple[dict | None, str | None, str | None]:
         """(payload, prefill key, decode key) of the vector fields (and capture) of a request."""

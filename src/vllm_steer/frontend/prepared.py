@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm_steer.core.payload import PAYLOAD_KEY
 from vllm_steer.core.vectors import REQUEST_FIELDS
+from vllm_steer.frontend.sae_registry import REGISTRY
 
 TOKEN_FIELD = "vllm_steer_prepared"
 Prepared = tuple[dict | None, str | None, str | None]  # (engine extra_args, prefill key, decode key)
@@ -39,6 +40,10 @@ class PreparedRequests:
         self._by_token: dict[str, Prepared] = {}
 
     def put(self, prepared: Prepared) -> str:
+        """A token for ``prepared``; SteeringSpecError if a runtime SAE it names went away meanwhile
+        (checked here, on the event loop, where SAEs are registered and deleted)."""
+        extra = prepared[0]
+        REGISTRY.check_current(extra.get(PAYLOAD_KEY) if extra else None)
         token = secrets.token_hex(16)
         self._by_token[token] = prepared
         return token
@@ -48,6 +53,10 @@ class PreparedRequests:
 
     def drop(self, token: str) -> None:
         self._by_token.pop(token, None)
+
+    def payloads(self) -> list[dict]:
+        """The engine payloads of the requests being added now."""
+        return [p[0][PAYLOAD_KEY] for p in list(self._by_token.values()) if p[0] and p[0].get(PAYLOAD_KEY)]
 
     def __len__(self) -> int:
         return len(self._by_token)

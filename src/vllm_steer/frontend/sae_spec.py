@@ -97,7 +97,7 @@ def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], li
     if raw is None:
         return [], []
     if not catalog:
-        raise SteeringSpecError(SAE_FIELD, "this server has no SAE (start it with steer.sae)")
+        raise SteeringSpecError(SAE_FIELD, "this server has no SAE (start it with steer.sae, or register one: POST /v1/steering/sae)")
     items = raw if isinstance(raw, list) else [raw]
     if not items:
         raise SteeringSpecError(SAE_FIELD, "expected an object or a non-empty list of objects")

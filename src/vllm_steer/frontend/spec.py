@@ -20,7 +20,7 @@ import numpy as np
 import pybase64
 
 from vllm_steer.core import bf16
-from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import Layout, itemsize, raw_rows
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
@@ -148,7 +148,7 @@ def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int
         raise SteeringSpecError(f"{field}.data", "expected a base64 string (or raw bytes in a msgpack body)")
     expected = n * d * itemsize(dtype_name)
     if expected > shape.max_bytes:
-        raise SteeringSpecError(
+        raise SteeringTooLarge(
             f"{field}.data", f"{expected} bytes exceeds the server's cap of {shape.max_bytes}"
         )
     if isinstance(data, str):
@@ -217,7 +217,7 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
         if rows is not None:
             layout[hook] = rows
     if total > shape.max_bytes:
-        raise SteeringSpecError(tier, f"{total} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
+        raise SteeringTooLarge(tier, f"{total} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
     return tier, layout
 
 
@@ -275,5 +275,5 @@ def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:
     for name, tier in tiers.items():
         nbytes = sum(v.nbytes for layers in tier.values() for v in layers.values())
         if nbytes > shape.max_bytes:
-            raise SteeringSpecError(name, f"{nbytes} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
+            raise SteeringTooLarge(name, f"{nbytes} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
     return SteeringSpec(tiers=tiers, module=_parse_module(fields.get(MODULE_FIELD)))

@@ -5,8 +5,21 @@ positions each consumer wants at each (hook, layer) site become pool rows; rows 
 consumers are gathered once and carry a bitmask of them. The plan (token -> pool row, per site)
 goes to the device in one non-blocking copy; the capture op fills the pool inside the forward.
 After the forward, the used rows are copied to host (non-blocking, then an event) and handed to
-a dispatch thread that waits on the event and calls consumers. A full queue drops the packet
-(counted), a raising consumer is counted; neither stalls nor kills the engine.
+a dispatch thread that waits on the event and calls consumers. A raising consumer is counted;
+nothing stalls or kills the engine.
+
+Each position of a request is planned once: a preempted request recomputes its prompt and
+generated tokens from position 0 (or from its cached prefix) when it resumes, and positions below
+the request's mark (``planned_upto``) were planned already, so they are skipped (counted in
+``stats["recomputed_positions"]``). Only positions the engine computes are captured: prefix-cache
+hits are never computed (the front end turns cache reads off for captures that need the prompt).
+
+Exhaustion policy: never block the step, drop and count, tell the consumer. A step that wants more
+rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in batch order and
+drops the rest (``stats["dropped_rows"]``); a rows packet that finds 256 packets still undelivered
+is dropped (``stats["dropped_packets"]``). Either way the positions are recorded per request, site
+and consumer, and the request's finish meta names them (``dropped``, ``dropped_rows``; see
+``vllm_steer.capture.consumer``). Finish packets are never dropped.
 """
 
 from __future__ import annotations
@@ -49,6 +62,24 @@ class _Request:
     prompt_len: int
     specs: dict[int, CaptureSpec]  # consumer bit -> spec
     meta: dict[str, Any] = field(default_factory=dict)
+    planned_upto: int = 0  # positions below it were planned (captured or dropped) once already
+    dropped: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    """(hook, layer) -> [(positions, consumer masks)] of rows that were wanted and not delivered."""
+
+    def drop(self, hook: str, layer: int, positions: np.ndarray, masks: np.ndarray) -> None:
+        self.dropped.setdefault((hook, layer), []).append((positions, masks))
+
+    def dropped_for(self, bit: int) -> dict[str, list[int]]:
+        """``{"hook.layer": sorted positions}`` a consumer wanted and never got."""
+        out = {}
+        for (hook, layer), parts in self.dropped.items():
+            pos = np.unique(np.concatenate([p[(m & bit) != 0] for p, m in parts]))
+            if len(pos):
+                out[f"{hook}.{layer}"] = pos.tolist()
+        return out
+
+
+MAX_QUEUED_ROW_PACKETS = 256
 
 
 @dataclass
@@ -84,10 +115,13 @@ class CaptureRuntime:
         self._plan_dirty: list[int] = []  # site rows of plan_host set last step
         self._pending: list[_Entry] = []
         self._rows_used = 0
-        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "consumer_errors": 0}
+        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "consumer_errors": 0,
+                      "recomputed_positions": 0}
         self.results: dict[str, dict[str, Any]] = {}
         self._finished: set[str] = set()
-        self._queue: queue.Queue = queue.Queue(maxsize=256)
+        # Unbounded: finish packets (one per request) always go in; rows packets take a slot first.
+        self._queue: queue.Queue = queue.Queue()
+        self._row_slots = threading.Semaphore(MAX_QUEUED_ROW_PACKETS)
         self._pinned_free: dict[int, list[torch.Tensor]] = {}
         self._pinned_lock = threading.Lock()
         self._copy_done: Any = None
@@ -103,7 +137,11 @@ class CaptureRuntime:
             if bit is not None:  # a driver instance lives on rank 0 only
                 specs[bit] = parse_capture_spec(instance, raw, self.num_layers, self.hooks)
         if specs:
-            self._requests[request_id] = _Request(prompt_len, specs, meta or {})
+            new = _Request(prompt_len, specs, meta or {})
+            old = self._requests.get(request_id)
+            if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
+                new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
+            self._requests[request_id] = new
             self._finished.discard(request_id)
 
     def finish_request(self, request_id: str) -> None:
@@ -111,7 +149,7 @@ class CaptureRuntime:
         if req is not None and request_id not in self._finished:
             self._finished.add(request_id)
             bits = sum(req.specs)  # only the consumers this request used hear of its end
-            self._put(("finish", request_id, {**req.meta, "prompt_len": req.prompt_len}, bits))
+            self._queue.put(("finish", request_id, {**req.meta, "prompt_len": req.prompt_len}, bits, req))
 
     @property
     def active(self) -> bool:
@@ -130,7 +168,12 @@ class CaptureRuntime:
             n = int(num_scheduled[i])
             req = self._requests.get(rid)
             if req is not None and n:
-                positions = int(num_computed[i]) + np.arange(n)
+                first = int(num_computed[i])
+                # Recomputed after a preemption: positions below the mark were planned once already.
+                skip = min(max(req.planned_upto - first, 0), n)
+                req.planned_upto = max(req.planned_upto, first + n)
+                self.stats["recomputed_positions"] += skip
+                positions = first + np.arange(skip, n)
                 per_site: dict[tuple[str, int], np.ndarray] = {}
                 for bit, spec in req.specs.items():
                     sel = spec.select(positions, req.prompt_len)
@@ -139,17 +182,18 @@ class CaptureRuntime:
                     for hook in spec.hooks:
                         for layer in spec.layers:
                             if (hook, layer) in bufs.site_index:
-                                m = per_site.setdefault((hook, layer), np.zeros(n, dtype=np.int64))
+                                m = per_site.setdefault((hook, layer), np.zeros(n - skip, dtype=np.int64))
                                 m[sel] |= bit
                 for (hook, layer), masks in per_site.items():
                     toks = np.flatnonzero(masks)
                     k = min(len(toks), bufs.max_rows - row)
-                    if k < len(toks):
+                    if k < len(toks):  # the pool is full: drop (never wait), count, and tell the consumer
                         self.stats["dropped_rows"] += len(toks) - k
+                        req.drop(hook, layer, positions[toks[k:]], masks[toks[k:]])
                     if k == 0:
                         continue
                     s = bufs.site_index[(hook, layer)]
-                    host[s, offset + toks[:k]] = np.arange(row, row + k, dtype=np.int32)
+                    host[s, offset + skip + toks[:k]] = np.arange(row, row + k, dtype=np.int32)
                     dirty.append(s)
                     entries.append(_Entry(rid, layer, hook, positions[toks[:k]], row, masks[toks[:k]]))
                     row += k
@@ -173,6 +217,14 @@ class CaptureRuntime:
         its capture op overwrites the pool, and the dispatch thread waits for the copy's event."""
         if not self._pending:
             return
+        if not self._row_slots.acquire(blocking=False):  # 256 packets undelivered: drop this one
+            self.stats["dropped_packets"] += 1
+            for e in self._pending:
+                req = self._requests.get(e.request_id)
+                if req is not None:
+                    req.drop(e.hook, e.layer, e.positions, e.masks)
+            self._pending = []
+            return
         n = self._rows_used
         rows = self.buffers.pool[:n]
         event = None
@@ -189,7 +241,7 @@ class CaptureRuntime:
         else:
             host = rows.clone()
         self.stats["rows"] += n
-        self._put(("rows", event, host, self._pending))
+        self._queue.put(("rows", event, host, self._pending))
         self._pending = []
 
     def before_forward(self) -> None:
@@ -214,12 +266,6 @@ class CaptureRuntime:
                 self._pinned_free.setdefault(host.shape[0], []).append(host)
 
     # ---- dispatch thread ---------------------------------------------------------------
-    def _put(self, packet: tuple) -> None:
-        try:
-            self._queue.put_nowait(packet)
-        except queue.Full:
-            self.stats["dropped_packets"] += 1
-
     def _dispatch_loop(self) -> None:
         while True:
             packet = self._queue.get()
@@ -232,6 +278,8 @@ class CaptureRuntime:
                 self.stats["consumer_errors"] += 1
                 logger.exception("vllm-steer: capture dispatch failed")
             finally:
+                if packet[0] == "rows":
+                    self._row_slots.release()
                 self._queue.task_done()
 
     def _deliver_rows(self, event: Any, host: torch.Tensor, entries: list[_Entry]) -> None:
@@ -256,13 +304,15 @@ class CaptureRuntime:
                     self.stats["consumer_errors"] += 1
                     logger.exception("vllm-steer: capture consumer %s raised in on_rows", instance)
 
-    def _deliver_finish(self, request_id: str, meta: dict, bits: int) -> None:
+    def _deliver_finish(self, request_id: str, meta: dict, bits: int, req: _Request) -> None:
         results = {}
         for bit, (instance, consumer) in self.consumers.items():
             if not bits & bit:
                 continue
+            dropped = req.dropped_for(bit) if req.dropped else {}
             try:
-                out = consumer.on_request_finished(request_id, meta)
+                out = consumer.on_request_finished(
+                    request_id, {**meta, "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))})
             except Exception:
                 self.stats["consumer_errors"] += 1
                 logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", instance)

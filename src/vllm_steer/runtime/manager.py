@@ -21,7 +21,7 @@ from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.layout import Layout
 from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload, dtype_name
-from vllm_steer.core.sae_catalog import sae_catalog
+from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
@@ -79,12 +79,16 @@ class SteeringRuntime:
             self.capture = CaptureRuntime(cfg, flat, num_decoder_layers(model), max_num_tokens,
                                           hidden_size, dtype, device, rank=_rank())
         catalog = sae_catalog(cfg, hidden_size, num_decoder_layers(model))
-        self.sae = SaeTables(catalog, set(flat), cfg.max_configs, device) if catalog else None
+        slots = slot_sites(cfg, num_decoder_layers(model))
+        self.sae = (SaeTables(catalog, slots, set(flat), cfg.max_configs, hidden_size, device)
+                    if catalog or slots else None)
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae)
         self.steered_norms = [s.name for s in sites]
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
         self.preemptions_seen = 0  # requests the scheduler preempted (their steering must survive)
+        self.row_uploads = 0  # configs written into the tables (a resident row is reused, not rewritten)
+        self.row_upload_bytes = 0  # bytes those writes copied into the vector tables
         self._index_extent = 0  # tokens of the device index that may hold non-zero rows
         self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
         logger.info(
@@ -125,7 +129,8 @@ class SteeringRuntime:
     def _acquire(self, key: str, rows: Callable[[], Layout], sae: list | None = None) -> int:
         row, needs_write, became_live = self.rows.acquire(key)
         if needs_write:
-            self.tables.write_row(row, rows())
+            self.row_upload_bytes += self.tables.write_row(row, rows())
+            self.row_uploads += 1
             if self.sae is not None:
                 self.sae.write_row(row, sae)
         if became_live:

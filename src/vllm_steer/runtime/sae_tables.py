@@ -1,5 +1,6 @@
 """Device buffers of SAE clamping on a worker: per SAE site of this rank, the site's pack (weights
-staged once at start-up, row tables updated in place; layout in kernels/sae_clamp/packed.py). Rows
+staged once at start-up, or, at sites ``steer.sae_slots`` reserved, zeros until an SAE is registered
+at runtime and staged in place; row tables updated in place; layout in kernels/sae_clamp/packed.py). Rows
 share the numbering of the steering tables: a config key owns one row for its vectors and its clamps
 alike, so the row gate, the index and preemption need nothing new."""
 
@@ -13,33 +14,61 @@ from vllm_steer.core.sae_files import SaeWeights, load_sae
 from vllm_steer.core.sae_rows import SaeWire, unpack_entry
 
 
-def _pack(w: SaeWeights, entry: SaeEntry, num_rows: int, device: torch.device) -> list[torch.Tensor]:
-    feats = np.asarray(entry.features, dtype=np.int64)
+def _tensor(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+
+def _folded_bias(w: SaeWeights) -> np.ndarray:
+    """b_enc with b_dec's input subtraction folded in: (x - b_dec) @ W_enc + b_enc = x @ W_enc + this."""
     b_enc = w.b_enc.astype(np.float32)
-    if w.meta.b_dec_in:  # (x - b_dec) @ W_enc + b_enc = x @ W_enc + (b_enc - b_dec @ W_enc)
+    if w.meta.b_dec_in:
         b_enc = b_enc - w.b_dec.astype(np.float32) @ w.w_enc.astype(np.float32)
-    thr = w.threshold if w.threshold is not None else np.zeros(w.meta.d_sae, dtype=np.float32)
-    c = len(feats)
+    return b_enc
 
-    def t(a: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
-    pack = [
-        torch.zeros(num_rows, dtype=torch.int32, device=device),
-        torch.zeros(num_rows, c, dtype=torch.int32, device=device),
-        torch.zeros(num_rows, c, dtype=torch.float32, device=device),
-        t(w.w_enc[:, feats].T), t(w.w_dec[feats]), t(b_enc[feats]), t(thr[feats]), t(feats, torch.int64),
-    ]
+def _threshold(w: SaeWeights) -> np.ndarray:
+    return w.threshold if w.threshold is not None else np.zeros(w.meta.d_sae, dtype=np.float32)
+
+
+def _clampable(w: SaeWeights, feats: np.ndarray) -> list[np.ndarray]:
+    """Pack entries 3..7 (enc, dec, bias, thr, features) of the clampable features ``feats``."""
+    return [w.w_enc[:, feats].T, w.w_dec[feats], _folded_bias(w)[feats], _threshold(w)[feats], feats]
+
+
+def _pack(w: SaeWeights, entry: SaeEntry, num_rows: int, device: torch.device) -> list[torch.Tensor]:
+    enc, dec, bias, thr, feats = _clampable(w, np.asarray(entry.features, dtype=np.int64))
+    pack = _row_tables(num_rows, len(feats), device)
+    pack += [_tensor(a, device) for a in (enc, dec, bias, thr)] + [_tensor(feats, device, torch.int64)]
     if entry.full:
-        pack += [t(w.w_enc), t(b_enc), t(thr), t(w.w_dec), t(w.b_dec)]
+        pack += [_tensor(a, device) for a in (w.w_enc, _folded_bias(w), _threshold(w), w.w_dec, w.b_dec)]
     return pack
 
 
+def _row_tables(num_rows: int, c: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(num_rows, dtype=torch.int32, device=device),
+            torch.zeros(num_rows, c, dtype=torch.int32, device=device),
+            torch.zeros(num_rows, c, dtype=torch.float32, device=device)]
+
+
+def _empty_pack(capacity: int, hidden: int, num_rows: int, device: torch.device) -> list[torch.Tensor]:
+    """A reserved site's clamp-only pack: every row OFF, zero weights until an SAE is registered."""
+    f32 = {"dtype": torch.float32, "device": device}
+    return _row_tables(num_rows, capacity, device) + [
+        torch.zeros(capacity, hidden, **f32), torch.zeros(capacity, hidden, **f32), torch.zeros(capacity, **f32),
+        torch.zeros(capacity, **f32), torch.zeros(capacity, dtype=torch.int64, device=device)]
+
+
 class SaeTables:
-    def __init__(self, catalog: dict[str, SaeEntry], sites: set[Site], num_rows: int, device: torch.device) -> None:
-        """Load the SAEs of ``sites`` (this rank's hooked sites) and stage their packs."""
+    def __init__(self, catalog: dict[str, SaeEntry], slots: dict[Site, int], sites: set[Site], num_rows: int,
+                 hidden: int, device: torch.device) -> None:
+        """Load the SAEs of ``sites`` (this rank's hooked sites) and stage their packs; reserve the
+        packs of the ``slots`` among them (capacity in clampable features) for runtime SAEs."""
         self.packs: dict[Site, list[torch.Tensor]] = {}
         self.topk: dict[Site, int] = {}
+        self.slots = {s: n for s, n in slots.items() if s in sites}
+        self.runtime: dict[Site, tuple[str, int]] = {}  # reserved site -> (SAE name, version) loaded there
+        for site, capacity in self.slots.items():
+            self.packs[site] = _empty_pack(capacity, hidden, num_rows, device)
         for entry in catalog.values():
             mine = [s for s in entry.sites if s in sites]
             if not mine:
@@ -73,3 +102,25 @@ class SaeTables:
             touched.append((hook, layer))
         if touched:
             self._written[row] = touched
+
+    def load_runtime(self, name: str, version: int, path: str, format: str | None, site: str | None,
+                     features: tuple[int, ...], sites: list[Site]) -> list[Site]:
+        """Stage a runtime SAE's clampable features into the reserved packs of its ``sites`` on this
+        rank (the front end and the engine core checked that no unfinished request uses them)."""
+        mine = [s for s in sites if s in self.slots]
+        if not mine:
+            return []
+        weights = load_sae(path, format, site)
+        feats = np.asarray(features, dtype=np.int64)
+        for s in mine:
+            pack, n = self.packs[s], len(feats)
+            for t, a in zip(pack[3:8], _clampable(weights[s], feats)):
+                t[:n].copy_(torch.from_numpy(np.ascontiguousarray(a)).to(t.dtype))
+                t[n:].zero_()
+            self.runtime[s] = (name, version)
+        return mine
+
+    def unload_runtime(self, name: str) -> None:
+        """Forget a deleted runtime SAE (its weights stay until the site is registered again: requests
+        still running with it finish with it)."""
+        self.runtime = {s: nv for s, nv in self.runtime.items() if nv[0] != name}

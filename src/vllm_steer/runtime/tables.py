@@ -65,10 +65,12 @@ class SteeringTables:
         slot = self.slot_of_layer[hook][layer]
         return self.table[hook][:, slot], self.active[hook][slot, :1]
 
-    def write_row(self, row: int, layout: Layout) -> None:
+    def write_row(self, row: int, layout: Layout) -> int:
         """Overwrite ``row`` of every hooked table with a config in table layout (hooks absent
         from ``layout`` get zeros; layers this engine does not hook are skipped, validated
-        API-side); nothing for a hook the row neither had nor gets."""
+        API-side); nothing for a hook the row neither had nor gets. Returns the bytes written
+        (a touched hook's whole ``[L_h, D]`` row)."""
+        written = 0
         for hook, table in self.table.items():
             slots = self.slot_of_layer[hook]
             entry = layout.get(hook)
@@ -93,7 +95,9 @@ class SteeringTables:
                     if dst:
                         words[dst] = rows[src]
                 done()
+                written += target.numel() * target.element_size()
             self._row_layers[hook][row] = np.asarray(sorted(dst), dtype=np.int64)
+        return written
 
     def _target(self, hook: str, table: torch.Tensor, row: int):
         """(host tensor to fill with the row's ``[L, D]``, callable that lands it in the table).

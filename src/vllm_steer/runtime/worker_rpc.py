@@ -32,6 +32,8 @@ def vllm_steer_status(self) -> dict[str, Any]:
             live_configs=len(rt.rows.live_keys()),
             peak_live_configs=rt.peak_live_configs,
             preemptions_seen=rt.preemptions_seen,
+            row_uploads=rt.row_uploads,
+            row_upload_bytes=rt.row_upload_bytes,
             capture=dict(rt.capture.stats) if rt.capture is not None else None,
         )
     return status
@@ -53,6 +55,22 @@ def vllm_steer_unregister_module(self, name: str) -> None:
         rt.unregister_module(name)
 
 
+def vllm_steer_register_sae(self, name: str, version: int, path: str, format: str | None, site: str | None,
+                            features: list[int], sites: list[str]) -> list[str]:
+    """Stage a runtime SAE into those of its ``sites`` (``hook.layer``) this worker holds; returns them."""
+    rt = _runtime(self)
+    if rt is None or rt.sae is None:
+        return []
+    mine = [(h, int(l)) for h, _, l in (s.partition(".") for s in sites)]
+    return [f"{h}.{l}" for h, l in rt.sae.load_runtime(name, version, path, format, site, tuple(features), mine)]
+
+
+def vllm_steer_unregister_sae(self, name: str) -> None:
+    rt = _runtime(self)
+    if rt is not None and rt.sae is not None:
+        rt.sae.unload_runtime(name)
+
+
 def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
     """Publish the captures of finished requests now and return driver consumers' results."""
     rt = _runtime(self)
@@ -66,6 +84,8 @@ WORKER_METHODS = {
     "vllm_steer_status": vllm_steer_status,
     "vllm_steer_register_module": vllm_steer_register_module,
     "vllm_steer_unregister_module": vllm_steer_unregister_module,
+    "vllm_steer_register_sae": vllm_steer_register_sae,
+    "vllm_steer_unregister_sae": vllm_steer_unregister_sae,
 }
 
 

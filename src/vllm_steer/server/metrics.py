@@ -1,10 +1,37 @@
-"""Prometheus metrics of the steering front end, served on vLLM's own ``/metrics`` (the API process;
-with ``--api-server-count`` each process writes its share through prometheus_client's multiprocess
-files, as vLLM's own metrics do). Labels stay few: kinds of steering, status, top-level field."""
+"""Prometheus metrics of steering, served on vLLM's own ``/metrics`` (the API process; with
+``--api-server-count`` each process writes its share through prometheus_client's multiprocess
+files, as vLLM's own metrics do: counters are summed over processes, gauges show the most recently
+written value). Labels stay few: kinds of steering, status, top-level field. The API process counts
+what it prepares and refuses; engine and worker values are fetched when ``/metrics`` is scraped
+(``server.engine_metrics``) and written here by ``apply_engine``.
+
+Every metric (counters carry the ``_total`` suffix; engine values are engine 0's under data parallel):
+- ``vllm_steer_requests_total{kind}`` counter: requests whose steering fields were prepared, once per
+  kind they carry (vectors, module, sae, capture).
+- ``vllm_steer_rejected_total{status,field}`` counter: requests refused before vLLM saw them.
+- ``vllm_steer_prepare_seconds`` histogram: time to decode, check and hash a request's steering fields.
+- ``vllm_steer_rows_in_use`` gauge: steering-table rows holding a live config. Rows are shared by all
+  hooks (one config = one row in every hook's table), so this and the capacity are not per hook.
+- ``vllm_steer_rows_capacity`` gauge: rows for distinct configs (``max_configs - 1``).
+- ``vllm_steer_rows_in_use_peak`` gauge: most rows in use at once since the engine started.
+- ``vllm_steer_requests_waiting_for_row`` gauge: steered requests the scheduler holds back until a row frees.
+- ``vllm_steer_row_uploads_total`` counter: configs written into the tables (a config whose row is
+  still resident is not written again).
+- ``vllm_steer_row_upload_bytes_total`` counter: bytes those uploads copied into the vector tables
+  (per touched hook its whole ``[layers, hidden]`` row), summed over workers.
+- ``vllm_steer_capture_rows_total``, ``..._capture_dropped_rows_total``, ``..._capture_dropped_packets_total``,
+  ``..._capture_consumer_errors_total`` counters: residual rows captured, rows dropped (step pool full),
+  packets dropped (consumer queue full), consumer calls that raised; summed over workers.
+- ``vllm_steer_preemptions_total`` counter: requests the scheduler preempted (steered ones keep their rows).
+- ``vllm_steer_engine_metrics_updated_seconds`` gauge: Unix time of the engine's last answer (older
+  than the scrape: the engine did not answer in time and the engine values are the last ones).
+- ``vllm_steer_modules`` gauge: named modules in this API process's store; ``vllm_steer_saes`` gauge:
+  SAEs requests may clamp (``steer.sae`` and registered ones).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("vllm_steer_requests", "Requests whose steering fields were prepared, by what they carry "
                    "(a request counts once per kind)", ["kind"])
@@ -17,6 +44,38 @@ _KINDS = {"steering_vectors": "vectors", "prefill_steering_vectors": "vectors", 
           "steering_module": "module", "sae": "sae", "capture": "capture"}
 
 
+def _gauge(name: str, doc: str) -> Gauge:
+    return Gauge(name, doc, multiprocess_mode="mostrecent")
+
+
+ROWS_CAPACITY = _gauge("vllm_steer_rows_capacity", "Steering-table rows for distinct configs (max_configs - 1); "
+                       "rows are shared by all hooks: one config is one row in every hook's table")
+MODULES = _gauge("vllm_steer_modules", "Named steering modules registered (this API process's store)")
+SAES = _gauge("vllm_steer_saes", "SAEs requests may clamp (steer.sae and registered ones, this API process)")
+ENGINE_UPDATED = _gauge("vllm_steer_engine_metrics_updated_seconds",
+                        "Unix time of the engine's last answer to a /metrics scrape (older: values are the last ones)")
+ENGINE_GAUGES = {
+    "rows_in_use": _gauge("vllm_steer_rows_in_use", "Steering-table rows holding a live config; rows are shared by "
+                          "all hooks (one config is one row in every hook's table), so this is not per hook"),
+    "rows_in_use_peak": _gauge("vllm_steer_rows_in_use_peak", "Most steering-table rows in use at once since start"),
+    "requests_waiting_for_row": _gauge("vllm_steer_requests_waiting_for_row",
+                                       "Steered requests the scheduler holds back until a steering-table row frees"),
+}
+ENGINE_COUNTERS = {
+    "row_uploads": Counter("vllm_steer_row_uploads", "Steering configs written into the device tables (a config "
+                           "whose row is still resident is not written again)"),
+    "row_upload_bytes": Counter("vllm_steer_row_upload_bytes", "Bytes copied into the steering-vector tables by row "
+                                "uploads (a touched hook's whole [layers, hidden] row), summed over workers"),
+    "capture_rows": Counter("vllm_steer_capture_rows", "Residual rows captured, summed over workers"),
+    "capture_dropped_rows": Counter("vllm_steer_capture_dropped_rows",
+                                    "Residual rows not captured because the step's pool was full"),
+    "capture_dropped_packets": Counter("vllm_steer_capture_dropped_packets",
+                                       "Captured packets dropped because the consumers' queue was full"),
+    "capture_consumer_errors": Counter("vllm_steer_capture_consumer_errors", "Capture consumer calls that raised"),
+    "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),
+}
+
+
 def count_request(fields: dict) -> None:
     """One prepared request: a count per kind of steering field it carries."""
     for kind in {_KINDS[k] for k, v in fields.items() if k in _KINDS and v is not None}:
@@ -26,3 +85,14 @@ def count_request(fields: dict) -> None:
 def count_rejected(status: int, param: str | None) -> None:
     field = (param or "body").split(".")[0].split("[")[0]
     REJECTED.labels(str(status), field if field in _KINDS or field in ("body", "vllm_xargs") else "other").inc()
+
+
+def apply_engine(report: dict) -> None:
+    """Write one answer of ``collective_rpc("vllm_steer_metrics")`` (``engine.metrics_rpc``)."""
+    for name, value in report.get("gauges", {}).items():
+        if name in ENGINE_GAUGES:
+            ENGINE_GAUGES[name].set(value)
+    for name, value in report.get("increments", {}).items():
+        if name in ENGINE_COUNTERS and value > 0:
+            ENGINE_COUNTERS[name].inc(value)
+    ENGINE_UPDATED.set_to_current_time()

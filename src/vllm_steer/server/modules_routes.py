@@ -3,12 +3,20 @@
 Errors use vLLM's error shape ``{"error": {"message", "type", "param", "code"}}``. Mutations need
 ``Authorization: Bearer <steer.api_key>`` when one is configured; reads follow vLLM's own
 ``--api-key`` (its middleware guards every /v1 path).
+
+Limits: a registration body larger than ``steer.module_body_cap`` (2 x ``max_module_bytes`` +
+1 MiB) is a 413 before it is read further (declared length first, then as it arrives); a module
+over ``max_module_bytes`` a 413 naming the field; a new name beyond ``max_modules`` a 409. 409,
+not 507: the refusal comes from the collection's current state, which the client can change
+(delete a module, or replace an existing name, which is not a new module); it is no server
+failure, and a retry without a change cannot succeed (clients retry 5xx).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -20,7 +28,7 @@ from vllm_steer.frontend.module_registration import (
     register_async,
     unregister_async,
 )
-from vllm_steer.frontend.module_store import STORE, ModuleExistsError
+from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.errors import error_body
 
@@ -46,42 +54,76 @@ async def _users(raw: Request) -> dict[str, int]:
     return per_core[0] if per_core else {}
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _capped(receive: Any, cap: int) -> Any:
+    """A receive callable that raises _BodyTooLarge once more than ``cap`` body bytes arrived."""
+    size = 0
+
+    async def capped() -> dict:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > cap:
+            raise _BodyTooLarge
+        return message
+
+    return capped
+
+
 @router.post("")
 async def register(raw: Request) -> JSONResponse:
     if (denied := _unauthorized(raw)) is not None:
         return denied
     state = raw.app.state
-    if state.steer_config is None:
+    cfg = state.steer_config
+    if cfg is None:
         return error(400, "steering is disabled on this server")
-    shape = state.steer_frontend.shape
+    shape = state.steer_frontend.module_shape
+    multipart = raw.headers.get("content-type", "").startswith("multipart/")
     try:
-        if raw.headers.get("content-type", "").startswith("multipart/form-data"):
-            form = await raw.form()
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise SteeringSpecError("file", "a multipart registration needs a 'file' part")
-            module = module_from_file(form.get("name"), await upload.read(), upload.filename or "",
-                                      shape, form.get("description"))
-            replace = check_replace(form.get("replace")) or check_replace(raw.query_params.get("replace"))
+        declared = int(raw.headers.get("content-length", "0"))
+    except ValueError:
+        declared = 0
+    body_field, cap = ("file" if multipart else "body"), cfg.module_body_cap
+    try:
+        if declared > cap:
+            raise _BodyTooLarge
+        request = Request(raw.scope, _capped(raw.receive, cap))
+        if multipart:
+            async with request.form() as form:
+                upload = form.get("file")
+                if upload is None or isinstance(upload, str):
+                    raise SteeringSpecError("file", "a multipart registration needs a 'file' part")
+                module = module_from_file(form.get("name"), await upload.read(), upload.filename or "",
+                                          shape, form.get("description"))
+                replace = check_replace(form.get("replace")) or check_replace(raw.query_params.get("replace"))
         else:
             try:
-                body = json.loads(await raw.body())
+                body = json.loads(await request.body())
             except (ValueError, RecursionError) as e:
                 raise SteeringSpecError("body", f"invalid JSON: {str(e)[:200]}") from None
             if not isinstance(body, dict):
                 raise SteeringSpecError("body", "expected a JSON object")
             module = module_from_json(body, shape)
             replace = check_replace(body.get("replace")) or check_replace(raw.query_params.get("replace"))
-    except SteeringSpecError as e:
-        return error(400, str(e), e.field)
+    except _BodyTooLarge:
+        return error(413, f"module registration larger than the server's cap of {cap} bytes "
+                          f"(2 x steer.max_module_bytes + 1 MiB); not read further", body_field)
+    except SteeringSpecError as e:  # SteeringTooLarge: 413
+        return error(e.status, str(e), e.field)
     except Exception as e:  # no input may become a 500: name what was being read
         logger.exception("vllm-steer: reading a module registration failed")
-        return error(400, f"could not read the module registration: {type(e).__name__}: {str(e)[:300]}",
-                     "file" if raw.headers.get("content-type", "").startswith("multipart/") else "body")
+        return error(400, f"could not read the module registration: {type(e).__name__}: {str(e)[:300]}", body_field)
     try:
-        module = await register_async(state.steer_engine_client.collective_rpc, module, replace)
+        module = await register_async(state.steer_engine_client.collective_rpc, module, replace, cfg.max_modules)
     except ModuleExistsError as e:
         return error(409, f"steering module {e.args[0]!r} exists; pass replace=true to replace it", "name")
+    except ModuleLimitError as e:
+        return error(409, f"the server holds steer.max_modules ({e.limit}) steering modules; delete one "
+                          "or replace an existing name", "name")
     return JSONResponse(module.summary(), status_code=201)
 
 

@@ -141,7 +141,11 @@ class SteeringRequestMiddleware:
         if obj is None:
             await self.app(scope, _replay(body, receive), send)
             return
-        token = PREPARED.put(prepared) if prepared is not None else None
+        try:
+            token = PREPARED.put(prepared) if prepared is not None else None
+        except SteeringSpecError as e:  # its SAE was deleted or replaced meanwhile
+            await _send_error(send, 400, str(e), e.field)
+            return
         if token is not None:
             obj[TOKEN_FIELD] = token
         new_body = msgspec.json.encode(obj)

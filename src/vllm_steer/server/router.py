@@ -17,8 +17,10 @@ from vllm_steer.core.config import steer_config_of
 from vllm_steer.frontend.prepare import SteeringFrontend
 from vllm_steer.frontend.module_registration import load_path, register_async
 from vllm_steer.patches import apply_server
+from vllm_steer.server.engine_metrics import EngineMetricsMiddleware
 from vllm_steer.server.modules_routes import router as modules_router
 from vllm_steer.server.request_body import SteeringRequestMiddleware
+from vllm_steer.server.sae_routes import router as sae_router
 from vllm_steer.server.response_field import SteeringResponseMiddleware
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"])
@@ -43,21 +45,6 @@ async def steering_status(raw: Request) -> JSONResponse:
     )
 
 
-@router.get("/sae")
-async def list_sae(raw: Request) -> JSONResponse:
-    """The SAEs requests may clamp (``steer.sae``): sites, sizes, activation, clampable features."""
-    frontend = getattr(raw.app.state, "steer_frontend", None)
-    data = []
-    for name, e in (frontend.sae if frontend is not None else {}).items():
-        metas = list(e.sites.values())
-        data.append({"name": name, "sites": [f"{h}.{l}" for h, l in e.sites], "d_sae": metas[0].d_sae,
-                     "activation": metas[0].activation, "k": metas[0].k or None, "dtype": metas[0].dtype,
-                     "modes": ["delta", "reconstruct"] if e.config.reconstruct else ["delta"],
-                     "clampable": len(e.features),
-                     "features": list(e.features) if e.config.features is not None else None})
-    return JSONResponse({"object": "list", "data": data})
-
-
 class SteeringEndpointPlugin:
     """Factory target of the ``vllm.endpoint_plugins`` entry point ``steer``."""
 
@@ -68,11 +55,14 @@ class SteeringEndpointPlugin:
         apply_server()
         app.include_router(router)
         app.include_router(modules_router)
+        app.include_router(sae_router)
+        app.add_middleware(EngineMetricsMiddleware)  # /metrics only: engine values fetched per scrape
         app.add_middleware(SteeringResponseMiddleware)
         app.add_middleware(SteeringRequestMiddleware)  # added last: runs first, before the holder opens
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.steer_engine_client = engine_client
+        state.steer_api_servers = getattr(args, "api_server_count", None) or 1
         state.steer_config = steer_config_of(engine_client.vllm_config) if engine_client else None
         # Also with steering off: it answers steering fields with "steering is disabled" (400).
         state.steer_frontend = SteeringFrontend(engine_client.vllm_config) if engine_client else None
@@ -80,5 +70,5 @@ class SteeringEndpointPlugin:
             return
         # Start-up preload: before the server accepts requests.
         for name, path in state.steer_config.modules.items():
-            module = load_path(name, path, state.steer_frontend.shape)
+            module = load_path(name, path, state.steer_frontend.module_shape)  # steer.max_module_bytes
             await register_async(engine_client.collective_rpc, module, replace=True)

@@ -1,0 +1,152 @@
+"""Registering and deleting SAEs while the server runs (``POST`` / ``DELETE /v1/steering/sae``, or
+``register_sae(llm, ...)``): check the registration against the sites ``steer.sae_slots`` reserved,
+stage it on every worker (``collective_rpc``, through the engine core, which refuses while unfinished
+requests clamp at those sites), then publish the name. A site a deleted SAE held is reused only when
+no request of this process that is being added, and none unfinished in the engine, clamps there."""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from pydantic import ValidationError
+
+from vllm_steer.core.config import SaeModuleConfig
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.sae_catalog import SaeEntry, SlotError, runtime_entry
+from vllm_steer.frontend.module_registration import check_name, check_replace
+from vllm_steer.frontend.prepared import PREPARED
+from vllm_steer.frontend.sae_registry import REGISTRY
+
+_CONFIG_FIELDS = ("path", "format", "site", "features")
+_FIELDS = {"name", "replace", *_CONFIG_FIELDS}
+
+
+class SaeExistsError(KeyError):
+    """The name is taken (409): by a runtime SAE (unless ``replace``) or one of ``steer.sae``."""
+
+
+def sae_from_json(body: dict) -> tuple[str, SaeModuleConfig, bool]:
+    """(name, config, replace) of a registration body; SteeringSpecError naming the field."""
+    extra = set(body) - _FIELDS
+    if extra:
+        raise SteeringSpecError(sorted(extra)[0], f"unknown field in an SAE registration (fields: {sorted(_FIELDS)})")
+    name = check_name(body.get("name"))
+    replace = check_replace(body.get("replace"))
+    if "path" not in body:
+        raise SteeringSpecError("path", "an SAE registration needs the path of its files on the server")
+    try:
+        config = SaeModuleConfig.model_validate({k: body[k] for k in _CONFIG_FIELDS if k in body})
+    except ValidationError as e:
+        err = e.errors()[0]
+        shown = repr(err.get("input"))
+        raise SteeringSpecError(".".join(str(p) for p in err["loc"]) or "body",
+                                f"{err['msg']} (got {shown[:100]})") from None
+    return name, config, replace
+
+
+def _in_transit(sites: set[str]) -> dict[str, int]:
+    """Requests of this process on their way to the engine that clamp at ``sites`` (``hook.layer``)."""
+    out: dict[str, int] = {}
+    for payload in PREPARED.payloads():
+        used = {f"{e[1]}.{e[2]}" for phase in (payload.get("sae") or {}).values() for e in phase}
+        for site in used & sites:
+            out[site] = out.get(site, 0) + 1
+    return out
+
+
+def _busy(where: str, counts: dict[str, int]) -> SlotError:
+    return SlotError(f"requests {where} still clamp at {', '.join(f'{s} ({n})' for s, n in sorted(counts.items()))}; "
+                     "retry when they finish")
+
+
+class _Registration:
+    """One registration's check, hand-over and publication (the same for async and sync callers)."""
+
+    def __init__(self, frontend: Any, name: str, config: SaeModuleConfig, replace: bool) -> None:
+        if name in frontend.sae_config:
+            raise SaeExistsError(f"SAE {name!r} was loaded at start-up (steer.sae) and cannot be replaced")
+        self.old = REGISTRY.entries.get(name)
+        if self.old is not None and not replace:
+            raise SaeExistsError(f"SAE {name!r} exists; pass replace=true to replace it")
+        cfg, shape = frontend.cfg, frontend.shape
+        self.entry: SaeEntry = runtime_entry(name, config, cfg, shape.hidden_size, shape.num_layers,
+                                             frontend.sae_slots, REGISTRY.next_version())
+        for site in self.entry.sites:
+            holder = REGISTRY.holder(site)
+            if holder is not None and holder != name:
+                raise SlotError(f"site {site[0]}.{site[1]} holds the SAE {holder!r}; delete it first")
+        self.sites = [f"{h}.{l}" for h, l in self.entry.sites]
+        if self.old is not None:  # new requests can no longer name the old one
+            REGISTRY.entries.pop(name, None)
+        busy = _in_transit(set(self.sites))
+        if busy:
+            self.undo()
+            raise _busy("being added", busy)
+        REGISTRY.pending.update(self.entry.sites)
+
+    @property
+    def rpc_args(self) -> tuple:
+        c = self.entry.config
+        return (self.entry.name, self.entry.version, c.path, c.format, c.site, list(self.entry.features), self.sites)
+
+    def undo(self) -> None:
+        REGISTRY.pending.difference_update(self.entry.sites)
+        if self.old is not None:
+            REGISTRY.entries[self.entry.name] = self.old
+
+    def finish(self, replies: list) -> SaeEntry:
+        busy = next((r["busy"] for r in replies if isinstance(r, dict) and "busy" in r), None)
+        self.undo() if busy else REGISTRY.pending.difference_update(self.entry.sites)
+        if busy:
+            raise _busy("in the engine", busy)
+        REGISTRY.entries[self.entry.name] = self.entry  # only now can a request name it
+        return self.entry
+
+    def failed(self, e: Exception) -> SteeringSpecError:
+        self.undo()
+        return SteeringSpecError("path", f"a worker could not load the SAE: {type(e).__name__}: {str(e)[:300]}")
+
+
+async def register_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, body: dict) -> SaeEntry:
+    reg = _Registration(frontend, *sae_from_json(body))
+    try:
+        replies = await rpc("vllm_steer_register_sae", args=reg.rpc_args)
+    except Exception as e:
+        raise reg.failed(e) from None
+    return reg.finish(replies)
+
+
+async def unregister_sae_async(rpc: Callable[..., Awaitable[Any]], name: str) -> SaeEntry:
+    entry = REGISTRY.entries.pop(name)  # new requests are refused from here on
+    await rpc("vllm_steer_unregister_sae", args=(name,))
+    return entry
+
+
+def register_sae(llm: Any, name: str, path: str, format: str | None = None, site: str | None = None,
+                 features: list[int] | None = None, replace: bool = False) -> dict:
+    """Register an SAE on a ``vllm.LLM`` started with ``steer.sae_slots`` (as ``POST /v1/steering/sae``)."""
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    frontend = SteeringFrontend(llm.llm_engine.vllm_config)
+    body = {"name": name, "path": path, "format": format, "site": site, "features": features, "replace": replace}
+    reg = _Registration(frontend, *sae_from_json({k: v for k, v in body.items() if v is not None}))
+    try:
+        replies = llm.collective_rpc("vllm_steer_register_sae", args=reg.rpc_args)
+    except Exception as e:
+        raise reg.failed(e) from None
+    return sae_summary(reg.finish(replies))
+
+
+def unregister_sae(llm: Any, name: str) -> None:
+    REGISTRY.entries.pop(name)
+    llm.collective_rpc("vllm_steer_unregister_sae", args=(name,))
+
+
+def sae_summary(e: SaeEntry) -> dict:
+    """What ``GET /v1/steering/sae`` shows of one SAE."""
+    metas = list(e.sites.values())
+    return {"name": e.name, "source": "runtime" if e.version else "config",
+            "sites": [f"{h}.{l}" for h, l in e.sites], "d_sae": metas[0].d_sae,
+            "activation": metas[0].activation, "k": metas[0].k or None, "dtype": metas[0].dtype,
+            "modes": ["delta", "reconstruct"] if e.config.reconstruct else ["delta"],
+            "clampable": len(e.features), "features": list(e.features) if e.config.features is not None else None}

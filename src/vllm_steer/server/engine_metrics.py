@@ -1,0 +1,71 @@
+"""Engine-side values on ``/metrics``, fetched only when it is scraped: nothing runs per step.
+
+A pure ASGI middleware in front of vLLM's ``/metrics`` asks the engine core
+(``collective_rpc("vllm_steer_metrics")``, answered between steps by ``engine.metrics_rpc``) and
+writes the answer into ``server.metrics`` before vLLM renders the page; the API process's own values
+(module and SAE counts) are set at the same time. One question at a time per API process: a scrape
+waits at most ``WAIT_S`` from when the question was asked, else it is served the last values; a late
+answer is still written (no counter increment is lost), and a question that is not answered is not
+asked again until it is (a busy or dead engine never makes scrapes hang or pile up)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from vllm_steer.frontend.module_store import STORE
+from vllm_steer.server.metrics import MODULES, ROWS_CAPACITY, SAES, apply_engine
+
+logger = logging.getLogger("vllm.steer")
+
+WAIT_S = 2.0
+
+
+class _Fetcher:
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.asked = 0.0
+        self.failing = False
+
+    async def refresh(self, engine: Any) -> None:
+        if self.task is None or self.task.done():
+            self.asked = time.monotonic()
+            self.task = asyncio.ensure_future(self._ask(engine))
+        wait = self.asked + WAIT_S - time.monotonic()
+        if wait > 0:
+            await asyncio.wait({self.task}, timeout=wait)  # never cancels the question
+
+    async def _ask(self, engine: Any) -> None:
+        try:
+            answer = await engine.collective_rpc("vllm_steer_metrics")
+            apply_engine(answer[0] if answer else {})
+        except Exception as e:  # engine dead or restarting: keep the last values
+            if not self.failing:
+                logger.warning("vllm-steer: the engine did not answer for /metrics (%s: %s); serving the last "
+                               "values", type(e).__name__, e)
+            self.failing = True
+            return
+        self.failing = False
+
+
+_FETCHER = _Fetcher()
+
+
+class EngineMetricsMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http" and scope.get("path", "").rstrip("/") == "/metrics":
+            state = scope["app"].state
+            cfg = getattr(state, "steer_config", None)
+            engine = getattr(state, "steer_engine_client", None)
+            if cfg is not None and engine is not None:
+                frontend = getattr(state, "steer_frontend", None)
+                ROWS_CAPACITY.set(cfg.usable_rows)
+                MODULES.set(len(STORE.all()))
+                SAES.set(len(frontend.sae) if frontend is not None else 0)
+                await _FETCHER.refresh(engine)
+        await self.app(scope, receive, send)

@@ -1,0 +1,100 @@
+"""/v1/steering/sae: list the SAEs requests may clamp, register one at a reserved site (JSON naming
+its files on the server), get and delete one. Errors use vLLM's error shape; mutations need the steer
+api_key like module mutations. Engine work goes through ``frontend.sae_registration``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.sae_catalog import SlotError
+from vllm_steer.frontend.sae_registration import (
+    SaeExistsError,
+    register_sae_async,
+    sae_summary,
+    unregister_sae_async,
+)
+from vllm_steer.frontend.sae_registry import REGISTRY
+from vllm_steer.server.errors import error, mutation_denied
+
+logger = logging.getLogger("vllm.steer")
+router = APIRouter(prefix="/v1/steering/sae", tags=["steering"])
+
+
+async def _users(raw: Request) -> dict[str, int]:
+    engine = raw.app.state.steer_engine_client
+    per_core = await engine.collective_rpc("vllm_steer_sae_users")  # answered by the engine core
+    return per_core[0]["names"] if per_core else {}
+
+
+def _frontend(raw: Request):
+    return getattr(raw.app.state, "steer_frontend", None)
+
+
+@router.get("")
+async def list_sae(raw: Request) -> JSONResponse:
+    """Every SAE requests may clamp (``steer.sae`` and registered ones), and the reserved sites."""
+    frontend = _frontend(raw)
+    catalog = frontend.sae if frontend is not None else {}
+    users = await _users(raw) if catalog and raw.app.state.steer_engine_client is not None else {}
+    data = [{**sae_summary(e), "in_flight": users.get(name, 0)} for name, e in catalog.items()]
+    slots = [{"site": f"{h}.{l}", "clampable": n, "sae": REGISTRY.holder((h, l))}
+             for (h, l), n in (frontend.sae_slots if frontend is not None else {}).items()]
+    return JSONResponse({"object": "list", "data": data, "slots": slots})
+
+
+@router.get("/{name}")
+async def get_sae(name: str, raw: Request) -> JSONResponse:
+    frontend = _frontend(raw)
+    entry = (frontend.sae if frontend is not None else {}).get(name)
+    if entry is None:
+        return error(404, f"unknown SAE {name!r}", "name")
+    return JSONResponse({**sae_summary(entry), "in_flight": (await _users(raw)).get(name, 0)})
+
+
+@router.post("")
+async def register(raw: Request) -> JSONResponse:
+    if (denied := mutation_denied(raw, "registering or deleting SAEs")) is not None:
+        return denied
+    frontend = _frontend(raw)
+    if raw.app.state.steer_config is None or frontend is None:
+        return error(400, "steering is disabled on this server")
+    if not frontend.sae_slots:
+        return error(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
+    if getattr(raw.app.state, "steer_api_servers", 1) > 1:  # each process would keep its own list
+        return error(409, "runtime SAE registration needs one API server process (--api-server-count 1); "
+                          "load SAEs from steer.sae instead", "name")
+    try:
+        body = json.loads(await raw.body())
+        if not isinstance(body, dict):
+            raise SteeringSpecError("body", "expected a JSON object")
+        entry = await register_sae_async(raw.app.state.steer_engine_client.collective_rpc, frontend, body)
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, SteeringSpecError):
+            return error(400, str(e), e.field)
+        return error(400, f"invalid JSON: {str(e)[:200]}", "body")
+    except SaeExistsError as e:
+        return error(409, e.args[0], "name")
+    except SlotError as e:
+        return error(409, str(e), "site")
+    except Exception as e:  # no input may become a 500: name what was being read
+        logger.exception("vllm-steer: an SAE registration failed")
+        return error(400, f"could not register the SAE: {type(e).__name__}: {str(e)[:300]}", "body")
+    return JSONResponse(sae_summary(entry), status_code=201)
+
+
+@router.delete("/{name}")
+async def delete(name: str, raw: Request) -> JSONResponse:
+    if (denied := mutation_denied(raw, "registering or deleting SAEs")) is not None:
+        return denied
+    frontend = _frontend(raw)
+    if frontend is not None and name in frontend.sae_config:
+        return error(409, f"SAE {name!r} was loaded at start-up (steer.sae) and cannot be deleted", "name")
+    if name not in REGISTRY.entries:
+        return error(404, f"unknown SAE {name!r}", "name")
+    await unregister_sae_async(raw.app.state.steer_engine_client.collective_rpc, name)
+    return JSONResponse({"deleted": name})

@@ -1,0 +1,125 @@
+"""SAEs registered over HTTP on the shared server (conftest: ``sae_slots`` reserves post_mlp.8 for 16
+features): refusals with the status and field, a registered SAE steering completions, delete while
+in flight (the request finishes with the SAE, the site stays busy until then), re-registration."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.conftest import API_KEY, SAE_SLOT, SAE_SLOT_SIZE
+from tests.sae_writers import random_sae, write_gemma_scope
+from tests.test_modules_http import stream_completion
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HIDDEN, F = 576, 64
+CLAMPS = [{"feature": f, "kind": "set", "value": 60.0} for f in (1, 2, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def server(api_server, tmp_path_factory):
+    d = tmp_path_factory.mktemp("rt_sae")
+    files = {seed: write_gemma_scope(str(d / f"s{seed}"), random_sae(HIDDEN, F, "jumprelu", seed=seed)) for seed in (31, 32)}
+    return api_server[0], api_server[1], files
+
+
+def post(base, body, headers=AUTH):
+    return httpx.post(f"{base}/v1/steering/sae", json=body, headers=headers, timeout=60)
+
+
+def delete(base, name):
+    return httpx.delete(f"{base}/v1/steering/sae/{name}", headers=AUTH, timeout=60)
+
+
+def text(base, model, **fields):
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _refusal(r, status: int, param: str, words: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_registrations_are_refused_with_the_field_at_fault(server):
+    base, _, files = server
+    good = {"name": "rt", "path": files[31], "site": SAE_SLOT, "features": list(range(8))}
+    assert post(base, good, headers={}).status_code == 401
+    cases = [
+        ({**good, "colour": "red"}, 400, "colour", "unknown field"),
+        ({k: v for k, v in good.items() if k != "path"}, 400, "path", "needs the path"),
+        ({**good, "path": files[31] + "/nowhere"}, 400, "path", "nowhere"),
+        ({**good, "site": "post_mlp.9"}, 400, "site", "not reserved"),
+        ({**good, "site": "sideways.3"}, 400, "site", "unknown hook"),
+        ({**good, "features": list(range(SAE_SLOT_SIZE + 1))}, 400, "features", f"holds {SAE_SLOT_SIZE}"),
+        ({**good, "features": [1, F]}, 400, "features", "out of range"),
+        ({**good, "features": [1, 1]}, 400, "features", "duplicate"),
+        ({**good, "features": [True]}, 400, "features.0", "integer"),
+        ({**good, "reconstruct": True}, 400, "reconstruct", "unknown field"),
+        ({**good, "name": "../x"}, 400, "name", "module name is"),
+        ({**good, "name": "fz"}, 409, "name", "loaded at start-up"),
+    ]
+    for body, status, param, words in cases:
+        _refusal(post(base, body), status, param, words)
+    r = httpx.post(f"{base}/v1/steering/sae", content=b"{nope", headers=AUTH, timeout=60)
+    _refusal(r, 400, "body", "invalid JSON")
+    _refusal(delete(base, "fz"), 409, "name", "loaded at start-up")
+    _refusal(delete(base, "never"), 404, "name", "unknown SAE")
+    listed = httpx.get(f"{base}/v1/steering/sae", timeout=30).json()
+    assert [s["name"] for s in listed["data"]] == ["fz"]  # nothing half-registered
+    assert listed["slots"] == [{"site": SAE_SLOT, "clampable": SAE_SLOT_SIZE, "sae": None}]
+
+
+def test_register_steer_delete_in_flight_and_reuse_the_site(server):
+    base, model, files = server
+    body = {"name": "rt", "path": files[31], "site": SAE_SLOT, "features": list(range(8))}
+    r = post(base, body)
+    assert r.status_code == 201, r.text
+    assert (r.json()["sites"], r.json()["clampable"], r.json()["source"]) == ([SAE_SLOT], 8, "runtime")
+    _refusal(post(base, body), 409, "name", "replace=true")
+    _refusal(post(base, {**body, "name": "other"}), 409, "site", "holds the SAE 'rt'")
+    try:
+        plain, first = text(base, model), text(base, model, sae={"name": "rt", "clamps": CLAMPS})
+        assert first != plain and text(base, model, sae={"name": "rt", "clamps": CLAMPS}) == first
+        # beside the config SAE at another site, in one request
+        both = text(base, model, sae=[{"name": "rt", "clamps": CLAMPS}, {"name": "fz", "clamps": CLAMPS}])
+        assert both not in (first, plain)
+        refused = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Hi", "sae": {"name": "rt", "clamps": [{"feature": 9, "value": 1.0}]}})
+        _refusal(refused, 400, "sae.clamps[0].feature", "not clampable")
+
+        out, started = {}, threading.Event()
+        t = threading.Thread(target=stream_completion, args=(base, model, started, out),
+                             kwargs={"sae": {"name": "rt", "clamps": CLAMPS}})
+        t.start()
+        assert started.wait(120), "no token streamed within 120 s"
+        assert httpx.get(f"{base}/v1/steering/sae/rt", timeout=30).json()["in_flight"] == 1
+        assert delete(base, "rt").status_code == 200
+        after = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Hi", "sae": {"name": "rt", "clamps": CLAMPS}})
+        _refusal(after, 400, "sae.name", "unknown SAE")
+        # the running request still clamps at the site: another SAE may not take it yet
+        busy = post(base, {**body, "name": "rt2", "path": files[32]})
+        t.join()
+        if t.is_alive() or out.get("status") != 200:
+            pytest.fail(f"the in-flight request: {out}")
+        _refusal(busy, 409, "site", "still clamp")
+        assert out["text"].startswith(first)  # it ran with rt to the end (greedy: same prefix)
+
+        assert post(base, {**body, "name": "rt2", "path": files[32]}).status_code == 201
+        second = text(base, model, sae={"name": "rt2", "clamps": CLAMPS})
+        assert second not in (first, plain)
+        assert delete(base, "rt2").status_code == 200
+        # the first file again: its weights are staged anew in place, nothing of rt2 remains
+        assert post(base, body).status_code == 201
+        assert text(base, model, sae={"name": "rt", "clamps": CLAMPS}) == first
+        assert text(base, model) == plain
+    finally:
+        for name in ("rt", "rt2"):
+            delete(base, name)
+    assert [s["name"] for s in httpx.get(f"{base}/v1/steering/sae", timeout=30).json()["data"]] == ["fz"]
