@@ -138,7 +138,7 @@ def test_the_engine_pack_equals_the_reference(activation, full):
                    sae.threshold.numpy() if activation == JUMPRELU else None)
     entry = SaeEntry("s", SaeModuleConfig(path="unused", reconstruct=full), {("post_mlp", 1): meta},
                      tuple(clampable), {f: i for i, f in enumerate(clampable)}, "id")
-    tables = SaeTables({}, set(), 5, torch.device("cpu"))
+    tables = SaeTables({}, {}, set(), 5, 16, torch.device("cpu"))
     tables.packs[("post_mlp", 1)] = _pack(w, entry, 5, torch.device("cpu"))
     for r in range(1, 5):
         feats = np.nonzero(kind[r])[0]
