@@ -160,6 +160,19 @@ def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_reference(register
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _captured_idle(registered, x, r, w, index, vec, pa, pb):
+    """(graph, its outputs, the plain kernel's) of the SAE op captured while every row is OFF; the
+    outputs equal the plain kernel's at the first replay."""
+    registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)  # JIT outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    graph.replay()
+    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
+    assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
+    return graph, out, plain
+
+
 def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
     n, d, dtype = 24, 4096, torch.bfloat16
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=11)
@@ -171,13 +184,7 @@ def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
         p[0].zero_()
         p[1].zero_()
         p[2].zero_()
-    registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)  # JIT outside the graph
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, res = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
-    graph.replay()
-    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
-    assert torch.equal(out, plain[0]) and torch.equal(res, plain[1])  # every row OFF: the plain kernel
+    graph, (out, res), plain = _captured_idle(registered, x, r, w, index, vec, pa, pb)
 
     for p, rows in zip((pa, pb), steered):  # the engine writes rows in place (SaeTables.write_row)
         for t, v in zip(p[:3], rows):
@@ -215,17 +222,11 @@ def test_runtime_sae_staged_into_a_reserved_site_after_capture(registered, tmp_p
     pa, pb = sae.packs[site], clamp_pack(d, 8, seed=22, device="cuda")
     pb[0].zero_()
     vec = (ta, _flag(1), tb, _flag(1))
-    registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)  # JIT outside the graph
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, res = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
-    graph.replay()
-    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
-    assert torch.equal(out, plain[0]) and torch.equal(res, plain[1])
+    graph, (out, res), plain = _captured_idle(registered, x, r, w, index, vec, pa, pb)
 
     for seed, features in ((23, list(range(40))), (24, [5, 9, 33])):
         path = write_gemma_scope(str(tmp_path / f"s{seed}"), random_sae(d, 64, "jumprelu", seed=seed))
-        assert sae.load_runtime(f"s{seed}", seed, path, None, "post_mlp.3", tuple(features), [site]) == [site]
+        assert sae.load_runtime(path, None, "post_mlp.3", tuple(features), [site]) == [site]
         slots = np.arange(len(features), dtype=np.int32)
         sae.write_row(1, [wire_entry(f"s{seed}", *site, DELTA, slots, np.full(len(slots), SET, np.int32),
                                      np.full(len(slots), 6.0, np.float32))])

@@ -87,7 +87,7 @@ class _Registration:
     @property
     def rpc_args(self) -> tuple:
         c = self.entry.config
-        return (self.entry.name, self.entry.version, c.path, c.format, c.site, list(self.entry.features), self.sites)
+        return (c.path, c.format, c.site, list(self.entry.features), self.sites)
 
     def undo(self) -> None:
         REGISTRY.pending.difference_update(self.entry.sites)
@@ -116,10 +116,12 @@ async def register_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, 
     return reg.finish(replies)
 
 
-async def unregister_sae_async(rpc: Callable[..., Awaitable[Any]], name: str) -> SaeEntry:
-    entry = REGISTRY.entries.pop(name)  # new requests are refused from here on
-    await rpc("vllm_steer_unregister_sae", args=(name,))
-    return entry
+def unregister_sae(llm: Any, name: str) -> SaeEntry:
+    """Delete a runtime SAE of a ``vllm.LLM`` (as ``DELETE /v1/steering/sae/{name}``): new requests naming
+    it are refused from here on, running ones finish with its staged weights. No worker is involved (the
+    engine core keeps the site from being re-staged while it is in use); ``llm`` pairs it with
+    ``register_sae``."""
+    return REGISTRY.entries.pop(name)
 
 
 def register_sae(llm: Any, name: str, path: str, format: str | None = None, site: str | None = None,
@@ -135,11 +137,6 @@ def register_sae(llm: Any, name: str, path: str, format: str | None = None, site
     except Exception as e:
         raise reg.failed(e) from None
     return sae_summary(reg.finish(replies))
-
-
-def unregister_sae(llm: Any, name: str) -> None:
-    REGISTRY.entries.pop(name)
-    llm.collective_rpc("vllm_steer_unregister_sae", args=(name,))
 
 
 def sae_summary(e: SaeEntry) -> dict:

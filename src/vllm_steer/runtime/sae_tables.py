@@ -66,7 +66,6 @@ class SaeTables:
         self.packs: dict[Site, list[torch.Tensor]] = {}
         self.topk: dict[Site, int] = {}
         self.slots = {s: n for s, n in slots.items() if s in sites}
-        self.runtime: dict[Site, tuple[str, int]] = {}  # reserved site -> (SAE name, version) loaded there
         for site, capacity in self.slots.items():
             self.packs[site] = _empty_pack(capacity, hidden, num_rows, device)
         for entry in catalog.values():
@@ -103,8 +102,8 @@ class SaeTables:
         if touched:
             self._written[row] = touched
 
-    def load_runtime(self, name: str, version: int, path: str, format: str | None, site: str | None,
-                     features: tuple[int, ...], sites: list[Site]) -> list[Site]:
+    def load_runtime(self, path: str, format: str | None, site: str | None, features: tuple[int, ...],
+                     sites: list[Site]) -> list[Site]:
         """Stage a runtime SAE's clampable features into the reserved packs of its ``sites`` on this
         rank (the front end and the engine core checked that no unfinished request uses them)."""
         mine = [s for s in sites if s in self.slots]
@@ -117,10 +116,4 @@ class SaeTables:
             for t, a in zip(pack[3:8], _clampable(weights[s], feats)):
                 t[:n].copy_(torch.from_numpy(np.ascontiguousarray(a)).to(t.dtype))
                 t[n:].zero_()
-            self.runtime[s] = (name, version)
         return mine
-
-    def unload_runtime(self, name: str) -> None:
-        """Forget a deleted runtime SAE (its weights stay until the site is registered again: requests
-        still running with it finish with it)."""
-        self.runtime = {s: nv for s, nv in self.runtime.items() if nv[0] != name}

@@ -55,20 +55,15 @@ def vllm_steer_unregister_module(self, name: str) -> None:
         rt.unregister_module(name)
 
 
-def vllm_steer_register_sae(self, name: str, version: int, path: str, format: str | None, site: str | None,
-                            features: list[int], sites: list[str]) -> list[str]:
-    """Stage a runtime SAE into those of its ``sites`` (``hook.layer``) this worker holds; returns them."""
+def vllm_steer_register_sae(self, path: str, format: str | None, site: str | None, features: list[int],
+                            sites: list[str]) -> list[str]:
+    """Stage a runtime SAE into those of its ``sites`` (``hook.layer``) this worker holds; returns them.
+    Deleting one needs no worker: the engine core keeps a site from being re-staged while it is in use."""
     rt = _runtime(self)
     if rt is None or rt.sae is None:
         return []
     mine = [(h, int(l)) for h, _, l in (s.partition(".") for s in sites)]
-    return [f"{h}.{l}" for h, l in rt.sae.load_runtime(name, version, path, format, site, tuple(features), mine)]
-
-
-def vllm_steer_unregister_sae(self, name: str) -> None:
-    rt = _runtime(self)
-    if rt is not None and rt.sae is not None:
-        rt.sae.unload_runtime(name)
+    return [f"{h}.{l}" for h, l in rt.sae.load_runtime(path, format, site, tuple(features), mine)]
 
 
 def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
@@ -85,7 +80,6 @@ WORKER_METHODS = {
     "vllm_steer_register_module": vllm_steer_register_module,
     "vllm_steer_unregister_module": vllm_steer_unregister_module,
     "vllm_steer_register_sae": vllm_steer_register_sae,
-    "vllm_steer_unregister_sae": vllm_steer_unregister_sae,
 }
 
 

@@ -30,22 +30,10 @@ from vllm_steer.frontend.module_registration import (
 )
 from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.server.errors import error_body
+from vllm_steer.server.errors import error, mutation_denied
 
 logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/modules", tags=["steering"])
-
-
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-def _unauthorized(raw: Request) -> JSONResponse | None:
-    cfg = raw.app.state.steer_config
-    key = cfg.api_key if cfg is not None else None
-    if key and raw.headers.get("authorization") != f"Bearer {key}":
-        return error(401, "registering or deleting steering modules needs the steer api_key (Authorization: Bearer ...)")
-    return None
 
 
 async def _users(raw: Request) -> dict[str, int]:
@@ -75,7 +63,7 @@ def _capped(receive: Any, cap: int) -> Any:
 
 @router.post("")
 async def register(raw: Request) -> JSONResponse:
-    if (denied := _unauthorized(raw)) is not None:
+    if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied
     state = raw.app.state
     cfg = state.steer_config
@@ -145,7 +133,7 @@ async def get_module(name: str, raw: Request) -> JSONResponse:
 
 @router.delete("/{name}")
 async def delete_module(name: str, raw: Request) -> JSONResponse:
-    if (denied := _unauthorized(raw)) is not None:
+    if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied
     if STORE.get(name) is None:
         return error(404, f"unknown steering module {name!r}", "name")

@@ -16,7 +16,7 @@ from vllm_steer.frontend.sae_registration import (
     SaeExistsError,
     register_sae_async,
     sae_summary,
-    unregister_sae_async,
+    unregister_sae,
 )
 from vllm_steer.frontend.sae_registry import REGISTRY
 from vllm_steer.server.errors import error, mutation_denied
@@ -96,5 +96,5 @@ async def delete(name: str, raw: Request) -> JSONResponse:
         return error(409, f"SAE {name!r} was loaded at start-up (steer.sae) and cannot be deleted", "name")
     if name not in REGISTRY.entries:
         return error(404, f"unknown SAE {name!r}", "name")
-    await unregister_sae_async(raw.app.state.steer_engine_client.collective_rpc, name)
+    unregister_sae(raw.app.state.steer_engine_client, name)
     return JSONResponse({"deleted": name})
