@@ -103,6 +103,7 @@ def parse_args(argv=None):
     ap.add_argument("--eager-trials", type=int, default=2)
     ap.add_argument("--std", type=float, default=0.05, help="std of the steering vectors' entries")
     ap.add_argument("--gpu-mem", type=float, default=0.24, help="gpu_memory_utilization per server")
+    ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every server")
     ap.add_argument("--eager-gpu-mem", type=float, default=0.20, help="gpu_memory_utilization of the eager server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)

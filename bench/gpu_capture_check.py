@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--mem", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (stages publish their own sites)")
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="capcheck-"))
     ckpt, root = work / "model", work / "captures"
@@ -63,8 +66,8 @@ def main() -> int:
     after = llm.collective_rpc("vllm_steer_status")
     gc_.shutdown(llm)
     torch.cuda.empty_cache()
-    got = load_request(str(root), outs[0].request_id)
-    got_s = load_request(str(root), outs[1].request_id)
+    got = load_request(str(root), outs[0].request_id, sites=3 * args.layers)
+    got_s = load_request(str(root), outs[1].request_id, sites=3 * args.layers)
     ref = hf_streams(str(ckpt), ids)
     # Relative to each site's largest |value|: vLLM's float32 GPU attention runs in TF32 (~5e-4
     # rounding), which puts elementwise ratios near zero far off while the stream agrees to ~1e-3.
@@ -76,12 +79,14 @@ def main() -> int:
         "status": status, "sites_captured": len(got), "sites_expected": 3 * args.layers,
         "worst_rel_err_vs_hf": worst, "steered_same_at_and_before_site": same_upstream,
         "steered_differs_after": not np.array_equal(got[(2, "pre_attn")][1], got_s[(2, "pre_attn")][1]),
-        "capture_stats": after[0].get("capture"),
+        "parallel": {"tp": args.tp, "pp": args.pp},
+        "capture_rows_per_worker": [w["capture"]["rows"] for w in after],
+        "capture_stats": {k: sum(w["capture"][k] for w in after) for k in after[0]["capture"]},
     }
     summary["ok"] = (summary["sites_captured"] == summary["sites_expected"] and worst < 1e-2 and same_upstream
                      and summary["steered_differs_after"] and summary["capture_stats"]["consumer_errors"] == 0)
     print(json.dumps(summary, indent=1, default=str))
-    (gc_.out_dir() / "gpu_capture_check.json").write_text(json.dumps(summary, indent=1, default=str))
+    (gc_.out_dir() / f"gpu_capture_check{args.tag}.json").write_text(json.dumps(summary, indent=1, default=str))
     sys.stdout.flush()
     os._exit(0 if summary["ok"] else 1)
 

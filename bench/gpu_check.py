@@ -85,6 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--bench-tokens", type=int, default=128)
     ap.add_argument("--bench-trials", type=int, default=2)
     ap.add_argument("--no-stock", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the engines")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size of the engines")
     args = ap.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 3, 128, 256, 4, 2
@@ -105,6 +107,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "model": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")},
         "dtype": "float32",
+        "parallel": {"tp": args.tp, "pp": args.pp},
         "env": {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_USE_V2_MODEL_RUNNER")},
         "checks": {},
         "errors": [],

@@ -51,3 +51,13 @@ def openai_server(model: str, *args: str, log: Path, env: dict | None = None, ti
             proc.wait(timeout=30)
         except Exception:
             os.killpg(proc.pid, 9)
+
+
+def scrape_metrics(base: str) -> dict[str, float]:
+    """Every ``vllm_steer_*`` sample of one /metrics scrape, keyed as printed (labels included)."""
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("vllm_steer_"):
+            out[name] = float(value)
+    return out

@@ -39,7 +39,7 @@ def test_module_reference_ships_a_few_hundred_bytes_inline_ships_the_vectors():
         inline, pk_i, _ = fe.engine_extra_args({"steering_vectors": vectors})
         by_ref, pk_m, _ = fe.engine_extra_args({"steering_module": {"name": "bytes-test", "scale": 1.0}})
     finally:
-        STORE.remove("bytes-test")
+        STORE.drop("bytes-test")
     assert pk_i == pk_m  # the same config either way
     inline_bytes, ref_bytes = _wire_bytes(inline), _wire_bytes(by_ref)
     assert inline_bytes > LAYERS * HIDDEN * 3 * 2  # every vector, in bf16

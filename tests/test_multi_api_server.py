@@ -1,10 +1,13 @@
 """``--api-server-count 2`` (README: heavy per-request traffic): every API server process prepares
-steered requests, and a module preloaded from ``steer.modules`` resolves in each of them; an SAE
-registration is refused (each process would keep its own list)."""
+steered requests; a module preloaded from ``steer.modules`` resolves in each of them, and one
+registered, replaced or deleted through either process is seen so by both (the engine core holds
+the registry); an SAE registration is refused (each process would keep its own list). ``/metrics`` (prometheus
+multiprocess mode, a scrape lands on either process) counts every request and upload once."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -36,7 +39,82 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
                 texts.add(r.json()["choices"][0]["text"])
         base_text = httpx.post(f"{base}/v1/completions", json=plain, timeout=120).json()["choices"][0]["text"]
         assert len(texts) == 1 and texts != {base_text}  # the same steering everywhere, and it steers
+        _metrics_count_each_event_once(base, model, hidden)
+        _modules_are_shared(base, model, hidden)
         sae = httpx.post(f"{base}/v1/steering/sae", json={"name": "s", "path": str(tmp_path)}, timeout=60)
         assert sae.status_code == 409 and "--api-server-count 1" in sae.json()["error"]["message"]
         log = (tmp_path / "server.log").read_text()
         assert "ApiServer_0" in log and "ApiServer_1" in log
+
+
+UPLOADS, VECTORS = "vllm_steer_row_uploads_total", 'vllm_steer_requests_total{kind="vectors"}'
+
+
+def _settled(base: str) -> dict[str, float]:
+    """The two counters, scraped until three scrapes in a row agree (engine increments handed to
+    either process are in)."""
+    from tests.server import scrape_metrics
+
+    seen, deadline = [], time.time() + 60
+    while len(seen) < 3 or seen[-1] != seen[-2] or seen[-2] != seen[-3]:
+        assert time.time() < deadline, f"/metrics kept changing with no traffic: {seen[-3:]}"
+        m = scrape_metrics(base)
+        seen.append({k: m.get(k, 0.0) for k in (UPLOADS, VECTORS)})
+    return seen[-1]
+
+
+def _metrics_count_each_event_once(base: str, model: str, hidden: int) -> None:
+    """4 new configs through both processes: the request counter (API side, one per process) and
+    the engine's upload counter (increments handed to whichever process scrapes) each rise by 4,
+    and stay there over more scrapes, landing on both processes."""
+    from vllm_steer.client import steering_body
+
+    before = _settled(base)
+    for i in range(4):
+        vec = np.full((1, hidden), 0.5 + i, dtype=np.float32)
+        body = {"model": model, "prompt": "hi", "max_tokens": 2, **steering_body({"post_attn": (vec, [0])})}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=120).status_code == 200
+    after = _settled(base)
+    assert after == {VECTORS: before[VECTORS] + 4, UPLOADS: before[UPLOADS] + 4}
+    for _ in range(4):  # new connections: both processes answer, neither adds anything twice
+        assert _settled(base) == after
+
+
+def _each_connection(n: int, call) -> list:
+    """``call()`` n times, each on a new connection: the kernel spreads them over both processes."""
+    return [call() for _ in range(n)]
+
+
+def _modules_are_shared(base: str, model: str, hidden: int) -> None:
+    from vllm_steer.core.layout import config_hash
+
+    def register(value: float, **extra):
+        body = {"name": "shared", "steering_vectors": {"post_mlp": {"1": [value] * hidden}}, **extra}
+        return httpx.post(f"{base}/v1/steering/modules", json=body, timeout=120)
+
+    def steered():
+        body = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0,
+                "steering_module": {"name": "shared"}}
+        return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+
+    def key(value: float) -> str:
+        return config_hash({"post_mlp": {1: np.full(hidden, value, dtype=np.float32)}}, "float32")
+
+    assert register(2.0).status_code == 201
+    for r in _each_connection(12, steered):
+        assert r.status_code == 200, r.text
+        assert r.json()["steering"]["decode"] == key(2.0)
+    for r in _each_connection(6, lambda: register(5.0)):  # either process: the name is taken
+        assert r.status_code == 409 and r.json()["error"]["param"] == "name"
+    assert register(-3.0, replace=True).status_code == 201
+    for r in _each_connection(12, steered):
+        assert r.status_code == 200 and r.json()["steering"]["decode"] == key(-3.0), r.text
+    listed = _each_connection(6, lambda: httpx.get(f"{base}/v1/steering/modules/shared", timeout=30).json())
+    assert {m["version"] for m in listed} == {listed[0]["version"]} and listed[0]["source"] == "json"
+    assert httpx.delete(f"{base}/v1/steering/modules/shared", timeout=60).status_code == 200
+    for r in _each_connection(12, steered):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "steering_module.name", r.text
+    for r in _each_connection(4, lambda: httpx.delete(f"{base}/v1/steering/modules/shared", timeout=60)):
+        assert r.status_code == 404
+    names = [m["name"] for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]]
+    assert names == ["m"]  # the preload, loaded once for both processes

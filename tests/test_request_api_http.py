@@ -12,6 +12,7 @@ import pytest
 import torch
 from openai import BadRequestError, OpenAI
 
+from tests.server import scrape_metrics
 from tests.steering_cases import vector
 from vllm_steer.client import pack
 
@@ -268,16 +269,6 @@ def test_prometheus_counts_steered_and_refused_requests(server):
     assert _metric(base, "vllm_steer_prepare_seconds_count") == timed + 2  # refused ones are timed too
 
 
-def _scrape(base: str) -> dict[str, float]:
-    """Every unlabeled ``vllm_steer_*`` sample of one /metrics scrape."""
-    out = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("vllm_steer_") and "{" not in name:
-            out[name] = float(value)
-    return out
-
-
 def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     """Engine values on /metrics (fetched per scrape): capacity, modules, rows in use while a steered
     stream runs and after it is closed, one upload of a new config's rows (bytes: every hook's whole
@@ -289,7 +280,7 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     workers = httpx.get(f"{base}/v1/steering", timeout=30).json()["workers"]
     modules = httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]
     n_layers = json.load(open(f"{model}/config.json"))["num_hidden_layers"]
-    before = _scrape(base)
+    before = scrape_metrics(base)
     assert before["vllm_steer_rows_capacity"] == 15  # max_configs 16, row 0 is the zero row
     assert before["vllm_steer_modules"] == len(modules) >= 1 and before["vllm_steer_saes"] == 1
     assert before["vllm_steer_requests_waiting_for_row"] == 0
@@ -304,7 +295,7 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         next(line for line in r.iter_lines() if line.startswith("data: {"))
-        during = _scrape(base)  # the first token has streamed, 299 to go: the request holds its row
+        during = scrape_metrics(base)  # the first token has streamed, 299 to go: the request holds its row
     # leaving the block closed the stream: vLLM aborts the request and its row is released
     assert during["vllm_steer_rows_in_use"] == before["vllm_steer_rows_in_use"] + 1
     assert during["vllm_steer_rows_in_use_peak"] >= during["vllm_steer_rows_in_use"]
@@ -313,12 +304,12 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     assert during["vllm_steer_row_upload_bytes_total"] == before["vllm_steer_row_upload_bytes_total"] + row_bytes
 
     deadline = time.time() + 60  # the worker hears of the aborted request at the next step
-    while (after := _scrape(base))["vllm_steer_rows_in_use"] != before["vllm_steer_rows_in_use"]:
+    while (after := scrape_metrics(base))["vllm_steer_rows_in_use"] != before["vllm_steer_rows_in_use"]:
         assert time.time() < deadline, f"rows in use stayed at {after['vllm_steer_rows_in_use']}"
         time.sleep(0.5)
     assert after["vllm_steer_capture_rows_total"] > before["vllm_steer_capture_rows_total"]
     again = {"model": model, "prompt": "Hi", "max_tokens": 2, "steering_vectors": vectors}
     assert httpx.post(f"{base}/v1/completions", json=again, timeout=120).status_code == 200
-    last = _scrape(base)  # the same config again: its row was still resident, nothing is written
+    last = scrape_metrics(base)  # the same config again: its row was still resident, nothing is written
     assert last["vllm_steer_row_uploads_total"] == after["vllm_steer_row_uploads_total"]
     assert last["vllm_steer_row_upload_bytes_total"] == after["vllm_steer_row_upload_bytes_total"]

@@ -146,7 +146,12 @@ def test_the_engine_pack_equals_the_reference(activation, full):
         m = int(mode[r]) if full or mode[r] != RECONSTRUCT else DELTA
         mode[r] = m
         slots = np.asarray([entry.slot_of[f] for f in feats], dtype=np.int32)
-        tables.write_row(r, [wire_entry("s", "post_mlp", 1, m, slots, codes, value[r, feats])] if m else [])
+        written = tables.write_row(r, [wire_entry("s", "post_mlp", 1, m, slots, codes, value[r, feats])] if m else [])
+        # the metrics' upload bytes: the site's code and value rows (int32 + float32) and its mode word
+        assert written == ((2 * tables.packs[("post_mlp", 1)][1].shape[1] + 1) * 4 if m else 0)
+    cleared = tables.write_row(4, [])  # a row that held clamps: only its mode word is written
+    assert cleared == (4 if mode[4] else 0)
+    tables.write_row(4, [wire_entry("s", "post_mlp", 1, int(mode[4]), slots, codes, value[4, feats])] if mode[4] else [])
     x = torch.from_numpy(np.random.default_rng(9).normal(0, 1, size=(11, D)).astype(np.float32))
     index = torch.tensor([0, 1, 2, 3, 4, 1, 2, 0, 3, 1, 2], dtype=torch.int32)
     want = sae_clamp_naive(x, index, sae, torch.from_numpy(mode), torch.from_numpy(kind), torch.from_numpy(value),

@@ -246,22 +246,26 @@ def test_decode_steered_reply_blocks_are_not_reused_by_an_unsteered_follow_up(ph
 
 
 def test_preempted_requests_resume_with_their_own_steering_and_capture_each_position_once(
-        core_run, smollm2_path, prompt_ids, tmp_path):
+        core_run, smollm2_path, prompt_ids, probe_plugin, tmp_path):
     """A KV cache too small for the batch forces preemption; every request (unsteered, vectors, a
     named module, an SAE clamp) still produces what it produces alone, so its steering survived
     preemption and resumption. Every request also captures every position at 4 sites: a preempted
     request recomputes its prompt and generated tokens, yet each position is delivered once, and
-    its rows equal those of the same request alone (no preemption)."""
+    its rows equal those of the same request alone (no preemption). A driver consumer (the example
+    probe, one instance on the first rank) returns the same per-request result as alone."""
     spec = {"layers": [3, 17], "hooks": ["pre_attn", "post_mlp"], "positions": "all"}
-    reqs = [params(100, logprobs=False, capture={"fs": spec})] + [
-        params(100, logprobs=False, capture={"fs": spec},
+    probe = {"layers": [17], "hooks": ["post_mlp"], "positions": "all"}
+    cap = {"fs": spec, "probe": probe}
+    reqs = [params(100, logprobs=False, capture=cap)] + [
+        params(100, logprobs=False, capture=cap,
                steering_vectors=floats(HOOKS[i % 3], 6 + i, vector(HIDDEN, 300 + i, SCALE)))
         for i in range(5)
-    ] + [params(100, logprobs=False, capture={"fs": spec}, steering_module={"name": "pm", "scale": 0.7}),
-         params(100, logprobs=False, capture={"fs": spec}, sae={"name": "pz", "clamps": CLAMPS})]
+    ] + [params(100, logprobs=False, capture=cap, steering_module={"name": "pm", "scale": 0.7}),
+         params(100, logprobs=False, capture=cap, sae={"name": "pz", "clamps": CLAMPS})]
     root = tmp_path / "captures"
     steer = {"max_configs": 8, "sae": _sae(tmp_path),
-             "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}}]}
+             "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}},
+                         {"name": "probe", "instance": "probe", "params": {"dim": HIDDEN, "seed": 5}}]}
     job = {
         "model": smollm2_path,
         "llm_kwargs": {**_engine(max_configs=8, block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False,
@@ -278,10 +282,13 @@ def test_preempted_requests_resume_with_their_own_steering_and_capture_each_posi
     assert worker["capture"]["recomputed_positions"] > 0
     assert worker["capture"]["dropped_rows"] == worker["capture"]["dropped_packets"] == 0
     together, alone = out["calls"][1], [c[0] for c in out["calls"][2:]]
+    n = len(prompt_ids) + 100 - 1  # prompt + generated tokens fed back
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t["token_ids"] == a["token_ids"], f"request {i}"
+        # the driver result: every position once (a recomputed one is not summed twice), same score
+        assert t["capture"]["probe"]["rows"] == a["capture"]["probe"]["rows"] == n, f"request {i}"
+        assert t["capture"]["probe"]["logit"] == pytest.approx(a["capture"]["probe"]["logit"], abs=1e-3)
     assert all(t["token_ids"] != together[0]["token_ids"] for t in together[1:])
-    n = len(prompt_ids) + 100 - 1  # prompt + generated tokens fed back
     for i, (t, a) in enumerate(zip(together, alone)):
         got, want = load_request(str(root), t["request_id"]), load_request(str(root), a["request_id"])
         assert set(got) == set(want) == {(l, h) for l in (3, 17) for h in ("pre_attn", "post_mlp")}

@@ -45,6 +45,10 @@ def make_llm(path: Path, args, steer: dict | None):
     )
     if steer is not None:
         kw["additional_config"] = {"steer": steer}
+    if getattr(args, "tp", 1) > 1:
+        kw["tensor_parallel_size"] = args.tp
+    if getattr(args, "pp", 1) > 1:
+        kw["pipeline_parallel_size"] = args.pp
     if args.eager:
         kw["enforce_eager"] = True
     t0 = time.perf_counter()

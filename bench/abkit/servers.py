@@ -67,6 +67,8 @@ class Server:
             "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
             "--disable-uvicorn-access-log",
         ]
+        if getattr(a, "tp", 1) > 1:
+            cmd += ["--tensor-parallel-size", str(a.tp)]
         if a.launcher != "cpu":
             cmd += ["--gpu-memory-utilization", str(a.eager_gpu_mem if self.name == "eager" else a.gpu_mem)]
         if a.enforce_eager or self.name == "eager":

@@ -1,9 +1,11 @@
 """The capture-consumer contract and its discovery through the ``vllm.capture_consumers`` entry points.
 
 A consumer class (advertised as ``name = "package.module:Class"``) declares ``location``:
-``"worker"`` (an instance runs in every worker, on that rank's chunks) or ``"driver"`` (one
-instance, on the first rank, whose ``on_request_finished`` may return a JSON-able per-request
-result that comes back with the request's output). Consumers run on a dispatch thread, never on
+``"worker"`` (an instance runs on TP rank 0 of every pipeline stage, on that stage's sites: tensor
+parallel ranks hold the same residual, so each site is delivered once) or ``"driver"`` (one
+instance per engine, on the first stage's TP rank 0, whose ``on_request_finished`` may return a
+JSON-able per-request result that comes back with the request's output; under pipeline
+parallelism it sees the first stage's sites only, and requests asking it for others are refused). Consumers run on a dispatch thread, never on
 the engine's step; exceptions are caught and counted. The engine never waits for capture: rows it
 cannot keep are dropped, and ``on_request_finished``'s ``meta["dropped"]`` names their positions.
 """

@@ -5,7 +5,9 @@ fp16) plus ``{layer}_{hook}.json`` (positions, dtype, shape) and ``request.json`
 metadata), written last: a request directory with ``request.json`` is complete. Writes for a
 request go to thread ``hash(request_id) % threads`` (so a file's order is kept), each thread keeps
 an LRU of open ``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d into place,
-so readers never see a partial shard (a killed process leaves only ``.tmp`` files).
+so readers never see a partial shard (a killed process leaves only ``.tmp`` files). Under pipeline
+parallelism each stage writes the files of its own sites and publishes ``request.json`` too: the
+request is complete once every stage has (``load_request`` takes the count of sites to expect).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class _Writer:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
     with open(tmp, "w") as f:
         json.dump(obj, f)
         f.flush()
@@ -126,12 +128,16 @@ def _request_dir(base: Path, request_id: str) -> Path:
     return matches[0] if len(matches) == 1 else d
 
 
-def load_request(root: str, request_id: str, tag: str = "default") -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+def load_request(root: str, request_id: str, tag: str = "default",
+                 sites: int | None = None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """Read a published request back: {(layer, hook): (positions, rows [n, D])}. Raises
-    FileNotFoundError while the request is not complete (no request.json yet)."""
+    FileNotFoundError while the request is not complete (no request.json yet, or fewer than
+    ``sites`` sites published: pipeline stages publish their own)."""
     d = _request_dir(Path(root) / tag, request_id)
     if not (d / "request.json").exists():
         raise FileNotFoundError(f"capture of {request_id!r} is not published under {d}")
+    if sites is not None and len(list(d.glob("*_*.json"))) < sites:
+        raise FileNotFoundError(f"capture of {request_id!r}: not every pipeline stage has published under {d}")
     out = {}
     for side_path in sorted(d.glob("*_*.json")):
         side = json.loads(side_path.read_text())

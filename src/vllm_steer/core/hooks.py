@@ -17,3 +17,12 @@ class HookPoint(str, Enum):
 
 
 HOOK_NAMES: tuple[str, ...] = tuple(h.value for h in HookPoint)
+
+
+def receiving_layer(hook: str, layer: int) -> int:
+    """The decoder layer whose norm receives a site (``runtime.families``): ``pre_attn.L`` and
+    ``post_attn.L`` layer L's, ``post_mlp.L`` layer L+1's input norm (the model's final norm, counted
+    as layer ``num_layers``, for the last layer). Under pipeline parallelism the site lives on the
+    stage that holds that layer."""
+    return layer + 1 if hook == HookPoint.POST_MLP.value else layer
+

@@ -1,8 +1,9 @@
 """Engine side of named-module and runtime-SAE registration: ``EngineCore.collective_rpc`` sees every
-registration on its way to the workers, so the row gate can pin (reserve) rows for a module's
-configs, and an SAE is staged into reserved sites only while no unfinished request clamps there. It
-answers the ``in_flight`` counts of modules and SAEs from the scheduler, which knows queued requests
-no worker has seen yet."""
+registration on its way to the workers, so the module registry (``engine.module_registry``) decides
+it, the row gate can pin (reserve) rows for a module's configs, and an SAE is staged into reserved
+sites only while no unfinished request clamps there. It answers the registry's listing and entries,
+and the ``in_flight`` counts of modules and SAEs from the scheduler, which knows queued requests no
+worker has seen yet."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from vllm_steer.core.payload import payload_of
 from vllm_steer.engine.metrics_rpc import engine_metrics
+from vllm_steer.engine.module_registry import registry_of
 
 
 def module_users(requests: Any) -> dict[str, int]:
@@ -62,10 +64,22 @@ def patch_engine_core_rpc() -> None:
             busy = {site: in_use[site] for site in args[-1] if site in in_use}
             if busy:  # requests of the SAE that held these sites are still running: refuse, do not overwrite
                 return [{"busy": busy}]
+        if method == "vllm_steer_module_registry":
+            return [registry_of(self).listing()]
+        if method == "vllm_steer_module_fetch":
+            return [registry_of(self).fetch(list(args[0]))]
         if gate is not None and method == "vllm_steer_register_module":
-            name, _version, _tiers, keys = args[:4]
-            args = (*args[:4], gate.try_pin(name, tuple(keys)))
-        elif gate is not None and method == "vllm_steer_unregister_module":
+            name, version, wire, keys = args[:4]
+            policy = args[4] if len(args) > 4 else {}
+            registry = registry_of(self)
+            if (refused := registry.refusal(name, version, policy)) is not None:
+                return [refused]  # decided here, whichever API process asked: no worker hears of it
+            out = original(self, method, timeout, (name, version, wire, keys, gate.try_pin(name, tuple(keys))), kwargs)
+            registry.record(name, version, wire, policy.get("meta", {}))
+            return out
+        if gate is not None and method == "vllm_steer_unregister_module":
+            if not registry_of(self).remove(args[0]):
+                return [{"refused": "missing"}]
             gate.unpin(args[0])
         return original(self, method, timeout, args, kwargs)
 

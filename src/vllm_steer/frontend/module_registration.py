@@ -18,7 +18,8 @@ from vllm_steer.core.config import SteerConfigError, upload_cap
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
 from vllm_steer.core.vectors import TIER_FIELDS
-from vllm_steer.frontend.module_store import STORE, SteeringModule
+from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError, SteeringModule
+from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.frontend.module_files import read_gguf_control_vector, read_safetensors
 from vllm_steer.frontend.spec import ModelShape, parse_spec
 
@@ -117,9 +118,24 @@ def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, d
     return module
 
 
-def _register_args(module: SteeringModule) -> tuple:
+def _register_args(module: SteeringModule, replace: bool, max_modules: int | None) -> tuple:
+    """The RPC's arguments: the workers' four, and what the engine core's registry decides on."""
     keys = [k for k in module.keys if k is not None]
-    return (module.name, module.version, tiers_to_wire(module.tiers), keys)
+    meta = {"description": module.description, "source": module.source, "dtype": module.dtype,
+            "created": module.created}
+    policy = {"replace": replace, "max_modules": max_modules, "meta": meta}
+    return (module.name, module.version, tiers_to_wire(module.tiers), keys, policy)
+
+
+def _refused(answers: list | None) -> dict | None:
+    """The engine core's refusal, if it gave one instead of the workers' answers."""
+    return next((a for a in answers or () if isinstance(a, dict) and "refused" in a), None)
+
+
+def _raise_refusal(name: str, refusal: dict) -> None:
+    if refusal["refused"] == "limit":
+        raise ModuleLimitError(refusal["limit"])
+    raise ModuleExistsError(name)  # "exists" (another API process registered it) or "stale"
 
 
 def prepare(module: SteeringModule, replace: bool, max_modules: int | None = None) -> SteeringModule:
@@ -130,32 +146,47 @@ def prepare(module: SteeringModule, replace: bool, max_modules: int | None = Non
     return module
 
 
+STALE_RETRIES = 3  # another process replaced the name with a newer version meanwhile: take a newer one
+
+
 async def register_async(rpc: Callable[..., Awaitable[Any]], module: SteeringModule, replace: bool,
                          max_modules: int | None = None) -> SteeringModule:
-    prepare(module, replace, max_modules)
-    try:
-        await rpc("vllm_steer_register_module", args=_register_args(module))
-    except BaseException:
-        STORE.unclaim(module.name)
-        raise
-    return STORE.publish(module)  # only now can a request name it (workers already have it)
+    async with MODULE_SYNC.lock:  # a registry pull of this process never undoes this publish
+        prepare(module, replace, max_modules)
+        try:
+            for _ in range(STALE_RETRIES):
+                refusal = _refused(await rpc("vllm_steer_register_module",
+                                             args=_register_args(module, replace, max_modules)))
+                if refusal is None or refusal["refused"] != "stale":
+                    break
+                module.version = STORE.reserve_version()
+            if refusal is not None:
+                _raise_refusal(module.name, refusal)
+        except BaseException:
+            STORE.unclaim(module.name)
+            raise
+        return STORE.publish(module)  # only now can a request name it (workers already have it)
 
 
 def register_sync(rpc: Callable[..., Any], module: SteeringModule, replace: bool,
                   max_modules: int | None = None) -> SteeringModule:
     prepare(module, replace, max_modules)
     try:
-        rpc("vllm_steer_register_module", args=_register_args(module))
+        refusal = _refused(rpc("vllm_steer_register_module", args=_register_args(module, replace, max_modules)))
+        if refusal is not None:
+            _raise_refusal(module.name, refusal)
     except BaseException:
         STORE.unclaim(module.name)
         raise
     return STORE.publish(module)
 
 
-async def unregister_async(rpc: Callable[..., Awaitable[Any]], name: str) -> SteeringModule:
-    module = STORE.remove(name)  # new requests are refused from here on
-    await rpc("vllm_steer_unregister_module", args=(name,))
-    return module
+async def unregister_async(rpc: Callable[..., Awaitable[Any]], name: str) -> SteeringModule | None:
+    """Delete ``name``; None when it was not registered (another API process deleted it first)."""
+    async with MODULE_SYNC.lock:
+        module = STORE.drop(name)  # new requests of this process are refused from here on
+        answers = await rpc("vllm_steer_unregister_module", args=(name,))
+    return None if _refused(answers) is not None or module is None else module
 
 
 def load_path(name: str, path: str, shape: ModelShape) -> SteeringModule:

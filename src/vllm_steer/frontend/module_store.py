@@ -1,4 +1,10 @@
-"""API-side registry of named modules (one per API process): name -> tiers, version, metadata."""
+"""API-side store of named modules, per API process: name -> tiers, version, metadata.
+
+With one API server it is the registry (every registration passes through it). With several, the
+engine core's registry (``vllm_steer.engine.module_registry``) is the one they share and decides
+each registration; this store is the process's cache of it, brought up to date by
+``frontend.module_sync`` when the registry's generation moves. Versions are unique over every
+process: microseconds since the epoch, strictly increasing per process."""
 
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ class ModuleStore:
     def __init__(self) -> None:
         self._modules: dict[str, SteeringModule] = {}
         self._lock = threading.Lock()
-        self._next_version = 1
+        self._next_version = 0
         self._claimed: dict[str, int] = {}  # names being registered -> registrations in flight
 
     def claim(self, name: str, replace: bool, max_modules: int | None = None) -> None:
@@ -82,8 +88,8 @@ class ModuleStore:
 
     def reserve_version(self) -> int:
         with self._lock:
-            v = self._next_version
-            self._next_version += 1
+            v = max(self._next_version, time.time_ns() // 1000)
+            self._next_version = v + 1
             return v
 
     def publish(self, module: SteeringModule) -> SteeringModule:
@@ -95,9 +101,20 @@ class ModuleStore:
     def get(self, name: str) -> SteeringModule | None:
         return self._modules.get(name)
 
-    def remove(self, name: str) -> SteeringModule:
+    def drop(self, name: str) -> SteeringModule | None:
         with self._lock:
-            return self._modules.pop(name)
+            return self._modules.pop(name, None)
+
+    def sync(self, versions: dict[str, int], fetched: dict[str, SteeringModule]) -> None:
+        """Make the published modules the registry's: ``versions`` name -> current version, and
+        ``fetched`` the modules this store did not hold at that version."""
+        with self._lock:
+            for name in [n for n in self._modules if n not in versions]:
+                del self._modules[name]
+            for name, version in versions.items():
+                held = self._modules.get(name)
+                if held is None or held.version != version:
+                    self._modules[name] = fetched[name]
 
     def all(self) -> list[SteeringModule]:
         return sorted(self._modules.values(), key=lambda m: m.name)

@@ -16,6 +16,7 @@ from vllm_steer.capture.consumer import consumer_class
 from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.hooks import receiving_layer
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
@@ -56,6 +57,12 @@ class SteeringFrontend:
         self.module_shape = dataclasses.replace(self.shape, max_bytes=cfg.max_module_bytes if cfg else 0)
         self.sae_config = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
         self.sae_slots = slot_sites(cfg, self.shape.num_layers)
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        self.first_stage_layers: int | None = None  # decoder layers on the first pipeline stage (PP only)
+        if pp > 1:
+            from vllm.distributed.utils import get_pp_indices
+
+            self.first_stage_layers = get_pp_indices(self.shape.num_layers, 0, pp)[1]
 
     @property
     def sae(self) -> dict[str, SaeEntry]:
@@ -173,6 +180,20 @@ class SteeringFrontend:
                                           if c.params.get("global_spec")]
         return any(s.get("positions", "all_prompt") not in ("all_generated", "last_prompt") for s in specs)
 
+    def _driver_sites_on_first_stage(self, field: str, spec: Any) -> None:
+        """Under pipeline parallelism a driver consumer runs on the first stage (TP rank 0) and sees
+        only the sites whose norm is there: a spec reaching past them is refused, never half-served."""
+        if self.first_stage_layers is None:
+            return
+        outside = [(h, l) for h in spec.hooks for l in spec.layers
+                   if receiving_layer(h, l) >= self.first_stage_layers]
+        if outside:
+            h, l = outside[0]
+            raise CaptureSpecError(
+                f"{field}.layers", f"{h}.{l} is on a later pipeline stage; under pipeline parallelism a "
+                f"driver consumer sees the first stage's sites only (pre_attn/post_attn layers below "
+                f"{self.first_stage_layers}, post_mlp layers below {self.first_stage_layers - 1})")
+
     def _capture(self, raw: Any) -> dict | None:
         """Validate a request's ``capture`` field (each consumer checks its own keys)."""
         if raw is None:
@@ -191,7 +212,10 @@ class SteeringFrontend:
                 bad = [l for l in spec.layers if self.shape.layers is not None and l not in self.shape.layers]
                 if bad:
                     raise CaptureSpecError(f"{field}.layers: layer {bad[0]} has no capture site (steer.layers)")
-                consumer_class(configured[instance].name).validate_params(dict(spec.params))
+                cls = consumer_class(configured[instance].name)
+                cls.validate_params(dict(spec.params))
+                if cls.location == "driver":
+                    self._driver_sites_on_first_stage(field, spec)
             except CaptureSpecError as e:
                 raise SteeringSpecError(e.field, e.reason) from None
             except ValueError as e:

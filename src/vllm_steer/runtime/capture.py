@@ -14,6 +14,10 @@ the request's mark (``planned_upto``) were planned already, so they are skipped 
 ``stats["recomputed_positions"]``). Only positions the engine computes are captured: prefix-cache
 hits are never computed (the front end turns cache reads off for captures that need the prompt).
 
+Parallelism: TP ranks see the same residual, so only TP rank 0 of each pipeline stage captures (its
+stage's sites: worker consumers there get each site once); driver consumers run on the first stage
+only, in every data-parallel engine.
+
 Exhaustion policy: never block the step, drop and count, tell the consumer. A step that wants more
 rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in batch order and
 drops the rest (``stats["dropped_rows"]``); a rows packet that finds 256 packets still undelivered
@@ -94,7 +98,8 @@ class _Entry:
 
 class CaptureRuntime:
     def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
-                 hidden: int, dtype: torch.dtype, device: torch.device, rank: int = 0) -> None:
+                 hidden: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
+                 pp_rank: int = 0) -> None:
         self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device)
         self.num_layers = num_layers
         self.hooks = tuple(cfg.hooks)
@@ -103,7 +108,9 @@ class CaptureRuntime:
         self.global_specs: dict[int, CaptureSpec] = {}
         for i, c in enumerate(cfg.capture):
             cls = consumer_class(c.name)
-            if cls.location == "driver" and rank != 0:
+            # TP ranks hold the same residual: TP rank 0 of each stage captures its stage's sites;
+            # the one driver instance lives on the first stage (the front end keeps specs to its sites)
+            if tp_rank != 0 or (cls.location == "driver" and pp_rank != 0):
                 continue
             consumer = cls(c.instance_name, **c.params)
             bit = 1 << i
@@ -134,7 +141,7 @@ class CaptureRuntime:
         specs = dict(self.global_specs)
         for instance, raw in (capture or {}).items():
             bit = self.bit_of.get(instance)
-            if bit is not None:  # a driver instance lives on rank 0 only
+            if bit is not None:  # not on TP ranks > 0; a driver instance on the first stage only
                 specs[bit] = parse_capture_spec(instance, raw, self.num_layers, self.hooks)
         if specs:
             new = _Request(prompt_len, specs, meta or {})

@@ -77,7 +77,7 @@ class SteeringRuntime:
         flat = [(h, l) for h, ls in self.hooked_layers.items() for l in ls]
         if cfg.capture:
             self.capture = CaptureRuntime(cfg, flat, num_decoder_layers(model), max_num_tokens,
-                                          hidden_size, dtype, device, rank=_rank())
+                                          hidden_size, dtype, device, *_capture_ranks())
         catalog = sae_catalog(cfg, hidden_size, num_decoder_layers(model))
         slots = slot_sites(cfg, num_decoder_layers(model))
         self.sae = (SaeTables(catalog, slots, set(flat), cfg.max_configs, hidden_size, device)
@@ -132,7 +132,7 @@ class SteeringRuntime:
             self.row_upload_bytes += self.tables.write_row(row, rows())
             self.row_uploads += 1
             if self.sae is not None:
-                self.sae.write_row(row, sae)
+                self.row_upload_bytes += self.sae.write_row(row, sae)
         if became_live:
             self.tables.set_live(row, True)
         return row
@@ -229,10 +229,14 @@ class SteeringRuntime:
         self._index_extent = n
 
 
-def _rank() -> int:
-    import torch.distributed as dist
+def _capture_ranks() -> tuple[int, int]:
+    """(TP rank, PP rank) of this worker within its engine (DP engines each count from 0)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except (ImportError, AssertionError):  # no distributed state (tests building a runtime by hand)
+        return 0, 0
 
 
 def build_runtime(runner: object) -> SteeringRuntime | None:

@@ -79,12 +79,15 @@ class SaeTables:
                 self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
         self._written: dict[int, list[Site]] = {}  # row -> sites whose row tables it set
 
-    def write_row(self, row: int, entries: list[SaeWire] | None) -> None:
+    def write_row(self, row: int, entries: list[SaeWire] | None) -> int:
         """Set ``row`` of every site's clamp tables to a config's entries (sites it does not name:
-        OFF); only the sites the row had or gets are touched."""
+        OFF); only the sites the row had or gets are touched. Returns the bytes written (a mode
+        word per touched site, plus a named site's whole code and value rows)."""
         touched = []
+        written = 0
         for site in self._written.pop(row, []):
             self.packs[site][0][row : row + 1].fill_(0)
+            written += self.packs[site][0].element_size()
         for entry in entries or ():
             _name, hook, layer, mode, slots, codes, values = unpack_entry(entry)
             pack = self.packs.get((hook, layer))
@@ -99,8 +102,10 @@ class SaeTables:
             pack[2][row].copy_(value)
             pack[0][row : row + 1].fill_(mode)
             touched.append((hook, layer))
+            written += code.nbytes + value.nbytes + pack[0].element_size()
         if touched:
             self._written[row] = touched
+        return written
 
     def load_runtime(self, path: str, format: str | None, site: str | None, features: tuple[int, ...],
                      sites: list[Site]) -> list[Site]:

@@ -88,8 +88,8 @@ class SteeringTables:
                 words = target.view(self._word_t).numpy()
                 if dst:
                     rows = np.frombuffer(entry[1], dtype=self._word_np).reshape(len(entry[0]), self.hidden_size)
-                if dst == src and dst == list(range(n_layers)):
-                    words[...] = rows  # every hooked layer, in order: the common case
+                if dst == src and dst == list(range(n_layers)) and len(entry[0]) == n_layers:
+                    words[...] = rows  # every hooked layer, in order, and no other: the common case
                 else:
                     words[...] = 0
                     if dst:

@@ -17,8 +17,9 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
 - ``vllm_steer_requests_waiting_for_row`` gauge: steered requests the scheduler holds back until a row frees.
 - ``vllm_steer_row_uploads_total`` counter: configs written into the tables (a config whose row is
   still resident is not written again).
-- ``vllm_steer_row_upload_bytes_total`` counter: bytes those uploads copied into the vector tables
-  (per touched hook its whole ``[layers, hidden]`` row), summed over workers.
+- ``vllm_steer_row_upload_bytes_total`` counter: bytes those uploads copied into the tables (per
+  touched hook its whole ``[layers, hidden]`` row; per touched SAE site its code, value and mode
+  words), summed over workers.
 - ``vllm_steer_capture_rows_total``, ``..._capture_dropped_rows_total``, ``..._capture_dropped_packets_total``,
   ``..._capture_consumer_errors_total`` counters: residual rows captured, rows dropped (step pool full),
   packets dropped (consumer queue full), consumer calls that raised; summed over workers.
@@ -64,8 +65,9 @@ ENGINE_GAUGES = {
 ENGINE_COUNTERS = {
     "row_uploads": Counter("vllm_steer_row_uploads", "Steering configs written into the device tables (a config "
                            "whose row is still resident is not written again)"),
-    "row_upload_bytes": Counter("vllm_steer_row_upload_bytes", "Bytes copied into the steering-vector tables by row "
-                                "uploads (a touched hook's whole [layers, hidden] row), summed over workers"),
+    "row_upload_bytes": Counter("vllm_steer_row_upload_bytes", "Bytes copied into the steering tables by row uploads "
+                                "(a touched hook's whole [layers, hidden] row; a touched SAE site's code, value "
+                                "and mode words), summed over workers"),
     "capture_rows": Counter("vllm_steer_capture_rows", "Residual rows captured, summed over workers"),
     "capture_dropped_rows": Counter("vllm_steer_capture_dropped_rows",
                                     "Residual rows not captured because the step's pool was full"),

@@ -29,6 +29,7 @@ from vllm_steer.frontend.module_registration import (
     unregister_async,
 )
 from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError
+from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.errors import error, mutation_denied
 
@@ -40,6 +41,13 @@ async def _users(raw: Request) -> dict[str, int]:
     engine = raw.app.state.steer_engine_client
     per_core = await engine.collective_rpc("vllm_steer_module_users")  # answered by the engine core
     return per_core[0] if per_core else {}
+
+
+async def _synced(raw: Request) -> None:
+    """This process's store brought up to the engine core's registry (several API processes)."""
+    state = raw.app.state
+    if state.steer_frontend is not None:
+        await MODULE_SYNC.refresh(state.steer_engine_client.collective_rpc, state.steer_frontend.shape.hidden_size)
 
 
 class _BodyTooLarge(Exception):
@@ -106,6 +114,7 @@ async def register(raw: Request) -> JSONResponse:
         logger.exception("vllm-steer: reading a module registration failed")
         return error(400, f"could not read the module registration: {type(e).__name__}: {str(e)[:300]}", body_field)
     try:
+        await _synced(raw)
         module = await register_async(state.steer_engine_client.collective_rpc, module, replace, cfg.max_modules)
     except ModuleExistsError as e:
         return error(409, f"steering module {e.args[0]!r} exists; pass replace=true to replace it", "name")
@@ -117,6 +126,7 @@ async def register(raw: Request) -> JSONResponse:
 
 @router.get("")
 async def list_modules(raw: Request) -> JSONResponse:
+    await _synced(raw)
     users = await _users(raw)
     data = [{**m.summary(), "in_flight": users.get(m.name, 0)} for m in STORE.all()]
     return JSONResponse({"object": "list", "data": data})
@@ -124,6 +134,7 @@ async def list_modules(raw: Request) -> JSONResponse:
 
 @router.get("/{name}")
 async def get_module(name: str, raw: Request) -> JSONResponse:
+    await _synced(raw)
     module = STORE.get(name)
     if module is None:
         return error(404, f"unknown steering module {name!r}", "name")
@@ -135,7 +146,8 @@ async def get_module(name: str, raw: Request) -> JSONResponse:
 async def delete_module(name: str, raw: Request) -> JSONResponse:
     if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied
-    if STORE.get(name) is None:
+    await _synced(raw)
+    if STORE.get(name) is None or await unregister_async(raw.app.state.steer_engine_client.collective_rpc,
+                                                         name) is None:
         return error(404, f"unknown steering module {name!r}", "name")
-    await unregister_async(raw.app.state.steer_engine_client.collective_rpc, name)
     return JSONResponse({"deleted": name})

@@ -25,6 +25,7 @@ import msgspec
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
+from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
 from vllm_steer.server.errors import error_body
 from vllm_steer.server.openai_fields import steering_fields
@@ -34,6 +35,7 @@ logger = logging.getLogger("vllm.steer")
 PATHS = ("/v1/completions", "/v1/chat/completions")
 MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
 _MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS + (TOKEN_FIELD,))
+_MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear either way
 _JSON_DECODER = msgspec.json.Decoder()
 _MSGPACK_DECODER = msgspec.msgpack.Decoder()
 
@@ -127,6 +129,9 @@ class SteeringRequestMiddleware:
             await self.app(scope, _replay(body, receive), send)
             return
         frontend = getattr(scope["app"].state, "steer_frontend", None)
+        if MODULE_SYNC.stale() and _MODULE_MARKER in body:  # another API process changed the modules
+            await MODULE_SYNC.refresh(scope["app"].state.steer_engine_client.collective_rpc,
+                                      frontend.shape.hidden_size)
         try:
             obj, prepared = await asyncio.get_running_loop().run_in_executor(
                 pool(), _prepare, frontend, body, msgpack)

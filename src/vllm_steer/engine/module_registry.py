@@ -1,0 +1,80 @@
+"""The engine core's registry of named modules: the one every API server process reads.
+
+Registrations and deletions pass through ``EngineCore.collective_rpc`` on their way to the workers
+(``engine.module_rpc``), and this registry decides them there. The engine core runs one call at a
+time, so decisions never race each other, whichever API process asked. A name that exists without
+``replace``, a new name beyond ``max_modules`` and a version not newer than the name's current one
+are refused before any worker hears of them. What was accepted is kept as the workers got it (wire
+tiers and the summary fields), for API processes to fetch. A generation number in a shared counter
+(``core.shared_counter``) tells them that their cache (``frontend.module_sync``) is stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_steer.core.shared_counter import SharedCounter
+
+_ATTR = "_vllm_steer_modules"  # EngineCore attribute
+
+
+@dataclass
+class _Entry:
+    version: int
+    wire: dict
+    meta: dict
+
+
+class EngineModuleRegistry:
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        try:
+            self._counter: SharedCounter | None = SharedCounter.create()
+        except OSError:  # no writable temp dir: API processes ask on every module request instead
+            self._counter = None
+        self.generation = 0
+
+    def refusal(self, name: str, version: int, policy: dict) -> dict | None:
+        """Why a registration may not go ahead (None: it may)."""
+        old = self._entries.get(name)
+        if old is not None and not policy.get("replace"):
+            return {"refused": "exists"}
+        limit = policy.get("max_modules")
+        if old is None and limit is not None and len(self._entries) >= limit:
+            return {"refused": "limit", "limit": limit}
+        if old is not None and version <= old.version:
+            return {"refused": "stale", "current": old.version}
+        return None
+
+    def record(self, name: str, version: int, wire: dict, meta: dict) -> None:
+        self._entries[name] = _Entry(version, wire, meta)
+        self._changed()
+
+    def remove(self, name: str) -> bool:
+        if self._entries.pop(name, None) is None:
+            return False
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        self.generation += 1
+        if self._counter is not None:
+            self._counter.bump()
+
+    def listing(self) -> dict[str, Any]:
+        """The generation, the shared counter's file and each name's current version."""
+        return {"generation": self.generation, "counter": self._counter.path if self._counter else None,
+                "versions": {name: e.version for name, e in self._entries.items()}}
+
+    def fetch(self, names: list[str]) -> dict[str, dict]:
+        return {n: {"version": e.version, "wire": e.wire, "meta": e.meta}
+                for n in names if (e := self._entries.get(n)) is not None}
+
+
+def registry_of(core: Any) -> EngineModuleRegistry:
+    registry = getattr(core, _ATTR, None)
+    if registry is None:
+        registry = EngineModuleRegistry()
+        setattr(core, _ATTR, registry)
+    return registry
