@@ -57,7 +57,7 @@ class SteeringFrontend:
         self.module_shape = dataclasses.replace(self.shape, max_bytes=cfg.max_module_bytes if cfg else 0)
         self.sae_config = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
         self.sae_slots = slot_sites(cfg, self.shape.num_layers)
-        pp = vllm_config.parallel_config.pipeline_parallel_size
+        pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
         self.first_stage_layers: int | None = None  # decoder layers on the first pipeline stage (PP only)
         if pp > 1:
             from vllm.distributed.utils import get_pp_indices
