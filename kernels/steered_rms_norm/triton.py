@@ -101,9 +101,13 @@ def _steered_norm_body(
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+    # Every load the plain path needs is issued here, the weight's too (as Inductor's fused add +
+    # RMSNorm does): issued after the reduction, its latency would add to every launch.
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0, eviction_policy="evict_last")
+    b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_RES:
-        b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
+                       eviction_policy="evict_first").to(tl.float32)
     if HAS_A or HAS_B or SAE_A or SAE_B:
         i_row = tl.load(p_index + i_t)
         if SAE_A:
@@ -121,7 +125,6 @@ def _steered_norm_body(
     tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d)
     b_var = tl.sum(b_s * b_s, axis=0) / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
     if OFFSET_WEIGHT:
         b_o = b_n * (b_w.to(tl.float32) + weight_offset)
     else:
