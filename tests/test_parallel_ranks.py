@@ -3,7 +3,8 @@ tiny Llama: 2 layers, 4 heads): one mixed batch (unsteered, vectors at every hoo
 registered after start, capture at every site with a worker and a driver consumer) gives TP=2 and
 PP=2 the tokens of TP=1, logprobs within 1e-3, the same capture files (each site once: TP rank 0
 captures, each pipeline stage its own sites) and the same driver result. Under PP a request asking
-the driver consumer for a later stage's site is refused, naming the field."""
+the driver consumer for a later stage's site is refused, naming the field. Data parallelism (2 engine
+cores behind 2 API processes): modules reach both engines, every driver result comes back."""
 
 from __future__ import annotations
 
@@ -112,3 +113,42 @@ def test_a_mixed_batch_equals_one_rank(runs, kind):
 def test_pipeline_parallel_refuses_a_driver_spec_past_the_first_stage(runs):
     message = runs["pp2"][0]["calls"][2]
     assert "capture.probe.layers" in message and "post_mlp.1 is on a later pipeline stage" in message
+
+
+def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny_model, probe_plugin, tmp_path):
+    """``--data-parallel-size 2`` (two engine cores, and by vLLM's default two API processes): a module
+    registered over REST reaches both engines (each pre-materializes its rows), concurrent steered
+    requests run on both and each gets its driver consumer's result back (asked of every engine, not
+    only engine 0, which is all vLLM's client returns), and a deleted module is refused everywhere."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.server import openai_server
+
+    model = tiny_model("llama")
+    hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
+    steer = {"capture": [{"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 1}}]}
+    with openai_server(model, "--dtype", "float32", "--enforce-eager", "--data-parallel-size", "2",
+                       "--additional-config", json.dumps({"steer": steer}), log=tmp_path / "server.log",
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, timeout=400) as (base, _):
+        body = {"name": "dp", "steering_vectors": {"post_mlp": {"0": [float(x) for x in vector(hidden, 3, 6.0)]}}}
+        assert httpx.post(f"{base}/v1/steering/modules", json=body, timeout=120).status_code == 201
+        request = {"model": model, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+                   "steering_module": {"name": "dp"},
+                   "capture": {"probe": {"layers": [1], "hooks": ["post_mlp"], "positions": "all"}}}
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: httpx.post(f"{base}/v1/completions", json=request, timeout=300),
+                                    range(32)))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200][:1]
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+        results = [r.json().get("capture", {}).get("probe") for r in answers]
+        assert all(res is not None and res["rows"] == results[0]["rows"] > 0 for res in results), results
+        workers = httpx.get(f"{base}/v1/steering", timeout=60).json()["workers"]
+        assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2  # one worker per engine
+        assert all(w["row_uploads"] >= 1 for w in workers)  # the module's rows, on each engine
+        assert all(w["capture"]["rows"] > 0 for w in workers), workers  # requests ran on both engines
+        assert httpx.delete(f"{base}/v1/steering/modules/dp", timeout=60).status_code == 200
+        for _ in range(4):
+            r = httpx.post(f"{base}/v1/completions", json=request, timeout=120)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "steering_module.name", r.text

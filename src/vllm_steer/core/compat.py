@@ -73,3 +73,20 @@ def waiting_queues(scheduler: Any) -> list[Any]:
     ``waiting``; 0.31+: ``kv_holding_waiting`` and ``waiting``)."""
     names = ("skipped_waiting", "kv_holding_waiting", "waiting")
     return [q for q in (getattr(scheduler, n, None) for n in names) if q]
+
+
+async def rpc_every_engine(engine_client: Any, method: str, args: tuple = ()) -> list[Any]:
+    """The per-worker answers of ``collective_rpc`` from every engine core, engine by engine.
+
+    Under data parallelism vLLM's client (0.26-0.33 ``DPLBAsyncMPClient``) sends a utility call to every
+    engine but returns engine 0's answer only; what each engine knows for itself (its workers' capture
+    results, unfinished requests, rows) is asked of each through the client's per-engine call."""
+    core = getattr(engine_client, "engine_core", None)
+    engines = getattr(core, "core_engines", None) or ()
+    if len(engines) < 2 or not hasattr(core, "_call_utility_async"):
+        return await engine_client.collective_rpc(method, args=args)
+    import asyncio
+
+    per_engine = await asyncio.gather(*(core._call_utility_async("collective_rpc", method, None, args, None,
+                                                                  engine=e) for e in engines))
+    return [answer for answers in per_engine for answer in answers]

@@ -1,7 +1,8 @@
 """Engine-side values on ``/metrics``, fetched only when it is scraped: nothing runs per step.
 
 A pure ASGI middleware in front of vLLM's ``/metrics`` asks the engine core
-(``collective_rpc("vllm_steer_metrics")``, answered between steps by ``engine.metrics_rpc``) and
+(``collective_rpc("vllm_steer_metrics")`` to every engine core, answered between steps by ``engine.metrics_rpc``,
+summed over data-parallel engines) and
 writes the answer into ``server.metrics`` before vLLM renders the page; the API process's own values
 (module and SAE counts) are set at the same time. One question at a time per API process: a scrape
 waits at most ``WAIT_S`` from when the question was asked, else it is served the last values; a late
@@ -15,12 +16,24 @@ import logging
 import time
 from typing import Any
 
+from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.server.metrics import MODULES, ROWS_CAPACITY, SAES, apply_engine
 
 logger = logging.getLogger("vllm.steer")
 
 WAIT_S = 2.0
+
+
+def merge_engines(answers: list[dict]) -> dict:
+    """One report from each engine core's answer: data-parallel engines each hold their own rows,
+    captures and counters, so gauges and increments are summed over engines."""
+    merged: dict = {"gauges": {}, "increments": {}}
+    for answer in answers:
+        for part in ("gauges", "increments"):
+            for name, value in answer.get(part, {}).items():
+                merged[part][name] = merged[part].get(name, 0) + value
+    return merged
 
 
 class _Fetcher:
@@ -39,8 +52,7 @@ class _Fetcher:
 
     async def _ask(self, engine: Any) -> None:
         try:
-            answer = await engine.collective_rpc("vllm_steer_metrics")
-            apply_engine(answer[0] if answer else {})
+            apply_engine(merge_engines(await rpc_every_engine(engine, "vllm_steer_metrics")))
         except Exception as e:  # engine dead or restarting: keep the last values
             if not self.failing:
                 logger.warning("vllm-steer: the engine did not answer for /metrics (%s: %s); serving the last "
@@ -64,7 +76,7 @@ class EngineMetricsMiddleware:
             engine = getattr(state, "steer_engine_client", None)
             if cfg is not None and engine is not None:
                 frontend = getattr(state, "steer_frontend", None)
-                ROWS_CAPACITY.set(cfg.usable_rows)
+                ROWS_CAPACITY.set(cfg.usable_rows * getattr(state, "steer_engines", 1))
                 MODULES.set(len(STORE.all()))
                 SAES.set(len(frontend.sae) if frontend is not None else 0)
                 await _FETCHER.refresh(engine)

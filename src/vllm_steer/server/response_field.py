@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.frontend.applied import close_holder, open_holder
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -31,7 +32,8 @@ async def _capture_results(scope: dict, ids: list[str]) -> dict:
     if engine is None:
         return {}
     merged: dict[str, dict] = {}
-    for per_worker in await engine.collective_rpc("vllm_steer_capture_collect", args=(ids,)):
+    # every DP engine: a request's driver results are on the engine that ran it
+    for per_worker in await rpc_every_engine(engine, "vllm_steer_capture_collect", (ids,)):
         for rid, res in per_worker.items():
             merged.setdefault(rid, {}).update(res)
     return merged

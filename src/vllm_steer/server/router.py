@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from vllm_steer import __version__
+from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.frontend.prepare import SteeringFrontend
 from vllm_steer.frontend.module_registration import load_path, register_async
@@ -36,7 +37,7 @@ async def steering_status(raw: Request) -> JSONResponse:
     cfg = state.steer_config
     workers: list[Any] = []
     if engine is not None:
-        workers = await engine.collective_rpc("vllm_steer_status")
+        workers = await rpc_every_engine(engine, "vllm_steer_status")  # every worker of every DP engine
     return JSONResponse(
         {
             "version": __version__,
@@ -65,6 +66,7 @@ class SteeringEndpointPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.steer_engine_client = engine_client
         state.steer_api_servers = getattr(args, "api_server_count", None) or 1
+        state.steer_engines = engine_client.vllm_config.parallel_config.data_parallel_size if engine_client else 1
         state.steer_config = steer_config_of(engine_client.vllm_config) if engine_client else None
         # Also with steering off: it answers steering fields with "steering is disabled" (400).
         state.steer_frontend = SteeringFrontend(engine_client.vllm_config) if engine_client else None

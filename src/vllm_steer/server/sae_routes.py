@@ -10,6 +10,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SlotError
 from vllm_steer.frontend.sae_registration import (
@@ -27,8 +28,11 @@ router = APIRouter(prefix="/v1/steering/sae", tags=["steering"])
 
 async def _users(raw: Request) -> dict[str, int]:
     engine = raw.app.state.steer_engine_client
-    per_core = await engine.collective_rpc("vllm_steer_sae_users")  # answered by the engine core
-    return per_core[0]["names"] if per_core else {}
+    users: dict[str, int] = {}
+    for per_core in await rpc_every_engine(engine, "vllm_steer_sae_users"):  # one answer per engine core
+        for name, n in per_core["names"].items():
+            users[name] = users.get(name, 0) + n
+    return users
 
 
 def _frontend(raw: Request):
@@ -65,9 +69,10 @@ async def register(raw: Request) -> JSONResponse:
         return error(400, "steering is disabled on this server")
     if not frontend.sae_slots:
         return error(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
-    if getattr(raw.app.state, "steer_api_servers", 1) > 1:  # each process would keep its own list
-        return error(409, "runtime SAE registration needs one API server process (--api-server-count 1); "
-                          "load SAEs from steer.sae instead", "name")
+    if getattr(raw.app.state, "steer_api_servers", 1) > 1 or getattr(raw.app.state, "steer_engines", 1) > 1:
+        # each API process would keep its own list (data parallelism starts one per engine by default)
+        return error(409, "runtime SAE registration needs one API server process (--api-server-count 1) and "
+                          "one engine (no data parallelism); load SAEs from steer.sae instead", "name")
     try:
         body = json.loads(await raw.body())
         if not isinstance(body, dict):
