@@ -19,6 +19,7 @@ from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive, steered_sae_rms_norm_naive
 
 _registered = False
+_triton_norm = None  # kernels.steered_rms_norm.triton.steered_rms_norm_triton, imported on first CUDA call
 
 
 def _impl(
@@ -33,11 +34,11 @@ def _impl(
     table_b: torch.Tensor | None = None,
     flag_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    global _triton_norm
     if x.is_cuda:
-        from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton
-
-        return steered_rms_norm_triton(x, residual, weight, eps, weight_offset, index, table_a, flag_a,
-                                       table_b, flag_b)
+        if _triton_norm is None:
+            from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton as _triton_norm
+        return _triton_norm(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
     return steered_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
 
 

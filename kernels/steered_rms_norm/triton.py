@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 
 MAX_HIDDEN = 16384  # one row in registers; every supported family is far below
@@ -188,6 +189,10 @@ def _sae_args(pack: list[torch.Tensor] | None, d: int, dummy: torch.Tensor) -> l
             code.stride(0), value.stride(0), enc.stride(0), dec.stride(0)]
 
 
+_PLAIN = CachedLauncher(_steered_rms_norm_kernel)
+_SAE = CachedLauncher(_steered_sae_rms_norm_kernel)
+
+
 def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             num_warps: int | None = None, sae_a: list[torch.Tensor] | None = None,
             sae_b: list[torch.Tensor] | None = None) -> None:
@@ -206,13 +211,13 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
         table_a.stride(0) if table_a is not None else 0, table_b.stride(0) if table_b is not None else 0,
         eps, weight_offset,
     )
-    flags = dict(D=d, HAS_RES=residual is not None, HAS_A=table_a is not None, HAS_B=table_b is not None,
-                 OFFSET_WEIGHT=weight_offset != 0.0, BLOCK_D=block_d, num_warps=num_warps or _num_warps(block_d))
+    flags = (d, residual is not None, table_a is not None, table_b is not None, weight_offset != 0.0, block_d)
+    warps = num_warps or _num_warps(block_d)
     if not sae_a and not sae_b:
-        _steered_rms_norm_kernel[(n,)](*common, **flags)
+        _PLAIN((n,), common, flags, warps)
         return
-    _steered_sae_rms_norm_kernel[(n,)](*common, *_sae_args(sae_a, d, index), *_sae_args(sae_b, d, index),
-                                       SAE_A=bool(sae_a), SAE_B=bool(sae_b), BLOCK_C=32, **flags)
+    _SAE((n,), common + tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)),
+         flags + (bool(sae_a), bool(sae_b), 32), warps)
 
 
 def steered_rms_norm_triton(

@@ -71,6 +71,46 @@ def test_triton_matches_reference(n, d, dtype_name, kind, tables):
         assert torch.equal(out[rows], plain_out[rows]) and torch.equal(res[rows], plain_res[rows])
 
 
+def _views(n: int, d: int, shift: int, seed: int):
+    """The case's x and residual as views whose data starts ``shift`` elements into a buffer."""
+    x, r, w, ta, tb, index = _case(n, d, torch.bfloat16, seed)
+    out = []
+    for t in (x, r):
+        buf = torch.empty(n * d + shift, dtype=t.dtype, device="cuda")
+        v = buf[shift:].view(n, d)
+        v.copy_(t)
+        out.append(v)
+    return (*out, w, ta, tb, index)
+
+
+def test_cached_launch_keeps_each_specialization_apart():
+    """kernels.launch_cache: a repeated specialization launches the cached compiled kernel directly;
+    a base pointer off 16-byte alignment or a row stride that is no multiple of 16 gets its own
+    kernel. Interleaved calls (aligned, shifted, odd D) each equal the reference, the first call of
+    each (Triton's own launch) equals the later ones (the direct launch) bit for bit."""
+    from vllm_steer.kernels.launch_cache import CachedLauncher
+    from vllm_steer.kernels.steered_rms_norm import triton as tri
+
+    assert CachedLauncher.direct, "the installed Triton's launcher is not the one the direct path calls"
+    cases = [(9, 4096, 0), (9, 4096, 1), (9, 4099, 0), (9, 4096, 8), (300, 4096, 3)]
+    first = {}
+    for rnd in range(3):
+        for n, d, shift in cases:
+            x, r, w, ta, tb, index = _views(n, d, shift, seed=n + d + shift)
+            args = (ta, _flag(1), tb, _flag(1))
+            out, res = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *args)
+            want_out, want_res = steered_rms_norm_naive(x, r, w, EPS, 0.0, index, *args)
+            assert torch.equal(res, want_res), (n, d, shift, rnd)
+            torch.testing.assert_close(out, want_out, **TOL[torch.bfloat16])
+            if rnd == 0:
+                first[(n, d, shift)] = (out, res)
+            else:
+                assert torch.equal(out, first[(n, d, shift)][0]) and torch.equal(res, first[(n, d, shift)][1])
+    keys = list(tri._PLAIN.cache)
+    aligned = {k[0][0][1] for k in keys}  # x's alignment bit over the cached kernels
+    assert aligned == {True, False} and CachedLauncher.direct
+
+
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [1, 16, 2048])
 def test_unsteered_equals_vllm_norm_kernels(n, dtype_name):

@@ -1,0 +1,121 @@
+"""kernels.launch_cache on CPU, with a stand-in for Triton's JIT function and compiled kernel: which
+calls go through Triton, which launch the cached kernel, with which arguments, and the fallback.
+(The real launches are checked on the GPU: tests/gpu/test_steered_norm_gpu.py.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_steer.kernels import launch_cache
+from vllm_steer.kernels.launch_cache import CachedLauncher
+
+
+class FakeCompiled:
+    def __init__(self, log: list, fail: bool = False) -> None:
+        self.log, self.fail = log, fail
+        self.function, self.packed_metadata = "fn", "meta"
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        if self.fail:
+            raise TypeError("launcher takes other arguments")
+        self.log.append(("direct", (g0, g1, g2), stream, args))
+
+
+class FakeJit:
+    arg_names = ["p_x", "stride", "eps", "D", "FLAG"]
+
+    def __init__(self, fail_direct: bool = False) -> None:
+        self.log: list = []
+        self.compiled = 0
+        self.fail_direct = fail_direct
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **constexprs):
+            self.log.append(("triton", grid, args, constexprs, num_warps))
+            self.compiled += 1
+            return FakeCompiled(self.log, self.fail_direct)
+        return launch
+
+
+@pytest.fixture(autouse=True)
+def fake_driver(monkeypatch):
+    dev = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 1234)
+    monkeypatch.setattr(launch_cache, "driver", SimpleNamespace(active=dev))
+    monkeypatch.setattr(launch_cache, "knobs", SimpleNamespace(runtime=SimpleNamespace(
+        launch_enter_hook=None, launch_exit_hook=None)))
+    monkeypatch.setattr(CachedLauncher, "direct", True)
+
+
+def test_second_call_launches_the_cached_kernel_with_every_argument():
+    jit = FakeJit()
+    launch = CachedLauncher(jit)
+    x = torch.zeros(64)
+    launch((5,), (x, 64, 1e-5), (64, True), 8)
+    launch((7, 2), (x, 64, 2e-5), (64, True), 8)
+    assert [e[0] for e in jit.log] == ["triton", "direct"]
+    assert jit.log[0][3] == {"D": 64, "FLAG": True} and jit.log[0][4] == 8
+    assert jit.log[1] == ("direct", (7, 2, 1), 1234, (x, 64, 2e-5, 64, True))
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "stride_not_16", "stride_one", "constexpr", "warps"])
+def test_a_new_specialization_goes_through_triton(change):
+    jit = FakeJit()
+    launch = CachedLauncher(jit)
+    buf = torch.zeros(80)
+    base = ((buf[:64], 64, 1e-5), (64, True), 8)
+    args, constexprs, warps = base
+    if change == "misaligned":
+        args = (buf[1:65],) + args[1:]  # 4 bytes in: not a multiple of 16
+    elif change == "dtype":
+        args = (torch.zeros(64, dtype=torch.float16),) + args[1:]
+    elif change == "stride_not_16":
+        args = (args[0], 65, args[2])
+    elif change == "stride_one":
+        args = (args[0], 1, args[2])
+    elif change == "constexpr":
+        constexprs = (64, False)
+    else:
+        warps = 4
+    launch((1,), *base)
+    launch((1,), args, constexprs, warps)
+    launch((1,), args, constexprs, warps)
+    assert [e[0] for e in jit.log] == ["triton", "triton", "direct"] and jit.compiled == 2
+
+
+def test_values_that_keep_the_specialization_reuse_the_kernel():
+    jit = FakeJit()
+    launch = CachedLauncher(jit)
+    a, b = torch.zeros(64), torch.zeros(128)  # both 16-byte aligned
+    launch((1,), (a, 64, 1e-5), (64, True), 8)
+    launch((3,), (b, 128, 0.5), (64, True), 8)
+    assert [e[0] for e in jit.log] == ["triton", "direct"]
+
+
+def test_a_launcher_of_another_signature_turns_the_direct_path_off():
+    jit = FakeJit(fail_direct=True)
+    launch = CachedLauncher(jit)
+    x = torch.zeros(64)
+    for _ in range(3):
+        launch((1,), (x, 64, 1e-5), (64, True), 8)
+    assert [e[0] for e in jit.log] == ["triton", "triton", "triton"]
+    assert CachedLauncher.direct is False and not launch.cache
+
+
+def test_nothing_is_cached_when_triton_returns_no_compiled_kernel():
+    """The interpreter (TRITON_INTERPRET=1) returns no compiled kernel: every call goes through it."""
+    calls = []
+
+    class Interp(FakeJit):
+        def __getitem__(self, grid):
+            return lambda *a, num_warps, **k: calls.append(grid)
+
+    launch = CachedLauncher(Interp())
+    for _ in range(2):
+        launch((1,), (torch.zeros(64), 64, 1e-5), (64, True), 8)
+    assert calls == [(1,), (1,)] and not launch.cache
