@@ -1,8 +1,9 @@
 """``--api-server-count 2`` (README: heavy per-request traffic): every API server process prepares
 steered requests; a module preloaded from ``steer.modules`` resolves in each of them, and one
 registered, replaced or deleted through either process is seen so by both (the engine core holds
-the registry); an SAE registration is refused (each process would keep its own list). ``/metrics`` (prometheus
-multiprocess mode, a scrape lands on either process) counts every request and upload once."""
+the registry); so is a runtime SAE (registered, refused as a duplicate or at a held site, deleted, its
+site taken by another). ``/metrics`` (prometheus multiprocess mode, a scrape lands on either process)
+counts every request and upload once."""
 
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
         assert len(texts) == 1 and texts != {base_text}  # the same steering everywhere, and it steers
         _metrics_count_each_event_once(base, model, hidden)
         _modules_are_shared(base, model, hidden)
-        sae = httpx.post(f"{base}/v1/steering/sae", json={"name": "s", "path": str(tmp_path)}, timeout=60)
-        assert sae.status_code == 409 and "--api-server-count 1" in sae.json()["error"]["message"]
+        _saes_are_shared(base, model, hidden, tmp_path)
         log = (tmp_path / "server.log").read_text()
         assert "ApiServer_0" in log and "ApiServer_1" in log
 
@@ -118,3 +118,42 @@ def _modules_are_shared(base: str, model: str, hidden: int) -> None:
         assert r.status_code == 404
     names = [m["name"] for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]]
     assert names == ["m"]  # the preload, loaded once for both processes
+
+
+def _saes_are_shared(base: str, model: str, hidden: int, tmp_path) -> None:
+    """A runtime SAE registered through one process clamps through both; either process refuses a
+    duplicate and a second SAE at its site; after a delete through one, both refuse it (400) and the
+    site takes another SAE, which both use."""
+    from tests.sae_writers import random_sae, write_gemma_scope
+
+    files = {s: write_gemma_scope(str(tmp_path / f"sae{s}"), random_sae(hidden, 16, "jumprelu", seed=s)) for s in (1, 2)}
+    clamps = [{"feature": f, "kind": "set", "value": 80.0} for f in (1, 2, 3)]
+
+    def register(name: str, seed: int, **extra):
+        body = {"name": name, "path": files[seed], "site": "post_mlp.1", "features": [1, 2, 3], **extra}
+        return httpx.post(f"{base}/v1/steering/sae", json=body, timeout=120)
+
+    def clamped(name: str):
+        body = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0,
+                "sae": {"name": name, "clamps": clamps}}
+        return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+
+    assert register("s", 1).status_code == 201
+    results = _each_connection(12, lambda: clamped("s"))
+    assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+    assert len({r.json()["choices"][0]["text"] for r in results}) == 1
+    assert len({json.dumps(r.json()["steering"]) for r in results}) == 1
+    for r in _each_connection(6, lambda: register("s", 2)):
+        assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
+    for r in _each_connection(6, lambda: register("t", 2)):
+        assert r.status_code == 409 and r.json()["error"]["param"] == "site" and "'s'" in r.json()["error"]["message"]
+    listed = _each_connection(6, lambda: httpx.get(f"{base}/v1/steering/sae", timeout=30).json())
+    assert all(lst["slots"] == [{"site": "post_mlp.1", "clampable": 8, "sae": "s"}] for lst in listed), listed
+    assert httpx.delete(f"{base}/v1/steering/sae/s", timeout=60).status_code == 200
+    for r in _each_connection(12, lambda: clamped("s")):  # no SAE left: the field itself is refused
+        assert r.status_code == 400 and r.json()["error"]["param"] == "sae" and "no SAE" in r.text, r.text
+    for r in _each_connection(4, lambda: httpx.delete(f"{base}/v1/steering/sae/s", timeout=60)):
+        assert r.status_code == 404
+    assert register("t", 2).status_code == 201
+    texts = {r.json()["choices"][0]["text"] for r in _each_connection(12, lambda: clamped("t"))}
+    assert len(texts) == 1 and texts != {results[0].json()["choices"][0]["text"]}  # the second SAE's clamps

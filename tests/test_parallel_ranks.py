@@ -119,7 +119,8 @@ def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny
     """``--data-parallel-size 2`` (two engine cores, and by vLLM's default two API processes): a module
     registered over REST reaches both engines (each pre-materializes its rows), concurrent steered
     requests run on both and each gets its driver consumer's result back (asked of every engine, not
-    only engine 0, which is all vLLM's client returns), and a deleted module is refused everywhere."""
+    only engine 0, which is all vLLM's client returns), and a deleted module is refused everywhere.
+    Runtime SAE registration is refused (409): each engine would decide it alone."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -128,7 +129,8 @@ def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny
 
     model = tiny_model("llama")
     hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
-    steer = {"capture": [{"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 1}}]}
+    steer = {"capture": [{"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 1}}],
+             "sae_slots": {"post_mlp.1": 4}}
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--data-parallel-size", "2",
                        "--additional-config", json.dumps({"steer": steer}), log=tmp_path / "server.log",
                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, timeout=400) as (base, _):
@@ -152,3 +154,5 @@ def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny
         for _ in range(4):
             r = httpx.post(f"{base}/v1/completions", json=request, timeout=120)
             assert r.status_code == 400 and r.json()["error"]["param"] == "steering_module.name", r.text
+        sae = httpx.post(f"{base}/v1/steering/sae", json={"name": "s", "path": str(tmp_path)}, timeout=60)
+        assert sae.status_code == 409 and "one engine" in sae.json()["error"]["message"], sae.text

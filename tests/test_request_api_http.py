@@ -290,14 +290,18 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     rng = np.random.default_rng()  # a config no earlier request had: its row must be written
     vectors = {h: {"3": rng.standard_normal(HIDDEN).astype(np.float32).tolist()}
                for h in ("pre_attn", "post_attn", "post_mlp")}
-    body = {"model": model, "prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True,
+    body = {"model": model, "prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "stream": True,
             "steering_vectors": vectors}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         next(line for line in r.iter_lines() if line.startswith("data: {"))
-        during = scrape_metrics(base)  # the first token has streamed, 299 to go: the request holds its row
+        # the first token has streamed, 479 to go: the request holds its row. A scrape may serve the
+        # answer to a question asked before (one in flight per process, 2 s wait): ask until it is in.
+        deadline = time.time() + 30
+        while (during := scrape_metrics(base))["vllm_steer_rows_in_use"] != before["vllm_steer_rows_in_use"] + 1:
+            assert time.time() < deadline, f"rows in use stayed at {during['vllm_steer_rows_in_use']}"
+            time.sleep(0.2)
     # leaving the block closed the stream: vLLM aborts the request and its row is released
-    assert during["vllm_steer_rows_in_use"] == before["vllm_steer_rows_in_use"] + 1
     assert during["vllm_steer_rows_in_use_peak"] >= during["vllm_steer_rows_in_use"]
     assert during["vllm_steer_row_uploads_total"] == before["vllm_steer_row_uploads_total"] + 1
     row_bytes = len(workers) * 3 * n_layers * HIDDEN * 4  # every hook touched: its whole float32 row

@@ -1,12 +1,14 @@
-"""The engine core's registry of named modules: the one every API server process reads.
+"""The engine core's registries of named modules and of runtime SAEs: the ones every API server
+process reads.
 
 Registrations and deletions pass through ``EngineCore.collective_rpc`` on their way to the workers
-(``engine.module_rpc``), and this registry decides them there. The engine core runs one call at a
+(``engine.module_rpc``), and these registries decide them there. The engine core runs one call at a
 time, so decisions never race each other, whichever API process asked. A name that exists without
 ``replace``, a new name beyond ``max_modules`` and a version not newer than the name's current one
 are refused before any worker hears of them. What was accepted is kept as the workers got it (wire
-tiers and the summary fields), for API processes to fetch. A generation number in a shared counter
-(``core.shared_counter``) tells them that their cache (``frontend.module_sync``) is stale.
+tiers and the summary fields; an SAE's registration fields and sites), for API processes to fetch. A
+generation number in a shared counter (``core.shared_counter``), one per registry, tells them that
+their cache (``frontend.module_sync``, ``frontend.sae_sync``) is stale.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from vllm_steer.core.shared_counter import SharedCounter
 
-_ATTR = "_vllm_steer_modules"  # EngineCore attribute
+KINDS = ("modules", "sae")
 
 
 @dataclass
@@ -67,14 +69,21 @@ class EngineModuleRegistry:
         return {"generation": self.generation, "counter": self._counter.path if self._counter else None,
                 "versions": {name: e.version for name, e in self._entries.items()}}
 
+    def holder(self, site: str) -> str | None:
+        """The name whose ``meta["sites"]`` has ``site`` (runtime SAEs: one per reserved site)."""
+        return next((n for n, e in self._entries.items() if site in e.meta.get("sites", ())), None)
+
     def fetch(self, names: list[str]) -> dict[str, dict]:
         return {n: {"version": e.version, "wire": e.wire, "meta": e.meta}
                 for n in names if (e := self._entries.get(n)) is not None}
 
 
-def registry_of(core: Any) -> EngineModuleRegistry:
-    registry = getattr(core, _ATTR, None)
+def registry_of(core: Any, kind: str = "modules") -> EngineModuleRegistry:
+    """The engine core's registry of ``kind`` (``modules`` or ``sae``), made on first use."""
+    assert kind in KINDS
+    attr = f"_vllm_steer_registry_{kind}"
+    registry = getattr(core, attr, None)
     if registry is None:
         registry = EngineModuleRegistry()
-        setattr(core, _ATTR, registry)
+        setattr(core, attr, registry)
     return registry

@@ -1,7 +1,7 @@
 """Engine side of named-module and runtime-SAE registration: ``EngineCore.collective_rpc`` sees every
 registration on its way to the workers, so the module registry (``engine.module_registry``) decides
-it, the row gate can pin (reserve) rows for a module's configs, and an SAE is staged into reserved
-sites only while no unfinished request clamps there. It answers the registry's listing and entries,
+it, the row gate can pin (reserve) rows for a module's configs, and the SAE registry decides a runtime
+SAE (name, sites) and has it staged into reserved sites only while no unfinished request clamps there. It answers the registry's listing and entries,
 and the ``in_flight`` counts of modules and SAEs from the scheduler, which knows queued requests no
 worker has seen yet."""
 
@@ -38,6 +38,32 @@ def sae_users(requests: Any) -> dict[str, dict[str, int]]:
     return {"names": dict(names), "sites": dict(sites)}
 
 
+_LISTINGS = {"vllm_steer_module_registry": ("modules", "listing"), "vllm_steer_module_fetch": ("modules", "fetch"),
+             "vllm_steer_sae_registry": ("sae", "listing"), "vllm_steer_sae_fetch": ("sae", "fetch")}
+
+
+def _register_sae(core: Any, scheduler: Any, original: Any, timeout: Any, args: tuple, kwargs: Any) -> list:
+    """Decide a runtime SAE registration here (exists, a site another name holds, a site still in
+    use), then stage it on the workers and record it. Args: the workers' (path, format, site,
+    features, sites), then name, version and the policy (``replace``)."""
+    staged, (name, version, policy) = args[:5], args[5:8]
+    sites = staged[4]
+    registry = registry_of(core, "sae")
+    if (refused := registry.refusal(name, version, policy)) is not None:
+        return [refused]
+    for site in sites:
+        holder = registry.holder(site)
+        if holder is not None and holder != name:
+            return [{"refused": "held", "site": site, "holder": holder}]
+    in_use = sae_users(scheduler.requests.values())["sites"]
+    busy = {site: in_use[site] for site in sites if site in in_use}
+    if busy:  # requests of the SAE that held these sites are still running: refuse, do not overwrite
+        return [{"busy": busy}]
+    out = original(core, "vllm_steer_register_sae", timeout, staged, kwargs)
+    registry.record(name, version, policy.get("config", {}), {"sites": list(sites)})
+    return out
+
+
 def patch_engine_core_rpc() -> None:
     """Patch: ``EngineCore.collective_rpc`` (0.26). Module registration passes through the engine
     core on its way to the workers; the gate reserves (pins) rows for the module's configs here,
@@ -60,14 +86,12 @@ def patch_engine_core_rpc() -> None:
         if method == "vllm_steer_sae_users":
             return [sae_users(scheduler.requests.values()) if gate is not None else {"names": {}, "sites": {}}]
         if gate is not None and method == "vllm_steer_register_sae":
-            in_use = sae_users(scheduler.requests.values())["sites"]
-            busy = {site: in_use[site] for site in args[-1] if site in in_use}
-            if busy:  # requests of the SAE that held these sites are still running: refuse, do not overwrite
-                return [{"busy": busy}]
-        if method == "vllm_steer_module_registry":
-            return [registry_of(self).listing()]
-        if method == "vllm_steer_module_fetch":
-            return [registry_of(self).fetch(list(args[0]))]
+            return _register_sae(self, scheduler, original, timeout, args, kwargs)
+        if gate is not None and method == "vllm_steer_unregister_sae":
+            return [{"deleted": args[0]} if registry_of(self, "sae").remove(args[0]) else {"refused": "missing"}]
+        if method in _LISTINGS:
+            registry = registry_of(self, _LISTINGS[method][0])
+            return [registry.listing() if _LISTINGS[method][1] == "listing" else registry.fetch(list(args[0]))]
         if gate is not None and method == "vllm_steer_register_module":
             name, version, wire, keys = args[:4]
             policy = args[4] if len(args) > 4 else {}

@@ -16,17 +16,9 @@ it named: workers keep every version they were sent (``runtime.modules``), as wi
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from typing import Any, Awaitable, Callable
-
 from vllm_steer.core.payload import tiers_from_wire
-from vllm_steer.core.shared_counter import SharedCounter
 from vllm_steer.frontend.module_store import STORE, SteeringModule
-
-logger = logging.getLogger("vllm.steer")
-
-Rpc = Callable[..., Awaitable[Any]]
+from vllm_steer.frontend.registry_sync import RegistrySync, Rpc
 
 
 def module_from_entry(name: str, entry: dict, hidden: int) -> SteeringModule:
@@ -36,38 +28,11 @@ def module_from_entry(name: str, entry: dict, hidden: int) -> SteeringModule:
                           meta.get("created", 0.0))
 
 
-class ModuleSync:
-    def __init__(self) -> None:
-        self.enabled = False  # set at server start: more than one API process shares the engine
-        self.generation: int | None = None
-        self.counter: SharedCounter | None = None
-        self._lock: asyncio.Lock | None = None
-        self.pulls = 0
+class ModuleSync(RegistrySync):
+    what = "module registry"
 
-    @property
-    def lock(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
-    def stale(self) -> bool:
-        return self.enabled and (self.counter is None or self.counter.value != self.generation)
-
-    async def refresh(self, rpc: Rpc, hidden: int) -> None:
-        if not self.stale():
-            return
-        async with self.lock:
-            if self.stale():
-                try:
-                    await self._pull(rpc, hidden)
-                except Exception as e:  # the engine is busy dying or restarting: keep what is cached
-                    logger.warning("vllm-steer: could not read the engine's module registry (%s: %s)",
-                                   type(e).__name__, e)
-
-    async def _pull(self, rpc: Rpc, hidden: int) -> None:
+    async def pull(self, rpc: Rpc, hidden: int) -> None:
         listing = (await rpc("vllm_steer_module_registry"))[0]
-        if self.counter is None and listing.get("counter"):
-            self.counter = SharedCounter.open(listing["counter"])
         versions: dict[str, int] = listing["versions"]
         missing = [n for n, v in versions.items() if (m := STORE.get(n)) is None or m.version != v]
         entries = (await rpc("vllm_steer_module_fetch", args=(missing,)))[0] if missing else {}
@@ -76,8 +41,7 @@ class ModuleSync:
         current = {n: fetched[n].version if n in fetched else v for n, v in versions.items()
                    if n in fetched or n not in missing}
         STORE.sync(current, fetched)
-        self.generation = listing["generation"]
-        self.pulls += 1
+        self.adopt(listing)
 
 
 MODULE_SYNC = ModuleSync()

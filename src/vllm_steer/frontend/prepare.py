@@ -26,6 +26,7 @@ from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
 from vllm_steer.frontend.sae_registry import VERSIONS_KEY as SAE_VERSIONS_KEY
+from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
 
@@ -236,7 +237,10 @@ class SteeringFrontend:
 def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str):
     """The request's engine extra_args and keys: prepared off the event loop (a live token), or now."""
     prepared = PREPARED.get(extra[TOKEN_FIELD]) if TOKEN_FIELD in extra else None
-    return for_request(prepared or frontend.engine_extra_args(extra), extra, request_id)
+    out = for_request(prepared or frontend.engine_extra_args(extra), extra, request_id)
+    if SAE_SYNC.enabled and out[0]:  # the last check before the engine core (frontend.sae_sync)
+        SAE_REGISTRY.check_current(out[0].get(PAYLOAD_KEY), SAE_SYNC.changed_since_pull())
+    return out
 
 
 def salted(cache_salt: str | None, prefill_key: str) -> str:

@@ -1,8 +1,10 @@
 """Registering and deleting SAEs while the server runs (``POST`` / ``DELETE /v1/steering/sae``, or
 ``register_sae(llm, ...)``): check the registration against the sites ``steer.sae_slots`` reserved,
-stage it on every worker (``collective_rpc``, through the engine core, which refuses while unfinished
-requests clamp at those sites), then publish the name. A site a deleted SAE held is reused only when
-no request of this process that is being added, and none unfinished in the engine, clamps there."""
+send it through the engine core, whose registry decides it (a name taken without ``replace``, a site
+another SAE holds, a site unfinished requests still clamp at) and has every worker stage it, then
+publish the name in this process (others pull it: ``frontend.sae_sync``). A site a deleted SAE held
+is reused only when no request of this process that is being added, and none unfinished in the
+engine, clamps there."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from vllm_steer.core.sae_catalog import SaeEntry, SlotError, runtime_entry
 from vllm_steer.frontend.module_registration import check_name, check_replace
 from vllm_steer.frontend.prepared import PREPARED
 from vllm_steer.frontend.sae_registry import REGISTRY
+from vllm_steer.frontend.sae_sync import SAE_SYNC
 
 _CONFIG_FIELDS = ("path", "format", "site", "features")
 _FIELDS = {"name", "replace", *_CONFIG_FIELDS}
@@ -59,6 +62,17 @@ def _busy(where: str, counts: dict[str, int]) -> SlotError:
                      "retry when they finish")
 
 
+def _refusal(name: str, r: dict) -> Exception:
+    """The error of the engine core's refusal of a registration (another API process got there first)."""
+    if "busy" in r:
+        return _busy("in the engine", r["busy"])
+    if r["refused"] == "held":
+        return SlotError(f"site {r['site']} holds the SAE {r['holder']!r}; delete it first")
+    if r["refused"] == "exists":
+        return SaeExistsError(f"SAE {name!r} exists; pass replace=true to replace it")
+    return SaeExistsError(f"SAE {name!r} was registered again meanwhile (refused: {r['refused']}); retry")
+
+
 class _Registration:
     """One registration's check, hand-over and publication (the same for async and sync callers)."""
 
@@ -66,6 +80,7 @@ class _Registration:
         if name in frontend.sae_config:
             raise SaeExistsError(f"SAE {name!r} was loaded at start-up (steer.sae) and cannot be replaced")
         self.old = REGISTRY.entries.get(name)
+        self.replace = replace
         if self.old is not None and not replace:
             raise SaeExistsError(f"SAE {name!r} exists; pass replace=true to replace it")
         cfg, shape = frontend.cfg, frontend.shape
@@ -86,8 +101,11 @@ class _Registration:
 
     @property
     def rpc_args(self) -> tuple:
+        """The workers' staging arguments, then what the engine core's registry decides on and keeps."""
         c = self.entry.config
-        return (c.path, c.format, c.site, list(self.entry.features), self.sites)
+        policy = {"replace": self.replace, "config": c.model_dump(mode="json", exclude_defaults=True)}
+        return (c.path, c.format, c.site, list(self.entry.features), self.sites, self.entry.name, self.entry.version,
+                policy)
 
     def undo(self) -> None:
         REGISTRY.pending.difference_update(self.entry.sites)
@@ -95,10 +113,11 @@ class _Registration:
             REGISTRY.entries[self.entry.name] = self.old
 
     def finish(self, replies: list) -> SaeEntry:
-        busy = next((r["busy"] for r in replies if isinstance(r, dict) and "busy" in r), None)
-        self.undo() if busy else REGISTRY.pending.difference_update(self.entry.sites)
-        if busy:
-            raise _busy("in the engine", busy)
+        refused = next((r for r in replies if isinstance(r, dict) and ("busy" in r or "refused" in r)), None)
+        if refused is not None:
+            self.undo()
+            raise _refusal(self.entry.name, refused)
+        REGISTRY.pending.difference_update(self.entry.sites)
         REGISTRY.entries[self.entry.name] = self.entry  # only now can a request name it
         return self.entry
 
@@ -108,20 +127,39 @@ class _Registration:
 
 
 async def register_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, body: dict) -> SaeEntry:
-    reg = _Registration(frontend, *sae_from_json(body))
-    try:
-        replies = await rpc("vllm_steer_register_sae", args=reg.rpc_args)
-    except Exception as e:
-        raise reg.failed(e) from None
-    return reg.finish(replies)
+    async with SAE_SYNC.lock:  # a registry pull of this process never undoes this registration
+        await SAE_SYNC.refresh_locked(rpc, frontend)
+        reg = _Registration(frontend, *sae_from_json(body))
+        try:
+            replies = await rpc("vllm_steer_register_sae", args=reg.rpc_args)
+        except Exception as e:
+            raise reg.failed(e) from None
+        entry = reg.finish(replies)
+        await SAE_SYNC.refresh_locked(rpc, frontend)  # this process's own change: no need to refuse requests
+        return entry
+
+
+async def unregister_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, name: str) -> SaeEntry | None:
+    """Delete a runtime SAE (``DELETE /v1/steering/sae/{name}``): new requests naming it are refused from
+    here on, running ones finish with its staged weights. The engine core's registry forgets it (None:
+    no such SAE there); no worker is involved (the engine core keeps the site from being re-staged
+    while it is in use)."""
+    async with SAE_SYNC.lock:
+        await SAE_SYNC.refresh_locked(rpc, frontend)
+        if name not in REGISTRY.entries:
+            return None
+        reply = (await rpc("vllm_steer_unregister_sae", args=(name,)))[0]
+        entry = REGISTRY.entries.pop(name, None)
+        await SAE_SYNC.refresh_locked(rpc, frontend)
+        return None if reply.get("refused") else entry
 
 
 def unregister_sae(llm: Any, name: str) -> SaeEntry:
-    """Delete a runtime SAE of a ``vllm.LLM`` (as ``DELETE /v1/steering/sae/{name}``): new requests naming
-    it are refused from here on, running ones finish with its staged weights. No worker is involved (the
-    engine core keeps the site from being re-staged while it is in use); ``llm`` pairs it with
-    ``register_sae``."""
-    return REGISTRY.entries.pop(name)
+    """Delete a runtime SAE of a ``vllm.LLM`` (as ``DELETE /v1/steering/sae/{name}``); KeyError for an
+    unknown name. ``llm`` pairs it with ``register_sae``."""
+    entry = REGISTRY.entries[name]
+    llm.collective_rpc("vllm_steer_unregister_sae", args=(name,))
+    return REGISTRY.entries.pop(name, entry)
 
 
 def register_sae(llm: Any, name: str, path: str, format: str | None = None, site: str | None = None,

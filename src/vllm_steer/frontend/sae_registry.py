@@ -1,11 +1,13 @@
-"""The SAEs registered while the server runs (one registry per API process, like named modules):
-name -> catalog entry, the reserved sites they hold, and the check that a prepared request still
-names the registration it was prepared against (a request prepared just before its SAE was deleted
-or replaced is refused with a 400, never run with the new weights)."""
+"""This API process's view of the SAEs registered while the server runs: name -> catalog entry, the
+reserved sites they hold, and the check that a prepared request still names the registration it was
+prepared against (a request prepared just before its SAE was deleted or replaced is refused with a
+400, never run with the new weights). The engine core's registry decides registrations; with several
+API processes this one is a cache kept by ``frontend.sae_sync``."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SaeEntry, Site
@@ -22,9 +24,11 @@ class SaeRegistry:
         self._next_version = 1
 
     def next_version(self) -> int:
+        """A registration number no API process of this server hands out twice (microseconds since
+        the epoch, increasing in this process): it is also the version the engine core records."""
         with self.lock:
-            v = self._next_version
-            self._next_version += 1
+            v = max(self._next_version, time.time_ns() // 1000)
+            self._next_version = v + 1
             return v
 
     def holder(self, site: Site) -> str | None:
@@ -34,12 +38,13 @@ class SaeRegistry:
                 return name
         return "(registering)" if site in self.pending else None
 
-    def check_current(self, payload: dict | None) -> None:
+    def check_current(self, payload: dict | None, changed: bool = False) -> None:
         """SteeringSpecError unless every runtime SAE a prepared payload names is still the
-        registration it was prepared against."""
+        registration it was prepared against (``changed``: another process changed the registry
+        after this one last read it, so this process cannot tell)."""
         for name, version in ((payload or {}).get(VERSIONS_KEY) or {}).items():
             entry = self.entries.get(name)
-            if entry is None or entry.version != version:
+            if changed or entry is None or entry.version != version:
                 raise SteeringSpecError(f"{SAE_FIELD}.name", f"SAE {name!r} was deleted or replaced while this "
                                                              "request was being prepared; send it again")
 

@@ -26,6 +26,7 @@ from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.module_sync import MODULE_SYNC
+from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
 from vllm_steer.server.errors import error_body
 from vllm_steer.server.openai_fields import steering_fields
@@ -36,6 +37,7 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
 _MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS + (TOKEN_FIELD,))
 _MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear either way
+_SAE_MARKER = b"sae"
 _JSON_DECODER = msgspec.json.Decoder()
 _MSGPACK_DECODER = msgspec.msgpack.Decoder()
 
@@ -129,9 +131,11 @@ class SteeringRequestMiddleware:
             await self.app(scope, _replay(body, receive), send)
             return
         frontend = getattr(scope["app"].state, "steer_frontend", None)
+        rpc = scope["app"].state.steer_engine_client.collective_rpc if frontend is not None else None
         if MODULE_SYNC.stale() and _MODULE_MARKER in body:  # another API process changed the modules
-            await MODULE_SYNC.refresh(scope["app"].state.steer_engine_client.collective_rpc,
-                                      frontend.shape.hidden_size)
+            await MODULE_SYNC.refresh(rpc, frontend.shape.hidden_size)
+        if SAE_SYNC.stale() and _SAE_MARKER in body:  # ... or the runtime SAEs
+            await SAE_SYNC.refresh(rpc, frontend)
         try:
             obj, prepared = await asyncio.get_running_loop().run_in_executor(
                 pool(), _prepare, frontend, body, msgpack)
@@ -146,6 +150,8 @@ class SteeringRequestMiddleware:
         if obj is None:
             await self.app(scope, _replay(body, receive), send)
             return
+        if SAE_SYNC.stale() and prepared is not None:  # changed while this one was prepared: check it anew
+            await SAE_SYNC.refresh(rpc, frontend)
         try:
             token = PREPARED.put(prepared) if prepared is not None else None
         except SteeringSpecError as e:  # its SAE was deleted or replaced meanwhile

@@ -1,6 +1,7 @@
 """/v1/steering/sae: list the SAEs requests may clamp, register one at a reserved site (JSON naming
 its files on the server), get and delete one. Errors use vLLM's error shape; mutations need the steer
-api_key like module mutations. Engine work goes through ``frontend.sae_registration``."""
+api_key like module mutations. Engine work goes through ``frontend.sae_registration``; with several API
+processes each route first brings this process's SAEs up to the engine core's (``frontend.sae_sync``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from vllm_steer.frontend.sae_registration import (
     SaeExistsError,
     register_sae_async,
     sae_summary,
-    unregister_sae,
+    unregister_sae_async,
 )
 from vllm_steer.frontend.sae_registry import REGISTRY
+from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.server.errors import error, mutation_denied
 
 logger = logging.getLogger("vllm.steer")
@@ -39,10 +41,18 @@ def _frontend(raw: Request):
     return getattr(raw.app.state, "steer_frontend", None)
 
 
+async def _synced(raw: Request):
+    """The front end, its runtime SAEs brought up to the engine core's registry (several API processes)."""
+    frontend = _frontend(raw)
+    if frontend is not None and raw.app.state.steer_engine_client is not None:
+        await SAE_SYNC.refresh(raw.app.state.steer_engine_client.collective_rpc, frontend)
+    return frontend
+
+
 @router.get("")
 async def list_sae(raw: Request) -> JSONResponse:
     """Every SAE requests may clamp (``steer.sae`` and registered ones), and the reserved sites."""
-    frontend = _frontend(raw)
+    frontend = await _synced(raw)
     catalog = frontend.sae if frontend is not None else {}
     users = await _users(raw) if catalog and raw.app.state.steer_engine_client is not None else {}
     data = [{**sae_summary(e), "in_flight": users.get(name, 0)} for name, e in catalog.items()]
@@ -53,7 +63,7 @@ async def list_sae(raw: Request) -> JSONResponse:
 
 @router.get("/{name}")
 async def get_sae(name: str, raw: Request) -> JSONResponse:
-    frontend = _frontend(raw)
+    frontend = await _synced(raw)
     entry = (frontend.sae if frontend is not None else {}).get(name)
     if entry is None:
         return error(404, f"unknown SAE {name!r}", "name")
@@ -69,10 +79,10 @@ async def register(raw: Request) -> JSONResponse:
         return error(400, "steering is disabled on this server")
     if not frontend.sae_slots:
         return error(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
-    if getattr(raw.app.state, "steer_api_servers", 1) > 1 or getattr(raw.app.state, "steer_engines", 1) > 1:
-        # each API process would keep its own list (data parallelism starts one per engine by default)
-        return error(409, "runtime SAE registration needs one API server process (--api-server-count 1) and "
-                          "one engine (no data parallelism); load SAEs from steer.sae instead", "name")
+    if getattr(raw.app.state, "steer_engines", 1) > 1:
+        # each engine core would decide (and refuse while busy) on its own: no registration across engines yet
+        return error(409, "runtime SAE registration needs one engine (no data parallelism); load SAEs from "
+                          "steer.sae instead", "name")
     try:
         body = json.loads(await raw.body())
         if not isinstance(body, dict):
@@ -99,7 +109,7 @@ async def delete(name: str, raw: Request) -> JSONResponse:
     frontend = _frontend(raw)
     if frontend is not None and name in frontend.sae_config:
         return error(409, f"SAE {name!r} was loaded at start-up (steer.sae) and cannot be deleted", "name")
-    if name not in REGISTRY.entries:
+    if frontend is None or await unregister_sae_async(raw.app.state.steer_engine_client.collective_rpc, frontend,
+                                                      name) is None:
         return error(404, f"unknown SAE {name!r}", "name")
-    unregister_sae(raw.app.state.steer_engine_client, name)
     return JSONResponse({"deleted": name})
