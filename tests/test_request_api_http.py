@@ -274,6 +274,7 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     stream runs and after it is closed, one upload of a new config's rows (bytes: every hook's whole
     row), none when the same config comes back while its row is resident, and captured rows (the
     probe's global spec captures every request)."""
+    import threading
     import time
 
     base, model = server[0], server[1]
@@ -294,12 +295,28 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
             "steering_vectors": vectors}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        next(line for line in r.iter_lines() if line.startswith("data: {"))
-        # the first token has streamed, 479 to go: the request holds its row. A scrape may serve the
-        # answer to a question asked before (one in flight per process, 2 s wait): ask until it is in.
-        deadline = time.time() + 30
+        events, done = [], threading.Event()
+
+        def read() -> None:  # a client that reads its stream (an unread one may be cut off)
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(line)
+            except httpx.HTTPError:  # closed by the test when it leaves the block
+                pass
+            done.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.time() + 60
+        while not events:
+            assert time.time() < deadline and not done.is_set(), "no token streamed"
+            time.sleep(0.05)
+        # tokens are streaming: the request holds its row. A scrape may serve the answer to a question
+        # asked before (one in flight per process, 2 s wait): ask until it is in.
         while (during := scrape_metrics(base))["vllm_steer_rows_in_use"] != before["vllm_steer_rows_in_use"] + 1:
-            assert time.time() < deadline, f"rows in use stayed at {during['vllm_steer_rows_in_use']}"
+            assert time.time() < deadline and not done.is_set(), (
+                f"rows in use stayed at {during['vllm_steer_rows_in_use']}; stream done: {done.is_set()} "
+                f"after {len(events)} events")
             time.sleep(0.2)
     # leaving the block closed the stream: vLLM aborts the request and its row is released
     assert during["vllm_steer_rows_in_use_peak"] >= during["vllm_steer_rows_in_use"]
