@@ -90,3 +90,13 @@ async def rpc_every_engine(engine_client: Any, method: str, args: tuple = ()) ->
     per_engine = await asyncio.gather(*(core._call_utility_async("collective_rpc", method, None, args, None,
                                                                   engine=e) for e in engines))
     return [answer for answers in per_engine for answer in answers]
+
+
+async def counts_of_every_engine(engine_client: Any, method: str, part: str | None = None) -> dict[str, int]:
+    """Per-name counts the engine core itself answers (one answer per engine: unfinished requests per
+    module or SAE), summed over data-parallel engines; ``part`` picks a sub-dict of each answer."""
+    total: dict[str, int] = {}
+    for answer in await rpc_every_engine(engine_client, method):
+        for name, n in (answer[part] if part else answer).items():
+            total[name] = total.get(name, 0) + n
+    return total

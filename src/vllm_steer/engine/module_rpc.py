@@ -1,9 +1,9 @@
 """Engine side of named-module and runtime-SAE registration: ``EngineCore.collective_rpc`` sees every
 registration on its way to the workers, so the module registry (``engine.module_registry``) decides
 it, the row gate can pin (reserve) rows for a module's configs, and the SAE registry decides a runtime
-SAE (name, sites) and has it staged into reserved sites only while no unfinished request clamps there. It answers the registry's listing and entries,
-and the ``in_flight`` counts of modules and SAEs from the scheduler, which knows queued requests no
-worker has seen yet."""
+SAE (name, sites) and has it staged into reserved sites only while no unfinished request clamps there.
+It answers the registries' listings and entries, and the ``in_flight`` counts of modules and SAEs from
+the scheduler, which knows queued requests no worker has seen yet."""
 
 from __future__ import annotations
 

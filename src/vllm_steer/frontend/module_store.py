@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_steer.core.layout import config_hash
+from vllm_steer.core.versions import VersionClock
 from vllm_steer.core.vectors import TIER_FIELDS, Vectors, effective_phases
 
 
@@ -62,7 +63,7 @@ class ModuleStore:
     def __init__(self) -> None:
         self._modules: dict[str, SteeringModule] = {}
         self._lock = threading.Lock()
-        self._next_version = 0
+        self._versions = VersionClock()
         self._claimed: dict[str, int] = {}  # names being registered -> registrations in flight
 
     def claim(self, name: str, replace: bool, max_modules: int | None = None) -> None:
@@ -87,10 +88,7 @@ class ModuleStore:
             self._claimed[name] = n
 
     def reserve_version(self) -> int:
-        with self._lock:
-            v = max(self._next_version, time.time_ns() // 1000)
-            self._next_version = v + 1
-            return v
+        return self._versions.next()
 
     def publish(self, module: SteeringModule) -> SteeringModule:
         with self._lock:

@@ -238,8 +238,8 @@ def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str):
     """The request's engine extra_args and keys: prepared off the event loop (a live token), or now."""
     prepared = PREPARED.get(extra[TOKEN_FIELD]) if TOKEN_FIELD in extra else None
     out = for_request(prepared or frontend.engine_extra_args(extra), extra, request_id)
-    if SAE_SYNC.enabled and out[0]:  # the last check before the engine core (frontend.sae_sync)
-        SAE_REGISTRY.check_current(out[0].get(PAYLOAD_KEY), SAE_SYNC.changed_since_pull())
+    if SAE_SYNC.enabled and out[0]:  # the last check before the engine core: moved since the last pull?
+        SAE_REGISTRY.check_current(out[0].get(PAYLOAD_KEY), SAE_SYNC.stale())
     return out
 
 

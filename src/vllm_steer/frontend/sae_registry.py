@@ -6,11 +6,9 @@ API processes this one is a cache kept by ``frontend.sae_sync``."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SaeEntry, Site
+from vllm_steer.core.versions import VersionClock
 from vllm_steer.core.vectors import SAE_FIELD
 
 VERSIONS_KEY = "sae_versions"  # payload key: runtime SAE name -> the registration a request used
@@ -20,16 +18,12 @@ class SaeRegistry:
     def __init__(self) -> None:
         self.entries: dict[str, SaeEntry] = {}
         self.pending: set[Site] = set()  # sites of registrations on their way to the workers
-        self.lock = threading.Lock()
-        self._next_version = 1
+        self._versions = VersionClock()
 
     def next_version(self) -> int:
-        """A registration number no API process of this server hands out twice (microseconds since
-        the epoch, increasing in this process): it is also the version the engine core records."""
-        with self.lock:
-            v = max(self._next_version, time.time_ns() // 1000)
-            self._next_version = v + 1
-            return v
+        """A registration number no API process of this server hands out twice (core.versions): it is
+        also the version the engine core records."""
+        return self._versions.next()
 
     def holder(self, site: Site) -> str | None:
         """The runtime SAE at ``site`` (or ``"(registering)"`` while one is on its way)."""

@@ -9,8 +9,8 @@ changed); after a change it pulls the listing, then the registration fields of t
 this process lacks, and builds their catalog entries from the files' headers, as the registering
 process did. Registrations of this process hold the same lock, so a pull never undoes them.
 
-``changed_since_pull`` is the last check before a request leaves for the engine core
-(``frontend.prepared``): a request naming a runtime SAE is refused (400, send it again) if any SAE
+``stale()`` is also the last check before a request leaves for the engine core
+(``frontend.prepare``, in ``process_inputs``): a request naming a runtime SAE is refused (400, send it again) if any SAE
 registration changed after this process last pulled, so it never reaches the engine against a
 registration another process replaced.
 """
@@ -34,10 +34,6 @@ def entry_from_wire(frontend: Any, name: str, wire: dict) -> SaeEntry:
 
 class SaeSync(RegistrySync):
     what = "SAE registry"
-
-    def changed_since_pull(self) -> bool:
-        """A registration or deletion landed in the engine core after this process's last pull."""
-        return self.stale()
 
     async def pull(self, rpc: Rpc, frontend: Any) -> None:
         listing = (await rpc("vllm_steer_sae_registry"))[0]

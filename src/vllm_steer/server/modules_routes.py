@@ -30,7 +30,7 @@ from vllm_steer.frontend.module_registration import (
 )
 from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError
 from vllm_steer.frontend.module_sync import MODULE_SYNC
-from vllm_steer.core.compat import rpc_every_engine
+from vllm_steer.core.compat import counts_of_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.errors import error, mutation_denied
 
@@ -39,12 +39,7 @@ router = APIRouter(prefix="/v1/steering/modules", tags=["steering"])
 
 
 async def _users(raw: Request) -> dict[str, int]:
-    engine = raw.app.state.steer_engine_client
-    users: dict[str, int] = {}
-    for per_core in await rpc_every_engine(engine, "vllm_steer_module_users"):  # one answer per engine core
-        for name, n in per_core.items():
-            users[name] = users.get(name, 0) + n
-    return users
+    return await counts_of_every_engine(raw.app.state.steer_engine_client, "vllm_steer_module_users")
 
 
 async def _synced(raw: Request) -> None:

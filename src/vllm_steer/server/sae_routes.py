@@ -11,7 +11,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.core.compat import rpc_every_engine
+from vllm_steer.core.compat import counts_of_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SlotError
 from vllm_steer.frontend.sae_registration import (
@@ -29,12 +29,7 @@ router = APIRouter(prefix="/v1/steering/sae", tags=["steering"])
 
 
 async def _users(raw: Request) -> dict[str, int]:
-    engine = raw.app.state.steer_engine_client
-    users: dict[str, int] = {}
-    for per_core in await rpc_every_engine(engine, "vllm_steer_sae_users"):  # one answer per engine core
-        for name, n in per_core["names"].items():
-            users[name] = users.get(name, 0) + n
-    return users
+    return await counts_of_every_engine(raw.app.state.steer_engine_client, "vllm_steer_sae_users", "names")
 
 
 def _frontend(raw: Request):
