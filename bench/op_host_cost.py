@@ -9,6 +9,12 @@ each norm in ~2 µs, so a long loop of calls measures host time per call. Compar
   op_triton     the same op with the direct path off: every launch through Triton's JITFunction
   launch        the installed _launch with preallocated outputs (no op dispatch, no allocation)
   jit           the bare JITFunction call (Triton's binder + cache lookup + launch)
+  impl          the op's Python body called directly (op - impl = the dispatcher's share)
+  alloc2        the op's two output allocations (torch.empty_like twice)
+  key           launch_cache's specialization key over the launch's arguments
+  stream        the current-stream lookup of each direct launch
+  run           the cached compiled kernel's launcher alone (CachedLauncher._run: empty hook chains as None)
+  run_hooks     the same launcher called as Triton calls it (launch metadata + both hook chains)
   compiled_fn   a torch.compile'd function holding one steered op (dynamo guards + Inductor wrapper)
   inductor_fn   a torch.compile'd function holding vLLM's native fused add + RMSNorm (stock's kernel)
 The *_fn rows share the guard cost, so their difference is what each kernel's launch costs.
@@ -40,11 +46,13 @@ def main() -> int:
     import triton
 
     from vllm.ir.ops.layernorm import fused_add_rms_norm
+    from vllm_steer.kernels import launch_cache
     from vllm_steer.kernels.launch_cache import CachedLauncher
     from vllm_steer.kernels.steered_rms_norm import op as norm_op
     from vllm_steer.kernels.steered_rms_norm import triton as tri
 
     norm_op.register()
+    drv = launch_cache.driver
     d, dev = args.d, "cuda"
     w = (torch.rand(d, device=dev) + 0.5).to(torch.bfloat16)
     ta = torch.zeros(R, d, device=dev, dtype=torch.bfloat16)
@@ -57,6 +65,14 @@ def main() -> int:
 
     native = fused_add_rms_norm.impls["native"].impl_fn
     rows = []
+
+    def run_hooks(kernel, grid, all_args):
+        knobs = launch_cache.knobs
+        stream = drv.active.get_current_stream(drv.active.get_current_device())
+        meta = kernel.launch_metadata(grid, stream, *all_args)
+        kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, meta,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *all_args)
+
     for n in [int(v) for v in args.ns.split(",")]:
         x = torch.randn(n, d, device=dev).to(torch.bfloat16)
         r = torch.randn(n, d, device=dev).to(torch.bfloat16)
@@ -79,8 +95,18 @@ def main() -> int:
             finally:
                 CachedLauncher.direct = True
 
+        op(x, r, w, EPS, 0.0, index, ta, fa, tb, fb)  # fills the launch cache
+        consts = (d, True, True, True, False, block_d)
+        cached = next(iter(tri._PLAIN.cache.values()))
+
         cands = {
             "op": lambda: op(x, r, w, EPS, 0.0, index, ta, fa, tb, fb),
+            "impl": lambda: norm_op._impl(x, r, w, EPS, 0.0, index, ta, fa, tb, fb),
+            "alloc2": lambda: (torch.empty_like(x), torch.empty_like(x)),
+            "key": lambda: (tuple(launch_cache._spec(a) for a in jargs), consts, 8),
+            "stream": lambda: drv.active.get_current_stream(drv.active.get_current_device()),
+            "run": lambda: CachedLauncher._run(cached, (n,), jargs + consts),
+            "run_hooks": lambda: run_hooks(cached, (n,), jargs + consts),
             "op_triton": op_triton,
             "launch": lambda: tri._launch(x, r, w, EPS, 0.0, index, ta, fa, tb, fb, out, res_out),
             "jit": lambda: tri._steered_rms_norm_kernel[(n,)](*jargs, **flags),

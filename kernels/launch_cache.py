@@ -8,6 +8,9 @@ and specializes every argument and looks its cache up on each call: measured on 
 specializes on (each tensor's dtype and 16-byte alignment, each int's value 1 / multiple of 16 /
 32-bit range, the constexprs and ``num_warps``), lets Triton compile and launch on a miss, and on a
 hit calls the compiled kernel's launcher directly, as Triton's own ``run`` does after its lookup.
+Launch hooks: Triton >= 3.5 keeps them in ``HookChain`` objects that its launcher calls on every
+launch, empty or not, after building a launch-metadata dict; while both chains are empty they are
+passed as ``None`` (nothing to call, no metadata), otherwise (a profiler's hooks) as Triton passes them.
 
 Any failure of the direct call (a Triton whose launcher has another signature) turns the direct
 path off for the process and launches through Triton from then on. Under the interpreter
@@ -33,7 +36,7 @@ _I32 = (-(2 ** 31), 2 ** 31 - 1)
 
 def _spec(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
+        return (v.dtype, not v.data_ptr() & 15)
     if isinstance(v, bool):
         return v
     if isinstance(v, int):
@@ -41,6 +44,11 @@ def _spec(v: Any) -> Any:
     if isinstance(v, float):
         return float
     return v
+
+
+def _empty(hook: Any) -> bool:
+    """No launch hook: ``None`` (Triton < 3.5) or an empty ``HookChain``."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 class CachedLauncher:
@@ -55,7 +63,8 @@ class CachedLauncher:
         self.cache: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int) -> None:
-        key = (tuple(_spec(a) for a in args), constexprs, num_warps)
+        key = (tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else _spec(a) for a in args]),
+               constexprs, num_warps)
         kernel = self.cache.get(key) if CachedLauncher.direct else None
         if kernel is not None:
             try:
@@ -74,7 +83,10 @@ class CachedLauncher:
     def _run(kernel: Any, grid: tuple[int, ...], all_args: tuple) -> None:
         stream = driver.active.get_current_stream(driver.active.get_current_device())
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        meta = kernel.launch_metadata(grid, stream, *all_args) if enter is not None else None
+        if _empty(enter) and _empty(leave):
+            enter = leave = meta = None
+        else:
+            meta = kernel.launch_metadata(grid, stream, *all_args)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *all_args)

@@ -119,3 +119,30 @@ def test_nothing_is_cached_when_triton_returns_no_compiled_kernel():
     for _ in range(2):
         launch((1,), (torch.zeros(64), 64, 1e-5), (64, True), 8)
     assert calls == [(1,), (1,)] and not launch.cache
+
+
+class Chain:  # Triton >= 3.5's HookChain: called by the launcher when it is not None
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+
+@pytest.mark.parametrize("enter_calls, leave_calls, passed", [
+    ([], [], False), (["profiler"], [], True), ([], ["profiler"], True)])
+def test_hook_chains_reach_the_launcher_only_when_one_has_hooks(monkeypatch, enter_calls, leave_calls, passed):
+    seen = []
+
+    class Compiled(FakeCompiled):
+        def launch_metadata(self, grid, stream, *args):
+            return {"name": "k", "stream": stream}
+
+        def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+            seen.append((meta, enter, leave))
+
+    enter, leave = Chain(enter_calls), Chain(leave_calls)
+    monkeypatch.setattr(launch_cache, "knobs", SimpleNamespace(runtime=SimpleNamespace(
+        launch_enter_hook=enter, launch_exit_hook=leave)))
+    CachedLauncher._run(Compiled([]), (3,), (torch.zeros(4), 4))
+    if passed:
+        assert seen == [({"name": "k", "stream": 1234}, enter, leave)]
+    else:
+        assert seen == [(None, None, None)]
