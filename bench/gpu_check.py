@@ -85,8 +85,6 @@ def parse_args(argv=None):
     ap.add_argument("--bench-tokens", type=int, default=128)
     ap.add_argument("--bench-trials", type=int, default=2)
     ap.add_argument("--no-stock", action="store_true")
-    ap.add_argument("--steer-extra", default="", help='more keys of the steer block, JSON (e.g. {"inductor_norm_above": 0}: '
-                    "every step runs the steered norm as Inductor's kernel)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the engines")
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size of the engines")
     args = ap.parse_args(argv)

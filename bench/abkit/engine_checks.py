@@ -61,7 +61,7 @@ def steer_engine_checks(path: Path, args, prompts: list[list[int]], batch_vecs: 
                         hf: dict, summary: dict, check) -> None:
     llm = None
     try:
-        llm, init_s = make_llm(path, args, {"max_configs": args.max_configs, **json.loads(getattr(args, "steer_extra", "") or "{}")})
+        llm, init_s = make_llm(path, args, {"max_configs": args.max_configs})
         summary["steer_engine_init_seconds"] = round(init_s, 1)
         status = llm.collective_rpc("vllm_steer_status")
         probe = llm.collective_rpc(worker_probe)

@@ -100,14 +100,3 @@ async def counts_of_every_engine(engine_client: Any, method: str, part: str | No
         for name, n in (answer[part] if part else answer).items():
             total[name] = total.get(name, 0) + n
     return total
-
-
-def compile_range_start() -> int | None:
-    """First token count of the compile range vLLM is compiling now; None outside a compilation."""
-    try:
-        from vllm.compilation.passes.inductor_pass import get_pass_context
-
-        context = get_pass_context()
-    except (ImportError, AssertionError):
-        return None
-    return getattr(getattr(context, "compile_range", None), "start", None)

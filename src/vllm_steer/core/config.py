@@ -129,11 +129,6 @@ class SteerConfig(BaseModel):
     """Residual rows one step can capture across all sites (the device pool's size)."""
     sae: dict[str, SaeModuleConfig] = Field(default_factory=dict)
     """SAEs requests may clamp features of (``"sae": {"name": ...}``), by name."""
-    inductor_norm_above: int | None = Field(default=None, ge=0)
-    """Steps of more tokens than this run each steered norm as Inductor's own kernel, compiled from
-    the op's plain-torch form, instead of launching the op from Python (its host time in steps too
-    large for a CUDA graph). None: the largest CUDA-graph size on CUDA (0 with graphs off), never on
-    other devices. Needs torch.compile (no effect with ``enforce_eager``)."""
     sae_slots: dict[str, int] = Field(default_factory=dict)
     """Sites reserved for SAEs registered while the server runs (``POST /v1/steering/sae``):
     ``"hook.layer"`` -> how many clampable features the site holds (its tables are allocated at

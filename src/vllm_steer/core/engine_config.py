@@ -9,7 +9,6 @@ import importlib.util
 from pathlib import Path
 
 from vllm_steer.core.config import parse_steer_config, steer_config_of
-from vllm_steer.core.norm_ranges import add_range_endpoint, inductor_norm_above
 
 
 def _package_dir(name: str) -> Path:
@@ -33,7 +32,7 @@ def data_plane_digest() -> str:
 
 def patch_engine_config() -> None:
     """Patches ``EngineArgs.create_engine_config`` (reject a malformed steer block with one line
-    naming the key; split the compile ranges where the steered norm changes form, ``core.norm_ranges``) and ``VllmConfig.compute_hash`` (with steering on, mix in the data plane)."""
+    naming the key) and ``VllmConfig.compute_hash`` (with steering on, mix in the data plane)."""
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -43,13 +42,7 @@ def patch_engine_config() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         parse_steer_config(self.additional_config if isinstance(self.additional_config, dict) else None)
-        config = orig_create(self, *args, **kwargs)
-        cfg = steer_config_of(config)
-        if cfg is not None:
-            from vllm.platforms import current_platform
-
-            add_range_endpoint(config, inductor_norm_above(cfg, config, current_platform.is_cuda_alike()))
-        return config
+        return orig_create(self, *args, **kwargs)
 
     def compute_hash(self, *args, **kwargs) -> str:  # vLLM 0.30+ adds include_version
         base = orig_hash(self, *args, **kwargs)

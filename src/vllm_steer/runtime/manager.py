@@ -23,7 +23,6 @@ from vllm_steer.core.layout import Layout
 from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload, dtype_name
 from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.kernels.capture_rows import live
-from vllm_steer.runtime import inductor_norm
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
@@ -259,7 +258,6 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
     )
     runner.steer_runtime = runtime
     runner.steer_capture = runtime.capture
-    inductor_norm.enable(cfg, runner.vllm_config, torch.device(runtime.tables.device).type == "cuda")
     return runtime
 
 
