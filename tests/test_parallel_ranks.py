@@ -120,17 +120,20 @@ def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny
     registered over REST reaches both engines (each pre-materializes its rows), concurrent steered
     requests run on both and each gets its driver consumer's result back (asked of every engine, not
     only engine 0, which is all vLLM's client returns), and a deleted module is refused everywhere.
-    Runtime SAE registration is refused (409): each engine would decide it alone."""
+    Runtime SAEs: every engine agrees before any stages one, then both API processes clamp with it
+    (``_saes_are_shared``: duplicate and held-site 409s, delete, re-register); ``replace`` is a 409
+    under DP (not atomic across engines)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
     from tests.server import openai_server
+    from tests.test_multi_api_server import _saes_are_shared
 
     model = tiny_model("llama")
     hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
     steer = {"capture": [{"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 1}}],
-             "sae_slots": {"post_mlp.1": 4}}
+             "sae_slots": {"post_mlp.1": 8}}
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--data-parallel-size", "2",
                        "--additional-config", json.dumps({"steer": steer}), log=tmp_path / "server.log",
                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, timeout=400) as (base, _):
@@ -154,5 +157,16 @@ def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny
         for _ in range(4):
             r = httpx.post(f"{base}/v1/completions", json=request, timeout=120)
             assert r.status_code == 400 and r.json()["error"]["param"] == "steering_module.name", r.text
-        sae = httpx.post(f"{base}/v1/steering/sae", json={"name": "s", "path": str(tmp_path)}, timeout=60)
-        assert sae.status_code == 409 and "one engine" in sae.json()["error"]["message"], sae.text
+        _saes_are_shared(base, model, hidden, tmp_path)  # leaves "t" registered at post_mlp.1
+        again = {"name": "t", "path": str(tmp_path / "sae1"), "site": "post_mlp.1", "features": [1, 2], "replace": True}
+        r = httpx.post(f"{base}/v1/steering/sae", json=again, timeout=60)
+        assert r.status_code == 409 and "delete it first" in r.json()["error"]["message"], r.text
+        listing = httpx.get(f"{base}/v1/steering/sae", timeout=30).json()
+        assert [s["name"] for s in listing["data"]] == ["t"], listing
+        clamped = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0,
+                   "sae": {"name": "t", "clamps": [{"feature": f, "kind": "set", "value": 80.0} for f in (1, 2, 3)]}}
+        with ThreadPoolExecutor(16) as pool:  # concurrent: both engines take some
+            answers = list(pool.map(lambda _: httpx.post(f"{base}/v1/completions", json=clamped, timeout=300),
+                                    range(32)))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200][:1]
+        assert len({r.json()["choices"][0]["text"] for r in answers}) == 1

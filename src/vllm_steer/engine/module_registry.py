@@ -13,12 +13,14 @@ their cache (``frontend.module_sync``, ``frontend.sae_sync``) is stale.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_steer.core.shared_counter import SharedCounter
 
 KINDS = ("modules", "sae")
+HOLD_SECONDS = 120.0  # a hold whose registration never came (its API process died) stops counting then
 
 
 @dataclass
@@ -36,6 +38,7 @@ class EngineModuleRegistry:
         except OSError:  # no writable temp dir: API processes ask on every module request instead
             self._counter = None
         self.generation = 0
+        self._holds: dict[int, tuple[str, frozenset[str], float]] = {}  # version -> (name, sites, since)
 
     def refusal(self, name: str, version: int, policy: dict) -> dict | None:
         """Why a registration may not go ahead (None: it may)."""
@@ -49,7 +52,26 @@ class EngineModuleRegistry:
             return {"refused": "stale", "current": old.version}
         return None
 
+    def hold(self, name: str, version: int, sites: list[str]) -> None:
+        """Keep ``name`` and ``sites`` for the registration ``version`` (data parallelism: every engine
+        agrees first, then each records it) until it is recorded or released."""
+        self._holds[version] = (name, frozenset(sites), time.monotonic())
+
+    def release(self, version: int) -> None:
+        self._holds.pop(version, None)
+
+    def held_by_another(self, name: str, version: int, sites: list[str]) -> dict | None:
+        """A live hold of another registration on ``name`` or one of ``sites`` (None: there is none)."""
+        now = time.monotonic()
+        for v, (n, held, since) in list(self._holds.items()):
+            if now - since > HOLD_SECONDS:
+                del self._holds[v]
+            elif v != version and (n == name or held & set(sites)):
+                return {"refused": "pending", "holder": n}
+        return None
+
     def record(self, name: str, version: int, wire: dict, meta: dict) -> None:
+        self._holds.pop(version, None)
         self._entries[name] = _Entry(version, wire, meta)
         self._changed()
 

@@ -42,23 +42,45 @@ _LISTINGS = {"vllm_steer_module_registry": ("modules", "listing"), "vllm_steer_m
              "vllm_steer_sae_registry": ("sae", "listing"), "vllm_steer_sae_fetch": ("sae", "fetch")}
 
 
-def _register_sae(core: Any, scheduler: Any, original: Any, timeout: Any, args: tuple, kwargs: Any) -> list:
-    """Decide a runtime SAE registration here (exists, a site another name holds, a site still in
-    use), then stage it on the workers and record it. Args: the workers' (path, format, site,
-    features, sites), then name, version and the policy (``replace``)."""
-    staged, (name, version, policy) = args[:5], args[5:8]
-    sites = staged[4]
+def _sae_refusal(core: Any, scheduler: Any, name: str, version: int, policy: dict, sites: list[str]) -> dict | None:
+    """Why this engine refuses a runtime SAE registration: the name exists (without ``replace``), a
+    site another name holds, another registration's hold (data parallelism), a site unfinished
+    requests still clamp at. None: it may go ahead."""
     registry = registry_of(core, "sae")
     if (refused := registry.refusal(name, version, policy)) is not None:
-        return [refused]
+        return refused
     for site in sites:
         holder = registry.holder(site)
         if holder is not None and holder != name:
-            return [{"refused": "held", "site": site, "holder": holder}]
+            return {"refused": "held", "site": site, "holder": holder}
+    if (pending := registry.held_by_another(name, version, sites)) is not None:
+        return pending
     in_use = sae_users(scheduler.requests.values())["sites"]
     busy = {site: in_use[site] for site in sites if site in in_use}
     if busy:  # requests of the SAE that held these sites are still running: refuse, do not overwrite
-        return [{"busy": busy}]
+        return {"busy": busy}
+    return None
+
+
+def _hold_sae(core: Any, scheduler: Any, args: tuple) -> list:
+    """First step of a registration across data-parallel engines (``vllm_steer_sae_hold``): this
+    engine's answer, and, when it may go ahead, the name and sites kept for that registration."""
+    name, version, policy, sites = args
+    if (refused := _sae_refusal(core, scheduler, name, version, policy, sites)) is not None:
+        return [refused]
+    registry_of(core, "sae").hold(name, version, sites)
+    return [{"held": version}]
+
+
+def _register_sae(core: Any, scheduler: Any, original: Any, timeout: Any, args: tuple, kwargs: Any) -> list:
+    """Decide a runtime SAE registration here (``_sae_refusal``), then stage it on the workers and
+    record it. Args: the workers' (path, format, site, features, sites), then name, version and the
+    policy (``replace``)."""
+    staged, (name, version, policy) = args[:5], args[5:8]
+    sites = staged[4]
+    registry = registry_of(core, "sae")
+    if (refused := _sae_refusal(core, scheduler, name, version, policy, sites)) is not None:
+        return [refused]
     out = original(core, "vllm_steer_register_sae", timeout, staged, kwargs)
     registry.record(name, version, policy.get("config", {}), {"sites": list(sites)})
     return out
@@ -87,6 +109,11 @@ def patch_engine_core_rpc() -> None:
             return [sae_users(scheduler.requests.values()) if gate is not None else {"names": {}, "sites": {}}]
         if gate is not None and method == "vllm_steer_register_sae":
             return _register_sae(self, scheduler, original, timeout, args, kwargs)
+        if gate is not None and method == "vllm_steer_sae_hold":
+            return _hold_sae(self, scheduler, args)
+        if gate is not None and method == "vllm_steer_sae_release":
+            registry_of(self, "sae").release(args[0])
+            return [{"released": args[0]}]
         if gate is not None and method == "vllm_steer_unregister_sae":
             return [{"deleted": args[0]} if registry_of(self, "sae").remove(args[0]) else {"refused": "missing"}]
         if method in _LISTINGS:

@@ -126,17 +126,52 @@ class _Registration:
         return SteeringSpecError("path", f"a worker could not load the SAE: {type(e).__name__}: {str(e)[:300]}")
 
 
-async def register_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, body: dict) -> SaeEntry:
+async def register_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, body: dict,
+                             rpc_each: Callable[..., Awaitable[list]] | None = None) -> SaeEntry:
+    """``rpc_each`` (data parallelism: one answer per engine) first has every engine agree and hold
+    the name and sites, so that each then stages and records what the others do."""
     async with SAE_SYNC.lock:  # a registry pull of this process never undoes this registration
         await SAE_SYNC.refresh_locked(rpc, frontend)
         reg = _Registration(frontend, *sae_from_json(body))
+        if rpc_each is not None:
+            await _hold_everywhere(rpc, rpc_each, reg)
         try:
             replies = await rpc("vllm_steer_register_sae", args=reg.rpc_args)
         except Exception as e:
             raise reg.failed(e) from None
         entry = reg.finish(replies)
+        if rpc_each is not None:
+            await _check_everywhere(rpc_each, entry)
         await SAE_SYNC.refresh_locked(rpc, frontend)  # this process's own change: no need to refuse requests
         return entry
+
+
+async def _hold_everywhere(rpc: Callable[..., Awaitable[Any]], rpc_each: Callable[..., Awaitable[list]],
+                           reg: _Registration) -> None:
+    """Every data-parallel engine decides the registration on its own (its requests are its own);
+    all must agree before any stages it. Replacing a name is refused here: between the engines'
+    answers and the staging, new requests could still name the old SAE on one of them."""
+    if reg.old is not None:
+        reg.undo()
+        raise SaeExistsError(f"SAE {reg.entry.name!r} exists: under data parallelism delete it first, then "
+                             "register it again (replace is not atomic across engines)")
+    args = (reg.entry.name, reg.entry.version, {"replace": False}, reg.sites)
+    answers = await rpc_each("vllm_steer_sae_hold", args)
+    refused = next((a for a in answers if not (isinstance(a, dict) and "held" in a)), None)
+    if refused is not None:
+        await rpc("vllm_steer_sae_release", args=(reg.entry.version,))
+        reg.undo()
+        if refused.get("refused") == "pending":
+            raise SlotError(f"another registration of {refused['holder']!r} is in progress at these sites; retry")
+        raise _refusal(reg.entry.name, refused)
+
+
+async def _check_everywhere(rpc_each: Callable[..., Awaitable[list]], entry: SaeEntry) -> None:
+    """Every engine recorded this version (vLLM's client returns engine 0's staging answer only)."""
+    listings = await rpc_each("vllm_steer_sae_registry", ())
+    missing = [i for i, lst in enumerate(listings) if lst.get("versions", {}).get(entry.name) != entry.version]
+    if missing:
+        raise SlotError(f"engines {missing} did not stage SAE {entry.name!r}; delete it and register it again")
 
 
 async def unregister_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any, name: str) -> SaeEntry | None:

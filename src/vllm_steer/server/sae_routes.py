@@ -11,7 +11,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_steer.core.compat import counts_of_every_engine
+from vllm_steer.core.compat import counts_of_every_engine, rpc_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SlotError
 from vllm_steer.frontend.sae_registration import (
@@ -74,15 +74,17 @@ async def register(raw: Request) -> JSONResponse:
         return error(400, "steering is disabled on this server")
     if not frontend.sae_slots:
         return error(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
-    if getattr(raw.app.state, "steer_engines", 1) > 1:
-        # each engine core would decide (and refuse while busy) on its own: no registration across engines yet
-        return error(409, "runtime SAE registration needs one engine (no data parallelism); load SAEs from "
-                          "steer.sae instead", "name")
+    client = raw.app.state.steer_engine_client
+
+    async def every_engine(method: str, args: tuple) -> list:
+        return await rpc_every_engine(client, method, args)
+
+    rpc_each = every_engine if getattr(raw.app.state, "steer_engines", 1) > 1 else None  # all agree, then stage
     try:
         body = json.loads(await raw.body())
         if not isinstance(body, dict):
             raise SteeringSpecError("body", "expected a JSON object")
-        entry = await register_sae_async(raw.app.state.steer_engine_client.collective_rpc, frontend, body)
+        entry = await register_sae_async(client.collective_rpc, frontend, body, rpc_each)
     except (ValueError, RecursionError) as e:
         if isinstance(e, SteeringSpecError):
             return error(400, str(e), e.field)

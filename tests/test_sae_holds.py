@@ -1,0 +1,69 @@
+"""The engine core's side of a runtime SAE registration across data-parallel engines
+(engine/module_rpc.py ``vllm_steer_sae_hold`` / ``_release`` / ``_register_sae``): each engine
+answers for itself, a hold keeps the name and sites from another registration until it is recorded,
+released or expired, and a registration is refused while unfinished requests clamp at its site."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_steer.core.payload import PAYLOAD_KEY
+from vllm_steer.engine import module_registry, module_rpc
+from vllm_steer.engine.module_registry import registry_of
+
+
+def _core(requests=()):
+    core = SimpleNamespace(scheduler=SimpleNamespace(requests={i: r for i, r in enumerate(requests)}))
+    registry_of(core, "sae")._counter = None  # no shared file for a test core
+    return core
+
+
+def _clamping(site: str):
+    hook, layer = site.split(".")
+    payload = {"sae": {"decode": [["s", hook, int(layer), 1, 2.0]]}}
+    return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: payload}))
+
+
+def _hold(core, name, version, sites):
+    return module_rpc._hold_sae(core, core.scheduler, (name, version, {"replace": False}, sites))[0]
+
+
+def _register(core, name, version, sites):
+    staged = ("path", None, None, [1], sites)
+    calls = []
+    out = module_rpc._register_sae(core, core.scheduler, lambda *a: calls.append(a) or [{"staged": True}], None,
+                                   staged + (name, version, {"replace": False}), None)
+    return out[0], calls
+
+
+def test_a_hold_keeps_name_and_sites_from_another_registration_until_recorded():
+    core = _core()
+    assert _hold(core, "a", 10, ["post_mlp.1"]) == {"held": 10}
+    assert _hold(core, "b", 11, ["post_mlp.1"]) == {"refused": "pending", "holder": "a"}
+    assert _hold(core, "a", 12, ["post_mlp.2"]) == {"refused": "pending", "holder": "a"}
+    assert _register(core, "b", 11, ["post_mlp.1"])[0] == {"refused": "pending", "holder": "a"}
+    reply, calls = _register(core, "a", 10, ["post_mlp.1"])  # its own hold does not refuse it
+    assert reply == {"staged": True} and len(calls) == 1
+    assert registry_of(core, "sae").listing()["versions"] == {"a": 10}
+    assert _hold(core, "b", 13, ["post_mlp.1"]) == {"refused": "held", "site": "post_mlp.1", "holder": "a"}
+    assert _hold(core, "b", 14, ["post_mlp.3"]) == {"held": 14}  # the recorded hold is gone, another site is free
+
+
+def test_a_released_or_expired_hold_no_longer_counts(monkeypatch):
+    core = _core()
+    assert _hold(core, "a", 10, ["post_mlp.1"]) == {"held": 10}
+    registry_of(core, "sae").release(10)
+    assert _hold(core, "b", 11, ["post_mlp.1"]) == {"held": 11}
+    now = module_registry.time.monotonic()
+    monkeypatch.setattr(module_registry.time, "monotonic", lambda: now + module_registry.HOLD_SECONDS + 1)
+    assert _hold(core, "c", 12, ["post_mlp.1"]) == {"held": 12}
+
+
+@pytest.mark.parametrize("where", ["hold", "register"])
+def test_an_engine_whose_requests_clamp_at_the_site_refuses(where):
+    core = _core([_clamping("post_mlp.1"), _clamping("post_mlp.1"), _clamping("post_mlp.2")])
+    reply = _hold(core, "a", 10, ["post_mlp.1"]) if where == "hold" else _register(core, "a", 10, ["post_mlp.1"])[0]
+    assert reply == {"busy": {"post_mlp.1": 2}}
+    assert registry_of(core, "sae").listing()["versions"] == {}
