@@ -34,9 +34,13 @@ logger = logging.getLogger("vllm.steer")
 _I32 = (-(2 ** 31), 2 ** 31 - 1)
 
 
+def _key(args: tuple) -> tuple:
+    """What Triton specializes the runtime arguments on: (dtype, 16-byte aligned) per tensor (inline:
+    tensors are most of the arguments, and this runs on every launch), ``_spec`` for the rest."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else _spec(a) for a in args])
+
+
 def _spec(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, not v.data_ptr() & 15)
     if isinstance(v, bool):
         return v
     if isinstance(v, int):
@@ -63,8 +67,7 @@ class CachedLauncher:
         self.cache: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int) -> None:
-        key = (tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else _spec(a) for a in args]),
-               constexprs, num_warps)
+        key = (_key(args), constexprs, num_warps)
         kernel = self.cache.get(key) if CachedLauncher.direct else None
         if kernel is not None:
             try:

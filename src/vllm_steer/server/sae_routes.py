@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -75,11 +76,8 @@ async def register(raw: Request) -> JSONResponse:
     if not frontend.sae_slots:
         return error(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
     client = raw.app.state.steer_engine_client
-
-    async def every_engine(method: str, args: tuple) -> list:
-        return await rpc_every_engine(client, method, args)
-
-    rpc_each = every_engine if getattr(raw.app.state, "steer_engines", 1) > 1 else None  # all agree, then stage
+    # data parallelism: every engine answers for itself before any stages the SAE
+    rpc_each = partial(rpc_every_engine, client) if getattr(raw.app.state, "steer_engines", 1) > 1 else None
     try:
         body = json.loads(await raw.body())
         if not isinstance(body, dict):
