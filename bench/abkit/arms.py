@@ -22,6 +22,7 @@ ARMS = {
     "stock": dict(server="stock", kind="plain"),
     "disabled": dict(server="disabled", kind="plain"),
     "enabled_idle": dict(server="steer", kind="plain"),
+    "enabled_idle_one": dict(server="steer_one", kind="plain"),  # ablation: one steered norm, every patch on
     "named_shared": dict(server="steer", kind="module"),
     "all_steered_shared": dict(server="steer", kind="shared"),
     "per_request_n4": dict(server="steer", kind="per_request", n_configs=4),

@@ -116,7 +116,7 @@ def analyze_events(events: list) -> dict:
         "steer_events_any_category": sum(1 for e in ev if is_steer_kernel(e.get("name", ""))),
         "top_kernels_us": sorted(((round(v, 1), k) for k, v in top.items()), reverse=True)[:12],
         "gpu_span_us": round(span, 1),
-        "top_host_us": sorted(((round(v[1], 1), v[0], k) for k, v in host.items()), reverse=True)[:25],
+        "top_host_us": sorted(((round(v[1], 1), v[0], k) for k, v in host.items()), reverse=True)[:60],
     }
 
 

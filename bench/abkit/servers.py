@@ -6,6 +6,8 @@ Servers (each its own process group, all alive together so trials of different s
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
   steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, old_release.py)
   eager      the steer server's config plus --enforce-eager
+  steer_one  steering on with one site (post_mlp.0: one steered norm), every patch active: an ablation that
+             separates the 64 steered norms in the graph from everything else steering on brings
   sae, sae_full   steer with an SAE at 4 layers (abkit/sae_files.py): clampable features only / whole SAE
   stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
              (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
@@ -30,9 +32,11 @@ from .common import ROOT, log
 from .old_release import install_old_wheel
 
 STEER_BLOCK = {"steer": {"max_configs": 272}}
-STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK, "steer_multi": STEER_BLOCK}
+STEER_ONE_BLOCK = {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}}
+STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK, "steer_multi": STEER_BLOCK,
+                 "steer_one": STEER_ONE_BLOCK}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6,
-                "sae": 7, "sae_full": 8}
+                "sae": 7, "sae_full": 8, "steer_one": 9}
 SAE_SERVERS = {"sae": False, "sae_full": True}  # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct
 OLD_SERVER = "steer_old"
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
