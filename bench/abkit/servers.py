@@ -8,6 +8,7 @@ Servers (each its own process group, all alive together so trials of different s
   eager      the steer server's config plus --enforce-eager
   steer_one  steering on with one site (post_mlp.0: one steered norm), every patch active: an ablation that
              separates the 64 steered norms in the graph from everything else steering on brings
+  steer_rows4, steer_mlp   ablations: every site with 4 table rows; post_mlp sites only (32 norms), 272 rows
   sae, sae_full   steer with an SAE at 4 layers (abkit/sae_files.py): clampable features only / whole SAE
   stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
              (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
@@ -34,9 +35,10 @@ from .old_release import install_old_wheel
 STEER_BLOCK = {"steer": {"max_configs": 272}}
 STEER_ONE_BLOCK = {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}}
 STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK, "steer_multi": STEER_BLOCK,
-                 "steer_one": STEER_ONE_BLOCK}
+                 "steer_one": STEER_ONE_BLOCK, "steer_rows4": {"steer": {"max_configs": 4}},
+                 "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}}}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6,
-                "sae": 7, "sae_full": 8, "steer_one": 9}
+                "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11}
 SAE_SERVERS = {"sae": False, "sae_full": True}  # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct
 OLD_SERVER = "steer_old"
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
