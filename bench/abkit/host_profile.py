@@ -27,7 +27,7 @@ from pathlib import Path
 from .arms import arm_fields, build_bodies, make_prompts, seed_of
 from .client import http_text, run_load
 from .common import log
-from .servers import STEER_SERVERS, server_unavailable
+from .servers import STEER_BLOCK, STEER_SERVERS, server_unavailable
 from .stats import summarize_trial
 
 STEP_METRICS = [  # (name of the _count series, note)
@@ -356,8 +356,8 @@ def host_phase(pool, args, ctx: dict, results: dict, save) -> None:
             continue
         for traffic in TRAFFIC:
             label = f"{sname} / {traffic}"
-            if traffic != "unsteered" and sname not in STEER_SERVERS:
-                log(f"[host] skipping {label}: {sname} has no steer block")
+            if traffic != "unsteered" and STEER_SERVERS.get(sname) != STEER_BLOCK:
+                log(f"[host] skipping {label}: {sname} runs an ablation block, not the steer server's (steered traffic needs every site and its rows)")
                 continue
             try:
                 rec = _profile_one(pool, sname, traffic, spy_exe, args, ctx, rawdir)
