@@ -49,6 +49,8 @@ def _output_record(out: Any) -> dict:
         "token_ids": list(comp.token_ids),
         "text": comp.text,
         "num_cached_tokens": out.num_cached_tokens,
+        "finish_reason": comp.finish_reason,
+        "stop_reason": comp.stop_reason,
         "logprobs": None,
         "prompt_logprobs": None,
     }

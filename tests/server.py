@@ -23,9 +23,11 @@ def free_port() -> int:
 
 @contextmanager
 def openai_server(model: str, *args: str, log: Path, env: dict | None = None, timeout: float = 300):
-    """Yield (base_url, process) of a running server; kill it on exit."""
+    """Yield (base_url, process) of a running server; kill it on exit. ``env`` values of None unset
+    the variable (e.g. ``{"VLLM_PLUGINS": None}``: a server without the endpoint plugin)."""
     port = free_port()
     full_env = {**os.environ, **CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
     cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "512", *args]
     with open(log, "w") as fh:

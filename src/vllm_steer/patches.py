@@ -40,6 +40,12 @@ PATCHES: tuple[Patch, ...] = (
           "steered requests whose configs do not fit the tables wait in the queue", "as above"),
     Patch("vllm.v1.core.sched.scheduler:Scheduler._free_request", ("self", "request"), "vllm_steer.engine.scheduler",
           "a finished request gives its rows back", "as above"),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", ("self",), "vllm_steer.engine.scheduler",
+          "requests refused after admission (row wait past steer.max_row_wait_s, a module version gone) send "
+          "their final output with the step's", "vLLM lets plugins finish a request with a reason"),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
+          "vllm_steer.engine.scheduler", "called, not replaced (engine.refusals): finishes refused requests with FINISHED_ERROR",
+          "as above"),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.add_request", ("self", "request"), "vllm_steer.engine.scheduler",
           "steered requests are noted by the gate; blocks generated under a decode vector are re-keyed "
           "(wraps Request._block_hasher)", "a request can carry extra keys for generated blocks"),
@@ -104,6 +110,7 @@ GENERAL_APPLIERS = (
     "vllm_steer.runtime.worker_rpc:patch_worker",
     "vllm_steer.runtime.runner_v1:patch_v1_runner",
     "vllm_steer.runtime.runner_v2:patch_v2_runner",
+    "vllm_steer.server.openai_fields:patch_openai_requests_in_api_server",
 )
 # The endpoint plugin's (API server process only).
 SERVER_APPLIERS = ("vllm_steer.server.openai_fields:patch_openai_requests",)

@@ -102,6 +102,9 @@ class SteerConfig(BaseModel):
     max_configs: int = Field(default=32, ge=2, le=4096)
     """Rows per hook table, row 0 included (the zero no-op): ``max_configs - 1`` distinct
     steering configs can be live at once; further requests wait in the scheduler."""
+    max_row_wait_s: float = Field(default=60.0, ge=0)
+    """How long a steered request may wait for a row held by running requests before it is refused
+    (503); 0: refuse at once instead of waiting."""
     hooks: tuple[HookName, ...] = HOOK_NAMES  # type: ignore[assignment]
     """Hook points that can be steered; the norms that receive no hooked site stay vLLM's."""
     layers: tuple[int, ...] | None = None

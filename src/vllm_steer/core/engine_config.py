@@ -1,6 +1,10 @@
 """The ``steer`` block as vLLM's engine config sees it: validated before anything starts, and part
 of the compile-cache key (with the data plane's source) so a plugin change never loads a stale
-compiled graph. Runs in every process that builds or hashes a ``VllmConfig``."""
+compiled graph. Runs in every process that builds or hashes a ``VllmConfig``.
+
+An OpenAI server with the block on but without the ``steer`` endpoint plugin (vLLM loads endpoint
+plugins only when ``VLLM_PLUGINS`` names them) would steer nothing its clients send: it does not
+start, and says to set ``VLLM_PLUGINS=steer``."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from vllm_steer.core.config import parse_steer_config, steer_config_of
+from vllm_steer.core.config import SteerConfigError, parse_steer_config, steer_config_of
 
 
 def _package_dir(name: str) -> Path:
@@ -30,6 +34,13 @@ def data_plane_digest() -> str:
     return h.hexdigest()
 
 
+def endpoint_plugin_named() -> bool:
+    """Whether vLLM will load the ``steer`` endpoint plugin (only when ``VLLM_PLUGINS`` names it)."""
+    import vllm.envs as envs
+
+    return envs.VLLM_PLUGINS is not None and "steer" in envs.VLLM_PLUGINS
+
+
 def patch_engine_config() -> None:
     """Patches ``EngineArgs.create_engine_config`` (reject a malformed steer block with one line
     naming the key) and ``VllmConfig.compute_hash`` (with steering on, mix in the data plane)."""
@@ -41,7 +52,12 @@ def patch_engine_config() -> None:
     orig_create, orig_hash = EngineArgs.create_engine_config, VllmConfig.compute_hash
 
     def create_engine_config(self, *args, **kwargs):
-        parse_steer_config(self.additional_config if isinstance(self.additional_config, dict) else None)
+        cfg = parse_steer_config(self.additional_config if isinstance(self.additional_config, dict) else None)
+        usage = kwargs.get("usage_context", args[0] if args else None)
+        if cfg is not None and getattr(usage, "name", None) == "OPENAI_API_SERVER" and not endpoint_plugin_named():
+            raise SteerConfigError(
+                "additional_config.steer is set but the steer endpoint plugin is not loaded, so requests' steering "
+                "fields would be dropped: start the server with VLLM_PLUGINS=steer")
         return orig_create(self, *args, **kwargs)
 
     def compute_hash(self, *args, **kwargs) -> str:  # vLLM 0.30+ adds include_version

@@ -46,8 +46,22 @@ def to_dtype_bytes(arr: np.ndarray, dtype_name: str) -> bytes:
     return bf16.to_bits(f32).tobytes()
 
 
+_MAX = {"float32": "3.4e38", "float16": "65504", "bfloat16": "3.39e38"}
+
+
+def check_representable(raw: bytes, dtype_name: str) -> None:
+    """ValueError if rows in ``dtype_name`` hold Inf or NaN: values (e.g. a vector times a scale, or
+    a sum of tiers) that overflowed the model's dtype on the way into the table."""
+    word, _, exponent = _WORDS[dtype_name]
+    w = np.frombuffer(raw, dtype=word)
+    if w.size and ((w & word(exponent)) == word(exponent)).any():
+        raise ValueError(f"does not fit the model's dtype {dtype_name} (largest magnitude {_MAX[dtype_name]}): "
+                         "a value is NaN or Inf once scaled, summed and converted")
+
+
 def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
-    """float32 vectors -> table layout in ``dtype_name`` (hooks in HOOK_NAMES order, -0.0 as 0.0)."""
+    """float32 vectors -> table layout in ``dtype_name`` (hooks in HOOK_NAMES order, -0.0 as 0.0).
+    ValueError if a value does not fit ``dtype_name`` (``check_representable``)."""
     out: Layout = {}
     for hook in HOOK_NAMES:
         layers = vectors.get(hook)
@@ -57,7 +71,9 @@ def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
         rows = stack_rows(layers, ids)
         if (rows == _ZERO).any():  # + 0.0 folds -0.0 into 0.0, so equal values give equal bytes
             rows = rows + _ZERO
-        out[hook] = (tuple(ids), to_dtype_bytes(rows, dtype_name))
+        raw = to_dtype_bytes(rows, dtype_name)
+        check_representable(raw, dtype_name)
+        out[hook] = (tuple(ids), raw)
     return out
 
 

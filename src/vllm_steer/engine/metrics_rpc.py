@@ -32,6 +32,7 @@ def worker_values(workers: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
               "rows_in_use_peak": max(w["peak_live_configs"] for w in steered)}
     totals = {"row_uploads": max(w.get("row_uploads", 0) for w in steered),
               "row_upload_bytes": sum(w.get("row_upload_bytes", 0) for w in steered),
+              "row_evictions": max(w.get("row_evictions", 0) for w in steered),
               "preemptions": max(w.get("preemptions_seen", 0) for w in steered)}
     for k in ("rows", "dropped_rows", "dropped_packets", "consumer_errors"):
         totals[f"capture_{k}"] = sum(c.get(k, 0) for c in caps)
@@ -44,6 +45,7 @@ def engine_metrics(core: Any, gate: Any, worker_status: Callable[[], list[dict]]
         return {"gauges": {}, "increments": {}}
     gauges, totals = worker_values(worker_status())
     gauges["requests_waiting_for_row"] = requests_waiting_for_row(core.scheduler, gate)
+    totals["row_wait_timeouts"] = gate.wait_timeouts
     reported = getattr(core, _STATE, {})
     # A total below what was handed out means the workers restarted: all of it is new.
     increments = {k: v - reported.get(k, 0) if v >= reported.get(k, 0) else v for k, v in totals.items()}

@@ -9,6 +9,11 @@ are refused before any worker hears of them. What was accepted is kept as the wo
 tiers and the summary fields; an SAE's registration fields and sites), for API processes to fetch. A
 generation number in a shared counter (``core.shared_counter``), one per registry, tells them that
 their cache (``frontend.module_sync``, ``frontend.sae_sync``) is stale.
+
+The workers keep every version of a module they were sent while a request may still build its rows
+from it (a request admitted before a replace or delete keeps its version). ``sent`` lists those
+versions; ``retire`` names the ones no current entry and no unfinished request uses any more, for
+the workers to forget, so replacing and deleting modules never grows their memory.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class EngineModuleRegistry:
             self._counter = None
         self.generation = 0
         self._holds: dict[int, tuple[str, frozenset[str], float]] = {}  # version -> (name, sites, since)
+        self.sent: set[tuple[str, int]] = set()  # (name, version) the workers hold
 
     def refusal(self, name: str, version: int, policy: dict) -> dict | None:
         """Why a registration may not go ahead (None: it may)."""
@@ -73,7 +79,19 @@ class EngineModuleRegistry:
     def record(self, name: str, version: int, wire: dict, meta: dict) -> None:
         self._holds.pop(version, None)
         self._entries[name] = _Entry(version, wire, meta)
+        self.sent.add((name, version))
         self._changed()
+
+    def holds(self, name: str, version: int) -> bool:
+        """Whether the workers still hold this version (its rows can be built)."""
+        return (name, version) in self.sent
+
+    def retire(self, in_use: set[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Versions the workers may forget now: neither current nor used by an unfinished request."""
+        current = {(n, e.version) for n, e in self._entries.items()}
+        gone = sorted(self.sent - current - in_use)
+        self.sent.difference_update(gone)
+        return gone
 
     def remove(self, name: str) -> bool:
         if self._entries.pop(name, None) is None:
@@ -101,11 +119,13 @@ class EngineModuleRegistry:
 
 
 def registry_of(core: Any, kind: str = "modules") -> EngineModuleRegistry:
-    """The engine core's registry of ``kind`` (``modules`` or ``sae``), made on first use."""
+    """The engine core's registry of ``kind`` (``modules`` or ``sae``), made on first use; kept on its
+    scheduler (``core`` may be the EngineCore or the Scheduler), which checks requests against it."""
     assert kind in KINDS
+    holder = getattr(core, "scheduler", core)
     attr = f"_vllm_steer_registry_{kind}"
-    registry = getattr(core, attr, None)
+    registry = getattr(holder, attr, None)
     if registry is None:
         registry = EngineModuleRegistry()
-        setattr(core, attr, registry)
+        setattr(holder, attr, registry)
     return registry

@@ -1,6 +1,6 @@
 """Engine side of named-module and runtime-SAE registration: ``EngineCore.collective_rpc`` sees every
 registration on its way to the workers, so the module registry (``engine.module_registry``) decides
-it, the row gate can pin (reserve) rows for a module's configs, and the SAE registry decides a runtime
+it and tells the workers which old module versions they may forget, and the SAE registry decides a runtime
 SAE (name, sites) and has it staged into reserved sites only while no unfinished request clamps there.
 It answers the registries' listings and entries, and the ``in_flight`` counts of modules and SAEs from
 the scheduler, which knows queued requests no worker has seen yet."""
@@ -23,6 +23,23 @@ def module_users(requests: Any) -> dict[str, int]:
         if module:
             users[module["name"]] += 1
     return dict(users)
+
+
+def module_versions_in_use(requests: Any) -> set[tuple[str, int]]:
+    """(name, version) of the named modules unfinished requests reference."""
+    out = set()
+    for request in requests:
+        module = (payload_of(getattr(request, "sampling_params", None)) or {}).get("module")
+        if module:
+            out.add((module["name"], module["version"]))
+    return out
+
+
+def _forget_retired(core: Any, original: Any, timeout: Any) -> None:
+    """Tell the workers to drop module versions nothing can use any more (after every mutation)."""
+    gone = registry_of(core).retire(module_versions_in_use(core.scheduler.requests.values()))
+    if gone:
+        original(core, "vllm_steer_forget_modules", timeout, ([list(g) for g in gone],), None)
 
 
 def sae_users(requests: Any) -> dict[str, dict[str, int]]:
@@ -88,10 +105,9 @@ def _register_sae(core: Any, scheduler: Any, original: Any, timeout: Any, args: 
 
 def patch_engine_core_rpc() -> None:
     """Patch: ``EngineCore.collective_rpc`` (0.26). Module registration passes through the engine
-    core on its way to the workers; the gate reserves (pins) rows for the module's configs here,
-    and tells the workers whether they may pre-materialize them. Why: the gate and the workers
-    must agree on every row in use. ``vllm_steer_module_users`` is answered here (one entry, as
-    if from one worker): the scheduler sees queued requests too, which no worker has yet."""
+    core on its way to the workers: the registry decides it here, and old versions no request uses
+    are forgotten by the workers after each change. ``vllm_steer_module_users`` is answered here (one
+    entry, as if from one worker): the scheduler sees queued requests too, which no worker has yet."""
     from vllm.v1.engine.core import EngineCore
 
     original = EngineCore.collective_rpc
@@ -125,13 +141,15 @@ def patch_engine_core_rpc() -> None:
             registry = registry_of(self)
             if (refused := registry.refusal(name, version, policy)) is not None:
                 return [refused]  # decided here, whichever API process asked: no worker hears of it
-            out = original(self, method, timeout, (name, version, wire, keys, gate.try_pin(name, tuple(keys))), kwargs)
+            out = original(self, method, timeout, (name, version, wire, keys), kwargs)
             registry.record(name, version, wire, policy.get("meta", {}))
+            _forget_retired(self, original, timeout)
             return out
         if gate is not None and method == "vllm_steer_unregister_module":
             if not registry_of(self).remove(args[0]):
                 return [{"refused": "missing"}]
-            gate.unpin(args[0])
+            _forget_retired(self, original, timeout)  # its rows stay cached until evicted
+            return [{"deleted": args[0]}]
         return original(self, method, timeout, args, kwargs)
 
     collective_rpc._vllm_steer = True  # type: ignore[attr-defined]

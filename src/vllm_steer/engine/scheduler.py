@@ -2,19 +2,45 @@
 
 - ``__init__``: a RowGate when steering is on (none otherwise: every other wrapper is then one check);
 - ``add_request``: a steered request is noted by the gate, and its block hasher wrapped when its
-  generated KV must not be shared (decode_block_salt); unsteered requests pass untouched;
-- ``schedule``: only while steered requests wait, set aside those whose configs do not fit, and
-  admit the steered ones that were scheduled;
+  generated KV must not be shared (decode_block_salt); a request whose rows must be built from a
+  named module version the workers no longer hold is refused (``engine.refusals``); unsteered
+  requests pass untouched;
+- ``schedule``: only while steered requests wait, set aside those whose configs do not fit, refuse
+  those set aside past ``steer.max_row_wait_s``, and admit the steered ones that were scheduled;
+- ``update_from_output``: refused requests' final outputs go out with the step's;
 - ``_free_request``: a finished request gives its rows back.
 """
 
 from __future__ import annotations
 
+import time
+
 from vllm_steer.core.compat import waiting_queues
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.core.payload import payload_keys, payload_of
+from vllm_steer.core.refusals import Refusal
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
+from vllm_steer.engine.module_registry import registry_of
+from vllm_steer.engine.refusals import flush, refuse
 from vllm_steer.engine.row_gate import RowGate
+
+
+def _row_wait_refusal(gate: RowGate) -> Refusal:
+    return Refusal(503, None, (
+        f"no steering-table row became free within {gate.max_wait_s:g} s (steer.max_row_wait_s): all "
+        f"{gate.capacity} rows (steer.max_configs - 1) hold the configs of running requests; retry later"))
+
+
+def _gone_module(payload: dict, registries: object) -> Refusal | None:
+    """A refusal if the request's rows must be built from a module version no worker holds any more
+    (replaced through another API process while this request was on its way)."""
+    module = payload.get("module")
+    if not module or all(k in payload["configs"] for k in payload_keys(payload)):
+        return None  # no module, or every row travels with the request
+    if registry_of(registries).holds(module["name"], module["version"]):
+        return None
+    return Refusal(400, "steering_module.name", f"steering module {module['name']!r} changed while this request "
+                                                f"was prepared (version {module['version']} is gone); send it again")
 
 
 def patch_scheduler() -> None:
@@ -24,14 +50,17 @@ def patch_scheduler() -> None:
         return
     orig_init, orig_add = Scheduler.__init__, Scheduler.add_request
     orig_schedule, orig_free = Scheduler.schedule, Scheduler._free_request
+    orig_update = Scheduler.update_from_output
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         cfg = steer_config_of(self.vllm_config)
-        self.steer_gate = RowGate(cfg.usable_rows) if cfg is not None else None
+        self.steer_gate = RowGate(cfg.usable_rows, cfg.max_row_wait_s) if cfg is not None else None
+        self.steer_outbox = []  # (request, Refusal) finished by us, their outputs not sent yet
 
     def add_request(self, request):
         gate: RowGate | None = self.steer_gate
+        refusal = None
         if gate is not None:
             payload = payload_of(request.sampling_params)
             if payload:
@@ -40,18 +69,28 @@ def patch_scheduler() -> None:
                 key = decode_salt_key(payload)
                 if key is not None and hasher is not None and not isinstance(hasher, DecodeSaltedHasher):
                     request._block_hasher = DecodeSaltedHasher(hasher, key, self.hash_block_size)
-        return orig_add(self, request)
+                refusal = _gone_module(payload, self)
+        out = orig_add(self, request)
+        if refusal is not None:
+            refuse(self, [request.request_id], refusal)
+        return out
 
     def schedule(self, *args, **kwargs):
         gate: RowGate | None = self.steer_gate
         if gate is None or not gate.waiting:
             return orig_schedule(self, *args, **kwargs)
-        set_aside = []
+        now = time.monotonic()
+        set_aside, expired = [], []
         for queue in waiting_queues(self):
             held = gate.select_held(list(queue))
             if held:
-                queue.remove_requests(held)
-                set_aside.append((queue, held))
+                held, late = gate.split_expired(held, now)
+                expired += late
+                if held:
+                    queue.remove_requests(held)
+                    set_aside.append((queue, held))
+        if expired:
+            refuse(self, [r.request_id for r in expired], _row_wait_refusal(gate))
         try:
             out = orig_schedule(self, *args, **kwargs)
         finally:
@@ -60,6 +99,12 @@ def patch_scheduler() -> None:
                     queue.prepend_request(req)
         gate.admit_scheduled(r.req_id for r in out.scheduled_new_reqs)
         return out
+
+    def update_from_output(self, *args, **kwargs):
+        outputs = orig_update(self, *args, **kwargs)
+        if self.steer_outbox:
+            flush(self, outputs)
+        return outputs
 
     def _free_request(self, request, *args, **kwargs):
         if self.steer_gate is not None:
@@ -70,4 +115,5 @@ def patch_scheduler() -> None:
     Scheduler.__init__ = __init__
     Scheduler.add_request = add_request
     Scheduler.schedule = schedule
+    Scheduler.update_from_output = update_from_output
     Scheduler._free_request = _free_request

@@ -2,13 +2,18 @@
 
 The OpenAI middleware (server/response_field.py) opens a holder for each HTTP request in a
 context variable; the front end fills it when the request is prepared (same task, or a task
-created from it, so the same holder object is visible).
+created from it, so the same holder object is visible). A request the engine refused after
+accepting it (``core.refusals``) leaves its refusal there too (``watch_refusal``), for the
+middleware to answer with its status instead of vLLM's 500.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+from typing import Any
+
+from vllm_steer.core.refusals import decode
 
 logger = logging.getLogger("vllm.steer")
 
@@ -37,3 +42,22 @@ def record_capture(request_id: str) -> None:
     holder = _HOLDER.get()
     if holder is not None:
         holder.setdefault("capture_ids", []).append(request_id)
+
+
+def watch_refusal(collector: Any) -> None:
+    """Note in the open holder (if any) the refusal a request's final output carries: wraps the
+    ``put`` of vLLM's per-request output collector (``AsyncLLM.add_request`` returns it)."""
+    holder = _HOLDER.get()
+    put = getattr(collector, "put", None)
+    if holder is None or put is None:
+        return
+
+    def put_watching(output: Any) -> None:
+        if getattr(output, "finished", False):
+            for choice in getattr(output, "outputs", None) or ():
+                refusal = decode(choice.stop_reason) if choice.finish_reason == "error" else None
+                if refusal is not None:
+                    holder["refused"] = refusal
+        put(output)
+
+    collector.put = put_watching

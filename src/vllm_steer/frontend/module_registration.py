@@ -70,15 +70,20 @@ def module_from_json(body: dict, shape: ModelShape) -> SteeringModule:
         raise SteeringSpecError("steering_vectors", "a module needs at least one vector")
     module = SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
     sizes = {t: sum(v.nbytes for ls in vecs.values() for v in ls.values()) for t, vecs in spec.tiers.items()}
-    check_module_bytes(module, shape, max(sizes, key=sizes.__getitem__))
+    check_module(module, shape, max(sizes, key=sizes.__getitem__))
     return module
 
 
-def check_module_bytes(module: SteeringModule, shape: ModelShape, field: str) -> None:
-    """SteeringTooLarge (naming ``field``) when the module's float32 vectors exceed the cap."""
+def check_module(module: SteeringModule, shape: ModelShape, field: str) -> None:
+    """SteeringTooLarge (naming ``field``) when the module's float32 vectors exceed the cap;
+    SteeringSpecError when its rows at scale 1 do not fit the model's dtype (e.g. float16's 65504)."""
     if module.nbytes > shape.max_bytes:
         raise SteeringTooLarge(field, f"the module holds {module.nbytes} bytes of float32 vectors, over "
                                       f"the server's cap of {shape.max_bytes} (steer.max_module_bytes)")
+    try:
+        module.keys
+    except ValueError as e:
+        raise SteeringSpecError(field, str(e)) from None
 
 
 def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> SteeringModule:
@@ -114,7 +119,7 @@ def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, d
     else:
         raise SteeringSpecError("file", f"unsupported module file {filename!r}: expected .safetensors, .gguf or .json")
     module = SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype)
-    check_module_bytes(module, shape, "file")
+    check_module(module, shape, "file")
     return module
 
 

@@ -21,7 +21,8 @@ from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
-from vllm_steer.core.vectors import CAPTURE_FIELD, REQUEST_FIELDS, SAE_FIELD, effective_phases
+from vllm_steer.core.vectors import (CAPTURE_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS,
+                                     effective_phases)
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
@@ -151,8 +152,11 @@ class SteeringFrontend:
                 raise SteeringSpecError("steering_module.name", f"unknown steering module {spec.module.name!r}")
             module_tiers, scale = module.tiers, spec.module.scale
         prefill, decode = effective_phases(spec.tiers, module_tiers, scale)
-        layouts = {"prefill": table_layout(prefill, self.dtype)}
-        layouts["decode"] = layouts["prefill"] if decode is prefill else table_layout(decode, self.dtype)
+        try:
+            layouts = {"prefill": table_layout(prefill, self.dtype)}
+            layouts["decode"] = layouts["prefill"] if decode is prefill else table_layout(decode, self.dtype)
+        except ValueError as e:
+            raise SteeringSpecError(_overflow_field(fields, spec), str(e)) from None
         pk = layout_key(layouts["prefill"], self.dtype)
         dk = pk if decode is prefill else layout_key(layouts["decode"], self.dtype)
         if pk is None and dk is None and capture is None:
@@ -224,14 +228,34 @@ class SteeringFrontend:
             out[instance] = spec_raw
         return out
 
+    def _check_fits(self, extra_args: dict[str, Any], pk: str | None, dk: str | None) -> None:
+        """A request whose prefill and decode configs differ needs two rows at once: refused (400)
+        where the tables run one config at a time, instead of waiting for a row that never comes."""
+        if pk and dk and pk != dk and self.cfg.usable_rows < 2:
+            field = next((f for f in ("decode_steering_vectors", "prefill_steering_vectors", SAE_FIELD)
+                          if extra_args.get(f) is not None), "steering_vectors")
+            raise SteeringSpecError(field, (
+                f"needs 2 steering rows at once (its prefill and decode configs differ), but this server runs "
+                f"{self.cfg.usable_rows} config at a time (steer.max_configs = {self.cfg.max_configs}): send one "
+                "config for both phases, or raise steer.max_configs"))
+
     def engine_extra_args(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
         """(extra_args with the steering fields replaced by the payload, prefill key, decode key);
         ``prepared.for_request`` then makes it one engine request's."""
         payload, pk, dk = self.resolve(extra_args)
+        if payload is not None:
+            self._check_fits(extra_args, pk, dk)
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
         if payload is not None:
             extra[PAYLOAD_KEY] = payload
         return extra or None, pk, dk
+
+
+def _overflow_field(fields: dict[str, Any], spec: Any) -> str:
+    """The field to name when the effective rows overflow the model's dtype."""
+    if spec.module is not None and spec.module.scale != 1.0:
+        return f"{MODULE_FIELD}.scale"
+    return next((f for f in TIER_FIELDS if fields.get(f) is not None), MODULE_FIELD)
 
 
 def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str):

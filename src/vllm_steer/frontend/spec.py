@@ -76,10 +76,16 @@ def check_layer(field: str, raw: Any, shape: ModelShape) -> int:
     return layer
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def finite_number(field: str, raw: Any) -> float:
-    """``raw`` as a float if it is a finite JSON number (not a bool); SteeringSpecError naming ``field`` else."""
+    """``raw`` as a float if it is a JSON number (not a bool) that is finite in float32, the precision
+    steering computes in; SteeringSpecError naming ``field`` else."""
     if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not math.isfinite(raw):
         raise SteeringSpecError(field, f"expected a finite number, got {raw!r}")
+    if abs(raw) > _FLOAT32_MAX:
+        raise SteeringSpecError(field, f"{raw!r} overflows float32 (largest magnitude {_FLOAT32_MAX:.4g})")
     return float(raw)
 
 
@@ -180,8 +186,8 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
             raise SteeringSpecError(
                 f"{field}.scales", f"expected {n} scales (one per layer), got {scales!r}"
             )
-        if not all(isinstance(s, (int, float)) and math.isfinite(s) for s in scales):
-            raise SteeringSpecError(f"{field}.scales", "scales must be finite numbers")
+        for i, s in enumerate(scales):
+            finite_number(f"{field}.scales[{i}]", s)
         src = _scale_rows(src, scales, bf16_source=dtype_name == "bfloat16")
     arr = src.astype(np.float32, copy=False)
     check_finite(f"{field}.data", arr)

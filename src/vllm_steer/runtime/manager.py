@@ -129,13 +129,16 @@ class SteeringRuntime:
     def _acquire(self, key: str, rows: Callable[[], Layout], sae: list | None = None) -> int:
         row, needs_write, became_live = self.rows.acquire(key)
         if needs_write:
-            self.row_upload_bytes += self.tables.write_row(row, rows())
-            self.row_uploads += 1
-            if self.sae is not None:
-                self.row_upload_bytes += self.sae.write_row(row, sae)
+            self._write(row, rows(), sae)
         if became_live:
             self.tables.set_live(row, True)
         return row
+
+    def _write(self, row: int, layout: Layout, sae: list | None = None) -> None:
+        self.row_upload_bytes += self.tables.write_row(row, layout)
+        self.row_uploads += 1
+        if self.sae is not None:
+            self.row_upload_bytes += self.sae.write_row(row, sae)
 
     def _release(self, key: str) -> None:
         row = self.rows.row_of(key)
@@ -170,26 +173,20 @@ class SteeringRuntime:
             self.capture.finish_request(req_id)
 
     # ---- named modules ----------------------------------------------------------------
-    def register_module(self, name: str, version: int, tiers: dict, pin: bool) -> list[str]:
-        """Keep a module's tiers; if ``pin``, pre-materialize and pin its scale-1 rows."""
-        self.unregister_module(name)
+    def register_module(self, name: str, version: int, tiers: dict) -> list[str]:
+        """Keep a module's tiers and materialize its scale-1 rows into the row cache where a row is
+        free or holds only a cached config (none is taken from a running request); their keys."""
         self.modules.add(name, version, tiers)
-        if not pin:
-            return []
         prefill, decode = self.modules.phases(name, version, 1.0)
-        pinned = []
+        written = []
         for vecs in (prefill, decode):
             layout = table_layout(vecs, self._dtype_name)
             key = layout_key(layout, self._dtype_name)
-            if key is not None and key not in pinned:
-                self._acquire(key, lambda l=layout: l)
-                pinned.append(key)
-        self.modules.pinned[name] = tuple(pinned)
-        return pinned
-
-    def unregister_module(self, name: str) -> None:
-        for key in self.modules.pinned.pop(name, ()):
-            self._release(key)
+            row = self.rows.materialize(key) if key is not None else None
+            if row is not None:
+                self._write(row, layout)
+                written.append(key)
+        return written
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         """[len(req_ids), 2] int32 rows of requests in batch order (0 for unsteered)."""

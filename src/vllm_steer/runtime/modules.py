@@ -1,10 +1,12 @@
-"""Worker-side named modules: their float32 tiers by (name, version), and the rows they pin.
+"""Worker-side named modules: their float32 tiers by (name, version).
 
-Registration pre-materializes the module's scale-1 rows (so the first request pays nothing) and
-pins them while the module exists. A request that references a module ships only
-``{name, version, scale}`` and its keys; the worker builds a missing row from the tiers here with
-the same arithmetic the front end hashed. Versions are kept after delete/replace (a request
-admitted before the change may still arrive), so a request never mixes two versions.
+Registration pre-materializes the module's scale-1 rows into the row cache (so the first request
+usually pays nothing; the rows may be evicted like any released row). A request that references a
+module ships only ``{name, version, scale}`` and its keys; the worker builds a missing row from the
+tiers here with the same arithmetic the front end hashed. Versions are kept after delete/replace
+while a request admitted before the change may still use them, and forgotten when the engine core
+says none can (``engine.module_registry.retire``), so a request never mixes two versions and memory
+stays bounded.
 """
 
 from __future__ import annotations
@@ -15,10 +17,16 @@ from vllm_steer.core.vectors import Vectors, effective_phases
 class WorkerModules:
     def __init__(self) -> None:
         self._tiers: dict[tuple[str, int], dict[str, Vectors]] = {}
-        self.pinned: dict[str, tuple[str, ...]] = {}  # module name -> keys pinned for it
 
     def add(self, name: str, version: int, tiers: dict[str, Vectors]) -> None:
         self._tiers[(name, version)] = tiers
+
+    def forget(self, versions: list) -> None:
+        for name, version in versions:
+            self._tiers.pop((name, version), None)
+
+    def __len__(self) -> int:
+        return len(self._tiers)
 
     def phases(self, name: str, version: int, scale: float, inline: dict[str, Vectors] | None = None) -> tuple[Vectors, Vectors]:
         tiers = self._tiers.get((name, version))

@@ -34,25 +34,28 @@ def vllm_steer_status(self) -> dict[str, Any]:
             preemptions_seen=rt.preemptions_seen,
             row_uploads=rt.row_uploads,
             row_upload_bytes=rt.row_upload_bytes,
+            row_evictions=rt.rows.evictions,
+            module_versions=len(rt.modules),
             capture=dict(rt.capture.stats) if rt.capture is not None else None,
         )
     return status
 
 
-def vllm_steer_register_module(self, name: str, version: int, wire_tiers: dict, keys: list, pin: bool = False) -> list[str]:
-    """Keep a module's tiers on this worker; pre-materialize its rows when the gate allowed it."""
+def vllm_steer_register_module(self, name: str, version: int, wire_tiers: dict, keys: list) -> list[str]:
+    """Keep a module's tiers on this worker and materialize its rows into the row cache."""
     from vllm_steer.core.payload import tiers_from_wire
 
     rt = _runtime(self)
     if rt is None:
         return []
-    return rt.register_module(name, version, tiers_from_wire(wire_tiers, rt.hidden_size), pin)
+    return rt.register_module(name, version, tiers_from_wire(wire_tiers, rt.hidden_size))
 
 
-def vllm_steer_unregister_module(self, name: str) -> None:
+def vllm_steer_forget_modules(self, versions: list) -> None:
+    """Drop module versions no request can use any more (the engine core decides which)."""
     rt = _runtime(self)
     if rt is not None:
-        rt.unregister_module(name)
+        rt.modules.forget(versions)
 
 
 def vllm_steer_register_sae(self, path: str, format: str | None, site: str | None, features: list[int],
@@ -78,7 +81,7 @@ WORKER_METHODS = {
     "vllm_steer_capture_collect": vllm_steer_capture_collect,
     "vllm_steer_status": vllm_steer_status,
     "vllm_steer_register_module": vllm_steer_register_module,
-    "vllm_steer_unregister_module": vllm_steer_unregister_module,
+    "vllm_steer_forget_modules": vllm_steer_forget_modules,
     "vllm_steer_register_sae": vllm_steer_register_sae,
 }
 

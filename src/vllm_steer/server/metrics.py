@@ -15,6 +15,10 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
 - ``vllm_steer_rows_capacity`` gauge: rows for distinct configs (``max_configs - 1``).
 - ``vllm_steer_rows_in_use_peak`` gauge: most rows in use at once since the engine started.
 - ``vllm_steer_requests_waiting_for_row`` gauge: steered requests the scheduler holds back until a row frees.
+- ``vllm_steer_row_evictions_total`` counter: cached configs (released, or a module's pre-materialized
+  rows) whose row was taken for another config.
+- ``vllm_steer_row_wait_timeouts_total`` counter: steered requests refused (503) after waiting
+  ``steer.max_row_wait_s`` for a row.
 - ``vllm_steer_row_uploads_total`` counter: configs written into the tables (a config whose row is
   still resident is not written again).
 - ``vllm_steer_row_upload_bytes_total`` counter: bytes those uploads copied into the tables (per
@@ -68,6 +72,10 @@ ENGINE_COUNTERS = {
     "row_upload_bytes": Counter("vllm_steer_row_upload_bytes", "Bytes copied into the steering tables by row uploads "
                                 "(a touched hook's whole [layers, hidden] row; a touched SAE site's code, value "
                                 "and mode words), summed over workers"),
+    "row_evictions": Counter("vllm_steer_row_evictions", "Cached steering configs (released ones, modules' "
+                             "pre-materialized rows) whose row was taken for another config"),
+    "row_wait_timeouts": Counter("vllm_steer_row_wait_timeouts", "Steered requests refused (503) after waiting "
+                                 "steer.max_row_wait_s for a steering-table row"),
     "capture_rows": Counter("vllm_steer_capture_rows", "Residual rows captured, summed over workers"),
     "capture_dropped_rows": Counter("vllm_steer_capture_dropped_rows",
                                     "Residual rows not captured because the step's pool was full"),

@@ -32,6 +32,7 @@ from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLim
 from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.core.compat import counts_of_every_engine
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.server.request_body import drain_refused_body
 from vllm_steer.server.errors import error, mutation_denied
 
 logger = logging.getLogger("vllm.steer")
@@ -105,6 +106,7 @@ async def register(raw: Request) -> JSONResponse:
             module = module_from_json(body, shape)
             replace = check_replace(body.get("replace")) or check_replace(raw.query_params.get("replace"))
     except _BodyTooLarge:
+        await drain_refused_body(raw.receive, dict(raw.scope.get("headers") or []))
         return error(413, f"module registration larger than the server's cap of {cap} bytes "
                           f"(2 x steer.max_module_bytes + 1 MiB); not read further", body_field)
     except SteeringSpecError as e:  # SteeringTooLarge: 413

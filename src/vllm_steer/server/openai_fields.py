@@ -6,6 +6,9 @@ prepares them before vLLM parses the body). ``to_sampling_params`` (patched on t
 chat request classes) carries the middleware's token, or, for a body the middleware left alone,
 the fields themselves, into ``SamplingParams.extra_args``: vLLM keeps unknown top-level fields
 (``extra="allow"``) but only forwards ``vllm_xargs``, whose values must be flat.
+
+The patch is applied by the general plugin in the API server process too, so that a server without
+the ``steer`` endpoint plugin answers steering fields with a 400 instead of a 200 without steering.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from vllm_steer.frontend.prepared import TOKEN_FIELD
 
 MAX_NESTING = 8  # {hook: {layer: [floats]}} is 3 deep; a capture spec 3 or 4
 MAX_XARG_CHARS = 256 * 1024 * 1024
+_ENDPOINT = {"attached": False}  # the steer endpoint plugin runs in this process (its middleware prepares)
+
+
+def endpoint_attached() -> None:
+    _ENDPOINT["attached"] = True
 
 
 def _depth(obj: Any, limit: int) -> int:
@@ -90,6 +98,10 @@ def _patch(cls: type) -> None:
     def to_sampling_params(self, *args, **kwargs):
         params = original(self, *args, **kwargs)
         fields = _request_fields(self)
+        if fields and not _ENDPOINT["attached"]:
+            raise SteeringSpecError(next(iter(fields)), (
+                "this server does not steer: it runs without vllm-steer's endpoint plugin; start it with "
+                "VLLM_PLUGINS=steer and --additional-config '{\"steer\": {}}'"))
         if fields:
             extra = {k: v for k, v in (params.extra_args or {}).items() if k not in REQUEST_FIELDS}
             params.extra_args = {**extra, **fields}
@@ -97,6 +109,14 @@ def _patch(cls: type) -> None:
 
     to_sampling_params._vllm_steer = True  # type: ignore[attr-defined]
     cls.to_sampling_params = to_sampling_params
+
+
+def patch_openai_requests_in_api_server() -> None:
+    """The general plugin's share: patch where vLLM's OpenAI server runs (its module is loaded)."""
+    import sys
+
+    if "vllm.entrypoints.openai.api_server" in sys.modules:
+        patch_openai_requests()
 
 
 def patch_openai_requests() -> None:

@@ -17,7 +17,9 @@ base64. Bodies without steering fields pass through untouched. With steering on,
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -57,7 +59,10 @@ def _decode(body: bytes, msgpack: bool) -> dict | None:
     except (msgspec.DecodeError, RecursionError, ValueError):
         if msgpack:
             raise SteeringSpecError("body", "invalid msgpack") from None
-        return None
+        try:  # vLLM's own parser (the stdlib's) also reads NaN / Infinity literals: so must we
+            obj = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
     if not isinstance(obj, dict):
         if msgpack:
             raise SteeringSpecError("body", "expected a msgpack map")
@@ -103,6 +108,28 @@ async def _read_body(receive: Any, cap: int | None) -> tuple[bytes, bool]:
             return b"".join(chunks), False
 
 
+DRAIN_BYTES = 1 << 30  # of a body over the cap, read and dropped so that the client reads the 413
+DRAIN_SECONDS = 30.0
+
+
+async def drain_refused_body(receive: Any, headers: dict) -> None:
+    """Read the rest of a refused body (at most DRAIN_BYTES / DRAIN_SECONDS): a server that answers
+    and closes while the client still sends makes most clients (httpx, urllib, the openai client)
+    see a connection reset instead of the 413. Nothing is read when the client waits for our answer
+    before sending (``Expect: 100-continue``, as curl does for large bodies)."""
+    if headers.get(b"expect", b"").lower() == b"100-continue":
+        return
+    size, deadline = 0, time.monotonic() + DRAIN_SECONDS
+    while size <= DRAIN_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body"):
+            return
+        size += len(message.get("body", b""))
+
+
 class SteeringRequestMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -123,6 +150,7 @@ class SteeringRequestMiddleware:
                 raise BodyTooLarge
             body, gone = await _read_body(receive, cap)
         except BodyTooLarge:
+            await drain_refused_body(receive, headers)
             await _send_error(send, 413, f"request body larger than the server's cap of {cap} bytes "
                                          "(steer.max_body_bytes)", "body")
             return

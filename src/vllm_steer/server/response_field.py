@@ -7,6 +7,10 @@ only responses whose holder was filled; everything else streams through untouche
 capturing requests also get ``"capture"``: the driver consumers' per-request results, in the body
 (non-streaming) or, when streaming, in one last chunk with empty ``choices`` just before
 ``data: [DONE]`` (the shape of the usage chunk, which OpenAI clients accept).
+
+A request the engine refused after accepting it (no steering row within ``steer.max_row_wait_s``,
+``core.refusals``) is answered with the refusal's status (503, or 400) and message instead of vLLM's
+500 or its error event: a streaming response's start is held until its first event for that.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 from typing import Any
 
 from vllm_steer.core.compat import rpc_every_engine
+from vllm_steer.core.refusals import Refusal
+from vllm_steer.server.errors import error_body
 from vllm_steer.frontend.applied import close_holder, open_holder
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -74,6 +80,16 @@ def _capture_field(results: dict, ids: list[str]) -> dict:
     return results.get(ids[0], {}) if len(ids) == 1 else results
 
 
+async def _send_refusal(send: Any, refusal: Refusal) -> None:
+    """The engine refused the request after accepting it: its status and reason, vLLM's error shape."""
+    body = json.dumps(error_body(refusal.status, refusal.message, refusal.param)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if refusal.status == 503:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class SteeringResponseMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -86,19 +102,33 @@ class SteeringResponseMiddleware:
         state: dict[str, Any] = {"mode": None, "start": None, "body": [], "envelope": {}, "splice": None}
 
         async def wrapped_send(message: dict) -> None:
+            if state["mode"] == "refused":
+                return  # answered already: the rest of vLLM's response is dropped
             if message["type"] == "http.response.start":
                 ctype = dict(message.get("headers") or []).get(b"content-type", b"")
                 if b"event-stream" in ctype:
-                    state["mode"] = "sse"
+                    state["mode"], state["start"] = "sse", message
+                    return  # held until the first event: an engine refusal is answered with its status
                 elif holder and b"json" in ctype:
                     state["mode"], state["start"] = "json", message
                     return  # held until the whole body is here (its length changes)
                 await send(message)
+            elif message["type"] == "http.response.body" and state["mode"] == "sse" and state["start"]:
+                if "refused" in holder and b'"error"' in message.get("body", b""):
+                    state["mode"] = "refused"
+                    await _send_refusal(send, holder["refused"])
+                    return
+                await send(state["start"])
+                state["start"] = None
+                await wrapped_send(message)
             elif message["type"] == "http.response.body" and state["mode"] == "json":
                 state["body"].append(message.get("body", b""))
                 if message.get("more_body"):
                     return
                 start = state["start"]
+                if "refused" in holder and start.get("status", 200) >= 500:
+                    await _send_refusal(send, holder["refused"])
+                    return
                 obj = _inject(json.loads(b"".join(state["body"])), holder)
                 ids = holder.get("capture_ids")
                 if ids and isinstance(obj, dict) and start.get("status", 200) == 200:

@@ -22,6 +22,7 @@ from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.patches import apply_server
 from vllm_steer.server.engine_metrics import EngineMetricsMiddleware
+from vllm_steer.server.openai_fields import endpoint_attached
 from vllm_steer.server.modules_routes import router as modules_router
 from vllm_steer.server.request_body import SteeringRequestMiddleware
 from vllm_steer.server.sae_routes import router as sae_router
@@ -57,6 +58,7 @@ class SteeringEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         apply_server()
+        endpoint_attached()
         app.include_router(router)
         app.include_router(modules_router)
         app.include_router(sae_router)
