@@ -350,7 +350,8 @@ def _check_shapes(path: str, shapes: Shapes, activation: str, extra: tuple[str, 
     for name in needed:
         if name not in shapes:
             why = " (jumprelu needs a threshold)" if name == "threshold" else ""
-            raise SaeFileError(path, name, f"missing array{why}; the file holds {_shown(sorted(shapes)) if shapes else 'none'}")
+            held = _shown(sorted(shapes)) if shapes else "none"
+            raise SaeFileError(path, name, f"missing array{why}; the file holds {held}")
     unexpected = sorted(set(shapes) - set(needed) - set(extra))
     if unexpected:
         raise SaeFileError(path, unexpected[0][:40], f"unexpected array for a {activation} SAE "
@@ -533,7 +534,8 @@ def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _P
     if activation == "topk":
         _check_k(cfg_path, k_field, k, f)
     meta = SaeMeta(d_model=d, d_sae=f, activation=activation, k=k, dtype=shapes["W_enc"][1], b_dec_in=b_dec_in)
-    where = _site_arg(cfg_path, site, _lens_site(hook_name), f"hook_name {_shown(hook_name)} is not a residual-stream hook")
+    where = _site_arg(cfg_path, site, _lens_site(hook_name),
+                      f"hook_name {_shown(hook_name)} is not a residual-stream hook")
     return {where: _Plan(file, meta, lambda: _lens_read(file, entries, activation, fold, files))}
 
 
@@ -574,7 +576,8 @@ def _manifest_file(mpath: str, root: str, field: str, rel: Any) -> str:
     return file
 
 
-def _manifest_site(mpath: str, file: str, activation: str, k: int, b_dec_in: bool, files: FileAccess) -> _Plan:
+def _manifest_site(mpath: str, file: str, activation: str, k: int, b_dec_in: bool,
+                   files: FileAccess) -> _Plan:
     entries = _st_header(file, files)
     shapes = _st_shapes(entries)
     d, f = _check_shapes(file, shapes, activation)

@@ -61,7 +61,12 @@ class FileAccess:
         """The resolved path; SaePathError unless it lies inside a root (when roots are set)."""
         if self.roots is not None and not self.roots:
             raise SaePathError(NO_ROOT)
-        real = os.path.realpath(os.fspath(path))
+        try:
+            real = os.path.realpath(os.fspath(path))
+        except ValueError:  # an embedded NUL byte
+            if self.roots is None:
+                raise
+            raise SaePathError() from None
         if self.roots is not None and not any(_inside(real, os.path.realpath(r)) for r in self.roots):
             raise SaePathError()
         return real
