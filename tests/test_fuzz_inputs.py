@@ -205,8 +205,9 @@ def sae_cases(root) -> Iterator[tuple[str, dict, str]]:
         write_manifest(str(d / "man"), {SAE_SLOT: random_sae(HIDDEN, 16, "relu", seed=1)}, "relu")
         write_json(str(d / "man" / "manifest.json"), {"format": "vllm-steer-sae", "version": 1, "activation": "relu",
                                                       "sites": {SAE_SLOT: "../../../../../../etc/passwd"}})
-    for name in ("half", "head", "junk", "small", "lens", "cfg", "man"):
+    for name in ("half", "head", "junk", "small", "lens", "cfg"):
         yield f"sae:file:{name}", {**good, "path": str(d / name)}, "path"
+    yield "sae:file:man", {"name": "fz-sae", "features": [1, 2], "path": str(d / "man")}, "path"  # lists its site
 
 
 def _error_names(r: httpx.Response, field: str, xargs: bool = False) -> bool:

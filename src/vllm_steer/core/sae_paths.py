@@ -32,12 +32,6 @@ class SaePathError(PermissionError):
     def __init__(self, message: str = DENIED) -> None:
         super().__init__(message)
 
-    def __str__(self) -> str:
-        return self.args[0]
-
-    def __reduce__(self) -> tuple:
-        return type(self), (self.args[0],)
-
     @staticmethod
     def within(e: BaseException) -> SaePathError | None:
         """The refusal carried by ``e`` (a worker's, re-raised by vLLM's collective_rpc as another type)."""
