@@ -230,7 +230,7 @@ def _npz_shapes(path: str, files: FileAccess) -> Shapes:
                         raise SaeFileError(path, key[:40], f"{info.file_size} bytes uncompressed, over "
                                                               f"steer.max_sae_bytes ({files.max_bytes})")
                     with zf.open(info) as fp:
-                        shapes[key] = _npy_header(path, key, fp, info.file_size)
+                        shapes[key] = _npy_header(path, key[:40], fp, info.file_size)
         except (zipfile.BadZipFile, OSError, EOFError):
             raise SaeFileError(path, "file", "not a readable .npz archive") from None
     return shapes
@@ -299,7 +299,7 @@ def _st_header(path: str, files: FileAccess) -> dict[str, _StEntry]:
         raise SaeFileError(path, "header", f"not a safetensors file (bad JSON header: {_json_error(e)})") from None
     if not isinstance(header, dict):
         raise SaeFileError(path, "header", "not a safetensors file (header is not a JSON object)")
-    entries = {k: _st_entry(path, k, v, 8 + size) for k, v in header.items() if k != "__metadata__"}
+    entries = {k: _st_entry(path, k[:40], v, 8 + size) for k, v in header.items() if k != "__metadata__"}
     for k, e in entries.items():
         if e.offset + e.count * np.dtype(_RAW_DTYPES[e.dtype]).itemsize > total:
             raise SaeFileError(path, k[:40], "data truncated (file shorter than its header says)")
