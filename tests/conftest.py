@@ -65,10 +65,17 @@ def probe_plugin():
 
 
 @pytest.fixture(scope="session")
-def api_server(smollm2_path, probe_plugin, tmp_path_factory):
+def sae_root(tmp_path_factory):
+    """The shared server's steer.sae_root: runtime SAE registrations may name files only in here."""
+    return tmp_path_factory.mktemp("sae_root")
+
+
+@pytest.fixture(scope="session")
+def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     """One OpenAI server (SmolLM2, float32, multi-process) for the request-API, module and capture
-    tests: byte caps, module limits, a module API key, a module preloaded from a safetensors file, and capture
-    consumers (the example probe with a global spec, a raising one, the filesystem one)."""
+    tests: byte caps, module limits, a module API key, a module preloaded from a safetensors file, an SAE
+    and a site for runtime ones (files under ``sae_root``), and capture consumers (the example probe with a
+    global spec, a raising one, the filesystem one)."""
     import json
 
     import numpy as np
@@ -89,7 +96,7 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory):
                                 "modules": {"preloaded": str(d / "preloaded.safetensors")},
                                 "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
-                                "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}}})
+                                "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root)}})
     log = d / "server.log"
     with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log) as (base, _):
         yield base, smollm2_path, log, d / "captures"

@@ -1,5 +1,6 @@
 """Generated malformed inputs against the running server (the shared SmolLM2 API server): every
-target (completions, chat, ``vllm_xargs``, module registration as JSON and as files) × every field ×
+target (completions, chat, ``vllm_xargs``, module registration as JSON and as files, SAE registration
+by path) × every field ×
 a set of corruptions. Each must be a 4xx whose error names the field; after each batch a known steered
 and a known unsteered request still give their baseline tokens, and the server never restarted."""
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from tests.conftest import API_KEY, MODULE_CAP
+from tests.conftest import API_KEY, MODULE_CAP, SAE_SLOT
 from vllm_steer.client import pack
 
 HIDDEN, LAYER, N_LAYERS = 576, 14, 30
@@ -173,6 +174,42 @@ def module_cases() -> Iterator[tuple[str, dict | None, dict | None, str]]:
         yield f"mod:file:{fname}:{len(payload)}", None, {"file": (fname, payload)}, "file"
 
 
+def sae_cases(root) -> Iterator[tuple[str, dict, str]]:
+    """(id, POST /v1/steering/sae body, field): paths outside ``root`` (steer.sae_root) and malformed
+    files inside it; none may be a 5xx, none may echo the files' bytes."""
+    import os
+    import struct
+
+    from tests.sae_writers import random_sae, write_gemma_scope, write_json, write_manifest, write_sae_lens
+
+    good = {"name": "fz-sae", "site": SAE_SLOT, "features": [1, 2]}
+    d = root / "fuzz"
+    for p in ("", "relative/dir", "/", "/dev/zero", "/dev/null", "/proc/self/environ", "/etc/passwd", "a\x00b",
+              str(root / "nowhere"), str(root / ".." / ".."), str(root) + "/../" + "x" * 5000, "/" + "x/" * 3000):
+        yield f"sae:path:{p[:16]!r}", {**good, "path": p}, "path"
+    for bad in (5, None, [], {"a": 1}, True):
+        yield f"sae:pathtype:{bad!r}", {**good, "path": bad}, "path"
+    if not d.exists():
+        gs = write_gemma_scope(str(d / "gs"), random_sae(HIDDEN, 16, "jumprelu", seed=1))
+        npz = os.path.join(gs, "params.npz")
+        for name, cut in (("half", 2), ("head", 50)):
+            os.makedirs(d / name)
+            (d / name / "params.npz").write_bytes(open(npz, "rb").read()[: os.path.getsize(npz) // cut])
+        os.makedirs(d / "junk")
+        (d / "junk" / "params.npz").write_bytes(b"SECRET" * 100)
+        write_gemma_scope(str(d / "small"), random_sae(64, 16, "jumprelu", seed=1))  # d_model != the model's
+        write_sae_lens(str(d / "lens"), random_sae(HIDDEN, 16, "relu", seed=1), hook_name="blocks.8.hook_resid_post")
+        (d / "lens" / "sae_weights.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b'{"SECRET": 1}')
+        write_sae_lens(str(d / "cfg"), random_sae(HIDDEN, 16, "relu", seed=1), hook_name="blocks.8.hook_resid_post")
+        (d / "cfg" / "cfg.json").write_bytes(b'{"SECRET": \xff' + b"SECRET" * 50)
+        write_manifest(str(d / "man"), {SAE_SLOT: random_sae(HIDDEN, 16, "relu", seed=1)}, "relu")
+        write_json(str(d / "man" / "manifest.json"), {"format": "vllm-steer-sae", "version": 1, "activation": "relu",
+                                                      "sites": {SAE_SLOT: "../../../../../../etc/passwd"}})
+    for name in ("half", "head", "junk", "small", "lens", "cfg"):
+        yield f"sae:file:{name}", {**good, "path": str(d / name)}, "path"
+    yield "sae:file:man", {"name": "fz-sae", "features": [1, 2], "path": str(d / "man")}, "path"  # lists its site
+
+
 def _error_names(r: httpx.Response, field: str, xargs: bool = False) -> bool:
     """The error names the field (in ``param`` or the message); inside ``vllm_xargs`` a JSON string
     the server cannot read (Infinity, NaN) is named by its entry, ``vllm_xargs.<field>``."""
@@ -251,4 +288,21 @@ def test_every_malformed_module_registration_is_a_4xx_naming_it(live):
     assert n >= 40
     assert not failures, f"{len(failures)} of {n}:\n" + "\n".join(failures)
     assert "fz" not in [m["name"] for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]]
+    _check_still_serving(live)
+
+
+def test_every_malformed_sae_registration_is_a_4xx_naming_it(live, sae_root):
+    """Paths outside steer.sae_root are one 403; malformed files inside it a 400 naming ``path``; no
+    message carries the files' bytes."""
+    base = live[0]
+    failures, n = [], 0
+    with httpx.Client(timeout=120) as client:
+        for cid, body, field in sae_cases(sae_root):
+            n += 1
+            r = client.post(f"{base}/v1/steering/sae", json=body, headers=AUTH)
+            if not (400 <= r.status_code < 500 and _error_names(r, field)) or "SECRET" in r.text:
+                failures.append(f"{cid}: HTTP {r.status_code} (want 4xx naming {field!r}): {r.text[:200]}")
+    assert n >= 20
+    assert not failures, f"{len(failures)} of {n}:\n" + "\n".join(failures)
+    assert "fz-sae" not in [s["name"] for s in httpx.get(f"{base}/v1/steering/sae", timeout=30).json()["data"]]
     _check_still_serving(live)

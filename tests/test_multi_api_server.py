@@ -24,7 +24,8 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
     model = tiny_model("llama")
     hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
     save_file({"post_mlp.1": np.full(hidden, 3.0, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
-    cfg = json.dumps({"steer": {"modules": {"m": str(tmp_path / "m.safetensors")}, "sae_slots": {"post_mlp.1": 8}}})
+    cfg = json.dumps({"steer": {"modules": {"m": str(tmp_path / "m.safetensors")}, "sae_slots": {"post_mlp.1": 8},
+                                "sae_root": str(tmp_path)}})
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--api-server-count", "2",
                        "--additional-config", cfg, log=tmp_path / "server.log") as (base, _):
         vec = np.full((1, hidden), 3.0, dtype=np.float32)

@@ -133,7 +133,7 @@ def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny
     model = tiny_model("llama")
     hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
     steer = {"capture": [{"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 1}}],
-             "sae_slots": {"post_mlp.1": 8}}
+             "sae_slots": {"post_mlp.1": 8}, "sae_root": str(tmp_path)}
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--data-parallel-size", "2",
                        "--additional-config", json.dumps({"steer": steer}), log=tmp_path / "server.log",
                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, timeout=400) as (base, _):

@@ -92,7 +92,7 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
         "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16,
                        "distributed_executor_backend": "uni",
                        "additional_config": {"steer": {"max_configs": 16, "sae": _files(d),
-                                                       "sae_slots": {"post_mlp.16": 48}}}},
+                                                       "sae_slots": {"post_mlp.16": 48}, "sae_root": str(d)}}},
         "calls": [{"prompts": [prompt] * len(batch), "params": batch},
                   {"prompts": [prompt] * len(phased), "params": phased}]
         + _runtime_calls(d, prompt, rt_request),

@@ -1,9 +1,11 @@
 """SAEs registered over HTTP on the shared server (conftest: ``sae_slots`` reserves post_mlp.8 for 16
-features): refusals with the status and field, a registered SAE steering completions, delete while
-in flight (the request finishes with the SAE, the site stays busy until then), re-registration."""
+features; ``sae_root`` is where registrations may read): refusals with the status and field, paths
+outside the root (one 403 whatever the reason), a registered SAE steering completions, delete while in
+flight (the request finishes with the SAE, the site stays busy until then), re-registration."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import httpx
@@ -19,8 +21,8 @@ CLAMPS = [{"feature": f, "kind": "set", "value": 60.0} for f in (1, 2, 3, 4)]
 
 
 @pytest.fixture(scope="module")
-def server(api_server, tmp_path_factory):
-    d = tmp_path_factory.mktemp("rt_sae")
+def server(api_server, sae_root):
+    d = sae_root / "rt_sae"
     files = {seed: write_gemma_scope(str(d / f"s{seed}"), random_sae(HIDDEN, F, "jumprelu", seed=seed)) for seed in (31, 32)}
     return api_server[0], api_server[1], files
 
@@ -53,7 +55,7 @@ def test_registrations_are_refused_with_the_field_at_fault(server):
     cases = [
         ({**good, "colour": "red"}, 400, "colour", "unknown field"),
         ({k: v for k, v in good.items() if k != "path"}, 400, "path", "needs the path"),
-        ({**good, "path": files[31] + "/nowhere"}, 400, "path", "nowhere"),
+        ({**good, "path": files[31] + "/nowhere"}, 403, "path", "inside steer.sae_root"),
         ({**good, "site": "post_mlp.9"}, 400, "site", "not reserved"),
         ({**good, "site": "sideways.3"}, 400, "site", "unknown hook"),
         ({**good, "features": list(range(SAE_SLOT_SIZE + 1))}, 400, "features", f"holds {SAE_SLOT_SIZE}"),
@@ -73,6 +75,26 @@ def test_registrations_are_refused_with_the_field_at_fault(server):
     listed = httpx.get(f"{base}/v1/steering/sae", timeout=30).json()
     assert [s["name"] for s in listed["data"]] == ["fz"]  # nothing half-registered
     assert listed["slots"] == [{"site": SAE_SLOT, "clampable": SAE_SLOT_SIZE, "sae": None}]
+
+
+def test_paths_outside_the_root_get_one_403(server, sae_root, tmp_path):
+    """Outside the root, missing, a symlink or '..' leaving it, a device: the same status and body."""
+    base, _, files = server
+    outside = write_gemma_scope(str(tmp_path / "outside"), random_sae(HIDDEN, F, "jumprelu", seed=31))
+    link = sae_root / "escape"
+    if not link.is_symlink():
+        os.symlink(outside, link)
+    good = {"name": "rt_out", "site": SAE_SLOT, "features": list(range(8))}
+    paths = [outside, str(link), str(sae_root / ".." / os.path.basename(tmp_path) / "outside"),
+             str(sae_root / "missing"), "/dev/zero", "/etc/passwd"]
+    answers = [post(base, {**good, "path": p}) for p in paths]
+    assert {r.status_code for r in answers} == {403}, [r.text for r in answers]
+    bodies = {r.text for r in answers}
+    assert len(bodies) == 1, bodies
+    err = answers[0].json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("PermissionDeniedError", "path", 403)
+    assert "inside steer.sae_root" in err["message"] and str(sae_root) not in err["message"]
+    assert [s["name"] for s in httpx.get(f"{base}/v1/steering/sae", timeout=30).json()["data"]] == ["fz"]
 
 
 def test_register_steer_delete_in_flight_and_reuse_the_site(server):

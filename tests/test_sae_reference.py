@@ -124,6 +124,7 @@ def test_the_engine_pack_equals_the_reference(activation, full):
     from vllm_steer.core.config import SaeModuleConfig
     from vllm_steer.core.sae_catalog import SaeEntry
     from vllm_steer.core.sae_files import SaeMeta, SaeWeights
+    from vllm_steer.core.sae_paths import runtime_access
     from vllm_steer.core.sae_rows import ONLY_IF_ACTIVE, wire_entry
     from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
     from vllm_steer.runtime.sae_tables import SaeTables, _pack
@@ -138,7 +139,7 @@ def test_the_engine_pack_equals_the_reference(activation, full):
                    sae.threshold.numpy() if activation == JUMPRELU else None)
     entry = SaeEntry("s", SaeModuleConfig(path="unused", reconstruct=full), {("post_mlp", 1): meta},
                      tuple(clampable), {f: i for i, f in enumerate(clampable)}, "id")
-    tables = SaeTables({}, {}, set(), 5, 16, torch.device("cpu"))
+    tables = SaeTables({}, {}, set(), 5, 16, torch.device("cpu"), runtime_access(None, 1))
     tables.packs[("post_mlp", 1)] = _pack(w, entry, 5, torch.device("cpu"))
     for r in range(1, 5):
         feats = np.nonzero(kind[r])[0]

@@ -213,12 +213,13 @@ def test_runtime_sae_staged_into_a_reserved_site_after_capture(registered, tmp_p
     import numpy as np
 
     from tests.sae_writers import random_sae, write_gemma_scope
+    from vllm_steer.core.sae_paths import runtime_access
     from vllm_steer.core.sae_rows import DELTA, SET, wire_entry
     from vllm_steer.runtime.sae_tables import SaeTables
 
     n, d, dtype, site = 24, 1024, torch.bfloat16, ("post_mlp", 3)
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=21)
-    sae = SaeTables({}, {site: 48}, {site}, R, d, torch.device("cuda"))
+    sae = SaeTables({}, {site: 48}, {site}, R, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1 << 30))
     pa, pb = sae.packs[site], clamp_pack(d, 8, seed=22, device="cuda")
     pb[0].zero_()
     vec = (ta, _flag(1), tb, _flag(1))

@@ -7,6 +7,7 @@ Because the block lives in ``additional_config`` it is part of vLLM's compile-ca
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -136,6 +137,12 @@ class SteerConfig(BaseModel):
     """Sites reserved for SAEs registered while the server runs (``POST /v1/steering/sae``):
     ``"hook.layer"`` -> how many clampable features the site holds (its tables are allocated at
     start-up, so CUDA graphs and torch.compile see them from the first step)."""
+    sae_root: tuple[str, ...] | None = None
+    """The directories (absolute; one string or a list) whose files runtime SAE registrations may
+    read (``core.sae_paths``); None: registration by path is refused (403). ``steer.sae`` is not
+    restricted."""
+    max_sae_bytes: int = Field(default=4 << 30, ge=1)
+    """Largest file a runtime SAE registration reads (each file on its own; 4 GiB by default)."""
 
     @field_validator("capture", mode="before")
     @classmethod
@@ -162,6 +169,20 @@ class SteerConfig(BaseModel):
             v = tuple(v)
         if isinstance(v, tuple) and any(isinstance(x, int) and x < 0 for x in v):
             raise ValueError("layer indices must be >= 0")
+        return v
+
+    @field_validator("sae_root", mode="before")
+    @classmethod
+    def _roots(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = (v,)
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple):
+            if not v:
+                raise ValueError("at least one directory (or leave sae_root out)")
+            if not all(isinstance(r, str) and os.path.isabs(r) for r in v):
+                raise ValueError("expected absolute directory paths")
         return v
 
     @field_validator("sae_slots", mode="after")

@@ -13,6 +13,7 @@ from typing import Callable
 from vllm_steer.core.config import MAX_CLAMPABLE, SaeModuleConfig, SteerConfig, SteerConfigError
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_files import SaeFileError, SaeMeta, parse_site, read_sae_meta
+from vllm_steer.core.sae_paths import UNRESTRICTED, FileAccess, SaePathError, runtime_access
 
 Site = tuple[str, int]
 
@@ -45,11 +46,15 @@ Fail = Callable[[str, str], Exception]  # (sub-field or "", message) -> the erro
 
 
 def _entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_layers: int, fail: Fail,
-           version: int = 0) -> SaeEntry:
+           version: int = 0, files: FileAccess = UNRESTRICTED) -> SaeEntry:
+    """SaePathError (a runtime path ``files`` refuses) passes through as it is."""
     try:
-        sites = read_sae_meta(c.path, c.format, c.site)
+        sites = read_sae_meta(c.path, c.format, c.site, files)
     except SaeFileError as e:
-        raise fail("site" if e.key == "site" else "path", str(e)) from None
+        shown = f"{files.shown(e.path)}: {e.key}: {e.detail}" if e.path else str(e)
+        raise fail("site" if e.key == "site" else "path", shown) from None
+    except SaePathError:
+        raise
     except OSError as e:
         raise fail("path", str(e)) from None
     for (hook, layer), meta in sites.items():
@@ -131,14 +136,15 @@ class SlotError(Exception):
 def runtime_entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_layers: int,
                   slots: dict[Site, int], version: int) -> SaeEntry:
     """The entry of an SAE registered while the server runs, checked against its reserved slots;
-    SteeringSpecError naming the registration's field (``path``, ``site``, ``features``, ...)."""
+    SteeringSpecError naming the registration's field (``path``, ``site``, ``features``, ...), or
+    SaePathError (403) for a path outside ``steer.sae_root`` (``core.sae_paths``)."""
     def fail(sub: str, message: str) -> Exception:
         return SteeringSpecError(sub or "path", message)
 
     if c.reconstruct:
         raise fail("reconstruct", "an SAE registered at runtime clamps only (delta); reconstruct needs the whole "
                                   "SAE on every worker: load it at start-up (steer.sae)")
-    entry = _entry(name, c, cfg, hidden, num_layers, fail, version)
+    entry = _entry(name, c, cfg, hidden, num_layers, fail, version, runtime_access(cfg.sae_root, cfg.max_sae_bytes))
     for (hook, layer), meta in entry.sites.items():
         if meta.activation == "topk":
             raise fail("path", f"site {hook}.{layer}: a TopK SAE needs every feature on the workers: load it at "

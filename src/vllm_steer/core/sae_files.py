@@ -3,8 +3,12 @@
 This module owns reading those formats into float32 numpy arrays (numpy, json, zipfile; no torch),
 with every array, shape, dtype and activation checked. ``read_sae_meta`` reads headers only (the API
 process validates requests against an SAE without loading its weights); ``load_sae`` reads the arrays.
-Every problem is a ``SaeFileError`` naming the file and the key at fault. Safetensors files are read
-by a small reader of our own, since numpy has no bfloat16.
+Every problem is a ``SaeFileError`` naming the file and the key at fault; messages never quote a
+file's bytes beyond short field values (parse errors give a line and column, not the text). Safetensors
+files are read by a small reader of our own, since numpy has no bfloat16; a header is checked against
+the file's size (its length field, every tensor's data) before anything it describes is read. Every
+file is opened through a ``core.sae_paths.FileAccess`` (runtime registrations: inside steer.sae_root,
+regular files, size cap; ``SaePathError`` passes through unchanged).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from vllm_steer.core.bf16 import from_bits
 from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.sae_paths import UNRESTRICTED, FileAccess, SaeFileRefused, SaePathError
 
 SITE_HOOKS: tuple[str, ...] = HOOK_NAMES  # ("pre_attn", "post_attn", "post_mlp")
 ACTIVATIONS = ("relu", "jumprelu", "topk")
@@ -91,6 +96,33 @@ class _Plan:
     read: Callable[[], dict[str, np.ndarray]]  # array name -> float32, checked finite
 
 
+def _shown(value: Any) -> str:
+    """A file's value in a message: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _open(files: FileAccess, path: str) -> Any:
+    """``path`` opened through ``files``; SaeFileError for a refused or unreadable file."""
+    try:
+        return files.open(path)
+    except SaePathError:
+        raise
+    except SaeFileRefused as e:
+        raise SaeFileError(path, "file", str(e)) from None
+    except FileNotFoundError:
+        raise SaeFileError(path, "file", "not found") from None
+    except OSError as e:
+        raise SaeFileError(path, "file", f"cannot read ({e.strerror or type(e).__name__})") from None
+
+
+def _json_error(e: ValueError) -> str:
+    """A JSON parse error without the text it failed on."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"not valid JSON (line {e.lineno}, column {e.colno})"
+    return "not valid UTF-8 JSON"
+
+
 # --- sites -------------------------------------------------------------------------------------
 
 
@@ -104,11 +136,11 @@ def _parse_site(text: Any, field: str, path: str | None) -> Site:
         raise SaeFileError(path, field, f"expected a 'hook.layer' string, got {type(text).__name__}")
     hook, dot, layer = text.partition(".")
     if not dot:
-        raise SaeFileError(path, field, f"expected 'hook.layer' (e.g. 'post_mlp.12'), got {text!r}")
+        raise SaeFileError(path, field, f"expected 'hook.layer' (e.g. 'post_mlp.12'), got {_shown(text)}")
     if hook not in SITE_HOOKS:
-        raise SaeFileError(path, field, f"unknown hook {hook!r} in {text!r} (expected one of {', '.join(SITE_HOOKS)})")
+        raise SaeFileError(path, field, f"unknown hook {_shown(hook)} in {_shown(text)} (expected one of {', '.join(SITE_HOOKS)})")
     if not re.fullmatch(_LAYER, layer):
-        raise SaeFileError(path, field, f"layer in {text!r} must be a non-negative decimal integer "
+        raise SaeFileError(path, field, f"layer in {_shown(text)} must be a non-negative decimal integer "
                                         "without sign, spaces or leading zeros")
     return hook, int(layer)
 
@@ -167,41 +199,51 @@ def _dtype_name(dt: np.dtype) -> str | None:
     return None
 
 
-def _npy_header(path: str, key: str, fp: Any) -> tuple[tuple[int, ...], str]:
+def _npy_header(path: str, key: str, fp: Any, size: int) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) of one member, whose data must fit its ``size`` (uncompressed bytes)."""
     try:
         version = np.lib.format.read_magic(fp)
         if version == (1, 0):
             shape, _, dtype = np.lib.format.read_array_header_1_0(fp)
         else:
             shape, _, dtype = np.lib.format.read_array_header_2_0(fp)
-    except ValueError as e:
-        raise SaeFileError(path, key, f"bad .npy header: {e}") from None
+    except ValueError:
+        raise SaeFileError(path, key, "bad .npy header") from None
     name = _dtype_name(dtype)
     if name is None:
         raise SaeFileError(path, key, f"unsupported dtype {dtype.str!r} (supported: float32, float16, bfloat16)")
+    if math.prod(shape) * dtype.itemsize > size:
+        raise SaeFileError(path, key, f"data truncated (shape {list(shape)} does not fit the member's {size} bytes)")
     return tuple(int(d) for d in shape), name
 
 
-def _npz_shapes(path: str) -> Shapes:
-    """Array name -> (shape, dtype) from the .npy headers of the zip members (no array data read)."""
+def _npz_shapes(path: str, files: FileAccess) -> Shapes:
+    """Array name -> (shape, dtype) from the .npy headers of the zip members (no array data read);
+    each member's uncompressed size is held to the size cap too."""
     shapes: Shapes = {}
-    try:
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
-                with zf.open(info) as fp:
-                    shapes[key] = _npy_header(path, key, fp)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise SaeFileError(path, "file", f"not a readable .npz archive: {e}") from None
+    with _open(files, path) as raw:
+        try:
+            with zipfile.ZipFile(raw) as zf:
+                for info in zf.infolist():
+                    key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                    if files.max_bytes is not None and info.file_size > files.max_bytes:
+                        raise SaeFileError(path, key[:40], f"{info.file_size} bytes uncompressed, over "
+                                                              f"steer.max_sae_bytes ({files.max_bytes})")
+                    with zf.open(info) as fp:
+                        shapes[key] = _npy_header(path, key[:40], fp, info.file_size)
+        except (zipfile.BadZipFile, OSError, EOFError):
+            raise SaeFileError(path, "file", "not a readable .npz archive") from None
     return shapes
 
 
-def _npz_read(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _npz_read(path: str, names: tuple[str, ...], files: FileAccess) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with _open(files, path) as raw, np.load(raw, allow_pickle=False) as z:
             arrays = {n: np.ascontiguousarray(z[n], dtype=np.float32) for n in names}
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise SaeFileError(path, "file", f"cannot read the arrays: {e}") from None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as e:
+        if isinstance(e, (SaeFileError, SaePathError)):
+            raise
+        raise SaeFileError(path, "file", f"cannot read the arrays ({type(e).__name__})") from None
     return {n: _finite(path, n, a) for n, a in arrays.items()}
 
 
@@ -226,7 +268,7 @@ def _st_entry(path: str, name: str, spec: Any, base: int) -> _StEntry:
     if not isinstance(spec, dict):
         raise SaeFileError(path, name, "bad safetensors header entry")
     if spec.get("dtype") not in _ST_DTYPES:
-        raise SaeFileError(path, name, f"unsupported dtype {spec.get('dtype')!r} (supported: F32, F16, BF16)")
+        raise SaeFileError(path, name, f"unsupported dtype {_shown(spec.get('dtype'))} (supported: F32, F16, BF16)")
     dtype, raw = _ST_DTYPES[spec["dtype"]]
     shape, offsets = _int_list(spec.get("shape")), _int_list(spec.get("data_offsets"))
     if shape is None or offsets is None or len(offsets) != 2:
@@ -237,35 +279,43 @@ def _st_entry(path: str, name: str, spec: Any, base: int) -> _StEntry:
     return _StEntry(dtype, tuple(shape), base + offsets[0], count)
 
 
-def _st_header(path: str) -> dict[str, _StEntry]:
-    """Tensor name -> entry, from the safetensors header (8-byte little-endian length, JSON)."""
+def _st_header(path: str, files: FileAccess) -> dict[str, _StEntry]:
+    """Tensor name -> entry, from the safetensors header (8-byte little-endian length, JSON); the
+    length and every tensor's data must lie within the file, checked before they are read."""
     try:
-        with open(path, "rb") as f:
+        with _open(files, path) as f:
+            total = os.fstat(f.fileno()).st_size
             head = f.read(8)
             size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            raw = f.read(size) if 0 <= size <= _MAX_ST_HEADER else b""
+            fits = 0 <= size <= min(_MAX_ST_HEADER, total - 8)
+            raw = f.read(size) if fits else b""
     except OSError as e:
-        raise SaeFileError(path, "file", f"cannot read: {e}") from None
-    if size < 0 or size > _MAX_ST_HEADER or len(raw) != size:
+        raise SaeFileError(path, "file", f"cannot read ({e.strerror or type(e).__name__})") from None
+    if not fits or len(raw) != size:
         raise SaeFileError(path, "header", "not a safetensors file (short or oversized header)")
     try:
         header = json.loads(raw)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
-        raise SaeFileError(path, "header", f"not a safetensors file (bad JSON header: {e})") from None
+        raise SaeFileError(path, "header", f"not a safetensors file (bad JSON header: {_json_error(e)})") from None
     if not isinstance(header, dict):
         raise SaeFileError(path, "header", "not a safetensors file (header is not a JSON object)")
-    return {k: _st_entry(path, k, v, 8 + size) for k, v in header.items() if k != "__metadata__"}
+    entries = {k: _st_entry(path, k[:40], v, 8 + size) for k, v in header.items() if k != "__metadata__"}
+    for k, e in entries.items():
+        if e.offset + e.count * np.dtype(_RAW_DTYPES[e.dtype]).itemsize > total:
+            raise SaeFileError(path, k[:40], "data truncated (file shorter than its header says)")
+    return entries
 
 
 def _st_shapes(entries: dict[str, _StEntry]) -> Shapes:
     return {k: (e.shape, e.dtype) for k, e in entries.items()}
 
 
-def _st_read(path: str, entries: dict[str, _StEntry], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _st_read(path: str, entries: dict[str, _StEntry], names: tuple[str, ...],
+             files: FileAccess) -> dict[str, np.ndarray]:
     """The named tensors as float32 (bf16 and fp16 converted), each checked finite."""
     out = {}
     try:
-        with open(path, "rb") as f:
+        with _open(files, path) as f:
             for name in names:
                 e = entries[name]
                 words = np.empty(e.count, dtype=_RAW_DTYPES[e.dtype])
@@ -275,7 +325,9 @@ def _st_read(path: str, entries: dict[str, _StEntry], names: tuple[str, ...]) ->
                 values = from_bits(words) if e.dtype == "bfloat16" else words.astype(np.float32, copy=False)
                 out[name] = _finite(path, name, values.reshape(e.shape))
     except OSError as e:
-        raise SaeFileError(path, "file", f"cannot read: {e}") from None
+        if isinstance(e, SaePathError):
+            raise
+        raise SaeFileError(path, "file", f"cannot read ({e.strerror or type(e).__name__})") from None
     return out
 
 
@@ -298,10 +350,11 @@ def _check_shapes(path: str, shapes: Shapes, activation: str, extra: tuple[str, 
     for name in needed:
         if name not in shapes:
             why = " (jumprelu needs a threshold)" if name == "threshold" else ""
-            raise SaeFileError(path, name, f"missing array{why}; the file holds {sorted(shapes) or 'none'}")
+            held = _shown(sorted(shapes)) if shapes else "none"
+            raise SaeFileError(path, name, f"missing array{why}; the file holds {held}")
     unexpected = sorted(set(shapes) - set(needed) - set(extra))
     if unexpected:
-        raise SaeFileError(path, unexpected[0], f"unexpected array for a {activation} SAE "
+        raise SaeFileError(path, unexpected[0][:40], f"unexpected array for a {activation} SAE "
                                                 f"(expected {', '.join(needed)})")
     w_enc = shapes["W_enc"][0]
     if len(w_enc) != 2 or 0 in w_enc:
@@ -328,24 +381,24 @@ def _int_field(path: str, field: str, value: Any) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SaeFileError(path, field, f"expected an integer, got {value!r}")
+        raise SaeFileError(path, field, f"expected an integer, got {_shown(value)}")
     return value
 
 
 def _bool_field(path: str, field: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise SaeFileError(path, field, f"expected true or false, got {value!r}")
+        raise SaeFileError(path, field, f"expected true or false, got {_shown(value)}")
     return value
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise SaeFileError(path, "file", "not found") from None
-    except (OSError, ValueError) as e:
-        raise SaeFileError(path, "file", f"not readable JSON: {e}") from None
+def _read_json(path: str, files: FileAccess) -> dict[str, Any]:
+    with _open(files, path) as f:
+        try:
+            data = json.loads(f.read().decode("utf-8"))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+            raise SaeFileError(path, "file", _json_error(e)) from None
+        except OSError as e:
+            raise SaeFileError(path, "file", f"cannot read ({e.strerror or type(e).__name__})") from None
     if not isinstance(data, dict):
         raise SaeFileError(path, "file", "expected a JSON object")
     return data
@@ -366,15 +419,15 @@ def _gemma_file(path: str) -> str:
     return path if os.path.isfile(path) or path.endswith(".npz") else os.path.join(path, GEMMA_FILE)
 
 
-def _gemma_plans(path: str, site: str | None) -> dict[Site, _Plan]:
+def _gemma_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
     file = _gemma_file(path)
     if not os.path.isfile(file):
         raise SaeFileError(file, "file", "not found")
-    shapes = _npz_shapes(file)
+    shapes = _npz_shapes(file, files)
     d, f = _check_shapes(file, shapes, "jumprelu")
     meta = SaeMeta(d_model=d, d_sae=f, activation="jumprelu", k=0, dtype=shapes["W_enc"][1], b_dec_in=False)
     where = _site_arg(file, site, None, "a Gemma Scope file does not name its site")
-    return {where: _Plan(file, meta, lambda: _npz_read(file, _needed("jumprelu")))}
+    return {where: _Plan(file, meta, lambda: _npz_read(file, _needed("jumprelu"), files))}
 
 
 # --- sae_lens ----------------------------------------------------------------------------------
@@ -397,7 +450,7 @@ def _lens_activation(cfg_path: str, cfg: dict[str, Any]) -> tuple[str, int, str]
     act_key = next((k for k in ("activation_fn_str", "activation_fn") if k in cfg), "activation_fn")
     act = cfg.get(act_key) or None
     if arch not in _LENS_ARCHITECTURES:
-        raise SaeFileError(cfg_path, "architecture", f"unsupported architecture {arch!r} "
+        raise SaeFileError(cfg_path, "architecture", f"unsupported architecture {_shown(arch)} "
                                                      f"(supported: {', '.join(_LENS_ARCHITECTURES)})")
     if arch == "standard" and act in (None, "relu"):
         return "relu", 0, ""
@@ -405,7 +458,7 @@ def _lens_activation(cfg_path: str, cfg: dict[str, Any]) -> tuple[str, int, str]
         return ("topk", *_lens_k(cfg_path, cfg))
     if arch == "jumprelu" and act in (None, "relu"):
         return "jumprelu", 0, ""
-    raise SaeFileError(cfg_path, act_key, f"unsupported activation {act!r} for architecture {arch!r}")
+    raise SaeFileError(cfg_path, act_key, f"unsupported activation {_shown(act)} for architecture {_shown(arch)}")
 
 
 def _lens_hook_name(cfg: dict[str, Any]) -> Any:
@@ -423,13 +476,13 @@ def _lens_refusals(cfg_path: str, cfg: dict[str, Any], hook_name: Any) -> None:
     """What sae-lens does at run time that plain weights cannot express: refused, naming the key."""
     norm = cfg.get("normalize_activations")
     if norm not in (None, "none", False):
-        raise SaeFileError(cfg_path, "normalize_activations", f"{norm!r} is not supported (only 'none'): "
+        raise SaeFileError(cfg_path, "normalize_activations", f"{_shown(norm)} is not supported (only 'none'): "
                                                               "fold the normalization into the weights first")
     reshape = cfg.get("reshape_activations")
     if reshape is None and isinstance(hook_name, str) and "hook_z" in hook_name:
         reshape = "hook_z"  # what sae-lens < 6 infers
     if reshape not in (None, "none"):
-        raise SaeFileError(cfg_path, "reshape_activations", f"{reshape!r} (an attention-head SAE) is not supported")
+        raise SaeFileError(cfg_path, "reshape_activations", f"{_shown(reshape)} (an attention-head SAE) is not supported")
     if cfg.get("finetuning_scaling_factor"):
         raise SaeFileError(cfg_path, "finetuning_scaling_factor", "a finetuning scaling factor is not supported")
 
@@ -439,12 +492,14 @@ def _lens_dims(cfg_path: str, cfg: dict[str, Any], d: int, f: int, weights: str)
         if key not in cfg:
             raise SaeFileError(cfg_path, key, "missing")
         if _int_field(cfg_path, key, cfg[key]) != got:
-            raise SaeFileError(cfg_path, key, f"{cfg[key]} disagrees with W_enc [{d}, {f}] in {weights}")
+            raise SaeFileError(cfg_path, key, f"{_shown(cfg[key])} disagrees with W_enc [{d}, {f}] in "
+                                             f"{os.path.basename(weights)}")
 
 
-def _lens_read(file: str, entries: dict[str, _StEntry], activation: str, fold_norm: bool) -> dict[str, np.ndarray]:
+def _lens_read(file: str, entries: dict[str, _StEntry], activation: str, fold_norm: bool,
+               files: FileAccess) -> dict[str, np.ndarray]:
     names = tuple(n for n in entries if n in _needed(activation) + ("log_threshold", "scaling_factor"))
-    arrays = _st_read(file, entries, names)
+    arrays = _st_read(file, entries, names, files)
     if "log_threshold" in arrays:
         arrays["threshold"] = _finite(file, "log_threshold", np.exp(arrays.pop("log_threshold")))
     scaling = arrays.pop("scaling_factor", None)
@@ -459,9 +514,9 @@ def _lens_read(file: str, entries: dict[str, _StEntry], activation: str, fold_no
     return arrays
 
 
-def _lens_plans(path: str, site: str | None) -> dict[Site, _Plan]:
+def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
     cfg_path, file = os.path.join(path, LENS_CFG), os.path.join(path, LENS_WEIGHTS)
-    cfg = _read_json(cfg_path)
+    cfg = _read_json(cfg_path, files)
     activation, k, k_field = _lens_activation(cfg_path, cfg)
     hook_name = _lens_hook_name(cfg)
     _lens_refusals(cfg_path, cfg, hook_name)
@@ -470,7 +525,7 @@ def _lens_plans(path: str, site: str | None) -> dict[Site, _Plan]:
                                                 cfg.get("rescale_acts_by_decoder_norm", False))
     if not os.path.isfile(file):
         raise SaeFileError(file, "file", "not found")
-    entries = _st_header(file)
+    entries = _st_header(file, files)
     shapes = _st_shapes(entries)
     if "threshold" not in shapes and "log_threshold" in shapes:
         shapes["threshold"] = shapes.pop("log_threshold")
@@ -479,8 +534,9 @@ def _lens_plans(path: str, site: str | None) -> dict[Site, _Plan]:
     if activation == "topk":
         _check_k(cfg_path, k_field, k, f)
     meta = SaeMeta(d_model=d, d_sae=f, activation=activation, k=k, dtype=shapes["W_enc"][1], b_dec_in=b_dec_in)
-    where = _site_arg(cfg_path, site, _lens_site(hook_name), f"hook_name {hook_name!r} is not a residual-stream hook")
-    return {where: _Plan(file, meta, lambda: _lens_read(file, entries, activation, fold))}
+    where = _site_arg(cfg_path, site, _lens_site(hook_name),
+                      f"hook_name {_shown(hook_name)} is not a residual-stream hook")
+    return {where: _Plan(file, meta, lambda: _lens_read(file, entries, activation, fold, files))}
 
 
 # --- manifest ----------------------------------------------------------------------------------
@@ -490,14 +546,14 @@ def _manifest_header(mpath: str, m: dict[str, Any]) -> tuple[str, int, bool]:
     """(activation, k, b_dec_in) from manifest.json, every key checked."""
     unknown = sorted(set(m) - _MANIFEST_KEYS)
     if unknown:
-        raise SaeFileError(mpath, unknown[0], f"unknown key (expected {', '.join(sorted(_MANIFEST_KEYS))})")
+        raise SaeFileError(mpath, unknown[0][:40], f"unknown key (expected {', '.join(sorted(_MANIFEST_KEYS))})")
     if m.get("format") != MANIFEST_FORMAT:
-        raise SaeFileError(mpath, "format", f"expected {MANIFEST_FORMAT!r}, got {m.get('format')!r}")
+        raise SaeFileError(mpath, "format", f"expected {MANIFEST_FORMAT!r}, got {_shown(m.get('format'))}")
     if _int_field(mpath, "version", m.get("version")) != MANIFEST_VERSION:
-        raise SaeFileError(mpath, "version", f"unsupported version {m['version']!r} (supported: {MANIFEST_VERSION})")
+        raise SaeFileError(mpath, "version", f"unsupported version {_shown(m['version'])} (supported: {MANIFEST_VERSION})")
     activation = m.get("activation")
     if activation not in ACTIVATIONS:
-        raise SaeFileError(mpath, "activation", f"unknown activation {activation!r} "
+        raise SaeFileError(mpath, "activation", f"unknown activation {_shown(activation)} "
                                                 f"(expected {', '.join(ACTIVATIONS)})")
     if activation == "topk" and "k" not in m:
         raise SaeFileError(mpath, "k", "a topk SAE needs k")
@@ -510,62 +566,66 @@ def _manifest_header(mpath: str, m: dict[str, Any]) -> tuple[str, int, bool]:
 def _manifest_file(mpath: str, root: str, field: str, rel: Any) -> str:
     """A site's weights file, which must lie inside the manifest's directory."""
     if not isinstance(rel, str) or not rel or os.path.isabs(rel):
-        raise SaeFileError(mpath, field, f"expected a relative file path, got {rel!r}")
+        raise SaeFileError(mpath, field, f"expected a relative file path, got {_shown(rel)}")
     real_root = os.path.realpath(root)
     file = os.path.realpath(os.path.join(root, rel))
     if os.path.commonpath([real_root, file]) != real_root:
-        raise SaeFileError(mpath, field, f"{rel!r} escapes the manifest's directory")
+        raise SaeFileError(mpath, field, f"{_shown(rel)} escapes the manifest's directory")
     if not os.path.isfile(file):
-        raise SaeFileError(mpath, field, f"{rel!r}: file not found")
+        raise SaeFileError(mpath, field, f"{_shown(rel)}: file not found")
     return file
 
 
-def _manifest_site(mpath: str, file: str, activation: str, k: int, b_dec_in: bool) -> _Plan:
-    entries = _st_header(file)
+def _manifest_site(mpath: str, file: str, activation: str, k: int, b_dec_in: bool,
+                   files: FileAccess) -> _Plan:
+    entries = _st_header(file, files)
     shapes = _st_shapes(entries)
     d, f = _check_shapes(file, shapes, activation)
     if activation == "topk":
         _check_k(mpath, "k", k, f)
     meta = SaeMeta(d_model=d, d_sae=f, activation=activation, k=k, dtype=shapes["W_enc"][1], b_dec_in=b_dec_in)
-    return _Plan(file, meta, lambda: _st_read(file, entries, _needed(activation)))
+    return _Plan(file, meta, lambda: _st_read(file, entries, _needed(activation), files))
 
 
-def _manifest_plans(path: str, site: str | None) -> dict[Site, _Plan]:
+def _manifest_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
     mpath = os.path.join(path, MANIFEST_FILE)
     if site is not None:
         raise SaeFileError(mpath, "site", "must not be given for a manifest (it lists its own sites)")
-    m = _read_json(mpath)
+    m = _read_json(mpath, files)
     activation, k, b_dec_in = _manifest_header(mpath, m)
     sites = m.get("sites")
     if not isinstance(sites, dict) or not sites:
         raise SaeFileError(mpath, "sites", "expected a non-empty object of 'hook.layer': file")
     plans = {}
     for text, rel in sites.items():
-        field = f"sites[{text!r}]"
+        field = f"sites[{_shown(text)}]"
         where = _parse_site(text, field, mpath)
-        plans[where] = _manifest_site(mpath, _manifest_file(mpath, path, field, rel), activation, k, b_dec_in)
+        plans[where] = _manifest_site(mpath, _manifest_file(mpath, path, field, rel), activation, k, b_dec_in,
+                                       files)
     return plans
 
 
 # --- public entry points -----------------------------------------------------------------------
 
-_PLANNERS: dict[str, Callable[[str, str | None], dict[Site, _Plan]]] = {
+_PLANNERS: dict[str, Callable[[str, str | None, FileAccess], dict[Site, _Plan]]] = {
     "gemma_scope": _gemma_plans, "sae_lens": _lens_plans, "manifest": _manifest_plans,
 }
 
 
-def _plans(path: str, format: str | None, site: str | None) -> dict[Site, _Plan]:
+def _plans(path: str, format: str | None, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
     path = os.fspath(path)
+    files.resolve(path)  # SaePathError for a path outside steer.sae_root (or none there), whatever the reason
     if format is None:
         format = detect_format(path)
     elif format not in FORMATS:
-        raise SaeFileError(path, "format", f"unknown format {format!r} (expected one of {', '.join(FORMATS)})")
-    return _PLANNERS[format](path, site)
+        raise SaeFileError(path, "format", f"unknown format {_shown(format)} (expected one of {', '.join(FORMATS)})")
+    return _PLANNERS[format](path, site, files)
 
 
-def read_sae_meta(path: str, format: str | None = None, site: str | None = None) -> dict[tuple[str, int], SaeMeta]:
+def read_sae_meta(path: str, format: str | None = None, site: str | None = None,
+                  files: FileAccess = UNRESTRICTED) -> dict[tuple[str, int], SaeMeta]:
     """Per site, what the SAE at ``path`` is, from its headers only (no weights read)."""
-    return {where: plan.meta for where, plan in _plans(path, format, site).items()}
+    return {where: plan.meta for where, plan in _plans(path, format, site, files).items()}
 
 
 def _weights(plan: _Plan) -> SaeWeights:
@@ -575,6 +635,7 @@ def _weights(plan: _Plan) -> SaeWeights:
                       threshold=threshold)
 
 
-def load_sae(path: str, format: str | None = None, site: str | None = None) -> dict[tuple[str, int], SaeWeights]:
-    """Per site, the SAE at ``path`` as float32 arrays, every array checked."""
-    return {where: _weights(plan) for where, plan in _plans(path, format, site).items()}
+def load_sae(path: str, format: str | None = None, site: str | None = None,
+             files: FileAccess = UNRESTRICTED) -> dict[tuple[str, int], SaeWeights]:
+    """Per site, the SAE at ``path`` as float32 arrays, every array checked (every header first)."""
+    return {where: _weights(plan) for where, plan in _plans(path, format, site, files).items()}

@@ -4,7 +4,9 @@ send it through the engine core, whose registry decides it (a name taken without
 another SAE holds, a site unfinished requests still clamp at) and has every worker stage it, then
 publish the name in this process (others pull it: ``frontend.sae_sync``). A site a deleted SAE held
 is reused only when no request of this process that is being added, and none unfinished in the
-engine, clamps there."""
+engine, clamps there. A registration may only name files inside ``steer.sae_root``
+(``core.sae_paths``): checked here before the engine is asked, and again by every worker; refused
+with ``SaePathError`` (403)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pydantic import ValidationError
 from vllm_steer.core.config import SaeModuleConfig
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SaeEntry, SlotError, runtime_entry
+from vllm_steer.core.sae_paths import SaePathError
 from vllm_steer.frontend.module_registration import check_name, check_replace
 from vllm_steer.frontend.prepared import PREPARED
 from vllm_steer.frontend.sae_registry import REGISTRY
@@ -121,8 +124,12 @@ class _Registration:
         REGISTRY.entries[self.entry.name] = self.entry  # only now can a request name it
         return self.entry
 
-    def failed(self, e: Exception) -> SteeringSpecError:
+    def failed(self, e: Exception) -> Exception:
+        """The error of a worker's failure to stage it: a worker's path refusal stays one (403)."""
         self.undo()
+        denied = SaePathError.within(e)
+        if denied is not None:
+            return denied
         return SteeringSpecError("path", f"a worker could not load the SAE: {type(e).__name__}: {str(e)[:300]}")
 
 

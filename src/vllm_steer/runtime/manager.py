@@ -22,6 +22,7 @@ from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.layout import Layout
 from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload, dtype_name
 from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
+from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
@@ -80,7 +81,8 @@ class SteeringRuntime:
                                           hidden_size, dtype, device, *_capture_ranks())
         catalog = sae_catalog(cfg, hidden_size, num_decoder_layers(model))
         slots = slot_sites(cfg, num_decoder_layers(model))
-        self.sae = (SaeTables(catalog, slots, set(flat), cfg.max_configs, hidden_size, device)
+        self.sae = (SaeTables(catalog, slots, set(flat), cfg.max_configs, hidden_size, device,
+                              runtime_access(cfg.sae_root, cfg.max_sae_bytes))
                     if catalog or slots else None)
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae)
         self.steered_norms = [s.name for s in sites]

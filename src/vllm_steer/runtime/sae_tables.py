@@ -11,6 +11,7 @@ import torch
 
 from vllm_steer.core.sae_catalog import SaeEntry, Site
 from vllm_steer.core.sae_files import SaeWeights, load_sae
+from vllm_steer.core.sae_paths import FileAccess
 from vllm_steer.core.sae_rows import SaeWire, unpack_entry
 
 
@@ -60,9 +61,11 @@ def _empty_pack(capacity: int, hidden: int, num_rows: int, device: torch.device)
 
 class SaeTables:
     def __init__(self, catalog: dict[str, SaeEntry], slots: dict[Site, int], sites: set[Site], num_rows: int,
-                 hidden: int, device: torch.device) -> None:
+                 hidden: int, device: torch.device, runtime_files: FileAccess) -> None:
         """Load the SAEs of ``sites`` (this rank's hooked sites) and stage their packs; reserve the
-        packs of the ``slots`` among them (capacity in clampable features) for runtime SAEs."""
+        packs of the ``slots`` among them (capacity in clampable features) for runtime SAEs, whose
+        files are read only as ``runtime_files`` allows (steer.sae_root, steer.max_sae_bytes)."""
+        self.runtime_files = runtime_files
         self.packs: dict[Site, list[torch.Tensor]] = {}
         self.topk: dict[Site, int] = {}
         self.slots = {s: n for s, n in slots.items() if s in sites}
@@ -110,11 +113,12 @@ class SaeTables:
     def load_runtime(self, path: str, format: str | None, site: str | None, features: tuple[int, ...],
                      sites: list[Site]) -> list[Site]:
         """Stage a runtime SAE's clampable features into the reserved packs of its ``sites`` on this
-        rank (the front end and the engine core checked that no unfinished request uses them)."""
+        rank (the front end and the engine core checked that no unfinished request uses them). The
+        path policy is checked again here (SaePathError), as the API process did, before any read."""
         mine = [s for s in sites if s in self.slots]
         if not mine:
             return []
-        weights = load_sae(path, format, site)
+        weights = load_sae(path, format, site, self.runtime_files)
         feats = np.asarray(features, dtype=np.int64)
         for s in mine:
             pack, n = self.packs[s], len(feats)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
-          413: "RequestEntityTooLarge",
-          503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+          409: "ConflictError", 413: "RequestEntityTooLarge", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -1,5 +1,5 @@
 """/v1/steering/sae: list the SAEs requests may clamp, register one at a reserved site (JSON naming
-its files on the server), get and delete one. Errors use vLLM's error shape; mutations need the steer
+its files on the server, inside steer.sae_root: 403 otherwise), get and delete one. Errors use vLLM's error shape; mutations need the steer
 api_key like module mutations. Engine work goes through ``frontend.sae_registration``; with several API
 processes each route first brings this process's SAEs up to the engine core's (``frontend.sae_sync``)."""
 
@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from vllm_steer.core.compat import counts_of_every_engine, rpc_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SlotError
+from vllm_steer.core.sae_paths import SaePathError
 from vllm_steer.frontend.sae_registration import (
     SaeExistsError,
     register_sae_async,
@@ -87,6 +88,8 @@ async def register(raw: Request) -> JSONResponse:
         if isinstance(e, SteeringSpecError):
             return error(400, str(e), e.field)
         return error(400, f"invalid JSON: {str(e)[:200]}", "body")
+    except SaePathError as e:  # one answer whatever the reason: it never tells whether a file exists
+        return error(403, str(e), "path")
     except SaeExistsError as e:
         return error(409, e.args[0], "name")
     except SlotError as e:
