@@ -52,6 +52,17 @@ class CaptureResultPoller:
         return await wait.future
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except BaseException:  # never leave a response waiting on a dead poller
+            logger.exception("vllm-steer: the capture result poller stopped")
+            waits, self._waits = self._waits, []
+            for w in waits:
+                if not w.future.done():
+                    w.future.set_result(w.pending.finish(w.timeout, w.expected))
+            raise
+
+    async def _loop(self) -> None:
         while self._waits:
             asked = sorted(set().union(*(w.pending.open for w in self._waits)))
             answers = None
