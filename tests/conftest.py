@@ -37,6 +37,7 @@ PRELOAD_LAYER = 5
 
 
 PROBE_SEED, PROBE_LAYER = 3, 20
+CAPTURE_TIMEOUT_S = 4  # steer.capture_result_timeout_s of the shared API server (the slow consumer's tests)
 SAE_SITE, SAE_D, SAE_CLAMPABLE, SAE_SEED = "post_mlp.12", 64, 32, 11  # the shared server's SAE "fz"
 SAE_SLOT, SAE_SLOT_SIZE = "post_mlp.8", 16  # its site reserved for SAEs registered at runtime
 
@@ -75,7 +76,7 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     """One OpenAI server (SmolLM2, float32, multi-process) for the request-API, module and capture
     tests: byte caps, module limits, a module API key, a module preloaded from a safetensors file, an SAE
     and a site for runtime ones (files under ``sae_root``), and capture consumers (the example probe with a
-    global spec, a raising one, the filesystem one)."""
+    global spec, a raising one, the filesystem one, a slow driver)."""
     import json
 
     import numpy as np
@@ -91,10 +92,11 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     sae = write_gemma_scope(str(d / "sae"), random_sae(576, SAE_D, "jumprelu", seed=SAE_SEED))
     probe = {"name": "probe", "params": {"dim": 576, "seed": PROBE_SEED, "global_spec": {
         "layers": [PROBE_LAYER], "hooks": ["post_mlp"], "positions": "last_prompt"}}}
-    capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}]
+    capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}, "slow"]
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
                                 "modules": {"preloaded": str(d / "preloaded.safetensors")},
                                 "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,
+                                "capture_result_timeout_s": CAPTURE_TIMEOUT_S,
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
                                 "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root)}})
     log = d / "server.log"

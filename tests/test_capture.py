@@ -16,6 +16,7 @@ from vllm_steer.capture.filesystem import load_request
 HIDDEN, LAYERS = 576, 30
 PROMPT = "The robot looked at the sea and"
 ALL = {"layers": "all", "hooks": "all", "positions": "all_prompt"}
+SLOW_TIMEOUT_S = 1.5  # steer.capture_result_timeout_s of this engine
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +36,14 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
                           "block_size": 32, "enable_prefix_caching": True,
                           "additional_config": {"steer": {"max_configs": 4, "capture": [
                               {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
-                              "logging", "probe:dim=576,seed=3"]}}},
+                              "logging", "probe:dim=576,seed=3", "slow"], "capture_result_timeout_s": SLOW_TIMEOUT_S}}},
            "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs]
            # a long prompt seen once without capture (its blocks get cached), then captured
            + [{"prompts": [{"prompt_token_ids": long_ids}], "params": [p]}
-              for p in (params(2), params(2, capture={"fs": {"layers": [0], "hooks": ["pre_attn"]}}))],
+              for p in (params(2), params(2, capture={"fs": {"layers": [0], "hooks": ["pre_attn"]}}))]
+           # a driver slower than the timeout: collect() answers at the timeout with an error for it
+           + [{"prompts": [{"prompt_token_ids": ids}], "params": [params(2, capture={"slow": {
+               "layers": [0], "hooks": ["pre_attn"], "positions": "last_prompt", "sleep_s": 4 * SLOW_TIMEOUT_S}})]}],
            "rpc_after": ["vllm_steer_status"], "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
     return root, ids, [c[0] for c in res["calls"]], res, len(long_ids)
@@ -113,7 +117,8 @@ def test_rows_wanted_by_two_consumers_are_gathered_once_and_logged(capture_run):
     n = len(ids)
     # request 0: fs + logging want the same 90 sites x n prompt tokens; request 1: fs, the same;
     # request 2: 5 generated rows for fs + 1 row for the probe; request 4: the long prompt at one site
-    assert worker["capture"]["rows"] == 90 * n + 90 * n + 5 + 1 + n_long
+    # request 5: one row for the slow consumer
+    assert worker["capture"]["rows"] == 90 * n + 90 * n + 5 + 1 + n_long + 1
     assert f"vllm-steer capture logging: request {results[0]['request_id']}" in res["log"]
 
 
@@ -135,3 +140,10 @@ def test_capturing_the_prompt_bypasses_prefix_cache_hits(capture_run):
     assert results[3]["num_cached_tokens"] == 0 and results[4]["num_cached_tokens"] == 0
     positions, rows = load_request(str(root), results[4]["request_id"])[(0, "pre_attn")]
     np.testing.assert_array_equal(positions, np.arange(n_long))  # every prompt position, none cached
+
+
+def test_collect_returns_at_the_timeout_with_an_error_for_a_slow_driver(capture_run):
+    _, _, results, *_ = capture_run
+    # collect() did not wait for the consumer's 6 s sleep (its result would be {"slept_s": 6.0})
+    assert results[5]["capture"] == {"slow": {
+        "error": "timeout", "message": f"no result within {SLOW_TIMEOUT_S:g} s (steer.capture_result_timeout_s)"}}

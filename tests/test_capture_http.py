@@ -1,13 +1,15 @@
 """Capture over HTTP: a third-party driver consumer (plugins/vllm-steer-probe) found by entry point
 returns a per-request result in the OpenAI response that matches transformers; a bad capture spec
 is a 400; a consumer that raises leaves the server serving; filesystem captures of concurrent
-requests are each complete."""
+requests are each complete; a slow driver consumer delays only its own request's ``capture`` field
+(a timeout error after ``steer.capture_result_timeout_s``), never other requests' tokens."""
 
 from __future__ import annotations
 
 import json
 import math
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from tests import hf_oracle
-from tests.conftest import PROBE_LAYER, PROBE_SEED
+from tests.conftest import CAPTURE_TIMEOUT_S, PROBE_LAYER, PROBE_SEED
 from vllm_steer.capture.filesystem import load_request
 
 PROMPT = "The capital of France is"
@@ -112,3 +114,81 @@ def test_concurrent_requests_each_get_complete_files(api_server):
         n = len(got[(0, "pre_attn")][0])
         assert all(rows.shape == (n, 576) and np.isfinite(rows).all() for _, rows in got.values())
     assert not list(root.rglob("*.tmp"))
+
+
+SLOW_S = 2 * CAPTURE_TIMEOUT_S  # the slow consumer's sleep: past the timeout
+SLOW_SPEC = {"layers": [0], "hooks": ["pre_attn"], "positions": "last_prompt"}
+
+
+def _stream_times(base, model, i, out):
+    """Arrival time of every SSE event of a long unsteered streaming completion (into ``out[i]``)."""
+    times = out[i]
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": f"{PROMPT} {i}", "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.monotonic())
+
+
+def _concurrent_streams(base, model, n=3, during=None):
+    """Run ``n`` streams at once (read in threads); ``during()`` runs once every stream has had 5
+    events. Returns (each stream's event times, what ``during`` returned)."""
+    times: dict[int, list[float]] = {i: [] for i in range(n)}
+    threads = [threading.Thread(target=_stream_times, args=(base, model, i, times)) for i in range(n)]
+    [t.start() for t in threads]
+    got = None
+    if during is not None:
+        deadline = time.monotonic() + 60
+        while min(len(t) for t in times.values()) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = during()
+    [t.join(120) for t in threads]
+    assert all(len(t) > 100 for t in times.values())  # 120 tokens, the capture chunk, [DONE]
+    return [times[i] for i in range(n)], got
+
+
+def _gaps(streams):
+    """Inter-event gaps of every stream, its first event (the time to first token) excluded."""
+    return np.concatenate([np.diff(t) for t in streams])
+
+
+def test_a_slow_driver_consumer_delays_only_its_own_capture_field_never_other_tokens(api_server):
+    base, model = api_server[0], api_server[1]
+    complete(base, model)  # warm
+    baseline, _ = _concurrent_streams(base, model)
+    normal = _gaps(baseline)
+    p95 = float(np.percentile(normal, 95))
+
+    def slow_request():
+        t0 = time.monotonic()
+        r = complete(base, model, max_tokens=2, capture={"slow": {**SLOW_SPEC, "sleep_s": SLOW_S}})
+        return r, t0, time.monotonic()
+
+    streams, (r, t0, t1) = _concurrent_streams(base, model, during=slow_request)
+    gaps = _gaps(streams)
+    print(f"inter-event gaps: baseline p95 {p95 * 1e3:.0f} ms max {normal.max() * 1e3:.0f} ms; "
+          f"with the slow consumer p95 {np.percentile(gaps, 95) * 1e3:.0f} ms max {gaps.max() * 1e3:.0f} ms; "
+          f"slow response after {t1 - t0:.2f} s")
+    # the streams were still decoding when the slow request finished (so its finish fell inside them)
+    assert all(t[0] < t0 and t[-1] > t0 + 1.0 for t in streams), [(t[0] - t0, t[-1] - t0) for t in streams]
+    # Normal here (CPU lane, SmolLM2, 3 streams on a shared 2-core box): p95 ~0.1 s, an odd gap up to
+    # ~1.1 s. Before the fix every stream stopped for SLOW_S (8 s) when the slow request finished.
+    bound = max(3.0, 6 * p95)
+    assert gaps.max() < bound, (gaps.max(), bound)
+    assert r.status_code == 200, r.text
+    # the response waited for its slow consumer until the timeout, not for its sleep
+    assert CAPTURE_TIMEOUT_S - 0.5 <= t1 - t0 < CAPTURE_TIMEOUT_S + 2.5 < SLOW_S, t1 - t0
+    cap = r.json()["capture"]
+    assert cap["slow"] == {"error": "timeout",
+                           "message": f"no result within {CAPTURE_TIMEOUT_S} s (steer.capture_result_timeout_s)"}
+    assert cap["probe"]["rows"] == 1  # the fast consumer's result came in (its own lane)
+    # once its lane is free the slow consumer answers again, and nothing of the timed-out request leaks
+    deadline = time.monotonic() + SLOW_S + 3 * CAPTURE_TIMEOUT_S
+    while True:
+        r = complete(base, model, capture={"slow": {**SLOW_SPEC, "sleep_s": 0}})
+        assert r.status_code == 200, r.text
+        if "error" not in r.json()["capture"]["slow"] or time.monotonic() > deadline:
+            break
+    assert r.json()["capture"]["slow"] == {"slept_s": 0.0}

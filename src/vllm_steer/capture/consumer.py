@@ -6,7 +6,9 @@ parallel ranks hold the same residual, so each site is delivered once) or ``"dri
 instance per engine, on the first stage's TP rank 0, whose ``on_request_finished`` may return a
 JSON-able per-request result that comes back with the request's output; under pipeline
 parallelism it sees the first stage's sites only, and requests asking it for others are refused). Consumers run on a dispatch thread, never on
-the engine's step; exceptions are caught and counted. The engine never waits for capture: rows it
+the engine's step (one thread per consumer: a slow one delays only its own deliveries and its own
+requests' results, which a response waits for at most ``steer.capture_result_timeout_s``);
+exceptions are caught and counted. The engine never waits for capture: rows it
 cannot keep are dropped, and ``on_request_finished``'s ``meta["dropped"]`` names their positions.
 """
 
@@ -39,6 +41,7 @@ class CaptureConsumer(Protocol):
         """All rows of the request were delivered. Driver consumers may return a result.
 
         ``meta``: ``prompt_len``; ``external_id`` (the id the caller knows, when it differs);
+        ``params``: the request's consumer-specific spec keys (those ``validate_params`` checked);
         ``dropped``: ``{"hook.layer": [positions]}`` this consumer wanted and will never get
         (empty when nothing was dropped); ``dropped_rows``: how many. Rows are dropped, never
         waited for, when a step wants more than the device pool holds (``steer.capture_max_rows``)

@@ -131,6 +131,10 @@ class SteerConfig(BaseModel):
     """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
     capture_max_rows: int = Field(default=4096, ge=16)
     """Residual rows one step can capture across all sites (the device pool's size)."""
+    capture_result_timeout_s: float = Field(default=30.0, ge=0)
+    """How long a finished request's response (or ``capture.collect``) waits for its driver
+    consumers' results; after it, each driver instance without one gets
+    ``{"error": "timeout", "message": ...}`` in ``capture``. Results never delay other requests."""
     sae: dict[str, SaeModuleConfig] = Field(default_factory=dict)
     """SAEs requests may clamp features of (``"sae": {"name": ...}``), by name."""
     sae_slots: dict[str, int] = Field(default_factory=dict)

@@ -37,11 +37,13 @@ def record_applied(request_id: str, prefill_key: str | None, decode_key: str | N
         holder["decode"] = decode_key
 
 
-def record_capture(request_id: str) -> None:
-    """The request captures: the response middleware collects driver results for it."""
+def record_capture(request_id: str, driver_instances: list[str] | None = None) -> None:
+    """The request captures: the response middleware collects driver results for it
+    (``driver_instances``: the driver consumer instances it uses, which return results)."""
     holder = _HOLDER.get()
     if holder is not None:
         holder.setdefault("capture_ids", []).append(request_id)
+        holder.setdefault("capture_instances", {})[request_id] = list(driver_instances or ())
 
 
 def watch_refusal(collector: Any) -> None:

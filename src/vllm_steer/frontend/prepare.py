@@ -199,6 +199,18 @@ class SteeringFrontend:
                 f"driver consumer sees the first stage's sites only (pre_attn/post_attn layers below "
                 f"{self.first_stage_layers}, post_mlp layers below {self.first_stage_layers - 1})")
 
+    def driver_instances(self, capture: dict) -> list[str]:
+        """Driver consumer instances a request's captures run (its own and global specs'): those
+        whose results come back."""
+        drivers = self.__dict__.get("_drivers")
+        if drivers is None:
+            cfgs = self.cfg.capture if self.cfg else ()
+            drivers = self._drivers = (
+                {c.instance_name for c in cfgs if consumer_class(c.name).location == "driver"},
+                {c.instance_name for c in cfgs if c.params.get("global_spec")})
+        driver, global_ = drivers
+        return sorted(driver & (set(capture) | global_))
+
     def _capture(self, raw: Any) -> dict | None:
         """Validate a request's ``capture`` field (each consumer checks its own keys)."""
         if raw is None:
@@ -325,7 +337,7 @@ def patch_input_processor() -> None:
                 request.cache_salt = salted(request.cache_salt, keys[0])
             record_applied(request.request_id, *keys)
         if captures:
-            record_capture(request_id)
+            record_capture(request_id, frontend.driver_instances(capture))
         return request
 
     process_inputs._vllm_steer = True  # type: ignore[attr-defined]

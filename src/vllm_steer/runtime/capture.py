@@ -5,8 +5,17 @@ positions each consumer wants at each (hook, layer) site become pool rows; rows 
 consumers are gathered once and carry a bitmask of them. The plan (token -> pool row, per site)
 goes to the device in one non-blocking copy; the capture op fills the pool inside the forward.
 After the forward, the used rows are copied to host (non-blocking, then an event) and handed to
-a dispatch thread that waits on the event and calls consumers. A raising consumer is counted;
-nothing stalls or kills the engine.
+the dispatch threads, one per consumer (a "lane": its own queue and thread, so a slow consumer
+delays only itself), which wait on the event and call their consumer. A step's host buffer is
+shared by the lanes it went to and goes back to the pinned pool when the last one is done with
+it. A raising consumer is counted; nothing stalls or kills the engine.
+
+Results of driver consumers (``collect_results``, reached by ``vllm_steer_capture_collect``) never
+wait: a call publishes the given requests (if the runner has not yet) and answers at once with the
+ids every consumer of the request has finished (``done``, with the driver results) and the others
+(``pending``, with the driver instances still running). The API server and ``capture.collect``
+poll it. Finished results nobody collects are evicted: at most ``RESULTS_MAX`` are kept, none
+longer than ``results_ttl(cfg)`` (twice ``steer.capture_result_timeout_s``, at least 60 s).
 
 Each position of a request is planned once: a preempted request recomputes its prompt and
 generated tokens from position 0 (or from its cached prefix) when it resumes, and positions below
@@ -21,7 +30,7 @@ only, in every data-parallel engine.
 Exhaustion policy: never block the step, drop and count, tell the consumer. A step that wants more
 rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in batch order and
 drops the rest (``stats["dropped_rows"]``); a rows packet that finds 256 packets still undelivered
-is dropped (``stats["dropped_packets"]``). Either way the positions are recorded per request, site
+in a consumer's lane is dropped for that consumer (``stats["dropped_packets"]``, once per lane). Either way the positions are recorded per request, site
 and consumer, and the request's finish meta names them (``dropped``, ``dropped_rows``; see
 ``vllm_steer.capture.consumer``). Finish packets are never dropped.
 """
@@ -31,6 +40,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +94,13 @@ class _Request:
         return out
 
 
-MAX_QUEUED_ROW_PACKETS = 256
+MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
+RESULTS_MAX = 4096  # finished requests' results (and recently finished ids) kept for collection
+
+
+def results_ttl(cfg: SteerConfig) -> float:
+    """How long a finished request's results wait to be collected before they are evicted."""
+    return max(60.0, 2 * cfg.capture_result_timeout_s)
 
 
 @dataclass
@@ -96,6 +113,100 @@ class _Entry:
     masks: np.ndarray  # consumer bitmask per row
 
 
+class _Packet:
+    """One step's captured rows, shared by the lanes of the consumers that want some of them."""
+
+    def __init__(self, event: Any, host: torch.Tensor, entries: list[_Entry], refs: int) -> None:
+        self.event, self.host, self.entries, self.refs = event, host, entries, refs
+        self._lock = threading.Lock()
+        self._data: np.ndarray | None = None
+
+    def data(self) -> np.ndarray:
+        with self._lock:
+            if self._data is None:
+                if self.event is not None:
+                    self.event.synchronize()
+                host = self.host
+                self._data = (host.float() if host.dtype == torch.bfloat16 else host).numpy()
+            return self._data
+
+    def release(self) -> bool:
+        """One lane is done with it; True for the last one (the host buffer can go back)."""
+        with self._lock:
+            self.refs -= 1
+            return self.refs == 0
+
+
+@dataclass
+class _Finishing:
+    """A finished request whose finish packets are not yet handled by every consumer lane."""
+
+    left: dict[int, int]  # consumer bit -> finish packets not yet handled (n>1: children share a key)
+    instances: dict[int, str]  # bit -> instance of driver consumers
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+class _Lane:
+    """One consumer's queue and dispatch thread."""
+
+    def __init__(self, rt: "CaptureRuntime", bit: int, instance: str, consumer: Any) -> None:
+        self.rt, self.bit, self.instance, self.consumer = rt, bit, instance, consumer
+        self.driver = getattr(consumer, "location", None) == "driver"
+        # Unbounded: finish packets (one per request) always go in; rows packets take a slot first.
+        self.queue: queue.Queue = queue.Queue()
+        self.row_slots = threading.Semaphore(MAX_QUEUED_ROW_PACKETS)
+        self.thread = threading.Thread(target=self._loop, name=f"vllm-steer-capture-{instance}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        rt = self.rt
+        while True:
+            packet = self.queue.get()
+            try:
+                if packet[0] == "rows":
+                    self._rows(packet[1])
+                else:
+                    self._finish(*packet[1:])
+            except Exception:  # never let a consumer take the engine down
+                rt._count("consumer_errors")
+                logger.exception("vllm-steer: capture dispatch to %s failed", self.instance)
+            finally:
+                if packet[0] == "rows":
+                    self.row_slots.release()
+                    if packet[1].release():
+                        rt._give_back(packet[1].host)  # consumers got copies (boolean-mask indexing)
+                self.queue.task_done()
+
+    def _rows(self, packet: _Packet) -> None:
+        data = None
+        for e in packet.entries:
+            take = (e.masks & self.bit) != 0
+            if not take.any():
+                continue
+            if data is None:
+                data = packet.data()
+            block = data[e.row0 : e.row0 + len(e.positions)]
+            try:
+                self.consumer.on_rows(e.request_id, e.layer, e.hook, e.positions[take], block[take], {})
+            except Exception:
+                self.rt._count("consumer_errors")
+                logger.exception("vllm-steer: capture consumer %s raised in on_rows", self.instance)
+
+    def _finish(self, request_id: str, key: str, meta: dict, req: _Request) -> None:
+        out = None
+        try:
+            dropped = req.dropped_for(self.bit) if req.dropped else {}
+            spec = req.specs.get(self.bit)
+            out = self.consumer.on_request_finished(
+                request_id, {**meta, "params": dict(spec.params) if spec is not None else {},
+                             "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))})
+        except Exception:
+            self.rt._count("consumer_errors")
+            logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", self.instance)
+        finally:
+            self.rt._finished_by(key, self.bit, self.instance, out)
+
+
 class CaptureRuntime:
     def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
                  hidden: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
@@ -106,6 +217,10 @@ class CaptureRuntime:
         self.consumers: dict[int, tuple[str, Any]] = {}  # bit -> (instance, consumer)
         self.bit_of: dict[str, int] = {}
         self.global_specs: dict[int, CaptureSpec] = {}
+        self._lanes: dict[int, _Lane] = {}
+        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "consumer_errors": 0,
+                      "recomputed_positions": 0}
+        self._stats_lock = threading.Lock()  # lanes count errors from their threads
         for i, c in enumerate(cfg.capture):
             cls = consumer_class(c.name)
             # TP ranks hold the same residual: TP rank 0 of each stage captures its stage's sites;
@@ -118,23 +233,24 @@ class CaptureRuntime:
             self.bit_of[c.instance_name] = bit
             if getattr(consumer, "global_spec", None):
                 self.global_specs[bit] = parse_capture_spec(c.instance_name, consumer.global_spec, num_layers, self.hooks)
+            self._lanes[bit] = _Lane(self, bit, c.instance_name, consumer)
         self._requests: dict[str, _Request] = {}
         self._plan_dirty: list[int] = []  # site rows of plan_host set last step
         self._pending: list[_Entry] = []
         self._rows_used = 0
-        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "consumer_errors": 0,
-                      "recomputed_positions": 0}
-        self.results: dict[str, dict[str, Any]] = {}
-        self._finished: set[str] = set()
-        # Unbounded: finish packets (one per request) always go in; rows packets take a slot first.
-        self._queue: queue.Queue = queue.Queue()
-        self._row_slots = threading.Semaphore(MAX_QUEUED_ROW_PACKETS)
+        self.results_ttl = results_ttl(cfg)
+        self._results_lock = threading.Lock()
+        self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
+        self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # key -> (finished at, results)
+        self._finished: OrderedDict[str, None] = OrderedDict()  # recently finished engine ids (bounded)
         self._pinned_free: dict[int, list[torch.Tensor]] = {}
         self._pinned_lock = threading.Lock()
         self._copy_done: Any = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._dispatch_loop, name="vllm-steer-capture", daemon=True)
-        self._thread.start()
+
+    def _count(self, stat: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[stat] += n
 
     # ---- control plane -----------------------------------------------------------------
     def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None) -> None:
@@ -149,14 +265,53 @@ class CaptureRuntime:
             if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
                 new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
             self._requests[request_id] = new
-            self._finished.discard(request_id)
+            self._finished.pop(request_id, None)
 
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
-        if req is not None and request_id not in self._finished:
-            self._finished.add(request_id)
-            bits = sum(req.specs)  # only the consumers this request used hear of its end
-            self._queue.put(("finish", request_id, {**req.meta, "prompt_len": req.prompt_len}, bits, req))
+        if req is None or request_id in self._finished:
+            return
+        self._finished[request_id] = None
+        while len(self._finished) > RESULTS_MAX:
+            self._finished.popitem(last=False)
+        key = req.meta.get("external_id") or request_id  # results go by the id callers know
+        meta = {**req.meta, "prompt_len": req.prompt_len}
+        bits = [b for b in req.specs if b in self._lanes]  # only the consumers this request used hear of its end
+        with self._results_lock:
+            f = self._finishing.get(key)
+            if f is None:
+                f = self._finishing[key] = _Finishing({}, {})
+            for b in bits:
+                f.left[b] = f.left.get(b, 0) + 1
+                if self._lanes[b].driver:
+                    f.instances[b] = self._lanes[b].instance
+            if not f.left:
+                del self._finishing[key]
+        for b in bits:
+            self._lanes[b].queue.put(("finish", request_id, key, meta, req))
+
+    def _finished_by(self, key: str, bit: int, instance: str, out: Any) -> None:
+        """A lane handled a finish packet (dispatch thread)."""
+        with self._results_lock:
+            f = self._finishing.get(key)
+            if f is None:
+                return
+            if out is not None and bit in f.instances:
+                f.results[instance] = out
+            f.left[bit] -= 1
+            if f.left[bit] <= 0:
+                del f.left[bit]
+            if not f.left:
+                del self._finishing[key]
+                self._done[key] = (time.monotonic(), f.results)
+                self._done.move_to_end(key)
+                self._evict()
+
+    def _evict(self) -> None:
+        """Results nobody collected: keep at most RESULTS_MAX, none older than the TTL (lock held)."""
+        cutoff = time.monotonic() - self.results_ttl
+        while self._done and (len(self._done) > RESULTS_MAX or next(iter(self._done.values()))[0] < cutoff):
+            self._done.popitem(last=False)
 
     @property
     def active(self) -> bool:
@@ -217,19 +372,30 @@ class CaptureRuntime:
         live.capture_live = bool(entries)
 
     def after_forward(self) -> None:
-        """Hand the rows this step captured to the dispatch thread (no device sync here).
+        """Hand the rows this step captured to the consumers' lanes (no device sync here).
 
         On a GPU the copy runs on a side stream into a leased pinned buffer: the side stream waits
         for the forward (an event), the next step's compute waits for the copy (an event) before
-        its capture op overwrites the pool, and the dispatch thread waits for the copy's event."""
+        its capture op overwrites the pool, and the lanes wait for the copy's event."""
         if not self._pending:
             return
-        if not self._row_slots.acquire(blocking=False):  # 256 packets undelivered: drop this one
-            self.stats["dropped_packets"] += 1
+        wanted = 0
+        for e in self._pending:
+            wanted |= int(np.bitwise_or.reduce(e.masks))
+        lanes = []
+        for bit, lane in self._lanes.items():
+            if not wanted & bit:
+                continue
+            if lane.row_slots.acquire(blocking=False):
+                lanes.append(lane)
+                continue
+            self._count("dropped_packets")  # 256 packets undelivered in this lane: drop its rows
             for e in self._pending:
                 req = self._requests.get(e.request_id)
-                if req is not None:
-                    req.drop(e.hook, e.layer, e.positions, e.masks)
+                mine = (e.masks & bit) != 0
+                if req is not None and mine.any():
+                    req.drop(e.hook, e.layer, e.positions[mine], e.masks[mine] & bit)
+        if not lanes:
             self._pending = []
             return
         n = self._rows_used
@@ -247,8 +413,10 @@ class CaptureRuntime:
             self._copy_done = event
         else:
             host = rows.clone()
-        self.stats["rows"] += n
-        self._queue.put(("rows", event, host, self._pending))
+        self._count("rows", n)
+        packet = _Packet(event, host, self._pending, len(lanes))
+        for lane in lanes:
+            lane.queue.put(("rows", packet))
         self._pending = []
 
     def before_forward(self) -> None:
@@ -272,72 +440,28 @@ class CaptureRuntime:
             with self._pinned_lock:
                 self._pinned_free.setdefault(host.shape[0], []).append(host)
 
-    # ---- dispatch thread ---------------------------------------------------------------
-    def _dispatch_loop(self) -> None:
-        while True:
-            packet = self._queue.get()
-            try:
-                if packet[0] == "rows":
-                    self._deliver_rows(*packet[1:])
-                else:
-                    self._deliver_finish(*packet[1:])
-            except Exception:  # never let a consumer take the engine down
-                self.stats["consumer_errors"] += 1
-                logger.exception("vllm-steer: capture dispatch failed")
-            finally:
-                if packet[0] == "rows":
-                    self._row_slots.release()
-                self._queue.task_done()
-
-    def _deliver_rows(self, event: Any, host: torch.Tensor, entries: list[_Entry]) -> None:
-        if event is not None:
-            event.synchronize()
-        try:
-            self._deliver_rows_synced(host, entries)
-        finally:
-            self._give_back(host)  # consumers got copies (boolean-mask indexing)
-
-    def _deliver_rows_synced(self, host: torch.Tensor, entries: list[_Entry]) -> None:
-        data = (host.float() if host.dtype == torch.bfloat16 else host).numpy()
-        for e in entries:
-            block = data[e.row0 : e.row0 + len(e.positions)]
-            for bit, (instance, consumer) in self.consumers.items():
-                take = (e.masks & bit) != 0
-                if not take.any():
-                    continue
-                try:
-                    consumer.on_rows(e.request_id, e.layer, e.hook, e.positions[take], block[take], {})
-                except Exception:
-                    self.stats["consumer_errors"] += 1
-                    logger.exception("vllm-steer: capture consumer %s raised in on_rows", instance)
-
-    def _deliver_finish(self, request_id: str, meta: dict, bits: int, req: _Request) -> None:
-        results = {}
-        for bit, (instance, consumer) in self.consumers.items():
-            if not bits & bit:
-                continue
-            dropped = req.dropped_for(bit) if req.dropped else {}
-            try:
-                out = consumer.on_request_finished(
-                    request_id, {**meta, "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))})
-            except Exception:
-                self.stats["consumer_errors"] += 1
-                logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", instance)
-                continue
-            if out is not None:
-                results[instance] = out
-        if results:  # keyed by the id callers know (vLLM suffixes the external id internally)
-            self.results[meta.get("external_id") or request_id] = results
-
-    def collect_results(self, request_ids: list[str], timeout: float = 30.0) -> dict[str, dict]:
-        """Finish (publish) the given requests, which the caller knows are done, wait until every
-        consumer has seen them, and return driver results by the ids given (engine or external)."""
+    # ---- results ----------------------------------------------------------------------
+    def collect_results(self, request_ids: list[str]) -> dict[str, Any]:
+        """Never waits. Publish the given requests (the caller knows they are done) if the runner
+        has not yet, and answer by the ids given (engine or external): ``{"done": {id: driver
+        results}, "pending": {id: {"waiting": [driver instances not yet finished], "results":
+        {those that have}}}}``. An id this worker has no capture state for (never had, or already
+        collected) is done with no results; done results are handed over once."""
         wanted = set(request_ids)
         for rid, req in list(self._requests.items()):
             if rid in wanted or req.meta.get("external_id") in wanted:
                 self.finish_request(rid)
-        done = threading.Event()
-        waiter = threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True)
-        waiter.start()
-        done.wait(timeout)
-        return {rid: self.results.pop(rid) for rid in request_ids if rid in self.results}
+        done: dict[str, dict] = {}
+        pending: dict[str, dict] = {}
+        with self._results_lock:
+            self._evict()
+            for rid in request_ids:
+                f = self._finishing.get(rid)
+                if f is not None:
+                    pending[rid] = {"waiting": sorted(f.instances[b] for b in f.left if b in f.instances),
+                                    "results": dict(f.results)}
+                elif rid in self._done:
+                    done[rid] = self._done.pop(rid)[1]
+                else:
+                    done[rid] = {}
+        return {"done": done, "pending": pending}

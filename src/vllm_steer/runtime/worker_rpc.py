@@ -70,10 +70,12 @@ def vllm_steer_register_sae(self, path: str, format: str | None, site: str | Non
 
 
 def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
-    """Publish the captures of finished requests now and return driver consumers' results."""
+    """Publish the captures of finished requests now and return, without waiting, what is ready:
+    ``{"done": {id: driver results}, "pending": {id: {"waiting": [...], "results": {...}}}}``
+    (``runtime.capture.CaptureRuntime.collect_results``). Callers poll it."""
     rt = _runtime(self)
     if rt is None or rt.capture is None:
-        return {}
+        return {"done": {rid: {} for rid in request_ids}, "pending": {}}
     return rt.capture.collect_results(list(request_ids))
 
 

@@ -6,7 +6,9 @@ A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.front
 only responses whose holder was filled; everything else streams through untouched. Responses of
 capturing requests also get ``"capture"``: the driver consumers' per-request results, in the body
 (non-streaming) or, when streaming, in one last chunk with empty ``choices`` just before
-``data: [DONE]`` (the shape of the usage chunk, which OpenAI clients accept).
+``data: [DONE]`` (the shape of the usage chunk, which OpenAI clients accept). Results come from this process's
+poller (``server.capture_results``): a response waits for its own requests' driver results at most
+``steer.capture_result_timeout_s``, and no call it causes waits in the engine.
 
 A request the engine refused after accepting it (no steering row within ``steer.max_row_wait_s``,
 ``core.refusals``) is answered with the refusal's status (503, or 400) and message instead of vLLM's
@@ -18,10 +20,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.server.errors import error_body
+from vllm_steer.capture.collect import DEFAULT_TIMEOUT_S
 from vllm_steer.frontend.applied import close_holder, open_holder
+from vllm_steer.server.capture_results import poller_of
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -32,17 +35,15 @@ def _inject(obj: Any, applied: dict) -> Any:
     return obj
 
 
-async def _capture_results(scope: dict, ids: list[str]) -> dict:
-    """Driver consumers' results for finished requests, from the workers (collect publishes)."""
-    engine = getattr(scope["app"].state, "steer_engine_client", None)
+async def _capture_results(scope: dict, holder: dict) -> dict:
+    """Driver consumers' results for the finished requests of a response (collecting publishes)."""
+    state = scope["app"].state
+    engine = getattr(state, "steer_engine_client", None)
     if engine is None:
         return {}
-    merged: dict[str, dict] = {}
-    # every DP engine: a request's driver results are on the engine that ran it
-    for per_worker in await rpc_every_engine(engine, "vllm_steer_capture_collect", (ids,)):
-        for rid, res in per_worker.items():
-            merged.setdefault(rid, {}).update(res)
-    return merged
+    cfg = getattr(state, "steer_config", None)
+    timeout = cfg.capture_result_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S
+    return await poller_of(engine).results(holder["capture_ids"], timeout, holder.get("capture_instances"))
 
 
 _ENVELOPE = ("id", "object", "created", "model")
@@ -132,7 +133,7 @@ class SteeringResponseMiddleware:
                 obj = _inject(json.loads(b"".join(state["body"])), holder)
                 ids = holder.get("capture_ids")
                 if ids and isinstance(obj, dict) and start.get("status", 200) == 200:
-                    results = await _capture_results(scope, ids)
+                    results = await _capture_results(scope, holder)
                     obj["capture"] = _capture_field(results, ids)
                 body = json.dumps(obj).encode()
                 headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
@@ -150,7 +151,7 @@ class SteeringResponseMiddleware:
                     body = _rewrite_sse(body, state["splice"])
                 if ids and _DONE in body:  # the stream is complete: its requests have finished
                     event = _inject({**state["envelope"], "choices": [],
-                                     "capture": _capture_field(await _capture_results(scope, ids), ids)}, holder)
+                                     "capture": _capture_field(await _capture_results(scope, holder), ids)}, holder)
                     body = body.replace(_DONE, b"data: " + json.dumps(event, separators=(",", ":")).encode()
                                         + b"\n\n" + _DONE, 1)
                 await send({**message, "body": body})

@@ -1,9 +1,11 @@
-"""Example capture consumers for vllm-steer (see README.md): a linear-probe scorer (driver) and a
-consumer that always raises (worker), discovered through ``vllm.capture_consumers``."""
+"""Example capture consumers for vllm-steer (see README.md): a linear-probe scorer (driver), a
+consumer that always raises (worker) and a slow driver (sleeps on finish when a request asks),
+discovered through ``vllm.capture_consumers``."""
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,37 @@ class ExplodingConsumer:
 
     def on_request_finished(self, request_id, meta) -> None:
         raise RuntimeError("explode: on_request_finished always raises")
+
+    def close(self) -> None:
+        return None
+
+
+class SlowConsumer:
+    """A driver whose ``on_request_finished`` sleeps ``sleep_s`` seconds (a per-request key, default
+    0) before returning ``{"slept_s": ...}``: a stand-in for a consumer that takes seconds."""
+
+    location = "driver"
+
+    def __init__(self, instance: str, **params: Any) -> None:
+        self.instance = instance
+        self.global_spec = None
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> None:
+        extra = set(params) - {"sleep_s"}
+        if extra:
+            raise ValueError(f"slow takes only sleep_s, got {sorted(extra)}")
+        s = params.get("sleep_s", 0)
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s <= 60:
+            raise ValueError("sleep_s: a number of seconds, 0 to 60")
+
+    def on_rows(self, *args: Any) -> None:
+        return None
+
+    def on_request_finished(self, request_id, meta) -> dict:
+        s = float(meta.get("params", {}).get("sleep_s", 0))
+        time.sleep(s)
+        return {"slept_s": s}
 
     def close(self) -> None:
         return None
