@@ -52,7 +52,8 @@ def openai_server(model: str, *args: str, log: Path, env: dict | None = None, ti
             os.killpg(proc.pid, 15)
             proc.wait(timeout=30)
         except Exception:
-            os.killpg(proc.pid, 9)
+            if proc.poll() is None:  # an exited server (its start failed) has nothing left to kill
+                os.killpg(proc.pid, 9)
 
 
 def scrape_metrics(base: str) -> dict[str, float]:

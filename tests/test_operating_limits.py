@@ -1,4 +1,5 @@
-"""Safe to operate (issue 25), over HTTP on a tiny Llama with one usable row (``max_configs: 2``):
+"""Safe to operate (issue 25), over HTTP on SmolLM2 with one usable row (``max_configs: 2``; a real
+model decodes slowly enough on the CPU lane for a stream to hold the row while others wait):
 cached module rows are evicted for a request instead of starving it, a request that can never fit is
 a 400, a request that waits past ``max_row_wait_s`` while running requests hold the row is a 503
 (streaming too, before any byte), and a server that cannot steer refuses steering fields.
@@ -16,8 +17,8 @@ import pytest
 
 from tests.server import openai_server, scrape_metrics
 
-HIDDEN = 128  # the tiny Llama's
-WAIT_S = 1.0
+HIDDEN = 576  # SmolLM2-135M's
+WAIT_S = 0.5
 
 
 def _vec(seed: int) -> list[float]:
@@ -29,11 +30,11 @@ def _steer(seed: int, layer: int = 1) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_row(tiny_model, tmp_path_factory):
-    model = tiny_model("llama")
+def one_row(smollm2_path, tmp_path_factory):
+    model = smollm2_path
     log = tmp_path_factory.mktemp("one_row") / "server.log"
     cfg = json.dumps({"steer": {"max_configs": 2, "max_row_wait_s": WAIT_S}})
-    with openai_server(model, "--enforce-eager", "--max-model-len", "4096", "--additional-config", cfg,
+    with openai_server(model, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg,
                        log=log) as (base, _):
         yield base, model
 
@@ -82,7 +83,7 @@ class _Holder(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        body = {"model": self.model, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+        body = {"model": self.model, "prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True,
                 "steering_vectors": _steer(7)}
         with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
@@ -100,24 +101,37 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
     before = scrape_metrics(base).get("vllm_steer_row_wait_timeouts_total", 0.0)
     holder = _Holder(base, model)
     holder.start()
-    try:
-        assert holder.started.wait(60), "the holding stream never started"
+    answers: dict = {}
+
+    def plain() -> None:
         t0 = time.time()
-        r = _complete(base, model, timeout=60, steering_vectors=_steer(8))
-        waited = time.time() - t0
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["type"] == "ServiceUnavailableError"
-        assert "steer.max_row_wait_s" in r.json()["error"]["message"] and r.headers.get("retry-after")
-        assert WAIT_S <= waited < WAIT_S + 20
+        answers["plain"] = (_complete(base, model, timeout=60, steering_vectors=_steer(8)), time.time() - t0)
+
+    def stream() -> None:
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
                 "model": model, "prompt": "Hi", "max_tokens": 4, "stream": True,
                 "steering_vectors": _steer(9)}) as s:
-            assert s.status_code == 503 and s.headers["content-type"] == "application/json"
-            assert "steer.max_row_wait_s" in json.loads(s.read())["error"]["message"]
+            answers["stream"] = (s.status_code, s.headers["content-type"], s.read())
+
+    try:
+        assert holder.started.wait(60), "the holding stream never started"
+        clients = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(60)
         assert holder.is_alive(), "the holder must still run for this test to mean anything"
     finally:
         holder.stop.set()
         holder.join(60)
+    r, waited = answers["plain"]
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "steer.max_row_wait_s" in r.json()["error"]["message"] and r.headers.get("retry-after")
+    assert WAIT_S <= waited < WAIT_S + 20
+    status, ctype, body = answers["stream"]  # refused before any byte of a stream: a plain JSON error
+    assert status == 503 and ctype == "application/json", body
+    assert "steer.max_row_wait_s" in json.loads(body)["error"]["message"]
     deadline = time.time() + 30
     while True:  # the aborted holder's row frees: the same request runs now
         r = _complete(base, model, timeout=60, steering_vectors=_steer(8))

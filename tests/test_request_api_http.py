@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import openai
 from openai import BadRequestError, OpenAI
 
 from tests.server import scrape_metrics
@@ -149,6 +150,40 @@ def test_applied_keys_are_in_the_server_log(server, client):
     assert f"prefill={key}" in server[2].read_text()
 
 
+def _big_body(model: str, cap: int) -> bytes:
+    return json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2, "user": "x" * (8 * cap)}).encode()
+
+
+def test_a_413_reaches_every_ordinary_client(server):
+    """A body several times the cap (larger than the socket buffers): curl, httpx, urllib and the
+    openai client each read the 413 instead of a connection reset (the server drains the body)."""
+    import shutil
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    base, model = server[0], server[1]
+    cap = 2 * CAP + (1 << 20)
+    body = _big_body(model, cap)
+    r = httpx.post(f"{base}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 413 and json.loads(e.value.read())["error"]["param"] == "body"
+    with pytest.raises(openai.APIStatusError) as e:
+        openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).completions.create(
+            model=model, prompt="Hello", max_tokens=2, user="x" * (8 * cap))
+    assert e.value.status_code == 413
+    if shutil.which("curl"):  # curl sends Expect: 100-continue: answered before the body is sent
+        out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H",
+                              "content-type: application/json", "--data-binary", "@-", f"{base}/v1/completions"],
+                             input=body, capture_output=True, timeout=60)
+        assert out.stdout == b"413", out
+    assert httpx.post(f"{base}/v1/completions", timeout=60,
+                      json={"model": model, "prompt": "Hello", "max_tokens": 2}).status_code == 200
+
+
 def test_msgpack_body_with_raw_bytes_equals_the_json_body(server):
     """The binary wire form: a msgpack body whose packed data is raw bytes (no base64)."""
     from vllm_steer.client import MSGPACK_CONTENT_TYPE, msgpack_body
@@ -286,7 +321,8 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     assert before["vllm_steer_modules"] == len(modules) >= 1 and before["vllm_steer_saes"] == 1
     assert before["vllm_steer_requests_waiting_for_row"] == 0
     assert before["vllm_steer_engine_metrics_updated_seconds"] > 0 and before["vllm_steer_preemptions_total"] >= 0
-    assert before["vllm_steer_rows_in_use_peak"] >= before["vllm_steer_rows_in_use"] >= 1  # the preloaded module's
+    # at rest: the preloaded module's rows are cached, not held (rows in use are running requests' only)
+    assert before["vllm_steer_rows_in_use_peak"] >= 1 and before["vllm_steer_rows_in_use"] == 0
 
     rng = np.random.default_rng()  # a config no earlier request had: its row must be written
     vectors = {h: {"3": rng.standard_normal(HIDDEN).astype(np.float32).tolist()}

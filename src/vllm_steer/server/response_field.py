@@ -115,7 +115,7 @@ class SteeringResponseMiddleware:
                     return  # held until the whole body is here (its length changes)
                 await send(message)
             elif message["type"] == "http.response.body" and state["mode"] == "sse" and state["start"]:
-                if "refused" in holder and b'"error"' in message.get("body", b""):
+                if "refused" in holder:  # refused before its first token: vLLM sends an error event or [DONE]
                     state["mode"] = "refused"
                     await _send_refusal(send, holder["refused"])
                     return

@@ -1,0 +1,28 @@
+"""Three minutes of bench/soak.py's mixed traffic against the shared test server (plain, inline
+vectors, module churn, SAE clamps, capture with client aborts, bad inputs): memory of every server
+process flat within the soak's band after warm-up, rows and waiting requests back to zero, no
+request unfinished, no unexpected answer (issue 25). The long run's numbers are in bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+
+from tests.conftest import API_KEY, SAE_CLAMPABLE
+from tests.engine_job import ROOT
+
+
+def test_three_minutes_of_mixed_traffic_leave_the_server_as_it_was(api_server):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import soak
+
+    base, model = api_server[0], api_server[1]
+    cfg = soak.SoakConfig(base=base, model=model, hidden=576, pid=soak.server_pid(httpx.URL(base).port),
+                          minutes=3.0, threads=3, sample_s=20.0, sae="fz", sae_features=SAE_CLAMPABLE,
+                          capture="fs", api_key=API_KEY)
+    report = soak.run_soak(cfg)
+    assert sum(report.answers.values()) > 50, report.answers  # traffic really flowed
+    kinds = {k.split()[0] for k in report.answers}
+    assert {"plain", "inline", "module-use", "sae", "capture-abort", "bad-nan", "bad-hook"} <= kinds, kinds
+    assert soak.problems(report, cfg) == [], report.to_json()
