@@ -112,10 +112,11 @@ def _patch(cls: type) -> None:
 
 
 def patch_openai_requests_in_api_server() -> None:
-    """The general plugin's share: patch where vLLM's OpenAI server runs (its module is loaded)."""
+    """The general plugin's share: patch where vLLM's OpenAI server runs. Its CLI has loaded the
+    request protocol by then (0.26-0.32: the server module moved in 0.31, the protocol did not)."""
     import sys
 
-    if "vllm.entrypoints.openai.api_server" in sys.modules:
+    if "vllm.entrypoints.openai.completion.protocol" in sys.modules:
         patch_openai_requests()
 
 
