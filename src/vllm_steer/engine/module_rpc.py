@@ -15,24 +15,22 @@ from vllm_steer.engine.metrics_rpc import engine_metrics
 from vllm_steer.engine.module_registry import registry_of
 
 
-def module_users(requests: Any) -> dict[str, int]:
-    """Unfinished requests (waiting, running or preempted) per named module they reference."""
-    users: Counter[str] = Counter()
+def _module_refs(requests: Any) -> Any:
+    """The named-module references (``{name, version, scale}``) of unfinished requests."""
     for request in requests:
         module = (payload_of(getattr(request, "sampling_params", None)) or {}).get("module")
         if module:
-            users[module["name"]] += 1
-    return dict(users)
+            yield module
+
+
+def module_users(requests: Any) -> dict[str, int]:
+    """Unfinished requests (waiting, running or preempted) per named module they reference."""
+    return dict(Counter(m["name"] for m in _module_refs(requests)))
 
 
 def module_versions_in_use(requests: Any) -> set[tuple[str, int]]:
     """(name, version) of the named modules unfinished requests reference."""
-    out = set()
-    for request in requests:
-        module = (payload_of(getattr(request, "sampling_params", None)) or {}).get("module")
-        if module:
-            out.add((module["name"], module["version"]))
-    return out
+    return {(m["name"], m["version"]) for m in _module_refs(requests)}
 
 
 def _forget_retired(core: Any, original: Any, timeout: Any) -> None:

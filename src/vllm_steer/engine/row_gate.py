@@ -10,10 +10,11 @@ first served), and puts them back after. A request set aside for ``steer.max_row
 from the first step that set it aside) during which no row turned over (no config became live or
 stopped being live) is refused: the rows are stuck with long-running requests, and the scheduler
 finishes it with an error the client sees (``engine.refusals``). While rows keep turning over (a
-large batch of distinct configs) requests keep their place in the queue, as vLLM's own queue does. Unsteered requests and requests whose keys are live pass. The
-worker's live rows are always a subset of the admitted keys, so its allocator never runs out, and
-no request runs unsteered or on another's row. With no steered request waiting the gate does
-nothing per step. Wired into vLLM's scheduler by ``engine.scheduler``.
+large batch of distinct configs) requests keep their place in the queue, as vLLM's own queue does.
+Unsteered requests and requests whose keys are live pass. The worker's live rows are always a subset
+of the admitted keys, so its allocator never runs out, and no request runs unsteered or on another's
+row. With no steered request waiting the gate does nothing per step. Wired into vLLM's scheduler by
+``engine.scheduler``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,3 @@ class RowGate:
             (expired if stuck and now - since >= self.max_wait_s else keep).append(req)
         self.wait_timeouts += len(expired)
         return keep, expired
-
-    def waited(self, req_id: str, now: float) -> float:
-        """Seconds a request has been set aside (0 if it never was)."""
-        return now - self._held_since.get(req_id, now)

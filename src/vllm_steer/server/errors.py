@@ -14,6 +14,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
+def error_response(status: int, message: str, param: str | None) -> tuple[dict, bytes]:
+    """vLLM's error shape, as an ASGI start message and body (for middlewares, before any route)."""
+    import json
+
+    body = json.dumps(error_body(status, message, param)).encode()
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    return start, body
+
+
 def error(status: int, message: str, param: str | None = None) -> Any:
     """A JSONResponse in vLLM's error shape."""
     from fastapi.responses import JSONResponse

@@ -30,7 +30,7 @@ from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
-from vllm_steer.server.errors import error_body
+from vllm_steer.server.errors import error_response
 from vllm_steer.server.openai_fields import steering_fields
 
 logger = logging.getLogger("vllm.steer")
@@ -42,14 +42,6 @@ _MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear e
 _SAE_MARKER = b"sae"
 _JSON_DECODER = msgspec.json.Decoder()
 _MSGPACK_DECODER = msgspec.msgpack.Decoder()
-
-
-def error_response(status: int, message: str, param: str | None) -> tuple[dict, bytes]:
-    """vLLM's error shape, as an ASGI start message and body."""
-    body = msgspec.json.encode(error_body(status, message, param))
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
-    return start, body
 
 
 def _decode(body: bytes, msgpack: bool) -> dict | None:

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from vllm_steer.core.refusals import Refusal
-from vllm_steer.server.errors import error_body
+from vllm_steer.server.errors import error_response
 from vllm_steer.capture.collect import DEFAULT_TIMEOUT_S
 from vllm_steer.frontend.applied import close_holder, open_holder
 from vllm_steer.server.capture_results import poller_of
@@ -83,11 +83,10 @@ def _capture_field(results: dict, ids: list[str]) -> dict:
 
 async def _send_refusal(send: Any, refusal: Refusal) -> None:
     """The engine refused the request after accepting it: its status and reason, vLLM's error shape."""
-    body = json.dumps(error_body(refusal.status, refusal.message, refusal.param)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    start, body = error_response(refusal.status, refusal.message, refusal.param)
     if refusal.status == 503:
-        headers.append((b"retry-after", b"1"))
-    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+        start["headers"].append((b"retry-after", b"1"))
+    await send(start)
     await send({"type": "http.response.body", "body": body})
 
 
