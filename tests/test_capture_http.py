@@ -120,11 +120,11 @@ SLOW_S = 2 * CAPTURE_TIMEOUT_S  # the slow consumer's sleep: past the timeout
 SLOW_SPEC = {"layers": [0], "hooks": ["pre_attn"], "positions": "last_prompt"}
 
 
-def _stream_times(base, model, i, out):
+def _stream_times(base, model, i, out, max_tokens):
     """Arrival time of every SSE event of a long unsteered streaming completion (into ``out[i]``)."""
     times = out[i]
     with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
-            "model": model, "prompt": f"{PROMPT} {i}", "max_tokens": 120, "temperature": 0,
+            "model": model, "prompt": f"{PROMPT} {i}", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -132,11 +132,11 @@ def _stream_times(base, model, i, out):
                 times.append(time.monotonic())
 
 
-def _concurrent_streams(base, model, n=3, during=None):
+def _concurrent_streams(base, model, n=3, during=None, max_tokens=120):
     """Run ``n`` streams at once (read in threads); ``during()`` runs once every stream has had 5
     events. Returns (each stream's event times, what ``during`` returned)."""
     times: dict[int, list[float]] = {i: [] for i in range(n)}
-    threads = [threading.Thread(target=_stream_times, args=(base, model, i, times)) for i in range(n)]
+    threads = [threading.Thread(target=_stream_times, args=(base, model, i, times, max_tokens)) for i in range(n)]
     [t.start() for t in threads]
     got = None
     if during is not None:
@@ -145,7 +145,7 @@ def _concurrent_streams(base, model, n=3, during=None):
             time.sleep(0.01)
         got = during()
     [t.join(120) for t in threads]
-    assert all(len(t) > 100 for t in times.values())  # 120 tokens, the capture chunk, [DONE]
+    assert all(len(t) > max_tokens - 20 for t in times.values())  # the tokens, the capture chunk, [DONE]
     return [times[i] for i in range(n)], got
 
 
@@ -166,7 +166,9 @@ def test_a_slow_driver_consumer_delays_only_its_own_capture_field_never_other_to
         r = complete(base, model, max_tokens=2, capture={"slow": {**SLOW_SPEC, "sleep_s": SLOW_S}})
         return r, t0, time.monotonic()
 
-    streams, (r, t0, t1) = _concurrent_streams(base, model, during=slow_request)
+    # Long enough that every stream still decodes when the slow request finishes, even if one of
+    # them starts seconds after the others (seen once in CI: 11 s on the shared 2-core box).
+    streams, (r, t0, t1) = _concurrent_streams(base, model, during=slow_request, max_tokens=300)
     gaps = _gaps(streams)
     print(f"inter-event gaps: baseline p95 {p95 * 1e3:.0f} ms max {normal.max() * 1e3:.0f} ms; "
           f"with the slow consumer p95 {np.percentile(gaps, 95) * 1e3:.0f} ms max {gaps.max() * 1e3:.0f} ms; "

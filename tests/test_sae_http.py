@@ -5,15 +5,16 @@ flight (the request finishes with the SAE, the site stays busy until then), re-r
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 
 import httpx
 import pytest
 
 from tests.conftest import API_KEY, SAE_SLOT, SAE_SLOT_SIZE
 from tests.sae_writers import random_sae, write_gemma_scope
-from tests.test_modules_http import stream_completion
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HIDDEN, F = 576, 64
@@ -40,6 +41,29 @@ def text(base, model, **fields):
         "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, **fields})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def _long_stream(base, model, started, stop, out):
+    """A 480-token streamed (the server's max_model_len is 512) completion clamped by ``rt``: ``started`` is set once its text is longer
+    than an 8-token answer's, the stream is closed (the request aborted) when ``stop`` is set;
+    ``out`` gets the status and the text so far."""
+    req = {"model": model, "prompt": "The capital of France is", "max_tokens": 480, "temperature": 0,
+           "ignore_eos": True, "stream": True, "sae": {"name": "rt", "clamps": CLAMPS}}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=req, timeout=120) as r:
+            out["status"], out["text"], events = r.status_code, "", 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    out["text"] += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    events += 1
+                    if events >= 12:
+                        started.set()
+                elif line and not line.startswith("data: [DONE]"):
+                    out["text"] += line
+                if stop.is_set():
+                    break
+    finally:
+        started.set()
 
 
 def _refusal(r, status: int, param: str, words: str) -> None:
@@ -115,25 +139,30 @@ def test_register_steer_delete_in_flight_and_reuse_the_site(server):
             "model": model, "prompt": "Hi", "sae": {"name": "rt", "clamps": [{"feature": 9, "value": 1.0}]}})
         _refusal(refused, 400, "sae.clamps[0].feature", "not clampable")
 
-        out, started = {}, threading.Event()
-        t = threading.Thread(target=stream_completion, args=(base, model, started, out),
-                             kwargs={"sae": {"name": "rt", "clamps": CLAMPS}})
+        out, started, stop = {}, threading.Event(), threading.Event()
+        t = threading.Thread(target=_long_stream, args=(base, model, started, stop, out))
         t.start()
         assert started.wait(120), "no token streamed within 120 s"
-        assert httpx.get(f"{base}/v1/steering/sae/rt", timeout=30).json()["in_flight"] == 1
+        assert httpx.get(f"{base}/v1/steering/sae/rt", timeout=30).json()["in_flight"] == 1, out
         assert delete(base, "rt").status_code == 200
         after = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": model, "prompt": "Hi", "sae": {"name": "rt", "clamps": CLAMPS}})
         _refusal(after, 400, "sae.name", "unknown SAE")
         # the running request still clamps at the site: another SAE may not take it yet
         busy = post(base, {**body, "name": "rt2", "path": files[32]})
-        t.join()
-        if t.is_alive() or out.get("status") != 200:
-            pytest.fail(f"the in-flight request: {out}")
+        running = t.is_alive()  # 480 tokens: it cannot have finished by now
+        stop.set()  # close the stream: vLLM aborts the request, which frees the site
+        t.join(120)
+        if t.is_alive() or out.get("status") != 200 or not running:
+            pytest.fail(f"the in-flight request (running at the post: {running}): {out}")
         _refusal(busy, 409, "site", "still clamp")
-        assert out["text"].startswith(first)  # it ran with rt to the end (greedy: same prefix)
+        assert out["text"].startswith(first)  # it ran with rt (greedy: same prefix)
 
-        assert post(base, {**body, "name": "rt2", "path": files[32]}).status_code == 201
+        deadline = time.monotonic() + 60  # the abort reaches the engine soon after the close
+        while (again := post(base, {**body, "name": "rt2", "path": files[32]})).status_code == 409 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert again.status_code == 201, again.text
         second = text(base, model, sae={"name": "rt2", "clamps": CLAMPS})
         assert second not in (first, plain)
         assert delete(base, "rt2").status_code == 200
