@@ -85,7 +85,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.worker.gpu.model_states.interface:ModelState.remove_request", ("self", "req_id"),
           "vllm_steer.runtime.runner_v2", "subclassed: release a request's rows", "as above"),
     Patch("vllm.v1.worker.gpu.model_states.interface:ModelState.prepare_inputs", ("self", "input_batch", "req_states"),
-          "vllm_steer.runtime.runner_v2", "subclassed: the step's token -> row index and capture plan", "as above"),
+          "vllm_steer.runtime.runner_v2",
+          "subclassed: the step's token -> row index (the step_index kernel reads the batch's idx_mapping, query_start_loc "
+          "and positions) and capture plan", "as above"),
     Patch("vllm.model_executor.layers.layernorm:RMSNorm.forward_native", ("self", "x", "residual"),
           "vllm_steer.runtime.install",
           "subclassed per hooked norm instance: the steered norm replaces forward with the same contract",

@@ -1,4 +1,4 @@
-"""The Triton kernels (steered_rms_norm, steered_sae_rms_norm, capture_rows) against their plain-torch
+"""The Triton kernels (steered_rms_norm, steered_sae_rms_norm, capture_rows, step_index) against their plain-torch
 references, run by Triton's CPU interpreter. Only meaningful with TRITON_INTERPRET=1 set before Triton is imported:
 ``tests/test_steered_norm.py`` runs this directory in such a process (``./dev test`` ignores it)."""
 
@@ -153,3 +153,22 @@ def test_capture_rows_triton_matches_reference(interpreted, with_b, with_table):
     assert torch.isnan(got[4]).all()  # rows no token was planned for are untouched
     expect = x[4] + (r[4] if with_b else 0) + (ta[index[4].long()] if with_table else 0)
     torch.testing.assert_close(got[0], expect, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_index_kernel_matches_reference(seed):
+    import vllm_steer.kernels.step_index.triton as kernel
+    from tests.test_step_index import random_step
+    from vllm_steer.kernels.step_index.naive import step_index_naive
+
+    num_reqs, slots, qsl, positions, slot_rows = random_step(seed, max_slots=24)
+    args = [torch.from_numpy(a) for a in (slots, qsl, positions, slot_rows)]
+    n = int(qsl[num_reqs])
+    if seed == 0:  # one prefill chunk longer than a program's block
+        args[1] = torch.tensor([0, 600], dtype=torch.int32)
+        args[2] = torch.arange(600, dtype=torch.int64)
+        num_reqs, n = 1, 600
+    got, want = (torch.full((n + 50,), 9, dtype=torch.int32) for _ in range(2))
+    kernel.step_index_triton(got, *args, num_reqs, n + 30)
+    step_index_naive(want, *args, num_reqs, n + 30)
+    assert torch.equal(got, want)

@@ -1,9 +1,11 @@
 """The worker's steering runtime: request rows in, a token -> row index out, every step.
 
 Control work happens when requests arrive or leave (row acquire/release, table writes). The
-per-step work is one host ``np.repeat`` over the batch and one non-blocking copy of the index,
-skipped entirely (one attribute check) while no steered token is, or was last step, in the batch.
-No device sync.
+per-step work, skipped entirely (one attribute check) while no steered token is, or was last step,
+in the batch: with vLLM's V2 runner one launch of the ``step_index`` kernel, which reads each
+request's rows from a per-slot device table (``slot_rows``) and the request boundaries vLLM already
+has on the device (``index_on_device``); with the V1 runner (the CPU lane) one host ``np.repeat``
+over the batch and one copy of the index from a pinned ring (``prepare_step``). No device sync.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload,
 from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
+from vllm_steer.kernels.step_index.op import step_index
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
+from vllm_steer.runtime.pinned_ring import PinnedRing
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.sae_tables import SaeTables
+from vllm_steer.runtime.slot_rows import SlotRows
 from vllm_steer.runtime.tables import SteeringTables
 
 logger = logging.getLogger("vllm_steer")
@@ -92,7 +97,7 @@ class SteeringRuntime:
         self.row_uploads = 0  # configs written into the tables (a resident row is reused, not rewritten)
         self.row_upload_bytes = 0  # bytes those writes copied into the vector tables
         self._index_extent = 0  # tokens of the device index that may hold non-zero rows
-        self._index_host = np.zeros(max_num_tokens, dtype=np.int32)
+        self._index_ring = PinnedRing((max_num_tokens,), torch.int32, device)
         logger.info(
             "vllm-steer: %d steering sites folded into %d norms (hooks %s, %d rows)",
             self.num_ops, len(sites), list(self.hooked_layers), cfg.max_configs,
@@ -218,14 +223,30 @@ class SteeringRuntime:
         expanded = np.repeat(rows.reshape(-1), counts)
         n = expanded.shape[0]
         extent = max(n, self._index_extent)  # also clear what the last step left beyond n
-        host = self._index_host[:extent]
+        host, land = self._index_ring.stage()
         host[:n] = expanded
-        host[n:] = 0
-        src = torch.from_numpy(host)
-        if self.tables.index.is_cuda:
-            src = src.pin_memory()
-        self.tables.index[:extent].copy_(src, non_blocking=True)
+        host[n:extent] = 0
+        land(self.tables.index[:extent])
         self._index_extent = n
+
+    def index_on_device(self, slots: SlotRows, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                        positions: torch.Tensor, num_reqs: int, pad_end: int) -> None:
+        """The V2 runner's step: the token -> row index from the batch's request slots, boundaries and
+        positions (device tensors vLLM has written for this step) and ``slots`` (synced here when a
+        request's rows changed); padding up to ``pad_end`` gets row 0. Nothing while no request is steered (the index is cleared once)."""
+        if not self._held:
+            if self._index_extent:
+                self.tables.index[: self._index_extent].zero_()
+                self._index_extent = 0
+            return
+        slots.sync()
+        step_index(self.tables.index, idx_mapping, query_start_loc, positions, slots.device, num_reqs, pad_end)
+        self._index_extent = max(self._index_extent, pad_end)
+
+    def index_on_device_warmup(self, slots: SlotRows) -> None:
+        """Compile ``step_index`` at start-up (a launch with no request), not at the first steered step."""
+        one = torch.zeros(1, dtype=torch.int32, device=slots.device.device)
+        step_index(self.tables.index, one, one, one, slots.device, 0, 0)
 
 
 def _capture_ranks() -> tuple[int, int]:

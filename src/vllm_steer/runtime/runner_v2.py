@@ -3,16 +3,18 @@
 After the model is loaded and before its first forward (the profile run, which triggers
 torch.compile), build the SteeringRuntime, install the steered norms, and swap the runner's
 ModelState for a subclass that feeds the runtime from ``add_request`` / ``remove_request`` /
-``prepare_inputs``. The patched targets and why are listed in ``vllm_steer.patches``.
+``prepare_inputs``. A request's rows go into the per-slot device table (``SlotRows``, by vLLM's
+request slot) when it arrives; each steered step builds the token -> row index on the device from
+vLLM's ``idx_mapping``, ``query_start_loc`` and ``positions`` (``step_index``): no host work per
+step that grows with the batch. The patched targets and why are listed in ``vllm_steer.patches``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward
+from vllm_steer.runtime.slot_rows import SlotRows
 
 _STEERED_STATE_CLASSES: dict[type, type] = {}
 
@@ -26,28 +28,24 @@ def _steered_model_state_class(base: type) -> type:
         base.add_request(self, req_index, new_req_data)
         sp = new_req_data.sampling_params
         rt = self._steer_runtime
-        self._steer_slot_rows[req_index] = rt.add_request(
-            new_req_data.req_id, sp.extra_args if sp is not None else None, len(new_req_data.prompt_token_ids or ())
-        )
+        prompt_len = len(new_req_data.prompt_token_ids or ())
+        rows = rt.add_request(new_req_data.req_id, sp.extra_args if sp is not None else None, prompt_len)
+        self._steer_slots.set(req_index, rows, prompt_len)
         self._steer_slot_of[new_req_data.req_id] = req_index
 
     def remove_request(self, req_id: str) -> None:
         slot = self._steer_slot_of.pop(req_id, None)
         if slot is not None:
-            self._steer_slot_rows[slot] = 0
+            self._steer_slots.clear(slot)
         self._steer_runtime.remove_request(req_id)
         base.remove_request(self, req_id)
 
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         rt = self._steer_runtime
         if rt.step_work:  # nothing (one attribute check) while no request is steered
-            idx = input_batch.idx_mapping_np
-            rt.prepare_step(
-                self._steer_slot_rows[idx] if rt.any_steered else None,
-                input_batch.num_scheduled_tokens,
-                input_batch.num_computed_tokens_np,
-                req_states.prompt_len.np[idx],
-            )
+            # vLLM's prepare_inputs has written this step's idx_mapping, query_start_loc and positions
+            rt.index_on_device(self._steer_slots, input_batch.idx_mapping, input_batch.query_start_loc,
+                               input_batch.positions, input_batch.num_reqs, input_batch.num_tokens_after_padding)
         if rt.capture is not None:
             rt.plan_capture(input_batch.req_ids, input_batch.num_scheduled_tokens,
                             input_batch.num_computed_tokens_np)
@@ -72,8 +70,9 @@ def attach_runtime(runner: Any) -> SteeringRuntime | None:
         return runtime  # the same runtime again (load_model(model=...)): the state already feeds it
     state.__class__ = _steered_model_state_class(type(state))
     state._steer_runtime = runtime
-    state._steer_slot_rows = np.zeros((runner.max_num_reqs, 2), dtype=np.int32)
+    state._steer_slots = SlotRows(runner.max_num_reqs, runner.device)
     state._steer_slot_of = {}
+    runtime.index_on_device_warmup(state._steer_slots)
     return runtime
 
 

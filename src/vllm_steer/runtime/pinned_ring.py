@@ -1,0 +1,43 @@
+"""Host -> device copies of small per-step buffers without allocating or pinning per copy.
+
+A ring of pinned host buffers of one shape: ``stage()`` hands out the next buffer whose previous
+copy has finished (an event query, never a wait; a busy ring gives a fresh pinned block) and a
+``land(dst)`` that enqueues the non-blocking copy and records the buffer's event. The host may run
+steps ahead of the device (async scheduling), so a buffer is never refilled before its copy ran.
+On CPU devices the host buffer is plain memory and ``land`` copies at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+class PinnedRing:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots: int = 4) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.pinned = device.type == "cuda" and torch.cuda.is_available()
+        self._bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(slots)]
+        self._events: list = [None] * slots
+        self._cursor = 0
+
+    def stage(self) -> tuple[np.ndarray, Callable[[torch.Tensor], None]]:
+        """(numpy view of a host buffer to fill, ``land(dst)``: copy the filled prefix into ``dst``)."""
+        i = self._cursor % len(self._bufs)
+        self._cursor += 1
+        event = self._events[i]
+        if not self.pinned or event is None or event.query():
+            buf = self._bufs[i]
+        else:  # the device is further behind than the ring is deep: a one-off block
+            buf, i = torch.zeros(self.shape, dtype=self.dtype, pin_memory=True), None
+
+        def land(dst: torch.Tensor) -> None:
+            dst.copy_(buf[: dst.shape[0]], non_blocking=self.pinned)
+            if self.pinned and i is not None:
+                ev = self._events[i] or torch.cuda.Event()
+                ev.record()
+                self._events[i] = ev
+
+        return buf.numpy(), land
