@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_steer.core.layout import Layout
+from vllm_steer.runtime.pinned_ring import PinnedRing
 
 _ALIGN = 16  # bytes
 _STAGING_SLOTS = 8  # pinned [L, D] slots per hook; a busy ring falls back to a fresh pinned block
@@ -55,10 +56,10 @@ class SteeringTables:
         self._row_layers: dict[str, dict[int, np.ndarray]] = {h: {} for h in hooked_layers}
         self._pin = torch.cuda.is_available() and device.type == "cuda"
         self._word_t, self._word_np = _WORD[torch.empty((), dtype=dtype).element_size()]
-        self._staging = {h: torch.zeros(_STAGING_SLOTS, len(ls), hidden_size, dtype=dtype, pin_memory=True)
-                         for h, ls in hooked_layers.items()} if self._pin else {}
-        self._staged: dict[str, list] = {h: [None] * _STAGING_SLOTS for h in self._staging}  # copy events
-        self._cursor = 0
+        # rows are staged as words (numpy has no bfloat16) in pinned rings, then copied non-blocking
+        self._row_rings = {h: PinnedRing((len(ls), hidden_size), self._word_t, device, _STAGING_SLOTS)
+                           for h, ls in hooked_layers.items()} if self._pin else {}
+        self._flag_rings = {h: PinnedRing((len(ls), _ALIGN), torch.uint8, device) for h, ls in hooked_layers.items()}
 
     def layer_views(self, hook: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(table ``[R, D]``, flag ``[1]``) of one hooked layer, both 16-byte aligned."""
@@ -84,8 +85,7 @@ class SteeringTables:
                         dst.append(slot)
             if dst or self._row_layers[hook].get(row) is not None:
                 n_layers = table.shape[1]
-                target, done = self._target(hook, table, row)
-                words = target.view(self._word_t).numpy()
+                words, done = self._target(hook, table, row)
                 if dst:
                     rows = np.frombuffer(entry[1], dtype=self._word_np).reshape(len(entry[0]), self.hidden_size)
                 if dst == src and dst == list(range(n_layers)) and len(entry[0]) == n_layers:
@@ -95,32 +95,18 @@ class SteeringTables:
                     if dst:
                         words[dst] = rows[src]
                 done()
-                written += target.numel() * target.element_size()
+                written += words.nbytes
             self._row_layers[hook][row] = np.asarray(sorted(dst), dtype=np.int64)
         return written
 
     def _target(self, hook: str, table: torch.Tensor, row: int):
-        """(host tensor to fill with the row's ``[L, D]``, callable that lands it in the table).
-        CPU: the table row itself. CUDA: a pinned staging slot whose previous copy has finished
-        (never a wait: a busy ring gives a fresh pinned block), then one non-blocking copy."""
+        """(host words to fill with the row's ``[L, D]``, callable that lands them in the table).
+        CPU: the table row itself. CUDA: a slot of the hook's pinned ring, then one non-blocking copy."""
+        target = table[row].view(self._word_t)
         if not self._pin:
-            return table[row], lambda: None
-        events = self._staged[hook]
-        i = self._cursor % _STAGING_SLOTS
-        self._cursor += 1
-        if events[i] is None or events[i].query():
-            staging = self._staging[hook][i]
-        else:
-            staging, i = torch.empty(table.shape[1:], dtype=self.dtype, pin_memory=True), None
-
-        def land() -> None:
-            table[row].copy_(staging, non_blocking=True)
-            if i is not None:
-                event = events[i] or torch.cuda.Event()
-                event.record()
-                events[i] = event
-
-        return staging, land
+            return target.numpy(), lambda: None
+        words, land = self._row_rings[hook].stage()
+        return words, lambda: land(target)
 
     def set_live(self, row: int, live: bool) -> None:
         """Count ``row`` in (or out of) the any-active flags; flags change only at 0 <-> 1."""
@@ -133,9 +119,6 @@ class SteeringTables:
             counts[slots] += delta
             after = counts > 0
             if not np.array_equal(before, after):
-                host = np.zeros((after.size, _ALIGN), dtype=np.uint8)
+                host, land = self._flag_rings[hook].stage()
                 host[:, 0] = after
-                flags = torch.from_numpy(host)
-                if self._pin:
-                    flags = flags.pin_memory()
-                self.active[hook].copy_(flags, non_blocking=True)
+                land(self.active[hook])
