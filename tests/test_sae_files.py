@@ -192,6 +192,27 @@ def test_sae_lens_log_threshold_is_exponentiated(tmp_path):
     assert got.threshold.dtype == np.float32
 
 
+def test_jumprelu_negative_thresholds_follow_sae_lens(tmp_path):
+    """sae-lens' JumpReLU is relu(pre) * (pre > t): a negative threshold lets no negative activation
+    through. Loading clamps thresholds at 0, so the kernels' pre * (pre > t) gives the same."""
+    import torch
+
+    from vllm_steer.kernels.sae_clamp.naive import JUMPRELU, Sae, encode
+
+    w = random_sae(D, F, "jumprelu", seed=8)
+    w.threshold[: F // 2] = -np.abs(w.threshold[: F // 2]) - 0.3  # half the features: t < 0
+    (got,) = load_sae(write_sae_lens(str(tmp_path / "s"), w)).values()
+    np.testing.assert_array_equal(got.threshold, np.maximum(w.threshold, 0))
+    x = np.random.default_rng(9).normal(0, 2, size=(64, D)).astype(np.float32)
+    pre = x @ w.w_enc + w.b_enc
+    sae_lens = np.maximum(pre, 0) * (pre > w.threshold)
+    assert ((pre < 0) & (pre > w.threshold)).sum() > 50  # activations the old formula let through
+    np.testing.assert_array_equal(pre * (pre > got.threshold), sae_lens)
+    ref = Sae(*(torch.from_numpy(a) for a in (got.w_enc, got.b_enc, got.w_dec, got.b_dec)), activation=JUMPRELU,
+              threshold=torch.from_numpy(w.threshold))  # the reference follows sae-lens even unclamped
+    np.testing.assert_allclose(encode(ref, torch.from_numpy(x)).numpy(), sae_lens, rtol=1e-5, atol=1e-5)
+
+
 def _sae_lens_topk_rescaled(x, w, k):
     """sae-lens TopKSAE with rescale_acts_by_decoder_norm: encode scales by the decoder norms, decode divides."""
     norms = np.linalg.norm(w.w_dec.astype(np.float64), axis=1)

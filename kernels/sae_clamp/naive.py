@@ -43,7 +43,7 @@ def encode(sae: Sae, x: torch.Tensor) -> torch.Tensor:
     if sae.activation == RELU:
         return torch.relu(pre)
     if sae.activation == JUMPRELU:
-        return torch.where(pre > sae.threshold.float(), pre, torch.zeros_like(pre))
+        return torch.relu(pre) * (pre > sae.threshold.float())  # sae-lens' JumpReLU
     if sae.activation == TOPK:
         top = torch.topk(pre, sae.k, dim=-1)
         return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))

@@ -630,7 +630,8 @@ def read_sae_meta(path: str, format: str | None = None, site: str | None = None,
 
 def _weights(plan: _Plan) -> SaeWeights:
     a = plan.read()
-    threshold = a["threshold"] if plan.meta.activation == "jumprelu" else None
+    # sae-lens' JumpReLU is relu(pre) * (pre > t); ours is pre * (pre > t), the same once t >= 0
+    threshold = np.maximum(a["threshold"], 0, dtype=np.float32) if plan.meta.activation == "jumprelu" else None
     return SaeWeights(meta=plan.meta, w_enc=a["W_enc"], b_enc=a["b_enc"], w_dec=a["W_dec"], b_dec=a["b_dec"],
                       threshold=threshold)
 
