@@ -16,8 +16,22 @@ Servers (each its own process, all alive together so trials of different servers
              installed (pip --target, no deps) into <workdir>/old_site, which goes first on that
              server's PYTHONPATH; arms named ``<steered arm>_old``. Without --old-wheel every arm
              and phase that needs it is skipped with a log line.
+  hotwire    the peer plugin hotwire-vllm, installed the same way from --peer-wheel (default:
+             .whl/peer/hotwire_vllm-*.whl if present) into <workdir>/hotwire_site; VLLM_PLUGINS=hotwire,
+             HOTWIRE_VECTORS=<workdir>/hotwire_vectors (v0..v15.pt, written before it starts),
+             HOTWIRE_SLOTS=32. CUDA only; without the wheel (or on the CPU launcher) its arms and the
+             peer phase are skipped.
   eager      the steer server's exact config plus --enforce-eager (graph check only)
-stock, disabled, steer and eager share one VLLM_CACHE_ROOT (steer_old: <cache root>-old).
+stock, disabled, steer and eager share one VLLM_CACHE_ROOT (steer_old: <cache root>-old, hotwire:
+<cache root>-hotwire).
+
+Single-site arms (one steered site: post_mlp of --site-layer, clamped to the shape; the same 16
+vectors, rng(31) normal x --std, for every plugin; abkit/site_vectors.py):
+  hotwire_idle   plain traffic on hotwire        hotwire_ids16  request i: id v{i%16}, scale 1.0
+  site_named16   steer, request i names module ab_site_{i%16} (16 modules registered once per server)
+  site_inline16  steer, request i carries vector i%16 inline (steering_vectors.post_mlp)
+  site_named16_old, site_inline16_old   the same on steer_old
+hotwire adds at the end of decoder layer L = the residual after layer L's MLP = vllm-steer's post_mlp at L.
 
 Phases (``--phases``, comma separated, run in the order given):
   kernel  bench/kernels_bench.py --out <json> in a subprocess (if that script exists)
@@ -32,14 +46,25 @@ Phases (``--phases``, comma separated, run in the order given):
           FULL graph), eager kernels, steering kernels (steer / apply_steering / capture_rows)
   host    py-spy on the engine-core and API-server processes of --host-servers under unsteered
           and per_request_n16 load: active CPU ms per engine step (/metrics), vllm_steer's share
+  peer    one greedy request (32 tokens) with site vector v3 (x --peer-scale) to hotwire and to steer
+          (inline), one unsteered to each: token ids, steered outputs equal, steered != unsteered
+          (abkit/peer_check.py)
 Results: JSON under $OUT (written after every trial), a progress line per arm and trial.
-``--report FILE...`` merges result JSONs into a markdown table (+ a PNG of the deltas).
+``--report FILE...`` merges result JSONs into a markdown table (+ a PNG of the deltas); the report
+also pairs trial k of every arm with trial k of its reference (per-trial Δ%, mean ± SEM).
+``--selftest`` runs the parsers' self-tests and the single-site self-test (arm fields, bodies, module
+registrations, the hotwire server's env and its vector files read back by hotwire's own loader).
 
 GPU (vLLM + plugin installed, see bench/RESULTS.md):
     python3 bench/ab_suite.py --shape 8b --phases kernel,ab --keep-servers --old-wheel OLD.whl
     python3 bench/ab_suite.py --shape 8b --phases sweep,eager,graph,host --reuse-servers --old-wheel OLD.whl
+    python3 bench/ab_suite.py --shape 1b --phases ab --peer-wheel PEER.whl --gpu-mem 0.15 --keep-servers
+        --long-arms "" --arms stock,hotwire_idle,hotwire_ids16,enabled_idle,site_named16,site_inline16
+      (one command line; bench/gpu_session.sh small / peer-check run the single-site arms and the peer phase)
+    python3 bench/ab_suite.py --shape 1b --phases peer --reuse-servers --peer-wheel PEER.whl --gpu-mem 0.15
 CPU dry run (tiny model, tiny counts, eager, float32):
     .venv/bin/python bench/ab_suite.py --dry-run-cpu --phases ab,sweep,eager,graph
+    .venv/bin/python bench/ab_suite.py --dry-run-cpu --phases ab --arms stock,enabled_idle,site_named16,site_inline16
 """
 
 from __future__ import annotations
@@ -53,6 +78,7 @@ for _p in (_BENCH.parent, _BENCH):  # the repo root (tests.*), bench/ (abkit) fi
         sys.path.insert(0, str(_p))
 
 import argparse  # noqa: E402
+import glob  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
@@ -65,11 +91,12 @@ from abkit.common import ROOT, log  # noqa: E402
 from abkit.host_profile import host_phase  # noqa: E402
 from abkit.kernel_phase import kernel_phase  # noqa: E402
 from abkit.model_dir import SHAPES, write_model_dir  # noqa: E402
-from abkit.old_release import old_version  # noqa: E402
+from abkit.peer_check import peer_phase  # noqa: E402
 from abkit.profile_graph import graph_phase  # noqa: E402
 from abkit.report import report  # noqa: E402
 from abkit.runner import run_matrix  # noqa: E402
-from abkit.servers import OLD_SERVER, STATE_FILE, STEER_SERVERS, Pool, server_unavailable  # noqa: E402
+from abkit.servers import OLD_SERVER, STATE_FILE, STEER_SERVERS, WHEEL_SERVERS, Pool, server_unavailable  # noqa: E402
+from abkit.site_vectors import site_layer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -84,6 +111,12 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="tiny model, tiny counts, CPU launcher, eager, float32")
     ap.add_argument("--old-wheel", help="the previous release's vllm_steer-*.whl, served by steer_old")
+    ap.add_argument("--peer-wheel", default=_default_peer_wheel(),
+                    help="the peer plugin's hotwire_vllm-*.whl, served by hotwire (default: "
+                         ".whl/peer/hotwire_vllm-*.whl if present; '' for none)")
+    ap.add_argument("--site-layer", type=int, default=8,
+                    help="layer of the single-site arms' post_mlp site (clamped to the shape)")
+    ap.add_argument("--peer-scale", type=float, default=1.0, help="scale of the peer phase's steered requests")
     ap.add_argument("--arms", default=",".join(AB_ARMS),
                     help="arms of the ab phase (any of: %s)" % ", ".join(ARMS))
     ap.add_argument("--long-arms", default=",".join(LONG_ARMS),
@@ -122,6 +155,8 @@ def parse_args(argv=None):
     ap.add_argument("--host-servers", default="stock,steer,steer_old", help="servers the host phase samples")
     ap.add_argument("--py-spy", help="py-spy binary (default: PATH, the interpreter's scripts dir, "
                                      "<PYTHONPATH entry>/bin)")
+    ap.add_argument("--host-traffic", default="unsteered,per_request_n16",
+                    help="traffic kinds the host phase profiles (unsteered, per_request_n16, site_inline16)")
     ap.add_argument("--host-rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--host-duration", type=int, default=300,
                     help="py-spy --duration cap (s); it is stopped with SIGINT when the load ends")
@@ -136,7 +171,8 @@ def parse_args(argv=None):
     ap.add_argument("--md")
     ap.add_argument("--png")
     ap.add_argument("--selftest", action="store_true",
-                    help="run the trace / py-spy / metrics parsers' self-tests on synthetic input and exit")
+                    help="run the trace / py-spy / metrics parsers' self-tests on synthetic input and the "
+                         "single-site self-test (no server), and exit")
     args = ap.parse_args(argv)
     if args.dry_run_cpu:
         args.shape, args.launcher, args.enforce_eager = "tiny", "cpu", True
@@ -149,9 +185,15 @@ def parse_args(argv=None):
         args.deadline_s = max(args.deadline_s, 3600)
     args.dtype = args.dtype or "bfloat16"
     args.pack_dtype = args.pack_dtype or args.dtype
-    if args.old_wheel:
-        args.old_wheel = str(Path(args.old_wheel).resolve())
+    for w in WHEEL_SERVERS.values():
+        if getattr(args, w.option):
+            setattr(args, w.option, str(Path(getattr(args, w.option)).resolve()))
     return args
+
+
+def _default_peer_wheel() -> str | None:
+    found = sorted(glob.glob(str(ROOT / ".whl" / "peer" / "hotwire_vllm-*.whl")))
+    return found[-1] if found else None
 
 
 def _names(csv: str) -> list[str]:
@@ -181,10 +223,11 @@ def ab_runs(args, pool) -> list[tuple[str, str, dict]]:
 def main() -> int:
     args = parse_args()
     if args.selftest:
-        from abkit import host_profile, profile_graph
+        from abkit import host_profile, peer_check, profile_graph
 
         profile_graph._selftest()
         host_profile._selftest()
+        peer_check._selftest(args)
         return 0
     if args.report:
         print(report(args.report, args.md, args.png))
@@ -196,13 +239,14 @@ def main() -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     phases = _names(args.phases)
-    known = {"kernel", "ab", "sweep", "eager", "start", "graph", "host"}
+    known = {"kernel", "ab", "sweep", "eager", "start", "graph", "host", "peer"}
     if set(phases) - known:
         raise SystemExit(f"unknown phase(s) {sorted(set(phases) - known)} (known: {sorted(known)})")
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "shape": args.shape, **shape,
             "dtype": args.dtype, "pack_dtype": args.pack_dtype, "steer_blocks": STEER_SERVERS,
-            "launcher": args.launcher, "old_wheel": args.old_wheel}
+            "launcher": args.launcher, "old_wheel": args.old_wheel, "peer_wheel": args.peer_wheel,
+            "site_layer": site_layer(args.site_layer, shape)}
     try:
         import vllm
 
@@ -237,10 +281,11 @@ def main() -> int:
     meta["model_dir"] = str(model_dir)
     ctx = {"shape": shape, "std": args.std, "pack_dtype": args.pack_dtype, "prompt_len": args.prompt_len,
            "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide,
-           "graph_servers": _names(args.graph_servers), "args": args}
+           "graph_servers": _names(args.graph_servers), "args": args, "site_layer": meta["site_layer"]}
     log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}; results -> {out_json}")
-    if not args.old_wheel:
-        log("no --old-wheel: steer_old and its *_old arms are skipped")
+    for name, w in WHEEL_SERVERS.items():
+        if not getattr(args, w.option):
+            log(f"no {w.flag}: {name} and its arms are skipped")
 
     pool = Pool(args, model_dir, workdir)
     for name in _names(args.stop_servers):
@@ -283,6 +328,8 @@ def main() -> int:
                 graph_phase(pool, ctx, results, save)
             elif ph == "host":
                 host_phase(pool, args, ctx, results, save)
+            elif ph == "peer":
+                peer_phase(pool, ctx, results, save)
             elif ph == "start":
                 names = []
                 for s in _names(args.servers):
@@ -297,8 +344,8 @@ def main() -> int:
         results["error"] = traceback.format_exc()[-4000:]
         log(results["error"])
     finally:
-        if args.old_wheel:
-            meta["old_version"] = old_version(workdir / "old_site")
+        meta["wheel_versions"] = pool.wheel_versions()
+        meta["old_version"] = meta["wheel_versions"].get(OLD_SERVER)
         meta["server_start_s"] = {n: s.start_s for n, s in pool.servers.items()}
         meta["server_log_tails"] = {n: s.tail(25) for n, s in pool.servers.items()}
         meta["elapsed_s"] = round(time.time() - common.T0, 1)

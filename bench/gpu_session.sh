@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The steps of one GPU session, run from the repo root on the GPU machine (bench/RESULTS.md has
 # the session log). Before: the bundle parts were copied to /tmp/gb (one run each, carry .gpuK), and
-# .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/old/ the previous release, .whl/tools/ py-spy.
+# .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/old/ the previous release, .whl/tools/ py-spy,
+# .whl/peer/ the peer plugin hotwire-vllm (the suite installs it into its workdir for the hotwire server).
 #   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
 #   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
 #   bash bench/gpu_session.sh cost        request_path_cost (host cost per request, per stage) and the table-write test
@@ -9,16 +10,28 @@
 #   bash bench/gpu_session.sh checks      gpu_check (HF oracle, compiled + CUDA graphs) and gpu_capture_check
 #   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
+#   KEEP=1 bash bench/gpu_session.sh small-host  py-spy per engine step on the kept 1b steer / steer_old servers
 #   bash bench/gpu_session.sh graph-host  the graph and host phases, then stop the servers
 #   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests, then the SAE arms on kept servers
 #                                         (first: SERVERS=stock,sae,sae_full bash bench/gpu_session.sh ab-start)
+#   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer (new and old) on the single-site
+#                                         arms (post_mlp of layer 8, 16 vectors); KEEP=1 keeps the servers,
+#                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (6), ARMS override
+#   bash bench/gpu_session.sh peer-check  1b: greedy tokens of v3 at layer 8 on hotwire and steer (inline) and
+#                                         unsteered on each (adopts the servers `KEEP=1 ... small` left; KEEP=1 again
+#                                         keeps them); PEER_SCALE (1.0) scales the vector on both
 # Every later run starts with: python3 -c 'import vllm' || exit 3 (a fresh machine fails fast).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 OLD_WHEEL="$(ls .whl/old/vllm_steer-*.whl 2>/dev/null | head -1)"
+PEER_WHEEL="$(ls .whl/peer/hotwire_vllm-*.whl 2>/dev/null | head -1)"
 AB=(python3 bench/ab_suite.py --shape 8b --old-wheel "$OLD_WHEEL" --gpu-mem 0.23)
+SMALL=(python3 bench/ab_suite.py --shape 1b --old-wheel "$OLD_WHEEL" --peer-wheel "$PEER_WHEEL" --gpu-mem 0.15)
+FLAGS=()
+[ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
+[ "${REUSE:-0}" = 1 ] && FLAGS+=(--reuse-servers)
 case "${1:-}" in
   install)
     bash /tmp/gb/install.sh || exit 4
@@ -50,6 +63,10 @@ case "${1:-}" in
       --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,enabled_idle_old,named_shared_old,per_request_n16_old,stock_c256,disabled_c256,k256,k256_old}" \
       --long-arms "${LONG_ARMS:-stock,per_request_n16,per_request_n16_old}" 2>&1 | tail -60
     ;;
+  small-host)
+    timeout 590 "${SMALL[@]}" --phases host --reuse-servers --keep-servers --tag host1b --host-duration 40 \
+      --host-servers "${HOST_SERVERS:-steer,steer_old}" --host-traffic "${HOST_TRAFFIC:-site_inline16}" 2>&1 | tail -30
+    ;;
   graph-host)
     timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 \
       --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer,steer_old}" --host-servers "${HOST_SERVERS:-stock,steer,steer_old}" 2>&1 | tail -40
@@ -59,5 +76,14 @@ case "${1:-}" in
     timeout 470 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag sae --trials "${TRIALS:-3}" --long-arms "" \
       --arms "${ARMS:-stock,sae_idle,sae_delta_n16,sae_full_idle,sae_reconstruct_n16}" 2>&1 | tail -40
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|compiled|checks|ab-start|ab|graph-host|sae" >&2; exit 2 ;;
+  small)
+    timeout 590 "${SMALL[@]}" --phases ab --trials "${TRIALS:-6}" --long-arms "" --tag small1b \
+      --arms "${ARMS:-stock,hotwire_idle,hotwire_ids16,enabled_idle,site_named16,site_inline16,enabled_idle_old,site_named16_old,site_inline16_old}" \
+      ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
+    ;;
+  peer-check)
+    timeout 590 "${SMALL[@]}" --phases peer --reuse-servers --tag peer1b --peer-scale "${PEER_SCALE:-1.0}" \
+      ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -30
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|compiled|checks|ab-start|ab|graph-host|sae|small|small-host|peer-check" >&2; exit 2 ;;
 esac

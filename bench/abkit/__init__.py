@@ -7,7 +7,8 @@ installed. Nothing here imports vLLM or torch at import time.
 A/B suite (HTTP, one server process per configuration):
   common         repository paths, the log clock, the results folder
   model_dir      SHAPES and the config + tokenizer directory of a shape (weights: --load-format dummy)
-  old_release    installs the previous plugin release (a wheel) into a private site folder
+  wheel_site     installs a plugin wheel (previous release, peer plugin hotwire) into a private site folder
+  site_vectors   the single-site work: site layer, the 16 vectors, hotwire files / specs, vllm-steer fields
   servers        Server / Pool: start, adopt (state file), stop the OpenAI servers
   client         the async streaming HTTP client (run_load) and http_json
   arms           the ARMS table, request bodies, steering configs, module registration
@@ -16,6 +17,7 @@ A/B suite (HTTP, one server process per configuration):
   kernel_phase   runs bench/kernels_bench.py and keeps its JSON
   profile_graph  the torch.profiler graph phase and the trace parser (kernels per CUDA-graph launch)
   host_profile   the host phase: py-spy on the engine core / API server, steps from /metrics
+  peer_check     the peer phase (hotwire vs vllm-steer greedy tokens) and the single-site self-test
   report         the markdown report of result JSONs
   plot           the PNG of the deltas
 GPU check (one process, vllm.LLM):

@@ -1,7 +1,12 @@
 """The A/B arms (server + kind of traffic), their request bodies and steering configs.
 
 Kinds: ``plain`` (no steering field), ``module`` (a registered steering module by name),
-``shared`` (one steering_vectors config for every request), ``per_request`` (n distinct configs).
+``shared`` (one steering_vectors config for every request), ``per_request`` (n distinct configs),
+``sae`` (SAE clamp sets); single-site kinds (one steered site, ``post_mlp`` of --site-layer, the 16
+vectors of site_vectors.py): ``site_module`` (request i names module ``ab_site_{i%16}``, registered
+once per server), ``site_inline`` (request i carries vector i%16 inline), ``hotwire`` (request i names
+id ``v{i%16}`` in ``vllm_xargs`` on the hotwire server: hotwire responses carry no steering field, so
+the field check treats it like ``plain``).
 Every arm served by ``steer`` has a twin ``<arm>_old`` on ``steer_old`` (the previous release).
 """
 
@@ -12,11 +17,14 @@ import json
 
 from .client import http_json
 from .common import log
-from .servers import MULTI_SUFFIX, OLD_SERVER, server_unavailable
+from .servers import MULTI_SUFFIX, OLD_SERVER, PEER_SERVER, server_unavailable
+from .site_vectors import ctx_site, hotwire_field, module_name, steer_vectors
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 MODULE_NAME = "ab_bench_module"
 OLD_SUFFIX = "_old"
+UNMARKED_KINDS = ("plain", "hotwire")  # responses carry no steering field
+MODULE_KINDS = ("module", "site_module")  # requests name registered modules
 
 ARMS = {
     "stock": dict(server="stock", kind="plain"),
@@ -41,6 +49,11 @@ ARMS = {
     "sae_delta_n16": dict(server="sae", kind="sae", mode="delta", n_configs=16),
     "sae_full_idle": dict(server="sae_full", kind="plain"),
     "sae_reconstruct_n16": dict(server="sae_full", kind="sae", mode="reconstruct", n_configs=16),
+    # single-site work (site_vectors.py): the peer plugin hotwire, vllm-steer by module name and inline
+    "hotwire_idle": dict(server=PEER_SERVER, kind="plain"),
+    "hotwire_ids16": dict(server=PEER_SERVER, kind="hotwire", n_configs=16),
+    "site_named16": dict(server="steer", kind="site_module", n_configs=16),
+    "site_inline16": dict(server="steer", kind="site_inline", n_configs=16),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{OLD_SUFFIX}"] = {**ARMS[_arm], "server": OLD_SERVER}
@@ -90,8 +103,27 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return rng.integers(0, vocab - 2, size=(n, length)).tolist()
 
 
+def expects_steering_field(arm: dict) -> bool:
+    """Whether this arm's responses must carry vllm-steer's ``steering`` field."""
+    return arm["kind"] not in UNMARKED_KINDS
+
+
+def site_fields(arm: dict, n_requests: int, ctx: dict) -> list[dict]:
+    """Request i of a single-site arm uses site vector i % n_configs."""
+    layer, vecs = ctx_site(ctx)
+    n, kind = arm["n_configs"], arm["kind"]
+    if kind == "hotwire":
+        return [hotwire_field(i % n, layer) for i in range(n_requests)]
+    if kind == "site_module":
+        return [{"steering_module": {"name": module_name(i % n)}} for i in range(n_requests)]
+    cfgs = [steer_vectors(vecs[j], layer, ctx["pack_dtype"]) for j in range(n)]
+    return [{"steering_vectors": cfgs[i % n]} for i in range(n_requests)]
+
+
 def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | None]:
     kind = arm["kind"]
+    if kind in ("hotwire", "site_module", "site_inline"):
+        return site_fields(arm, n_requests, ctx)
     if kind == "plain":
         return [None] * n_requests
     if kind == "module":
@@ -125,17 +157,30 @@ def build_bodies(prompts, fields, max_tokens: int, wire: str = "json") -> list[b
     return out
 
 
-def ensure_module(server, ctx: dict) -> None:
-    """Register the bench's steering module on ``server`` once (POST /v1/steering/modules)."""
-    if server.name in ctx["modules_done"]:
+def arm_modules(arm: dict, ctx: dict) -> dict[str, dict]:
+    """The steering modules an arm's requests name: module name -> its ``steering_vectors``."""
+    if arm["kind"] == "module":
+        return {MODULE_NAME: steering_configs(1, 4242, ctx["shape"], ctx["std"], ctx["pack_dtype"])[0]}
+    if arm["kind"] == "site_module":
+        layer, vecs = ctx_site(ctx)
+        return {module_name(i): steer_vectors(vecs[i], layer, ctx["pack_dtype"]) for i in range(arm["n_configs"])}
+    return {}
+
+
+def ensure_modules(server, arm: dict, ctx: dict) -> None:
+    """Register the arm's steering modules on ``server`` once per server and kind
+    (POST /v1/steering/modules, replace=true)."""
+    key = (server.name, arm["kind"])
+    if arm["kind"] not in MODULE_KINDS or key in ctx["modules_done"]:
         return
-    vecs = steering_configs(1, 4242, ctx["shape"], ctx["std"], ctx["pack_dtype"])[0]
-    st, body = http_json("POST", server.base + "/v1/steering/modules",
-                         {"name": MODULE_NAME, "steering_vectors": vecs, "replace": True}, timeout=120)
-    if st not in (200, 201):
-        raise RuntimeError(f"module registration failed: {st} {body}")
-    log(f"module {MODULE_NAME} registered on {server.name}: {json.dumps(body)[:300]}")
-    ctx["modules_done"].add(server.name)
+    mods = arm_modules(arm, ctx)
+    for name, vecs in mods.items():
+        st, body = http_json("POST", server.base + "/v1/steering/modules",
+                             {"name": name, "steering_vectors": vecs, "replace": True}, timeout=120)
+        if st not in (200, 201):
+            raise RuntimeError(f"module {name} registration failed: {st} {body}")
+    log(f"modules {', '.join(mods)} registered on {server.name}; last: {json.dumps(body)[:300]}")
+    ctx["modules_done"].add(key)
 
 
 def seed_of(*parts) -> int:

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .arms import arm_fields, build_bodies, make_prompts, seed_of
+from .arms import ARMS, arm_fields, build_bodies, make_prompts, seed_of
 from .client import http_text, run_load
 from .common import log
 from .servers import STEER_BLOCK, STEER_SERVERS, server_unavailable
@@ -37,7 +37,8 @@ STEP_METRICS = [  # (name of the _count series, note)
     ("vllm:inter_token_latency_seconds_count",
      "FALLBACK: vllm:iteration_tokens_total missing; counts output tokens after the first, not steps"),
 ]
-TRAFFIC = {"unsteered": {"kind": "plain"}, "per_request_n16": {"kind": "per_request", "n_configs": 16}}
+TRAFFIC = {"unsteered": {"kind": "plain"}, "per_request_n16": ARMS["per_request_n16"],
+           "site_inline16": ARMS["site_inline16"]}  # --host-traffic picks among these
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<path>.*?)(?::(?P<line>\d+))?\)$")
 _STEER_PATH = re.compile(r"(^|[/\\])vllm_steer[/\\]")
 _IGNORED_STEER_FILES = ("vllm_steer/launcher.py",)  # the CPU launcher is the API server's main frame
@@ -354,7 +355,7 @@ def host_phase(pool, args, ctx: dict, results: dict, save) -> None:
         if why:
             log(f"[host] skipping server {sname}: {why}")
             continue
-        for traffic in TRAFFIC:
+        for traffic in [t for t in getattr(args, "host_traffic", "unsteered,per_request_n16").split(",") if t]:
             label = f"{sname} / {traffic}"
             if traffic != "unsteered" and STEER_SERVERS.get(sname) != STEER_BLOCK:
                 log(f"[host] skipping {label}: {sname} runs an ablation block, not the steer server's (steered traffic needs every site and its rows)")

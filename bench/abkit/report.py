@@ -1,9 +1,11 @@
 """The markdown report of one or more result JSONs of the A/B suite (+ the PNG of the deltas).
 
-Tables: per phase (ab, sweep, eager) the arms' mean ± SEM over trials and the deltas against the
+Tables: per phase (ab, sweep, eager) the arms' mean ± SEM over trials, the deltas against the
 reference arm (``stock``; ``stock_c256`` for the wide load; ``stock@mtN`` for ``…@mtN`` labels;
-``<arm>_old`` arms also against their new twin); the graph phase's kernel counts; the kernel
-phase's rows (columns from the row keys); the host phase's CPU time per engine step.
+``<arm>_old`` arms also against their new twin), and the paired per-trial deltas against the same
+references (trial k of the arm against trial k of the reference: interleaved, so close in time);
+the graph phase's kernel counts; the kernel phase's rows (columns from the row keys); the host
+phase's CPU time per engine step; the peer phase's token comparison (hotwire vs vllm-steer).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from .arms import ARMS, OLD_SUFFIX
 from .servers import MULTI_SUFFIX
 from .plot import plot
-from .stats import METRICS, arm_stats, delta
+from .stats import METRICS, arm_stats, delta, paired_pct
 
 AB_PHASES = ("ab", "sweep", "eager")
 
@@ -43,6 +45,16 @@ def new_twin_label(label: str, entry: dict) -> str | None:
     if not arm.endswith(OLD_SUFFIX):
         return None
     return label.replace(arm, arm[:-len(OLD_SUFFIX)], 1)
+
+
+def references(ph: str, label: str, e: dict, stats: dict) -> list[str]:
+    """The labels ``label`` is compared with: its reference arm, then (``_old`` arms) its new twin;
+    only those with counted trials."""
+    out = []
+    for ref in (reference_label(ph, label, e), new_twin_label(label, e)):
+        if ref is not None and ref != label and ref in stats and stats[ref]["n_trials"]:
+            out.append(ref)
+    return out
 
 
 def fmt(m: float, s: float, nd: int = 2) -> str:
@@ -125,22 +137,53 @@ def ab_tables(merged: dict, lines: list[str], deltas_for_plot: list) -> None:
         for label, e in arms.items():
             if e.get("failed") or not stats[label]["n_trials"]:
                 continue
-            refs = [reference_label(ph, label, e), new_twin_label(label, e)]
-            for j, ref in enumerate(refs):
-                if ref is None or ref == label or ref not in stats or not stats[ref]["n_trials"]:
-                    continue
+            for ref in references(ph, label, e, stats):
                 s, r = stats[label], stats[ref]
                 ds = {m: delta(s[m], r[m]) for m, _ in METRICS}
                 # the eager check compares against the graphed arm, and "vs new" against the new release
-                if j == 0 and not ph.startswith("eager"):
+                if ref == reference_label(ph, label, e) and not ph.startswith("eager"):
                     deltas_for_plot.append((f"{ph}:{label}", ds))
                     e["_deltas"] = ds
                 lines.append(f"| {label} | {ref} | " + " | ".join(
                     fmt_delta(ds[m], u) for m, u in METRICS if m not in ("ttft_p99_ms",)) + " |")
+        paired_table(ph, arms, stats, lines)
         if ph.startswith("ab") and "k256" in stats and "disabled_c256" in stats:
             k, dd = stats["k256"]["throughput"], stats["disabled_c256"]["throughput"]
             if k[0] == k[0] and dd[0]:
                 lines.append(f"\nk256 / disabled_c256 output throughput: {k[0] / dd[0] * 100:.1f}%")
+
+
+PAIRED_METRICS = ("tpot_median_ms", "throughput")  # the columns of the paired table
+
+
+def fmt_paired(p: dict) -> tuple[str, str]:
+    """(per-trial values, mean ± SEM with the mark) of a paired_pct result."""
+    if not p["pct"]:
+        return "—", "—"
+    mark = " **\\***" if p["significant"] else ""
+    per = ", ".join(f"{v:+.1f}" for v in p["pct"])
+    return per, f"{p['mean']:+.2f}% ± {p['sem']:.2f}{mark}" if p["sem"] == p["sem"] else f"{p['mean']:+.2f}%"
+
+
+def paired_table(ph: str, arms: dict, stats: dict, lines: list[str]) -> None:
+    """Paired per-trial Δ% of every arm against its references (trial k vs trial k)."""
+    rows = []
+    for label, e in arms.items():
+        if e.get("failed") or not stats[label]["n_trials"]:
+            continue
+        for ref in references(ph, label, e, stats):
+            ps = [paired_pct(e, arms[ref], m) for m in PAIRED_METRICS]
+            cells = [c for p in ps for c in fmt_paired(p)]
+            rows.append(f"| {label} | {ref} | {len(ps[0]['trials'])} | " + " | ".join(cells) + " |")
+    if not rows:
+        return
+    lines.append("\nPaired TPOT median Δ% per trial (trial k of the arm / trial k of the reference − 1, in %; "
+                 "trials interleave, so each pair ran close in time; mean ± SEM over the pairs; "
+                 "**\\*** marks |mean| > 2·SEM), and the same for output throughput:\n")
+    lines.append("| arm | vs | pairs | TPOT med Δ% per trial | TPOT med Δ% mean ± SEM | output tok/s Δ% per trial "
+                 "| output tok/s Δ% mean ± SEM |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    lines += rows
 
 
 def _hist(h) -> str:
@@ -227,6 +270,24 @@ def host_table(merged: dict, lines: list[str]) -> None:
             lines += details
 
 
+def peer_table(merged: dict, lines: list[str]) -> None:
+    """The peer phase: token ids of the four greedy requests and the verdicts (abkit/peer_check.py)."""
+    for ph in _phases(merged, "peer"):
+        pr = merged["phases"][ph]
+        lines.append(f"\n#### Phase `{ph}` (hotwire vs vllm-steer, greedy, one site)\n")
+        if "skipped" in pr:
+            lines.append(f"skipped: {fmt_cell(pr['skipped'])}")
+            continue
+        lines.append(f"vector {pr.get('vector')} x {pr.get('scale', 1.0)} at post_mlp / layer {pr.get('layer')}, "
+                     f"{pr.get('tokens')} tokens; "
+                     + "; ".join(f"{k}: {pr.get(k)}" for k in ("steered_match", "steered_first_difference",
+                                                              "hotwire_differs_from_unsteered",
+                                                              "steer_differs_from_unsteered", "unsteered_match",
+                                                              "steer_reported_steering", "ok")) + "\n")
+        for name, o in (pr.get("outputs") or {}).items():
+            lines.append(f"- {name}: `{o.get('token_ids')}`")
+
+
 def error_lines(merged: dict, lines: list[str]) -> None:
     for name, err in (merged["phases"].get("server_errors") or {}).items():
         lines.append(f"\nServer `{name}` did not start: {fmt_cell(str(err)[-300:])}")
@@ -244,6 +305,7 @@ def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
     graph_table(merged, lines)
     host_table(merged, lines)
     kernel_table(merged, lines)
+    peer_table(merged, lines)
     text = "\n".join(lines) + "\n"
     if md_path:
         Path(md_path).write_text(text)

@@ -1,11 +1,15 @@
-"""Running arms: one load of an arm, the warm-up steering check, interleaved trials, progress lines."""
+"""Running arms: one load of an arm, the warm-up steering check, interleaved trials, progress lines.
+
+Every trial record carries its index (``trial``), so the report can pair trial k of an arm with
+trial k of its reference (they ran close in time: the order rotates per trial).
+"""
 
 from __future__ import annotations
 
 import time
 
 from . import common
-from .arms import ARMS, arm_fields, build_bodies, ensure_module, make_prompts, seed_of
+from .arms import ARMS, arm_fields, build_bodies, ensure_modules, expects_steering_field, make_prompts, seed_of
 from .client import run_load
 from .common import log
 from .stats import summarize_trial
@@ -14,8 +18,7 @@ from .stats import summarize_trial
 def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, warmup: bool = False) -> dict:
     arm = ARMS[arm_name]
     server = pool.get(arm["server"])
-    if arm["kind"] == "module":
-        ensure_module(server, ctx)
+    ensure_modules(server, arm, ctx)
     n, conc, mt = load["requests"], load["concurrency"], load["max_tokens"]
     if warmup:
         n, mt = min(n, load["concurrency"], 32) if not arm.get("wide") else n, min(mt, 8)
@@ -24,13 +27,16 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
     fields = arm_fields(arm, n, seed_of(phase, arm_name, tag, "vec"), ctx)
     bodies = build_bodies(prompts, fields, mt, arm.get("wire", "json"))
     res, wall = run_load(server, bodies, conc)
-    t = summarize_trial(res, wall, arm["kind"] != "plain")
+    t = summarize_trial(res, wall, expects_steering_field(arm))
+    t["trial"] = None if warmup else trial
     t["body_bytes_mean"] = int(sum(map(len, bodies)) / len(bodies))
     return t
 
 
 def check_steering(t: dict, arm_name: str) -> str | None:
-    steered = ARMS[arm_name]["kind"] != "plain"
+    """Request errors; a steering field missing on a steered arm (not hotwire: it reports none) or
+    present on an unsteered one."""
+    steered = expects_steering_field(ARMS[arm_name])
     if t["n_errors"]:
         return f"{t['n_errors']} request errors, e.g. {t['errors'][:1]}"
     if steered and t["steering_applied"] != t["n"]:

@@ -4,7 +4,11 @@ Servers (each its own process group, all alive together so trials of different s
   stock      VLLM_PLUGINS=none, no steer block
   disabled   VLLM_PLUGINS=steer, no steer block
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
-  steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, old_release.py)
+  steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, wheel_site.py)
+  hotwire    the peer plugin hotwire-vllm (--peer-wheel, wheel_site.py): VLLM_PLUGINS=hotwire, no steer
+             block, HOTWIRE_VECTORS=<workdir>/hotwire_vectors (the 16 site vectors, site_vectors.py,
+             written before it starts), HOTWIRE_SLOTS=32; CUDA only (its op is a Triton kernel), skipped
+             on the CPU launcher
   eager      the steer server's config plus --enforce-eager
   steer_one  steering on with one site (post_mlp.0: one steered norm), every patch active: an ablation that
              separates the 64 steered norms in the graph from everything else steering on brings
@@ -12,8 +16,10 @@ Servers (each its own process group, all alive together so trials of different s
   sae, sae_full   steer with an SAE at 4 layers (abkit/sae_files.py): clampable features only / whole SAE
   stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
              (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
-All but steer_old share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
-steer_old compiles into ``<cache root>-old`` so that no artifact crosses plugin versions.
+All but the wheel servers share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
+steer_old compiles into ``<cache root>-old`` and hotwire into ``<cache root>-hotwire`` so that no
+artifact crosses plugin builds. A wheel server whose option is not given is unavailable (its arms are
+skipped with a log line).
 ``--keep-servers`` leaves them running and writes STATE_FILE; ``--reuse-servers`` adopts them.
 """
 
@@ -27,10 +33,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from .common import ROOT, log
-from .old_release import install_old_wheel
+from .model_dir import SHAPES
+from .site_vectors import HOTWIRE_DIR, HOTWIRE_SLOTS, write_hotwire_vectors
+from .wheel_site import dist_version, install_wheel
 
 STEER_BLOCK = {"steer": {"max_configs": 272}}
 STEER_ONE_BLOCK = {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}}
@@ -38,9 +47,31 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_
                  "steer_one": STEER_ONE_BLOCK, "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}}}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6,
-                "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11}
+                "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12}
 SAE_SERVERS = {"sae": False, "sae_full": True}  # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct
 OLD_SERVER = "steer_old"
+PEER_SERVER = "hotwire"
+
+
+@dataclass(frozen=True)
+class WheelServer:
+    """A server that runs a plugin from its own wheel (wheel_site.py)."""
+    option: str  # the args attribute holding the wheel's path
+    flag: str  # its command-line flag
+    what: str  # what the wheel is (log lines)
+    site: str  # the site folder under the workdir
+    dist: str  # the dist-info name (the installed version)
+    plugins: str  # VLLM_PLUGINS of the server
+    cache_suffix: str  # VLLM_CACHE_ROOT = <cache root><suffix>
+    cuda_only: bool = False
+
+
+WHEEL_SERVERS = {
+    OLD_SERVER: WheelServer("old_wheel", "--old-wheel", "the previous release's vllm_steer-*.whl", "old_site",
+                            "vllm_steer", "steer", "-old"),
+    PEER_SERVER: WheelServer("peer_wheel", "--peer-wheel", "the peer plugin's hotwire_vllm-*.whl", "hotwire_site",
+                             "hotwire_vllm", "hotwire", "-hotwire", cuda_only=True),
+}
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
 STATE_FILE = Path(tempfile.gettempdir()) / "vllm_steer_ab_servers.json"
 
@@ -55,7 +86,8 @@ class Server:
         self.pid: int | None = None
         self.start_s: float | None = None
         self.adopted = False
-        self.pythonpath_first: Path | None = None  # steer_old: the old release's site folder
+        self.pythonpath_first: Path | None = None  # wheel servers: the wheel's site folder
+        self.extra_env: dict[str, str] = {}  # hotwire: HOTWIRE_VECTORS, HOTWIRE_SLOTS
         self._t_start = time.time()
 
     def command(self) -> list[str]:
@@ -96,9 +128,11 @@ class Server:
 
     def env(self) -> dict:
         e = dict(os.environ)
-        e["VLLM_PLUGINS"] = "none" if self.name.startswith("stock") else "steer"
+        wheel = WHEEL_SERVERS.get(self.name)
+        e["VLLM_PLUGINS"] = "none" if self.name.startswith("stock") else wheel.plugins if wheel else "steer"
         e["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-        e["VLLM_CACHE_ROOT"] = self.args.cache_root + ("-old" if self.name == OLD_SERVER else "")
+        e["VLLM_CACHE_ROOT"] = self.args.cache_root + (wheel.cache_suffix if wheel else "")
+        e.update(self.extra_env)
         e["TOKENIZERS_PARALLELISM"] = "false"
         e["HF_HUB_OFFLINE"] = "1"
         e["PYTHONUNBUFFERED"] = "1"
@@ -123,6 +157,7 @@ class Server:
         cmd = self.command()
         env = self.env()
         extra = f" (PYTHONPATH={env['PYTHONPATH']})" if self.pythonpath_first is not None else ""
+        extra += "".join(f" ({k}={v})" for k, v in self.extra_env.items())
         log(f"server {self.name}: starting on :{self.port}{extra}: {' '.join(cmd)}")
         self._t_start = time.time()
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log_path, "ab"),
@@ -194,8 +229,11 @@ def server_unavailable(name: str, args) -> str | None:
     """Why server ``name`` cannot run in this invocation (None: it can)."""
     if name not in PORT_OFFSETS:
         return f"unknown server {name!r} (known: {', '.join(PORT_OFFSETS)})"
-    if name == OLD_SERVER and not getattr(args, "old_wheel", None):
-        return "steer_old needs --old-wheel PATH (the previous release's vllm_steer-*.whl)"
+    wheel = WHEEL_SERVERS.get(name)
+    if wheel and not getattr(args, wheel.option, None):
+        return f"{name} needs {wheel.flag} PATH ({wheel.what})"
+    if wheel and wheel.cuda_only and getattr(args, "launcher", "gpu") == "cpu":
+        return f"{name} runs on CUDA only (not on the CPU launcher)"
     return None
 
 
@@ -207,7 +245,7 @@ class Pool:
         self.servers: dict[str, Server] = {}
         self.ports = {name: args.port_base + off for name, off in PORT_OFFSETS.items()}
         self.pending: dict[str, Server] = {}
-        self.old_site: Path | None = None
+        self.sites: dict[str, Path] = {}  # wheel servers: installed site folders
         self.failed: dict[str, str] = {}  # servers that did not start: not tried again in this run
         if args.reuse_servers and STATE_FILE.exists():
             for name, st in json.loads(STATE_FILE.read_text()).items():
@@ -221,10 +259,25 @@ class Pool:
                     self.pending[name] = s
                     log(f"server {name}: adopted while starting (pid {s.pid}, :{s.port})")
 
-    def old_release_site(self) -> Path:
-        if self.old_site is None:
-            self.old_site = install_old_wheel(self.args.old_wheel, self.workdir)
-        return self.old_site
+    def wheel_site(self, name: str) -> Path:
+        """The site folder of wheel server ``name``'s wheel (installed on first use)."""
+        if name not in self.sites:
+            w = WHEEL_SERVERS[name]
+            self.sites[name] = install_wheel(getattr(self.args, w.option), self.workdir / w.site, w.flag)
+        return self.sites[name]
+
+    def wheel_versions(self) -> dict[str, str | None]:
+        """Installed version per wheel server whose wheel was given."""
+        return {name: dist_version(self.workdir / w.site, w.dist) for name, w in WHEEL_SERVERS.items()
+                if getattr(self.args, w.option, None)}
+
+    def prepare(self, s: Server) -> None:
+        """What a server needs before it starts: its wheel's site folder; hotwire's vector files."""
+        if s.name in WHEEL_SERVERS:
+            s.pythonpath_first = self.wheel_site(s.name)
+        if s.name == PEER_SERVER:
+            folder = write_hotwire_vectors(self.workdir / HOTWIRE_DIR, SHAPES[self.args.shape], self.args.std)
+            s.extra_env.update(HOTWIRE_VECTORS=str(folder), HOTWIRE_SLOTS=str(HOTWIRE_SLOTS))
 
     def ensure(self, names: list[str]) -> None:
         for name in names:
@@ -238,8 +291,7 @@ class Pool:
                         raise RuntimeError(why)
                     s = Server(name, self.ports[name], self.args, self.model_dir, self.workdir)
                     try:
-                        if name == OLD_SERVER:
-                            s.pythonpath_first = self.old_release_site()
+                        self.prepare(s)
                     except Exception as e:
                         self.failed[name] = f"{type(e).__name__}: {e}"
                         raise

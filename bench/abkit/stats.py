@@ -1,4 +1,5 @@
-"""Statistics of the A/B suite: per-trial summaries, mean / SEM over trials, deltas between arms."""
+"""Statistics of the A/B suite: per-trial summaries, mean / SEM over trials, deltas between arms
+(of the means, and paired: trial k of an arm against trial k of its reference)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def delta(a: tuple, b: tuple) -> dict:
     se = math.sqrt((sa if sa == sa else 0) ** 2 + (sb if sb == sb else 0) ** 2)
     return {"delta": d, "pct": 100 * d / mb if mb else float("nan"), "se": se,
             "se_pct": 100 * se / mb if mb else float("nan"), "significant": abs(d) > 2 * se if se > 0 else False}
+
+
+def _counted_trials(entry: dict) -> dict[int, dict]:
+    """Trials that count (no failed check) by trial index (position for records without one)."""
+    trials = entry.get("trials", [])
+    return {t["trial"] if t.get("trial") is not None else k: t for k, t in enumerate(trials) if not t.get("check")}
+
+
+def paired_pct(entry: dict, ref: dict, metric: str) -> dict:
+    """Per-trial ``arm_k / ref_k - 1`` in % over the trial indices both ran; mean, SEM and whether
+    |mean| > 2 SEM."""
+    a, r = _counted_trials(entry), _counted_trials(ref)
+    ks = [k for k in sorted(set(a) & set(r)) if r[k][metric] and r[k][metric] == r[k][metric]]
+    vals = [100 * (a[k][metric] / r[k][metric] - 1) for k in ks]
+    m, s = mean_sem(vals)
+    return {"trials": ks, "pct": vals, "mean": m, "sem": s, "significant": s == s and s > 0 and abs(m) > 2 * s}
