@@ -196,6 +196,22 @@ def frame_key(frame: str) -> tuple[str, bool]:
     return f"{func} ({path})", steer
 
 
+_VLLM_PATH = re.compile(r"(^|[/\\])vllm[/\\]")
+
+
+def _ours(frames: list[str]) -> bool:
+    """Whether a sample's time is vllm_steer's: its innermost frame of vLLM or vllm_steer is ours (a
+    wrapper of ours around vLLM's ``execute_model`` does not make vLLM's step ours; torch or numpy
+    frames below a frame of ours do count)."""
+    for f in reversed(frames):
+        if frame_key(f)[1]:
+            return True
+        m = _FRAME.match(f)
+        if m and _VLLM_PATH.search(m.group("path")):
+            return False
+    return False
+
+
 def summarize_stacks(stacks: list[tuple[list[str], int]], rate: float, steps: float | None, top: int = 15) -> dict:
     samples = sum(n for _, n in stacks)
     steer_samples = 0
@@ -209,7 +225,7 @@ def summarize_stacks(stacks: list[tuple[list[str], int]], rate: float, steps: fl
             if keys[-1][1]:
                 self_[keys[-1][0]] += n
         sk = {k for k, s in keys if s}
-        if sk:
+        if _ours(frames):
             steer_samples += n
             for k in sk:
                 incl[k] += n
@@ -218,7 +234,7 @@ def summarize_stacks(stacks: list[tuple[list[str], int]], rate: float, steps: fl
         "active_cpu_ms": round(samples / rate * 1000, 1),
         "active_cpu_ms_per_step": round(samples / rate * 1000 / steps, 4) if steps else None,
         "vllm_steer_samples": steer_samples,
-        "vllm_steer_share": round(steer_samples / samples, 4) if samples else None,
+        "vllm_steer_share": round(steer_samples / samples, 4) if samples else None,  # see _ours
         "vllm_steer_ms_per_step": round(steer_samples / rate * 1000 / steps, 4) if steps else None,
         "top_vllm_steer": [[k, n, self_.get(k, 0)] for k, n in incl.most_common(top)],
         "top_self": [[k, n] for k, n in leaf_all.most_common(10)],
@@ -383,11 +399,14 @@ def _selftest() -> None:
         "run_busy_loop (vllm/v1/engine/core.py:900);step (vllm/v1/engine/core.py:300);"
         "prepare (/opt/site/vllm_steer/runtime/manager.py:125) 2",
         "run_busy_loop (vllm/v1/engine/core.py:900);execute (/tmp/vllm_steer_ab/x/other.py:5) 8",
+        # a wrapper of ours around vLLM's step: vLLM's time, not ours
+        "run_busy_loop (vllm/v1/engine/core.py:900);wrapper (/opt/site/vllm_steer/runtime/manager.py:300);"
+        "execute_model (/opt/site/vllm/v1/worker/gpu/model_runner.py:10) 4",
         "",
     ])
     s = summarize_stacks(parse_collapsed(raw), rate=200, steps=10)
-    assert s["samples"] == 20 and s["vllm_steer_samples"] == 5, s
-    assert s["active_cpu_ms_per_step"] == 10.0 and s["vllm_steer_share"] == 0.25, s
+    assert s["samples"] == 24 and s["vllm_steer_samples"] == 5, s
+    assert s["active_cpu_ms_per_step"] == 12.0 and s["vllm_steer_share"] == round(5 / 24, 4), s
     assert s["top_vllm_steer"][0] == ["prepare (vllm_steer/runtime/manager.py)", 5, 2], s["top_vllm_steer"]
     assert ["_pack (vllm_steer/core/payload.py)", 3, 3] in s["top_vllm_steer"], s["top_vllm_steer"]
     prom = "\n".join([
