@@ -77,8 +77,8 @@ case "${1:-}" in
       --arms "${ARMS:-stock,sae_idle,sae_delta_n16,sae_full_idle,sae_reconstruct_n16}" 2>&1 | tail -40
     ;;
   small)
-    timeout 590 "${SMALL[@]}" --phases ab --trials "${TRIALS:-6}" --long-arms "" --tag small1b \
-      --arms "${ARMS:-stock,hotwire_idle,hotwire_ids16,enabled_idle,site_named16,site_inline16,enabled_idle_old,site_named16_old,site_inline16_old}" \
+    timeout 590 "${SMALL[@]}" --phases ab --trials "${TRIALS:-8}" --requests "${REQUESTS:-256}" --long-arms "" --tag small1b \
+      --arms "${ARMS:-stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
   peer-check)

@@ -54,6 +54,11 @@ ARMS = {
     "hotwire_ids16": dict(server=PEER_SERVER, kind="hotwire", n_configs=16),
     "site_named16": dict(server="steer", kind="site_module", n_configs=16),
     "site_inline16": dict(server="steer", kind="site_inline", n_configs=16),
+    # the same work with the vectors scaled by 1e-4: every piece of steering runs, but the generated
+    # tokens stay (nearly) those of stock, so output-dependent costs (detokenizing other tokens) drop out
+    "hotwire_ids16_tiny": dict(server=PEER_SERVER, kind="hotwire", n_configs=16, scale=1e-4),
+    "site_named16_tiny": dict(server="steer", kind="site_module", n_configs=16, scale=1e-4),
+    "site_inline16_tiny": dict(server="steer", kind="site_inline", n_configs=16, scale=1e-4),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{OLD_SUFFIX}"] = {**ARMS[_arm], "server": OLD_SERVER}
@@ -111,12 +116,13 @@ def expects_steering_field(arm: dict) -> bool:
 def site_fields(arm: dict, n_requests: int, ctx: dict) -> list[dict]:
     """Request i of a single-site arm uses site vector i % n_configs."""
     layer, vecs = ctx_site(ctx)
-    n, kind = arm["n_configs"], arm["kind"]
+    n, kind, scale = arm["n_configs"], arm["kind"], arm.get("scale", 1.0)
     if kind == "hotwire":
-        return [hotwire_field(i % n, layer) for i in range(n_requests)]
+        return [hotwire_field(i % n, layer, scale) for i in range(n_requests)]
     if kind == "site_module":
-        return [{"steering_module": {"name": module_name(i % n)}} for i in range(n_requests)]
-    cfgs = [steer_vectors(vecs[j], layer, ctx["pack_dtype"]) for j in range(n)]
+        return [{"steering_module": {"name": module_name(i % n), "scale": scale}} for i in range(n_requests)]
+    # scaled before packing: the request stays on the packed fast path (no ``scales`` field)
+    cfgs = [steer_vectors(vecs[j] * scale, layer, ctx["pack_dtype"]) for j in range(n)]
     return [{"steering_vectors": cfgs[i % n]} for i in range(n_requests)]
 
 
