@@ -213,9 +213,7 @@ class SteeringRuntime:
 
         ``rows`` None means no request of the batch is steered."""
         if rows is None or not rows.any():
-            if self._index_extent:
-                self.tables.index[: self._index_extent].zero_()
-                self._index_extent = 0
+            self._clear_index()
             return
         # Tokens before the prompt's end are prefill tokens (also when recomputed after preemption).
         n_prefill = np.clip(prompt_len - num_computed_tokens, 0, num_scheduled_tokens)
@@ -233,15 +231,20 @@ class SteeringRuntime:
                         positions: torch.Tensor, num_reqs: int, pad_end: int) -> None:
         """The V2 runner's step: the token -> row index from the batch's request slots, boundaries and
         positions (device tensors vLLM has written for this step) and ``slots`` (synced here when a
-        request's rows changed); padding up to ``pad_end`` gets row 0. Nothing while no request is steered (the index is cleared once)."""
+        request's rows changed); padding up to ``pad_end`` gets row 0. Nothing while no request is
+        steered (the index is cleared once)."""
         if not self._held:
-            if self._index_extent:
-                self.tables.index[: self._index_extent].zero_()
-                self._index_extent = 0
+            self._clear_index()
             return
         slots.sync()
         step_index(self.tables.index, idx_mapping, query_start_loc, positions, slots.device, num_reqs, pad_end)
         self._index_extent = max(self._index_extent, pad_end)
+
+    def _clear_index(self) -> None:
+        """Zero what earlier steps wrote into the index (once: nothing after that)."""
+        if self._index_extent:
+            self.tables.index[: self._index_extent].zero_()
+            self._index_extent = 0
 
     def index_on_device_warmup(self, slots: SlotRows) -> None:
         """Compile ``step_index`` at start-up (a launch with no request), not at the first steered step."""
