@@ -9,23 +9,23 @@ import sys
 import numpy as np
 from openai import OpenAI
 
-from vllm_steer.client import steering_body
+from vllm_steer import Client, steering_body
 
-base_url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000/v1"
-client = OpenAI(base_url=base_url, api_key="EMPTY")
+base_url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"
+client = OpenAI(base_url=f"{base_url}/v1", api_key="EMPTY")
 model = client.models.list().data[0].id
-hidden = 576  # SmolLM2-135M
+sites = Client(base_url).status()["model"]  # hidden size, layers, hooks of the served model
+layer = sites["num_layers"] // 2
 
-rng = np.random.default_rng(0)
-direction = rng.standard_normal(hidden).astype(np.float32)
+direction = np.random.default_rng(0).standard_normal(sites["hidden_size"]).astype(np.float32)
 direction *= 60.0 / np.linalg.norm(direction)
 
 prompt = "The capital of France is"
 plain = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
 steered = client.completions.create(
     model=model, prompt=prompt, max_tokens=16, temperature=0,
-    extra_body=steering_body({"post_mlp": (direction[None, :], [14])}),
+    extra_body=steering_body({"post_mlp": (direction[None, :], [layer])}),
 )
 print("unsteered:", repr(plain.choices[0].text))
 print("steered:  ", repr(steered.choices[0].text))
-print("applied:  ", getattr(steered, "steering", None) or (steered.model_extra or {}).get("steering"))
+print("applied:  ", (steered.model_extra or {}).get("steering"))

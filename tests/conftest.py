@@ -76,7 +76,7 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     """One OpenAI server (SmolLM2, float32, multi-process) for the request-API, module and capture
     tests: byte caps, module limits, a module API key, a module preloaded from a safetensors file, an SAE
     and a site for runtime ones (files under ``sae_root``), and capture consumers (the example probe with a
-    global spec, a raising one, the filesystem one, a slow driver)."""
+    global spec, a raising one, the filesystem one, a slow driver, the built-in activations one)."""
     import json
 
     import numpy as np
@@ -92,7 +92,8 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     sae = write_gemma_scope(str(d / "sae"), random_sae(576, SAE_D, "jumprelu", seed=SAE_SEED))
     probe = {"name": "probe", "params": {"dim": 576, "seed": PROBE_SEED, "global_spec": {
         "layers": [PROBE_LAYER], "hooks": ["post_mlp"], "positions": "last_prompt"}}}
-    capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}, "slow"]
+    capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}, "slow",
+               "activations"]
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
                                 "modules": {"preloaded": str(d / "preloaded.safetensors")},
                                 "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,

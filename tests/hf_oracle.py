@@ -129,3 +129,32 @@ def greedy(
     finally:
         for h in handles:
             h.remove()
+
+
+def pair_text_ids(tok, pair: dict, side: str, chat: bool) -> list[int]:
+    """The token ids extraction sends for one side of a pair, built with transformers: prompt +
+    completion as is, or chat-templated (a user turn; with a prompt, the answer continued)."""
+    if not chat:
+        return tok((pair.get("prompt") or "") + pair[side])["input_ids"]
+    if pair.get("prompt"):
+        msgs = [{"role": "user", "content": pair["prompt"]}, {"role": "assistant", "content": pair[side]}]
+        text = tok.apply_chat_template(msgs, continue_final_message=True, tokenize=False)
+    else:
+        text = tok.apply_chat_template([{"role": "user", "content": pair[side]}], add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]  # as vLLM tokenizes a rendered chat
+
+
+@torch.no_grad()
+def mean_diff_of_last_tokens(path: str, pairs: list[dict], chat: bool, layers: list[int]) -> dict[str, np.ndarray]:
+    """``{"pre_attn.L" | "post_mlp.L": mean over pairs of (positive - negative) last-token residual}``
+    from ``output_hidden_states`` (pre_attn.L: the input of layer L; post_mlp.L: its output)."""
+    model, tok = load(path)
+    diffs: dict[str, list[np.ndarray]] = {}
+    for pair in pairs:
+        hs = {side: model(torch.tensor([pair_text_ids(tok, pair, side, chat)]), output_hidden_states=True).hidden_states
+              for side in ("positive", "negative")}
+        for hook, shift in (("pre_attn", 0), ("post_mlp", 1)):
+            for layer in layers:
+                d = hs["positive"][layer + shift][0, -1] - hs["negative"][layer + shift][0, -1]
+                diffs.setdefault(f"{hook}.{layer}", []).append(d.double().numpy())
+    return {site: np.mean(ds, axis=0) for site, ds in diffs.items()}

@@ -1,6 +1,6 @@
 """Activation capture on real SmolLM2 (float32, CPU lane): the filesystem consumer's files match
 transformers' hidden states at every hook, steering does not change what its own hook captures,
-and a bad capture spec is refused."""
+a bad capture spec is refused, and extraction on the in-process LLM matches transformers."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ HIDDEN, LAYERS = 576, 30
 PROMPT = "The robot looked at the sea and"
 ALL = {"layers": "all", "hooks": "all", "positions": "all_prompt"}
 SLOW_TIMEOUT_S = 1.5  # steer.capture_result_timeout_s of this engine
+EXTRACT_PAIRS = [{"positive": "I love this wonderful day", "negative": "I hate this terrible day"},
+                 {"positive": "What a happy surprise", "negative": "What an awful surprise",
+                  "prompt": "Describe the gift. "}]
+EXTRACT_LAYERS = [3, 10, 20]
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +40,29 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
                           "block_size": 32, "enable_prefix_caching": True,
                           "additional_config": {"steer": {"max_configs": 4, "capture": [
                               {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
-                              "logging", "probe:dim=576,seed=3", "slow"], "capture_result_timeout_s": SLOW_TIMEOUT_S}}},
+                              "logging", "probe:dim=576,seed=3", "slow", "activations"],
+                              "capture_result_timeout_s": SLOW_TIMEOUT_S}}},
            "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs]
            # a long prompt seen once without capture (its blocks get cached), then captured
            + [{"prompts": [{"prompt_token_ids": long_ids}], "params": [p]}
               for p in (params(2), params(2, capture={"fs": {"layers": [0], "hooks": ["pre_attn"]}}))]
            # a driver slower than the timeout: collect() answers at the timeout with an error for it
            + [{"prompts": [{"prompt_token_ids": ids}], "params": [params(2, capture={"slow": {
-               "layers": [0], "hooks": ["pre_attn"], "positions": "last_prompt", "sleep_s": 4 * SLOW_TIMEOUT_S}})]}],
-           "rpc_after": ["vllm_steer_status"], "collect_capture": True}
+               "layers": [0], "hooks": ["pre_attn"], "positions": "last_prompt", "sleep_s": 4 * SLOW_TIMEOUT_S}})]}]
+           # the workers' counters, then extraction on the in-process LLM (plain and chat-templated texts)
+           + [{"llm_call": "tests.test_capture:worker_status"}]
+           + [{"llm_call": "vllm_steer.extract:extract", "kwargs": {"pairs": EXTRACT_PAIRS, "layers": EXTRACT_LAYERS,
+                                                                   "hooks": ["pre_attn", "post_mlp"], "chat": chat}}
+              for chat in (False, True)],
+           "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
-    return root, ids, [c[0] for c in res["calls"]], res, len(long_ids)
+    res["rpc_after"] = {"vllm_steer_status": res["calls"][-3]}
+    return root, ids, [c[0] for c in res["calls"][:-3]], res, len(long_ids)
+
+
+def worker_status(llm) -> list:
+    """The workers' ``vllm_steer_status`` (an engine_job llm_call, before the extraction calls)."""
+    return llm.collective_rpc("vllm_steer_status")
 
 
 @torch.no_grad()
@@ -147,3 +163,15 @@ def test_collect_returns_at_the_timeout_with_an_error_for_a_slow_driver(capture_
     # collect() did not wait for the consumer's 6 s sleep (its result would be {"slept_s": 6.0})
     assert results[5]["capture"] == {"slow": {
         "error": "timeout", "message": f"no result within {SLOW_TIMEOUT_S:g} s (steer.capture_result_timeout_s)"}}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_extraction_on_the_in_process_llm_matches_transformers(capture_run, smollm2_path, chat):
+    """``extract(llm, ...)``: the mean difference of the last tokens' residuals, as transformers computes
+    it on the same texts (chat: the model's template; a pair with a prompt continues the answer)."""
+    got = capture_run[3]["calls"][-1 if chat else -2]
+    ref = hf_oracle.mean_diff_of_last_tokens(smollm2_path, EXTRACT_PAIRS, chat, EXTRACT_LAYERS)
+    for site, r in ref.items():
+        hook, layer = site.split(".")
+        v = got.vectors[hook][int(layer)].astype(np.float64)
+        assert np.linalg.norm(v - r) / np.linalg.norm(r) < 1e-3, site

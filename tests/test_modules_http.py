@@ -1,7 +1,7 @@
 """Named steering modules over HTTP (real server, multi-process): register JSON / packed /
 safetensors / GGUF, list, get, use at two scales in one batch, delete while in flight, auth,
 malformed registrations, start-up preload, the module limits (count, bytes, body size); a module
-equals the same vectors sent inline."""
+equals the same vectors sent inline, and a reference's layer / hook selection equals those sent inline."""
 
 from __future__ import annotations
 
@@ -113,6 +113,42 @@ def test_gguf_control_vector_direction_n_is_post_mlp_of_layer_n(base, model):
     a = complete(base, model, steering_module={"name": "gguf-mod"}).json()
     b = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_a_reference_selects_layers_and_hooks_of_a_module(base, model):
+    """llama.cpp's --control-vector-layer-range for modules: a 29-layer control vector steered on layers
+    5-17 equals those layers sent inline, not the whole file; a hook selection likewise."""
+    vecs = {l: vector(HIDDEN, 100 + l, 15.0) for l in range(1, 30)}
+    assert register(base, files={"file": ("cv.gguf", gguf_control_vector(vecs))}, data={"name": "cv29"}).status_code == 201
+    mixed = {"name": "mixed", "steering_vectors": {"post_mlp": {str(LAYER): VEC.tolist()}, "pre_attn": {"3": VEC.tolist()}}}
+    assert register(base, mixed).status_code == 201
+    try:
+        inline = {"post_mlp": {str(l): vecs[l].tolist() for l in range(5, 18)}}
+        texts = {}
+        for label, body in [("range", {"steering_module": {"name": "cv29", "layers": "5-17"}}),
+                            ("list", {"steering_module": {"name": "cv29", "layers": list(range(5, 18))}}),
+                            ("inline", {"steering_vectors": inline}), ("whole", {"steering_module": "cv29"}),
+                            ("plain", {})]:
+            r = complete(base, model, **body)
+            assert r.status_code == 200, r.text
+            texts[label] = r.json()["choices"][0]["text"]
+        assert texts["range"] == texts["list"] == texts["inline"] != texts["whole"], texts
+        assert texts["range"] != texts["plain"]
+        a = complete(base, model, steering_module={"name": "mixed", "hooks": ["pre_attn"]}).json()
+        b = complete(base, model, steering_vectors={"pre_attn": {"3": VEC.tolist()}}).json()
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["steering"] == b["steering"]
+        for ref, field, words in [
+            ({"name": "cv29", "layers": "20-40"}, "steering_module.layers", "layer 30 out of range"),
+            ({"name": "cv29", "layers": "x"}, "steering_module.layers", "expected 'all', N, A-B"),
+            ({"name": "mixed", "layers": [20]}, "steering_module.layers", "the selection holds none of module 'mixed'"),
+            ({"name": "cv29", "hooks": ["post_ffn"]}, "steering_module.hooks", "unknown hook point 'post_ffn'"),
+        ]:
+            r = complete(base, model, steering_module=ref)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"], r.text
+    finally:
+        for name in ("cv29", "mixed"):
+            httpx.delete(f"{base}/v1/steering/modules/{name}", headers=AUTH, timeout=30)
 
 
 def test_two_scales_of_one_module_in_one_batch(base, model):

@@ -65,6 +65,42 @@ def test_vllm_xargs_json_string_and_phase_tiers(client, server):
     assert top.model_extra["steering"]["prefill"] is None and top.model_extra["steering"]["decode"]
 
 
+def test_transformer_lens_site_names_steer_and_capture_as_ours(server):
+    """A TransformerLens site key steers exactly as our hook form (the same tokens, the same config key),
+    and a capture naming sites (either spelling) gets exactly those sites, with the layers x hooks form's
+    rows; a driver consumer given them (the probe, at its global spec's site) answers as its global spec."""
+    from tests.conftest import PROBE_LAYER
+    from vllm_steer.capture.filesystem import load_request
+
+    base, model, _, captures = server
+
+    def run(**fields):
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
+            "return_token_ids": True, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain = run()
+    ours = run(steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}})
+    tl = run(steering_vectors={f"blocks.{LAYER}.hook_resid_post": VEC.tolist()})
+    tokens = [r["choices"][0]["token_ids"] for r in (plain, ours, tl)]
+    assert tokens[2] == tokens[1] != tokens[0]
+    assert tl["steering"] == ours["steering"]
+
+    named = run(capture={"fs": {"sites": ["blocks.3.hook_resid_post", "pre_attn.5"], "positions": "all_prompt"},
+                         "probe": {"sites": [f"blocks.{PROBE_LAYER}.hook_resid_post"], "positions": "last_prompt"}})
+    grid = run(capture={"fs": {"layers": [3, 5], "hooks": ["pre_attn", "post_mlp"], "positions": "all_prompt"}})
+    got, want = (load_request(str(captures), f"{r['id']}-0") for r in (named, grid))
+    assert sorted(got) == [(3, "post_mlp"), (5, "pre_attn")] and len(want) == 4
+    for site, (positions, rows) in got.items():
+        np.testing.assert_array_equal(positions, want[site][0])
+        np.testing.assert_array_equal(rows, want[site][1])
+    probe, default = named["capture"]["probe"], plain["capture"]["probe"]
+    assert probe["rows"] == default["rows"] == 1
+    assert probe["logit"] == pytest.approx(default["logit"], rel=1e-5, abs=1e-5)
+
+
 def test_chat_streaming_and_non_streaming_agree_and_report_steering(client, server):
     body = {"steering_vectors": {"post_mlp": pack(VEC[None], [LAYER])}}
     msgs = [{"role": "user", "content": "Say something about the sea."}]

@@ -1,8 +1,44 @@
 """vllm-steer: per-request activation steering for stock vLLM, as a plugin.
 
 Turn it on with ``VLLM_PLUGINS=steer`` and ``--additional-config '{"steer": {}}'``; see README.md.
+The public API is what ``__all__`` names (imported on first use, so loading the plugin stays light):
+
+- requests: ``pack``, ``steering_body``, ``msgpack_body`` (vectors in the wire format);
+- a server: ``Client``, ``AsyncClient``, ``SteeringAPIError``;
+- an in-process ``vllm.LLM``: ``register_module``, ``delete_module``, ``register_sae``, ``delete_sae``,
+  ``collect`` (driver consumers' results onto the outputs);
+- extraction: ``extract``, ``Extraction``, ``ExtractError``.
 """
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.3.0"
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "pack": "vllm_steer.client", "steering_body": "vllm_steer.client", "msgpack_body": "vllm_steer.client",
+    "Client": "vllm_steer.http_client", "AsyncClient": "vllm_steer.http_client",
+    "SteeringAPIError": "vllm_steer.http_client",
+    "register_module": "vllm_steer.frontend.module_registration",
+    "delete_module": ("vllm_steer.frontend.module_registration", "unregister_module"),
+    "register_sae": "vllm_steer.frontend.sae_registration",
+    "delete_sae": ("vllm_steer.frontend.sae_registration", "unregister_sae"),
+    "collect": "vllm_steer.capture.collect",
+    "extract": "vllm_steer.extract", "Extraction": "vllm_steer.extract", "ExtractError": "vllm_steer.extract",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'vllm_steer' has no attribute {name!r}")
+    module, attr = target if isinstance(target, tuple) else (target, name)
+    value = getattr(import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -63,7 +63,8 @@ class SaeModuleConfig(BaseModel):
     format: Literal["gemma_scope", "sae_lens", "manifest"] | None = None
     """None: told by the files."""
     site: str | None = None
-    """``hook.layer`` (e.g. ``post_mlp.12``) of a single-site file (sae-lens names its own)."""
+    """The site of a single-site file (sae-lens names its own): ``post_mlp.12`` or
+    ``blocks.12.hook_resid_post`` (``core.site_names``)."""
     features: tuple[int, ...] | None = None
     """The features requests may clamp (their encoder columns / decoder rows are staged on every
     worker); None: all of them, allowed up to MAX_CLAMPABLE features."""
@@ -139,8 +140,9 @@ class SteerConfig(BaseModel):
     """SAEs requests may clamp features of (``"sae": {"name": ...}``), by name."""
     sae_slots: dict[str, int] = Field(default_factory=dict)
     """Sites reserved for SAEs registered while the server runs (``POST /v1/steering/sae``):
-    ``"hook.layer"`` -> how many clampable features the site holds (its tables are allocated at
-    start-up, so CUDA graphs and torch.compile see them from the first step)."""
+    site name (``"hook.layer"`` or TransformerLens', ``core.site_names``) -> how many clampable
+    features the site holds (its tables are allocated at start-up, so CUDA graphs and torch.compile
+    see them from the first step)."""
     sae_root: tuple[str, ...] | None = None
     """The directories (absolute; one string or a list) whose files runtime SAE registrations may
     read (``core.sae_paths``); None: registration by path is refused (403). ``steer.sae`` is not

@@ -103,6 +103,8 @@ def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, int]:
             raise SteerConfigError(f"{key}: not a steerable site (steer.hooks / steer.layers, {num_layers} layers)")
         if (hook, layer) == ("pre_attn", 0):
             raise SteerConfigError(f"{key}: pre_attn of layer 0 cannot take an SAE")
+        if (hook, layer) in out:
+            raise SteerConfigError(f"{key}: site {hook}.{layer} is named twice")
         out[(hook, layer)] = capacity
     return out
 

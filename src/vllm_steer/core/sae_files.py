@@ -27,6 +27,7 @@ import numpy as np
 from vllm_steer.core.bf16 import from_bits
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.sae_paths import UNRESTRICTED, FileAccess, SaeFileRefused, SaePathError
+from vllm_steer.core.site_names import SITE_FORMS, parse_site_name
 
 SITE_HOOKS: tuple[str, ...] = HOOK_NAMES  # ("pre_attn", "post_attn", "post_mlp")
 ACTIVATIONS = ("relu", "jumprelu", "topk")
@@ -40,13 +41,7 @@ CORE_ARRAYS = ("W_enc", "W_dec", "b_enc", "b_dec")
 _ST_DTYPES = {"F32": ("float32", "<f4"), "F16": ("float16", "<f2"), "BF16": ("bfloat16", "<u2")}
 _RAW_DTYPES = {name: raw for name, raw in _ST_DTYPES.values()}
 _MAX_ST_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB too
-_LAYER = r"(0|[1-9][0-9]*)"
-_LENS_HOOKS = (
-    (re.compile(rf"blocks\.{_LAYER}\.hook_resid_pre"), "pre_attn"),
-    (re.compile(rf"blocks\.{_LAYER}\.hook_resid_mid"), "post_attn"),
-    (re.compile(rf"blocks\.{_LAYER}\.hook_resid_post"), "post_mlp"),
-    (re.compile(rf"model\.layers\.{_LAYER}"), "post_mlp"),
-)
+_HF_LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)")  # sae-lens' name for a HF layer's output
 _LENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
 _MANIFEST_KEYS = {"format", "version", "activation", "k", "b_dec_in", "sites"}
 
@@ -127,33 +122,28 @@ def _json_error(e: ValueError) -> str:
 
 
 def parse_site(text: str, field: str) -> tuple[str, int]:
-    """``"post_mlp.12"`` -> ``("post_mlp", 12)``; SaeFileError naming ``field`` otherwise."""
+    """``"post_mlp.12"`` or ``"blocks.12.hook_resid_post"`` -> ``("post_mlp", 12)`` (``core.site_names``);
+    SaeFileError naming ``field`` otherwise."""
     return _parse_site(text, field, None)
 
 
 def _parse_site(text: Any, field: str, path: str | None) -> Site:
-    if not isinstance(text, str):
-        raise SaeFileError(path, field, f"expected a 'hook.layer' string, got {type(text).__name__}")
-    hook, dot, layer = text.partition(".")
-    if not dot:
-        raise SaeFileError(path, field, f"expected 'hook.layer' (e.g. 'post_mlp.12'), got {_shown(text)}")
-    if hook not in SITE_HOOKS:
-        raise SaeFileError(path, field, f"unknown hook {_shown(hook)} in {_shown(text)} (expected one of {', '.join(SITE_HOOKS)})")
-    if not re.fullmatch(_LAYER, layer):
-        raise SaeFileError(path, field, f"layer in {_shown(text)} must be a non-negative decimal integer "
-                                        "without sign, spaces or leading zeros")
-    return hook, int(layer)
+    try:
+        return parse_site_name(text)
+    except ValueError as e:
+        raise SaeFileError(path, field, str(e)) from None
 
 
 def _lens_site(hook_name: Any) -> Site | None:
-    """The site of a sae-lens ``hook_name``, or None when it is not one we know."""
-    if not isinstance(hook_name, str):
+    """The site of a sae-lens ``hook_name`` (a site name, or ``model.layers.L``: post_mlp.L), or None
+    when it is not one we know."""
+    m = _HF_LAYER.fullmatch(hook_name) if isinstance(hook_name, str) else None
+    if m:
+        return "post_mlp", int(m.group(1))
+    try:
+        return parse_site_name(hook_name)
+    except ValueError:
         return None
-    for pattern, hook in _LENS_HOOKS:
-        m = pattern.fullmatch(hook_name)
-        if m:
-            return hook, int(m.group(1))
-    return None
 
 
 # --- format detection --------------------------------------------------------------------------
@@ -408,7 +398,7 @@ def _site_arg(path: str, site: str | None, default: Site | None, what: str) -> S
     if site is not None:
         return _parse_site(site, "site", path)
     if default is None:
-        raise SaeFileError(path, "site", f"{what}; pass site='hook.layer' (hook one of {', '.join(SITE_HOOKS)})")
+        raise SaeFileError(path, "site", f"{what}; pass site={SITE_FORMS}")
     return default
 
 
@@ -600,6 +590,8 @@ def _manifest_plans(path: str, site: str | None, files: FileAccess) -> dict[Site
     for text, rel in sites.items():
         field = f"sites[{_shown(text)}]"
         where = _parse_site(text, field, mpath)
+        if where in plans:
+            raise SaeFileError(mpath, field, f"site {where[0]}.{where[1]} is named twice")
         plans[where] = _manifest_site(mpath, _manifest_file(mpath, path, field, rel), activation, k, b_dec_in,
                                        files)
     return plans

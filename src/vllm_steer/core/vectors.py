@@ -68,6 +68,19 @@ def nonzero(vectors: Vectors) -> Vectors:
     return out
 
 
+def selected(tiers: dict[str, Vectors], layers: list[int] | None, hooks: list[str] | None) -> dict[str, Vectors]:
+    """A module's tiers cut to the ``layers`` and ``hooks`` a reference selects (None: all)."""
+    if layers is None and hooks is None:
+        return tiers
+    keep_l = None if layers is None else set(layers)
+    out: dict[str, Vectors] = {}
+    for tier, vectors in tiers.items():
+        cut = {h: {l: v for l, v in ls.items() if keep_l is None or l in keep_l}
+               for h, ls in vectors.items() if hooks is None or h in hooks}
+        out[tier] = {h: ls for h, ls in cut.items() if ls}
+    return out
+
+
 def effective_phases(
     tiers: dict[str, Vectors], module_tiers: dict[str, Vectors] | None = None, scale: float = 1.0
 ) -> tuple[Vectors, Vectors]:

@@ -1,7 +1,8 @@
 """Module files -> tiers of vectors: safetensors and GGUF control vectors.
 
-safetensors: tensors named ``<hook>.<layer>`` (both phases), ``prefill.<hook>.<layer>`` or
-``decode.<hook>.<layer>``, each ``[hidden]``; metadata ``description`` (optional).
+safetensors: tensors named by a site (``core.site_names``: ``<hook>.<layer>`` or TransformerLens'
+``blocks.<layer>.hook_resid_pre|mid|post``) for both phases, or ``prefill.<site>`` / ``decode.<site>``,
+each ``[hidden]``; a site named twice in one tier is refused; metadata ``description`` (optional).
 
 GGUF control vectors (llama.cpp ``cvector-generator``, repeng ``export_gguf``): tensors
 ``direction.N``. Convention, as llama.cpp applies them: ``direction.N`` is added to the output of
@@ -16,17 +17,17 @@ import tempfile
 
 import numpy as np
 
-from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.vectors import TIER_FIELDS, Vectors
 from vllm_steer.frontend.spec import ModelShape, check_finite, check_layer
 
 _TIER_PREFIX = {"": "steering_vectors", "prefill.": "prefill_steering_vectors", "decode.": "decode_steering_vectors"}
-_NAME = re.compile(r"^(prefill\.|decode\.)?(" + "|".join(HOOK_NAMES) + r")\.(\d+)$")
+_PHASE = re.compile(r"(prefill\.|decode\.)?(.*)", re.S)
 _GGUF_NAME = re.compile(r"^direction\.(\d+)$")
 
 
-def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str, arr: np.ndarray, shape: ModelShape, field: str) -> None:
+def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str | int, arr: np.ndarray, shape: ModelShape, field: str) -> None:
     layer = check_layer(field, layer_raw, shape)
     if hook not in shape.hooks:
         raise SteeringSpecError(field, f"hook point {hook!r} is not enabled on this server")
@@ -34,7 +35,10 @@ def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str, arr: n
     if vec.shape[0] != shape.hidden_size:
         raise SteeringSpecError(field, f"expected {shape.hidden_size} values (hidden size), got {vec.shape[0]}")
     check_finite(field, vec)
-    tiers[tier].setdefault(hook, {})[layer] = vec
+    layers = tiers[tier].setdefault(hook, {})
+    if layer in layers:
+        raise SteeringSpecError(field, f"site {hook}.{layer} is named twice in the file")
+    layers[layer] = vec
 
 
 def read_safetensors(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors], dict[str, str]]:
@@ -53,10 +57,12 @@ def read_safetensors(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors]
             metadata = dict(st.metadata() or {})
     tiers: dict[str, Vectors] = {t: {} for t in TIER_FIELDS}
     for name, arr in tensors.items():
-        m = _NAME.match(name)
-        if not m:
-            raise SteeringSpecError(f"file.{name}", "tensor names must be [prefill.|decode.]<hook>.<layer>")
-        _add(tiers, _TIER_PREFIX[m.group(1) or ""], m.group(2), m.group(3), arr, shape, f"file.{name}")
+        phase, site = _PHASE.fullmatch(name).groups()
+        try:
+            hook, layer = parse_site_name(site)
+        except ValueError as e:
+            raise SteeringSpecError(f"file.{name}", f"tensor names must be [prefill.|decode.]<site>: {e}") from None
+        _add(tiers, _TIER_PREFIX[phase or ""], hook, layer, arr, shape, f"file.{name}")
     if not any(tiers.values()):
         raise SteeringSpecError("file", "no steering tensors in the file")
     return tiers, metadata

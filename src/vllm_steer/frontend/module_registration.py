@@ -217,3 +217,13 @@ def register_module(llm: Any, name: str, replace: bool = False, description: str
     module = module_from_json({"name": name, "description": description, **tiers}, frontend.module_shape)
     max_modules = frontend.cfg.max_modules if frontend.cfg is not None else None
     return register_sync(llm.collective_rpc, module, replace, max_modules).summary()
+
+
+def unregister_module(llm: Any, name: str) -> dict:
+    """Delete a named module of a ``vllm.LLM`` (as ``DELETE /v1/steering/modules/{name}``); KeyError
+    for an unknown name. Requests already using it finish with it."""
+    module = STORE.drop(name)
+    if module is None:
+        raise KeyError(f"unknown steering module {name!r}")
+    llm.collective_rpc("vllm_steer_unregister_module", args=(name,))
+    return module.summary()

@@ -22,7 +22,7 @@ from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS,
-                                     effective_phases)
+                                     effective_phases, selected)
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
@@ -138,7 +138,8 @@ class SteeringFrontend:
         bare_module = spec.module is not None and not any(spec.tiers.values())
         if bare_module:
             module = STORE.get(spec.module.name)
-            cache_key = (spec.module.name, module.version if module else None, spec.module.scale)
+            cache_key = (spec.module.name, module.version if module else None, spec.module.scale,
+                         spec.module.layers, spec.module.hooks)
             hit = self._module_cache.get(cache_key)
             if hit is not None:  # depends only on (name, version, scale): reuse, no rehash
                 payload, pk, dk = hit
@@ -150,7 +151,11 @@ class SteeringFrontend:
             module = STORE.get(spec.module.name)
             if module is None:
                 raise SteeringSpecError("steering_module.name", f"unknown steering module {spec.module.name!r}")
-            module_tiers, scale = module.tiers, spec.module.scale
+            module_tiers, scale = selected(module.tiers, spec.module.layers, spec.module.hooks), spec.module.scale
+            if not any(module_tiers.values()):
+                raise SteeringSpecError("steering_module.layers" if spec.module.layers else "steering_module.hooks",
+                                        f"the selection holds none of module {module.name!r}'s vectors "
+                                        f"(hooks {module.summary()['hooks']}, layers {module.summary()['layers']})")
         prefill, decode = effective_phases(spec.tiers, module_tiers, scale)
         try:
             layouts = {"prefill": table_layout(prefill, self.dtype)}
@@ -163,7 +168,7 @@ class SteeringFrontend:
             return None, None, None
         ref = None
         if module is not None:
-            ref = {"name": module.name, "version": module.version, "scale": scale}
+            ref = {"name": module.name, "version": module.version, "scale": scale, **spec.module.selection()}
         configs = {}
         if module is None or any(spec.tiers.values()):
             # Inline vectors (alone or on top of a module) travel; a bare module ref does not.
@@ -174,7 +179,7 @@ class SteeringFrontend:
         if bare_module:
             if len(self._module_cache) > 1024:
                 self._module_cache.clear()
-            self._module_cache[(module.name, module.version, scale)] = (payload, pk, dk)
+            self._module_cache[(module.name, module.version, scale, spec.module.layers, spec.module.hooks)] = (payload, pk, dk)
             return dict(payload), pk, dk  # callers add per-request keys to their copy
         return payload, pk, dk
 
@@ -187,15 +192,15 @@ class SteeringFrontend:
 
     def _driver_sites_on_first_stage(self, field: str, spec: Any) -> None:
         """Under pipeline parallelism a driver consumer runs on the first stage (TP rank 0) and sees
-        only the sites whose norm is there: a spec reaching past them is refused, never half-served."""
+        only the sites whose norm is there: a spec reaching past them is refused (naming ``field``,
+        the key that named its sites), never half-served."""
         if self.first_stage_layers is None:
             return
-        outside = [(h, l) for h in spec.hooks for l in spec.layers
-                   if receiving_layer(h, l) >= self.first_stage_layers]
+        outside = [(h, l) for h, l in spec.sites if receiving_layer(h, l) >= self.first_stage_layers]
         if outside:
             h, l = outside[0]
             raise CaptureSpecError(
-                f"{field}.layers", f"{h}.{l} is on a later pipeline stage; under pipeline parallelism a "
+                f"{field}: {h}.{l} is on a later pipeline stage; under pipeline parallelism a "
                 f"driver consumer sees the first stage's sites only (pre_attn/post_attn layers below "
                 f"{self.first_stage_layers}, post_mlp layers below {self.first_stage_layers - 1})")
 
@@ -226,13 +231,14 @@ class SteeringFrontend:
                                                f"(configured: {sorted(configured)})")
             try:
                 spec = parse_capture_spec(instance, spec_raw, self.shape.num_layers, self.shape.hooks)
-                bad = [l for l in spec.layers if self.shape.layers is not None and l not in self.shape.layers]
+                named_by = f"{field}.{'sites' if 'sites' in spec_raw else 'layers'}"
+                bad = [l for _, l in spec.sites if self.shape.layers is not None and l not in self.shape.layers]
                 if bad:
-                    raise CaptureSpecError(f"{field}.layers: layer {bad[0]} has no capture site (steer.layers)")
+                    raise CaptureSpecError(f"{named_by}: layer {bad[0]} has no capture site (steer.layers)")
                 cls = consumer_class(configured[instance].name)
                 cls.validate_params(dict(spec.params))
                 if cls.location == "driver":
-                    self._driver_sites_on_first_stage(field, spec)
+                    self._driver_sites_on_first_stage(named_by, spec)
             except CaptureSpecError as e:
                 raise SteeringSpecError(e.field, e.reason) from None
             except ValueError as e:

@@ -5,7 +5,9 @@ Accepted in ``SamplingParams.extra_args`` (and, through the OpenAI server, the r
 each maps a hook point to ``{layer: [floats]}`` or to the packed form
 ``{"dtype", "shape": [n, hidden], "layer_indices", "data", "scales"?}`` where ``data`` is the
 rows' little-endian bytes, base64 in a string (JSON) or raw (a msgpack bin, or Python bytes)
-(when a hook's object has ``data`` it is the packed form; packed wins over any layer keys beside it).
+(when a hook's object has ``data`` it is the packed form; packed wins over any layer keys beside it),
+and/or a site name (``core.site_names``: ``"blocks.12.hook_resid_post"`` or ``"post_mlp.12"``) to
+``[floats]``; a site given twice in one field is refused.
 Every problem raises SteeringSpecError naming the field. Vectors come out in float32.
 """
 
@@ -22,7 +24,9 @@ import pybase64
 from vllm_steer.core import bf16
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.layer_selection import parse_layers
 from vllm_steer.core.layout import Layout, itemsize, raw_rows
+from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
 
 _PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
@@ -44,6 +48,17 @@ class ModelShape:
 class ModuleRef:
     name: str
     scale: float
+    layers: tuple[int, ...] | None = None  # a selection of the module's layers (None: all)
+    hooks: tuple[str, ...] | None = None  # ... and of its hook points
+
+    def selection(self) -> dict:
+        """The selection as it travels in the payload (absent keys: everything)."""
+        out = {}
+        if self.layers is not None:
+            out["layers"] = list(self.layers)
+        if self.hooks is not None:
+            out["hooks"] = list(self.hooks)
+        return out
 
 
 @dataclass(frozen=True)
@@ -94,24 +109,30 @@ def check_finite(field: str, arr: np.ndarray) -> None:
         raise SteeringSpecError(field, "contains NaN or Inf")
 
 
+def _parse_floats(field: str, values: Any, shape: ModelShape) -> np.ndarray:
+    """One vector given as ``[floats]`` -> float32 ``[hidden]``."""
+    if not isinstance(values, (list, tuple, np.ndarray)):
+        raise SteeringSpecError(field, f"expected a list of {shape.hidden_size} floats")
+    if len(values) != shape.hidden_size:
+        raise SteeringSpecError(
+            field, f"expected {shape.hidden_size} floats (hidden size), got {len(values)}"
+        )
+    try:
+        arr = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise SteeringSpecError(field, "values must be numbers") from None
+    if arr.ndim != 1:
+        raise SteeringSpecError(field, "expected a flat list of floats")
+    check_finite(field, arr)
+    return arr
+
+
 def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
     out: dict[int, np.ndarray] = {}
     for raw_layer, values in obj.items():
         f = f"{field}.{raw_layer}"
         layer = check_layer(f, raw_layer, shape)
-        if not isinstance(values, (list, tuple, np.ndarray)):
-            raise SteeringSpecError(f, f"expected a list of {shape.hidden_size} floats")
-        if len(values) != shape.hidden_size:
-            raise SteeringSpecError(
-                f, f"expected {shape.hidden_size} floats (hidden size), got {len(values)}"
-            )
-        try:
-            arr = np.asarray(values, dtype=np.float32)
-        except (TypeError, ValueError):
-            raise SteeringSpecError(f, "values must be numbers") from None
-        if arr.ndim != 1:
-            raise SteeringSpecError(f, "expected a flat list of floats")
-        check_finite(f, arr)
+        arr = _parse_floats(f, values, shape)
         if layer in out:
             raise SteeringSpecError(f, f"layer {layer} given twice")
         out[layer] = arr
@@ -206,12 +227,12 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
         return None
     tier = present[0]
     hooks = fields[tier]
-    if not all(isinstance(v, dict) and "data" in v and v.get("dtype") == dtype_name and v.get("scales") is None
-               for v in hooks.values()):
+    if not all(h in HOOK_NAMES and isinstance(v, dict) and "data" in v and v.get("dtype") == dtype_name
+               and v.get("scales") is None for h, v in hooks.items()):
         return None
     layout: Layout = {}
     total = 0
-    for hook in sorted(hooks, key=lambda h: HOOK_NAMES.index(h) if h in HOOK_NAMES else -1):
+    for hook in sorted(hooks, key=HOOK_NAMES.index):
         f = f"{tier}.{hook}"
         _check_hook(f, hook, shape)
         _, layers, raw = _packed_raw(f, hooks[hook], shape)
@@ -245,13 +266,26 @@ def _check_hook(field: str, hook: Any, shape: ModelShape) -> None:
         )
 
 
+def _parse_site_key(field: str, key: str, shape: ModelShape) -> tuple[str, int]:
+    """A tier's site-name key (``blocks.12.hook_resid_post``, ``post_mlp.12``) -> (hook, layer), checked."""
+    try:
+        hook, layer = parse_site_name(key)
+    except ValueError as e:
+        raise SteeringSpecError(field, str(e)) from None
+    _check_hook(field, hook, shape)
+    return hook, check_layer(field, layer, shape)
+
+
 def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
     if obj is None:
         return {}
     if not isinstance(obj, dict):
-        raise SteeringSpecError(field, "expected an object mapping hook points to vectors")
+        raise SteeringSpecError(field, "expected an object mapping hook points (or site names) to vectors")
     out: Vectors = {}
+    site_keys = [k for k in obj if isinstance(k, str) and "." in k]  # hook points have no dot
     for hook, value in obj.items():
+        if hook in site_keys:
+            continue
         f = f"{field}.{hook}"
         _check_hook(f, hook, shape)
         if not isinstance(value, dict):
@@ -259,20 +293,40 @@ def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
         layers = decode_packed(f, value, shape) if "data" in value else _parse_float_layers(f, value, shape)
         if layers:
             out[hook] = layers
+    for key in site_keys:  # merged into the hook form: {hook: {layer: vector}}
+        f = f"{field}.{key}"
+        hook, layer = _parse_site_key(f, key, shape)
+        if layer in out.get(hook, {}):
+            raise SteeringSpecError(f, f"site {hook}.{layer} is given twice in {field}")
+        out[hook] = {**out.get(hook, {}), layer: _parse_floats(f, obj[key], shape)}
     return out
 
 
-def _parse_module(obj: Any) -> ModuleRef | None:
+def _parse_module(obj: Any, shape: ModelShape) -> ModuleRef | None:
     if obj is None:
         return None
     if isinstance(obj, str):
         obj = {"name": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise SteeringSpecError(MODULE_FIELD, 'expected {"name": str, "scale": float}')
-    extra = set(obj) - {"name", "scale"}
+        raise SteeringSpecError(MODULE_FIELD, 'expected {"name": str, "scale": float, "layers"?, "hooks"?}')
+    extra = set(obj) - {"name", "scale", "layers", "hooks"}
     if extra:
         raise SteeringSpecError(MODULE_FIELD, f"unknown keys {sorted(extra)}")
-    return ModuleRef(obj["name"], finite_number(f"{MODULE_FIELD}.scale", obj.get("scale", 1.0)))
+    layers = hooks = None
+    if obj.get("layers") is not None:
+        try:
+            layers = parse_layers(obj["layers"], shape.num_layers)
+        except ValueError as e:
+            raise SteeringSpecError(f"{MODULE_FIELD}.layers", str(e)) from None
+    if obj.get("hooks") is not None:
+        hooks = obj["hooks"]
+        if not isinstance(hooks, list) or not hooks or not all(isinstance(h, str) for h in hooks):
+            raise SteeringSpecError(f"{MODULE_FIELD}.hooks", "expected a non-empty list of hook points")
+        for h in hooks:
+            _check_hook(f"{MODULE_FIELD}.hooks", h, shape)
+        hooks = sorted(set(hooks))
+    return ModuleRef(obj["name"], finite_number(f"{MODULE_FIELD}.scale", obj.get("scale", 1.0)),
+                     None if layers is None else tuple(layers), None if hooks is None else tuple(hooks))
 
 
 def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:
@@ -282,4 +336,4 @@ def parse_spec(fields: dict[str, Any], shape: ModelShape) -> SteeringSpec:
         nbytes = sum(v.nbytes for layers in tier.values() for v in layers.values())
         if nbytes > shape.max_bytes:
             raise SteeringTooLarge(name, f"{nbytes} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
-    return SteeringSpec(tiers=tiers, module=_parse_module(fields.get(MODULE_FIELD)))
+    return SteeringSpec(tiers=tiers, module=_parse_module(fields.get(MODULE_FIELD), shape))

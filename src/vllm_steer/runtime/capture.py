@@ -341,11 +341,10 @@ class CaptureRuntime:
                     sel = spec.select(positions, req.prompt_len)
                     if not sel.any():
                         continue
-                    for hook in spec.hooks:
-                        for layer in spec.layers:
-                            if (hook, layer) in bufs.site_index:
-                                m = per_site.setdefault((hook, layer), np.zeros(n - skip, dtype=np.int64))
-                                m[sel] |= bit
+                    for site in spec.sites:
+                        if site in bufs.site_index:  # a site this rank hooks
+                            m = per_site.setdefault(site, np.zeros(n - skip, dtype=np.int64))
+                            m[sel] |= bit
                 for (hook, layer), masks in per_site.items():
                     toks = np.flatnonzero(masks)
                     k = min(len(toks), bufs.max_rows - row)

@@ -156,7 +156,8 @@ class SteeringRuntime:
         if key in steering.configs:
             return steering.configs[key]
         ref = steering.module  # a bare module reference: build the row from the registry
-        prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"])
+        prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"],
+                                              layers=ref.get("layers"), hooks=ref.get("hooks"))
         # float32 vectors -> table rows in the model dtype (the bytes the front end hashed)
         return table_layout(prefill if key == steering.prefill_key else decode, self._dtype_name)
 

@@ -2,7 +2,7 @@
 
 Registration pre-materializes the module's scale-1 rows into the row cache (so the first request
 usually pays nothing; the rows may be evicted like any released row). A request that references a
-module ships only ``{name, version, scale}`` and its keys; the worker builds a missing row from the
+module ships only ``{name, version, scale}`` (and a layer / hook selection, if any) and its keys; the worker builds a missing row from the
 tiers here with the same arithmetic the front end hashed. Versions are kept after delete/replace
 while a request admitted before the change may still use them, and forgotten when the engine core
 says none can (``engine.module_registry.retire``), so a request never mixes two versions and memory
@@ -11,7 +11,7 @@ stays bounded.
 
 from __future__ import annotations
 
-from vllm_steer.core.vectors import Vectors, effective_phases
+from vllm_steer.core.vectors import Vectors, effective_phases, selected
 
 
 class WorkerModules:
@@ -28,8 +28,10 @@ class WorkerModules:
     def __len__(self) -> int:
         return len(self._tiers)
 
-    def phases(self, name: str, version: int, scale: float, inline: dict[str, Vectors] | None = None) -> tuple[Vectors, Vectors]:
+    def phases(self, name: str, version: int, scale: float, inline: dict[str, Vectors] | None = None,
+               layers: list[int] | None = None, hooks: list[str] | None = None) -> tuple[Vectors, Vectors]:
+        """The effective phases of a reference: the module's tiers (cut to ``layers`` / ``hooks``) x scale."""
         tiers = self._tiers.get((name, version))
         if tiers is None:
             raise KeyError(f"steering module {name!r} version {version} was never registered on this worker")
-        return effective_phases(inline or {}, tiers, scale)
+        return effective_phases(inline or {}, selected(tiers, layers, hooks), scale)

@@ -34,6 +34,16 @@ from vllm_steer.core.compat import counts_of_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.request_body import drain_refused_body
 from vllm_steer.server.errors import error, mutation_denied
+from vllm_steer.server.schemas import (
+    Deleted,
+    ModuleInfo,
+    ModuleList,
+    ModuleRegistration,
+    ModuleSummary,
+    ModuleUpload,
+    errors,
+    request_body,
+)
 
 logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/modules", tags=["steering"])
@@ -69,7 +79,8 @@ def _capped(receive: Any, cap: int) -> Any:
     return capped
 
 
-@router.post("")
+@router.post("", status_code=201, responses={201: {"model": ModuleSummary}, **errors(400, 401, 409, 413)},
+             openapi_extra=request_body(json=ModuleRegistration, form=ModuleUpload))
 async def register(raw: Request) -> JSONResponse:
     if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied
@@ -125,7 +136,7 @@ async def register(raw: Request) -> JSONResponse:
     return JSONResponse(module.summary(), status_code=201)
 
 
-@router.get("")
+@router.get("", responses={200: {"model": ModuleList}})
 async def list_modules(raw: Request) -> JSONResponse:
     await _synced(raw)
     users = await _users(raw)
@@ -133,7 +144,7 @@ async def list_modules(raw: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.get("/{name}")
+@router.get("/{name}", responses={200: {"model": ModuleInfo}, **errors(404)})
 async def get_module(name: str, raw: Request) -> JSONResponse:
     await _synced(raw)
     module = STORE.get(name)
@@ -143,7 +154,7 @@ async def get_module(name: str, raw: Request) -> JSONResponse:
     return JSONResponse({**module.summary(), "in_flight": users.get(name, 0)})
 
 
-@router.delete("/{name}")
+@router.delete("/{name}", responses={200: {"model": Deleted}, **errors(401, 404)})
 async def delete_module(name: str, raw: Request) -> JSONResponse:
     if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied

@@ -26,12 +26,13 @@ from vllm_steer.server.openai_fields import endpoint_attached
 from vllm_steer.server.modules_routes import router as modules_router
 from vllm_steer.server.request_body import SteeringRequestMiddleware
 from vllm_steer.server.sae_routes import router as sae_router
+from vllm_steer.server.schemas import SteeringStatus
 from vllm_steer.server.response_field import SteeringResponseMiddleware
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"])
 
 
-@router.get("")
+@router.get("", responses={200: {"model": SteeringStatus}})
 async def steering_status(raw: Request) -> JSONResponse:
     """Whether steering is on, its config, and each worker's view (pid, ops installed, rows)."""
     state = raw.app.state
@@ -44,10 +45,16 @@ async def steering_status(raw: Request) -> JSONResponse:
         {
             "version": __version__,
             "enabled": cfg is not None,
+            "model": _sites(state.steer_frontend.shape) if cfg is not None else None,
             "config": cfg.model_dump(mode="json", exclude={"api_key"}) if cfg else None,
             "workers": workers,
         }
     )
+
+
+def _sites(shape: Any) -> dict:
+    return {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "hooks": list(shape.hooks),
+            "dtype": shape.dtype}
 
 
 class SteeringEndpointPlugin:

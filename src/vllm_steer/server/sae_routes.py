@@ -25,6 +25,7 @@ from vllm_steer.frontend.sae_registration import (
 from vllm_steer.frontend.sae_registry import REGISTRY
 from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.server.errors import error, mutation_denied
+from vllm_steer.server.schemas import Deleted, SaeInfo, SaeList, SaeRegistration, SaeSummary, errors, request_body
 
 logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/sae", tags=["steering"])
@@ -46,7 +47,7 @@ async def _synced(raw: Request):
     return frontend
 
 
-@router.get("")
+@router.get("", responses={200: {"model": SaeList}})
 async def list_sae(raw: Request) -> JSONResponse:
     """Every SAE requests may clamp (``steer.sae`` and registered ones), and the reserved sites."""
     frontend = await _synced(raw)
@@ -58,7 +59,7 @@ async def list_sae(raw: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data, "slots": slots})
 
 
-@router.get("/{name}")
+@router.get("/{name}", responses={200: {"model": SaeInfo}, **errors(404)})
 async def get_sae(name: str, raw: Request) -> JSONResponse:
     frontend = await _synced(raw)
     entry = (frontend.sae if frontend is not None else {}).get(name)
@@ -67,7 +68,8 @@ async def get_sae(name: str, raw: Request) -> JSONResponse:
     return JSONResponse({**sae_summary(entry), "in_flight": (await _users(raw)).get(name, 0)})
 
 
-@router.post("")
+@router.post("", status_code=201, responses={201: {"model": SaeSummary}, **errors(400, 401, 403, 409)},
+             openapi_extra=request_body(json=SaeRegistration))
 async def register(raw: Request) -> JSONResponse:
     if (denied := mutation_denied(raw, "registering or deleting SAEs")) is not None:
         return denied
@@ -100,7 +102,7 @@ async def register(raw: Request) -> JSONResponse:
     return JSONResponse(sae_summary(entry), status_code=201)
 
 
-@router.delete("/{name}")
+@router.delete("/{name}", responses={200: {"model": Deleted}, **errors(401, 404, 409)})
 async def delete(name: str, raw: Request) -> JSONResponse:
     if (denied := mutation_denied(raw, "registering or deleting SAEs")) is not None:
         return denied

@@ -1,0 +1,93 @@
+"""``activations``: the built-in driver consumer that returns each request's residual, reduced.
+
+Enable it in the steer block (``"capture": ["activations"]``) and ask for it per request:
+``{"capture": {"activations": {"layers": [..], "hooks": ["post_mlp"], "positions": "last_prompt",
+"reduce": "last"}}}``. ``reduce``: ``"last"`` (the row at the highest captured position, the
+default) or ``"mean"`` (the mean over every captured position). The result, in the response's
+``capture`` field (no files):
+
+    {"sites": ["post_mlp.3", ...], "count": [rows reduced per site], "shape": [n_sites, hidden],
+     "dtype": "float32", "data": "<base64 of the float32 [n_sites, hidden] matrix, row-major>"}
+
+``decode_result`` turns it back into ``{site: vector}``. ``vllm_steer.extract`` is built on it.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any, ClassVar
+
+import numpy as np
+
+from vllm_steer.capture.consumer import BaseConsumer
+
+REDUCTIONS = ("last", "mean")
+
+
+class _Site:
+    __slots__ = ("total", "count", "last", "last_pos")
+
+    def __init__(self, dim: int) -> None:
+        self.total = np.zeros(dim, np.float64)
+        self.count = 0
+        self.last: np.ndarray | None = None
+        self.last_pos = -1
+
+
+class ActivationStats(BaseConsumer):
+    location: ClassVar[str] = "driver"
+
+    def __init__(self, instance: str, **params: Any) -> None:
+        super().__init__(instance, **params)
+        if self.params:
+            raise ValueError(f"the activations consumer takes no parameters, got {sorted(self.params)}")
+        self._sites: dict[str, dict[str, _Site]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> None:
+        extra = set(params) - {"reduce"}
+        if extra:
+            raise ValueError(f"unknown key {sorted(extra)[0]!r} (the activations consumer takes 'reduce')")
+        if params.get("reduce", "last") not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {list(REDUCTIONS)}, got {params['reduce']!r}")
+
+    def on_rows(self, request_id: str, layer: int, hook: str, positions: np.ndarray, rows: np.ndarray,
+                meta: dict[str, Any]) -> None:
+        if not len(rows):
+            return
+        with self._lock:
+            site = self._sites.setdefault(request_id, {}).get(f"{hook}.{layer}")
+            if site is None:
+                site = self._sites[request_id][f"{hook}.{layer}"] = _Site(rows.shape[1])
+        site.total += rows.astype(np.float64).sum(axis=0)
+        site.count += len(rows)
+        i = int(np.argmax(positions))
+        if int(positions[i]) > site.last_pos:
+            site.last_pos, site.last = int(positions[i]), np.array(rows[i], np.float32)
+
+    def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
+        with self._lock:
+            sites = self._sites.pop(request_id, None)
+        if not sites:
+            return None
+        reduce = (meta.get("params") or {}).get("reduce", "last")
+        names = sorted(sites, key=_site_order)
+        rows = np.stack([(sites[n].total / sites[n].count).astype(np.float32) if reduce == "mean" else sites[n].last
+                         for n in names])
+        return {"sites": names, "count": [sites[n].count for n in names], "shape": list(rows.shape),
+                "dtype": "float32", "data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode()}
+
+
+def _site_order(site: str) -> tuple[int, str]:
+    hook, layer = site.rsplit(".", 1)
+    return int(layer), hook
+
+
+def decode_result(result: dict) -> dict[str, np.ndarray]:
+    """``{site: float32 vector}`` of one ``activations`` result (``"post_mlp.3"`` -> ``[hidden]``)."""
+    if not isinstance(result, dict) or "data" not in result:
+        raise ValueError(f"not an activations result: {str(result)[:200]}")
+    rows = np.frombuffer(base64.b64decode(result["data"]), np.float32).reshape(result["shape"])
+    return dict(zip(result["sites"], rows))

@@ -1,0 +1,121 @@
+"""Extraction: contrastive pairs -> steering vectors, read from the engine itself.
+
+``extract(target, pairs, ...)`` sends each side of each pair through the model (a running server's
+URL, or an in-process ``vllm.LLM``) with the built-in ``activations`` capture consumer, and computes
+a direction per hook and layer (``methods``). The result saves as a module file or registers as a
+named module. ``vllm-steer extract`` (``vllm_steer.cli``) is the same from the shell.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.layer_selection import parse_layers
+from vllm_steer.extract.files import Vectors, file_kind, gguf_bytes, safetensors_bytes
+from vllm_steer.extract.methods import METHODS, direction
+from vllm_steer.extract.pairs import ExtractError, Pair, as_pair, read_jsonl
+from vllm_steer.extract.sources import Text, capture_field, source_of
+
+__all__ = ["Extraction", "ExtractError", "Pair", "extract"]
+
+
+@dataclass
+class Extraction:
+    """Per-hook, per-layer vectors (``vectors["post_mlp"][14]``: ``[hidden]`` float32) and how they were made."""
+
+    vectors: Vectors
+    method: str
+    reduce: str
+    pairs: int
+    model: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def metadata(self) -> dict[str, str]:
+        return {"description": f"vllm-steer extract: {self.method} over {self.pairs} pairs ({self.reduce} token)",
+                "method": self.method, "reduce": self.reduce, "pairs": str(self.pairs), "model": self.model}
+
+    def file_bytes(self, kind: str = "safetensors") -> bytes:
+        if kind == "gguf":
+            return gguf_bytes(self.vectors, self.model)
+        return safetensors_bytes(self.vectors, self.metadata())
+
+    def save(self, path: str | Path) -> Path:
+        """Write a ``.safetensors`` or ``.gguf`` module file (by suffix)."""
+        data = self.file_bytes(file_kind(path))
+        tmp = Path(f"{path}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        return Path(path)
+
+    def register(self, base_url: str, name: str, api_key: str | None = None, replace: bool = False,
+                 timeout: float = 120.0) -> dict:
+        """Register as the named module ``name`` on a server (``POST /v1/steering/modules``, a file upload)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        r = httpx.post(f"{base_url.rstrip('/').removesuffix('/v1')}/v1/steering/modules", headers=headers,
+                       timeout=timeout, data={"name": name, "description": self.metadata()["description"],
+                                              "replace": "true" if replace else "false"},
+                       files={"file": (f"{name}.safetensors", self.file_bytes(), "application/octet-stream")})
+        if r.status_code != 201:
+            raise ExtractError(f"registering module {name!r} failed ({r.status_code}): {r.text[:500]}")
+        return r.json()
+
+
+def _layers(layers: Any) -> list[int] | str:
+    try:
+        out = parse_layers(sorted({int(l) for l in layers}) if isinstance(layers, (list, tuple, range, set)) else layers)
+    except ValueError as e:
+        raise ExtractError(f"layers: {e}") from None
+    return "all" if out is None else out
+
+
+def extract(target: Any, pairs: Iterable[Any] | str | Path, *, layers: Any = "all",
+            hooks: Iterable[str] = ("post_mlp",), method: str = "mean_diff", reduce: str = "last",
+            chat: bool = False, normalize: bool = False, model: str | None = None, api_key: str | None = None,
+            instance: str = "activations", progress: Callable[[int, int], None] | None = None) -> Extraction:
+    """Steering vectors from contrastive ``pairs`` (a JSONL path, or Pairs / dicts / 2-tuples).
+
+    ``target``: a server URL (``http://host:8000``) or a ``vllm.LLM``, either with ``"activations"`` in
+    its ``steer.capture``. ``method``: ``mean_diff`` (CAA) or ``pca`` (repeng's PCA of paired differences,
+    unit norm). ``reduce``: ``last`` (the last token's residual, CAA and repeng) or ``mean`` (over the
+    whole text). ``normalize``: scale each vector to unit norm. ``chat``: apply the model's chat template.
+    ``instance``: the consumer's instance name on the server, when the operator named it otherwise."""
+    if method not in METHODS:
+        raise ExtractError(f"method: expected one of {list(METHODS)}, got {method!r}")
+    if reduce not in ("last", "mean"):
+        raise ExtractError(f"reduce: expected 'last' or 'mean', got {reduce!r}")
+    hooks = list(hooks)
+    bad = [h for h in hooks if h not in HOOK_NAMES]
+    if not hooks or bad:
+        raise ExtractError(f"hooks: expected some of {list(HOOK_NAMES)}, got {bad or hooks}")
+    if isinstance(pairs, (str, Path)):
+        pairs = read_jsonl(pairs)
+    pairs = [as_pair(p, f"pairs[{i}]") for i, p in enumerate(pairs)]
+    if not pairs:
+        raise ExtractError("pairs: no pairs given")
+    if method == "pca" and len(pairs) < 2:
+        raise ExtractError("pairs: pca needs at least two pairs")
+    source = source_of(target, model=model, api_key=api_key)
+    texts = [Text(side, p.prompt, chat) for p in pairs for side in (p.positive, p.negative)]
+    t0 = time.monotonic()
+    rows = source.activations(texts, capture_field(_layers(layers), hooks, reduce, instance), progress)
+    sites = list(rows[0])
+    vectors: Vectors = {}
+    for site in sites:
+        pos = np.stack([r[site] for r in rows[0::2]])
+        neg = np.stack([r[site] for r in rows[1::2]])
+        v = direction(method, pos, neg)
+        if normalize:
+            n = float(np.linalg.norm(v))
+            v = v / n if n > 0 else v
+        hook, layer = site.rsplit(".", 1)
+        vectors.setdefault(hook, {})[int(layer)] = v
+    return Extraction(vectors, method, reduce, len(pairs), getattr(source, "model", "") or "",
+                      {"requests": len(texts), "seconds": round(time.monotonic() - t0, 3)})

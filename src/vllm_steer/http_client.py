@@ -1,0 +1,216 @@
+"""``Client`` / ``AsyncClient``: typed HTTP access to a vllm-steer server's ``/v1/steering`` routes
+and to steered completions, next to (not instead of) the ``openai`` client.
+
+    from vllm_steer import Client
+    c = Client("http://127.0.0.1:8000", api_key="...")      # api_key: steer.api_key / vLLM's --api-key
+    c.register_module("joy", steering_vectors={"post_mlp": {14: vector}})
+    out = c.complete("The weather today is", module={"name": "joy", "scale": 0.5}, max_tokens=16)
+    c.delete_module("joy")
+
+Vectors (``{hook: {layer: vector}}``, numpy / torch / lists) are packed with ``client.pack`` before
+they are sent. Every non-2xx answer raises ``SteeringAPIError`` with the server's status, message and
+``param`` (the field at fault). ``AsyncClient`` has the same methods, as coroutines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from vllm_steer.client import pack
+from vllm_steer.core.vectors import TIER_FIELDS
+
+
+class SteeringAPIError(Exception):
+    """A non-2xx answer: ``status``, ``message`` and ``param`` (vLLM's error shape)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(f"{status} {f'{param}: ' if param else ''}{message}")
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass
+class _Call:
+    method: str
+    path: str
+    kwargs: dict = field(default_factory=dict)
+    post: Callable[[Any], Any] = lambda body: body
+
+
+def _packed(vectors: dict) -> dict:
+    """``{hook: {layer: vector}}`` -> ``{hook: packed}``; already-packed hooks pass as they are."""
+    out = {}
+    for hook, per_layer in vectors.items():
+        if not isinstance(per_layer, dict) or "data" in per_layer:  # packed, or one site's vector
+            out[hook] = per_layer if isinstance(per_layer, dict) else np.asarray(_numpy(per_layer), np.float32).tolist()
+            continue
+        layers = [int(l) for l in per_layer]
+        out[hook] = pack(np.stack([np.asarray(_numpy(v), np.float32) for v in per_layer.values()]), layers)
+    return out
+
+
+def _numpy(v: Any) -> Any:
+    return v.detach().cpu().float().numpy() if hasattr(v, "detach") else v
+
+
+def _steering(tiers: dict, module: Any, capture: Any, sae: Any) -> dict:
+    body = {name: _packed(v) for name, v in tiers.items() if v}
+    if module is not None:
+        body["steering_module"] = module
+    if capture is not None:
+        body["capture"] = capture
+    if sae is not None:
+        body["sae"] = sae
+    return body
+
+
+def _raise_for(status: int, body: Any, text: str) -> None:
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        raise SteeringAPIError(status, str(err.get("message")), err.get("param"))
+    raise SteeringAPIError(status, text[:500])
+
+
+class _Routes:
+    """The requests, built once for both clients; ``_send`` runs them (sync or async)."""
+
+    def __init__(self, base_url: str, api_key: str | None, model: str | None) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _send(self, call: _Call) -> Any:
+        raise NotImplementedError
+
+    # -- steering state ---------------------------------------------------------------
+    def status(self) -> Any:
+        """``GET /v1/steering``: configuration, rows, modules, SAEs, workers' counters."""
+        return self._send(_Call("GET", "/v1/steering"))
+
+    # -- named modules ----------------------------------------------------------------
+    def register_module(self, name: str, *, file: str | Path | None = None, description: str | None = None,
+                        replace: bool = False, **tiers: Any) -> Any:
+        """Register from vectors (``steering_vectors=``, ``prefill_steering_vectors=``,
+        ``decode_steering_vectors=``) or from a ``file`` (.safetensors, .gguf, .json); its summary."""
+        bad = set(tiers) - set(TIER_FIELDS)
+        if bad:
+            raise TypeError(f"unknown tier {sorted(bad)[0]!r}; expected some of {list(TIER_FIELDS)}")
+        if file is not None:
+            data = {"name": name, "replace": "true" if replace else "false",
+                    **({"description": description} if description is not None else {})}
+            p = Path(file)
+            return self._send(_Call("POST", "/v1/steering/modules",
+                                    {"data": data, "files": {"file": (p.name, p.read_bytes())}}))
+        body = {"name": name, "replace": replace, **_steering(tiers, None, None, None),
+                **({"description": description} if description is not None else {})}
+        return self._send(_Call("POST", "/v1/steering/modules", {"json": body}))
+
+    def modules(self) -> Any:
+        return self._send(_Call("GET", "/v1/steering/modules", post=lambda b: b["data"]))
+
+    def module(self, name: str) -> Any:
+        return self._send(_Call("GET", f"/v1/steering/modules/{name}"))
+
+    def delete_module(self, name: str) -> Any:
+        return self._send(_Call("DELETE", f"/v1/steering/modules/{name}"))
+
+    # -- runtime SAEs -----------------------------------------------------------------
+    def register_sae(self, name: str, path: str, *, site: str | None = None, features: list[int] | None = None,
+                     replace: bool = False, **entry: Any) -> Any:
+        """``POST /v1/steering/sae``: a ``steer.sae`` entry (``path`` under the server's ``sae_root``)."""
+        body = {"name": name, "path": path, "site": site, "features": features, "replace": replace, **entry}
+        return self._send(_Call("POST", "/v1/steering/sae", {"json": {k: v for k, v in body.items() if v is not None}}))
+
+    def saes(self) -> Any:
+        return self._send(_Call("GET", "/v1/steering/sae"))
+
+    def sae(self, name: str) -> Any:
+        return self._send(_Call("GET", f"/v1/steering/sae/{name}"))
+
+    def delete_sae(self, name: str) -> Any:
+        return self._send(_Call("DELETE", f"/v1/steering/sae/{name}"))
+
+    # -- steered generation -----------------------------------------------------------
+    def complete(self, prompt: str | list[int], *, module: str | dict | None = None, capture: dict | None = None,
+                 sae: dict | list | None = None, steering_vectors: dict | None = None,
+                 prefill_steering_vectors: dict | None = None, decode_steering_vectors: dict | None = None,
+                 **params: Any) -> Any:
+        """``POST /v1/completions`` with steering fields; ``params``: any OpenAI / vLLM completion
+        parameter (``max_tokens``, ``temperature``, ...). The whole JSON answer (with ``steering`` and
+        ``capture``)."""
+        tiers = {"steering_vectors": steering_vectors, "prefill_steering_vectors": prefill_steering_vectors,
+                 "decode_steering_vectors": decode_steering_vectors}
+        body = {**({"model": self.model} if self.model else {}), "prompt": prompt, **params,
+                **_steering(tiers, module, capture, sae)}
+        return self._send(_Call("POST", "/v1/completions", {"json": body}))
+
+    def chat(self, messages: list[dict], *, module: str | dict | None = None, capture: dict | None = None,
+             sae: dict | list | None = None, steering_vectors: dict | None = None, **params: Any) -> Any:
+        """``POST /v1/chat/completions`` with steering fields (as ``complete``)."""
+        body = {**({"model": self.model} if self.model else {}), "messages": messages, **params,
+                **_steering({"steering_vectors": steering_vectors}, module, capture, sae)}
+        return self._send(_Call("POST", "/v1/chat/completions", {"json": body}))
+
+
+class Client(_Routes):
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
+                 timeout: float = 600.0) -> None:
+        import httpx
+
+        super().__init__(base_url, api_key, model)
+        self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
+
+    def _send(self, call: _Call) -> Any:
+        r = self.http.request(call.method, call.path, **call.kwargs)
+        return _answer(r, call)
+
+    def extract(self, pairs: Any, **kwargs: Any) -> Any:
+        """``vllm_steer.extract`` against this server (its ``activations`` consumer)."""
+        from vllm_steer.extract import extract
+
+        return extract(self.base_url, pairs, model=self.model, api_key=self.api_key, **kwargs)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncClient(_Routes):
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
+                 timeout: float = 600.0) -> None:
+        import httpx
+
+        super().__init__(base_url, api_key, model)
+        self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
+
+    async def _send(self, call: _Call) -> Any:
+        r = await self.http.request(call.method, call.path, **call.kwargs)
+        return _answer(r, call)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+def _answer(r: Any, call: _Call) -> Any:
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if not 200 <= r.status_code < 300:
+        _raise_for(r.status_code, body, r.text)
+    return call.post(body)

@@ -1,0 +1,181 @@
+"""The documented shapes of the /v1/steering routes, as vLLM's OpenAPI (``/openapi.json``, ``/docs``) shows them.
+
+Documentation only: the routes parse and check their input by hand (their exact 4xx answers in vLLM's
+error shape) and build their answers themselves. These models reach the OpenAPI through FastAPI's
+hooks that validate nothing: ``responses=`` on the route decorators (``errors``) and
+``openapi_extra`` (``request_body``) for the bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.frontend.module_registration import MAX_DESCRIPTION, NAME_PATTERN, NAME_RULE
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN.pattern, description=NAME_RULE)]
+Description = Annotated[str, Field(max_length=MAX_DESCRIPTION)]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="e.g. BadRequestError, NotFoundError, ConflictError")
+    param: str | None = Field(description="the field at fault (``steering_vectors.post_mlp.3``, ``file``, ``name``)")
+    code: int = Field(description="the HTTP status")
+
+
+class ErrorBody(BaseModel):
+    """vLLM's error shape, for every refusal."""
+
+    error: ErrorDetail
+
+
+class PackedRows(BaseModel):
+    """One hook's vectors packed: row i is added at ``layer_indices[i]`` (``vllm_steer.client.pack``)."""
+
+    dtype: Literal["float32", "float16", "bfloat16"]
+    shape: list[int] = Field(min_length=2, max_length=2, description="[n, hidden]")
+    layer_indices: list[int]
+    data: str = Field(description="the rows' little-endian bytes, base64")
+    scales: list[float] | None = None
+
+
+Tier = Annotated[dict[str, dict[str, list[float]] | PackedRows | list[float]],
+                 Field(description=f"{{hook: {{layer: [floats]}}}} or {{hook: packed rows}}, hooks {list(HOOK_NAMES)}; "
+                                   "and/or {site: [floats]}, a site 'post_mlp.12' or 'blocks.12.hook_resid_post'")]
+
+
+class ModuleRegistration(BaseModel):
+    """``POST /v1/steering/modules`` as JSON: at least one tier; unknown fields are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    description: Description | None = None
+    steering_vectors: Tier | None = None
+    prefill_steering_vectors: Tier | None = None
+    decode_steering_vectors: Tier | None = None
+    replace: bool = Field(False, description="replace a module of that name (else 409)")
+
+
+class ModuleUpload(BaseModel):
+    """``POST /v1/steering/modules`` as a multipart upload."""
+
+    file: bytes = Field(description=".safetensors (tensors [prefill.|decode.]<site>, the site <hook>.<layer> or "
+                                    "blocks.<layer>.hook_resid_*), .json (the JSON registration's fields) or a GGUF "
+                                    "control vector")
+    name: Name
+    description: Description | None = None
+    replace: Literal["true", "false", "1", "0", "yes", "no"] | None = None
+
+
+class ModuleSummary(BaseModel):
+    name: str
+    description: str
+    source: Literal["json", "safetensors", "gguf"]
+    version: int
+    hooks: list[str]
+    layers: list[int]
+    tiers: list[str]
+    dtype: str
+    bytes: int = Field(description="the module's float32 vectors, all tiers")
+    created: float = Field(description="seconds since the epoch")
+
+
+class ModuleInfo(ModuleSummary):
+    in_flight: int = Field(description="unfinished requests using it, queued ones included")
+
+
+class ModuleList(BaseModel):
+    object: Literal["list"]
+    data: list[ModuleInfo]
+
+
+class Deleted(BaseModel):
+    deleted: str
+
+
+class SaeRegistration(BaseModel):
+    """``POST /v1/steering/sae``: a ``steer.sae`` entry (files inside ``steer.sae_root``) plus ``name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    path: str = Field(description="the SAE's files on the server, inside steer.sae_root (else 403)")
+    format: Literal["gemma_scope", "sae_lens", "manifest"] | None = Field(None, description="None: told by the files")
+    site: str | None = Field(None, description="hook.layer (or blocks.L.hook_resid_*), one of steer.sae_slots")
+    features: list[int] | None = Field(None, description="the features requests may clamp; None: all")
+    replace: bool = False
+
+
+class SaeSummary(BaseModel):
+    name: str
+    source: Literal["config", "runtime"]
+    sites: list[str]
+    d_sae: int
+    activation: str
+    k: int | None
+    dtype: str
+    modes: list[Literal["delta", "reconstruct"]]
+    clampable: int
+    features: list[int] | None
+
+
+class SaeInfo(SaeSummary):
+    in_flight: int
+
+
+class SaeSlot(BaseModel):
+    site: str
+    clampable: int
+    sae: str | None = Field(description="the SAE holding it")
+
+
+class SaeList(BaseModel):
+    object: Literal["list"]
+    data: list[SaeInfo]
+    slots: list[SaeSlot]
+
+
+class ModelSites(BaseModel):
+    num_layers: int
+    hidden_size: int = Field(description="the length of every steering vector")
+    hooks: list[str] = Field(description="hook points enabled on this server")
+    dtype: str
+
+
+class SteeringStatus(BaseModel):
+    version: str
+    enabled: bool
+    model: ModelSites | None = Field(description="what vectors must fit (null with steering off)")
+    config: dict[str, Any] | None = Field(description="the steer block (its api_key left out)")
+    workers: list[dict[str, Any]] = Field(description="each worker's view: pid, ops installed, rows")
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries: these statuses answer in vLLM's error shape."""
+    return {status: {"model": ErrorBody} for status in statuses}
+
+
+def _inlined(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema with its ``$defs`` inlined (``openapi_extra`` bypasses components/schemas)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return inline(schema)
+
+
+def request_body(**media: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring a route's body, ``json`` / ``form`` naming the models of its media types."""
+    types = {"json": "application/json", "form": "multipart/form-data"}
+    return {"requestBody": {"required": True,
+                            "content": {types[k]: {"schema": _inlined(m)} for k, m in media.items()}}}
