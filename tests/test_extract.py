@@ -135,7 +135,7 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
     pos.write_text("".join(p["positive"] + "\n" for p in PAIRS))
     neg.write_text("".join(p["negative"] + "\n" for p in PAIRS))
     out = _cli("--server", base, "--positive", str(pos), "--negative", str(neg), "--layers", "8-10",
-               "--hooks", "post_mlp,post_attn", "-o", str(tmp_path / "v.safetensors"),
+               "--hooks", "hook_resid_post,post_attn", "-o", str(tmp_path / "v.safetensors"),
                "--api-key", API_KEY, "--register", "cli-extracted", "--replace")
     assert out.returncode == 0, out.stderr
     tensors = load_file(str(tmp_path / "v.safetensors"))

@@ -85,7 +85,16 @@ def _other_cases() -> Iterator[Case]:
                              ("scale-bool", {"name": "preloaded", "scale": True}, f"{m}.scale"),
                              ("extra", {"name": "preloaded", "boost": 1}, m),
                              ("unknown", {"name": "no-such-module"}, f"{m}.name"),
-                             ("unknown-str", "no-such-module", f"{m}.name")):
+                             ("unknown-str", "no-such-module", f"{m}.name"),
+                             ("layers-range", {"name": "preloaded", "layers": "0-99"}, f"{m}.layers"),
+                             ("layers-text", {"name": "preloaded", "layers": "five"}, f"{m}.layers"),
+                             ("layers-neg", {"name": "preloaded", "layers": [-1]}, f"{m}.layers"),
+                             ("layers-float", {"name": "preloaded", "layers": [1.5]}, f"{m}.layers"),
+                             ("layers-empty", {"name": "preloaded", "layers": []}, f"{m}.layers"),
+                             ("layers-none-held", {"name": "preloaded", "layers": [0]}, f"{m}.layers"),
+                             ("hooks-str", {"name": "preloaded", "hooks": "post_mlp"}, f"{m}.hooks"),
+                             ("hooks-unknown", {"name": "preloaded", "hooks": ["mid"]}, f"{m}.hooks"),
+                             ("hooks-none-held", {"name": "preloaded", "hooks": ["pre_attn"]}, f"{m}.hooks")):
         yield f"module:{name}", {m: bad}, field
     c = "capture"
     for name, bad, field in (("int", 5, c), ("list", [], c), ("empty", {}, c), ("instance", {"nope": {}}, f"{c}.nope"),
@@ -116,7 +125,19 @@ def _sae_cases() -> Iterator[Case]:
                              ("list-second", [{"name": "fz", "clamps": [ok]}, {"name": "fz", "clamps": 5}],
                               f"{s}[1].clamps"),
                              ("list-same-site", [{"name": "fz", "clamps": [ok]}, {"name": "fz", "clamps": [ok]}],
-                              f"{s}[1]")):
+                              f"{s}[1]"),
+                             ("features-int", {"features": 5}, f"{s}.features"),
+                             ("features-extra", {"features": [], "clamps": [ok]}, s),
+                             ("feature-str", {"features": ["x"]}, f"{s}.features[0]"),
+                             ("feature-sae", {"features": [{"sae": 1, "index": 3, "strength": 1.0}]}, f"{s}.features[0].sae"),
+                             ("feature-index", {"features": [{"sae": "fz", "index": "3", "strength": 1.0}]},
+                              f"{s}.features[0].index"),
+                             ("feature-strength", {"features": [{"sae": "fz", "index": 3, "strength": 1e400}]},
+                              f"{s}.features[0].strength"),
+                             ("feature-site", {"features": [{"sae": "fz", "index": 3, "strength": 1.0, "site": "x"}]},
+                              f"{s}.features[0].site"),
+                             ("feature-phase", {"features": [{"sae": "fz", "index": 3, "strength": 1.0}], "phase": "x"},
+                              f"{s}.phase")):
         yield f"sae:{name}", {s: bad}, field
     c = f"{s}.clamps[0]"
     for name, clamp, field in (("str", "x", c), ("extra", {**ok, "boost": 1}, c),

@@ -312,6 +312,44 @@ def test_sae_clamps_through_the_openai_routes(server):
     assert chat.status_code == 200 and chat.json()["steering"]["prefill"] is not None
 
 
+def test_neuronpedia_feature_steering_is_an_add_of_strength_times_the_decoder_row(server):
+    """``"sae": {"features": [{"sae", "index", "strength"}]}`` (Neuronpedia's shape) is the same request
+    as add clamps (the same config key), and moves the stream by strength x W_dec[index]: the same
+    tokens as that vector sent inline at the SAE's site. Bad items are 400s naming the item's key."""
+    from tests.conftest import SAE_D, SAE_SEED, SAE_SITE
+    from tests.sae_writers import random_sae
+
+    base, model = server[0], server[1]
+    features = [{"sae": "fz", "index": 3, "strength": 8.0}, {"sae": "fz", "index": 17, "strength": -6.0}]
+
+    def complete(**fields):
+        return httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, **fields})
+
+    sugar = complete(sae={"features": features}).json()
+    clamps = complete(sae={"name": "fz", "clamps": [{"feature": 3, "kind": "add", "value": 8.0},
+                                                    {"feature": 17, "kind": "add", "value": -6.0}]}).json()
+    w_dec = random_sae(HIDDEN, SAE_D, "jumprelu", seed=SAE_SEED).w_dec
+    hook, layer = SAE_SITE.split(".")
+    inline = complete(steering_vectors={hook: {layer: (8.0 * w_dec[3] - 6.0 * w_dec[17]).tolist()}}).json()
+    plain = complete().json()
+    assert sugar["steering"] == clamps["steering"]
+    assert sugar["choices"][0]["text"] == clamps["choices"][0]["text"] == inline["choices"][0]["text"]
+    assert sugar["choices"][0]["text"] != plain["choices"][0]["text"]
+    for bad, field, words in [
+        ({"features": [{"sae": "nope", "index": 3, "strength": 1.0}]}, "sae.features[0].sae", "unknown SAE 'nope'"),
+        ({"features": [features[0], {"sae": "fz", "index": 40, "strength": 1.0}]}, "sae.features[1].index",
+         "feature 40 is not clampable"),
+        ({"features": [{"sae": "fz", "index": 3, "strength": "x"}]}, "sae.features[0].strength", ""),
+        ({"features": [features[0], features[0]]}, "sae.features[1].index", "given twice"),
+        ({"features": [], "name": "fz"}, "sae", "unknown keys ['name']"),
+        ({"features": []}, "sae.features", "expected a non-empty list"),
+    ]:
+        r = complete(sae=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert words in r.json()["error"]["message"], r.text
+
+
 def _metric(base: str, name: str, **labels) -> float:
     """The value of one sample on vLLM's /metrics (0 when absent); labels in any order."""
     import re

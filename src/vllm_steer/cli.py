@@ -26,7 +26,7 @@ def _extract_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--positive", help="a file of positive texts, one per line (with --negative)")
     p.add_argument("--negative", help="a file of negative texts, line i pairing with --positive's line i")
     p.add_argument("--layers", default="all", help="all (default), N, A-B (inclusive) or a comma list")
-    p.add_argument("--hooks", default="post_mlp", help="comma list of pre_attn, post_attn, post_mlp (default post_mlp)")
+    p.add_argument("--hooks", default="post_mlp", help="comma list of pre_attn, post_attn, post_mlp or TransformerLens' hook_resid_pre|mid|post (default post_mlp)")
     p.add_argument("--method", choices=METHODS, default="mean_diff", help="mean_diff (CAA, default) or pca (repeng)")
     p.add_argument("--reduce", choices=("last", "mean"), default="last",
                    help="the last token's residual (default) or the mean over the text")

@@ -17,6 +17,7 @@ import numpy as np
 
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
+from vllm_steer.core.site_names import tl_hook
 from vllm_steer.extract.files import Vectors, file_kind, gguf_bytes, safetensors_bytes
 from vllm_steer.extract.methods import METHODS, direction
 from vllm_steer.extract.pairs import ExtractError, Pair, as_pair, read_jsonl
@@ -91,10 +92,10 @@ def extract(target: Any, pairs: Iterable[Any] | str | Path, *, layers: Any = "al
         raise ExtractError(f"method: expected one of {list(METHODS)}, got {method!r}")
     if reduce not in ("last", "mean"):
         raise ExtractError(f"reduce: expected 'last' or 'mean', got {reduce!r}")
-    hooks = list(hooks)
+    hooks = [tl_hook(h) or h for h in hooks]  # hook_resid_post (TransformerLens) is post_mlp
     bad = [h for h in hooks if h not in HOOK_NAMES]
     if not hooks or bad:
-        raise ExtractError(f"hooks: expected some of {list(HOOK_NAMES)}, got {bad or hooks}")
+        raise ExtractError(f"hooks: expected some of {list(HOOK_NAMES)} (or hook_resid_pre|mid|post), got {bad or hooks}")
     if isinstance(pairs, (str, Path)):
         pairs = read_jsonl(pairs)
     pairs = [as_pair(p, f"pairs[{i}]") for i, p in enumerate(pairs)]

@@ -4,6 +4,10 @@
 "clamps": [{"feature", "kind": "set" | "add" | "scale", "value", "only_if_active"?}]}``, or a list of such
 objects (one per SAE site and phase). Every problem raises SteeringSpecError naming the field, e.g.
 ``sae.clamps[3].feature``. Out come the wire entries (``core.sae_rows``) of each phase.
+
+Neuronpedia's steering shape is sugar over it: ``"sae": {"features": [{"sae", "index", "strength",
+"site"?}], "phase"?}``. Each feature becomes an ``add`` clamp of ``strength``, which in delta mode moves
+the stream by exactly ``strength x W_dec[index]`` (Neuronpedia's additive steering), at every token.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ _KINDS = {"set": SET, "add": ADD, "scale": SCALE}
 _PHASES = {"both": (True, True), "prefill": (True, False), "decode": (False, True)}
 _ENTRY_KEYS = {"name", "site", "mode", "phase", "clamps"}
 _CLAMP_KEYS = {"feature", "kind", "value", "only_if_active"}
+_FEATURE_KEYS = {"sae", "index", "strength", "site"}
 
 
 def _choice(field: str, raw: Any, options: dict, default: str) -> Any:
@@ -92,12 +97,41 @@ def _clamps(field: str, raw: Any, entry: SaeEntry) -> tuple[np.ndarray, np.ndarr
     return np.asarray(slots, np.int32), np.asarray(codes, np.int32), np.asarray(values, np.float32)
 
 
+def _from_features(raw: dict, catalog: dict[str, SaeEntry]) -> list[dict]:
+    """The clamp entries of Neuronpedia's ``{"features": [...]}`` shape (one per SAE and site)."""
+    _object(SAE_FIELD, raw, {"features", "phase"}, '{"features": [{"sae", "index", "strength", "site"?}], "phase"?}')
+    features = raw["features"]
+    if not isinstance(features, list) or not features:
+        raise SteeringSpecError(f"{SAE_FIELD}.features", "expected a non-empty list of {sae, index, strength, site?}")
+    groups: dict[tuple[str, tuple[str, int]], list[dict]] = {}
+    for i, item in enumerate(features):
+        f = f"{SAE_FIELD}.features[{i}]"
+        _object(f, item, _FEATURE_KEYS, "{sae, index, strength, site?}")
+        name = item.get("sae")
+        if not isinstance(name, str) or name not in catalog:
+            raise SteeringSpecError(f"{f}.sae", f"unknown SAE {name!r} (this server has {sorted(catalog)})")
+        entry, index = catalog[name], item.get("index")
+        if type(index) is not int or index not in entry.slot_of:
+            raise SteeringSpecError(f"{f}.index", f"feature {index!r} is not clampable on SAE {name!r} "
+                                                  "(steer.sae.<name>.features)")
+        site = _site(f"{f}.site", item.get("site"), entry)
+        clamps = groups.setdefault((name, site), [])
+        if any(c["feature"] == index for c in clamps):
+            raise SteeringSpecError(f"{f}.index", f"feature {index} of SAE {name!r} given twice")
+        clamps.append({"feature": index, "kind": "add", "value": finite_number(f"{f}.strength", item.get("strength"))})
+    _choice(f"{SAE_FIELD}.phase", raw.get("phase"), _PHASES, "both")
+    phase = {"phase": raw["phase"]} if raw.get("phase") is not None else {}
+    return [{"name": name, "site": f"{h}.{l}", **phase, "clamps": clamps} for (name, (h, l)), clamps in groups.items()]
+
+
 def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], list[SaeWire]]:
     """(prefill entries, decode entries) of a request's ``sae`` field (None: none)."""
     if raw is None:
         return [], []
     if not catalog:
         raise SteeringSpecError(SAE_FIELD, "this server has no SAE (start it with steer.sae, or register one: POST /v1/steering/sae)")
+    if isinstance(raw, dict) and "features" in raw:
+        raw = _from_features(raw, catalog)
     items = raw if isinstance(raw, list) else [raw]
     if not items:
         raise SteeringSpecError(SAE_FIELD, "expected an object or a non-empty list of objects")
