@@ -8,9 +8,7 @@ sites to files under its root (on the server's machine), ``load_request`` reads 
 
 import sys
 
-from vllm_steer import Client
-from vllm_steer.capture.activations import decode_result
-from vllm_steer.capture.filesystem import load_request
+from vllm_steer import Client, decode_activations, load_request
 
 base_url, root = sys.argv[1], sys.argv[2]
 fs = sys.argv[3] if len(sys.argv) > 3 else "fs"
@@ -20,7 +18,7 @@ with Client(base_url) as c:
         fs: {"layers": [3, 10], "hooks": ["post_mlp"], "positions": "all_prompt"},
         "activations": {"layers": [3, 10], "hooks": ["post_mlp"], "positions": "last_prompt"}})
     files = load_request(root, f"{r['id']}-0")  # (layer, hook) -> (positions, rows [n, hidden])
-    last = decode_result(r["capture"]["activations"])  # "post_mlp.3" -> [hidden]
+    last = decode_activations(r["capture"]["activations"])  # "post_mlp.3" -> [hidden]
     for (layer, hook), (positions, rows) in sorted(files.items()):
         same = bool((rows[-1] == last[f"{hook}.{layer}"]).all())
         print(f"{hook}.{layer}: {rows.shape[0]} positions x {rows.shape[1]} from files; last row equals the response's: {same}")

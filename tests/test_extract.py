@@ -169,6 +169,14 @@ def test_bad_inputs_are_clear_errors(api_server, tmp_path, args, words):
     assert not (tmp_path / "v.safetensors").exists() and not (tmp_path / "v.gguf").exists()
 
 
+def test_registering_vectors_of_another_hidden_size_names_it(api_server):
+    from vllm_steer.extract import Extraction
+
+    other = Extraction({"post_mlp": {3: np.ones(100, np.float32)}}, "mean_diff", "last", 2, "another-model")
+    with pytest.raises(ExtractError, match=r"registering module 'wrong' failed \(400\).*expected 576 values \(hidden size\), got 100"):
+        other.register(api_server[0], "wrong", api_key=API_KEY)
+
+
 def test_a_server_without_the_consumer_is_named(api_server):
     with pytest.raises(ExtractError, match="capture.missing: no capture consumer instance 'missing'"):
         extract(api_server[0], PAIRS[:1], layers=[1], instance="missing")

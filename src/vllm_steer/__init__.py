@@ -7,6 +7,8 @@ The public API is what ``__all__`` names (imported on first use, so loading the 
 - a server: ``Client``, ``AsyncClient``, ``SteeringAPIError``;
 - an in-process ``vllm.LLM``: ``register_module``, ``delete_module``, ``register_sae``, ``delete_sae``,
   ``collect`` (driver consumers' results onto the outputs);
+- capture results: ``load_request`` (the filesystem consumer's files), ``decode_activations`` (the
+  ``activations`` consumer's result as ``{site: vector}``);
 - extraction: ``extract``, ``Extraction``, ``ExtractError``.
 """
 
@@ -24,6 +26,8 @@ _EXPORTS = {
     "register_sae": "vllm_steer.frontend.sae_registration",
     "delete_sae": ("vllm_steer.frontend.sae_registration", "unregister_sae"),
     "collect": "vllm_steer.capture.collect",
+    "load_request": "vllm_steer.capture.filesystem",
+    "decode_activations": ("vllm_steer.capture.activations", "decode_result"),
     "extract": "vllm_steer.extract", "Extraction": "vllm_steer.extract", "ExtractError": "vllm_steer.extract",
 }
 

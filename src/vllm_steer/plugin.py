@@ -1,8 +1,8 @@
 """Entry point of ``vllm.general_plugins`` (named ``steer``): runs in every vLLM process.
 
-It checks the vLLM version (a release newer than the supported range must still have every patch
-target's parameters), then applies the general patches listed in ``vllm_steer.patches``,
-each idempotent and inert while the ``steer`` block is absent from ``additional_config``.
+It checks the vLLM version (a release newer than the supported range must still have every internal
+listed in ``vllm_steer.patches`` as the plugin relies on it), then applies the general patches listed
+there, each idempotent and inert while the ``steer`` block is absent from ``additional_config``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def register() -> None:
     global _done
     if _done:
         return
-    from vllm_steer.patches import apply_general, signature_problems
+    from vllm_steer.patches import apply_general, vllm_problems
 
-    check_vllm_version(problems=signature_problems)  # the targets are read only for a newer vLLM
+    check_vllm_version(problems=vllm_problems)  # the internals are read only for a newer vLLM
     apply_general()
     _done = True

@@ -1,9 +1,9 @@
 """Every difference between the vLLM releases the plugin supports, and the version guard.
 
 Supported: vLLM 0.26 through 0.33 (tested: 0.26 on CPU and GPU, 0.32 on CPU; 0.27-0.33 read from
-their wheels). Older releases are refused; a newer one loads with a warning once every patch target
-still has the parameters its patch relies on (``patches.signature_problems``), else it is refused
-naming the target. Version-specific code lives here and nowhere else: the rest of the plugin asks
+their wheels). Older releases are refused; a newer one loads with a warning once every vLLM internal
+the plugin patches or uses is still as it relies on (``patches.vllm_problems``), else it is refused
+naming the internal. Version-specific code lives here and nowhere else: the rest of the plugin asks
 these helpers. What changed, by release (NOTES.md has the details):
 
 - 0.27: ``VLLMValidationError`` stops being a ValueError (``core.errors`` stays both); raw prompts
@@ -40,7 +40,7 @@ def release(version: str) -> tuple[int, int]:
 
 def check_vllm_version(version: str | None = None, problems: Callable[[], list[str]] | None = None) -> str:
     """Return vLLM's version. Refuse one older than OLDEST (or unreadable) unless overridden; for one
-    newer than NEWEST, run ``problems()`` (the plugin passes ``patches.signature_problems``) and
+    newer than NEWEST, run ``problems()`` (the plugin passes ``patches.vllm_problems``) and
     refuse on any, else warn."""
     if version is None:
         import vllm
@@ -61,10 +61,11 @@ def check_vllm_version(version: str | None = None, problems: Callable[[], list[s
         found = problems() if problems is not None else []
         if found and not override:
             raise UnsupportedVllmError(
-                f"vllm-steer {SUPPORTED_RANGE} does not know vLLM {version}, and it changed what the plugin "
-                f"patches: {'; '.join(found)}. Install a supported vLLM, or set {OVERRIDE_ENV}=1 to try anyway.")
+                f"vllm-steer {SUPPORTED_RANGE} does not know vLLM {version}, and it changed internals the "
+                f"plugin relies on: {'; '.join(found)}. Install a supported vLLM, or set {OVERRIDE_ENV}=1 to try "
+                "anyway.")
         logger.warning("vllm-steer: vLLM %s is newer than the newest release it was checked against (%d.%d); "
-                       "its patch targets look unchanged, loading anyway", version, *NEWEST)
+                       "the internals the plugin relies on look unchanged, loading anyway", version, *NEWEST)
     return version
 
 
