@@ -6,7 +6,6 @@
 #   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
 #   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
 #   bash bench/gpu_session.sh cost        request_path_cost (host cost per request, per stage) and the table-write test
-#   bash bench/gpu_session.sh compiled    compiled_code (Inductor's output for stock, steer, old kernel, old inline)
 #   bash bench/gpu_session.sh checks      gpu_check (HF oracle, compiled + CUDA graphs) and gpu_capture_check
 #   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
@@ -47,9 +46,6 @@ case "${1:-}" in
   cost)
     timeout 120 python3 -m pytest tests/gpu/test_tables_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -4
     timeout 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
-    ;;
-  compiled)
-    timeout 560 python3 bench/compiled_code.py --old-site /tmp/old_site 2>&1 | tail -8
     ;;
   checks)
     VLLM_PLUGINS=steer timeout 360 python3 bench/gpu_check.py --tag=-new 2>&1 | tail -12

@@ -3,7 +3,7 @@
 Steps above vLLM's largest CUDA-graph size run their compiled pieces without a graph, so every norm
 is launched from Python while the engine loop waits. ``JITFunction.__getitem__(grid)(...)`` binds
 and specializes every argument and looks its cache up on each call: measured on an H100
-(``bench/op_host_cost.py``), ~22 µs of the steered norm's ~41 µs per call, against a GPU time of
+(``bench/RESULTS.md``, sixth session), ~22 µs of the steered norm's ~41 µs per call, against a GPU time of
 ~2 µs per norm at decode sizes. ``CachedLauncher`` keys the compiled kernel on what Triton
 specializes on (each tensor's dtype and 16-byte alignment, each int's value 1 / multiple of 16 /
 32-bit range, the constexprs and ``num_warps``), lets Triton compile and launch on a miss, and on a

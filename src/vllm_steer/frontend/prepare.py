@@ -141,7 +141,7 @@ class SteeringFrontend:
             cache_key = (spec.module.name, module.version if module else None, spec.module.scale,
                          spec.module.layers, spec.module.hooks)
             hit = self._module_cache.get(cache_key)
-            if hit is not None:  # depends only on (name, version, scale): reuse, no rehash
+            if hit is not None:  # depends only on (name, version, scale, selection): reuse, no rehash
                 payload, pk, dk = hit
                 return {**payload, "capture": capture}, pk, dk
         module = None
