@@ -31,6 +31,11 @@ class SteeringAPIError(Exception):
         super().__init__(f"{status} {f'{param}: ' if param else ''}{message}")
         self.status, self.message, self.param = status, message, param
 
+    @property
+    def detail(self) -> str:
+        """The message led by the field at fault (the server's messages often start with it already)."""
+        return self.message if not self.param or self.message.startswith(self.param) else f"{self.param}: {self.message}"
+
 
 @dataclass
 class _Call:
@@ -92,25 +97,29 @@ class _Routes:
         return self._send(_Call("GET", "/v1/steering"))
 
     # -- named modules ----------------------------------------------------------------
-    def register_module(self, name: str, *, file: str | Path | None = None, description: str | None = None,
-                        replace: bool = False, **tiers: Any) -> Any:
+    def register_module(self, name: str, *, file: str | Path | tuple[str, bytes] | None = None,
+                        description: str | None = None, replace: bool = False, **tiers: Any) -> Any:
         """Register from vectors (``steering_vectors=``, ``prefill_steering_vectors=``,
-        ``decode_steering_vectors=``) or from a ``file`` (.safetensors, .gguf, .json); its summary."""
+        ``decode_steering_vectors=``) or from a ``file`` (.safetensors, .gguf, .json: a path, or
+        ``(filename, bytes)``); its summary."""
         bad = set(tiers) - set(TIER_FIELDS)
         if bad:
             raise TypeError(f"unknown tier {sorted(bad)[0]!r}; expected some of {list(TIER_FIELDS)}")
         if file is not None:
             data = {"name": name, "replace": "true" if replace else "false",
                     **({"description": description} if description is not None else {})}
-            p = Path(file)
-            return self._send(_Call("POST", "/v1/steering/modules",
-                                    {"data": data, "files": {"file": (p.name, p.read_bytes())}}))
+            upload = file if isinstance(file, tuple) else (Path(file).name, Path(file).read_bytes())
+            return self._send(_Call("POST", "/v1/steering/modules", {"data": data, "files": {"file": upload}}))
         body = {"name": name, "replace": replace, **_steering(tiers, None, None, None),
                 **({"description": description} if description is not None else {})}
         return self._send(_Call("POST", "/v1/steering/modules", {"json": body}))
 
     def modules(self) -> Any:
         return self._send(_Call("GET", "/v1/steering/modules", post=lambda b: b["data"]))
+
+    def served_models(self) -> Any:
+        """``GET /v1/models``: the ids of the models this server serves."""
+        return self._send(_Call("GET", "/v1/models", post=lambda b: [m["id"] for m in b["data"]]))
 
     def module(self, name: str) -> Any:
         return self._send(_Call("GET", f"/v1/steering/modules/{name}"))

@@ -10,17 +10,19 @@ default) or ``"mean"`` (the mean over every captured position). The result, in t
      "dtype": "float32", "data": "<base64 of the float32 [n_sites, hidden] matrix, row-major>"}
 
 ``decode_result`` turns it back into ``{site: vector}``. ``vllm_steer.extract`` is built on it.
+Like every consumer it is called from its one dispatch thread (``runtime.capture``), so it keeps its
+per-request sums without a lock.
 """
 
 from __future__ import annotations
 
 import base64
-import threading
 from typing import Any, ClassVar
 
 import numpy as np
 
 from vllm_steer.capture.consumer import BaseConsumer
+from vllm_steer.core.site_names import parse_site_name
 
 REDUCTIONS = ("last", "mean")
 
@@ -43,7 +45,6 @@ class ActivationStats(BaseConsumer):
         if self.params:
             raise ValueError(f"the activations consumer takes no parameters, got {sorted(self.params)}")
         self._sites: dict[str, dict[str, _Site]] = {}
-        self._lock = threading.Lock()
 
     @classmethod
     def validate_params(cls, params: dict[str, Any]) -> None:
@@ -57,10 +58,10 @@ class ActivationStats(BaseConsumer):
                 meta: dict[str, Any]) -> None:
         if not len(rows):
             return
-        with self._lock:
-            site = self._sites.setdefault(request_id, {}).get(f"{hook}.{layer}")
-            if site is None:
-                site = self._sites[request_id][f"{hook}.{layer}"] = _Site(rows.shape[1])
+        per_request = self._sites.setdefault(request_id, {})
+        site = per_request.get(f"{hook}.{layer}")
+        if site is None:
+            site = per_request[f"{hook}.{layer}"] = _Site(rows.shape[1])
         site.total += rows.astype(np.float64).sum(axis=0)
         site.count += len(rows)
         i = int(np.argmax(positions))
@@ -68,21 +69,15 @@ class ActivationStats(BaseConsumer):
             site.last_pos, site.last = int(positions[i]), np.array(rows[i], np.float32)
 
     def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
-        with self._lock:
-            sites = self._sites.pop(request_id, None)
+        sites = self._sites.pop(request_id, None)
         if not sites:
             return None
         reduce = (meta.get("params") or {}).get("reduce", "last")
-        names = sorted(sites, key=_site_order)
+        names = sorted(sites, key=lambda name: parse_site_name(name)[::-1])  # by layer, then hook
         rows = np.stack([(sites[n].total / sites[n].count).astype(np.float32) if reduce == "mean" else sites[n].last
                          for n in names])
         return {"sites": names, "count": [sites[n].count for n in names], "shape": list(rows.shape),
                 "dtype": "float32", "data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode()}
-
-
-def _site_order(site: str) -> tuple[int, str]:
-    hook, layer = site.rsplit(".", 1)
-    return int(layer), hook
 
 
 def decode_result(result: dict) -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ from vllm_steer.extract.files import Vectors, file_kind, gguf_bytes, safetensors
 from vllm_steer.extract.methods import METHODS, direction
 from vllm_steer.extract.pairs import ExtractError, Pair, as_pair, read_jsonl
 from vllm_steer.extract.sources import Text, capture_field, source_of
+from vllm_steer.http_client import Client, SteeringAPIError
 
 __all__ = ["Extraction", "ExtractError", "Pair", "extract"]
 
@@ -57,16 +58,12 @@ class Extraction:
     def register(self, base_url: str, name: str, api_key: str | None = None, replace: bool = False,
                  timeout: float = 120.0) -> dict:
         """Register as the named module ``name`` on a server (``POST /v1/steering/modules``, a file upload)."""
-        import httpx
-
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        r = httpx.post(f"{base_url.rstrip('/').removesuffix('/v1')}/v1/steering/modules", headers=headers,
-                       timeout=timeout, data={"name": name, "description": self.metadata()["description"],
-                                              "replace": "true" if replace else "false"},
-                       files={"file": (f"{name}.safetensors", self.file_bytes(), "application/octet-stream")})
-        if r.status_code != 201:
-            raise ExtractError(f"registering module {name!r} failed ({r.status_code}): {r.text[:500]}")
-        return r.json()
+        with Client(base_url, api_key=api_key, timeout=timeout) as c:
+            try:
+                return c.register_module(name, file=(f"{name}.safetensors", self.file_bytes()), replace=replace,
+                                         description=self.metadata()["description"])
+            except SteeringAPIError as e:
+                raise ExtractError(f"registering module {name!r} failed ({e.status}): {e.detail}") from None
 
 
 def _layers(layers: Any) -> list[int] | str:

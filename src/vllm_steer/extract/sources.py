@@ -19,6 +19,7 @@ import numpy as np
 
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.extract.pairs import ExtractError
+from vllm_steer.http_client import Client, SteeringAPIError
 
 INSTANCE = "activations"
 Progress = Callable[[int, int], None]
@@ -56,42 +57,32 @@ def _rows(capture: Any, where: str) -> dict[str, np.ndarray]:
 
 
 class HttpSource:
-    """A running vllm-steer server. ``base_url``: ``http://host:port`` (a trailing ``/v1`` is fine)."""
+    """A running vllm-steer server, through ``http_client.Client`` (``base_url``: ``http://host:port``,
+    a trailing ``/v1`` is fine)."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  concurrency: int = 8, timeout: float = 600.0) -> None:
-        import httpx
-
-        self.base = base_url.rstrip("/").removesuffix("/v1")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
+        self.client = Client(base_url, api_key=api_key, timeout=timeout)
         self.concurrency = concurrency
-        self.model = model or self._served_model()
+        self.model = self.client.model = model or self._call("GET /v1/models", self.client.served_models)[0]
 
-    def _served_model(self) -> str:
-        r = self.http.get("/v1/models")
-        if r.status_code != 200:
-            raise ExtractError(f"GET {self.base}/v1/models: {r.status_code} {r.text[:300]}")
-        return r.json()["data"][0]["id"]
+    @staticmethod
+    def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SteeringAPIError as e:
+            raise ExtractError(f"{what}: the server refused it ({e.status}): {e.detail}") from None
 
     def _one(self, text: Text, capture: dict) -> dict[str, np.ndarray]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": 1, "temperature": 0, "capture": capture}
+        c = self.client
         if text.chat:
-            path = "/v1/chat/completions"
-            body.update(messages=text.messages(), add_generation_prompt=text.prompt is None,
-                        continue_final_message=text.prompt is not None)
+            where, answer = "POST /v1/chat/completions", self._call(
+                "an extraction request", c.chat, text.messages(), capture=capture, max_tokens=1, temperature=0,
+                add_generation_prompt=text.prompt is None, continue_final_message=text.prompt is not None)
         else:
-            path, body["prompt"] = "/v1/completions", text.plain()
-        r = self.http.post(path, json=body)
-        if r.status_code != 200:
-            try:
-                err = r.json()["error"]
-                msg, param = err["message"], err.get("param")
-                msg = msg if not param or msg.startswith(param) else f"{param}: {msg}"
-            except Exception:
-                msg = r.text[:500]
-            raise ExtractError(f"the server refused an extraction request ({r.status_code}): {msg}")
-        return _rows({k: v for k, v in (r.json().get("capture") or {}).items() if k in capture}, f"POST {path}")
+            where, answer = "POST /v1/completions", self._call(
+                "an extraction request", c.complete, text.plain(), capture=capture, max_tokens=1, temperature=0)
+        return _rows({k: v for k, v in (answer.get("capture") or {}).items() if k in capture}, where)
 
     def activations(self, texts: list[Text], capture: dict, progress: Progress | None = None) -> list[dict]:
         out: list[dict | None] = [None] * len(texts)
