@@ -177,6 +177,27 @@ def test_registering_vectors_of_another_hidden_size_names_it(api_server):
         other.register(api_server[0], "wrong", api_key=API_KEY)
 
 
+def test_rows_dropped_by_a_full_capture_pool_fail_the_extraction_instead_of_averaging_fewer():
+    """The consumer reports what the engine dropped; extraction refuses such a result (a mean over fewer rows
+    would be silently wrong)."""
+    from vllm_steer.capture.activations import ActivationStats
+    from vllm_steer.extract.sources import _rows
+
+    consumer = ActivationStats("activations")
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    consumer.on_rows("r", 3, "post_mlp", np.array([0, 2, 1]), rows, {})
+    whole = consumer.on_request_finished("r", {"params": {"reduce": "mean"}, "dropped_rows": 0})
+    assert whole["dropped_rows"] == 0 and whole["count"] == [3]
+    np.testing.assert_array_equal(_rows({"activations": whole}, "here")["post_mlp.3"], rows.mean(axis=0))
+    consumer.on_rows("s", 3, "post_mlp", np.array([0, 2, 1]), rows, {})
+    last = consumer.on_request_finished("s", {"params": {}, "dropped_rows": 0})
+    np.testing.assert_array_equal(_rows({"activations": last}, "here")["post_mlp.3"], rows[1])  # position 2
+    consumer.on_rows("t", 3, "post_mlp", np.array([0]), rows[:1], {})
+    partial = consumer.on_request_finished("t", {"params": {"reduce": "mean"}, "dropped_rows": 2})
+    with pytest.raises(ExtractError, match="the engine dropped 2 of the rows asked for .*steer.capture_max_rows"):
+        _rows({"activations": partial}, "here")
+
+
 def test_a_server_without_the_consumer_is_named(api_server):
     with pytest.raises(ExtractError, match="capture.missing: no capture consumer instance 'missing'"):
         extract(api_server[0], PAIRS[:1], layers=[1], instance="missing")

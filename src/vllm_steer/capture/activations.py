@@ -7,7 +7,8 @@ default) or ``"mean"`` (the mean over every captured position). The result, in t
 ``capture`` field (no files):
 
     {"sites": ["post_mlp.3", ...], "count": [rows reduced per site], "shape": [n_sites, hidden],
-     "dtype": "float32", "data": "<base64 of the float32 [n_sites, hidden] matrix, row-major>"}
+     "dtype": "float32", "data": "<base64 of the float32 [n_sites, hidden] matrix, row-major>",
+     "dropped_rows": <rows the request asked for and the engine dropped (capture's pool was full)>}
 
 ``decode_result`` turns it back into ``{site: vector}``. ``vllm_steer.extract`` is built on it.
 Like every consumer it is called from its one dispatch thread (``runtime.capture``), so it keeps its
@@ -77,7 +78,8 @@ class ActivationStats(BaseConsumer):
         rows = np.stack([(sites[n].total / sites[n].count).astype(np.float32) if reduce == "mean" else sites[n].last
                          for n in names])
         return {"sites": names, "count": [sites[n].count for n in names], "shape": list(rows.shape),
-                "dtype": "float32", "data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode()}
+                "dtype": "float32", "data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode(),
+                "dropped_rows": int(meta.get("dropped_rows", 0))}
 
 
 def decode_result(result: dict) -> dict[str, np.ndarray]:

@@ -51,8 +51,9 @@ def _rows(capture: Any, where: str) -> dict[str, np.ndarray]:
     (result,) = capture.values()
     if "error" in result:
         raise ExtractError(f"{where}: the activations consumer failed: {result.get('message', result['error'])}")
-    if not all(result["count"]):
-        raise ExtractError(f"{where}: a site captured no rows (dropped: steer.capture_max_rows too small?)")
+    if result.get("dropped_rows") or not all(result["count"]):
+        raise ExtractError(f"{where}: the engine dropped {result.get('dropped_rows', 0)} of the rows asked for (a "
+                           "step wanted more than steer.capture_max_rows): send fewer texts at once or raise it")
     return decode_result(result)
 
 
