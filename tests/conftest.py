@@ -37,6 +37,10 @@ PRELOAD_LAYER = 5
 
 
 PROBE_SEED, PROBE_LAYER = 3, 20
+# the shared API server's max_model_len: long streams (closed by their tests once done with them) run
+# for a minute or more, so what a test does while one runs never races its end on a slow machine
+API_MAX_MODEL_LEN = 2048
+LONG_STREAM_TOKENS = API_MAX_MODEL_LEN - 48
 CAPTURE_TIMEOUT_S = 4  # steer.capture_result_timeout_s of the shared API server (the slow consumer's tests)
 SAE_SITE, SAE_D, SAE_CLAMPABLE, SAE_SEED = "post_mlp.12", 64, 32, 11  # the shared server's SAE "fz"
 SAE_SLOT, SAE_SLOT_SIZE = "post_mlp.8", 16  # its site reserved for SAEs registered at runtime
@@ -101,5 +105,6 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
                                 "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root)}})
     log = d / "server.log"
-    with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log) as (base, _):
+    with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log,
+                       max_model_len=API_MAX_MODEL_LEN) as (base, _):
         yield base, smollm2_path, log, d / "captures"

@@ -22,14 +22,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def openai_server(model: str, *args: str, log: Path, env: dict | None = None, timeout: float = 300):
+def openai_server(model: str, *args: str, log: Path, env: dict | None = None, timeout: float = 300,
+                  max_model_len: int = 512):
     """Yield (base_url, process) of a running server; kill it on exit. ``env`` values of None unset
     the variable (e.g. ``{"VLLM_PLUGINS": None}``: a server without the endpoint plugin)."""
     port = free_port()
     full_env = {**os.environ, **CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}
     cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "512", *args]
+           "--port", str(port), "--max-model-len", str(max_model_len), *args]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -54,6 +55,12 @@ def openai_server(model: str, *args: str, log: Path, env: dict | None = None, ti
         except Exception:
             if proc.poll() is None:  # an exited server (its start failed) has nothing left to kill
                 os.killpg(proc.pid, 9)
+
+
+def log_tail(log: Path, lines: int = 40) -> str:
+    """The server log's last ``lines`` (vLLM's periodic "Running: N reqs, Waiting: M reqs" lines
+    included), for a failure message."""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def scrape_metrics(base: str) -> dict[str, float]:

@@ -13,12 +13,13 @@ import torch
 import openai
 from openai import BadRequestError, OpenAI
 
-from tests.server import scrape_metrics
+from tests.server import log_tail, scrape_metrics
 from tests.steering_cases import vector
 from vllm_steer.client import pack
 
 HIDDEN, LAYER = 576, 14
 from tests.conftest import API_SERVER_CAP as CAP  # noqa: E402
+from tests.conftest import LONG_STREAM_TOKENS  # noqa: E402
 
 
 def bf16_exact(v: np.ndarray) -> np.ndarray:
@@ -401,7 +402,7 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     rng = np.random.default_rng()  # a config no earlier request had: its row must be written
     vectors = {h: {"3": rng.standard_normal(HIDDEN).astype(np.float32).tolist()}
                for h in ("pre_attn", "post_attn", "post_mlp")}
-    body = {"model": model, "prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "stream": True,
+    body = {"model": model, "prompt": "Hi", "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True, "stream": True,
             "steering_vectors": vectors}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -426,7 +427,7 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
         while (during := scrape_metrics(base))["vllm_steer_rows_in_use"] != before["vllm_steer_rows_in_use"] + 1:
             assert time.time() < deadline and not done.is_set(), (
                 f"rows in use stayed at {during['vllm_steer_rows_in_use']}; stream done: {done.is_set()} "
-                f"after {len(events)} events")
+                f"after {len(events)} events; the server log ends:\n{log_tail(server[2])}")
             time.sleep(0.2)
     # leaving the block closed the stream: vLLM aborts the request and its row is released
     assert during["vllm_steer_rows_in_use_peak"] >= during["vllm_steer_rows_in_use"]

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import API_KEY, SAE_SLOT, SAE_SLOT_SIZE
+from tests.conftest import API_KEY, LONG_STREAM_TOKENS, SAE_SLOT, SAE_SLOT_SIZE
 from tests.sae_writers import random_sae, write_gemma_scope
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -44,10 +44,10 @@ def text(base, model, **fields):
 
 
 def _long_stream(base, model, started, stop, out):
-    """A 480-token streamed (the server's max_model_len is 512) completion clamped by ``rt``: ``started`` is set once its text is longer
+    """A long streamed completion (tests.conftest.LONG_STREAM_TOKENS) clamped by ``rt``: ``started`` is set once its text is longer
     than an 8-token answer's, the stream is closed (the request aborted) when ``stop`` is set;
     ``out`` gets the status and the text so far."""
-    req = {"model": model, "prompt": "The capital of France is", "max_tokens": 480, "temperature": 0,
+    req = {"model": model, "prompt": "The capital of France is", "max_tokens": LONG_STREAM_TOKENS, "temperature": 0,
            "ignore_eos": True, "stream": True, "sae": {"name": "rt", "clamps": CLAMPS}}
     try:
         with httpx.stream("POST", f"{base}/v1/completions", json=req, timeout=120) as r:
@@ -150,7 +150,7 @@ def test_register_steer_delete_in_flight_and_reuse_the_site(server):
         _refusal(after, 400, "sae.name", "unknown SAE")
         # the running request still clamps at the site: another SAE may not take it yet
         busy = post(base, {**body, "name": "rt2", "path": files[32]})
-        running = t.is_alive()  # 480 tokens: it cannot have finished by now
+        running = t.is_alive()  # a long stream: it cannot have finished by now
         stop.set()  # close the stream: vLLM aborts the request, which frees the site
         t.join(120)
         if t.is_alive() or out.get("status") != 200 or not running:

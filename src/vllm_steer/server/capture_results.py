@@ -6,7 +6,9 @@ ids to this process's poller and awaits a future. While any response waits, the 
 (``core.compat.rpc_every_engine``: under DP each engine knows its own requests); workers answer at
 once with what is ready (``runtime.capture.CaptureRuntime.collect_results``). A response is resolved
 when every worker reports all of its ids done, or at its deadline (``steer.capture_result_timeout_s``
-after it finished), when each driver instance still running gets ``capture.collect.timeout_error``.
+after it finished), when each driver instance still running gets ``capture.collect.timeout_error``;
+deadlines hold even when the engine is slow to answer (one question in flight; an answer is awaited
+no longer than the soonest deadline).
 Idle, the poller does nothing (its task ends when nothing waits). A slow consumer therefore delays
 only the ``capture`` field of its own requests: the engine core is never held by a consumer.
 """
@@ -41,6 +43,7 @@ class CaptureResultPoller:
         self.engine = engine_client
         self._waits: list[_Wait] = []
         self._task: asyncio.Task | None = None
+        self._stray: set[asyncio.Task] = set()  # questions whose every response timed out, until they land
 
     async def results(self, ids: list[str], timeout: float, expected: dict[str, list[str]] | None = None) -> dict:
         """Driver results by request id (instance -> result, or a timeout error object)."""
@@ -63,14 +66,23 @@ class CaptureResultPoller:
             raise
 
     async def _loop(self) -> None:
+        call: asyncio.Task | None = None  # at most one question in flight
+        asked: list[str] = []
         while self._waits:
-            asked = sorted(set().union(*(w.pending.open for w in self._waits)))
+            if call is None:
+                asked = sorted(set().union(*(w.pending.open for w in self._waits)))
+                if asked:
+                    call = asyncio.ensure_future(rpc_every_engine(self.engine, METHOD, (asked,)))
             answers = None
-            if asked:
-                try:
-                    answers = await rpc_every_engine(self.engine, METHOD, (asked,))
-                except Exception:  # engine busy or gone: retry next tick, deadlines still hold
-                    logger.exception("vllm-steer: collecting capture results failed")
+            if call is not None:  # wait for the answer, never past the soonest deadline
+                soonest = min(w.deadline for w in self._waits)
+                await asyncio.wait({call}, timeout=max(soonest - time.monotonic(), 0.0))
+                if call.done():
+                    try:
+                        answers = call.result()
+                    except Exception:  # engine busy or gone: ask again next tick, deadlines still hold
+                        logger.exception("vllm-steer: collecting capture results failed")
+                    call = None
             now = time.monotonic()
             keep = []
             for w in self._waits:
@@ -84,8 +96,11 @@ class CaptureResultPoller:
                     keep.append(w)
             # a response that began waiting during the call is kept: none of its ids were asked yet
             self._waits = keep
-            if self._waits:
+            if self._waits and call is None:
                 await asyncio.sleep(TICK_S)
+        if call is not None:  # unanswered past every deadline: let it land (its results are evicted)
+            self._stray.add(call)
+            call.add_done_callback(self._stray.discard)
 
 
 _POLLERS: dict[int, CaptureResultPoller] = {}

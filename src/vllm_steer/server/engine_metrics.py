@@ -6,8 +6,10 @@ summed over data-parallel engines) and
 writes the answer into ``server.metrics`` before vLLM renders the page; the API process's own values
 (module and SAE counts) are set at the same time. One question at a time per API process: a scrape
 waits at most ``WAIT_S`` from when the question was asked, else it is served the last values; a late
-answer is still written (no counter increment is lost), and a question that is not answered is not
-asked again until it is (a busy or dead engine never makes scrapes hang or pile up)."""
+answer is still written (no counter increment is lost). A question unanswered for ``STALE_S`` is left
+to land on its own and a new one is asked, so a lost or stuck answer delays the values by at most
+``STALE_S``, never for good, and a busy or dead engine gets one question per ``STALE_S`` (scrapes
+never hang or pile up). ``vllm_steer_engine_metrics_updated_seconds`` says when values last came in."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from vllm_steer.server.metrics import MODULES, ROWS_CAPACITY, SAES, apply_engine
 logger = logging.getLogger("vllm.steer")
 
 WAIT_S = 2.0
+STALE_S = 10.0
 
 
 def merge_engines(answers: list[dict]) -> dict:
@@ -41,10 +44,17 @@ class _Fetcher:
         self.task: asyncio.Task | None = None
         self.asked = 0.0
         self.failing = False
+        self._late: set[asyncio.Task] = set()  # questions past STALE_S, kept referenced until they land
 
     async def refresh(self, engine: Any) -> None:
+        now = time.monotonic()
+        if self.task is not None and not self.task.done() and now - self.asked > STALE_S:
+            logger.warning("vllm-steer: the engine has not answered /metrics for %.0f s; asking again", now - self.asked)
+            self._late.add(self.task)
+            self.task.add_done_callback(self._late.discard)
+            self.task = None
         if self.task is None or self.task.done():
-            self.asked = time.monotonic()
+            self.asked = now
             self.task = asyncio.ensure_future(self._ask(engine))
         wait = self.asked + WAIT_S - time.monotonic()
         if wait > 0:

@@ -79,7 +79,9 @@ def _prepare(frontend: Any, body: bytes, msgpack: bool) -> tuple[dict | None, An
 
 
 class BodyTooLarge(Exception):
-    pass
+    def __init__(self, whole: bool = False) -> None:
+        super().__init__()
+        self.whole = whole  # the body's last message was read: nothing is left to drain
 
 
 async def _read_body(receive: Any, cap: int | None) -> tuple[bytes, bool]:
@@ -94,7 +96,7 @@ async def _read_body(receive: Any, cap: int | None) -> tuple[bytes, bool]:
         chunk = message.get("body", b"")
         size += len(chunk)
         if cap is not None and size > cap:
-            raise BodyTooLarge
+            raise BodyTooLarge(whole=not message.get("more_body"))
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks), False
@@ -141,8 +143,9 @@ class SteeringRequestMiddleware:
             if cap is not None and declared > cap:
                 raise BodyTooLarge
             body, gone = await _read_body(receive, cap)
-        except BodyTooLarge:
-            await drain_refused_body(receive, headers)
+        except BodyTooLarge as e:
+            if not e.whole:  # (draining past the last message would wait for a disconnect)
+                await drain_refused_body(receive, headers)
             await _send_error(send, 413, f"request body larger than the server's cap of {cap} bytes "
                                          "(steer.max_body_bytes)", "body")
             return
