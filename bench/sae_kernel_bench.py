@@ -1,7 +1,9 @@
 """GPU time of the steered norm with SAE clamps (kernels/steered_rms_norm/triton.py) against the
 plain steered norm, per launch, replayed from a CUDA graph (no launch overhead): the clamp-only path
-by clamps per token (its cost should follow the clamp count, not d_sae), and the dense whole-SAE path
-(TopK / reconstruct) by d_sae. Usage: python3 bench/sae_kernel_bench.py [--out FILE.json]"""
+by clamps per token (its cost should follow the clamp count, not d_sae), serial (one program per token)
+and split (``split_of(N)`` programs per token, and other splits at decode sizes), beside the bandwidth
+bound of what a launch must move; and the dense whole-SAE path (TopK / reconstruct) by d_sae.
+Usage: python3 bench/sae_kernel_bench.py [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -11,9 +13,17 @@ import json
 import torch
 
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
-from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton, steered_sae_rms_norm_triton
+from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_rms_norm_triton, steered_sae_rms_norm_triton
 
 D, STAGED, ROWS = 4096, 256, 4
+HBM_BYTES_PER_US = 3.35e6  # H100 SXM HBM3 (an H200: 4.8e6)
+
+
+def _bound_us(n: int, clamps: int) -> float:
+    """Bytes a launch must move / HBM bandwidth: x and residual in, output and residual out (bf16), and
+    the clamped slots' encoder and decoder rows (float32) of the ROWS - 1 distinct clamp sets, once each."""
+    sets = min(n, ROWS - 1) if clamps else 0
+    return (4 * n * D * 2 + sets * clamps * 2 * D * 4) / HBM_BYTES_PER_US
 
 
 def _time(fn, iters: int = 200) -> float:
@@ -59,20 +69,25 @@ def main() -> None:
     dev = torch.device("cuda")
     w = torch.ones(D, dtype=torch.bfloat16, device=dev)
     rows: list[dict] = []
-    for n in (16, 256, 2048):
+    for n in (16, 64, 256, 2048):
         x = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
         res = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
         steered = torch.arange(n, device=dev, dtype=torch.int32) % (ROWS - 1) + 1  # every token clamps
         idle = torch.zeros(n, dtype=torch.int32, device=dev)
         base = _time(lambda: steered_rms_norm_triton(x, res, w, 1e-5, 0.0, idle))
         rows.append({"n": n, "path": "plain norm", "clamps": 0, "us": round(base, 2)})
+        splits = sorted({1, split_of(n)} | ({4, 8, 16} if n <= 16 else set()))
         for clamps in (0, 8, 32, 64, 128, 256):
             pack = _pack(clamps, dev)
             index = idle if clamps == 0 else steered
-            us = _time(lambda: steered_sae_rms_norm_triton(x, res, w, 1e-5, 0.0, index, None, None, None, None,
-                                                           pack, []))
-            rows.append({"n": n, "path": "clamp-only (Triton)" + (" idle" if clamps == 0 else ""), "clamps": clamps,
-                         "us": round(us, 2)})
+            for split in splits:
+                us = _time(lambda: steered_sae_rms_norm_triton(x, res, w, 1e-5, 0.0, index, None, None, None, None,
+                                                               pack, [], split=split))
+                path = "clamp-only (Triton)" + (" idle" if clamps == 0 else "") + f" split {split}"
+                if split == split_of(n):
+                    path += " (default)"
+                rows.append({"n": n, "path": path, "clamps": clamps, "us": round(us, 2),
+                             "bound_us": round(_bound_us(n, clamps), 2)})
         for d_sae in (16384, 65536):
             if n > 256 and d_sae > 16384:
                 continue
@@ -83,9 +98,9 @@ def main() -> None:
             rows_l = steered.long()
             us = _time(lambda: apply_site_naive(s, rows_l, full, 0), iters=50)
             rows.append({"n": n, "path": f"whole SAE (torch, fp32) d_sae {d_sae}", "clamps": 64, "us": round(us, 1)})
-    print("| tokens | path | clamps per token | µs |\n| --- | --- | --- | --- |")
+    print("| tokens | path | clamps per token | µs | bandwidth bound µs |\n| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['n']} | {r['path']} | {r['clamps']} | {r['us']} |")
+        print(f"| {r['n']} | {r['path']} | {r['clamps']} | {r['us']} | {r.get('bound_us', '')} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "D": D, "staged": STAGED, "rows": rows}, f, indent=1)

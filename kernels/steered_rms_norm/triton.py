@@ -15,6 +15,13 @@ blocks with no clamp) and, for each clamped slot only, reads that slot's encoder
 stream moves by ``sum_c (f'_c - f_c) dec[c]``, every ``f`` taken from the stream before this site's
 clamps. Its cost scales with the clamp set, not d_sae. No host sync: the packs' row tables may change
 under a captured CUDA graph.
+
+The walk is latency-bound (a D-long dot, then an axpy, per clamp, one after another), so at decode sizes
+(``split_of(N)``: up to 64 tokens) each token gets SPLIT programs (grid [N, SPLIT]) that share its row's
+clamps by blocks of codes; each stores its partial sum in a persistent scratch and counts itself in a
+per-token count (atomic); the last to arrive adds the partials in program order, resets the count and
+finishes the token (no program waits for another, so no deadlock whatever the scheduling). Unclamped
+tokens are finished by program 0 as before, bit for bit. One launch either way.
 """
 
 from __future__ import annotations
@@ -38,6 +45,30 @@ def _add_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d):
 
 
 @triton.jit
+def _sae_block(b_s, b_acc, c0, p_code_row, p_value_row, p_enc, p_dec, p_bias, p_thr, C, stride_enc, stride_dec,
+               o_d, m_d, BLOCK_C: tl.constexpr):
+    """b_acc plus (f'_c - f_c) * dec[c] for the clamped slots c of the block of codes at c0 (f from b_s)."""
+    o_c = tl.arange(0, BLOCK_C)
+    b_code = tl.load(p_code_row + c0 + o_c, mask=c0 + o_c < C, other=0)
+    if tl.sum((b_code != 0).to(tl.int32), axis=0) != 0:  # a block with no clamp costs one load
+        for j in range(BLOCK_C):
+            c = c0 + j
+            code = tl.load(p_code_row + c, mask=c < C, other=0)
+            if code != 0:
+                c64 = c.to(tl.int64)
+                b_enc = tl.load(p_enc + c64 * stride_enc + o_d, mask=m_d, other=0.0).to(tl.float32)
+                pre = tl.sum(b_s * b_enc, axis=0) + tl.load(p_bias + c).to(tl.float32)
+                f = tl.where(pre > tl.load(p_thr + c).to(tl.float32), pre, 0.0)
+                v = tl.load(p_value_row + c).to(tl.float32)
+                kind = code & 3
+                new = tl.where(kind == 1, v, tl.where(kind == 2, f + v, tl.where(kind == 3, f * v, f)))
+                f_new = tl.where(((code & 4) == 0) | (f > 0), new, f)
+                b_dec = tl.load(p_dec + c64 * stride_dec + o_d, mask=m_d, other=0.0).to(tl.float32)
+                b_acc += (f_new - f) * b_dec
+    return b_acc
+
+
+@triton.jit
 def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C,
                    stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
     """b_s after the row's SAE clamps (delta mode): b_s + sum over clamped slots c of
@@ -48,26 +79,44 @@ def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_
             b_acc = tl.zeros_like(b_s)
             p_code_row = p_code + i_r * stride_code
             p_value_row = p_value + i_r * stride_value
-            o_c = tl.arange(0, BLOCK_C)
             for c0 in range(0, C, BLOCK_C):
-                b_code = tl.load(p_code_row + c0 + o_c, mask=c0 + o_c < C, other=0)
-                if tl.sum((b_code != 0).to(tl.int32), axis=0) != 0:  # a block with no clamp costs one load
-                    for j in range(BLOCK_C):
-                        c = c0 + j
-                        code = tl.load(p_code_row + c, mask=c < C, other=0)
-                        if code != 0:
-                            c64 = c.to(tl.int64)
-                            b_enc = tl.load(p_enc + c64 * stride_enc + o_d, mask=m_d, other=0.0).to(tl.float32)
-                            pre = tl.sum(b_s * b_enc, axis=0) + tl.load(p_bias + c).to(tl.float32)
-                            f = tl.where(pre > tl.load(p_thr + c).to(tl.float32), pre, 0.0)
-                            v = tl.load(p_value_row + c).to(tl.float32)
-                            kind = code & 3
-                            new = tl.where(kind == 1, v, tl.where(kind == 2, f + v, tl.where(kind == 3, f * v, f)))
-                            f_new = tl.where(((code & 4) == 0) | (f > 0), new, f)
-                            b_dec = tl.load(p_dec + c64 * stride_dec + o_d, mask=m_d, other=0.0).to(tl.float32)
-                            b_acc += (f_new - f) * b_dec
+                b_acc = _sae_block(b_s, b_acc, c0, p_code_row, p_value_row, p_enc, p_dec, p_bias, p_thr, C,
+                                   stride_enc, stride_dec, o_d, m_d, BLOCK_C)
             b_s += b_acc
     return b_s
+
+
+@triton.jit
+def _sae_clamp_split(b_s, i_t, i_row, i_k, p_scratch, p_count, p_mode, p_code, p_value, p_enc, p_dec, p_bias,
+                     p_thr, C, stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, D: tl.constexpr,
+                     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr):
+    """The row's clamps shared by the token's SPLIT programs (program ``i_k`` takes the blocks of codes
+    i_k, i_k + SPLIT, ...): each writes its partial sum to ``scratch[i_t * SPLIT + i_k]`` and counts
+    itself in ``count[i_t]``; the last to arrive adds the partials (in program order: the result does not
+    depend on which is last), resets the count and finishes the token. Returns (b_s, whether this
+    program finishes the token): for row 0 and OFF rows program 0, b_s untouched."""
+    go = i_k == 0
+    if i_row != 0:
+        i_r = i_row.to(tl.int64)
+        if tl.load(p_mode + i_r) != 0:
+            b_acc = tl.zeros_like(b_s)
+            p_code_row = p_code + i_r * stride_code
+            p_value_row = p_value + i_r * stride_value
+            for c0 in range(i_k * BLOCK_C, C, SPLIT * BLOCK_C):
+                b_acc = _sae_block(b_s, b_acc, c0, p_code_row, p_value_row, p_enc, p_dec, p_bias, p_thr, C,
+                                   stride_enc, stride_dec, o_d, m_d, BLOCK_C)
+            p_mine = p_scratch + (i_t * SPLIT) * D
+            tl.store(p_mine + i_k * D + o_d, b_acc, mask=m_d)
+            tl.debug_barrier()  # every thread's part is stored before the count says so
+            arrived = tl.atomic_add(p_count + i_t, 1, sem="acq_rel")
+            go = arrived == SPLIT - 1
+            if go:
+                b_sum = tl.zeros_like(b_s)
+                for j in tl.static_range(SPLIT):
+                    b_sum += tl.load(p_mine + j * D + o_d, mask=m_d, other=0.0, cache_modifier=".cg")
+                b_s += b_sum
+                tl.atomic_xchg(p_count + i_t, 0)  # ready for the next launch (graph replays included)
+    return b_s, go
 
 
 @triton.jit
@@ -89,6 +138,8 @@ def _steered_norm_body(
     stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
     p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
     stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
+    p_scratch,  # [N * SPLIT, D] float32: the split clamp walk's partial sums (ignored unless SPLIT > 1)
+    p_count,  # [>= N] int32, zeros between launches: programs of a token done with their part
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_A: tl.constexpr,
@@ -98,8 +149,10 @@ def _steered_norm_body(
     SAE_A: tl.constexpr,
     SAE_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr,  # > 1: the first SAE slot's clamps are shared by SPLIT programs per token
 ):
     i_t = tl.program_id(0).to(tl.int64)
+    go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     # Every load the plain path needs is issued here, the weight's too (as Inductor's fused add +
@@ -112,18 +165,31 @@ def _steered_norm_body(
     if HAS_A or HAS_B or SAE_A or SAE_B:
         i_row = tl.load(p_index + i_t)
         if SAE_A:
-            b_s = _sae_clamp_row(b_s, i_row, p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias,
-                                 p_sa_thr, C_A, stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-                                 o_d, m_d, BLOCK_C)
+            if SPLIT > 1:
+                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sa_mode,
+                                           p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
+                                           stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec, o_d,
+                                           m_d, D, BLOCK_C, SPLIT)
+            else:
+                b_s = _sae_clamp_row(b_s, i_row, p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec,
+                                     p_sa_bias, p_sa_thr, C_A, stride_sa_code, stride_sa_value, stride_sa_enc,
+                                     stride_sa_dec, o_d, m_d, BLOCK_C)
         if HAS_A:
             b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
         if SAE_B:
-            b_s = _sae_clamp_row(b_s, i_row, p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias,
-                                 p_sb_thr, C_B, stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
-                                 o_d, m_d, BLOCK_C)
+            if SPLIT > 1 and not SAE_A:  # B's stream (s + A[row]) is known to every program
+                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sb_mode,
+                                           p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
+                                           stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, o_d,
+                                           m_d, D, BLOCK_C, SPLIT)
+            else:  # after a split A only the finishing program has the whole stream: it walks B alone
+                b_s = _sae_clamp_row(b_s, i_row, p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec,
+                                     p_sb_bias, p_sb_thr, C_B, stride_sb_code, stride_sb_value, stride_sb_enc,
+                                     stride_sb_dec, o_d, m_d, BLOCK_C)
         if HAS_B:
             b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
-    tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d)
+    m_w = m_d & go
+    tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
     b_var = tl.sum(b_s * b_s, axis=0) / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
     if OFFSET_WEIGHT:
@@ -131,7 +197,7 @@ def _steered_norm_body(
     else:
         # vLLM's RMSNorm: normalized.to(w.dtype) * w, rounded in w's dtype
         b_o = (b_n.to(b_w.dtype).to(tl.float32) * b_w.to(tl.float32)).to(b_w.dtype)
-    tl.store(p_out + i_t * stride_out + o_d, b_o.to(p_out.dtype.element_ty), mask=m_d)
+    tl.store(p_out + i_t * stride_out + o_d, b_o.to(p_out.dtype.element_ty), mask=m_w)
 
 
 @triton.jit
@@ -147,7 +213,8 @@ def _steered_rms_norm_kernel(
         stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
         p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
         p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32)
+        p_index, p_index,
+        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1)
 
 
 @triton.jit
@@ -157,9 +224,9 @@ def _steered_sae_rms_norm_kernel(
     p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
     stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
     p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
+    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
     D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The steered norm of a norm that receives a site with an SAE."""
     _steered_norm_body(
@@ -168,8 +235,8 @@ def _steered_sae_rms_norm_kernel(
         p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
         stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
         p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C)
+        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
+        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT)
 
 
 def _num_warps(block_d: int) -> int:
@@ -189,13 +256,43 @@ def _sae_args(pack: list[torch.Tensor] | None, d: int, dummy: torch.Tensor) -> l
             code.stride(0), value.stride(0), enc.stride(0), dec.stride(0)]
 
 
+# The split clamp walk (decode sizes): SPLIT programs per token share a row's clamps. At most
+# SPLIT_PROGRAMS programs in all (about two per SM of an H100), none past SPLIT_MAX_TOKENS tokens (there the
+# tokens alone fill the GPU).
+SPLIT_PROGRAMS, SPLIT_MAX_TOKENS, SPLIT_MAX = 256, 64, 16
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_of(n: int) -> int:
+    """Programs per token for ``n`` tokens (1: the serial walk, one program per token)."""
+    if n > SPLIT_MAX_TOKENS:
+        return 1
+    return max(1, min(SPLIT_MAX, SPLIT_PROGRAMS // max(n, 1)))
+
+
+def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(scratch [SPLIT_PROGRAMS, d] float32, count [SPLIT_MAX_TOKENS] int32 zeros) for ``device``; made
+    on first use outside a CUDA-graph capture (``runtime.sae_tables`` makes them when it stages a
+    pack), None while capturing before that (the launch then walks the clamps serially)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, d)
+    bufs = _SPLIT_BUFFERS.get(key)
+    if bufs is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        bufs = _SPLIT_BUFFERS[key] = (torch.zeros(SPLIT_PROGRAMS, d, dtype=torch.float32, device=device),
+                                      torch.zeros(SPLIT_MAX_TOKENS, dtype=torch.int32, device=device))
+    return bufs
+
+
 _PLAIN = CachedLauncher(_steered_rms_norm_kernel)
 _SAE = CachedLauncher(_steered_sae_rms_norm_kernel)
 
 
 def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             num_warps: int | None = None, sae_a: list[torch.Tensor] | None = None,
-            sae_b: list[torch.Tensor] | None = None) -> None:
+            sae_b: list[torch.Tensor] | None = None, split: int | None = None) -> None:
     n, d = x.shape
     if n == 0:
         return
@@ -216,8 +313,12 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
     if not sae_a and not sae_b:
         _PLAIN((n,), common, flags, warps)
         return
-    _SAE((n,), common + tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)),
-         flags + (bool(sae_a), bool(sae_b), 32), warps)
+    split = split_of(n) if split is None else split
+    bufs = split_buffers(x.device, d) if split > 1 else None
+    if bufs is None:
+        split, bufs = 1, (index, index)
+    _SAE((n, split), common + tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)) + bufs,
+         flags + (bool(sae_a), bool(sae_b), 32, split), warps)
 
 
 def steered_rms_norm_triton(
@@ -251,10 +352,11 @@ def steered_sae_rms_norm_triton(
     flag_b: torch.Tensor | None,
     sae_a: list[torch.Tensor],  # a clamp-only SAE pack (kernels/sae_clamp/packed.py), or [] for none
     sae_b: list[torch.Tensor],
+    split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``steered_sae_rms_norm_naive`` for clamp-only packs (ReLU / JumpReLU, no reconstruct), one launch."""
     out = torch.empty_like(x)
     res_out = torch.empty_like(x)
     _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            sae_a=sae_a, sae_b=sae_b)
+            sae_a=sae_a, sae_b=sae_b, split=split)
     return out, res_out

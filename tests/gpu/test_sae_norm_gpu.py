@@ -117,6 +117,30 @@ def test_triton_sae_matches_reference(n, d, dtype_name, sae, tables, c):
         assert not torch.allclose(got[1][live].float(), plain[1][live].float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("n,c", [(2, 300), (16, 64), (16, 300), (48, 4096)])
+def test_split_walks_match_the_serial_walk_and_leave_no_count(n, c):
+    """The clamps shared by several programs per token (the default at decode sizes) against one program
+    walking them all, every split from 2 to 16, and the counts back at zero after each launch."""
+    from vllm_steer.kernels.steered_rms_norm.triton import split_buffers, split_of
+
+    d, dtype = 4096, torch.bfloat16
+    x, r, w, ta, tb, index = _case(n, d, dtype, seed=n + c)
+    pa = clamp_pack(d, c, seed=c, jumprelu=True, device="cuda")
+    vec = (ta, _flag(1), tb, _flag(1))
+    serial = steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec, pa, [], split=1)
+    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, [], 0, 0)
+    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
+    ambiguous = _ambiguous(x, r, index, vec, pa, [])
+    assert split_of(n) > 1
+    for split in sorted({2, 5, 16, split_of(n)}):
+        got = steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec, pa, [], split=split)
+        _check(got, want, plain, index, dtype, ambiguous)
+        keep = ~ambiguous
+        for g, s_ in zip(got, serial):
+            torch.testing.assert_close(g[keep], s_[keep], **TOL[dtype])
+        assert not split_buffers(x.device, d)[1].any(), split
+
+
 @pytest.fixture(scope="module")
 def registered():
     op.register()

@@ -81,6 +81,10 @@ class SaeTables:
                 self.packs[site] = _pack(w, entry, num_rows, device)
                 self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
         self._written: dict[int, list[Site]] = {}  # row -> sites whose row tables it set
+        if self.packs and device.type == "cuda":  # the split clamp walk's buffers, before any graph capture
+            from vllm_steer.kernels.steered_rms_norm.triton import split_buffers
+
+            split_buffers(device, hidden)
 
     def write_row(self, row: int, entries: list[SaeWire] | None) -> int:
         """Set ``row`` of every site's clamp tables to a config's entries (sites it does not name:
