@@ -11,8 +11,9 @@
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
 #   KEEP=1 bash bench/gpu_session.sh small-host  py-spy per engine step on the kept 1b steer / steer_old servers
 #   bash bench/gpu_session.sh graph-host  the graph and host phases, then stop the servers
-#   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests, then the SAE arms on kept servers
-#                                         (first: SERVERS=stock,sae,sae_full bash bench/gpu_session.sh ab-start)
+#   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests and sae_kernel_bench, then the SAE arms on
+#                                         kept servers (first: SERVERS=stock,sae,sae_serial bash bench/gpu_session.sh
+#                                         ab-start; add sae_full and its arms for the whole-SAE path)
 #   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer (new and old) on the single-site
 #                                         arms (post_mlp of layer 8, 16 vectors); KEEP=1 keeps the servers,
 #                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (6), ARMS override
@@ -69,8 +70,9 @@ case "${1:-}" in
     ;;
   sae)
     timeout 120 python3 -m pytest tests/gpu/test_sae_norm_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -6
-    timeout 470 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag sae --trials "${TRIALS:-3}" --long-arms "" \
-      --arms "${ARMS:-stock,sae_idle,sae_delta_n16,sae_full_idle,sae_reconstruct_n16}" 2>&1 | tail -40
+    timeout 150 python3 bench/sae_kernel_bench.py --out "$OUT/sae_kernel.json" 2>&1 | tail -60
+    timeout 300 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag sae --trials "${TRIALS:-4}" --long-arms "" \
+      --deadline-s 280 --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
     ;;
   small)
     timeout 590 "${SMALL[@]}" --phases ab --trials "${TRIALS:-8}" --requests "${REQUESTS:-256}" --long-arms "" --tag small1b \

@@ -47,6 +47,8 @@ ARMS = {
     # SAE clamping (abkit/sae_files.py): 16 distinct clamp sets of 64 features at 4 layers
     "sae_idle": dict(server="sae", kind="plain"),
     "sae_delta_n16": dict(server="sae", kind="sae", mode="delta", n_configs=16),
+    "sae_serial_idle": dict(server="sae_serial", kind="plain"),
+    "sae_serial_delta_n16": dict(server="sae_serial", kind="sae", mode="delta", n_configs=16),
     "sae_full_idle": dict(server="sae_full", kind="plain"),
     "sae_reconstruct_n16": dict(server="sae_full", kind="sae", mode="reconstruct", n_configs=16),
     # single-site work (site_vectors.py): the peer plugin hotwire, vllm-steer by module name and inline

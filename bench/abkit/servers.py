@@ -14,6 +14,7 @@ Servers (each its own process group, all alive together so trials of different s
              separates the 64 steered norms in the graph from everything else steering on brings
   steer_rows4, steer_mlp   ablations: every site with 4 table rows; post_mlp sites only (32 norms), 272 rows
   sae, sae_full   steer with an SAE at 4 layers (abkit/sae_files.py): clampable features only / whole SAE
+  sae_serial      sae with the clamp walk one program per token (VLLM_STEER_SAE_SPLIT_MAX=1): the split's A/B
   stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
              (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
 All but the wheel servers share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
@@ -47,8 +48,11 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_
                  "steer_one": STEER_ONE_BLOCK, "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}}}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6,
-                "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12}
-SAE_SERVERS = {"sae": False, "sae_full": True}  # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct
+                "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
+                "sae_serial": 13}
+# steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct; serial: the clamp walk one program per token
+SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
+SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}}
 OLD_SERVER = "steer_old"
 PEER_SERVER = "hotwire"
 
@@ -275,6 +279,7 @@ class Pool:
         """What a server needs before it starts: its wheel's site folder; hotwire's vector files."""
         if s.name in WHEEL_SERVERS:
             s.pythonpath_first = self.wheel_site(s.name)
+        s.extra_env.update(SERVER_ENV.get(s.name, {}))
         if s.name == PEER_SERVER:
             folder = write_hotwire_vectors(self.workdir / HOTWIRE_DIR, SHAPES[self.args.shape], self.args.std)
             s.extra_env.update(HOTWIRE_VECTORS=str(folder), HOTWIRE_SLOTS=str(HOTWIRE_SLOTS))

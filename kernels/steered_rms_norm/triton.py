@@ -26,6 +26,8 @@ tokens are finished by program 0 as before, bit for bit. One launch either way.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -258,8 +260,9 @@ def _sae_args(pack: list[torch.Tensor] | None, d: int, dummy: torch.Tensor) -> l
 
 # The split clamp walk (decode sizes): SPLIT programs per token share a row's clamps. At most
 # SPLIT_PROGRAMS programs in all (about two per SM of an H100), none past SPLIT_MAX_TOKENS tokens (there the
-# tokens alone fill the GPU).
-SPLIT_PROGRAMS, SPLIT_MAX_TOKENS, SPLIT_MAX = 256, 64, 16
+# tokens alone fill the GPU), at most SPLIT_MAX per token: VLLM_STEER_SAE_SPLIT_MAX (16), 1 = the serial walk.
+SPLIT_PROGRAMS, SPLIT_MAX_TOKENS = 256, 64
+SPLIT_MAX = max(1, min(16, int(os.environ.get("VLLM_STEER_SAE_SPLIT_MAX", "16"))))
 _SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
