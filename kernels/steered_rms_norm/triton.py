@@ -260,9 +260,11 @@ def _sae_args(pack: list[torch.Tensor] | None, d: int, dummy: torch.Tensor) -> l
 
 # The split clamp walk (decode sizes): SPLIT programs per token share a row's clamps. At most
 # SPLIT_PROGRAMS programs in all (about two per SM of an H100), none past SPLIT_MAX_TOKENS tokens (there the
-# tokens alone fill the GPU), at most SPLIT_MAX per token: VLLM_STEER_SAE_SPLIT_MAX (16), 1 = the serial walk.
+# tokens alone fill the GPU), at most SPLIT_MAX per token: VLLM_STEER_SAE_SPLIT_MAX (8; 16 at most),
+# 1 = the serial walk. Measured on an H100 (bench/RESULTS.md, 2026-11-24 s12), 16 tokens x 64 clamps, D 4096:
+# serial 72.4 µs, split 4 27.1, split 8 17.5, split 16 19.5; idle 2.03 / 2.32 (split 8) / 2.53 (split 16).
 SPLIT_PROGRAMS, SPLIT_MAX_TOKENS = 256, 64
-SPLIT_MAX = max(1, min(16, int(os.environ.get("VLLM_STEER_SAE_SPLIT_MAX", "16"))))
+SPLIT_MAX = max(1, min(16, int(os.environ.get("VLLM_STEER_SAE_SPLIT_MAX", "8"))))
 _SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 

@@ -67,7 +67,7 @@ _INTERPRETER_INDEX = pytest.mark.filterwarnings("ignore:Conversion of an array w
 
 def _sae_case(interpreted, dtype_name, sae, tables, c, split):
     """The SAE kernel against the reference; ``split``: programs per token (None: the launcher's
-    choice, 16 at these 12 tokens)."""
+    choice, 8 at these 12 tokens)."""
     norm, _ = interpreted
     dtype = DTYPES[dtype_name]
     n, d = 12, 80  # D not a power of two: masked lanes
