@@ -47,26 +47,31 @@ def _add_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d):
 
 
 @triton.jit
-def _sae_block(b_s, b_acc, c0, p_code_row, p_value_row, p_enc, p_dec, p_bias, p_thr, C, stride_enc, stride_dec,
-               o_d, m_d, BLOCK_C: tl.constexpr):
-    """b_acc plus (f'_c - f_c) * dec[c] for the clamped slots c of the block of codes at c0 (f from b_s)."""
+def _sae_walk(b_s, i_r, c_first, c_step, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
+              stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
+    """Sum of (f'_c - f_c) * dec[c] over the clamped slots c of row ``i_r`` in the blocks of codes that
+    start at c_first, c_first + c_step, ... (f from b_s)."""
+    b_acc = tl.zeros_like(b_s)
+    p_code_row = p_code + i_r * stride_code
+    p_value_row = p_value + i_r * stride_value
     o_c = tl.arange(0, BLOCK_C)
-    b_code = tl.load(p_code_row + c0 + o_c, mask=c0 + o_c < C, other=0)
-    if tl.sum((b_code != 0).to(tl.int32), axis=0) != 0:  # a block with no clamp costs one load
-        for j in range(BLOCK_C):
-            c = c0 + j
-            code = tl.load(p_code_row + c, mask=c < C, other=0)
-            if code != 0:
-                c64 = c.to(tl.int64)
-                b_enc = tl.load(p_enc + c64 * stride_enc + o_d, mask=m_d, other=0.0).to(tl.float32)
-                pre = tl.sum(b_s * b_enc, axis=0) + tl.load(p_bias + c).to(tl.float32)
-                f = tl.where(pre > tl.load(p_thr + c).to(tl.float32), pre, 0.0)
-                v = tl.load(p_value_row + c).to(tl.float32)
-                kind = code & 3
-                new = tl.where(kind == 1, v, tl.where(kind == 2, f + v, tl.where(kind == 3, f * v, f)))
-                f_new = tl.where(((code & 4) == 0) | (f > 0), new, f)
-                b_dec = tl.load(p_dec + c64 * stride_dec + o_d, mask=m_d, other=0.0).to(tl.float32)
-                b_acc += (f_new - f) * b_dec
+    for c0 in range(c_first, C, c_step):
+        b_code = tl.load(p_code_row + c0 + o_c, mask=c0 + o_c < C, other=0)
+        if tl.sum((b_code != 0).to(tl.int32), axis=0) != 0:  # a block with no clamp costs one load
+            for j in range(BLOCK_C):
+                c = c0 + j
+                code = tl.load(p_code_row + c, mask=c < C, other=0)
+                if code != 0:
+                    c64 = c.to(tl.int64)
+                    b_enc = tl.load(p_enc + c64 * stride_enc + o_d, mask=m_d, other=0.0).to(tl.float32)
+                    pre = tl.sum(b_s * b_enc, axis=0) + tl.load(p_bias + c).to(tl.float32)
+                    f = tl.where(pre > tl.load(p_thr + c).to(tl.float32), pre, 0.0)
+                    v = tl.load(p_value_row + c).to(tl.float32)
+                    kind = code & 3
+                    new = tl.where(kind == 1, v, tl.where(kind == 2, f + v, tl.where(kind == 3, f * v, f)))
+                    f_new = tl.where(((code & 4) == 0) | (f > 0), new, f)
+                    b_dec = tl.load(p_dec + c64 * stride_dec + o_d, mask=m_d, other=0.0).to(tl.float32)
+                    b_acc += (f_new - f) * b_dec
     return b_acc
 
 
@@ -78,13 +83,8 @@ def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_
     if i_row != 0:
         i_r = i_row.to(tl.int64)
         if tl.load(p_mode + i_r) != 0:
-            b_acc = tl.zeros_like(b_s)
-            p_code_row = p_code + i_r * stride_code
-            p_value_row = p_value + i_r * stride_value
-            for c0 in range(0, C, BLOCK_C):
-                b_acc = _sae_block(b_s, b_acc, c0, p_code_row, p_value_row, p_enc, p_dec, p_bias, p_thr, C,
-                                   stride_enc, stride_dec, o_d, m_d, BLOCK_C)
-            b_s += b_acc
+            b_s += _sae_walk(b_s, i_r, 0, BLOCK_C, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
+                             stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C)
     return b_s
 
 
@@ -101,12 +101,8 @@ def _sae_clamp_split(b_s, i_t, i_row, i_k, p_scratch, p_count, p_mode, p_code, p
     if i_row != 0:
         i_r = i_row.to(tl.int64)
         if tl.load(p_mode + i_r) != 0:
-            b_acc = tl.zeros_like(b_s)
-            p_code_row = p_code + i_r * stride_code
-            p_value_row = p_value + i_r * stride_value
-            for c0 in range(i_k * BLOCK_C, C, SPLIT * BLOCK_C):
-                b_acc = _sae_block(b_s, b_acc, c0, p_code_row, p_value_row, p_enc, p_dec, p_bias, p_thr, C,
-                                   stride_enc, stride_dec, o_d, m_d, BLOCK_C)
+            b_acc = _sae_walk(b_s, i_r, i_k * BLOCK_C, SPLIT * BLOCK_C, p_code, p_value, p_enc, p_dec, p_bias, p_thr,
+                              C, stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C)
             p_mine = p_scratch + (i_t * SPLIT) * D
             tl.store(p_mine + i_k * D + o_d, b_acc, mask=m_d)
             tl.debug_barrier()  # every thread's part is stored before the count says so
