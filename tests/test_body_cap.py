@@ -1,5 +1,5 @@
-"""The body cap's refusal (``server.request_body``): a 413 naming ``body`` as soon as the cap is
-passed, whether the rest of the body is still coming (read and dropped, so the client reads the
+"""The body caps' refusals (``server.request_body``, ``server.modules_routes``): a 413 naming ``body``
+as soon as the cap is passed, whether the rest of the body is still coming (read and dropped, so the client reads the
 answer) or the message that passed the cap was its last (nothing to drain: no wait at all)."""
 
 from __future__ import annotations
@@ -58,3 +58,26 @@ def test_the_rest_of_a_body_past_the_cap_is_read_before_the_413():
 def test_a_declared_length_over_the_cap_is_refused_before_reading():
     sent, read = _refuse([_chunk(600, True), _chunk(600, False)], headers=[(b"content-length", b"1200")])
     assert sent[0]["status"] == 413 and read == 2  # drained (the client sends before it reads)
+
+
+def test_a_module_registration_whose_last_message_passes_the_cap_needs_no_drain():
+    from vllm_steer.server.modules_routes import _capped
+    from vllm_steer.server.request_body import BodyTooLarge
+
+    async def read(messages):
+        it = iter(messages)
+
+        async def receive():
+            return next(it)
+
+        capped = _capped(receive, CAP)
+        try:
+            while (await capped()).get("more_body"):
+                pass
+        except BodyTooLarge as e:
+            return e.whole
+        return None
+
+    assert asyncio.run(read([_chunk(600, True), _chunk(600, False)])) is True  # nothing left to read
+    assert asyncio.run(read([_chunk(600, True), _chunk(600, True), _chunk(10, False)])) is False  # drain the rest
+    assert asyncio.run(read([_chunk(600, True), _chunk(300, False)])) is None  # under the cap: read whole

@@ -32,7 +32,7 @@ from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLim
 from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.core.compat import counts_of_every_engine
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.server.request_body import drain_refused_body
+from vllm_steer.server.request_body import BodyTooLarge, drain_refused_body
 from vllm_steer.server.errors import error, mutation_denied
 from vllm_steer.server.schemas import (
     Deleted,
@@ -60,12 +60,8 @@ async def _synced(raw: Request) -> None:
         await MODULE_SYNC.refresh(state.steer_engine_client.collective_rpc, state.steer_frontend.shape.hidden_size)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 def _capped(receive: Any, cap: int) -> Any:
-    """A receive callable that raises _BodyTooLarge once more than ``cap`` body bytes arrived."""
+    """A receive callable that raises BodyTooLarge once more than ``cap`` body bytes arrived."""
     size = 0
 
     async def capped() -> dict:
@@ -73,7 +69,7 @@ def _capped(receive: Any, cap: int) -> Any:
         message = await receive()
         size += len(message.get("body", b""))
         if size > cap:
-            raise _BodyTooLarge
+            raise BodyTooLarge(whole=not message.get("more_body"))
         return message
 
     return capped
@@ -97,7 +93,7 @@ async def register(raw: Request) -> JSONResponse:
     body_field, cap = ("file" if multipart else "body"), cfg.module_body_cap
     try:
         if declared > cap:
-            raise _BodyTooLarge
+            raise BodyTooLarge
         request = Request(raw.scope, _capped(raw.receive, cap))
         if multipart:
             async with request.form() as form:
@@ -116,8 +112,9 @@ async def register(raw: Request) -> JSONResponse:
                 raise SteeringSpecError("body", "expected a JSON object")
             module = module_from_json(body, shape)
             replace = check_replace(body.get("replace")) or check_replace(raw.query_params.get("replace"))
-    except _BodyTooLarge:
-        await drain_refused_body(raw.receive, dict(raw.scope.get("headers") or []))
+    except BodyTooLarge as e:
+        if not e.whole:  # (draining past the body's last message would wait for a disconnect)
+            await drain_refused_body(raw.receive, dict(raw.scope.get("headers") or []))
         return error(413, f"module registration larger than the server's cap of {cap} bytes "
                           f"(2 x steer.max_module_bytes + 1 MiB); not read further", body_field)
     except SteeringSpecError as e:  # SteeringTooLarge: 413
