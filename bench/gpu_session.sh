@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
 #   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
 #   bash bench/gpu_session.sh cost        request_path_cost (host cost per request, per stage) and the table-write test
-#   bash bench/gpu_session.sh checks      gpu_check (HF oracle, compiled + CUDA graphs) and gpu_capture_check
+#   bash bench/gpu_session.sh checks      tests/gpu_e2e (engine and capture vs transformers, compiled + CUDA graphs;
+#                                         VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
 #   KEEP=1 bash bench/gpu_session.sh small-host  py-spy per engine step on the kept 1b steer / steer_old servers
@@ -49,8 +50,8 @@ case "${1:-}" in
     timeout 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
     ;;
   checks)
-    VLLM_PLUGINS=steer timeout 360 python3 bench/gpu_check.py --tag=-new 2>&1 | tail -12
-    VLLM_PLUGINS=steer timeout 200 python3 bench/gpu_capture_check.py 2>&1 | tail -25
+    VLLM_PLUGINS=steer timeout 560 python3 -m pytest tests/gpu_e2e -q -p no:cacheprovider -rfE \
+      --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
     ;;
   ab-start)
     timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer,steer_old}" --keep-servers --tag start 2>&1 | tail -12

@@ -1,6 +1,6 @@
-"""abkit: the pieces of vllm-steer's benchmark scripts (bench/ab_suite.py, bench/gpu_check.py).
+"""abkit: the pieces of vllm-steer's benchmark scripts (bench/ab_suite.py, bench/ttft_probe.py).
 
-The two entry scripts put ``bench/`` (for ``abkit``) and the repository root (for ``tests.*``) on
+The entry scripts put ``bench/`` (for ``abkit``) and the repository root (for ``tests.*``) on
 ``sys.path`` themselves, so the kit runs from a checkout where only the ``vllm_steer`` wheel is
 installed. Nothing here imports vLLM or torch at import time.
 
@@ -20,9 +20,5 @@ A/B suite (HTTP, one server process per configuration):
   peer_check     the peer phase (hotwire vs vllm-steer greedy tokens) and the single-site self-test
   report         the markdown report of result JSONs
   plot           the PNG of the deltas
-GPU check (one process, vllm.LLM):
-  checkpoint     random-weight Llama checkpoint, the check's prompts and steering vectors
-  hf_reference   the Hugging Face greedy oracle with the steering hooks
-  llm_helpers    vllm.LLM construction, generation, timing, worker probe
-  engine_checks  the checks of the steer engine and of the stock engine
+The end-to-end GPU correctness checks (vllm.LLM against transformers) are pytest tests: tests/gpu_e2e/.
 """

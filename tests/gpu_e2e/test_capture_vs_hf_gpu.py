@@ -1,0 +1,88 @@
+"""Activation capture end to end (compiled + CUDA graphs, V2 runner) against transformers: the filesystem
+consumer's rows at every hook of every layer equal transformers' residual stream (pre_attn =
+hidden_states[i], post_mlp = hidden_states[i+1], post_attn = layer input + attention output), a steered
+request captures the same rows at and before its steered site and different ones after it, and nothing
+is dropped or raises. Settings: tests/gpu_e2e/engine_case.py (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu_e2e import engine_case as ec
+
+pytestmark = ec.needs_device
+
+SITES = 3 * ec.SHAPE.layers  # pre_attn, post_attn, post_mlp of every layer
+STEERED_LAYER = 1  # post_mlp of this layer is steered
+# relative to each site's largest |value|: float32 GPU attention runs in TF32 (~5e-4 rounding), which puts
+# elementwise ratios near zero far off while the stream agrees to ~2e-3
+REL_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def capture_run(tmp_path_factory):
+    """One engine with the filesystem consumer; a plain and a steered request capturing everything."""
+    from vllm import SamplingParams
+
+    from vllm_steer.capture.collect import collect
+    from vllm_steer.capture.filesystem import load_request
+
+    work = tmp_path_factory.mktemp("capture")
+    ckpt, root = work / "model", work / "captures"
+    ids = ec.build_checkpoint(ckpt)(ec.PROMPTS[0])["input_ids"]
+    steer = {"max_configs": 8, "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}}]}
+    all_sites = {"fs": {"layers": "all", "hooks": "all", "positions": "all_prompt"}}
+    vec = np.random.default_rng(7).standard_normal(ec.SHAPE.hidden).astype(np.float32)
+    vec *= 8.0 / np.linalg.norm(vec)
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False,
+                           extra_args={"capture": all_sites})
+    steered = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False,
+                             extra_args={"capture": all_sites,
+                                         "steering_vectors": {"post_mlp": {str(STEERED_LAYER): vec.tolist()}}})
+    llm = ec.make_llm(ckpt, steer)
+    try:
+        outs = llm.generate([{"prompt_token_ids": ids}] * 2, [plain, steered], use_tqdm=False)
+        collect(llm, outs)
+        after = llm.collective_rpc("vllm_steer_status")
+    finally:
+        ec.shutdown(llm)
+    return {
+        "ckpt": ckpt, "ids": ids, "after": after,
+        "plain": load_request(str(root), outs[0].request_id, sites=SITES),
+        "steered": load_request(str(root), outs[1].request_id, sites=SITES),
+    }
+
+
+def test_every_site_is_captured_and_matches_transformers(capture_run):
+    from tests.test_capture import hf_streams  # the same reference the CPU lane uses
+
+    got, ids = capture_run["plain"], capture_run["ids"]
+    assert len(got) == SITES, f"captured sites {sorted(got)}, expected {SITES}"
+    ref = hf_streams(str(capture_run["ckpt"]), ids)
+    errs = {}
+    for key, (positions, rows) in got.items():
+        np.testing.assert_array_equal(positions, np.arange(len(ids)), err_msg=f"positions of {key}")
+        errs[key] = float(np.max(np.abs(rows - ref[key])) / np.max(np.abs(ref[key])))
+    bad = {k: round(e, 5) for k, e in errs.items() if not e < REL_TOL}
+    assert not bad, f"sites whose max |vLLM - HF| / max |HF| >= {REL_TOL}: {bad}"
+
+
+def test_steered_request_captures_the_same_rows_at_and_before_its_site(capture_run):
+    plain, steered = capture_run["plain"], capture_run["steered"]
+    differ = [(layer, hook) for layer in range(STEERED_LAYER + 1) for hook in ("pre_attn", "post_attn", "post_mlp")
+              if not np.array_equal(plain[(layer, hook)][1], steered[(layer, hook)][1])]
+    assert not differ, f"sites at or before post_mlp.{STEERED_LAYER} where the steered capture differs: {differ}"
+
+
+def test_steered_request_captures_different_rows_after_its_site(capture_run):
+    key = (STEERED_LAYER + 1, "pre_attn")
+    assert not np.array_equal(capture_run["plain"][key][1], capture_run["steered"][key][1]), \
+        f"{key}: the steered request's capture equals the plain one's"
+
+
+def test_no_capture_errors_or_drops(capture_run):
+    stats = {k: sum(w["capture"][k] for w in capture_run["after"]) for k in capture_run["after"][0]["capture"]}
+    assert stats["rows"] > 0, stats
+    bad = {k: stats[k] for k in ("dropped_rows", "dropped_packets", "consumer_errors") if stats[k]}
+    assert not bad, f"capture counters over the workers: {stats}"
