@@ -113,8 +113,7 @@ async def register(raw: Request) -> JSONResponse:
             module = module_from_json(body, shape)
             replace = check_replace(body.get("replace")) or check_replace(raw.query_params.get("replace"))
     except BodyTooLarge as e:
-        if not e.whole:  # (draining past the body's last message would wait for a disconnect)
-            await drain_refused_body(raw.receive, dict(raw.scope.get("headers") or []))
+        await drain_refused_body(raw.receive, dict(raw.scope.get("headers") or []), e)
         return error(413, f"module registration larger than the server's cap of {cap} bytes "
                           f"(2 x steer.max_module_bytes + 1 MiB); not read further", body_field)
     except SteeringSpecError as e:  # SteeringTooLarge: 413

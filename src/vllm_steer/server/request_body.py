@@ -106,12 +106,13 @@ DRAIN_BYTES = 1 << 30  # of a body over the cap, read and dropped so that the cl
 DRAIN_SECONDS = 30.0
 
 
-async def drain_refused_body(receive: Any, headers: dict) -> None:
+async def drain_refused_body(receive: Any, headers: dict, refusal: BodyTooLarge) -> None:
     """Read the rest of a refused body (at most DRAIN_BYTES / DRAIN_SECONDS): a server that answers
     and closes while the client still sends makes most clients (httpx, urllib, the openai client)
     see a connection reset instead of the 413. Nothing is read when the client waits for our answer
-    before sending (``Expect: 100-continue``, as curl does for large bodies)."""
-    if headers.get(b"expect", b"").lower() == b"100-continue":
+    before sending (``Expect: 100-continue``, as curl does for large bodies), nor when the message that
+    passed the cap was the body's last (``refusal.whole``: reading on would wait for a disconnect)."""
+    if refusal.whole or headers.get(b"expect", b"").lower() == b"100-continue":
         return
     size, deadline = 0, time.monotonic() + DRAIN_SECONDS
     while size <= DRAIN_BYTES:
@@ -144,8 +145,7 @@ class SteeringRequestMiddleware:
                 raise BodyTooLarge
             body, gone = await _read_body(receive, cap)
         except BodyTooLarge as e:
-            if not e.whole:  # (draining past the last message would wait for a disconnect)
-                await drain_refused_body(receive, headers)
+            await drain_refused_body(receive, headers, e)
             await _send_error(send, 413, f"request body larger than the server's cap of {cap} bytes "
                                          "(steer.max_body_bytes)", "body")
             return
