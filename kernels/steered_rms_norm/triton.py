@@ -181,7 +181,9 @@ def _steered_norm_body(
                                            stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, o_d,
                                            m_d, D, BLOCK_C, SPLIT)
             else:  # after a split A only the finishing program has the whole stream: it walks B alone
-                i_row_b = tl.where(go, i_row, 0) if SPLIT > 1 else i_row  # (row 0: the others skip B)
+                i_row_b = i_row
+                if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
+                    i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, i_row_b, p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec,
                                      p_sb_bias, p_sb_thr, C_B, stride_sb_code, stride_sb_value, stride_sb_enc,
                                      stride_sb_dec, o_d, m_d, BLOCK_C)
