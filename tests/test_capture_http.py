@@ -10,6 +10,7 @@ import json
 import math
 import threading
 import time
+import warnings
 
 import httpx
 import numpy as np
@@ -138,16 +139,19 @@ def _stream_times(base, model, i, out, max_tokens, stop):
 
 def _concurrent_streams(base, model, n=3, during=None, max_tokens=120, hold_s=2.0):
     """Run ``n`` streams at once (read in threads). With ``during``: once every stream has had 5 events
-    it runs ``during()``, the streams are read ``hold_s`` longer and then closed. Returns (each stream's
+    (or one has, 30 s on) it runs ``during()``, the streams are read ``hold_s`` longer and then closed. Returns (each stream's
     event times, what ``during`` returned)."""
     times: dict[int, list[float]] = {i: [] for i in range(n)}
     stop = threading.Event()
     threads = [threading.Thread(target=_stream_times, args=(base, model, i, times, max_tokens, stop)) for i in range(n)]
     [t.start() for t in threads]
     got = None
-    if during is not None:
-        deadline = time.monotonic() + 90
-        while min(len(t) for t in times.values()) < 5 and time.monotonic() < deadline:
+    if during is not None:  # every stream going, or at least one and 30 s passed (a late one is reported)
+        start = time.monotonic()
+        while min(len(t) for t in times.values()) < 5:
+            waited = time.monotonic() - start
+            if waited > 90 or (waited > 30 and max(len(t) for t in times.values()) >= 5):
+                break
             time.sleep(0.01)
         got = during()
         time.sleep(hold_s)
@@ -189,18 +193,20 @@ def test_a_slow_driver_consumer_delays_only_its_own_capture_field_never_other_to
     streams, (r, t0, t1) = _concurrent_streams(base, model, during=slow_request, max_tokens=LONG_STREAM_TOKENS)
     gaps = _gaps(streams)
     engine = _engine_gaps(streams, t0, t1 + 1.0)
-    spans = [(round(t[0] - t0, 2), round(t[-1] - t0, 2)) for t in streams]
+    spans = [(len(t), round(t[0] - t0, 2) if t else None, round(t[-1] - t0, 2) if t else None) for t in streams]
     bound = max(3.0, 6 * p95)
     # Normal here (CPU lane, SmolLM2, 3 streams on a shared 2-core box): p95 ~0.1 s, an odd gap up to
     # ~1.1 s. Before the fix every stream stopped for SLOW_S (8 s) when the slow request finished.
-    stalled = [(i, round(float(np.diff(t).max()), 2)) for i, t in enumerate(streams) if np.diff(t).max() >= bound]
+    stalled = [(i, round(float(np.diff(t).max()), 2) if len(t) > 1 else None) for i, t in enumerate(streams)
+               if len(t) < 2 or np.diff(t).max() >= bound]
     report = (f"inter-event gaps: baseline p95 {p95 * 1e3:.0f} ms max {normal.max() * 1e3:.0f} ms; with the slow "
               f"consumer p95 {np.percentile(gaps, 95) * 1e3:.0f} ms max {gaps.max() * 1e3:.0f} ms, any stream's "
               f"events at most {engine.max() * 1e3:.0f} ms apart; slow response after {t1 - t0:.2f} s; streams' "
-              f"(first, last) event after its start {spans}; streams with a gap over {bound:.1f} s: {stalled}")
+              f"(events, first, last event after its start) {spans}; streams with a gap over {bound:.1f} s "
+              f"(or no events): {stalled}")
     print(report)
-    if stalled:  # one stream quiet while the others decode is not the engine held; the log says what vLLM saw
-        print(log_tail(log, 30))
+    if stalled:  # one stream quiet while the others decode is not the engine held: reported, pass or fail
+        warnings.warn(f"a stream stalled while others decoded: {report}\n{log_tail(log, 60)}")
     # the streams decoded while the slow request finished and its response waited (its finish fell inside them)
     assert any(t[0] < t0 and t[-1] > t1 + 1.0 for t in streams), report
     # the engine kept stepping: from the slow request's start to a second after its response, tokens

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.server import openai_server, scrape_metrics
+from tests.conftest import API_MAX_MODEL_LEN, LONG_STREAM_TOKENS
+from tests.server import log_tail, openai_server, scrape_metrics
 
 HIDDEN = 576  # SmolLM2-135M's
 WAIT_S = 0.5
@@ -35,8 +37,8 @@ def one_row(smollm2_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("one_row") / "server.log"
     cfg = json.dumps({"steer": {"max_configs": 2, "max_row_wait_s": WAIT_S}})
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg,
-                       log=log) as (base, _):
-        yield base, model
+                       log=log, max_model_len=API_MAX_MODEL_LEN) as (base, _):
+        yield base, model, log
 
 
 def _complete(base: str, model: str, timeout: float = 120, **body) -> httpx.Response:
@@ -47,7 +49,7 @@ def _complete(base: str, model: str, timeout: float = 120, **body) -> httpx.Resp
 def test_cached_module_rows_are_evicted_for_a_new_config(one_row):
     """Three modules on one usable row: each registration caches its rows, none reserves them, so a
     request with its own vector still runs at once (the cached rows are evicted, and counted)."""
-    base, model = one_row
+    base, model = one_row[:2]
     before = scrape_metrics(base).get("vllm_steer_row_evictions_total", 0.0)
     for i in range(3):
         r = httpx.post(f"{base}/v1/steering/modules", timeout=60, json={"name": f"cache{i}", "steering_vectors": _steer(i)})
@@ -64,7 +66,7 @@ def test_cached_module_rows_are_evicted_for_a_new_config(one_row):
 
 
 def test_a_request_that_can_never_fit_is_a_400_naming_the_field(one_row):
-    base, model = one_row
+    base, model = one_row[:2]
     r = _complete(base, model, prefill_steering_vectors=_steer(1), decode_steering_vectors=_steer(2))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -74,21 +76,24 @@ def test_a_request_that_can_never_fit_is_a_400_naming_the_field(one_row):
 
 
 class _Holder(threading.Thread):
-    """A long steered stream that holds the only row while it is read (in this thread)."""
+    """A long steered stream that holds the only row while it is read (in this thread), until the
+    test sets ``stop`` (it runs minutes on the CPU lane: a slow machine never sees it end first)."""
 
     def __init__(self, base: str, model: str) -> None:
         super().__init__(daemon=True)
         self.base, self.model = base, model
         self.started = threading.Event()
         self.stop = threading.Event()
+        self.events = 0
 
     def run(self) -> None:
-        body = {"model": self.model, "prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True,
-                "steering_vectors": _steer(7)}
+        body = {"model": self.model, "prompt": "Hello", "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True,
+                "stream": True, "steering_vectors": _steer(7)}
         with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     self.started.set()
+                    self.events += 1
                 if self.stop.is_set():
                     return  # closing the stream aborts the request: its row frees
 
@@ -97,7 +102,7 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
     """The only row is held by a running request: a request with another config waits
     ``max_row_wait_s`` and is refused with a 503 saying why (a stream before any byte); once the
     holder is gone the same request runs. Waits and refusals show on /metrics."""
-    base, model = one_row
+    base, model, log = one_row
     before = scrape_metrics(base).get("vllm_steer_row_wait_timeouts_total", 0.0)
     holder = _Holder(base, model)
     holder.start()
@@ -108,10 +113,11 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
         answers["plain"] = (_complete(base, model, timeout=60, steering_vectors=_steer(8)), time.time() - t0)
 
     def stream() -> None:
+        t0 = time.time()
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
                 "model": model, "prompt": "Hi", "max_tokens": 4, "stream": True,
                 "steering_vectors": _steer(9)}) as s:
-            answers["stream"] = (s.status_code, s.headers["content-type"], s.read())
+            answers["stream"] = (s.status_code, s.headers["content-type"], s.read(), time.time() - t0)
 
     try:
         assert holder.started.wait(60), "the holding stream never started"
@@ -120,7 +126,11 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
             c.start()
         for c in clients:
             c.join(60)
-        assert holder.is_alive(), "the holder must still run for this test to mean anything"
+        timing = (f"holder events {holder.events}; plain answered after "
+                  f"{answers.get('plain', (None, None))[1]} s, stream after {answers.get('stream', [None] * 4)[3]} s")
+        if not holder.is_alive() or len(answers) < 2 or max(answers["plain"][1], answers["stream"][3]) > 10:
+            warnings.warn(f"row-wait refusals were slow: {timing}\n{log_tail(log, 40)}")
+        assert holder.is_alive(), f"the holder must still run for this test to mean anything: {timing}"
     finally:
         holder.stop.set()
         holder.join(60)
@@ -129,7 +139,7 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
     assert "steer.max_row_wait_s" in r.json()["error"]["message"] and r.headers.get("retry-after")
     assert WAIT_S <= waited < WAIT_S + 20
-    status, ctype, body = answers["stream"]  # refused before any byte of a stream: a plain JSON error
+    status, ctype, body, _ = answers["stream"]  # refused before any byte of a stream: a plain JSON error
     assert status == 503 and ctype == "application/json", body
     assert "steer.max_row_wait_s" in json.loads(body)["error"]["message"]
     deadline = time.time() + 30
@@ -144,7 +154,7 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
 
 
 def test_values_that_overflow_once_scaled_are_a_400_before_the_stream(one_row):
-    base, model = one_row
+    base, model = one_row[:2]
     r = httpx.post(f"{base}/v1/steering/modules", timeout=60, json={"name": "big", "steering_vectors": _steer(3)})
     assert r.status_code in (201, 409), r.text
     for stream in (False, True):
