@@ -4,7 +4,7 @@
 Every arm talks HTTP to a real ``vllm.entrypoints.openai.api_server`` (or, on CPU, the same
 server through ``python -m vllm_steer.launcher serve``) with a small async streaming client
 (aiohttp, ``stream: true``, ``ignore_eos: true``, prompts of random token ids as a list of ints).
-The pieces live in bench/abkit/ (servers, client, arms, runner, report, profile_graph, host_profile).
+The pieces live in bench/abkit/ (servers, client, arms, runner, report, profile_graph, peer_check).
 
 Servers (each its own process, all alive together so trials of different servers interleave):
   stock      VLLM_PLUGINS=none, no steer block
@@ -12,25 +12,20 @@ Servers (each its own process, all alive together so trials of different servers
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
              serves every steered arm (enabled_idle, named_shared, all_steered_shared,
              per_request_n4, per_request_n16, k256): one start-up, one compile.
-  steer_old  the steer server on the PREVIOUS plugin release: --old-wheel vllm_steer-*.whl is
-             installed (pip --target, no deps) into <workdir>/old_site, which goes first on that
-             server's PYTHONPATH; arms named ``<steered arm>_old``. Without --old-wheel every arm
-             and phase that needs it is skipped with a log line.
-  hotwire    the peer plugin hotwire-vllm, installed the same way from --peer-wheel (default:
-             .whl/peer/hotwire_vllm-*.whl if present) into <workdir>/hotwire_site; VLLM_PLUGINS=hotwire,
+  hotwire    the peer plugin hotwire-vllm: --peer-wheel (default: .whl/peer/hotwire_vllm-*.whl if
+             present) is installed (pip --target, no deps) into <workdir>/hotwire_site, which goes first
+             on that server's PYTHONPATH; VLLM_PLUGINS=hotwire,
              HOTWIRE_VECTORS=<workdir>/hotwire_vectors (v0..v15.pt, written before it starts),
              HOTWIRE_SLOTS=32. CUDA only; without the wheel (or on the CPU launcher) its arms and the
              peer phase are skipped.
   eager      the steer server's exact config plus --enforce-eager (graph check only)
-stock, disabled, steer and eager share one VLLM_CACHE_ROOT (steer_old: <cache root>-old, hotwire:
-<cache root>-hotwire).
+stock, disabled, steer and eager share one VLLM_CACHE_ROOT (hotwire: <cache root>-hotwire).
 
 Single-site arms (one steered site: post_mlp of --site-layer, clamped to the shape; the same 16
 vectors, rng(31) normal x --std, for every plugin; abkit/site_vectors.py):
   hotwire_idle   plain traffic on hotwire        hotwire_ids16  request i: id v{i%16}, scale 1.0
   site_named16   steer, request i names module ab_site_{i%16} (16 modules registered once per server)
   site_inline16  steer, request i carries vector i%16 inline (steering_vectors.post_mlp)
-  site_named16_old, site_inline16_old   the same on steer_old
 hotwire adds at the end of decoder layer L = the residual after layer L's MLP = vllm-steer's post_mlp at L.
 
 Phases (``--phases``, comma separated, run in the order given):
@@ -44,20 +39,20 @@ Phases (``--phases``, comma separated, run in the order given):
   graph   torch.profiler (vLLM's /start_profile) around a few requests on --graph-servers
           (unsteered and per_request_n4): kernels per CUDA-graph launch (= per decode step with a
           FULL graph), eager kernels, steering kernels (steer / apply_steering / capture_rows)
-  host    py-spy on the engine-core and API-server processes of --host-servers under unsteered
-          and per_request_n16 load: active CPU ms per engine step (/metrics), vllm_steer's share
   peer    one greedy request (32 tokens) with site vector v3 (x --peer-scale) to hotwire and to steer
           (inline), one unsteered to each: token ids, steered outputs equal, steered != unsteered
           (abkit/peer_check.py)
 Results: JSON under $OUT (written after every trial), a progress line per arm and trial.
 ``--report FILE...`` merges result JSONs into a markdown table (+ a PNG of the deltas); the report
 also pairs trial k of every arm with trial k of its reference (per-trial Δ%, mean ± SEM).
-``--selftest`` runs the parsers' self-tests and the single-site self-test (arm fields, bodies, module
+``--numbers`` rewrites bench/NUMBERS.md, the one page of current numbers, from the result JSONs that
+bench/numbers.json names (abkit/numbers.py); add a run's JSON there to make its numbers current.
+``--selftest`` runs the trace parser's self-test and the single-site self-test (arm fields, bodies, module
 registrations, the hotwire server's env and its vector files read back by hotwire's own loader).
 
 GPU (vLLM + plugin installed, see bench/RESULTS.md):
-    python3 bench/ab_suite.py --shape 8b --phases kernel,ab --keep-servers --old-wheel OLD.whl
-    python3 bench/ab_suite.py --shape 8b --phases sweep,eager,graph,host --reuse-servers --old-wheel OLD.whl
+    python3 bench/ab_suite.py --shape 8b --phases kernel,ab --keep-servers
+    python3 bench/ab_suite.py --shape 8b --phases sweep,eager,graph --reuse-servers
     python3 bench/ab_suite.py --shape 1b --phases ab --peer-wheel PEER.whl --gpu-mem 0.15 --keep-servers
         --long-arms "" --arms stock,hotwire_idle,hotwire_ids16,enabled_idle,site_named16,site_inline16
       (one command line; bench/gpu_session.sh small / peer-check run the single-site arms and the peer phase)
@@ -88,14 +83,13 @@ import traceback  # noqa: E402
 from abkit import common  # noqa: E402
 from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, SWEEP_ARMS, usable_arms  # noqa: E402
 from abkit.common import ROOT, log  # noqa: E402
-from abkit.host_profile import host_phase  # noqa: E402
 from abkit.kernel_phase import kernel_phase  # noqa: E402
 from abkit.model_dir import SHAPES, write_model_dir  # noqa: E402
 from abkit.peer_check import peer_phase  # noqa: E402
 from abkit.profile_graph import graph_phase  # noqa: E402
 from abkit.report import report  # noqa: E402
 from abkit.runner import run_matrix  # noqa: E402
-from abkit.servers import OLD_SERVER, STATE_FILE, STEER_SERVERS, WHEEL_SERVERS, Pool, server_unavailable  # noqa: E402
+from abkit.servers import STATE_FILE, STEER_SERVERS, WHEEL_SERVERS, Pool, server_unavailable  # noqa: E402
 from abkit.site_vectors import site_layer  # noqa: E402
 
 
@@ -110,7 +104,6 @@ def parse_args(argv=None):
     ap.add_argument("--enforce-eager", action="store_true", help="all servers eager (CPU dry runs)")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="tiny model, tiny counts, CPU launcher, eager, float32")
-    ap.add_argument("--old-wheel", help="the previous release's vllm_steer-*.whl, served by steer_old")
     ap.add_argument("--peer-wheel", default=_default_peer_wheel(),
                     help="the peer plugin's hotwire_vllm-*.whl, served by hotwire (default: "
                          ".whl/peer/hotwire_vllm-*.whl if present; '' for none)")
@@ -150,16 +143,8 @@ def parse_args(argv=None):
     ap.add_argument("--keep-servers", action="store_true", help="leave the servers running (own sessions)")
     ap.add_argument("--reuse-servers", action="store_true", help="adopt servers left by --keep-servers")
     ap.add_argument("--servers", default="stock,disabled,steer", help="servers the start phase starts")
-    ap.add_argument("--graph-servers", default="stock,disabled,steer,steer_old",
+    ap.add_argument("--graph-servers", default="stock,disabled,steer",
                     help="servers the graph phase profiles")
-    ap.add_argument("--host-servers", default="stock,steer,steer_old", help="servers the host phase samples")
-    ap.add_argument("--py-spy", help="py-spy binary (default: PATH, the interpreter's scripts dir, "
-                                     "<PYTHONPATH entry>/bin)")
-    ap.add_argument("--host-traffic", default="unsteered,per_request_n16",
-                    help="traffic kinds the host phase profiles (unsteered, per_request_n16, site_inline16)")
-    ap.add_argument("--host-rate", type=int, default=200, help="py-spy samples per second")
-    ap.add_argument("--host-duration", type=int, default=300,
-                    help="py-spy --duration cap (s); it is stopped with SIGINT when the load ends")
     ap.add_argument("--stop-servers", default="", help="stop these servers (names) before the phases")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
     ap.add_argument("--reserve-s", type=float, default=25)
@@ -170,8 +155,9 @@ def parse_args(argv=None):
     ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md) and a PNG (--png)")
     ap.add_argument("--md")
     ap.add_argument("--png")
+    ap.add_argument("--numbers", action="store_true", help="rewrite bench/NUMBERS.md from bench/numbers.json")
     ap.add_argument("--selftest", action="store_true",
-                    help="run the trace / py-spy / metrics parsers' self-tests on synthetic input and the "
+                    help="run the trace parser's self-test on a synthetic trace and the "
                          "single-site self-test (no server), and exit")
     args = ap.parse_args(argv)
     if args.dry_run_cpu:
@@ -207,8 +193,6 @@ def ab_runs(args, pool) -> list[tuple[str, str, dict]]:
     long_load = {**c16, "max_tokens": args.long_max_tokens}
     arms = usable_arms(_names(args.arms), args, "ab")
     wanted = {ARMS[a]["server"] for a in arms} | set(pool.servers) | set(pool.pending)
-    if args.old_wheel:
-        wanted.add(OLD_SERVER)
     long_arms = []
     for a in usable_arms(_names(args.long_arms), args, "ab long"):
         if ARMS[a]["server"] not in wanted:
@@ -223,14 +207,19 @@ def ab_runs(args, pool) -> list[tuple[str, str, dict]]:
 def main() -> int:
     args = parse_args()
     if args.selftest:
-        from abkit import host_profile, peer_check, profile_graph
+        from abkit import peer_check, profile_graph
 
         profile_graph._selftest()
-        host_profile._selftest()
         peer_check._selftest(args)
         return 0
     if args.report:
         print(report(args.report, args.md, args.png))
+        return 0
+    if args.numbers:
+        from abkit.numbers import PAGE, write_page
+
+        write_page()
+        print(f"wrote {PAGE}")
         return 0
 
     shape = SHAPES[args.shape]
@@ -239,13 +228,13 @@ def main() -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     phases = _names(args.phases)
-    known = {"kernel", "ab", "sweep", "eager", "start", "graph", "host", "peer"}
+    known = {"kernel", "ab", "sweep", "eager", "start", "graph", "peer"}
     if set(phases) - known:
         raise SystemExit(f"unknown phase(s) {sorted(set(phases) - known)} (known: {sorted(known)})")
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "shape": args.shape, **shape,
             "dtype": args.dtype, "pack_dtype": args.pack_dtype, "steer_blocks": STEER_SERVERS,
-            "launcher": args.launcher, "old_wheel": args.old_wheel, "peer_wheel": args.peer_wheel,
+            "launcher": args.launcher, "peer_wheel": args.peer_wheel,
             "site_layer": site_layer(args.site_layer, shape)}
     try:
         import vllm
@@ -326,8 +315,6 @@ def main() -> int:
                 run_matrix(pool, "eager", runs, args.eager_trials, ctx, results, save)
             elif ph == "graph":
                 graph_phase(pool, ctx, results, save)
-            elif ph == "host":
-                host_phase(pool, args, ctx, results, save)
             elif ph == "peer":
                 peer_phase(pool, ctx, results, save)
             elif ph == "start":
@@ -345,7 +332,6 @@ def main() -> int:
         log(results["error"])
     finally:
         meta["wheel_versions"] = pool.wheel_versions()
-        meta["old_version"] = meta["wheel_versions"].get(OLD_SERVER)
         meta["server_start_s"] = {n: s.start_s for n, s in pool.servers.items()}
         meta["server_log_tails"] = {n: s.tail(25) for n, s in pool.servers.items()}
         meta["elapsed_s"] = round(time.time() - common.T0, 1)

@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
 # The steps of one GPU session, run from the repo root on the GPU machine (bench/RESULTS.md has
 # the session log). Before: the bundle parts were copied to /tmp/gb (one run each, carry .gpuK), and
-# .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/old/ the previous release, .whl/tools/ py-spy,
+# .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy,
 # .whl/peer/ the peer plugin hotwire-vllm (the suite installs it into its workdir for the hotwire server).
-#   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site, old release into /tmp/old_site
+#   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site
 #   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
 #   bash bench/gpu_session.sh cost        request_path_cost (host cost per request, per stage) and the table-write test
 #   bash bench/gpu_session.sh checks      tests/gpu_e2e (engine and capture vs transformers, compiled + CUDA graphs;
 #                                         VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
-#   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer, steer_old)
+#   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer)
 #   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
-#   KEEP=1 bash bench/gpu_session.sh small-host  py-spy per engine step on the kept 1b steer / steer_old servers
-#   bash bench/gpu_session.sh graph-host  the graph and host phases, then stop the servers
+#   bash bench/gpu_session.sh graph       the graph phase, then stop the servers
 #   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests and sae_kernel_bench, then the SAE arms on
 #                                         kept servers (first: SERVERS=stock,sae,sae_serial bash bench/gpu_session.sh
 #                                         ab-start; add sae_full and its arms for the whole-SAE path)
-#   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer (new and old) on the single-site
+#   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer on the single-site
 #                                         arms (post_mlp of layer 8, 16 vectors); KEEP=1 keeps the servers,
-#                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (6), ARMS override
+#                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (8), ARMS override
 #   bash bench/gpu_session.sh peer-check  1b: greedy tokens of v3 at layer 8 on hotwire and steer (inline) and
 #                                         unsteered on each (adopts the servers `KEEP=1 ... small` left; KEEP=1 again
 #                                         keeps them); PEER_SCALE (1.0) scales the vector on both
@@ -26,10 +25,9 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
-OLD_WHEEL="$(ls .whl/old/vllm_steer-*.whl 2>/dev/null | head -1)"
 PEER_WHEEL="$(ls .whl/peer/hotwire_vllm-*.whl 2>/dev/null | head -1)"
-AB=(python3 bench/ab_suite.py --shape 8b --old-wheel "$OLD_WHEEL" --gpu-mem 0.23)
-SMALL=(python3 bench/ab_suite.py --shape 1b --old-wheel "$OLD_WHEEL" --peer-wheel "$PEER_WHEEL" --gpu-mem 0.15)
+AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem 0.23)
+SMALL=(python3 bench/ab_suite.py --shape 1b --peer-wheel "$PEER_WHEEL" --gpu-mem 0.15)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
 [ "${REUSE:-0}" = 1 ] && FLAGS+=(--reuse-servers)
@@ -37,7 +35,6 @@ case "${1:-}" in
   install)
     bash /tmp/gb/install.sh || exit 4
     python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site .whl/vllm_steer-*.whl .whl/tools/*.whl || exit 5
-    python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/old_site "$OLD_WHEEL" || exit 6
     python3 -c 'import vllm, vllm_steer; print("vllm", vllm.__version__, "vllm_steer", vllm_steer.__version__)'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
@@ -54,20 +51,16 @@ case "${1:-}" in
       --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
     ;;
   ab-start)
-    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer,steer_old}" --keep-servers --tag start 2>&1 | tail -12
+    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --keep-servers --tag start 2>&1 | tail -12
     ;;
   ab)
     timeout 590 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag ab --trials "${TRIALS:-5}" \
-      --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,enabled_idle_old,named_shared_old,per_request_n16_old,stock_c256,disabled_c256,k256,k256_old}" \
-      --long-arms "${LONG_ARMS:-stock,per_request_n16,per_request_n16_old}" 2>&1 | tail -60
+      --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,stock_c256,disabled_c256,k256}" \
+      --long-arms "${LONG_ARMS:-stock,per_request_n16}" 2>&1 | tail -60
     ;;
-  small-host)
-    timeout 590 "${SMALL[@]}" --phases host --reuse-servers --keep-servers --tag host1b --host-duration 40 \
-      --host-servers "${HOST_SERVERS:-steer,steer_old}" --host-traffic "${HOST_TRAFFIC:-site_inline16}" 2>&1 | tail -30
-    ;;
-  graph-host)
-    timeout 590 "${AB[@]}" --phases graph,host --reuse-servers --tag graphhost --host-duration 60 \
-      --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer,steer_old}" --host-servers "${HOST_SERVERS:-stock,steer,steer_old}" 2>&1 | tail -40
+  graph)
+    timeout 590 "${AB[@]}" --phases graph --reuse-servers --tag graph \
+      --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer}" 2>&1 | tail -40
     ;;
   sae)
     timeout 120 python3 -m pytest tests/gpu/test_sae_norm_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -6
@@ -84,5 +77,5 @@ case "${1:-}" in
     timeout 590 "${SMALL[@]}" --phases peer --reuse-servers --tag peer1b --peer-scale "${PEER_SCALE:-1.0}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -30
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|compiled|checks|ab-start|ab|graph-host|sae|small|small-host|peer-check" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|small|peer-check" >&2; exit 2 ;;
 esac

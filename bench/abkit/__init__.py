@@ -1,13 +1,13 @@
-"""abkit: the pieces of vllm-steer's benchmark scripts (bench/ab_suite.py, bench/ttft_probe.py).
+"""abkit: the pieces of vllm-steer's A/B suite (bench/ab_suite.py).
 
-The entry scripts put ``bench/`` (for ``abkit``) and the repository root (for ``tests.*``) on
-``sys.path`` themselves, so the kit runs from a checkout where only the ``vllm_steer`` wheel is
+The entry script puts ``bench/`` (for ``abkit``) and the repository root (for ``tests.*``) on
+``sys.path`` itself, so the kit runs from a checkout where only the ``vllm_steer`` wheel is
 installed. Nothing here imports vLLM or torch at import time.
 
 A/B suite (HTTP, one server process per configuration):
   common         repository paths, the log clock, the results folder
   model_dir      SHAPES and the config + tokenizer directory of a shape (weights: --load-format dummy)
-  wheel_site     installs a plugin wheel (previous release, peer plugin hotwire) into a private site folder
+  wheel_site     installs a plugin wheel (the peer plugin hotwire) into a private site folder
   site_vectors   the single-site work: site layer, the 16 vectors, hotwire files / specs, vllm-steer fields
   servers        Server / Pool: start, adopt (state file), stop the OpenAI servers
   client         the async streaming HTTP client (run_load) and http_json
@@ -16,7 +16,6 @@ A/B suite (HTTP, one server process per configuration):
   runner         run_matrix: warm-up checks, interleaved trials, progress lines
   kernel_phase   runs bench/kernels_bench.py and keeps its JSON
   profile_graph  the torch.profiler graph phase and the trace parser (kernels per CUDA-graph launch)
-  host_profile   the host phase: py-spy on the engine core / API server, steps from /metrics
   peer_check     the peer phase (hotwire vs vllm-steer greedy tokens) and the single-site self-test
   report         the markdown report of result JSONs
   plot           the PNG of the deltas

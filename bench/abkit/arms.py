@@ -7,7 +7,6 @@ vectors of site_vectors.py): ``site_module`` (request i names module ``ab_site_{
 once per server), ``site_inline`` (request i carries vector i%16 inline), ``hotwire`` (request i names
 id ``v{i%16}`` in ``vllm_xargs`` on the hotwire server: hotwire responses carry no steering field, so
 the field check treats it like ``plain``).
-Every arm served by ``steer`` has a twin ``<arm>_old`` on ``steer_old`` (the previous release).
 """
 
 from __future__ import annotations
@@ -17,12 +16,11 @@ import json
 
 from .client import http_json
 from .common import log
-from .servers import MULTI_SUFFIX, OLD_SERVER, PEER_SERVER, server_unavailable
+from .servers import MULTI_SUFFIX, PEER_SERVER, server_unavailable
 from .site_vectors import ctx_site, hotwire_field, module_name, steer_vectors
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 MODULE_NAME = "ab_bench_module"
-OLD_SUFFIX = "_old"
 UNMARKED_KINDS = ("plain", "hotwire")  # responses carry no steering field
 MODULE_KINDS = ("module", "site_module")  # requests name registered modules
 
@@ -63,13 +61,12 @@ ARMS = {
     "site_inline16_tiny": dict(server="steer", kind="site_inline", n_configs=16, scale=1e-4),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
-    ARMS[f"{_arm}{OLD_SUFFIX}"] = {**ARMS[_arm], "server": OLD_SERVER}
     ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "steer" + MULTI_SUFFIX}
 for _arm in ("stock", "stock_c256"):
     ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "stock" + MULTI_SUFFIX}
 AB_ARMS = ["stock", "disabled", "enabled_idle", "named_shared", "all_steered_shared", "per_request_n4",
            "per_request_n16", "stock_c256", "disabled_c256", "k256"]
-LONG_ARMS = ["stock", "per_request_n16", "per_request_n16_old"]  # run at --long-max-tokens in the ab phase
+LONG_ARMS = ["stock", "per_request_n16"]  # run at --long-max-tokens in the ab phase
 SWEEP_ARMS = ["stock", "enabled_idle", "per_request_n16"]
 
 

@@ -28,11 +28,6 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
         return status, raw[:500].decode(errors="replace")
 
 
-def http_text(url: str, timeout: float = 30.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode(errors="replace")
-
-
 def _content_type(body: bytes) -> str:
     return "application/json" if body[:1] == b"{" else "application/msgpack"
 
@@ -111,10 +106,9 @@ async def _run_load(url: str, bodies: list[bytes], concurrency: int) -> tuple[li
 
 
 def run_load(server, bodies: list[bytes], concurrency: int) -> tuple[list[dict], float]:
-    """POST ``bodies`` to ``server`` (a Server or a base URL) with ``concurrency`` in flight;
-    returns the per-request records and the wall time (first send to last event)."""
-    base = server if isinstance(server, str) else server.base
-    res, t0, t1 = asyncio.run(_run_load(base + "/v1/completions", bodies, concurrency))
+    """POST ``bodies`` to ``server`` with ``concurrency`` in flight; returns the per-request
+    records and the wall time (first send to last event)."""
+    res, t0, t1 = asyncio.run(_run_load(server.base + "/v1/completions", bodies, concurrency))
     ends = [r["t_end"] for r in res if "t_end" in r]
     wall = (max(ends) if ends else t1) - t0
     return res, wall

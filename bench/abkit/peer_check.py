@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from .arms import ARMS, OLD_SUFFIX, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
+from .arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
 from .client import http_json
 from .common import log
 from .servers import PEER_SERVER, server_unavailable
@@ -131,8 +131,6 @@ def _check_packed(ctx: dict) -> None:
 def _check_arms() -> None:
     for a in SITE_ARMS:
         assert a in ARMS, a
-    for a in ("site_named16", "site_inline16", "enabled_idle"):
-        assert ARMS[a + OLD_SUFFIX]["server"] == "steer_old" and ARMS[a + OLD_SUFFIX]["kind"] == ARMS[a]["kind"]
     assert not expects_steering_field(ARMS["hotwire_ids16"]) and not expects_steering_field(ARMS["hotwire_idle"])
     assert expects_steering_field(ARMS["site_named16"]) and expects_steering_field(ARMS["site_inline16"])
 

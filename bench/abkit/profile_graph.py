@@ -29,8 +29,6 @@ GRAPH_PLAN = [  # (label, server, kind of traffic)
     ("disabled / unsteered", "disabled", "plain"),
     ("steer / unsteered (enabled_idle)", "steer", "plain"),
     ("steer / per_request_n4", "steer", "per_request"),
-    ("steer_old / unsteered (enabled_idle_old)", "steer_old", "plain"),
-    ("steer_old / per_request_n4", "steer_old", "per_request"),
     ("sae / unsteered (sae_idle)", "sae", "plain"),
     ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain"),
 ]

@@ -1,11 +1,10 @@
 """The markdown report of one or more result JSONs of the A/B suite (+ the PNG of the deltas).
 
 Tables: per phase (ab, sweep, eager) the arms' mean ± SEM over trials, the deltas against the
-reference arm (``stock``; ``stock_c256`` for the wide load; ``stock@mtN`` for ``…@mtN`` labels;
-``<arm>_old`` arms also against their new twin), and the paired per-trial deltas against the same
-references (trial k of the arm against trial k of the reference: interleaved, so close in time);
-the graph phase's kernel counts; the kernel phase's rows (columns from the row keys); the host
-phase's CPU time per engine step; the peer phase's token comparison (hotwire vs vllm-steer).
+reference arm (``stock``; ``stock_c256`` for the wide load; ``stock@mtN`` for ``…@mtN`` labels),
+and the paired per-trial deltas against the same reference (trial k of the arm against trial k of
+the reference: interleaved, so close in time); the graph phase's kernel counts; the kernel phase's
+rows (columns from the row keys); the peer phase's token comparison (hotwire vs vllm-steer).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arms import ARMS, OLD_SUFFIX
+from .arms import ARMS
 from .servers import MULTI_SUFFIX
 from .plot import plot
 from .stats import METRICS, arm_stats, delta, paired_pct
@@ -39,22 +38,10 @@ def reference_label(phase: str, label: str, entry: dict) -> str | None:
     return None
 
 
-def new_twin_label(label: str, entry: dict) -> str | None:
-    """``per_request_n16_old@mt256`` -> ``per_request_n16@mt256`` (the same arm on the new release)."""
-    arm = entry.get("arm", "")
-    if not arm.endswith(OLD_SUFFIX):
-        return None
-    return label.replace(arm, arm[:-len(OLD_SUFFIX)], 1)
-
-
 def references(ph: str, label: str, e: dict, stats: dict) -> list[str]:
-    """The labels ``label`` is compared with: its reference arm, then (``_old`` arms) its new twin;
-    only those with counted trials."""
-    out = []
-    for ref in (reference_label(ph, label, e), new_twin_label(label, e)):
-        if ref is not None and ref != label and ref in stats and stats[ref]["n_trials"]:
-            out.append(ref)
-    return out
+    """The label ``label`` is compared with (its reference arm), if that has counted trials."""
+    ref = reference_label(ph, label, e)
+    return [ref] if ref is not None and ref != label and ref in stats and stats[ref]["n_trials"] else []
 
 
 def fmt(m: float, s: float, nd: int = 2) -> str:
@@ -130,7 +117,7 @@ def ab_tables(merged: dict, lines: list[str], deltas_for_plot: list) -> None:
             lines.append(f"| {label} | {s['n_trials']} | " + " | ".join(cells) + " |")
         lines.append("")
         lines.append("Deltas against the reference arm (mean of per-trial values; ± is the combined SEM; "
-                     "**\\*** marks |Δ| > 2·SE; `_old` arms also against the same arm on the new release):\n")
+                     "**\\*** marks |Δ| > 2·SE):\n")
         lines.append("| arm | vs | Δ output tok/s | Δ TTFT med ms | Δ TPOT med ms | Δ TPOT p99 ms | Δ E2EL med ms "
                      "| Δ E2EL p99 ms |")
         lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -140,8 +127,7 @@ def ab_tables(merged: dict, lines: list[str], deltas_for_plot: list) -> None:
             for ref in references(ph, label, e, stats):
                 s, r = stats[label], stats[ref]
                 ds = {m: delta(s[m], r[m]) for m, _ in METRICS}
-                # the eager check compares against the graphed arm, and "vs new" against the new release
-                if ref == reference_label(ph, label, e) and not ph.startswith("eager"):
+                if not ph.startswith("eager"):  # the eager check compares against the graphed arm
                     deltas_for_plot.append((f"{ph}:{label}", ds))
                     e["_deltas"] = ds
                 lines.append(f"| {label} | {ref} | " + " | ".join(
@@ -234,42 +220,6 @@ def kernel_table(merged: dict, lines: list[str]) -> None:
             lines.append("| " + " | ".join(fmt_cell(r.get(c)) for c in cols) + " |")
 
 
-def host_table(merged: dict, lines: list[str]) -> None:
-    for ph in _phases(merged, "host"):
-        h = merged["phases"][ph]
-        lines.append(f"\n#### Phase `{ph}` (py-spy, active = non-idle samples; per engine step from /metrics)\n")
-        lines.append("| server / traffic | process | steps | output tok/s | samples | active CPU ms / step "
-                     "| vllm_steer share | vllm_steer ms / step | top vllm_steer frame (samples) |")
-        lines.append("| --- " * 9 + "|")
-        details: list[str] = []
-        notes = set()
-        for label, rec in h.items():
-            if "error" in rec:
-                lines.append(f"| {label} | error: {fmt_cell(rec['error'][:200])} |" + " |" * 7)
-                continue
-            if rec.get("step_note") and not rec["step_note"].startswith("one observation"):
-                notes.add(f"{rec.get('step_metric')}: {rec['step_note']}")
-            tput = (rec.get("trial") or {}).get("throughput")
-            for pname, p in (rec.get("processes") or {}).items():
-                if p.get("error") and "samples" not in p:
-                    lines.append(f"| {label} | {pname} | {fmt_cell(rec.get('steps'))} | {fmt_cell(tput)} | "
-                                 f"error: {fmt_cell(p['error'][:160])} | | | | |")
-                    continue
-                top = p.get("top_vllm_steer") or []
-                lines.append(f"| {label} | {pname} | {fmt_cell(rec.get('steps'))} | {fmt_cell(tput)} | "
-                             f"{fmt_cell(p.get('samples'))} | {fmt_cell(p.get('active_cpu_ms_per_step'))} | "
-                             f"{fmt_cell(p.get('vllm_steer_share'))} | {fmt_cell(p.get('vllm_steer_ms_per_step'))} | "
-                             f"{fmt_cell(f'{top[0][0]} ({top[0][1]})') if top else '—'} |")
-                if top:
-                    details.append(f"- **{label} / {pname}**: " + "; ".join(
-                        f"`{fmt_cell(k)}` {n}/{s}" for k, n, s in top))
-        for n in sorted(notes):
-            lines.append(f"\nNote: {n}")
-        if details:
-            lines.append("\nTop vllm_steer frames (samples with the frame on the stack / as the leaf):\n")
-            lines += details
-
-
 def peer_table(merged: dict, lines: list[str]) -> None:
     """The peer phase: token ids of the four greedy requests and the verdicts (abkit/peer_check.py)."""
     for ph in _phases(merged, "peer"):
@@ -303,7 +253,6 @@ def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
     deltas_for_plot: list[tuple[str, dict]] = []
     ab_tables(merged, lines, deltas_for_plot)
     graph_table(merged, lines)
-    host_table(merged, lines)
     kernel_table(merged, lines)
     peer_table(merged, lines)
     text = "\n".join(lines) + "\n"

@@ -4,7 +4,6 @@ Servers (each its own process group, all alive together so trials of different s
   stock      VLLM_PLUGINS=none, no steer block
   disabled   VLLM_PLUGINS=steer, no steer block
   steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
-  steer_old  the steer server's config on the PREVIOUS plugin release (--old-wheel, wheel_site.py)
   hotwire    the peer plugin hotwire-vllm (--peer-wheel, wheel_site.py): VLLM_PLUGINS=hotwire, no steer
              block, HOTWIRE_VECTORS=<workdir>/hotwire_vectors (the 16 site vectors, site_vectors.py,
              written before it starts), HOTWIRE_SLOTS=32; CUDA only (its op is a Triton kernel), skipped
@@ -17,10 +16,9 @@ Servers (each its own process group, all alive together so trials of different s
   sae_serial      sae with the clamp walk one program per token (VLLM_STEER_SAE_SPLIT_MAX=1): the split's A/B
   stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
              (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
-All but the wheel servers share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
-steer_old compiles into ``<cache root>-old`` and hotwire into ``<cache root>-hotwire`` so that no
-artifact crosses plugin builds. A wheel server whose option is not given is unavailable (its arms are
-skipped with a log line).
+All but the wheel server share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
+hotwire compiles into ``<cache root>-hotwire`` so that no artifact crosses plugin builds. A wheel
+server whose option is not given is unavailable (its arms are skipped with a log line).
 ``--keep-servers`` leaves them running and writes STATE_FILE; ``--reuse-servers`` adopts them.
 """
 
@@ -44,16 +42,15 @@ from .wheel_site import dist_version, install_wheel
 
 STEER_BLOCK = {"steer": {"max_configs": 272}}
 STEER_ONE_BLOCK = {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}}
-STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_old": STEER_BLOCK, "steer_multi": STEER_BLOCK,
+STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_one": STEER_ONE_BLOCK, "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}}}
-PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "steer_old": 4, "stock_multi": 5, "steer_multi": 6,
+PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13}
 # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct; serial: the clamp walk one program per token
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}}
-OLD_SERVER = "steer_old"
 PEER_SERVER = "hotwire"
 
 
@@ -71,8 +68,6 @@ class WheelServer:
 
 
 WHEEL_SERVERS = {
-    OLD_SERVER: WheelServer("old_wheel", "--old-wheel", "the previous release's vllm_steer-*.whl", "old_site",
-                            "vllm_steer", "steer", "-old"),
     PEER_SERVER: WheelServer("peer_wheel", "--peer-wheel", "the peer plugin's hotwire_vllm-*.whl", "hotwire_site",
                              "hotwire_vllm", "hotwire", "-hotwire", cuda_only=True),
 }

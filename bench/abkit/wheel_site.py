@@ -1,7 +1,6 @@
 """Private site folders of plugin wheels, for the servers that run another plugin build.
 
-``steer_old`` (the previous vllm-steer release, --old-wheel) and ``hotwire`` (the peer plugin
-hotwire-vllm, --peer-wheel): the wheel is installed (no dependencies, no index, no byte-compiling)
+``hotwire`` (the peer plugin hotwire-vllm, --peer-wheel): the wheel is installed (no dependencies, no index, no byte-compiling)
 into ``<workdir>/<site>``, once per wheel; the server gets that folder first on PYTHONPATH, so its
 package (and the entry point of its dist-info) shadows any installed one in that server process only.
 """
