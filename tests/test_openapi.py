@@ -81,6 +81,18 @@ def test_every_route_is_documented(base, spec):
     assert httpx.get(f"{base}/docs", timeout=30).status_code == 200
 
 
+def test_parameters_are_declared_and_no_route_claims_a_422(spec):
+    """The routes answer bad input with 400/404 in vLLM's error shape, never FastAPI's 422; the path's
+    ``name`` and module registration's ``?replace=`` are declared parameters."""
+    for path in ROUTES:
+        for method, op in spec["paths"][path].items():
+            assert "422" not in op["responses"], (method, path, sorted(op["responses"]))
+            params = {(p["name"], p["in"]) for p in op.get("parameters", [])}
+            assert (("name", "path") in params) == ("{name}" in path), (method, path, params)
+    post = spec["paths"]["/v1/steering/modules"]["post"]
+    assert ("replace", "query") in {(p["name"], p["in"]) for p in post["parameters"]}
+
+
 def test_every_ref_resolves(spec):
     refs: list[str] = []
 

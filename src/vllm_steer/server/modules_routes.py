@@ -41,6 +41,8 @@ from vllm_steer.server.schemas import (
     ModuleRegistration,
     ModuleSummary,
     ModuleUpload,
+    NAMED,
+    REPLACE_QUERY,
     errors,
     request_body,
 )
@@ -76,7 +78,7 @@ def _capped(receive: Any, cap: int) -> Any:
 
 
 @router.post("", status_code=201, responses={201: {"model": ModuleSummary}, **errors(400, 401, 409, 413)},
-             openapi_extra=request_body(json=ModuleRegistration, form=ModuleUpload))
+             openapi_extra={**request_body(json=ModuleRegistration, form=ModuleUpload), "parameters": [REPLACE_QUERY]})
 async def register(raw: Request) -> JSONResponse:
     if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied
@@ -140,8 +142,9 @@ async def list_modules(raw: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.get("/{name}", responses={200: {"model": ModuleInfo}, **errors(404)})
-async def get_module(name: str, raw: Request) -> JSONResponse:
+@router.get("/{name}", responses={200: {"model": ModuleInfo}, **errors(404)}, openapi_extra=NAMED)
+async def get_module(raw: Request) -> JSONResponse:
+    name = raw.path_params["name"]
     await _synced(raw)
     module = STORE.get(name)
     if module is None:
@@ -150,8 +153,9 @@ async def get_module(name: str, raw: Request) -> JSONResponse:
     return JSONResponse({**module.summary(), "in_flight": users.get(name, 0)})
 
 
-@router.delete("/{name}", responses={200: {"model": Deleted}, **errors(401, 404)})
-async def delete_module(name: str, raw: Request) -> JSONResponse:
+@router.delete("/{name}", responses={200: {"model": Deleted}, **errors(401, 404)}, openapi_extra=NAMED)
+async def delete_module(raw: Request) -> JSONResponse:
+    name = raw.path_params["name"]
     if (denied := mutation_denied(raw, "registering or deleting steering modules")) is not None:
         return denied
     await _synced(raw)

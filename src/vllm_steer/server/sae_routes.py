@@ -25,7 +25,7 @@ from vllm_steer.frontend.sae_registration import (
 from vllm_steer.frontend.sae_registry import REGISTRY
 from vllm_steer.frontend.sae_sync import SAE_SYNC
 from vllm_steer.server.errors import error, mutation_denied
-from vllm_steer.server.schemas import Deleted, SaeInfo, SaeList, SaeRegistration, SaeSummary, errors, request_body
+from vllm_steer.server.schemas import NAMED, Deleted, SaeInfo, SaeList, SaeRegistration, SaeSummary, errors, request_body
 
 logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/sae", tags=["steering"])
@@ -59,8 +59,9 @@ async def list_sae(raw: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data, "slots": slots})
 
 
-@router.get("/{name}", responses={200: {"model": SaeInfo}, **errors(404)})
-async def get_sae(name: str, raw: Request) -> JSONResponse:
+@router.get("/{name}", responses={200: {"model": SaeInfo}, **errors(404)}, openapi_extra=NAMED)
+async def get_sae(raw: Request) -> JSONResponse:
+    name = raw.path_params["name"]
     frontend = await _synced(raw)
     entry = (frontend.sae if frontend is not None else {}).get(name)
     if entry is None:
@@ -102,8 +103,9 @@ async def register(raw: Request) -> JSONResponse:
     return JSONResponse(sae_summary(entry), status_code=201)
 
 
-@router.delete("/{name}", responses={200: {"model": Deleted}, **errors(401, 404, 409)})
-async def delete(name: str, raw: Request) -> JSONResponse:
+@router.delete("/{name}", responses={200: {"model": Deleted}, **errors(401, 404, 409)}, openapi_extra=NAMED)
+async def delete(raw: Request) -> JSONResponse:
+    name = raw.path_params["name"]
     if (denied := mutation_denied(raw, "registering or deleting SAEs")) is not None:
         return denied
     frontend = _frontend(raw)

@@ -174,6 +174,18 @@ def _inlined(model: type[BaseModel]) -> dict[str, Any]:
     return inline(schema)
 
 
+def _param(name: str, where: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": where == "path", "description": description, "schema": schema}
+
+
+# ``openapi_extra`` of the ``/{name}`` routes: the handlers read the name from the request's path (a
+# declared parameter would make FastAPI document a 422 the routes never answer: they answer 404)
+NAMED = {"parameters": [_param("name", "path", "the module's or SAE's name", {"type": "string"})]}
+# module registration's ``?replace=`` (also a body / form field): true/false/1/0/yes/no
+REPLACE_QUERY = _param("replace", "query", "replace a module of this name (as the body's replace field)",
+                       {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no"]})
+
+
 def request_body(**media: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` declaring a route's body, ``json`` / ``form`` naming the models of its media types."""
     types = {"json": "application/json", "form": "multipart/form-data"}
