@@ -79,8 +79,9 @@ def sae_root(tmp_path_factory):
 def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     """One OpenAI server (SmolLM2, float32, multi-process) for the request-API, module and capture
     tests: byte caps, module limits, a module API key, a module preloaded from a safetensors file, an SAE
-    and a site for runtime ones (files under ``sae_root``), and capture consumers (the example probe with a
-    global spec, a raising one, the filesystem one, a slow driver, the built-in activations one)."""
+    and a site for runtime ones (files under ``sae_root``), capture consumers (the example probe with a
+    global spec, a raising one, the filesystem one, a slow driver, the built-in activations one), and
+    conditional steering."""
     import json
 
     import numpy as np
@@ -103,7 +104,8 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
                                 "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,
                                 "capture_result_timeout_s": CAPTURE_TIMEOUT_S,
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
-                                "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root)}})
+                                "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root),
+                                "conditions": True}})
     log = d / "server.log"
     with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log,
                        max_model_len=API_MAX_MODEL_LEN) as (base, _):

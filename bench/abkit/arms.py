@@ -59,6 +59,11 @@ ARMS = {
     "hotwire_ids16_tiny": dict(server=PEER_SERVER, kind="hotwire", n_configs=16, scale=1e-4),
     "site_named16_tiny": dict(server="steer", kind="site_module", n_configs=16, scale=1e-4),
     "site_inline16_tiny": dict(server="steer", kind="site_inline", n_configs=16, scale=1e-4),
+    # conditional steering (steer.conditions): every hook of layers 1.. (at or after the probe at
+    # pre_attn.1), 16 configs; with a soft condition each, and the same vectors without one
+    "cond_idle": dict(server="steer_cond", kind="plain"),
+    "cond_n16": dict(server="steer_cond", kind="cond", n_configs=16, condition=True),
+    "cond_off_n16": dict(server="steer_cond", kind="cond", n_configs=16, condition=False),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "steer" + MULTI_SUFFIX}
@@ -84,15 +89,16 @@ def usable_arms(names: list[str], args, what: str) -> list[str]:
     return out
 
 
-def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str, binary: bool = False) -> list[dict]:
-    """n distinct ``steering_vectors`` fields: all three hooks on every layer, packed (base64, or
-    raw bytes with ``binary`` for msgpack bodies)."""
+def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str, binary: bool = False,
+                     first_layer: int = 0) -> list[dict]:
+    """n distinct ``steering_vectors`` fields: all three hooks on every layer from ``first_layer``, packed
+    (base64, or raw bytes with ``binary`` for msgpack bodies)."""
     import numpy as np
 
     from vllm_steer.client import pack
 
     rng = np.random.default_rng(seed)
-    layers = list(range(shape["layers"]))
+    layers = list(range(first_layer, shape["layers"]))
     out = []
     for _ in range(n):
         out.append({h: pack((rng.standard_normal((len(layers), shape["hidden"]), dtype=np.float32) * std),
@@ -141,6 +147,14 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
 
         cfgs = sae_fields(arm["n_configs"], seed, ctx["shape"]["layers"], arm["mode"])
         return [{"sae": cfgs[i % len(cfgs)]} for i in range(n_requests)]
+    if kind == "cond":
+        import numpy as np
+
+        cfgs = steering_configs(arm["n_configs"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"], first_layer=1)
+        probe = np.random.default_rng(seed + 1).standard_normal(ctx["shape"]["hidden"])
+        condition = {"site": "pre_attn.1", "probe": (probe / np.linalg.norm(probe)).tolist(), "threshold": 0.0}
+        extra = {"steering_condition": condition} if arm["condition"] else {}
+        return [{"steering_vectors": cfgs[i % len(cfgs)], **extra} for i in range(n_requests)]
     if kind == "per_request":
         cfgs = steering_configs(arm["n_configs"] or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
                                 binary=arm.get("wire") == "msgpack")

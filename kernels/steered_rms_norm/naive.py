@@ -83,3 +83,50 @@ def steered_sae_rms_norm_naive(
             s = apply_site_naive(s, rows, pack, topk)
         s = _stream(s, None, index, ((table, flag),))
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
+
+
+def probe_gate(s: torch.Tensor, rows: torch.Tensor, probe: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Per token, the gate of its row's condition from the stream ``s`` [N, D] (float32):
+    ``sigmoid(sharpness * (s . probe - threshold))``, or the step ``s . probe > threshold`` when the
+    row's condition is hard. ``params`` [R, 4] float32: threshold, sharpness, hard (0/1), unused."""
+    p = params.index_select(0, rows)
+    z = (s * probe.index_select(0, rows).float()).sum(dim=-1) - p[:, 0]
+    g = torch.where(p[:, 2] > 0, (z > 0).float(), torch.sigmoid(p[:, 1] * z))
+    return torch.nan_to_num(g, nan=0.0)  # a NaN stream never leaves a NaN gate for a later add
+
+
+def steered_cond_rms_norm_naive(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    cond_site: torch.Tensor,  # [R] int32: the row's probe site (core.hooks.site_order), -1: no condition
+    cond_params: torch.Tensor,  # [R, 4] float32 (probe_gate)
+    probe: torch.Tensor,  # [R, D] float32: the row's probe direction
+    gate: torch.Tensor,  # [>= N] float32, updated in place: each token's gate in this forward pass
+    site_ids: torch.Tensor,  # [2] int32: the site order of slot A and of slot B (-2: no such slot)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``steered_rms_norm_naive``, with conditional rows: at the slot that is a row's probe site,
+    the token's gate is computed from the stream before that slot's add (the pristine residual, as
+    capture reads it) and stored in ``gate``; every add of a row with a condition is scaled by the
+    token's gate (the front end refuses a conditional row's vectors before its probe site, so the
+    gate read is always this pass's). Rows without a condition add as in the plain op, bit for bit."""
+    n = x.shape[0]
+    rows = index[:n].long()
+    s = _stream(x, residual, index, ())
+    gated = cond_site.index_select(0, rows)  # the probe site of each token's row
+    g = gate[:n]
+    for slot, (table, flag) in enumerate(((table_a, flag_a), (table_b, flag_b))):
+        if table is None:
+            continue
+        g = torch.where(gated == site_ids[slot], probe_gate(s, rows, probe, cond_params), g)
+        w = torch.where(gated >= 0, g, torch.ones_like(g))
+        s = s + table.index_select(0, rows).float() * w[:, None]
+    gate[:n] = g
+    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)

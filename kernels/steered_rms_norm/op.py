@@ -8,6 +8,9 @@ Triton kernel, other devices the plain-torch reference.
 clamp-only or empty (ReLU / JumpReLU without reconstruct), the same single Triton launch with the
 clamps fused in; a full pack (TopK, or a site that allows reconstruct) takes the dense plain-torch
 path for the whole op (graph-safe, no host sync). Other devices: the reference.
+
+``steered_cond_rms_norm`` (every steered norm of a server started with ``steer.conditions``): the
+same with conditional rows (``naive.steered_cond_rms_norm_naive``), one Triton launch on CUDA.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import torch
 
 from vllm_steer.kernels.library import LIB
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive, steered_sae_rms_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import (
+    steered_cond_rms_norm_naive,
+    steered_rms_norm_naive,
+    steered_sae_rms_norm_naive,
+)
 
 _registered = False
 _triton_norm = None  # kernels.steered_rms_norm.triton.steered_rms_norm_triton, imported on first CUDA call
@@ -40,21 +47,6 @@ def _impl(
             from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton as _triton_norm
         return _triton_norm(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
     return steered_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
-
-
-def _fake(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None = None,
-    flag_a: torch.Tensor | None = None,
-    table_b: torch.Tensor | None = None,
-    flag_b: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty_like(x)
 
 
 def _sae_impl(
@@ -83,7 +75,7 @@ def _sae_impl(
                                       flag_b, sae_a, sae_b, topk_a, topk_b)
 
 
-def _sae_fake(
+def _cond_impl(
     x: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor,
@@ -94,11 +86,23 @@ def _sae_fake(
     flag_a: torch.Tensor | None,
     table_b: torch.Tensor | None,
     flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],
-    sae_b: list[torch.Tensor],
-    topk_a: int,
-    topk_b: int,
+    cond_site: torch.Tensor,
+    cond_params: torch.Tensor,
+    probe: torch.Tensor,
+    gate: torch.Tensor,
+    site_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_cond_rms_norm_triton
+
+        return steered_cond_rms_norm_triton(x, residual, weight, eps, weight_offset, index, table_a, flag_a,
+                                            table_b, flag_b, cond_site, cond_params, probe, gate, site_ids)
+    return steered_cond_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
+                                       flag_b, cond_site, cond_params, probe, gate, site_ids)
+
+
+def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shapes of every op here (compile tracing): the output and the new residual, like ``x``."""
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -111,6 +115,10 @@ def register() -> None:
 
     direct_register_custom_op("steered_rms_norm", _impl, mutates_args=[], fake_impl=_fake, target_lib=LIB)
     # Norms that receive a site with an SAE (steer.sae): the same, with the SAE clamps first.
-    direct_register_custom_op("steered_sae_rms_norm", _sae_impl, mutates_args=[], fake_impl=_sae_fake,
+    direct_register_custom_op("steered_sae_rms_norm", _sae_impl, mutates_args=[], fake_impl=_fake,
+                              target_lib=LIB)
+    # Norms of a server with steer.conditions: the same, with conditional rows (the gate buffer is
+    # written at a row's probe site and read by the later norms of the same forward pass).
+    direct_register_custom_op("steered_cond_rms_norm", _cond_impl, mutates_args=["gate"], fake_impl=_fake,
                               target_lib=LIB)
     _registered = True

@@ -47,6 +47,31 @@ def _add_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d):
 
 
 @triton.jit
+def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
+    """The gate of row ``i_row``'s condition from the stream b_s: sigmoid(sharpness * (s . probe -
+    threshold)), or the step s . probe > threshold for a hard condition (naive.probe_gate)."""
+    i_r = i_row.to(tl.int64)
+    b_p = tl.load(p_probe + i_r * stride_probe + o_d, mask=m_d, other=0.0)
+    z = tl.sum(b_s * b_p, axis=0) - tl.load(p_cparams + i_r * 4)
+    soft = 1.0 / (1.0 + tl.exp(-tl.load(p_cparams + i_r * 4 + 1) * z))
+    g = tl.where(tl.load(p_cparams + i_r * 4 + 2) > 0, tl.where(z > 0, 1.0, 0.0), soft)
+    return tl.where(g == g, g, 0.0)  # a NaN stream never leaves a NaN gate
+
+
+@triton.jit
+def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, p_site, p_probe, p_cparams,
+                   stride_probe):
+    """(b_s + w * table[i_row], gate): at the row's probe site (``i_gsite == site``) the gate is computed
+    from b_s first; w is the gate for a conditional row, 1 for any other (then the plain add, bit for bit)."""
+    if i_gsite == tl.load(p_site):
+        g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
+    if (tl.load(p_flag) != 0) & (i_row != 0):
+        w = tl.where(i_gsite >= 0, g, 1.0)
+        b_s += w * tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d, other=0.0).to(tl.float32)
+    return b_s, g
+
+
+@triton.jit
 def _sae_walk(b_s, i_r, c_first, c_step, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
               stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
     """Sum of (f'_c - f_c) * dec[c] over the clamped slots c of row ``i_r`` in the blocks of codes that
@@ -138,6 +163,9 @@ def _steered_norm_body(
     stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
     p_scratch,  # [N * SPLIT, D] float32: the split clamp walk's partial sums (ignored unless SPLIT > 1)
     p_count,  # [>= N] int32, zeros between launches: programs of a token done with their part
+    # conditions (ignored unless COND): cond_site [R] int32, cond_params [R, 4] fp32, probe [R, D] fp32,
+    # gate [>= N] fp32 (read and written), site_ids [2] int32 (the site order of slot A, of slot B)
+    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_A: tl.constexpr,
@@ -148,6 +176,7 @@ def _steered_norm_body(
     SAE_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,  # > 1: the first SAE slot's clamps are shared by SPLIT programs per token
+    COND: tl.constexpr = False,  # rows may carry a condition (never together with SAE_A / SAE_B)
 ):
     i_t = tl.program_id(0).to(tl.int64)
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
@@ -160,7 +189,18 @@ def _steered_norm_body(
     if HAS_RES:
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
-    if HAS_A or HAS_B or SAE_A or SAE_B:
+    if COND:
+        i_row = tl.load(p_index + i_t)
+        i_gsite = tl.load(p_csite + i_row)
+        g = tl.load(p_gate + i_t)
+        if HAS_A:
+            b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite, p_site_ids, p_probe,
+                                    p_cparams, stride_probe)
+        if HAS_B:
+            b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite, p_site_ids + 1, p_probe,
+                                    p_cparams, stride_probe)
+        tl.store(p_gate + i_t, g)
+    elif HAS_A or HAS_B or SAE_A or SAE_B:
         i_row = tl.load(p_index + i_t)
         if SAE_A:
             if SPLIT > 1:
@@ -215,6 +255,7 @@ def _steered_rms_norm_kernel(
         p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
         p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
         p_index, p_index,
+        p_index, p_index, p_index, p_index, p_index, 0,
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1)
 
 
@@ -237,7 +278,27 @@ def _steered_sae_rms_norm_kernel(
         stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
         p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
         stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
+        p_index, p_index, p_index, p_index, p_index, 0,
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT)
+
+
+@triton.jit
+def _steered_cond_rms_norm_kernel(
+    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
+    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
+    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The steered norm of a server with ``steer.conditions``: rows may carry a probe's gate."""
+    _steered_norm_body(
+        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
+        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
+        p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
+        p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
+        p_index, p_index,
+        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1, True)
 
 
 def _num_warps(block_d: int) -> int:
@@ -292,11 +353,12 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
 
 _PLAIN = CachedLauncher(_steered_rms_norm_kernel)
 _SAE = CachedLauncher(_steered_sae_rms_norm_kernel)
+_COND = CachedLauncher(_steered_cond_rms_norm_kernel)
 
 
 def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             num_warps: int | None = None, sae_a: list[torch.Tensor] | None = None,
-            sae_b: list[torch.Tensor] | None = None, split: int | None = None) -> None:
+            sae_b: list[torch.Tensor] | None = None, split: int | None = None, cond: tuple | None = None) -> None:
     n, d = x.shape
     if n == 0:
         return
@@ -314,6 +376,11 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
     )
     flags = (d, residual is not None, table_a is not None, table_b is not None, weight_offset != 0.0, block_d)
     warps = num_warps or _num_warps(block_d)
+    if cond is not None:
+        cond_site, cond_params, probe, gate, site_ids = cond
+        assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
+        _COND((n,), common + (cond_site, cond_params, probe, gate, site_ids, probe.stride(0)), flags, warps)
+        return
     if not sae_a and not sae_b:
         _PLAIN((n,), common, flags, warps)
         return
@@ -363,4 +430,30 @@ def steered_sae_rms_norm_triton(
     res_out = torch.empty_like(x)
     _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             sae_a=sae_a, sae_b=sae_b, split=split)
+    return out, res_out
+
+
+def steered_cond_rms_norm_triton(
+    x: torch.Tensor,  # [N, D], rows contiguous
+    residual: torch.Tensor | None,  # [N, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,  # [>= N] int32
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    cond_site: torch.Tensor,  # [R] int32
+    cond_params: torch.Tensor,  # [R, 4] float32
+    probe: torch.Tensor,  # [R, D] float32
+    gate: torch.Tensor,  # [>= N] float32, updated in place
+    site_ids: torch.Tensor,  # [2] int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_cond_rms_norm_naive`` in one launch: a token of a conditional row computes its gate at
+    the row's probe site (a D-long dot) and scales its adds by it; every other token is the plain kernel."""
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x)
+    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
+            cond=(cond_site, cond_params, probe, gate, site_ids))
     return out, res_out

@@ -11,7 +11,11 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive, steered_sae_rms_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import (
+    steered_cond_rms_norm_naive,
+    steered_rms_norm_naive,
+    steered_sae_rms_norm_naive,
+)
 from tests.sae_packs import IDLE_ROWS, clamp_pack, token_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -45,6 +49,37 @@ def test_triton_kernel_matches_reference(interpreted, vllm_norm, kind, dtype_nam
     want = steered_rms_norm_naive(x, r, m.weight.data, 1e-5, offset, index, *args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("tables", ["a", "b", "ab"])
+def test_triton_conditional_kernel_matches_reference(interpreted, vllm_norm, dtype_name, tables):
+    """Rows gated at slot A, at slot B, earlier (the gate buffer's value), soft and hard, and rows
+    without a condition, in one batch: outputs, new residual and the gate buffer as the reference."""
+    norm, _ = interpreted
+    dtype = DTYPES[dtype_name]
+    m, offset = vllm_norm(NORMS[0], 80, dtype, seed=9)
+    x, r, (ta, tb), index = _case(9, 80, dtype, seed=12)
+    rows = int(index.max()) + 1
+    g = torch.Generator().manual_seed(13)
+    site_ids = torch.tensor([20, 21], dtype=torch.int32)
+    # rows in use: 1 (no condition), 2 (gated at A, or at B without A), 4 (gated earlier; at B with both)
+    cond_site = torch.tensor([-1, -1, 20 if "a" in tables else 21, 20, 21 if tables == "ab" else 5] + [20] * rows,
+                             dtype=torch.int32)[:rows]
+    params = torch.tensor([[0.1, 2.0, float(i % 2), 0.0] for i in range(rows)], dtype=torch.float32)
+    probe = torch.randn(rows, 80, generator=g) / 8
+    gate0 = torch.rand(16, generator=g)
+    args = (ta if "a" in tables else None, _on() if "a" in tables else None,
+            tb if "b" in tables else None, _on() if "b" in tables else None)
+    gate_t, gate_r = gate0.clone(), gate0.clone()
+    got = norm.steered_cond_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args, cond_site, params,
+                                             probe, gate_t, site_ids)
+    want = steered_cond_rms_norm_naive(x, r, m.weight.data, 1e-5, offset, index, *args, cond_site, params, probe,
+                                       gate_r, site_ids)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **_TOL[dtype])
+    torch.testing.assert_close(gate_t, gate_r, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(gate_r[:9], gate0[:9])  # some gate was computed here
 
 
 def test_triton_idle_flag_skips_the_table(interpreted):

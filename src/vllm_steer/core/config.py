@@ -149,6 +149,10 @@ class SteerConfig(BaseModel):
     restricted."""
     max_sae_bytes: int = Field(default=4 << 30, ge=1)
     """Largest file a runtime SAE registration reads (each file on its own; 4 GiB by default)."""
+    conditions: bool = False
+    """Allow ``steering_condition`` (steering scaled per token by a probe's gate): every steered norm
+    then runs the conditional op, with a probe table ``[max_configs, hidden]`` float32 and a per-token
+    gate buffer beside the steering tables."""
 
     @field_validator("capture", mode="before")
     @classmethod

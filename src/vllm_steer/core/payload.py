@@ -46,6 +46,7 @@ class EngineSteering:
     configs: dict[str, Layout]
     module: dict | None = None
     sae: dict | None = None  # key -> SAE clamp entries (core.sae_rows wire form)
+    condition: dict | None = None  # key -> its condition (frontend.condition_spec wire form)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -79,7 +80,8 @@ def decode_payload(payload: dict) -> EngineSteering:
         raise ValueError(f"steering payload version {payload.get('v')} != {PAYLOAD_VERSION}")
     configs = {key: {hook: (tuple(layers), raw) for hook, layers, raw in entries}
                for key, entries in payload["configs"].items()}
-    return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"), payload.get("sae"))
+    return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"), payload.get("sae"),
+                          payload.get("condition"))
 
 
 def payload_of(sampling_params: object | None) -> dict | None:

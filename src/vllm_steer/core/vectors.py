@@ -13,7 +13,8 @@ TIER_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_
 MODULE_FIELD = "steering_module"
 CAPTURE_FIELD = "capture"
 SAE_FIELD = "sae"
-REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD, SAE_FIELD)
+CONDITION_FIELD = "steering_condition"
+REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD, SAE_FIELD, CONDITION_FIELD)
 
 # hook -> layer -> float32 vector [D]
 Vectors = dict[str, dict[int, np.ndarray]]

@@ -21,8 +21,9 @@ from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
-from vllm_steer.core.vectors import (CAPTURE_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS,
-                                     effective_phases, selected)
+from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD,
+                                     TIER_FIELDS, effective_phases, selected)
+from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
@@ -91,6 +92,9 @@ class SteeringFrontend:
         if capture is None and self.captures_all:
             capture = {}
         sae_raw = fields.pop(SAE_FIELD, None)
+        cond_raw = fields.pop(CONDITION_FIELD, None)
+        if cond_raw is not None:
+            return self._with_condition(cond_raw, sae_raw, fields, capture)
         if sae_raw is not None:
             catalog = self.sae
             pre_sae, dec_sae = parse_sae(sae_raw, catalog)
@@ -122,8 +126,35 @@ class SteeringFrontend:
             out[SAE_VERSIONS_KEY] = versions
         return out, kp, kd
 
-    def _vectors(self, fields: dict[str, Any], capture: dict | None) -> tuple[dict | None, str | None, str | None]:
-        """(payload, prefill key, decode key) of the vector fields (and capture) of a request."""
+    def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any],
+                        capture: dict | None) -> tuple[dict | None, str | None, str | None]:
+        """The vector payload of a conditional request (``frontend.condition_spec``): its rows always
+        travel (a module's too), re-keyed with the condition, which travels beside them."""
+        if not self.cfg.conditions:
+            raise SteeringSpecError(CONDITION_FIELD, "conditional steering is off on this server "
+                                                     "(start it with steer.conditions: true)")
+        if sae_raw is not None:
+            raise SteeringSpecError(CONDITION_FIELD, "a condition scales steering vectors; SAE clamps do not "
+                                                     "take one yet (send them in another request)")
+        if self.first_stage_layers is not None:
+            raise SteeringSpecError(CONDITION_FIELD, "conditions are not served under pipeline parallelism "
+                                                     "(the gate would have to cross stages)")
+        wire = parse_condition(raw, self.shape)
+        payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
+        configs = payload["configs"] if payload is not None else {}
+        sites = {(hook, layer) for key in {pk, dk} - {None} for hook, layers, _ in configs[key] for layer in layers}
+        sae_sites = set(self.sae_slots) | {site for e in self.sae.values() for site in e.sites}
+        check_sites(wire, sites, sae_sites)
+        keys = {k: condition_key(k, wire) for k in {pk, dk} - {None}}
+        out = {**payload, "prefill": keys.get(pk), "decode": keys.get(dk),
+               "configs": {keys[k]: layout for k, layout in payload["configs"].items() if k in keys},
+               "condition": {new: wire for new in keys.values()}}
+        return out, keys.get(pk), keys.get(dk)
+
+    def _vectors(self, fields: dict[str, Any], capture: dict | None,
+                 ship_rows: bool = False) -> tuple[dict | None, str | None, str | None]:
+        """(payload, prefill key, decode key) of the vector fields (and capture) of a request;
+        ``ship_rows``: a module's rows travel too (the worker does not build them)."""
         fast = parse_packed_fast(fields, self.shape)
         if fast is not None:  # one tier, packed in the model dtype: bytes in, bytes out
             tier, layout = fast
@@ -135,7 +166,7 @@ class SteeringFrontend:
             configs = {key: layout} if key is not None else {}
             return encode_payload(pk, dk, configs, self.dtype, capture=capture), pk, dk
         spec = parse_spec(fields, self.shape)
-        bare_module = spec.module is not None and not any(spec.tiers.values())
+        bare_module = spec.module is not None and not any(spec.tiers.values()) and not ship_rows
         if bare_module:
             module = STORE.get(spec.module.name)
             cache_key = (spec.module.name, module.version if module else None, spec.module.scale,
@@ -170,7 +201,7 @@ class SteeringFrontend:
         if module is not None:
             ref = {"name": module.name, "version": module.version, "scale": scale, **spec.module.selection()}
         configs = {}
-        if module is None or any(spec.tiers.values()):
+        if module is None or any(spec.tiers.values()) or ship_rows:
             # Inline vectors (alone or on top of a module) travel; a bare module ref does not.
             for key, phase in ((pk, "prefill"), (dk, "decode")):
                 if key is not None and key not in configs:

@@ -109,7 +109,7 @@ def check_finite(field: str, arr: np.ndarray) -> None:
         raise SteeringSpecError(field, "contains NaN or Inf")
 
 
-def _parse_floats(field: str, values: Any, shape: ModelShape) -> np.ndarray:
+def parse_vector(field: str, values: Any, shape: ModelShape) -> np.ndarray:
     """One vector given as ``[floats]`` -> float32 ``[hidden]``."""
     if not isinstance(values, (list, tuple, np.ndarray)):
         raise SteeringSpecError(field, f"expected a list of {shape.hidden_size} floats")
@@ -132,7 +132,7 @@ def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, n
     for raw_layer, values in obj.items():
         f = f"{field}.{raw_layer}"
         layer = check_layer(f, raw_layer, shape)
-        arr = _parse_floats(f, values, shape)
+        arr = parse_vector(f, values, shape)
         if layer in out:
             raise SteeringSpecError(f, f"layer {layer} given twice")
         out[layer] = arr
@@ -298,7 +298,7 @@ def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
         hook, layer = _parse_site_key(f, key, shape)
         if layer in out.get(hook, {}):
             raise SteeringSpecError(f, f"site {hook}.{layer} is given twice in {field}")
-        out[hook] = {**out.get(hook, {}), layer: _parse_floats(f, obj[key], shape)}
+        out[hook] = {**out.get(hook, {}), layer: parse_vector(f, obj[key], shape)}
     return out
 
 

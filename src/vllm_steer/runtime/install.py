@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from vllm_steer.core.hooks import site_order
 from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.kernels.steered_rms_norm import op as norm_op
+from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.families import FINAL_NORM, INPUT_NORM, UnsupportedModelError, adapter_for_layer
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.tables import SteeringTables
@@ -105,6 +107,11 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_a_plan)
     if "b" in self._vs_capture:  # after A: pre_attn[L] sees post_mlp[L-1]'s steering
         torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_b_plan, ta, fa, self.vs_index)
+    if self._vs_cond and not self._vs_sae:  # steer.conditions: rows may carry a probe's gate
+        return torch.ops.vllm_steer.steered_cond_rms_norm(
+            x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
+            self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
+            self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_gate, self.vs_site_ids)
     if self._vs_sae:  # a site of this norm has an SAE: its clamps come before its vectors
         packs = [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae)]
         return torch.ops.vllm_steer.steered_sae_rms_norm(
@@ -117,26 +124,29 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
 
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
-                       offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0)) -> type:
+                       offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0),
+                       cond: bool = False) -> type:
     """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
-    the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k."""
-    key = (base, has_a, has_b, capture, eps, offset, sae, topk)
+    the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the conditional
+    op (``steer.conditions``)."""
+    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
                  "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
-                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk}
+                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
 
 
 def install_steering(sites: list[NormSite], tables: SteeringTables, capture: object | None = None,
-                     sae: SaeTables | None = None) -> int:
+                     sae: SaeTables | None = None, conditions: ConditionTables | None = None) -> int:
     """Swap every site's norm for its steered subclass; returns how many hooked sites it serves.
 
     ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites;
-    ``sae`` gives the norms of its sites the SAE packs (and the op that applies them)."""
+    ``sae`` gives the norms of its sites the SAE packs (and the op that applies them);
+    ``conditions`` gives every other steered norm the conditional op and its buffers."""
     packs = sae.packs if sae is not None else {}
     topk_of = sae.topk if sae is not None else {}
     for site in sites:
@@ -150,7 +160,14 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
         lengths = (len(site_packs["a"]), len(site_packs["b"]))
         topk = (topk_of.get(site.a, 0), topk_of.get(site.b, 0))
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
-                                            lengths, topk)
+                                            lengths, topk, conditions is not None)
+        if conditions is not None:
+            order = [site_order(*s) if s is not None else -2 for s in (site.a, site.b)]
+            norm.register_buffer("vs_site_ids", torch.tensor(order, dtype=torch.int32, device=tables.index.device),
+                                 persistent=False)
+            for name in ("site", "params", "probe", "gate"):
+                norm.register_buffer("vs_cond_" + name if name in ("site", "params") else "vs_" + name,
+                                     getattr(conditions, name), persistent=False)
         for slot, pack in site_packs.items():
             for i, t in enumerate(pack):
                 norm.register_buffer(f"vs_{slot}_sae_{i}", t, persistent=False)

@@ -28,6 +28,7 @@ from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.step_index.op import step_index
 from vllm_steer.runtime.capture import CaptureRuntime
+from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.pinned_ring import PinnedRing
@@ -89,7 +90,10 @@ class SteeringRuntime:
         self.sae = (SaeTables(catalog, slots, set(flat), cfg.max_configs, hidden_size, device,
                               runtime_access(cfg.sae_root, cfg.max_sae_bytes))
                     if catalog or slots else None)
-        self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae)
+        self.conditions = (ConditionTables(cfg.max_configs, hidden_size, max_num_tokens, device)
+                           if cfg.conditions else None)
+        self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae,
+                                        self.conditions)
         self.steered_norms = [s.name for s in sites]
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
@@ -125,27 +129,31 @@ class SteeringRuntime:
             self.remove_request(req_id)
         steering = decode_payload(payload)
         rows: dict[str, int] = {}
-        sae = steering.sae or {}
+        sae, conditions = steering.sae or {}, steering.condition or {}
         for key in steering.keys:
-            rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k), sae.get(key))
+            rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k), sae.get(key),
+                                      conditions.get(key))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
         pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
         self._held[req_id] = _Held(pair, steering.keys)
         return pair
 
-    def _acquire(self, key: str, rows: Callable[[], Layout], sae: list | None = None) -> int:
+    def _acquire(self, key: str, rows: Callable[[], Layout], sae: list | None = None,
+                 condition: list | None = None) -> int:
         row, needs_write, became_live = self.rows.acquire(key)
         if needs_write:
-            self._write(row, rows(), sae)
+            self._write(row, rows(), sae, condition)
         if became_live:
             self.tables.set_live(row, True)
         return row
 
-    def _write(self, row: int, layout: Layout, sae: list | None = None) -> None:
+    def _write(self, row: int, layout: Layout, sae: list | None = None, condition: list | None = None) -> None:
         self.row_upload_bytes += self.tables.write_row(row, layout)
         self.row_uploads += 1
         if self.sae is not None:
             self.row_upload_bytes += self.sae.write_row(row, sae)
+        if self.conditions is not None:
+            self.row_upload_bytes += self.conditions.write_row(row, condition)
 
     def _release(self, key: str) -> None:
         row = self.rows.row_of(key)

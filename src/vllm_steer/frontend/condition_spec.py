@@ -1,0 +1,114 @@
+"""``steering_condition``: steer a request only on the tokens where a probe fires (``steer.conditions``).
+
+The field (beside the steering fields)::
+
+    {"site": "post_mlp.12", "probe": [hidden floats], "threshold": 0.0, "sharpness": 1.0, "mode": "soft"}
+
+Per token, ``g = sigmoid(sharpness * (h . probe - threshold))`` (``mode: soft``, the default) or
+``g = h . probe > threshold`` (``hard``), ``h`` the residual stream at ``site`` before any steering there
+(what capture reads there). Every vector add of the request, at ``site`` and at every later site of
+the same forward pass, is scaled by its token's ``g``; both phases, every token. Sites before ``site``
+have no gate yet: a request with a vector there is refused (400 naming ``steering_condition.site``),
+as are a condition without vectors, with SAE clamps, at ``pre_attn.0``, at or beside a site with an
+SAE, and any condition under pipeline parallelism (the gate does not cross stages). The condition is
+part of the config key, so rows and prefix-cache salt differ from the same vectors without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from blake3 import blake3
+
+from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.hooks import HOOK_NAMES, site_order
+from vllm_steer.core.site_names import parse_site_name
+from vllm_steer.core.vectors import CONDITION_FIELD
+from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_vector
+
+_DOMAIN = b"vllm-steer-condition-v1\0"
+_KEYS = {"site", "probe", "threshold", "sharpness", "mode"}
+_MODES = {"soft": 0, "hard": 1}
+
+# [hook, layer, threshold, sharpness, hard (0/1), probe as float32 bytes]: plain types for msgspec
+ConditionWire = list
+
+
+def parse_condition(raw: Any, shape: ModelShape) -> ConditionWire:
+    """The wire form of a request's condition; SteeringSpecError naming the field of any problem."""
+    f = CONDITION_FIELD
+    if not isinstance(raw, dict):
+        raise SteeringSpecError(f, 'expected {"site", "probe", "threshold"?, "sharpness"?, "mode"?}')
+    extra = sorted(set(raw) - _KEYS)
+    if extra:
+        raise SteeringSpecError(f"{f}.{extra[0]}", f"unknown key (keys: {sorted(_KEYS)})")
+    for key in ("site", "probe"):
+        if key not in raw:
+            raise SteeringSpecError(f"{f}.{key}", "required")
+    site = raw["site"]
+    try:
+        hook, layer = parse_site_name(site) if isinstance(site, str) else (None, None)
+    except ValueError as e:
+        raise SteeringSpecError(f"{f}.site", str(e)) from None
+    if hook is None:
+        raise SteeringSpecError(f"{f}.site", "expected a site name such as 'post_mlp.12'")
+    if hook not in shape.hooks:
+        raise SteeringSpecError(f"{f}.site", f"hook point {hook!r} is not enabled on this server "
+                                             f"(steer.hooks={list(shape.hooks)})")
+    layer = check_layer(f"{f}.site", layer, shape)
+    if (hook, layer) == ("pre_attn", 0):
+        raise SteeringSpecError(f"{f}.site", "pre_attn.0 (the embeddings) cannot be a probe site")
+    probe = parse_vector(f"{f}.probe", raw["probe"], shape)
+    threshold = finite_number(f"{f}.threshold", raw.get("threshold", 0.0))
+    sharpness = finite_number(f"{f}.sharpness", raw.get("sharpness", 1.0))
+    if sharpness <= 0:
+        raise SteeringSpecError(f"{f}.sharpness", f"expected a number > 0, got {sharpness!r}")
+    mode = raw.get("mode", "soft")
+    if mode not in _MODES:
+        raise SteeringSpecError(f"{f}.mode", f"expected one of {sorted(_MODES)}, got {mode!r}")
+    return [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()]
+
+
+def condition_order(wire: ConditionWire) -> int:
+    """The probe site's position in the forward pass (``core.hooks.site_order``)."""
+    return site_order(wire[0], wire[1])
+
+
+def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], sae_sites: set[tuple[str, int]]) -> None:
+    """The request's steered ``sites`` all at or after the probe site, none of them (nor the probe)
+    folded into a norm that applies an SAE (``sae_sites``: sites with an SAE or reserved for one)."""
+    field = f"{CONDITION_FIELD}.site"
+    if not sites:
+        raise SteeringSpecError(CONDITION_FIELD, "a condition scales steering vectors: the request has none")
+    probe = condition_order(wire)
+    early = sorted((site_order(h, l), h, l) for h, l in sites if site_order(h, l) < probe)
+    if early:
+        _, h, l = early[0]
+        raise SteeringSpecError(field, f"the request steers {h}.{l}, before the probe site {wire[0]}.{wire[1]}: "
+                                       "there is no gate there yet (probe at or before every steered site)")
+    for h, l in sorted(sites | {(wire[0], wire[1])}):
+        if norm_partners(h, l) & sae_sites:
+            raise SteeringSpecError(field, f"{h}.{l} shares its norm with an SAE site: conditions and SAEs "
+                                           "do not mix yet")
+
+
+def norm_partners(hook: str, layer: int) -> set[tuple[str, int]]:
+    """The sites folded into the same norm as ``hook.layer`` (``runtime.families``), itself included:
+    post_mlp.L-1 and pre_attn.L share layer L's input norm."""
+    if hook == "post_mlp":
+        return {(hook, layer), ("pre_attn", layer + 1)}
+    if hook == "pre_attn" and layer > 0:
+        return {(hook, layer), ("post_mlp", layer - 1)}
+    return {(hook, layer)}
+
+
+def condition_key(vector_key: str, wire: ConditionWire) -> str:
+    """The key of a phase's vectors (``vector_key``) under a condition."""
+    h = blake3(_DOMAIN + vector_key.encode() + b"\0")
+    h.update(f"{wire[0]}\0{wire[1]}\0{int(wire[4])}\0".encode())
+    h.update(np.asarray(wire[2:4], dtype="<f8").tobytes() + wire[5])
+    return h.hexdigest()[:32]
+
+
+assert HOOK_NAMES == ("pre_attn", "post_attn", "post_mlp")  # norm_partners and site_order rely on it

@@ -1,0 +1,50 @@
+"""Device buffers of conditional steering (``steer.conditions``), allocated once, updated in place.
+
+Per row: ``site`` [R] int32 (the probe site's position in the forward pass, ``core.hooks.site_order``;
+-1: the row has no condition), ``params`` [R, 4] float32 (threshold, sharpness, hard, unused) and
+``probe`` [R, D] float32. Per token: ``gate`` [max_num_tokens] float32, written by the steered norm
+at a row's probe site and read by the later norms of the same forward pass
+(``kernels/steered_rms_norm``). A row is written with the config that takes it (its condition, or
+none), so a reused row never keeps an old condition. Writes go through pinned staging rings
+(``runtime.pinned_ring``): non-blocking copies, no host sync.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_steer.core.hooks import site_order
+from vllm_steer.runtime.pinned_ring import PinnedRing
+
+
+class ConditionTables:
+    def __init__(self, num_rows: int, hidden_size: int, max_num_tokens: int, device: torch.device) -> None:
+        self.site = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        self.params = torch.zeros(num_rows, 4, dtype=torch.float32, device=device)
+        self.probe = torch.zeros(num_rows, hidden_size, dtype=torch.float32, device=device)
+        self.gate = torch.zeros(max_num_tokens, dtype=torch.float32, device=device)
+        self._conditional: set[int] = set()  # rows holding a condition now
+        self._rings = {name: PinnedRing(tuple(t.shape[1:]) or (1,), t.dtype, device)
+                       for name, t in (("site", self.site), ("params", self.params), ("probe", self.probe))}
+
+    def _put(self, name: str, row: int, value: np.ndarray) -> None:
+        host, land = self._rings[name].stage()
+        host[...] = value.reshape(host.shape)
+        target = getattr(self, name)[row]
+        land(target.view(1) if target.dim() == 0 else target)
+
+    def write_row(self, row: int, wire: list | None) -> int:
+        """Give ``row`` the condition ``wire`` (``frontend.condition_spec``), or none; bytes written."""
+        if wire is None:
+            if row not in self._conditional:
+                return 0
+            self._conditional.discard(row)
+            self._put("site", row, np.array([-1], dtype=np.int32))
+            return 4
+        hook, layer, threshold, sharpness, hard, probe = wire
+        self._put("site", row, np.array([site_order(hook, int(layer))], dtype=np.int32))
+        self._put("params", row, np.array([threshold, sharpness, float(hard), 0.0], dtype=np.float32))
+        self._put("probe", row, np.frombuffer(probe, dtype=np.float32))
+        self._conditional.add(row)
+        return 4 + 16 + len(probe)
