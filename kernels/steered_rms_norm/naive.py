@@ -119,13 +119,18 @@ def steered_cond_rms_norm_naive(
     gate read is always this pass's). Rows without a condition add as in the plain op, bit for bit."""
     n = x.shape[0]
     rows = index[:n].long()
-    s = _stream(x, residual, index, ())
     gated = cond_site.index_select(0, rows)  # the probe site of each token's row
+    host = not gated.is_cuda  # host tensors are free to read: skip what no token needs
+    if host and not bool((gated >= 0).any()):
+        return steered_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
+    s = _stream(x, residual, index, ())
     g = gate[:n]
     for slot, (table, flag) in enumerate(((table_a, flag_a), (table_b, flag_b))):
         if table is None:
             continue
-        g = torch.where(gated == site_ids[slot], probe_gate(s, rows, probe, cond_params), g)
+        here = gated == site_ids[slot]
+        if not host or bool(here.any()):
+            g = torch.where(here, probe_gate(s, rows, probe, cond_params), g)
         w = torch.where(gated >= 0, g, torch.ones_like(g))
         s = s + table.index_select(0, rows).float() * w[:, None]
     gate[:n] = g
