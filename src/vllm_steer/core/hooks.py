@@ -27,7 +27,6 @@ def receiving_layer(hook: str, layer: int) -> int:
     return layer + 1 if hook == HookPoint.POST_MLP.value else layer
 
 
-
 def site_order(hook: str, layer: int) -> int:
     """The position of a site in the forward pass: ``pre_attn.L < post_attn.L < post_mlp.L < pre_attn.L+1``
     (conditional steering compares a request's sites with its probe site by it)."""

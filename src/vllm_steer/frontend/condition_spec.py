@@ -70,18 +70,13 @@ def parse_condition(raw: Any, shape: ModelShape) -> ConditionWire:
     return [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()]
 
 
-def condition_order(wire: ConditionWire) -> int:
-    """The probe site's position in the forward pass (``core.hooks.site_order``)."""
-    return site_order(wire[0], wire[1])
-
-
 def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], sae_sites: set[tuple[str, int]]) -> None:
     """The request's steered ``sites`` all at or after the probe site, none of them (nor the probe)
     folded into a norm that applies an SAE (``sae_sites``: sites with an SAE or reserved for one)."""
     field = f"{CONDITION_FIELD}.site"
     if not sites:
         raise SteeringSpecError(CONDITION_FIELD, "a condition scales steering vectors: the request has none")
-    probe = condition_order(wire)
+    probe = site_order(wire[0], wire[1])  # the probe site's position in the forward pass
     early = sorted((site_order(h, l), h, l) for h, l in sites if site_order(h, l) < probe)
     if early:
         _, h, l = early[0]

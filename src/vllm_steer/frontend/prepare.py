@@ -147,7 +147,7 @@ class SteeringFrontend:
         check_sites(wire, sites, sae_sites)
         keys = {k: condition_key(k, wire) for k in {pk, dk} - {None}}
         out = {**payload, "prefill": keys.get(pk), "decode": keys.get(dk),
-               "configs": {keys[k]: layout for k, layout in payload["configs"].items() if k in keys},
+               "configs": {keys[k]: layout for k, layout in configs.items() if k in keys},
                "condition": {new: wire for new in keys.values()}}
         return out, keys.get(pk), keys.get(dk)
 

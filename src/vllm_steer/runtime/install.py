@@ -165,9 +165,9 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
             order = [site_order(*s) if s is not None else -2 for s in (site.a, site.b)]
             norm.register_buffer("vs_site_ids", torch.tensor(order, dtype=torch.int32, device=tables.index.device),
                                  persistent=False)
-            for name in ("site", "params", "probe", "gate"):
-                norm.register_buffer("vs_cond_" + name if name in ("site", "params") else "vs_" + name,
-                                     getattr(conditions, name), persistent=False)
+            for name, t in (("vs_cond_site", conditions.site), ("vs_cond_params", conditions.params),
+                            ("vs_probe", conditions.probe), ("vs_gate", conditions.gate)):
+                norm.register_buffer(name, t, persistent=False)
         for slot, pack in site_packs.items():
             for i, t in enumerate(pack):
                 norm.register_buffer(f"vs_{slot}_sae_{i}", t, persistent=False)
