@@ -38,9 +38,11 @@ PRELOAD_LAYER = 5
 
 PROBE_SEED, PROBE_LAYER = 3, 20
 # the shared API server's max_model_len: long streams (closed by their tests once done with them) run
-# for a minute or more, so what a test does while one runs never races its end on a slow machine
-API_MAX_MODEL_LEN = 2048
+# for minutes, so what a test does while one runs never races its end on a slow machine (CI has seen
+# a 2,000-token stream end while four small HTTP calls took ~100 s); prefill stays chunked at 2048
+API_MAX_MODEL_LEN = 8192
 LONG_STREAM_TOKENS = API_MAX_MODEL_LEN - 48
+API_SERVER_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-num-batched-tokens", "2048")
 CAPTURE_TIMEOUT_S = 4  # steer.capture_result_timeout_s of the shared API server (the slow consumer's tests)
 SAE_SITE, SAE_D, SAE_CLAMPABLE, SAE_SEED = "post_mlp.12", 64, 32, 11  # the shared server's SAE "fz"
 SAE_SLOT, SAE_SLOT_SIZE = "post_mlp.8", 16  # its site reserved for SAEs registered at runtime
@@ -107,6 +109,6 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
                                 "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root),
                                 "conditions": True}})
     log = d / "server.log"
-    with openai_server(smollm2_path, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg, log=log,
+    with openai_server(smollm2_path, *API_SERVER_ARGS, "--additional-config", cfg, log=log,
                        max_model_len=API_MAX_MODEL_LEN) as (base, _):
         yield base, smollm2_path, log, d / "captures"

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import API_MAX_MODEL_LEN, LONG_STREAM_TOKENS
+from tests.conftest import API_MAX_MODEL_LEN, API_SERVER_ARGS, LONG_STREAM_TOKENS
 from tests.server import log_tail, openai_server, scrape_metrics
 
 HIDDEN = 576  # SmolLM2-135M's
@@ -36,8 +36,8 @@ def one_row(smollm2_path, tmp_path_factory):
     model = smollm2_path
     log = tmp_path_factory.mktemp("one_row") / "server.log"
     cfg = json.dumps({"steer": {"max_configs": 2, "max_row_wait_s": WAIT_S}})
-    with openai_server(model, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg,
-                       log=log, max_model_len=API_MAX_MODEL_LEN) as (base, _):
+    with openai_server(model, *API_SERVER_ARGS, "--additional-config", cfg, log=log,
+                       max_model_len=API_MAX_MODEL_LEN) as (base, _):
         yield base, model, log
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import API_KEY, LONG_STREAM_TOKENS, SAE_SLOT, SAE_SLOT_SIZE
 from tests.sae_writers import random_sae, write_gemma_scope
+from tests.server import log_tail
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HIDDEN, F = 576, 64
@@ -25,7 +26,7 @@ CLAMPS = [{"feature": f, "kind": "set", "value": 60.0} for f in (1, 2, 3, 4)]
 def server(api_server, sae_root):
     d = sae_root / "rt_sae"
     files = {seed: write_gemma_scope(str(d / f"s{seed}"), random_sae(HIDDEN, F, "jumprelu", seed=seed)) for seed in (31, 32)}
-    return api_server[0], api_server[1], files
+    return api_server[0], api_server[1], files, api_server[2]
 
 
 def post(base, body, headers=AUTH):
@@ -51,12 +52,13 @@ def _long_stream(base, model, started, stop, out):
            "ignore_eos": True, "stream": True, "sae": {"name": "rt", "clamps": CLAMPS}}
     try:
         with httpx.stream("POST", f"{base}/v1/completions", json=req, timeout=120) as r:
-            out["status"], out["text"], events = r.status_code, "", 0
+            out["status"], out["text"], out["events"] = r.status_code, "", 0
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     out["text"] += "".join(c["text"] for c in json.loads(line[6:])["choices"])
-                    events += 1
-                    if events >= 12:
+                    out["events"] += 1
+                    out["last_event"] = time.monotonic()
+                    if out["events"] >= 12:
                         started.set()
                 elif line and not line.startswith("data: [DONE]"):
                     out["text"] += line
@@ -73,7 +75,7 @@ def _refusal(r, status: int, param: str, words: str) -> None:
 
 
 def test_registrations_are_refused_with_the_field_at_fault(server):
-    base, _, files = server
+    base, _, files, _ = server
     good = {"name": "rt", "path": files[31], "site": SAE_SLOT, "features": list(range(8))}
     assert post(base, good, headers={}).status_code == 401
     cases = [
@@ -103,7 +105,7 @@ def test_registrations_are_refused_with_the_field_at_fault(server):
 
 def test_paths_outside_the_root_get_one_403(server, sae_root, tmp_path):
     """Outside the root, missing, a symlink or '..' leaving it, a device: the same status and body."""
-    base, _, files = server
+    base, _, files, _ = server
     outside = write_gemma_scope(str(tmp_path / "outside"), random_sae(HIDDEN, F, "jumprelu", seed=31))
     link = sae_root / "escape"
     if not link.is_symlink():
@@ -122,7 +124,7 @@ def test_paths_outside_the_root_get_one_403(server, sae_root, tmp_path):
 
 
 def test_register_steer_delete_in_flight_and_reuse_the_site(server):
-    base, model, files = server
+    base, model, files, log = server
     body = {"name": "rt", "path": files[31], "site": SAE_SLOT, "features": list(range(8))}
     r = post(base, body)
     assert r.status_code == 201, r.text
@@ -141,20 +143,29 @@ def test_register_steer_delete_in_flight_and_reuse_the_site(server):
 
         out, started, stop = {}, threading.Event(), threading.Event()
         t = threading.Thread(target=_long_stream, args=(base, model, started, stop, out))
+        steps, t0 = [], time.monotonic()  # (step, seconds since the stream began): for a failure message
         t.start()
         assert started.wait(120), "no token streamed within 120 s"
+        steps.append(("started", time.monotonic() - t0))
         assert httpx.get(f"{base}/v1/steering/sae/rt", timeout=30).json()["in_flight"] == 1, out
+        steps.append(("in_flight read", time.monotonic() - t0))
         assert delete(base, "rt").status_code == 200
+        steps.append(("deleted", time.monotonic() - t0))
         after = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": model, "prompt": "Hi", "sae": {"name": "rt", "clamps": CLAMPS}})
+        steps.append(("refused completion", time.monotonic() - t0))
         _refusal(after, 400, "sae.name", "unknown SAE")
         # the running request still clamps at the site: another SAE may not take it yet
         busy = post(base, {**body, "name": "rt2", "path": files[32]})
+        steps.append(("refused registration", time.monotonic() - t0))
         running = t.is_alive()  # a long stream: it cannot have finished by now
         stop.set()  # close the stream: vLLM aborts the request, which frees the site
         t.join(120)
         if t.is_alive() or out.get("status") != 200 or not running:
-            pytest.fail(f"the in-flight request (running at the post: {running}): {out}")
+            timing = ", ".join(f"{name} {s:.1f} s" for name, s in steps)
+            pytest.fail(f"the in-flight request (running at the post: {running}; {out.get('events')} events, the "
+                        f"last {out.get('last_event', t0) - t0:.1f} s in; {timing}): {out.get('text', '')[:300]!r}; "
+                        f"the server log ends:\n{log_tail(log, 40)}")
         _refusal(busy, 409, "site", "still clamp")
         assert out["text"].startswith(first)  # it ran with rt (greedy: same prefix)
 
