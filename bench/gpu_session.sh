@@ -14,6 +14,11 @@
 #   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests and sae_kernel_bench, then the SAE arms on
 #                                         kept servers (first: SERVERS=stock,sae,sae_serial bash bench/gpu_session.sh
 #                                         ab-start; add sae_full and its arms for the whole-SAE path)
+#   bash bench/gpu_session.sh cond        tests/gpu/test_cond_norm_gpu.py, then conditional steering against plain
+#                                         per-request steering on kept servers (first: SERVERS=stock,steer,steer_cond
+#                                         bash bench/gpu_session.sh ab-start); issue 27's target: cond_n16 TPOT within
+#                                         +0.5 pp of per_request_n16, kernels per decode step unchanged (graph phase
+#                                         with GRAPH_SERVERS=steer,steer_cond)
 #   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer on the single-site
 #                                         arms (post_mlp of layer 8, 16 vectors); KEEP=1 keeps the servers,
 #                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (8), ARMS override
@@ -68,6 +73,11 @@ case "${1:-}" in
     timeout 300 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag sae --trials "${TRIALS:-4}" --long-arms "" \
       --deadline-s 280 --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
     ;;
+  cond)
+    timeout 120 python3 -m pytest tests/gpu/test_cond_norm_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -6
+    timeout 420 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag cond --trials "${TRIALS:-5}" --long-arms "" \
+      --deadline-s 400 --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
+    ;;
   small)
     timeout 590 "${SMALL[@]}" --phases ab --trials "${TRIALS:-8}" --requests "${REQUESTS:-256}" --long-arms "" --tag small1b \
       --arms "${ARMS:-stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16,site_named16_tiny,site_inline16_tiny}" \
@@ -77,5 +87,5 @@ case "${1:-}" in
     timeout 590 "${SMALL[@]}" --phases peer --reuse-servers --tag peer1b --peer-scale "${PEER_SCALE:-1.0}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -30
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|small|peer-check" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|small|peer-check" >&2; exit 2 ;;
 esac

@@ -79,14 +79,66 @@ V = [0.5] * 8
      "overflows"),
     ({"site": "post_mlp.2", "probe": V, "mode": "maybe"}, {"post_mlp": {"3": V}}, "steering_condition.mode", "soft"),
     ({"site": "post_mlp.2", "probe": V, "when": 1}, {"post_mlp": {"3": V}}, "steering_condition.when", "unknown"),
+    ({"site": "post_mlp.2", "probe": V, "phase": "prompt"}, {"post_mlp": {"3": V}}, "steering_condition.phase",
+     "decode"),
+    ({"site": "post_mlp.2", "probe": V, "phase": "decode"}, {"prefill": {"post_mlp": {"3": V}}},
+     "steering_condition", "none in its decode phase"),
+    ({"site": "post_mlp.2", "probe": V, "phase": "decode"}, {"prefill": {"post_mlp": {"1": V}}, "decode": {
+        "post_mlp": {"1": V}}}, "steering_condition.site", "before the probe"),
+    ({"site": "post_mlp.2", "probe": {"module": "nope"}}, {"post_mlp": {"3": V}}, "steering_condition.probe.module",
+     "unknown steering module"),
+    ({"site": "post_mlp.2", "probe": {"module": "cond-probe", "layer": 3}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.layer", "unknown key"),
+    ({"site": "post_mlp.2", "probe": {"module": "cond-probe"}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.module", "no vector at post_mlp.2"),
+    ({"site": "post_mlp.2", "probe": {"module": "cond-probe", "site": "post_mlp.6"}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.site", "no vector at post_mlp.6"),
+    ({"site": "post_mlp.2", "probe": {"module": "cond-probe", "site": "post_mlp.5"}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.module", "ambiguous"),
     ("post_mlp.2", {"post_mlp": {"3": V}}, "steering_condition", "expected"),
 ])
-def test_bad_conditions_are_refused_naming_the_field(cond, steer, field, words):
+def test_bad_conditions_are_refused_naming_the_field(cond, steer, field, words, probe_module):
     fe = _frontend(conditions=True)
-    extra = {"steering_condition": cond, **({"steering_vectors": steer} if steer else {})}
+    tiers = steer if steer and {"prefill", "decode"} & set(steer) else {"steering_vectors": steer} if steer else {}
+    extra = {"steering_condition": cond, **{(k if k == "steering_vectors" else f"{k}_steering_vectors"): v
+                                            for k, v in tiers.items()}}
     with pytest.raises(SteeringSpecError) as e:
         fe.engine_extra_args(extra)
     assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+@pytest.fixture
+def probe_module():
+    """A named module ``cond-probe`` in this process's store: post_mlp.4 in both phases (one vector),
+    post_mlp.5 different in each."""
+    from vllm_steer.frontend.module_registration import module_from_json
+    from vllm_steer.frontend.module_store import STORE
+
+    fe = _frontend(conditions=True)
+    w = [0.25 * (i + 1) for i in range(8)]
+    module = module_from_json({"name": "cond-probe", "steering_vectors": {"post_mlp": {"4": w}},
+                               "prefill_steering_vectors": {"post_mlp": {"5": V}},
+                               "decode_steering_vectors": {"post_mlp": {"5": w}}}, fe.shape)
+    module.version = STORE.reserve_version()
+    STORE.publish(module)
+    yield w
+    STORE.drop("cond-probe")
+
+
+def test_a_probe_named_by_module_is_its_vector_and_a_phase_gates_only_that_phase(probe_module):
+    fe = _frontend(conditions=True)
+    steer = {"steering_vectors": {"post_mlp": {"6": V}}}
+    cond = {"site": "post_mlp.4", "probe": probe_module, "threshold": 0.5}
+    explicit, pk, dk = fe.resolve({**steer, "steering_condition": cond})
+    for probe in ({"module": "cond-probe"}, {"module": "cond-probe", "site": "post_mlp.4"}):
+        named, npk, ndk = fe.resolve({**steer, "steering_condition": {**cond, "probe": probe}})
+        assert (npk, ndk) == (pk, dk) and named["condition"] == explicit["condition"]  # the same probe bytes
+    _, plain, _ = fe.resolve(steer)
+    decode_only, dpk, ddk = fe.resolve({**steer, "steering_condition": {**cond, "phase": "decode"}})
+    assert dpk == plain and ddk == dk and set(decode_only["condition"]) == {dk}  # prefill unconditional
+    assert set(decode_only["configs"]) == {plain, dk}
+    prefill_only, ppk, pdk = fe.resolve({**steer, "steering_condition": {**cond, "phase": "prefill"}})
+    assert ppk == pk and pdk == plain and set(prefill_only["condition"]) == {pk}
 
 
 def test_a_condition_needs_steer_conditions_and_changes_the_key():
@@ -95,9 +147,9 @@ def test_a_condition_needs_steer_conditions_and_changes_the_key():
         _frontend().engine_extra_args(extra)
     assert e.value.field == "steering_condition" and "steer.conditions" in str(e.value)
     fe = _frontend(conditions=True)
-    _, pk, dk = fe.engine_extra_args(extra)
-    _, plain, _ = fe.engine_extra_args({"steering_vectors": extra["steering_vectors"]})
-    _, harder, _ = fe.engine_extra_args({**extra, "steering_condition": {**extra["steering_condition"], "mode": "hard"}})
+    _, pk, dk = fe.resolve(extra)
+    _, plain, _ = fe.resolve({"steering_vectors": extra["steering_vectors"]})
+    _, harder, _ = fe.resolve({**extra, "steering_condition": {**extra["steering_condition"], "mode": "hard"}})
     assert pk == dk and len({pk, plain, harder}) == 3  # rows, and prefix-cache salt, differ
 
 
@@ -123,9 +175,9 @@ def probe_setup(smollm2_path, prompt_ids):
             "v1": vector(HIDDEN, 1, SCALE), "v2": vector(HIDDEN, 2, SCALE / 2)}
 
 
-def _condition(ps: dict, mode: str) -> dict:
+def _condition(ps: dict, mode: str, phase: str = "both") -> dict:
     return {"site": f"post_mlp.{PROBE_LAYER}", "probe": [float(x) for x in ps["probe"]], "threshold": ps["threshold"],
-            "sharpness": ps["sharpness"], "mode": mode}
+            "sharpness": ps["sharpness"], "mode": mode, "phase": phase}
 
 
 def _vectors(ps: dict) -> dict:
@@ -138,26 +190,34 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, tmp_path_factory):
     batch = [params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft")),
              params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "hard")),
              params(steering_vectors=_vectors(ps)),
-             params()]
+             params(),
+             params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft", "decode"))]
     engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 8,
               "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 8,
                                                                                     "conditions": True}}}
     job = {"model": smollm2_path, "llm_kwargs": engine,
            "calls": [{"prompts": [{"prompt_token_ids": list(prompt_ids)}] * len(batch), "params": batch}]
-           + [{"prompts": [{"prompt_token_ids": list(prompt_ids)}], "params": [p]} for p in batch[:2]]}
+           + [{"prompts": [{"prompt_token_ids": list(prompt_ids)}], "params": [p]} for p in batch[:2]]
+           + [{"llm_call": "vllm_steer.frontend.module_registration:register_module",  # the LLM path of a module's own
+               "kwargs": {"name": "gated", "steering_vectors": _vectors(ps),         # condition: like batch[0]
+                          "steering_condition": _condition(ps, "soft")}},
+              {"prompts": [{"prompt_token_ids": list(prompt_ids)}],
+               "params": [params(steering_module={"name": "gated", "scale": 1.0})]}]}
     res = run_job(job, tmp_path_factory.mktemp("cond"))
-    return {"mixed": res["calls"][0], "alone": [c[0] for c in res["calls"][1:]]}
+    return {"mixed": res["calls"][0], "alone": [c[0] for c in res["calls"][1:3]], "module": res["calls"][4][0]}
 
 
-def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str):
+def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str = "both"):
     """transformers with hooks: the gate from the residual leaving layer PROBE_LAYER, then each vector
-    scaled by its token's gate."""
+    scaled by its token's gate (``phase`` decode: the prompt's tokens ungated, the generated ones gated)."""
     probe = torch.from_numpy(ps["probe"])
     gate: dict[str, torch.Tensor] = {}
 
     def read_gate(s: torch.Tensor) -> torch.Tensor:
         z = s @ probe - ps["threshold"]
         gate["g"] = (z > 0).float() if mode == "hard" else torch.sigmoid(ps["sharpness"] * z)
+        if phase == "decode":  # full recompute: positions past the prompt are the decode steps' tokens
+            gate["g"][..., :len(prompt_ids)] = 1.0
         return s
 
     def add(v: np.ndarray):
@@ -169,23 +229,30 @@ def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str):
     return hf_oracle.greedy(path, prompt_ids, 12, edits=edits)
 
 
-@pytest.mark.parametrize("i, mode", [(0, "soft"), (1, "hard")])
+@pytest.mark.parametrize("i, mode, phase", [(0, "soft", "both"), (1, "hard", "both"), (4, "soft", "decode")])
 def test_gated_steering_matches_transformers_with_the_same_gate(cond_run, smollm2_path, prompt_ids, probe_setup, i,
-                                                                mode):
-    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, mode)
+                                                                mode, phase):
+    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, mode, phase)
     got = cond_run["mixed"][i]
     assert got["token_ids"] == ref_tokens
     np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    if i >= len(cond_run["alone"]):
+        return
     alone = cond_run["alone"][i]  # a mixed batch changes nothing
     assert alone["token_ids"] == got["token_ids"]
     np.testing.assert_allclose(alone["logprobs"], got["logprobs"], atol=1e-4)
+    if i == 0:  # a module registered on the LLM with the same vectors and condition runs the same
+        assert cond_run["module"]["token_ids"] == got["token_ids"]
+        np.testing.assert_allclose(cond_run["module"]["logprobs"], got["logprobs"], atol=1e-4)
 
 
 def test_the_gate_matters_and_the_neighbours_are_untouched(cond_run, smollm2_path, prompt_ids, probe_setup):
     scores = probe_setup["scores"]
     assert (scores > probe_setup["threshold"]).any() and (scores < probe_setup["threshold"]).any()
-    soft, hard, ungated, plain = cond_run["mixed"]
+    soft, hard, ungated, plain, decode_gated = cond_run["mixed"]
     assert soft["token_ids"] != ungated["token_ids"] and soft["token_ids"] != plain["token_ids"]
+    # the prompt's last token ran ungated, so the first token is the ungated one; later ones are gated
+    assert decode_gated["token_ids"][0] == ungated["token_ids"][0] and decode_gated["token_ids"] != ungated["token_ids"]
     ref_ungated, lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, {
         "post_mlp": {STEER_LAYER: probe_setup["v1"]}, "pre_attn": {STEER_LAYER + 2: probe_setup["v2"]}})
     assert ungated["token_ids"] == ref_ungated
@@ -225,3 +292,75 @@ def test_over_http_an_open_gate_steers_fully_and_a_shut_one_not_at_all(api_serve
                   steering_condition={**gated(0.0), "probe": probe[:5]})
         assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
         assert r.json()["error"]["param"] == "steering_condition.probe"
+
+
+def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_module):
+    from vllm_steer.frontend.module_registration import module_from_json
+    from vllm_steer.frontend.module_store import STORE
+
+    fe = _frontend(conditions=True)
+    vecs = {"post_mlp": {"6": V}}
+    cond = {"site": "post_mlp.4", "probe": {"module": "cond-probe"}, "threshold": 0.5, "mode": "hard"}
+    body = {"name": "gated", "steering_vectors": vecs, "steering_condition": cond}
+    with pytest.raises(SteeringSpecError) as e:  # only under steer.conditions
+        module_from_json(body, fe.module_shape)
+    assert e.value.field == "steering_condition" and "steer.conditions" in str(e.value)
+    with pytest.raises(SteeringSpecError) as e:  # checked against the module's own vectors
+        module_from_json({**body, "steering_vectors": {"post_mlp": {"1": V}}}, fe.module_shape, True)
+    assert e.value.field == "steering_condition.site" and "before the probe" in str(e.value)
+    with pytest.raises(SteeringSpecError) as e:
+        module_from_json({**body, "steering_condition": {**cond, "mode": "maybe"}}, fe.module_shape, True)
+    assert e.value.field == "steering_condition.mode"
+    module = module_from_json(body, fe.module_shape, True)
+    assert module.summary()["condition"] == cond
+    inline = module_from_json({**body, "name": "gated2", "steering_condition": {**cond, "probe": V}}, fe.module_shape, True)
+    assert inline.summary()["condition"]["probe"] == {"floats": 8}  # the listing does not echo the floats
+    module.version = STORE.reserve_version()
+    STORE.publish(module)
+    try:
+        carried, pk, dk = fe.resolve({"steering_module": {"name": "gated", "scale": 1.0}})
+        sent, spk, sdk = fe.resolve({"steering_vectors": vecs, "steering_condition": cond})
+        assert (pk, dk) == (spk, sdk) and carried["condition"] == sent["condition"]
+        _, plain, _ = fe.resolve({"steering_vectors": vecs})
+        # the request's own condition replaces the module's
+        _, own, _ = fe.resolve({"steering_module": {"name": "gated", "scale": 1.0},
+                                "steering_condition": {**cond, "threshold": 0.25}})
+        assert len({pk, plain, own}) == 3
+        with pytest.raises(SteeringSpecError) as e:  # what the module's condition cannot take names the module
+            fe.resolve({"steering_module": {"name": "gated", "scale": 1.0},
+                        "sae": {"name": "x", "clamps": [{"feature": 0, "value": 1.0}]}})
+        assert e.value.field == "steering_module.name" and "module's steering_condition" in str(e.value)
+    finally:
+        STORE.drop("gated")
+
+
+def test_over_http_a_module_registered_with_a_condition_gates_the_requests_naming_it(api_server):
+    """A module registered with a hard gate every token passes steers like the same vectors; one no
+    token passes does not steer; the listing shows the condition; a bad one is a 400 naming the field."""
+    from tests.conftest import API_KEY
+
+    base, model = api_server[0], api_server[1]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    vecs = {"post_mlp": {str(STEER_LAYER): vector(HIDDEN, 1, SCALE).tolist()}}
+    cond = {"site": f"post_mlp.{PROBE_LAYER}", "probe": vector(HIDDEN, 7, 1.0).tolist(), "mode": "hard"}
+    names = {"cond-open": -1e30, "cond-shut": 1e30}
+    try:
+        for name, threshold in names.items():
+            r = httpx.post(f"{base}/v1/steering/modules", headers=auth, timeout=60, json={
+                "name": name, "steering_vectors": vecs, "steering_condition": {**cond, "threshold": threshold}})
+            assert r.status_code == 201, r.text
+            assert r.json()["condition"]["probe"] == {"floats": HIDDEN} and r.json()["condition"]["threshold"] == threshold
+        bad = httpx.post(f"{base}/v1/steering/modules", headers=auth, timeout=60, json={
+            "name": "cond-bad", "steering_vectors": vecs, "steering_condition": {**cond, "sharpness": -1}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "steering_condition.sharpness", bad.text
+        steered = _http(base, model, steering_vectors=vecs).json()["choices"][0]["text"]
+        plain = _http(base, model).json()["choices"][0]["text"]
+        opened = _http(base, model, steering_module={"name": "cond-open", "scale": 1.0}).json()
+        shut = _http(base, model, steering_module={"name": "cond-shut", "scale": 1.0}).json()
+        assert steered != plain
+        assert opened["choices"][0]["text"] == steered and shut["choices"][0]["text"] == plain
+        listed = {m["name"]: m for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]}
+        assert listed["cond-shut"]["condition"]["threshold"] == 1e30 and "cond-bad" not in listed
+    finally:
+        for name in names:
+            httpx.delete(f"{base}/v1/steering/modules/{name}", headers=auth, timeout=60)

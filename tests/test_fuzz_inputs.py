@@ -158,8 +158,35 @@ def _sae_cases() -> Iterator[Case]:
     yield "sae:clamp:dup", {s: {"name": "fz", "clamps": [ok, ok]}}, f"{s}.clamps[1].feature"
 
 
+def _condition_cases() -> Iterator[Case]:
+    f, vec = "steering_condition", {"steering_vectors": {"post_mlp": {str(LAYER): GOOD_VEC.tolist()}}}
+    ok = {"site": "post_mlp.10", "probe": GOOD_VEC.tolist()}
+    for name, bad, field in (("int", 5, f), ("list", [], f), ("str", "post_mlp.10", f),
+                             ("no-site", {"probe": ok["probe"]}, f"{f}.site"), ("site-int", {**ok, "site": 10}, f"{f}.site"),
+                             ("site-bad", {**ok, "site": "x"}, f"{f}.site"), ("site-hook", {**ok, "site": "mid.3"}, f"{f}.site"),
+                             ("site-range", {**ok, "site": "post_mlp.99"}, f"{f}.site"),
+                             ("site-late", {**ok, "site": "post_mlp.20"}, f"{f}.site"),
+                             ("no-probe", {"site": "post_mlp.10"}, f"{f}.probe"),
+                             ("probe-short", {**ok, "probe": [1.0] * 7}, f"{f}.probe"),
+                             ("probe-str", {**ok, "probe": "x"}, f"{f}.probe"),
+                             ("probe-inf", {**ok, "probe": [1e400] * HIDDEN}, f"{f}.probe"),
+                             ("probe-module", {**ok, "probe": {"module": "no-such-module"}}, f"{f}.probe.module"),
+                             ("probe-module-site", {**ok, "probe": {"module": "preloaded"}}, f"{f}.probe.module"),
+                             ("probe-extra", {**ok, "probe": {"module": "preloaded", "scale": 2}}, f"{f}.probe.scale"),
+                             ("threshold", {**ok, "threshold": "a"}, f"{f}.threshold"),
+                             ("threshold-inf", {**ok, "threshold": 1e400}, f"{f}.threshold"),
+                             ("sharpness", {**ok, "sharpness": 0}, f"{f}.sharpness"),
+                             ("sharpness-str", {**ok, "sharpness": "x"}, f"{f}.sharpness"),
+                             ("mode", {**ok, "mode": 1}, f"{f}.mode"), ("phase", {**ok, "phase": "x"}, f"{f}.phase"),
+                             ("extra", {**ok, "colour": "red"}, f"{f}.colour")):
+        yield f"condition:{name}", {**vec, f: bad}, field
+    yield "condition:no-vectors", {f: ok}, f
+    yield "condition:with-sae", {**vec, f: ok, "sae": {"name": "fz", "clamps": [{"feature": 3, "value": 1.0}]}}, f
+
+
 def completion_cases() -> list[Case]:
-    return [c for t in TIERS for c in _tier_cases(t)] + list(_other_cases()) + list(_sae_cases())
+    return ([c for t in TIERS for c in _tier_cases(t)] + list(_other_cases()) + list(_sae_cases())
+            + list(_condition_cases()))
 
 
 def _xargs(fields: dict) -> dict:
@@ -179,6 +206,9 @@ def module_cases() -> Iterator[tuple[str, dict | None, dict | None, str]]:
     yield "mod:description", {"name": "fz", **vec, "description": 5}, None, "description"
     yield "mod:replace", {"name": "fz", **vec, "replace": "perhaps"}, None, "replace"
     yield "mod:replace-num", {"name": "fz", **vec, "replace": 2}, None, "replace"
+    for tid, fields, field in _condition_cases():
+        if "sae" not in fields and "steering_vectors" in fields:
+            yield f"mod:{tid}", {"name": "fz", **fields}, None, field
     hooks = ("pre_attn", "post_attn", "post_mlp")  # 3 hooks x 30 layers: 207,360 bytes > MODULE_CAP
     rows = pack(np.tile(GOOD_VEC, (N_LAYERS, 1)), list(range(N_LAYERS)))
     yield "mod:over-module-cap", {"name": "fz", "steering_vectors": {h: rows for h in hooks}}, None, "steering_vectors"

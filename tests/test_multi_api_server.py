@@ -25,7 +25,7 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
     hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
     save_file({"post_mlp.1": np.full(hidden, 3.0, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
     cfg = json.dumps({"steer": {"modules": {"m": str(tmp_path / "m.safetensors")}, "sae_slots": {"post_mlp.1": 8},
-                                "sae_root": str(tmp_path)}})
+                                "sae_root": str(tmp_path), "conditions": True}})
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--api-server-count", "2",
                        "--additional-config", cfg, log=tmp_path / "server.log") as (base, _):
         vec = np.full((1, hidden), 3.0, dtype=np.float32)
@@ -117,8 +117,30 @@ def _modules_are_shared(base: str, model: str, hidden: int) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "steering_module.name", r.text
     for r in _each_connection(4, lambda: httpx.delete(f"{base}/v1/steering/modules/shared", timeout=60)):
         assert r.status_code == 404
+    _a_module_condition_is_shared(base, model, hidden)
     names = [m["name"] for m in httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]]
     assert names == ["m"]  # the preload, loaded once for both processes
+
+
+def _a_module_condition_is_shared(base: str, model: str, hidden: int) -> None:
+    """A module registered with a condition through one process gates requests through both: every
+    process keys them with the condition (not as the bare vectors) and lists it."""
+    from vllm_steer.core.layout import config_hash
+
+    vec = [4.0] * hidden
+    cond = {"site": "post_attn.0", "probe": [1.0] * hidden, "threshold": -1e30, "mode": "hard"}
+    r = httpx.post(f"{base}/v1/steering/modules", timeout=120, json={
+        "name": "gated", "steering_vectors": {"post_attn": {"1": vec}}, "steering_condition": cond})
+    assert r.status_code == 201, r.text
+    body = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0, "steering_module": {"name": "gated"}}
+    answers = _each_connection(12, lambda: httpx.post(f"{base}/v1/completions", json=body, timeout=120))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    keys = {a.json()["steering"]["decode"] for a in answers}
+    bare = config_hash({"post_attn": {1: np.asarray(vec, dtype=np.float32)}}, "float32")
+    assert len(keys) == 1 and bare not in keys, keys
+    listed = _each_connection(6, lambda: httpx.get(f"{base}/v1/steering/modules/gated", timeout=30).json())
+    assert all(m["condition"]["threshold"] == -1e30 and m["condition"]["probe"] == {"floats": hidden} for m in listed)
+    assert httpx.delete(f"{base}/v1/steering/modules/gated", timeout=60).status_code == 200
 
 
 def _saes_are_shared(base: str, model: str, hidden: int, tmp_path) -> None:

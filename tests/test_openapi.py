@@ -20,7 +20,7 @@ ROUTES = {
     "/v1/steering/sae/{name}": {"get", "delete"},
 }
 MODULE_FIELDS = {"name", "description", "replace", "steering_vectors", "prefill_steering_vectors",
-                 "decode_steering_vectors"}
+                 "decode_steering_vectors", "steering_condition"}
 
 
 @pytest.fixture(scope="module")

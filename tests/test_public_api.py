@@ -40,6 +40,15 @@ def test_client_module_lifecycle_equals_inline_vectors(api_server):
         plain = c.complete(PROMPT, max_tokens=8, temperature=0)
         assert via["choices"][0]["text"] == inline["choices"][0]["text"] != plain["choices"][0]["text"]
         assert via["steering"] == inline["steering"]
+        # a condition (numpy probe) on a module and on a request: a hard gate every token passes steers fully
+        cond = {"site": "post_mlp.10", "probe": vector(576, 7, 1.0), "threshold": -1e30, "mode": "hard"}
+        assert c.register_module("client-cond", steering_vectors={"post_mlp": {14: VEC}}, condition=cond)["condition"] == {
+            **cond, "probe": {"floats": 576}}
+        gated = c.complete(PROMPT, module={"name": "client-cond"}, max_tokens=8, temperature=0)
+        sent = c.complete(PROMPT, steering_vectors={"post_mlp": {14: VEC}}, condition=cond, max_tokens=8, temperature=0)
+        assert gated["choices"][0]["text"] == sent["choices"][0]["text"] == inline["choices"][0]["text"]
+        assert gated["steering"] == sent["steering"] != inline["steering"]
+        assert c.delete_module("client-cond") == {"deleted": "client-cond"}
         with pytest.raises(SteeringAPIError) as e:
             c.register_module("client-mod", steering_vectors={"post_mlp": {14: VEC}})
         assert e.value.status == 409 and e.value.param == "name"

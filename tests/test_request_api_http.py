@@ -440,6 +440,7 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
         assert time.time() < deadline, f"rows in use stayed at {after['vllm_steer_rows_in_use']}"
         time.sleep(0.5)
     assert after["vllm_steer_capture_rows_total"] > before["vllm_steer_capture_rows_total"]
+    assert after["vllm_steer_capture_dropped_finishes_total"] == 0  # exported; no consumer here is stuck
     again = {"model": model, "prompt": "Hi", "max_tokens": 2, "steering_vectors": vectors}
     assert httpx.post(f"{base}/v1/completions", json=again, timeout=120).status_code == 200
     last = scrape_metrics(base)  # the same config again: its row was still resident, nothing is written

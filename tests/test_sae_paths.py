@@ -82,6 +82,14 @@ def test_an_inner_file_leaving_the_root_is_refused(tree):
     os.link(root / "lens" / "sae_weights.safetensors", root / "mixed" / "sae_weights.safetensors")
     assert _denied(str(root / "mixed"), root) == DENIED
     assert read_sae_meta(str(root / "mixed"))  # the start-up reader (steer.sae) is not restricted
+    # the same with a link to nothing: the answer never tells whether a file outside the root exists
+    os.makedirs(root / "dangling")
+    os.symlink(outside / "lens" / "no-such-cfg.json", root / "dangling" / "cfg.json")
+    os.link(root / "lens" / "sae_weights.safetensors", root / "dangling" / "sae_weights.safetensors")
+    assert _denied(str(root / "dangling"), root) == DENIED
+    os.makedirs(root / "gs_dangling")
+    os.symlink(outside / "no-such-params.npz", root / "gs_dangling" / "params.npz")
+    assert _denied(str(root / "gs_dangling"), root) == _denied(str(root / "link"), root) == DENIED
 
 
 def test_without_a_root_registration_by_path_is_off(tree):

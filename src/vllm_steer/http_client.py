@@ -61,15 +61,23 @@ def _numpy(v: Any) -> Any:
     return v.detach().cpu().float().numpy() if hasattr(v, "detach") else v
 
 
-def _steering(tiers: dict, module: Any, capture: Any, sae: Any) -> dict:
+def _steering(tiers: dict, module: Any, capture: Any, sae: Any, condition: Any = None) -> dict:
     body = {name: _packed(v) for name, v in tiers.items() if v}
     if module is not None:
         body["steering_module"] = module
+    if condition is not None:
+        body["steering_condition"] = _condition(condition)
     if capture is not None:
         body["capture"] = capture
     if sae is not None:
         body["sae"] = sae
     return body
+
+
+def _condition(condition: dict) -> dict:
+    """A ``steering_condition`` with a numpy probe as a JSON list."""
+    probe = condition.get("probe")
+    return {**condition, "probe": probe.tolist()} if hasattr(probe, "tolist") else dict(condition)
 
 
 def _raise_for(status: int, body: Any, text: str) -> None:
@@ -98,10 +106,11 @@ class _Routes:
 
     # -- named modules ----------------------------------------------------------------
     def register_module(self, name: str, *, file: str | Path | tuple[str, bytes] | None = None,
-                        description: str | None = None, replace: bool = False, **tiers: Any) -> Any:
+                        description: str | None = None, replace: bool = False, condition: dict | None = None,
+                        **tiers: Any) -> Any:
         """Register from vectors (``steering_vectors=``, ``prefill_steering_vectors=``,
-        ``decode_steering_vectors=``) or from a ``file`` (.safetensors, .gguf, .json: a path, or
-        ``(filename, bytes)``); its summary."""
+        ``decode_steering_vectors=``, and a ``condition`` for the requests naming it) or from a ``file``
+        (.safetensors, .gguf, .json: a path, or ``(filename, bytes)``); its summary."""
         bad = set(tiers) - set(TIER_FIELDS)
         if bad:
             raise TypeError(f"unknown tier {sorted(bad)[0]!r}; expected some of {list(TIER_FIELDS)}")
@@ -110,7 +119,7 @@ class _Routes:
                     **({"description": description} if description is not None else {})}
             upload = file if isinstance(file, tuple) else (Path(file).name, Path(file).read_bytes())
             return self._send(_Call("POST", "/v1/steering/modules", {"data": data, "files": {"file": upload}}))
-        body = {"name": name, "replace": replace, **_steering(tiers, None, None, None),
+        body = {"name": name, "replace": replace, **_steering(tiers, None, None, None, condition),
                 **({"description": description} if description is not None else {})}
         return self._send(_Call("POST", "/v1/steering/modules", {"json": body}))
 
@@ -147,21 +156,22 @@ class _Routes:
     def complete(self, prompt: str | list[int], *, module: str | dict | None = None, capture: dict | None = None,
                  sae: dict | list | None = None, steering_vectors: dict | None = None,
                  prefill_steering_vectors: dict | None = None, decode_steering_vectors: dict | None = None,
-                 **params: Any) -> Any:
+                 condition: dict | None = None, **params: Any) -> Any:
         """``POST /v1/completions`` with steering fields; ``params``: any OpenAI / vLLM completion
         parameter (``max_tokens``, ``temperature``, ...). The whole JSON answer (with ``steering`` and
         ``capture``)."""
         tiers = {"steering_vectors": steering_vectors, "prefill_steering_vectors": prefill_steering_vectors,
                  "decode_steering_vectors": decode_steering_vectors}
         body = {**({"model": self.model} if self.model else {}), "prompt": prompt, **params,
-                **_steering(tiers, module, capture, sae)}
+                **_steering(tiers, module, capture, sae, condition)}
         return self._send(_Call("POST", "/v1/completions", {"json": body}))
 
     def chat(self, messages: list[dict], *, module: str | dict | None = None, capture: dict | None = None,
-             sae: dict | list | None = None, steering_vectors: dict | None = None, **params: Any) -> Any:
+             sae: dict | list | None = None, steering_vectors: dict | None = None, condition: dict | None = None,
+             **params: Any) -> Any:
         """``POST /v1/chat/completions`` with steering fields (as ``complete``)."""
         body = {**({"model": self.model} if self.model else {}), "messages": messages, **params,
-                **_steering({"steering_vectors": steering_vectors}, module, capture, sae)}
+                **_steering({"steering_vectors": steering_vectors}, module, capture, sae, condition)}
         return self._send(_Call("POST", "/v1/chat/completions", {"json": body}))
 
 

@@ -150,7 +150,13 @@ def _lens_site(hook_name: Any) -> Site | None:
 
 
 def _is_file(*parts: str) -> bool:
-    return os.path.isfile(os.path.join(*parts))
+    return _present(os.path.join(*parts))
+
+
+def _present(path: str) -> bool:
+    """A file, or a symlink whatever it points at: opening it (``FileAccess.open``) decides, so a link
+    out of ``steer.sae_root`` is refused alike whether its target exists or not (no existence oracle)."""
+    return os.path.isfile(path) or os.path.islink(path)
 
 
 def _matching_formats(path: str) -> list[str]:
@@ -411,7 +417,7 @@ def _gemma_file(path: str) -> str:
 
 def _gemma_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
     file = _gemma_file(path)
-    if not os.path.isfile(file):
+    if not _present(file):
         raise SaeFileError(file, "file", "not found")
     shapes = _npz_shapes(file, files)
     d, f = _check_shapes(file, shapes, "jumprelu")
@@ -513,7 +519,7 @@ def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _P
     b_dec_in = _bool_field(cfg_path, "apply_b_dec_to_input", cfg.get("apply_b_dec_to_input", True))
     fold = activation == "topk" and _bool_field(cfg_path, "rescale_acts_by_decoder_norm",
                                                 cfg.get("rescale_acts_by_decoder_norm", False))
-    if not os.path.isfile(file):
+    if not _present(file):
         raise SaeFileError(file, "file", "not found")
     entries = _st_header(file, files)
     shapes = _st_shapes(entries)

@@ -2,16 +2,20 @@
 
 The field (beside the steering fields)::
 
-    {"site": "post_mlp.12", "probe": [hidden floats], "threshold": 0.0, "sharpness": 1.0, "mode": "soft"}
+    {"site": "post_mlp.12", "probe": [hidden floats] | {"module": name, "site"?: "post_mlp.14"},
+     "threshold": 0.0, "sharpness": 1.0, "mode": "soft", "phase": "both"}
 
 Per token, ``g = sigmoid(sharpness * (h . probe - threshold))`` (``mode: soft``, the default) or
 ``g = h . probe > threshold`` (``hard``), ``h`` the residual stream at ``site`` before any steering there
-(what capture reads there). Every vector add of the request, at ``site`` and at every later site of
-the same forward pass, is scaled by its token's ``g``; both phases, every token. Sites before ``site``
-have no gate yet: a request with a vector there is refused (400 naming ``steering_condition.site``),
-as are a condition without vectors, with SAE clamps, at ``pre_attn.0``, at or beside a site with an
-SAE, and any condition under pipeline parallelism (the gate does not cross stages). The condition is
-part of the config key, so rows and prefix-cache salt differ from the same vectors without it.
+(what capture reads there). Every vector add of the gated phases (``phase``: ``both``, the default,
+``prefill`` or ``decode``; the other phase's vectors apply unconditionally), at ``site`` and at every
+later site of the same forward pass, is scaled by its token's ``g``. A probe ``{"module": name}`` is
+that named module's vector at the probe site (or at its own ``site``), read when the request arrives.
+Sites before ``site`` have no gate yet: a request with a gated vector there is refused (400 naming
+``steering_condition.site``), as are a condition without vectors in its phases, with SAE clamps, at
+``pre_attn.0``, at or beside a site with an SAE, and any condition under pipeline parallelism (the gate
+does not cross stages). The condition is part of the config key, so rows and prefix-cache salt differ
+from the same vectors without it.
 """
 
 from __future__ import annotations
@@ -28,38 +32,34 @@ from vllm_steer.core.vectors import CONDITION_FIELD
 from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_vector
 
 _DOMAIN = b"vllm-steer-condition-v1\0"
-_KEYS = {"site", "probe", "threshold", "sharpness", "mode"}
+_KEYS = {"site", "probe", "threshold", "sharpness", "mode", "phase"}
 _MODES = {"soft": 0, "hard": 1}
+PHASES = ("both", "prefill", "decode")
+_PROBE_KEYS = {"module", "site"}
 
 # [hook, layer, threshold, sharpness, hard (0/1), probe as float32 bytes]: plain types for msgspec
 ConditionWire = list
 
 
-def parse_condition(raw: Any, shape: ModelShape) -> ConditionWire:
-    """The wire form of a request's condition; SteeringSpecError naming the field of any problem."""
+def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[ConditionWire, str]:
+    """(wire form, gated phase) of a request's condition; SteeringSpecError naming the field of any
+    problem. ``modules``: name -> module (``frontend.module_store``), for a probe read from one."""
     f = CONDITION_FIELD
     if not isinstance(raw, dict):
-        raise SteeringSpecError(f, 'expected {"site", "probe", "threshold"?, "sharpness"?, "mode"?}')
+        raise SteeringSpecError(f, 'expected {"site", "probe", "threshold"?, "sharpness"?, "mode"?, "phase"?}')
     extra = sorted(set(raw) - _KEYS)
     if extra:
         raise SteeringSpecError(f"{f}.{extra[0]}", f"unknown key (keys: {sorted(_KEYS)})")
     for key in ("site", "probe"):
         if key not in raw:
             raise SteeringSpecError(f"{f}.{key}", "required")
-    site = raw["site"]
-    try:
-        hook, layer = parse_site_name(site) if isinstance(site, str) else (None, None)
-    except ValueError as e:
-        raise SteeringSpecError(f"{f}.site", str(e)) from None
-    if hook is None:
-        raise SteeringSpecError(f"{f}.site", "expected a site name such as 'post_mlp.12'")
-    if hook not in shape.hooks:
-        raise SteeringSpecError(f"{f}.site", f"hook point {hook!r} is not enabled on this server "
-                                             f"(steer.hooks={list(shape.hooks)})")
-    layer = check_layer(f"{f}.site", layer, shape)
+    hook, layer = _site(f"{f}.site", raw["site"], shape)
     if (hook, layer) == ("pre_attn", 0):
         raise SteeringSpecError(f"{f}.site", "pre_attn.0 (the embeddings) cannot be a probe site")
-    probe = parse_vector(f"{f}.probe", raw["probe"], shape)
+    if isinstance(raw["probe"], dict):
+        probe = module_probe(raw["probe"], (hook, layer), shape, modules or {})
+    else:
+        probe = parse_vector(f"{f}.probe", raw["probe"], shape)
     threshold = finite_number(f"{f}.threshold", raw.get("threshold", 0.0))
     sharpness = finite_number(f"{f}.sharpness", raw.get("sharpness", 1.0))
     if sharpness <= 0:
@@ -67,15 +67,78 @@ def parse_condition(raw: Any, shape: ModelShape) -> ConditionWire:
     mode = raw.get("mode", "soft")
     if mode not in _MODES:
         raise SteeringSpecError(f"{f}.mode", f"expected one of {sorted(_MODES)}, got {mode!r}")
-    return [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()]
+    phase = raw.get("phase", "both")
+    if phase not in PHASES:
+        raise SteeringSpecError(f"{f}.phase", f"expected one of {list(PHASES)}, got {phase!r}")
+    return [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()], phase
 
 
-def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], sae_sites: set[tuple[str, int]]) -> None:
-    """The request's steered ``sites`` all at or after the probe site, none of them (nor the probe)
+def _site(field: str, site: Any, shape: ModelShape) -> tuple[str, int]:
+    """(hook, layer) of a site name enabled on this server; SteeringSpecError naming ``field``."""
+    try:
+        hook, layer = parse_site_name(site) if isinstance(site, str) else (None, None)
+    except ValueError as e:
+        raise SteeringSpecError(field, str(e)) from None
+    if hook is None:
+        raise SteeringSpecError(field, "expected a site name such as 'post_mlp.12'")
+    if hook not in shape.hooks:
+        raise SteeringSpecError(field, f"hook point {hook!r} is not enabled on this server "
+                                       f"(steer.hooks={list(shape.hooks)})")
+    return hook, check_layer(field, layer, shape)
+
+
+def module_probe(raw: dict, probe_site: tuple[str, int], shape: ModelShape, modules: Any) -> np.ndarray:
+    """The probe ``{"module": name, "site"?}``: the module's vector at ``site`` (default: the probe
+    site), the same in every tier that has one there."""
+    f = f"{CONDITION_FIELD}.probe"
+    extra = sorted(set(raw) - _PROBE_KEYS)
+    if extra:
+        raise SteeringSpecError(f"{f}.{extra[0]}", f"unknown key (keys: {sorted(_PROBE_KEYS)})")
+    name = raw.get("module")
+    module = modules.get(name) if isinstance(name, str) else None
+    if module is None:
+        raise SteeringSpecError(f"{f}.module", f"unknown steering module {name!r}")
+    hook, layer = _site(f"{f}.site", raw["site"], shape) if "site" in raw else probe_site
+    found = [t[hook][layer] for t in module.tiers.values() if t and layer in t.get(hook, {})]
+    if not found:
+        raise SteeringSpecError(f"{f}.site" if "site" in raw else f"{f}.module",
+                                f"module {name!r} has no vector at {hook}.{layer}")
+    if any(not np.array_equal(v, found[0]) for v in found[1:]):
+        raise SteeringSpecError(f"{f}.module", f"module {name!r} has different vectors at {hook}.{layer} in its "
+                                               "phases: which one probes is ambiguous")
+    return np.asarray(found[0], dtype=np.float32)
+
+
+def module_condition(raw: Any, module: Any, shape: ModelShape, modules: Any, enabled: bool) -> dict:
+    """A named module's own condition (``steering_condition`` in its registration): checked now
+    against the module's vectors (a probe may name the module itself), kept as given, and applied to
+    every request that names the module without a condition of its own."""
+    if not enabled:
+        raise SteeringSpecError(CONDITION_FIELD, "conditional steering is off on this server "
+                                                 "(start it with steer.conditions: true)")
+    wire, phase = parse_condition(raw, shape, {**modules, module.name: module})
+    tiers = ("steering_vectors",) + tuple(f"{p}_steering_vectors" for p in ("prefill", "decode") if phase in (p, "both"))
+    sites = {(h, l) for t in tiers for h, ls in (module.tiers.get(t) or {}).items() for l in ls}
+    check_sites(wire, sites, set(), phase)
+    return dict(raw)
+
+
+def condition_summary(raw: dict | None) -> dict | None:
+    """A module's condition as its listing shows it: an inline probe as its length, not its floats."""
+    if raw is None:
+        return None
+    probe = raw["probe"]
+    return {**raw, "probe": dict(probe) if isinstance(probe, dict) else {"floats": len(probe)}}
+
+
+def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], sae_sites: set[tuple[str, int]],
+                phase: str = "both") -> None:
+    """The request's gated ``sites`` all at or after the probe site, none of them (nor the probe)
     folded into a norm that applies an SAE (``sae_sites``: sites with an SAE or reserved for one)."""
     field = f"{CONDITION_FIELD}.site"
     if not sites:
-        raise SteeringSpecError(CONDITION_FIELD, "a condition scales steering vectors: the request has none")
+        where = "" if phase == "both" else f" in its {phase} phase ({CONDITION_FIELD}.phase)"
+        raise SteeringSpecError(CONDITION_FIELD, f"a condition scales steering vectors: the request has none{where}")
     probe = site_order(wire[0], wire[1])  # the probe site's position in the forward pass
     early = sorted((site_order(h, l), h, l) for h, l in sites if site_order(h, l) < probe)
     if early:

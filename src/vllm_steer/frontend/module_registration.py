@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable
 from vllm_steer.core.config import SteerConfigError, upload_cap
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
-from vllm_steer.core.vectors import TIER_FIELDS
+from vllm_steer.core.vectors import CONDITION_FIELD, TIER_FIELDS
+from vllm_steer.frontend.condition_spec import module_condition
 from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError, SteeringModule
 from vllm_steer.frontend.module_sync import MODULE_SYNC
 from vllm_steer.frontend.module_files import read_gguf_control_vector, read_safetensors
@@ -55,8 +56,10 @@ def check_replace(value: Any) -> bool:
     raise SteeringSpecError("replace", f"expected true or false, got {value!r}")
 
 
-def module_from_json(body: dict, shape: ModelShape) -> SteeringModule:
-    extra = set(body) - {"name", "description", "replace", *TIER_FIELDS}
+def module_from_json(body: dict, shape: ModelShape, conditions: bool = False) -> SteeringModule:
+    """A module from its JSON registration; ``conditions`` (``steer.conditions``): it may carry a
+    ``steering_condition`` for the requests that name it."""
+    extra = set(body) - {"name", "description", "replace", CONDITION_FIELD, *TIER_FIELDS}
     if extra:
         raise SteeringSpecError(sorted(extra)[0], "unknown field in a module registration")
     name = check_name(body.get("name"))
@@ -69,6 +72,9 @@ def module_from_json(body: dict, shape: ModelShape) -> SteeringModule:
     if not any(spec.tiers.values()):
         raise SteeringSpecError("steering_vectors", "a module needs at least one vector")
     module = SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
+    if body.get(CONDITION_FIELD) is not None:
+        module.condition = module_condition(body[CONDITION_FIELD], module, shape,
+                                            {m.name: m for m in STORE.all()}, conditions)
     sizes = {t: sum(v.nbytes for ls in vecs.values() for v in ls.values()) for t, vecs in spec.tiers.items()}
     check_module(module, shape, max(sizes, key=sizes.__getitem__))
     return module
@@ -86,7 +92,7 @@ def check_module(module: SteeringModule, shape: ModelShape, field: str) -> None:
         raise SteeringSpecError(field, str(e)) from None
 
 
-def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> SteeringModule:
+def _json_file(name: str, data: bytes, shape: ModelShape, description: str, conditions: bool) -> SteeringModule:
     """A .json module file: the registration object's fields; its errors are named under ``file``."""
     try:
         body = json.loads(data)
@@ -95,7 +101,7 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> S
     if not isinstance(body, dict):
         raise SteeringSpecError("file", "a JSON module file holds an object of steering fields")
     try:
-        module = module_from_json({**body, "name": name}, shape)
+        module = module_from_json({**body, "name": name}, shape, conditions)
     except SteeringSpecError as e:
         if e.field == "name":
             raise
@@ -105,14 +111,15 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str) -> S
     return module
 
 
-def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, description: str = "") -> SteeringModule:
+def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, description: str = "",
+                     conditions: bool = False) -> SteeringModule:
     check_name(name)
     description = check_description(description or None)
     if data[:4] == GGUF_MAGIC or filename.endswith(".gguf"):
         tiers, meta = read_gguf_control_vector(data, shape)
         source = "gguf"
     elif filename.endswith(".json"):
-        return _json_file(name, data, shape, description)
+        return _json_file(name, data, shape, description, conditions)
     elif filename.endswith(".safetensors") or not filename:
         tiers, meta = read_safetensors(data, shape)
         source = "safetensors"
@@ -127,7 +134,7 @@ def _register_args(module: SteeringModule, replace: bool, max_modules: int | Non
     """The RPC's arguments: the workers' four, and what the engine core's registry decides on."""
     keys = [k for k in module.keys if k is not None]
     meta = {"description": module.description, "source": module.source, "dtype": module.dtype,
-            "created": module.created}
+            "created": module.created, "condition": module.condition}
     policy = {"replace": replace, "max_modules": max_modules, "meta": meta}
     return (module.name, module.version, tiers_to_wire(module.tiers), keys, policy)
 
@@ -210,11 +217,13 @@ def load_path(name: str, path: str, shape: ModelShape) -> SteeringModule:
 
 
 def register_module(llm: Any, name: str, replace: bool = False, description: str = "", **tiers: Any) -> dict:
-    """Register a named module on a ``vllm.LLM`` (tiers as in requests: ``steering_vectors=...``)."""
+    """Register a named module on a ``vllm.LLM`` (tiers as in requests: ``steering_vectors=...``, and
+    ``steering_condition=...`` under ``steer.conditions``)."""
     from vllm_steer.frontend.prepare import SteeringFrontend
 
     frontend = SteeringFrontend(llm.llm_engine.vllm_config)
-    module = module_from_json({"name": name, "description": description, **tiers}, frontend.module_shape)
+    conditions = frontend.cfg is not None and frontend.cfg.conditions
+    module = module_from_json({"name": name, "description": description, **tiers}, frontend.module_shape, conditions)
     max_modules = frontend.cfg.max_modules if frontend.cfg is not None else None
     return register_sync(llm.collective_rpc, module, replace, max_modules).summary()
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from vllm_steer.core.layout import config_hash
 from vllm_steer.core.versions import VersionClock
 from vllm_steer.core.vectors import TIER_FIELDS, Vectors, effective_phases
+from vllm_steer.frontend.condition_spec import condition_summary
 
 
 class ModuleExistsError(KeyError):
@@ -38,6 +39,7 @@ class SteeringModule:
     dtype: str = "float32"  # the model's: the keys name rows as its tables hold them
     version: int = 0
     created: float = field(default_factory=time.time)
+    condition: dict | None = None  # its steering_condition as registered (frontend.condition_spec)
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +58,7 @@ class SteeringModule:
         return {"name": self.name, "description": self.description, "source": self.source,
                 "version": self.version, "hooks": hooks, "layers": layers,
                 "tiers": [t for t in TIER_FIELDS if self.tiers.get(t)], "dtype": "float32",
-                "bytes": self.nbytes, "created": self.created}
+                "bytes": self.nbytes, "created": self.created, "condition": condition_summary(self.condition)}
 
 
 class ModuleStore:

@@ -25,7 +25,7 @@ def module_from_entry(name: str, entry: dict, hidden: int) -> SteeringModule:
     meta = entry.get("meta", {})
     return SteeringModule(name, tiers_from_wire(entry["wire"], hidden), meta.get("description", ""),
                           meta.get("source", "json"), meta.get("dtype", "float32"), entry["version"],
-                          meta.get("created", 0.0))
+                          meta.get("created", 0.0), meta.get("condition"))
 
 
 class ModuleSync(RegistrySync):

@@ -93,6 +93,14 @@ class SteeringFrontend:
             capture = {}
         sae_raw = fields.pop(SAE_FIELD, None)
         cond_raw = fields.pop(CONDITION_FIELD, None)
+        if cond_raw is None and (carried := self._module_condition(fields.get(MODULE_FIELD))) is not None:
+            try:  # the named module carries one (frontend.condition_spec.module_condition)
+                return self._with_condition(carried, sae_raw, fields, capture)
+            except SteeringSpecError as e:
+                if not e.field.startswith(CONDITION_FIELD):
+                    raise
+                raise SteeringSpecError(f"{MODULE_FIELD}.name", f"the module's {e.field} does not fit this "
+                                                                f"request: {str(e).split(': ', 1)[-1]}") from None
         if cond_raw is not None:
             return self._with_condition(cond_raw, sae_raw, fields, capture)
         if sae_raw is not None:
@@ -100,6 +108,11 @@ class SteeringFrontend:
             pre_sae, dec_sae = parse_sae(sae_raw, catalog)
             return self._with_sae(*self._vectors(fields, capture), pre_sae, dec_sae, catalog)
         return self._vectors(fields, capture)
+
+    @staticmethod
+    def _module_condition(ref: Any) -> dict | None:
+        module = STORE.get(ref.get("name")) if isinstance(ref, dict) and isinstance(ref.get("name"), str) else None
+        return module.condition if module is not None else None
 
     def _with_sae(self, payload: dict | None, pk: str | None, dk: str | None, pre: list[SaeWire],
                   dec: list[SaeWire], catalog: dict[str, SaeEntry]) -> tuple[dict | None, str | None, str | None]:
@@ -139,17 +152,19 @@ class SteeringFrontend:
         if self.first_stage_layers is not None:
             raise SteeringSpecError(CONDITION_FIELD, "conditions are not served under pipeline parallelism "
                                                      "(the gate would have to cross stages)")
-        wire = parse_condition(raw, self.shape)
+        wire, phase = parse_condition(raw, self.shape, STORE)
         payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
         configs = payload["configs"] if payload is not None else {}
-        sites = {(hook, layer) for key in {pk, dk} - {None} for hook, layers, _ in configs[key] for layer in layers}
+        gated = [k if phase in (name, "both") else None for name, k in (("prefill", pk), ("decode", dk))]
+        sites = {(hook, layer) for key in set(gated) - {None} for hook, layers, _ in configs[key] for layer in layers}
         sae_sites = set(self.sae_slots) | {site for e in self.sae.values() for site in e.sites}
-        check_sites(wire, sites, sae_sites)
-        keys = {k: condition_key(k, wire) for k in {pk, dk} - {None}}
-        out = {**payload, "prefill": keys.get(pk), "decode": keys.get(dk),
-               "configs": {keys[k]: layout for k, layout in configs.items() if k in keys},
-               "condition": {new: wire for new in keys.values()}}
-        return out, keys.get(pk), keys.get(dk)
+        check_sites(wire, sites, sae_sites, phase)
+        # each phase's key: the gated ones re-keyed with the condition, the other kept (pk may equal dk)
+        npk, ndk = (condition_key(k, wire) if g else k for k, g in ((pk, gated[0]), (dk, gated[1])))
+        out = {**payload, "prefill": npk, "decode": ndk,
+               "configs": {new: configs[old] for old, new in ((pk, npk), (dk, ndk)) if old is not None},
+               "condition": {new: wire for old, new in ((pk, npk), (dk, ndk)) if old is not None and new != old}}
+        return out, npk, ndk
 
     def _vectors(self, fields: dict[str, Any], capture: dict | None,
                  ship_rows: bool = False) -> tuple[dict | None, str | None, str | None]:

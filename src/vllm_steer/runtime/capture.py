@@ -32,7 +32,10 @@ rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in ba
 drops the rest (``stats["dropped_rows"]``); a rows packet that finds 256 packets still undelivered
 in a consumer's lane is dropped for that consumer (``stats["dropped_packets"]``, once per lane). Either way the positions are recorded per request, site
 and consumer, and the request's finish meta names them (``dropped``, ``dropped_rows``; see
-``vllm_steer.capture.consumer``). Finish packets are never dropped.
+``vllm_steer.capture.consumer``). A finish packet that finds ``MAX_QUEUED_FINISHES`` still undelivered in
+a lane (its consumer is stuck: a hung call holds the lane) is not queued: the consumer never hears of
+that request, a driver consumer's result is ``{"error": "dropped", ...}`` at once, and
+``stats["dropped_finishes"]`` counts it. So a hung consumer holds at most that many requests' state.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class _Request:
 
 
 MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
+MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RESULTS_MAX = 4096  # finished requests' results (and recently finished ids) kept for collection
 
 
@@ -152,9 +156,10 @@ class _Lane:
     def __init__(self, rt: "CaptureRuntime", bit: int, instance: str, consumer: Any) -> None:
         self.rt, self.bit, self.instance, self.consumer = rt, bit, instance, consumer
         self.driver = getattr(consumer, "location", None) == "driver"
-        # Unbounded: finish packets (one per request) always go in; rows packets take a slot first.
+        # Every packet takes a slot of its kind first (never blocking: no slot, the packet is dropped).
         self.queue: queue.Queue = queue.Queue()
         self.row_slots = threading.Semaphore(MAX_QUEUED_ROW_PACKETS)
+        self.finish_slots = threading.Semaphore(MAX_QUEUED_FINISHES)
         self.thread = threading.Thread(target=self._loop, name=f"vllm-steer-capture-{instance}", daemon=True)
         self.thread.start()
 
@@ -175,6 +180,8 @@ class _Lane:
                     self.row_slots.release()
                     if packet[1].release():
                         rt._give_back(packet[1].host)  # consumers got copies (boolean-mask indexing)
+                else:
+                    self.finish_slots.release()
                 self.queue.task_done()
 
     def _rows(self, packet: _Packet) -> None:
@@ -218,8 +225,8 @@ class CaptureRuntime:
         self.bit_of: dict[str, int] = {}
         self.global_specs: dict[int, CaptureSpec] = {}
         self._lanes: dict[int, _Lane] = {}
-        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "consumer_errors": 0,
-                      "recomputed_positions": 0}
+        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "dropped_finishes": 0,
+                      "consumer_errors": 0, "recomputed_positions": 0}
         self._stats_lock = threading.Lock()  # lanes count errors from their threads
         for i, c in enumerate(cfg.capture):
             cls = consumer_class(c.name)
@@ -288,7 +295,14 @@ class CaptureRuntime:
             if not f.left:
                 del self._finishing[key]
         for b in bits:
-            self._lanes[b].queue.put(("finish", request_id, key, meta, req))
+            lane = self._lanes[b]
+            if lane.finish_slots.acquire(blocking=False):
+                lane.queue.put(("finish", request_id, key, meta, req))
+                continue
+            self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
+            self._finished_by(key, b, lane.instance, {
+                "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
+                                               "undelivered): this request's capture was not delivered to it"})
 
     def _finished_by(self, key: str, bit: int, instance: str, out: Any) -> None:
         """A lane handled a finish packet (dispatch thread)."""

@@ -57,6 +57,8 @@ class ModuleRegistration(BaseModel):
     steering_vectors: Tier | None = None
     prefill_steering_vectors: Tier | None = None
     decode_steering_vectors: Tier | None = None
+    steering_condition: dict | None = Field(None, description="steer.conditions: a condition (as in requests) for "
+                                                              "every request naming the module without its own")
     replace: bool = Field(False, description="replace a module of that name (else 409)")
 
 
@@ -82,6 +84,7 @@ class ModuleSummary(BaseModel):
     dtype: str
     bytes: int = Field(description="the module's float32 vectors, all tiers")
     created: float = Field(description="seconds since the epoch")
+    condition: dict | None = Field(None, description="its steering_condition (an inline probe shown as its length)")
 
 
 class ModuleInfo(ModuleSummary):
