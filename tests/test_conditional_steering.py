@@ -279,6 +279,11 @@ def test_over_http_an_open_gate_steers_fully_and_a_shut_one_not_at_all(api_serve
     def gated(threshold: float) -> dict:
         return {"site": f"post_mlp.{PROBE_LAYER}", "probe": probe, "threshold": threshold, "mode": "hard"}
 
+    from tests.server import scrape_metrics
+
+    counted, refused = 'vllm_steer_requests_total{kind="condition"}', \
+        'vllm_steer_rejected_total{field="steering_condition",status="400"}'
+    before = scrape_metrics(base)
     steered = _http(base, model, steering_vectors=vecs).json()
     plain = _http(base, model).json()
     opened = _http(base, model, steering_vectors=vecs, steering_condition=gated(-1e30)).json()
@@ -292,6 +297,8 @@ def test_over_http_an_open_gate_steers_fully_and_a_shut_one_not_at_all(api_serve
                   steering_condition={**gated(0.0), "probe": probe[:5]})
         assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
         assert r.json()["error"]["param"] == "steering_condition.probe"
+    after = scrape_metrics(base)  # on /metrics: the two conditional requests, the two refusals of the field
+    assert after[counted] - before.get(counted, 0.0) == 2 and after[refused] - before.get(refused, 0.0) == 2
 
 
 def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_module):
