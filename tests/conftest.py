@@ -112,3 +112,44 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     with openai_server(smollm2_path, *API_SERVER_ARGS, "--additional-config", cfg, log=log,
                        max_model_len=API_MAX_MODEL_LEN) as (base, _):
         yield base, smollm2_path, log, d / "captures"
+
+
+SLOW_HTTP_S = 20.0  # an HTTP call of a test slower than this (to its response's headers) is listed at the end
+_SLOW_HTTP: list[str] = []
+_RUNNING = [""]  # the test being run
+
+
+@pytest.fixture(autouse=True)
+def _note_running_test(request):
+    _RUNNING[0] = request.node.nodeid
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _time_http_calls():
+    """Times every synchronous httpx call of the tests: the CI-only stalls (NOTES, Traps) show at the
+    end of the run as which route, in which test, when, for how long."""
+    import time
+
+    import httpx
+
+    orig = httpx.Client.send
+
+    def send(self, request, **kwargs):
+        t0, wall = time.monotonic(), time.strftime("%H:%M:%S")
+        try:
+            return orig(self, request, **kwargs)
+        finally:
+            if (took := time.monotonic() - t0) > SLOW_HTTP_S:
+                _SLOW_HTTP.append(f"{wall} {took:.1f} s {request.method} {request.url.path} in {_RUNNING[0]}")
+
+    httpx.Client.send = send
+    yield
+    httpx.Client.send = orig
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SLOW_HTTP:
+        terminalreporter.section(f"HTTP calls slower than {SLOW_HTTP_S:g} s (to the response headers)")
+        for line in _SLOW_HTTP:
+            terminalreporter.write_line(line)
