@@ -18,21 +18,14 @@ from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
     steered_cond_rms_norm_triton,
     steered_rms_norm_triton,
 )
+from tests.gpu.norm_inputs import DTYPES, TOL, norm_inputs  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
-       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 R, EPS = 6, 1e-5
 
 
 def _case(n: int, d: int, dtype: torch.dtype, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, d, generator=g, device="cuda").to(dtype)
-    r = (torch.randn(n, d, generator=g, device="cuda") * 3).to(dtype)
-    w = (torch.randn(d, generator=g, device="cuda") * 0.5).to(dtype)
-    ta, tb = ((torch.randn(R, d, generator=g, device="cuda") * 2).to(dtype) for _ in range(2))
-    ta[0].zero_()
-    tb[0].zero_()
+    x, r, w, ta, tb = norm_inputs(g, n, d, dtype, R)
     index = torch.arange(n + 11, device="cuda", dtype=torch.int32) % R  # every row, row 0 unsteered
     site = torch.tensor([-1, -1, 40, 41, 7, 40], dtype=torch.int32, device="cuda")  # A=40, B=41, 7 earlier
     params = torch.tensor([[0.0, 1.0, 0, 0], [0.0, 1.0, 0, 0], [0.2, 3.0, 0, 0], [0.0, 1.0, 1, 0],

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from tests.sae_packs import IDLE_ROWS, R, clamp_pack, token_rows  # noqa: E402
+from tests.gpu.norm_inputs import DTYPES, norm_inputs  # noqa: E402
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm.naive import steered_sae_rms_norm_naive  # noqa: E402
@@ -26,7 +27,6 @@ from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
     steered_rms_norm_triton, steered_sae_rms_norm_triton,
 )
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4),  # D-long fp32 dots, cuBLAS vs one program: order differs
        torch.float16: dict(rtol=2e-3, atol=2e-3),
        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
@@ -45,12 +45,7 @@ def _full_fp32_matmuls():
 
 def _case(n: int, d: int, dtype: torch.dtype, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, d, generator=g, device="cuda").to(dtype)
-    r = (torch.randn(n, d, generator=g, device="cuda") * 3).to(dtype)
-    w = (torch.randn(d, generator=g, device="cuda") * 0.5).to(dtype)
-    ta, tb = ((torch.randn(R, d, generator=g, device="cuda") * 2).to(dtype) for _ in range(2))
-    ta[0].zero_()
-    tb[0].zero_()
+    x, r, w, ta, tb = norm_inputs(g, n, d, dtype, R)
     return x, r, w, ta, tb, token_rows(n, "cuda")
 
 

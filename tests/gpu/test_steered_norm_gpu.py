@@ -22,22 +22,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton  # noqa: E402
+from tests.gpu.norm_inputs import DTYPES, TOL, norm_inputs  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
-       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 R = 9
 EPS = 1e-5
 
 
 def _case(n: int, d: int, dtype: torch.dtype, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, d, generator=g, device="cuda").to(dtype)
-    r = (torch.randn(n, d, generator=g, device="cuda") * 3).to(dtype)
-    w = (torch.randn(d, generator=g, device="cuda") * 0.5).to(dtype)
-    ta, tb = ((torch.randn(R, d, generator=g, device="cuda") * 2).to(dtype) for _ in range(2))
-    ta[0].zero_()
-    tb[0].zero_()
+    x, r, w, ta, tb = norm_inputs(g, n, d, dtype, R)
     index = torch.randint(1, R, (n + 37,), generator=g, device="cuda", dtype=torch.int32)
     index[: n : 3] = 0
     return x, r, w, ta, tb, index
