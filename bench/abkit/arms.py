@@ -153,7 +153,7 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
         cfgs = steering_configs(arm["n_configs"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"], first_layer=1)
         probe = np.random.default_rng(seed + 1).standard_normal(ctx["shape"]["hidden"])
         condition = {"site": "pre_attn.1", "probe": (probe / np.linalg.norm(probe)).tolist(), "threshold": 0.0}
-        extra = {"steering_condition": condition} if arm["condition"] else {}
+        extra = {"steering_condition": condition} if arm.get("condition", True) else {}
         return [{"steering_vectors": cfgs[i % len(cfgs)], **extra} for i in range(n_requests)]
     if kind == "per_request":
         cfgs = steering_configs(arm["n_configs"] or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],

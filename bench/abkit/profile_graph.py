@@ -31,6 +31,8 @@ GRAPH_PLAN = [  # (label, server, kind of traffic)
     ("steer / per_request_n4", "steer", "per_request"),
     ("sae / unsteered (sae_idle)", "sae", "plain"),
     ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain"),
+    ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain"),
+    ("steer_cond / cond_n4", "steer_cond", "cond"),
 ]
 
 
