@@ -119,7 +119,7 @@ def probe_module():
     module = module_from_json({"name": "cond-probe", "steering_vectors": {"post_mlp": {"4": w}},
                                "prefill_steering_vectors": {"post_mlp": {"5": V}},
                                "decode_steering_vectors": {"post_mlp": {"5": w}}}, fe.shape)
-    module.version = STORE.reserve_version()
+    module.version = STORE.next_version()
     STORE.publish(module)
     yield w
     STORE.drop("cond-probe")
@@ -322,7 +322,7 @@ def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_modul
     assert module.summary()["condition"] == cond
     inline = module_from_json({**body, "name": "gated2", "steering_condition": {**cond, "probe": V}}, fe.module_shape, True)
     assert inline.summary()["condition"]["probe"] == {"floats": 8}  # the listing does not echo the floats
-    module.version = STORE.reserve_version()
+    module.version = STORE.next_version()
     STORE.publish(module)
     try:
         carried, pk, dk = fe.resolve({"steering_module": {"name": "gated", "scale": 1.0}})

@@ -33,7 +33,7 @@ def test_module_reference_ships_a_few_hundred_bytes_inline_ships_the_vectors():
     vectors = {h: {str(l): rng.standard_normal(HIDDEN).astype(np.float32).tolist() for l in range(LAYERS)}
                for h in ("pre_attn", "post_attn", "post_mlp")}
     module = module_from_json({"name": "bytes-test", "steering_vectors": vectors}, fe.shape)
-    module.version = STORE.reserve_version()
+    module.version = STORE.next_version()
     STORE.publish(module)
     try:
         inline, pk_i, _ = fe.engine_extra_args({"steering_vectors": vectors})

@@ -2,7 +2,7 @@
 
 It is an 8-byte file in ``/dev/shm`` (or the temp dir), mapped into memory. The engine core bumps it
 whenever its module registry changes (``engine.module_registry``). Each API server process compares
-it with the generation its cache holds (``frontend.module_sync``): one memory read per request, and
+it with the generation its cache holds (``frontend.registry_sync``): one memory read per request, and
 a call to the engine core only after a change. An aligned 8-byte load or store is atomic on the
 platforms vLLM runs on, so a reader sees the old or the new number, never a mix.
 """

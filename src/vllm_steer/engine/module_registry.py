@@ -8,7 +8,7 @@ time, so decisions never race each other, whichever API process asked. A name th
 are refused before any worker hears of them. What was accepted is kept as the workers got it (wire
 tiers and the summary fields; an SAE's registration fields and sites), for API processes to fetch. A
 generation number in a shared counter (``core.shared_counter``), one per registry, tells them that
-their cache (``frontend.module_sync``, ``frontend.sae_sync``) is stale.
+their cache (``frontend.registry_sync``) is stale.
 
 The workers keep every version of a module they were sent while a request may still build its rows
 from it (a request admitted before a replace or delete keeps its version). ``sent`` lists those

@@ -5,7 +5,7 @@ engine client), start-up preload, and Python users of ``vllm.LLM`` (sync).
 Limits (``steer.max_modules``, ``steer.max_module_bytes``): modules are parsed against the
 *module* shape (``SteeringFrontend.module_shape``, whose ``max_bytes`` is ``max_module_bytes``),
 so a module over the byte cap raises SteeringTooLarge naming the field (413 over HTTP); a new
-name beyond ``max_modules`` raises ModuleLimitError (409)."""
+name beyond ``max_modules`` raises NameLimitError (409)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
 from vllm_steer.core.vectors import CONDITION_FIELD, TIER_FIELDS
 from vllm_steer.frontend.condition_spec import module_condition
-from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError, SteeringModule
-from vllm_steer.frontend.module_sync import MODULE_SYNC
+from vllm_steer.frontend.module_store import MODULE_SYNC, STORE, SteeringModule
+from vllm_steer.frontend.named_store import NameLimitError, NameTakenError
 from vllm_steer.frontend.module_files import read_gguf_control_vector, read_safetensors
 from vllm_steer.frontend.spec import ModelShape, parse_spec
 
@@ -146,15 +146,15 @@ def _refused(answers: list | None) -> dict | None:
 
 def _raise_refusal(name: str, refusal: dict) -> None:
     if refusal["refused"] == "limit":
-        raise ModuleLimitError(refusal["limit"])
-    raise ModuleExistsError(name)  # "exists" (another API process registered it) or "stale"
+        raise NameLimitError(refusal["limit"])
+    raise NameTakenError(name)  # "exists" (another API process registered it) or "stale"
 
 
 def prepare(module: SteeringModule, replace: bool, max_modules: int | None = None) -> SteeringModule:
     """Claim the name and give the module its version: an existing name without ``replace`` is a
-    ModuleExistsError, a new name beyond ``max_modules`` a ModuleLimitError (both 409)."""
+    NameTakenError, a new name beyond ``max_modules`` a NameLimitError (both 409)."""
     STORE.claim(module.name, replace, max_modules)
-    module.version = STORE.reserve_version()
+    module.version = STORE.next_version()
     return module
 
 
@@ -171,7 +171,7 @@ async def register_async(rpc: Callable[..., Awaitable[Any]], module: SteeringMod
                                              args=_register_args(module, replace, max_modules)))
                 if refusal is None or refusal["refused"] != "stale":
                     break
-                module.version = STORE.reserve_version()
+                module.version = STORE.next_version()
             if refusal is not None:
                 _raise_refusal(module.name, refusal)
         except BaseException:

@@ -26,9 +26,7 @@ from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIEL
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
-from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
-from vllm_steer.frontend.sae_registry import VERSIONS_KEY as SAE_VERSIONS_KEY
-from vllm_steer.frontend.sae_sync import SAE_SYNC
+from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC, VERSIONS_KEY as SAE_VERSIONS_KEY
 from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
 

@@ -1,7 +1,17 @@
-"""What the API process's caches of the engine core's registries share (``frontend.module_sync`` for
-named modules, ``frontend.sae_sync`` for runtime SAEs): on only with several API processes, stale when
-the registry's shared generation counter moved past the generation last pulled (one memory read),
-one pull at a time under a lock that this process's own registrations also hold."""
+"""Keeps an API process's store of one kind (``frontend.named_store``: steering modules, runtime SAEs)
+equal to the engine core's registry of that kind, when several API server processes serve one engine
+(``--api-server-count`` above 1, or data parallelism, whose default is one API process per engine).
+
+The engine core decides every registration (``engine.module_registry``) and bumps the kind's shared
+generation counter (``core.shared_counter``). Before a request that may name an entry, before the
+kind's routes answer and before a registration, ``refresh`` compares the counter with the generation
+this process last pulled: one memory read when nothing changed. After a change it pulls the registry's
+listing (name -> version), then only the entries whose version this process lacks, and builds them
+as the registering process did. Without the counter (an engine on another host) every refresh pulls.
+Registrations and deletions of this process hold the same lock, so a pull never undoes what they
+just published. A request prepared just before another process deleted or replaced a module runs
+with the version it named (workers keep every version they were sent); runtime SAEs are checked
+once more before a request leaves (``stale``, in ``frontend.prepare``)."""
 
 from __future__ import annotations
 
@@ -10,16 +20,18 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from vllm_steer.core.shared_counter import SharedCounter
+from vllm_steer.frontend.named_store import NamedStore
 
 logger = logging.getLogger("vllm.steer")
 
 Rpc = Callable[..., Awaitable[Any]]
+Build = Callable[[str, dict, Any], Any]  # (name, the engine's fetched entry, context) -> store entry
 
 
 class RegistrySync:
-    what = "registry"  # for the log line
-
-    def __init__(self) -> None:
+    def __init__(self, kind: str, what: str, store: NamedStore, build: Build) -> None:
+        """``kind`` names the engine core's RPCs (``vllm_steer_<kind>_registry`` / ``_fetch``)."""
+        self.kind, self.what, self.store, self.build = kind, what, store, build
         self.enabled = False  # set at server start: more than one API process shares the engine
         self.generation: int | None = None
         self.counter: SharedCounter | None = None
@@ -58,4 +70,13 @@ class RegistrySync:
         self.pulls += 1
 
     async def pull(self, rpc: Rpc, context: Any) -> None:
-        raise NotImplementedError
+        listing = (await rpc(f"vllm_steer_{self.kind}_registry"))[0]
+        versions: dict[str, int] = listing["versions"]
+        missing = self.store.stale_names(versions)
+        entries = (await rpc(f"vllm_steer_{self.kind}_fetch", args=(missing,)))[0] if missing else {}
+        fetched = {n: self.build(n, e, context) for n, e in entries.items()}
+        # a name deleted between the two calls is dropped, one replaced meanwhile taken as fetched
+        current = {n: fetched[n].version if n in fetched else v for n, v in versions.items()
+                   if n in fetched or n not in missing}
+        self.store.sync(current, fetched)
+        self.adopt(listing)

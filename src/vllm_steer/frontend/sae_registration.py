@@ -2,7 +2,7 @@
 ``register_sae(llm, ...)``): check the registration against the sites ``steer.sae_slots`` reserved,
 send it through the engine core, whose registry decides it (a name taken without ``replace``, a site
 another SAE holds, a site unfinished requests still clamp at) and has every worker stage it, then
-publish the name in this process (others pull it: ``frontend.sae_sync``). A site a deleted SAE held
+publish the name in this process (others pull it: ``frontend.registry_sync``). A site a deleted SAE held
 is reused only when no request of this process that is being added, and none unfinished in the
 engine, clamps there. A registration may only name files inside ``steer.sae_root``
 (``core.sae_paths``): checked here before the engine is asked, and again by every worker; refused
@@ -20,8 +20,7 @@ from vllm_steer.core.sae_catalog import SaeEntry, SlotError, runtime_entry
 from vllm_steer.core.sae_paths import SaePathError
 from vllm_steer.frontend.module_registration import check_name, check_replace
 from vllm_steer.frontend.prepared import PREPARED
-from vllm_steer.frontend.sae_registry import REGISTRY
-from vllm_steer.frontend.sae_sync import SAE_SYNC
+from vllm_steer.frontend.sae_registry import REGISTRY, SAE_SYNC
 
 _CONFIG_FIELDS = ("path", "format", "site", "features")
 _FIELDS = {"name", "replace", *_CONFIG_FIELDS}

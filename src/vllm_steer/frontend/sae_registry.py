@@ -2,28 +2,31 @@
 reserved sites they hold, and the check that a prepared request still names the registration it was
 prepared against (a request prepared just before its SAE was deleted or replaced is refused with a
 400, never run with the new weights). The engine core's registry decides registrations; with several
-API processes this one is a cache kept by ``frontend.sae_sync``."""
+API processes this store is its cache, kept by ``SAE_SYNC`` (``frontend.registry_sync``), which builds
+the catalog entries of SAEs other processes registered from their files' headers.
+
+``SAE_SYNC.stale()`` is also the last check before a request leaves for the engine core
+(``frontend.prepare``, in ``process_inputs``): a request naming a runtime SAE is refused (400, send it
+again) if any SAE registration changed after this process last pulled."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from vllm_steer.core.config import SaeModuleConfig
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.core.sae_catalog import SaeEntry, Site
-from vllm_steer.core.versions import VersionClock
+from vllm_steer.core.sae_catalog import SaeEntry, Site, runtime_entry
 from vllm_steer.core.vectors import SAE_FIELD
+from vllm_steer.frontend.named_store import NamedStore
+from vllm_steer.frontend.registry_sync import RegistrySync
 
 VERSIONS_KEY = "sae_versions"  # payload key: runtime SAE name -> the registration a request used
 
 
-class SaeRegistry:
+class SaeRegistry(NamedStore[SaeEntry]):
     def __init__(self) -> None:
-        self.entries: dict[str, SaeEntry] = {}
+        super().__init__()
         self.pending: set[Site] = set()  # sites of registrations on their way to the workers
-        self._versions = VersionClock()
-
-    def next_version(self) -> int:
-        """A registration number no API process of this server hands out twice (core.versions): it is
-        also the version the engine core records."""
-        return self._versions.next()
 
     def holder(self, site: Site) -> str | None:
         """The runtime SAE at ``site`` (or ``"(registering)"`` while one is on its way)."""
@@ -43,4 +46,12 @@ class SaeRegistry:
                                                              "request was being prepared; send it again")
 
 
+def entry_from_wire(name: str, wire: dict, frontend: Any) -> SaeEntry:
+    """The catalog entry of a runtime SAE another process registered (its files' headers read here)."""
+    shape = frontend.shape
+    return runtime_entry(name, SaeModuleConfig.model_validate(wire["wire"]), frontend.cfg, shape.hidden_size,
+                         shape.num_layers, frontend.sae_slots, wire["version"])
+
+
 REGISTRY = SaeRegistry()
+SAE_SYNC = RegistrySync("sae", "SAE registry", REGISTRY, entry_from_wire)  # context: the SteeringFrontend

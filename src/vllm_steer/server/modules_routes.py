@@ -28,8 +28,8 @@ from vllm_steer.frontend.module_registration import (
     register_async,
     unregister_async,
 )
-from vllm_steer.frontend.module_store import STORE, ModuleExistsError, ModuleLimitError
-from vllm_steer.frontend.module_sync import MODULE_SYNC
+from vllm_steer.frontend.module_store import MODULE_SYNC, STORE
+from vllm_steer.frontend.named_store import NameLimitError, NameTakenError
 from vllm_steer.core.compat import counts_of_every_engine
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.request_body import BodyTooLarge, drain_refused_body
@@ -126,9 +126,9 @@ async def register(raw: Request) -> JSONResponse:
     try:
         await _synced(raw)
         module = await register_async(state.steer_engine_client.collective_rpc, module, replace, cfg.max_modules)
-    except ModuleExistsError as e:
+    except NameTakenError as e:
         return error(409, f"steering module {e.args[0]!r} exists; pass replace=true to replace it", "name")
-    except ModuleLimitError as e:
+    except NameLimitError as e:
         return error(409, f"the server holds steer.max_modules ({e.limit}) steering modules; delete one "
                           "or replace an existing name", "name")
     return JSONResponse(module.summary(), status_code=201)

@@ -27,8 +27,8 @@ import msgspec
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
-from vllm_steer.frontend.module_sync import MODULE_SYNC
-from vllm_steer.frontend.sae_sync import SAE_SYNC
+from vllm_steer.frontend.module_store import MODULE_SYNC
+from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
 from vllm_steer.server.errors import error_response
 from vllm_steer.server.openai_fields import steering_fields

@@ -17,9 +17,9 @@ from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.frontend.prepare import SteeringFrontend
 from vllm_steer.frontend.module_registration import load_path, register_async
-from vllm_steer.frontend.module_store import ModuleExistsError
-from vllm_steer.frontend.module_sync import MODULE_SYNC
-from vllm_steer.frontend.sae_sync import SAE_SYNC
+from vllm_steer.frontend.named_store import NameTakenError
+from vllm_steer.frontend.module_store import MODULE_SYNC
+from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.patches import apply_server
 from vllm_steer.server.engine_metrics import EngineMetricsMiddleware
 from vllm_steer.server.openai_fields import endpoint_attached
@@ -82,14 +82,14 @@ class SteeringEndpointPlugin:
         state.steer_frontend = SteeringFrontend(engine_client.vllm_config) if engine_client else None
         if state.steer_config is None:
             return
-        # Several API processes share the engine core's module and SAE registries (frontend.module_sync, sae_sync).
+        # Several API processes share the engine core's module and SAE registries (frontend.registry_sync).
         MODULE_SYNC.enabled = SAE_SYNC.enabled = state.steer_api_servers > 1
         # Start-up preload: before the server accepts requests.
         for name, path in state.steer_config.modules.items():
             module = load_path(name, path, state.steer_frontend.module_shape)  # steer.max_module_bytes
             try:
                 await register_async(engine_client.collective_rpc, module, replace=False)
-            except ModuleExistsError:  # another API process of this server loaded it first
+            except NameTakenError:  # another API process of this server loaded it first
                 pass
         await MODULE_SYNC.refresh(engine_client.collective_rpc, state.steer_frontend.shape.hidden_size)
         await SAE_SYNC.refresh(engine_client.collective_rpc, state.steer_frontend)

@@ -1,7 +1,7 @@
 """/v1/steering/sae: list the SAEs requests may clamp, register one at a reserved site (JSON naming
 its files on the server, inside steer.sae_root: 403 otherwise), get and delete one. Errors use vLLM's error shape; mutations need the steer
 api_key like module mutations. Engine work goes through ``frontend.sae_registration``; with several API
-processes each route first brings this process's SAEs up to the engine core's (``frontend.sae_sync``)."""
+processes each route first brings this process's SAEs up to the engine core's (``SAE_SYNC``, ``frontend.sae_registry``)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from vllm_steer.frontend.sae_registration import (
     sae_summary,
     unregister_sae_async,
 )
-from vllm_steer.frontend.sae_registry import REGISTRY
-from vllm_steer.frontend.sae_sync import SAE_SYNC
+from vllm_steer.frontend.sae_registry import REGISTRY, SAE_SYNC
 from vllm_steer.server.errors import error, mutation_denied
 from vllm_steer.server.schemas import NAMED, Deleted, SaeInfo, SaeList, SaeRegistration, SaeSummary, errors, request_body
 
