@@ -4,6 +4,7 @@ compute the same gate from the same residual (SmolLM2, float32, CPU lane), in a 
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import httpx
@@ -15,6 +16,7 @@ from tests import hf_oracle
 from tests.engine_job import run_job
 from tests.steering_cases import floats, params, vector
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.payload import PAYLOAD_KEY
 from vllm_steer.core.hooks import site_order
 from vllm_steer.kernels.steered_rms_norm.naive import steered_cond_rms_norm_naive, steered_rms_norm_naive
 
@@ -96,6 +98,20 @@ V = [0.5] * 8
     ({"site": "post_mlp.2", "probe": {"module": "cond-probe", "site": "post_mlp.5"}}, {"post_mlp": {"3": V}},
      "steering_condition.probe.module", "ambiguous"),
     ("post_mlp.2", {"post_mlp": {"3": V}}, "steering_condition", "expected"),
+    ({"site": "post_mlp.2", "probe": V, "stop_when": {"tokens": 2}}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when.above", "required"),
+    ({"site": "post_mlp.2", "probe": V, "stop_when": {"above": 1.0}}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when.above", "[0, 1)"),
+    ({"site": "post_mlp.2", "probe": V, "stop_when": {"above": 0.5, "tokens": 0}}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when.tokens", "integer"),
+    ({"site": "post_mlp.2", "probe": V, "stop_when": {"above": 0.5, "tokens": True}}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when.tokens", "integer"),
+    ({"site": "post_mlp.2", "probe": V, "stop_when": {"above": 0.5, "after": 2}}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when.after", "unknown key"),
+    ({"site": "post_mlp.2", "probe": V, "stop_when": 0.5}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when", "expected"),
+    ({"site": "post_mlp.2", "probe": V, "phase": "prefill", "stop_when": {"above": 0.5}}, {"post_mlp": {"3": V}},
+     "steering_condition.stop_when", "must gate decode"),
 ])
 def test_bad_conditions_are_refused_naming_the_field(cond, steer, field, words, probe_module):
     fe = _frontend(conditions=True)
@@ -141,6 +157,19 @@ def test_a_probe_named_by_module_is_its_vector_and_a_phase_gates_only_that_phase
     assert ppk == pk and pdk == plain and set(prefill_only["condition"]) == {pk}
 
 
+def test_stop_when_travels_beside_the_rows_and_keeps_the_key():
+    fe = _frontend(conditions=True)
+    cond = {"site": "post_mlp.2", "probe": V}
+    base = fe.engine_extra_args({"steering_condition": cond, "steering_vectors": {"post_mlp": {"3": V}}})[0]
+    for phase, from_prompt in (("both", True), ("decode", False)):
+        extra = fe.engine_extra_args({"steering_condition": {**cond, "phase": phase, "stop_when": {"above": 0.25}},
+                                      "steering_vectors": {"post_mlp": {"3": V}}})[0]
+        payload = extra[PAYLOAD_KEY]
+        assert payload["stop_when"] == [0.25, 1, from_prompt]
+        if phase == "both":  # the same rows, keys and salt as without the stop
+            assert payload["prefill"] == base[PAYLOAD_KEY]["prefill"] and "stop_when" not in base[PAYLOAD_KEY]
+
+
 def test_a_condition_needs_steer_conditions_and_changes_the_key():
     extra = {"steering_condition": {"site": "post_mlp.2", "probe": V}, "steering_vectors": {"post_mlp": {"3": V}}}
     with pytest.raises(SteeringSpecError) as e:
@@ -184,14 +213,45 @@ def _vectors(ps: dict) -> dict:
     return {**floats("post_mlp", STEER_LAYER, ps["v1"]), **floats("pre_attn", STEER_LAYER + 2, ps["v2"])}
 
 
+def _open_gate(phase: str, tokens: int) -> dict:
+    """A hard gate every token passes, stopping after ``tokens`` gates read."""
+    return {"site": f"post_mlp.{PROBE_LAYER}", "probe": [1.0] * HIDDEN, "threshold": -1e30, "mode": "hard",
+            "phase": phase, "stop_when": {"above": 0.5, "tokens": tokens}}
+
+
 @pytest.fixture(scope="module")
-def cond_run(smollm2_path, prompt_ids, probe_setup, tmp_path_factory):
+def stop_setup(smollm2_path, prompt_ids, probe_setup):
+    """The soft gate along transformers' gated generation (the probe site is before every steered site,
+    so its residual is the unsteered model's on those tokens), and a ``stop_when`` bound halfway between
+    two of its values: where two consecutive gates first pass it is where the engine must stop."""
     ps = probe_setup
+    tokens, _ = _hf_gated(smollm2_path, prompt_ids, ps, "soft")
+    model, _ = hf_oracle.load(smollm2_path)
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt_ids + tokens]), output_hidden_states=True).hidden_states[PROBE_LAYER + 1][0]
+    z = hidden.numpy() @ ps["probe"] - ps["threshold"]
+    gates = 1 / (1 + np.exp(-ps["sharpness"] * z))[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(tokens)]
+    ranked = np.sort(gates)
+    gaps = np.diff(ranked)[len(ranked) // 4:]  # the widest gap above the lowest quarter
+    k = len(ranked) // 4 + int(np.argmax(gaps))
+    above = float((ranked[k] + ranked[k + 1]) / 2)
+    over = gates > above
+    stop = next((j for j in range(1, len(gates)) if over[j] and over[j - 1]), None)
+    return {"tokens": tokens, "gates": gates, "above": above, "stop": stop, "gap": float(gaps.max())}
+
+
+@pytest.fixture(scope="module")
+def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory):
+    ps = probe_setup
+    soft_stop = {**_condition(ps, "soft"), "stop_when": {"above": stop_setup["above"], "tokens": 2}}
     batch = [params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft")),
              params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "hard")),
              params(steering_vectors=_vectors(ps)),
              params(),
-             params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft", "decode"))]
+             params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft", "decode")),
+             params(steering_vectors=_vectors(ps), steering_condition=soft_stop),
+             params(steering_vectors=_vectors(ps), steering_condition=_open_gate("both", 3)),
+             params(steering_vectors=_vectors(ps), steering_condition=_open_gate("decode", 3))]
     engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 8,
               "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 8,
                                                                                     "conditions": True}}}
@@ -246,10 +306,27 @@ def test_gated_steering_matches_transformers_with_the_same_gate(cond_run, smollm
         np.testing.assert_allclose(cond_run["module"]["logprobs"], got["logprobs"], atol=1e-4)
 
 
+def test_stop_when_ends_a_request_where_transformers_gate_passes_the_bound(cond_run, stop_setup):
+    """``stop_when``: the soft gate's request ends at the first two consecutive generated tokens whose
+    gate (transformers' residual, same probe) is above the bound, with finish_reason "stop_when" and that
+    gate as stop_reason; its tokens up to there are the gated ones. An always-open hard gate with
+    ``tokens: 3`` stops after 3 tokens (the last prompt position's gate counts), after 4 when only decode
+    is gated (the first token comes from an ungated position). The rest of the batch runs to max_tokens."""
+    assert stop_setup["stop"] is not None and stop_setup["gap"] > 1e-2, stop_setup  # a bound with room
+    j = stop_setup["stop"]
+    soft = cond_run["mixed"][5]
+    assert soft["finish_reason"] == "stop_when", soft
+    assert soft["token_ids"] == stop_setup["tokens"][: j + 1]
+    assert abs(float(soft["stop_reason"]) - stop_setup["gates"][j]) < 1e-2
+    for got, n in ((cond_run["mixed"][6], 3), (cond_run["mixed"][7], 4)):
+        assert (got["finish_reason"], len(got["token_ids"]), float(got["stop_reason"])) == ("stop_when", n, 1.0)
+    assert [r["finish_reason"] for r in cond_run["mixed"][:5]] == ["length"] * 5
+
+
 def test_the_gate_matters_and_the_neighbours_are_untouched(cond_run, smollm2_path, prompt_ids, probe_setup):
     scores = probe_setup["scores"]
     assert (scores > probe_setup["threshold"]).any() and (scores < probe_setup["threshold"]).any()
-    soft, hard, ungated, plain, decode_gated = cond_run["mixed"]
+    soft, hard, ungated, plain, decode_gated = cond_run["mixed"][:5]
     assert soft["token_ids"] != ungated["token_ids"] and soft["token_ids"] != plain["token_ids"]
     # the prompt's last token ran ungated, so the first token is the ungated one; later ones are gated
     assert decode_gated["token_ids"][0] == ungated["token_ids"][0] and decode_gated["token_ids"] != ungated["token_ids"]
@@ -299,6 +376,25 @@ def test_over_http_an_open_gate_steers_fully_and_a_shut_one_not_at_all(api_serve
         assert r.json()["error"]["param"] == "steering_condition.probe"
     after = scrape_metrics(base)  # on /metrics: the two conditional requests, the two refusals of the field
     assert after[counted] - before.get(counted, 0.0) == 2 and after[refused] - before.get(refused, 0.0) == 2
+
+
+def test_over_http_stop_when_finishes_with_its_own_reason(api_server):
+    """Completions (streaming or not) and chat: a request whose open gate passes ``stop_when`` for 2
+    tokens ends after 2 with finish_reason "stop_when" and the gate as stop_reason."""
+    base, model = api_server[0], api_server[1]
+    fields = {"steering_vectors": {"post_mlp": {str(STEER_LAYER): vector(HIDDEN, 1, SCALE).tolist()}},
+              "steering_condition": _open_gate("both", 2)}
+    done = _http(base, model, **fields).json()
+    assert (done["choices"][0]["finish_reason"], done["choices"][0]["stop_reason"],
+            done["usage"]["completion_tokens"]) == ("stop_when", "1", 2), done
+    events = [json.loads(line[6:]) for line in _http(base, model, stream=True, **fields).text.splitlines()
+              if line.startswith("data: {")]
+    last = [e["choices"][0] for e in events if e["choices"]][-1]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop_when", "1"), events[-3:]
+    chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True, **fields}).json()
+    assert (chat["choices"][0]["finish_reason"], chat["usage"]["completion_tokens"]) == ("stop_when", 2), chat
 
 
 def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_module):

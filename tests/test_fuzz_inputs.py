@@ -178,7 +178,18 @@ def _condition_cases() -> Iterator[Case]:
                              ("sharpness", {**ok, "sharpness": 0}, f"{f}.sharpness"),
                              ("sharpness-str", {**ok, "sharpness": "x"}, f"{f}.sharpness"),
                              ("mode", {**ok, "mode": 1}, f"{f}.mode"), ("phase", {**ok, "phase": "x"}, f"{f}.phase"),
-                             ("extra", {**ok, "colour": "red"}, f"{f}.colour")):
+                             ("extra", {**ok, "colour": "red"}, f"{f}.colour"),
+                             ("stop-num", {**ok, "stop_when": 0.5}, f"{f}.stop_when"),
+                             ("stop-no-above", {**ok, "stop_when": {"tokens": 2}}, f"{f}.stop_when.above"),
+                             ("stop-above", {**ok, "stop_when": {"above": 1.5}}, f"{f}.stop_when.above"),
+                             ("stop-above-nan", {**ok, "stop_when": {"above": float("nan")}}, f"{f}.stop_when.above"),
+                             ("stop-tokens", {**ok, "stop_when": {"above": 0.5, "tokens": -1}}, f"{f}.stop_when.tokens"),
+                             ("stop-tokens-big", {**ok, "stop_when": {"above": 0.5, "tokens": 10**9}},
+                              f"{f}.stop_when.tokens"),
+                             ("stop-tokens-float", {**ok, "stop_when": {"above": 0.5, "tokens": 2.0}},
+                              f"{f}.stop_when.tokens"),
+                             ("stop-extra", {**ok, "stop_when": {"above": 0.5, "n": 2}}, f"{f}.stop_when.n"),
+                             ("stop-prefill", {**ok, "phase": "prefill", "stop_when": {"above": 0.5}}, f"{f}.stop_when")):
         yield f"condition:{name}", {**vec, f: bad}, field
     yield "condition:no-vectors", {f: ok}, f
     yield "condition:with-sae", {**vec, f: ok, "sae": {"name": "fz", "clamps": [{"feature": 3, "value": 1.0}]}}, f

@@ -52,6 +52,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", ("self",), "vllm_steer.engine.scheduler",
           "requests refused after admission (row wait past steer.max_row_wait_s, a module version gone) send "
           "their final output with the step's", "vLLM lets plugins finish a request with a reason"),
+    Patch("vllm.v1.core.sched.scheduler:Scheduler._update_request_with_output", ("self", "request", "new_token_ids"),
+          "vllm_steer.engine.scheduler", "a request the workers' stop_when watch stopped finishes as at a stop token",
+          "vLLM lets plugins stop a request"),
+    Patch("vllm.v1.engine.output_processor:RequestState._new_completion_output",
+          ("self", "token_ids", "finish_reason", "stop_reason"), "vllm_steer.frontend.stop_output",
+          "a stop_when stop reads finish_reason 'stop_when' with its gate as stop_reason", "as above"),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
           "vllm_steer.engine.scheduler", "called, not replaced (engine.refusals): finishes refused requests with FINISHED_ERROR",
           "as above"),
@@ -81,6 +87,8 @@ PATCHES: tuple[Patch, ...] = (
           "the token -> row index and capture plan of the step (V1 runner)", "as above"),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model", ("self", "scheduler_output"),
           "vllm_steer.runtime.runner_v1", "hand captured rows on once the forward is enqueued", "as above"),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+          "vllm_steer.runtime.runner_v1", "the step's stop_when gates go with its output (V1 runner)", "as above"),
     Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model", ("self", "load_dummy_weights"),
           "vllm_steer.runtime.runner_v2", "install the steered norms and swap the ModelState (V2 runner)",
           "vLLM has a post-load model hook"),
@@ -89,6 +97,8 @@ PATCHES: tuple[Patch, ...] = (
           "vLLM has a worker-side per-request hook"),
     Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model", ("self", "scheduler_output"),
           "vllm_steer.runtime.runner_v2", "hand captured rows on once the forward is enqueued", "as above"),
+    Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+          "vllm_steer.runtime.runner_v2", "the step's stop_when gates go with its output (V2 runner)", "as above"),
     Patch("vllm.v1.worker.gpu.model_states.interface:ModelState.add_request", ("self", "req_index", "new_req_data"),
           "vllm_steer.runtime.runner_v2", "subclassed: acquire a request's rows at its slot", "as above"),
     Patch("vllm.v1.worker.gpu.model_states.interface:ModelState.remove_request", ("self", "req_id"),
@@ -306,6 +316,7 @@ GENERAL_APPLIERS = (
     "vllm_steer.runtime.runner_v1:patch_v1_runner",
     "vllm_steer.runtime.runner_v2:patch_v2_runner",
     "vllm_steer.server.openai_fields:patch_openai_requests_in_api_server",
+    "vllm_steer.frontend.stop_output:patch_output_processor",
 )
 # The endpoint plugin's (API server process only).
 SERVER_APPLIERS = ("vllm_steer.server.openai_fields:patch_openai_requests",)

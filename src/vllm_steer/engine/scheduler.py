@@ -7,7 +7,9 @@
   requests pass untouched;
 - ``schedule``: only while steered requests wait, set aside those whose configs do not fit, refuse
   those set aside past ``steer.max_row_wait_s``, and admit the steered ones that were scheduled;
-- ``update_from_output``: refused requests' final outputs go out with the step's;
+- ``update_from_output``: refused requests' final outputs go out with the step's; the requests the
+  workers' ``stop_when`` watch stopped (``runtime.stop_watch``) are noted for
+- ``_update_request_with_output``: which finishes them as a stop token would (``core.stops``);
 - ``_free_request``: a finished request gives its rows back.
 """
 
@@ -19,6 +21,7 @@ from vllm_steer.core.compat import waiting_queues
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.core.payload import payload_keys, payload_of
 from vllm_steer.core.refusals import Refusal
+from vllm_steer.core.stops import encode as encode_stop
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
 from vllm_steer.engine.module_registry import registry_of
 from vllm_steer.engine.refusals import flush, refuse
@@ -50,13 +53,14 @@ def patch_scheduler() -> None:
         return
     orig_init, orig_add = Scheduler.__init__, Scheduler.add_request
     orig_schedule, orig_free = Scheduler.schedule, Scheduler._free_request
-    orig_update = Scheduler.update_from_output
+    orig_update, orig_update_request = Scheduler.update_from_output, Scheduler._update_request_with_output
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         cfg = steer_config_of(self.vllm_config)
         self.steer_gate = RowGate(cfg.usable_rows, cfg.max_row_wait_s) if cfg is not None else None
         self.steer_outbox = []  # (request, Refusal) finished by us, their outputs not sent yet
+        self.steer_stops = None  # request id -> gate: this step's stop_when stops (runtime.stop_watch)
 
     def add_request(self, request):
         gate: RowGate | None = self.steer_gate
@@ -100,11 +104,26 @@ def patch_scheduler() -> None:
         gate.admit_scheduled(r.req_id for r in out.scheduled_new_reqs)
         return out
 
-    def update_from_output(self, *args, **kwargs):
-        outputs = orig_update(self, *args, **kwargs)
+    def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        self.steer_stops = getattr(model_runner_output, "vllm_steer_stops", None) or None
+        try:
+            outputs = orig_update(self, scheduler_output, model_runner_output, *args, **kwargs)
+        finally:
+            self.steer_stops = None
         if self.steer_outbox:
             flush(self, outputs)
         return outputs
+
+    def _update_request_with_output(self, request, new_token_ids, *args, **kwargs):
+        new_token_ids, stopped = orig_update_request(self, request, new_token_ids, *args, **kwargs)
+        stops = self.steer_stops
+        if stops and not stopped and new_token_ids and request.request_id in stops:
+            from vllm.v1.request import RequestStatus
+
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = encode_stop(stops[request.request_id])
+            stopped = True
+        return new_token_ids, stopped
 
     def _free_request(self, request, *args, **kwargs):
         if self.steer_gate is not None:
@@ -116,4 +135,5 @@ def patch_scheduler() -> None:
     Scheduler.add_request = add_request
     Scheduler.schedule = schedule
     Scheduler.update_from_output = update_from_output
+    Scheduler._update_request_with_output = _update_request_with_output
     Scheduler._free_request = _free_request

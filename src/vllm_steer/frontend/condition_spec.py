@@ -3,7 +3,8 @@
 The field (beside the steering fields)::
 
     {"site": "post_mlp.12", "probe": [hidden floats] | {"module": name, "site"?: "post_mlp.14"},
-     "threshold": 0.0, "sharpness": 1.0, "mode": "soft", "phase": "both"}
+     "threshold": 0.0, "sharpness": 1.0, "mode": "soft", "phase": "both",
+     "stop_when": {"above": 0.9, "tokens": 3}}
 
 Per token, ``g = sigmoid(sharpness * (h . probe - threshold))`` (``mode: soft``, the default) or
 ``g = h . probe > threshold`` (``hard``), ``h`` the residual stream at ``site`` before any steering there
@@ -16,6 +17,12 @@ Sites before ``site`` have no gate yet: a request with a gated vector there is r
 ``pre_attn.0``, at or beside a site with an SAE, and any condition under pipeline parallelism (the gate
 does not cross stages). The condition is part of the config key, so rows and prefix-cache salt differ
 from the same vectors without it.
+
+``stop_when`` (optional) finishes the request once ``tokens`` consecutive generated tokens were each
+sampled from a position whose gate was above ``above`` (the last prompt position, which samples the
+first token, counts when the prefill phase is gated): ``finish_reason`` ``"stop_when"``, the gate of
+the last of them in ``stop_reason`` (``core.stops``). It needs the decode phase gated, and it is not
+part of the key: the rows and the prefix cache are those of the same condition without it.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from vllm_steer.core.vectors import CONDITION_FIELD
 from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_vector
 
 _DOMAIN = b"vllm-steer-condition-v1\0"
-_KEYS = {"site", "probe", "threshold", "sharpness", "mode", "phase"}
+_KEYS = {"site", "probe", "threshold", "sharpness", "mode", "phase", "stop_when"}
+_STOP_KEYS = {"above", "tokens"}
+MAX_STOP_TOKENS = 4096
 _MODES = {"soft": 0, "hard": 1}
 PHASES = ("both", "prefill", "decode")
 _PROBE_KEYS = {"module", "site"}
@@ -41,9 +50,10 @@ _PROBE_KEYS = {"module", "site"}
 ConditionWire = list
 
 
-def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[ConditionWire, str]:
-    """(wire form, gated phase) of a request's condition; SteeringSpecError naming the field of any
-    problem. ``modules``: name -> module (``frontend.module_store``), for a probe read from one."""
+def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[ConditionWire, str, list | None]:
+    """(wire form, gated phase, ``stop_when`` as [above, tokens] or None) of a request's condition;
+    SteeringSpecError naming the field of any problem. ``modules``: name -> module
+    (``frontend.module_store``), for a probe read from one."""
     f = CONDITION_FIELD
     if not isinstance(raw, dict):
         raise SteeringSpecError(f, 'expected {"site", "probe", "threshold"?, "sharpness"?, "mode"?, "phase"?}')
@@ -70,7 +80,32 @@ def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[C
     phase = raw.get("phase", "both")
     if phase not in PHASES:
         raise SteeringSpecError(f"{f}.phase", f"expected one of {list(PHASES)}, got {phase!r}")
-    return [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()], phase
+    wire = [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()]
+    return wire, phase, parse_stop(raw.get("stop_when"), phase)
+
+
+def parse_stop(raw: Any, phase: str) -> list | None:
+    """[above, tokens] of ``stop_when`` (None: absent)."""
+    if raw is None:
+        return None
+    f = f"{CONDITION_FIELD}.stop_when"
+    if not isinstance(raw, dict):
+        raise SteeringSpecError(f, 'expected {"above": gate in [0, 1), "tokens"?: consecutive tokens (1)}')
+    extra = sorted(set(raw) - _STOP_KEYS)
+    if extra:
+        raise SteeringSpecError(f"{f}.{extra[0]}", f"unknown key (keys: {sorted(_STOP_KEYS)})")
+    if "above" not in raw:
+        raise SteeringSpecError(f"{f}.above", "required")
+    above = finite_number(f"{f}.above", raw["above"])
+    if not 0.0 <= above < 1.0:
+        raise SteeringSpecError(f"{f}.above", f"expected a gate value in [0, 1), got {above!r}")
+    tokens = raw.get("tokens", 1)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_STOP_TOKENS:
+        raise SteeringSpecError(f"{f}.tokens", f"expected an integer in [1, {MAX_STOP_TOKENS}], got {tokens!r}")
+    if phase == "prefill":
+        raise SteeringSpecError(f, f"stop_when reads the gate of generated tokens: {CONDITION_FIELD}.phase must "
+                                   "gate decode ('both' or 'decode')")
+    return [above, tokens]
 
 
 def _site(field: str, site: Any, shape: ModelShape) -> tuple[str, int]:
@@ -116,7 +151,7 @@ def module_condition(raw: Any, module: Any, shape: ModelShape, modules: Any, ena
     if not enabled:
         raise SteeringSpecError(CONDITION_FIELD, "conditional steering is off on this server "
                                                  "(start it with steer.conditions: true)")
-    wire, phase = parse_condition(raw, shape, {**modules, module.name: module})
+    wire, phase, _ = parse_condition(raw, shape, {**modules, module.name: module})
     tiers = ("steering_vectors",) + tuple(f"{p}_steering_vectors" for p in ("prefill", "decode") if phase in (p, "both"))
     sites = {(h, l) for t in tiers for h, ls in (module.tiers.get(t) or {}).items() for l in ls}
     check_sites(wire, sites, set(), phase)

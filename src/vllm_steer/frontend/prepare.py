@@ -150,7 +150,7 @@ class SteeringFrontend:
         if self.first_stage_layers is not None:
             raise SteeringSpecError(CONDITION_FIELD, "conditions are not served under pipeline parallelism "
                                                      "(the gate would have to cross stages)")
-        wire, phase = parse_condition(raw, self.shape, STORE)
+        wire, phase, stop = parse_condition(raw, self.shape, STORE)
         payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
         configs = payload["configs"] if payload is not None else {}
         gated = [k if phase in (name, "both") else None for name, k in (("prefill", pk), ("decode", dk))]
@@ -162,6 +162,8 @@ class SteeringFrontend:
         out = {**payload, "prefill": npk, "decode": ndk,
                "configs": {new: configs[old] for old, new in ((pk, npk), (dk, ndk)) if old is not None},
                "condition": {new: wire for old, new in ((pk, npk), (dk, ndk)) if old is not None and new != old}}
+        if stop is not None:  # [above, tokens, whether the last prompt position's gate counts (prefill gated)]
+            out["stop_when"] = [*stop, phase == "both"]
         return out, npk, ndk
 
     def _vectors(self, fields: dict[str, Any], capture: dict | None,

@@ -35,6 +35,7 @@ from vllm_steer.runtime.pinned_ring import PinnedRing
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.slot_rows import SlotRows
+from vllm_steer.runtime.stop_watch import StopWatch
 from vllm_steer.runtime.tables import SteeringTables
 
 logger = logging.getLogger("vllm_steer")
@@ -68,6 +69,7 @@ class SteeringRuntime:
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_reqs: int = 1024,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -92,6 +94,7 @@ class SteeringRuntime:
                     if catalog or slots else None)
         self.conditions = (ConditionTables(cfg.max_configs, hidden_size, max_num_tokens, device)
                            if cfg.conditions else None)
+        self.stops = StopWatch(self.conditions.gate, max_num_reqs) if self.conditions is not None else None
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae,
                                         self.conditions)
         self.steered_norms = [s.name for s in sites]
@@ -134,6 +137,8 @@ class SteeringRuntime:
             rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k), sae.get(key),
                                       conditions.get(key))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
+        if self.stops is not None and payload.get("stop_when"):
+            self.stops.watch(req_id, payload["stop_when"], prompt_len)
         pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
         self._held[req_id] = _Held(pair, steering.keys)
         return pair
@@ -170,6 +175,8 @@ class SteeringRuntime:
         return table_layout(prefill if key == steering.prefill_key else decode, self._dtype_name)
 
     def remove_request(self, req_id: str) -> None:
+        if self.stops is not None:
+            self.stops.forget(req_id)
         held = self._held.pop(req_id, None)
         if held is None:
             return
@@ -287,21 +294,42 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
         max_num_tokens=runner.vllm_config.scheduler_config.max_num_batched_tokens,
         dtype=mc.dtype,
         device=runner.device,
+        max_num_reqs=runner.vllm_config.scheduler_config.max_num_seqs,
     )
     runner.steer_runtime = runtime
     runner.steer_capture = runtime.capture
+    runner.steer_stops = runtime.stops
     return runtime
 
 
 def with_after_forward(execute_model: Callable) -> Callable:
     """Wrap a runner's ``execute_model`` (V1 or V2): after the forward is enqueued, hand the
-    step's captured rows on (only runners whose runtime captures do anything here)."""
+    step's captured rows on and copy the gates ``stop_when`` reads (only runners whose runtime
+    captures or watches a request do anything here)."""
 
     def wrapper(self, *args, **kwargs):
         out = execute_model(self, *args, **kwargs)
         capture = getattr(self, "steer_capture", None)
         if capture is not None:
             capture.after_forward()
+        stops: StopWatch | None = getattr(self, "steer_stops", None)
+        if stops is not None and stops.watched:
+            stops.after_forward()
+            if out is not None:  # a runner that returned its output without sample_tokens
+                stops.attach(out)
+        return out
+
+    return wrapper
+
+
+def with_stops(sample_tokens: Callable) -> Callable:
+    """Wrap a runner's ``sample_tokens`` (V1 or V2): the step's ``stop_when`` gates go with its output."""
+
+    def wrapper(self, *args, **kwargs):
+        out = sample_tokens(self, *args, **kwargs)
+        stops: StopWatch | None = getattr(self, "steer_stops", None)
+        if stops is not None and stops.pending is not None:
+            stops.attach(out)
         return out
 
     return wrapper

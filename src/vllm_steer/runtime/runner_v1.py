@@ -7,12 +7,14 @@ The V1 runner is vLLM 0.26's runner on CPU (V2 needs Triton on a GPU) and on GPU
 - ``_update_states``: release rows of finished requests, acquire rows of new ones. Preempted
   requests keep their rows (V1 keeps their state and resumes them as cached requests).
 - ``_prepare_inputs``: write the token -> row index (and the capture plan) in the batch's order.
-- ``execute_model``: after the forward is enqueued, hand captured rows to the dispatch thread.
+- ``execute_model``: after the forward is enqueued, hand captured rows to the dispatch thread and
+  copy the gates ``stop_when`` reads (``runtime.stop_watch``);
+- ``sample_tokens``: those gates go with the step's output.
 """
 
 from __future__ import annotations
 
-from vllm_steer.runtime.manager import build_runtime, with_after_forward
+from vllm_steer.runtime.manager import build_runtime, with_after_forward, with_stops
 
 
 def _patch_load_model(cls: type) -> None:
@@ -66,9 +68,12 @@ def patch_v1_runner() -> None:
                 )
             if rt.capture is not None:
                 rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
+            if rt.stops is not None and rt.stops.watched:
+                rt.stops.plan(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
         return orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
     _update_states._vllm_steer = True  # type: ignore[attr-defined]
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = with_after_forward(GPUModelRunner.execute_model)
+    GPUModelRunner.sample_tokens = with_stops(GPUModelRunner.sample_tokens)

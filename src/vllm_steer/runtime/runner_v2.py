@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward
+from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward, with_stops
 from vllm_steer.runtime.slot_rows import SlotRows
 
 _STEERED_STATE_CLASSES: dict[type, type] = {}
@@ -49,6 +49,8 @@ def _steered_model_state_class(base: type) -> type:
         if rt.capture is not None:
             rt.plan_capture(input_batch.req_ids, input_batch.num_scheduled_tokens,
                             input_batch.num_computed_tokens_np)
+        if rt.stops is not None and rt.stops.watched:  # steering_condition.stop_when (runtime.stop_watch)
+            rt.stops.plan(input_batch.req_ids, input_batch.num_scheduled_tokens, input_batch.num_computed_tokens_np)
         return base.prepare_inputs(self, input_batch, req_states)
 
     cls = type(
@@ -100,3 +102,4 @@ def patch_v2_runner() -> None:
 
     GPUModelRunner.finish_requests = finish_requests
     GPUModelRunner.execute_model = with_after_forward(orig_execute)
+    GPUModelRunner.sample_tokens = with_stops(GPUModelRunner.sample_tokens)
