@@ -4,7 +4,9 @@
 Per (N, D): vLLM's CUDA ``_C.fused_add_rms_norm`` (eager vLLM), vLLM's native fused add + RMSNorm
 compiled by Inductor (what a compiled vLLM 0.26 runs), the steered norm idle (flags 0), with its
 tables live but every token unsteered (row 0), and with every token steered through two tables,
-and the previous design: a separate gather-add before the norm. Timed with
+and the previous design: a separate gather-add before the norm. The conditional kernel
+(``steer.conditions``) with every token steered: no row conditional (``cond_plain``), every row gated by
+a condition probed at an earlier site (``cond_gated``), every row's probe at this norm (``cond_probe``). Timed with
 ``triton.testing.do_bench_cudagraph`` (median of graph replays; 20 launches per replay so launch
 gaps are amortized as in a decode graph). Correctness is checked before anything is timed.
 
@@ -38,7 +40,8 @@ def main() -> int:
     import vllm._custom_ops  # noqa: F401  (torch.ops._C)
     from vllm.ir.ops.layernorm import fused_add_rms_norm
     from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
-    from vllm_steer.kernels.steered_rms_norm.triton import _launch, steered_rms_norm_triton
+    from vllm_steer.kernels.steered_rms_norm.triton import (_launch, steered_cond_rms_norm_triton,
+                                                           steered_rms_norm_triton)
 
     dev = torch.cuda.get_device_name()
     src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.bfloat16)
@@ -89,6 +92,15 @@ def main() -> int:
                 "gather_add_then_norm": lambda: (xs.add_(ta.index_select(0, idx_l)),
                                                  torch.ops._C.fused_add_rms_norm(xs, rs, w, EPS)),
             }
+            site_ids = torch.tensor([5, 6], dtype=torch.int32, device="cuda")
+            gate = torch.zeros(max(n, 8192), dtype=torch.float32, device="cuda")
+            params = torch.tensor([[0.0, 1.0, 0.0, 0.0]] * R, device="cuda")
+            probe = torch.randn(R, d, device="cuda", generator=g) / d ** 0.5
+            for label, site in (("cond_plain", -1), ("cond_gated", 3), ("cond_probe", 5)):
+                csite = torch.full((R,), site, dtype=torch.int32, device="cuda")
+                csite[0] = -1
+                cases[label] = (lambda csite=csite: steered_cond_rms_norm_triton(
+                    x, r, w, EPS, 0.0, steered, ta, on, tb, on, csite, params, probe, gate, site_ids))
             if d == 4096:
                 for nw in [int(v) for v in args.warps.split(",")]:
                     def variant(nw=nw):

@@ -59,16 +59,18 @@ def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
 
 
 @triton.jit
-def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, p_site, p_probe, p_cparams,
+def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams,
                    stride_probe):
-    """(b_s + w * table[i_row], gate): at the row's probe site (``i_gsite == site``) the gate is computed
-    from b_s first; w is the gate for a conditional row, 1 for any other (then the plain add, bit for bit)."""
-    if i_gsite == tl.load(p_site):
+    """(b_s + w * table[i_row], gate): at the row's probe site (``i_gsite == i_site``) the gate is computed
+    from b_s first and stored; w is the gate for a conditional row, 1 for any other (then the plain add,
+    bit for bit). Branch-free but for the probe: the table row is loaded as soon as the row is known, in
+    parallel with the row's probe site, so the add waits on no more loads than the plain kernel's."""
+    on = (tl.load(p_flag) != 0) & (i_row != 0)
+    b_t = tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d & on, other=0.0).to(tl.float32)
+    if i_gsite == i_site:
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
-    if (tl.load(p_flag) != 0) & (i_row != 0):
-        w = tl.where(i_gsite >= 0, g, 1.0)
-        b_s += w * tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d, other=0.0).to(tl.float32)
-    return b_s, g
+        tl.store(p_gate_t, g)
+    return tl.where(on, b_s + tl.where(i_gsite >= 0, g, 1.0) * b_t, b_s), g
 
 
 @triton.jit
@@ -189,17 +191,16 @@ def _steered_norm_body(
     if HAS_RES:
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
-    if COND:
+    if COND:  # the gate changes only at a probe site, where it is stored: no store per token otherwise
+        g = tl.load(p_gate + i_t)
         i_row = tl.load(p_index + i_t)
         i_gsite = tl.load(p_csite + i_row)
-        g = tl.load(p_gate + i_t)
         if HAS_A:
-            b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite, p_site_ids, p_probe,
-                                    p_cparams, stride_probe)
+            b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite, tl.load(p_site_ids),
+                                    p_gate + i_t, p_probe, p_cparams, stride_probe)
         if HAS_B:
-            b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite, p_site_ids + 1, p_probe,
-                                    p_cparams, stride_probe)
-        tl.store(p_gate + i_t, g)
+            b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite, tl.load(p_site_ids + 1),
+                                    p_gate + i_t, p_probe, p_cparams, stride_probe)
     elif HAS_A or HAS_B or SAE_A or SAE_B:
         i_row = tl.load(p_index + i_t)
         if SAE_A:
