@@ -38,7 +38,7 @@ def test_the_op_gates_conditional_rows_and_leaves_the_others_bit_for_bit():
     index = torch.tensor([0, 1, 2, 2, 3, 1], dtype=torch.int32)  # row 1 plain, 2 gated at A, 3 gated earlier
     site_a, site_b = site_order("post_mlp", 4), site_order("pre_attn", 5)
     cond_site = torch.tensor([-1, -1, site_a, site_order("post_mlp", 2)], dtype=torch.int32)
-    params_ = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 0], [0.3, 2.0, 0, 0], [0, 0, 1, 0]], dtype=torch.float32)
+    params_ = torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0.3, 2.0, 0, 0], [0, 0, 1, 0]], dtype=torch.float32)
     probe = torch.randn(r, d, generator=g)
     gate = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.25, 9.0, 7.0])  # row 3's token: its gate from an earlier norm
     out, new_res = steered_cond_rms_norm_naive(x, res, w, 1e-6, 0.0, index, ta, one, tb, one, cond_site, params_,
@@ -55,6 +55,10 @@ def test_the_op_gates_conditional_rows_and_leaves_the_others_bit_for_bit():
     plain_out, plain_res = steered_rms_norm_naive(x, res, w, 1e-6, 0.0, index, ta, one, tb, one)
     for t in (0, 1, 5):  # unsteered and unconditional rows: the plain op, bit for bit
         assert torch.equal(new_res[t], plain_res[t]) and torch.equal(out[t], plain_out[t])
+    params_[0, 3] = 0  # no live row has a condition (runtime.condition_tables keeps the flag): the plain op
+    idle = steered_cond_rms_norm_naive(x, res, w, 1e-6, 0.0, index, ta, one, tb, one, cond_site, params_, probe,
+                                       gate, torch.tensor([site_a, site_b], dtype=torch.int32))
+    assert torch.equal(idle[0], plain_out) and torch.equal(idle[1], plain_res)
 
 
 def _frontend(**steer):

@@ -107,7 +107,7 @@ def steered_cond_rms_norm_naive(
     table_b: torch.Tensor | None,
     flag_b: torch.Tensor | None,
     cond_site: torch.Tensor,  # [R] int32: the row's probe site (core.hooks.site_order), -1: no condition
-    cond_params: torch.Tensor,  # [R, 4] float32 (probe_gate)
+    cond_params: torch.Tensor,  # [R, 4] float32 (probe_gate); [0, 3]: 1 while a live row has a condition
     probe: torch.Tensor,  # [R, D] float32: the row's probe direction
     gate: torch.Tensor,  # [>= N] float32, updated in place: each token's gate in this forward pass
     site_ids: torch.Tensor,  # [2] int32: the site order of slot A and of slot B (-2: no such slot)
@@ -116,12 +116,14 @@ def steered_cond_rms_norm_naive(
     the token's gate is computed from the stream before that slot's add (the pristine residual, as
     capture reads it) and stored in ``gate``; every add of a row with a condition is scaled by the
     token's gate (the front end refuses a conditional row's vectors before its probe site, so the
-    gate read is always this pass's). Rows without a condition add as in the plain op, bit for bit."""
+    gate read is always this pass's). Rows without a condition add as in the plain op, bit for bit.
+    ``cond_params[0, 3]`` (row 0 never has a condition) is 0 while no live row has one: then every row
+    adds as in the plain op (the kernel's fast path; ``runtime.condition_tables`` keeps it)."""
     n = x.shape[0]
     rows = index[:n].long()
     gated = cond_site.index_select(0, rows)  # the probe site of each token's row
     host = not gated.is_cuda  # host tensors are free to read: skip what no token needs
-    if host and not bool((gated >= 0).any()):
+    if not bool(cond_params[0, 3]) or (host and not bool((gated >= 0).any())):
         return steered_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
     s = _stream(x, residual, index, ())
     g = gate[:n]

@@ -165,7 +165,8 @@ def _steered_norm_body(
     stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
     p_scratch,  # [N * SPLIT, D] float32: the split clamp walk's partial sums (ignored unless SPLIT > 1)
     p_count,  # [>= N] int32, zeros between launches: programs of a token done with their part
-    # conditions (ignored unless COND): cond_site [R] int32, cond_params [R, 4] fp32, probe [R, D] fp32,
+    # conditions (ignored unless COND): cond_site [R] int32, cond_params [R, 4] fp32 ([0, 3]: a live row
+    # has a condition; 0: the plain adds), probe [R, D] fp32,
     # gate [>= N] fp32 (read and written), site_ids [2] int32 (the site order of slot A, of slot B)
     p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
     D: tl.constexpr,
@@ -192,15 +193,21 @@ def _steered_norm_body(
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
     if COND:  # the gate changes only at a probe site, where it is stored: no store per token otherwise
-        g = tl.load(p_gate + i_t)
         i_row = tl.load(p_index + i_t)
-        i_gsite = tl.load(p_csite + i_row)
-        if HAS_A:
-            b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite, tl.load(p_site_ids),
-                                    p_gate + i_t, p_probe, p_cparams, stride_probe)
-        if HAS_B:
-            b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite, tl.load(p_site_ids + 1),
-                                    p_gate + i_t, p_probe, p_cparams, stride_probe)
+        if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
+            g = tl.load(p_gate + i_t)
+            i_gsite = tl.load(p_csite + i_row)
+            if HAS_A:
+                b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite,
+                                        tl.load(p_site_ids), p_gate + i_t, p_probe, p_cparams, stride_probe)
+            if HAS_B:
+                b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite,
+                                        tl.load(p_site_ids + 1), p_gate + i_t, p_probe, p_cparams, stride_probe)
+        else:
+            if HAS_A:
+                b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
+            if HAS_B:
+                b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
     elif HAS_A or HAS_B or SAE_A or SAE_B:
         i_row = tl.load(p_index + i_t)
         if SAE_A:

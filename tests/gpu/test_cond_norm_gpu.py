@@ -28,7 +28,7 @@ def _case(n: int, d: int, dtype: torch.dtype, seed: int):
     x, r, w, ta, tb = norm_inputs(g, n, d, dtype, R)
     index = torch.arange(n + 11, device="cuda", dtype=torch.int32) % R  # every row, row 0 unsteered
     site = torch.tensor([-1, -1, 40, 41, 7, 40], dtype=torch.int32, device="cuda")  # A=40, B=41, 7 earlier
-    params = torch.tensor([[0.0, 1.0, 0, 0], [0.0, 1.0, 0, 0], [0.2, 3.0, 0, 0], [0.0, 1.0, 1, 0],
+    params = torch.tensor([[0.0, 1.0, 0, 1], [0.0, 1.0, 0, 0], [0.2, 3.0, 0, 0], [0.0, 1.0, 1, 0],
                            [0.0, 1.0, 0, 0], [-0.1, 1.0, 1, 0]], dtype=torch.float32, device="cuda")
     probe = torch.randn(R, d, generator=g, device="cuda") / d ** 0.5
     gate = torch.rand(n + 11, generator=g, device="cuda")
@@ -52,16 +52,22 @@ def test_triton_matches_reference(n, d, dtype_name):
     plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one)
     keep = site[index[:n].long()] < 0  # unsteered tokens and rows without a condition: bit for bit
     assert torch.equal(got[1][keep], plain[1][keep]) and torch.equal(got[0][keep], plain[0][keep])
+    params[0, 3] = 0  # no live row has a condition: the plain kernel for every token, the gate untouched
+    g_0 = gate.clone()
+    idle = steered_cond_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, site, params, probe, g_0, ids)
+    assert torch.equal(idle[0], plain[0]) and torch.equal(idle[1], plain[1]) and torch.equal(g_0, gate)
 
 
 def test_a_condition_written_after_capture_takes_effect_at_replay():
     x, r, w, ta, tb, index, site, params, probe, gate, ids = _case(16, 4096, torch.bfloat16, seed=3)
     one = torch.ones(1, dtype=torch.uint8, device="cuda")
     live = torch.full_like(site, -1)  # captured with no conditional row
+    live_params = params.clone()
+    live_params[0, 3] = 0  # and the any-live-condition flag down
     out = [None]
 
     def step():
-        out[0] = steered_cond_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, live, params, probe,
+        out[0] = steered_cond_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, live, live_params, probe,
                                               gate, ids)
 
     step()  # compile outside the capture
@@ -70,6 +76,7 @@ def test_a_condition_written_after_capture_takes_effect_at_replay():
     with torch.cuda.graph(graph):
         step()
     live.copy_(site)
+    live_params.copy_(params)
     gate_ref = gate.clone()
     graph.replay()
     torch.cuda.synchronize()

@@ -67,6 +67,7 @@ def test_triton_conditional_kernel_matches_reference(interpreted, vllm_norm, dty
     cond_site = torch.tensor([-1, -1, 20 if "a" in tables else 21, 20, 21 if tables == "ab" else 5] + [20] * rows,
                              dtype=torch.int32)[:rows]
     params = torch.tensor([[0.1, 2.0, float(i % 2), 0.0] for i in range(rows)], dtype=torch.float32)
+    params[0, 3] = 1.0  # a live row has a condition (0: the plain adds, checked below)
     probe = torch.randn(rows, 80, generator=g) / 8
     gate0 = torch.rand(16, generator=g)
     args = (ta if "a" in tables else None, _on() if "a" in tables else None,
@@ -80,6 +81,12 @@ def test_triton_conditional_kernel_matches_reference(interpreted, vllm_norm, dty
         torch.testing.assert_close(a, b, **_TOL[dtype])
     torch.testing.assert_close(gate_t, gate_r, rtol=1e-5, atol=1e-5)
     assert not torch.equal(gate_r[:9], gate0[:9])  # some gate was computed here
+    params[0, 3] = 0.0
+    gate_0 = gate0.clone()
+    idle = norm.steered_cond_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args, cond_site, params,
+                                              probe, gate_0, site_ids)
+    plain = norm.steered_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args)
+    assert torch.equal(idle[0], plain[0]) and torch.equal(idle[1], plain[1]) and torch.equal(gate_0, gate0)
 
 
 def test_triton_idle_flag_skips_the_table(interpreted):

@@ -2,7 +2,9 @@
 
 Per row: ``site`` [R] int32 (the probe site's position in the forward pass, ``core.hooks.site_order``;
 -1: the row has no condition), ``params`` [R, 4] float32 (threshold, sharpness, hard, unused) and
-``probe`` [R, D] float32. Per token: ``gate`` [max_num_tokens] float32, written by the steered norm
+``probe`` [R, D] float32; ``params[0, 3]`` (row 0 never has a condition) is 1 while a live row has
+one, else 0, and the kernel then adds every row as the plain one does (no gate work on a server with
+``conditions`` while no conditional request runs). Per token: ``gate`` [max_num_tokens] float32, written by the steered norm
 at a row's probe site and read by the later norms of the same forward pass
 (``kernels/steered_rms_norm``). A row is written with the config that takes it (its condition, or
 none), so a reused row never keeps an old condition. Writes go through pinned staging rings
@@ -25,6 +27,7 @@ class ConditionTables:
         self.probe = torch.zeros(num_rows, hidden_size, dtype=torch.float32, device=device)
         self.gate = torch.zeros(max_num_tokens, dtype=torch.float32, device=device)
         self._conditional: set[int] = set()  # rows holding a condition now
+        self._live: set[int] = set()  # of those, the rows live (a running request holds them)
         self._rings = {name: PinnedRing(tuple(t.shape[1:]) or (1,), t.dtype, device)
                        for name, t in (("site", self.site), ("params", self.params), ("probe", self.probe))}
 
@@ -33,6 +36,16 @@ class ConditionTables:
         host[...] = value.reshape(host.shape)
         target = getattr(self, name)[row]
         land(target.view(1) if target.dim() == 0 else target)
+
+    def set_live(self, row: int, live: bool) -> None:
+        """A row became live or was released: the any-live-condition flag follows (0 <-> 1 only)."""
+        before = bool(self._live)
+        if live and row in self._conditional:
+            self._live.add(row)
+        elif not live:
+            self._live.discard(row)
+        if bool(self._live) != before:
+            self._put("params", 0, np.array([0.0, 0.0, 0.0, float(bool(self._live))], dtype=np.float32))
 
     def write_row(self, row: int, wire: list | None) -> int:
         """Give ``row`` the condition ``wire`` (``frontend.condition_spec``), or none; bytes written."""

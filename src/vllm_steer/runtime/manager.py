@@ -150,6 +150,8 @@ class SteeringRuntime:
             self._write(row, rows(), sae, condition)
         if became_live:
             self.tables.set_live(row, True)
+            if self.conditions is not None:
+                self.conditions.set_live(row, True)
         return row
 
     def _write(self, row: int, layout: Layout, sae: list | None = None, condition: list | None = None) -> None:
@@ -164,6 +166,8 @@ class SteeringRuntime:
         row = self.rows.row_of(key)
         if self.rows.release(key):
             self.tables.set_live(row, False)
+            if self.conditions is not None:
+                self.conditions.set_live(row, False)
 
     def _vectors_for(self, steering: EngineSteering, key: str) -> Layout:
         if key in steering.configs:
