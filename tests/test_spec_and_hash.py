@@ -186,3 +186,20 @@ def test_byte_path_refuses_bad_rows_naming_the_field():
     assert e.value.field == "steering_vectors.mid"
     zero, pk, dk = fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(np.zeros((1, 8)), [1], "bfloat16")}})
     assert zero is None and pk is dk is None  # all-zero vectors are no steering at all
+
+
+def test_steering_fields_refuse_nesting_past_the_limit_and_pass_long_flat_lists():
+    """The body's steering fields are walked for depth before anything parses them: a value nested past
+    MAX_NESTING is a 400 naming the field (top level or inside vllm_xargs); a 4096-float probe is one level."""
+    from vllm_steer.server.openai_fields import MAX_NESTING, steering_fields
+
+    deep: list = [0.0]
+    for _ in range(MAX_NESTING + 2):
+        deep = [1.0, deep]
+    for body in ({"steering_condition": {"probe": deep}},
+                 {"vllm_xargs": {"steering_condition": __import__("json").dumps({"probe": deep})}}):
+        with pytest.raises(SteeringSpecError) as e:
+            steering_fields(body)
+        assert "nested deeper" in str(e.value) and e.value.field.endswith("steering_condition")
+    flat = {"site": "post_mlp.3", "probe": [0.5] * 4096, "stop_when": {"above": 0.5}}
+    assert steering_fields({"steering_condition": flat, "prompt": "x"}) == {"steering_condition": flat}

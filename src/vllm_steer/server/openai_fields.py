@@ -30,18 +30,23 @@ def endpoint_attached() -> None:
     _ENDPOINT["attached"] = True
 
 
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+
+
 def _depth(obj: Any, limit: int) -> int:
-    """Nesting depth of a decoded JSON value, stopping once past ``limit``."""
+    """Nesting depth of a decoded JSON value, stopping once past ``limit``. Only containers are walked:
+    a list of 4096 numbers (a probe, a vector) costs one pass of type checks, no stack entries."""
     deepest, stack = 0, [(obj, 1)]
     while stack:
         node, d = stack.pop()
-        deepest = max(deepest, d)
-        if deepest > limit:
-            return deepest
-        if isinstance(node, dict):
-            stack.extend((v, d + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, d + 1) for v in node)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        depth = d + 1 if children else d  # any child, a scalar one too, is one level deeper
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        if children and not _SCALARS.issuperset(map(type, children)):  # C-speed for a list of numbers
+            stack.extend((v, d + 1) for v in children if isinstance(v, (dict, list)))
     return deepest
 
 
