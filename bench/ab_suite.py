@@ -4,7 +4,7 @@
 Every arm talks HTTP to a real ``vllm.entrypoints.openai.api_server`` (or, on CPU, the same
 server through ``python -m vllm_steer.launcher serve``) with a small async streaming client
 (aiohttp, ``stream: true``, ``ignore_eos: true``, prompts of random token ids as a list of ints).
-The pieces live in bench/abkit/ (servers, client, arms, runner, report, profile_graph, peer_check).
+The pieces live in bench/abkit/ (servers, client, arms, runner, report, profile_graph, numbers).
 
 Servers (each its own process, all alive together so trials of different servers interleave):
   stock      VLLM_PLUGINS=none, no steer block
@@ -16,10 +16,8 @@ Servers (each its own process, all alive together so trials of different servers
              present) is installed (pip --target, no deps) into <workdir>/hotwire_site, which goes first
              on that server's PYTHONPATH; VLLM_PLUGINS=hotwire,
              HOTWIRE_VECTORS=<workdir>/hotwire_vectors (v0..v15.pt, written before it starts),
-             HOTWIRE_SLOTS=32. CUDA only; without the wheel (or on the CPU launcher) its arms and the
-             peer phase are skipped.
-  eager      the steer server's exact config plus --enforce-eager (graph check only)
-stock, disabled, steer and eager share one VLLM_CACHE_ROOT (hotwire: <cache root>-hotwire).
+             HOTWIRE_SLOTS=32. CUDA only; without the wheel (or on the CPU launcher) its arms are skipped.
+  sae*, steer_cond, *_multi: see abkit/servers.py. All but hotwire share one VLLM_CACHE_ROOT.
 
 Single-site arms (one steered site: post_mlp of --site-layer, clamped to the shape; the same 16
 vectors, rng(31) normal x --std, for every plugin; abkit/site_vectors.py):
@@ -29,36 +27,27 @@ vectors, rng(31) normal x --std, for every plugin; abkit/site_vectors.py):
 hotwire adds at the end of decoder layer L = the residual after layer L's MLP = vllm-steer's post_mlp at L.
 
 Phases (``--phases``, comma separated, run in the order given):
-  kernel  bench/kernels_bench.py --out <json> in a subprocess (if that script exists)
   ab      the A/B arms (--arms) at concurrency 16 (--max-tokens), the same load at --long-max-tokens
           for --long-arms (labels ``<arm>@mt256``, deltas against ``stock@mt256``), and the
           256-wide load (stock_c256 / disabled_c256 / k256)
-  sweep   max_tokens sweep for stock / enabled_idle / per_request_n16
-  eager   per_request_n16 on the steer server vs the same arm on the --enforce-eager server
   start   only start servers (--servers), e.g. with --keep-servers before a later call
   graph   torch.profiler (vLLM's /start_profile) around a few requests on --graph-servers
           (unsteered and per_request_n4): kernels per CUDA-graph launch (= per decode step with a
           FULL graph), eager kernels, steering kernels (steer / apply_steering / capture_rows)
-  peer    one greedy request (32 tokens) with site vector v3 (x --peer-scale) to hotwire and to steer
-          (inline), one unsteered to each: token ids, steered outputs equal, steered != unsteered
-          (abkit/peer_check.py)
 Results: JSON under $OUT (written after every trial), a progress line per arm and trial.
-``--report FILE...`` merges result JSONs into a markdown table (+ a PNG of the deltas); the report
-also pairs trial k of every arm with trial k of its reference (per-trial Δ%, mean ± SEM).
+``--report FILE...`` merges result JSONs into a markdown table; the report also pairs trial k of every arm with trial k of its reference (per-trial Δ%, mean ± SEM).
 ``--numbers`` rewrites bench/NUMBERS.md, the one page of current numbers, from the result JSONs that
 bench/numbers.json names (abkit/numbers.py); add a run's JSON there to make its numbers current.
-``--selftest`` runs the trace parser's self-test and the single-site self-test (arm fields, bodies, module
-registrations, the hotwire server's env and its vector files read back by hotwire's own loader).
+The kit's CPU checks (trace parser, single-site fields, the hotwire server's files) are tests/test_bench_kit.py.
 
 GPU (vLLM + plugin installed, see bench/RESULTS.md):
-    python3 bench/ab_suite.py --shape 8b --phases kernel,ab --keep-servers
-    python3 bench/ab_suite.py --shape 8b --phases sweep,eager,graph --reuse-servers
+    python3 bench/ab_suite.py --shape 8b --phases ab --keep-servers
+    python3 bench/ab_suite.py --shape 8b --phases graph --reuse-servers
     python3 bench/ab_suite.py --shape 1b --phases ab --peer-wheel PEER.whl --gpu-mem 0.15 --keep-servers
         --long-arms "" --arms stock,hotwire_idle,hotwire_ids16,enabled_idle,site_named16,site_inline16
-      (one command line; bench/gpu_session.sh small / peer-check run the single-site arms and the peer phase)
-    python3 bench/ab_suite.py --shape 1b --phases peer --reuse-servers --peer-wheel PEER.whl --gpu-mem 0.15
+      (one command line; bench/gpu_session.sh small runs the single-site arms)
 CPU dry run (tiny model, tiny counts, eager, float32):
-    .venv/bin/python bench/ab_suite.py --dry-run-cpu --phases ab,sweep,eager,graph
+    .venv/bin/python bench/ab_suite.py --dry-run-cpu --phases ab,graph
     .venv/bin/python bench/ab_suite.py --dry-run-cpu --phases ab --arms stock,enabled_idle,site_named16,site_inline16
 """
 
@@ -81,11 +70,9 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 
 from abkit import common  # noqa: E402
-from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, SWEEP_ARMS, usable_arms  # noqa: E402
+from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, usable_arms  # noqa: E402
 from abkit.common import ROOT, log  # noqa: E402
-from abkit.kernel_phase import kernel_phase  # noqa: E402
 from abkit.model_dir import SHAPES, write_model_dir  # noqa: E402
-from abkit.peer_check import peer_phase  # noqa: E402
 from abkit.profile_graph import graph_phase  # noqa: E402
 from abkit.report import report  # noqa: E402
 from abkit.runner import run_matrix  # noqa: E402
@@ -109,7 +96,6 @@ def parse_args(argv=None):
                          ".whl/peer/hotwire_vllm-*.whl if present; '' for none)")
     ap.add_argument("--site-layer", type=int, default=8,
                     help="layer of the single-site arms' post_mlp site (clamped to the shape)")
-    ap.add_argument("--peer-scale", type=float, default=1.0, help="scale of the peer phase's steered requests")
     ap.add_argument("--arms", default=",".join(AB_ARMS),
                     help="arms of the ab phase (any of: %s)" % ", ".join(ARMS))
     ap.add_argument("--long-arms", default=",".join(LONG_ARMS),
@@ -122,15 +108,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--wide", type=int, default=256, help="requests = concurrency = configs of the wide load")
     ap.add_argument("--wide-max-tokens", type=int, default=128)
-    ap.add_argument("--sweep", default="64,256,1024")
-    ap.add_argument("--sweep-requests", type=int, default=32)
-    ap.add_argument("--sweep-trials", type=int, default=3)
-    ap.add_argument("--eager-max-tokens", type=int, default=64)
-    ap.add_argument("--eager-trials", type=int, default=2)
     ap.add_argument("--std", type=float, default=0.05, help="std of the steering vectors' entries")
     ap.add_argument("--gpu-mem", type=float, default=0.24, help="gpu_memory_utilization per server")
     ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every server")
-    ap.add_argument("--eager-gpu-mem", type=float, default=0.20, help="gpu_memory_utilization of the eager server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--api-servers", type=int, default=4, help="--api-server-count of the *_multi servers")
@@ -149,23 +129,15 @@ def parse_args(argv=None):
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
     ap.add_argument("--reserve-s", type=float, default=25)
     ap.add_argument("--tag", default="run")
-    ap.add_argument("--quick-kernel", action="store_true", help="pass --quick to kernels_bench.py (if it has it)")
-    ap.add_argument("--kernel-args", default="", help="more arguments for bench/kernels_bench.py")
-    ap.add_argument("--kernel-timeout", type=float, default=240)
-    ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md) and a PNG (--png)")
+    ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md)")
     ap.add_argument("--md")
-    ap.add_argument("--png")
     ap.add_argument("--numbers", action="store_true", help="rewrite bench/NUMBERS.md from bench/numbers.json")
-    ap.add_argument("--selftest", action="store_true",
-                    help="run the trace parser's self-test on a synthetic trace and the "
-                         "single-site self-test (no server), and exit")
     args = ap.parse_args(argv)
     if args.dry_run_cpu:
         args.shape, args.launcher, args.enforce_eager = "tiny", "cpu", True
         args.dtype = args.dtype or "float32"
         args.trials, args.requests, args.concurrency, args.max_tokens, args.prompt_len = 2, 4, 2, 6, 16
-        args.wide, args.wide_max_tokens, args.sweep, args.sweep_requests, args.sweep_trials = 6, 4, "4,8", 2, 2
-        args.eager_max_tokens, args.eager_trials, args.max_model_len, args.max_num_seqs = 6, 1, 256, 16
+        args.wide, args.wide_max_tokens, args.max_model_len, args.max_num_seqs = 6, 4, 256, 16
         args.long_max_tokens = 12
         args.start_timeout = max(args.start_timeout, 600)
         args.deadline_s = max(args.deadline_s, 3600)
@@ -206,14 +178,8 @@ def ab_runs(args, pool) -> list[tuple[str, str, dict]]:
 
 def main() -> int:
     args = parse_args()
-    if args.selftest:
-        from abkit import peer_check, profile_graph
-
-        profile_graph._selftest()
-        peer_check._selftest(args)
-        return 0
     if args.report:
-        print(report(args.report, args.md, args.png))
+        print(report(args.report, args.md))
         return 0
     if args.numbers:
         from abkit.numbers import PAGE, write_page
@@ -228,7 +194,7 @@ def main() -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     phases = _names(args.phases)
-    known = {"kernel", "ab", "sweep", "eager", "start", "graph", "peer"}
+    known = {"ab", "start", "graph"}
     if set(phases) - known:
         raise SystemExit(f"unknown phase(s) {sorted(set(phases) - known)} (known: {sorted(known)})")
 
@@ -284,9 +250,7 @@ def main() -> int:
     rc = 0
     try:
         for ph in phases:
-            if ph == "kernel":
-                kernel_phase(args, results, save)
-            elif ph == "ab":
+            if ph == "ab":
                 runs = ab_runs(args, pool)
                 need: list[str] = []
                 for _label, a, _load in runs:
@@ -299,24 +263,8 @@ def main() -> int:
                         results.setdefault("server_errors", {})[name] = f"{type(e).__name__}: {e}"[-3000:]
                         log(f"[ab] server {name} failed to start; its arms fail: {str(e)[:500]}")
                 run_matrix(pool, "ab", runs, args.trials, ctx, results, save)
-            elif ph == "sweep":
-                pool.ensure([ARMS[a]["server"] for a in SWEEP_ARMS])
-                runs = []
-                for mt in [int(x) for x in args.sweep.split(",")]:
-                    load = {"requests": args.sweep_requests, "concurrency": args.concurrency, "max_tokens": mt}
-                    runs += [(f"{a}@mt{mt}", a, load) for a in SWEEP_ARMS]
-                run_matrix(pool, "sweep", runs, args.sweep_trials, ctx, results, save)
-            elif ph == "eager":
-                pool.ensure(["steer", "eager"])
-                load = {"requests": args.concurrency, "concurrency": args.concurrency,
-                        "max_tokens": args.eager_max_tokens}
-                runs = [("per_request_n16@eager_ref", "per_request_n16", load),
-                        ("eager_per_request_n16", "eager_per_request_n16", load)]
-                run_matrix(pool, "eager", runs, args.eager_trials, ctx, results, save)
             elif ph == "graph":
                 graph_phase(pool, ctx, results, save)
-            elif ph == "peer":
-                peer_phase(pool, ctx, results, save)
             elif ph == "start":
                 names = []
                 for s in _names(args.servers):
@@ -342,7 +290,7 @@ def main() -> int:
         else:
             pool.stop_all()
     try:
-        print(report([str(out_json)], str(out / f"ab_{args.tag}.md"), str(out / f"ab_{args.tag}.png")))
+        print(report([str(out_json)], str(out / f"ab_{args.tag}.md")))
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     log(f"done in {time.time() - common.T0:.0f} s; results {out_json}")

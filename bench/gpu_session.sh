@@ -22,9 +22,6 @@
 #   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer on the single-site
 #                                         arms (post_mlp of layer 8, 16 vectors); KEEP=1 keeps the servers,
 #                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (8), ARMS override
-#   bash bench/gpu_session.sh peer-check  1b: greedy tokens of v3 at layer 8 on hotwire and steer (inline) and
-#                                         unsteered on each (adopts the servers `KEEP=1 ... small` left; KEEP=1 again
-#                                         keeps them); PEER_SCALE (1.0) scales the vector on both
 # Every later run starts with: python3 -c 'import vllm' || exit 3 (a fresh machine fails fast).
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -83,9 +80,5 @@ case "${1:-}" in
       --arms "${ARMS:-stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  peer-check)
-    timeout 590 "${SMALL[@]}" --phases peer --reuse-servers --tag peer1b --peer-scale "${PEER_SCALE:-1.0}" \
-      ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -30
-    ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|small|peer-check" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|small" >&2; exit 2 ;;
 esac

@@ -14,10 +14,8 @@ A/B suite (HTTP, one server process per configuration):
   arms           the ARMS table, request bodies, steering configs, module registration
   stats          per-trial summaries, mean / SEM, deltas
   runner         run_matrix: warm-up checks, interleaved trials, progress lines
-  kernel_phase   runs bench/kernels_bench.py and keeps its JSON
   profile_graph  the torch.profiler graph phase and the trace parser (kernels per CUDA-graph launch)
-  peer_check     the peer phase (hotwire vs vllm-steer greedy tokens) and the single-site self-test
   report         the markdown report of result JSONs
-  plot           the PNG of the deltas
-The end-to-end GPU correctness checks (vllm.LLM against transformers) are pytest tests: tests/gpu_e2e/.
+The end-to-end GPU correctness checks (vllm.LLM against transformers) are pytest tests: tests/gpu_e2e/;
+the kit's CPU checks (trace parser, single-site fields, paired statistics): tests/test_bench_kit.py.
 """

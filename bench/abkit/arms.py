@@ -40,8 +40,6 @@ ARMS = {
     # the binary wire form: msgpack bodies with raw vector bytes (no base64, no JSON parse of vectors)
     "per_request_n16_msgpack": dict(server="steer", kind="per_request", n_configs=16, wire="msgpack"),
     "k256_msgpack": dict(server="steer", kind="per_request", n_configs=None, wide=True, wire="msgpack"),
-    # graph check: the same steered arm on the --enforce-eager server
-    "eager_per_request_n16": dict(server="eager", kind="per_request", n_configs=16),
     # SAE clamping (abkit/sae_files.py): 16 distinct clamp sets of 64 features at 4 layers
     "sae_idle": dict(server="sae", kind="plain"),
     "sae_delta_n16": dict(server="sae", kind="sae", mode="delta", n_configs=16),
@@ -72,7 +70,6 @@ for _arm in ("stock", "stock_c256"):
 AB_ARMS = ["stock", "disabled", "enabled_idle", "named_shared", "all_steered_shared", "per_request_n4",
            "per_request_n16", "stock_c256", "disabled_c256", "k256"]
 LONG_ARMS = ["stock", "per_request_n16"]  # run at --long-max-tokens in the ab phase
-SWEEP_ARMS = ["stock", "enabled_idle", "per_request_n16"]
 
 
 def usable_arms(names: list[str], args, what: str) -> list[str]:

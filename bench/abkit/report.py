@@ -1,10 +1,9 @@
-"""The markdown report of one or more result JSONs of the A/B suite (+ the PNG of the deltas).
+"""The markdown report of one or more result JSONs of the A/B suite.
 
-Tables: per phase (ab, sweep, eager) the arms' mean ± SEM over trials, the deltas against the
-reference arm (``stock``; ``stock_c256`` for the wide load; ``stock@mtN`` for ``…@mtN`` labels),
-and the paired per-trial deltas against the same reference (trial k of the arm against trial k of
-the reference: interleaved, so close in time); the graph phase's kernel counts; the kernel phase's
-rows (columns from the row keys); the peer phase's token comparison (hotwire vs vllm-steer).
+Tables: per ab phase the arms' mean ± SEM over trials, the deltas against the reference arm
+(``stock``; ``stock_c256`` for the wide load; ``stock@mtN`` for ``…@mtN`` labels), and the paired
+per-trial deltas against the same reference (trial k of the arm against trial k of the reference:
+interleaved, so close in time); the graph phase's kernel counts.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ from pathlib import Path
 
 from .arms import ARMS
 from .servers import MULTI_SUFFIX
-from .plot import plot
 from .stats import METRICS, arm_stats, delta, paired_pct
 
-AB_PHASES = ("ab", "sweep", "eager")
+AB_PHASES = ("ab",)
 
 
 def _wide(arm: str) -> bool:
@@ -31,10 +29,6 @@ def reference_label(phase: str, label: str, entry: dict) -> str | None:
         if "@" in label:
             return f"stock{multi}@" + label.split("@", 1)[1]
         return ("stock_c256" if _wide(entry["arm"]) else "stock") + multi
-    if phase == "sweep":
-        return "stock@" + label.split("@")[1]
-    if phase == "eager":
-        return "per_request_n16@eager_ref"
     return None
 
 
@@ -97,7 +91,7 @@ def _phases(merged: dict, base: str) -> list[str]:
     return sorted(ph for ph in merged["phases"] if ph.split("#")[0] == base)
 
 
-def ab_tables(merged: dict, lines: list[str], deltas_for_plot: list) -> None:
+def ab_tables(merged: dict, lines: list[str]) -> None:
     order = [ph for ph in merged["phases"] if ph.split("#")[0] in AB_PHASES]
     for ph in sorted(order, key=lambda x: (AB_PHASES.index(x.split("#")[0]), x)):
         arms = merged["phases"].get(ph)
@@ -127,9 +121,6 @@ def ab_tables(merged: dict, lines: list[str], deltas_for_plot: list) -> None:
             for ref in references(ph, label, e, stats):
                 s, r = stats[label], stats[ref]
                 ds = {m: delta(s[m], r[m]) for m, _ in METRICS}
-                if not ph.startswith("eager"):  # the eager check compares against the graphed arm
-                    deltas_for_plot.append((f"{ph}:{label}", ds))
-                    e["_deltas"] = ds
                 lines.append(f"| {label} | {ref} | " + " | ".join(
                     fmt_delta(ds[m], u) for m, u in METRICS if m not in ("ttft_p99_ms",)) + " |")
         paired_table(ph, arms, stats, lines)
@@ -201,43 +192,6 @@ def graph_table(merged: dict, lines: list[str]) -> None:
                                                      for c in cells) + " |")
 
 
-def kernel_table(merged: dict, lines: list[str]) -> None:
-    for ph in _phases(merged, "kernel"):
-        kb = merged["phases"][ph]
-        lines.append(f"\n#### Phase `{ph}` (bench/kernels_bench.py)\n")
-        scalars = {k: v for k, v in kb.items() if k != "rows" and not isinstance(v, (dict, list))}
-        if scalars:
-            lines.append("; ".join(f"{k}: {fmt_cell(v)}" for k, v in scalars.items()) + "\n")
-        rows = [r for r in kb.get("rows") or [] if isinstance(r, dict)]
-        if not rows:
-            continue
-        cols: list[str] = []
-        for r in rows:
-            cols += [k for k in r if k not in cols]
-        lines.append("| " + " | ".join(cols) + " |")
-        lines.append("| --- " * len(cols) + "|")
-        for r in rows:
-            lines.append("| " + " | ".join(fmt_cell(r.get(c)) for c in cols) + " |")
-
-
-def peer_table(merged: dict, lines: list[str]) -> None:
-    """The peer phase: token ids of the four greedy requests and the verdicts (abkit/peer_check.py)."""
-    for ph in _phases(merged, "peer"):
-        pr = merged["phases"][ph]
-        lines.append(f"\n#### Phase `{ph}` (hotwire vs vllm-steer, greedy, one site)\n")
-        if "skipped" in pr:
-            lines.append(f"skipped: {fmt_cell(pr['skipped'])}")
-            continue
-        lines.append(f"vector {pr.get('vector')} x {pr.get('scale', 1.0)} at post_mlp / layer {pr.get('layer')}, "
-                     f"{pr.get('tokens')} tokens; "
-                     + "; ".join(f"{k}: {pr.get(k)}" for k in ("steered_match", "steered_first_difference",
-                                                              "hotwire_differs_from_unsteered",
-                                                              "steer_differs_from_unsteered", "unsteered_match",
-                                                              "steer_reported_steering", "ok")) + "\n")
-        for name, o in (pr.get("outputs") or {}).items():
-            lines.append(f"- {name}: `{o.get('token_ids')}`")
-
-
 def error_lines(merged: dict, lines: list[str]) -> None:
     for name, err in (merged["phases"].get("server_errors") or {}).items():
         lines.append(f"\nServer `{name}` did not start: {fmt_cell(str(err)[-300:])}")
@@ -246,18 +200,13 @@ def error_lines(merged: dict, lines: list[str]) -> None:
         lines.append("\nThe suite stopped on an error:\n\n```\n" + err[-1500:] + "\n```")
 
 
-def report(paths: list[str], md_path: str | None, png_path: str | None) -> str:
+def report(paths: list[str], md_path: str | None) -> str:
     merged = merge(paths)
     lines: list[str] = []
     error_lines(merged, lines)
-    deltas_for_plot: list[tuple[str, dict]] = []
-    ab_tables(merged, lines, deltas_for_plot)
+    ab_tables(merged, lines)
     graph_table(merged, lines)
-    kernel_table(merged, lines)
-    peer_table(merged, lines)
     text = "\n".join(lines) + "\n"
     if md_path:
         Path(md_path).write_text(text)
-    if png_path and deltas_for_plot:
-        plot(deltas_for_plot, png_path)
     return text

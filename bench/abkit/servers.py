@@ -8,7 +8,6 @@ Servers (each its own process group, all alive together so trials of different s
              block, HOTWIRE_VECTORS=<workdir>/hotwire_vectors (the 16 site vectors, site_vectors.py,
              written before it starts), HOTWIRE_SLOTS=32; CUDA only (its op is a Triton kernel), skipped
              on the CPU launcher
-  eager      the steer server's config plus --enforce-eager
   steer_one  steering on with one site (post_mlp.0: one steered norm), every patch active: an ablation that
              separates the 64 steered norms in the graph from everything else steering on brings
   steer_rows4, steer_mlp   ablations: every site with 4 table rows; post_mlp sites only (32 norms), 272 rows
@@ -42,11 +41,11 @@ from .wheel_site import dist_version, install_wheel
 
 STEER_BLOCK = {"steer": {"max_configs": 272}}
 STEER_ONE_BLOCK = {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}}
-STEER_SERVERS = {"steer": STEER_BLOCK, "eager": STEER_BLOCK, "steer_multi": STEER_BLOCK,
+STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_one": STEER_ONE_BLOCK, "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}},
                  "steer_cond": {"steer": {"max_configs": 272, "conditions": True}}}
-PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "eager": 3, "stock_multi": 5, "steer_multi": 6,
+PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14}
 # steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct; serial: the clamp walk one program per token
@@ -108,8 +107,8 @@ class Server:
         if getattr(a, "tp", 1) > 1:
             cmd += ["--tensor-parallel-size", str(a.tp)]
         if a.launcher != "cpu":
-            cmd += ["--gpu-memory-utilization", str(a.eager_gpu_mem if self.name == "eager" else a.gpu_mem)]
-        if a.enforce_eager or self.name == "eager":
+            cmd += ["--gpu-memory-utilization", str(a.gpu_mem)]
+        if a.enforce_eager:
             cmd += ["--enforce-eager"]
         if self.name in STEER_SERVERS:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]

@@ -1,0 +1,173 @@
+"""The A/B kit's pieces that need no GPU (bench/abkit): the trace parser of the graph phase and of the
+decode-graph check (tests/gpu_e2e/trace_kernels.py) on a synthetic trace, the single-site arms' request fields and packed vectors, the paired statistics, and (with the
+peer wheel in .whl/peer/) the hotwire server's set-up and its vector files read back by hotwire's own
+loader. These were the kit's ``--selftest``; the GPU run of the suite is bench/gpu_session.sh."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.engine_job import ROOT
+from tests.gpu_e2e.trace_kernels import analyze_events, parse_trace
+
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
+
+from abkit.arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field  # noqa: E402
+from abkit.model_dir import SHAPES  # noqa: E402
+from abkit.servers import PEER_SERVER, server_unavailable  # noqa: E402
+from abkit.site_vectors import N_SITE, ctx_site, hotwire_field, hotwire_id, module_name, site_layer, steer_vectors  # noqa: E402
+from abkit.stats import paired_pct  # noqa: E402
+
+PEER_WHEELS = sorted((ROOT / ".whl" / "peer").glob("hotwire_vllm-*.whl"))
+
+
+@pytest.fixture
+def ctx() -> dict:
+    shape = SHAPES["tiny"]
+    return {"shape": shape, "std": 0.05, "pack_dtype": "bfloat16", "site_layer": site_layer(8, shape)}
+
+
+def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
+    """3 graph launches (5, 5 and 7 kernels), 2 eager kernels, steering kernels by name."""
+    ev: list[dict] = []
+    ts = [0.0]
+
+    def x(name, cat, corr, dur=2.0):
+        ts[0] += 3.0
+        ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts[0], "dur": dur, "args": {"correlation": corr}})
+
+    for corr, n, steer_names in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"]), (20, 5, ["vs_capture_rows"]),
+                                 (30, 7, [])):
+        x("cudaGraphLaunch", "cuda_runtime", corr, 1.0)
+        for i in range(n - len(steer_names)):
+            x(f"gemm_{i}", "kernel", corr)
+        for s in steer_names:
+            x(s, "kernel", corr, 4.0)
+    x("cudaLaunchKernel", "cuda_runtime", 40, 1.0)
+    x("apply_steering_kernel", "kernel", 40, 10.0)
+    x("cudaLaunchKernel", "cuda_runtime", 41, 1.0)
+    x("elementwise_kernel", "kernel", 41)
+    ev.append({"ph": "X", "name": "gpu_memcpy", "cat": "gpu_memcpy", "ts": 1.0, "dur": 1.0,
+               "args": {"correlation": 10}})  # not a kernel: not counted
+    ev.append({"ph": "i", "name": "cudaGraphLaunch", "cat": "cuda_runtime", "ts": 1.0})  # not an X event
+    p = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    r = parse_trace(p)
+    want = {"kernels": 19, "graph_launches": 3, "kernels_per_launch_hist": {"5": 2, "7": 1},
+            "kernels_per_step": 5, "graph_kernels": 17, "eager_kernels": 2, "eager_kernel_us": 12.0,
+            "steer_kernels": 3, "steer_kernel_us": 18.0, "steer_kernels_in_graphs": 2, "steer_kernels_eager": 1,
+            "steer_kernels_per_step": 1, "kernel_us": 50.0, "graph_kernel_us": 38.0}
+    assert {k: r[k] for k in want} == want
+    # no graph launches at all (eager server): every kernel is eager, no per-step count
+    r2 = analyze_events([e for e in ev if not e["name"].startswith("cudaGraph")])
+    assert (r2["graph_launches"], r2["kernels_per_step"], r2["eager_kernels"]) == (0, None, 19), r2
+
+
+def test_single_site_arms_send_what_each_plugin_reads(ctx):
+    assert ctx["site_layer"] == 1
+    assert not expects_steering_field(ARMS["hotwire_ids16"]) and not expects_steering_field(ARMS["hotwire_idle"])
+    assert expects_steering_field(ARMS["site_named16"]) and expects_steering_field(ARMS["site_inline16"])
+    _check_fields(ctx)
+    _check_packed(ctx)
+
+
+def test_paired_deltas_pair_trials_by_number():
+    arm = {"trials": [{"trial": 0, "throughput": 110.0}, {"trial": 2, "throughput": 90.0}]}
+    ref = {"trials": [{"trial": 0, "throughput": 100.0}, {"trial": 1, "throughput": 50.0},
+                      {"trial": 2, "throughput": 100.0}]}
+    p = paired_pct(arm, ref, "throughput")
+    assert p["trials"] == [0, 2] and [round(x, 6) for x in p["pct"]] == [10.0, -10.0] and not p["significant"]
+
+
+@pytest.mark.skipif(not PEER_WHEELS, reason="needs the peer wheel in .whl/peer/ (not in the repository)")
+def test_the_hotwire_server_reads_our_vector_files(ctx, tmp_path):
+    import ab_suite
+
+    args = ab_suite.parse_args(["--peer-wheel", str(PEER_WHEELS[-1]), "--workdir", str(tmp_path)])
+    args.shape, args.launcher = "tiny", "gpu"  # gpu: the hotwire server is available
+    site = _check_server(args, ctx, tmp_path)
+    _check_hotwire_reads(site, ctx, tmp_path / "hotwire_vectors")
+
+
+def _check_fields(ctx: dict) -> None:
+    layer, vecs = ctx_site(ctx)
+    n = 2 * N_SITE + 3
+    hw = arm_fields(ARMS["hotwire_ids16"], n, 0, ctx)
+    for i, f in enumerate(hw):
+        raw = f["vllm_xargs"]["hotwire"]
+        assert isinstance(raw, str) and json.loads(raw) == {"id": f"v{i % 16}", "layer": layer, "scale": 1.0}, raw
+    named = arm_fields(ARMS["site_named16"], n, 0, ctx)
+    assert [f["steering_module"]["name"] for f in named] == [module_name(i % 16) for i in range(n)]
+    inline = arm_fields(ARMS["site_inline16"], n, 0, ctx)
+    for i, f in enumerate(inline):
+        assert f["steering_vectors"] == steer_vectors(vecs[i % 16], layer, ctx["pack_dtype"])
+    mods = arm_modules(ARMS["site_named16"], ctx)
+    assert list(mods) == [module_name(i) for i in range(16)]
+    assert all(mods[module_name(i)] == steer_vectors(vecs[i], layer, ctx["pack_dtype"]) for i in range(16))
+    body = json.loads(build_bodies([[1, 2, 3]], hw[:1], 4)[0])
+    assert body["vllm_xargs"] == hw[0]["vllm_xargs"] and body["prompt"] == [1, 2, 3]
+
+
+def _check_packed(ctx: dict) -> None:
+    """The packed site vector decodes to the vector (float32: exactly) at [layer]."""
+    import base64
+
+    import numpy as np
+
+    layer, vecs = ctx_site(ctx)
+    packed = steer_vectors(vecs[5], layer, "float32")["post_mlp"]
+    assert packed["layer_indices"] == [layer] and packed["shape"] == [1, ctx["shape"]["hidden"]]
+    got = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.float32)
+    assert np.array_equal(got, vecs[5]) and "scales" not in packed
+    assert steer_vectors(vecs[5], layer, "float32", 0.5)["post_mlp"]["scales"] == [0.5]
+    assert json.loads(hotwire_field(5, layer, 0.5)["vllm_xargs"]["hotwire"])["scale"] == 0.5
+
+
+def _check_server(args, ctx: dict, workdir) -> object:
+    """The hotwire server's env and command as Pool would start it; returns its site folder (or None)."""
+    from abkit.servers import Pool, Server
+
+    assert server_unavailable(PEER_SERVER, args) is None
+    pool = Pool(args, workdir / "model", workdir)
+    s = Server(PEER_SERVER, pool.ports[PEER_SERVER], args, workdir / "model", workdir)
+    pool.prepare(s)
+    env, cmd = s.env(), s.command()
+    assert env["VLLM_PLUGINS"] == "hotwire" and env["VLLM_CACHE_ROOT"].endswith("-hotwire")
+    assert env["PYTHONPATH"].split(":")[0] == str(s.pythonpath_first)
+    assert env["HOTWIRE_VECTORS"] == str(workdir / "hotwire_vectors") and env["HOTWIRE_SLOTS"] == "32"
+    assert "--additional-config" not in cmd and str(pool.ports[PEER_SERVER]) in cmd
+    files = sorted(p.name for p in (workdir / "hotwire_vectors").glob("*.pt"))
+    assert files == sorted(f"v{i}.pt" for i in range(N_SITE)), files
+    return s.pythonpath_first
+
+
+def _check_hotwire_reads(site, ctx: dict, folder) -> None:
+    """hotwire's own loader and parser on our files and fields: each id's slot holds its vector."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(site))
+    try:
+        from hotwire import _state
+    finally:
+        sys.path.remove(str(site))
+    layer, vecs = ctx_site(ctx)
+    shape = ctx["shape"]
+    st = _state.SteerState(shape["layers"], shape["hidden"], 64, torch.device("cpu"), torch.float32, N_SITE)
+    st.load_store(str(folder))
+    assert sorted(st.store) == sorted(hotwire_id(i) for i in range(N_SITE))
+    for i, f in enumerate(arm_fields(ARMS["hotwire_ids16"], N_SITE, 0, ctx)):
+        (spec,) = _state.parse_spec(f["vllm_xargs"]["hotwire"])
+        slot = st.slot_for(spec["id"], int(spec["layer"]), float(spec.get("scale", 1.0)))
+        assert slot is not None and int(spec["layer"]) == layer
+        assert torch.equal(st.bank.bank[slot], torch.from_numpy(vecs[i])), spec
