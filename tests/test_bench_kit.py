@@ -119,10 +119,6 @@ def _check_fields(ctx: dict) -> None:
 
 def _check_packed(ctx: dict) -> None:
     """The packed site vector decodes to the vector (float32: exactly) at [layer]."""
-    import base64
-
-    import numpy as np
-
     layer, vecs = ctx_site(ctx)
     packed = steer_vectors(vecs[5], layer, "float32")["post_mlp"]
     assert packed["layer_indices"] == [layer] and packed["shape"] == [1, ctx["shape"]["hidden"]]
@@ -152,8 +148,6 @@ def _check_server(args, ctx: dict, workdir) -> object:
 
 def _check_hotwire_reads(site, ctx: dict, folder) -> None:
     """hotwire's own loader and parser on our files and fields: each id's slot holds its vector."""
-    import sys
-
     import torch
 
     sys.path.insert(0, str(site))

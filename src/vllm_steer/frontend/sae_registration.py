@@ -81,7 +81,7 @@ class _Registration:
     def __init__(self, frontend: Any, name: str, config: SaeModuleConfig, replace: bool) -> None:
         if name in frontend.sae_config:
             raise SaeExistsError(f"SAE {name!r} was loaded at start-up (steer.sae) and cannot be replaced")
-        self.old = REGISTRY.entries.get(name)
+        self.old = REGISTRY.get(name)
         self.replace = replace
         if self.old is not None and not replace:
             raise SaeExistsError(f"SAE {name!r} exists; pass replace=true to replace it")
@@ -94,7 +94,7 @@ class _Registration:
                 raise SlotError(f"site {site[0]}.{site[1]} holds the SAE {holder!r}; delete it first")
         self.sites = [f"{h}.{l}" for h, l in self.entry.sites]
         if self.old is not None:  # new requests can no longer name the old one
-            REGISTRY.entries.pop(name, None)
+            REGISTRY.drop(name)
         busy = _in_transit(set(self.sites))
         if busy:
             self.undo()
@@ -112,7 +112,7 @@ class _Registration:
     def undo(self) -> None:
         REGISTRY.pending.difference_update(self.entry.sites)
         if self.old is not None:
-            REGISTRY.entries[self.entry.name] = self.old
+            REGISTRY.publish(self.old)
 
     def finish(self, replies: list) -> SaeEntry:
         refused = next((r for r in replies if isinstance(r, dict) and ("busy" in r or "refused" in r)), None)
@@ -120,7 +120,7 @@ class _Registration:
             self.undo()
             raise _refusal(self.entry.name, refused)
         REGISTRY.pending.difference_update(self.entry.sites)
-        REGISTRY.entries[self.entry.name] = self.entry  # only now can a request name it
+        REGISTRY.publish(self.entry)  # only now can a request name it
         return self.entry
 
     def failed(self, e: Exception) -> Exception:
@@ -187,10 +187,10 @@ async def unregister_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any
     while it is in use)."""
     async with SAE_SYNC.lock:
         await SAE_SYNC.refresh_locked(rpc, frontend)
-        if name not in REGISTRY.entries:
+        if REGISTRY.get(name) is None:
             return None
         reply = (await rpc("vllm_steer_unregister_sae", args=(name,)))[0]
-        entry = REGISTRY.entries.pop(name, None)
+        entry = REGISTRY.drop(name)
         await SAE_SYNC.refresh_locked(rpc, frontend)
         return None if reply.get("refused") else entry
 
@@ -200,7 +200,7 @@ def unregister_sae(llm: Any, name: str) -> SaeEntry:
     unknown name. ``llm`` pairs it with ``register_sae``."""
     entry = REGISTRY.entries[name]
     llm.collective_rpc("vllm_steer_unregister_sae", args=(name,))
-    return REGISTRY.entries.pop(name, entry)
+    return REGISTRY.drop(name) or entry
 
 
 def register_sae(llm: Any, name: str, path: str, format: str | None = None, site: str | None = None,

@@ -149,9 +149,7 @@ class SteeringRuntime:
         if needs_write:
             self._write(row, rows(), sae, condition)
         if became_live:
-            self.tables.set_live(row, True)
-            if self.conditions is not None:
-                self.conditions.set_live(row, True)
+            self._set_live(row, True)
         return row
 
     def _write(self, row: int, layout: Layout, sae: list | None = None, condition: list | None = None) -> None:
@@ -165,9 +163,13 @@ class SteeringRuntime:
     def _release(self, key: str) -> None:
         row = self.rows.row_of(key)
         if self.rows.release(key):
-            self.tables.set_live(row, False)
-            if self.conditions is not None:
-                self.conditions.set_live(row, False)
+            self._set_live(row, False)
+
+    def _set_live(self, row: int, live: bool) -> None:
+        """A row became live or was released: the tables' any-active flags and the condition flag follow."""
+        self.tables.set_live(row, live)
+        if self.conditions is not None:
+            self.conditions.set_live(row, live)
 
     def _vectors_for(self, steering: EngineSteering, key: str) -> Layout:
         if key in steering.configs:

@@ -50,7 +50,6 @@ class StopWatch:
         self._ring = PinnedRing((max_num_reqs,), torch.int64, gate.device)
         self._planned: list[str] = []
         self.pending: _Step | None = None
-        self.stopped = 0  # requests stopped, since start
 
     def watch(self, req_id: str, stop: list, prompt_len: int) -> None:
         above, tokens, from_prompt = stop
@@ -119,5 +118,4 @@ class StopWatch:
                 if w.run >= w.tokens:
                     stops[req_id] = gate
                     del self.watched[req_id]
-        self.stopped += len(stops)
         return stops
