@@ -5,6 +5,7 @@ compute the same gate from the same residual (SmolLM2, float32, CPU lane), in a 
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -14,6 +15,7 @@ import torch
 
 from tests import hf_oracle
 from tests.engine_job import run_job
+from tests.server import scrape_metrics
 from tests.steering_cases import floats, params, vector
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.payload import PAYLOAD_KEY
@@ -360,7 +362,6 @@ def test_over_http_an_open_gate_steers_fully_and_a_shut_one_not_at_all(api_serve
     def gated(threshold: float) -> dict:
         return {"site": f"post_mlp.{PROBE_LAYER}", "probe": probe, "threshold": threshold, "mode": "hard"}
 
-    from tests.server import scrape_metrics
 
     counted, refused = 'vllm_steer_requests_total{kind="condition"}', \
         'vllm_steer_rejected_total{field="steering_condition",status="400"}'
@@ -386,6 +387,8 @@ def test_over_http_stop_when_finishes_with_its_own_reason(api_server):
     """Completions (streaming or not) and chat: a request whose open gate passes ``stop_when`` for 2
     tokens ends after 2 with finish_reason "stop_when" and the gate as stop_reason."""
     base, model = api_server[0], api_server[1]
+    counted = "vllm_steer_stop_when_stops_total"
+    before = scrape_metrics(base).get(counted, 0.0)
     fields = {"steering_vectors": {"post_mlp": {str(STEER_LAYER): vector(HIDDEN, 1, SCALE).tolist()}},
               "steering_condition": _open_gate("both", 2)}
     done = _http(base, model, **fields).json()
@@ -399,6 +402,11 @@ def test_over_http_stop_when_finishes_with_its_own_reason(api_server):
         "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
         "ignore_eos": True, **fields}).json()
     assert (chat["choices"][0]["finish_reason"], chat["usage"]["completion_tokens"]) == ("stop_when", 2), chat
+    deadline = time.time() + 30  # on /metrics: the three stops (a scrape may answer an earlier question)
+    while scrape_metrics(base).get(counted, 0.0) < before + 3:
+        assert time.time() < deadline, scrape_metrics(base).get(counted)
+        time.sleep(0.5)
+    assert scrape_metrics(base)[counted] == before + 3
 
 
 def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_module):

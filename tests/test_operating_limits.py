@@ -8,6 +8,7 @@ a 400, a request that waits past ``max_row_wait_s`` while running requests hold 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import warnings
@@ -137,8 +138,15 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
     r, waited = answers["plain"]
     assert r.status_code == 503, r.text
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
-    assert "steer.max_row_wait_s" in r.json()["error"]["message"] and r.headers.get("retry-after")
-    assert WAIT_S <= waited < WAIT_S + 20
+    message = r.json()["error"]["message"]
+    assert "steer.max_row_wait_s" in message and r.headers.get("retry-after")
+    # The engine's own wait (in the message) holds the bound; the client's time adds the API process and
+    # this 2-core box's scheduling (CI once saw 29 s there with the engine's wait unknown): reported.
+    engine_waited = float(re.search(r"waited ([0-9.]+) s", message).group(1))
+    assert WAIT_S <= engine_waited < WAIT_S + 10, (message, timing)
+    assert engine_waited <= waited + 0.05, (message, timing)
+    if waited > engine_waited + 10:
+        warnings.warn(f"the 503 took {waited:.1f} s, the engine waited {engine_waited:.2f} s: {timing}\n{log_tail(log, 60)}")
     status, ctype, body, _ = answers["stream"]  # refused before any byte of a stream: a plain JSON error
     assert status == 503 and ctype == "application/json", body
     assert "steer.max_row_wait_s" in json.loads(body)["error"]["message"]

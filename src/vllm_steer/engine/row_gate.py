@@ -98,3 +98,7 @@ class RowGate:
             (expired if stuck and now - since >= self.max_wait_s else keep).append(req)
         self.wait_timeouts += len(expired)
         return keep, expired
+
+    def waited(self, req_id: str, now: float) -> float:
+        """Seconds since the first step that set this request aside (0 if it never was)."""
+        return now - self._held_since.get(req_id, now)

@@ -28,9 +28,10 @@ from vllm_steer.engine.refusals import flush, refuse
 from vllm_steer.engine.row_gate import RowGate
 
 
-def _row_wait_refusal(gate: RowGate) -> Refusal:
+def _row_wait_refusal(gate: RowGate, waited: float) -> Refusal:
     return Refusal(503, None, (
-        f"no steering-table row became free within {gate.max_wait_s:g} s (steer.max_row_wait_s): all "
+        f"waited {waited:.2f} s for a steering-table row: none became free within {gate.max_wait_s:g} s "
+        f"(steer.max_row_wait_s): all "
         f"{gate.capacity} rows (steer.max_configs - 1) hold the configs of running requests; retry later"))
 
 
@@ -61,6 +62,7 @@ def patch_scheduler() -> None:
         self.steer_gate = RowGate(cfg.usable_rows, cfg.max_row_wait_s) if cfg is not None else None
         self.steer_outbox = []  # (request, Refusal) finished by us, their outputs not sent yet
         self.steer_stops = None  # request id -> gate: this step's stop_when stops (runtime.stop_watch)
+        self.steer_stop_when_stops = 0  # requests stop_when finished (on /metrics)
 
     def add_request(self, request):
         gate: RowGate | None = self.steer_gate
@@ -93,8 +95,8 @@ def patch_scheduler() -> None:
                 if held:
                     queue.remove_requests(held)
                     set_aside.append((queue, held))
-        if expired:
-            refuse(self, [r.request_id for r in expired], _row_wait_refusal(gate))
+        for req in expired:
+            refuse(self, [req.request_id], _row_wait_refusal(gate, gate.waited(req.request_id, now)))
         try:
             out = orig_schedule(self, *args, **kwargs)
         finally:
@@ -122,6 +124,7 @@ def patch_scheduler() -> None:
 
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = encode_stop(stops[request.request_id])
+            self.steer_stop_when_stops += 1
             stopped = True
         return new_token_ids, stopped
 

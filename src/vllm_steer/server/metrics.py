@@ -19,6 +19,7 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   rows) whose row was taken for another config.
 - ``vllm_steer_row_wait_timeouts_total`` counter: steered requests refused (503) after waiting
   ``steer.max_row_wait_s`` for a row.
+- ``vllm_steer_stop_when_stops_total`` counter: requests finished by their condition's ``stop_when``.
 - ``vllm_steer_row_uploads_total`` counter: configs written into the tables (a config whose row is
   still resident is not written again).
 - ``vllm_steer_row_upload_bytes_total`` counter: bytes those uploads copied into the tables (per
@@ -77,6 +78,8 @@ ENGINE_COUNTERS = {
                              "pre-materialized rows) whose row was taken for another config"),
     "row_wait_timeouts": Counter("vllm_steer_row_wait_timeouts", "Steered requests refused (503) after waiting "
                                  "steer.max_row_wait_s for a steering-table row"),
+    "stop_when_stops": Counter("vllm_steer_stop_when_stops", "Requests finished by their steering_condition's "
+                               "stop_when (finish_reason stop_when)"),
     "capture_rows": Counter("vllm_steer_capture_rows", "Residual rows captured, summed over workers"),
     "capture_dropped_rows": Counter("vllm_steer_capture_dropped_rows",
                                     "Residual rows not captured because the step's pool was full"),
