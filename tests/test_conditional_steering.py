@@ -16,7 +16,9 @@ import torch
 from tests import hf_oracle
 from tests.engine_job import run_job
 from tests.server import scrape_metrics
+from tests.sae_writers import write_gemma_scope
 from tests.steering_cases import floats, params, vector
+from tests.test_sae_engine import BIG as SAE_BIG, SAES, _edit as sae_edit
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.payload import PAYLOAD_KEY
 from vllm_steer.core.hooks import site_order
@@ -74,6 +76,31 @@ def _frontend(**steer):
 V = [0.5] * 8
 
 
+def _packed(values: list[float], dtype: str = "float32") -> str:
+    import base64
+
+    from vllm_steer.core import bf16
+
+    arr = np.asarray(values, dtype=np.float32)
+    raw = bf16.to_bits(arr).tobytes() if dtype == "bfloat16" else arr.astype(dtype).tobytes()
+    return base64.b64encode(raw).decode()
+
+
+def test_a_packed_probe_is_the_same_probe_as_its_floats():
+    fe = _frontend(conditions=True)
+    probe = [0.25 * (i - 3) for i in range(8)]  # exact in every packed dtype
+    steer = {"steering_vectors": {"post_mlp": {"6": V}}}
+    listed, key, _ = fe.resolve({**steer, "steering_condition": {"site": "post_mlp.4", "probe": probe}})
+    for dtype in ("float32", "float16", "bfloat16"):
+        packed, pkey, _ = fe.resolve({**steer, "steering_condition": {
+            "site": "post_mlp.4", "probe": {"dtype": dtype, "data": _packed(probe, dtype)}}})
+        assert pkey == key and packed["condition"] == listed["condition"], dtype
+    raw = np.asarray(probe, dtype=np.float32).tobytes()  # bytes, as a msgpack body carries them
+    _, bkey, _ = fe.resolve({**steer, "steering_condition": {"site": "post_mlp.4",
+                                                              "probe": {"dtype": "float32", "data": raw}}})
+    assert bkey == key
+
+
 @pytest.mark.parametrize("cond, steer, field, words", [
     ({"site": "post_mlp.2", "probe": V}, {"post_mlp": {"1": V}}, "steering_condition.site", "before the probe"),
     ({"site": "post_mlp.2", "probe": V}, None, "steering_condition", "has none"),
@@ -118,6 +145,20 @@ V = [0.5] * 8
      "steering_condition.stop_when", "expected"),
     ({"site": "post_mlp.2", "probe": V, "phase": "prefill", "stop_when": {"above": 0.5}}, {"post_mlp": {"3": V}},
      "steering_condition.stop_when", "must gate decode"),
+    ({"site": "post_mlp.2", "probe": {"dtype": "int8", "data": ""}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.dtype", "unknown dtype"),
+    ({"site": "post_mlp.2", "probe": {"dtype": "float32", "data": "AAAA"}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.data", "needs 32"),
+    ({"site": "post_mlp.2", "probe": {"dtype": "float32", "data": "%%%"}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.data", "base64"),
+    ({"site": "post_mlp.2", "probe": {"dtype": "float32", "data": _packed([float("inf")] * 8)}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.data", "Inf"),
+    ({"site": "post_mlp.2", "probe": {"dtype": "float32", "data": _packed(V), "module": "m"}}, {"post_mlp": {"3": V}},
+     "steering_condition.probe.module", "unknown key"),
+    ({"site": "post_mlp.2", "probe": V, "applies_to": "clamps"}, {"post_mlp": {"3": V}},
+     "steering_condition.applies_to", "'both'"),
+    ({"site": "post_mlp.2", "probe": V, "applies_to": "sae"}, {"post_mlp": {"3": V}},
+     "steering_condition", "scales SAE clamps"),
 ])
 def test_bad_conditions_are_refused_naming_the_field(cond, steer, field, words, probe_module):
     fe = _frontend(conditions=True)
@@ -210,9 +251,15 @@ def probe_setup(smollm2_path, prompt_ids):
             "v1": vector(HIDDEN, 1, SCALE), "v2": vector(HIDDEN, 2, SCALE / 2)}
 
 
-def _condition(ps: dict, mode: str, phase: str = "both") -> dict:
+def _condition(ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors") -> dict:
     return {"site": f"post_mlp.{PROBE_LAYER}", "probe": [float(x) for x in ps["probe"]], "threshold": ps["threshold"],
-            "sharpness": ps["sharpness"], "mode": mode, "phase": phase}
+            "sharpness": ps["sharpness"], "mode": mode, "phase": phase, "applies_to": applies_to}
+
+
+# An SAE at STEER_LAYER's post_mlp site (so the vectors there run through the SAE norm's conditional op
+# too), and its clamps gated alone (applies_to sae) or with the vectors (both): requests 8 and 9
+SAE_SITE = ("post_mlp", STEER_LAYER)
+SAE_CLAMPS = {"name": "gs", "clamps": SAE_BIG}
 
 
 def _vectors(ps: dict) -> dict:
@@ -257,10 +304,15 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
              params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft", "decode")),
              params(steering_vectors=_vectors(ps), steering_condition=soft_stop),
              params(steering_vectors=_vectors(ps), steering_condition=_open_gate("both", 3)),
-             params(steering_vectors=_vectors(ps), steering_condition=_open_gate("decode", 3))]
-    engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 8,
-              "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 8,
-                                                                                    "conditions": True}}}
+             params(steering_vectors=_vectors(ps), steering_condition=_open_gate("decode", 3)),
+             params(sae=SAE_CLAMPS, steering_condition=_condition(ps, "soft", applies_to="sae")),
+             params(sae=SAE_CLAMPS, steering_vectors=_vectors(ps), steering_condition=_condition(ps, "hard",
+                                                                                                   applies_to="both"))]
+    d = tmp_path_factory.mktemp("cond")
+    sae = {"gs": {"path": write_gemma_scope(str(d / "gs"), SAES["gs"][SAE_SITE]), "site": "post_mlp.%d" % STEER_LAYER}}
+    engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 10,
+              "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 12,
+                                                                                    "conditions": True, "sae": sae}}}
     job = {"model": smollm2_path, "llm_kwargs": engine,
            "calls": [{"prompts": [{"prompt_token_ids": list(prompt_ids)}] * len(batch), "params": batch}]
            + [{"prompts": [{"prompt_token_ids": list(prompt_ids)}], "params": [p]} for p in batch[:2]]
@@ -269,13 +321,15 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
                           "steering_condition": _condition(ps, "soft")}},
               {"prompts": [{"prompt_token_ids": list(prompt_ids)}],
                "params": [params(steering_module={"name": "gated", "scale": 1.0})]}]}
-    res = run_job(job, tmp_path_factory.mktemp("cond"))
+    res = run_job(job, d)
     return {"mixed": res["calls"][0], "alone": [c[0] for c in res["calls"][1:3]], "module": res["calls"][4][0]}
 
 
-def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str = "both"):
-    """transformers with hooks: the gate from the residual leaving layer PROBE_LAYER, then each vector
-    scaled by its token's gate (``phase`` decode: the prompt's tokens ungated, the generated ones gated)."""
+def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors",
+              clamps: list | None = None, vectors: bool = True):
+    """transformers with hooks: the gate from the residual leaving layer PROBE_LAYER, then at each later
+    site the SAE clamp's move (``clamps``, at SAE_SITE) and each vector, scaled by its token's gate as
+    ``applies_to`` says (``phase`` decode: the prompt's tokens ungated, the generated ones gated)."""
     probe = torch.from_numpy(ps["probe"])
     gate: dict[str, torch.Tensor] = {}
 
@@ -286,11 +340,20 @@ def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str 
             gate["g"][..., :len(prompt_ids)] = 1.0
         return s
 
-    def add(v: np.ndarray):
-        vt = torch.from_numpy(v)
-        return lambda s: s + gate["g"][..., None] * vt
+    def weight(what: str) -> torch.Tensor:
+        return gate["g"][..., None] if applies_to in (what, "both") else torch.ones(())
 
-    edits = [("post_mlp", PROBE_LAYER, read_gate), ("post_mlp", STEER_LAYER, add(ps["v1"])),
+    def add(v: np.ndarray | None, clamp=None):
+        vt = torch.from_numpy(v) if v is not None and vectors else torch.zeros(())
+
+        def edit(s: torch.Tensor) -> torch.Tensor:
+            if clamp is not None:  # the clamp first, as at every site: its move scaled
+                s = s + weight("sae") * (clamp(s) - s)
+            return s + weight("vectors") * vt
+        return edit
+
+    clamp = sae_edit(SAES["gs"][SAE_SITE], "delta", clamps) if clamps else None
+    edits = [("post_mlp", PROBE_LAYER, read_gate), ("post_mlp", STEER_LAYER, add(ps["v1"], clamp)),
              ("pre_attn", STEER_LAYER + 2, add(ps["v2"]))]
     return hf_oracle.greedy(path, prompt_ids, 12, edits=edits)
 
@@ -312,6 +375,21 @@ def test_gated_steering_matches_transformers_with_the_same_gate(cond_run, smollm
         np.testing.assert_allclose(cond_run["module"]["logprobs"], got["logprobs"], atol=1e-4)
 
 
+@pytest.mark.parametrize("i, mode, applies_to, vectors", [(8, "soft", "sae", False), (9, "hard", "both", True)])
+def test_gated_sae_clamps_match_transformers_with_the_same_gate(cond_run, smollm2_path, prompt_ids, probe_setup, i,
+                                                                mode, applies_to, vectors):
+    """``applies_to``: the clamp's move at the SAE site (and the vectors, for ``both``) scaled by the gate,
+    in the same mixed batch (whose other requests' vectors at that site ran through the SAE norm too)."""
+    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, mode, applies_to=applies_to,
+                                    clamps=SAE_BIG, vectors=vectors)
+    got = cond_run["mixed"][i]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    ungated, _ = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[
+        ("post_mlp", STEER_LAYER, sae_edit(SAES["gs"][SAE_SITE], "delta", SAE_BIG))])
+    assert got["token_ids"] != ungated and got["token_ids"] != cond_run["mixed"][3]["token_ids"]  # the gate mattered
+
+
 def test_stop_when_ends_a_request_where_transformers_gate_passes_the_bound(cond_run, stop_setup):
     """``stop_when``: the soft gate's request ends at the first two consecutive generated tokens whose
     gate (transformers' residual, same probe) is above the bound, with finish_reason "stop_when" and that
@@ -326,7 +404,7 @@ def test_stop_when_ends_a_request_where_transformers_gate_passes_the_bound(cond_
     assert abs(float(soft["stop_reason"]) - stop_setup["gates"][j]) < 1e-2
     for got, n in ((cond_run["mixed"][6], 3), (cond_run["mixed"][7], 4)):
         assert (got["finish_reason"], len(got["token_ids"]), float(got["stop_reason"])) == ("stop_when", n, 1.0)
-    assert [r["finish_reason"] for r in cond_run["mixed"][:5]] == ["length"] * 5
+    assert [r["finish_reason"] for r in cond_run["mixed"][:5] + cond_run["mixed"][8:]] == ["length"] * 7
 
 
 def test_the_gate_matters_and_the_neighbours_are_untouched(cond_run, smollm2_path, prompt_ids, probe_setup):
@@ -409,6 +487,44 @@ def test_over_http_stop_when_finishes_with_its_own_reason(api_server):
     assert scrape_metrics(base)[counted] == before + 3
 
 
+def test_a_condition_gates_sae_clamps_as_applies_to_says(tmp_path):
+    """``applies_to``: the condition keys the phase's whole config (vectors and clamps), the clamps travel
+    under that key; gated clamps before the probe, and a probe beside an SAE site, are refused; vectors a
+    condition does not gate may sit before the probe; a module's condition must gate its vectors."""
+    from tests.sae_writers import random_sae, write_gemma_scope
+    from vllm_steer.frontend.module_registration import module_from_json
+
+    path = write_gemma_scope(str(tmp_path / "gs"), random_sae(8, 16, "jumprelu", seed=1))
+    fe = _frontend(conditions=True, max_configs=8, sae={"gs": {"path": path, "site": "post_mlp.6"}})
+    clamps = {"name": "gs", "clamps": [{"feature": 3, "value": 2.0}]}
+    cond = {"site": "post_mlp.4", "probe": V, "applies_to": "sae"}
+    plain_sae, sk, _ = fe.resolve({"sae": clamps})
+    gated, pk, dk = fe.resolve({"sae": clamps, "steering_condition": cond})
+    assert pk == dk and pk != sk and set(gated["condition"]) == {pk} and gated["condition"][pk][6] == 2
+    assert set(gated["sae"]) == {pk} and gated["sae"][pk] == plain_sae["sae"][sk] and gated["configs"][pk] == []
+    early = {"post_mlp": {"1": V}}  # vectors before the probe: fine while the condition gates only the clamps
+    mixed, mk, _ = fe.resolve({"sae": clamps, "steering_condition": cond, "steering_vectors": early})
+    assert mk not in (pk, sk) and mixed["configs"][mk] and mixed["sae"][mk] == gated["sae"][pk]
+    both, bk, _ = fe.resolve({"sae": clamps, "steering_condition": {**cond, "applies_to": "both"},
+                              "steering_vectors": {"post_mlp": {"5": V}}})
+    assert both["condition"][bk][6] == 3
+    for extra, field, words in (
+            ({"steering_vectors": early, "steering_condition": {**cond, "applies_to": "both"}},
+             "steering_condition.site", "before the probe"),
+            ({"steering_condition": {**cond, "site": "post_mlp.7"}}, "steering_condition.site", "before the probe"),
+            ({"steering_condition": {**cond, "site": "pre_attn.7", "applies_to": "vectors"},
+              "steering_vectors": {"post_mlp": {"7": V}}}, "steering_condition.site", "shares its norm"),
+            ({"steering_condition": {**cond, "phase": "decode"}, "sae": {**clamps, "phase": "prefill"}},
+             "steering_condition", "none in its decode phase")):
+        with pytest.raises(SteeringSpecError) as e:
+            fe.resolve({"sae": clamps, **extra})
+        assert e.value.field == field and words in str(e.value), (extra, str(e.value))
+    with pytest.raises(SteeringSpecError) as e:
+        module_from_json({"name": "m", "steering_vectors": {"post_mlp": {"5": V}}, "steering_condition": cond},
+                         fe.module_shape, True)
+    assert e.value.field == "steering_condition.applies_to" and "a module's condition gates its vectors" in str(e.value)
+
+
 def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_module):
     from vllm_steer.frontend.module_registration import module_from_json
     from vllm_steer.frontend.module_store import STORE
@@ -442,8 +558,7 @@ def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_modul
                                 "steering_condition": {**cond, "threshold": 0.25}})
         assert len({pk, plain, own}) == 3
         with pytest.raises(SteeringSpecError) as e:  # what the module's condition cannot take names the module
-            fe.resolve({"steering_module": {"name": "gated", "scale": 1.0},
-                        "sae": {"name": "x", "clamps": [{"feature": 0, "value": 1.0}]}})
+            fe.resolve({"steering_module": {"name": "gated", "scale": 1.0}, "steering_vectors": {"post_mlp": {"1": V}}})
         assert e.value.field == "steering_module.name" and "module's steering_condition" in str(e.value)
     finally:
         STORE.drop("gated")

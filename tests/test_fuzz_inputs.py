@@ -171,6 +171,10 @@ def _condition_cases() -> Iterator[Case]:
                              ("probe-str", {**ok, "probe": "x"}, f"{f}.probe"),
                              ("probe-inf", {**ok, "probe": [1e400] * HIDDEN}, f"{f}.probe"),
                              ("probe-module", {**ok, "probe": {"module": "no-such-module"}}, f"{f}.probe.module"),
+                             ("probe-packed-dtype", {**ok, "probe": {"dtype": "x", "data": ""}}, f"{f}.probe.dtype"),
+                             ("probe-packed-short", {**ok, "probe": {"dtype": "float32", "data": "AAAA"}},
+                              f"{f}.probe.data"),
+                             ("probe-packed-str", {**ok, "probe": {"dtype": "float32", "data": 5}}, f"{f}.probe.data"),
                              ("probe-module-site", {**ok, "probe": {"module": "preloaded"}}, f"{f}.probe.module"),
                              ("probe-extra", {**ok, "probe": {"module": "preloaded", "scale": 2}}, f"{f}.probe.scale"),
                              ("threshold", {**ok, "threshold": "a"}, f"{f}.threshold"),
@@ -192,7 +196,11 @@ def _condition_cases() -> Iterator[Case]:
                              ("stop-prefill", {**ok, "phase": "prefill", "stop_when": {"above": 0.5}}, f"{f}.stop_when")):
         yield f"condition:{name}", {**vec, f: bad}, field
     yield "condition:no-vectors", {f: ok}, f
-    yield "condition:with-sae", {**vec, f: ok, "sae": {"name": "fz", "clamps": [{"feature": 3, "value": 1.0}]}}, f
+    clamps = {"sae": {"name": "fz", "clamps": [{"feature": 3, "value": 1.0}]}}  # fz: post_mlp.12
+    yield "condition:applies-to", {**vec, f: {**ok, "applies_to": "all"}}, f"{f}.applies_to"
+    yield "condition:applies-to-sae-none", {**vec, f: {**ok, "applies_to": "sae"}}, f
+    yield "condition:sae-before-probe", {**vec, **clamps, f: {**ok, "site": "post_mlp.13", "applies_to": "sae"}}, f"{f}.site"
+    yield "condition:probe-beside-sae", {**vec, **clamps, f: {**ok, "site": "pre_attn.13"}}, f"{f}.site"
 
 
 def completion_cases() -> list[Case]:

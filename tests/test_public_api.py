@@ -40,10 +40,11 @@ def test_client_module_lifecycle_equals_inline_vectors(api_server):
         plain = c.complete(PROMPT, max_tokens=8, temperature=0)
         assert via["choices"][0]["text"] == inline["choices"][0]["text"] != plain["choices"][0]["text"]
         assert via["steering"] == inline["steering"]
-        # a condition (numpy probe) on a module and on a request: a hard gate every token passes steers fully
+        # a condition (numpy probe, sent packed) on a module and on a request: a hard gate every token passes
+        # steers fully
         cond = {"site": "post_mlp.10", "probe": vector(576, 7, 1.0), "threshold": -1e30, "mode": "hard"}
         assert c.register_module("client-cond", steering_vectors={"post_mlp": {14: VEC}}, condition=cond)["condition"] == {
-            **cond, "probe": {"floats": 576}}
+            **cond, "probe": {"dtype": "float32", "packed": True}}
         gated = c.complete(PROMPT, module={"name": "client-cond"}, max_tokens=8, temperature=0)
         sent = c.complete(PROMPT, steering_vectors={"post_mlp": {14: VEC}}, condition=cond, max_tokens=8, temperature=0)
         assert gated["choices"][0]["text"] == sent["choices"][0]["text"] == inline["choices"][0]["text"]

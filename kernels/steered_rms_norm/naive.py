@@ -95,6 +95,11 @@ def probe_gate(s: torch.Tensor, rows: torch.Tensor, probe: torch.Tensor, params:
     return torch.nan_to_num(g, nan=0.0)  # a NaN stream never leaves a NaN gate for a later add
 
 
+# A conditional row's ``cond_site`` word: its probe site's order in the low 16 bits, plus what its gate
+# does not / does scale (``applies_to``); -1: no condition (runtime.condition_tables writes it)
+SITE_MASK, VECTORS_UNGATED, SAE_GATED = 0xFFFF, 1 << 16, 1 << 17
+
+
 def steered_cond_rms_norm_naive(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -106,7 +111,7 @@ def steered_cond_rms_norm_naive(
     flag_a: torch.Tensor | None,
     table_b: torch.Tensor | None,
     flag_b: torch.Tensor | None,
-    cond_site: torch.Tensor,  # [R] int32: the row's probe site (core.hooks.site_order), -1: no condition
+    cond_site: torch.Tensor,  # [R] int32: the row's probe site word (SITE_MASK, ...), -1: no condition
     cond_params: torch.Tensor,  # [R, 4] float32 (probe_gate); [0, 3]: 1 while a live row has a condition
     probe: torch.Tensor,  # [R, D] float32: the row's probe direction
     gate: torch.Tensor,  # [>= N] float32, updated in place: each token's gate in this forward pass
@@ -114,26 +119,67 @@ def steered_cond_rms_norm_naive(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``steered_rms_norm_naive``, with conditional rows: at the slot that is a row's probe site,
     the token's gate is computed from the stream before that slot's add (the pristine residual, as
-    capture reads it) and stored in ``gate``; every add of a row with a condition is scaled by the
-    token's gate (the front end refuses a conditional row's vectors before its probe site, so the
-    gate read is always this pass's). Rows without a condition add as in the plain op, bit for bit.
+    capture reads it) and stored in ``gate``; every add of a row whose condition gates its vectors is
+    scaled by the token's gate (the front end refuses a gated vector before its probe site, so the
+    gate read is always this pass's). Other rows add as in the plain op, bit for bit.
     ``cond_params[0, 3]`` (row 0 never has a condition) is 0 while no live row has one: then every row
     adds as in the plain op (the kernel's fast path; ``runtime.condition_tables`` keeps it)."""
+    return steered_cond_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
+                                           flag_b, [], [], 0, 0, cond_site, cond_params, probe, gate, site_ids)
+
+
+def steered_cond_sae_rms_norm_naive(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],
+    sae_b: list[torch.Tensor],
+    topk_a: int,
+    topk_b: int,
+    cond_site: torch.Tensor,
+    cond_params: torch.Tensor,
+    probe: torch.Tensor,
+    gate: torch.Tensor,
+    site_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both of the above: per slot, the gate (at a row's probe site), then the SAE clamps, their move of
+    the stream scaled by the gate for a row whose condition gates SAE clamps (``s + g * (clamped(s) - s)``;
+    other rows get the clamped stream itself), then the vectors (scaled for a row whose condition gates
+    vectors)."""
     n = x.shape[0]
     rows = index[:n].long()
-    gated = cond_site.index_select(0, rows)  # the probe site of each token's row
-    host = not gated.is_cuda  # host tensors are free to read: skip what no token needs
-    if not bool(cond_params[0, 3]) or (host and not bool((gated >= 0).any())):
+    word = cond_site.index_select(0, rows)
+    on = word >= 0
+    site = torch.where(on, word & SITE_MASK, -1)  # the probe site of each token's row
+    host = not word.is_cuda  # host tensors are free to read: skip what no token needs
+    if not bool(cond_params[0, 3]) or (host and not bool(on.any())):
+        if sae_a or sae_b:
+            return steered_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a,
+                                              table_b, flag_b, sae_a, sae_b, topk_a, topk_b)
         return steered_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
+    from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
+
+    vectors_gated = on & ((word & VECTORS_UNGATED) == 0)
+    sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
     s = _stream(x, residual, index, ())
     g = gate[:n]
-    for slot, (table, flag) in enumerate(((table_a, flag_a), (table_b, flag_b))):
-        if table is None:
-            continue
-        here = gated == site_ids[slot]
+    slots = ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b))
+    for slot, (pack, topk, table, flag) in enumerate(slots):
+        here = site == site_ids[slot]
         if not host or bool(here.any()):
             g = torch.where(here, probe_gate(s, rows, probe, cond_params), g)
-        w = torch.where(gated >= 0, g, torch.ones_like(g))
-        s = s + table.index_select(0, rows).float() * w[:, None]
+        if pack:
+            clamped = apply_site_naive(s, rows, pack, topk)
+            s = torch.where(sae_gated, s + g[:, None] * (clamped - s), clamped)
+        if table is not None and (flag is None or flag.is_cuda or bool(flag[0])):  # as _stream
+            w = torch.where(vectors_gated, g, torch.ones_like(g))
+            s = s + table.index_select(0, rows).float() * w[:, None]
     gate[:n] = g
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)

@@ -11,6 +11,8 @@ path for the whole op (graph-safe, no host sync). Other devices: the reference.
 
 ``steered_cond_rms_norm`` (every steered norm of a server started with ``steer.conditions``): the
 same with conditional rows (``naive.steered_cond_rms_norm_naive``), one Triton launch on CUDA.
+``steered_cond_sae_rms_norm`` (the norms with an SAE site on such a server): both, the clamps and the
+vectors of a row scaled by its token's gate as its condition says (the gate is only read there).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vllm_steer.kernels.library import LIB
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 from vllm_steer.kernels.steered_rms_norm.naive import (
     steered_cond_rms_norm_naive,
+    steered_cond_sae_rms_norm_naive,
     steered_rms_norm_naive,
     steered_sae_rms_norm_naive,
 )
@@ -101,6 +104,38 @@ def _cond_impl(
                                        flag_b, cond_site, cond_params, probe, gate, site_ids)
 
 
+def _cond_sae_impl(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],
+    sae_b: list[torch.Tensor],
+    topk_a: int,
+    topk_b: int,
+    cond_site: torch.Tensor,
+    cond_params: torch.Tensor,
+    probe: torch.Tensor,
+    gate: torch.Tensor,
+    site_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and all(len(p) in (0, N_CLAMP_ONLY) for p in (sae_a, sae_b)):
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_cond_sae_rms_norm_triton
+
+        return steered_cond_sae_rms_norm_triton(x, residual, weight, eps, weight_offset, index, table_a, flag_a,
+                                                table_b, flag_b, sae_a, sae_b, cond_site, cond_params, probe, gate,
+                                                site_ids)
+    return steered_cond_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
+                                           flag_b, sae_a, sae_b, topk_a, topk_b, cond_site, cond_params, probe, gate,
+                                           site_ids)
+
+
 def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """The shapes of every op here (compile tracing): the output and the new residual, like ``x``."""
     return torch.empty_like(x), torch.empty_like(x)
@@ -121,4 +156,7 @@ def register() -> None:
     # written at a row's probe site and read by the later norms of the same forward pass).
     direct_register_custom_op("steered_cond_rms_norm", _cond_impl, mutates_args=["gate"], fake_impl=_fake,
                               target_lib=LIB)
+    # SAE norms of a server with steer.conditions (the naive path may write the gate: declared mutated)
+    direct_register_custom_op("steered_cond_sae_rms_norm", _cond_sae_impl, mutates_args=["gate"],
+                              fake_impl=_fake, target_lib=LIB)
     _registered = True

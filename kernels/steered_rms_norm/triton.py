@@ -47,6 +47,14 @@ def _add_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d):
 
 
 @triton.jit
+def _add_weighted_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, w):
+    """b_s + w * table[i_row] when the table is active and the token steered."""
+    if (tl.load(p_flag) != 0) & (i_row != 0):
+        b_s += w * tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d, other=0.0).to(tl.float32)
+    return b_s
+
+
+@triton.jit
 def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
     """The gate of row ``i_row``'s condition from the stream b_s: sigmoid(sharpness * (s . probe -
     threshold)), or the step s . probe > threshold for a hard condition (naive.probe_gate)."""
@@ -61,16 +69,17 @@ def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
 @triton.jit
 def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams,
                    stride_probe):
-    """(b_s + w * table[i_row], gate): at the row's probe site (``i_gsite == i_site``) the gate is computed
-    from b_s first and stored; w is the gate for a conditional row, 1 for any other (then the plain add,
-    bit for bit). Branch-free but for the probe: the table row is loaded as soon as the row is known, in
-    parallel with the row's probe site, so the add waits on no more loads than the plain kernel's."""
+    """(b_s + w * table[i_row], gate): at the row's probe site (the low 16 bits of its site word
+    ``i_gsite``, naive.SITE_MASK) the gate is computed from b_s first and stored; w is the gate for a row
+    whose condition gates its vectors, 1 for any other (then the plain add, bit for bit). Branch-free but
+    for the probe: the table row is loaded as soon as the row is known, in parallel with the row's probe
+    site, so the add waits on no more loads than the plain kernel's."""
     on = (tl.load(p_flag) != 0) & (i_row != 0)
     b_t = tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d & on, other=0.0).to(tl.float32)
-    if i_gsite == i_site:
+    if (i_gsite & 65535) == i_site:
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
         tl.store(p_gate_t, g)
-    return tl.where(on, b_s + tl.where(i_gsite >= 0, g, 1.0) * b_t, b_s), g
+    return tl.where(on, b_s + tl.where((i_gsite >= 0) & ((i_gsite & 65536) == 0), g, 1.0) * b_t, b_s), g
 
 
 @triton.jit
@@ -104,13 +113,14 @@ def _sae_walk(b_s, i_r, c_first, c_step, p_code, p_value, p_enc, p_dec, p_bias, 
 
 @triton.jit
 def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C,
-                   stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
-    """b_s after the row's SAE clamps (delta mode): b_s + sum over clamped slots c of
-    (f'_c - f_c) * dec[c], each f_c from the unclamped b_s. Row 0 and OFF rows: b_s untouched."""
+                   stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr, w):
+    """b_s after the row's SAE clamps (delta mode): b_s + w * sum over clamped slots c of
+    (f'_c - f_c) * dec[c], each f_c from the unclamped b_s (w: the gate of a gated row, else 1.0).
+    Row 0 and OFF rows: b_s untouched."""
     if i_row != 0:
         i_r = i_row.to(tl.int64)
         if tl.load(p_mode + i_r) != 0:
-            b_s += _sae_walk(b_s, i_r, 0, BLOCK_C, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
+            b_s += w * _sae_walk(b_s, i_r, 0, BLOCK_C, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
                              stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C)
     return b_s
 
@@ -118,12 +128,13 @@ def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_
 @triton.jit
 def _sae_clamp_split(b_s, i_t, i_row, i_k, p_scratch, p_count, p_mode, p_code, p_value, p_enc, p_dec, p_bias,
                      p_thr, C, stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, D: tl.constexpr,
-                     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, w):
     """The row's clamps shared by the token's SPLIT programs (program ``i_k`` takes the blocks of codes
     i_k, i_k + SPLIT, ...): each writes its partial sum to ``scratch[i_t * SPLIT + i_k]`` and counts
     itself in ``count[i_t]``; the last to arrive adds the partials (in program order: the result does not
     depend on which is last), resets the count and finishes the token. Returns (b_s, whether this
-    program finishes the token): for row 0 and OFF rows program 0, b_s untouched."""
+    program finishes the token): for row 0 and OFF rows program 0, b_s untouched. The sum is scaled by
+    ``w`` (the gate of a gated row, else 1.0)."""
     go = i_k == 0
     if i_row != 0:
         i_r = i_row.to(tl.int64)
@@ -139,7 +150,7 @@ def _sae_clamp_split(b_s, i_t, i_row, i_k, p_scratch, p_count, p_mode, p_code, p
                 b_sum = tl.zeros_like(b_s)
                 for j in tl.static_range(SPLIT):
                     b_sum += tl.load(p_mine + j * D + o_d, mask=m_d, other=0.0, cache_modifier=".cg")
-                b_s += b_sum
+                b_s += w * b_sum
                 tl.atomic_xchg(p_count + i_t, 0)  # ready for the next launch (graph replays included)
     return b_s, go
 
@@ -179,7 +190,7 @@ def _steered_norm_body(
     SAE_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,  # > 1: the first SAE slot's clamps are shared by SPLIT programs per token
-    COND: tl.constexpr = False,  # rows may carry a condition (never together with SAE_A / SAE_B)
+    COND: tl.constexpr = False,  # rows may carry a condition (with SAE_A / SAE_B: the gate is only read)
 ):
     i_t = tl.program_id(0).to(tl.int64)
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
@@ -192,7 +203,7 @@ def _steered_norm_body(
     if HAS_RES:
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
-    if COND:  # the gate changes only at a probe site, where it is stored: no store per token otherwise
+    if COND and not (SAE_A or SAE_B):  # the gate changes only at a probe site, where it is stored
         i_row = tl.load(p_index + i_t)
         if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
             g = tl.load(p_gate + i_t)
@@ -210,33 +221,47 @@ def _steered_norm_body(
                 b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
     elif HAS_A or HAS_B or SAE_A or SAE_B:
         i_row = tl.load(p_index + i_t)
+        if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
+            i_gsite = tl.load(p_csite + i_row)
+            g = tl.load(p_gate + i_t)
+            w_sae = tl.where((i_gsite >= 0) & ((i_gsite & 131072) != 0), g, 1.0)
+            w_vec = tl.where((i_gsite >= 0) & ((i_gsite & 65536) == 0), g, 1.0)
+        else:
+            w_sae = 1.0
+            w_vec = 1.0
         if SAE_A:
             if SPLIT > 1:
                 b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sa_mode,
                                            p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
                                            stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec, o_d,
-                                           m_d, D, BLOCK_C, SPLIT)
+                                           m_d, D, BLOCK_C, SPLIT, w_sae)
             else:
                 b_s = _sae_clamp_row(b_s, i_row, p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec,
                                      p_sa_bias, p_sa_thr, C_A, stride_sa_code, stride_sa_value, stride_sa_enc,
-                                     stride_sa_dec, o_d, m_d, BLOCK_C)
+                                     stride_sa_dec, o_d, m_d, BLOCK_C, w_sae)
         if HAS_A:
-            b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
+            if COND:
+                b_s = _add_weighted_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, w_vec)
+            else:
+                b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
         if SAE_B:
             if SPLIT > 1 and not SAE_A:  # B's stream (s + A[row]) is known to every program
                 b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sb_mode,
                                            p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
                                            stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, o_d,
-                                           m_d, D, BLOCK_C, SPLIT)
+                                           m_d, D, BLOCK_C, SPLIT, w_sae)
             else:  # after a split A only the finishing program has the whole stream: it walks B alone
                 i_row_b = i_row
                 if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
                     i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, i_row_b, p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec,
                                      p_sb_bias, p_sb_thr, C_B, stride_sb_code, stride_sb_value, stride_sb_enc,
-                                     stride_sb_dec, o_d, m_d, BLOCK_C)
+                                     stride_sb_dec, o_d, m_d, BLOCK_C, w_sae)
         if HAS_B:
-            b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
+            if COND:
+                b_s = _add_weighted_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, w_vec)
+            else:
+                b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
     m_w = m_d & go
     tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
     b_var = tl.sum(b_s * b_s, axis=0) / D
@@ -309,6 +334,31 @@ def _steered_cond_rms_norm_kernel(
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1, True)
 
 
+@triton.jit
+def _steered_cond_sae_rms_norm_kernel(
+    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
+    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
+    p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
+    stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
+    p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
+    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
+    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
+    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """The steered norm of an SAE site on a server with ``steer.conditions``: clamps and vectors scaled by
+    the gate (read, never computed: a probe is never at an SAE norm) as each row's condition says."""
+    _steered_norm_body(
+        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
+        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
+        p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
+        stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
+        p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
+        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
+        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT, True)
+
+
 def _num_warps(block_d: int) -> int:
     return 4 if block_d <= 1024 else 8 if block_d <= 8192 else 16
 
@@ -362,6 +412,7 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
 _PLAIN = CachedLauncher(_steered_rms_norm_kernel)
 _SAE = CachedLauncher(_steered_sae_rms_norm_kernel)
 _COND = CachedLauncher(_steered_cond_rms_norm_kernel)
+_COND_SAE = CachedLauncher(_steered_cond_sae_rms_norm_kernel)
 
 
 def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
@@ -384,11 +435,14 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
     )
     flags = (d, residual is not None, table_a is not None, table_b is not None, weight_offset != 0.0, block_d)
     warps = num_warps or _num_warps(block_d)
+    cond_args = ()
     if cond is not None:
         cond_site, cond_params, probe, gate, site_ids = cond
         assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
-        _COND((n,), common + (cond_site, cond_params, probe, gate, site_ids, probe.stride(0)), flags, warps)
-        return
+        cond_args = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
+        if not sae_a and not sae_b:
+            _COND((n,), common + cond_args, flags, warps)
+            return
     if not sae_a and not sae_b:
         _PLAIN((n,), common, flags, warps)
         return
@@ -396,8 +450,9 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
     bufs = split_buffers(x.device, d) if split > 1 else None
     if bufs is None:
         split, bufs = 1, (index, index)
-    _SAE((n, split), common + tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)) + bufs,
-         flags + (bool(sae_a), bool(sae_b), 32, split), warps)
+    launcher = _COND_SAE if cond_args else _SAE
+    launcher((n, split), common + tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)) + bufs
+             + cond_args, flags + (bool(sae_a), bool(sae_b), 32, split), warps)
 
 
 def steered_rms_norm_triton(
@@ -464,4 +519,32 @@ def steered_cond_rms_norm_triton(
     res_out = torch.empty_like(x)
     _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             cond=(cond_site, cond_params, probe, gate, site_ids))
+    return out, res_out
+
+
+def steered_cond_sae_rms_norm_triton(
+    x: torch.Tensor,  # [N, D], rows contiguous
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],  # clamp-only packs, or [] for none
+    sae_b: list[torch.Tensor],
+    cond_site: torch.Tensor,
+    cond_params: torch.Tensor,
+    probe: torch.Tensor,
+    gate: torch.Tensor,  # read only here: the front end never puts a probe at an SAE norm
+    site_ids: torch.Tensor,
+    split: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_cond_sae_rms_norm_naive`` for clamp-only packs, one launch."""
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x)
+    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
+            sae_a=sae_a, sae_b=sae_b, split=split, cond=(cond_site, cond_params, probe, gate, site_ids))
     return out, res_out

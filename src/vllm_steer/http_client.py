@@ -14,6 +14,7 @@ they are sent. Every non-2xx answer raises ``SteeringAPIError`` with the server'
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -75,9 +76,12 @@ def _steering(tiers: dict, module: Any, capture: Any, sae: Any, condition: Any =
 
 
 def _condition(condition: dict) -> dict:
-    """A ``steering_condition`` with a numpy probe as a JSON list."""
+    """A ``steering_condition`` with a numpy (or torch) probe packed as float32 bytes in base64."""
     probe = condition.get("probe")
-    return {**condition, "probe": probe.tolist()} if hasattr(probe, "tolist") else dict(condition)
+    if not hasattr(probe, "tolist"):
+        return dict(condition)
+    raw = np.ascontiguousarray(probe.detach().cpu().numpy() if hasattr(probe, "detach") else probe, dtype=np.float32)
+    return {**condition, "probe": {"dtype": "float32", "data": base64.b64encode(raw.tobytes()).decode("ascii")}}
 
 
 def _raise_for(status: int, body: Any, text: str) -> None:

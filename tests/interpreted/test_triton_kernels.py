@@ -12,7 +12,10 @@ import torch
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
 from vllm_steer.kernels.steered_rms_norm.naive import (
+    SAE_GATED,
+    VECTORS_UNGATED,
     steered_cond_rms_norm_naive,
+    steered_cond_sae_rms_norm_naive,
     steered_rms_norm_naive,
     steered_sae_rms_norm_naive,
 )
@@ -33,6 +36,14 @@ def interpreted():
 # bf16 gets one unit in the last place; float32 sums in another order.
 _TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.float16: dict(rtol=1e-3, atol=1e-3),
         torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+# The SAE clamps sum their dot products in another order than the reference's matmuls (the split walk in
+# yet another: up to 100 clamps of deltas ~10 here, so float32 differs by ~1e-5 absolute).
+_SAE_TOL = {torch.float32: dict(rtol=1e-5, atol=3e-5), torch.bfloat16: _TOL[torch.bfloat16]}
+# The interpreter hands a runtime int argument (the clamp-set size C, a loop bound) over as a 1-element
+# array and converts it with int(), which NumPy >= 1.25 deprecates: Triton's warning, not the kernel's.
+_INTERPRETER_INDEX = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 @pytest.mark.parametrize("kind", NORMS)
@@ -63,9 +74,10 @@ def test_triton_conditional_kernel_matches_reference(interpreted, vllm_norm, dty
     rows = int(index.max()) + 1
     g = torch.Generator().manual_seed(13)
     site_ids = torch.tensor([20, 21], dtype=torch.int32)
-    # rows in use: 1 (no condition), 2 (gated at A, or at B without A), 4 (gated earlier; at B with both)
-    cond_site = torch.tensor([-1, -1, 20 if "a" in tables else 21, 20, 21 if tables == "ab" else 5] + [20] * rows,
-                             dtype=torch.int32)[:rows]
+    # rows in use: 1 (no condition), 2 (gated at A, or at B without A), 3 (its gate computed at A, its
+    # vectors not gated: applies_to sae), 4 (gated earlier; at B with both); SAE_GATED changes nothing here
+    cond_site = torch.tensor([-1, -1, 20 if "a" in tables else 21, 20 | VECTORS_UNGATED,
+                              21 | SAE_GATED if tables == "ab" else 5] + [20] * rows, dtype=torch.int32)[:rows]
     params = torch.tensor([[0.1, 2.0, float(i % 2), 0.0] for i in range(rows)], dtype=torch.float32)
     params[0, 3] = 1.0  # a live row has a condition (0: the plain adds, checked below)
     probe = torch.randn(rows, 80, generator=g) / 8
@@ -89,6 +101,44 @@ def test_triton_conditional_kernel_matches_reference(interpreted, vllm_norm, dty
     assert torch.equal(idle[0], plain[0]) and torch.equal(idle[1], plain[1]) and torch.equal(gate_0, gate0)
 
 
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("split", [1, None], ids=["serial", "split"])
+def test_triton_conditional_sae_kernel_matches_reference(interpreted, split):
+    """An SAE norm of a server with conditions: per row, the gate (from the buffer: no probe is at an SAE
+    norm) scales its clamps, its vectors, both or neither, as its site word says; rows without a condition
+    are the SAE kernel's, bit for bit; the gate buffer is only read."""
+    norm, _ = interpreted
+    n, d = 12, 80
+    x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=50)
+    index = token_rows(n)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(51)) * 0.5
+    pa, pb = clamp_pack(d, 37, seed=52, jumprelu=True), clamp_pack(d, 37, seed=53, jumprelu=False)
+    vec = (ta, _on(), tb, _on())
+    earlier = 5  # every condition's probe site: before this norm's slots (20, 21)
+    # rows: 0 none, 1 clamps and vectors gated, 2 none (SAE OFF), 3 clamps only (no codes), 4 vectors only,
+    # 5 clamps only
+    cond_site = torch.tensor([-1, earlier | SAE_GATED, -1, earlier | SAE_GATED | VECTORS_UNGATED, earlier,
+                              earlier | SAE_GATED | VECTORS_UNGATED], dtype=torch.int32)
+    params = torch.tensor([[0.0, 1.0, 0.0, 1.0]] + [[0.1, 2.0, 0.0, 0.0]] * 5, dtype=torch.float32)
+    probe = torch.randn(6, d, generator=torch.Generator().manual_seed(54))
+    gate0 = torch.rand(n + 5, generator=torch.Generator().manual_seed(55)) * 0.8 + 0.1
+    gate_t, gate_r = gate0.clone(), gate0.clone()
+    ids = torch.tensor([20, 21], dtype=torch.int32)
+    got = norm.steered_cond_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, cond_site, params, probe,
+                                                gate_t, ids, split=split)
+    want = steered_cond_sae_rms_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, 0, 0, cond_site, params, probe,
+                                           gate_r, ids)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
+    assert torch.equal(gate_t, gate0) and torch.equal(gate_r, gate0)
+    rows = index[:n].long()
+    plain = norm.steered_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, split=split)
+    ungated = torch.isin(rows, torch.tensor([0, 2]))
+    assert torch.equal(got[1][ungated], plain[1][ungated]) and torch.equal(got[0][ungated], plain[0][ungated])
+    gated = torch.isin(rows, torch.tensor([1, 4, 5]))  # the gate (in 0.1..0.9) moved them
+    assert not torch.allclose(got[1][gated], plain[1][gated], rtol=1e-3, atol=1e-3)
+
+
 def test_triton_idle_flag_skips_the_table(interpreted):
     norm, _ = interpreted
     x, r, (ta, _), index = _case(4, 32, torch.float32, seed=11)
@@ -97,14 +147,6 @@ def test_triton_idle_flag_skips_the_table(interpreted):
     plain = steered_rms_norm_naive(x, r, w, 1e-5, 0.0, torch.zeros_like(index))
     for a, b in zip(idle, plain):
         torch.testing.assert_close(a, b, **_TOL[torch.float32])
-
-
-# The SAE clamps sum their dot products in another order than the reference's matmuls (the split walk in
-# yet another: up to 100 clamps of deltas ~10 here, so float32 differs by ~1e-5 absolute).
-_SAE_TOL = {torch.float32: dict(rtol=1e-5, atol=3e-5), torch.bfloat16: _TOL[torch.bfloat16]}
-# The interpreter hands a runtime int argument (the clamp-set size C, a loop bound) over as a 1-element
-# array and converts it with int(), which NumPy >= 1.25 deprecates: Triton's warning, not the kernel's.
-_INTERPRETER_INDEX = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 def _sae_case(interpreted, dtype_name, sae, tables, c, split):

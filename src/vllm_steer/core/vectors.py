@@ -14,6 +14,7 @@ MODULE_FIELD = "steering_module"
 CAPTURE_FIELD = "capture"
 SAE_FIELD = "sae"
 CONDITION_FIELD = "steering_condition"
+GATES_VECTORS, GATES_SAE = 1, 2  # what a condition scales (its ``applies_to``), as bits of its wire form
 REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD, SAE_FIELD, CONDITION_FIELD)
 
 # hook -> layer -> float32 vector [D]

@@ -2,21 +2,26 @@
 
 The field (beside the steering fields)::
 
-    {"site": "post_mlp.12", "probe": [hidden floats] | {"module": name, "site"?: "post_mlp.14"},
-     "threshold": 0.0, "sharpness": 1.0, "mode": "soft", "phase": "both",
+    {"site": "post_mlp.12",
+     "probe": [hidden floats] | {"dtype", "data"} | {"module": name, "site"?: "post_mlp.14"},
+     "threshold": 0.0, "sharpness": 1.0, "mode": "soft", "phase": "both", "applies_to": "vectors",
      "stop_when": {"above": 0.9, "tokens": 3}}
 
 Per token, ``g = sigmoid(sharpness * (h . probe - threshold))`` (``mode: soft``, the default) or
 ``g = h . probe > threshold`` (``hard``), ``h`` the residual stream at ``site`` before any steering there
-(what capture reads there). Every vector add of the gated phases (``phase``: ``both``, the default,
-``prefill`` or ``decode``; the other phase's vectors apply unconditionally), at ``site`` and at every
-later site of the same forward pass, is scaled by its token's ``g``. A probe ``{"module": name}`` is
-that named module's vector at the probe site (or at its own ``site``), read when the request arrives.
-Sites before ``site`` have no gate yet: a request with a gated vector there is refused (400 naming
-``steering_condition.site``), as are a condition without vectors in its phases, with SAE clamps, at
-``pre_attn.0``, at or beside a site with an SAE, and any condition under pipeline parallelism (the gate
-does not cross stages). The condition is part of the config key, so rows and prefix-cache salt differ
-from the same vectors without it.
+(what capture reads there). In the gated phases (``phase``: ``both``, the default, ``prefill`` or
+``decode``; the other phase's steering applies unconditionally) what ``applies_to`` names is scaled by
+its token's ``g`` at every site of the same forward pass: ``vectors`` (the default) every vector add,
+``sae`` every SAE clamp's move of the stream (``s + g * (clamped(s) - s)``: ``g = 0`` leaves the site as
+if unclamped, ``g = 1`` is the plain clamp), ``both`` both; what it does not name applies
+unconditionally. A probe ``{"dtype": "float32" | "float16" | "bfloat16", "data": base64}`` is the
+vector packed (as packed steering vectors are; no JSON number to parse). A probe ``{"module": name}`` is that named module's vector at the probe site (or at
+its own ``site``), read when the request arrives. Sites before ``site`` have no gate yet: a request with
+a gated vector or clamp there is refused (400 naming ``steering_condition.site``), as are a condition
+with nothing to gate in its phases, a probe at ``pre_attn.0`` or at (or beside, in the same norm) a site
+with an SAE, and any condition under pipeline parallelism (the gate does not cross stages). The
+condition is part of the config key, so rows and prefix-cache salt differ from the same steering
+without it.
 
 ``stop_when`` (optional) finishes the request once ``tokens`` consecutive generated tokens were each
 sampled from a position whose gate was above ``above`` (the last prompt position, which samples the
@@ -35,18 +40,19 @@ from blake3 import blake3
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import HOOK_NAMES, site_order
 from vllm_steer.core.site_names import parse_site_name
-from vllm_steer.core.vectors import CONDITION_FIELD
-from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_vector
+from vllm_steer.core.vectors import CONDITION_FIELD, GATES_SAE, GATES_VECTORS
+from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_packed_vector, parse_vector
 
 _DOMAIN = b"vllm-steer-condition-v1\0"
-_KEYS = {"site", "probe", "threshold", "sharpness", "mode", "phase", "stop_when"}
+_KEYS = {"site", "probe", "threshold", "sharpness", "mode", "phase", "applies_to", "stop_when"}
 _STOP_KEYS = {"above", "tokens"}
 MAX_STOP_TOKENS = 4096
 _MODES = {"soft": 0, "hard": 1}
 PHASES = ("both", "prefill", "decode")
 _PROBE_KEYS = {"module", "site"}
+APPLIES_TO = {"vectors": GATES_VECTORS, "sae": GATES_SAE, "both": GATES_VECTORS | GATES_SAE}
 
-# [hook, layer, threshold, sharpness, hard (0/1), probe as float32 bytes]: plain types for msgspec
+# [hook, layer, threshold, sharpness, hard (0/1), probe as float32 bytes, applies_to bits]: plain types for msgspec
 ConditionWire = list
 
 
@@ -66,7 +72,9 @@ def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[C
     hook, layer = _site(f"{f}.site", raw["site"], shape)
     if (hook, layer) == ("pre_attn", 0):
         raise SteeringSpecError(f"{f}.site", "pre_attn.0 (the embeddings) cannot be a probe site")
-    if isinstance(raw["probe"], dict):
+    if isinstance(raw["probe"], dict) and ("data" in raw["probe"] or "dtype" in raw["probe"]):
+        probe = parse_packed_vector(f"{f}.probe", raw["probe"], shape)
+    elif isinstance(raw["probe"], dict):
         probe = module_probe(raw["probe"], (hook, layer), shape, modules or {})
     else:
         probe = parse_vector(f"{f}.probe", raw["probe"], shape)
@@ -80,7 +88,10 @@ def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[C
     phase = raw.get("phase", "both")
     if phase not in PHASES:
         raise SteeringSpecError(f"{f}.phase", f"expected one of {list(PHASES)}, got {phase!r}")
-    wire = [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes()]
+    applies = raw.get("applies_to", "vectors")
+    if applies not in APPLIES_TO:
+        raise SteeringSpecError(f"{f}.applies_to", f"expected one of {list(APPLIES_TO)}, got {applies!r}")
+    wire = [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes(), APPLIES_TO[applies]]
     return wire, phase, parse_stop(raw.get("stop_when"), phase)
 
 
@@ -152,9 +163,12 @@ def module_condition(raw: Any, module: Any, shape: ModelShape, modules: Any, ena
         raise SteeringSpecError(CONDITION_FIELD, "conditional steering is off on this server "
                                                  "(start it with steer.conditions: true)")
     wire, phase, _ = parse_condition(raw, shape, {**modules, module.name: module})
+    if not wire[6] & GATES_VECTORS:
+        raise SteeringSpecError(f"{CONDITION_FIELD}.applies_to", "a module's condition gates its vectors: "
+                                                                  "'vectors' or 'both' (a request's own condition may gate only SAE clamps)")
     tiers = ("steering_vectors",) + tuple(f"{p}_steering_vectors" for p in ("prefill", "decode") if phase in (p, "both"))
     sites = {(h, l) for t in tiers for h, ls in (module.tiers.get(t) or {}).items() for l in ls}
-    check_sites(wire, sites, set(), phase)
+    check_sites(wire, sites, set(), set(), phase)
     return dict(raw)
 
 
@@ -163,27 +177,33 @@ def condition_summary(raw: dict | None) -> dict | None:
     if raw is None:
         return None
     probe = raw["probe"]
+    if isinstance(probe, dict) and "data" in probe:
+        return {**raw, "probe": {"dtype": probe.get("dtype"), "packed": True}}
     return {**raw, "probe": dict(probe) if isinstance(probe, dict) else {"floats": len(probe)}}
 
 
-def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], sae_sites: set[tuple[str, int]],
-                phase: str = "both") -> None:
-    """The request's gated ``sites`` all at or after the probe site, none of them (nor the probe)
-    folded into a norm that applies an SAE (``sae_sites``: sites with an SAE or reserved for one)."""
+def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], clamp_sites: set[tuple[str, int]],
+                sae_sites: set[tuple[str, int]], phase: str = "both") -> None:
+    """What the condition gates (``sites``: its phases' vector sites, ``clamp_sites``: their SAE clamps'
+    sites; each only if ``applies_to`` names it) exists and lies at or after the probe site, and the
+    probe is not folded into a norm that applies an SAE (``sae_sites``: sites with an SAE or reserved
+    for one; such norms read the gate, the probe's norm computes it)."""
     field = f"{CONDITION_FIELD}.site"
-    if not sites:
+    gated = (sites if wire[6] & GATES_VECTORS else set()) | (clamp_sites if wire[6] & GATES_SAE else set())
+    if not gated:
         where = "" if phase == "both" else f" in its {phase} phase ({CONDITION_FIELD}.phase)"
-        raise SteeringSpecError(CONDITION_FIELD, f"a condition scales steering vectors: the request has none{where}")
+        what = {GATES_VECTORS: "steering vectors", GATES_SAE: "SAE clamps"}.get(wire[6], "steering vectors or SAE clamps")
+        raise SteeringSpecError(CONDITION_FIELD, f"a condition scales {what} ({CONDITION_FIELD}.applies_to): the "
+                                                 f"request has none{where}")
     probe = site_order(wire[0], wire[1])  # the probe site's position in the forward pass
-    early = sorted((site_order(h, l), h, l) for h, l in sites if site_order(h, l) < probe)
+    early = sorted((site_order(h, l), h, l) for h, l in gated if site_order(h, l) < probe)
     if early:
         _, h, l = early[0]
         raise SteeringSpecError(field, f"the request steers {h}.{l}, before the probe site {wire[0]}.{wire[1]}: "
-                                       "there is no gate there yet (probe at or before every steered site)")
-    for h, l in sorted(sites | {(wire[0], wire[1])}):
-        if norm_partners(h, l) & sae_sites:
-            raise SteeringSpecError(field, f"{h}.{l} shares its norm with an SAE site: conditions and SAEs "
-                                           "do not mix yet")
+                                       "there is no gate there yet (probe at or before every gated site)")
+    if norm_partners(wire[0], wire[1]) & sae_sites:
+        raise SteeringSpecError(field, f"the probe site {wire[0]}.{wire[1]} shares its norm with an SAE site: "
+                                       "probe a site whose norm applies no SAE")
 
 
 def norm_partners(hook: str, layer: int) -> set[tuple[str, int]]:
@@ -199,7 +219,7 @@ def norm_partners(hook: str, layer: int) -> set[tuple[str, int]]:
 def condition_key(vector_key: str, wire: ConditionWire) -> str:
     """The key of a phase's vectors (``vector_key``) under a condition."""
     h = blake3(_DOMAIN + vector_key.encode() + b"\0")
-    h.update(f"{wire[0]}\0{wire[1]}\0{int(wire[4])}\0".encode())
+    h.update(f"{wire[0]}\0{wire[1]}\0{int(wire[4])}\0{int(wire[6])}\0".encode())
     h.update(np.asarray(wire[2:4], dtype="<f8").tobytes() + wire[5])
     return h.hexdigest()[:32]
 

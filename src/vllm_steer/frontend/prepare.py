@@ -139,29 +139,36 @@ class SteeringFrontend:
 
     def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any],
                         capture: dict | None) -> tuple[dict | None, str | None, str | None]:
-        """The vector payload of a conditional request (``frontend.condition_spec``): its rows always
-        travel (a module's too), re-keyed with the condition, which travels beside them."""
+        """The payload of a conditional request (``frontend.condition_spec``): its vector rows always
+        travel (a module's too), with its SAE clamps if any, each gated phase re-keyed with the
+        condition, which travels beside them."""
         if not self.cfg.conditions:
             raise SteeringSpecError(CONDITION_FIELD, "conditional steering is off on this server "
                                                      "(start it with steer.conditions: true)")
-        if sae_raw is not None:
-            raise SteeringSpecError(CONDITION_FIELD, "a condition scales steering vectors; SAE clamps do not "
-                                                     "take one yet (send them in another request)")
         if self.first_stage_layers is not None:
             raise SteeringSpecError(CONDITION_FIELD, "conditions are not served under pipeline parallelism "
                                                      "(the gate would have to cross stages)")
         wire, phase, stop = parse_condition(raw, self.shape, STORE)
         payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
+        catalog = self.sae if sae_raw is not None else {}
+        clamps = parse_sae(sae_raw, catalog) if sae_raw is not None else ([], [])
         configs = payload["configs"] if payload is not None else {}
-        gated = [k if phase in (name, "both") else None for name, k in (("prefill", pk), ("decode", dk))]
-        sites = {(hook, layer) for key in set(gated) - {None} for hook, layers, _ in configs[key] for layer in layers}
+        gated = [phase in (name, "both") for name in ("prefill", "decode")]
+        sites = {(hook, layer) for key, g in zip((pk, dk), gated) if g and key is not None
+                 for hook, layers, _ in configs[key] for layer in layers}
+        clamp_sites = {(e[1], e[2]) for entries, g in zip(clamps, gated) if g for e in entries}
         sae_sites = set(self.sae_slots) | {site for e in self.sae.values() for site in e.sites}
-        check_sites(wire, sites, sae_sites, phase)
+        check_sites(wire, sites, clamp_sites, sae_sites, phase)
+        if sae_raw is not None:  # the clamps first: the condition keys the phase's whole config
+            payload, pk, dk = self._with_sae(payload, pk, dk, *clamps, catalog)
         # each phase's key: the gated ones re-keyed with the condition, the other kept (pk may equal dk)
-        npk, ndk = (condition_key(k, wire) if g else k for k, g in ((pk, gated[0]), (dk, gated[1])))
+        npk, ndk = (condition_key(k, wire) if g and k is not None else k for k, g in zip((pk, dk), gated))
+        renamed = [(old, new) for old, new in ((pk, npk), (dk, ndk)) if old is not None]
         out = {**payload, "prefill": npk, "decode": ndk,
-               "configs": {new: configs[old] for old, new in ((pk, npk), (dk, ndk)) if old is not None},
-               "condition": {new: wire for old, new in ((pk, npk), (dk, ndk)) if old is not None and new != old}}
+               "configs": {new: payload["configs"][old] for old, new in renamed if old in payload["configs"]},
+               "condition": {new: wire for old, new in renamed if new != old}}
+        if payload.get("sae"):
+            out["sae"] = {new: payload["sae"][old] for old, new in renamed if old in payload["sae"]}
         if stop is not None:  # [above, tokens, whether the last prompt position's gate counts (prefill gated)]
             out["stop_when"] = [*stop, phase == "both"]
         return out, npk, ndk

@@ -139,13 +139,18 @@ def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, n
     return out
 
 
-def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int], bytes]:
-    """Validate the packed form's header and decode its base64: (dtype name, layers, raw bytes)."""
+def _packed_dtype(field: str, obj: dict) -> str:
     dtype_name = obj.get("dtype")
     if dtype_name not in _PACKED_DTYPES:
         raise SteeringSpecError(
             f"{field}.dtype", f"unknown dtype {dtype_name!r}; expected one of {list(_PACKED_DTYPES)}"
         )
+    return dtype_name
+
+
+def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int], bytes]:
+    """Validate the packed form's header and decode its base64: (dtype name, layers, raw bytes)."""
+    dtype_name = _packed_dtype(field, obj)
     dims = obj.get("shape")
     if (
         not isinstance(dims, (list, tuple))
@@ -170,6 +175,12 @@ def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int
         layers = [check_layer(f"{field}.layer_indices[{i}]", x, shape) for i, x in enumerate(indices)]
     if len(set(layers)) != len(layers):
         raise SteeringSpecError(f"{field}.layer_indices", "duplicate layer index")
+    return dtype_name, layers, _packed_data(field, obj, dtype_name, n, shape)
+
+
+def _packed_data(field: str, obj: dict, dtype_name: str, n: int, shape: ModelShape) -> bytes:
+    """The raw bytes of ``n`` packed vectors (``data``: base64, or bytes), their length checked."""
+    d = shape.hidden_size
     data = obj.get("data")
     if not isinstance(data, (str, bytes, bytearray, memoryview)):
         raise SteeringSpecError(f"{field}.data", "expected a base64 string (or raw bytes in a msgpack body)")
@@ -188,19 +199,36 @@ def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int
     if len(raw) != expected:
         raise SteeringSpecError(
             f"{field}.data",
-            f"decoded {len(raw)} bytes, but shape {list(dims)} of {dtype_name} needs {expected}",
+            f"decoded {len(raw)} bytes, but shape {[n, d]} of {dtype_name} needs {expected}",
         )
-    return dtype_name, layers, raw
+    return raw
+
+
+def _packed_rows(dtype_name: str, raw: bytes, n: int, d: int) -> np.ndarray:
+    """[n, d] rows of the packed dtype (bfloat16 as float32), zero-copy where the dtype allows."""
+    if dtype_name == "bfloat16":
+        return bf16.from_bits(np.frombuffer(raw, dtype=np.uint16)).reshape(n, d)
+    return np.frombuffer(raw, dtype=_PACKED_DTYPES[dtype_name]).reshape(n, d)
+
+
+def parse_packed_vector(field: str, obj: dict, shape: ModelShape) -> np.ndarray:
+    """One vector packed as ``{"dtype", "data"}`` (``data`` base64, or bytes in a msgpack body) -> float32
+    ``[hidden]``: the float list's cost without parsing thousands of JSON numbers."""
+    extra = sorted(set(obj) - {"dtype", "data"})
+    if extra:
+        raise SteeringSpecError(f"{field}.{extra[0]}", "unknown key (a packed vector is {\"dtype\", \"data\"})")
+    dtype_name = _packed_dtype(field, obj)
+    raw = _packed_data(field, obj, dtype_name, 1, shape)
+    arr = _packed_rows(dtype_name, raw, 1, shape.hidden_size)[0].astype(np.float32)
+    check_finite(f"{field}.data", arr)
+    return arr
 
 
 def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
     """The packed form -> {layer: float32 vector}; zero-copy up to the float32 conversion."""
     dtype_name, layers, raw = _packed_raw(field, obj, shape)
     n, d = len(layers), shape.hidden_size
-    if dtype_name == "bfloat16":
-        src = bf16.from_bits(np.frombuffer(raw, dtype=np.uint16)).reshape(n, d)
-    else:
-        src = np.frombuffer(raw, dtype=_PACKED_DTYPES[dtype_name]).reshape(n, d)
+    src = _packed_rows(dtype_name, raw, n, d)
     scales = obj.get("scales")
     if scales is not None:
         if not isinstance(scales, (list, tuple)) or len(scales) != n:

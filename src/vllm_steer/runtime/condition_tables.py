@@ -1,7 +1,8 @@
 """Device buffers of conditional steering (``steer.conditions``), allocated once, updated in place.
 
-Per row: ``site`` [R] int32 (the probe site's position in the forward pass, ``core.hooks.site_order``;
--1: the row has no condition), ``params`` [R, 4] float32 (threshold, sharpness, hard, unused) and
+Per row: ``site`` [R] int32 (the probe site's position in the forward pass, ``core.hooks.site_order``,
+in the low 16 bits, plus ``VECTORS_UNGATED`` when ``applies_to`` leaves the vectors unconditional and
+``SAE_GATED`` when it scales the SAE clamps; -1: the row has no condition), ``params`` [R, 4] float32 (threshold, sharpness, hard, unused) and
 ``probe`` [R, D] float32; ``params[0, 3]`` (row 0 never has a condition) is 1 while a live row has
 one, else 0, and the kernel then adds every row as the plain one does (no gate work on a server with
 ``conditions`` while no conditional request runs). Per token: ``gate`` [max_num_tokens] float32, written by the steered norm
@@ -17,7 +18,15 @@ import numpy as np
 import torch
 
 from vllm_steer.core.hooks import site_order
+from vllm_steer.core.vectors import GATES_SAE, GATES_VECTORS
+from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED
 from vllm_steer.runtime.pinned_ring import PinnedRing
+
+
+def site_word(hook: str, layer: int, applies: int) -> int:
+    """A conditional row's ``site`` entry: its probe site and what its gate scales."""
+    return (site_order(hook, layer) | (0 if applies & GATES_VECTORS else VECTORS_UNGATED)
+            | (SAE_GATED if applies & GATES_SAE else 0))
 
 
 class ConditionTables:
@@ -55,8 +64,8 @@ class ConditionTables:
             self._conditional.discard(row)
             self._put("site", row, np.array([-1], dtype=np.int32))
             return 4
-        hook, layer, threshold, sharpness, hard, probe = wire
-        self._put("site", row, np.array([site_order(hook, int(layer))], dtype=np.int32))
+        hook, layer, threshold, sharpness, hard, probe, applies = wire
+        self._put("site", row, np.array([site_word(hook, int(layer), int(applies))], dtype=np.int32))
         self._put("params", row, np.array([threshold, sharpness, float(hard), 0.0], dtype=np.float32))
         self._put("probe", row, np.frombuffer(probe, dtype=np.float32))
         self._conditional.add(row)

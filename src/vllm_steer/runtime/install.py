@@ -114,6 +114,12 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
             self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_gate, self.vs_site_ids)
     if self._vs_sae:  # a site of this norm has an SAE: its clamps come before its vectors
         packs = [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae)]
+        if self._vs_cond:  # the gate scales the clamps or vectors of the rows whose condition says so
+            return torch.ops.vllm_steer.steered_cond_sae_rms_norm(
+                x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
+                self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
+                packs[0], packs[1], self._vs_topk[0], self._vs_topk[1],
+                self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_gate, self.vs_site_ids)
         return torch.ops.vllm_steer.steered_sae_rms_norm(
             x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
             self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
@@ -146,7 +152,7 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
 
     ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites;
     ``sae`` gives the norms of its sites the SAE packs (and the op that applies them);
-    ``conditions`` gives every other steered norm the conditional op and its buffers."""
+    ``conditions`` gives every steered norm the conditional op (with the SAE, if any) and its buffers."""
     packs = sae.packs if sae is not None else {}
     topk_of = sae.topk if sae is not None else {}
     for site in sites:
