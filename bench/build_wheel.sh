@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# Build the vllm-steer wheel from the CURRENT working tree into .whl/ (for the GPU machine).
-# Run from the project root. pyproject.toml lists the packages by hand; any package under
-# src/vllm_steer that the list misses (e.g. vllm_steer.modules) is added in a temporary copy,
-# with a warning, so the wheel matches the tree. The tree itself is not changed.
+# Build the vllm-steer wheel from the CURRENT working tree into .whl/ (for the GPU machine); run from the project
+# root. A package that pyproject.toml's hand-kept list misses is added (with a warning) in a temporary copy only.
 set -euo pipefail
 root="$(pwd)"
 tmp="$(mktemp -d)"

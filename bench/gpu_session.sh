@@ -1,83 +1,74 @@
 #!/usr/bin/env bash
-# The steps of one GPU session, run from the repo root on the GPU machine (bench/RESULTS.md has
-# the session log). Before: the bundle parts were copied to /tmp/gb (one run each, carry .gpuK), and
-# .whl/ holds the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy,
-# .whl/peer/ the peer plugin hotwire-vllm (the suite installs it into its workdir for the hotwire server).
-#   bash bench/gpu_session.sh install     bundle + plugin + py-spy into /tmp/site
-#   bash bench/gpu_session.sh kernels     tests/gpu and kernels_bench (one run: under 10 minutes)
-#   bash bench/gpu_session.sh cost        request_path_cost (host cost per request, per stage) and the table-write test
-#   bash bench/gpu_session.sh checks      tests/gpu_e2e (engine and capture vs transformers, compiled + CUDA graphs;
-#                                         VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
-#   bash bench/gpu_session.sh ab-start    start the A/B servers and keep them (stock, disabled, steer)
-#   bash bench/gpu_session.sh ab          the A/B arms on the kept servers
-#   bash bench/gpu_session.sh graph       the graph phase, then stop the servers
-#   bash bench/gpu_session.sh sae         tests/gpu SAE kernel tests and sae_kernel_bench, then the SAE arms on
-#                                         kept servers (first: SERVERS=stock,sae,sae_serial bash bench/gpu_session.sh
-#                                         ab-start; add sae_full and its arms for the whole-SAE path)
-#   bash bench/gpu_session.sh cond        tests/gpu/test_cond_norm_gpu.py, then conditional steering against plain
-#                                         per-request steering on kept servers (first: SERVERS=stock,steer,steer_cond
-#                                         bash bench/gpu_session.sh ab-start); issue 27's target: cond_n16 TPOT within
-#                                         +0.5 pp of per_request_n16, kernels per decode step unchanged (graph phase
-#                                         with GRAPH_SERVERS=steer,steer_cond)
-#   bash bench/gpu_session.sh small       1b shape: stock, hotwire and vllm-steer on the single-site
-#                                         arms (post_mlp of layer 8, 16 vectors); KEEP=1 keeps the servers,
-#                                         REUSE=1 adopts kept ones (1b servers only), TRIALS (8), ARMS override
-# Every later run starts with: python3 -c 'import vllm' || exit 3 (a fresh machine fails fast).
+# The steps of one GPU session, from the repo root on the GPU machine (bench/RESULTS.md logs them). Before: the
+# bundle parts in /tmp/gb, .whl/ the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy, .whl/peer/ hotwire-vllm.
+#   install    bundle + plugin + py-spy into /tmp/site
+#   kernels    tests/gpu and kernels_bench;   cost   request_path_cost and the table-write test
+#   checks     tests/gpu_e2e (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
+#   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
+#   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
+#   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start)
+#   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
+#   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
+#              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
+# TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults. A later run starts with python3 -c 'import vllm' || exit 3
 set -uo pipefail
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-PEER_WHEEL="$(ls .whl/peer/hotwire_vllm-*.whl 2>/dev/null | head -1)"
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+mkdir -p "${OUT:=/tmp/out}"
+PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
 AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem 0.23)
-SMALL=(python3 bench/ab_suite.py --shape 1b --peer-wheel "$PEER_WHEEL" --gpu-mem 0.15)
+KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
 [ "${REUSE:-0}" = 1 ] && FLAGS+=(--reuse-servers)
 case "${1:-}" in
   install)
     bash /tmp/gb/install.sh || exit 4
-    python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site .whl/vllm_steer-*.whl .whl/tools/*.whl || exit 5
+    python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site .whl/vllm_steer-*.whl \
+      .whl/tools/*.whl || exit 5
     python3 -c 'import vllm, vllm_steer; print("vllm", vllm.__version__, "vllm_steer", vllm_steer.__version__)'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
   kernels)
-    timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfE --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
+    timeout 300 "${PT[@]}" tests/gpu --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
     timeout 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tail -70
     ;;
   cost)
-    timeout 120 python3 -m pytest tests/gpu/test_tables_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -4
+    timeout 120 "${PT[@]}" tests/gpu/test_tables_gpu.py 2>&1 | tail -4
     timeout 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
     ;;
   checks)
-    VLLM_PLUGINS=steer timeout 560 python3 -m pytest tests/gpu_e2e -q -p no:cacheprovider -rfE \
-      --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
+    VLLM_PLUGINS=steer timeout 560 "${PT[@]}" tests/gpu_e2e --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
     ;;
   ab-start)
-    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --keep-servers --tag start 2>&1 | tail -12
+    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --keep-servers --tag start 2>&1 \
+      | tail -12
     ;;
   ab)
-    timeout 590 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag ab --trials "${TRIALS:-5}" \
+    timeout 590 "${KEPT[@]}" --tag ab --trials "${TRIALS:-5}" --long-arms "${LONG_ARMS:-stock,per_request_n16}" \
       --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,stock_c256,disabled_c256,k256}" \
-      --long-arms "${LONG_ARMS:-stock,per_request_n16}" 2>&1 | tail -60
+      2>&1 | tail -60
     ;;
   graph)
     timeout 590 "${AB[@]}" --phases graph --reuse-servers --tag graph \
       --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer}" 2>&1 | tail -40
     ;;
   sae)
-    timeout 120 python3 -m pytest tests/gpu/test_sae_norm_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -6
+    timeout 120 "${PT[@]}" tests/gpu/test_sae_norm_gpu.py 2>&1 | tail -6
     timeout 150 python3 bench/sae_kernel_bench.py --out "$OUT/sae_kernel.json" 2>&1 | tail -60
-    timeout 300 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag sae --trials "${TRIALS:-4}" --long-arms "" \
-      --deadline-s 280 --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
+    timeout 300 "${KEPT[@]}" --tag sae --trials "${TRIALS:-4}" --long-arms "" --deadline-s 280 \
+      --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
     ;;
   cond)
-    timeout 120 python3 -m pytest tests/gpu/test_cond_norm_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tail -6
-    timeout 420 "${AB[@]}" --phases ab --reuse-servers --keep-servers --tag cond --trials "${TRIALS:-5}" --long-arms "" \
-      --deadline-s 400 --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
+    timeout 120 "${PT[@]}" tests/gpu/test_cond_norm_gpu.py 2>&1 | tail -6
+    timeout 420 "${KEPT[@]}" --tag cond --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
+      --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
     ;;
   small)
-    timeout 590 "${SMALL[@]}" --phases ab --trials "${TRIALS:-8}" --requests "${REQUESTS:-256}" --long-arms "" --tag small1b \
-      --arms "${ARMS:-stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16,site_named16_tiny,site_inline16_tiny}" \
+    SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16
+    timeout 590 python3 bench/ab_suite.py --shape 1b --gpu-mem 0.15 --phases ab --tag small1b --long-arms "" \
+      --peer-wheel "$(ls .whl/peer/hotwire_vllm-*.whl 2>/dev/null | head -1)" --trials "${TRIALS:-8}" \
+      --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
   *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|small" >&2; exit 2 ;;

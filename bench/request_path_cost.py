@@ -1,16 +1,7 @@
 #!/usr/bin/env python3
-"""Host cost of one steered request along its path, per stage, at a model shape (no engine).
-
-API server (what ``server/request_body`` runs before vLLM's handler, per request):
-  decode   the body (JSON with base64 rows, or msgpack with raw rows)
-  prepare  the front end: validate, NaN/Inf and zero rows, config key (BLAKE3), payload
-  wave     16 requests of one wave prepared in the 4-thread pool vs one by one (the GIL's share)
-Engine core (what the worker runs when the request is added):
-  write    its rows into the steering tables (pinned staging ring, one copy per hook; on CUDA
-           when there is one, else into CPU tables)
-Forms: packed in the model dtype (bf16; the byte fast path), packed float32, floats lists, and a
-named-module reference.
-
+"""Host cost of one steered request per stage at a model shape (no engine): decode the body (JSON / msgpack),
+prepare it (front end), a wave of 16 in the 4-thread pool vs one by one, the engine's table write (CUDA if any);
+forms: packed bf16 / float32, float lists, a module reference.
     python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
 """
 
@@ -18,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import statistics
 import time
@@ -30,7 +22,10 @@ import torch
 
 from vllm_steer.client import pack
 from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.frontend.module_registration import module_from_json, prepare
+from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepare import SteeringFrontend
+from vllm_steer.runtime.tables import SteeringTables
 from vllm_steer.server import request_body
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
@@ -52,6 +47,14 @@ def _bodies(layers: int, hidden: int, rng: np.random.Generator) -> dict[str, tup
     floats = {h: {str(l): v[l].tolist() for l in ids} for h, v in vecs().items()}
     out["floats, JSON"] = (json.dumps({"prompt": [1] * 256, "steering_vectors": floats}).encode(), False)
     out["module ref, JSON"] = (json.dumps({"prompt": [1] * 256, "steering_module": {"name": "m"}}).encode(), False)
+    # conditional (steer.conditions): packed bf16 at layers 1.. (at or after the probe), the probe as floats / packed
+    gated = {h: pack(v[1:], ids[1:], "bfloat16") for h, v in vecs().items()}
+    probe = rng.standard_normal(hidden).astype(np.float32)
+    for form, value in (("floats", probe.tolist()),
+                        ("packed", {"dtype": "float32", "data": base64.b64encode(probe.tobytes()).decode()})):
+        cond = {"site": "pre_attn.1", "probe": value}
+        body = {"prompt": [1] * 256, "steering_vectors": gated, "steering_condition": cond}
+        out[f"packed bfloat16 + condition, probe {form}, JSON"] = (json.dumps(body).encode(), False)
     return out
 
 
@@ -66,46 +69,36 @@ def _median_ms(fn, repeat: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=30)
+    for flag, default in (("--layers", 32), ("--hidden", 4096), ("--repeat", 30)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out")
     args = ap.parse_args()
     mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=args.layers),
                          get_hidden_size=lambda: args.hidden)
-    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {"max_configs": 272}}))
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {"max_configs": 272,
+                                                                                               "conditions": True}}))
     rng = np.random.default_rng(0)
-    from vllm_steer.frontend.module_registration import module_from_json, prepare
-    from vllm_steer.frontend.module_store import STORE
-
     mod = {h: pack(rng.standard_normal((args.layers, args.hidden), dtype=np.float32) * 0.05,
                    list(range(args.layers)), "bfloat16") for h in HOOKS}
     STORE.publish(prepare(module_from_json({"name": "m", "steering_vectors": mod}, fe.shape), True))
-
-    from vllm_steer.runtime.tables import SteeringTables
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tables = SteeringTables({h: list(range(args.layers)) for h in HOOKS}, 64, args.hidden, 16,
                             torch.bfloat16, device)
     row = iter(range(10**9))
-    rows_written = [0]
 
     def write(payload: dict) -> None:
         steering = decode_payload(payload)
         for key in steering.keys:
             if key in steering.configs:
                 tables.write_row(1 + next(row) % 63, steering.configs[key])
-                rows_written[0] += 1
 
-    pool = ThreadPoolExecutor(4)
-    results = []
+    pool, results = ThreadPoolExecutor(4), []
     print(f"per request, {args.layers} layers x {args.hidden} x {len(HOOKS)} hooks, model bf16, tables on {device}, "
           f"median of {args.repeat} (ms)")
     print("| request | body bytes | decode | prepare | engine write | wave of 16: one by one | wave of 16: pool of 4 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items():
-        obj = request_body._decode(body, msgpack)
-        fields = request_body.steering_fields(dict(obj))
+        fields = request_body.steering_fields(dict(request_body._decode(body, msgpack)))
         t_dec = _median_ms(lambda: request_body._decode(body, msgpack), args.repeat)
         t_prep = _median_ms(lambda: fe.engine_extra_args(dict(fields)), args.repeat)
         extra, _, _ = fe.engine_extra_args(dict(fields))
@@ -119,7 +112,8 @@ def main() -> None:
                             max(3, args.repeat // 5))
         results.append({"request": name, "body_bytes": len(body), "decode_ms": t_dec, "prepare_ms": t_prep,
                         "engine_write_ms": t_write, "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool})
-        print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_write:.2f} | {t_serial:.1f} | {t_pool:.1f} |")
+        print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_write:.2f} | {t_serial:.1f} "
+              f"| {t_pool:.1f} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"layers": args.layers, "hidden": args.hidden, "device": str(device),
@@ -127,12 +121,8 @@ def main() -> None:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     return "?"
 
 

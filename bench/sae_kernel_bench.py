@@ -1,9 +1,6 @@
-"""GPU time of the steered norm with SAE clamps (kernels/steered_rms_norm/triton.py) against the
-plain steered norm, per launch, replayed from a CUDA graph (no launch overhead): the clamp-only path
-by clamps per token (its cost should follow the clamp count, not d_sae), serial (one program per token)
-and split (``split_of(N)`` programs per token, and other splits at decode sizes), beside the bandwidth
-bound of what a launch must move; and the dense whole-SAE path (TopK / reconstruct) by d_sae.
-Usage: python3 bench/sae_kernel_bench.py [--out FILE.json]"""
+"""GPU time per launch (from a CUDA graph) of the steered norm with SAE clamps against the plain one: the clamp-only
+path by clamps per token and split (``split_of(N)`` the default) beside the bandwidth bound; the dense whole-SAE path
+by d_sae. Usage: python3 bench/sae_kernel_bench.py [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ HBM_BYTES_PER_US = 3.35e6  # H100 SXM HBM3 (an H200: 4.8e6)
 
 
 def _bound_us(n: int, clamps: int) -> float:
-    """Bytes a launch must move / HBM bandwidth: x and residual in, output and residual out (bf16), and
-    the clamped slots' encoder and decoder rows (float32) of the ROWS - 1 distinct clamp sets, once each."""
+    """Bytes a launch must move (bf16 x, residual in and out; fp32 enc / dec rows of the clamp sets) / bandwidth."""
     sets = min(n, ROWS - 1) if clamps else 0
     return (4 * n * D * 2 + sets * clamps * 2 * D * 4) / HBM_BYTES_PER_US
 
@@ -83,9 +79,8 @@ def main() -> None:
             for split in splits:
                 us = _time(lambda: steered_sae_rms_norm_triton(x, res, w, 1e-5, 0.0, index, None, None, None, None,
                                                                pack, [], split=split))
-                path = "clamp-only (Triton)" + (" idle" if clamps == 0 else "") + f" split {split}"
-                if split == split_of(n):
-                    path += " (default)"
+                path = ("clamp-only (Triton)" + (" idle" if clamps == 0 else "") + f" split {split}"
+                        + (" (default)" if split == split_of(n) else ""))
                 rows.append({"n": n, "path": path, "clamps": clamps, "us": round(us, 2),
                              "bound_us": round(_bound_us(n, clamps), 2)})
         for d_sae in (16384, 65536):

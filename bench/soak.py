@@ -1,24 +1,13 @@
-"""Soak: N minutes of mixed traffic against one running vllm-steer server, then the checks an operator
-cares about: memory of every server process flat within a band, rows back to zero, no request left
-unfinished, no unexpected status.
-
-Traffic (``--threads`` clients, each a bounded loop that stops at the deadline): plain completions;
-inline vectors (a small pool of configs, so rows are reused and evicted, and one-off ones); named
-modules with churn (register with replace, use at two scales, delete); SAE clamps (the server's
-``--sae`` name); capture requests whose streams the client aborts after the first event; bad inputs
-(NaN, an unknown hook) that must be 400s. Every ``--sample-s`` seconds it records the RSS of every
-process of the server (the API server and its children: engine core, workers), the engine's rows in
-use and requests waiting for a row (``/metrics``), and per-kind counts of answers and errors.
-
-    python bench/soak.py --base http://127.0.0.1:8000 --model MODEL --hidden 576 \\
-        --minutes 20 --sae fz --sae-features 32 --capture fs --out soak.json
-
-The CPU lane runs 3 minutes of it in CI against the shared test server (tests/test_soak.py).
+"""Soak: N minutes of mixed traffic (plain, inline vectors, module churn, SAE clamps, aborted capture streams, bad
+inputs that must be 400s) against one vllm-steer server, then the checks: memory flat within a band, rows back to
+zero, nothing unfinished, no unexpected status. CI runs 3 minutes of it (tests/test_soak.py).
+    python bench/soak.py --base http://127.0.0.1:8000 --model MODEL --hidden 576 --minutes 20 --out soak.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import threading
 import time
@@ -29,8 +18,6 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
-
-LAYER_CHOICES = (1, 3, 5)
 
 
 @dataclass
@@ -49,6 +36,9 @@ class SoakConfig:
     warmup_fraction: float = 1 / 3  # memory is compared against the first sample after this
     rss_band: float = 0.10  # allowed growth of each process's RSS after warm-up, relative ...
     rss_band_bytes: int = 96 << 20  # ... plus this much
+
+    def auth(self) -> dict:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass
@@ -69,30 +59,23 @@ def _rss_by_process(pid: int) -> dict[str, int]:
     root = psutil.Process(pid)
     out = {}
     for p in [root, *root.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):
             out[f"{p.pid}:{p.name()}"] = p.memory_info().rss
-        except psutil.Error:
-            pass
     return out
 
 
 def _metrics(client: httpx.Client, base: str) -> dict[str, float]:
-    out = {}
-    for line in client.get(f"{base}/metrics", timeout=30).text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith("vllm_steer_"):
-            out[name] = float(value)
-    return out
+    lines = (line.rpartition(" ") for line in client.get(f"{base}/metrics", timeout=30).text.splitlines())
+    return {name: float(value) for name, _, value in lines if name.startswith("vllm_steer_")}
 
 
 class _Traffic:
     """One client thread's loop: pick a kind, send it, count the answer."""
 
     def __init__(self, cfg: SoakConfig, report: SoakReport, deadline: float, seed: int, lock: threading.Lock) -> None:
-        self.cfg, self.report, self.deadline, self.lock = cfg, report, deadline, lock
+        self.cfg, self.report, self.deadline, self.lock, self.seed = cfg, report, deadline, lock, seed
         self.rng = np.random.default_rng(seed)
         self.client = httpx.Client(timeout=120)
-        self.seed = seed
 
     def vec(self, seed: int) -> list[float]:
         return (np.random.default_rng(seed).standard_normal(self.cfg.hidden) * 2).astype(np.float32).tolist()
@@ -106,23 +89,26 @@ class _Traffic:
             if status not in ok:
                 self.report.unexpected.append(f"{kind}: {status} {text[:200]}")
 
-    def post(self, kind: str, ok: tuple[int, ...], path: str = "/v1/completions", **body: Any) -> httpx.Response | None:
+    @contextlib.contextmanager
+    def guard(self, kind: str, unfinished: bool = True):
+        """A transport error is unexpected; ``unfinished``: the request never finished."""
         try:
-            r = self.client.post(f"{self.cfg.base}{path}", json=body, headers=self.auth())
+            yield
         except httpx.HTTPError as e:
             with self.lock:
-                self.report.unfinished += 1
+                self.report.unfinished += unfinished
                 self.report.unexpected.append(f"{kind}: {type(e).__name__} {e}")
-            return None
-        self.count(kind, r.status_code, ok, r.text)
-        return r
 
-    def auth(self) -> dict:
-        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+    def post(self, kind: str, ok: tuple[int, ...], path: str = "/v1/completions", unfinished: bool = True,
+             **body: Any) -> None:
+        with self.guard(kind, unfinished):  # json.dumps: NaN passes (the bad-nan requests)
+            r = self.client.post(f"{self.cfg.base}{path}", content=json.dumps(body),
+                                 headers={"content-type": "application/json", **self.cfg.auth()})
+            self.count(kind, r.status_code, ok, r.text)
 
     def one(self) -> None:
         kind = self.rng.integers(0, 7)
-        layer = int(self.rng.choice(LAYER_CHOICES))
+        layer = int(self.rng.choice((1, 3, 5)))
         if kind == 0:
             self.post("plain", (200,), **self.body())
         elif kind == 1:  # a small pool of configs (rows reused) and one-off ones (rows evicted)
@@ -130,18 +116,14 @@ class _Traffic:
             self.post("inline", (200, 503), **self.body(steering_vectors={"post_mlp": {str(layer): self.vec(seed)}}))
         elif kind == 2:  # module churn: register (replace), use at two scales, sometimes delete
             name = f"soak-{self.seed}-{int(self.rng.integers(0, 3))}"
-            vec = self.vec(int(self.rng.integers(0, 10**6)))
             self.post("module-register", (201,), path="/v1/steering/modules", name=name, replace=True,
-                      steering_vectors={"post_mlp": {str(layer): vec}})
+                      steering_vectors={"post_mlp": {str(layer): self.vec(int(self.rng.integers(0, 10**6)))}})
             for scale in (1.0, 0.5):
                 self.post("module-use", (200, 503), **self.body(steering_module={"name": name, "scale": scale}))
             if self.rng.random() < 0.5:
-                try:
-                    r = self.client.delete(f"{self.cfg.base}/v1/steering/modules/{name}", headers=self.auth())
+                with self.guard("module-delete", unfinished=False):
+                    r = self.client.delete(f"{self.cfg.base}/v1/steering/modules/{name}", headers=self.cfg.auth())
                     self.count("module-delete", r.status_code, (200, 204), r.text)
-                except httpx.HTTPError as e:
-                    with self.lock:
-                        self.report.unexpected.append(f"module-delete: {e}")
         elif kind == 3 and self.cfg.sae:
             clamps = [{"feature": int(f), "kind": "set", "value": float(self.rng.uniform(0, 8))}
                       for f in self.rng.choice(self.cfg.sae_features, size=2, replace=False)]
@@ -149,41 +131,26 @@ class _Traffic:
         elif kind == 4 and self.cfg.capture:  # capture, the client gone after the first event
             body = self.body(stream=True, max_tokens=32,
                              capture={self.cfg.capture: {"layers": [layer], "hooks": ["post_mlp"], "positions": "all"}})
-            try:
-                with self.client.stream("POST", f"{self.cfg.base}/v1/completions", json=body) as r:
-                    self.count("capture-abort", r.status_code, (200,))
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            break
-            except httpx.HTTPError as e:
-                with self.lock:
-                    self.report.unfinished += 1
-                    self.report.unexpected.append(f"capture-abort: {e}")
+            with self.guard("capture-abort"), self.client.stream("POST", f"{self.cfg.base}/v1/completions",
+                                                                 json=body) as r:
+                self.count("capture-abort", r.status_code, (200,))
+                next((line for line in r.iter_lines() if line.startswith("data: {")), None)
         elif kind == 5:
             bad = self.vec(1)
             bad[3] = float("nan")
-            try:
-                r = self.client.post(f"{self.cfg.base}/v1/completions", headers={"content-type": "application/json"},
-                                     content=json.dumps(self.body(stream=True, steering_vectors={"post_mlp": {"1": bad}})))
-                self.count("bad-nan", r.status_code, (400,), r.text)
-            except httpx.HTTPError as e:
-                with self.lock:
-                    self.report.unexpected.append(f"bad-nan: {e}")
+            self.post("bad-nan", (400,), unfinished=False,
+                      **self.body(stream=True, steering_vectors={"post_mlp": {"1": bad}}))
         else:
             self.post("bad-hook", (400,), **self.body(steering_vectors={"mid": {"1": self.vec(2)}}))
 
     def run(self) -> None:
-        for _ in range(1_000_000):  # bounded: stops at the deadline long before this
-            if time.monotonic() >= self.deadline:
-                break
+        while time.monotonic() < self.deadline:
             self.one()
         self.client.close()
 
 
 def run_soak(cfg: SoakConfig) -> SoakReport:
-    report = SoakReport()
-    lock = threading.Lock()
-    start = time.monotonic()
+    report, lock, start = SoakReport(), threading.Lock(), time.monotonic()
     deadline = start + cfg.minutes * 60
     threads = [threading.Thread(target=_Traffic(cfg, report, deadline, 1000 + i, lock).run, daemon=True)
                for i in range(cfg.threads)]
@@ -218,10 +185,9 @@ def _settle(client: httpx.Client, cfg: SoakConfig, wait_s: float = 60.0) -> dict
         if (rows == 0 and waiting == 0) or time.monotonic() > deadline:
             break
         time.sleep(1)
-    auth = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     for module in client.get(f"{cfg.base}/v1/steering/modules").json().get("data", []):
         if module["name"].startswith("soak-"):  # leave the server as it was
-            client.delete(f"{cfg.base}/v1/steering/modules/{module['name']}", headers=auth)
+            client.delete(f"{cfg.base}/v1/steering/modules/{module['name']}", headers=cfg.auth())
     modules = client.get(f"{cfg.base}/v1/steering/modules").json()
     status = client.get(f"{cfg.base}/v1/steering").json()  # what the workers hold once the churn is gone
     return {"rows_in_use": rows, "waiting_for_row": waiting, "rss": _rss_by_process(cfg.pid),
@@ -239,16 +205,16 @@ def problems(report: SoakReport, cfg: SoakConfig) -> list[str]:
     final = report.final
     if final.get("rows_in_use") != 0 or final.get("waiting_for_row") != 0:
         out.append(f"not back to rest: rows_in_use {final.get('rows_in_use')}, waiting {final.get('waiting_for_row')}")
-    if any(v is None or v > final.get("modules", 0) for v in final.get("worker_module_versions", [])):
-        out.append(f"workers hold {final.get('worker_module_versions')} module versions for {final.get('modules')} modules")
+    versions, modules = final.get("worker_module_versions", []), final.get("modules", 0)
+    if any(v is None or v > modules for v in versions):
+        out.append(f"workers hold {versions} module versions for {final.get('modules')} modules")
     warm = [s for s in report.samples if s["t"] >= cfg.minutes * 60 * cfg.warmup_fraction]
-    if warm:
-        base = warm[0]["rss"]
-        for proc, rss in final.get("rss", {}).items():
-            if proc in base and rss > base[proc] * (1 + cfg.rss_band) + cfg.rss_band_bytes:
-                out.append(f"{proc}: RSS {base[proc] >> 20} MiB after warm-up -> {rss >> 20} MiB at the end")
-    else:
-        out.append("no sample after warm-up: run longer")
+    if not warm:
+        return out + ["no sample after warm-up: run longer"]
+    base = warm[0]["rss"]
+    for proc, rss in final.get("rss", {}).items():
+        if proc in base and rss > base[proc] * (1 + cfg.rss_band) + cfg.rss_band_bytes:
+            out.append(f"{proc}: RSS {base[proc] >> 20} MiB after warm-up -> {rss >> 20} MiB at the end")
     return out
 
 
@@ -267,24 +233,19 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, required=True)
     ap.add_argument("--pid", type=int, help="the API server's pid (its children are measured too); default: "
                     "the process listening on --base's port")
-    ap.add_argument("--minutes", type=float, default=20.0)
-    ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--sample-s", type=float, default=60.0)
-    ap.add_argument("--sae")
-    ap.add_argument("--sae-features", type=int, default=8)
-    ap.add_argument("--capture")
-    ap.add_argument("--api-key")
-    ap.add_argument("--out")
+    for flag, kind, default in (("--minutes", float, 20.0), ("--threads", int, 4), ("--sample-s", float, 60.0),
+                                ("--sae-features", int, 8)):
+        ap.add_argument(flag, type=kind, default=default)
+    for flag in ("--sae", "--capture", "--api-key", "--out"):
+        ap.add_argument(flag)
     a = ap.parse_args()
-    pid = a.pid or server_pid(httpx.URL(a.base).port)
-    cfg = SoakConfig(a.base, a.model, a.hidden, pid, a.minutes, a.threads, a.sample_s, a.sae, a.sae_features,
-                     a.capture, a.api_key)
+    cfg = SoakConfig(**{k: v for k, v in vars(a).items() if k != "out"})
+    cfg.pid = a.pid or server_pid(httpx.URL(a.base).port)
     report = run_soak(cfg)
     found = problems(report, cfg)
-    out = {**report.to_json(), "problems": found, "config": vars(a)}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({**report.to_json(), "problems": found, "config": vars(a)}, f, indent=1)
     for s in report.samples:
         print(f"t={s['t']:7.1f}s rss={sum(s['rss'].values()) >> 20} MiB rows={s['rows_in_use']:.0f} "
               f"waiting={s['waiting_for_row']:.0f} answers={s['answers']} unexpected={s['unexpected']}")

@@ -1,7 +1,7 @@
 """The A/B kit's pieces that need no GPU (bench/abkit): the trace parser of the graph phase and of the
-decode-graph check (tests/gpu_e2e/trace_kernels.py) on a synthetic trace, the single-site arms' request fields and packed vectors, the paired statistics, and (with the
-peer wheel in .whl/peer/) the hotwire server's set-up and its vector files read back by hotwire's own
-loader. These were the kit's ``--selftest``; the GPU run of the suite is bench/gpu_session.sh."""
+decode-graph check (tests/gpu_e2e/trace_kernels.py) on a synthetic trace, the single-site arms' request fields
+and packed vectors, the paired statistics, and (with the peer wheel in .whl/peer/) the hotwire server's set-up
+and its vector files read back by hotwire's own loader. The GPU run of the suite is bench/gpu_session.sh."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import base64
 import gzip
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,11 +19,10 @@ from tests.gpu_e2e.trace_kernels import analyze_events, parse_trace
 if str(ROOT / "bench") not in sys.path:
     sys.path.insert(0, str(ROOT / "bench"))
 
-from abkit.arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field  # noqa: E402
-from abkit.model_dir import SHAPES  # noqa: E402
-from abkit.servers import PEER_SERVER, server_unavailable  # noqa: E402
-from abkit.site_vectors import N_SITE, ctx_site, hotwire_field, hotwire_id, module_name, site_layer, steer_vectors  # noqa: E402
-from abkit.stats import paired_pct  # noqa: E402
+from abkit.arms import (ARMS, arm_fields, arm_modules, build_bodies, ctx_site, expects_steering_field,  # noqa: E402
+                        hotwire_field, module_name, steer_vectors)
+from abkit.report import paired_pct  # noqa: E402
+from abkit.servers import N_SITE, PEER_SERVER, SHAPES, server_unavailable, site_layer  # noqa: E402
 
 PEER_WHEELS = sorted((ROOT / ".whl" / "peer").glob("hotwire_vllm-*.whl"))
 
@@ -138,12 +136,12 @@ def _check_server(args, ctx: dict, workdir) -> object:
     pool.prepare(s)
     env, cmd = s.env(), s.command()
     assert env["VLLM_PLUGINS"] == "hotwire" and env["VLLM_CACHE_ROOT"].endswith("-hotwire")
-    assert env["PYTHONPATH"].split(":")[0] == str(s.pythonpath_first)
+    assert env["PYTHONPATH"].split(":")[0] == str(workdir / "hotwire_site")
     assert env["HOTWIRE_VECTORS"] == str(workdir / "hotwire_vectors") and env["HOTWIRE_SLOTS"] == "32"
     assert "--additional-config" not in cmd and str(pool.ports[PEER_SERVER]) in cmd
     files = sorted(p.name for p in (workdir / "hotwire_vectors").glob("*.pt"))
     assert files == sorted(f"v{i}.pt" for i in range(N_SITE)), files
-    return s.pythonpath_first
+    return workdir / "hotwire_site"
 
 
 def _check_hotwire_reads(site, ctx: dict, folder) -> None:
@@ -159,7 +157,7 @@ def _check_hotwire_reads(site, ctx: dict, folder) -> None:
     shape = ctx["shape"]
     st = _state.SteerState(shape["layers"], shape["hidden"], 64, torch.device("cpu"), torch.float32, N_SITE)
     st.load_store(str(folder))
-    assert sorted(st.store) == sorted(hotwire_id(i) for i in range(N_SITE))
+    assert sorted(st.store) == sorted(f"v{i}" for i in range(N_SITE))
     for i, f in enumerate(arm_fields(ARMS["hotwire_ids16"], N_SITE, 0, ctx)):
         (spec,) = _state.parse_spec(f["vllm_xargs"]["hotwire"])
         slot = st.slot_for(spec["id"], int(spec["layer"]), float(spec.get("scale", 1.0)))

@@ -1,28 +1,23 @@
-"""The A/B arms (server + kind of traffic), their request bodies and steering configs.
-
-Kinds: ``plain`` (no steering field), ``module`` (a registered steering module by name),
-``shared`` (one steering_vectors config for every request), ``per_request`` (n distinct configs),
-``sae`` (SAE clamp sets); single-site kinds (one steered site, ``post_mlp`` of --site-layer, the 16
-vectors of site_vectors.py): ``site_module`` (request i names module ``ab_site_{i%16}``, registered
-once per server), ``site_inline`` (request i carries vector i%16 inline), ``hotwire`` (request i names
-id ``v{i%16}`` in ``vllm_xargs`` on the hotwire server: hotwire responses carry no steering field, so
-the field check treats it like ``plain``).
-"""
+"""The A/B arms (server + kind of traffic), their request fields, bodies and steering modules. Kinds: ``plain``,
+``module``, ``shared`` (one config for all), ``per_request`` (n configs), ``sae`` (clamp sets), ``cond`` (with /
+without a steering_condition); single-site (post_mlp of --site-layer, 16 vectors; hotwire adds at the end of layer L
+= post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 
-from .client import http_json
-from .common import log
-from .servers import MULTI_SUFFIX, PEER_SERVER, server_unavailable
-from .site_vectors import ctx_site, hotwire_field, module_name, steer_vectors
+import numpy as np
+
+from vllm_steer.client import pack
+
+from .servers import (CLAMPED, MULTI_SUFFIX, PEER_SERVER, SAE_FEATURES, SAE_NAME, log, sae_layers,
+                      server_unavailable, site_vectors)
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 MODULE_NAME = "ab_bench_module"
-UNMARKED_KINDS = ("plain", "hotwire")  # responses carry no steering field
-MODULE_KINDS = ("module", "site_module")  # requests name registered modules
 
 ARMS = {
     "stock": dict(server="stock", kind="plain"),
@@ -40,14 +35,14 @@ ARMS = {
     # the binary wire form: msgpack bodies with raw vector bytes (no base64, no JSON parse of vectors)
     "per_request_n16_msgpack": dict(server="steer", kind="per_request", n_configs=16, wire="msgpack"),
     "k256_msgpack": dict(server="steer", kind="per_request", n_configs=None, wide=True, wire="msgpack"),
-    # SAE clamping (abkit/sae_files.py): 16 distinct clamp sets of 64 features at 4 layers
+    # SAE clamping: 16 distinct clamp sets of 64 features at 4 layers
     "sae_idle": dict(server="sae", kind="plain"),
     "sae_delta_n16": dict(server="sae", kind="sae", mode="delta", n_configs=16),
     "sae_serial_idle": dict(server="sae_serial", kind="plain"),
     "sae_serial_delta_n16": dict(server="sae_serial", kind="sae", mode="delta", n_configs=16),
     "sae_full_idle": dict(server="sae_full", kind="plain"),
     "sae_reconstruct_n16": dict(server="sae_full", kind="sae", mode="reconstruct", n_configs=16),
-    # single-site work (site_vectors.py): the peer plugin hotwire, vllm-steer by module name and inline
+    # single-site work: the peer plugin hotwire, vllm-steer by module name and inline
     "hotwire_idle": dict(server=PEER_SERVER, kind="plain"),
     "hotwire_ids16": dict(server=PEER_SERVER, kind="hotwire", n_configs=16),
     "site_named16": dict(server="steer", kind="site_module", n_configs=16),
@@ -78,60 +73,61 @@ def usable_arms(names: list[str], args, what: str) -> list[str]:
     for a in names:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r} in {what} (known: {', '.join(ARMS)})")
-        why = server_unavailable(ARMS[a]["server"], args)
-        if why:
+        if why := server_unavailable(ARMS[a]["server"], args):
             log(f"[{what}] skipping arm {a}: {why}")
-            continue
-        out.append(a)
+        else:
+            out.append(a)
     return out
 
 
 def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str, binary: bool = False,
                      first_layer: int = 0) -> list[dict]:
-    """n distinct ``steering_vectors`` fields: all three hooks on every layer from ``first_layer``, packed
-    (base64, or raw bytes with ``binary`` for msgpack bodies)."""
-    import numpy as np
-
-    from vllm_steer.client import pack
-
+    """n distinct ``steering_vectors``: every hook and layer from ``first_layer``, packed (``binary``: raw bytes)."""
     rng = np.random.default_rng(seed)
     layers = list(range(first_layer, shape["layers"]))
-    out = []
-    for _ in range(n):
-        out.append({h: pack((rng.standard_normal((len(layers), shape["hidden"]), dtype=np.float32) * std),
-                            layers, pack_dtype, binary=binary) for h in HOOKS})
-    return out
+    return [{h: pack((rng.standard_normal((len(layers), shape["hidden"]), dtype=np.float32) * std),
+                     layers, pack_dtype, binary=binary) for h in HOOKS} for _ in range(n)]
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, vocab - 2, size=(n, length)).tolist()
+    return np.random.default_rng(seed).integers(0, vocab - 2, size=(n, length)).tolist()
 
 
 def expects_steering_field(arm: dict) -> bool:
-    """Whether this arm's responses must carry vllm-steer's ``steering`` field."""
-    return arm["kind"] not in UNMARKED_KINDS
+    """Whether this arm's responses must carry vllm-steer's ``steering`` field (hotwire's carry none)."""
+    return arm["kind"] not in ("plain", "hotwire")
 
 
-def site_fields(arm: dict, n_requests: int, ctx: dict) -> list[dict]:
-    """Request i of a single-site arm uses site vector i % n_configs."""
-    layer, vecs = ctx_site(ctx)
-    n, kind, scale = arm["n_configs"], arm["kind"], arm.get("scale", 1.0)
-    if kind == "hotwire":
-        return [hotwire_field(i % n, layer, scale) for i in range(n_requests)]
-    if kind == "site_module":
-        return [{"steering_module": {"name": module_name(i % n), "scale": scale}} for i in range(n_requests)]
-    # scaled before packing: the request stays on the packed fast path (no ``scales`` field)
-    cfgs = [steer_vectors(vecs[j] * scale, layer, ctx["pack_dtype"]) for j in range(n)]
-    return [{"steering_vectors": cfgs[i % n]} for i in range(n_requests)]
+def module_name(i: int) -> str:
+    return f"ab_site_{i}"
+
+
+def hotwire_field(i: int, layer: int, scale: float = 1.0) -> dict:
+    return {"vllm_xargs": {"hotwire": json.dumps({"id": f"v{i}", "layer": layer, "scale": scale})}}
+
+
+def steer_vectors(vec, layer: int, pack_dtype: str, scale: float = 1.0) -> dict:
+    """vllm-steer's ``steering_vectors`` for one vector at ``post_mlp`` of ``layer`` (and its packed ``scales``)."""
+    return {"post_mlp": pack(vec.reshape(1, -1), [layer], pack_dtype, scales=None if scale == 1.0 else [scale])}
+
+
+def ctx_site(ctx: dict) -> tuple[int, object]:  # (site layer, site vectors) of a suite run
+    return ctx.setdefault("site", (ctx["site_layer"], site_vectors(ctx["shape"], ctx["std"])))
 
 
 def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | None]:
-    kind = arm["kind"]
+    """The steering fields of an arm's requests (None: none); request i of a single-site arm uses vector i % n."""
+    kind, n = arm["kind"], arm.get("n_configs")
     if kind in ("hotwire", "site_module", "site_inline"):
-        return site_fields(arm, n_requests, ctx)
+        layer, vecs = ctx_site(ctx)
+        scale = arm.get("scale", 1.0)
+        if kind == "hotwire":
+            return [hotwire_field(i % n, layer, scale) for i in range(n_requests)]
+        if kind == "site_module":
+            return [{"steering_module": {"name": module_name(i % n), "scale": scale}} for i in range(n_requests)]
+        # scaled before packing: the request stays on the packed fast path (no ``scales`` field)
+        cfgs = [steer_vectors(vecs[j] * scale, layer, ctx["pack_dtype"]) for j in range(n)]
+        return [{"steering_vectors": cfgs[i % n]} for i in range(n_requests)]
     if kind == "plain":
         return [None] * n_requests
     if kind == "module":
@@ -139,21 +135,23 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
     if kind == "shared":
         cfg = ctx.setdefault("shared_cfg", steering_configs(1, 777, ctx["shape"], ctx["std"], ctx["pack_dtype"])[0])
         return [{"steering_vectors": cfg}] * n_requests
-    if kind == "sae":
-        from .sae_files import sae_fields
-
-        cfgs = sae_fields(arm["n_configs"], seed, ctx["shape"]["layers"], arm["mode"])
+    if kind == "sae":  # n distinct clamp sets: CLAMPED features SET at each of the 4 sites
+        rng = np.random.default_rng(seed)
+        cfgs = [[{"name": SAE_NAME, "site": f"post_mlp.{layer}", "mode": arm["mode"],
+                  "clamps": [{"feature": int(f), "kind": "set", "value": float(v)} for f, v in
+                             zip(rng.choice(SAE_FEATURES, CLAMPED, replace=False), rng.uniform(1, 8, CLAMPED))]}
+                 for layer in sae_layers(ctx["shape"]["layers"])] for _ in range(n)]
         return [{"sae": cfgs[i % len(cfgs)]} for i in range(n_requests)]
     if kind == "cond":
-        import numpy as np
-
-        cfgs = steering_configs(arm["n_configs"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"], first_layer=1)
+        cfgs = steering_configs(n, seed, ctx["shape"], ctx["std"], ctx["pack_dtype"], first_layer=1)
         probe = np.random.default_rng(seed + 1).standard_normal(ctx["shape"]["hidden"])
-        condition = {"site": "pre_attn.1", "probe": (probe / np.linalg.norm(probe)).tolist(), "threshold": 0.0}
+        packed = (probe / np.linalg.norm(probe)).astype(np.float32).tobytes()  # packed: no 4096 JSON floats to parse
+        condition = {"site": "pre_attn.1", "probe": {"dtype": "float32", "data": base64.b64encode(packed).decode()},
+                     "threshold": 0.0}
         extra = {"steering_condition": condition} if arm.get("condition", True) else {}
         return [{"steering_vectors": cfgs[i % len(cfgs)], **extra} for i in range(n_requests)]
     if kind == "per_request":
-        cfgs = steering_configs(arm["n_configs"] or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
+        cfgs = steering_configs(n or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
                                 binary=arm.get("wire") == "msgpack")
         return [{"steering_vectors": cfgs[i % len(cfgs)]} for i in range(n_requests)]
     raise ValueError(kind)
@@ -166,10 +164,9 @@ def build_bodies(prompts, fields, max_tokens: int, wire: str = "json") -> list[b
     out = []
     for p, f in zip(prompts, fields):
         body = {"model": "bench", "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        if f:
-            body.update(f)
-        out.append(msgspec.msgpack.encode(body) if wire == "msgpack" else json.dumps(body, separators=(",", ":")).encode())
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(f or {})}
+        out.append(msgspec.msgpack.encode(body) if wire == "msgpack"
+                   else json.dumps(body, separators=(",", ":")).encode())
     return out
 
 
@@ -181,22 +178,6 @@ def arm_modules(arm: dict, ctx: dict) -> dict[str, dict]:
         layer, vecs = ctx_site(ctx)
         return {module_name(i): steer_vectors(vecs[i], layer, ctx["pack_dtype"]) for i in range(arm["n_configs"])}
     return {}
-
-
-def ensure_modules(server, arm: dict, ctx: dict) -> None:
-    """Register the arm's steering modules on ``server`` once per server and kind
-    (POST /v1/steering/modules, replace=true)."""
-    key = (server.name, arm["kind"])
-    if arm["kind"] not in MODULE_KINDS or key in ctx["modules_done"]:
-        return
-    mods = arm_modules(arm, ctx)
-    for name, vecs in mods.items():
-        st, body = http_json("POST", server.base + "/v1/steering/modules",
-                             {"name": name, "steering_vectors": vecs, "replace": True}, timeout=120)
-        if st not in (200, 201):
-            raise RuntimeError(f"module {name} registration failed: {st} {body}")
-    log(f"modules {', '.join(mods)} registered on {server.name}; last: {json.dumps(body)[:300]}")
-    ctx["modules_done"].add(key)
 
 
 def seed_of(*parts) -> int:

@@ -1,55 +1,23 @@
-"""The one page of current numbers (bench/NUMBERS.md), generated from the result JSONs.
-
-``bench/numbers.json`` names, per section, the arms whose numbers are current: a result JSON under
-bench/ and an arm label in one of its phases (``ab`` unless the row says otherwise). Each row's
-figures are computed here the way the suite's report computes them, against the reference arm the
-report uses (``stock``; ``stock_c256`` for the wide load; ``stock@mtN``; ``stock_multi``...): TPOT
-median and output throughput as paired per-trial Δ% (mean ± SEM), TTFT median as Δ ms (difference of
-the means ± combined SEM). The GPU, date and command come from the JSON's ``meta``. A row with
-``text`` instead of ``file`` is a measurement the A/B suite does not produce (a probe, a check); it
-names its source. ``python3 bench/ab_suite.py --numbers`` rewrites the page.
-"""
+"""bench/NUMBERS.md from the result JSONs that bench/numbers.json names: each row's figures are the report's against
+its reference arm (paired TPOT / throughput Δ%, TTFT Δ ms); a row with ``text`` instead names its own source."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .report import reference_label
-from .stats import arm_stats, delta, paired_pct
+from .report import STAR, arm_stats, delta, fmt_pct, paired_pct, reference_label
 
 BENCH = Path(__file__).resolve().parent.parent
 MANIFEST = BENCH / "numbers.json"
 PAGE = BENCH / "NUMBERS.md"
-
-
-def _gpu(meta: dict) -> str:
-    name = meta.get("gpu") or "?"
-    for short in ("H100", "H200", "A100", "L40S"):
-        if short in name:
-            return short
-    return name
-
-
-def _pct(p: dict) -> str:
-    if p["mean"] != p["mean"]:
-        return "—"
-    mark = " **\\***" if p["significant"] else ""
-    return f"{p['mean']:+.2f}% ± {p['sem']:.2f}{mark}" if p["sem"] == p["sem"] else f"{p['mean']:+.2f}%"
-
-
-def _ms(d: dict) -> str:
-    if d["delta"] != d["delta"]:
-        return "—"
-    mark = " **\\***" if d["significant"] else ""
-    return f"{d['delta']:+.1f} ± {d['se']:.1f}{mark}"
+HEADER = ("| scenario | arm vs reference | trials | TPOT med Δ% (paired) | output tok/s Δ% (paired) "
+          "| TTFT med Δ ms | GPU | date | command |")
 
 
 def arm_row(row: dict, commands: list[str]) -> list[str]:
-    """The table cells of one JSON row: scenario, vs, trials, TPOT Δ%, tok/s Δ%, TTFT Δ ms, GPU,
-    date, command reference. Raises if the file, phase, arm or its reference is missing."""
-    path = BENCH / row["file"]
-    data = json.loads(path.read_text())
+    """The table cells of one JSON row (raises if its file, phase, arm or reference is missing)."""
+    data = json.loads((BENCH / row["file"]).read_text())
     phase = row.get("phase", "ab")
     arms = data["phases"][phase]
     entry = arms[row["arm"]]
@@ -57,21 +25,17 @@ def arm_row(row: dict, commands: list[str]) -> list[str]:
     ref = arms[ref_label]
     tpot, tput = (paired_pct(entry, ref, m) for m in ("tpot_median_ms", "throughput"))
     ttft = delta(arm_stats(entry)["ttft_median_ms"], arm_stats(ref)["ttft_median_ms"])
+    ttft_ms = "—" if ttft["delta"] != ttft["delta"] else (
+        f"{ttft['delta']:+.1f} ± {ttft['se']:.1f}" + (STAR if ttft["significant"] else ""))
     meta = data.get("meta", {})
+    gpu = meta.get("gpu") or "?"
     command = "python3 " + " ".join(meta.get("argv", ["?"])) + f"  →  `{row['file']}`"
     if command not in commands:
         commands.append(command)
     scenario = row["scenario"] + (f". {row['note']}" if row.get("note") else "")
-    return [scenario, f"`{row['arm']}` vs `{ref_label}`", str(len(tpot["trials"])), _pct(tpot), _pct(tput),
-            _ms(ttft), _gpu(meta), str(meta.get("date", "?"))[:10], f"[{commands.index(command) + 1}](#commands)"]
-
-
-def text_row(row: dict) -> list[str]:
-    return [row["scenario"], "", "", row["text"], "", "", row["gpu"], row["date"], row["source"]]
-
-
-HEADER = ("| scenario | arm vs reference | trials | TPOT med Δ% (paired) | output tok/s Δ% (paired) "
-          "| TTFT med Δ ms | GPU | date | command |")
+    return [scenario, f"`{row['arm']}` vs `{ref_label}`", str(len(tpot["trials"])), fmt_pct(tpot), fmt_pct(tput),
+            ttft_ms, next((short for short in ("H100", "H200", "A100", "L40S") if short in gpu), gpu),
+            str(meta.get("date", "?"))[:10], f"[{commands.index(command) + 1}](#commands)"]
 
 
 def render(manifest: dict) -> str:
@@ -80,20 +44,13 @@ def render(manifest: dict) -> str:
              "[RESULTS.md](RESULTS.md).*", "", manifest["intro"], ""]
     commands: list[str] = []
     for section in manifest["sections"]:
-        lines += [f"## {section['title']}", ""]
-        if section.get("note"):
-            lines += [section["note"], ""]
-        lines += [HEADER, "| --- " * 9 + "|"]
+        note = [section["note"], ""] if section.get("note") else []
+        lines += [f"## {section['title']}", "", *note, HEADER, "| --- " * 9 + "|"]
         for row in section["rows"]:
-            cells = text_row(row) if "text" in row else arm_row(row, commands)
+            cells = ([row["scenario"], "", "", row["text"], "", "", row["gpu"], row["date"], row["source"]]
+                     if "text" in row else arm_row(row, commands))
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         lines.append("")
     lines += ["## Open gaps", ""] + [f"- {g}" for g in manifest["open_gaps"]] + [""]
     lines += ["## Commands", ""] + [f"{k}. {c}" for k, c in enumerate(commands, 1)] + [""]
     return "\n".join(lines)
-
-
-def write_page(manifest_path: Path = MANIFEST, page: Path = PAGE) -> str:
-    text = render(json.loads(manifest_path.read_text()))
-    page.write_text(text)
-    return text

@@ -1,18 +1,141 @@
-"""Running arms: one load of an arm, the warm-up steering check, interleaved trials, progress lines.
-
-Every trial record carries its index (``trial``), so the report can pair trial k of an arm with
-trial k of its reference (they ran close in time: the order rotates per trial).
-"""
+"""Running arms: the streaming client (TTFT: first event with choices; E2EL: last event; TPOT: (E2EL - TTFT) /
+(tokens - 1)), the warm-up steering check, interleaved trials (record ``trial`` k pairs with the reference's k),
+and the ``graph`` phase (torch.profiler around a few requests per server, read by tests/gpu_e2e/trace_kernels.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+import os
+import statistics
 import time
+import urllib.error
+import urllib.request
 
-from . import common
-from .arms import ARMS, arm_fields, build_bodies, ensure_modules, expects_steering_field, make_prompts, seed_of
-from .client import run_load
-from .common import log
-from .stats import summarize_trial
+from .arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
+from .servers import T0, log, server_unavailable
+
+GRAPH_PLAN = [  # (label, server, kind of traffic)
+    ("stock / unsteered", "stock", "plain"), ("disabled / unsteered", "disabled", "plain"),
+    ("steer / unsteered (enabled_idle)", "steer", "plain"), ("steer / per_request_n4", "steer", "per_request"),
+    ("sae / unsteered (sae_idle)", "sae", "plain"), ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain"),
+    ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain"), ("steer_cond / cond_n4", "steer_cond", "cond")]
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, object]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw, status = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw[:500].decode(errors="replace")
+
+
+async def _one(session, url: str, body: bytes) -> dict:
+    first_t = last_t = first_obj = last_payload = None
+    n_events = 0
+    t0 = time.perf_counter()
+    ctype = "application/json" if body[:1] == b"{" else "application/msgpack"
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": ctype}) as resp:
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {(await resp.text())[:300]}"}
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                now = time.perf_counter()
+                n_events += 1
+                if first_t is None:
+                    obj = json.loads(payload)
+                    if obj.get("choices"):
+                        first_t, first_obj = now, obj
+                last_t, last_payload = now, payload
+        t_end = time.perf_counter()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    try:
+        usage = json.loads(last_payload).get("usage") if last_payload is not None else None
+    except ValueError:
+        usage = None
+    if first_t is None or not usage:
+        return {"error": f"no content or no usage (events={n_events})"}
+    n_out = int(usage.get("completion_tokens") or 0)
+    ttft, e2el = first_t - t0, (last_t or t_end) - t0
+    st = first_obj.get("steering")
+    return {"ttft": ttft, "e2el": e2el, "tpot": (e2el - ttft) / (n_out - 1) if n_out > 1 else 0.0, "out": n_out,
+            "prompt_tokens": usage.get("prompt_tokens"), "events": n_events,
+            "steering": st if isinstance(st, dict) else None, "t_start": t0, "t_end": last_t or t_end}
+
+
+def run_load(server, bodies: list[bytes], concurrency: int) -> tuple[list[dict], float]:
+    """POST ``bodies`` in order, ``concurrency`` in flight: (per-request records, wall time to the last event)."""
+    import aiohttp
+
+    async def load() -> tuple[list[dict], float, float]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=900, sock_connect=60)
+        gate = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one(body: bytes) -> dict:
+                async with gate:
+                    return await _one(session, server.base + "/v1/completions", body)
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one(b) for b in bodies))
+            return list(results), t0, time.perf_counter()
+
+    res, t0, t1 = asyncio.run(load())
+    ends = [r["t_end"] for r in res if "t_end" in r]
+    return res, (max(ends) if ends else t1) - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize_trial(res: list[dict], wall: float, steered: bool) -> dict:
+    ok = [r for r in res if "error" not in r]
+    errs = [r["error"] for r in res if "error" in r]
+    t = {"n": len(res), "ok": len(ok), "errors": errs[:3], "n_errors": len(errs), "wall_s": round(wall, 4),
+         "output_tokens": sum(r["out"] for r in ok),
+         "throughput": sum(r["out"] for r in ok) / wall if wall > 0 else float("nan")}
+    for m in ("ttft", "tpot", "e2el"):
+        xs = [r[m] * 1e3 for r in ok]  # ms
+        t[f"{m}_median_ms"] = statistics.median(xs) if xs else float("nan")
+        t[f"{m}_p99_ms"] = pct(xs, 0.99)
+    good = [r for r in ok if r.get("steering") and r["steering"].get("prefill") and r["steering"].get("decode")]
+    t.update(steering_applied=len(good), steering_expected=len(res) if steered else 0,
+             unexpected_steering=0 if steered else sum(1 for r in ok if r.get("steering")))
+    t["per_request"] = {m: [round(r[m] * 1e3, 3) for r in ok] for m in ("ttft", "tpot", "e2el")}
+    return t
+
+
+def ensure_modules(server, arm: dict, ctx: dict) -> None:
+    """Register the arm's steering modules on ``server`` (replace=true), once per server and kind."""
+    key = (server.name, arm["kind"])
+    mods = {} if key in ctx["modules_done"] else arm_modules(arm, ctx)
+    if not mods:
+        return
+    for name, vecs in mods.items():
+        st, body = http_json("POST", server.base + "/v1/steering/modules",
+                             {"name": name, "steering_vectors": vecs, "replace": True}, timeout=120)
+        if st not in (200, 201):
+            raise RuntimeError(f"module {name} registration failed: {st} {body}")
+    log(f"modules {', '.join(mods)} registered on {server.name}; last: {json.dumps(body)[:300]}")
+    ctx["modules_done"].add(key)
 
 
 def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, warmup: bool = False) -> dict:
@@ -28,14 +151,12 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
     bodies = build_bodies(prompts, fields, mt, arm.get("wire", "json"))
     res, wall = run_load(server, bodies, conc)
     t = summarize_trial(res, wall, expects_steering_field(arm))
-    t["trial"] = None if warmup else trial
-    t["body_bytes_mean"] = int(sum(map(len, bodies)) / len(bodies))
+    t.update(trial=None if warmup else trial, body_bytes_mean=int(sum(map(len, bodies)) / len(bodies)))
     return t
 
 
 def check_steering(t: dict, arm_name: str) -> str | None:
-    """Request errors; a steering field missing on a steered arm (not hotwire: it reports none) or
-    present on an unsteered one."""
+    """Request errors; a steering field missing on a steered arm or present on an unsteered one."""
     steered = expects_steering_field(ARMS[arm_name])
     if t["n_errors"]:
         return f"{t['n_errors']} request errors, e.g. {t['errors'][:1]}"
@@ -46,29 +167,17 @@ def check_steering(t: dict, arm_name: str) -> str | None:
     return None
 
 
-def progress(phase: str, label: str, trial: int, trials: int, t: dict) -> None:
-    log(f"[{phase}] trial {trial + 1}/{trials} {label:<28} tput {t['throughput']:9.1f} tok/s | "
-        f"TTFT med {t['ttft_median_ms']:8.2f} p99 {t['ttft_p99_ms']:8.2f} ms | "
-        f"TPOT med {t['tpot_median_ms']:7.3f} p99 {t['tpot_p99_ms']:7.3f} ms | "
-        f"E2EL med {t['e2el_median_ms']:9.1f} ms | steering {t['steering_applied']}/{t['steering_expected']}"
-        f" | err {t['n_errors']} | {t['wall_s']:.2f} s")
-
-
 def run_matrix(pool, phase: str, runs: list[tuple[str, str, dict]], trials: int, ctx: dict,
                results: dict, save) -> None:
-    """runs: (label, arm, load). Warm-up + steering check per run, then trials interleaved
-    (the order rotates every trial)."""
+    """runs: (label, arm, load). Warm-up + steering check per run, then trials interleaved (order rotated)."""
     res = results.setdefault(phase, {})
     live = []
     for label, arm, load in runs:
         entry = res.setdefault(label, {"arm": arm, "load": load, "trials": []})
         try:
-            if ARMS[arm]["server"] not in pool.servers:
-                pool.ensure([ARMS[arm]["server"]])
             t = one_run(pool, arm, load, 0, phase, ctx, warmup=True)
-            problem = check_steering(t, arm)
             entry["warmup"] = {k: v for k, v in t.items() if k != "per_request"}
-            if problem:
+            if problem := check_steering(t, arm):
                 entry["failed"] = f"warm-up check: {problem}"
                 log(f"[{phase}] {label}: FAILED warm-up check: {problem}")
                 continue
@@ -82,10 +191,9 @@ def run_matrix(pool, phase: str, runs: list[tuple[str, str, dict]], trials: int,
     est: dict[str, float] = {}
     for trial in range(trials):
         k = trial % max(1, len(live))
-        order = live[k:] + live[:k]
-        for label, arm, load in order:
+        for label, arm, load in live[k:] + live[:k]:
             need = est.get(label, 5.0) * 1.3 + ctx["reserve_s"]
-            if time.time() - common.T0 + need > ctx["deadline_s"]:
+            if time.time() - T0 + need > ctx["deadline_s"]:
                 log(f"[{phase}] {label}: skipping trial {trial + 1} (deadline)")
                 res[label].setdefault("skipped_trials", []).append(trial)
                 continue
@@ -97,9 +205,49 @@ def run_matrix(pool, phase: str, runs: list[tuple[str, str, dict]], trials: int,
                 log(f"[{phase}] {label}: trial {trial + 1} error {e}")
                 continue
             est[label] = time.time() - t_start
-            problem = check_steering(t, arm)
-            if problem:
+            if problem := check_steering(t, arm):
                 t["check"] = problem
             res[label]["trials"].append(t)
-            progress(phase, label, trial, trials, t)
+            log(f"[{phase}] trial {trial + 1}/{trials} {label:<28} tput {t['throughput']:9.1f} tok/s | TTFT med "
+                f"{t['ttft_median_ms']:8.2f} ms | TPOT med {t['tpot_median_ms']:7.3f} p99 {t['tpot_p99_ms']:7.3f} ms | "
+                f"steering {t['steering_applied']}/{t['steering_expected']}, err {t['n_errors']}, {t['wall_s']:.2f} s")
             save()
+
+
+def graph_phase(pool, ctx: dict, results: dict, save) -> None:
+    from tests.gpu_e2e.trace_kernels import newest_trace, parse_trace
+
+    res = results.setdefault("graph", {})
+    n, mt = int(os.environ.get("GRAPH_REQUESTS", "4")), 16
+    for label, sname, kind in [p for p in GRAPH_PLAN if p[1] in ctx["graph_servers"]]:
+        if why := server_unavailable(sname, ctx["args"]):
+            log(f"[graph] skipping {label}: {why}")
+            continue
+        try:
+            server = pool.get(sname)
+            before = set(server.prof_dir.rglob("*.json*"))
+            warm, profiled = (build_bodies(make_prompts(n, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of(*p)),
+                                           arm_fields({"kind": kind, "n_configs": 4}, n, seed_of(*v), ctx), mt)
+                              for p, v in ((("graph", label), ("graph", label, "v")),
+                                           (("graph", label, 2), ("graph", label, "v2"))))
+            run_load(server, warm, n)  # rows resident, nothing new compiled in the window
+            st, _ = http_json("POST", server.base + "/start_profile", timeout=120)
+            if st != 200:
+                raise RuntimeError(f"/start_profile -> {st}")
+            out, _wall = run_load(server, profiled, n)
+            http_json("POST", server.base + "/stop_profile", timeout=300)
+            rec = parse_trace(newest_trace(server.prof_dir, before))
+            rec["requests_steered"] = sum(1 for r in out if r.get("steering"))
+            rec["status_http"], status = http_json("GET", server.base + "/v1/steering")
+            if rec["status_http"] == 200 and isinstance(status, dict):
+                rec["status_ops"] = (status.get("workers") or [{}])[0].get("ops")
+                rec["status_enabled"] = status.get("enabled")
+            else:
+                rec["status_ops"] = f"HTTP {rec['status_http']}"
+            res[label] = rec
+            log(f"[graph] {label}: kernels per launch {rec['kernels_per_launch_hist']}, eager kernels "
+                f"{rec['eager_kernels']}, steer kernels per step {rec['steer_kernels_per_step']} (more: the report)")
+        except Exception as e:  # noqa: BLE001
+            res[label] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+            log(f"[graph] {label}: error {e}")
+        save()

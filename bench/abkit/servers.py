@@ -1,78 +1,153 @@
-"""The OpenAI-server processes of the A/B suite: Server (one process), Pool (by name, state file).
-
-Servers (each its own process group, all alive together so trials of different servers interleave):
-  stock      VLLM_PLUGINS=none, no steer block
-  disabled   VLLM_PLUGINS=steer, no steer block
-  steer      VLLM_PLUGINS=steer, --additional-config '{"steer": {"max_configs": 272}}'
-  hotwire    the peer plugin hotwire-vllm (--peer-wheel, wheel_site.py): VLLM_PLUGINS=hotwire, no steer
-             block, HOTWIRE_VECTORS=<workdir>/hotwire_vectors (the 16 site vectors, site_vectors.py,
-             written before it starts), HOTWIRE_SLOTS=32; CUDA only (its op is a Triton kernel), skipped
-             on the CPU launcher
-  steer_one  steering on with one site (post_mlp.0: one steered norm), every patch active: an ablation that
-             separates the 64 steered norms in the graph from everything else steering on brings
-  steer_rows4, steer_mlp   ablations: every site with 4 table rows; post_mlp sites only (32 norms), 272 rows
-  sae, sae_full   steer with an SAE at 4 layers (abkit/sae_files.py): clampable features only / whole SAE
-  sae_serial      sae with the clamp walk one program per token (VLLM_STEER_SAE_SPLIT_MAX=1): the split's A/B
-  stock_multi, steer_multi   stock and steer behind ``--api-server-count`` front-end processes
-             (``vllm serve``; --api-servers N): a front end that prepares requests in parallel
-All but the wheel server share one VLLM_CACHE_ROOT (stock and disabled have the same compile key);
-hotwire compiles into ``<cache root>-hotwire`` so that no artifact crosses plugin builds. A wheel
-server whose option is not given is unavailable (its arms are skipped with a log line).
-``--keep-servers`` leaves them running and writes STATE_FILE; ``--reuse-servers`` adopts them.
-"""
+"""The A/B suite's OpenAI servers (Server; Pool: by name, state file), the files they read (the model directory
+of a shape, weights --load-format dummy; the peer plugin's wheel; the SAE; the hotwire vectors), the log clock.
+Each server is its own process group; all stay alive together so trials of different servers interleave:
+  stock / disabled   VLLM_PLUGINS=none / steer, no steer block;   steer and its ablations: STEER_SERVERS
+  hotwire    the peer plugin hotwire-vllm from --peer-wheel (its own site folder and VLLM_CACHE_ROOT); CUDA only
+  sae / sae_full / sae_serial   an SAE at 4 layers (SAE_SERVERS);   *_multi   ``--api-server-count`` front ends
+--keep-servers leaves them running and writes STATE_FILE; --reuse-servers adopts them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from importlib.metadata import distributions
 from pathlib import Path
 
-from .common import ROOT, log
-from .model_dir import SHAPES
-from .site_vectors import HOTWIRE_DIR, HOTWIRE_SLOTS, write_hotwire_vectors
-from .wheel_site import dist_version, install_wheel
+import numpy as np
 
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root
+T0 = time.time()  # the suite's clock: log lines and the --deadline-s budget count from here
+SHAPES = {  # Llama-3-8B (GQA 8 kv heads); Llama-3.2-1B-like; CPU dry runs (vLLM CPU attention: head_dim >= 32)
+    "8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256),
+    "1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=128256),
+    "tiny": dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=2048),
+}
 STEER_BLOCK = {"steer": {"max_configs": 272}}
-STEER_ONE_BLOCK = {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}}
 STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
-                 "steer_one": STEER_ONE_BLOCK, "steer_rows4": {"steer": {"max_configs": 4}},
+                 # ablations: one steered norm (every patch on); every site with 4 table rows; post_mlp sites only
+                 "steer_one": {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}},
+                 "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}},
-                 "steer_cond": {"steer": {"max_configs": 272, "conditions": True}}}
+                 "steer_cond": {"steer": {"max_configs": 272, "conditions": True}}}  # conditional steering
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14}
-# steer + an SAE at 4 layers (abkit.sae_files); full: reconstruct; serial: the clamp walk one program per token
+# steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}}
-PEER_SERVER = "hotwire"
-
-
-@dataclass(frozen=True)
-class WheelServer:
-    """A server that runs a plugin from its own wheel (wheel_site.py)."""
-    option: str  # the args attribute holding the wheel's path
-    flag: str  # its command-line flag
-    what: str  # what the wheel is (log lines)
-    site: str  # the site folder under the workdir
-    dist: str  # the dist-info name (the installed version)
-    plugins: str  # VLLM_PLUGINS of the server
-    cache_suffix: str  # VLLM_CACHE_ROOT = <cache root><suffix>
-    cuda_only: bool = False
-
-
-WHEEL_SERVERS = {
-    PEER_SERVER: WheelServer("peer_wheel", "--peer-wheel", "the peer plugin's hotwire_vllm-*.whl", "hotwire_site",
-                             "hotwire_vllm", "hotwire", "-hotwire", cuda_only=True),
-}
+PEER_SERVER = "hotwire"  # runs the plugin of --peer-wheel from its own site folder
+PEER_SITE, PEER_DIST = "hotwire_site", "hotwire_vllm"
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
 STATE_FILE = Path(tempfile.gettempdir()) / "vllm_steer_ab_servers.json"
+# the single-site work: post_mlp of --site-layer, N_SITE vectors rng(SITE_SEED) normal x --std; hotwire reads
+# them as <workdir>/HOTWIRE_DIR/v{i}.pt; its slot bank holds one slot per distinct (id, layer, scale)
+N_SITE, SITE_SEED, HOTWIRE_DIR, HOTWIRE_SLOTS = 16, 31, "hotwire_vectors", 32
+# the SAE of the sae* servers: one random SAE per site at 4 layers, CLAMPABLE features, CLAMPED per request
+SAE_NAME, D_SAE, CLAMPABLE, CLAMPED = "ab_sae", 16384, 256, 64
+SAE_FEATURES = list(range(0, D_SAE, D_SAE // CLAMPABLE))[:CLAMPABLE]
+
+
+def write_model_dir(path: Path, shape: dict, dtype: str) -> Path:
+    """config.json (LlamaForCausalLM) + a word-level tokenizer covering the whole vocab (offline)."""
+    if (path / ".complete").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_n = shape["vocab"]
+    bos, eos = vocab_n - 2, vocab_n - 1  # the last two ids
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape["hidden"],
+        "intermediate_size": shape["intermediate"], "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
+        "head_dim": shape["head_dim"], "vocab_size": vocab_n, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos,
+        "torch_dtype": dtype,
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(bos)} | {"<s>": bos, "</s>": eos}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="t0",
+                            pad_token="</s>", model_max_length=8192).save_pretrained(path)
+    (path / ".complete").touch()
+    return path
+
+
+def log(*a) -> None:
+    print(f"[ab {time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def install_wheel(wheel: str | Path, site: Path) -> Path:
+    """pip install --target ``site`` (no deps, no index) the --peer-wheel unless that exact wheel is there."""
+    wheel = Path(wheel)
+    if not wheel.is_file():
+        raise FileNotFoundError(f"--peer-wheel {wheel}: no such file")
+    marker = site / ".installed_from.json"
+    st = wheel.stat()
+    want = {"wheel": str(wheel.resolve()), "size": st.st_size, "mtime": int(st.st_mtime)}
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(marker.read_text()) == want:
+            return site
+    shutil.rmtree(site, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+           "--target", str(site), str(wheel)]
+    log(f"--peer-wheel: {' '.join(cmd)}")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"installing {wheel} failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
+    marker.write_text(json.dumps(want))
+    log(f"--peer-wheel: {wheel.name} installed in {site}")
+    return site
+
+
+def site_layer(requested: int, shape: dict) -> int:
+    """--site-layer clamped to the shape's layers (the tiny CPU shape has 2)."""
+    return max(0, min(int(requested), shape["layers"] - 1))
+
+
+def site_vectors(shape: dict, std: float, n: int = N_SITE):
+    return np.random.default_rng(SITE_SEED).standard_normal((n, shape["hidden"]), dtype=np.float32) * np.float32(std)
+
+
+def sae_layers(num_layers: int) -> list[int]:  # the 4 SAE sites' layers
+    return [num_layers * i // 4 + num_layers // 8 for i in range(4)]
+
+
+def sae_block(workdir: Path, model_dir: Path, full: bool) -> dict:
+    """The steer block of an sae* server; the SAE (manifest format, bf16 safetensors) is written on first use."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = workdir / "sae"
+    if not (root / "manifest.json").exists():
+        cfg = json.loads((model_dir / "config.json").read_text())
+        hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+        root.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(0)
+        sites = {}
+        for layer in sae_layers(layers):
+            def t(*shape: int, std: float) -> torch.Tensor:
+                return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * std).to(torch.bfloat16)
+
+            name = f"post_mlp_{layer}.safetensors"
+            save_file({"W_enc": t(hidden, D_SAE, std=0.02), "W_dec": t(D_SAE, hidden, std=0.02),
+                       "b_enc": t(D_SAE, std=0.01), "b_dec": t(hidden, std=0.01)}, str(root / name))
+            sites[f"post_mlp.{layer}"] = name
+        (root / "manifest.json").write_text(json.dumps({"format": "vllm-steer-sae", "version": 1,
+                                                       "activation": "relu", "sites": sites}))
+    entry = {"path": str(root), "features": SAE_FEATURES, **({"reconstruct": True} if full else {})}
+    return {"steer": {"max_configs": 272, "sae": {SAE_NAME: entry}}}
 
 
 class Server:
@@ -82,11 +157,8 @@ class Server:
         self.log_path = workdir / "logs" / f"{name}.log"
         self.prof_dir = workdir / "prof" / name
         self.proc: subprocess.Popen | None = None
-        self.pid: int | None = None
-        self.start_s: float | None = None
-        self.adopted = False
-        self.pythonpath_first: Path | None = None  # wheel servers: the wheel's site folder
-        self.extra_env: dict[str, str] = {}  # hotwire: HOTWIRE_VECTORS, HOTWIRE_SLOTS
+        self.pid = self.start_s = None  # the pid (also of an adopted server), seconds to ready
+        self.extra_env: dict[str, str] = {}  # hotwire: PYTHONPATH (its site folder first), HOTWIRE_*
         self._t_start = time.time()
 
     def command(self) -> list[str]:
@@ -98,65 +170,42 @@ class Server:
                    "--api-server-count", str(a.api_servers)]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
-        cmd += [
-            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench",
-            "--load-format", "dummy", "--dtype", a.dtype, "--seed", "0",
-            "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
-            "--disable-uvicorn-access-log",
-        ]
-        if getattr(a, "tp", 1) > 1:
-            cmd += ["--tensor-parallel-size", str(a.tp)]
-        if a.launcher != "cpu":
-            cmd += ["--gpu-memory-utilization", str(a.gpu_mem)]
-        if a.enforce_eager:
-            cmd += ["--enforce-eager"]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench", "--load-format",
+                "dummy", "--dtype", a.dtype, "--seed", "0", "--max-model-len", str(a.max_model_len),
+                "--max-num-seqs", str(a.max_num_seqs), "--disable-uvicorn-access-log"]
+        cmd += ["--tensor-parallel-size", str(a.tp)] if getattr(a, "tp", 1) > 1 else []
+        cmd += ["--gpu-memory-utilization", str(a.gpu_mem)] if a.launcher != "cpu" else []
+        cmd += ["--enforce-eager"] if a.enforce_eager else []
         if self.name in STEER_SERVERS:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
-        elif self.name in SAE_SERVERS:
-            from .sae_files import sae_block
-
-            block = sae_block(self.log_path.parent.parent, self.model_dir, SAE_SERVERS[self.name])
+        elif self.name in SAE_SERVERS:  # the workdir holds the SAE files
+            block = sae_block(self.log_path.parents[1], self.model_dir, SAE_SERVERS[self.name])
             cmd += ["--additional-config", json.dumps(block)]
         if a.profile_servers:
             cmd += ["--profiler-config", json.dumps({
-                "profiler": "torch", "torch_profiler_dir": str(self.prof_dir),
-                "torch_profiler_with_stack": False, "ignore_frontend": True,
-                "torch_profiler_dump_cuda_time_total": False,
-            })]
+                "profiler": "torch", "torch_profiler_dir": str(self.prof_dir), "torch_profiler_with_stack": False,
+                "ignore_frontend": True, "torch_profiler_dump_cuda_time_total": False})]
         return cmd
 
     def env(self) -> dict:
-        e = dict(os.environ)
-        wheel = WHEEL_SERVERS.get(self.name)
-        e["VLLM_PLUGINS"] = "none" if self.name.startswith("stock") else wheel.plugins if wheel else "steer"
-        e["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-        e["VLLM_CACHE_ROOT"] = self.args.cache_root + (wheel.cache_suffix if wheel else "")
-        e.update(self.extra_env)
-        e["TOKENIZERS_PARALLELISM"] = "false"
-        e["HF_HUB_OFFLINE"] = "1"
-        e["PYTHONUNBUFFERED"] = "1"
-        if self.pythonpath_first is not None:
-            e["PYTHONPATH"] = os.pathsep.join([str(self.pythonpath_first)]
-                                              + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
-        if self.args.launcher == "cpu":
-            e.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            e.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        peer = self.name == PEER_SERVER
+        e = {**os.environ, "VLLM_PLUGINS": "none" if self.name.startswith("stock") else "hotwire" if peer else "steer",
+             "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_CACHE_ROOT": self.args.cache_root + ("-hotwire" if peer else ""),
+             **self.extra_env, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        if self.args.launcher == "cpu":  # defaults the environment may override
+            e = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **e}
         return e
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base + "/health", timeout=3) as r:
-                return r.status == 200
-        except Exception:  # noqa: BLE001
-            return False
+        with contextlib.suppress(Exception), urllib.request.urlopen(self.base + "/health", timeout=3) as r:
+            return r.status == 200
+        return False
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.prof_dir.mkdir(parents=True, exist_ok=True)
-        cmd = self.command()
-        env = self.env()
-        extra = f" (PYTHONPATH={env['PYTHONPATH']})" if self.pythonpath_first is not None else ""
-        extra += "".join(f" ({k}={v})" for k, v in self.extra_env.items())
+        cmd, env = self.command(), self.env()
+        extra = "".join(f" ({k}={v})" for k, v in self.extra_env.items())
         log(f"server {self.name}: starting on :{self.port}{extra}: {' '.join(cmd)}")
         self._t_start = time.time()
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log_path, "ab"),
@@ -166,10 +215,9 @@ class Server:
     def wait_ready(self, timeout: float) -> None:
         t_end = time.time() + timeout
         while time.time() < t_end:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.tail(60)}")
-            if self.proc is None and not self.alive():
-                raise RuntimeError(f"server {self.name} (adopted) exited:\n{self.tail(60)}")
+            if not self.alive():
+                how = f"with {self.proc.returncode}" if self.proc is not None else "(adopted)"
+                raise RuntimeError(f"server {self.name} exited {how}:\n{self.tail(60)}")
             if self.healthy():
                 self.start_s = round(time.time() - self._t_start, 1)
                 log(f"server {self.name}: ready after {self.start_s} s")
@@ -178,21 +226,17 @@ class Server:
         raise RuntimeError(f"server {self.name} not ready after {timeout} s:\n{self.tail(60)}")
 
     def tail(self, n: int = 40) -> str:
-        try:
+        with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return ""
 
     def alive(self) -> bool:
-        if self.pid is None:
-            return False
-        if self.proc is not None:
+        if self.proc is not None:  # our child
             return self.proc.poll() is None
-        try:
+        with contextlib.suppress(OSError, TypeError):  # adopted (TypeError: no pid)
             os.kill(self.pid, 0)
             return True
-        except OSError:
-            return False
+        return False
 
     def stop(self) -> None:
         """SIGINT to the server's own process group (it started a new session), then escalate."""
@@ -205,18 +249,11 @@ class Server:
             except OSError:
                 return
             t_end = time.time() + wait
-            while time.time() < t_end:
-                if self.proc is not None:
-                    if self.proc.poll() is not None:
-                        break
-                elif not self.alive():
-                    break
+            while time.time() < t_end and self.alive():
                 time.sleep(0.5)
-            else:
-                continue
-            break
-        # the process group may still hold the engine core for a moment
-        for _ in range(20):
+            if not self.alive():
+                break
+        for _ in range(20):  # the process group may still hold the engine core for a moment
             try:
                 os.killpg(self.pid, 0)
             except OSError:
@@ -228,10 +265,9 @@ def server_unavailable(name: str, args) -> str | None:
     """Why server ``name`` cannot run in this invocation (None: it can)."""
     if name not in PORT_OFFSETS:
         return f"unknown server {name!r} (known: {', '.join(PORT_OFFSETS)})"
-    wheel = WHEEL_SERVERS.get(name)
-    if wheel and not getattr(args, wheel.option, None):
-        return f"{name} needs {wheel.flag} PATH ({wheel.what})"
-    if wheel and wheel.cuda_only and getattr(args, "launcher", "gpu") == "cpu":
+    if name == PEER_SERVER and not getattr(args, "peer_wheel", None):
+        return f"{name} needs --peer-wheel PATH (the peer plugin's hotwire_vllm-*.whl)"
+    if name == PEER_SERVER and getattr(args, "launcher", "gpu") == "cpu":
         return f"{name} runs on CUDA only (not on the CPU launcher)"
     return None
 
@@ -244,77 +280,70 @@ class Pool:
         self.servers: dict[str, Server] = {}
         self.ports = {name: args.port_base + off for name, off in PORT_OFFSETS.items()}
         self.pending: dict[str, Server] = {}
-        self.sites: dict[str, Path] = {}  # wheel servers: installed site folders
         self.failed: dict[str, str] = {}  # servers that did not start: not tried again in this run
         if args.reuse_servers and STATE_FILE.exists():
             for name, st in json.loads(STATE_FILE.read_text()).items():
                 s = Server(name, st["port"], args, model_dir, workdir)
-                s.pid, s.start_s, s.adopted = st["pid"], st.get("start_s"), True
-                s._t_start = st.get("t_start") or time.time()
-                if s.alive() and s.healthy():
-                    self.servers[name] = s
-                    log(f"server {name}: adopted (pid {s.pid}, :{s.port})")
-                elif s.alive():  # left while still starting: wait for it when needed
-                    self.pending[name] = s
-                    log(f"server {name}: adopted while starting (pid {s.pid}, :{s.port})")
+                s.pid, s.start_s, s._t_start = st["pid"], st.get("start_s"), st.get("t_start") or time.time()
+                if s.alive():  # one left while still starting is waited for when needed
+                    ready = s.healthy()
+                    (self.servers if ready else self.pending)[name] = s
+                    log(f"server {name}: adopted{'' if ready else ' while starting'} (pid {s.pid}, :{s.port})")
 
-    def wheel_site(self, name: str) -> Path:
-        """The site folder of wheel server ``name``'s wheel (installed on first use)."""
-        if name not in self.sites:
-            w = WHEEL_SERVERS[name]
-            self.sites[name] = install_wheel(getattr(self.args, w.option), self.workdir / w.site, w.flag)
-        return self.sites[name]
-
-    def wheel_versions(self) -> dict[str, str | None]:
-        """Installed version per wheel server whose wheel was given."""
-        return {name: dist_version(self.workdir / w.site, w.dist) for name, w in WHEEL_SERVERS.items()
-                if getattr(self.args, w.option, None)}
+    def wheel_versions(self) -> dict[str, str | None]:  # the installed peer plugin's version
+        if not self.args.peer_wheel:
+            return {}
+        found = distributions(path=[str(self.workdir / PEER_SITE)])
+        return {PEER_SERVER: next((d.version for d in found if d.name.replace("-", "_") == PEER_DIST), None)}
 
     def prepare(self, s: Server) -> None:
-        """What a server needs before it starts: its wheel's site folder; hotwire's vector files."""
-        if s.name in WHEEL_SERVERS:
-            s.pythonpath_first = self.wheel_site(s.name)
         s.extra_env.update(SERVER_ENV.get(s.name, {}))
-        if s.name == PEER_SERVER:
-            folder = write_hotwire_vectors(self.workdir / HOTWIRE_DIR, SHAPES[self.args.shape], self.args.std)
-            s.extra_env.update(HOTWIRE_VECTORS=str(folder), HOTWIRE_SLOTS=str(HOTWIRE_SLOTS))
+        if s.name != PEER_SERVER:
+            return
+        import torch
+
+        path = [str(install_wheel(self.args.peer_wheel, self.workdir / PEER_SITE)),
+                *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        folder = self.workdir / HOTWIRE_DIR  # v{i}.pt: torch.save of site vector i (the id is the file name)
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("*.pt"):
+            old.unlink()
+        for i, v in enumerate(site_vectors(SHAPES[self.args.shape], self.args.std)):
+            torch.save(torch.from_numpy(v.copy()), folder / f"v{i}.pt")
+        s.extra_env.update(PYTHONPATH=os.pathsep.join(path), HOTWIRE_VECTORS=str(folder),
+                           HOTWIRE_SLOTS=str(HOTWIRE_SLOTS))
 
     def ensure(self, names: list[str]) -> None:
         for name in names:
-            if name not in self.servers:
-                if name in self.failed:
-                    raise RuntimeError(f"server {name} failed earlier in this run: {self.failed[name][:1500]}")
-                s = self.pending.pop(name, None)
+            if name in self.servers:
+                continue
+            if name in self.failed:
+                raise RuntimeError(f"server {name} failed earlier in this run: {self.failed[name][:1500]}")
+            s = self.pending.pop(name, None)
+            if s is None and (why := server_unavailable(name, self.args)):
+                raise RuntimeError(why)
+            try:
                 if s is None:
-                    why = server_unavailable(name, self.args)
-                    if why:
-                        raise RuntimeError(why)
                     s = Server(name, self.ports[name], self.args, self.model_dir, self.workdir)
-                    try:
-                        self.prepare(s)
-                    except Exception as e:
-                        self.failed[name] = f"{type(e).__name__}: {e}"
-                        raise
+                    self.prepare(s)
                     s.start()
                 self.servers[name] = s
                 self.save_state()  # a server still starting is adopted by the next --reuse-servers
-                try:
-                    s.wait_ready(self.args.start_timeout)
-                except Exception as e:
-                    self.failed[name] = f"{type(e).__name__}: {e}"
-                    self.servers.pop(name, None)
-                    s.stop()
-                    self.save_state()
-                    raise
+                s.wait_ready(self.args.start_timeout)
+            except Exception as e:
+                self.failed[name] = f"{type(e).__name__}: {e}"
+                self.servers.pop(name, None)
+                s.stop()
                 self.save_state()
+                raise
+            self.save_state()
 
     def get(self, name: str) -> Server:
         self.ensure([name])
         return self.servers[name]
 
     def save_state(self) -> None:
-        STATE_FILE.write_text(json.dumps({n: {"pid": s.pid, "port": s.port, "start_s": s.start_s,
-                                              "t_start": getattr(s, "_t_start", None)}
+        STATE_FILE.write_text(json.dumps({n: {"pid": s.pid, "port": s.port, "start_s": s.start_s, "t_start": s._t_start}
                                           for n, s in self.servers.items() if s.alive()}))
 
     def stop_all(self) -> None:

@@ -1,6 +1,6 @@
 """Kernels per CUDA-graph launch in a torch.profiler Chrome trace (vLLM's ``start_profile``): the
 parser behind the decode-graph check (tests/gpu_e2e/test_decode_graph_gpu.py) and the A/B suite's
-graph phase (bench/abkit/profile_graph.py).
+graph phase (bench/abkit/runner.py).
 
 Kernels are grouped by ``args.correlation``: a ``cudaGraphLaunch`` runtime event carries the same
 correlation id as every kernel it launched, so each launch's kernel count is known. With decode as
