@@ -199,7 +199,8 @@ def _condition_cases() -> Iterator[Case]:
     clamps = {"sae": {"name": "fz", "clamps": [{"feature": 3, "value": 1.0}]}}  # fz: post_mlp.12
     yield "condition:applies-to", {**vec, f: {**ok, "applies_to": "all"}}, f"{f}.applies_to"
     yield "condition:applies-to-sae-none", {**vec, f: {**ok, "applies_to": "sae"}}, f
-    yield "condition:sae-before-probe", {**vec, **clamps, f: {**ok, "site": "post_mlp.13", "applies_to": "sae"}}, f"{f}.site"
+    yield ("condition:sae-before-probe", {**vec, **clamps, f: {**ok, "site": "post_mlp.13", "applies_to": "sae"}},
+           f"{f}.site")
     yield "condition:probe-beside-sae", {**vec, **clamps, f: {**ok, "site": "pre_attn.13"}}, f"{f}.site"
 
 

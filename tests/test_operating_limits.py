@@ -146,7 +146,8 @@ def test_a_request_waiting_past_the_bound_is_a_503_streaming_too(one_row):
     assert WAIT_S <= engine_waited < WAIT_S + 10, (message, timing)
     assert engine_waited <= waited + 0.05, (message, timing)
     if waited > engine_waited + 10:
-        warnings.warn(f"the 503 took {waited:.1f} s, the engine waited {engine_waited:.2f} s: {timing}\n{log_tail(log, 60)}")
+        warnings.warn(f"the 503 took {waited:.1f} s, the engine waited {engine_waited:.2f} s: {timing}\n"
+                      f"{log_tail(log, 60)}")
     status, ctype, body, _ = answers["stream"]  # refused before any byte of a stream: a plain JSON error
     assert status == 503 and ctype == "application/json", body
     assert "steer.max_row_wait_s" in json.loads(body)["error"]["message"]

@@ -34,8 +34,13 @@ import triton.language as tl
 
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
+from vllm_steer.kernels.steered_rms_norm import naive
 
 MAX_HIDDEN = 16384  # one row in registers; every supported family is far below
+# the bits of a conditional row's site word (naive.py defines them; runtime.condition_tables writes them)
+_SITE_MASK = tl.constexpr(naive.SITE_MASK)
+_VECTORS_UNGATED = tl.constexpr(naive.VECTORS_UNGATED)
+_SAE_GATED = tl.constexpr(naive.SAE_GATED)
 
 
 @triton.jit
@@ -69,17 +74,17 @@ def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
 @triton.jit
 def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams,
                    stride_probe):
-    """(b_s + w * table[i_row], gate): at the row's probe site (the low 16 bits of its site word
-    ``i_gsite``, naive.SITE_MASK) the gate is computed from b_s first and stored; w is the gate for a row
+    """(b_s + w * table[i_row], gate): at the row's probe site (its site word ``i_gsite`` under
+    _SITE_MASK) the gate is computed from b_s first and stored; w is the gate for a row
     whose condition gates its vectors, 1 for any other (then the plain add, bit for bit). Branch-free but
     for the probe: the table row is loaded as soon as the row is known, in parallel with the row's probe
     site, so the add waits on no more loads than the plain kernel's."""
     on = (tl.load(p_flag) != 0) & (i_row != 0)
     b_t = tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d & on, other=0.0).to(tl.float32)
-    if (i_gsite & 65535) == i_site:
+    if (i_gsite & _SITE_MASK) == i_site:
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
         tl.store(p_gate_t, g)
-    return tl.where(on, b_s + tl.where((i_gsite >= 0) & ((i_gsite & 65536) == 0), g, 1.0) * b_t, b_s), g
+    return tl.where(on, b_s + tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0) * b_t, b_s), g
 
 
 @triton.jit
@@ -224,8 +229,8 @@ def _steered_norm_body(
         if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
             i_gsite = tl.load(p_csite + i_row)
             g = tl.load(p_gate + i_t)
-            w_sae = tl.where((i_gsite >= 0) & ((i_gsite & 131072) != 0), g, 1.0)
-            w_vec = tl.where((i_gsite >= 0) & ((i_gsite & 65536) == 0), g, 1.0)
+            w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
+            w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
         else:
             w_sae = 1.0
             w_vec = 1.0

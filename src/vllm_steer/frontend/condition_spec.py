@@ -8,20 +8,20 @@ The field (beside the steering fields)::
      "stop_when": {"above": 0.9, "tokens": 3}}
 
 Per token, ``g = sigmoid(sharpness * (h . probe - threshold))`` (``mode: soft``, the default) or
-``g = h . probe > threshold`` (``hard``), ``h`` the residual stream at ``site`` before any steering there
-(what capture reads there). In the gated phases (``phase``: ``both``, the default, ``prefill`` or
-``decode``; the other phase's steering applies unconditionally) what ``applies_to`` names is scaled by
-its token's ``g`` at every site of the same forward pass: ``vectors`` (the default) every vector add,
-``sae`` every SAE clamp's move of the stream (``s + g * (clamped(s) - s)``: ``g = 0`` leaves the site as
-if unclamped, ``g = 1`` is the plain clamp), ``both`` both; what it does not name applies
-unconditionally. A probe ``{"dtype": "float32" | "float16" | "bfloat16", "data": base64}`` is the
-vector packed (as packed steering vectors are; no JSON number to parse). A probe ``{"module": name}`` is that named module's vector at the probe site (or at
-its own ``site``), read when the request arrives. Sites before ``site`` have no gate yet: a request with
-a gated vector or clamp there is refused (400 naming ``steering_condition.site``), as are a condition
-with nothing to gate in its phases, a probe at ``pre_attn.0`` or at (or beside, in the same norm) a site
-with an SAE, and any condition under pipeline parallelism (the gate does not cross stages). The
-condition is part of the config key, so rows and prefix-cache salt differ from the same steering
-without it.
+``g = h . probe > threshold`` (``hard``), ``h`` the residual stream at ``site`` before any steering there (what
+capture reads there). In the gated phases (``phase``: ``both``, the default, ``prefill`` or ``decode``;
+the other phase's steering applies unconditionally) what ``applies_to`` names is scaled by its token's
+``g`` at every site of the same forward pass: ``vectors`` (the default) every vector add, ``sae`` every
+SAE clamp's move of the stream (``s + g * (clamped(s) - s)``: ``g = 0`` leaves the site as if unclamped,
+``g = 1`` is the plain clamp), ``both`` both; what it does not name applies unconditionally. A probe
+``{"dtype": "float32" | "float16" | "bfloat16", "data": base64}`` is the vector packed (as packed
+steering vectors are; no JSON number to parse). A probe ``{"module": name}`` is that named module's
+vector at the probe site (or at its own ``site``), read when the request arrives. Sites before ``site``
+have no gate yet: a request with a gated vector or clamp there is refused (400 naming
+``steering_condition.site``), as are a condition with nothing to gate in its phases, a probe at
+``pre_attn.0`` or at (or beside, in the same norm) a site with an SAE, and any condition under pipeline
+parallelism (the gate does not cross stages). The condition is part of the config key, so rows and
+prefix-cache salt differ from the same steering without it.
 
 ``stop_when`` (optional) finishes the request once ``tokens`` consecutive generated tokens were each
 sampled from a position whose gate was above ``above`` (the last prompt position, which samples the
@@ -164,8 +164,9 @@ def module_condition(raw: Any, module: Any, shape: ModelShape, modules: Any, ena
                                                  "(start it with steer.conditions: true)")
     wire, phase, _ = parse_condition(raw, shape, {**modules, module.name: module})
     if not wire[6] & GATES_VECTORS:
-        raise SteeringSpecError(f"{CONDITION_FIELD}.applies_to", "a module's condition gates its vectors: "
-                                                                  "'vectors' or 'both' (a request's own condition may gate only SAE clamps)")
+        raise SteeringSpecError(f"{CONDITION_FIELD}.applies_to",
+                                "a module's condition gates its vectors: 'vectors' or 'both' (a request's own "
+                                "condition may gate only SAE clamps)")
     tiers = ("steering_vectors",) + tuple(f"{p}_steering_vectors" for p in ("prefill", "decode") if phase in (p, "both"))
     sites = {(h, l) for t in tiers for h, ls in (module.tiers.get(t) or {}).items() for l in ls}
     check_sites(wire, sites, set(), set(), phase)
@@ -192,7 +193,8 @@ def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], clamp_sites: s
     gated = (sites if wire[6] & GATES_VECTORS else set()) | (clamp_sites if wire[6] & GATES_SAE else set())
     if not gated:
         where = "" if phase == "both" else f" in its {phase} phase ({CONDITION_FIELD}.phase)"
-        what = {GATES_VECTORS: "steering vectors", GATES_SAE: "SAE clamps"}.get(wire[6], "steering vectors or SAE clamps")
+        what = {GATES_VECTORS: "steering vectors", GATES_SAE: "SAE clamps"}.get(wire[6],
+                                                                               "steering vectors or SAE clamps")
         raise SteeringSpecError(CONDITION_FIELD, f"a condition scales {what} ({CONDITION_FIELD}.applies_to): the "
                                                  f"request has none{where}")
     probe = site_order(wire[0], wire[1])  # the probe site's position in the forward pass

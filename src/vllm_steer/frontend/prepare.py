@@ -151,7 +151,7 @@ class SteeringFrontend:
         wire, phase, stop = parse_condition(raw, self.shape, STORE)
         payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
         catalog = self.sae if sae_raw is not None else {}
-        clamps = parse_sae(sae_raw, catalog) if sae_raw is not None else ([], [])
+        clamps = parse_sae(sae_raw, catalog)  # ([], []) without an sae field
         configs = payload["configs"] if payload is not None else {}
         gated = [phase in (name, "both") for name in ("prefill", "decode")]
         sites = {(hook, layer) for key, g in zip((pk, dk), gated) if g and key is not None

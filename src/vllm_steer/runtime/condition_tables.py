@@ -2,14 +2,14 @@
 
 Per row: ``site`` [R] int32 (the probe site's position in the forward pass, ``core.hooks.site_order``,
 in the low 16 bits, plus ``VECTORS_UNGATED`` when ``applies_to`` leaves the vectors unconditional and
-``SAE_GATED`` when it scales the SAE clamps; -1: the row has no condition), ``params`` [R, 4] float32 (threshold, sharpness, hard, unused) and
-``probe`` [R, D] float32; ``params[0, 3]`` (row 0 never has a condition) is 1 while a live row has
-one, else 0, and the kernel then adds every row as the plain one does (no gate work on a server with
-``conditions`` while no conditional request runs). Per token: ``gate`` [max_num_tokens] float32, written by the steered norm
-at a row's probe site and read by the later norms of the same forward pass
-(``kernels/steered_rms_norm``). A row is written with the config that takes it (its condition, or
-none), so a reused row never keeps an old condition. Writes go through pinned staging rings
-(``runtime.pinned_ring``): non-blocking copies, no host sync.
+``SAE_GATED`` when it scales the SAE clamps; -1: the row has no condition), ``params`` [R, 4] float32
+(threshold, sharpness, hard, unused) and ``probe`` [R, D] float32; ``params[0, 3]`` (row 0 never has a
+condition) is 1 while a live row has one, else 0, and the kernel then adds every row as the plain one
+does (no gate work on a server with ``conditions`` while no conditional request runs). Per token:
+``gate`` [max_num_tokens] float32, written by the steered norm at a row's probe site and read by the
+later norms of the same forward pass (``kernels/steered_rms_norm``). A row is written with the config
+that takes it (its condition, or none), so a reused row never keeps an old condition. Writes go through
+pinned staging rings (``runtime.pinned_ring``): non-blocking copies, no host sync.
 """
 
 from __future__ import annotations
