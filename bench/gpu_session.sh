@@ -24,6 +24,7 @@ FLAGS=()
 case "${1:-}" in
   install)
     bash /tmp/gb/install.sh || exit 4
+    shopt -s nullglob
     python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site .whl/vllm_steer-*.whl \
       .whl/tools/*.whl || exit 5
     python3 -c 'import vllm, vllm_steer; print("vllm", vllm.__version__, "vllm_steer", vllm_steer.__version__)'
