@@ -114,7 +114,35 @@ def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
         calls.append({"llm_call": "vllm_steer.frontend.sae_registration:register_sae", "kwargs": {
             "name": "rt", "features": RT_FEATURES[which], **files[which]}})
         calls.append({"prompts": [prompt] * 2, "params": [request, params()]})
+    calls.append({"llm_call": "tests.test_sae_engine:replaced_on_its_way", "kwargs": {
+        "name": "rt", "sae": request["extra_args"]["sae"], "prompt": prompt,
+        "register": {"features": RT_FEATURES["rt_a"], **files["rt_a"]}}})
     return calls
+
+
+def replaced_on_its_way(llm, name: str, sae: dict, prompt: dict, register: dict) -> dict:
+    """Two API processes racing: a request is prepared against SAE ``name``'s current registration, then
+    another process deletes it and registers ``register`` at the same site, and only then does the request
+    reach the engine core, carrying the payload it was prepared with (this process's own checks are
+    bypassed: they cannot see another process's registrations)."""
+    from vllm import SamplingParams
+
+    from vllm_steer.frontend import prepare
+    from vllm_steer.frontend.prepared import for_request
+    from vllm_steer.frontend.sae_registration import register_sae, unregister_sae
+
+    extra = {"sae": sae}
+    stale = prepare.SteeringFrontend(llm.llm_engine.vllm_config).engine_extra_args(dict(extra))
+    unregister_sae(llm, name)
+    register_sae(llm, name, **register)
+    handed_over = prepare._prepared
+    prepare._prepared = lambda frontend, ex, request_id: for_request(stale, ex, request_id)
+    try:
+        out = llm.generate([prompt], [SamplingParams(max_tokens=4, temperature=0.0, extra_args=dict(extra))],
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        prepare._prepared = handed_over
+    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "tokens": list(out.token_ids)}
 
 
 def _edit(weights, mode: str, clamps: list):
@@ -177,7 +205,7 @@ def test_phases_clamp_only_their_tokens(run):
 def test_runtime_registered_saes_clamp_like_transformers_and_replace_each_other(run, smollm2_path, prompt_ids):
     """SAEs registered at a reserved site while the engine runs clamp exactly like transformers with the
     same SAE; deleting one and registering another at the same site stages the new weights in place."""
-    reg_a, (got_a, plain_a), _deleted, reg_b, (got_b, plain_b) = run["runtime"]
+    reg_a, (got_a, plain_a), _deleted, reg_b, (got_b, plain_b) = run["runtime"][:5]
     assert reg_a["sites"] == reg_b["sites"] == ["post_mlp.16"] and reg_a["source"] == "runtime"
     assert (reg_a["clampable"], reg_b["clampable"]) == (40, 4)
     for which, got in (("rt_a", got_a), ("rt_b", got_b)):
@@ -187,3 +215,16 @@ def test_runtime_registered_saes_clamp_like_transformers_and_replace_each_other(
         np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
     assert got_a["token_ids"] != got_b["token_ids"] != plain_b["token_ids"]
     assert plain_a["token_ids"] == plain_b["token_ids"] == run["batch"]["plain"]["token_ids"]
+
+
+def test_a_request_whose_sae_was_replaced_on_its_way_is_refused_by_the_engine(run):
+    """The engine core checks the registration a request was prepared against: deleted and re-registered at
+    the same site meanwhile (another API process), the request ends with a 400 naming ``sae.name``, no
+    token generated with the new SAE's weights."""
+    from vllm_steer.core.refusals import decode
+
+    out = run["runtime"][5]
+    assert out["finish_reason"] == "error" and out["tokens"] == [], out
+    refusal = decode(out["stop_reason"])
+    assert refusal is not None and (refusal.status, refusal.param) == (400, "sae.name"), out
+    assert "was deleted or replaced while this request was on its way" in refusal.message

@@ -67,3 +67,21 @@ def test_an_engine_whose_requests_clamp_at_the_site_refuses(where):
     reply = _hold(core, "a", 10, ["post_mlp.1"]) if where == "hold" else _register(core, "a", 10, ["post_mlp.1"])[0]
     assert reply == {"busy": {"post_mlp.1": 2}}
     assert registry_of(core, "sae").listing()["versions"] == {}
+
+
+def test_a_request_prepared_for_an_sae_registration_that_is_gone_is_refused_in_the_engine():
+    """Another API process deleted and re-registered the SAE while this request was on its way: the
+    engine core refuses it (400 naming sae.name) instead of clamping with the new weights."""
+    from vllm_steer.core.payload import SAE_VERSIONS_KEY
+    from vllm_steer.engine.scheduler import _gone_sae
+
+    core = _core()
+    _register(core, "a", 10, ["post_mlp.1"])
+    prepared = {SAE_VERSIONS_KEY: {"a": 10}}
+    assert _gone_sae(prepared, core.scheduler) is None and _gone_sae({}, core.scheduler) is None
+    registry_of(core, "sae").remove("a")
+    gone = _gone_sae(prepared, core.scheduler)
+    assert (gone.status, gone.param) == (400, "sae.name") and "registration 10 is gone" in gone.message
+    _register(core, "a", 11, ["post_mlp.1"])  # the same name at the same site: other weights
+    assert _gone_sae(prepared, core.scheduler).param == "sae.name"
+    assert _gone_sae({SAE_VERSIONS_KEY: {"a": 11}}, core.scheduler) is None

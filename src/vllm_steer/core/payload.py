@@ -19,6 +19,7 @@ from vllm_steer.core.vectors import Vectors
 
 PAYLOAD_KEY = "vllm_steer"
 PAYLOAD_VERSION = 2
+SAE_VERSIONS_KEY = "sae_versions"  # payload key: runtime SAE name -> the registration the request was prepared for
 
 _TORCH_DTYPES = {
     "float32": torch.float32,

@@ -82,6 +82,11 @@ class EngineModuleRegistry:
         self.sent.add((name, version))
         self._changed()
 
+    def current(self, name: str) -> int | None:
+        """The version registered under ``name`` now (None: none)."""
+        entry = self._entries.get(name)
+        return entry.version if entry is not None else None
+
     def holds(self, name: str, version: int) -> bool:
         """Whether the workers still hold this version (its rows can be built)."""
         return (name, version) in self.sent

@@ -3,7 +3,8 @@
 - ``__init__``: a RowGate when steering is on (none otherwise: every other wrapper is then one check);
 - ``add_request``: a steered request is noted by the gate, and its block hasher wrapped when its
   generated KV must not be shared (decode_block_salt); a request whose rows must be built from a
-  named module version the workers no longer hold is refused (``engine.refusals``); unsteered
+  named module version the workers no longer hold, or clamping with a runtime SAE registration
+  that was deleted or replaced since it was prepared, is refused (``engine.refusals``); unsteered
   requests pass untouched;
 - ``schedule``: only while steered requests wait, set aside those whose configs do not fit, refuse
   those set aside past ``steer.max_row_wait_s``, and admit the steered ones that were scheduled;
@@ -19,7 +20,7 @@ import time
 
 from vllm_steer.core.compat import waiting_queues
 from vllm_steer.core.config import steer_config_of
-from vllm_steer.core.payload import payload_keys, payload_of
+from vllm_steer.core.payload import SAE_VERSIONS_KEY, payload_keys, payload_of
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.core.stops import encode as encode_stop
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
@@ -45,6 +46,21 @@ def _gone_module(payload: dict, registries: object) -> Refusal | None:
         return None
     return Refusal(400, "steering_module.name", f"steering module {module['name']!r} changed while this request "
                                                 f"was prepared (version {module['version']} is gone); send it again")
+
+
+def _gone_sae(payload: dict, registries: object) -> Refusal | None:
+    """A refusal if a runtime SAE the request clamps with is no longer the registration it was prepared
+    against: deleted, or replaced at its site through another API process while this request was on its
+    way (the workers hold only the current weights, so it would clamp with another SAE's)."""
+    versions = payload.get(SAE_VERSIONS_KEY)
+    if not versions:
+        return None
+    registry = registry_of(registries, "sae")
+    for name, version in versions.items():
+        if registry.current(name) != version:
+            return Refusal(400, "sae.name", f"SAE {name!r} was deleted or replaced while this request was on its "
+                                            f"way (registration {version} is gone); send it again")
+    return None
 
 
 def patch_scheduler() -> None:
@@ -75,7 +91,7 @@ def patch_scheduler() -> None:
                 key = decode_salt_key(payload)
                 if key is not None and hasher is not None and not isinstance(hasher, DecodeSaltedHasher):
                     request._block_hasher = DecodeSaltedHasher(hasher, key, self.hash_block_size)
-                refusal = _gone_module(payload, self)
+                refusal = _gone_module(payload, self) or _gone_sae(payload, self)
         out = orig_add(self, request)
         if refusal is not None:
             refuse(self, [request.request_id], refusal)

@@ -18,7 +18,7 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
 from vllm_steer.core.layout import layout_key, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, dtype_name, encode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, SAE_VERSIONS_KEY, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD,
@@ -26,7 +26,7 @@ from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIEL
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
-from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC, VERSIONS_KEY as SAE_VERSIONS_KEY
+from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
 
@@ -133,7 +133,7 @@ class SteeringFrontend:
         sae = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
         out = {**base, "prefill": kp, "decode": kd, "configs": configs, "sae": sae}
         versions = {name: catalog[name].version for name in identity if catalog[name].version}
-        if versions:  # checked when the request is handed to the engine (frontend.prepared)
+        if versions:  # checked when the request is handed over (frontend.prepared) and in the engine core
             out[SAE_VERSIONS_KEY] = versions
         return out, kp, kd
 

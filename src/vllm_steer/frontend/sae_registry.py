@@ -15,12 +15,11 @@ from typing import Any
 
 from vllm_steer.core.config import SaeModuleConfig
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.payload import SAE_VERSIONS_KEY
 from vllm_steer.core.sae_catalog import SaeEntry, Site, runtime_entry
 from vllm_steer.core.vectors import SAE_FIELD
 from vllm_steer.frontend.named_store import NamedStore
 from vllm_steer.frontend.registry_sync import RegistrySync
-
-VERSIONS_KEY = "sae_versions"  # payload key: runtime SAE name -> the registration a request used
 
 
 class SaeRegistry(NamedStore[SaeEntry]):
@@ -39,7 +38,7 @@ class SaeRegistry(NamedStore[SaeEntry]):
         """SteeringSpecError unless every runtime SAE a prepared payload names is still the
         registration it was prepared against (``changed``: another process changed the registry
         after this one last read it, so this process cannot tell)."""
-        for name, version in ((payload or {}).get(VERSIONS_KEY) or {}).items():
+        for name, version in ((payload or {}).get(SAE_VERSIONS_KEY) or {}).items():
             entry = self.entries.get(name)
             if changed or entry is None or entry.version != version:
                 raise SteeringSpecError(f"{SAE_FIELD}.name", f"SAE {name!r} was deleted or replaced while this "
