@@ -73,6 +73,37 @@ def _continued(prompt: dict, done: list) -> dict:
     return {"prompt_token_ids": list(out.prompt_token_ids) + list(out.outputs[0].token_ids)}
 
 
+def _llm_call(llm, call: dict) -> Any:
+    """``{"llm_call": "module:function", "kwargs": {...}}``: ``function(llm, **kwargs)``."""
+    import importlib
+
+    module, _, fn = call["llm_call"].partition(":")
+    return getattr(importlib.import_module(module), fn)(llm, **call.get("kwargs", {}))
+
+
+def handed_over_stale(llm, extra: dict, prompt: dict, between: list[dict]) -> dict:
+    """Two API processes racing: a request is prepared here, the ``between`` llm_calls (another process's
+    registrations) reach the engine core first, and only then does the request, with the payload it was
+    prepared with (this process's own checks are bypassed: they cannot see another process's changes).
+    Its output: what the engine core made of it."""
+    from vllm import SamplingParams
+
+    from vllm_steer.frontend import prepare
+    from vllm_steer.frontend.prepared import for_request
+
+    stale = prepare.SteeringFrontend(llm.llm_engine.vllm_config).engine_extra_args(dict(extra))
+    for call in between:
+        _llm_call(llm, call)
+    handed_over = prepare._prepared
+    prepare._prepared = lambda frontend, ex, request_id: for_request(stale, ex, request_id)
+    try:
+        out = llm.generate([prompt], [SamplingParams(max_tokens=4, temperature=0.0, extra_args=dict(extra))],
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        prepare._prepared = handed_over
+    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "tokens": list(out.token_ids)}
+
+
 def _main(src: str, dst: str) -> None:
     job = pickle.loads(Path(src).read_bytes())
     from vllm import LLM, SamplingParams
@@ -83,11 +114,8 @@ def _main(src: str, dst: str) -> None:
         result["rpc"] = {name: llm.collective_rpc(name) for name in job["rpc"]}
     done: list = []  # outputs of earlier calls, for prompts that continue them
     for call in job.get("calls", []):
-        if "llm_call" in call:  # {"llm_call": "module:function", "kwargs": {...}}: fn(llm, **kwargs)
-            import importlib
-
-            module, _, fn = call["llm_call"].partition(":")
-            result["calls"].append(getattr(importlib.import_module(module), fn)(llm, **call.get("kwargs", {})))
+        if "llm_call" in call:
+            result["calls"].append(_llm_call(llm, call))
             done.append(None)
             continue
         params = [SamplingParams(**p) for p in call["params"]]

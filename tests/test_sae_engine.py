@@ -114,35 +114,12 @@ def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
         calls.append({"llm_call": "vllm_steer.frontend.sae_registration:register_sae", "kwargs": {
             "name": "rt", "features": RT_FEATURES[which], **files[which]}})
         calls.append({"prompts": [prompt] * 2, "params": [request, params()]})
-    calls.append({"llm_call": "tests.test_sae_engine:replaced_on_its_way", "kwargs": {
-        "name": "rt", "sae": request["extra_args"]["sae"], "prompt": prompt,
-        "register": {"features": RT_FEATURES["rt_a"], **files["rt_a"]}}})
+    calls.append({"llm_call": "tests.engine_job:handed_over_stale", "kwargs": {  # rt replaced on the way
+        "extra": {"sae": request["extra_args"]["sae"]}, "prompt": prompt, "between": [
+            {"llm_call": "vllm_steer.frontend.sae_registration:unregister_sae", "kwargs": {"name": "rt"}},
+            {"llm_call": "vllm_steer.frontend.sae_registration:register_sae", "kwargs": {
+                "name": "rt", "features": RT_FEATURES["rt_a"], **files["rt_a"]}}]}})
     return calls
-
-
-def replaced_on_its_way(llm, name: str, sae: dict, prompt: dict, register: dict) -> dict:
-    """Two API processes racing: a request is prepared against SAE ``name``'s current registration, then
-    another process deletes it and registers ``register`` at the same site, and only then does the request
-    reach the engine core, carrying the payload it was prepared with (this process's own checks are
-    bypassed: they cannot see another process's registrations)."""
-    from vllm import SamplingParams
-
-    from vllm_steer.frontend import prepare
-    from vllm_steer.frontend.prepared import for_request
-    from vllm_steer.frontend.sae_registration import register_sae, unregister_sae
-
-    extra = {"sae": sae}
-    stale = prepare.SteeringFrontend(llm.llm_engine.vllm_config).engine_extra_args(dict(extra))
-    unregister_sae(llm, name)
-    register_sae(llm, name, **register)
-    handed_over = prepare._prepared
-    prepare._prepared = lambda frontend, ex, request_id: for_request(stale, ex, request_id)
-    try:
-        out = llm.generate([prompt], [SamplingParams(max_tokens=4, temperature=0.0, extra_args=dict(extra))],
-                           use_tqdm=False)[0].outputs[0]
-    finally:
-        prepare._prepared = handed_over
-    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "tokens": list(out.token_ids)}
 
 
 def _edit(weights, mode: str, clamps: list):

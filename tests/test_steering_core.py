@@ -108,8 +108,9 @@ def _sae(d) -> dict:
     return {"pz": {"path": path, "site": SAE_SITE, "features": list(range(32))}}
 
 
-def _register(name: str, hook: str, layer: int, seed: int) -> dict:
-    return {"llm_call": REGISTER, "kwargs": {"name": name, "steering_vectors": floats(hook, layer, vector(HIDDEN, seed, SCALE))}}
+def _register(name: str, hook: str, layer: int, seed: int, replace: bool = False) -> dict:
+    return {"llm_call": REGISTER, "kwargs": {"name": name, "replace": replace,
+                                             "steering_vectors": floats(hook, layer, vector(HIDDEN, seed, SCALE))}}
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +135,17 @@ def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
         "calls": [_register("pm", "post_mlp", 8, 500),
                   {"prompts": [_prompt(prompt_ids)] * len(batch), "params": batch}]
         + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in new]
-        + [{"prompts": [_prompt(long_ids)], "params": [p]} for p in (params(8), params(8, capture={"fs": spec}))],
+        + [{"prompts": [_prompt(long_ids)], "params": [p]} for p in (params(8), params(8, capture={"fs": spec}))]
+        + [{"llm_call": "tests.engine_job:handed_over_stale", "kwargs": {  # pm replaced on the way
+            "extra": {"steering_module": {"name": "pm"}}, "prompt": _prompt(prompt_ids),
+            "between": [_register("pm", "post_mlp", 8, 501, replace=True)]}}],
         "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
     out = run_job(job, d)
     (worker,) = out["rpc_after"]["vllm_steer_status"]
     calls = out["calls"][1:]  # calls[0]: the module registration's summary
     return {"worker": worker, "batch": calls[0], "new_alone": [c[0] for c in calls[1:5]], "long": calls[5:7],
-            "long_ids": long_ids, "root": d / "captures"}
+            "long_ids": long_ids, "root": d / "captures", "stale_module": calls[7]}
 
 
 def test_more_configs_than_rows_all_complete_with_their_own_steering(pressure_run, core_run):
@@ -155,6 +159,19 @@ def test_more_configs_than_rows_all_complete_with_their_own_steering(pressure_ru
     plain = core_run["alone"][0]["token_ids"]
     assert all(r["token_ids"] != plain for r in batch[8:])  # the module and the SAE really steer
     assert batch[8]["token_ids"] != batch[9]["token_ids"] and batch[10]["token_ids"] != batch[11]["token_ids"]
+
+
+def test_a_request_whose_module_version_is_gone_on_its_way_is_refused_by_the_engine(pressure_run):
+    """Module "pm" replaced (another API process) after a request naming it was prepared: the old version is
+    forgotten by the workers, so the engine core refuses the request (400 naming steering_module.name)
+    before any token, instead of building its rows from nothing."""
+    from vllm_steer.core.refusals import decode
+
+    out = pressure_run["stale_module"]
+    assert out["finish_reason"] == "error" and out["tokens"] == [], out
+    refusal = decode(out["stop_reason"])
+    assert refusal is not None and (refusal.status, refusal.param) == (400, "steering_module.name"), out
+    assert "changed while this request was prepared" in refusal.message
 
 
 def test_a_full_capture_pool_drops_rows_never_tokens_and_tells_the_consumer(pressure_run, smollm2_path):
