@@ -8,6 +8,8 @@
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
+#   capture    capture idle and capturing vs stock (first: SERVERS=stock,steer,steer_capture ab-start; then
+#              GRAPH_SERVERS=stock,steer,steer_capture graph counts the capture kernels per decode step)
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults. A later run starts with python3 -c 'import vllm' || exit 3
@@ -65,6 +67,10 @@ case "${1:-}" in
     timeout 420 "${KEPT[@]}" --tag cond --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
       --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
     ;;
+  capture)
+    timeout 420 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
+      --arms "${ARMS:-stock,enabled_idle,capture_idle,capture_gen_n16}" 2>&1 | tail -40
+    ;;
   small)
     SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16
     timeout 590 python3 bench/ab_suite.py --shape 1b --gpu-mem 0.15 --phases ab --tag small1b --long-arms "" \
@@ -72,5 +78,5 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|small" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|capture|small" >&2; exit 2 ;;
 esac

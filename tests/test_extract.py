@@ -129,8 +129,8 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
     reader = gguf.GGUFReader(str(tmp_path / "v.gguf"))
     got = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors}
     assert sorted(got) == ["direction.10", "direction.8", "direction.9"]
-    for layer in (8, 9, 10):
-        np.testing.assert_allclose(got[f"direction.{layer}"], ref.vectors["post_mlp"][layer], rtol=1e-5, atol=1e-6)
+    for layer in (8, 9, 10):  # two runs on the shared server: float32 sums of other batch shapes (CI saw 1.2e-6)
+        np.testing.assert_allclose(got[f"direction.{layer}"], ref.vectors["post_mlp"][layer], rtol=1e-5, atol=1e-5)
     pos, neg = tmp_path / "pos.txt", tmp_path / "neg.txt"
     pos.write_text("".join(p["positive"] + "\n" for p in PAIRS))
     neg.write_text("".join(p["negative"] + "\n" for p in PAIRS))

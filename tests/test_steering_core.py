@@ -311,4 +311,6 @@ def test_preempted_requests_resume_with_their_own_steering_and_capture_each_posi
         assert set(got) == set(want) == {(l, h) for l in (3, 17) for h in ("pre_attn", "post_mlp")}
         for site, (positions, rows) in got.items():
             np.testing.assert_array_equal(positions, np.arange(n), err_msg=f"request {i} {site}")  # once each, in order
-            np.testing.assert_allclose(rows, want[site][1], rtol=1e-4, atol=1e-3, err_msg=f"request {i} {site}")
+            # float32 in a batch vs alone (other GEMM blocking): CI saw 1.4e-3 on rows of magnitude ~60; a row
+            # of another position or without its steering is off by O(1)
+            np.testing.assert_allclose(rows, want[site][1], rtol=1e-4, atol=5e-3, err_msg=f"request {i} {site}")

@@ -1,7 +1,7 @@
 """The A/B arms (server + kind of traffic), their request fields, bodies and steering modules. Kinds: ``plain``,
 ``module``, ``shared`` (one config for all), ``per_request`` (n configs), ``sae`` (clamp sets), ``cond`` (with /
 without a steering_condition); single-site (post_mlp of --site-layer, 16 vectors; hotwire adds at the end of layer L
-= post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs)."""
+= post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs); ``capture`` (the ``activations`` consumer at 3 sites)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ ARMS = {
     "cond_idle": dict(server="steer_cond", kind="plain"),
     "cond_n16": dict(server="steer_cond", kind="cond", n_configs=16, condition=True),
     "cond_off_n16": dict(server="steer_cond", kind="cond", n_configs=16, condition=False),
+    # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
+    # generated token (rows copied to the host each step, reduced to the last one per site)
+    "capture_idle": dict(server="steer_capture", kind="plain"),
+    "capture_gen_n16": dict(server="steer_capture", kind="capture"),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "steer" + MULTI_SUFFIX}
@@ -95,7 +99,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def expects_steering_field(arm: dict) -> bool:
     """Whether this arm's responses must carry vllm-steer's ``steering`` field (hotwire's carry none)."""
-    return arm["kind"] not in ("plain", "hotwire")
+    return arm["kind"] not in ("plain", "hotwire", "capture")
 
 
 def module_name(i: int) -> str:
@@ -150,6 +154,10 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
                      "threshold": 0.0}
         extra = {"steering_condition": condition} if arm.get("condition", True) else {}
         return [{"steering_vectors": cfgs[i % len(cfgs)], **extra} for i in range(n_requests)]
+    if kind == "capture":
+        layers = [ctx["shape"]["layers"] * k // 4 for k in (1, 2, 3)]
+        spec = {"layers": layers, "hooks": ["post_mlp"], "positions": "all_generated", "reduce": "last"}
+        return [{"capture": {"activations": spec}}] * n_requests
     if kind == "per_request":
         cfgs = steering_configs(n or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
                                 binary=arm.get("wire") == "msgpack")

@@ -20,7 +20,9 @@ GRAPH_PLAN = [  # (label, server, kind of traffic)
     ("stock / unsteered", "stock", "plain"), ("disabled / unsteered", "disabled", "plain"),
     ("steer / unsteered (enabled_idle)", "steer", "plain"), ("steer / per_request_n4", "steer", "per_request"),
     ("sae / unsteered (sae_idle)", "sae", "plain"), ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain"),
-    ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain"), ("steer_cond / cond_n4", "steer_cond", "cond")]
+    ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain"), ("steer_cond / cond_n4", "steer_cond", "cond"),
+    ("steer_capture / unsteered (capture_idle)", "steer_capture", "plain"),
+    ("steer_capture / capturing (capture_gen)", "steer_capture", "capture")]
 
 
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, object]:
@@ -38,7 +40,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 
 
 async def _one(session, url: str, body: bytes) -> dict:
-    first_t = last_t = first_obj = last_payload = None
+    first_t = last_t = first_obj = last_payload = capture_payload = None
     n_events = 0
     t0 = time.perf_counter()
     ctype = "application/json" if body[:1] == b"{" else "application/msgpack"
@@ -58,14 +60,18 @@ async def _one(session, url: str, body: bytes) -> dict:
                     obj = json.loads(payload)
                     if obj.get("choices"):
                         first_t, first_obj = now, obj
-                last_t, last_payload = now, payload
+                if b'"capture":' in payload:  # vllm-steer's closing capture event (after the usage event)
+                    capture_payload = payload
+                else:
+                    last_t, last_payload = now, payload
         t_end = time.perf_counter()
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     try:
         usage = json.loads(last_payload).get("usage") if last_payload is not None else None
+        capture = json.loads(capture_payload).get("capture") if capture_payload is not None else None
     except ValueError:
-        usage = None
+        usage = capture = None
     if first_t is None or not usage:
         return {"error": f"no content or no usage (events={n_events})"}
     n_out = int(usage.get("completion_tokens") or 0)
@@ -73,7 +79,9 @@ async def _one(session, url: str, body: bytes) -> dict:
     st = first_obj.get("steering")
     return {"ttft": ttft, "e2el": e2el, "tpot": (e2el - ttft) / (n_out - 1) if n_out > 1 else 0.0, "out": n_out,
             "prompt_tokens": usage.get("prompt_tokens"), "events": n_events,
-            "steering": st if isinstance(st, dict) else None, "t_start": t0, "t_end": last_t or t_end}
+            "steering": st if isinstance(st, dict) else None, "t_start": t0, "t_end": last_t or t_end,
+            "captured": isinstance(capture, dict) and all(isinstance(v, dict) and "data" in v for v in capture.values())
+            and bool(capture)}  # {instance: its result}: every driver instance answered with data
 
 
 def run_load(server, bodies: list[bytes], concurrency: int) -> tuple[list[dict], float]:
@@ -118,7 +126,8 @@ def summarize_trial(res: list[dict], wall: float, steered: bool) -> dict:
         t[f"{m}_p99_ms"] = pct(xs, 0.99)
     good = [r for r in ok if r.get("steering") and r["steering"].get("prefill") and r["steering"].get("decode")]
     t.update(steering_applied=len(good), steering_expected=len(res) if steered else 0,
-             unexpected_steering=0 if steered else sum(1 for r in ok if r.get("steering")))
+             unexpected_steering=0 if steered else sum(1 for r in ok if r.get("steering")),
+             captured=sum(1 for r in ok if r.get("captured")))
     t["per_request"] = {m: [round(r[m] * 1e3, 3) for r in ok] for m in ("ttft", "tpot", "e2el")}
     return t
 
@@ -164,6 +173,8 @@ def check_steering(t: dict, arm_name: str) -> str | None:
         return f"steering field missing/null on {t['n'] - t['steering_applied']} of {t['n']} responses"
     if not steered and t["unexpected_steering"]:
         return f"{t['unexpected_steering']} unsteered responses carry a steering field"
+    if ARMS[arm_name]["kind"] == "capture" and t["captured"] != t["n"]:
+        return f"capture results (activations data) missing on {t['n'] - t['captured']} of {t['n']} responses"
     return None
 
 

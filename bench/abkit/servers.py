@@ -36,10 +36,12 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_one": {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}},
                  "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}},
-                 "steer_cond": {"steer": {"max_configs": 272, "conditions": True}}}  # conditional steering
+                 "steer_cond": {"steer": {"max_configs": 272, "conditions": True}},  # conditional steering
+                 # capture: the activations driver consumer enabled (a capture op before every steered norm)
+                 "steer_capture": {"steer": {"max_configs": 272, "capture": ["activations"]}}}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
-                "sae_serial": 13, "steer_cond": 14}
+                "sae_serial": 13, "steer_cond": 14, "steer_capture": 15}
 # steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}}
