@@ -27,6 +27,9 @@ PAIRS = [
     {"positive": "We had a great, cheerful time", "negative": "We had a bad, gloomy time"},
     {"positive": "He felt glad and grateful", "negative": "He felt sad and bitter"},
 ]
+# the same texts extracted twice on the shared server: float32 sums over other batch shapes (CI saw up to 3.3e-6
+# on entries of ~1); a wrong layer, site or pair moves entries by O(0.1)
+RERUN_ATOL = 5e-5
 LAYERS = [3, 10, 20]  # not the last: transformers' last hidden state has the final norm applied
 
 
@@ -129,8 +132,9 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
     reader = gguf.GGUFReader(str(tmp_path / "v.gguf"))
     got = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors}
     assert sorted(got) == ["direction.10", "direction.8", "direction.9"]
-    for layer in (8, 9, 10):  # two runs on the shared server: float32 sums of other batch shapes (CI saw 1.2e-6)
-        np.testing.assert_allclose(got[f"direction.{layer}"], ref.vectors["post_mlp"][layer], rtol=1e-5, atol=1e-5)
+    for layer in (8, 9, 10):
+        np.testing.assert_allclose(got[f"direction.{layer}"], ref.vectors["post_mlp"][layer], rtol=1e-5,
+                                   atol=RERUN_ATOL)
     pos, neg = tmp_path / "pos.txt", tmp_path / "neg.txt"
     pos.write_text("".join(p["positive"] + "\n" for p in PAIRS))
     neg.write_text("".join(p["negative"] + "\n" for p in PAIRS))
@@ -140,7 +144,7 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
     assert out.returncode == 0, out.stderr
     tensors = load_file(str(tmp_path / "v.safetensors"))
     assert sorted(tensors) == sorted(f"{h}.{l}" for h in ("post_attn", "post_mlp") for l in (8, 9, 10))
-    np.testing.assert_allclose(tensors["post_mlp.9"], ref.vectors["post_mlp"][9], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tensors["post_mlp.9"], ref.vectors["post_mlp"][9], rtol=1e-5, atol=RERUN_ATOL)
     r = httpx.get(f"{base}/v1/steering/modules/cli-extracted", timeout=30)
     assert r.status_code == 200 and r.json()["layers"] == [8, 9, 10], r.text
     httpx.delete(f"{base}/v1/steering/modules/cli-extracted", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
