@@ -1,7 +1,8 @@
 """The A/B arms (server + kind of traffic), their request fields, bodies and steering modules. Kinds: ``plain``,
 ``module``, ``shared`` (one config for all), ``per_request`` (n configs), ``sae`` (clamp sets), ``cond`` (with /
 without a steering_condition); single-site (post_mlp of --site-layer, 16 vectors; hotwire adds at the end of layer L
-= post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs); ``capture`` (the ``activations`` consumer at 3 sites)."""
+= post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs);
+``capture`` (the ``activations`` consumer at 3 sites)."""
 
 from __future__ import annotations
 

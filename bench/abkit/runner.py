@@ -80,8 +80,9 @@ async def _one(session, url: str, body: bytes) -> dict:
     return {"ttft": ttft, "e2el": e2el, "tpot": (e2el - ttft) / (n_out - 1) if n_out > 1 else 0.0, "out": n_out,
             "prompt_tokens": usage.get("prompt_tokens"), "events": n_events,
             "steering": st if isinstance(st, dict) else None, "t_start": t0, "t_end": last_t or t_end,
-            "captured": isinstance(capture, dict) and all(isinstance(v, dict) and "data" in v for v in capture.values())
-            and bool(capture)}  # {instance: its result}: every driver instance answered with data
+            # capture: {instance: its result}; captured when every driver instance answered with data
+            "captured": isinstance(capture, dict) and bool(capture)
+            and all(isinstance(v, dict) and "data" in v for v in capture.values())}
 
 
 def run_load(server, bodies: list[bytes], concurrency: int) -> tuple[list[dict], float]:

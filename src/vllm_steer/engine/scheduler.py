@@ -23,6 +23,7 @@ from vllm_steer.core.config import steer_config_of
 from vllm_steer.core.payload import SAE_VERSIONS_KEY, payload_keys, payload_of
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.core.stops import encode as encode_stop
+from vllm_steer.core.vectors import SAE_FIELD
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
 from vllm_steer.engine.module_registry import registry_of
 from vllm_steer.engine.refusals import flush, refuse
@@ -58,8 +59,8 @@ def _gone_sae(payload: dict, registries: object) -> Refusal | None:
     registry = registry_of(registries, "sae")
     for name, version in versions.items():
         if registry.current(name) != version:
-            return Refusal(400, "sae.name", f"SAE {name!r} was deleted or replaced while this request was on its "
-                                            f"way (registration {version} is gone); send it again")
+            return Refusal(400, f"{SAE_FIELD}.name", f"SAE {name!r} was deleted or replaced while this request was "
+                                                     f"on its way (registration {version} is gone); send it again")
     return None
 
 
