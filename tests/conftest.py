@@ -118,6 +118,7 @@ SLOW_HTTP_S = 30.0  # an HTTP call of a test slower than this (to its response's
 # non-streamed 300-token completion takes ~20 s on CI's CPU; the stalls seen were 30-100 s)
 _SLOW_HTTP: list[str] = []
 _RUNNING = [""]  # the test being run
+CLIENT_FLOOR_S = 240.0  # no test HTTP call gives up on reading or writing sooner: CI has stalled 30-100 s
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +130,9 @@ def _note_running_test(request):
 @pytest.fixture(scope="session", autouse=True)
 def _time_http_calls():
     """Times every synchronous httpx call of the tests: the CI-only stalls (NOTES, Traps) show at the
-    end of the run as which route, in which test, when, for how long."""
+    end of the run as which route, in which test, when, for how long. Every call's read, write and
+    pool timeouts are raised to ``CLIENT_FLOOR_S``: a test's client outlasts such a stall (tests bound
+    what they assert by measuring, never by a client timeout)."""
     import time
 
     import httpx
@@ -137,6 +140,10 @@ def _time_http_calls():
     orig = httpx.Client.send
 
     def send(self, request, **kwargs):
+        timeout = request.extensions.get("timeout")
+        if timeout:
+            request.extensions["timeout"] = {k: v if k == "connect" or v is None else max(v, CLIENT_FLOOR_S)
+                                             for k, v in timeout.items()}
         t0, wall = time.monotonic(), time.strftime("%H:%M:%S")
         try:
             return orig(self, request, **kwargs)
@@ -149,8 +156,33 @@ def _time_http_calls():
     httpx.Client.send = orig
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _watch_this_process():
+    """Notes when this test process itself was not run (a 1 s sleep that ended 5 s or more late), listed
+    with the slow calls: a stall there is the client's, not the server's (whose loop watch logs its own)."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def watch() -> None:
+        while True:
+            t0 = time.monotonic()
+            if done.wait(1.0):
+                return
+            if (late := time.monotonic() - t0 - 1.0) >= 5.0:
+                _SLOW_HTTP.append(f"{time.strftime('%H:%M:%S')} the test process was not run for {late:.1f} s "
+                                  f"in {_RUNNING[0]}")
+
+    thread = threading.Thread(target=watch, daemon=True, name="test-process-watch")
+    thread.start()
+    yield
+    done.set()
+
+
 def pytest_terminal_summary(terminalreporter):
     if _SLOW_HTTP:
-        terminalreporter.section(f"HTTP calls slower than {SLOW_HTTP_S:g} s (to the response headers)")
+        terminalreporter.section(f"HTTP calls slower than {SLOW_HTTP_S:g} s (to the response headers), and stalls "
+                                  "of this process")
         for line in _SLOW_HTTP:
             terminalreporter.write_line(line)

@@ -132,6 +132,9 @@ class SteerConfig(BaseModel):
     """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
     capture_max_rows: int = Field(default=4096, ge=16)
     """Residual rows one step can capture across all sites (the device pool's size)."""
+    loop_stall_warn_s: float = Field(default=10.0, ge=0)
+    """An API process whose event loop runs nothing this long logs where it is blocked and counts it
+    (``server.loop_watch``); 0: not watched."""
     capture_result_timeout_s: float = Field(default=30.0, ge=0)
     """How long a finished request's response (or ``capture.collect``) waits for its driver
     consumers' results; after it, each driver instance without one gets

@@ -32,6 +32,8 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
 - ``vllm_steer_preemptions_total`` counter: requests the scheduler preempted (steered ones keep their rows).
 - ``vllm_steer_engine_metrics_updated_seconds`` gauge: Unix time of the engine's last answer (older
   than the scrape: the engine did not answer in time and the engine values are the last ones).
+- ``vllm_steer_api_loop_stalls_total`` counter: times an API process's event loop ran nothing for
+  ``steer.loop_stall_warn_s`` (``server.loop_watch``, which logs where it was blocked).
 - ``vllm_steer_modules`` gauge: named modules in this API process's store; ``vllm_steer_saes`` gauge:
   SAEs requests may clamp (``steer.sae`` and registered ones).
 """

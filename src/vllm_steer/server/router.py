@@ -22,6 +22,7 @@ from vllm_steer.frontend.module_store import MODULE_SYNC
 from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.patches import apply_server
 from vllm_steer.server.engine_metrics import EngineMetricsMiddleware
+from vllm_steer.server.loop_watch import watch_running_loop
 from vllm_steer.server.openai_fields import endpoint_attached
 from vllm_steer.server.modules_routes import router as modules_router
 from vllm_steer.server.request_body import SteeringRequestMiddleware
@@ -82,6 +83,7 @@ class SteeringEndpointPlugin:
         state.steer_frontend = SteeringFrontend(engine_client.vllm_config) if engine_client else None
         if state.steer_config is None:
             return
+        state.steer_loop_watch = watch_running_loop(state.steer_config.loop_stall_warn_s)
         # Several API processes share the engine core's module and SAE registries (frontend.registry_sync).
         MODULE_SYNC.enabled = SAE_SYNC.enabled = state.steer_api_servers > 1
         # Start-up preload: before the server accepts requests.
