@@ -23,7 +23,7 @@ from vllm_steer.core.config import steer_config_of
 from vllm_steer.core.payload import SAE_VERSIONS_KEY, payload_keys, payload_of
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.core.stops import encode as encode_stop
-from vllm_steer.core.vectors import SAE_FIELD
+from vllm_steer.core.vectors import MODULE_FIELD, SAE_FIELD
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
 from vllm_steer.engine.module_registry import registry_of
 from vllm_steer.engine.refusals import flush, refuse
@@ -45,7 +45,7 @@ def _gone_module(payload: dict, registries: object) -> Refusal | None:
         return None  # no module, or every row travels with the request
     if registry_of(registries).holds(module["name"], module["version"]):
         return None
-    return Refusal(400, "steering_module.name", f"steering module {module['name']!r} changed while this request "
+    return Refusal(400, f"{MODULE_FIELD}.name", f"steering module {module['name']!r} changed while this request "
                                                 f"was prepared (version {module['version']} is gone); send it again")
 
 
