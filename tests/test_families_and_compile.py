@@ -30,6 +30,10 @@ SITE_CASES = [{h: {l: s}} for case in SITE_CASES for h, ls in case.items() for l
 SITE_CASES.append({"post_mlp": {0: 91}, "pre_attn": {1: 92}, "post_attn": {0: 93}})
 
 
+CAPTURE_ALL = {"layers": "all", "hooks": "all", "positions": "all", "reduce": "mean"}
+CAPTURE_STEER = {"max_configs": 8, "capture": ["activations"]}
+
+
 def _fields(case: dict, d: int) -> dict:
     return {h: {str(l): [float(x) for x in vector(d, s, 4.0)]} for h, ls in case.items() for l, s in ls.items()}
 
@@ -72,8 +76,12 @@ def compile_case(tiny_model, tmp_path_factory):
             "calls": [{"prompts": [{"prompt_token_ids": ids}] * len(reqs), "params": reqs}],
             "base": {"dtype": "float32", "max_model_len": 256, "distributed_executor_backend": "uni"},
             "env": {"VLLM_CACHE_ROOT": str(root / "vllm-cache")}}
-    eager = {"model": path, "calls": case["calls"],
-             "llm_kwargs": {**case["base"], "enforce_eager": True, "additional_config": {"steer": {"max_configs": 8}}}}
+    # eager, with every site captured (prompt and generated tokens): the steered norms run the capture op
+    captured = [{**p, "extra_args": {**p.get("extra_args", {}), "capture": {"activations": CAPTURE_ALL}}}
+                for p in reqs]
+    case["captured_calls"] = [{"prompts": [{"prompt_token_ids": ids}] * len(reqs), "params": captured}]
+    eager = {"model": path, "calls": case["captured_calls"], "collect_capture": True,
+             "llm_kwargs": {**case["base"], "enforce_eager": True, "additional_config": {"steer": CAPTURE_STEER}}}
     case["eager"] = run_job(eager, _mk(root / "eager"), env=case["env"])["calls"][0]
     return case
 
@@ -93,6 +101,25 @@ def test_compiled_matches_eager_and_stale_graph_never_loads(compile_case):
         assert got["token_ids"] == want["token_ids"]
         np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4)
     assert all(got["token_ids"] != unsteered for got in compiled[1:])
+
+
+def test_compiled_capture_matches_eager(compile_case):
+    """Capture folded into the steered norms under torch.compile (the op writes the capture pool, a graph
+    input): every site's captured mean over prompt and generated tokens, and the tokens, equal eager's."""
+    from vllm_steer.capture.activations import decode_result
+
+    c = compile_case
+    job = {"model": c["path"], "calls": c["captured_calls"], "collect_capture": True,
+           "llm_kwargs": {**c["base"], "additional_config": {"steer": CAPTURE_STEER}}}
+    compiled = run_job(job, _mk(c["root"] / "captured"), env=c["env"])["calls"][0]
+    for got, want in zip(compiled, c["eager"]):
+        assert got["token_ids"] == want["token_ids"]
+        rows, ref = decode_result(got["capture"]["activations"]), decode_result(want["capture"]["activations"])
+        assert sorted(rows) == sorted(ref) and len(rows) == 6  # 2 layers x 3 hooks
+        for site, v in ref.items():
+            np.testing.assert_allclose(rows[site], v, rtol=1e-5, atol=1e-4, err_msg=site)
+    steered = decode_result(c["eager"][1]["capture"]["activations"])  # steered at pre_attn.0: the stream moved
+    assert not np.allclose(steered["post_mlp.1"], decode_result(c["eager"][0]["capture"]["activations"])["post_mlp.1"])
 
 
 def _mk(p):

@@ -1,7 +1,8 @@
 """SAE feature clamping in the engine (SmolLM2, float32, CPU lane) against transformers with a
 forward hook doing the same clamp (kernels/sae_clamp/naive.py) at the same site: delta and
 reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens and manifest files, in
-one mixed batch with vector and plain requests; phases; a clamp to a feature's own value."""
+one mixed batch with vector and plain requests; phases; a clamp to a feature's own value; what capture reads
+at the clamped site and just after it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests import hf_oracle
 from tests.engine_job import run_job
 from tests.sae_writers import random_sae, write_gemma_scope, write_manifest, write_sae_lens
 from tests.steering_cases import floats, params, vector
+from vllm_steer.capture.activations import decode_result
 from vllm_steer.kernels.sae_clamp import naive
 
 HIDDEN, F = 576, 64
@@ -21,6 +23,9 @@ LOGPROB_ATOL = 2e-3
 ACT = {"relu": naive.RELU, "jumprelu": naive.JUMPRELU, "topk": naive.TOPK}
 KIND = {"set": naive.SET, "add": naive.ADD, "scale": naive.SCALE}
 VEC = vector(HIDDEN, 5, 60.0)
+RESIDUAL_RTOL, RESIDUAL_ATOL = 1e-4, 2e-3  # float32 residual rows, vLLM-CPU vs transformers (as test_capture)
+# post_mlp.14 and pre_attn.15: one point of the stream, read before and after post_mlp.14's steering
+CAPTURE = {"activations": {"sites": ["post_mlp.14", "pre_attn.15"], "positions": "all_prompt", "reduce": "last"}}
 
 SAES = {  # name -> {site: weights}
     "gs": {("post_mlp", 14): random_sae(HIDDEN, F, "jumprelu", seed=1)},
@@ -49,6 +54,8 @@ REQUESTS = {  # name -> (steering fields, the oracle's edits as [(sae, site, mod
     "vector": ({"steering_vectors": floats("post_mlp", 14, VEC)}, [], {"post_mlp": {14: VEC}}),
     "gs_and_vector": ({"sae": {"name": "gs", "clamps": BIG}, "steering_vectors": floats("post_mlp", 14, VEC)},
                       [("gs", ("post_mlp", 14), "delta", BIG)], {"post_mlp": {14: VEC}}),
+    "gs_delta_captured": ({"sae": {"name": "gs", "clamps": BIG}, "capture": CAPTURE},
+                          [("gs", ("post_mlp", 14), "delta", BIG)], None),
 }
 # SAEs registered while the engine runs, one after the other at the reserved site post_mlp.16: the
 # second (fewer features) replaces the first's staged weights in place after the first is deleted
@@ -92,10 +99,12 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
         "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16,
                        "distributed_executor_backend": "uni",
                        "additional_config": {"steer": {"max_configs": 16, "sae": _files(d),
-                                                       "sae_slots": {"post_mlp.16": 48}, "sae_root": str(d)}}},
+                                                       "sae_slots": {"post_mlp.16": 48}, "sae_root": str(d),
+                                                       "capture": ["activations"]}}},
         "calls": [{"prompts": [prompt] * len(batch), "params": batch},
                   {"prompts": [prompt] * len(phased), "params": phased}]
         + _runtime_calls(d, prompt, rt_request),
+        "collect_capture": True,
     }
     res = run_job(job, d)
     return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1])),
@@ -141,6 +150,28 @@ def _edit(weights, mode: str, clamps: list):
         return naive.sae_clamp_naive(flat, index, sae, modes, kind, value, only).reshape(h.shape)
 
     return fn
+
+
+@torch.no_grad()
+def stream_into(path: str, ids: list[int], layer: int, edits: list | None = None) -> np.ndarray:
+    """transformers' residual stream entering ``layer`` at the last token, after ``edits`` (hf_oracle's
+    stream edits). Read by a pre-hook on the layer, not from ``output_hidden_states``: transformers 5 records
+    hidden states by forward hooks installed at the cached model's first such call, so edit hooks added
+    later run after that recording and ``hidden_states[layer]`` would miss them."""
+    model, _ = hf_oracle.load(path)
+    seen = {}
+
+    def read(module, args, kwargs):
+        seen["x"] = (args[0] if args else kwargs["hidden_states"])[0, -1].clone()
+
+    handles = hf_oracle.install_edits(model, edits or [])
+    handles.append(model.model.layers[layer].register_forward_pre_hook(read, with_kwargs=True))
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen["x"].numpy()
 
 
 @pytest.mark.parametrize("name", [n for n in REQUESTS if n != "plain"])
@@ -205,3 +236,22 @@ def test_a_request_whose_sae_was_replaced_on_its_way_is_refused_by_the_engine(ru
     refusal = decode(out["stop_reason"])
     assert refusal is not None and (refusal.status, refusal.param) == (400, "sae.name"), out
     assert "was deleted or replaced while this request was on its way" in refusal.message
+
+
+@pytest.mark.parametrize("site", ["post_mlp.14", "pre_attn.15"])
+def test_capture_reads_the_stream_before_its_own_sites_clamps_and_after_earlier_ones(run, smollm2_path,
+                                                                                      prompt_ids, site):
+    """At the last prompt token: post_mlp.14 (the SAE's site) is transformers' pristine output of layer 14;
+    pre_attn.15, the same point of the stream read after post_mlp.14's steering, is that output clamped."""
+    got = run["batch"]["gs_delta_captured"]["capture"]["activations"]
+    assert got["count"] == [len(prompt_ids)] * 2 and got["dropped_rows"] == 0, got
+    edit = ("post_mlp", 14, _edit(SAES["gs"][("post_mlp", 14)], "delta", BIG))
+    streams = {"pristine": stream_into(smollm2_path, prompt_ids, 15),
+               "clamped": stream_into(smollm2_path, prompt_ids, 15, [edit])}
+    want = "pristine" if site == "post_mlp.14" else "clamped"
+    row = decode_result(got)[site]
+    off = {k: round(float(np.abs(row - v).max()), 4) for k, v in streams.items()}
+    np.testing.assert_allclose(row, streams[want], rtol=RESIDUAL_RTOL, atol=RESIDUAL_ATOL,
+                               err_msg=f"{site}: max |diff| to each reading {off}")
+    for other in set(streams) - {want}:  # the clamp moves this token's stream: the other reading is wrong
+        assert not np.allclose(row, streams[other], rtol=RESIDUAL_RTOL, atol=RESIDUAL_ATOL), (site, other)

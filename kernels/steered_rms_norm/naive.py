@@ -153,33 +153,98 @@ def steered_cond_sae_rms_norm_naive(
     the stream scaled by the gate for a row whose condition gates SAE clamps (``s + g * (clamped(s) - s)``;
     other rows get the clamped stream itself), then the vectors (scaled for a row whose condition gates
     vectors)."""
-    n = x.shape[0]
-    rows = index[:n].long()
-    word = cond_site.index_select(0, rows)
-    on = word >= 0
-    site = torch.where(on, word & SITE_MASK, -1)  # the probe site of each token's row
-    host = not word.is_cuda  # host tensors are free to read: skip what no token needs
-    if not bool(cond_params[0, 3]) or (host and not bool(on.any())):
-        if sae_a or sae_b:
-            return steered_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a,
-                                              table_b, flag_b, sae_a, sae_b, topk_a, topk_b)
-        return steered_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b)
+    slots = ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b))
+    s = _staged(x, residual, index, slots, (cond_site, cond_params, probe, gate, site_ids))
+    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
+
+
+def _staged(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    slots: tuple,  # per slot (SAE pack or [], topk, table or None, flag or None), A then B
+    cond: tuple | None,  # (cond_site, cond_params, probe, gate, site_ids), or None: no conditions
+    capture: tuple | None = None,  # (pool, plan of slot A or None, plan of slot B or None)
+) -> torch.Tensor:
+    """The float32 stream after every slot: per slot, its capture (the stream as it reaches the slot),
+    the gate (at a row's probe site), the SAE clamps (their move scaled by the gate for a row whose
+    condition gates SAE clamps), then the vectors (scaled for a row whose condition gates vectors).
+    Without a live condition every row adds as the plain and SAE ops do, bit for bit."""
     from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
 
-    vectors_gated = on & ((word & VECTORS_UNGATED) == 0)
-    sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
+    n = x.shape[0]
+    rows = index[:n].long()
     s = _stream(x, residual, index, ())
-    g = gate[:n]
-    slots = ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b))
+    gating = False
+    if cond is not None:
+        cond_site, cond_params, probe, gate, site_ids = cond
+        word = cond_site.index_select(0, rows)
+        on = word >= 0
+        host = not word.is_cuda  # host tensors are free to read: skip what no token needs
+        gating = bool(cond_params[0, 3]) and (not host or bool(on.any()))
+    if gating:
+        site = torch.where(on, word & SITE_MASK, -1)  # the probe site of each token's row
+        vectors_gated = on & ((word & VECTORS_UNGATED) == 0)
+        sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
+        g = gate[:n]
     for slot, (pack, topk, table, flag) in enumerate(slots):
-        here = site == site_ids[slot]
-        if not host or bool(here.any()):
-            g = torch.where(here, probe_gate(s, rows, probe, cond_params), g)
+        if capture is not None and capture[1 + slot] is not None:
+            capture_stream(capture[0], s, capture[1 + slot])
+        if gating:
+            here = site == site_ids[slot]
+            if not host or bool(here.any()):
+                g = torch.where(here, probe_gate(s, rows, probe, cond_params), g)
         if pack:
             clamped = apply_site_naive(s, rows, pack, topk)
-            s = torch.where(sae_gated, s + g[:, None] * (clamped - s), clamped)
+            s = torch.where(sae_gated, s + g[:, None] * (clamped - s), clamped) if gating else clamped
         if table is not None and (flag is None or flag.is_cuda or bool(flag[0])):  # as _stream
-            w = torch.where(vectors_gated, g, torch.ones_like(g))
-            s = s + table.index_select(0, rows).float() * w[:, None]
-    gate[:n] = g
+            if gating:
+                w = torch.where(vectors_gated, g, torch.ones_like(g))
+                s = s + table.index_select(0, rows).float() * w[:, None]
+            else:
+                s = s + table.index_select(0, rows).float()
+    if gating:
+        gate[:n] = g
+    return s
+
+
+def capture_stream(pool: torch.Tensor, s: torch.Tensor, plan: torch.Tensor) -> None:
+    """``pool[plan[t]] = s[t]`` for every token with ``plan[t] >= 0`` (in the pool's dtype): on CUDA the
+    capture kernel (the plan stays on the device: graph-safe), elsewhere its plain-torch reference."""
+    if s.is_cuda:
+        from vllm_steer.kernels.capture_rows.triton import capture_rows_triton
+
+        capture_rows_triton(pool, s, None, plan)
+    else:
+        from vllm_steer.kernels.capture_rows.naive import capture_rows_naive
+
+        capture_rows_naive(pool, s, None, plan)
+
+
+def steered_capture_rms_norm_naive(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],  # SAE packs, or [] for none
+    sae_b: list[torch.Tensor],
+    topk_a: int,
+    topk_b: int,
+    cond: tuple | None,  # (cond_site, cond_params, probe, gate, site_ids), or None: no conditions
+    pool: torch.Tensor,  # [P, D], rows written in place
+    plan_a: torch.Tensor | None,  # [>= N] int32: pool row of each token's slot-A stream, or -1; None: not captured
+    plan_b: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any steered norm (plain, SAE, conditional, both) with capture folded in: a captured slot's stream is
+    written to ``pool`` as it reaches the slot, after every earlier slot's steering (slot A's SAE clamps and
+    its vectors, gated as the row's condition says) and before its own. So ``pre_attn.L`` (slot B) is
+    captured after ``post_mlp.L-1``'s clamps and gated rows, as transformers' stream has them."""
+    slots = ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b))
+    s = _staged(x, residual, index, slots, cond, (pool, plan_a, plan_b))
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)

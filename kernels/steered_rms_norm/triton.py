@@ -88,6 +88,15 @@ def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, 
 
 
 @triton.jit
+def _capture(b_s, p_plan_t, p_pool, stride_pool, o_d, m_d, mine):
+    """pool[plan[t]] = b_s (in the pool's dtype) when this program is ``mine`` and the token is planned
+    (plan >= 0); an unplanned token costs one int32 load."""
+    i_p = tl.load(p_plan_t)
+    if mine & (i_p >= 0):
+        tl.store(p_pool + i_p.to(tl.int64) * stride_pool + o_d, b_s.to(p_pool.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
 def _sae_walk(b_s, i_r, c_first, c_step, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
               stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
     """Sum of (f'_c - f_c) * dec[c] over the clamped slots c of row ``i_r`` in the blocks of codes that
@@ -185,6 +194,8 @@ def _steered_norm_body(
     # has a condition; 0: the plain adds), probe [R, D] fp32,
     # gate [>= N] fp32 (read and written), site_ids [2] int32 (the site order of slot A, of slot B)
     p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+    # capture (ignored unless CAP_A / CAP_B): pool [P, D] (written), plan of slot A / B [>= N] int32 (-1: none)
+    p_pool, p_plan_a, p_plan_b, stride_pool,
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_A: tl.constexpr,
@@ -196,6 +207,8 @@ def _steered_norm_body(
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,  # > 1: the first SAE slot's clamps are shared by SPLIT programs per token
     COND: tl.constexpr = False,  # rows may carry a condition (with SAE_A / SAE_B: the gate is only read)
+    CAP_A: tl.constexpr = False,  # slot A is captured: the stream as it reaches slot A goes to the pool
+    CAP_B: tl.constexpr = False,  # slot B is captured: the stream after slot A's clamps and (gated) rows
 ):
     i_t = tl.program_id(0).to(tl.int64)
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
@@ -208,6 +221,8 @@ def _steered_norm_body(
     if HAS_RES:
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
+    if CAP_A:  # every program of the token has the pristine stream: the first stores it
+        _capture(b_s, p_plan_a + i_t, p_pool, stride_pool, o_d, m_d, tl.program_id(1) == 0)
     if COND and not (SAE_A or SAE_B):  # the gate changes only at a probe site, where it is stored
         i_row = tl.load(p_index + i_t)
         if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
@@ -216,12 +231,16 @@ def _steered_norm_body(
             if HAS_A:
                 b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite,
                                         tl.load(p_site_ids), p_gate + i_t, p_probe, p_cparams, stride_probe)
+            if CAP_B:
+                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, True)
             if HAS_B:
                 b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite,
                                         tl.load(p_site_ids + 1), p_gate + i_t, p_probe, p_cparams, stride_probe)
         else:
             if HAS_A:
                 b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
+            if CAP_B:
+                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, True)
             if HAS_B:
                 b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
     elif HAS_A or HAS_B or SAE_A or SAE_B:
@@ -249,6 +268,11 @@ def _steered_norm_body(
                 b_s = _add_weighted_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, w_vec)
             else:
                 b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
+        if CAP_B:
+            if SAE_A and SPLIT > 1:  # only the program that finished A's split walk has the whole stream
+                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, go)
+            else:
+                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, tl.program_id(1) == 0)
         if SAE_B:
             if SPLIT > 1 and not SAE_A:  # B's stream (s + A[row]) is known to every program
                 b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sb_mode,
@@ -294,6 +318,7 @@ def _steered_rms_norm_kernel(
         p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
         p_index, p_index,
         p_index, p_index, p_index, p_index, p_index, 0,
+        p_index, p_index, p_index, 0,
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1)
 
 
@@ -317,6 +342,7 @@ def _steered_sae_rms_norm_kernel(
         p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
         stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
         p_index, p_index, p_index, p_index, p_index, 0,
+        p_index, p_index, p_index, 0,
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT)
 
 
@@ -336,6 +362,7 @@ def _steered_cond_rms_norm_kernel(
         p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
         p_index, p_index,
         p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+        p_index, p_index, p_index, 0,
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1, True)
 
 
@@ -361,7 +388,36 @@ def _steered_cond_sae_rms_norm_kernel(
         p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
         stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
         p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+        p_index, p_index, p_index, 0,
         D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT, True)
+
+
+@triton.jit
+def _steered_capture_rms_norm_kernel(
+    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
+    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
+    p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
+    stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
+    p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
+    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
+    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+    p_pool, p_plan_a, p_plan_b, stride_pool,
+    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
+    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
+    COND: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr,
+):
+    """Any steered norm (plain, SAE, conditional) of a server with capture consumers: each captured slot's
+    stream is stored to the capture pool in the same launch (no capture kernel of its own)."""
+    _steered_norm_body(
+        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
+        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
+        p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
+        stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
+        p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
+        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
+        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
+        p_pool, p_plan_a, p_plan_b, stride_pool,
+        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT, COND, CAP_A, CAP_B)
 
 
 def _num_warps(block_d: int) -> int:
@@ -418,11 +474,13 @@ _PLAIN = CachedLauncher(_steered_rms_norm_kernel)
 _SAE = CachedLauncher(_steered_sae_rms_norm_kernel)
 _COND = CachedLauncher(_steered_cond_rms_norm_kernel)
 _COND_SAE = CachedLauncher(_steered_cond_sae_rms_norm_kernel)
+_CAPTURE = CachedLauncher(_steered_capture_rms_norm_kernel)
 
 
 def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             num_warps: int | None = None, sae_a: list[torch.Tensor] | None = None,
-            sae_b: list[torch.Tensor] | None = None, split: int | None = None, cond: tuple | None = None) -> None:
+            sae_b: list[torch.Tensor] | None = None, split: int | None = None, cond: tuple | None = None,
+            capture: tuple | None = None) -> None:
     n, d = x.shape
     if n == 0:
         return
@@ -445,19 +503,27 @@ def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, tab
         cond_site, cond_params, probe, gate, site_ids = cond
         assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
         cond_args = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
-        if not sae_a and not sae_b:
+        if capture is None and not sae_a and not sae_b:
             _COND((n,), common + cond_args, flags, warps)
             return
-    if not sae_a and not sae_b:
+    if capture is None and not sae_a and not sae_b:
         _PLAIN((n,), common, flags, warps)
         return
-    split = split_of(n) if split is None else split
+    split = (split_of(n) if split is None else split) if (sae_a or sae_b) else 1
     bufs = split_buffers(x.device, d) if split > 1 else None
     if bufs is None:
         split, bufs = 1, (index, index)
+    sae_args = tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)) + bufs
+    sae_flags = (bool(sae_a), bool(sae_b), 32, split)
+    if capture is not None:
+        pool, plan_a, plan_b = capture
+        _CAPTURE((n, split), common + sae_args + (cond_args or (index,) * 5 + (0,))
+                 + (pool, plan_a if plan_a is not None else index, plan_b if plan_b is not None else index,
+                    pool.stride(0)),
+                 flags + sae_flags + (bool(cond_args), plan_a is not None, plan_b is not None), warps)
+        return
     launcher = _COND_SAE if cond_args else _SAE
-    launcher((n, split), common + tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)) + bufs
-             + cond_args, flags + (bool(sae_a), bool(sae_b), 32, split), warps)
+    launcher((n, split), common + sae_args + cond_args, flags + sae_flags, warps)
 
 
 def steered_rms_norm_triton(
@@ -552,4 +618,32 @@ def steered_cond_sae_rms_norm_triton(
     res_out = torch.empty_like(x)
     _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
             sae_a=sae_a, sae_b=sae_b, split=split, cond=(cond_site, cond_params, probe, gate, site_ids))
+    return out, res_out
+
+
+def steered_capture_rms_norm_triton(
+    x: torch.Tensor,  # [N, D], rows contiguous
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    sae_a: list[torch.Tensor],  # clamp-only packs, or [] for none
+    sae_b: list[torch.Tensor],
+    cond: tuple | None,  # (cond_site, cond_params, probe, gate, site_ids), or None
+    pool: torch.Tensor,  # [P, D], written
+    plan_a: torch.Tensor | None,  # [>= N] int32, -1: not captured; None: slot A not captured
+    plan_b: torch.Tensor | None,
+    split: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_capture_rms_norm_naive`` for clamp-only packs, one launch."""
+    assert pool.stride(-1) == 1 and pool.shape[-1] == x.shape[-1]
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x)
+    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
+            sae_a=sae_a, sae_b=sae_b, split=split, cond=cond, capture=(pool, plan_a, plan_b))
     return out, res_out

@@ -1,6 +1,7 @@
 """The decode step launches as many kernels steered as stock (compiled, FULL CUDA graphs, V2 runner): a
-random-weight Llama served three ways in turn (no steer block; ``steer`` with 4 distinct inline configs on
-the requests; ``steer.conditions`` with a conditional config), each profiled by torch.profiler around the
+random-weight Llama served four ways in turn (no steer block; ``steer`` with 4 distinct inline configs on
+the requests; ``steer.conditions`` with a conditional config; ``steer.capture`` with requests capturing
+while they decode), each profiled by torch.profiler around the
 same greedy decode (``LLM.start_profile``), its trace read by ``trace_kernels``. The forward graph holds the
 same number of kernels in all three (steering folded into vLLM's norms: no launch of its own), and the
 steered norms run inside it. The A/B suite's graph phase measures the same at the 8b shape over HTTP (418
@@ -60,9 +61,16 @@ def test_the_forward_graph_has_as_many_kernels_steered_as_stock(tmp_path):
     steer = _profiled_decode(tmp_path / "steer", {"max_configs": 8}, lambda i: {"steering_vectors": vecs[i]})
     gated = _profiled_decode(tmp_path / "cond", {"max_configs": 8, "conditions": True},
                              lambda i: {"steering_vectors": vecs[i], "steering_condition": cond})
+    spec = {"layers": [1, 2], "hooks": ["pre_attn", "post_mlp"], "positions": "all_generated"}
+    captured = _profiled_decode(tmp_path / "capture", {"max_configs": 8, "capture": ["activations"]},
+                                lambda i: {"steering_vectors": vecs[i], "capture": {"activations": spec}})
     counts = [r["forward_kernels"] for r in (stock, steer, gated)]
     assert counts[0] and counts[0] > 20 and len(set(counts)) == 1, (counts, stock["kernels_per_launch_hist"],
                                                                      steer["kernels_per_launch_hist"])
+    # capture is folded into the steered norms: one kernel more than stock, layer 0's pre_attn capture (its
+    # norm is steered by an in-place add, not by the op), not one per captured site
+    assert captured["forward_kernels"] == counts[0] + 1, (captured["kernels_per_launch_hist"],
+                                                          captured["steer_kernel_names"])
     assert stock["steer_kernels"] == 0
-    for r in (steer, gated):  # the steered norms are kernels of the graph, none launched on their own
+    for r in (steer, gated, captured):  # the steered norms are kernels of the graph, none launched on their own
         assert r["steer_kernels_in_graphs"] > 0 and r["steer_kernels_eager"] == 0, r["steer_kernel_names"]

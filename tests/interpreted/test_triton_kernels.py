@@ -14,6 +14,7 @@ from vllm_steer.kernels.capture_rows import naive as capture_naive
 from vllm_steer.kernels.steered_rms_norm.naive import (
     SAE_GATED,
     VECTORS_UNGATED,
+    steered_capture_rms_norm_naive,
     steered_cond_rms_norm_naive,
     steered_cond_sae_rms_norm_naive,
     steered_rms_norm_naive,
@@ -253,6 +254,78 @@ def test_capture_rows_triton_matches_reference(interpreted, with_b, with_table):
     assert torch.isnan(got[4]).all()  # rows no token was planned for are untouched
     expect = x[4] + (r[4] if with_b else 0) + (ta[index[4].long()] if with_table else 0)
     torch.testing.assert_close(got[0], expect, rtol=1e-6, atol=1e-6)
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("captured", ["a", "b", "ab"])
+@pytest.mark.parametrize("variant", ["plain", "cond", "sae", "sae-split", "cond-sae"])
+def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
+    """The steered norm with capture folded in (every variant: plain, conditional, SAE serial and split,
+    both): outputs, the new residual, the gate and every pool row as the reference; slot B's row is the
+    stream after slot A's clamps and gated rows; unplanned tokens and unplanned pool rows are untouched;
+    the outputs equal the same norm without capture."""
+    norm, _ = interpreted
+    n, d = 12, 80
+    x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=60)
+    index = token_rows(n)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(61)) * 0.5
+    sae = variant.startswith("sae") or variant == "cond-sae"
+    pa = clamp_pack(d, 37, seed=62, jumprelu=True) if sae else []
+    pb = clamp_pack(d, 37, seed=63, jumprelu=False) if sae else []
+    vec = (ta, _on(), tb, _on())
+    cond = None
+    if variant.startswith("cond"):
+        # rows: 0 none, 1 gated at A (an SAE norm: gated earlier, clamps too), 2 none, 3 gated earlier with
+        # its vectors ungated, 4 gated at A, 5 gated earlier (rows from token_rows: every row has tokens)
+        at_a = 5 if sae else 20  # no probe at an SAE norm
+        cond_site = torch.tensor([-1, at_a | SAE_GATED, -1, 5 | VECTORS_UNGATED, at_a, 5], dtype=torch.int32)
+        params = torch.tensor([[0.1, 2.0, float(i % 2), 0.0] for i in range(6)], dtype=torch.float32)
+        params[0, 3] = 1.0
+        probe = torch.randn(6, d, generator=torch.Generator().manual_seed(64)) / 8
+        gate0 = torch.rand(n + 5, generator=torch.Generator().manual_seed(65)) * 0.8 + 0.1
+        cond = (cond_site, params, probe, gate0, torch.tensor([20, 21], dtype=torch.int32))
+    plans = {}
+    for k, slot in enumerate("ab"):
+        plan = torch.full((n + 5,), -1, dtype=torch.int32)
+        if slot in captured:
+            plan[[1 + k, 4, 6 + k, 9, 11]] = torch.tensor([0, 2, 4, 6, 8], dtype=torch.int32) + k
+        plans[slot] = plan if slot in captured else None
+    split = 3 if variant == "sae-split" else 1
+    runs = {}
+    for who in ("triton", "naive"):
+        pool = torch.full((11, d), float("nan"))
+        c = None if cond is None else (*cond[:3], cond[3].clone(), cond[4])
+        if who == "triton":
+            got = norm.steered_capture_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, c, pool,
+                                                       plans["a"], plans["b"], split=split)
+        else:
+            got = steered_capture_rms_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, 0, 0, c, pool,
+                                                 plans["a"], plans["b"])
+        runs[who] = (got, pool, None if c is None else c[3])
+    (got_t, pool_t, gate_t), (got_n, pool_n, gate_n) = runs["triton"], runs["naive"]
+    for a, b in zip(got_t, got_n):
+        torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
+    torch.testing.assert_close(pool_t, pool_n, equal_nan=True, **_SAE_TOL[torch.float32])
+    if cond is not None:
+        torch.testing.assert_close(gate_t, gate_n, rtol=1e-5, atol=1e-5)
+    written = sorted({int(v) for p in plans.values() if p is not None for v in p if v >= 0})
+    assert not torch.isnan(pool_t[written]).any() and torch.isnan(pool_t[[i for i in range(11) if i not in written]]).all()
+    # slot A's row is the pristine stream; without SAE A or a gate, slot B's is pristine + A's row
+    if plans["a"] is not None:
+        torch.testing.assert_close(pool_t[2], x[4] + r[4], rtol=1e-6, atol=1e-6)
+    if plans["b"] is not None and variant == "plain":
+        torch.testing.assert_close(pool_t[3], x[4] + r[4] + ta[index[4].long()], rtol=1e-6, atol=1e-6)
+    # the same norm without capture: the same outputs
+    c = None if cond is None else (*cond[:3], cond[3].clone(), cond[4])
+    if variant == "plain":
+        alone = norm.steered_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec)
+    elif variant == "cond":
+        alone = norm.steered_cond_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, *c)
+    elif variant == "cond-sae":
+        alone = norm.steered_cond_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, *c, split=split)
+    else:
+        alone = norm.steered_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, split=split)
+    assert torch.equal(alone[0], got_t[0]) and torch.equal(alone[1], got_t[1])
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -2,8 +2,10 @@
 
 Each such fused add + RMSNorm instance gets its class swapped for a cached subclass whose forward
 calls ``torch.ops.vllm_steer.steered_rms_norm`` (the same contract as vLLM's norm, with the site's
-steering rows added to the stream inside the kernel) and, when capture consumers are configured,
-``capture_rows_`` first, so capture reads the stream before that site's steering. Parameters,
+steering rows added to the stream inside the kernel); when capture consumers are configured the
+norm calls ``steered_capture_rms_norm`` instead, which writes each captured slot's stream to the pool
+in the same launch, before that slot's steering (layer 0's norm, steered by an in-place add, keeps a
+``capture_rows_`` op before it). Parameters,
 names and weights are untouched. Tables, index, flags, capture pool and plans are registered as
 non-persistent buffers: torch.compile lifts them as graph inputs and CUDA graphs read fixed
 addresses, which the runtime updates in place. Which tables a norm has is a class attribute, so
@@ -103,10 +105,8 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self._vs_base.forward(self, x)
     ta = self.vs_a_table if self._vs_has_a else None
     fa = self.vs_a_flag if self._vs_has_a else None
-    if "a" in self._vs_capture:
-        torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_a_plan)
-    if "b" in self._vs_capture:  # after A: pre_attn[L] sees post_mlp[L-1]'s steering
-        torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, residual, self.vs_b_plan, ta, fa, self.vs_index)
+    if self._vs_capture:  # capture in the same launch: slot B's stream after A's clamps and (gated) rows
+        return _captured_forward(self, x, residual, ta, fa)
     if self._vs_cond and not self._vs_sae:  # steer.conditions: rows may carry a probe's gate
         return torch.ops.vllm_steer.steered_cond_rms_norm(
             x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
@@ -127,6 +127,21 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
     return torch.ops.vllm_steer.steered_rms_norm(
         x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
         self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None)
+
+
+def _captured_forward(self, x: torch.Tensor, residual: torch.Tensor, ta, fa):
+    """The steered norm of a server with capture consumers: ``steered_capture_rms_norm`` (any steered
+    norm's work, each captured slot's stream written to the pool as it reaches the slot)."""
+    packs = [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae or (0, 0))]
+    topk = self._vs_topk if self._vs_sae else (0, 0)
+    cond = self._vs_cond
+    return torch.ops.vllm_steer.steered_capture_rms_norm(
+        x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
+        self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
+        packs[0], packs[1], topk[0], topk[1],
+        self.vs_cond_site if cond else None, self.vs_cond_params if cond else None, self.vs_probe if cond else None,
+        self.vs_gate if cond else self.vs_no_gate, self.vs_site_ids if cond else None, self.vs_pool,
+        self.vs_a_plan if "a" in self._vs_capture else None, self.vs_b_plan if "b" in self._vs_capture else None)
 
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
@@ -150,7 +165,7 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
                      sae: SaeTables | None = None, conditions: ConditionTables | None = None) -> int:
     """Swap every site's norm for its steered subclass; returns how many hooked sites it serves.
 
-    ``capture`` (a CaptureBuffers) adds a capture op before the norm for each of its sites;
+    ``capture`` (a CaptureBuffers) makes every norm capture its slots in its own launch (the pool, plans);
     ``sae`` gives the norms of its sites the SAE packs (and the op that applies them);
     ``conditions`` gives every steered norm the conditional op (with the SAE, if any) and its buffers."""
     packs = sae.packs if sae is not None else {}
@@ -188,6 +203,8 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
                 norm.register_buffer(f"vs_{slot}_plan", capture.plan_view(*where), persistent=False)
         if captured:
             norm.register_buffer("vs_pool", capture.pool, persistent=False)
+            if conditions is None:  # the capture op's gate argument: a dummy without conditions
+                norm.register_buffer("vs_no_gate", capture.no_gate, persistent=False)
     norm_op.register()
     capture_op.register()
     return sum((s.a is not None) + (s.b is not None) for s in sites)
