@@ -156,6 +156,15 @@ def _time_http_calls():
     httpx.Client.send = orig
 
 
+PROCESS_STALLS: list[tuple[float, float]] = []  # (from, to) monotonic: this process was not run for 1 s or more
+
+
+def process_stalled_between(start: float, end: float) -> bool:
+    """Whether this test process went unrun for a second or more at some time in [start, end] (monotonic):
+    a timing measured by this process's threads across it says nothing about the server."""
+    return any(a < end and b > start for a, b in PROCESS_STALLS)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _watch_this_process():
     """Notes when this test process itself was not run (a 1 s sleep that ended 5 s or more late), listed
@@ -170,7 +179,10 @@ def _watch_this_process():
             t0 = time.monotonic()
             if done.wait(1.0):
                 return
-            if (late := time.monotonic() - t0 - 1.0) >= 5.0:
+            late = time.monotonic() - t0 - 1.0
+            if late >= 1.0:
+                PROCESS_STALLS.append((t0, t0 + 1.0 + late))
+            if late >= 5.0:
                 _SLOW_HTTP.append(f"{time.strftime('%H:%M:%S')} the test process was not run for {late:.1f} s "
                                   f"in {_RUNNING[0]}")
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests import hf_oracle
-from tests.conftest import CAPTURE_TIMEOUT_S, LONG_STREAM_TOKENS, PROBE_LAYER, PROBE_SEED
+from tests.conftest import CAPTURE_TIMEOUT_S, LONG_STREAM_TOKENS, PROBE_LAYER, PROBE_SEED, process_stalled_between
 from tests.server import log_tail
 from vllm_steer.capture.filesystem import load_request
 
@@ -191,11 +191,18 @@ def test_a_slow_driver_consumer_delays_only_its_own_capture_field_never_other_to
     # The streams are held open (they are long: tests.conftest.LONG_STREAM_TOKENS) until the slow
     # response is back, then closed; the check needs one stream decoding across the slow request's
     # finish and its response's wait.
-    streams, (r, t0, t1), begun = _concurrent_streams(base, model, during=slow_request, max_tokens=LONG_STREAM_TOKENS)
-    gaps = _gaps(streams)
-    engine = _engine_gaps(streams, t0, t1 + 1.0)
-    spans = [(len(t), round(t[0] - t0, 2) if t else None, round(t[-1] - t0, 2) if t else None) for t in streams]
     bound = max(3.0, 6 * p95)
+    for attempt in range(2):  # measured again once if this process itself was not run during the window
+        streams, (r, t0, t1), begun = _concurrent_streams(base, model, during=slow_request,
+                                                          max_tokens=LONG_STREAM_TOKENS)
+        engine = _engine_gaps(streams, t0, t1 + 1.0)
+        timed = engine.max() < bound and CAPTURE_TIMEOUT_S - 0.5 <= t1 - t0 < CAPTURE_TIMEOUT_S + 2.5
+        if timed or attempt or not process_stalled_between(t0, t1 + 1.0):
+            break
+        warnings.warn(f"the test process was not run during the slow request ({t1 - t0:.1f} s, streams' largest "
+                      f"gap {engine.max():.1f} s): measured again")
+    gaps = _gaps(streams)
+    spans = [(len(t), round(t[0] - t0, 2) if t else None, round(t[-1] - t0, 2) if t else None) for t in streams]
     # Normal here (CPU lane, SmolLM2, 3 streams on a shared 2-core box): p95 ~0.1 s, an odd gap up to
     # ~1.1 s. Before the fix every stream stopped for SLOW_S (8 s) when the slow request finished.
     stalled = [(i, round(float(np.diff(t).max()), 2) if len(t) > 1 else None, round(t[0] - begun, 2) if t else None)
