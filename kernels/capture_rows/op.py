@@ -1,7 +1,9 @@
 """Registers ``torch.ops.vllm_steer.capture_rows_`` (opaque; mutates ``pool``).
 
-CUDA tensors run the Triton kernel (no host sync); CPU runs the plain-torch reference. Installed
-only when capture consumers are configured, before the steered norm of each hooked site.
+CUDA tensors run the Triton kernel (no host sync); CPU runs the plain-torch reference
+(``capture_rows``, also called by the steered norm's reference for its captured slots). The op
+is installed only before the first layer's norm of a server with capture consumers (every other
+steered norm captures in its own launch).
 """
 
 import torch
@@ -13,22 +15,22 @@ from vllm_steer.kernels.library import LIB
 _registered = False
 
 
-def _impl(pool: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, plan: torch.Tensor,
-          table: torch.Tensor | None = None, flag: torch.Tensor | None = None,
-          index: torch.Tensor | None = None) -> None:
-    if live.may_skip():
-        return
+def capture_rows(pool: torch.Tensor, a: torch.Tensor, plan: torch.Tensor) -> None:
+    """``pool[plan[t]] = a[t]`` for every token with ``plan[t] >= 0``, on the tensors' device."""
     if a.is_cuda:
         from vllm_steer.kernels.capture_rows.triton import capture_rows_triton
 
-        capture_rows_triton(pool, a, b, plan, table, flag, index)
+        capture_rows_triton(pool, a, plan)
     else:
-        capture_rows_naive(pool, a, b, plan, table, flag, index)
+        capture_rows_naive(pool, a, plan)
 
 
-def _fake(pool: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, plan: torch.Tensor,
-          table: torch.Tensor | None = None, flag: torch.Tensor | None = None,
-          index: torch.Tensor | None = None) -> None:
+def _impl(pool: torch.Tensor, a: torch.Tensor, plan: torch.Tensor) -> None:
+    if not live.may_skip():
+        capture_rows(pool, a, plan)
+
+
+def _fake(pool: torch.Tensor, a: torch.Tensor, plan: torch.Tensor) -> None:
     return None
 
 

@@ -170,6 +170,7 @@ def _staged(
     the gate (at a row's probe site), the SAE clamps (their move scaled by the gate for a row whose
     condition gates SAE clamps), then the vectors (scaled for a row whose condition gates vectors).
     Without a live condition every row adds as the plain and SAE ops do, bit for bit."""
+    from vllm_steer.kernels.capture_rows.op import capture_rows
     from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
 
     n = x.shape[0]
@@ -188,8 +189,8 @@ def _staged(
         sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
         g = gate[:n]
     for slot, (pack, topk, table, flag) in enumerate(slots):
-        if capture is not None and capture[1 + slot] is not None:
-            capture_stream(capture[0], s, capture[1 + slot])
+        if capture is not None and capture[1 + slot] is not None:  # the stream as it reaches the slot
+            capture_rows(capture[0], s, capture[1 + slot])
         if gating:
             here = site == site_ids[slot]
             if not host or bool(here.any()):
@@ -206,19 +207,6 @@ def _staged(
     if gating:
         gate[:n] = g
     return s
-
-
-def capture_stream(pool: torch.Tensor, s: torch.Tensor, plan: torch.Tensor) -> None:
-    """``pool[plan[t]] = s[t]`` for every token with ``plan[t] >= 0`` (in the pool's dtype): on CUDA the
-    capture kernel (the plan stays on the device: graph-safe), elsewhere its plain-torch reference."""
-    if s.is_cuda:
-        from vllm_steer.kernels.capture_rows.triton import capture_rows_triton
-
-        capture_rows_triton(pool, s, None, plan)
-    else:
-        from vllm_steer.kernels.capture_rows.naive import capture_rows_naive
-
-        capture_rows_naive(pool, s, None, plan)
 
 
 def steered_capture_rms_norm_naive(

@@ -27,8 +27,8 @@ import torch
 from vllm_steer.kernels.library import LIB
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 from vllm_steer.kernels.steered_rms_norm.naive import (
-    steered_cond_rms_norm_naive,
     steered_capture_rms_norm_naive,
+    steered_cond_rms_norm_naive,
     steered_cond_sae_rms_norm_naive,
     steered_rms_norm_naive,
     steered_sae_rms_norm_naive,

@@ -238,22 +238,18 @@ def test_triton_sae_kernel_refuses_full_packs(interpreted):
         norm.steered_sae_rms_norm_triton(x, r, torch.ones(16), 1e-5, 0.0, index, None, None, None, None, full, [])
 
 
-@pytest.mark.parametrize("with_b", [True, False], ids=["a+b", "a"])
-@pytest.mark.parametrize("with_table", [True, False], ids=["table", "no-table"])
-def test_capture_rows_triton_matches_reference(interpreted, with_b, with_table):
+def test_capture_rows_triton_matches_reference(interpreted):
     _, cap = interpreted
-    x, r, (ta, _), index = _case(9, 40, torch.float32, seed=12)
+    x = _case(9, 40, torch.float32, seed=12)[0]
     plan = torch.full((14,), -1, dtype=torch.int32)
     plan[[1, 4, 5, 8]] = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
-    table = (ta, _on(), index) if with_table else (None, None, None)
     want = torch.full((5, 40), float("nan"))
     got = want.clone()
-    capture_naive.capture_rows_naive(want, x, r if with_b else None, plan, *table)
-    cap.capture_rows_triton(got, x, r if with_b else None, plan, *table)
+    capture_naive.capture_rows_naive(want, x, plan)
+    cap.capture_rows_triton(got, x, plan)
     torch.testing.assert_close(got, want, equal_nan=True, **_TOL[torch.float32])
     assert torch.isnan(got[4]).all()  # rows no token was planned for are untouched
-    expect = x[4] + (r[4] if with_b else 0) + (ta[index[4].long()] if with_table else 0)
-    torch.testing.assert_close(got[0], expect, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0], x[4], rtol=0, atol=0)
 
 
 @_INTERPRETER_INDEX

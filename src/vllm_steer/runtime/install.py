@@ -96,7 +96,7 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
     """The steered norm: (capture, then) vLLM's fused add + RMSNorm with this site's rows added."""
     if residual is None:  # the first layer: the stream is x itself, and the caller keeps x as residual
         if "b" in self._vs_capture:
-            torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, None, self.vs_b_plan)
+            torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, self.vs_b_plan)
         if self._vs_has_b:
             # In place (x is the caller's residual too), as plain ops: compiled, Inductor fuses the
             # gather and the add into its embedding + RMSNorm kernel (no GEMM here to pull the add
@@ -113,7 +113,7 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
             self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
             self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_gate, self.vs_site_ids)
     if self._vs_sae:  # a site of this norm has an SAE: its clamps come before its vectors
-        packs = [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae)]
+        packs = _sae_packs(self)
         if self._vs_cond:  # the gate scales the clamps or vectors of the rows whose condition says so
             return torch.ops.vllm_steer.steered_cond_sae_rms_norm(
                 x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
@@ -129,10 +129,15 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None)
 
 
+def _sae_packs(self) -> list[list[torch.Tensor]]:
+    """Each slot's SAE pack (its registered buffers in order; [] for a slot without an SAE)."""
+    return [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae or (0, 0))]
+
+
 def _captured_forward(self, x: torch.Tensor, residual: torch.Tensor, ta, fa):
     """The steered norm of a server with capture consumers: ``steered_capture_rms_norm`` (any steered
     norm's work, each captured slot's stream written to the pool as it reaches the slot)."""
-    packs = [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae or (0, 0))]
+    packs = _sae_packs(self)
     topk = self._vs_topk if self._vs_sae else (0, 0)
     cond = self._vs_cond
     return torch.ops.vllm_steer.steered_capture_rms_norm(
