@@ -3,6 +3,7 @@
 server (CPU: ``python -m vllm_steer.launcher serve``) with an async streaming client. Servers: abkit/servers.py;
 arms: abkit/arms.py. Phases (``--phases``, run in order): ``ab`` (--arms at concurrency 16; --long-arms again at
 --long-max-tokens, labels ``<arm>@mt256``; the 256-wide load), ``start`` (start --servers, e.g. with --keep-servers),
+``stop`` (stop --servers among the adopted ones, to free GPU memory for others),
 ``graph`` (torch.profiler on --graph-servers: kernels per CUDA-graph launch). Results: JSON and markdown under $OUT;
 ``--report FILE...`` merges JSONs into one report; ``--numbers`` rewrites bench/NUMBERS.md.
     python3 bench/ab_suite.py --shape 8b --phases ab --keep-servers     (GPU: bench/gpu_session.sh, RESULTS.md)
@@ -32,11 +33,11 @@ import traceback  # noqa: E402
 
 from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, usable_arms  # noqa: E402
 from abkit.report import report  # noqa: E402
-from abkit.runner import graph_phase, run_matrix  # noqa: E402
+from abkit.runner import disk_write_bound, graph_phase, run_matrix  # noqa: E402
 from abkit.servers import (ROOT, SHAPES, STATE_FILE, STEER_SERVERS, T0, Pool, log, server_unavailable,  # noqa: E402
                            site_layer, write_model_dir)
 
-PHASES = ("ab", "start", "graph")
+PHASES = ("ab", "start", "stop", "graph")
 DRY_RUN = dict(shape="tiny", launcher="cpu", enforce_eager=True, trials=2, requests=4, concurrency=2, max_tokens=6,
                prompt_len=16, wide=6, wide_max_tokens=4, max_model_len=256, max_num_seqs=16, long_max_tokens=12)
 
@@ -103,7 +104,13 @@ def ab_runs(args, pool) -> list[tuple[str, str, dict]]:
     for a in [a for a in long_arms if ARMS[a]["server"] not in wanted]:
         log(f"[ab long] skipping arm {a}: its server {ARMS[a]['server']} is not started by --arms")
     long_arms = [a for a in long_arms if ARMS[a]["server"] in wanted]
-    runs = [(a, a, wide if ARMS[a].get("wide") else c16) for a in arms]
+    def load_of(arm: dict) -> dict:  # the phase's load, overridden by the arm's own
+        own = arm.get("load", {})
+        if args.dry_run_cpu:  # a CPU dry run keeps its tiny counts
+            own = {k: v for k, v in own.items() if k == "max_tokens"}
+        return {**(wide if arm.get("wide") else c16), **own}
+
+    runs = [(a, a, load_of(ARMS[a])) for a in arms]
     return runs + [(f"{a}@mt{args.long_max_tokens}", a, {**c16, "max_tokens": args.long_max_tokens})
                    for a in long_arms]
 
@@ -157,7 +164,8 @@ def main() -> int:
     meta["model_dir"] = str(model_dir)
     ctx = {"shape": shape, "std": args.std, "pack_dtype": args.dtype, "prompt_len": args.prompt_len,
            "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide,
-           "graph_servers": _names(args.graph_servers), "args": args, "site_layer": meta["site_layer"]}
+           "graph_servers": _names(args.graph_servers), "args": args, "site_layer": meta["site_layer"],
+           "workdir": workdir}
     log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}; results -> {out_json}")
     if not args.peer_wheel:
         log("no --peer-wheel: hotwire and its arms are skipped")
@@ -173,9 +181,17 @@ def main() -> int:
                     except Exception as e:  # noqa: BLE001
                         results.setdefault("server_errors", {})[name] = f"{type(e).__name__}: {e}"[-3000:]
                         log(f"[ab] server {name} failed to start; its arms fail: {str(e)[:500]}")
+                if any(ARMS[a]["kind"] in ("capture_fs", "extract_hs") for _label, a, _load in runs):
+                    meta["disk_write_gbps"] = disk_write_bound(workdir)
+                    log(f"[ab] disk write bound (2 GiB, fsync) under {workdir}: {meta['disk_write_gbps']} GB/s")
                 run_matrix(pool, "ab", runs, args.trials, ctx, results, save)
             elif ph == "graph":
                 graph_phase(pool, ctx, results, save)
+            elif ph == "stop":
+                for s in _names(args.servers):
+                    if (server := pool.servers.pop(s, None) or pool.pending.pop(s, None)) is not None:
+                        server.stop()
+                pool.save_state()
             elif ph == "start":
                 skip = {s: why for s in _names(args.servers) if (why := server_unavailable(s, args))}
                 for s, why in skip.items():

@@ -8,8 +8,13 @@
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
-#   capture    capture idle and capturing vs stock (first: SERVERS=stock,steer,steer_capture ab-start; then
-#              GRAPH_SERVERS=stock,steer,steer_capture graph counts the capture kernels per decode step)
+#   capture    capture idle, capturing (activations) and writing every layer to disk vs stock (first:
+#              GPU_MEM=0.3 SERVERS=stock,steer_capture,steer_capture_fs ab-start; then
+#              GRAPH_SERVERS=stock,steer_capture graph counts the capture kernels per decode step)
+#   prefill    prefill capture (4 layers, prompt 512, 1 token, 256 requests at c32) to files / to memory vs stock
+#              and vLLM's extract_hidden_states (after capture: SERVERS=steer_capture stop, then this starts
+#              extract_hs; it needs stock and steer_capture_fs kept)
+#   stop       stop the kept servers named in SERVERS
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults. A later run starts with python3 -c 'import vllm' || exit 3
@@ -18,7 +23,7 @@ export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "${OUT:=/tmp/out}"
 PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
-AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem 0.23)
+AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}")
 KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
@@ -68,8 +73,16 @@ case "${1:-}" in
       --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
     ;;
   capture)
-    timeout 420 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
-      --arms "${ARMS:-stock,enabled_idle,capture_idle,capture_gen_n16}" 2>&1 | tail -40
+    timeout 540 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 520 \
+      --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all}" 2>&1 | tail -50
+    ;;
+  prefill)
+    timeout 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
+      --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
+    ;;
+  stop)
+    timeout 120 "${AB[@]}" --phases stop --reuse-servers --keep-servers --servers "${SERVERS:?names}" --tag stop \
+      2>&1 | tail -5
     ;;
   small)
     SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16
@@ -78,5 +91,6 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|capture|small" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|capture|prefill|stop|small" >&2
+     exit 2 ;;
 esac

@@ -163,3 +163,32 @@ def _check_hotwire_reads(site, ctx: dict, folder) -> None:
         slot = st.slot_for(spec["id"], int(spec["layer"]), float(spec.get("scale", 1.0)))
         assert slot is not None and int(spec["layer"]) == layer
         assert torch.equal(st.bank.bank[slot], torch.from_numpy(vecs[i])), spec
+
+
+def test_capture_arms_read_the_sites_they_name_and_the_extraction_peer_reads_the_same_ones():
+    """capture_gen_n16 reads L/4, L/2, 3L/4; the prefill arms 4 layers ending at the last (post_mlp), which are
+    vLLM's extract_hidden_states layer ids shifted by one (its id i is the residual entering layer i)."""
+    from abkit.arms import capture_layers
+    from abkit.servers import extract_hs_args
+
+    assert capture_layers(ARMS["capture_gen_n16"], 32) == [8, 16, 24]
+    assert capture_layers(ARMS["prefill_capture_fs"], 32) == [7, 15, 23, 31]
+    assert capture_layers(ARMS["prefill_capture_mem"], 2) == [0, 1]  # the tiny shape: no layer -1
+    args = extract_hs_args(ROOT, 32)
+    ids = json.loads(args[1])["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert [i - 1 for i in ids] == capture_layers(ARMS["prefill_capture_fs"], 32)
+
+
+def test_the_file_writing_arms_ask_the_filesystem_consumer_and_are_checked_for_complete_files(ctx, tmp_path):
+    from abkit.runner import check_steering, files_written
+
+    fields = arm_fields(ARMS["capture_fs_all"], 2, 0, ctx)
+    assert fields[0] == {"capture": {"filesystem": {"layers": "all", "hooks": ["post_mlp"], "positions": "all"}}}
+    assert not expects_steering_field(ARMS["capture_fs_all"])
+    (tmp_path / "default" / "r1").mkdir(parents=True)
+    (tmp_path / "default" / "r1" / "request.json").write_text("{}")
+    (tmp_path / "default" / "r1" / "3_post_mlp.bin").write_bytes(b"\0" * 1000)
+    t = {"n_errors": 0, "n": 2, "unexpected_steering": 0, "captured": 0,
+         **files_written(tmp_path, "capture_fs", 2, wall=0.5, wait_s=0.2)}
+    assert (t["files_complete"], t["bytes_written"], t["write_gbps"]) == (1, 1002, 1002 / 0.5 / 1e9)
+    assert check_steering(t, "capture_fs_all") == "captured files complete for 1 of 2 requests"

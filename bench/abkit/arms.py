@@ -2,7 +2,9 @@
 ``module``, ``shared`` (one config for all), ``per_request`` (n configs), ``sae`` (clamp sets), ``cond`` (with /
 without a steering_condition); single-site (post_mlp of --site-layer, 16 vectors; hotwire adds at the end of layer L
 = post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs);
-``capture`` (the ``activations`` consumer at 3 sites)."""
+``capture`` (the ``activations`` consumer at 3 sites), ``capture_fs`` (the ``filesystem`` consumer: files on local
+disk, checked and removed after each run). ``load`` overrides the phase's load (``prompt_len``, ``max_tokens``,
+``requests``, ``concurrency``); ``ref`` names the arm an arm is compared with (default: stock)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import numpy as np
 
 from vllm_steer.client import pack
 
-from .servers import (CLAMPED, MULTI_SUFFIX, PEER_SERVER, SAE_FEATURES, SAE_NAME, log, sae_layers,
+from .servers import (CLAMPED, EXTRACT_SERVER, MULTI_SUFFIX, PEER_SERVER, SAE_FEATURES, SAE_NAME, log, sae_layers,
                       server_unavailable, site_vectors)
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
+PREFILL_LOAD = {"prompt_len": 512, "max_tokens": 1, "requests": 256, "concurrency": 32}
 MODULE_NAME = "ab_bench_module"
 
 ARMS = {
@@ -62,6 +65,16 @@ ARMS = {
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),
     "capture_gen_n16": dict(server="steer_capture", kind="capture"),
+    # the heavy capture: every request writes post_mlp of every layer at every position to local disk
+    "capture_fs_all": dict(server="steer_capture_fs", kind="capture_fs", layers="all", positions="all"),
+    # prefill capture against vLLM's own extract_hidden_states (4 layers, prompt 512, 1 token, 256 requests at c32):
+    # rows to files (filesystem consumer), rows to host memory only (activations, reduce mean), vLLM's connector
+    "prefill_stock": dict(server="stock", kind="plain", load=PREFILL_LOAD, ref="prefill_stock"),
+    "prefill_capture_fs": dict(server="steer_capture_fs", kind="capture_fs", layers=4, positions="all_prompt",
+                               load=PREFILL_LOAD, ref="prefill_stock"),
+    "prefill_capture_mem": dict(server="steer_capture_fs", kind="capture", layers=4, positions="all_prompt",
+                                reduce="mean", load=PREFILL_LOAD, ref="prefill_stock"),
+    "prefill_extract_hs": dict(server=EXTRACT_SERVER, kind="extract_hs", load=PREFILL_LOAD, ref="prefill_stock"),
 }
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "steer" + MULTI_SUFFIX}
@@ -100,7 +113,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def expects_steering_field(arm: dict) -> bool:
     """Whether this arm's responses must carry vllm-steer's ``steering`` field (hotwire's carry none)."""
-    return arm["kind"] not in ("plain", "hotwire", "capture")
+    return arm["kind"] not in ("plain", "hotwire", "capture", "capture_fs", "extract_hs")
 
 
 def module_name(i: int) -> str:
@@ -155,15 +168,29 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
                      "threshold": 0.0}
         extra = {"steering_condition": condition} if arm.get("condition", True) else {}
         return [{"steering_vectors": cfgs[i % len(cfgs)], **extra} for i in range(n_requests)]
-    if kind == "capture":
-        layers = [ctx["shape"]["layers"] * k // 4 for k in (1, 2, 3)]
-        spec = {"layers": layers, "hooks": ["post_mlp"], "positions": "all_generated", "reduce": "last"}
-        return [{"capture": {"activations": spec}}] * n_requests
+    if kind in ("capture", "capture_fs"):
+        spec = {"layers": capture_layers(arm, ctx["shape"]["layers"]), "hooks": ["post_mlp"],
+                "positions": arm.get("positions", "all_generated")}
+        if kind == "capture_fs":
+            return [{"capture": {"filesystem": spec}}] * n_requests
+        return [{"capture": {"activations": {**spec, "reduce": arm.get("reduce", "last")}}}] * n_requests
+    if kind == "extract_hs":
+        return [None] * n_requests
     if kind == "per_request":
         cfgs = steering_configs(n or ctx["wide"], seed, ctx["shape"], ctx["std"], ctx["pack_dtype"],
                                 binary=arm.get("wire") == "msgpack")
         return [{"steering_vectors": cfgs[i % len(cfgs)]} for i in range(n_requests)]
     raise ValueError(kind)
+
+
+def capture_layers(arm: dict, num_layers: int) -> list[int] | str:
+    """The layers a capture arm reads: ``"all"``, ``n`` spread evenly ending at the last, or 3 (L/4, L/2, 3L/4)."""
+    layers = arm.get("layers", 3)
+    if layers == "all":
+        return "all"
+    if layers == 3:
+        return [num_layers * k // 4 for k in (1, 2, 3)]
+    return sorted({max(0, num_layers * (k + 1) // layers - 1) for k in range(layers)})
 
 
 def build_bodies(prompts, fields, max_tokens: int, wire: str = "json") -> list[bytes]:

@@ -60,6 +60,8 @@ def fmt_pct(p: dict) -> str:
 def reference_label(phase: str, label: str, entry: dict) -> str | None:
     if phase.split("#")[0] != "ab":
         return None
+    if ref := ARMS.get(entry["arm"], {}).get("ref"):
+        return None if ref == entry["arm"] else ref
     multi = MULTI_SUFFIX if entry["arm"].endswith(MULTI_SUFFIX) else ""
     if "@" in label:
         return f"stock{multi}@" + label.split("@", 1)[1]
@@ -148,6 +150,18 @@ def ab_tables(phases: dict, lines: list[str]) -> None:
             cells = [c for p in ps for c in ((", ".join(f"{v:+.1f}" for v in p["pct"]), fmt_pct(p))
                                             if p["pct"] else ("—", "—"))]
             lines.append(f"| {label} | {ref} | {len(ps[0]['trials'])} | " + " | ".join(cells) + " |")
+        written = {label: [t for t in e.get("trials", []) if "bytes_written" in t] for label, e in arms.items()}
+        if any(written.values()):
+            lines.append("\nCaptured files (mean over trials; GB/s = bytes written / the load's wall time; lag: "
+                         "after the load's last event until every request's files were complete):\n")
+            table(lines, "arm | trials | prompt tok/s | GB written | write GB/s | lag s | complete")
+            for label, ts in written.items():
+                if ts:
+                    m = {k: statistics.fmean(t[k] for t in ts) for k in
+                         ("prompt_throughput", "bytes_written", "write_gbps", "publish_lag_s")}
+                    done = f"{sum(t['files_complete'] for t in ts)}/{sum(t['files_expected'] for t in ts)}"
+                    lines.append(f"| {label} | {len(ts)} | {m['prompt_throughput']:.0f} | {m['bytes_written'] / 1e9:.2f} "
+                                 f"| {m['write_gbps']:.2f} | {m['publish_lag_s']:.1f} | {done} |")
         if "k256" in stats and "disabled_c256" in stats:
             k, dd = stats["k256"]["throughput"], stats["disabled_c256"]["throughput"]
             if k[0] == k[0] and dd[0]:

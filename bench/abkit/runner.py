@@ -8,13 +8,15 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from .arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
-from .servers import T0, log, server_unavailable
+from .servers import CAPTURE_FS_DIR, EXTRACT_DIR, T0, log, server_unavailable
 
 GRAPH_PLAN = [  # (label, server, kind of traffic)
     ("stock / unsteered", "stock", "plain"), ("disabled / unsteered", "disabled", "plain"),
@@ -156,13 +158,63 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
     if warmup:
         n, mt = min(n, load["concurrency"], 32) if not arm.get("wide") else n, min(mt, 8)
     tag = "warmup" if warmup else f"t{trial}"
-    prompts = make_prompts(n, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of(phase, arm_name, tag, mt))
+    prompt_len = load.get("prompt_len", ctx["prompt_len"])
+    prompts = make_prompts(n, prompt_len, ctx["shape"]["vocab"], seed_of(phase, arm_name, tag, mt))
     fields = arm_fields(arm, n, seed_of(phase, arm_name, tag, "vec"), ctx)
     bodies = build_bodies(prompts, fields, mt, arm.get("wire", "json"))
+    files = written_files(arm, ctx)
+    if files is not None:
+        shutil.rmtree(files, ignore_errors=True)
     res, wall = run_load(server, bodies, conc)
     t = summarize_trial(res, wall, expects_steering_field(arm))
-    t.update(trial=None if warmup else trial, body_bytes_mean=int(sum(map(len, bodies)) / len(bodies)))
+    t.update(trial=None if warmup else trial, body_bytes_mean=int(sum(map(len, bodies)) / len(bodies)),
+             prompt_throughput=sum(r.get("prompt_tokens") or 0 for r in res if "error" not in r) / wall)
+    if files is not None:
+        t.update(files_written(files, arm["kind"], n, wall))
+        shutil.rmtree(files, ignore_errors=True)
     return t
+
+
+def written_files(arm: dict, ctx: dict) -> Path | None:
+    """The folder an arm's server writes its captured files to (None: an arm that writes none)."""
+    if arm["kind"] == "capture_fs":
+        return ctx["workdir"] / CAPTURE_FS_DIR
+    if arm["kind"] == "extract_hs":
+        return ctx["workdir"] / EXTRACT_DIR
+    return None
+
+
+def disk_write_bound(folder: Path, size: int = 2 << 30, block: int = 8 << 20) -> float:
+    """GB/s of one sequential fsynced write of ``size`` bytes under ``folder`` (the bound of the file-writing arms)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path, buf = folder / "disk_bound.tmp", os.urandom(block)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(size // block):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    gbps = size / (time.perf_counter() - t0) / 1e9
+    path.unlink()
+    return round(gbps, 3)
+
+
+def files_written(root: Path, kind: str, n: int, wall: float, wait_s: float = 120.0) -> dict:
+    """Wait (bounded) until every request's files are complete, then what was written: bytes, bytes per second of
+    the load's wall time, and the lag after the load's end. Complete: the filesystem consumer's request.json per
+    request; vLLM's connector: one .safetensors per request without its .lock (removed by its reader only, so its
+    files count once present)."""
+    t0 = time.time()
+    pattern = "*/*/request.json" if kind == "capture_fs" else "**/*.safetensors"
+    done = 0
+    while time.time() - t0 < wait_s:
+        done = len(list(root.glob(pattern))) if root.exists() else 0
+        if done >= n:
+            break
+        time.sleep(0.5)
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+    return {"files_complete": done, "files_expected": n, "bytes_written": size, "write_gbps": size / wall / 1e9,
+            "publish_lag_s": round(time.time() - t0, 2)}
 
 
 def check_steering(t: dict, arm_name: str) -> str | None:
@@ -176,6 +228,8 @@ def check_steering(t: dict, arm_name: str) -> str | None:
         return f"{t['unexpected_steering']} unsteered responses carry a steering field"
     if ARMS[arm_name]["kind"] == "capture" and t["captured"] != t["n"]:
         return f"capture results (activations data) missing on {t['n'] - t['captured']} of {t['n']} responses"
+    if "files_complete" in t and t["files_complete"] < t["files_expected"]:
+        return f"captured files complete for {t['files_complete']} of {t['files_expected']} requests"
     return None
 
 

@@ -4,6 +4,9 @@ Each server is its own process group; all stay alive together so trials of diffe
   stock / disabled   VLLM_PLUGINS=none / steer, no steer block;   steer and its ablations: STEER_SERVERS
   hotwire    the peer plugin hotwire-vllm from --peer-wheel (its own site folder and VLLM_CACHE_ROOT); CUDA only
   sae / sae_full / sae_serial   an SAE at 4 layers (SAE_SERVERS);   *_multi   ``--api-server-count`` front ends
+  steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs, a pool for a whole
+             prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
+             speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
 --keep-servers leaves them running and writes STATE_FILE; --reuse-servers adopts them."""
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_capture": {"steer": {"max_configs": 272, "capture": ["activations"]}}}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
-                "sae_serial": 13, "steer_cond": 14, "steer_capture": 15}
+                "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17}
+CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
+CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
+CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b bf16): the heavy arm drops nothing
 # steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}}
@@ -126,6 +132,23 @@ def sae_layers(num_layers: int) -> list[int]:  # the 4 SAE sites' layers
     return [num_layers * i // 4 + num_layers // 8 for i in range(4)]
 
 
+def capture_fs_block(workdir: Path) -> dict:
+    """The steer block of steer_capture_fs: activations (driver) and filesystem (worker, no global spec)."""
+    fs = {"name": "filesystem", "params": {"root": str(workdir / CAPTURE_FS_DIR), "threads": 4}}
+    return {"steer": {"max_configs": 272, "capture": ["activations", fs], "capture_max_rows": CAPTURE_FS_ROWS}}
+
+
+def extract_hs_args(workdir: Path, num_layers: int) -> list[str]:
+    """vLLM's own hidden-state extraction at the 4 sites the prefill capture arms read (post_mlp of layer
+    L*(k+1)/4 - 1): its layer id i is the residual entering layer i, i.e. post_mlp of layer i - 1."""
+    ids = [num_layers * (k + 1) // 4 for k in range(4)]
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(workdir / EXTRACT_DIR)}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+
+
 def sae_block(workdir: Path, model_dir: Path, full: bool) -> dict:
     """The steer block of an sae* server; the SAE (manifest format, bf16 safetensors) is written on first use."""
     import torch
@@ -180,6 +203,11 @@ class Server:
         cmd += ["--enforce-eager"] if a.enforce_eager else []
         if self.name in STEER_SERVERS:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
+        elif self.name == CAPTURE_FS_SERVER:
+            cmd += ["--additional-config", json.dumps(capture_fs_block(self.log_path.parents[1]))]
+        elif self.name == EXTRACT_SERVER:
+            layers = json.loads((self.model_dir / "config.json").read_text())["num_hidden_layers"]
+            cmd += extract_hs_args(self.log_path.parents[1], layers)
         elif self.name in SAE_SERVERS:  # the workdir holds the SAE files
             block = sae_block(self.log_path.parents[1], self.model_dir, SAE_SERVERS[self.name])
             cmd += ["--additional-config", json.dumps(block)]
@@ -191,7 +219,8 @@ class Server:
 
     def env(self) -> dict:
         peer = self.name == PEER_SERVER
-        e = {**os.environ, "VLLM_PLUGINS": "none" if self.name.startswith("stock") else "hotwire" if peer else "steer",
+        plain = self.name.startswith("stock") or self.name == EXTRACT_SERVER
+        e = {**os.environ, "VLLM_PLUGINS": "none" if plain else "hotwire" if peer else "steer",
              "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_CACHE_ROOT": self.args.cache_root + ("-hotwire" if peer else ""),
              **self.extra_env, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         if self.args.launcher == "cpu":  # defaults the environment may override
@@ -269,7 +298,7 @@ def server_unavailable(name: str, args) -> str | None:
         return f"unknown server {name!r} (known: {', '.join(PORT_OFFSETS)})"
     if name == PEER_SERVER and not getattr(args, "peer_wheel", None):
         return f"{name} needs --peer-wheel PATH (the peer plugin's hotwire_vllm-*.whl)"
-    if name == PEER_SERVER and getattr(args, "launcher", "gpu") == "cpu":
+    if name in (PEER_SERVER, EXTRACT_SERVER) and getattr(args, "launcher", "gpu") == "cpu":
         return f"{name} runs on CUDA only (not on the CPU launcher)"
     return None
 
