@@ -4,7 +4,8 @@ server (CPU: ``python -m vllm_steer.launcher serve``) with an async streaming cl
 arms: abkit/arms.py. Phases (``--phases``, run in order): ``ab`` (--arms at concurrency 16; --long-arms again at
 --long-max-tokens, labels ``<arm>@mt256``; the 256-wide load), ``start`` (start --servers, e.g. with --keep-servers),
 ``stop`` (stop --servers among the adopted ones, to free GPU memory for others),
-``graph`` (torch.profiler on --graph-servers: kernels per CUDA-graph launch). Results: JSON and markdown under $OUT;
+``graph`` (torch.profiler on --graph-servers: kernels per CUDA-graph launch), ``host`` (py-spy on the processes of
+--host-arms' servers under their load: host CPU per engine step, abkit/host_profile.py). Results: JSON and markdown under $OUT;
 ``--report FILE...`` merges JSONs into one report; ``--numbers`` rewrites bench/NUMBERS.md.
     python3 bench/ab_suite.py --shape 8b --phases ab --keep-servers     (GPU: bench/gpu_session.sh, RESULTS.md)
     python3 bench/ab_suite.py --shape 8b --phases graph --reuse-servers
@@ -32,12 +33,13 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 
 from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, usable_arms  # noqa: E402
+from abkit.host_profile import host_phase  # noqa: E402
 from abkit.report import report  # noqa: E402
 from abkit.runner import disk_write_bound, graph_phase, run_matrix  # noqa: E402
 from abkit.servers import (ROOT, SHAPES, STATE_FILE, STEER_SERVERS, T0, Pool, log, server_unavailable,  # noqa: E402
                            site_layer, write_model_dir)
 
-PHASES = ("ab", "start", "stop", "graph")
+PHASES = ("ab", "start", "stop", "graph", "host")
 DRY_RUN = dict(shape="tiny", launcher="cpu", enforce_eager=True, trials=2, requests=4, concurrency=2, max_tokens=6,
                prompt_len=16, wide=6, wide_max_tokens=4, max_model_len=256, max_num_seqs=16, long_max_tokens=12)
 
@@ -75,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--reuse-servers", action="store_true", help="adopt servers left by --keep-servers")
     ap.add_argument("--servers", default="stock,disabled,steer", help="servers the start phase starts")
     ap.add_argument("--graph-servers", default="stock,disabled,steer", help="servers the graph phase profiles")
+    ap.add_argument("--host-arms", default="stock,capture_gen_n16", help="arms whose load the host phase samples")
+    ap.add_argument("--host-duration", type=int, default=120, help="py-spy's --duration cap (s)")
+    ap.add_argument("--host-rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md)")
@@ -187,6 +192,8 @@ def main() -> int:
                 run_matrix(pool, "ab", runs, args.trials, ctx, results, save)
             elif ph == "graph":
                 graph_phase(pool, ctx, results, save)
+            elif ph == "host":
+                host_phase(pool, args, ctx, results, save)
             elif ph == "stop":
                 for s in _names(args.servers):
                     if (server := pool.servers.pop(s, None) or pool.pending.pop(s, None)) is not None:

@@ -15,6 +15,7 @@
 #              and vLLM's extract_hidden_states (after capture: SERVERS=steer_capture stop, then this starts
 #              extract_hs; it needs stock and steer_capture_fs kept)
 #   stop       stop the kept servers named in SERVERS
+#   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults. A later run starts with python3 -c 'import vllm' || exit 3
@@ -79,6 +80,9 @@ case "${1:-}" in
   prefill)
     timeout 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
       --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
+    ;;
+  host)
+    timeout 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20
     ;;
   stop)
     timeout 120 "${AB[@]}" --phases stop --reuse-servers --keep-servers --servers "${SERVERS:?names}" --tag stop \

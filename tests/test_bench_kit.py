@@ -192,3 +192,22 @@ def test_the_file_writing_arms_ask_the_filesystem_consumer_and_are_checked_for_c
          **files_written(tmp_path, "capture_fs", 2, wall=0.5, wait_s=0.2)}
     assert (t["files_complete"], t["bytes_written"], t["write_gbps"]) == (1, 1002, 1002 / 0.5 / 1e9)
     assert check_steering(t, "capture_fs_all") == "captured files complete for 1 of 2 requests"
+
+
+def test_the_host_profile_splits_py_spy_samples_per_step_by_thread_and_owner():
+    """py-spy's raw lines (``--threads``: a thread frame first): active CPU per step, per thread, and the samples
+    whose innermost vLLM-or-ours frame is ours (our wrapper around vLLM's step does not make the step ours)."""
+    from abkit.host_profile import summarize
+
+    raw = "\n".join([
+        "thread (1): MainThread;busy (/s/vllm/v1/engine/core.py:9);plan (/s/vllm_steer/runtime/capture.py:5);"
+        "f (numpy/x.py:1) 4",
+        "thread (1): MainThread;busy (/s/vllm/v1/engine/core.py:9);wrap (/s/vllm_steer/runtime/manager.py:1);"
+        "execute_model (/s/vllm/v1/worker/gpu/model_runner.py:3) 6",
+        "thread (2): vllm-steer-capture-a;run (threading.py:1);on_rows (/s/vllm_steer/capture/activations.py:7) 10",
+    ])
+    s = summarize(raw, rate=100, steps=2)
+    assert (s["samples"], s["active_ms_per_step"], s["vllm_steer_ms_per_step"]) == (20, 100.0, 70.0)
+    assert s["threads_ms_per_step"] == {"MainThread": 50.0, "vllm-steer-capture-a": 50.0}
+    assert s["top_vllm_steer"] == [("on_rows (vllm_steer/capture/activations.py)", 10),
+                                   ("plan (vllm_steer/runtime/capture.py)", 4)]

@@ -190,6 +190,22 @@ def graph_table(phases: dict, lines: list[str]) -> None:
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def host_table(phases: dict, lines: list[str]) -> None:
+    for ph in sorted(ph for ph in phases if ph.split("#")[0] == "host"):
+        lines.append(f"\n#### Phase `{ph}` (py-spy: host CPU ms per engine step under the arm's load)\n")
+        table(lines, "arm | process | steps | active ms/step | vllm_steer ms/step | threads ms/step | top vllm_steer frames")
+        for arm, rec in phases[ph].items():
+            if not isinstance(rec, dict) or "error" in rec:
+                lines.append(f"| {arm} | error: {fmt_cell(str(rec.get('error') if isinstance(rec, dict) else rec)[:100])} "
+                             "| | | | | |")
+                continue
+            for role, p in rec["processes"].items():
+                threads = ", ".join(f"{t} {v}" for t, v in (p.get("threads_ms_per_step") or {}).items())
+                top = ", ".join(f"{f} {n}" for f, n in (p.get("top_vllm_steer") or [])[:4])
+                lines.append(f"| {arm} | {role} | {rec['steps']} | {fmt_cell(p.get('active_ms_per_step'))} | "
+                             f"{fmt_cell(p.get('vllm_steer_ms_per_step'))} | {fmt_cell(threads)} | {fmt_cell(top)} |")
+
+
 def report(paths: list[str], md_path: str | None) -> str:
     phases = merge(paths)
     lines = [f"\nServer `{name}` did not start: {fmt_cell(str(err)[-300:])}"
@@ -198,6 +214,7 @@ def report(paths: list[str], md_path: str | None) -> str:
         lines.append("\nThe suite stopped on an error:\n\n```\n" + phases["error"][-1500:] + "\n```")
     ab_tables(phases, lines)
     graph_table(phases, lines)
+    host_table(phases, lines)
     text = "\n".join(lines) + "\n"
     if md_path:
         Path(md_path).write_text(text)
