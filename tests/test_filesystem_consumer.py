@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -299,3 +300,76 @@ def test_sae_lens_format_loads_with_sae_lens(tmp_path):
         acts, token_ids = ActivationsStore._load_buffer_from_cached(store, 5, context, 8, raise_on_epoch_end=True)
     assert token_ids is None
     np.testing.assert_array_equal(acts.numpy(), packed[name][: 5 * context])
+
+
+def test_write_errors_reach_the_metrics(tmp_path, monkeypatch):
+    """The consumer's counters go out with the capture runtime's status (what vllm_steer_status
+    sends), become engine totals (metrics_rpc.worker_values) and Prometheus counters (apply_engine)."""
+    import torch
+    from prometheus_client import REGISTRY
+
+    from vllm_steer.core.config import SteerConfig
+    from vllm_steer.engine.metrics_rpc import worker_values
+    from vllm_steer.runtime.capture import CaptureRuntime
+    from vllm_steer.server.metrics import apply_engine
+
+    disk = _FullDisk()
+    monkeypatch.setattr(fsmod, "open", disk, raising=False)
+    cfg = SteerConfig.model_validate(
+        {"capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(tmp_path), "threads": 1}}]})
+    rt = CaptureRuntime(cfg, [("post_mlp", 0)], 2, 16, 16, torch.float32, torch.device("cpu"))
+    fs = rt.consumers[rt.bit_of["fs"]][1]
+    disk.full = True
+    fs.on_rows("a", 0, "post_mlp", np.arange(2), _rows(2), {})
+    fs.on_request_finished("a", {"prompt_len": 2})
+    status = rt.status()
+    assert status["write_errors"] == 1 and status["failed_requests"] == 1 and status["consumer_errors"] == 0
+    _, totals = worker_values([{"steering": True, "live_configs": 0, "peak_live_configs": 0, "capture": status}])
+    assert totals["capture_write_errors"] == 1 and totals["capture_failed_requests"] == 1
+    before = REGISTRY.get_sample_value("vllm_steer_capture_write_errors_total") or 0.0
+    apply_engine({"increments": totals})
+    assert REGISTRY.get_sample_value("vllm_steer_capture_write_errors_total") == before + 1
+    fs.close()
+
+
+def test_sae_lens_windows_of_a_quiet_consumer_reach_the_disk(tmp_path):
+    """Whole windows buffered longer than flush_s are written by the idle writer, without close()
+    (a server never closes its consumers); the tail shorter than a window stays buffered."""
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, format="sae_lens", context_size=4, flush_s=0.05)
+    rows = _rows(9, 8)
+    fs.on_rows("q", 2, "post_mlp", np.arange(9), rows, {})
+    fs.on_request_finished("q", {"prompt_len": 9})
+    state = tmp_path / "default" / "sae_lens" / "blocks.2.hook_resid_post" / "state.json"
+    deadline = time.monotonic() + 60
+    while not state.exists():
+        assert time.monotonic() < deadline, "the idle writer never wrote the buffered windows"
+        time.sleep(0.02)
+    d = state.parent
+    s = json.loads((d / "index.json").read_text())["shards"]
+    assert [x["windows"] for x in s] == [2]
+    acts = np.memmap(d / s[0]["file"], np.float32, "r", s[0]["offset"], (2, 4, 8))
+    np.testing.assert_array_equal(acts.reshape(8, 8), rows[:8])
+    fs.close()
+
+
+def test_a_publish_that_fails_midway_leaves_no_shard_of_the_request(tmp_path, monkeypatch):
+    """ENOSPC at the second shard's fsync: the first shard, already renamed into place, is removed
+    with the rest; request.json says failed."""
+    import os
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("1_post_mlp.bin.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    for layer in (0, 1):
+        fs.on_rows("m", layer, "post_mlp", np.arange(3), _rows(3, seed=layer), {})
+    monkeypatch.setattr(fsmod.os, "fsync", fsync)
+    fs.on_request_finished("m", {"prompt_len": 3})
+    monkeypatch.setattr(fsmod.os, "fsync", real_fsync)
+    assert _status(tmp_path, "m")["status"] == "failed"
+    assert sorted(p.name for p in (tmp_path / "default" / "m").iterdir()) == ["request.json"]
+    fs.close()

@@ -6,7 +6,8 @@ Two output formats (``format``):
 - ``"files"`` (default): ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, float32
   or the model's fp16) plus ``{layer}_{hook}.json`` (positions, dtype, shape).
 - ``"sae_lens"``: the rows go to one dataset per site that sae-lens trains from directly
-  (``capture.saelens_format``); the request directory keeps only ``request.json``.
+  (``capture.saelens_format``: ``context_size`` tokens a row, ``shard_mb`` an arrow file, windows
+  waiting ``flush_s`` written anyway); the request directory keeps only ``request.json``.
 
 Either way ``request.json`` (the request's metadata and ``status``) is written last: a request
 directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows were dropped
@@ -93,6 +94,8 @@ class _Writer:
             side = self.meta.setdefault(request_id, {}).setdefault(
                 path, {"positions": [], "dtype": str(rows.dtype), "hidden": int(rows.shape[1])})
             self._evict()
+            if request_id in self.failed:  # evicting one of its own files failed
+                return
             entry[0].write(np.ascontiguousarray(rows).tobytes())
             side["positions"].extend(int(p) for p in positions)
         except OSError as e:
@@ -107,7 +110,8 @@ class _Writer:
                 self.fail(rid, e)
 
     def fail(self, request_id: str, err: BaseException) -> None:
-        """The request's writes failed: count it once, drop its open files and ``.tmp`` files."""
+        """The request's writes failed: count it once, drop its open files, ``.tmp`` files and
+        the shards a failing publish already renamed into place."""
         if request_id not in self.failed:
             self.failed[request_id] = f"{type(err).__name__}: {err}"
             self.count("write_errors")
@@ -120,7 +124,8 @@ class _Writer:
                     entry[0].close()
                 except OSError:
                     pass
-            _remove(tmp)
+            for p in (tmp, path, path.with_suffix(".json")):
+                _remove(p)
 
     def _finish_files(self, request_id: str) -> dict:
         """Close, fsync and read out (sae_lens) or rename into place (files) the request's shards."""
@@ -208,13 +213,14 @@ class FilesystemConsumer(BaseConsumer):
     def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
                  max_open: int = 64, format: str = "files", max_queued_mb: float = 256,
                  publish_timeout_s: float = 20.0, context_size: int = 128, shard_mb: float = 64,
-                 **params: Any) -> None:
+                 flush_s: float = 10.0, **params: Any) -> None:
         super().__init__(instance, **params)
         if format not in FORMATS:
             raise ValueError(f"filesystem consumer: format must be one of {FORMATS}, got {format!r}")
         self.root = Path(root) / tag
         self.format = format
         self.publish_timeout_s = float(publish_timeout_s)
+        self.flush_s = float(flush_s)
         self._counts = dict.fromkeys(STATS, 0)
         self._lock = threading.Lock()
         self._budget = _Budget(int(max_queued_mb * 2**20))
@@ -281,7 +287,11 @@ class FilesystemConsumer(BaseConsumer):
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=self.flush_s if self.sink is not None else None)
+            except queue.Empty:  # idle: buffered sae-lens windows go to disk
+                self.sink.flush_stale(self.flush_s)
+                continue
             if item is None:
                 return
             try:
@@ -301,6 +311,8 @@ class FilesystemConsumer(BaseConsumer):
                     with self._lock:
                         self._pending_publishes -= 1
                     item[4].set()
+                    if self.sink is not None:
+                        self.sink.flush_stale(self.flush_s)
 
     def close(self) -> None:
         """Finish what is queued (bounded wait), then write the sae-lens datasets' last whole windows."""

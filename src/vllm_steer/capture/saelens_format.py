@@ -18,7 +18,8 @@ metadata, the features in the schema's ``huggingface`` metadata).
 
 Tokens are packed per site in the order requests are published, each request's rows by position,
 across request boundaries (as sae-lens packs its tokenized documents), into windows; every
-``shard_mb`` of whole windows becomes one arrow file, fsynced and renamed into place before
+``shard_mb`` of whole windows (or the whole windows that waited ``flush_s``) becomes one arrow file,
+fsynced and renamed into place before
 ``state.json`` (replaced atomically) lists it, so the directory always loads. ``close()`` writes the
 last whole windows; a tail shorter than a window is dropped (``index.json``: ``dropped_tail_tokens``).
 A shard that cannot be written (disk full) is dropped with its windows (counted in ``write_errors``)
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,6 +81,7 @@ class _Site:
         self.windows_per_shard = max(1, min(shard_bytes // window_bytes, limit))
         self.buf = np.empty((self.windows_per_shard * context, hidden), dtype)
         self.filled = 0
+        self.since = 0.0  # monotonic time the oldest buffered token came (0: none buffered)
         self.shards: list[dict] = []
         self.dropped_tail = 0
         self.lock = threading.Lock()
@@ -88,6 +91,8 @@ class _Site:
                           "ARROW:extension:metadata": json.dumps([[context, hidden], str(dtype)])}
 
     def add(self, rows: np.ndarray) -> None:
+        if not self.filled and len(rows):
+            self.since = time.monotonic()
         i = 0
         while i < len(rows):
             k = min(len(rows) - i, len(self.buf) - self.filled)
@@ -109,6 +114,7 @@ class _Site:
         finally:  # written or dropped, those windows leave the buffer
             self.buf[: len(tail)] = tail
             self.filled = len(tail)
+            self.since = time.monotonic() if len(tail) else 0.0
 
     def _write_shard(self, acts: np.ndarray) -> None:
         pa = _pyarrow()
@@ -191,6 +197,19 @@ class SaeLensDatasets:
                 self.count("write_errors")
                 raise
         return {"hook_name": site.name, "first_token": first, "tokens": len(rows)}
+
+    def flush_stale(self, max_age_s: float) -> None:
+        """Write the whole windows of sites whose oldest buffered token waited ``max_age_s`` (writer
+        threads call it when idle and after a publish), so a quiet server's tokens reach the disk."""
+        now = time.monotonic()
+        for site in list(self.sites.values()):
+            if site.since and now - site.since >= max_age_s and site.filled >= site.context and site.lock.acquire(False):
+                try:
+                    site.flush()
+                except OSError:
+                    self.count("write_errors")
+                finally:
+                    site.lock.release()
 
     def close(self) -> None:
         """Write every site's last whole windows; a shorter tail is dropped (counted in index.json)."""
