@@ -223,15 +223,15 @@ class FilesystemConsumer(BaseConsumer):
         self.flush_s = float(flush_s)
         self._counts = dict.fromkeys(STATS, 0)
         self._lock = threading.Lock()
-        self._budget = _Budget(int(max_queued_mb * 2**20))
+        self._budget = _Budget(int(float(max_queued_mb) * 2**20))  # params may come as strings ("name:key=val")
         self._dropped: dict[str, dict[str, list[int]]] = {}  # request -> rows this consumer dropped
         self._pending_publishes = 0
         self.sink = None
         if format == "sae_lens":
             from vllm_steer.capture.saelens_format import SaeLensDatasets
-            self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), shard_mb, self._count)
+            self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), float(shard_mb), self._count)
         self._queues = [queue.Queue() for _ in range(max(1, int(threads)))]
-        self._writers = [_Writer(max_open, self._count, self.sink) for _ in self._queues]
+        self._writers = [_Writer(int(max_open), self._count, self.sink) for _ in self._queues]
         self._threads = [threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs")
                          for q, w in zip(self._queues, self._writers)]
         for t in self._threads:
