@@ -100,7 +100,8 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     probe = {"name": "probe", "params": {"dim": 576, "seed": PROBE_SEED, "global_spec": {
         "layers": [PROBE_LAYER], "hooks": ["post_mlp"], "positions": "last_prompt"}}}
     capture = [probe, "explode", {"name": "filesystem", "instance": "fs", "params": {"root": str(d / "captures")}}, "slow",
-               "activations"]
+               "activations", {"name": "filesystem", "instance": "sae", "params": {  # examples/capture_sae_lens.py
+                   "root": str(d / "captures"), "tag": "sae", "format": "sae_lens", "context_size": 4, "flush_s": 0.2}}]
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
                                 "modules": {"preloaded": str(d / "preloaded.safetensors")},
                                 "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,

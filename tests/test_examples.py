@@ -31,7 +31,8 @@ def _py(name: str, *args: str) -> dict[str, str]:
 
 
 def test_every_example_is_run_here():
-    tested = {"openai_steering.py", "extract_and_steer.py", "modules.sh", "sae_clamp.py", "capture_read_back.py"}
+    tested = {"openai_steering.py", "extract_and_steer.py", "modules.sh", "sae_clamp.py", "capture_read_back.py",
+              "capture_sae_lens.py"}
     assert {p.name for p in EXAMPLES.iterdir() if p.is_file()} == tested
 
 
@@ -72,3 +73,10 @@ def test_capture_read_back(api_server):
     text = _run(sys.executable, str(EXAMPLES / "capture_read_back.py"), base, str(captures), "fs")
     assert text.splitlines() == [f"post_mlp.{l}: {n} positions x 576 from files; last row equals the response's: True"
                                  for l in (3, 10)], text
+
+
+def test_capture_sae_lens(api_server):
+    """Every captured position lands in the sae-lens dataset of the site, packed into whole windows."""
+    got = _py("capture_sae_lens.py", api_server[0], str(api_server[3]), "sae", "3")
+    tokens = int(got["tokens captured"])
+    assert got["windows"].strip() == f"{tokens // 4} of 4 tokens, d_in 576", got

@@ -1,121 +1,327 @@
-"""The ``filesystem`` capture consumer: one file per (request, layer, hook), published atomically.
+"""The ``filesystem`` capture consumer: a request's rows written off the dispatch thread, published
+atomically, write faults contained to the request they hit.
 
-Layout: ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, float32 or the model's
-fp16) plus ``{layer}_{hook}.json`` (positions, dtype, shape) and ``request.json`` (request
-metadata), written last: a request directory with ``request.json`` is complete. Writes for a
-request go to thread ``hash(request_id) % threads`` (so a file's order is kept), each thread keeps
-an LRU of open ``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d into place,
-so readers never see a partial shard (a killed process leaves only ``.tmp`` files). Under pipeline
-parallelism each stage writes the files of its own sites and publishes ``request.json`` too: the
-request is complete once every stage has (``load_request`` takes the count of sites to expect).
+Two output formats (``format``):
+
+- ``"files"`` (default): ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, float32
+  or the model's fp16) plus ``{layer}_{hook}.json`` (positions, dtype, shape).
+- ``"sae_lens"``: the rows go to one dataset per site that sae-lens trains from directly
+  (``capture.saelens_format``: ``context_size`` tokens a row, ``shard_mb`` an arrow file, windows
+  waiting ``flush_s`` written anyway); the request directory keeps only ``request.json``.
+
+Either way ``request.json`` (the request's metadata and ``status``) is written last: a request
+directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows were dropped
+(``dropped`` names the positions: the engine's drops and this consumer's); or ``"failed"`` with
+``error`` when a write failed (disk full, ...): that request's ``.tmp`` files are removed and nothing
+of it is published, and the writers go on with the next requests (written again once space returns).
+
+Writes for a request go to thread ``hash(request_id) % threads`` (so a file's order is kept), each
+thread keeps an LRU of open ``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d
+into place, so readers never see a partial shard (a killed process leaves only ``.tmp`` files).
+Under pipeline parallelism each stage writes the files of its own sites and publishes
+``request.json`` too: the request is complete once every stage has (``load_request`` takes the count
+of sites to expect).
+
+Exhaustion policy. Rows waiting for a writer hold at most ``max_queued_mb`` (rows past it are dropped,
+counted in ``stats()["dropped_writes"]`` and named in the request's ``dropped``); a write error is
+counted in ``write_errors`` and fails only its request (``failed_requests``); ``on_request_finished``
+waits at most ``publish_timeout_s`` for its request's publication (``publish_timeouts``; the writer
+still publishes it), and at most ``MAX_PENDING_PUBLISHES`` publications wait for a stuck writer
+(past that a request is not published: ``failed_requests``). ``stats()`` reaches ``/metrics``
+through the capture runtime's status.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from vllm_steer.capture.consumer import BaseConsumer
+
+logger = logging.getLogger("vllm.steer.capture")
+
+FORMATS = ("files", "sae_lens")
+MAX_PENDING_PUBLISHES = 1024
+STATS = ("write_errors", "dropped_writes", "failed_requests", "publish_timeouts")
+
+
+class CaptureWriteError(RuntimeError):
+    """A request whose files could not be written (``request.json`` says ``status: failed``)."""
 
 
 def _safe(request_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
 
 
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 class _Writer:
-    def __init__(self, max_open: int) -> None:
-        self.open: OrderedDict[Path, Any] = OrderedDict()
+    """One writer thread's state: open ``.tmp`` files (LRU) and per-request sidecars. Every method
+    runs on that thread; an OSError fails only the request it hit."""
+
+    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None) -> None:
+        self.open: OrderedDict[Path, tuple[Any, str]] = OrderedDict()  # tmp -> (file, request)
         self.max_open = max_open
+        self.count = count
+        self.sink = sink  # the sae-lens datasets, or None for the files format
         self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
+        self.failed: dict[str, str] = {}  # request -> first error
 
     def append(self, request_id: str, path: Path, positions: np.ndarray, rows: np.ndarray) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        fh = self.open.pop(tmp, None)
-        if fh is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fh = open(tmp, "ab")
-        self.open[tmp] = fh
+        if request_id in self.failed:
+            return
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            entry = self.open.pop(tmp, None)
+            if entry is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                entry = (open(tmp, "ab"), request_id)
+            self.open[tmp] = entry
+            side = self.meta.setdefault(request_id, {}).setdefault(
+                path, {"positions": [], "dtype": str(rows.dtype), "hidden": int(rows.shape[1])})
+            self._evict()
+            if request_id in self.failed:  # evicting one of its own files failed
+                return
+            entry[0].write(np.ascontiguousarray(rows).tobytes())
+            side["positions"].extend(int(p) for p in positions)
+        except OSError as e:
+            self.fail(request_id, e)
+
+    def _evict(self) -> None:
         while len(self.open) > self.max_open:
-            _, old = self.open.popitem(last=False)
-            old.close()
-        fh.write(np.ascontiguousarray(rows).tobytes())
-        side = self.meta.setdefault(request_id, {}).setdefault(
-            path, {"positions": [], "dtype": str(rows.dtype), "hidden": int(rows.shape[1])})
-        side["positions"].extend(int(p) for p in positions)
+            _, (old, rid) = self.open.popitem(last=False)
+            try:
+                old.close()  # buffered bytes land now: a full disk may say so here
+            except OSError as e:
+                self.fail(rid, e)
+
+    def fail(self, request_id: str, err: BaseException) -> None:
+        """The request's writes failed: count it once, drop its open files, ``.tmp`` files and
+        the shards a failing publish already renamed into place."""
+        if request_id not in self.failed:
+            self.failed[request_id] = f"{type(err).__name__}: {err}"
+            self.count("write_errors")
+            logger.warning("vllm-steer: filesystem capture of %s failed: %s", request_id, err)
+        for path in self.meta.pop(request_id, {}):
+            tmp = path.with_name(path.name + ".tmp")
+            entry = self.open.pop(tmp, None)
+            if entry is not None:
+                try:
+                    entry[0].close()
+                except OSError:
+                    pass
+            for p in (tmp, path, path.with_suffix(".json")):
+                _remove(p)
+
+    def _finish_files(self, request_id: str) -> dict:
+        """Close, fsync and read out (sae_lens) or rename into place (files) the request's shards."""
+        out: dict = {}
+        for path, side in list(self.meta.get(request_id, {}).items()):
+            tmp = path.with_name(path.name + ".tmp")
+            fh = self.open.pop(tmp, (None,))[0] or open(tmp, "ab")
+            with fh:
+                fh.flush()
+                if self.sink is None:
+                    os.fsync(fh.fileno())
+            side["shape"] = [len(side["positions"]), side["hidden"]]
+            if self.sink is not None:
+                layer, hook = path.stem.split("_", 1)
+                rows = np.memmap(tmp, dtype=side["dtype"], mode="r", shape=tuple(side["shape"])) if side["shape"][0] else None
+                if rows is not None:
+                    out[f"{hook}.{layer}"] = self.sink.add(hook, int(layer), np.asarray(side["positions"]), rows)
+                    del rows
+                _remove(tmp)
+            else:
+                os.replace(tmp, path)
+                _write_json(path.with_suffix(".json"), side)
+        self.meta.pop(request_id, None)
+        return out
 
     def publish(self, request_dir: Path, request_id: str, meta: dict) -> None:
-        for path, side in self.meta.pop(request_id, {}).items():
-            tmp = path.with_name(path.name + ".tmp")
-            fh = self.open.pop(tmp, None) or open(tmp, "ab")
-            fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
-            os.replace(tmp, path)
-            side["shape"] = [len(side["positions"]), side["hidden"]]
-            _write_json(path.with_suffix(".json"), side)
-        request_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(request_dir / "request.json", {"request_id": request_id, **meta})
+        if request_id not in self.failed:
+            try:
+                written = self._finish_files(request_id)
+                if self.sink is not None:
+                    meta = {**meta, "sae_lens": written}
+            except OSError as e:
+                self.fail(request_id, e)
+        error = self.failed.pop(request_id, None)
+        if error is not None:
+            self.count("failed_requests")
+            meta = {**meta, "status": "failed", "error": error}
+        else:
+            meta = {**meta, "status": "partial" if meta.get("dropped_rows") else "complete"}
+        try:
+            request_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(request_dir / "request.json", {"request_id": request_id, **meta})
+        except OSError as e:  # not even request.json fits: the request stays unpublished
+            if error is None:
+                self.count("write_errors")
+                self.count("failed_requests")
+            logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", request_id, e)
 
 
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        _remove(tmp)
+        raise
+
+
+class _Budget:
+    """Bytes of rows queued for the writers, bounded: ``take`` refuses past the limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self.lock:
+            if self.used + n > self.limit and self.used > 0:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.used -= n
 
 
 class FilesystemConsumer(BaseConsumer):
     location = "worker"
 
     def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
-                 max_open: int = 64, **params: Any) -> None:
+                 max_open: int = 64, format: str = "files", max_queued_mb: float = 256,
+                 publish_timeout_s: float = 20.0, context_size: int = 128, shard_mb: float = 64,
+                 flush_s: float = 10.0, **params: Any) -> None:
         super().__init__(instance, **params)
+        if format not in FORMATS:
+            raise ValueError(f"filesystem consumer: format must be one of {FORMATS}, got {format!r}")
         self.root = Path(root) / tag
+        self.format = format
+        self.publish_timeout_s = float(publish_timeout_s)
+        self.flush_s = float(flush_s)
+        self._counts = dict.fromkeys(STATS, 0)
+        self._lock = threading.Lock()
+        self._budget = _Budget(int(float(max_queued_mb) * 2**20))  # params may come as strings ("name:key=val")
+        self._dropped: dict[str, dict[str, list[int]]] = {}  # request -> rows this consumer dropped
+        self._pending_publishes = 0
+        self.sink = None
+        if format == "sae_lens":
+            from vllm_steer.capture.saelens_format import SaeLensDatasets
+            self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), float(shard_mb), self._count)
         self._queues = [queue.Queue() for _ in range(max(1, int(threads)))]
-        self._writers = [_Writer(max_open) for _ in self._queues]
-        for q, w in zip(self._queues, self._writers):
-            threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs").start()
+        self._writers = [_Writer(int(max_open), self._count, self.sink) for _ in self._queues]
+        self._threads = [threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs")
+                         for q, w in zip(self._queues, self._writers)]
+        for t in self._threads:
+            t.start()
 
     @classmethod
     def validate_params(cls, params: dict[str, Any]) -> None:
         if params:
             raise ValueError(f"the filesystem consumer takes no per-request keys, got {sorted(params)}")
 
+    def _count(self, stat: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[stat] += n
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start (``write_errors``, ``dropped_writes``, ``failed_requests``, ``publish_timeouts``)."""
+        with self._lock:
+            return dict(self._counts)
+
     def _queue_of(self, request_id: str) -> queue.Queue:
         return self._queues[zlib.crc32(request_id.encode()) % len(self._queues)]
 
     def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        if not self._budget.take(rows.nbytes):  # the writers are behind (a slow or full disk): drop
+            self._count("dropped_writes")
+            with self._lock:
+                self._dropped.setdefault(request_id, {}).setdefault(f"{hook}.{layer}", []).extend(
+                    int(p) for p in positions)
+            return
         path = self.root / _safe(request_id) / f"{layer}_{hook}.bin"
         self._queue_of(request_id).put(("append", request_id, path, positions, rows))
 
     def on_request_finished(self, request_id, meta) -> None:
+        with self._lock:
+            mine = self._dropped.pop(request_id, {})
+            full = self._pending_publishes >= MAX_PENDING_PUBLISHES
+            if not full:
+                self._pending_publishes += 1
+        if full:  # the writers are stuck: this request is never published
+            self._count("failed_requests")
+            logger.warning("vllm-steer: filesystem capture of %s not published: %d publications waiting",
+                           request_id, MAX_PENDING_PUBLISHES)
+            return None
+        if mine:
+            dropped = {k: sorted(set(meta.get("dropped", {}).get(k, [])) | set(v))
+                       for k, v in {**meta.get("dropped", {}), **mine}.items()}
+            meta = {**meta, "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))}
         done = threading.Event()
         self._queue_of(request_id).put(("publish", request_id, self.root / _safe(request_id), meta, done))
-        done.wait(60)  # published before the dispatcher reports the request done
+        if not done.wait(self.publish_timeout_s):  # published later; the response does not wait for it
+            self._count("publish_timeouts")
         return None
 
-    @staticmethod
-    def _run(q: queue.Queue, writer: _Writer) -> None:
+    def _run(self, q: queue.Queue, writer: _Writer) -> None:
         while True:
-            item = q.get()
-            if item[0] == "append":
-                writer.append(*item[1:])
-            else:
-                _, request_id, request_dir, meta, done = item
-                try:
-                    writer.publish(request_dir, request_id, meta)
-                finally:
-                    done.set()
+            try:
+                item = q.get(timeout=self.flush_s if self.sink is not None else None)
+            except queue.Empty:  # idle: buffered sae-lens windows go to disk
+                self.sink.flush_stale(self.flush_s)
+                continue
+            if item is None:
+                return
+            try:
+                if item[0] == "append":
+                    writer.append(*item[1:])
+                else:
+                    writer.publish(item[2], item[1], item[3])
+            except Exception as e:  # a bug, not a disk fault: still only this request fails
+                logger.exception("vllm-steer: filesystem capture writer")
+                writer.fail(item[1], e)
+                if item[0] == "publish":
+                    writer.publish(item[2], item[1], item[3])  # request.json says failed
+            finally:
+                if item[0] == "append":
+                    self._budget.give(item[4].nbytes)
+                else:
+                    with self._lock:
+                        self._pending_publishes -= 1
+                    item[4].set()
+                    if self.sink is not None:
+                        self.sink.flush_stale(self.flush_s)
+
+    def close(self) -> None:
+        """Finish what is queued (bounded wait), then write the sae-lens datasets' last whole windows."""
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=self.publish_timeout_s)
+        if self.sink is not None:
+            self.sink.close()
 
 
 def _request_dir(base: Path, request_id: str) -> Path:
@@ -130,12 +336,16 @@ def _request_dir(base: Path, request_id: str) -> Path:
 
 def load_request(root: str, request_id: str, tag: str = "default",
                  sites: int | None = None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-    """Read a published request back: {(layer, hook): (positions, rows [n, D])}. Raises
-    FileNotFoundError while the request is not complete (no request.json yet, or fewer than
-    ``sites`` sites published: pipeline stages publish their own)."""
+    """Read a published request back (``format="files"``): {(layer, hook): (positions, rows [n, D])}.
+    Raises FileNotFoundError while the request is not complete (no request.json yet, or fewer than
+    ``sites`` sites published: pipeline stages publish their own), CaptureWriteError when its writes
+    failed."""
     d = _request_dir(Path(root) / tag, request_id)
     if not (d / "request.json").exists():
         raise FileNotFoundError(f"capture of {request_id!r} is not published under {d}")
+    info = json.loads((d / "request.json").read_text())
+    if info.get("status") == "failed":
+        raise CaptureWriteError(f"capture of {request_id!r} failed: {info.get('error')}")
     if sites is not None and len(list(d.glob("*_*.json"))) < sites:
         raise FileNotFoundError(f"capture of {request_id!r}: not every pipeline stage has published under {d}")
     out = {}

@@ -261,6 +261,20 @@ class CaptureRuntime:
         with self._stats_lock:
             self.stats[stat] += n
 
+    def status(self) -> dict[str, int]:
+        """``stats`` plus the counters consumers keep themselves (an optional ``stats()`` method, e.g.
+        the filesystem consumer's ``write_errors``), summed by name over consumers."""
+        with self._stats_lock:
+            out = dict(self.stats)
+        for instance, consumer in self.consumers.values():
+            try:
+                own = consumer.stats() if callable(getattr(consumer, "stats", None)) else {}
+                for k, v in own.items():
+                    out[k] = out.get(k, 0) + int(v)
+            except Exception:
+                logger.exception("vllm-steer: capture consumer %s raised in stats", instance)
+        return out
+
     # ---- control plane -----------------------------------------------------------------
     def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None) -> None:
         specs = dict(self.global_specs)

@@ -36,7 +36,7 @@ def vllm_steer_status(self) -> dict[str, Any]:
             row_upload_bytes=rt.row_upload_bytes,
             row_evictions=rt.rows.evictions,
             module_versions=len(rt.modules),
-            capture=dict(rt.capture.stats) if rt.capture is not None else None,
+            capture=rt.capture.status() if rt.capture is not None else None,
         )
     return status
 

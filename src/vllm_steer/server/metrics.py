@@ -29,6 +29,9 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total`` counters: residual rows
   captured, rows dropped (step pool full), packets dropped (consumer queue full), finished requests not
   handed to a stuck consumer, consumer calls that raised; summed over workers.
+- ``vllm_steer_capture_write_errors_total``, ``..._capture_dropped_writes_total``, ``..._capture_failed_requests_total``
+  counters: consumers' own counts (their ``stats()``; the filesystem consumer's): writes that failed (disk
+  full), row packets dropped because the writer queue was full, requests marked failed; summed over workers.
 - ``vllm_steer_preemptions_total`` counter: requests the scheduler preempted (steered ones keep their rows).
 - ``vllm_steer_engine_metrics_updated_seconds`` gauge: Unix time of the engine's last answer (older
   than the scrape: the engine did not answer in time and the engine values are the last ones).
@@ -90,6 +93,12 @@ ENGINE_COUNTERS = {
     "capture_dropped_finishes": Counter("vllm_steer_capture_dropped_finishes",
                                         "Finished requests not handed to a stuck capture consumer (its queue full)"),
     "capture_consumer_errors": Counter("vllm_steer_capture_consumer_errors", "Capture consumer calls that raised"),
+    "capture_write_errors": Counter("vllm_steer_capture_write_errors",
+                                    "Capture consumer writes that failed (disk full, ...): the request's capture failed"),
+    "capture_dropped_writes": Counter("vllm_steer_capture_dropped_writes",
+                                      "Row packets a capture consumer dropped because its writer queue was full"),
+    "capture_failed_requests": Counter("vllm_steer_capture_failed_requests",
+                                       "Requests whose capture a consumer marked failed (nothing of it published)"),
     "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),
 }
 
