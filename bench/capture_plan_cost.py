@@ -6,7 +6,8 @@ batch, whose plan is the same every step; and each request its own 3 layers with
 rotated every step, so the plan changes every step); 16 decode requests capturing post_mlp of all 32
 layers; a prefill step of 4 x 512 prompt tokens capturing 4 layers all_prompt (fresh requests each
 step, their layers alternating so the plan changes; adding them is timed apart). Reports the median / p90
-host time per step, the H2D plan bytes per step and (CUDA) the time with the device work synced.
+host time per step, the H2D plan bytes per step, (CUDA) the time with the device work synced, and the
+device ops one step issues (CUDA kernels and copies from the profiler; on CPU the copy ops).
 ``--baseline FILE`` also runs an older ``runtime/capture.py`` (e.g. ``git show HEAD~1:src/...``) in the
 same process, for a before/after on one machine.
     python3 bench/capture_plan_cost.py [--steps 300 --baseline /tmp/capture_head.py --out FILE.json]
@@ -124,13 +125,20 @@ def _device_ops(mod, device) -> dict:
         rt.add_request(f"r{i}", {"activations": spec}, prompt_len=256)
     ids = [f"r{i}" for i in range(16)]
 
+    cuda = device.type == "cuda"
+
     def ops(req_ids, step) -> list[str]:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            rt.plan_step(req_ids, np.ones(len(req_ids), dtype=np.int32), np.full(len(req_ids), step, dtype=np.int32))
+        if cuda:
             torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            rt.plan_step(req_ids, np.ones(len(req_ids), dtype=np.int32), np.full(len(req_ids), step, dtype=np.int32))
+            if cuda:
+                torch.cuda.synchronize()
         rt._pending = []
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if cuda:
+            return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # CPU: the ops that move data (views, slices and empties launch nothing on a GPU)
+        return [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::index_copy_", "aten::fill_")]
 
     out = {"changed": ops(ids, 256), "same": ops(ids, 257), "changed (8 requests)": ops(ids[:8], 258)}
     for rid in ids:
@@ -162,9 +170,9 @@ def main() -> None:
                 print(f"{key:70s} median {r['median_ms']:.3f} ms  p90 {r['p90_ms']:.3f} ms  "
                       f"H2D {r['h2d_bytes_per_step']:.0f} B/step  rows {r['rows_per_step']}"
                       + (f"  add {r['add_4_requests_ms']:.3f} ms" if "add_4_requests_ms" in r else ""), flush=True)
-    if device.type == "cuda":
-        results["device_ops_per_step"] = {label: _device_ops(mod, device) for label, mod in mods.items()}
-        print("device ops (kernels + copies) per plan_step:", results["device_ops_per_step"])
+    results["device_ops_per_step"] = {label: _device_ops(mod, device) for label, mod in mods.items()}
+    for label, per in results["device_ops_per_step"].items():
+        print(f"device ops per plan_step ({label}):", json.dumps(per))
     if device.type == "cuda":  # what the old path paid per changed step for pinning the dense table alone
         host = np.full((len(HOOKS) * LAYERS, WIDTH), -1, dtype=np.int32)
         pins = []
