@@ -11,13 +11,16 @@ Per step (``CapturePlanner.plan``), numpy over the capturing requests of the bat
 class, the masks gathered from the requests' tables, and the captured (request, site, token) cells
 in request (batch) order, then site, then token. They take pool rows in that order; past
 ``max_rows`` the rest is dropped and recorded on the request (``req.drop``). Python runs once per
-capturing request and once per (request, site) group, never per token or per site of the table.
+capturing request and once per (request, site) group, never per token or per site of the table. A
+step with last step's shape (the same requests in the same order, token counts, position classes and
+batch slots, no explicit positions, nothing dropped) reuses its cells: only the positions move.
 
 The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step sends only its
 cells (flat index, row) and the resets of last step's cells it does not set again, in one copy from
 a persistent pinned ring into a persistent device staging buffer, then one ``index_copy_`` into the
-plan (both on the current stream, before the forward, outside any graph): 2 launches a step whose
-plan changed, none when it is the same as last step's (steady decode of a stable batch) or idle.
+plan (both on the current stream, before the forward, outside any graph): two device ops (the copy
+and the ``index_copy_``) a step whose plan changed, none when it is the same as last step's (steady
+decode of a stable batch) or idle.
 """
 
 from __future__ import annotations
