@@ -3,7 +3,8 @@
 Per step (host, only while some request captures): for each capturing request of the batch, the
 positions each consumer wants at each (hook, layer) site become pool rows; rows wanted by several
 consumers are gathered once and carry a bitmask of them. The plan (token -> pool row, per site)
-goes to the device in one non-blocking copy; the capture op fills the pool inside the forward.
+is planned and updated on the device sparsely by ``runtime.capture_plan``; the capture op fills the
+pool inside the forward.
 After the forward, the used rows are copied to host (non-blocking, then an event) and handed to
 the dispatch threads, one per consumer (a "lane": its own queue and thread, so a slow consumer
 delays only itself), which wait on the event and call their consumer. A step's host buffer is
@@ -55,6 +56,7 @@ from vllm_steer.capture.consumer import consumer_class
 from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
 from vllm_steer.core.config import SteerConfig
 from vllm_steer.kernels.capture_rows import live
+from vllm_steer.runtime.capture_plan import CapturePlanner, RequestPlan, compile_request
 
 logger = logging.getLogger("vllm.steer.capture")
 
@@ -68,7 +70,6 @@ class CaptureBuffers:
         self.pool = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
         width = -(-max_tokens // 4) * 4  # each site's row starts on 16 bytes (see runtime.tables)
         self.plan = torch.full((len(sites), width), -1, dtype=torch.int32, device=device)
-        self.plan_host = np.full((len(sites), width), -1, dtype=np.int32)
         self.max_rows = max_rows
         # the gate argument of the capture norm op on a server without conditions (never read or written)
         self.no_gate = torch.zeros(1, dtype=torch.float32, device=device)
@@ -83,6 +84,7 @@ class _Request:
     specs: dict[int, CaptureSpec]  # consumer bit -> spec
     meta: dict[str, Any] = field(default_factory=dict)
     planned_upto: int = 0  # positions below it were planned (captured or dropped) once already
+    plan: RequestPlan | None = None  # what it captures on this rank, compiled when it is added
     dropped: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     """(hook, layer) -> [(positions, consumer masks)] of rows that were wanted and not delivered."""
 
@@ -244,7 +246,7 @@ class CaptureRuntime:
                 self.global_specs[bit] = parse_capture_spec(c.instance_name, consumer.global_spec, num_layers, self.hooks)
             self._lanes[bit] = _Lane(self, bit, c.instance_name, consumer)
         self._requests: dict[str, _Request] = {}
-        self._plan_dirty: list[int] = []  # site rows of plan_host set last step
+        self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows)
         self._pending: list[_Entry] = []
         self._rows_used = 0
         self.results_ttl = results_ttl(cfg)
@@ -283,7 +285,7 @@ class CaptureRuntime:
             if bit is not None:  # not on TP ranks > 0; a driver instance on the first stage only
                 specs[bit] = parse_capture_spec(instance, raw, self.num_layers, self.hooks)
         if specs:
-            new = _Request(prompt_len, specs, meta or {})
+            new = _Request(prompt_len, specs, meta or {}, plan=compile_request(specs, self.buffers.site_index))
             old = self._requests.get(request_id)
             if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
                 new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
@@ -345,59 +347,22 @@ class CaptureRuntime:
 
     @property
     def active(self) -> bool:
-        return bool(self._requests) or bool(self._plan_dirty)
+        return bool(self._requests) or self._planner.dirty
 
     # ---- data plane: plan before the forward, hand off after it --------------------------
     def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
-        host, bufs = self.buffers.plan_host, self.buffers
-        for s in self._plan_dirty:
-            host[s, :] = -1
-        dirty: list[int] = []
-        entries: list[_Entry] = []
-        row = 0
-        offset = 0
-        for i, rid in enumerate(req_ids):
-            n = int(num_scheduled[i])
-            req = self._requests.get(rid)
-            if req is not None and n:
-                first = int(num_computed[i])
-                # Recomputed after a preemption: positions below the mark were planned once already.
-                skip = min(max(req.planned_upto - first, 0), n)
-                req.planned_upto = max(req.planned_upto, first + n)
-                self.stats["recomputed_positions"] += skip
-                positions = first + np.arange(skip, n)
-                per_site: dict[tuple[str, int], np.ndarray] = {}
-                for bit, spec in req.specs.items():
-                    sel = spec.select(positions, req.prompt_len)
-                    if not sel.any():
-                        continue
-                    for site in spec.sites:
-                        if site in bufs.site_index:  # a site this rank hooks
-                            m = per_site.setdefault(site, np.zeros(n - skip, dtype=np.int64))
-                            m[sel] |= bit
-                for (hook, layer), masks in per_site.items():
-                    toks = np.flatnonzero(masks)
-                    k = min(len(toks), bufs.max_rows - row)
-                    if k < len(toks):  # the pool is full: drop (never wait), count, and tell the consumer
-                        self.stats["dropped_rows"] += len(toks) - k
-                        req.drop(hook, layer, positions[toks[k:]], masks[toks[k:]])
-                    if k == 0:
-                        continue
-                    s = bufs.site_index[(hook, layer)]
-                    host[s, offset + skip + toks[:k]] = np.arange(row, row + k, dtype=np.int32)
-                    dirty.append(s)
-                    entries.append(_Entry(rid, layer, hook, positions[toks[:k]], row, masks[toks[:k]]))
-                    row += k
-            offset += n
-        if bufs.plan.is_cuda:
+        """Before the forward: this step's pool rows and the device plan (``runtime.capture_plan``)."""
+        step = self._planner.plan(self._requests, req_ids, num_scheduled, num_computed)
+        if step.recomputed:
+            self.stats["recomputed_positions"] += step.recomputed
+        if step.dropped_rows:
+            self.stats["dropped_rows"] += step.dropped_rows
+        if self.buffers.plan.is_cuda:
             self.before_forward()
-        if dirty or self._plan_dirty:
-            src = torch.from_numpy(host)
-            if bufs.plan.is_cuda:
-                src = src.pin_memory()
-            bufs.plan.copy_(src, non_blocking=True)
-        self._plan_dirty = sorted(set(dirty))
-        self._pending, self._rows_used = entries, row
+        pos, masks = step.positions, step.masks
+        entries = [_Entry(rid, layer, hook, pos[a:b], a, masks[a:b])
+                   for rid, (hook, layer), a, b in zip(step.request_ids, step.sites, step.starts, step.ends)]
+        self._pending, self._rows_used = entries, step.rows
         live.capture_live = bool(entries)
 
     def after_forward(self) -> None:

@@ -1,0 +1,208 @@
+"""Capture planning against a plain reference (CPU, no engine): random batches of prefill chunks and
+decode steps, preempted requests recomputing, a pool that overflows, several consumers sharing sites,
+explicit positions and sites another rank hooks. Each step the device plan (updated sparsely) must
+equal the reference's dense plan, and the entries, drops and counters must match it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.capture.consumer import CaptureConsumer
+from vllm_steer.core.config import SteerConfig
+from vllm_steer.runtime import capture as capture_mod
+
+HOOKS = ("pre_attn", "post_attn", "post_mlp")
+NUM_LAYERS = 4
+
+
+class Sink(CaptureConsumer):
+    location = "worker"
+
+    def __init__(self, instance: str, **params) -> None:
+        pass
+
+    def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        pass
+
+    def on_request_finished(self, request_id, meta):
+        return None
+
+
+def _runtime(monkeypatch, sites, max_rows, max_tokens):
+    monkeypatch.setattr(capture_mod, "consumer_class", lambda name: Sink)
+    cfg = SteerConfig.model_validate({"capture": ["a", "b", "c"], "capture_max_rows": max(max_rows, 16),
+                                      "hooks": list(HOOKS)})
+    rt = capture_mod.CaptureRuntime(cfg, sites, NUM_LAYERS, max_tokens, 8, torch.float32, torch.device("cpu"))
+    rt._planner.max_rows = max_rows  # below the config's floor: overflow with few cells
+    return rt
+
+
+class Reference:
+    """The plan as a plain loop per request, per token, per spec and per site (rows: requests in
+    batch order, then sites in plan order, then tokens)."""
+
+    def __init__(self, sites, width, max_rows):
+        self.site_index = {s: i for i, s in enumerate(sites)}
+        self.width, self.max_rows = width, max_rows
+        self.planned_upto: dict[str, int] = {}
+        self.dropped: dict[str, list] = {}
+
+    def step(self, reqs, req_ids, num_scheduled, num_computed):
+        plan = np.full((len(self.site_index), self.width), -1, dtype=np.int32)
+        entries, row, offset, recomputed, dropped = [], 0, 0, 0, 0
+        for rid, n, first in zip(req_ids, num_scheduled.tolist(), num_computed.tolist()):
+            if rid in reqs and n:
+                prompt_len, specs = reqs[rid]
+                upto = self.planned_upto.get(rid, 0)
+                skip = min(max(upto - first, 0), n)
+                self.planned_upto[rid] = max(upto, first + n)
+                recomputed += skip
+                cells: dict[int, dict[int, int]] = {}  # site -> token -> mask
+                for j in range(skip, n):
+                    p = first + j
+                    for bit, spec in specs.items():
+                        mode = spec.positions
+                        want = {"all": True, "all_prompt": p < prompt_len, "all_generated": p >= prompt_len,
+                                "last_prompt": p == prompt_len - 1}.get(mode) if isinstance(mode, str) else p in mode
+                        if want:
+                            for site in spec.sites:
+                                if site in self.site_index:
+                                    cell = cells.setdefault(self.site_index[site], {})
+                                    cell[j] = cell.get(j, 0) | bit
+                for s in sorted(cells):
+                    toks = sorted(cells[s])
+                    hook, layer = next(k for k, v in self.site_index.items() if v == s)
+                    kept = toks[: max(self.max_rows - row, 0)]
+                    for t in toks[len(kept):]:
+                        self.dropped.setdefault(rid, []).append((hook, layer, first + t, cells[s][t]))
+                        dropped += 1
+                    if not kept:
+                        continue
+                    for i, t in enumerate(kept):
+                        plan[s, offset + t] = row + i
+                    entries.append((rid, layer, hook, [first + t for t in kept], row, [cells[s][t] for t in kept]))
+                    row += len(kept)
+            offset += n
+        return plan, entries, row, recomputed, dropped
+
+
+def _random_spec(rng, n_explicit_max, explicit=True):
+    if rng.random() < 0.5:
+        raw = {"layers": rng.sample(range(NUM_LAYERS), rng.randint(1, NUM_LAYERS)),
+               "hooks": rng.sample(HOOKS, rng.randint(1, 3))}
+    else:
+        raw = {"sites": [f"{rng.choice(HOOKS)}.{rng.randrange(NUM_LAYERS)}" for _ in range(rng.randint(1, 3))]}
+    mode = rng.choice(["all", "all_prompt", "all_generated", "last_prompt"] + ["explicit"] * explicit)
+    raw["positions"] = (sorted(rng.sample(range(n_explicit_max), rng.randint(1, 6))) if mode == "explicit" else mode)
+    return raw
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_match_the_reference(monkeypatch, seed):
+    rng = random.Random(seed)
+    all_sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    # this rank hooks a subset (another stage holds the rest): specs naming those are skipped here
+    sites = all_sites if seed % 2 else [s for s in all_sites if s[1] < 3]
+    max_rows, max_tokens = rng.choice([12, 40, 4096]), 64
+    rt = _runtime(monkeypatch, sites, max_rows, max_tokens)
+    ref = Reference(sites, rt.buffers.plan.shape[1], max_rows)
+    live: dict[str, dict] = {}  # rid -> prompt_len, computed, generated, specs (the reference's copy)
+    next_id = 0
+    steady = seed % 3 != 0  # a stable batch order, few arrivals and preemptions: steps repeat last step's cells
+    for step in range(60):
+        while len(live) < 6 and rng.random() < (0.15 if steady else 0.6):  # new requests, some capturing nothing
+            rid, prompt_len = f"r{next_id}", rng.randint(1, 20)
+            next_id += 1
+            capture = {inst: _random_spec(rng, 30, not steady) for inst in ("a", "b", "c") if rng.random() < 0.6}
+            if rng.random() < 0.3:  # two consumers on the same sites and positions: one row, two bits
+                capture["b"] = capture["a"] = _random_spec(rng, 30, not steady)
+            rt.add_request(rid, capture, prompt_len)
+            req = rt._requests.get(rid)
+            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len,
+                         "specs": req.specs if req is not None else {}}
+        if not live:
+            continue
+        ids = list(live)
+        if not steady:  # a batch in a new order every step
+            rng.shuffle(ids)
+        budget = 48
+        req_ids, scheduled, computed = [], [], []
+        for rid in ids:
+            st = live[rid]
+            if rng.random() < (0.01 if steady else 0.08) and st["computed"]:  # preempted: recomputes from 0 or a cached prefix
+                st["computed"] = rng.choice([0, st["computed"] // 2])
+            left = st["total"] - st["computed"]
+            n = min(left, rng.randint(1, 16), budget) if left > 1 else 1
+            if rng.random() < 0.05:  # in the batch with nothing scheduled: its mark stays
+                n = 0
+                req_ids.append(rid), scheduled.append(0), computed.append(st["computed"] + 2)
+                continue
+            if n <= 0 or budget <= 0:
+                continue
+            req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
+            budget -= n
+        req_ids.append("not-capturing"), scheduled.append(3), computed.append(5)  # a request capture never heard of
+        scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
+        before = dict(rt.stats)
+        rt.plan_step(req_ids, scheduled, computed)
+        want_plan, want_entries, want_rows, want_recomputed, want_dropped = ref.step(
+            {r: (live[r]["prompt_len"], live[r]["specs"]) for r in live if live[r]["specs"]},
+            req_ids, scheduled, computed)
+        assert np.array_equal(rt.buffers.plan.numpy(), want_plan), f"step {step}"
+        got = [(e.request_id, e.layer, e.hook, e.positions.tolist(), e.row0, e.masks.tolist()) for e in rt._pending]
+        assert got == want_entries, f"step {step}"
+        assert rt._rows_used == want_rows
+        assert rt.stats["recomputed_positions"] - before["recomputed_positions"] == want_recomputed
+        assert rt.stats["dropped_rows"] - before["dropped_rows"] == want_dropped
+        for rid, n, first in zip(req_ids[:-1], scheduled.tolist(), computed.tolist()):
+            st = live[rid]
+            st["computed"] = first + n
+            if st["computed"] >= st["total"]:  # sampled a token: generation continues (or ends)
+                st["total"] += 1
+                if st["total"] - st["prompt_len"] > rng.randint(3, 40 if steady else 12):
+                    rt.finish_request(rid)
+                    del live[rid]
+    if steady:
+        assert rt._planner.reused > 0  # the steps planned as last step's cells were checked above
+    for rid, parts in ref.dropped.items():  # the drops each request recorded, per site and consumer
+        req = rt._requests.get(rid)
+        if req is None:
+            continue
+        got = sorted((h, l, p, m) for (h, l), chunks in req.dropped.items() for ps, ms in chunks
+                     for p, m in zip(ps.tolist(), ms.tolist()))
+        assert got == sorted(parts)
+
+
+def test_overflow_drops_the_tail_and_a_repeated_step_uploads_nothing(monkeypatch):
+    rt = _runtime(monkeypatch, [("post_mlp", l) for l in range(NUM_LAYERS)], 6, 16)
+    spec = {"layers": [0, 2], "hooks": ["post_mlp"], "positions": "all"}
+    rt.add_request("x", {"a": spec, "b": {**spec, "positions": "all_generated"}}, prompt_len=3)
+    rt.add_request("y", {"c": spec}, prompt_len=3)
+    planner = rt._planner
+    rt.plan_step(["x", "y"], np.array([3, 3]), np.array([0, 0]))  # 12 cells wanted, 6 rows
+    assert rt._rows_used == 6 and rt.stats["dropped_rows"] == 6
+    assert [(e.request_id, e.layer, e.row0, e.positions.tolist()) for e in rt._pending] == [
+        ("x", 0, 0, [0, 1, 2]), ("x", 2, 3, [0, 1, 2])]
+    assert {k: [p.tolist() for p, _ in v] for k, v in rt._requests["y"].dropped.items()} == {
+        ("post_mlp", 0): [[0, 1, 2]], ("post_mlp", 2): [[0, 1, 2]]}
+    assert planner.uploads == 1
+    # decode: x's token 3 is generated (bits a|b), y's is not wanted by b; rows 0..3
+    rt.plan_step(["x", "y"], np.array([1, 1]), np.array([3, 3]))
+    assert [(e.request_id, e.layer, e.row0, e.masks.tolist()) for e in rt._pending] == [
+        ("x", 0, 0, [3]), ("x", 2, 1, [3]), ("y", 0, 2, [4]), ("y", 2, 3, [4])]
+    plan = rt.buffers.plan.numpy()
+    assert plan[0, :2].tolist() == [0, 2] and plan[2, :2].tolist() == [1, 3] and (plan[:, 2:] == -1).all()
+    assert planner.uploads == 2
+    rt.plan_step(["x", "y"], np.array([1, 1]), np.array([4, 4]))  # same cells, same rows: no upload
+    assert planner.uploads == 2 and rt._rows_used == 4 and planner.reused == 1
+    assert [(e.request_id, e.layer, e.row0, e.positions.tolist()) for e in rt._pending] == [
+        ("x", 0, 0, [4]), ("x", 2, 1, [4]), ("y", 0, 2, [4]), ("y", 2, 3, [4])]
+    rt.finish_request("x"), rt.finish_request("y")
+    assert rt.active  # the device plan still holds last step's cells
+    rt.plan_step(["z"], np.array([1]), np.array([0]))
+    assert planner.uploads == 3 and (rt.buffers.plan.numpy() == -1).all() and not rt._pending
+    assert not rt.active  # idle: plan_step is no longer called
