@@ -62,3 +62,87 @@ class Summing(Stuck):
 
     def on_request_finished(self, request_id, meta):
         return {"sites": self.got.pop(request_id, {}), "dropped": meta.get("dropped")}
+
+
+class Burner:
+    """A worker consumer whose ``on_rows`` burns CPU in pure Python for ``burn_ms`` per call (it holds
+    the GIL of whatever process runs it); ``on_request_finished`` adds the seconds burned to the file
+    ``log``. Once the file ``stop`` exists it burns no more (its backlog drains at once)."""
+
+    location = "worker"
+
+    def __init__(self, instance: str, burn_ms: float = 0, log: str = "", stop: str = "", **params) -> None:
+        self.burn_s, self.log, self.stop = float(burn_ms) / 1e3, log, stop
+        self.global_spec = None
+        self.burned: dict[str, float] = {}
+
+    @classmethod
+    def validate_params(cls, params) -> None:
+        return None
+
+    def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        if self.stop and os.path.exists(self.stop):
+            return
+        t0 = time.perf_counter()
+        x = 0
+        while time.perf_counter() - t0 < self.burn_s:
+            for i in range(1000):
+                x += i * i
+        self.burned[request_id] = self.burned.get(request_id, 0.0) + time.perf_counter() - t0
+
+    def on_request_finished(self, request_id, meta) -> None:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{request_id} {self.burned.pop(request_id, 0.0):.3f}\n")
+
+    def close(self) -> None:
+        pass
+
+
+def register_entry_points(folder: str, consumers: dict[str, str]) -> str:
+    """A distribution in ``folder`` advertising ``consumers`` (name -> "module:Class") in the
+    ``vllm.capture_consumers`` group: put ``folder`` on an engine's PYTHONPATH to find them."""
+    meta = os.path.join(folder, "vllm_steer_lane_tests-0.0.dist-info")
+    os.makedirs(meta, exist_ok=True)
+    with open(os.path.join(meta, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: vllm-steer-lane-tests\nVersion: 0.0\n")
+    with open(os.path.join(meta, "entry_points.txt"), "w") as f:
+        f.write("[vllm.capture_consumers]\n" + "".join(f"{k} = {v}\n" for k, v in consumers.items()))
+    return folder
+
+
+def step_gaps(llm, prompt_ids: list[int], stop: str, log: str, steps: int = 16, warm: int = 3) -> dict:
+    """An engine_job llm_call: per arm (``idle``, then ``burn``), two plain requests and one capturing
+    every position to that arm's consumer decode together; the wall time of each engine step after
+    ``warm`` steps is the inter-token gap of the plain requests (each step gives each one token).
+    Then the burner is stopped (``stop``) and its report of the capturing request awaited in ``log``."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    out = {}
+    for arm in ("idle", "burn"):
+        ids = [f"{arm}-plain0", f"{arm}-plain1", f"{arm}-cap"]
+        for rid in ids:
+            capture = {arm: {"layers": [0], "hooks": ["post_mlp"], "positions": "all"}} if rid.endswith("cap") else None
+            extra = {"extra_args": {"capture": capture}} if capture else {}
+            eng.add_request(rid, {"prompt_token_ids": prompt_ids},
+                            SamplingParams(temperature=0.0, max_tokens=steps + warm + 8, ignore_eos=True, **extra))
+        gaps, t = [], time.perf_counter()
+        for n in range(steps + warm):
+            eng.step()
+            now = time.perf_counter()
+            if n >= warm:
+                gaps.append(now - t)
+            t = now
+        eng.abort_request(ids)
+        # one more step tells the workers those requests finished (their consumers hear of it)
+        eng.add_request(f"{arm}-flush", {"prompt_token_ids": prompt_ids[:2]},
+                        SamplingParams(temperature=0.0, max_tokens=1))
+        while eng.has_unfinished_requests():
+            eng.step()
+        out[arm] = gaps
+    open(stop, "w").close()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "burn-cap" not in (open(log).read() if os.path.exists(log) else ""):
+        time.sleep(0.05)
+    return out
