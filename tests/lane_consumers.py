@@ -65,14 +65,15 @@ class Summing(Stuck):
 
 
 class Burner:
-    """A worker consumer whose ``on_rows`` burns CPU in pure Python for ``burn_ms`` per call (it holds
-    the GIL of whatever process runs it); ``on_request_finished`` adds the seconds burned to the file
-    ``log``. Once the file ``stop`` exists it burns no more (its backlog drains at once)."""
+    """A worker consumer whose ``on_rows`` burns CPU in pure Python (holding the GIL of whatever
+    process runs it) when ``burn`` is set: the first call burns until the file ``stop`` exists (at most
+    120 s), so it burns through whatever the test measures however fast the engine steps.
+    ``on_request_finished`` adds the seconds burned for the request to the file ``log``."""
 
     location = "worker"
 
-    def __init__(self, instance: str, burn_ms: float = 0, log: str = "", stop: str = "", **params) -> None:
-        self.burn_s, self.log, self.stop = float(burn_ms) / 1e3, log, stop
+    def __init__(self, instance: str, burn: bool = False, log: str = "", stop: str = "", **params) -> None:
+        self.burn, self.log, self.stop = bool(burn), log, stop
         self.global_spec = None
         self.burned: dict[str, float] = {}
 
@@ -81,13 +82,12 @@ class Burner:
         return None
 
     def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
-        if self.stop and os.path.exists(self.stop):
-            return
         t0 = time.perf_counter()
         x = 0
-        while time.perf_counter() - t0 < self.burn_s:
-            for i in range(1000):
+        while self.burn and time.perf_counter() - t0 < 120 and not os.path.exists(self.stop):
+            for i in range(2000):
                 x += i * i
+        self.burn = False
         self.burned[request_id] = self.burned.get(request_id, 0.0) + time.perf_counter() - t0
 
     def on_request_finished(self, request_id, meta) -> None:

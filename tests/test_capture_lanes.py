@@ -187,9 +187,6 @@ def test_the_consumers_process_dies_with_its_worker(tmp_path):
     _wait(gone, f"the consumers' process {host} outlived its worker")
 
 
-BURN_MS = 300  # per on_rows call: the burner's lane is always behind, so it burns the whole arm
-
-
 def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(smollm2_path, tmp_path):
     """Same engine, same batch shape: two plain streams decode beside a request captured by a consumer
     that does nothing (``idle``) and then by one burning CPU in pure Python (``burn``). With the
@@ -205,15 +202,15 @@ def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(
            "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "distributed_executor_backend": "uni",
                           "additional_config": {"steer": {"capture": [
                               {"name": "burner", "instance": "idle", "params": {"log": str(log)}},
-                              {"name": "burner", "instance": "burn", "params": {"burn_ms": BURN_MS, "log": str(log), "stop": str(stop)}}]}}},
+                              {"name": "burner", "instance": "burn", "params": {"burn": True, "log": str(log), "stop": str(stop)}}]}}},
            "calls": [{"llm_call": "tests.lane_consumers:step_gaps",
                       "kwargs": {"prompt_ids": ids, "stop": str(stop), "log": str(log)}}]}
     env = {"PYTHONPATH": os.pathsep.join([eps, os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "job").mkdir()
     gaps = run_job(job, tmp_path / "job", env=env)["calls"][0]
     idle, burn = (float(np.median(gaps[arm])) for arm in ("idle", "burn"))
-    burned = {line.split()[0]: float(line.split()[1]) for line in log.read_text().splitlines()}
+    burned = {line.split()[0].rsplit("-", 1)[0]: float(line.split()[1]) for line in log.read_text().splitlines()}
     print(f"median step gap: idle consumer {idle * 1e3:.1f} ms, burning consumer {burn * 1e3:.1f} ms "
           f"({burn / idle:.2f}x); burned {burned}")
-    assert burned["burn-cap"] >= 0.5 * sum(gaps["burn"])  # the burner ran through the arm
+    assert burned["burn-cap"] >= 0.9 * sum(gaps["burn"])  # the burner burned through the measured steps
     assert burn < 2.0 * idle, f"a burning consumer slowed the runner: median gap {idle * 1e3:.1f} -> {burn * 1e3:.1f} ms"
