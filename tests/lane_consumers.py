@@ -23,7 +23,7 @@ class Stuck:
         deadline = time.monotonic() + 60
         while self.release and not os.path.exists(self.release) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return {"seen": request_id}
+        return {"seen": request_id, "dropped_rows": meta.get("dropped_rows")}
 
     def close(self) -> None:
         pass

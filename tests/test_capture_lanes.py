@@ -112,10 +112,10 @@ def test_a_stuck_consumer_holds_at_most_its_bound_and_the_rest_are_dropped_for_i
         assert out["done"][rid]["stuck"]["error"] == "dropped" and "stuck" in out["done"][rid]["stuck"]["message"]
     release.touch()
     done = _collect(rt, ["r0", "r1", "r2"])
-    assert {rid: r["stuck"] for rid, r in done.items()} == {rid: {"seen": rid} for rid in ("r0", "r1", "r2")}
+    assert {rid: r["stuck"] for rid, r in done.items()} == {rid: {"seen": rid, "dropped_rows": 0} for rid in ("r0", "r1", "r2")}
     rt.add_request("r6", {"stuck": spec}, prompt_len=4)  # its slots are free again
     rt.finish_request("r6")
-    assert _collect(rt, ["r6"])["r6"]["stuck"] == {"seen": "r6"} and rt.stats["dropped_finishes"] == 3
+    assert _collect(rt, ["r6"])["r6"]["stuck"]["seen"] == "r6" and rt.stats["dropped_finishes"] == 3
 
 
 def test_a_full_ring_drops_the_step_for_its_consumers_and_names_the_positions(make_rt, monkeypatch, tmp_path):
@@ -131,10 +131,12 @@ def test_a_full_ring_drops_the_step_for_its_consumers_and_names_the_positions(ma
     assert rt.stats["ring_full"] == 1 and rt.stats["dropped_packets"] == 1 and rt.stats["rows"] == 10
     rt.finish_request("x")
     release.touch()
-    _collect(rt, ["hold", "x"])
-    assert rt._host.ring._live == type(rt._host.ring._live)()  # every range came back
-    _step(rt, {}, lambda r: r)
-    rt.add_request("y", {"quick": SPEC}, prompt_len=2)  # not a consumer here: nothing to plan
+    assert _collect(rt, ["hold", "x"])["x"]["stuck"] == {"seen": "x", "dropped_rows": 10}  # positions 10..19
+    assert not rt._host.ring._live  # every range came back: the next steps fit again
+    rt.add_request("z", {"stuck": SPEC}, prompt_len=16)
+    _step(rt, {"z": (0, 16)}, lambda r: r)
+    rt.finish_request("z")
+    assert _collect(rt, ["z"])["z"]["stuck"]["dropped_rows"] == 0 and rt.stats["ring_full"] == 1
 
 
 def test_a_raising_driver_is_an_error_object_and_a_dead_host_answers_at_once(make_rt):
