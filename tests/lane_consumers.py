@@ -111,7 +111,7 @@ def register_entry_points(folder: str, consumers: dict[str, str]) -> str:
     return folder
 
 
-def step_gaps(llm, prompt_ids: list[int], stop: str, log: str, steps: int = 16, warm: int = 3) -> dict:
+def step_gaps(llm, prompt_ids: list[int], stop: str, log: str, steps: int = 12, warm: int = 3) -> dict:
     """An engine_job llm_call: per arm (``idle``, then ``burn``), two plain requests and one capturing
     every position to that arm's consumer decode together; the wall time of each engine step after
     ``warm`` steps is the inter-token gap of the plain requests (each step gives each one token).

@@ -209,7 +209,7 @@ def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(
                       "kwargs": {"prompt_ids": ids, "stop": str(stop), "log": str(log)}}]}
     env = {"PYTHONPATH": os.pathsep.join([eps, os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "job").mkdir()
-    gaps = run_job(job, tmp_path / "job", env=env)["calls"][0]
+    gaps = run_job(job, tmp_path / "job", env=env, timeout=1200)["calls"][0]
     idle, burn = (float(np.median(gaps[arm])) for arm in ("idle", "burn"))
     burned = {line.split()[0].rsplit("-", 1)[0]: float(line.split()[1]) for line in log.read_text().splitlines()}
     print(f"median step gap: idle consumer {idle * 1e3:.1f} ms, burning consumer {burn * 1e3:.1f} ms "
