@@ -68,7 +68,7 @@ class Burner:
     """A worker consumer whose ``on_rows`` burns CPU in pure Python (holding the GIL of whatever
     process runs it) when ``burn`` is set: the first call burns until the file ``stop`` exists (at most
     120 s), so it burns through whatever the test measures however fast the engine steps.
-    ``on_request_finished`` adds the seconds burned for the request to the file ``log``."""
+    ``on_request_finished`` adds the request, the seconds burned for it and its process id to the file ``log``."""
 
     location = "worker"
 
@@ -93,7 +93,7 @@ class Burner:
     def on_request_finished(self, request_id, meta) -> None:
         if self.log:
             with open(self.log, "a") as f:
-                f.write(f"{request_id} {self.burned.pop(request_id, 0.0):.3f}\n")
+                f.write(f"{request_id} {self.burned.pop(request_id, 0.0):.3f} {os.getpid()}\n")
 
     def close(self) -> None:
         pass
@@ -141,6 +141,7 @@ def step_gaps(llm, prompt_ids: list[int], stop: str, log: str, steps: int = 12, 
         while eng.has_unfinished_requests():
             eng.step()
         out[arm] = gaps
+    out["pid"] = os.getpid()  # the engine's process (uni executor, in-process core: the worker's too)
     open(stop, "w").close()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "burn-cap" not in (open(log).read() if os.path.exists(log) else ""):

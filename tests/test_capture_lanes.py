@@ -23,7 +23,7 @@ from vllm_steer.runtime import capture as capture_mod
 from vllm_steer.runtime import capture_lanes
 
 CLASSES = {"stuck": lane_consumers.Stuck, "quick": lane_consumers.Quick, "raising": lane_consumers.Raising,
-           "summing": lane_consumers.Summing}
+           "summing": lane_consumers.Summing, "burner": lane_consumers.Burner}
 SPEC = {"layers": [0], "hooks": ["post_mlp"], "positions": "all"}
 
 
@@ -159,6 +159,20 @@ def test_a_raising_driver_is_an_error_object_and_a_dead_host_answers_at_once(mak
         "raising": "consumer_died", "quick": "consumer_died"}
 
 
+def test_a_burning_consumer_runs_outside_the_worker_process(make_rt, tmp_path):
+    """Where a consumer's pure Python runs decides whose GIL it takes: never the worker's."""
+    log, stop = tmp_path / "burned.txt", tmp_path / "stop"
+    rt = make_rt([{"name": "burner", "params": {"burn": True, "log": str(log), "stop": str(stop)}}])
+    rt.add_request("a", {"burner": SPEC}, prompt_len=2)
+    _step(rt, {"a": (0, 2)}, lambda r: r)  # the burner's first rows: it burns until told to stop
+    time.sleep(0.5)
+    stop.touch()
+    rt.finish_request("a")
+    _collect(rt, ["a"])
+    rid, secs, pid = log.read_text().split()
+    assert rid == "a" and int(pid) == rt._host.proc.pid != os.getpid()
+
+
 def test_the_consumers_process_dies_with_its_worker(tmp_path):
     """A worker killed outright (SIGKILL: no cleanup of its own) takes its consumers' process along."""
     code = textwrap.dedent("""
@@ -211,7 +225,9 @@ def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(
     (tmp_path / "job").mkdir()
     gaps = run_job(job, tmp_path / "job", env=env, timeout=1200)["calls"][0]
     idle, burn = (float(np.median(gaps[arm])) for arm in ("idle", "burn"))
-    burned = {line.split()[0].rsplit("-", 1)[0]: float(line.split()[1]) for line in log.read_text().splitlines()}
+    lines = [line.split() for line in log.read_text().splitlines()]
+    burned = {rid.rsplit("-", 1)[0]: float(secs) for rid, secs, _ in lines}
+    assert all(int(pid) != gaps["pid"] for *_, pid in lines)  # consumers never ran in the worker's process
     print(f"median step gap: idle consumer {idle * 1e3:.1f} ms, burning consumer {burn * 1e3:.1f} ms "
           f"({burn / idle:.2f}x); burned {burned}")
     assert burned["burn-cap"] >= 0.9 * sum(gaps["burn"])  # the burner burned through the measured steps
