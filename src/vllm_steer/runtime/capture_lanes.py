@@ -103,7 +103,7 @@ class CaptureHost:
         self.ring = RowRing(ring_rows)
         elem = torch.empty((), dtype=dtype).element_size()
         size = ring_rows * hidden * elem
-        self._fd = os.memfd_create("vllm-steer-capture", 0)
+        self._fd = os.memfd_create("vllm-steer-capture", os.MFD_CLOEXEC)  # only the host inherits it
         os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
         self.rows = torch.frombuffer(self._map, dtype=dtype).view(ring_rows, hidden)
