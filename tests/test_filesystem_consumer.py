@@ -303,27 +303,21 @@ def test_sae_lens_format_loads_with_sae_lens(tmp_path):
 
 
 def test_write_errors_reach_the_metrics(tmp_path, monkeypatch):
-    """The consumer's counters go out with the capture runtime's status (what vllm_steer_status
-    sends), become engine totals (metrics_rpc.worker_values) and Prometheus counters (apply_engine)."""
-    import torch
+    """The consumer's counters (its ``stats()``, which the capture host sends to the worker: tested in
+    test_capture_lanes) become engine totals (metrics_rpc.worker_values) and Prometheus counters (apply_engine)."""
     from prometheus_client import REGISTRY
 
-    from vllm_steer.core.config import SteerConfig
     from vllm_steer.engine.metrics_rpc import worker_values
-    from vllm_steer.runtime.capture import CaptureRuntime
     from vllm_steer.server.metrics import apply_engine
 
     disk = _FullDisk()
     monkeypatch.setattr(fsmod, "open", disk, raising=False)
-    cfg = SteerConfig.model_validate(
-        {"capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(tmp_path), "threads": 1}}]})
-    rt = CaptureRuntime(cfg, [("post_mlp", 0)], 2, 16, 16, torch.float32, torch.device("cpu"))
-    fs = rt.consumers[rt.bit_of["fs"]][1]
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
     disk.full = True
     fs.on_rows("a", 0, "post_mlp", np.arange(2), _rows(2), {})
     fs.on_request_finished("a", {"prompt_len": 2})
-    status = rt.status()
-    assert status["write_errors"] == 1 and status["failed_requests"] == 1 and status["consumer_errors"] == 0
+    status = {"rows": 2, "consumer_errors": 0, **fs.stats()}
+    assert status["write_errors"] == 1 and status["failed_requests"] == 1
     _, totals = worker_values([{"steering": True, "live_configs": 0, "peak_live_configs": 0, "capture": status}])
     assert totals["capture_write_errors"] == 1 and totals["capture_failed_requests"] == 1
     before = REGISTRY.get_sample_value("vllm_steer_capture_write_errors_total") or 0.0

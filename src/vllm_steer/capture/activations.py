@@ -11,7 +11,7 @@ default) or ``"mean"`` (the mean over every captured position). The result, in t
      "dropped_rows": <rows the request asked for and the engine dropped (capture's pool was full)>}
 
 ``decode_result`` turns it back into ``{site: vector}``. ``vllm_steer.extract`` is built on it.
-Like every consumer it is called from its one dispatch thread (``runtime.capture``), so it keeps its
+Like every consumer it is called from its one dispatch thread (``runtime.capture_host``), so it keeps its
 per-request sums without a lock.
 """
 

@@ -5,11 +5,21 @@ A consumer class (advertised as ``name = "package.module:Class"``) declares ``lo
 parallel ranks hold the same residual, so each site is delivered once) or ``"driver"`` (one
 instance per engine, on the first stage's TP rank 0, whose ``on_request_finished`` may return a
 JSON-able per-request result that comes back with the request's output; under pipeline
-parallelism it sees the first stage's sites only, and requests asking it for others are refused). Consumers run on a dispatch thread, never on
-the engine's step (one thread per consumer: a slow one delays only its own deliveries and its own
-requests' results, which a response waits for at most ``steer.capture_result_timeout_s``);
-exceptions are caught and counted. The engine never waits for capture: rows it
-cannot keep are dropped, and ``on_request_finished``'s ``meta["dropped"]`` names their positions.
+parallelism it sees the first stage's sites only, and requests asking it for others are refused).
+
+Where consumers run: in a separate process per capturing worker (the "capture host",
+``runtime.capture_host``), never in the worker: nothing a consumer does (numpy, file writes, pure
+Python) takes the model runner's GIL. The host imports the class by its module path with the
+worker's ``sys.path``, builds each instance there (constructor errors fail the engine's start) and
+gives each consumer its own thread (a slow one delays only its own deliveries and its own
+requests' results, which a response waits for at most ``steer.capture_result_timeout_s``).
+Instances share nothing with the worker's memory: keep state in the instance, results in the
+return value. Exceptions are caught and counted; an exception from a driver's
+``on_request_finished`` is the request's result ``{"error": "consumer_error", "message": ...}``. If
+the host process dies, the worker logs it, answers the requests it owed with ``{"error":
+"consumer_died", ...}`` and captures nothing more for its consumers until the engine restarts.
+The engine never waits for capture: rows it cannot keep are dropped, and
+``on_request_finished``'s ``meta["dropped"]`` names their positions.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ class CaptureConsumer(Protocol):
         ``dropped``: ``{"hook.layer": [positions]}`` this consumer wanted and will never get
         (empty when nothing was dropped); ``dropped_rows``: how many. Rows are dropped, never
         waited for, when a step wants more than the device pool holds (``steer.capture_max_rows``)
-        or 256 row packets are still undelivered (a slow consumer). Each position of a request
+        or 256 row packets are still undelivered (a slow consumer) or the shared ring to the
+        consumers' process is full. Each position of a request
         arrives at most once, also when a preempted request recomputes it; positions the engine
         does not compute (prefix-cache hits) are not captured and not listed."""
 

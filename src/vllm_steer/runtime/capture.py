@@ -4,12 +4,11 @@ Per step (host, only while some request captures): for each capturing request of
 positions each consumer wants at each (hook, layer) site become pool rows; rows wanted by several
 consumers are gathered once and carry a bitmask of them. The plan (token -> pool row, per site)
 is planned and updated on the device sparsely by ``runtime.capture_plan``; the capture op fills the
-pool inside the forward.
-After the forward, the used rows are copied to host (non-blocking, then an event) and handed to
-the dispatch threads, one per consumer (a "lane": its own queue and thread, so a slow consumer
-delays only itself), which wait on the event and call their consumer. A step's host buffer is
-shared by the lanes it went to and goes back to the pinned pool when the last one is done with
-it. A raising consumer is counted; nothing stalls or kills the engine.
+pool inside the forward. After the forward, the used rows are copied into a shared-memory ring read by
+the consumers' process (``runtime.capture_lanes``, ``runtime.capture_host``: consumers never take this
+process's GIL), where each consumer has its own queue and thread (a "lane": a slow consumer delays only
+itself). A raising consumer is counted; nothing stalls or kills the engine; a dead consumers' process
+disables capture for them (its requests' driver results are errors).
 
 Results of driver consumers (``collect_results``, reached by ``vllm_steer_capture_collect``) never
 wait: a call publishes the given requests (if the runner has not yet) and answers at once with the
@@ -31,7 +30,8 @@ only, in every data-parallel engine.
 Exhaustion policy: never block the step, drop and count, tell the consumer. A step that wants more
 rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in batch order and
 drops the rest (``stats["dropped_rows"]``); a rows packet that finds 256 packets still undelivered
-in a consumer's lane is dropped for that consumer (``stats["dropped_packets"]``, once per lane). Either way the positions are recorded per request, site
+in a consumer's lane, or no room in the shared ring (``stats["ring_full"]``), is dropped for that
+consumer (``stats["dropped_packets"]``, once per lane). Either way the positions are recorded per request, site
 and consumer, and the request's finish meta names them (``dropped``, ``dropped_rows``; see
 ``vllm_steer.capture.consumer``). A finish packet that finds ``MAX_QUEUED_FINISHES`` still undelivered in
 a lane (its consumer is stuck: a hung call holds the lane) is not queued: the consumer never hears of
@@ -42,7 +42,6 @@ that request, a driver consumer's result is ``{"error": "dropped", ...}`` at onc
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -56,6 +55,7 @@ from vllm_steer.capture.consumer import consumer_class
 from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
 from vllm_steer.core.config import SteerConfig
 from vllm_steer.kernels.capture_rows import live
+from vllm_steer.runtime.capture_lanes import RING_STEPS, CaptureHost, Lane
 from vllm_steer.runtime.capture_plan import CapturePlanner, RequestPlan, compile_request
 
 logger = logging.getLogger("vllm.steer.capture")
@@ -121,30 +121,6 @@ class _Entry:
     masks: np.ndarray  # consumer bitmask per row
 
 
-class _Packet:
-    """One step's captured rows, shared by the lanes of the consumers that want some of them."""
-
-    def __init__(self, event: Any, host: torch.Tensor, entries: list[_Entry], refs: int) -> None:
-        self.event, self.host, self.entries, self.refs = event, host, entries, refs
-        self._lock = threading.Lock()
-        self._data: np.ndarray | None = None
-
-    def data(self) -> np.ndarray:
-        with self._lock:
-            if self._data is None:
-                if self.event is not None:
-                    self.event.synchronize()
-                host = self.host
-                self._data = (host.float() if host.dtype == torch.bfloat16 else host).numpy()
-            return self._data
-
-    def release(self) -> bool:
-        """One lane is done with it; True for the last one (the host buffer can go back)."""
-        with self._lock:
-            self.refs -= 1
-            return self.refs == 0
-
-
 @dataclass
 class _Finishing:
     """A finished request whose finish packets are not yet handled by every consumer lane."""
@@ -154,70 +130,6 @@ class _Finishing:
     results: dict[str, Any] = field(default_factory=dict)
 
 
-class _Lane:
-    """One consumer's queue and dispatch thread."""
-
-    def __init__(self, rt: "CaptureRuntime", bit: int, instance: str, consumer: Any) -> None:
-        self.rt, self.bit, self.instance, self.consumer = rt, bit, instance, consumer
-        self.driver = getattr(consumer, "location", None) == "driver"
-        # Every packet takes a slot of its kind first (never blocking: no slot, the packet is dropped).
-        self.queue: queue.Queue = queue.Queue()
-        self.row_slots = threading.Semaphore(MAX_QUEUED_ROW_PACKETS)
-        self.finish_slots = threading.Semaphore(MAX_QUEUED_FINISHES)
-        self.thread = threading.Thread(target=self._loop, name=f"vllm-steer-capture-{instance}", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        rt = self.rt
-        while True:
-            packet = self.queue.get()
-            try:
-                if packet[0] == "rows":
-                    self._rows(packet[1])
-                else:
-                    self._finish(*packet[1:])
-            except Exception:  # never let a consumer take the engine down
-                rt._count("consumer_errors")
-                logger.exception("vllm-steer: capture dispatch to %s failed", self.instance)
-            finally:
-                if packet[0] == "rows":
-                    self.row_slots.release()
-                    if packet[1].release():
-                        rt._give_back(packet[1].host)  # consumers got copies (boolean-mask indexing)
-                else:
-                    self.finish_slots.release()
-                self.queue.task_done()
-
-    def _rows(self, packet: _Packet) -> None:
-        data = None
-        for e in packet.entries:
-            take = (e.masks & self.bit) != 0
-            if not take.any():
-                continue
-            if data is None:
-                data = packet.data()
-            block = data[e.row0 : e.row0 + len(e.positions)]
-            try:
-                self.consumer.on_rows(e.request_id, e.layer, e.hook, e.positions[take], block[take], {})
-            except Exception:
-                self.rt._count("consumer_errors")
-                logger.exception("vllm-steer: capture consumer %s raised in on_rows", self.instance)
-
-    def _finish(self, request_id: str, key: str, meta: dict, req: _Request) -> None:
-        out = None
-        try:
-            dropped = req.dropped_for(self.bit) if req.dropped else {}
-            spec = req.specs.get(self.bit)
-            out = self.consumer.on_request_finished(
-                request_id, {**meta, "params": dict(spec.params) if spec is not None else {},
-                             "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))})
-        except Exception:
-            self.rt._count("consumer_errors")
-            logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", self.instance)
-        finally:
-            self.rt._finished_by(key, self.bit, self.instance, out)
-
-
 class CaptureRuntime:
     def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
                  hidden: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
@@ -225,26 +137,30 @@ class CaptureRuntime:
         self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device)
         self.num_layers = num_layers
         self.hooks = tuple(cfg.hooks)
-        self.consumers: dict[int, tuple[str, Any]] = {}  # bit -> (instance, consumer)
+        self.consumers: dict[int, tuple[str, type]] = {}  # bit -> (instance, class): instances live in the host
         self.bit_of: dict[str, int] = {}
         self.global_specs: dict[int, CaptureSpec] = {}
-        self._lanes: dict[int, _Lane] = {}
         self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "dropped_finishes": 0,
-                      "consumer_errors": 0, "recomputed_positions": 0}
-        self._stats_lock = threading.Lock()  # lanes count errors from their threads
+                      "consumer_errors": 0, "recomputed_positions": 0, "ring_full": 0, "consumer_host_deaths": 0}
+        self._stats_lock = threading.Lock()  # the host's threads count from their threads
+        hosted: list[tuple[int, str, type, dict]] = []
         for i, c in enumerate(cfg.capture):
             cls = consumer_class(c.name)
             # TP ranks hold the same residual: TP rank 0 of each stage captures its stage's sites;
             # the one driver instance lives on the first stage (the front end keeps specs to its sites)
             if tp_rank != 0 or (cls.location == "driver" and pp_rank != 0):
                 continue
-            consumer = cls(c.instance_name, **c.params)
             bit = 1 << i
-            self.consumers[bit] = (c.instance_name, consumer)
+            self.consumers[bit] = (c.instance_name, cls)
             self.bit_of[c.instance_name] = bit
-            if getattr(consumer, "global_spec", None):
-                self.global_specs[bit] = parse_capture_spec(c.instance_name, consumer.global_spec, num_layers, self.hooks)
-            self._lanes[bit] = _Lane(self, bit, c.instance_name, consumer)
+            hosted.append((bit, c.instance_name, cls, dict(c.params)))
+        # the consumers run in their own process, fed through a shared-memory ring (runtime.capture_lanes)
+        self._host = CaptureHost(self, hosted, RING_STEPS * cfg.capture_max_rows, hidden, dtype, device,
+                                 MAX_QUEUED_ROW_PACKETS, MAX_QUEUED_FINISHES) if hosted else None
+        self._lanes: dict[int, Lane] = self._host.lanes if self._host else {}
+        for bit, raw in (self._host.global_specs if self._host else {}).items():
+            if raw:
+                self.global_specs[bit] = parse_capture_spec(self.consumers[bit][0], raw, num_layers, self.hooks)
         self._requests: dict[str, _Request] = {}
         self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows)
         self._pending: list[_Entry] = []
@@ -254,10 +170,13 @@ class CaptureRuntime:
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
         self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # key -> (finished at, results)
         self._finished: OrderedDict[str, None] = OrderedDict()  # recently finished engine ids (bounded)
-        self._pinned_free: dict[int, list[torch.Tensor]] = {}
-        self._pinned_lock = threading.Lock()
         self._copy_done: Any = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def close(self) -> None:
+        """Stop the consumers' process (it delivers what was sent, closes its consumers, exits)."""
+        if self._host is not None:
+            self._host.close()
 
     def _count(self, stat: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -265,16 +184,13 @@ class CaptureRuntime:
 
     def status(self) -> dict[str, int]:
         """``stats`` plus the counters consumers keep themselves (an optional ``stats()`` method, e.g.
-        the filesystem consumer's ``write_errors``), summed by name over consumers."""
+        the filesystem consumer's ``write_errors``; read in the consumers' process, at most ``STATS_S``
+        old), summed by name over consumers."""
         with self._stats_lock:
             out = dict(self.stats)
-        for instance, consumer in self.consumers.values():
-            try:
-                own = consumer.stats() if callable(getattr(consumer, "stats", None)) else {}
-                for k, v in own.items():
-                    out[k] = out.get(k, 0) + int(v)
-            except Exception:
-                logger.exception("vllm-steer: capture consumer %s raised in stats", instance)
+        for own in (self._host.consumer_stats if self._host is not None else {}).values():
+            for k, v in own.items():
+                out[k] = out.get(k, 0) + v
         return out
 
     # ---- control plane -----------------------------------------------------------------
@@ -315,7 +231,7 @@ class CaptureRuntime:
         for b in bits:
             lane = self._lanes[b]
             if lane.finish_slots.acquire(blocking=False):
-                lane.queue.put(("finish", request_id, key, meta, req))
+                self._host.finish(lane, request_id, key, meta, req)
                 continue
             self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
             self._finished_by(key, b, lane.instance, {
@@ -366,12 +282,16 @@ class CaptureRuntime:
         live.capture_live = bool(entries)
 
     def after_forward(self) -> None:
-        """Hand the rows this step captured to the consumers' lanes (no device sync here).
+        """Hand the rows this step captured to the consumers' process (no device sync here).
 
-        On a GPU the copy runs on a side stream into a leased pinned buffer: the side stream waits
-        for the forward (an event), the next step's compute waits for the copy (an event) before
-        its capture op overwrites the pool, and the lanes wait for the copy's event."""
+        The used pool rows are copied into the host's shared ring (on a GPU on a side stream that
+        waits for the forward; the next step's compute waits for the copy before its capture op
+        overwrites the pool); the host's notifier thread waits for the copy before telling it."""
         if not self._pending:
+            return
+        host = self._host
+        if host is None or host.dead:  # capture disabled: the finishes answer consumer_died
+            self._pending = []
             return
         wanted = 0
         for e in self._pending:
@@ -384,55 +304,38 @@ class CaptureRuntime:
                 lanes.append(lane)
                 continue
             self._count("dropped_packets")  # 256 packets undelivered in this lane: drop its rows
-            for e in self._pending:
-                req = self._requests.get(e.request_id)
-                mine = (e.masks & bit) != 0
-                if req is not None and mine.any():
-                    req.drop(e.hook, e.layer, e.positions[mine], e.masks[mine] & bit)
+            self._drop_pending(bit)
         if not lanes:
             self._pending = []
             return
         n = self._rows_used
-        rows = self.buffers.pool[:n]
-        event = None
-        if rows.is_cuda:
-            forward_done = torch.cuda.Event()
-            forward_done.record()
-            host = self._lease(n)
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_stream.wait_event(forward_done)
-                host[:n].copy_(rows, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-            self._copy_done = event
+        entries = [(e.request_id, e.layer, e.hook, e.positions, e.row0, e.masks) for e in self._pending]
+        sent = host.send_rows(self.buffers.pool[:n], entries, lanes, self._copy_stream)
+        if sent is None:  # the ring is full (the host is behind): drop for every lane, never wait
+            self._count("ring_full")
+            for lane in lanes:
+                lane.row_slots.release()
+                self._count("dropped_packets")
+                self._drop_pending(lane.bit)
         else:
-            host = rows.clone()
-        self._count("rows", n)
-        packet = _Packet(event, host, self._pending, len(lanes))
-        for lane in lanes:
-            lane.queue.put(("rows", packet))
+            self._count("rows", n)
+            if sent is not True:
+                self._copy_done = sent
         self._pending = []
+
+    def _drop_pending(self, bit: int) -> None:
+        """This step's rows are not delivered to consumer ``bit``: record them for its finish meta."""
+        for e in self._pending:
+            req = self._requests.get(e.request_id)
+            mine = (e.masks & bit) != 0
+            if req is not None and mine.any():
+                req.drop(e.hook, e.layer, e.positions[mine], e.masks[mine] & bit)
 
     def before_forward(self) -> None:
         """The forward may overwrite the pool only once the last copy out of it is done (GPU-side wait)."""
         if self._copy_done is not None:
             torch.cuda.current_stream().wait_event(self._copy_done)
             self._copy_done = None
-
-    def _lease(self, n: int) -> torch.Tensor:
-        """A pinned host buffer of at least ``n`` rows, sized in 16-row steps, reused after delivery."""
-        cap = -(-n // 16) * 16
-        with self._pinned_lock:
-            free = self._pinned_free.get(cap)
-            if free:
-                return free.pop()
-        pool = self.buffers.pool
-        return torch.empty(cap, pool.shape[1], dtype=pool.dtype, pin_memory=True)
-
-    def _give_back(self, host: torch.Tensor) -> None:
-        if host.is_pinned():
-            with self._pinned_lock:
-                self._pinned_free.setdefault(host.shape[0], []).append(host)
 
     # ---- results ----------------------------------------------------------------------
     def collect_results(self, request_ids: list[str]) -> dict[str, Any]:

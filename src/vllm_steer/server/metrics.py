@@ -26,9 +26,11 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   touched hook its whole ``[layers, hidden]`` row; per touched SAE site its code, value and mode
   words), summed over workers.
 - ``vllm_steer_capture_rows_total``, ``..._capture_dropped_rows_total``, ``..._capture_dropped_packets_total``,
-  ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total`` counters: residual rows
-  captured, rows dropped (step pool full), packets dropped (consumer queue full), finished requests not
-  handed to a stuck consumer, consumer calls that raised; summed over workers.
+  ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total``,
+  ``..._capture_ring_full_total``, ``..._capture_consumer_host_deaths_total`` counters: residual rows
+  captured, rows dropped (step pool full), packets dropped (consumer queue or shared ring full), finished
+  requests not handed to a stuck consumer, consumer calls that raised, steps the shared ring to the
+  consumers' process had no room for, consumers' processes that died; summed over workers.
 - ``vllm_steer_capture_write_errors_total``, ``..._capture_dropped_writes_total``, ``..._capture_failed_requests_total``
   counters: consumers' own counts (their ``stats()``; the filesystem consumer's): writes that failed (disk
   full), row packets dropped because the writer queue was full, requests marked failed; summed over workers.
@@ -99,6 +101,10 @@ ENGINE_COUNTERS = {
                                       "Row packets a capture consumer dropped because its writer queue was full"),
     "capture_failed_requests": Counter("vllm_steer_capture_failed_requests",
                                        "Requests whose capture a consumer marked failed (nothing of it published)"),
+    "capture_ring_full": Counter("vllm_steer_capture_ring_full", "Steps whose captured rows found no room in the "
+                                 "shared ring to the consumers' process (dropped for their consumers)"),
+    "capture_consumer_host_deaths": Counter("vllm_steer_capture_consumer_host_deaths",
+                                            "Capture consumers' processes that died (capture disabled for them)"),
     "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),
 }
 

@@ -1,0 +1,219 @@
+"""The capture host: the process that runs a capturing worker's consumers (``python -m`` this module).
+
+The worker (``runtime.capture_lanes``) starts one per capturing worker process with two pipes (commands
+in, answers out) and a shared-memory ring (a memfd, mapped read-only here) that the worker copies
+each step's captured rows into. Nothing a consumer does here (numpy, file writes, a third-party
+plugin's pure Python) takes the worker's GIL.
+
+Wire (pickled ``multiprocessing.connection`` messages):
+- in: ``("init", {...})`` once, then ``("rows", packet_id, ring_row0, n, entries, bits)`` and
+  ``("finish", request_id, key, {bit: meta}, bits)``;
+- out: ``("ready", {bit: global_spec})`` or ``("failed", message)``, then ``("done", packet_id, bit)``
+  (a lane is done with a packet: its ring rows may be reused once every lane is), ``("finished", key,
+  bit, result)`` (``result``: a driver's return value, or ``{"error": "consumer_error", ...}`` when
+  ``on_request_finished`` raised), ``("errors", n)`` (exceptions caught in ``on_rows``) and ``("stats",
+  {bit: counts})`` (consumers' own counters, their optional ``stats()``: sent every ``STATS_S`` when they changed).
+
+Each consumer keeps its own queue and thread here (a slow consumer delays only itself); the worker
+bounds what each may have queued (it never sends more), so the queues here need no bound of their own.
+The host exits when its command pipe closes (the worker closed it or died) and is killed with its
+worker (``PR_SET_PDEATHSIG``): it never outlives the worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import mmap
+import os
+import queue
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("vllm.steer.capture")
+
+PR_SET_PDEATHSIG = 1
+STATS_S = 1.0  # how often consumers' own counters are read (and sent when they changed)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the pipe's EOF still ends the host
+        pass
+    if os.getppid() != parent:  # the worker died before the prctl took
+        os._exit(0)
+
+
+def _load(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def ring_view(fd: int, rows: int, hidden: int, dtype: str) -> np.ndarray:
+    """The ring as numpy ``[rows, hidden]`` (bfloat16 as its raw uint16 bits)."""
+    np_dtype = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+    size = rows * hidden * np.dtype(np_dtype).itemsize
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    return np.frombuffer(mm, np_dtype).reshape(rows, hidden)
+
+
+def as_float(block: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows as consumers get them: bfloat16 becomes float32 (exact), other dtypes as stored."""
+    if dtype == "bfloat16":
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    return block
+
+
+class _Packet:
+    """One step's rows in the ring, converted once for the lanes that take some of them."""
+
+    def __init__(self, ring: np.ndarray, dtype: str, row0: int, n: int, entries: list) -> None:
+        self.ring, self.dtype, self.row0, self.n, self.entries = ring, dtype, row0, n, entries
+        self._lock = threading.Lock()
+        self._data: np.ndarray | None = None
+
+    def data(self) -> np.ndarray:
+        with self._lock:
+            if self._data is None:
+                self._data = as_float(self.ring[self.row0 : self.row0 + self.n], self.dtype)
+            return self._data
+
+
+class _HostLane:
+    def __init__(self, bit: int, instance: str, consumer: Any, send) -> None:
+        self.bit, self.instance, self.consumer, self.send = bit, instance, consumer, send
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=f"vllm-steer-capture-{instance}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if item[0] == "rows":
+                try:
+                    self._rows(item[1], item[2])
+                finally:
+                    self.send(("done", item[1], self.bit))
+            else:
+                self._finish(*item[1:])
+
+    def _rows(self, packet_id: int, packet: _Packet) -> None:
+        data = None
+        errors = 0
+        for request_id, layer, hook, positions, row0, masks in packet.entries:
+            take = (masks & self.bit) != 0
+            if not take.any():
+                continue
+            if data is None:
+                data = packet.data()
+            # boolean-mask indexing copies: the consumer never holds ring memory
+            block = data[row0 : row0 + len(positions)][take]
+            try:
+                self.consumer.on_rows(request_id, layer, hook, positions[take], block, {})
+            except Exception:
+                errors += 1
+                logger.exception("vllm-steer: capture consumer %s raised in on_rows", self.instance)
+        if errors:
+            self.send(("errors", errors))
+
+    def _finish(self, request_id: str, key: str, meta: dict) -> None:
+        try:
+            out = self.consumer.on_request_finished(request_id, meta)
+        except Exception as exc:
+            self.send(("errors", 1))
+            logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", self.instance)
+            out = {"error": "consumer_error", "message": f"{type(exc).__name__}: {exc}"[:1000]}
+        self.send(("finished", key, self.bit, out))
+
+
+def _report_stats(consumers: dict[int, tuple[str, Any]], send, stop: threading.Event) -> None:
+    """Consumers' own counters (an optional ``stats()``, e.g. the filesystem consumer's write errors) to the
+    worker, which adds them to its capture stats (``/metrics``)."""
+    last: dict = {}
+    while not stop.wait(STATS_S):
+        now = {}
+        for bit, (instance, consumer) in consumers.items():
+            if callable(getattr(consumer, "stats", None)):
+                try:
+                    now[bit] = {k: int(v) for k, v in consumer.stats().items()}
+                except Exception:
+                    logger.exception("vllm-steer: capture consumer %s raised in stats", instance)
+        if now != last:
+            send(("stats", now))
+            last = now
+
+
+def serve(cmd: Connection, res: Connection) -> None:
+    init = cmd.recv()[1]
+    for p in reversed(init["sys_path"]):  # the worker's path: consumers it can import, we can
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        ring = ring_view(init["ring_fd"], init["ring_rows"], init["hidden"], init["dtype"])
+        consumers = {bit: (instance, _load(path)(instance, **params))
+                     for bit, instance, path, params in init["consumers"]}
+    except BaseException as exc:  # a consumer that cannot start: the worker raises this at start-up
+        res.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    res.send(("ready", {bit: getattr(c, "global_spec", None) for bit, (_, c) in consumers.items()}))
+    out_lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with out_lock:
+            try:
+                res.send(msg)
+            except OSError:  # the worker is gone: nothing to answer
+                pass
+
+    lanes = {bit: _HostLane(bit, instance, c, send) for bit, (instance, c) in consumers.items()}
+    stop = threading.Event()
+    threading.Thread(target=_report_stats, args=(consumers, send, stop), name="vllm-steer-capture-stats",
+                     daemon=True).start()
+    dtype = init["dtype"]
+    while True:
+        try:
+            msg = cmd.recv()
+        except (EOFError, OSError):
+            break
+        if msg[0] == "rows":
+            _, packet_id, row0, n, entries, bits = msg
+            packet = _Packet(ring, dtype, row0, n, entries)
+            for bit in bits:
+                lanes[bit].queue.put(("rows", packet_id, packet))
+        elif msg[0] == "finish":
+            _, request_id, key, metas = msg
+            for bit, meta in metas.items():
+                lanes[bit].queue.put(("finish", request_id, key, meta))
+    stop.set()
+    for lane in lanes.values():  # deliver what was sent, then close the consumers
+        lane.queue.put(None)
+    for lane in lanes.values():
+        lane.thread.join(timeout=30)
+        try:
+            lane.consumer.close()
+        except Exception:
+            logger.exception("vllm-steer: capture consumer %s raised in close", lane.instance)
+
+
+def main(argv: list[str]) -> int:
+    parent, cmd_fd, res_fd = (int(a) for a in argv[1:4])
+    _die_with_parent(parent)
+    logging.basicConfig(level=logging.INFO, format="(capture host pid=%(process)d) %(levelname)s %(message)s")
+    serve(Connection(cmd_fd, writable=False), Connection(res_fd, readable=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

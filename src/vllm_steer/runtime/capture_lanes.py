@@ -1,0 +1,286 @@
+"""Worker side of the capture host: the shared-memory row ring, the host process, and its two threads.
+
+A capturing worker runs its consumers in one child process (``runtime.capture_host``), so nothing a
+consumer does competes with the model runner for the GIL. Per step, ``send_rows`` copies the used pool
+rows into a ring of shared memory (a memfd both processes map; on a GPU it is registered as pinned
+memory and the copy is a non-blocking D2H on the capture stream) and queues the packet's entries
+for the notifier thread, which waits for the copy's event (the GIL released) and writes them to
+the host's command pipe. The reader thread takes the host's answers: a lane done with a packet frees
+its slot (and, for the last lane, the packet's ring rows), a finished request goes to
+``CaptureRuntime._finished_by`` exactly as the in-process lanes did.
+
+Bounds (never waited for): each consumer has at most ``max_row_packets`` row packets and
+``max_finishes`` finish notices in flight (``Lane.row_slots`` / ``finish_slots``, taken by
+``CaptureRuntime``), and the ring holds ``RING_STEPS`` full pools; a packet that finds no room in the
+ring is dropped for every consumer that wanted it and counted (``stats["ring_full"]`` and, per
+consumer, ``dropped_packets``), named in each request's ``meta["dropped"]``.
+
+If the host dies (a consumer crashed it, or it was killed), the worker logs it once, counts
+``stats["consumer_host_deaths"]``, answers every request still waiting on its consumers with
+``{"error": "consumer_died", ...}`` (driver results) and from then on captures nothing for them:
+capture is disabled for this worker's consumers until the engine restarts; generation goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("vllm.steer.capture")
+
+RING_STEPS = 4  # the ring holds this many full device pools (steer.capture_max_rows rows each)
+HOST_START_S = 120.0  # the host must have built its consumers by then
+
+
+class Lane:
+    """The worker's view of one consumer in the host: its in-flight bounds and unanswered finishes."""
+
+    def __init__(self, bit: int, instance: str, driver: bool, max_row_packets: int, max_finishes: int) -> None:
+        self.bit, self.instance, self.driver = bit, instance, driver
+        self.row_slots = threading.Semaphore(max_row_packets)
+        self.finish_slots = threading.Semaphore(max_finishes)
+        self.outstanding: dict[str, int] = {}  # key -> finish notices the host has not answered
+
+
+class RowRing:
+    """Contiguous row ranges of the ring, handed out in order; a range is reused once it and every
+    older one are freed (packets finish nearly in order: a slow lane only delays reuse)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._live: deque[list] = deque()  # [packet id, start, end, freed], oldest first
+        self._by_id: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, packet_id: int, n: int) -> int | None:
+        with self._lock:
+            if not self._live:
+                start = 0 if n <= self.rows else None
+            else:
+                first, last = self._live[0][1], self._live[-1][2]
+                if self._live[-1][1] >= first:  # not wrapped: free are [last, rows) and [0, first)
+                    start = last if last + n <= self.rows else (0 if n <= first else None)
+                else:  # wrapped: free is [last, first)
+                    start = last if last + n <= first else None
+            if start is not None:
+                entry = [packet_id, start, start + n, False]
+                self._live.append(entry)
+                self._by_id[packet_id] = entry
+            return start
+
+    def free(self, packet_id: int) -> None:
+        with self._lock:
+            entry = self._by_id.pop(packet_id, None)
+            if entry is not None:
+                entry[3] = True
+            while self._live and self._live[0][3]:
+                self._live.popleft()
+
+
+class CaptureHost:
+    """The consumers' process of one worker, fed through the ring and a pipe."""
+
+    def __init__(self, rt: Any, consumers: list[tuple[int, str, type, dict]], ring_rows: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device, max_row_packets: int, max_finishes: int) -> None:
+        self.rt = rt
+        self.lanes = {bit: Lane(bit, instance, getattr(cls, "location", None) == "driver", max_row_packets,
+                                max_finishes) for bit, instance, cls, _ in consumers}
+        self.dead = False
+        self.consumer_stats: dict[int, dict[str, int]] = {}  # bit -> the consumer's own counters (host's last)
+        self._closing = False
+        self._lock = threading.Lock()
+        self._refs: dict[int, int] = {}  # packet id -> lanes not yet done with it
+        self._next_id = 0
+        self.ring = RowRing(ring_rows)
+        elem = torch.empty((), dtype=dtype).element_size()
+        size = ring_rows * hidden * elem
+        self._fd = os.memfd_create("vllm-steer-capture", os.MFD_CLOEXEC)  # only the host inherits it
+        os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size)
+        self.rows = torch.frombuffer(self._map, dtype=dtype).view(ring_rows, hidden)
+        if device.type == "cuda":  # the D2H copy lands in the shared pages directly
+            err = torch.cuda.cudart().cudaHostRegister(self.rows.data_ptr(), size, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"vllm-steer: cudaHostRegister of the capture ring ({size} bytes) failed: {err}")
+        cmd_r, cmd_w = os.pipe()
+        res_r, res_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_steer.runtime.capture_host", str(os.getpid()), str(cmd_r), str(res_w)],
+            pass_fds=(cmd_r, res_w, self._fd), stdin=subprocess.DEVNULL)
+        os.close(cmd_r)
+        os.close(res_w)
+        self._cmd = Connection(cmd_w, readable=False)
+        self._res = Connection(res_r, writable=False)
+        dtype_name = str(dtype).removeprefix("torch.")
+        try:
+            self._cmd.send(("init", {
+                "sys_path": list(sys.path), "ring_fd": self._fd, "ring_rows": ring_rows, "hidden": hidden,
+                "dtype": dtype_name,
+                "consumers": [(bit, instance, f"{cls.__module__}:{cls.__qualname__}", params)
+                              for bit, instance, cls, params in consumers]}))
+            answer = self._res.recv() if self._res.poll(HOST_START_S) else ("failed", f"no answer in {HOST_START_S:.0f} s")
+        except (EOFError, OSError) as exc:
+            answer = ("failed", f"the capture host exited at start ({type(exc).__name__})")
+        if answer[0] != "ready":
+            self.close()
+            raise RuntimeError(f"vllm-steer: capture consumers failed to start: {answer[1]}")
+        self.global_specs: dict[int, Any] = answer[1]
+        self._notify: queue.Queue = queue.Queue()  # bounded by the lanes' slots
+        threading.Thread(target=self._notifier, name="vllm-steer-capture-notify", daemon=True).start()
+        threading.Thread(target=self._reader, name="vllm-steer-capture-results", daemon=True).start()
+
+    # ---- the step thread ---------------------------------------------------------------------
+    def send_rows(self, rows: torch.Tensor, entries: list[tuple], lanes: list[Lane], copy_stream: Any) -> Any:
+        """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken).
+        Returns the copy's event (GPU), True (CPU), or None when the ring is full (nothing queued)."""
+        n = rows.shape[0]
+        packet_id = self._next_id
+        self._next_id += 1
+        start = self.ring.alloc(packet_id, n)
+        if start is None:
+            return None
+        dst = self.rows[start : start + n]
+        event = None
+        if rows.is_cuda:
+            forward_done = torch.cuda.Event()
+            forward_done.record()
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_event(forward_done)
+                dst.copy_(rows, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(copy_stream)
+        else:
+            dst.copy_(rows)
+        with self._lock:
+            self._refs[packet_id] = len(lanes)
+        self._notify.put((event, ("rows", packet_id, start, n, entries, [lane.bit for lane in lanes])))
+        return event if event is not None else True
+
+    def finish(self, lane: Lane, request_id: str, key: str, meta: dict, req: Any) -> None:
+        """Queue a finish notice for ``lane`` (its finish slot taken)."""
+        with self._lock:
+            dead = self.dead
+            if not dead:
+                lane.outstanding[key] = lane.outstanding.get(key, 0) + 1
+        if dead:
+            lane.finish_slots.release()
+            self.rt._finished_by(key, lane.bit, lane.instance, self._died_result())
+            return
+        self._notify.put((None, ("finish", lane.bit, request_id, key, meta, req)))
+
+    # ---- threads -----------------------------------------------------------------------------
+    def _notifier(self) -> None:
+        while True:
+            event, msg = self._notify.get()
+            if msg is None:  # closing: what was queued before went out
+                self._cmd.close()
+                return
+            if self.dead:
+                continue
+            try:
+                if event is not None:
+                    event.synchronize()  # releases the GIL while the copy runs
+                if msg[0] == "finish":
+                    _, bit, request_id, key, meta, req = msg
+                    dropped = req.dropped_for(bit) if req.dropped else {}
+                    spec = req.specs.get(bit)
+                    msg = ("finish", request_id, key, {bit: {
+                        **meta, "params": dict(spec.params) if spec is not None else {},
+                        "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))}})
+                self._cmd.send(msg)
+            except (OSError, ValueError) as exc:
+                self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")
+            except Exception:
+                logger.exception("vllm-steer: capture notice failed")
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                msg = self._res.recv()
+            except (EOFError, OSError):
+                self._died("it exited")
+                return
+            try:
+                self._answer(msg)
+            except Exception:
+                logger.exception("vllm-steer: capture host answer %r failed", msg[0])
+
+    def _answer(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "done":
+            _, packet_id, bit = msg
+            self.lanes[bit].row_slots.release()
+            with self._lock:
+                left = self._refs[packet_id] = self._refs[packet_id] - 1
+                if left == 0:
+                    del self._refs[packet_id]
+            if left == 0:
+                self.ring.free(packet_id)
+        elif kind == "finished":
+            _, key, bit, out = msg
+            lane = self.lanes[bit]
+            with self._lock:
+                n = lane.outstanding.get(key, 0)
+                if n == 0:  # already answered (the host was declared dead meanwhile)
+                    return
+                if n == 1:
+                    del lane.outstanding[key]
+                else:
+                    lane.outstanding[key] = n - 1
+            lane.finish_slots.release()
+            self.rt._finished_by(key, bit, lane.instance, out)
+        elif kind == "errors":
+            self.rt._count("consumer_errors", msg[1])
+        elif kind == "stats":
+            self.consumer_stats = msg[1]
+
+    def _died_result(self) -> dict:
+        return {"error": "consumer_died", "message": "the capture consumers' process died (see the worker log): "
+                                                     "capture is disabled for them until the engine restarts"}
+
+    def _died(self, why: str) -> None:
+        with self._lock:
+            if self.dead:
+                return
+            self.dead = True
+            owed = {bit: dict(lane.outstanding) for bit, lane in self.lanes.items()}
+            for lane in self.lanes.values():
+                lane.outstanding.clear()
+        if self._closing:
+            return
+        code = self.proc.poll()
+        self.rt._count("consumer_host_deaths")
+        logger.error("vllm-steer: the capture consumers' process (pid %d, exit code %s) died: %s; capture is "
+                     "disabled for %s until the engine restarts; %d waiting request(s) get a consumer_died error",
+                     self.proc.pid, code, why, sorted(lane.instance for lane in self.lanes.values()),
+                     sum(sum(o.values()) for o in owed.values()))
+        result = self._died_result()
+        for bit, keys in owed.items():
+            lane = self.lanes[bit]
+            for key, n in keys.items():
+                for _ in range(n):
+                    lane.finish_slots.release()
+                    self.rt._finished_by(key, bit, lane.instance, result)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the command pipe (the host delivers what it has, closes its consumers, exits)."""
+        self._closing = True
+        if hasattr(self, "_notify"):
+            self._notify.put((None, None))  # the notifier closes the pipe after what is queued
+        else:
+            self._cmd.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
