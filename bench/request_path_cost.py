@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Host cost of one steered request per stage at a model shape (no engine): decode the body (JSON / msgpack),
-prepare it (front end), a wave of 16 in the 4-thread pool vs one by one, the engine's table write (CUDA if any);
+prepare it (front end, the payload encoded for one engine request), its trip to the engine core (vLLM's clone
+of the params, its msgpack encode and decode of them), the engine core's read of the payload, the worker's table
+write (payload decoded, rows written; CUDA if any), a wave of 16 in the 4-thread pool vs one by one;
 forms: packed bf16 / float32, float lists, a module reference.
     python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
 """
@@ -19,12 +21,15 @@ from types import SimpleNamespace
 import msgspec
 import numpy as np
 import torch
+from vllm import SamplingParams
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_steer.client import pack
-from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload, payload_of
 from vllm_steer.frontend.module_registration import module_from_json, prepare
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepare import SteeringFrontend
+from vllm_steer.frontend.prepared import for_request
 from vllm_steer.runtime.tables import SteeringTables
 from vllm_steer.server import request_body
 
@@ -86,24 +91,37 @@ def main() -> None:
                             torch.bfloat16, device)
     row = iter(range(10**9))
 
-    def write(payload: dict) -> None:
-        steering = decode_payload(payload)
+    def write(raw: bytes) -> None:
+        steering = decode_payload(raw)
         for key in steering.keys:
             if key in steering.configs:
                 tables.write_row(1 + next(row) % 63, steering.configs[key])
 
+    def prepare_one(fields: dict) -> dict | None:
+        return for_request(fe.engine_extra_args(dict(fields)), {}, "req-0").extra_args
+
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(SamplingParams)
+
+    def transport(extra: dict | None) -> SamplingParams:
+        """What vLLM does with the params between the API process and the engine core's scheduler."""
+        return decoder.decode(encoder.encode(SamplingParams(max_tokens=8, extra_args=extra).clone()))
+
     pool, results = ThreadPoolExecutor(4), []
     print(f"per request, {args.layers} layers x {args.hidden} x {len(HOOKS)} hooks, model bf16, tables on {device}, "
           f"median of {args.repeat} (ms)")
-    print("| request | body bytes | decode | prepare | engine write | wave of 16: one by one | wave of 16: pool of 4 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| request | body bytes | decode | prepare | to the engine | engine core read | engine write "
+          "| wave of 16: one by one | wave of 16: pool of 4 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items():
         fields = request_body.steering_fields(dict(request_body._decode(body, msgpack)))
         t_dec = _median_ms(lambda: request_body._decode(body, msgpack), args.repeat)
-        t_prep = _median_ms(lambda: fe.engine_extra_args(dict(fields)), args.repeat)
-        extra, _, _ = fe.engine_extra_args(dict(fields))
-        payload = (extra or {}).get(PAYLOAD_KEY)
-        t_write = _median_ms(lambda: write(payload), args.repeat) if payload and payload["configs"] else 0.0
+        t_prep = _median_ms(lambda: prepare_one(fields), args.repeat)
+        extra = prepare_one(fields)
+        t_trip = _median_ms(lambda: transport(extra), args.repeat)
+        params = transport(extra)
+        t_core = _median_ms(lambda: payload_of(params).keys, args.repeat) if extra else 0.0
+        raw = (params.extra_args or {}).get(PAYLOAD_KEY)
+        t_write = _median_ms(lambda: write(raw), args.repeat) if raw and decode_payload(raw).configs else 0.0
         if device.type == "cuda":
             torch.cuda.synchronize()
         wave = [body] * 16
@@ -111,9 +129,10 @@ def main() -> None:
         t_pool = _median_ms(lambda: list(pool.map(lambda b: request_body._prepare(fe, b, msgpack), wave)),
                             max(3, args.repeat // 5))
         results.append({"request": name, "body_bytes": len(body), "decode_ms": t_dec, "prepare_ms": t_prep,
-                        "engine_write_ms": t_write, "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool})
-        print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_write:.2f} | {t_serial:.1f} "
-              f"| {t_pool:.1f} |")
+                        "to_engine_ms": t_trip, "engine_core_read_ms": t_core, "engine_write_ms": t_write,
+                        "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool})
+        print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_trip:.3f} | {t_core:.3f} | {t_write:.2f} "
+              f"| {t_serial:.1f} | {t_pool:.1f} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"layers": args.layers, "hidden": args.hidden, "device": str(device),

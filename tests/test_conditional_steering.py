@@ -22,7 +22,6 @@ from tests.steering_cases import floats, params, vector
 from tests.test_sae_engine import BIG as SAE_BIG, RESIDUAL_ATOL, RESIDUAL_RTOL, SAES, _edit as sae_edit, stream_into
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.core.payload import PAYLOAD_KEY
 from vllm_steer.core.hooks import site_order
 from vllm_steer.kernels.steered_rms_norm.naive import steered_cond_rms_norm_naive, steered_rms_norm_naive
 
@@ -99,7 +98,7 @@ def test_a_packed_probe_is_the_same_probe_as_its_floats():
     for dtype in ("float32", "float16", "bfloat16"):
         packed, pkey, _ = fe.resolve({**steer, "steering_condition": {
             "site": "post_mlp.4", "probe": {"dtype": dtype, "data": _packed(probe, dtype)}}})
-        assert pkey == key and packed["condition"] == listed["condition"], dtype
+        assert pkey == key and packed.condition == listed.condition, dtype
     raw = np.asarray(probe, dtype=np.float32).tobytes()  # bytes, as a msgpack body carries them
     _, bkey, _ = fe.resolve({**steer, "steering_condition": {"site": "post_mlp.4",
                                                               "probe": {"dtype": "float32", "data": raw}}})
@@ -200,26 +199,25 @@ def test_a_probe_named_by_module_is_its_vector_and_a_phase_gates_only_that_phase
     explicit, pk, dk = fe.resolve({**steer, "steering_condition": cond})
     for probe in ({"module": "cond-probe"}, {"module": "cond-probe", "site": "post_mlp.4"}):
         named, npk, ndk = fe.resolve({**steer, "steering_condition": {**cond, "probe": probe}})
-        assert (npk, ndk) == (pk, dk) and named["condition"] == explicit["condition"]  # the same probe bytes
+        assert (npk, ndk) == (pk, dk) and named.condition == explicit.condition  # the same probe bytes
     _, plain, _ = fe.resolve(steer)
     decode_only, dpk, ddk = fe.resolve({**steer, "steering_condition": {**cond, "phase": "decode"}})
-    assert dpk == plain and ddk == dk and set(decode_only["condition"]) == {dk}  # prefill unconditional
-    assert set(decode_only["configs"]) == {plain, dk}
+    assert dpk == plain and ddk == dk and set(decode_only.condition) == {dk}  # prefill unconditional
+    assert set(decode_only.configs) == {plain, dk}
     prefill_only, ppk, pdk = fe.resolve({**steer, "steering_condition": {**cond, "phase": "prefill"}})
-    assert ppk == pk and pdk == plain and set(prefill_only["condition"]) == {pk}
+    assert ppk == pk and pdk == plain and set(prefill_only.condition) == {pk}
 
 
 def test_stop_when_travels_beside_the_rows_and_keeps_the_key():
     fe = _frontend(conditions=True)
     cond = {"site": "post_mlp.2", "probe": V}
-    base = fe.engine_extra_args({"steering_condition": cond, "steering_vectors": {"post_mlp": {"3": V}}})[0]
+    base = fe.engine_extra_args({"steering_condition": cond, "steering_vectors": {"post_mlp": {"3": V}}}).payload
     for phase, from_prompt in (("both", True), ("decode", False)):
-        extra = fe.engine_extra_args({"steering_condition": {**cond, "phase": phase, "stop_when": {"above": 0.25}},
-                                      "steering_vectors": {"post_mlp": {"3": V}}})[0]
-        payload = extra[PAYLOAD_KEY]
-        assert payload["stop_when"] == [0.25, 1, from_prompt]
+        payload = fe.engine_extra_args({"steering_condition": {**cond, "phase": phase, "stop_when": {"above": 0.25}},
+                                        "steering_vectors": {"post_mlp": {"3": V}}}).payload
+        assert payload.stop_when == (0.25, 1, from_prompt)
         if phase == "both":  # the same rows, keys and salt as without the stop
-            assert payload["prefill"] == base[PAYLOAD_KEY]["prefill"] and "stop_when" not in base[PAYLOAD_KEY]
+            assert payload.prefill == base.prefill and base.stop_when is None
 
 
 def test_a_condition_needs_steer_conditions_and_changes_the_key():
@@ -537,14 +535,14 @@ def test_a_condition_gates_sae_clamps_as_applies_to_says(tmp_path):
     cond = {"site": "post_mlp.4", "probe": V, "applies_to": "sae"}
     plain_sae, sk, _ = fe.resolve({"sae": clamps})
     gated, pk, dk = fe.resolve({"sae": clamps, "steering_condition": cond})
-    assert pk == dk and pk != sk and set(gated["condition"]) == {pk} and gated["condition"][pk][6] == 2
-    assert set(gated["sae"]) == {pk} and gated["sae"][pk] == plain_sae["sae"][sk] and gated["configs"][pk] == []
+    assert pk == dk and pk != sk and set(gated.condition) == {pk} and gated.condition[pk][6] == 2
+    assert set(gated.sae) == {pk} and gated.sae[pk] == plain_sae.sae[sk] and gated.configs[pk] == {}
     early = {"post_mlp": {"1": V}}  # vectors before the probe: fine while the condition gates only the clamps
     mixed, mk, _ = fe.resolve({"sae": clamps, "steering_condition": cond, "steering_vectors": early})
-    assert mk not in (pk, sk) and mixed["configs"][mk] and mixed["sae"][mk] == gated["sae"][pk]
+    assert mk not in (pk, sk) and mixed.configs[mk] and mixed.sae[mk] == gated.sae[pk]
     both, bk, _ = fe.resolve({"sae": clamps, "steering_condition": {**cond, "applies_to": "both"},
                               "steering_vectors": {"post_mlp": {"5": V}}})
-    assert both["condition"][bk][6] == 3
+    assert both.condition[bk][6] == 3
     for extra, field, words in (
             ({"steering_vectors": early, "steering_condition": {**cond, "applies_to": "both"}},
              "steering_condition.site", "before the probe"),
@@ -588,7 +586,7 @@ def test_a_module_carries_its_condition_to_the_requests_that_name_it(probe_modul
     try:
         carried, pk, dk = fe.resolve({"steering_module": {"name": "gated", "scale": 1.0}})
         sent, spk, sdk = fe.resolve({"steering_vectors": vecs, "steering_condition": cond})
-        assert (pk, dk) == (spk, sdk) and carried["condition"] == sent["condition"]
+        assert (pk, dk) == (spk, sdk) and carried.condition == sent.condition
         _, plain, _ = fe.resolve({"steering_vectors": vecs})
         # the request's own condition replaces the module's
         _, own, _ = fe.resolve({"steering_module": {"name": "gated", "scale": 1.0},

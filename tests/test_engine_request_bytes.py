@@ -11,6 +11,7 @@ from vllm import SamplingParams
 from vllm.v1.serial_utils import MsgpackEncoder
 
 from vllm_steer.frontend.prepare import SteeringFrontend
+from vllm_steer.frontend.prepared import for_request
 from vllm_steer.frontend.module_registration import module_from_json
 from vllm_steer.frontend.module_store import STORE
 
@@ -36,11 +37,12 @@ def test_module_reference_ships_a_few_hundred_bytes_inline_ships_the_vectors():
     module.version = STORE.next_version()
     STORE.publish(module)
     try:
-        inline, pk_i, _ = fe.engine_extra_args({"steering_vectors": vectors})
-        by_ref, pk_m, _ = fe.engine_extra_args({"steering_module": {"name": "bytes-test", "scale": 1.0}})
+        inline, by_ref = (for_request(fe.engine_extra_args(f), {}, "r") for f in (
+            {"steering_vectors": vectors}, {"steering_module": {"name": "bytes-test", "scale": 1.0}}))
+        pk_i, pk_m = inline.prefill_key, by_ref.prefill_key
     finally:
         STORE.drop("bytes-test")
     assert pk_i == pk_m  # the same config either way
-    inline_bytes, ref_bytes = _wire_bytes(inline), _wire_bytes(by_ref)
+    inline_bytes, ref_bytes = _wire_bytes(inline.extra_args), _wire_bytes(by_ref.extra_args)
     assert inline_bytes > LAYERS * HIDDEN * 3 * 2  # every vector, in bf16
     assert ref_bytes < 600, ref_bytes

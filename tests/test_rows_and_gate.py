@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_steer.core.payload import PAYLOAD_KEY
+from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, encode_payload
 
 import pytest
 
@@ -120,8 +120,8 @@ def test_module_users_counts_unfinished_requests_by_module_name():
     from vllm_steer.engine.module_rpc import module_users
 
     def req(module):
-        payload = {"prefill": "k", "decode": "k", "module": module and {"name": module, "version": 1, "scale": 1.0}}
-        return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: payload}))
+        payload = SteerPayload("k", "k", module=ModuleRef(module, 1, 1.0) if module else None)
+        return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: encode_payload(payload)}))
 
     plain = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=None))
     pooling = SimpleNamespace(sampling_params=None)

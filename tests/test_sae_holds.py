@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_steer.core.payload import PAYLOAD_KEY
+from vllm_steer.core.payload import PAYLOAD_KEY, SteerPayload, encode_payload
+from vllm_steer.core.rpc import HoldSae, RegisterSae
 from vllm_steer.engine import module_registry, module_rpc
 from vllm_steer.engine.module_registry import registry_of
 
@@ -22,19 +23,22 @@ def _core(requests=()):
 
 def _clamping(site: str):
     hook, layer = site.split(".")
-    payload = {"sae": {"decode": [["s", hook, int(layer), 1, 2.0]]}}
-    return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: payload}))
+    payload = SteerPayload(None, "d", sae={"d": [("s", hook, int(layer), 1, b"", b"", b"")]})
+    return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: encode_payload(payload)}))
+
+
+def _call(core, forward=None):
+    return module_rpc.Call(core, object(), forward)
 
 
 def _hold(core, name, version, sites):
-    return module_rpc._hold_sae(core, core.scheduler, (name, version, {"replace": False}, sites))[0]
+    return module_rpc._hold_sae(_call(core), HoldSae(name, version, {"replace": False}, sites))[0]
 
 
 def _register(core, name, version, sites):
-    staged = ("path", None, None, [1], sites)
     calls = []
-    out = module_rpc._register_sae(core, core.scheduler, lambda *a: calls.append(a) or [{"staged": True}], None,
-                                   staged + (name, version, {"replace": False}), None)
+    out = module_rpc._register_sae(_call(core, lambda *a: calls.append(a) or [{"staged": True}]),
+                                   RegisterSae("path", None, None, [1], sites, name, version, {"replace": False}))
     return out[0], calls
 
 
@@ -72,16 +76,15 @@ def test_an_engine_whose_requests_clamp_at_the_site_refuses(where):
 def test_a_request_prepared_for_an_sae_registration_that_is_gone_is_refused_in_the_engine():
     """Another API process deleted and re-registered the SAE while this request was on its way: the
     engine core refuses it (400 naming sae.name) instead of clamping with the new weights."""
-    from vllm_steer.core.payload import SAE_VERSIONS_KEY
     from vllm_steer.engine.scheduler import _gone_sae
 
     core = _core()
     _register(core, "a", 10, ["post_mlp.1"])
-    prepared = {SAE_VERSIONS_KEY: {"a": 10}}
-    assert _gone_sae(prepared, core.scheduler) is None and _gone_sae({}, core.scheduler) is None
+    prepared = SteerPayload(sae_versions={"a": 10})
+    assert _gone_sae(prepared, core.scheduler) is None and _gone_sae(SteerPayload(), core.scheduler) is None
     registry_of(core, "sae").remove("a")
     gone = _gone_sae(prepared, core.scheduler)
     assert (gone.status, gone.param) == (400, "sae.name") and "registration 10 is gone" in gone.message
     _register(core, "a", 11, ["post_mlp.1"])  # the same name at the same site: other weights
     assert _gone_sae(prepared, core.scheduler).param == "sae.name"
-    assert _gone_sae({SAE_VERSIONS_KEY: {"a": 11}}, core.scheduler) is None
+    assert _gone_sae(SteerPayload(sae_versions={"a": 11}), core.scheduler) is None

@@ -147,8 +147,6 @@ def test_packed_in_the_model_dtype_takes_the_byte_path_to_the_same_key_and_rows(
     trip), and give exactly the key and bytes of the general path: floats, unsorted layers, zero
     rows and -0.0 included."""
     from vllm_steer.client import pack
-    from vllm_steer.core.payload import PAYLOAD_KEY
-
     name = str(model_dtype).split(".")[-1]
     fe = _frontend(model_dtype)
     rng = np.random.default_rng(3)
@@ -158,13 +156,13 @@ def test_packed_in_the_model_dtype_takes_the_byte_path_to_the_same_key_and_rows(
     packed_field = {"post_mlp": pack(rows, [3, 0, 2], name), "pre_attn": pack(rows[:1], [1], name)}
     floats_field = {"post_mlp": {"3": rows[0].tolist(), "0": rows[1].tolist(), "2": (rows[2] + np.float32(0)).tolist()},
                     "pre_attn": {"1": rows[0].tolist()}}
-    fast, pk_fast, dk_fast = fe.engine_extra_args({"steering_vectors": packed_field})
-    slow, pk_slow, dk_slow = fe.engine_extra_args({"steering_vectors": floats_field})
+    fast, slow = (fe.engine_extra_args({"steering_vectors": f}) for f in (packed_field, floats_field))
+    (pk_fast, dk_fast), (pk_slow, dk_slow) = fast[2:], slow[2:]
     assert pk_fast == dk_fast == pk_slow == dk_slow is not None
-    assert fast[PAYLOAD_KEY]["configs"] == slow[PAYLOAD_KEY]["configs"]
-    (entries,) = fast[PAYLOAD_KEY]["configs"].values()
-    assert [(h, ids) for h, ids, _ in entries] == [("pre_attn", [1]), ("post_mlp", [2, 3])]
-    pre_only, pk, dk = fe.engine_extra_args({"prefill_steering_vectors": packed_field})
+    assert fast.payload.configs == slow.payload.configs
+    (layout,) = fast.payload.configs.values()
+    assert [(h, ids) for h, (ids, _) in layout.items()] == [("pre_attn", (1,)), ("post_mlp", (2, 3))]
+    _, _, pk, dk = fe.engine_extra_args({"prefill_steering_vectors": packed_field})
     assert (pk, dk) == (pk_fast, None)
 
 
@@ -184,7 +182,7 @@ def test_byte_path_refuses_bad_rows_naming_the_field():
     with pytest.raises(SteeringSpecError) as e:
         fe.engine_extra_args({"steering_vectors": {"mid": pack(two, [1, 2], "bfloat16")}})
     assert e.value.field == "steering_vectors.mid"
-    zero, pk, dk = fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(np.zeros((1, 8)), [1], "bfloat16")}})
+    zero, _, pk, dk = fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(np.zeros((1, 8)), [1], "bfloat16")}})
     assert zero is None and pk is dk is None  # all-zero vectors are no steering at all
 
 

@@ -16,6 +16,7 @@ import time
 from typing import Any, Iterable
 
 from vllm_steer.core.config import steer_config_of
+from vllm_steer.core.rpc import CaptureCollect, call_args
 
 METHOD = "vllm_steer_capture_collect"
 POLL_S = 0.01
@@ -90,7 +91,7 @@ def collect(llm: Any, outputs: list[Any], timeout: float | None = None) -> list[
     deadline = time.monotonic() + timeout
     while pending.open:
         asked = sorted(pending.open)
-        pending.update(llm.collective_rpc(METHOD, args=(asked,)), asked)
+        pending.update(llm.collective_rpc(METHOD, args=call_args(CaptureCollect(asked))), asked)
         if not pending.open or time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)

@@ -1,16 +1,20 @@
-"""The engine-internal steering payload: what the API side puts in ``SamplingParams.extra_args``.
+"""The engine-internal steering payload: one typed struct from the API process to the engine core and the workers.
 
-The front end validates, resolves tiers and hashes once per request, then ships each distinct
-effective vector set once, already in the model dtype and in table layout (``core.layout``),
-keyed by its hash. The worker only copies those bytes into table rows. A plain dict of str/int/bytes so
-msgspec carries it between processes unchanged. Also the codec that ships a named module's tiers
-to the workers once, through ``collective_rpc``.
+The front end validates, resolves tiers and hashes once per request, then builds one ``SteerPayload``: each
+distinct effective vector set once, already in the model dtype and in table layout (``core.layout``), keyed by
+its hash, with whatever else the features need (module reference, SAE clamps, condition, stop_when, capture).
+It travels in ``SamplingParams.extra_args[PAYLOAD_KEY]`` as msgpack bytes (``encode_payload``): vLLM's deep
+copies of the params then copy one bytes object, not nested lists. Readers decode it (``payload_of``; the rows
+and probes come back as views into those bytes, no copy) and read attributes, never raw keys; anything else
+under the key is refused with a ``PayloadError`` naming what was wrong. A new field is one line here.
+Also the codec that ships a named module's tiers to the workers once, through ``collective_rpc``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -18,8 +22,7 @@ from vllm_steer.core.layout import Layout
 from vllm_steer.core.vectors import Vectors
 
 PAYLOAD_KEY = "vllm_steer"
-PAYLOAD_VERSION = 2
-SAE_VERSIONS_KEY = "sae_versions"  # payload key: runtime SAE name -> the registration the request was prepared for
+PAYLOAD_TAG = "vllm-steer/3"  # the first element of the encoded array: a payload of another version is refused
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -27,80 +30,108 @@ _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
+# The wire forms of one SAE clamp site (core.sae_rows) and one condition (frontend.condition_spec).
+SaeClamp = tuple[str, str, int, int, memoryview, memoryview, memoryview]  # name, hook, layer, mode, slots, codes, values
+Condition = tuple[str, int, float, float, int, memoryview, int]  # hook, layer, threshold, sharpness, hard, probe, applies
+Rows = dict[str, tuple[tuple[int, ...], memoryview]]  # core.layout.Layout as decoded: hook -> (layers, rows)
+
+
+class PayloadError(ValueError):
+    """``extra_args[PAYLOAD_KEY]`` is not a payload this version of vllm-steer wrote."""
+
+
+class ModuleRef(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False,
+                forbid_unknown_fields=True):
+    """A named module version whose rows the workers build from their registry (a bare reference)."""
+
+    name: str
+    version: int
+    scale: float
+    layers: tuple[int, ...] | None = None  # the request's selection (None: every layer / hook of the module)
+    hooks: tuple[str, ...] | None = None
+
+
+class SteerPayload(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False,
+                   forbid_unknown_fields=True, tag=PAYLOAD_TAG):
+    """What one request needs in the engine core and the workers. ``prefill`` / ``decode``: the config key of
+    each phase (None: unsteered phase); ``configs``: each key's rows in table layout, except a bare module
+    reference's (``module``), which the workers build. Fields most requests leave unset come last (an
+    array-like struct omits only trailing defaults)."""
+
+    prefill: str | None = None
+    decode: str | None = None
+    configs: dict[str, Rows] = {}
+    module: ModuleRef | None = None
+    capture: dict[str, Any] | None = None  # consumer instance -> its spec (None: no capture)
+    sae: dict[str, list[SaeClamp]] | None = None  # key -> SAE clamp entries (core.sae_rows wire form)
+    condition: dict[str, Condition] | None = None  # key -> its condition (frontend.condition_spec wire form)
+    stop_when: tuple[float, int, bool] | None = None  # above, tokens, whether the last prompt position counts
+    sae_versions: dict[str, int] | None = None  # runtime SAE name -> the registration it was prepared for
+    external_id: str | None = None  # the request id callers know (set on capturing payloads)
+    capture_reply: str | None = None  # where a worker sends this request's capture results
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The distinct config keys the request needs rows for, in a fixed order (allocation is deterministic)."""
+        return tuple(dict.fromkeys(k for k in (self.prefill, self.decode) if k is not None))
+
+    @property
+    def steered(self) -> bool:
+        return self.prefill is not None or self.decode is not None
+
+    def rows_of(self, key: str) -> Layout | None:
+        """The shipped rows of ``key`` (None: a bare module reference's, built by the worker)."""
+        return self.configs.get(key)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(SteerPayload)
+
+
+def encode_payload(payload: SteerPayload) -> bytes:
+    """The bytes a request carries in ``extra_args[PAYLOAD_KEY]``."""
+    return _ENCODER.encode(payload)
+
+
+def decode_payload(raw: Any) -> SteerPayload:
+    """Inverse of ``encode_payload``; PayloadError (naming the problem) for anything else."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"vllm-steer payload: expected the bytes of encode_payload, got {type(raw).__name__} "
+                           f"(extra_args[{PAYLOAD_KEY!r}] is reserved for vllm-steer)")
+    try:
+        return _DECODER.decode(raw)
+    except msgspec.ValidationError as e:
+        raise PayloadError(f"vllm-steer payload is not a {PAYLOAD_TAG} payload: {e}") from None
+    except msgspec.DecodeError as e:
+        raise PayloadError(f"vllm-steer payload is garbled: {e}") from None
+
+
+_CACHED = "_vllm_steer_payload"  # attribute of a vLLM Request: its decoded payload (decoded once per process)
+
+
+def payload_of(sampling_params: object | None) -> SteerPayload | None:
+    """The payload a request's SamplingParams carry, decoded (None: unsteered, or no params)."""
+    extra = getattr(sampling_params, "extra_args", None)
+    raw = extra.get(PAYLOAD_KEY) if extra else None
+    return decode_payload(raw) if raw is not None else None
+
+
+def request_payload(request: object) -> SteerPayload | None:
+    """``payload_of`` a vLLM ``Request``'s params, decoded once and kept on the request (a payload that
+    does not decode raises PayloadError once, then reads as None: the scheduler refuses that request)."""
+    cached = getattr(request, _CACHED, _CACHED)
+    if cached is _CACHED:
+        setattr(request, _CACHED, None)
+        cached = payload_of(getattr(request, "sampling_params", None))
+        setattr(request, _CACHED, cached)
+    return cached
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     for name, dt in _TORCH_DTYPES.items():
         if dt == dtype:
             return name
     raise ValueError(f"unsupported model dtype for steering tables: {dtype}")
-
-
-@dataclass(frozen=True)
-class EngineSteering:
-    """The decoded payload of one request: a config key per phase (None: unsteered phase).
-
-    ``configs`` holds each key's rows in table layout (the shipped bytes), except for a bare module reference (``module``:
-    name, version, scale), whose rows the worker builds from its module registry."""
-
-    prefill_key: str | None
-    decode_key: str | None
-    configs: dict[str, Layout]
-    module: dict | None = None
-    sae: dict | None = None  # key -> SAE clamp entries (core.sae_rows wire form)
-    condition: dict | None = None  # key -> its condition (frontend.condition_spec wire form)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return _distinct(self.prefill_key, self.decode_key)
-
-
-def encode_payload(
-    prefill_key: str | None,
-    decode_key: str | None,
-    configs: dict[str, Layout],
-    dtype: str,
-    module: dict | None = None,
-    capture: dict | None = None,
-) -> dict:
-    """The payload of a request: each config in table layout (model-dtype bytes), keyed."""
-    return {
-        "v": PAYLOAD_VERSION,
-        "dtype": dtype,
-        "prefill": prefill_key,
-        "decode": decode_key,
-        "configs": {key: [[hook, list(ids), raw] for hook, (ids, raw) in layout.items()]
-                    for key, layout in configs.items()},
-        "module": module,
-        "capture": capture,
-    }
-
-
-def decode_payload(payload: dict) -> EngineSteering:
-    """Inverse of encode_payload (on the worker): the shipped bytes themselves, no copy."""
-    if payload.get("v") != PAYLOAD_VERSION:
-        raise ValueError(f"steering payload version {payload.get('v')} != {PAYLOAD_VERSION}")
-    configs = {key: {hook: (tuple(layers), raw) for hook, layers, raw in entries}
-               for key, entries in payload["configs"].items()}
-    return EngineSteering(payload["prefill"], payload["decode"], configs, payload.get("module"), payload.get("sae"),
-                          payload.get("condition"))
-
-
-def payload_of(sampling_params: object | None) -> dict | None:
-    """The steering payload a request's SamplingParams carry (None: unsteered, or no params)."""
-    extra = getattr(sampling_params, "extra_args", None)
-    return extra.get(PAYLOAD_KEY) if extra else None
-
-
-def payload_keys(payload: dict | None) -> tuple[str, ...]:
-    """The distinct config keys a request needs rows for (no decoding of vectors)."""
-    if not payload:
-        return ()
-    return _distinct(payload["prefill"], payload["decode"])
-
-
-def _distinct(*keys: str | None) -> tuple[str, ...]:
-    """Non-None keys, first occurrence kept, in a fixed order (row allocation is deterministic)."""
-    return tuple(dict.fromkeys(k for k in keys if k is not None))
 
 
 def tiers_to_wire(tiers: dict[str, Vectors]) -> dict:

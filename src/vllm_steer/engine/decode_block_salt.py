@@ -14,15 +14,17 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable
 
+from vllm_steer.core.payload import SteerPayload
+
 _DOMAIN = b"vllm-steer-decode-kv\0"
 
 
-def decode_salt_key(payload: dict | None) -> str | None:
+def decode_salt_key(payload: SteerPayload | None) -> str | None:
     """The salt (decode key, or ``"-"`` for an unsteered decode) when a request's generated KV
     differs from what a prompt would compute there; None when vLLM's hashes are right as they are."""
-    if not payload or payload.get("prefill") == payload.get("decode"):
+    if payload is None or payload.prefill == payload.decode:
         return None
-    return payload.get("decode") or "-"
+    return payload.decode or "-"
 
 
 class DecodeSaltedHasher:

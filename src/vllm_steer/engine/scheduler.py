@@ -20,7 +20,7 @@ import time
 
 from vllm_steer.core.compat import waiting_queues
 from vllm_steer.core.config import steer_config_of
-from vllm_steer.core.payload import SAE_VERSIONS_KEY, payload_keys, payload_of
+from vllm_steer.core.payload import PayloadError, SteerPayload, request_payload
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.core.stops import encode as encode_stop
 from vllm_steer.core.vectors import MODULE_FIELD, SAE_FIELD
@@ -37,23 +37,23 @@ def _row_wait_refusal(gate: RowGate, waited: float) -> Refusal:
         f"{gate.capacity} rows (steer.max_configs - 1) hold the configs of running requests; retry later"))
 
 
-def _gone_module(payload: dict, registries: object) -> Refusal | None:
+def _gone_module(payload: SteerPayload, registries: object) -> Refusal | None:
     """A refusal if the request's rows must be built from a module version no worker holds any more
     (replaced through another API process while this request was on its way)."""
-    module = payload.get("module")
-    if not module or all(k in payload["configs"] for k in payload_keys(payload)):
+    module = payload.module
+    if module is None or all(k in payload.configs for k in payload.keys):
         return None  # no module, or every row travels with the request
-    if registry_of(registries).holds(module["name"], module["version"]):
+    if registry_of(registries).holds(module.name, module.version):
         return None
-    return Refusal(400, f"{MODULE_FIELD}.name", f"steering module {module['name']!r} changed while this request "
-                                                f"was prepared (version {module['version']} is gone); send it again")
+    return Refusal(400, f"{MODULE_FIELD}.name", f"steering module {module.name!r} changed while this request "
+                                                f"was prepared (version {module.version} is gone); send it again")
 
 
-def _gone_sae(payload: dict, registries: object) -> Refusal | None:
+def _gone_sae(payload: SteerPayload, registries: object) -> Refusal | None:
     """A refusal if a runtime SAE the request clamps with is no longer the registration it was prepared
     against: deleted, or replaced at its site through another API process while this request was on its
     way (the workers hold only the current weights, so it would clamp with another SAE's)."""
-    versions = payload.get(SAE_VERSIONS_KEY)
+    versions = payload.sae_versions
     if not versions:
         return None
     registry = registry_of(registries, "sae")
@@ -85,9 +85,12 @@ def patch_scheduler() -> None:
         gate: RowGate | None = self.steer_gate
         refusal = None
         if gate is not None:
-            payload = payload_of(request.sampling_params)
-            if payload:
-                gate.arrive(request.request_id, payload_keys(payload))
+            try:
+                payload = request_payload(request)
+            except PayloadError as e:  # not ours (another vllm-steer version in the API process?): never run it
+                payload, refusal = None, Refusal(500, None, str(e))
+            if payload is not None:
+                gate.arrive(request.request_id, payload.keys)
                 hasher = getattr(request, "_block_hasher", None)
                 key = decode_salt_key(payload)
                 if key is not None and hasher is not None and not isinstance(hasher, DecodeSaltedHasher):

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from vllm_steer.core.rpc import Name, RegisterModule, call_args
 from vllm_steer.core.config import SteerConfigError, upload_cap
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
@@ -136,7 +137,7 @@ def _register_args(module: SteeringModule, replace: bool, max_modules: int | Non
     meta = {"description": module.description, "source": module.source, "dtype": module.dtype,
             "created": module.created, "condition": module.condition}
     policy = {"replace": replace, "max_modules": max_modules, "meta": meta}
-    return (module.name, module.version, tiers_to_wire(module.tiers), keys, policy)
+    return call_args(RegisterModule(module.name, module.version, tiers_to_wire(module.tiers), keys, policy))
 
 
 def _refused(answers: list | None) -> dict | None:
@@ -197,7 +198,7 @@ async def unregister_async(rpc: Callable[..., Awaitable[Any]], name: str) -> Ste
     """Delete ``name``; None when it was not registered (another API process deleted it first)."""
     async with MODULE_SYNC.lock:
         module = STORE.drop(name)  # new requests of this process are refused from here on
-        answers = await rpc("vllm_steer_unregister_module", args=(name,))
+        answers = await rpc("vllm_steer_unregister_module", args=call_args(Name(name)))
     return None if _refused(answers) is not None or module is None else module
 
 
@@ -234,5 +235,5 @@ def unregister_module(llm: Any, name: str) -> dict:
     module = STORE.drop(name)
     if module is None:
         raise KeyError(f"unknown steering module {name!r}")
-    llm.collective_rpc("vllm_steer_unregister_module", args=(name,))
+    llm.collective_rpc("vllm_steer_unregister_module", args=call_args(Name(name)))
     return module.summary()

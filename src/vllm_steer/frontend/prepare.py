@@ -12,20 +12,22 @@ import dataclasses
 import threading
 from typing import Any
 
+from msgspec.structs import replace
+
 from vllm_steer.capture.consumer import consumer_class
 from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
 from vllm_steer.core.layout import layout_key, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, SAE_VERSIONS_KEY, dtype_name, encode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD,
                                      TIER_FIELDS, effective_phases, selected)
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
-from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, for_request
+from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, Prepared, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
@@ -70,7 +72,7 @@ class SteeringFrontend:
         """Every SAE requests may name: those of ``steer.sae`` and those registered since."""
         return {**self.sae_config, **SAE_REGISTRY.entries} if SAE_REGISTRY.entries else self.sae_config
 
-    def resolve(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
+    def resolve(self, extra_args: dict[str, Any]) -> tuple[SteerPayload | None, str | None, str | None]:
         """(payload or None, prefill key, decode key) for a request's extra_args."""
         for reserved in (PAYLOAD_KEY, TOKEN_FIELD):
             if reserved in extra_args:
@@ -78,7 +80,7 @@ class SteeringFrontend:
         fields = {k: extra_args[k] for k in REQUEST_FIELDS if k in extra_args}
         if not any(v is not None for v in fields.values()):
             if self.captures_all:
-                return encode_payload(None, None, {}, self.dtype, capture={}), None, None
+                return SteerPayload(capture={}), None, None
             return None, None, None
         if self.cfg is None:
             raise SteeringSpecError(
@@ -112,33 +114,32 @@ class SteeringFrontend:
         module = STORE.get(ref.get("name")) if isinstance(ref, dict) and isinstance(ref.get("name"), str) else None
         return module.condition if module is not None else None
 
-    def _with_sae(self, payload: dict | None, pk: str | None, dk: str | None, pre: list[SaeWire],
-                  dec: list[SaeWire], catalog: dict[str, SaeEntry]) -> tuple[dict | None, str | None, str | None]:
+    def _with_sae(self, payload: SteerPayload | None, pk: str | None, dk: str | None, pre: list[SaeWire],
+                  dec: list[SaeWire], catalog: dict[str, SaeEntry]) -> tuple[SteerPayload | None, str | None, str | None]:
         """The vector payload re-keyed with each phase's SAE clamps (which travel beside the rows)."""
         if not pre and not dec:
             return payload, pk, dk
         identity = {e[0]: catalog[e[0]].identity for e in pre + dec}
         kp = sae_config_key(pk, pre, identity)
         kd = kp if pk == dk and pre == dec else sae_config_key(dk, dec, identity)
-        base = payload or encode_payload(None, None, {}, self.dtype)
+        base = payload or SteerPayload()
         configs: dict = {}
         for new, old in ((kp, pk), (kd, dk)):
             if new is None:
                 continue
             if old is None:
-                configs[new] = []  # clamps only: no vector rows
-            elif old in base["configs"]:
-                configs[new] = base["configs"][old]
+                configs[new] = {}  # clamps only: no vector rows
+            elif old in base.configs:
+                configs[new] = base.configs[old]
             # else: a bare module reference, whose rows the worker builds
         sae = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
-        out = {**base, "prefill": kp, "decode": kd, "configs": configs, "sae": sae}
+        # the versions are checked when the request is handed over (frontend.prepared) and in the engine core
         versions = {name: catalog[name].version for name in identity if catalog[name].version}
-        if versions:  # checked when the request is handed over (frontend.prepared) and in the engine core
-            out[SAE_VERSIONS_KEY] = versions
+        out = replace(base, prefill=kp, decode=kd, configs=configs, sae=sae, sae_versions=versions or None)
         return out, kp, kd
 
     def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any],
-                        capture: dict | None) -> tuple[dict | None, str | None, str | None]:
+                        capture: dict | None) -> tuple[SteerPayload | None, str | None, str | None]:
         """The payload of a conditional request (``frontend.condition_spec``): its vector rows always
         travel (a module's too), with its SAE clamps if any, each gated phase re-keyed with the
         condition, which travels beside them."""
@@ -152,10 +153,10 @@ class SteeringFrontend:
         payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
         catalog = self.sae if sae_raw is not None else {}
         clamps = parse_sae(sae_raw, catalog)  # ([], []) without an sae field
-        configs = payload["configs"] if payload is not None else {}
+        configs = payload.configs if payload is not None else {}
         gated = [phase in (name, "both") for name in ("prefill", "decode")]
         sites = {(hook, layer) for key, g in zip((pk, dk), gated) if g and key is not None
-                 for hook, layers, _ in configs[key] for layer in layers}
+                 for hook, (layers, _) in configs[key].items() for layer in layers}
         clamp_sites = {(e[1], e[2]) for entries, g in zip(clamps, gated) if g for e in entries}
         sae_sites = set(self.sae_slots) | {site for e in self.sae.values() for site in e.sites}
         check_sites(wire, sites, clamp_sites, sae_sites, phase)
@@ -164,17 +165,17 @@ class SteeringFrontend:
         # each phase's key: the gated ones re-keyed with the condition, the other kept (pk may equal dk)
         npk, ndk = (condition_key(k, wire) if g and k is not None else k for k, g in zip((pk, dk), gated))
         renamed = [(old, new) for old, new in ((pk, npk), (dk, ndk)) if old is not None]
-        out = {**payload, "prefill": npk, "decode": ndk,
-               "configs": {new: payload["configs"][old] for old, new in renamed if old in payload["configs"]},
-               "condition": {new: wire for old, new in renamed if new != old}}
-        if payload.get("sae"):
-            out["sae"] = {new: payload["sae"][old] for old, new in renamed if old in payload["sae"]}
-        if stop is not None:  # [above, tokens, whether the last prompt position's gate counts (prefill gated)]
-            out["stop_when"] = [*stop, phase == "both"]
+        payload = payload or SteerPayload()
+        sae = {new: payload.sae[old] for old, new in renamed if old in payload.sae} if payload.sae else payload.sae
+        # stop_when: (above, tokens, whether the last prompt position's gate counts: prefill gated)
+        out = replace(payload, prefill=npk, decode=ndk,
+                      configs={new: payload.configs[old] for old, new in renamed if old in payload.configs},
+                      condition={new: tuple(wire) for old, new in renamed if new != old}, sae=sae,
+                      stop_when=(*stop, phase == "both") if stop is not None else None)
         return out, npk, ndk
 
     def _vectors(self, fields: dict[str, Any], capture: dict | None,
-                 ship_rows: bool = False) -> tuple[dict | None, str | None, str | None]:
+                 ship_rows: bool = False) -> tuple[SteerPayload | None, str | None, str | None]:
         """(payload, prefill key, decode key) of the vector fields (and capture) of a request;
         ``ship_rows``: a module's rows travel too (the worker does not build them)."""
         fast = parse_packed_fast(fields, self.shape)
@@ -186,7 +187,7 @@ class SteeringFrontend:
             pre, dec = _PHASES[tier]
             pk, dk = (key if pre else None), (key if dec else None)
             configs = {key: layout} if key is not None else {}
-            return encode_payload(pk, dk, configs, self.dtype, capture=capture), pk, dk
+            return SteerPayload(prefill=pk, decode=dk, configs=configs, capture=capture), pk, dk
         spec = parse_spec(fields, self.shape)
         bare_module = spec.module is not None and not any(spec.tiers.values()) and not ship_rows
         if bare_module:
@@ -196,7 +197,7 @@ class SteeringFrontend:
             hit = self._module_cache.get(cache_key)
             if hit is not None:  # depends only on (name, version, scale, selection): reuse, no rehash
                 payload, pk, dk = hit
-                return {**payload, "capture": capture}, pk, dk
+                return (replace(payload, capture=capture) if capture is not None else payload), pk, dk
         module = None
         module_tiers = None
         scale = 1.0
@@ -221,19 +222,20 @@ class SteeringFrontend:
             return None, None, None
         ref = None
         if module is not None:
-            ref = {"name": module.name, "version": module.version, "scale": scale, **spec.module.selection()}
+            ref = ModuleRef(module.name, module.version, scale,
+                            **{k: tuple(v) for k, v in spec.module.selection().items()})
         configs = {}
         if module is None or any(spec.tiers.values()) or ship_rows:
             # Inline vectors (alone or on top of a module) travel; a bare module ref does not.
             for key, phase in ((pk, "prefill"), (dk, "decode")):
                 if key is not None and key not in configs:
                     configs[key] = layouts[phase]
-        payload = encode_payload(pk, dk, configs, self.dtype, module=ref, capture=capture)
+        payload = SteerPayload(prefill=pk, decode=dk, configs=configs, module=ref, capture=capture)
         if bare_module:
             if len(self._module_cache) > 1024:
                 self._module_cache.clear()
-            self._module_cache[(module.name, module.version, scale, spec.module.layers, spec.module.hooks)] = (payload, pk, dk)
-            return dict(payload), pk, dk  # callers add per-request keys to their copy
+            cached = replace(payload, capture=None) if capture is not None else payload
+            self._module_cache[(module.name, module.version, scale, spec.module.layers, spec.module.hooks)] = (cached, pk, dk)
         return payload, pk, dk
 
     def needs_whole_prompt(self, capture: dict) -> bool:
@@ -310,16 +312,14 @@ class SteeringFrontend:
                 f"{self.cfg.usable_rows} config at a time (steer.max_configs = {self.cfg.max_configs}): send one "
                 "config for both phases, or raise steer.max_configs"))
 
-    def engine_extra_args(self, extra_args: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
-        """(extra_args with the steering fields replaced by the payload, prefill key, decode key);
+    def engine_extra_args(self, extra_args: dict[str, Any]) -> Prepared:
+        """The payload, the extra_args without the steering fields, and the keys;
         ``prepared.for_request`` then makes it one engine request's."""
         payload, pk, dk = self.resolve(extra_args)
         if payload is not None:
             self._check_fits(extra_args, pk, dk)
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
-        if payload is not None:
-            extra[PAYLOAD_KEY] = payload
-        return extra or None, pk, dk
+        return Prepared(payload, extra or None, pk, dk)
 
 
 def _overflow_field(fields: dict[str, Any], spec: Any) -> str:
@@ -329,12 +329,12 @@ def _overflow_field(fields: dict[str, Any], spec: Any) -> str:
     return next((f for f in TIER_FIELDS if fields.get(f) is not None), MODULE_FIELD)
 
 
-def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str):
+def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str) -> Prepared:
     """The request's engine extra_args and keys: prepared off the event loop (a live token), or now."""
     prepared = PREPARED.get(extra[TOKEN_FIELD]) if TOKEN_FIELD in extra else None
     out = for_request(prepared or frontend.engine_extra_args(extra), extra, request_id)
-    if SAE_SYNC.enabled and out[0]:  # the last check before the engine core: moved since the last pull?
-        SAE_REGISTRY.check_current(out[0].get(PAYLOAD_KEY), SAE_SYNC.stale())
+    if SAE_SYNC.enabled and out.payload is not None:  # the last check before the engine core: moved since the last pull?
+        SAE_REGISTRY.check_current(out.payload, SAE_SYNC.stale())
     return out
 
 
@@ -381,11 +381,11 @@ def patch_input_processor() -> None:
         if isinstance(params, SamplingParams) and (asks or frontend.captures_all):
             # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
             # packed payload, not lists of floats. The caller's object is left untouched.
-            new_extra, pk, dk = _prepared(frontend, extra or {}, request_id)
+            ready = _prepared(frontend, extra or {}, request_id)
             params = copy.copy(params)
-            params.extra_args = new_extra
-            keys = (pk, dk)
-            capture = (new_extra or {}).get(PAYLOAD_KEY, {}).get("capture")
+            params.extra_args = ready.extra_args
+            keys = (ready.prefill_key, ready.decode_key)
+            capture = ready.payload.capture if ready.payload is not None else None
             captures = capture is not None
             if captures and frontend.needs_whole_prompt(capture):
                 # Cached prompt blocks are never recomputed, so their residuals would be missing.

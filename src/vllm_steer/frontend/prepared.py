@@ -13,14 +13,25 @@ from __future__ import annotations
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
-from vllm_steer.core.payload import PAYLOAD_KEY
+from msgspec.structs import replace
+
+from vllm_steer.core.payload import PAYLOAD_KEY, SteerPayload, encode_payload
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.sae_registry import REGISTRY
 
 TOKEN_FIELD = "vllm_steer_prepared"
-Prepared = tuple[dict | None, str | None, str | None]  # (engine extra_args, prefill key, decode key)
+
+
+class Prepared(NamedTuple):
+    """A request's steering, prepared: its payload (None: unsteered), the extra_args that go to the engine
+    (the caller's others; ``for_request`` adds the encoded payload) and the keys of its two phases."""
+
+    payload: SteerPayload | None
+    extra_args: dict | None
+    prefill_key: str | None
+    decode_key: str | None
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -42,8 +53,7 @@ class PreparedRequests:
     def put(self, prepared: Prepared) -> str:
         """A token for ``prepared``; SteeringSpecError if a runtime SAE it names went away meanwhile
         (checked here, on the event loop, where SAEs are registered and deleted)."""
-        extra = prepared[0]
-        REGISTRY.check_current(extra.get(PAYLOAD_KEY) if extra else None)
+        REGISTRY.check_current(prepared.payload)
         token = secrets.token_hex(16)
         self._by_token[token] = prepared
         return token
@@ -54,9 +64,9 @@ class PreparedRequests:
     def drop(self, token: str) -> None:
         self._by_token.pop(token, None)
 
-    def payloads(self) -> list[dict]:
+    def payloads(self) -> list[SteerPayload]:
         """The engine payloads of the requests being added now."""
-        return [p[0][PAYLOAD_KEY] for p in list(self._by_token.values()) if p[0] and p[0].get(PAYLOAD_KEY)]
+        return [p.payload for p in list(self._by_token.values()) if p.payload is not None]
 
     def __len__(self) -> int:
         return len(self._by_token)
@@ -66,16 +76,15 @@ PREPARED = PreparedRequests()
 
 
 def for_request(prepared: Prepared, extra_args: dict, request_id: str) -> Prepared:
-    """The prepared result for one engine request: the caller's other extra_args kept, and the
+    """The prepared result for one engine request: the caller's other extra_args kept, the
     request's id in a capturing payload (one HTTP request may become several engine requests;
-    vLLM suffixes the id later, and consumers report both)."""
-    extra, pk, dk = prepared
+    vLLM suffixes the id later, and consumers report both), and the payload encoded: the bytes
+    the engine core and the workers decode."""
     merged = {k: v for k, v in extra_args.items() if k != TOKEN_FIELD and k not in REQUEST_FIELDS}
-    if extra:
-        payload = extra.get(PAYLOAD_KEY)
-        if payload is not None and payload.get("capture") is not None:
-            payload = {**payload, "external_id": request_id}
-        merged.update({k: v for k, v in extra.items() if k != PAYLOAD_KEY})
-        if payload is not None:
-            merged[PAYLOAD_KEY] = payload
-    return merged or None, pk, dk
+    merged.update(prepared.extra_args or {})
+    payload = prepared.payload
+    if payload is not None:
+        if payload.capture is not None:
+            payload = replace(payload, external_id=request_id)
+        merged[PAYLOAD_KEY] = encode_payload(payload)
+    return Prepared(payload, merged or None, prepared.prefill_key, prepared.decode_key)

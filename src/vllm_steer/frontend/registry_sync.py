@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+from vllm_steer.core.rpc import Names, call_args
 from vllm_steer.core.shared_counter import SharedCounter
 from vllm_steer.frontend.named_store import NamedStore
 
@@ -73,7 +74,7 @@ class RegistrySync:
         listing = (await rpc(f"vllm_steer_{self.kind}_registry"))[0]
         versions: dict[str, int] = listing["versions"]
         missing = self.store.stale_names(versions)
-        entries = (await rpc(f"vllm_steer_{self.kind}_fetch", args=(missing,)))[0] if missing else {}
+        entries = (await rpc(f"vllm_steer_{self.kind}_fetch", args=call_args(Names(list(missing)))))[0] if missing else {}
         fetched = {n: self.build(n, e, context) for n, e in entries.items()}
         # a name deleted between the two calls is dropped, one replaced meanwhile taken as fetched
         current = {n: fetched[n].version if n in fetched else v for n, v in versions.items()

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
+from vllm_steer.core.rpc import HoldSae, Name, RegisterSae, Version, call_args
 from vllm_steer.core.config import SaeModuleConfig
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.sae_catalog import SaeEntry, SlotError, runtime_entry
@@ -53,7 +54,7 @@ def _in_transit(sites: set[str]) -> dict[str, int]:
     """Requests of this process on their way to the engine that clamp at ``sites`` (``hook.layer``)."""
     out: dict[str, int] = {}
     for payload in PREPARED.payloads():
-        used = {f"{e[1]}.{e[2]}" for phase in (payload.get("sae") or {}).values() for e in phase}
+        used = {f"{e[1]}.{e[2]}" for phase in (payload.sae or {}).values() for e in phase}
         for site in used & sites:
             out[site] = out.get(site, 0) + 1
     return out
@@ -106,8 +107,8 @@ class _Registration:
         """The workers' staging arguments, then what the engine core's registry decides on and keeps."""
         c = self.entry.config
         policy = {"replace": self.replace, "config": c.model_dump(mode="json", exclude_defaults=True)}
-        return (c.path, c.format, c.site, list(self.entry.features), self.sites, self.entry.name, self.entry.version,
-                policy)
+        return call_args(RegisterSae(c.path, c.format, c.site, list(self.entry.features), self.sites,
+                                     self.entry.name, self.entry.version, policy))
 
     def undo(self) -> None:
         REGISTRY.pending.difference_update(self.entry.sites)
@@ -161,11 +162,11 @@ async def _hold_everywhere(rpc: Callable[..., Awaitable[Any]], rpc_each: Callabl
         reg.undo()
         raise SaeExistsError(f"SAE {reg.entry.name!r} exists: under data parallelism delete it first, then "
                              "register it again (replace is not atomic across engines)")
-    args = (reg.entry.name, reg.entry.version, {"replace": False}, reg.sites)
+    args = call_args(HoldSae(reg.entry.name, reg.entry.version, {"replace": False}, reg.sites))
     answers = await rpc_each("vllm_steer_sae_hold", args)
     refused = next((a for a in answers if not (isinstance(a, dict) and "held" in a)), None)
     if refused is not None:
-        await rpc("vllm_steer_sae_release", args=(reg.entry.version,))
+        await rpc("vllm_steer_sae_release", args=call_args(Version(reg.entry.version)))
         reg.undo()
         if refused.get("refused") == "pending":
             raise SlotError(f"another registration of {refused['holder']!r} is in progress at these sites; retry")
@@ -189,7 +190,7 @@ async def unregister_sae_async(rpc: Callable[..., Awaitable[Any]], frontend: Any
         await SAE_SYNC.refresh_locked(rpc, frontend)
         if REGISTRY.get(name) is None:
             return None
-        reply = (await rpc("vllm_steer_unregister_sae", args=(name,)))[0]
+        reply = (await rpc("vllm_steer_unregister_sae", args=call_args(Name(name))))[0]
         entry = REGISTRY.drop(name)
         await SAE_SYNC.refresh_locked(rpc, frontend)
         return None if reply.get("refused") else entry
@@ -199,7 +200,7 @@ def unregister_sae(llm: Any, name: str) -> SaeEntry:
     """Delete a runtime SAE of a ``vllm.LLM`` (as ``DELETE /v1/steering/sae/{name}``); KeyError for an
     unknown name. ``llm`` pairs it with ``register_sae``."""
     entry = REGISTRY.entries[name]
-    llm.collective_rpc("vllm_steer_unregister_sae", args=(name,))
+    llm.collective_rpc("vllm_steer_unregister_sae", args=call_args(Name(name)))
     return REGISTRY.drop(name) or entry
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_steer.core.config import SaeModuleConfig
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.core.payload import SAE_VERSIONS_KEY
+from vllm_steer.core.payload import SteerPayload
 from vllm_steer.core.sae_catalog import SaeEntry, Site, runtime_entry
 from vllm_steer.core.vectors import SAE_FIELD
 from vllm_steer.frontend.named_store import NamedStore
@@ -34,11 +34,11 @@ class SaeRegistry(NamedStore[SaeEntry]):
                 return name
         return "(registering)" if site in self.pending else None
 
-    def check_current(self, payload: dict | None, changed: bool = False) -> None:
+    def check_current(self, payload: SteerPayload | None, changed: bool = False) -> None:
         """SteeringSpecError unless every runtime SAE a prepared payload names is still the
         registration it was prepared against (``changed``: another process changed the registry
         after this one last read it, so this process cannot tell)."""
-        for name, version in ((payload or {}).get(SAE_VERSIONS_KEY) or {}).items():
+        for name, version in ((payload.sae_versions if payload is not None else None) or {}).items():
             entry = self.entries.get(name)
             if changed or entry is None or entry.version != version:
                 raise SteeringSpecError(f"{SAE_FIELD}.name", f"SAE {name!r} was deleted or replaced while this "

@@ -22,7 +22,7 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.layout import Layout
-from vllm_steer.core.payload import PAYLOAD_KEY, EngineSteering, decode_payload, dtype_name
+from vllm_steer.core.payload import PAYLOAD_KEY, SteerPayload, decode_payload, dtype_name
 from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
@@ -122,24 +122,24 @@ class SteeringRuntime:
     # ---- control plane: requests come and go -------------------------------------------
     def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int = 0) -> tuple[int, int]:
         """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row)."""
-        payload = (extra_args or {}).get(PAYLOAD_KEY)
+        raw = (extra_args or {}).get(PAYLOAD_KEY)
+        steering = decode_payload(raw) if raw is not None else None  # the scheduler refused any that do not decode
         if self.capture is not None:
-            meta = {"external_id": payload.get("external_id")} if payload else {}
-            self.capture.add_request(req_id, payload.get("capture") if payload else None, prompt_len, meta)
-        if not payload or (payload["prefill"] is None and payload["decode"] is None):
+            meta = {"external_id": steering.external_id} if steering is not None else {}
+            self.capture.add_request(req_id, steering.capture if steering is not None else None, prompt_len, meta)
+        if steering is None or not steering.steered:
             return (0, 0)
         if req_id in self._held:  # re-added (streaming input): drop the old state first
             self.remove_request(req_id)
-        steering = decode_payload(payload)
         rows: dict[str, int] = {}
         sae, conditions = steering.sae or {}, steering.condition or {}
         for key in steering.keys:
             rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k), sae.get(key),
                                       conditions.get(key))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
-        if self.stops is not None and payload.get("stop_when"):
-            self.stops.watch(req_id, payload["stop_when"], prompt_len)
-        pair = (rows.get(steering.prefill_key, 0), rows.get(steering.decode_key, 0))
+        if self.stops is not None and steering.stop_when:
+            self.stops.watch(req_id, steering.stop_when, prompt_len)
+        pair = (rows.get(steering.prefill, 0), rows.get(steering.decode, 0))
         self._held[req_id] = _Held(pair, steering.keys)
         return pair
 
@@ -171,14 +171,13 @@ class SteeringRuntime:
         if self.conditions is not None:
             self.conditions.set_live(row, live)
 
-    def _vectors_for(self, steering: EngineSteering, key: str) -> Layout:
-        if key in steering.configs:
-            return steering.configs[key]
+    def _vectors_for(self, steering: SteerPayload, key: str) -> Layout:
+        if (rows := steering.rows_of(key)) is not None:
+            return rows
         ref = steering.module  # a bare module reference: build the row from the registry
-        prefill, decode = self.modules.phases(ref["name"], ref["version"], ref["scale"],
-                                              layers=ref.get("layers"), hooks=ref.get("hooks"))
+        prefill, decode = self.modules.phases(ref.name, ref.version, ref.scale, layers=ref.layers, hooks=ref.hooks)
         # float32 vectors -> table rows in the model dtype (the bytes the front end hashed)
-        return table_layout(prefill if key == steering.prefill_key else decode, self._dtype_name)
+        return table_layout(prefill if key == steering.prefill else decode, self._dtype_name)
 
     def remove_request(self, req_id: str) -> None:
         if self.stops is not None:

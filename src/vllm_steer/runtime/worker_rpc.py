@@ -1,4 +1,5 @@
-"""Methods added to vLLM's worker class, reached with ``collective_rpc("vllm_steer_<name>")``.
+"""Methods added to vLLM's worker class, reached with ``collective_rpc("vllm_steer_<name>")``: those
+``core.rpc.METHODS`` gives to the workers, each taking its typed arguments (``core.rpc.parse_args``).
 
 ``vllm.v1.worker.worker_base.WorkerBase`` gains methods (nothing existing is replaced):
 collective_rpc is vLLM's documented way to reach every worker, and the plugin cannot pass
@@ -8,7 +9,9 @@ collective_rpc is vLLM's documented way to reach every worker, and the plugin ca
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
+
+from vllm_steer.core.rpc import WORKER, CaptureCollect, ForgetModules, NoArgs, StageModule, StageSae, methods_of, parse_args
 
 
 def _runtime(worker: Any) -> Any:
@@ -16,7 +19,7 @@ def _runtime(worker: Any) -> Any:
     return getattr(runner, "steer_runtime", None)
 
 
-def vllm_steer_status(self) -> dict[str, Any]:
+def status(self, _: NoArgs) -> dict[str, Any]:
     """This worker's view: its pid, whether the ops are installed, and row usage."""
     rt = _runtime(self)
     status: dict[str, Any] = {"pid": os.getpid(), "runner": type(getattr(self, "model_runner", None)).__name__}
@@ -41,51 +44,63 @@ def vllm_steer_status(self) -> dict[str, Any]:
     return status
 
 
-def vllm_steer_register_module(self, name: str, version: int, wire_tiers: dict, keys: list) -> list[str]:
+def stage_module(self, args: StageModule) -> list[str]:
     """Keep a module's tiers on this worker and materialize its rows into the row cache."""
     from vllm_steer.core.payload import tiers_from_wire
 
     rt = _runtime(self)
     if rt is None:
         return []
-    return rt.register_module(name, version, tiers_from_wire(wire_tiers, rt.hidden_size))
+    return rt.register_module(args.name, args.version, tiers_from_wire(args.wire, rt.hidden_size))
 
 
-def vllm_steer_forget_modules(self, versions: list) -> None:
+def forget_modules(self, args: ForgetModules) -> None:
     """Drop module versions no request can use any more (the engine core decides which)."""
     rt = _runtime(self)
     if rt is not None:
-        rt.modules.forget(versions)
+        rt.modules.forget(args.versions)
 
 
-def vllm_steer_register_sae(self, path: str, format: str | None, site: str | None, features: list[int],
-                            sites: list[str]) -> list[str]:
+def stage_sae(self, args: StageSae) -> list[str]:
     """Stage a runtime SAE into those of its ``sites`` (``hook.layer``) this worker holds; returns them.
     Deleting one needs no worker: the engine core keeps a site from being re-staged while it is in use."""
     rt = _runtime(self)
     if rt is None or rt.sae is None:
         return []
-    mine = [(h, int(l)) for h, _, l in (s.partition(".") for s in sites)]
-    return [f"{h}.{l}" for h, l in rt.sae.load_runtime(path, format, site, tuple(features), mine)]
+    mine = [(h, int(l)) for h, _, l in (s.partition(".") for s in args.sites)]
+    return [f"{h}.{l}" for h, l in rt.sae.load_runtime(args.path, args.format, args.site, tuple(args.features), mine)]
 
 
-def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
+def capture_collect(self, args: CaptureCollect) -> dict[str, dict]:
     """Publish the captures of finished requests now and return, without waiting, what is ready:
     ``{"done": {id: driver results}, "pending": {id: {"waiting": [...], "results": {...}}}}``
     (``runtime.capture.CaptureRuntime.collect_results``). Callers poll it."""
     rt = _runtime(self)
     if rt is None or rt.capture is None:
-        return {"done": {rid: {} for rid in request_ids}, "pending": {}}
-    return rt.capture.collect_results(list(request_ids))
+        return {"done": {rid: {} for rid in args.request_ids}, "pending": {}}
+    return rt.capture.collect_results(list(args.request_ids))
 
 
-WORKER_METHODS = {
-    "vllm_steer_capture_collect": vllm_steer_capture_collect,
-    "vllm_steer_status": vllm_steer_status,
-    "vllm_steer_register_module": vllm_steer_register_module,
-    "vllm_steer_forget_modules": vllm_steer_forget_modules,
-    "vllm_steer_register_sae": vllm_steer_register_sae,
+HANDLERS: dict[str, Callable[[Any, Any], Any]] = {
+    "vllm_steer_capture_collect": capture_collect,
+    "vllm_steer_status": status,
+    "vllm_steer_stage_module": stage_module,
+    "vllm_steer_forget_modules": forget_modules,
+    "vllm_steer_stage_sae": stage_sae,
 }
+assert set(HANDLERS) == methods_of(WORKER), "core.rpc.METHODS and the worker's HANDLERS disagree"
+
+
+def _method(name: str, handler: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    def method(self, *args):
+        return handler(self, parse_args(name, args))
+
+    method.__name__ = name
+    method.__doc__ = handler.__doc__
+    return method
+
+
+WORKER_METHODS = {name: _method(name, handler) for name, handler in HANDLERS.items()}
 
 
 def patch_worker() -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_steer.capture.collect import METHOD, PendingResults
+from vllm_steer.core.rpc import CaptureCollect, call_args
 from vllm_steer.core.compat import rpc_every_engine
 
 logger = logging.getLogger("vllm.steer")
@@ -72,7 +73,7 @@ class CaptureResultPoller:
             if call is None:
                 asked = sorted(set().union(*(w.pending.open for w in self._waits)))
                 if asked:
-                    call = asyncio.ensure_future(rpc_every_engine(self.engine, METHOD, (asked,)))
+                    call = asyncio.ensure_future(rpc_every_engine(self.engine, METHOD, call_args(CaptureCollect(asked))))
             answers = None
             if call is not None:  # wait for the answer, never past the soonest deadline
                 soonest = min(w.deadline for w in self._waits)
