@@ -157,9 +157,9 @@ def _report_stats(consumers: dict[int, tuple[str, Any]], send, stop: threading.E
 
 def serve(cmd: Connection, res: Connection) -> None:
     init = cmd.recv()[1]
-    for p in reversed(init["sys_path"]):  # the worker's path: consumers it can import, we can
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    # the worker's path in the worker's order: consumers it can import, we import the same way (inserting
+    # its later entries first would let e.g. setuptools' vendored typing_extensions shadow the real one)
+    sys.path[:] = [*init["sys_path"], *(p for p in sys.path if p not in init["sys_path"])]
     try:
         ring = ring_view(init["ring_fd"], init["ring_rows"], init["hidden"], init["dtype"])
         consumers = {bit: (instance, _load(path)(instance, **params))
