@@ -1,7 +1,8 @@
 """A capture consumer stuck in a call (CPU, no engine): each lane queues at most
 ``MAX_QUEUED_FINISHES`` finished requests; the next ones are dropped for that consumer at once (a
-driver result ``{"error": "dropped"}``, counted), the other consumers get every request, and once
-the stuck call returns the queued ones are delivered."""
+driver result ``{"error": "dropped"}``, counted), the other consumers get every request (their
+results sent at once, as partial messages), and once the stuck call returns the queued ones are
+delivered and each request's final message is sent."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def _wait(cond, what, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+class Sent:
+    """Stands in for the worker's ResultPusher: what would have gone to the submitter."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, str, int, dict]] = []
+        self.lock = threading.Lock()
+
+    def push(self, address, key, count, results) -> bool:
+        with self.lock:
+            self.messages.append((address, key, count, dict(results)))
+        return True
+
+    def of(self, key):
+        with self.lock:
+            return [(c, r) for _, k, c, r in self.messages if k == key]
+
+
 def test_a_stuck_consumer_holds_at_most_its_bound_and_the_rest_are_dropped_for_it_alone(monkeypatch):
     classes = {"stuck": Stuck, "quick": Quick}
     monkeypatch.setattr(capture_mod, "consumer_class", classes.__getitem__)
@@ -55,21 +73,26 @@ def test_a_stuck_consumer_holds_at_most_its_bound_and_the_rest_are_dropped_for_i
     ids = [f"r{i}" for i in range(6)]
     RELEASE.clear()
     stuck, quick = (rt.consumers[rt.bit_of[n]][1] for n in ("stuck", "quick"))
+    sent = rt._pusher = Sent()
     for i, rid in enumerate(ids):  # one at a time: the quick consumer keeps up, the stuck one does not
-        rt.add_request(rid, {"stuck": spec, "quick": spec}, prompt_len=4)
+        rt.add_request(rid, {"stuck": spec, "quick": spec}, prompt_len=4, meta={"capture_reply": "ipc://inbox"})
         rt.finish_request(rid)
         _wait(lambda: len(quick.seen) == i + 1, lambda: f"the quick consumer got {quick.seen}, stats {rt.stats}")
     # r0 is in the stuck call, r1 and r2 wait in its queue (3 slots); r3..r5 found it full
     assert rt.stats["dropped_finishes"] == 3
-    out = rt.collect_results(ids)
-    assert sorted(out["pending"]) == ["r0", "r1", "r2"] and all(p["waiting"] == ["stuck"] for p in out["pending"].values())
-    for rid in ("r3", "r4", "r5"):  # answered at once: no wait for a consumer that will not come
-        assert out["done"][rid]["quick"] == {"seen": rid}
-        assert out["done"][rid]["stuck"]["error"] == "dropped" and "stuck" in out["done"][rid]["stuck"]["message"]
+    for rid in ("r0", "r1", "r2"):  # the quick result went at once; the request is not complete
+        assert sent.of(rid) == [(0, {"quick": {"seen": rid}})]
+    for rid in ("r3", "r4", "r5"):  # complete at once: no wait for a consumer that will not come
+        _wait(lambda: [c for c, _ in sent.of(rid)] == [0, 1], lambda: f"{rid}: {sent.of(rid)}")
+        final = sent.of(rid)[-1][1]
+        assert final["quick"] == {"seen": rid}
+        assert final["stuck"]["error"] == "dropped" and "stuck" in final["stuck"]["message"]
     RELEASE.set()
     _wait(lambda: len(stuck.seen) == 3, f"the stuck consumer got {stuck.seen}")
-    done = rt.collect_results(["r0", "r1", "r2"])["done"]
-    assert {rid: r["stuck"] for rid, r in done.items()} == {rid: {"seen": rid} for rid in ("r0", "r1", "r2")}
+    for rid in ("r0", "r1", "r2"):
+        _wait(lambda: len(sent.of(rid)) == 2, lambda: f"{rid}: {sent.of(rid)}")
+        assert sent.of(rid)[-1] == (1, {"quick": {"seen": rid}, "stuck": {"seen": rid}})
+    assert {m[0] for m in sent.messages} == {"ipc://inbox"}
     assert stuck.seen == ["r0", "r1", "r2"]  # the dropped ones never reached it
     rt.add_request("r6", {"stuck": spec}, prompt_len=4)  # its slots are free again
     rt.finish_request("r6")

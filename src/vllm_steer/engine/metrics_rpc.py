@@ -34,7 +34,7 @@ def worker_values(workers: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
               "row_upload_bytes": sum(w.get("row_upload_bytes", 0) for w in steered),
               "row_evictions": max(w.get("row_evictions", 0) for w in steered),
               "preemptions": max(w.get("preemptions_seen", 0) for w in steered)}
-    for k in ("rows", "dropped_rows", "dropped_packets", "dropped_finishes", "consumer_errors"):
+    for k in ("rows", "dropped_rows", "dropped_packets", "dropped_finishes", "consumer_errors", "result_push_failed"):
         totals[f"capture_{k}"] = sum(c.get(k, 0) for c in caps)
     return gauges, totals
 

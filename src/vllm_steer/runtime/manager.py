@@ -124,7 +124,8 @@ class SteeringRuntime:
         """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row)."""
         payload = (extra_args or {}).get(PAYLOAD_KEY)
         if self.capture is not None:
-            meta = {"external_id": payload.get("external_id")} if payload else {}
+            meta = {"external_id": payload.get("external_id"), "capture_reply": payload.get("capture_reply")} \
+                if payload else {}
             self.capture.add_request(req_id, payload.get("capture") if payload else None, prompt_len, meta)
         if not payload or (payload["prefill"] is None and payload["decode"] is None):
             return (0, 0)

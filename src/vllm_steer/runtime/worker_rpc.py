@@ -69,18 +69,18 @@ def vllm_steer_register_sae(self, path: str, format: str | None, site: str | Non
     return [f"{h}.{l}" for h, l in rt.sae.load_runtime(path, format, site, tuple(features), mine)]
 
 
-def vllm_steer_capture_collect(self, request_ids: list[str]) -> dict[str, dict]:
-    """Publish the captures of finished requests now and return, without waiting, what is ready:
-    ``{"done": {id: driver results}, "pending": {id: {"waiting": [...], "results": {...}}}}``
-    (``runtime.capture.CaptureRuntime.collect_results``). Callers poll it."""
+def vllm_steer_capture_publish(self, request_ids: list[str]) -> int:
+    """End now the given finished requests this worker has not yet heard finished (an in-process
+    engine is not stepped after its last output); their results go out on the capture result channel
+    (``runtime.capture.CaptureRuntime.publish``). Called once per ``capture.collect``."""
     rt = _runtime(self)
     if rt is None or rt.capture is None:
-        return {"done": {rid: {} for rid in request_ids}, "pending": {}}
-    return rt.capture.collect_results(list(request_ids))
+        return 0
+    return rt.capture.publish(list(request_ids))
 
 
 WORKER_METHODS = {
-    "vllm_steer_capture_collect": vllm_steer_capture_collect,
+    "vllm_steer_capture_publish": vllm_steer_capture_publish,
     "vllm_steer_status": vllm_steer_status,
     "vllm_steer_register_module": vllm_steer_register_module,
     "vllm_steer_forget_modules": vllm_steer_forget_modules,

@@ -26,9 +26,10 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   touched hook its whole ``[layers, hidden]`` row; per touched SAE site its code, value and mode
   words), summed over workers.
 - ``vllm_steer_capture_rows_total``, ``..._capture_dropped_rows_total``, ``..._capture_dropped_packets_total``,
-  ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total`` counters: residual rows
-  captured, rows dropped (step pool full), packets dropped (consumer queue full), finished requests not
-  handed to a stuck consumer, consumer calls that raised; summed over workers.
+  ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total``,
+  ``..._capture_result_push_failed_total`` counters: residual rows captured, rows dropped (step pool
+  full), packets dropped (consumer queue full), finished requests not handed to a stuck consumer,
+  consumer calls that raised, driver results not sent to the submitting process; summed over workers.
 - ``vllm_steer_preemptions_total`` counter: requests the scheduler preempted (steered ones keep their rows).
 - ``vllm_steer_engine_metrics_updated_seconds`` gauge: Unix time of the engine's last answer (older
   than the scrape: the engine did not answer in time and the engine values are the last ones).
@@ -90,6 +91,8 @@ ENGINE_COUNTERS = {
     "capture_dropped_finishes": Counter("vllm_steer_capture_dropped_finishes",
                                         "Finished requests not handed to a stuck capture consumer (its queue full)"),
     "capture_consumer_errors": Counter("vllm_steer_capture_consumer_errors", "Capture consumer calls that raised"),
+    "capture_result_push_failed": Counter("vllm_steer_capture_result_push_failed",
+                                          "Driver capture results a worker could not send to the submitting process"),
     "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),
 }
 
