@@ -56,7 +56,7 @@ CAPTURE = {"activations": {"layers": [1], "hooks": ["post_mlp"], "positions": "l
 
 
 def _capture_stats(base: str) -> list[dict]:
-    workers = httpx.get(f"{base}/v1/steering/status", timeout=60).json()["workers"]
+    workers = httpx.get(f"{base}/v1/steering", timeout=60).json()["workers"]
     return [w["capture"] for w in workers if w.get("capture") is not None]
 
 
