@@ -4,8 +4,7 @@ registered, replaced or deleted through either process is seen so by both (the e
 the registry); so is a runtime SAE (registered, refused as a duplicate or at a held site, deleted, its
 site taken by another). ``/metrics`` (prometheus multiprocess mode, a scrape lands on either process)
 counts every request and upload once. Capture results reach the process that took the request on
-the side channel, with no capture RPC issued; killing the engine core mid-stream ends a capturing
-stream at once with an ``engine_dead`` error object (last: it ends the server)."""
+the side channel, with no capture RPC issued."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
     cfg = json.dumps({"steer": {"modules": {"m": str(tmp_path / "m.safetensors")}, "sae_slots": {"post_mlp.1": 8},
                                 "sae_root": str(tmp_path), "conditions": True, "capture": ["activations"]}})
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--api-server-count", "2",
-                       "--additional-config", cfg, log=tmp_path / "server.log") as (base, proc):
+                       "--additional-config", cfg, log=tmp_path / "server.log") as (base, _):
         vec = np.full((1, hidden), 3.0, dtype=np.float32)
         want = config_hash({"post_mlp": {1: vec[0]}}, "float32")
         plain = {"model": model, "prompt": "hello there", "max_tokens": 6, "temperature": 0}
@@ -49,7 +48,6 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
         _captures_come_back_without_a_capture_rpc(base, model)
         log = (tmp_path / "server.log").read_text()
         assert "ApiServer_0" in log and "ApiServer_1" in log
-        _engine_death_ends_a_capturing_stream_at_once(base, model, proc)
 
 
 CAPTURE = {"activations": {"layers": [1], "hooks": ["post_mlp"], "positions": "last_prompt"}}
@@ -75,40 +73,6 @@ def _captures_come_back_without_a_capture_rpc(base: str, model: str) -> None:
     assert [c["publish_calls"] for c in after] == [0] * len(after), after  # no capture RPC, ever
     assert sum(c["results_sent"] for c in after) - sum(c["results_sent"] for c in before) == 8, (before, after)
     assert sum(c["result_push_failed"] for c in after) == 0, after
-
-
-def _engine_core_pids(proc) -> list[int]:
-    import psutil
-
-    kids = psutil.Process(proc.pid).children(recursive=True)
-    return [k.pid for k in kids if "EngineCore" in k.name() or "EngineCore" in " ".join(k.cmdline())]
-
-
-def _engine_death_ends_a_capturing_stream_at_once(base: str, model: str, proc) -> None:
-    """The engine core killed while a capturing stream decodes: the stream ends within seconds (not
-    ``capture_result_timeout_s``, 30 s) and its capture chunk holds the error object."""
-    import os
-    import signal
-
-    pids = _engine_core_pids(proc)
-    assert pids, "no EngineCore process found"
-    body = {"model": model, "prompt": "hello there", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
-            "stream": True, "capture": CAPTURE}
-    events, killed_at = [], None
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-            if killed_at is None and len(events) >= 2:
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                killed_at = time.monotonic()
-    ended = time.monotonic() - killed_at
-    assert events[-1] == "[DONE]", events[-3:]
-    last = json.loads(events[-2])
-    assert last["choices"] == [] and last["capture"]["activations"]["error"] == "engine_dead", events[-3:]
-    assert ended < 8.0, ended
 
 
 UPLOADS, VECTORS = "vllm_steer_row_uploads_total", 'vllm_steer_requests_total{kind="vectors"}'
