@@ -2,7 +2,9 @@
 ring exactly; each lane queues at most ``MAX_QUEUED_FINISHES`` finished requests and a full ring
 drops the step's rows for its consumers (counted, named in ``meta["dropped"]``); a raising
 ``on_request_finished`` is an error object in the results; a dead consumers' process answers
-``consumer_died`` at once and never leaves an orphan."""
+``consumer_died`` at once and never leaves an orphan. Results are what the worker would push to the
+submitter (``Sent`` stands in for its ``ResultPusher``): partial messages while other consumers of the
+request still run, then the final one."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -36,6 +39,10 @@ def make_rt(monkeypatch):
         cfg = SteerConfig.model_validate({"capture": capture, "capture_max_rows": max_rows})
         rt = capture_mod.CaptureRuntime(cfg, [("post_mlp", 0), ("post_mlp", 1)], 2, 64, hidden, dtype,
                                         torch.device("cpu"))
+        rt._pusher = Sent()
+        add = rt.add_request  # every request submitted with an inbox address, as the front end does
+        rt.add_request = lambda rid, capture, prompt_len, meta=None: add(
+            rid, capture, prompt_len, {"capture_reply": "ipc://inbox", **(meta or {})})
         made.append(rt)
         return rt
 
@@ -52,15 +59,29 @@ def _wait(cond, what, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+class Sent:
+    """Stands in for the worker's ResultPusher: what would have gone to the submitter."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, str, int, dict]] = []
+        self.lock = threading.Lock()
+
+    def push(self, address, key, count, results) -> bool:
+        with self.lock:
+            self.messages.append((address, key, count, dict(results)))
+        return True
+
+    def of(self, key) -> list[tuple[int, dict]]:
+        with self.lock:
+            return [(c, r) for _, k, c, r in self.messages if k == key]
+
+
 def _collect(rt, ids: list[str], timeout: float = 30.0) -> dict:
-    got: dict = {}
-
-    def ready() -> bool:
-        got.update(rt.collect_results([i for i in ids if i not in got])["done"])
-        return len(got) == len(ids)
-
-    _wait(ready, lambda: f"results of {sorted(set(ids) - set(got))} never came (stats {rt.stats})", timeout)
-    return got
+    """Each request's results once its final message (count > 0) was sent: every message's results merged."""
+    _wait(lambda: all(any(c for c, _ in rt._pusher.of(i)) for i in ids),
+          lambda: f"final results of {[i for i in ids if not any(c for c, _ in rt._pusher.of(i))]} never came "
+                  f"(stats {rt.stats})", timeout)
+    return {i: {k: v for _, r in rt._pusher.of(i) for k, v in r.items()} for i in ids}
 
 
 def _step(rt, rows: dict[str, tuple[int, int]], fill) -> None:
@@ -117,11 +138,13 @@ def test_a_stuck_consumer_holds_at_most_its_bound_and_the_rest_are_dropped_for_i
         _wait(lambda: not quick.outstanding, f"the quick consumer answers {rid}")
     # r0..r2 hold the stuck lane's 3 slots (in its call or queued); r3..r5 found it full
     assert rt.stats["dropped_finishes"] == 3
-    out = rt.collect_results(ids)
-    assert sorted(out["pending"]) == ["r0", "r1", "r2"] and all(p["waiting"] == ["stuck"] for p in out["pending"].values())
-    for rid in ("r3", "r4", "r5"):  # answered at once: no wait for a consumer that will not come
-        assert out["done"][rid]["quick"]["seen"] == rid
-        assert out["done"][rid]["stuck"]["error"] == "dropped" and "stuck" in out["done"][rid]["stuck"]["message"]
+    sent = rt._pusher
+    for rid in ("r0", "r1", "r2"):  # the quick result went at once; the request is not complete
+        assert sent.of(rid) == [(0, {"quick": {"seen": rid, "rows": 0}})]
+    for rid in ("r3", "r4", "r5"):  # complete at once: no wait for a consumer that will not come
+        _wait(lambda: [c for c, _ in sent.of(rid)] == [0, 1], lambda: f"{rid}: {sent.of(rid)}")
+        final = sent.of(rid)[-1][1]
+        assert final["stuck"]["error"] == "dropped" and "stuck" in final["stuck"]["message"]
     release.touch()
     done = _collect(rt, ["r0", "r1", "r2"])
     assert {rid: r["stuck"] for rid, r in done.items()} == {rid: {"seen": rid, "dropped_rows": 0} for rid in ("r0", "r1", "r2")}
@@ -167,7 +190,7 @@ def test_a_raising_driver_is_an_error_object_and_a_dead_host_answers_at_once(mak
     rt.add_request("later", {"raising": SPEC, "quick": SPEC}, prompt_len=2)
     _step(rt, {"later": (0, 2)}, lambda r: r)  # the step goes on, nothing captured
     rt.finish_request("later")
-    assert {k: v["error"] for k, v in rt.collect_results(["later"])["done"]["later"].items()} == {
+    assert {k: v["error"] for k, v in _collect(rt, ["later"], timeout=5)["later"].items()} == {
         "raising": "consumer_died", "quick": "consumer_died"}
 
 

@@ -3,7 +3,8 @@ steered requests; a module preloaded from ``steer.modules`` resolves in each of 
 registered, replaced or deleted through either process is seen so by both (the engine core holds
 the registry); so is a runtime SAE (registered, refused as a duplicate or at a held site, deleted, its
 site taken by another). ``/metrics`` (prometheus multiprocess mode, a scrape lands on either process)
-counts every request and upload once."""
+counts every request and upload once. Capture results reach the process that took the request on
+the side channel, with no capture RPC issued."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
     hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
     save_file({"post_mlp.1": np.full(hidden, 3.0, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
     cfg = json.dumps({"steer": {"modules": {"m": str(tmp_path / "m.safetensors")}, "sae_slots": {"post_mlp.1": 8},
-                                "sae_root": str(tmp_path), "conditions": True}})
+                                "sae_root": str(tmp_path), "conditions": True, "capture": ["activations"]}})
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--api-server-count", "2",
                        "--additional-config", cfg, log=tmp_path / "server.log") as (base, _):
         vec = np.full((1, hidden), 3.0, dtype=np.float32)
@@ -44,8 +45,34 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
         _metrics_count_each_event_once(base, model, hidden)
         _modules_are_shared(base, model, hidden)
         _saes_are_shared(base, model, hidden, tmp_path)
+        _captures_come_back_without_a_capture_rpc(base, model)
         log = (tmp_path / "server.log").read_text()
         assert "ApiServer_0" in log and "ApiServer_1" in log
+
+
+CAPTURE = {"activations": {"layers": [1], "hooks": ["post_mlp"], "positions": "last_prompt"}}
+
+
+def _capture_stats(base: str) -> list[dict]:
+    workers = httpx.get(f"{base}/v1/steering", timeout=60).json()["workers"]
+    return [w["capture"] for w in workers if w.get("capture") is not None]
+
+
+def _captures_come_back_without_a_capture_rpc(base: str, model: str) -> None:
+    """Capturing requests over new connections (both processes): each response has its own result,
+    which the worker pushed to the process that took the request; no capture RPC reached a worker."""
+    from vllm_steer.capture.activations import decode_result
+
+    before = _capture_stats(base)
+    body = {"model": model, "prompt": "hello there", "max_tokens": 3, "temperature": 0, "capture": CAPTURE}
+    answers = _each_connection(8, lambda: httpx.post(f"{base}/v1/completions", json=body, timeout=120))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    vecs = [decode_result(a.json()["capture"]["activations"])["post_mlp.1"] for a in answers]
+    assert all(np.array_equal(v, vecs[0]) and np.isfinite(v).all() for v in vecs)
+    after = _capture_stats(base)
+    assert [c["publish_calls"] for c in after] == [0] * len(after), after  # no capture RPC, ever
+    assert sum(c["results_sent"] for c in after) - sum(c["results_sent"] for c in before) == 8, (before, after)
+    assert sum(c["result_push_failed"] for c in after) == 0, after
 
 
 UPLOADS, VECTORS = "vllm_steer_row_uploads_total", 'vllm_steer_requests_total{kind="vectors"}'

@@ -104,7 +104,7 @@ def test_rpc_args_travel_as_the_positional_tuple_and_are_checked_on_arrival():
         parse_args("vllm_steer_unregister_module", (7,))
     assert "vllm_steer_unregister_module: arguments do not fit Name: Expected `str`, got `int`" in str(e.value)
     with pytest.raises(RpcArgsError, match="at most length"):
-        parse_args("vllm_steer_capture_collect", (["a"], "extra"))
+        parse_args("vllm_steer_capture_publish", (["a"], "extra"))
 
 
 def test_the_engine_core_answers_its_methods_and_forwards_every_other_name(monkeypatch):
@@ -123,7 +123,7 @@ def test_the_engine_core_answers_its_methods_and_forwards_every_other_name(monke
     assert EngineCore.collective_rpc(core, "vllm_steer_module_users") == [{"m": 1}]
     assert EngineCore.collective_rpc(core, "vllm_steer_sae_users") == [{"names": {"s": 1}, "sites": {"post_mlp.2": 1}}]
     assert EngineCore.collective_rpc(core, "vllm_steer_status") == ["worker:vllm_steer_status"]
-    assert EngineCore.collective_rpc(core, "vllm_steer_capture_collect", args=(["r"],)) == ["worker:vllm_steer_capture_collect"]
-    assert seen == [("vllm_steer_status", ()), ("vllm_steer_capture_collect", (["r"],))]
+    assert EngineCore.collective_rpc(core, "vllm_steer_capture_publish", args=(["r"],)) == ["worker:vllm_steer_capture_publish"]
+    assert seen == [("vllm_steer_status", ()), ("vllm_steer_capture_publish", (["r"],))]
     with pytest.raises(RpcArgsError):
         EngineCore.collective_rpc(core, "vllm_steer_unregister_sae", args=(1,))

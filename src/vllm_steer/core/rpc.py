@@ -86,7 +86,7 @@ class HoldSae(RpcArgs):
     sites: list[str]
 
 
-class CaptureCollect(RpcArgs):
+class CapturePublish(RpcArgs):
     request_ids: list[str]
 
 
@@ -112,7 +112,7 @@ METHODS: dict[str, Method] = {
     "vllm_steer_sae_release": Method(Version, ENGINE_CORE, "release a hold"),
     "vllm_steer_unregister_sae": Method(Name, ENGINE_CORE, "delete a runtime SAE"),
     "vllm_steer_status": Method(NoArgs, WORKER, "a worker's pid, ops and row / capture counters"),
-    "vllm_steer_capture_collect": Method(CaptureCollect, WORKER, "finished requests' driver capture results"),
+    "vllm_steer_capture_publish": Method(CapturePublish, WORKER, "end finished requests' capture now (capture.collect)"),
     "vllm_steer_stage_module": Method(StageModule, WORKER, "keep a module's tiers, materialize its rows"),
     "vllm_steer_forget_modules": Method(ForgetModules, WORKER, "drop module versions nothing uses"),
     "vllm_steer_stage_sae": Method(StageSae, WORKER, "stage a runtime SAE into reserved sites"),

@@ -20,7 +20,7 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
 from vllm_steer.core.layout import layout_key, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name
+from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD,
@@ -61,6 +61,7 @@ class SteeringFrontend:
         self.sae_config = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
         self.sae_slots = slot_sites(cfg, self.shape.num_layers)
         pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+        self.pipeline_stages = pp
         self.first_stage_layers: int | None = None  # decoder layers on the first pipeline stage (PP only)
         if pp > 1:
             from vllm.distributed.utils import get_pp_indices
@@ -271,6 +272,15 @@ class SteeringFrontend:
         driver, global_ = drivers
         return sorted(driver & (set(capture) | global_))
 
+    def result_messages(self, capture: dict, n: int) -> int:
+        """How many worker messages end a request's capture results (``capture.inbox``): one per
+        engine request (``n`` children) from TP rank 0 of every pipeline stage holding a consumer of
+        it: every stage when a worker consumer captures it (own or global spec), else the first."""
+        cfgs = self.cfg.capture if self.cfg else ()
+        used = set(capture) | {c.instance_name for c in cfgs if c.params.get("global_spec")}
+        on_workers = any(c.instance_name in used and consumer_class(c.name).location != "driver" for c in cfgs)
+        return max(1, n) * (self.pipeline_stages if on_workers else 1)
+
     def _capture(self, raw: Any) -> dict | None:
         """Validate a request's ``capture`` field (each consumer checks its own keys)."""
         if raw is None:
@@ -366,6 +376,7 @@ def patch_input_processor() -> None:
     from vllm import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from vllm_steer.capture.inbox import inbox
     from vllm_steer.frontend.applied import record_applied, record_capture
 
     if getattr(InputProcessor.process_inputs, "_vllm_steer", False):
@@ -387,6 +398,13 @@ def patch_input_processor() -> None:
             keys = (ready.prefill_key, ready.decode_key)
             capture = ready.payload.capture if ready.payload is not None else None
             captures = capture is not None
+            if captures:  # driver results come back to this process's inbox, not through the engine
+                box = inbox()
+                box.ttl = max(box.ttl, 2 * frontend.cfg.capture_result_timeout_s)
+                box.expect(request_id, frontend.driver_instances(capture),
+                           frontend.result_messages(capture, getattr(params, "n", 1) or 1))
+                params.extra_args = {**ready.extra_args, PAYLOAD_KEY: encode_payload(
+                    replace(ready.payload, capture_reply=box.address))}
             if captures and frontend.needs_whole_prompt(capture):
                 # Cached prompt blocks are never recomputed, so their residuals would be missing.
                 params.skip_reading_prefix_cache = True

@@ -10,12 +10,13 @@ process's GIL), where each consumer has its own queue and thread (a "lane": a sl
 itself). A raising consumer is counted; nothing stalls or kills the engine; a dead consumers' process
 disables capture for them (its requests' driver results are errors).
 
-Results of driver consumers (``collect_results``, reached by ``vllm_steer_capture_collect``) never
-wait: a call publishes the given requests (if the runner has not yet) and answers at once with the
-ids every consumer of the request has finished (``done``, with the driver results) and the others
-(``pending``, with the driver instances still running). The API server and ``capture.collect``
-poll it. Finished results nobody collects are evicted: at most ``RESULTS_MAX`` are kept, none
-longer than ``results_ttl(cfg)`` (twice ``steer.capture_result_timeout_s``, at least 60 s).
+Results of driver consumers go to the process that submitted the request, on a side channel the
+engine loop never waits on: when every consumer lane of this worker has handled a request's end,
+its driver results are PUSHed to the request's ``capture_reply`` address (``runtime.result_push``;
+received by ``capture.inbox``), with how many engine requests the message covers (n > 1 children
+share the id callers know). Nothing is kept here once sent; a send that fails is counted
+(``stats["result_push_failed"]``). ``publish`` ends requests the runner has not yet heard finished
+(``capture.collect`` on an in-process engine, which is not stepped again after its last output).
 
 Each position of a request is planned once: a preempted request recomputes its prompt and
 generated tokens from position 0 (or from its cached prefix) when it resumes, and positions below
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ from vllm_steer.core.config import SteerConfig
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture_lanes import RING_STEPS, CaptureHost, Lane
 from vllm_steer.runtime.capture_plan import CapturePlanner, RequestPlan, compile_request
+from vllm_steer.runtime.result_push import ResultPusher
 
 logger = logging.getLogger("vllm.steer.capture")
 
@@ -103,12 +104,7 @@ class _Request:
 
 MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
-RESULTS_MAX = 4096  # finished requests' results (and recently finished ids) kept for collection
-
-
-def results_ttl(cfg: SteerConfig) -> float:
-    """How long a finished request's results wait to be collected before they are evicted."""
-    return max(60.0, 2 * cfg.capture_result_timeout_s)
+RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
 
 
 @dataclass
@@ -127,6 +123,8 @@ class _Finishing:
 
     left: dict[int, int]  # consumer bit -> finish packets not yet handled (n>1: children share a key)
     instances: dict[int, str]  # bit -> instance of driver consumers
+    reply: str | None = None  # where the results go (the submitting process's inbox)
+    requests: int = 0  # engine requests folded in (the message says so: the inbox counts them)
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -141,7 +139,8 @@ class CaptureRuntime:
         self.bit_of: dict[str, int] = {}
         self.global_specs: dict[int, CaptureSpec] = {}
         self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "dropped_finishes": 0,
-                      "consumer_errors": 0, "recomputed_positions": 0, "ring_full": 0, "consumer_host_deaths": 0}
+                      "consumer_errors": 0, "recomputed_positions": 0, "ring_full": 0, "consumer_host_deaths": 0,
+                      "results_sent": 0, "result_push_failed": 0, "publish_calls": 0}
         self._stats_lock = threading.Lock()  # the host's threads count from their threads
         hosted: list[tuple[int, str, type, dict]] = []
         for i, c in enumerate(cfg.capture):
@@ -165,11 +164,10 @@ class CaptureRuntime:
         self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows)
         self._pending: list[_Entry] = []
         self._rows_used = 0
-        self.results_ttl = results_ttl(cfg)
         self._results_lock = threading.Lock()
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
-        self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # key -> (finished at, results)
         self._finished: OrderedDict[str, None] = OrderedDict()  # recently finished engine ids (bounded)
+        self._pusher = ResultPusher()
         self._copy_done: Any = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -213,21 +211,25 @@ class CaptureRuntime:
         if req is None or request_id in self._finished:
             return
         self._finished[request_id] = None
-        while len(self._finished) > RESULTS_MAX:
+        while len(self._finished) > RECENTLY_FINISHED_MAX:
             self._finished.popitem(last=False)
         key = req.meta.get("external_id") or request_id  # results go by the id callers know
-        meta = {**req.meta, "prompt_len": req.prompt_len}
+        reply = req.meta.get("capture_reply")
+        meta = {k: v for k, v in req.meta.items() if k != "capture_reply"}
+        meta["prompt_len"] = req.prompt_len
         bits = [b for b in req.specs if b in self._lanes]  # only the consumers this request used hear of its end
         with self._results_lock:
             f = self._finishing.get(key)
             if f is None:
-                f = self._finishing[key] = _Finishing({}, {})
+                f = self._finishing[key] = _Finishing({}, {}, reply)
+            f.requests += 1
             for b in bits:
                 f.left[b] = f.left.get(b, 0) + 1
                 if self._lanes[b].driver:
                     f.instances[b] = self._lanes[b].instance
-            if not f.left:
-                del self._finishing[key]
+            done = None if f.left else self._finishing.pop(key)
+        if done is not None:
+            self._send(key, done.reply, done.requests, done.results)
         for b in bits:
             lane = self._lanes[b]
             if lane.finish_slots.acquire(blocking=False):
@@ -239,7 +241,7 @@ class CaptureRuntime:
                                                "undelivered): this request's capture was not delivered to it"})
 
     def _finished_by(self, key: str, bit: int, instance: str, out: Any) -> None:
-        """A lane handled a finish packet (dispatch thread)."""
+        """A lane handled a finish packet (dispatch thread): the last one sends the results."""
         with self._results_lock:
             f = self._finishing.get(key)
             if f is None:
@@ -249,17 +251,20 @@ class CaptureRuntime:
             f.left[bit] -= 1
             if f.left[bit] <= 0:
                 del f.left[bit]
-            if not f.left:
+            final = not f.left
+            if final:
                 del self._finishing[key]
-                self._done[key] = (time.monotonic(), f.results)
-                self._done.move_to_end(key)
-                self._evict()
+        if final:
+            self._send(key, f.reply, f.requests, f.results)
+        elif out is not None and bit in f.instances:  # others still at it: a stuck one cannot hold this
+            self._send(key, f.reply, 0, {instance: out})
 
-    def _evict(self) -> None:
-        """Results nobody collected: keep at most RESULTS_MAX, none older than the TTL (lock held)."""
-        cutoff = time.monotonic() - self.results_ttl
-        while self._done and (len(self._done) > RESULTS_MAX or next(iter(self._done.values()))[0] < cutoff):
-            self._done.popitem(last=False)
+    def _send(self, key: str, reply: str | None, requests: int, results: dict) -> None:
+        """Driver results of ``key`` to the submitter; ``requests``: the engine requests whose every
+        lane on this worker is now done (0: a partial result, more to come)."""
+        if reply is None:  # submitted without an inbox (a payload built elsewhere): nobody to tell
+            return
+        self._count("results_sent" if self._pusher.push(reply, key, requests, results) else "result_push_failed")
 
     @property
     def active(self) -> bool:
@@ -338,27 +343,13 @@ class CaptureRuntime:
             self._copy_done = None
 
     # ---- results ----------------------------------------------------------------------
-    def collect_results(self, request_ids: list[str]) -> dict[str, Any]:
-        """Never waits. Publish the given requests (the caller knows they are done) if the runner
-        has not yet, and answer by the ids given (engine or external): ``{"done": {id: driver
-        results}, "pending": {id: {"waiting": [driver instances not yet finished], "results":
-        {those that have}}}}``. An id this worker has no capture state for (never had, or already
-        collected) is done with no results; done results are handed over once."""
+    def publish(self, request_ids: list[str]) -> int:
+        """End the given requests (engine or external ids) the runner has not yet heard finished
+        (their results are then sent as usual); how many there were. The caller knows they are done."""
+        self._count("publish_calls")
         wanted = set(request_ids)
-        for rid, req in list(self._requests.items()):
-            if rid in wanted or req.meta.get("external_id") in wanted:
-                self.finish_request(rid)
-        done: dict[str, dict] = {}
-        pending: dict[str, dict] = {}
-        with self._results_lock:
-            self._evict()
-            for rid in request_ids:
-                f = self._finishing.get(rid)
-                if f is not None:
-                    pending[rid] = {"waiting": sorted(f.instances[b] for b in f.left if b in f.instances),
-                                    "results": dict(f.results)}
-                elif rid in self._done:
-                    done[rid] = self._done.pop(rid)[1]
-                else:
-                    done[rid] = {}
-        return {"done": done, "pending": pending}
+        ended = [rid for rid, req in list(self._requests.items())
+                 if rid in wanted or req.meta.get("external_id") in wanted]
+        for rid in ended:
+            self.finish_request(rid)
+        return len(ended)

@@ -125,7 +125,8 @@ class SteeringRuntime:
         raw = (extra_args or {}).get(PAYLOAD_KEY)
         steering = decode_payload(raw) if raw is not None else None  # the scheduler refused any that do not decode
         if self.capture is not None:
-            meta = {"external_id": steering.external_id} if steering is not None else {}
+            meta = {"external_id": steering.external_id, "capture_reply": steering.capture_reply} \
+                if steering is not None else {}
             self.capture.add_request(req_id, steering.capture if steering is not None else None, prompt_len, meta)
         if steering is None or not steering.steered:
             return (0, 0)

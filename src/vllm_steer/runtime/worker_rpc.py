@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from vllm_steer.core.rpc import WORKER, CaptureCollect, ForgetModules, NoArgs, StageModule, StageSae, methods_of, parse_args
+from vllm_steer.core.rpc import WORKER, CapturePublish, ForgetModules, NoArgs, StageModule, StageSae, methods_of, parse_args
 
 
 def _runtime(worker: Any) -> Any:
@@ -71,18 +71,18 @@ def stage_sae(self, args: StageSae) -> list[str]:
     return [f"{h}.{l}" for h, l in rt.sae.load_runtime(args.path, args.format, args.site, tuple(args.features), mine)]
 
 
-def capture_collect(self, args: CaptureCollect) -> dict[str, dict]:
-    """Publish the captures of finished requests now and return, without waiting, what is ready:
-    ``{"done": {id: driver results}, "pending": {id: {"waiting": [...], "results": {...}}}}``
-    (``runtime.capture.CaptureRuntime.collect_results``). Callers poll it."""
+def capture_publish(self, args: CapturePublish) -> int:
+    """End now the given finished requests this worker has not yet heard finished (an in-process
+    engine is not stepped after its last output); their results go out on the capture result channel
+    (``runtime.capture.CaptureRuntime.publish``). Called once per ``capture.collect``."""
     rt = _runtime(self)
     if rt is None or rt.capture is None:
-        return {"done": {rid: {} for rid in args.request_ids}, "pending": {}}
-    return rt.capture.collect_results(list(args.request_ids))
+        return 0
+    return rt.capture.publish(list(args.request_ids))
 
 
 HANDLERS: dict[str, Callable[[Any, Any], Any]] = {
-    "vllm_steer_capture_collect": capture_collect,
+    "vllm_steer_capture_publish": capture_publish,
     "vllm_steer_status": status,
     "vllm_steer_stage_module": stage_module,
     "vllm_steer_forget_modules": forget_modules,

@@ -27,10 +27,11 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   words), summed over workers.
 - ``vllm_steer_capture_rows_total``, ``..._capture_dropped_rows_total``, ``..._capture_dropped_packets_total``,
   ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total``,
-  ``..._capture_ring_full_total``, ``..._capture_consumer_host_deaths_total`` counters: residual rows
-  captured, rows dropped (step pool full), packets dropped (consumer queue or shared ring full), finished
-  requests not handed to a stuck consumer, consumer calls that raised, steps the shared ring to the
-  consumers' process had no room for, consumers' processes that died; summed over workers.
+  ``..._capture_ring_full_total``, ``..._capture_consumer_host_deaths_total``,
+  ``..._capture_result_push_failed_total`` counters: residual rows captured, rows dropped (step pool full),
+  packets dropped (consumer queue or shared ring full), finished requests not handed to a stuck consumer,
+  consumer calls that raised, steps the shared ring to the consumers' process had no room for, consumers'
+  processes that died, driver results not sent to the submitting process; summed over workers.
 - ``vllm_steer_capture_write_errors_total``, ``..._capture_dropped_writes_total``, ``..._capture_failed_requests_total``
   counters: consumers' own counts (their ``stats()``; the filesystem consumer's): writes that failed (disk
   full), row packets dropped because the writer queue was full, requests marked failed; summed over workers.
@@ -105,6 +106,8 @@ ENGINE_COUNTERS = {
                                  "shared ring to the consumers' process (dropped for their consumers)"),
     "capture_consumer_host_deaths": Counter("vllm_steer_capture_consumer_host_deaths",
                                             "Capture consumers' processes that died (capture disabled for them)"),
+    "capture_result_push_failed": Counter("vllm_steer_capture_result_push_failed",
+                                          "Driver capture results a worker could not send to the submitting process"),
     "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),
 }
 

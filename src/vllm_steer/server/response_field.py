@@ -6,9 +6,10 @@ A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.front
 only responses whose holder was filled; everything else streams through untouched. Responses of
 capturing requests also get ``"capture"``: the driver consumers' per-request results, in the body
 (non-streaming) or, when streaming, in one last chunk with empty ``choices`` just before
-``data: [DONE]`` (the shape of the usage chunk, which OpenAI clients accept). Results come from this process's
-poller (``server.capture_results``): a response waits for its own requests' driver results at most
-``steer.capture_result_timeout_s``, and no call it causes waits in the engine.
+``data: [DONE]`` (the shape of the usage chunk, which OpenAI clients accept). Results come to this process's
+inbox (``capture.inbox``: the workers push them, nothing is asked of the engine): a response waits for its
+own requests' driver results at most ``steer.capture_result_timeout_s``, and not at all once the engine
+client reports the engine dead (each missing result is then ``{"error": "engine_dead", ...}``).
 
 A request the engine refused after accepting it (no steering row within ``steer.max_row_wait_s``,
 ``core.refusals``) is answered with the refusal's status (503, or 400) and message instead of vLLM's
@@ -23,8 +24,8 @@ from typing import Any
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.server.errors import error_response
 from vllm_steer.capture.collect import DEFAULT_TIMEOUT_S
+from vllm_steer.capture.inbox import inbox
 from vllm_steer.frontend.applied import close_holder, open_holder
-from vllm_steer.server.capture_results import poller_of
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -36,14 +37,15 @@ def _inject(obj: Any, applied: dict) -> Any:
 
 
 async def _capture_results(scope: dict, holder: dict) -> dict:
-    """Driver consumers' results for the finished requests of a response (collecting publishes)."""
+    """Driver consumers' results for the finished requests of a response."""
     state = scope["app"].state
     engine = getattr(state, "steer_engine_client", None)
     if engine is None:
         return {}
     cfg = getattr(state, "steer_config", None)
     timeout = cfg.capture_result_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S
-    return await poller_of(engine).results(holder["capture_ids"], timeout, holder.get("capture_instances"))
+    return await inbox().wait(holder["capture_ids"], timeout, holder.get("capture_instances"),
+                              dead=lambda: bool(getattr(engine, "errored", False)))
 
 
 _ENVELOPE = ("id", "object", "created", "model")

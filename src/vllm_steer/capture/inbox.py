@@ -1,0 +1,268 @@
+"""Driver consumers' results arriving in this process on a side channel (one ZMQ PULL socket).
+
+Every process that submits capturing requests (each API server process, a ``vllm.LLM`` user) has one
+``ResultInbox`` (``inbox()``), bound on first use to an ipc path. The front end puts that address in
+each capturing request's engine payload (``capture_reply``) and registers the request here
+(``expect``: the driver instances whose results come back and how many worker messages end it); the
+worker holding the request's consumers PUSHes ``(id, count, results)`` to it when every consumer
+has handled the request's end (``runtime.result_push``). A reader thread files the messages; waiters
+(``wait`` for asyncio, ``wait_blocking``) are woken when their ids are complete. Nothing here asks the
+engine anything.
+
+Bounds: at most ``MAX_ENTRIES`` registered requests (the oldest dropped past it, counted in
+``stats["evicted"]``); complete results nobody collects expire after their TTL; a message for an
+unknown id (evicted, or collected already) is counted (``stats["unexpected"]``) and dropped. A wait
+ends at its deadline, each driver instance without a result then holding ``timeout_error``, or at once
+with ``engine_dead_error`` once the caller's ``dead()`` says the engine is gone.
+
+Wire format: msgspec msgpack of ``[id, count, results]`` (no pickle: the socket is a local path any
+local process could connect to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import msgspec
+import zmq
+
+logger = logging.getLogger("vllm.steer")
+
+MAX_ENTRIES = 65536  # requests registered and not yet collected, in this process
+DONE_TTL_S = 60.0  # complete results nobody waits for (at least; see ``ResultInbox.ttl``)
+DEAD_CHECK_S = 0.2  # how often a waiting response looks at its engine's health (a local flag, no call)
+
+def _plain(obj: Any) -> Any:
+    """numpy values a consumer returns travel as lists / Python scalars (as they would print in JSON)."""
+    tolist = getattr(obj, "tolist", None)
+    if tolist is not None:
+        return tolist()
+    raise NotImplementedError(f"cannot send a {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
+_decoder = msgspec.msgpack.Decoder()
+
+
+def encode_message(key: str, count: int, results: dict) -> bytes:
+    """One worker message; a result that cannot be encoded is sent as an error object instead."""
+    try:
+        return _encoder.encode([key, count, results])
+    except Exception:
+        pass
+    sendable = {}
+    for instance, result in results.items():
+        try:
+            _encoder.encode(result)
+            sendable[instance] = result
+        except Exception as e:
+            sendable[instance] = {"error": "unserializable", "message": f"the result could not be sent: {e}"}
+    return _encoder.encode([key, count, sendable])
+
+
+def decode_message(data: bytes) -> tuple[str, int, dict]:
+    key, count, results = _decoder.decode(data)
+    return str(key), int(count), dict(results)
+
+
+def timeout_error(timeout: float) -> dict:
+    """What ``capture`` holds for a driver instance whose result did not come in time."""
+    return {"error": "timeout", "message": f"no result within {timeout:g} s (steer.capture_result_timeout_s)"}
+
+
+def engine_dead_error() -> dict:
+    """What ``capture`` holds for a driver instance whose engine died before its result came."""
+    return {"error": "engine_dead", "message": "the engine stopped before this request's capture results came"}
+
+
+@dataclass
+class _Entry:
+    instances: list[str]  # driver instances whose results come back
+    messages: int  # worker messages (engine requests x pushing workers) that end it
+    got: int = 0
+    results: dict = field(default_factory=dict)
+    done_at: float | None = None
+    wakers: list[Callable[[], None]] = field(default_factory=list)
+
+
+class ResultInbox:
+    def __init__(self) -> None:
+        from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+        self.address = get_open_zmq_ipc_path()
+        self.ttl = DONE_TTL_S
+        self.stats = {"received": 0, "unexpected": 0, "evicted": 0, "bad_messages": 0}
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._swept = 0.0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.address)
+        self._closed = False
+        self._thread = threading.Thread(target=self._read, name="vllm-steer-capture-inbox", daemon=True)
+        self._thread.start()
+
+    # ---- registration (the front end, when a capturing request is submitted) ----------
+    def expect(self, key: str, instances: Iterable[str], messages: int) -> None:
+        with self._lock:
+            self._entries[key] = _Entry(sorted(instances), max(1, messages))
+            self._entries.move_to_end(key)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Lock held: keep at most MAX_ENTRIES; complete results older than the TTL go."""
+        now = time.monotonic()
+        while len(self._entries) > MAX_ENTRIES:
+            _, e = self._entries.popitem(last=False)
+            self.stats["evicted"] += 1
+            self._wake(e)
+        if now - self._swept < 1.0:
+            return
+        self._swept = now  # at most one walk a second
+        for key in [k for k, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.ttl
+                    and not e.wakers]:
+            del self._entries[key]
+            self.stats["evicted"] += 1
+
+    # ---- the reader thread --------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._closed:
+            try:
+                if not self._sock.poll(500):
+                    continue
+                data = self._sock.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                if self._closed:
+                    return
+                logger.exception("vllm-steer: the capture result inbox failed to receive")
+                time.sleep(0.1)
+                continue
+            try:
+                self.deliver(*decode_message(data))
+            except Exception:
+                self.stats["bad_messages"] += 1
+                logger.exception("vllm-steer: a malformed capture result message was dropped")
+
+    def deliver(self, key: str, count: int, results: dict) -> None:
+        """File one worker's message for ``key`` (the reader thread; tests call it directly)."""
+        with self._lock:
+            self.stats["received"] += 1
+            e = self._entries.get(key)
+            if e is None:
+                self.stats["unexpected"] += 1
+                return
+            e.results.update(results)
+            e.got += count
+            if e.got >= e.messages and e.done_at is None:
+                e.done_at = time.monotonic()
+                self._wake(e)
+
+    @staticmethod
+    def _wake(e: _Entry) -> None:
+        for waker in e.wakers:
+            waker()
+
+    # ---- waiting --------------------------------------------------------------------------
+    def _arm(self, keys: list[str], waker: Callable[[], None]) -> None:
+        """Add ``waker`` to each open entry (called when it completes or is evicted)."""
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None and e.done_at is None:
+                    e.wakers.append(waker)
+
+    def _complete(self, keys: list[str]) -> bool:
+        """Every id complete (or unknown: evicted, never registered)."""
+        with self._lock:
+            return all(k not in self._entries or self._entries[k].done_at is not None for k in keys)
+
+    def _take(self, keys: list[str], timeout: float, expected: dict[str, list[str]] | None,
+              dead: bool) -> dict[str, dict]:
+        """Results by id (removing them); each missing driver instance gets an error object."""
+        out = {}
+        with self._lock:
+            for key in keys:
+                e = self._entries.pop(key, None)
+                res = dict(e.results) if e is not None else {}
+                if e is None or e.done_at is None:
+                    want = e.instances if e is not None else (expected or {}).get(key, ())
+                    for instance in want:
+                        res.setdefault(instance, engine_dead_error() if dead else timeout_error(timeout))
+                out[key] = res
+        return out
+
+    async def wait(self, keys: list[str], timeout: float, expected: dict[str, list[str]] | None = None,
+                   dead: Callable[[], bool] = lambda: False) -> dict[str, dict]:
+        """Results by id once every id is complete, at ``timeout`` or as soon as ``dead()``."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        deadline = time.monotonic() + timeout
+
+        def waker() -> None:
+            loop.call_soon_threadsafe(event.set)
+
+        gone = False
+        self._arm(keys, waker)
+        while not self._complete(keys):
+            left = deadline - time.monotonic()
+            gone = dead()
+            if left <= 0 or gone:
+                break
+            try:
+                await asyncio.wait_for(event.wait(), min(left, DEAD_CHECK_S))
+            except asyncio.TimeoutError:
+                pass
+            event.clear()
+        self._disarm(keys, waker)
+        return self._take(keys, timeout, expected, gone)
+
+    def wait_blocking(self, keys: list[str], timeout: float, dead: Callable[[], bool] = lambda: False
+                      ) -> dict[str, dict]:
+        """``wait`` for a caller without an event loop (``capture.collect``)."""
+        event = threading.Event()
+        deadline = time.monotonic() + timeout
+        gone = False
+        self._arm(keys, event.set)
+        while not self._complete(keys):
+            left = deadline - time.monotonic()
+            gone = dead()
+            if left <= 0 or gone:
+                break
+            event.wait(min(left, DEAD_CHECK_S))
+            event.clear()
+        self._disarm(keys, event.set)
+        return self._take(keys, timeout, None, gone)
+
+    def _disarm(self, keys: list[str], waker: Callable[[], None]) -> None:
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    e.wakers = [w for w in e.wakers if w is not waker]
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+_INBOX: ResultInbox | None = None
+_INBOX_LOCK = threading.Lock()
+
+
+def inbox() -> ResultInbox:
+    """This process's inbox (bound on first use)."""
+    global _INBOX
+    if _INBOX is None:
+        with _INBOX_LOCK:
+            if _INBOX is None:
+                _INBOX = ResultInbox()
+    return _INBOX

@@ -1,0 +1,50 @@
+"""The engine core killed while a capturing stream decodes (issue 37 item 6): the stream ends within
+seconds, not after ``steer.capture_result_timeout_s`` (30 s), and its capture chunk holds an
+``engine_dead`` error object for the driver instance. One API process (with several, vLLM's process
+manager tears every API process down at once and the stream is cut instead)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+
+CAPTURE = {"activations": {"layers": [1], "hooks": ["post_mlp"], "positions": "last_prompt"}}
+
+
+def _engine_core_pids(proc) -> list[int]:
+    import psutil
+
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    return [k.pid for k in kids if "EngineCore" in k.name() or "EngineCore" in " ".join(k.cmdline())]
+
+
+def test_engine_death_ends_a_capturing_stream_at_once(tiny_model, tmp_path):
+    from tests.server import openai_server
+
+    model = tiny_model("llama")
+    cfg = json.dumps({"steer": {"capture": ["activations"]}})
+    with openai_server(model, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg,
+                       log=tmp_path / "server.log") as (base, proc):
+        pids = _engine_core_pids(proc)
+        assert pids, "no EngineCore process found"
+        body = {"model": model, "prompt": "hello there", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+                "stream": True, "capture": CAPTURE}
+        events, killed_at = [], None
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if killed_at is None and len(events) >= 2:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        ended = time.monotonic() - killed_at
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["capture"]["activations"]["error"] == "engine_dead", events[-3:]
+    assert ended < 8.0, ended
