@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_steer.kernels.steered_rms_norm import op
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
+from tests.norm_calls import op_steered_rms_norm, steered_rms_norm_naive
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NORMS = ("RMSNorm", "GemmaRMSNorm")
@@ -102,7 +102,7 @@ def test_registered_op_is_the_reference_on_cpu(vllm_norm):
     op.register()  # idempotent
     m, offset = vllm_norm("GemmaRMSNorm", 48, torch.bfloat16, seed=7)
     x, r, (ta, tb), index = _case(5, 48, torch.bfloat16, seed=8)
-    got = torch.ops.vllm_steer.steered_rms_norm(x, r, m.weight, 1e-5, offset, index, ta, _on(), None, None)
+    got = op_steered_rms_norm(x, r, m.weight, 1e-5, offset, index, ta, _on(), None, None)
     want = steered_rms_norm_naive(x, r, m.weight, 1e-5, offset, index, ta, _on())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

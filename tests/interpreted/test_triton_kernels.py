@@ -11,9 +11,9 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import (
-    SAE_GATED,
-    VECTORS_UNGATED,
+from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED
+from tests import norm_calls
+from tests.norm_calls import (
     steered_capture_rms_norm_naive,
     steered_cond_rms_norm_naive,
     steered_cond_sae_rms_norm_naive,
@@ -28,9 +28,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 @pytest.fixture(scope="module")
 def interpreted():
     import vllm_steer.kernels.capture_rows.triton as cap
-    import vllm_steer.kernels.steered_rms_norm.triton as norm
+    import vllm_steer.kernels.steered_rms_norm.triton as kernel
 
-    return norm, cap
+    norm_calls.split_buffers = kernel.split_buffers
+    return norm_calls, cap
 
 
 # The interpreter rounds float32 -> bfloat16 by truncation (numpy has no bf16), a GPU to nearest:

@@ -70,8 +70,6 @@ class CaptureBuffers:
         self.plan = torch.full((len(sites), width), -1, dtype=torch.int32, device=device)
         self.plan_host = np.full((len(sites), width), -1, dtype=np.int32)
         self.max_rows = max_rows
-        # the gate argument of the capture norm op on a server without conditions (never read or written)
-        self.no_gate = torch.zeros(1, dtype=torch.float32, device=device)
 
     def plan_view(self, hook: str, layer: int) -> torch.Tensor:
         return self.plan[self.site_index[(hook, layer)]]
