@@ -39,7 +39,7 @@ def _key(args: tuple) -> tuple:
     tensors are most of the arguments, and this runs on every launch), a tuple argument (a feature's
     descriptor) element by element, ``_spec`` for the rest."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
-                  _key(a) if isinstance(a, tuple) else _spec(a) for a in args])
+                  (_key(a) if a else a) if isinstance(a, tuple) else _spec(a) for a in args])
 
 
 def _spec(v: Any) -> Any:

@@ -117,3 +117,32 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", tail)
     assert m and int(m.group(1)) >= 55 and "skipped" not in tail and "failed" not in tail, tail
+
+
+def test_projections_ablate_and_cap_follow_the_formula():
+    """The reference's directional projections against float64 numpy: ablation removes the component
+    along the (unit) direction, a cap clamps it into [lo, hi]; two directions apply one after the other;
+    then the row's vectors are added (capture -> SAE -> projections -> vectors)."""
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+
+    d, n = 64, 6
+    x, r, (ta, _), _ = _case(n, d, torch.float32, seed=30)
+    g = torch.Generator().manual_seed(31)
+    dirs = torch.randn(3, 2, d, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    bounds = torch.tensor([[[0.0, 0.0]] * 2, [[0.0, 0.0]] * 2, [[-0.25, 0.5], [1.0, 2.0]]])
+    count = torch.tensor([0, 1, 2], dtype=torch.int32)
+    index = torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.int32)
+    w = torch.ones(d)
+    _, res = steered_norm_naive(x, r, w, 1e-5, 0.0, index, vec_a=(ta, _on()), proj_a=(count, dirs, bounds))
+    want = x.double().numpy() + r.double().numpy()
+    for t, row in enumerate(index.tolist()):
+        for k in range(count[row]):
+            v = dirs[row, k].double().numpy()
+            p = want[t] @ v
+            want[t] += (min(max(p, float(bounds[row, k, 0])), float(bounds[row, k, 1])) - p) * v
+        want[t] += ta[row].double().numpy()
+    np.testing.assert_allclose(res.numpy(), want, rtol=1e-5, atol=1e-5)
+    ablated = (res[1] - ta[1]).double() @ dirs[1, 0].double()
+    assert abs(float(ablated)) < 1e-5
+    assert torch.equal(res[[0, 5]], (x[[0, 5]].float() + r[[0, 5]].float()).to(x.dtype))  # row 0 untouched

@@ -4,7 +4,7 @@ implementation on CPU (and for full SAE packs on CUDA). Mirrors vLLM's native ``
 
 One function, ``steered_norm_naive``, composes every feature a norm's two slots may have, each given by its
 descriptor (a few tensors; empty / None: the feature is off), in the order written once in ``_staged``:
-per slot, capture -> gate (at a row's probe site) -> SAE clamps -> vectors; then the norm."""
+per slot, capture -> gate (at a row's probe site) -> SAE clamps -> projections -> vectors; then the norm."""
 
 from __future__ import annotations
 
@@ -39,6 +39,22 @@ def probe_gate(s: torch.Tensor, rows: torch.Tensor, probe: torch.Tensor, params:
     return torch.nan_to_num(g, nan=0.0)  # a NaN stream never leaves a NaN gate for a later add
 
 
+def project_naive(s: torch.Tensor, rows: torch.Tensor, proj: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The float32 stream ``s`` [N, D] after its rows' directional projections, one direction after another:
+    ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v`` (v a unit direction; ablation: lo = hi = 0, the
+    component along v removed). ``proj``: (count [R] int32: the row's live directions, dirs [R, K, D] float32,
+    bounds [R, K, 2] float32: lo, hi)."""
+    count, dirs, bounds = proj
+    live = count.index_select(0, rows)
+    for k in range(dirs.shape[1]):
+        v = dirs[:, k].index_select(0, rows).float()
+        lo, hi = bounds[:, k].index_select(0, rows).unbind(-1)
+        p = (s * v).sum(dim=-1)
+        moved = s + (torch.minimum(torch.maximum(p, lo), hi) - p)[:, None] * v
+        s = torch.where((live > k)[:, None], moved, s)
+    return s
+
+
 def steered_norm_naive(
     x: torch.Tensor,  # [N, D]
     residual: torch.Tensor | None,  # [N, D], or None (the stream is x)
@@ -57,10 +73,12 @@ def steered_norm_naive(
     plan_a: torch.Tensor | None = None,  # [>= N] int32: pool row of each token's slot-A stream, -1: none
     plan_b: torch.Tensor | None = None,
     pool: torch.Tensor | None = None,  # [P, D], rows written in place (with a plan)
+    proj_a: Sequence[torch.Tensor] = (),  # slot A's projections (project_naive), () for none
+    proj_b: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normalized output, new residual) of ``x + residual`` with every feature of both slots applied in
     ``_staged``'s order. Without SAE, condition or capture: ``((x + residual) + A[index]) + B[index]``."""
-    slots = ((sae_a, topk_a, vec_a, plan_a), (sae_b, topk_b, vec_b, plan_b))
+    slots = ((sae_a, topk_a, proj_a, vec_a, plan_a), (sae_b, topk_b, proj_b, vec_b, plan_b))
     s = _staged(x, residual, index, slots, (*cond, gate) if cond else None, pool)
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
 
@@ -69,14 +87,14 @@ def _staged(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     index: torch.Tensor,
-    slots: tuple,  # per slot (SAE pack or (), topk, (table, flag) or (), plan or None), A then B
+    slots: tuple,  # per slot (SAE pack or (), topk, projections or (), (table, flag) or (), plan or None), A then B
     cond: tuple | None,  # (cond_site, cond_params, probe, site_ids, gate), or None: no conditions
     pool: torch.Tensor | None,
 ) -> torch.Tensor:
     """The float32 stream after every slot. The order of effects, per slot: its capture (the stream as it
     reaches the slot), the gate (at a row's probe site), the SAE clamps (their move scaled by the gate for
-    a row whose condition gates SAE clamps: ``s + g * (clamped(s) - s)``), then the vectors (scaled for a
-    row whose condition gates vectors). Without a live condition every row adds as the plain op, bit for
+    a row whose condition gates SAE clamps: ``s + g * (clamped(s) - s)``), the directional projections
+    (ungated), then the vectors (scaled for a row whose condition gates vectors). Without a live condition every row adds as the plain op, bit for
     bit. ``cond_params[0, 3]`` (row 0 never has a condition) is 0 while no live row has one: then every row
     adds as the plain op (the kernel's fast path; ``runtime.condition_tables`` keeps it)."""
     from vllm_steer.kernels.capture_rows.op import capture_rows
@@ -99,7 +117,7 @@ def _staged(
         vectors_gated = on & ((word & VECTORS_UNGATED) == 0)
         sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
         g = gate[:n]
-    for slot, (pack, topk, vec, plan) in enumerate(slots):
+    for slot, (pack, topk, proj, vec, plan) in enumerate(slots):
         if plan is not None:  # capture: the stream as it reaches the slot
             capture_rows(pool, s, plan)
         if gating:
@@ -109,6 +127,8 @@ def _staged(
         if pack:
             clamped = apply_site_naive(s, rows, list(pack), topk)
             s = torch.where(sae_gated, s + g[:, None] * (clamped - s), clamped) if gating else clamped
+        if proj:
+            s = project_naive(s, rows, proj)
         if vec:
             table, flag = vec
             if not flag.is_cuda and not bool(flag[0]):

@@ -69,7 +69,8 @@ def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
 
 
 @triton.jit
-def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams, stride_probe):
+def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams, stride_probe, proj,
+                   PROJ: tl.constexpr):
     """(b_s + w * table[i_row], gate): at the row's probe site (its site word ``i_gsite`` under
     _SITE_MASK) the gate is computed from b_s first and stored; w is the gate for a row
     whose condition gates its vectors, 1 for any other (then the plain add, bit for bit). Branch-free but
@@ -81,7 +82,25 @@ def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_pr
     if (i_gsite & _SITE_MASK) == i_site:
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
         tl.store(p_gate_t, g)
+    if PROJ:  # the row's projections come after the gate, before the vectors
+        b_s = _project(b_s, i_row, proj, o_d, m_d)
     return tl.where(on, b_s + tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0) * b_t, b_s), g
+
+
+@triton.jit
+def _project(b_s, i_row, proj, o_d, m_d):
+    """b_s after row ``i_row``'s directional projections, one after another (naive.project_naive):
+    ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v``. ``proj``: (count [R] int32, dirs [R, K, D] fp32,
+    bounds [R, K, 2] fp32, K, dirs' row stride, dirs' direction stride). Row 0 (count 0): one int32 load."""
+    p_count, p_dirs, p_bounds, K, stride_row, stride_k = proj
+    i_r = i_row.to(tl.int64)
+    for k in range(0, tl.load(p_count + i_r)):
+        b_v = tl.load(p_dirs + i_r * stride_row + k * stride_k + o_d, mask=m_d, other=0.0).to(tl.float32)
+        p = tl.sum(b_s * b_v, axis=0)
+        lo = tl.load(p_bounds + (i_r * K + k) * 2)
+        hi = tl.load(p_bounds + (i_r * K + k) * 2 + 1)
+        b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
+    return b_s
 
 
 @triton.jit
@@ -187,6 +206,8 @@ def _steered_norm_kernel(
     #        order of slot A, of slot B), probe stride)
     cap_a,  # CAP_A: (pool [P, D] (written), pool stride, plan [>= N] int32 (-1: none)): slot A is captured
     cap_b,  # CAP_B: the same for slot B
+    proj_a,  # PROJ_A: (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32, K, dirs' strides (row, k))
+    proj_b,  # PROJ_B: the same for slot B
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -200,9 +221,11 @@ def _steered_norm_kernel(
     COND: tl.constexpr,  # rows may carry a condition (with SAE_A / SAE_B: the gate is only read)
     CAP_A: tl.constexpr,  # slot A is captured: the stream as it reaches slot A goes to the pool
     CAP_B: tl.constexpr,  # slot B is captured: the stream after slot A's clamps and (gated) rows
+    PROJ_A: tl.constexpr = False,  # slot A's rows may project the stream onto directions (ablate / cap)
+    PROJ_B: tl.constexpr = False,
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
-    (per slot: capture, gate, SAE clamps, vectors), then vLLM's RMSNorm."""
+    (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm."""
     i_t = tl.program_id(0).to(tl.int64)
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
     o_d = tl.arange(0, BLOCK_D)
@@ -224,20 +247,28 @@ def _steered_norm_kernel(
             i_gsite = tl.load(p_csite + i_row)
             if HAS_A:
                 b_s, g = _add_gated_row(b_s, vec_a, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids), p_gate + i_t,
-                                        p_probe, p_cparams, stride_probe)
+                                        p_probe, p_cparams, stride_probe, proj_a, PROJ_A)
+            elif PROJ_A:
+                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
             if CAP_B:
                 _capture(b_s, i_t, cap_b, o_d, m_d, True)
             if HAS_B:
                 b_s, g = _add_gated_row(b_s, vec_b, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids + 1),
-                                        p_gate + i_t, p_probe, p_cparams, stride_probe)
+                                        p_gate + i_t, p_probe, p_cparams, stride_probe, proj_b, PROJ_B)
+            elif PROJ_B:
+                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
         else:
+            if PROJ_A:
+                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
             if HAS_A:
                 b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, 1.0)
             if CAP_B:
                 _capture(b_s, i_t, cap_b, o_d, m_d, True)
+            if PROJ_B:
+                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
-    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B:
+    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B:
         i_row = tl.load(p_index + i_t)
         if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
             p_csite = cond[0]
@@ -255,6 +286,8 @@ def _steered_norm_kernel(
                                            SPLIT, w_sae)
             else:
                 b_s = _sae_clamp_row(b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
+        if PROJ_A:
+            b_s = _project(b_s, i_row, proj_a, o_d, m_d)
         if HAS_A:
             b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
         if CAP_B:
@@ -271,6 +304,8 @@ def _steered_norm_kernel(
                 if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
                     i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
+        if PROJ_B:
+            b_s = _project(b_s, i_row, proj_b, o_d, m_d)
         if HAS_B:
             b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
     m_w = m_d & go
@@ -300,6 +335,15 @@ def _sae_desc(pack, d: int) -> tuple:
     assert code.stride(-1) == 1 and value.stride(-1) == 1
     return (mode, code, value, enc, dec, bias, thr, code.shape[1],
             code.stride(0), value.stride(0), enc.stride(0), dec.stride(0))
+
+
+def _proj_desc(proj, d: int) -> tuple:
+    """The kernel's descriptor of one slot's projections (() for none)."""
+    if not proj:
+        return ()
+    count, dirs, bounds = proj
+    assert dirs.shape[-1] == d and dirs.stride(-1) == 1 and bounds.is_contiguous() and bounds.shape[-1] == 2
+    return (count, dirs, bounds, dirs.shape[1], dirs.stride(0), dirs.stride(1))
 
 
 # The split clamp walk (decode sizes): SPLIT programs per token share a row's clamps. At most
@@ -354,6 +398,8 @@ def steered_norm_triton(
     plan_a: torch.Tensor | None = None,  # [>= N] int32, -1: not captured; None: slot A not captured
     plan_b: torch.Tensor | None = None,
     pool: torch.Tensor | None = None,  # [P, D], written (with a plan)
+    proj_a: Sequence[torch.Tensor] = (),  # (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32), () for none
+    proj_b: Sequence[torch.Tensor] = (),
     split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
@@ -367,25 +413,32 @@ def steered_norm_triton(
     if d > MAX_HIDDEN:
         raise ValueError(f"steered_rms_norm supports hidden sizes up to {MAX_HIDDEN}, got {d}")
     block_d = triton.next_power_of_2(d)
-    vecs = tuple((t, f, t.stride(0)) if t is not None else () for t, f in (vec_a or (None, None),
-                                                                             vec_b or (None, None)))
-    saes = (_sae_desc(sae_a, d), _sae_desc(sae_b, d))
-    split = (split_of(n) if split is None else split) if (sae_a or sae_b) else 1
-    bufs = split_buffers(x.device, d) if split > 1 else None
-    if bufs is None:
-        split, bufs = 1, ()
-    cond_desc = ()
+    # every launch of a step above the graph sizes runs this from Python: features off cost a test each
+    va = (vec_a[0], vec_a[1], vec_a[0].stride(0)) if vec_a else ()
+    vb = (vec_b[0], vec_b[1], vec_b[0].stride(0)) if vec_b else ()
+    sa = sb = bufs = cond_desc = ca = cb = pa = pb = ()
+    if sae_a or sae_b:
+        sa, sb = _sae_desc(sae_a, d), _sae_desc(sae_b, d)
+        split = split_of(n) if split is None else split
+        bufs = (split_buffers(x.device, d) or ()) if split > 1 else ()
+        if not bufs:
+            split = 1
+    else:
+        split = 1
     if cond:
         cond_site, cond_params, probe, site_ids = cond
         assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
         cond_desc = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
     if pool is not None:
         assert pool.stride(-1) == 1 and pool.shape[-1] == d
-    caps = tuple((pool, pool.stride(0), plan) if plan is not None else () for plan in (plan_a, plan_b))
+        ca = (pool, pool.stride(0), plan_a) if plan_a is not None else ()
+        cb = (pool, pool.stride(0), plan_b) if plan_b is not None else ()
+    if proj_a or proj_b:
+        pa, pb = _proj_desc(proj_a, d), _proj_desc(proj_b, d)
     args = (x, residual if residual is not None else x, weight, out, res_out, index, x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
-            *vecs, *saes, bufs, cond_desc, *caps)
-    flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(vecs[0]), bool(vecs[1]), bool(saes[0]),
-             bool(saes[1]), 32, split, bool(cond_desc), bool(caps[0]), bool(caps[1]))
+            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb)
+    flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
+             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb))
     _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

@@ -113,7 +113,7 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         [self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_site_ids] if cond else [],
         self.vs_gate if cond else None,
         self.vs_a_plan if "a" in self._vs_capture else None, self.vs_b_plan if "b" in self._vs_capture else None,
-        self.vs_pool if self._vs_capture else None)
+        self.vs_pool if self._vs_capture else None, [], [])  # projections: no runtime tables yet (issue 38 item 3)
 
 
 def _sae_packs(self) -> list[list[torch.Tensor]]:
