@@ -29,8 +29,8 @@ def main() -> int:
 
     importlib.import_module("vllm._custom_ops")  # registers torch.ops._C
     from vllm.ir.ops.layernorm import fused_add_rms_norm
-    from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
-    from vllm_steer.kernels.steered_rms_norm.triton import steered_cond_rms_norm_triton, steered_rms_norm_triton
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+    from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
 
     def copy_bandwidth() -> float:  # GB/s of a 512 MiB bf16 copy (its buffers freed on return)
         src = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.bfloat16)
@@ -63,21 +63,21 @@ def main() -> int:
             steered = torch.randint(1, R, (max(n, 8192),), device="cuda", dtype=torch.int32, generator=g)
             zero = torch.zeros_like(steered)
             # correctness first: the steered kernel vs its reference, and unsteered vs vLLM's kernel
-            got = steered_rms_norm_triton(x, r, w, EPS, 0.0, steered, ta, on, tb, on)
-            want = steered_rms_norm_naive(x, r, w, EPS, 0.0, steered, ta, on, tb, on)
+            got = steered_norm_triton(x, r, w, EPS, 0.0, steered, (ta, on), (tb, on))
+            want = steered_norm_naive(x, r, w, EPS, 0.0, steered, (ta, on), (tb, on))
             err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
             cx, cr = x.clone(), r.clone()
             torch.ops._C.fused_add_rms_norm(cx, cr, w, EPS)
-            plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, zero, ta, off, tb, off)
+            plain = steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, off), (tb, off))
             err_vllm = max(float((p.float() - c.float()).abs().max()) for p, c in zip(plain, (cx, cr)))
             xs, rs = x.clone(), r.clone()
             idx_l = steered[:n].long()
             cases = {
                 "vllm_c": lambda: torch.ops._C.fused_add_rms_norm(xs, rs, w, EPS),
                 "inductor_native": lambda: native(x, r, w, EPS),
-                "steered_idle": lambda: steered_rms_norm_triton(x, r, w, EPS, 0.0, zero, ta, off, tb, off),
-                "steered_row0": lambda: steered_rms_norm_triton(x, r, w, EPS, 0.0, zero, ta, on, tb, on),
-                "steered_all": lambda: steered_rms_norm_triton(x, r, w, EPS, 0.0, steered, ta, on, tb, on),
+                "steered_idle": lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, off), (tb, off)),
+                "steered_row0": lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, on), (tb, on)),
+                "steered_all": lambda: steered_norm_triton(x, r, w, EPS, 0.0, steered, (ta, on), (tb, on)),
                 "gather_add_then_norm": lambda: (xs.add_(ta.index_select(0, idx_l)),
                                                  torch.ops._C.fused_add_rms_norm(xs, rs, w, EPS)),
             }
@@ -88,8 +88,8 @@ def main() -> int:
             for label, site in (("cond_plain", -1), ("cond_gated", 3), ("cond_probe", 5)):
                 csite = torch.full((R,), site, dtype=torch.int32, device="cuda")
                 csite[0] = -1
-                cases[label] = (lambda csite=csite: steered_cond_rms_norm_triton(
-                    x, r, w, EPS, 0.0, steered, ta, on, tb, on, csite, params, probe, gate, site_ids))
+                cases[label] = (lambda csite=csite: steered_norm_triton(
+                    x, r, w, EPS, 0.0, steered, (ta, on), (tb, on), cond=(csite, params, probe, site_ids), gate=gate))
             for impl, fn in cases.items():
                 fn()
                 torch.cuda.synchronize()

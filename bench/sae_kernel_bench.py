@@ -10,7 +10,7 @@ import json
 import torch
 
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
-from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_rms_norm_triton, steered_sae_rms_norm_triton
+from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_norm_triton
 
 D, STAGED, ROWS = 4096, 256, 4
 HBM_BYTES_PER_US = 3.35e6  # H100 SXM HBM3 (an H200: 4.8e6)
@@ -70,15 +70,14 @@ def main() -> None:
         res = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
         steered = torch.arange(n, device=dev, dtype=torch.int32) % (ROWS - 1) + 1  # every token clamps
         idle = torch.zeros(n, dtype=torch.int32, device=dev)
-        base = _time(lambda: steered_rms_norm_triton(x, res, w, 1e-5, 0.0, idle))
+        base = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, idle))
         rows.append({"n": n, "path": "plain norm", "clamps": 0, "us": round(base, 2)})
         splits = sorted({1, split_of(n)} | ({4, 8, 16} if n <= 16 else set()))
         for clamps in (0, 8, 32, 64, 128, 256):
             pack = _pack(clamps, dev)
             index = idle if clamps == 0 else steered
             for split in splits:
-                us = _time(lambda: steered_sae_rms_norm_triton(x, res, w, 1e-5, 0.0, index, None, None, None, None,
-                                                               pack, [], split=split))
+                us = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, index, sae_a=pack, split=split))
                 path = ("clamp-only (Triton)" + (" idle" if clamps == 0 else "") + f" split {split}"
                         + (" (default)" if split == split_of(n) else ""))
                 rows.append({"n": n, "path": path, "clamps": clamps, "us": round(us, 2),

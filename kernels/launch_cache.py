@@ -36,8 +36,10 @@ _I32 = (-(2 ** 31), 2 ** 31 - 1)
 
 def _key(args: tuple) -> tuple:
     """What Triton specializes the runtime arguments on: (dtype, 16-byte aligned) per tensor (inline:
-    tensors are most of the arguments, and this runs on every launch), ``_spec`` for the rest."""
-    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else _spec(a) for a in args])
+    tensors are most of the arguments, and this runs on every launch), a tuple argument (a feature's
+    descriptor) element by element, ``_spec`` for the rest."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
+                  (_key(a) if a else a) if isinstance(a, tuple) else _spec(a) for a in args])
 
 
 def _spec(v: Any) -> Any:

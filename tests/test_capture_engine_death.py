@@ -22,16 +22,18 @@ def _engine_core_pids(proc) -> list[int]:
     return [k.pid for k in kids if "EngineCore" in k.name() or "EngineCore" in " ".join(k.cmdline())]
 
 
-def test_engine_death_ends_a_capturing_stream_at_once(tiny_model, tmp_path):
+def test_engine_death_ends_a_capturing_stream_at_once(smollm2_path, tmp_path):
     from tests.server import openai_server
 
-    model = tiny_model("llama")
+    # SmolLM2 on CPU decodes ~20+ ms a token: 2000 tokens outlast the kill by far (the tiny model finished
+    # 480 tokens before its third event reached the client, so the kill came after the request's end)
+    model = smollm2_path
     cfg = json.dumps({"steer": {"capture": ["activations"]}})
     with openai_server(model, "--dtype", "float32", "--enforce-eager", "--additional-config", cfg,
-                       log=tmp_path / "server.log") as (base, proc):
+                       log=tmp_path / "server.log", max_model_len=2048) as (base, proc):
         pids = _engine_core_pids(proc)
         assert pids, "no EngineCore process found"
-        body = {"model": model, "prompt": "hello there", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+        body = {"model": model, "prompt": "hello there", "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
                 "stream": True, "capture": CAPTURE}
         events, killed_at = [], None
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
@@ -45,6 +47,7 @@ def test_engine_death_ends_a_capturing_stream_at_once(tiny_model, tmp_path):
                     killed_at = time.monotonic()
         ended = time.monotonic() - killed_at
     assert events[-1] == "[DONE]", events[-3:]
+    assert len(events) < 1000, f"{len(events)} events: the request ended before the kill"
     last = json.loads(events[-2])
     assert last["choices"] == [] and last["capture"]["activations"]["error"] == "engine_dead", events[-3:]
     assert ended < 8.0, ended

@@ -23,7 +23,7 @@ from tests.test_sae_engine import BIG as SAE_BIG, RESIDUAL_ATOL, RESIDUAL_RTOL, 
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import site_order
-from vllm_steer.kernels.steered_rms_norm.naive import steered_cond_rms_norm_naive, steered_rms_norm_naive
+from tests.norm_calls import steered_cond_rms_norm_naive, steered_rms_norm_naive
 
 HIDDEN = 576
 PROBE_LAYER, STEER_LAYER = 10, 14  # probe at post_mlp.10, steer at post_mlp.14 (and pre_attn.16)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_steer.kernels.steered_rms_norm import op
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive
+from tests.norm_calls import op_steered_rms_norm, steered_rms_norm_naive
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NORMS = ("RMSNorm", "GemmaRMSNorm")
@@ -102,7 +102,7 @@ def test_registered_op_is_the_reference_on_cpu(vllm_norm):
     op.register()  # idempotent
     m, offset = vllm_norm("GemmaRMSNorm", 48, torch.bfloat16, seed=7)
     x, r, (ta, tb), index = _case(5, 48, torch.bfloat16, seed=8)
-    got = torch.ops.vllm_steer.steered_rms_norm(x, r, m.weight, 1e-5, offset, index, ta, _on(), None, None)
+    got = op_steered_rms_norm(x, r, m.weight, 1e-5, offset, index, ta, _on(), None, None)
     want = steered_rms_norm_naive(x, r, m.weight, 1e-5, offset, index, ta, _on())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -117,3 +117,32 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", tail)
     assert m and int(m.group(1)) >= 55 and "skipped" not in tail and "failed" not in tail, tail
+
+
+def test_projections_ablate_and_cap_follow_the_formula():
+    """The reference's directional projections against float64 numpy: ablation removes the component
+    along the (unit) direction, a cap clamps it into [lo, hi]; two directions apply one after the other;
+    then the row's vectors are added (capture -> SAE -> projections -> vectors)."""
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+
+    d, n = 64, 6
+    x, r, (ta, _), _ = _case(n, d, torch.float32, seed=30)
+    g = torch.Generator().manual_seed(31)
+    dirs = torch.randn(3, 2, d, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    bounds = torch.tensor([[[0.0, 0.0]] * 2, [[0.0, 0.0]] * 2, [[-0.25, 0.5], [1.0, 2.0]]])
+    count = torch.tensor([0, 1, 2], dtype=torch.int32)
+    index = torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.int32)
+    w = torch.ones(d)
+    _, res = steered_norm_naive(x, r, w, 1e-5, 0.0, index, vec_a=(ta, _on()), proj_a=(count, dirs, bounds))
+    want = x.double().numpy() + r.double().numpy()
+    for t, row in enumerate(index.tolist()):
+        for k in range(count[row]):
+            v = dirs[row, k].double().numpy()
+            p = want[t] @ v
+            want[t] += (min(max(p, float(bounds[row, k, 0])), float(bounds[row, k, 1])) - p) * v
+        want[t] += ta[row].double().numpy()
+    np.testing.assert_allclose(res.numpy(), want, rtol=1e-5, atol=1e-5)
+    ablated = (res[1] - ta[1]).double() @ dirs[1, 0].double()
+    assert abs(float(ablated)) < 1e-5
+    assert torch.equal(res[[0, 5]], (x[[0, 5]].float() + r[[0, 5]].float()).to(x.dtype))  # row 0 untouched

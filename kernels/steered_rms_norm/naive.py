@@ -1,30 +1,20 @@
-"""Plain-torch reference of steered_rms_norm: the spec the Triton kernel is tested against, and the
-implementation on CPU. Mirrors vLLM's native ``fused_add_rms_norm`` / ``rms_norm`` (vllm/ir/ops)."""
+"""Plain-torch reference of the steered norm: the spec the Triton kernel is tested against, and the
+implementation on CPU (and for full SAE packs on CUDA). Mirrors vLLM's native ``fused_add_rms_norm`` /
+``rms_norm`` (vllm/ir/ops) on the steered stream.
+
+One function, ``steered_norm_naive``, composes every feature a norm's two slots may have, each given by its
+descriptor (a few tensors; empty / None: the feature is off), in the order written once in ``_staged``:
+per slot, capture -> gate (at a row's probe site) -> SAE clamps -> projections -> vectors; then the norm."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-
-def _stream(
-    x: torch.Tensor,  # [N, D]
-    residual: torch.Tensor | None,  # [N, D] or None (first layer: the stream is x)
-    index: torch.Tensor,  # [>= N] int32: table row of each token (0 = unsteered)
-    tables: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],  # (table [R, D], flag [1] uint8)
-) -> torch.Tensor:
-    """s = ((x + residual) + A[index]) + B[index] in float32; a table whose flag is 0 adds nothing."""
-    n = x.shape[0]
-    s = x.float()
-    if residual is not None:
-        s = s + residual.float()
-    rows = None
-    for table, flag in tables:
-        if table is None or (flag is not None and not flag.is_cuda and not bool(flag[0])):
-            continue  # a host flag is free to read; on a GPU the zero rows make the add exact anyway
-        if rows is None:
-            rows = index[:n].long()
-        s = s + table.index_select(0, rows).float()
-    return s
+# A conditional row's ``cond_site`` word: its probe site's order in the low 16 bits, plus what its gate
+# does not / does scale (``applies_to``); -1: no condition (runtime.condition_tables writes it)
+SITE_MASK, VECTORS_UNGATED, SAE_GATED = 0xFFFF, 1 << 16, 1 << 17
 
 
 def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float,
@@ -39,52 +29,6 @@ def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset:
     return (normed.to(weight.dtype) * weight).to(dtype)
 
 
-def steered_rms_norm_naive(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,  # [D]
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None = None,
-    flag_a: torch.Tensor | None = None,
-    table_b: torch.Tensor | None = None,
-    flag_b: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normalized output, new residual) of ``x + residual`` steered by A then B."""
-    s = _stream(x, residual, index, ((table_a, flag_a), (table_b, flag_b)))
-    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
-
-
-def steered_sae_rms_norm_naive(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],  # a site's SAE pack (kernels/sae_clamp/packed.py), or [] for none
-    sae_b: list[torch.Tensor],
-    topk_a: int,
-    topk_b: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``steered_rms_norm_naive``, with each slot's SAE clamps applied before its vectors:
-    ``s = x + residual``, then SAE A, + A, SAE B, + B, then the norm."""
-    from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
-
-    s = _stream(x, residual, index, ())
-    rows = index[: x.shape[0]].long()
-    for pack, topk, table, flag in ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b)):
-        if pack:
-            s = apply_site_naive(s, rows, pack, topk)
-        s = _stream(s, None, index, ((table, flag),))
-    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
-
-
 def probe_gate(s: torch.Tensor, rows: torch.Tensor, probe: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Per token, the gate of its row's condition from the stream ``s`` [N, D] (float32):
     ``sigmoid(sharpness * (s . probe - threshold))``, or the step ``s . probe > threshold`` when the
@@ -95,66 +39,47 @@ def probe_gate(s: torch.Tensor, rows: torch.Tensor, probe: torch.Tensor, params:
     return torch.nan_to_num(g, nan=0.0)  # a NaN stream never leaves a NaN gate for a later add
 
 
-# A conditional row's ``cond_site`` word: its probe site's order in the low 16 bits, plus what its gate
-# does not / does scale (``applies_to``); -1: no condition (runtime.condition_tables writes it)
-SITE_MASK, VECTORS_UNGATED, SAE_GATED = 0xFFFF, 1 << 16, 1 << 17
+def project_naive(s: torch.Tensor, rows: torch.Tensor, proj: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The float32 stream ``s`` [N, D] after its rows' directional projections, one direction after another:
+    ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v`` (v a unit direction; ablation: lo = hi = 0, the
+    component along v removed). ``proj``: (count [R] int32: the row's live directions, dirs [R, K, D] float32,
+    bounds [R, K, 2] float32: lo, hi)."""
+    count, dirs, bounds = proj
+    live = count.index_select(0, rows)
+    for k in range(dirs.shape[1]):
+        v = dirs[:, k].index_select(0, rows).float()
+        lo, hi = bounds[:, k].index_select(0, rows).unbind(-1)
+        p = (s * v).sum(dim=-1)
+        moved = s + (torch.minimum(torch.maximum(p, lo), hi) - p)[:, None] * v
+        s = torch.where((live > k)[:, None], moved, s)
+    return s
 
 
-def steered_cond_rms_norm_naive(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
+def steered_norm_naive(
+    x: torch.Tensor,  # [N, D]
+    residual: torch.Tensor | None,  # [N, D], or None (the stream is x)
+    weight: torch.Tensor,  # [D]
     eps: float,
     weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    cond_site: torch.Tensor,  # [R] int32: the row's probe site word (SITE_MASK, ...), -1: no condition
-    cond_params: torch.Tensor,  # [R, 4] float32 (probe_gate); [0, 3]: 1 while a live row has a condition
-    probe: torch.Tensor,  # [R, D] float32: the row's probe direction
-    gate: torch.Tensor,  # [>= N] float32, updated in place: each token's gate in this forward pass
-    site_ids: torch.Tensor,  # [2] int32: the site order of slot A and of slot B (-2: no such slot)
+    index: torch.Tensor,  # [>= N] int32: table row of each token (0 = unsteered)
+    vec_a: Sequence[torch.Tensor] = (),  # (table [R, D], flag [1] uint8) of slot A, () for none
+    vec_b: Sequence[torch.Tensor] = (),
+    sae_a: Sequence[torch.Tensor] = (),  # slot A's SAE pack (kernels/sae_clamp/packed.py), () for none
+    sae_b: Sequence[torch.Tensor] = (),
+    topk_a: int = 0,
+    topk_b: int = 0,
+    cond: Sequence[torch.Tensor] = (),  # (cond_site [R] int32, cond_params [R, 4], probe [R, D], site_ids [2])
+    gate: torch.Tensor | None = None,  # [>= N] float32, updated in place at a probe site (with ``cond``)
+    plan_a: torch.Tensor | None = None,  # [>= N] int32: pool row of each token's slot-A stream, -1: none
+    plan_b: torch.Tensor | None = None,
+    pool: torch.Tensor | None = None,  # [P, D], rows written in place (with a plan)
+    proj_a: Sequence[torch.Tensor] = (),  # slot A's projections (project_naive), () for none
+    proj_b: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``steered_rms_norm_naive``, with conditional rows: at the slot that is a row's probe site,
-    the token's gate is computed from the stream before that slot's add (the pristine residual, as
-    capture reads it) and stored in ``gate``; every add of a row whose condition gates its vectors is
-    scaled by the token's gate (the front end refuses a gated vector before its probe site, so the
-    gate read is always this pass's). Other rows add as in the plain op, bit for bit.
-    ``cond_params[0, 3]`` (row 0 never has a condition) is 0 while no live row has one: then every row
-    adds as in the plain op (the kernel's fast path; ``runtime.condition_tables`` keeps it)."""
-    return steered_cond_sae_rms_norm_naive(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
-                                           flag_b, [], [], 0, 0, cond_site, cond_params, probe, gate, site_ids)
-
-
-def steered_cond_sae_rms_norm_naive(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],
-    sae_b: list[torch.Tensor],
-    topk_a: int,
-    topk_b: int,
-    cond_site: torch.Tensor,
-    cond_params: torch.Tensor,
-    probe: torch.Tensor,
-    gate: torch.Tensor,
-    site_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both of the above: per slot, the gate (at a row's probe site), then the SAE clamps, their move of
-    the stream scaled by the gate for a row whose condition gates SAE clamps (``s + g * (clamped(s) - s)``;
-    other rows get the clamped stream itself), then the vectors (scaled for a row whose condition gates
-    vectors)."""
-    slots = ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b))
-    s = _staged(x, residual, index, slots, (cond_site, cond_params, probe, gate, site_ids))
+    """(normalized output, new residual) of ``x + residual`` with every feature of both slots applied in
+    ``_staged``'s order. Without SAE, condition or capture: ``((x + residual) + A[index]) + B[index]``."""
+    slots = ((sae_a, topk_a, proj_a, vec_a, plan_a), (sae_b, topk_b, proj_b, vec_b, plan_b))
+    s = _staged(x, residual, index, slots, (*cond, gate) if cond else None, pool)
     return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
 
 
@@ -162,23 +87,27 @@ def _staged(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     index: torch.Tensor,
-    slots: tuple,  # per slot (SAE pack or [], topk, table or None, flag or None), A then B
-    cond: tuple | None,  # (cond_site, cond_params, probe, gate, site_ids), or None: no conditions
-    capture: tuple | None = None,  # (pool, plan of slot A or None, plan of slot B or None)
+    slots: tuple,  # per slot (SAE pack or (), topk, projections or (), (table, flag) or (), plan or None), A then B
+    cond: tuple | None,  # (cond_site, cond_params, probe, site_ids, gate), or None: no conditions
+    pool: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The float32 stream after every slot: per slot, its capture (the stream as it reaches the slot),
-    the gate (at a row's probe site), the SAE clamps (their move scaled by the gate for a row whose
-    condition gates SAE clamps), then the vectors (scaled for a row whose condition gates vectors).
-    Without a live condition every row adds as the plain and SAE ops do, bit for bit."""
+    """The float32 stream after every slot. The order of effects, per slot: its capture (the stream as it
+    reaches the slot), the gate (at a row's probe site), the SAE clamps (their move scaled by the gate for
+    a row whose condition gates SAE clamps: ``s + g * (clamped(s) - s)``), the directional projections
+    (ungated), then the vectors (scaled for a row whose condition gates vectors). Without a live condition every row adds as the plain op, bit for
+    bit. ``cond_params[0, 3]`` (row 0 never has a condition) is 0 while no live row has one: then every row
+    adds as the plain op (the kernel's fast path; ``runtime.condition_tables`` keeps it)."""
     from vllm_steer.kernels.capture_rows.op import capture_rows
     from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
 
     n = x.shape[0]
     rows = index[:n].long()
-    s = _stream(x, residual, index, ())
+    s = x.float()
+    if residual is not None:
+        s = s + residual.float()
     gating = False
     if cond is not None:
-        cond_site, cond_params, probe, gate, site_ids = cond
+        cond_site, cond_params, probe, site_ids, gate = cond
         word = cond_site.index_select(0, rows)
         on = word >= 0
         host = not word.is_cuda  # host tensors are free to read: skip what no token needs
@@ -188,17 +117,22 @@ def _staged(
         vectors_gated = on & ((word & VECTORS_UNGATED) == 0)
         sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
         g = gate[:n]
-    for slot, (pack, topk, table, flag) in enumerate(slots):
-        if capture is not None and capture[1 + slot] is not None:  # the stream as it reaches the slot
-            capture_rows(capture[0], s, capture[1 + slot])
+    for slot, (pack, topk, proj, vec, plan) in enumerate(slots):
+        if plan is not None:  # capture: the stream as it reaches the slot
+            capture_rows(pool, s, plan)
         if gating:
             here = site == site_ids[slot]
             if not host or bool(here.any()):
                 g = torch.where(here, probe_gate(s, rows, probe, cond_params), g)
         if pack:
-            clamped = apply_site_naive(s, rows, pack, topk)
+            clamped = apply_site_naive(s, rows, list(pack), topk)
             s = torch.where(sae_gated, s + g[:, None] * (clamped - s), clamped) if gating else clamped
-        if table is not None and (flag is None or flag.is_cuda or bool(flag[0])):  # as _stream
+        if proj:
+            s = project_naive(s, rows, proj)
+        if vec:
+            table, flag = vec
+            if not flag.is_cuda and not bool(flag[0]):
+                continue  # a host flag is free to read; on a GPU the zero rows make the add exact anyway
             if gating:
                 w = torch.where(vectors_gated, g, torch.ones_like(g))
                 s = s + table.index_select(0, rows).float() * w[:, None]
@@ -207,32 +141,3 @@ def _staged(
     if gating:
         gate[:n] = g
     return s
-
-
-def steered_capture_rms_norm_naive(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],  # SAE packs, or [] for none
-    sae_b: list[torch.Tensor],
-    topk_a: int,
-    topk_b: int,
-    cond: tuple | None,  # (cond_site, cond_params, probe, gate, site_ids), or None: no conditions
-    pool: torch.Tensor,  # [P, D], rows written in place
-    plan_a: torch.Tensor | None,  # [>= N] int32: pool row of each token's slot-A stream, or -1; None: not captured
-    plan_b: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Any steered norm (plain, SAE, conditional, both) with capture folded in: a captured slot's stream is
-    written to ``pool`` as it reaches the slot, after every earlier slot's steering (slot A's SAE clamps and
-    its vectors, gated as the row's condition says) and before its own. So ``pre_attn.L`` (slot B) is
-    captured after ``post_mlp.L-1``'s clamps and gated rows, as transformers' stream has them."""
-    slots = ((sae_a, topk_a, table_a, flag_a), (sae_b, topk_b, table_b, flag_b))
-    s = _staged(x, residual, index, slots, cond, (pool, plan_a, plan_b))
-    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)

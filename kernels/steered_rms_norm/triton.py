@@ -1,11 +1,13 @@
-"""Triton steered_rms_norm (and steered_sae_rms_norm): one program per token, the whole hidden row in
-registers.
+"""Triton steered norm: one kernel body (``_steered_norm_kernel``), one program per token, the whole hidden row
+in registers. Each feature (vectors per slot, SAE clamps per slot, conditions, capture per slot) is a constexpr
+flag chosen per installed site and reads its own descriptor (a tuple of tensors and strides, empty while the
+flag is off); the launcher is ``steered_norm_triton``.
 
 Reads x (and the residual) once, adds the token's rows of up to two steering tables (skipped for
 unsteered tokens and idle tables), writes the new residual and the normalized row. Same traffic as
 vLLM's fused add + RMSNorm when nothing is steered: the index and the flags are a few bytes.
 
-With SAE_A / SAE_B (``steered_sae_rms_norm_triton``, clamp-only packs: ReLU / JumpReLU without
+With SAE_A / SAE_B (clamp-only packs: ReLU / JumpReLU without
 reconstruct, kernels/sae_clamp/packed.py) each slot first applies its SAE clamps to the float32
 stream, then adds its table: ``s = x + residual; s = SAE_A(s); s += A[row]; s = SAE_B(s); s += B[row]``.
 A token whose row is 0 or whose row mode is OFF reads one int32 (the mode) and is otherwise the plain
@@ -27,6 +29,7 @@ tokens are finished by program 0 as before, bit for bit. One launch either way.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -44,16 +47,10 @@ _SAE_GATED = tl.constexpr(naive.SAE_GATED)
 
 
 @triton.jit
-def _add_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d):
-    """b_s + table[i_row] when the table is active and the token steered (row 0 is the no-op)."""
-    if (tl.load(p_flag) != 0) & (i_row != 0):
-        b_s += tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d, other=0.0).to(tl.float32)
-    return b_s
-
-
-@triton.jit
-def _add_weighted_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, w):
-    """b_s + w * table[i_row] when the table is active and the token steered."""
+def _add_row(b_s, vec, i_row, o_d, m_d, w):
+    """b_s + w * table[i_row] when the table is active and the token steered (row 0 is the no-op); ``vec``:
+    (table, flag, stride); w 1.0 but for a gated row."""
+    p_table, p_flag, stride_t = vec
     if (tl.load(p_flag) != 0) & (i_row != 0):
         b_s += w * tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d, other=0.0).to(tl.float32)
     return b_s
@@ -72,35 +69,55 @@ def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
 
 
 @triton.jit
-def _add_gated_row(b_s, p_table, p_flag, i_row, stride_t, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams,
-                   stride_probe):
+def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_probe, p_cparams, stride_probe, proj,
+                   PROJ: tl.constexpr):
     """(b_s + w * table[i_row], gate): at the row's probe site (its site word ``i_gsite`` under
     _SITE_MASK) the gate is computed from b_s first and stored; w is the gate for a row
     whose condition gates its vectors, 1 for any other (then the plain add, bit for bit). Branch-free but
     for the probe: the table row is loaded as soon as the row is known, in parallel with the row's probe
     site, so the add waits on no more loads than the plain kernel's."""
+    p_table, p_flag, stride_t = vec
     on = (tl.load(p_flag) != 0) & (i_row != 0)
     b_t = tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d & on, other=0.0).to(tl.float32)
     if (i_gsite & _SITE_MASK) == i_site:
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
         tl.store(p_gate_t, g)
+    if PROJ:  # the row's projections come after the gate, before the vectors
+        b_s = _project(b_s, i_row, proj, o_d, m_d)
     return tl.where(on, b_s + tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0) * b_t, b_s), g
 
 
 @triton.jit
-def _capture(b_s, p_plan_t, p_pool, stride_pool, o_d, m_d, mine):
+def _project(b_s, i_row, proj, o_d, m_d):
+    """b_s after row ``i_row``'s directional projections, one after another (naive.project_naive):
+    ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v``. ``proj``: (count [R] int32, dirs [R, K, D] fp32,
+    bounds [R, K, 2] fp32, K, dirs' row stride, dirs' direction stride). Row 0 (count 0): one int32 load."""
+    p_count, p_dirs, p_bounds, K, stride_row, stride_k = proj
+    i_r = i_row.to(tl.int64)
+    for k in range(0, tl.load(p_count + i_r)):
+        b_v = tl.load(p_dirs + i_r * stride_row + k * stride_k + o_d, mask=m_d, other=0.0).to(tl.float32)
+        p = tl.sum(b_s * b_v, axis=0)
+        lo = tl.load(p_bounds + (i_r * K + k) * 2)
+        hi = tl.load(p_bounds + (i_r * K + k) * 2 + 1)
+        b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
+    return b_s
+
+
+@triton.jit
+def _capture(b_s, i_t, cap, o_d, m_d, mine):
     """pool[plan[t]] = b_s (in the pool's dtype) when this program is ``mine`` and the token is planned
-    (plan >= 0); an unplanned token costs one int32 load."""
-    i_p = tl.load(p_plan_t)
+    (plan >= 0); an unplanned token costs one int32 load. ``cap``: (pool, pool stride, plan)."""
+    p_pool, stride_pool, p_plan = cap
+    i_p = tl.load(p_plan + i_t)
     if mine & (i_p >= 0):
         tl.store(p_pool + i_p.to(tl.int64) * stride_pool + o_d, b_s.to(p_pool.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
-def _sae_walk(b_s, i_r, c_first, c_step, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
-              stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr):
+def _sae_walk(b_s, i_r, c_first, c_step, sae, o_d, m_d, BLOCK_C: tl.constexpr):
     """Sum of (f'_c - f_c) * dec[c] over the clamped slots c of row ``i_r`` in the blocks of codes that
     start at c_first, c_first + c_step, ... (f from b_s)."""
+    _, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code, stride_value, stride_enc, stride_dec = sae
     b_acc = tl.zeros_like(b_s)
     p_code_row = p_code + i_r * stride_code
     p_value_row = p_value + i_r * stride_value
@@ -126,35 +143,32 @@ def _sae_walk(b_s, i_r, c_first, c_step, p_code, p_value, p_enc, p_dec, p_bias, 
 
 
 @triton.jit
-def _sae_clamp_row(b_s, i_row, p_mode, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C,
-                   stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C: tl.constexpr, w):
+def _sae_clamp_row(b_s, i_row, sae, o_d, m_d, BLOCK_C: tl.constexpr, w):
     """b_s after the row's SAE clamps (delta mode): b_s + w * sum over clamped slots c of
     (f'_c - f_c) * dec[c], each f_c from the unclamped b_s (w: the gate of a gated row, else 1.0).
     Row 0 and OFF rows: b_s untouched."""
     if i_row != 0:
         i_r = i_row.to(tl.int64)
-        if tl.load(p_mode + i_r) != 0:
-            b_s += w * _sae_walk(b_s, i_r, 0, BLOCK_C, p_code, p_value, p_enc, p_dec, p_bias, p_thr, C, stride_code,
-                             stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C)
+        if tl.load(sae[0] + i_r) != 0:  # the row's mode: OFF rows skip the walk
+            b_s += w * _sae_walk(b_s, i_r, 0, BLOCK_C, sae, o_d, m_d, BLOCK_C)
     return b_s
 
 
 @triton.jit
-def _sae_clamp_split(b_s, i_t, i_row, i_k, p_scratch, p_count, p_mode, p_code, p_value, p_enc, p_dec, p_bias,
-                     p_thr, C, stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, D: tl.constexpr,
-                     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, w):
+def _sae_clamp_split(b_s, i_t, i_row, i_k, split, sae, o_d, m_d, D: tl.constexpr, BLOCK_C: tl.constexpr,
+                     SPLIT: tl.constexpr, w):
     """The row's clamps shared by the token's SPLIT programs (program ``i_k`` takes the blocks of codes
     i_k, i_k + SPLIT, ...): each writes its partial sum to ``scratch[i_t * SPLIT + i_k]`` and counts
     itself in ``count[i_t]``; the last to arrive adds the partials (in program order: the result does not
     depend on which is last), resets the count and finishes the token. Returns (b_s, whether this
     program finishes the token): for row 0 and OFF rows program 0, b_s untouched. The sum is scaled by
     ``w`` (the gate of a gated row, else 1.0)."""
+    p_scratch, p_count = split
     go = i_k == 0
     if i_row != 0:
         i_r = i_row.to(tl.int64)
-        if tl.load(p_mode + i_r) != 0:
-            b_acc = _sae_walk(b_s, i_r, i_k * BLOCK_C, SPLIT * BLOCK_C, p_code, p_value, p_enc, p_dec, p_bias, p_thr,
-                              C, stride_code, stride_value, stride_enc, stride_dec, o_d, m_d, BLOCK_C)
+        if tl.load(sae[0] + i_r) != 0:
+            b_acc = _sae_walk(b_s, i_r, i_k * BLOCK_C, SPLIT * BLOCK_C, sae, o_d, m_d, BLOCK_C)
             p_mine = p_scratch + (i_t * SPLIT) * D
             tl.store(p_mine + i_k * D + o_d, b_acc, mask=m_d)
             tl.debug_barrier()  # every thread's part is stored before the count says so
@@ -170,46 +184,48 @@ def _sae_clamp_split(b_s, i_t, i_row, i_k, p_scratch, p_count, p_mode, p_code, p
 
 
 @triton.jit
-def _steered_norm_body(
+def _steered_norm_kernel(
     p_x,  # [N, D]
     p_res,  # [N, D] (ignored unless HAS_RES)
     p_w,  # [D]
     p_out,  # [N, D] normalized output
     p_res_out,  # [N, D] new residual
     p_index,  # [>= N] int32
-    p_ta, p_fa,  # table A [R, D], flag A [1] uint8 (ignored unless HAS_A)
-    p_tb, p_fb,  # table B, flag B (ignored unless HAS_B)
-    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb,
+    stride_x, stride_res, stride_out, stride_res_out,
     eps,
     weight_offset,
-    # SAE pack of slot A (ignored unless SAE_A): mode [R] int32, code [R, C] int32, value [R, C] fp32,
-    # enc [C, D] fp32, dec [C, D] fp32, bias [C] fp32, thr [C] fp32; then the same for slot B
-    p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-    stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-    p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec,
-    p_scratch,  # [N * SPLIT, D] float32: the split clamp walk's partial sums (ignored unless SPLIT > 1)
-    p_count,  # [>= N] int32, zeros between launches: programs of a token done with their part
-    # conditions (ignored unless COND): cond_site [R] int32, cond_params [R, 4] fp32 ([0, 3]: a live row
-    # has a condition; 0: the plain adds), probe [R, D] fp32,
-    # gate [>= N] fp32 (read and written), site_ids [2] int32 (the site order of slot A, of slot B)
-    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-    # capture (ignored unless CAP_A / CAP_B): pool [P, D] (written), plan of slot A / B [>= N] int32 (-1: none)
-    p_pool, p_plan_a, p_plan_b, stride_pool,
+    # Each feature's descriptor: a tuple, () while its flag is off (kernel arguments the feature reads)
+    vec_a,  # HAS_A: (table [R, D], flag [1] uint8, table stride)
+    vec_b,  # HAS_B: the same for slot B
+    sae_a,  # SAE_A: (mode [R] int32, code [R, C] int32, value [R, C] fp32, enc [C, D] fp32, dec [C, D] fp32,
+    #         bias [C] fp32, thr [C] fp32, C, code / value / enc / dec strides)
+    sae_b,  # SAE_B: the same for slot B
+    split,  # SPLIT > 1: (scratch [N * SPLIT, D] fp32: partial sums, count [>= N] int32: zeros between launches)
+    cond,  # COND: (cond_site [R] int32, cond_params [R, 4] fp32 ([0, 3]: a live row has a condition; 0: the
+    #        plain adds), probe [R, D] fp32, gate [>= N] fp32 (read and written), site_ids [2] int32 (the site
+    #        order of slot A, of slot B), probe stride)
+    cap_a,  # CAP_A: (pool [P, D] (written), pool stride, plan [>= N] int32 (-1: none)): slot A is captured
+    cap_b,  # CAP_B: the same for slot B
+    proj_a,  # PROJ_A: (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32, K, dirs' strides (row, k))
+    proj_b,  # PROJ_B: the same for slot B
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
-    HAS_A: tl.constexpr,
-    HAS_B: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_A: tl.constexpr,
+    HAS_B: tl.constexpr,
     SAE_A: tl.constexpr,
     SAE_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,  # > 1: the first SAE slot's clamps are shared by SPLIT programs per token
-    COND: tl.constexpr = False,  # rows may carry a condition (with SAE_A / SAE_B: the gate is only read)
-    CAP_A: tl.constexpr = False,  # slot A is captured: the stream as it reaches slot A goes to the pool
-    CAP_B: tl.constexpr = False,  # slot B is captured: the stream after slot A's clamps and (gated) rows
+    COND: tl.constexpr,  # rows may carry a condition (with SAE_A / SAE_B: the gate is only read)
+    CAP_A: tl.constexpr,  # slot A is captured: the stream as it reaches slot A goes to the pool
+    CAP_B: tl.constexpr,  # slot B is captured: the stream after slot A's clamps and (gated) rows
+    PROJ_A: tl.constexpr = False,  # slot A's rows may project the stream onto directions (ablate / cap)
+    PROJ_B: tl.constexpr = False,
 ):
+    """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
+    (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm."""
     i_t = tl.program_id(0).to(tl.int64)
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
     o_d = tl.arange(0, BLOCK_D)
@@ -222,30 +238,41 @@ def _steered_norm_body(
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
     if CAP_A:  # every program of the token has the pristine stream: the first stores it
-        _capture(b_s, p_plan_a + i_t, p_pool, stride_pool, o_d, m_d, tl.program_id(1) == 0)
+        _capture(b_s, i_t, cap_a, o_d, m_d, tl.program_id(1) == 0)
     if COND and not (SAE_A or SAE_B):  # the gate changes only at a probe site, where it is stored
+        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe = cond
         i_row = tl.load(p_index + i_t)
         if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
             g = tl.load(p_gate + i_t)
             i_gsite = tl.load(p_csite + i_row)
             if HAS_A:
-                b_s, g = _add_gated_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, g, i_gsite,
-                                        tl.load(p_site_ids), p_gate + i_t, p_probe, p_cparams, stride_probe)
+                b_s, g = _add_gated_row(b_s, vec_a, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids), p_gate + i_t,
+                                        p_probe, p_cparams, stride_probe, proj_a, PROJ_A)
+            elif PROJ_A:
+                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
             if CAP_B:
-                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, True)
+                _capture(b_s, i_t, cap_b, o_d, m_d, True)
             if HAS_B:
-                b_s, g = _add_gated_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, g, i_gsite,
-                                        tl.load(p_site_ids + 1), p_gate + i_t, p_probe, p_cparams, stride_probe)
+                b_s, g = _add_gated_row(b_s, vec_b, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids + 1),
+                                        p_gate + i_t, p_probe, p_cparams, stride_probe, proj_b, PROJ_B)
+            elif PROJ_B:
+                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
         else:
+            if PROJ_A:
+                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
             if HAS_A:
-                b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
+                b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, 1.0)
             if CAP_B:
-                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, True)
+                _capture(b_s, i_t, cap_b, o_d, m_d, True)
+            if PROJ_B:
+                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
-                b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
-    elif HAS_A or HAS_B or SAE_A or SAE_B:
+                b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
+    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B:
         i_row = tl.load(p_index + i_t)
         if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
+            p_csite = cond[0]
+            p_gate = cond[3]
             i_gsite = tl.load(p_csite + i_row)
             g = tl.load(p_gate + i_t)
             w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
@@ -255,42 +282,32 @@ def _steered_norm_body(
             w_vec = 1.0
         if SAE_A:
             if SPLIT > 1:
-                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sa_mode,
-                                           p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-                                           stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec, o_d,
-                                           m_d, D, BLOCK_C, SPLIT, w_sae)
+                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), split, sae_a, o_d, m_d, D, BLOCK_C,
+                                           SPLIT, w_sae)
             else:
-                b_s = _sae_clamp_row(b_s, i_row, p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec,
-                                     p_sa_bias, p_sa_thr, C_A, stride_sa_code, stride_sa_value, stride_sa_enc,
-                                     stride_sa_dec, o_d, m_d, BLOCK_C, w_sae)
+                b_s = _sae_clamp_row(b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
+        if PROJ_A:
+            b_s = _project(b_s, i_row, proj_a, o_d, m_d)
         if HAS_A:
-            if COND:
-                b_s = _add_weighted_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d, w_vec)
-            else:
-                b_s = _add_row(b_s, p_ta, p_fa, i_row, stride_ta, o_d, m_d)
+            b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
         if CAP_B:
             if SAE_A and SPLIT > 1:  # only the program that finished A's split walk has the whole stream
-                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, go)
+                _capture(b_s, i_t, cap_b, o_d, m_d, go)
             else:
-                _capture(b_s, p_plan_b + i_t, p_pool, stride_pool, o_d, m_d, tl.program_id(1) == 0)
+                _capture(b_s, i_t, cap_b, o_d, m_d, tl.program_id(1) == 0)
         if SAE_B:
             if SPLIT > 1 and not SAE_A:  # B's stream (s + A[row]) is known to every program
-                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), p_scratch, p_count, p_sb_mode,
-                                           p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-                                           stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, o_d,
-                                           m_d, D, BLOCK_C, SPLIT, w_sae)
+                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), split, sae_b, o_d, m_d, D, BLOCK_C,
+                                           SPLIT, w_sae)
             else:  # after a split A only the finishing program has the whole stream: it walks B alone
                 i_row_b = i_row
                 if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
                     i_row_b = tl.where(go, i_row, 0)
-                b_s = _sae_clamp_row(b_s, i_row_b, p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec,
-                                     p_sb_bias, p_sb_thr, C_B, stride_sb_code, stride_sb_value, stride_sb_enc,
-                                     stride_sb_dec, o_d, m_d, BLOCK_C, w_sae)
+                b_s = _sae_clamp_row(b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
+        if PROJ_B:
+            b_s = _project(b_s, i_row, proj_b, o_d, m_d)
         if HAS_B:
-            if COND:
-                b_s = _add_weighted_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d, w_vec)
-            else:
-                b_s = _add_row(b_s, p_tb, p_fb, i_row, stride_tb, o_d, m_d)
+            b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
     m_w = m_d & go
     tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
     b_var = tl.sum(b_s * b_s, axis=0) / D
@@ -303,138 +320,30 @@ def _steered_norm_body(
     tl.store(p_out + i_t * stride_out + o_d, b_o.to(p_out.dtype.element_ty), mask=m_w)
 
 
-@triton.jit
-def _steered_rms_norm_kernel(
-    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The plain steered norm: no SAE arguments at all (its launch costs what it cost before SAEs)."""
-    _steered_norm_body(
-        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-        p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
-        p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
-        p_index, p_index,
-        p_index, p_index, p_index, p_index, p_index, 0,
-        p_index, p_index, p_index, 0,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1)
-
-
-@triton.jit
-def _steered_sae_rms_norm_kernel(
-    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-    p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-    stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-    p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
-    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """The steered norm of a norm that receives a site with an SAE."""
-    _steered_norm_body(
-        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-        p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-        stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-        p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
-        p_index, p_index, p_index, p_index, p_index, 0,
-        p_index, p_index, p_index, 0,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT)
-
-
-@triton.jit
-def _steered_cond_rms_norm_kernel(
-    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The steered norm of a server with ``steer.conditions``: rows may carry a probe's gate."""
-    _steered_norm_body(
-        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-        p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
-        p_index, p_index, p_index, p_index, p_index, p_index, p_index, 0, 0, 0, 0, 0,
-        p_index, p_index,
-        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-        p_index, p_index, p_index, 0,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, False, False, 32, 1, True)
-
-
-@triton.jit
-def _steered_cond_sae_rms_norm_kernel(
-    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-    p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-    stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-    p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
-    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """The steered norm of an SAE site on a server with ``steer.conditions``: clamps and vectors scaled by
-    the gate (read, never computed: a probe is never at an SAE norm) as each row's condition says."""
-    _steered_norm_body(
-        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-        p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-        stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-        p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
-        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-        p_index, p_index, p_index, 0,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT, True)
-
-
-@triton.jit
-def _steered_capture_rms_norm_kernel(
-    p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-    stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-    p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-    stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-    p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-    stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
-    p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-    p_pool, p_plan_a, p_plan_b, stride_pool,
-    D: tl.constexpr, HAS_RES: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, OFFSET_WEIGHT: tl.constexpr,
-    BLOCK_D: tl.constexpr, SAE_A: tl.constexpr, SAE_B: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
-    COND: tl.constexpr, CAP_A: tl.constexpr, CAP_B: tl.constexpr,
-):
-    """Any steered norm (plain, SAE, conditional) of a server with capture consumers: each captured slot's
-    stream is stored to the capture pool in the same launch (no capture kernel of its own)."""
-    _steered_norm_body(
-        p_x, p_res, p_w, p_out, p_res_out, p_index, p_ta, p_fa, p_tb, p_fb,
-        stride_x, stride_res, stride_out, stride_res_out, stride_ta, stride_tb, eps, weight_offset,
-        p_sa_mode, p_sa_code, p_sa_value, p_sa_enc, p_sa_dec, p_sa_bias, p_sa_thr, C_A,
-        stride_sa_code, stride_sa_value, stride_sa_enc, stride_sa_dec,
-        p_sb_mode, p_sb_code, p_sb_value, p_sb_enc, p_sb_dec, p_sb_bias, p_sb_thr, C_B,
-        stride_sb_code, stride_sb_value, stride_sb_enc, stride_sb_dec, p_scratch, p_count,
-        p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe,
-        p_pool, p_plan_a, p_plan_b, stride_pool,
-        D, HAS_RES, HAS_A, HAS_B, OFFSET_WEIGHT, BLOCK_D, SAE_A, SAE_B, BLOCK_C, SPLIT, COND, CAP_A, CAP_B)
-
-
 def _num_warps(block_d: int) -> int:
     return 4 if block_d <= 1024 else 8 if block_d <= 8192 else 16
 
 
-def _sae_args(pack: list[torch.Tensor] | None, d: int, dummy: torch.Tensor) -> list:
-    """The kernel's arguments for one slot's clamp-only SAE pack (dummies when there is none)."""
+def _sae_desc(pack, d: int) -> tuple:
+    """The kernel's descriptor of one slot's clamp-only SAE pack (() for none)."""
     if not pack:
-        return [dummy] * 7 + [0] * 5
+        return ()
     if len(pack) != N_CLAMP_ONLY:
         raise ValueError(f"the Triton SAE path takes clamp-only packs ({N_CLAMP_ONLY} tensors), got {len(pack)}")
     mode, code, value, enc, dec, bias, thr = pack[:7]
     assert enc.shape[-1] == d and dec.shape[-1] == d and enc.stride(-1) == 1 and dec.stride(-1) == 1
     assert code.stride(-1) == 1 and value.stride(-1) == 1
-    return [mode, code, value, enc, dec, bias, thr, code.shape[1],
-            code.stride(0), value.stride(0), enc.stride(0), dec.stride(0)]
+    return (mode, code, value, enc, dec, bias, thr, code.shape[1],
+            code.stride(0), value.stride(0), enc.stride(0), dec.stride(0))
+
+
+def _proj_desc(proj, d: int) -> tuple:
+    """The kernel's descriptor of one slot's projections (() for none)."""
+    if not proj:
+        return ()
+    count, dirs, bounds = proj
+    assert dirs.shape[-1] == d and dirs.stride(-1) == 1 and bounds.is_contiguous() and bounds.shape[-1] == 2
+    return (count, dirs, bounds, dirs.shape[1], dirs.stride(0), dirs.stride(1))
 
 
 # The split clamp walk (decode sizes): SPLIT programs per token share a row's clamps. At most
@@ -470,180 +379,66 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
     return bufs
 
 
-_PLAIN = CachedLauncher(_steered_rms_norm_kernel)
-_SAE = CachedLauncher(_steered_sae_rms_norm_kernel)
-_COND = CachedLauncher(_steered_cond_rms_norm_kernel)
-_COND_SAE = CachedLauncher(_steered_cond_sae_rms_norm_kernel)
-_CAPTURE = CachedLauncher(_steered_capture_rms_norm_kernel)
+_KERNEL = CachedLauncher(_steered_norm_kernel)
 
 
-def _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            num_warps: int | None = None, sae_a: list[torch.Tensor] | None = None,
-            sae_b: list[torch.Tensor] | None = None, split: int | None = None, cond: tuple | None = None,
-            capture: tuple | None = None) -> None:
+def steered_norm_triton(
+    x: torch.Tensor,  # [N, D], rows contiguous
+    residual: torch.Tensor | None,  # [N, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,  # [>= N] int32
+    vec_a: Sequence[torch.Tensor] = (),  # (table [R, D], flag [1] uint8), () for none
+    vec_b: Sequence[torch.Tensor] = (),
+    sae_a: Sequence[torch.Tensor] = (),  # a clamp-only SAE pack (kernels/sae_clamp/packed.py), () for none
+    sae_b: Sequence[torch.Tensor] = (),
+    cond: Sequence[torch.Tensor] = (),  # (cond_site [R] int32, cond_params [R, 4], probe [R, D], site_ids [2])
+    gate: torch.Tensor | None = None,  # [>= N] float32, updated in place (with cond)
+    plan_a: torch.Tensor | None = None,  # [>= N] int32, -1: not captured; None: slot A not captured
+    plan_b: torch.Tensor | None = None,
+    pool: torch.Tensor | None = None,  # [P, D], written (with a plan)
+    proj_a: Sequence[torch.Tensor] = (),  # (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32), () for none
+    proj_b: Sequence[torch.Tensor] = (),
+    split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
+    passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
+    nothing it does not read)."""
     n, d = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x)
     if n == 0:
-        return
+        return out, res_out
     if d > MAX_HIDDEN:
         raise ValueError(f"steered_rms_norm supports hidden sizes up to {MAX_HIDDEN}, got {d}")
     block_d = triton.next_power_of_2(d)
-    dummy = x  # never read: its constexpr flag is off
-    common = (
-        x, residual if residual is not None else dummy, weight, out, res_out, index,
-        table_a if table_a is not None else dummy, flag_a if flag_a is not None else index,
-        table_b if table_b is not None else dummy, flag_b if flag_b is not None else index,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
-        table_a.stride(0) if table_a is not None else 0, table_b.stride(0) if table_b is not None else 0,
-        eps, weight_offset,
-    )
-    flags = (d, residual is not None, table_a is not None, table_b is not None, weight_offset != 0.0, block_d)
-    warps = num_warps or _num_warps(block_d)
-    cond_args = ()
-    if cond is not None:
-        cond_site, cond_params, probe, gate, site_ids = cond
+    # every launch of a step above the graph sizes runs this from Python: features off cost a test each
+    va = (vec_a[0], vec_a[1], vec_a[0].stride(0)) if vec_a else ()
+    vb = (vec_b[0], vec_b[1], vec_b[0].stride(0)) if vec_b else ()
+    sa = sb = bufs = cond_desc = ca = cb = pa = pb = ()
+    if sae_a or sae_b:
+        sa, sb = _sae_desc(sae_a, d), _sae_desc(sae_b, d)
+        split = split_of(n) if split is None else split
+        bufs = (split_buffers(x.device, d) or ()) if split > 1 else ()
+        if not bufs:
+            split = 1
+    else:
+        split = 1
+    if cond:
+        cond_site, cond_params, probe, site_ids = cond
         assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
-        cond_args = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
-        if capture is None and not sae_a and not sae_b:
-            _COND((n,), common + cond_args, flags, warps)
-            return
-    if capture is None and not sae_a and not sae_b:
-        _PLAIN((n,), common, flags, warps)
-        return
-    split = (split_of(n) if split is None else split) if (sae_a or sae_b) else 1
-    bufs = split_buffers(x.device, d) if split > 1 else None
-    if bufs is None:
-        split, bufs = 1, (index, index)
-    sae_args = tuple(_sae_args(sae_a, d, index)) + tuple(_sae_args(sae_b, d, index)) + bufs
-    sae_flags = (bool(sae_a), bool(sae_b), 32, split)
-    if capture is not None:
-        pool, plan_a, plan_b = capture
-        _CAPTURE((n, split), common + sae_args + (cond_args or (index,) * 5 + (0,))
-                 + (pool, plan_a if plan_a is not None else index, plan_b if plan_b is not None else index,
-                    pool.stride(0)),
-                 flags + sae_flags + (bool(cond_args), plan_a is not None, plan_b is not None), warps)
-        return
-    launcher = _COND_SAE if cond_args else _SAE
-    launcher((n, split), common + sae_args + cond_args, flags + sae_flags, warps)
-
-
-def steered_rms_norm_triton(
-    x: torch.Tensor,  # [N, D], rows contiguous
-    residual: torch.Tensor,  # [N, D]
-    weight: torch.Tensor,  # [D]
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,  # [>= N] int32
-    table_a: torch.Tensor | None = None,  # [R, D]
-    flag_a: torch.Tensor | None = None,  # [1] uint8
-    table_b: torch.Tensor | None = None,
-    flag_b: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out)
-    return out, res_out
-
-
-def steered_sae_rms_norm_triton(
-    x: torch.Tensor,  # [N, D], rows contiguous
-    residual: torch.Tensor | None,  # [N, D]
-    weight: torch.Tensor,  # [D]
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,  # [>= N] int32
-    table_a: torch.Tensor | None,  # [R, D]
-    flag_a: torch.Tensor | None,  # [1] uint8
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],  # a clamp-only SAE pack (kernels/sae_clamp/packed.py), or [] for none
-    sae_b: list[torch.Tensor],
-    split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steered_sae_rms_norm_naive`` for clamp-only packs (ReLU / JumpReLU, no reconstruct), one launch."""
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            sae_a=sae_a, sae_b=sae_b, split=split)
-    return out, res_out
-
-
-def steered_cond_rms_norm_triton(
-    x: torch.Tensor,  # [N, D], rows contiguous
-    residual: torch.Tensor | None,  # [N, D]
-    weight: torch.Tensor,  # [D]
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,  # [>= N] int32
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    cond_site: torch.Tensor,  # [R] int32
-    cond_params: torch.Tensor,  # [R, 4] float32
-    probe: torch.Tensor,  # [R, D] float32
-    gate: torch.Tensor,  # [>= N] float32, updated in place
-    site_ids: torch.Tensor,  # [2] int32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steered_cond_rms_norm_naive`` in one launch: a token of a conditional row computes its gate at
-    the row's probe site (a D-long dot) and scales its adds by it; every other token is the plain kernel."""
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            cond=(cond_site, cond_params, probe, gate, site_ids))
-    return out, res_out
-
-
-def steered_cond_sae_rms_norm_triton(
-    x: torch.Tensor,  # [N, D], rows contiguous
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],  # clamp-only packs, or [] for none
-    sae_b: list[torch.Tensor],
-    cond_site: torch.Tensor,
-    cond_params: torch.Tensor,
-    probe: torch.Tensor,
-    gate: torch.Tensor,  # read only here: the front end never puts a probe at an SAE norm
-    site_ids: torch.Tensor,
-    split: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steered_cond_sae_rms_norm_naive`` for clamp-only packs, one launch."""
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            sae_a=sae_a, sae_b=sae_b, split=split, cond=(cond_site, cond_params, probe, gate, site_ids))
-    return out, res_out
-
-
-def steered_capture_rms_norm_triton(
-    x: torch.Tensor,  # [N, D], rows contiguous
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    sae_a: list[torch.Tensor],  # clamp-only packs, or [] for none
-    sae_b: list[torch.Tensor],
-    cond: tuple | None,  # (cond_site, cond_params, probe, gate, site_ids), or None
-    pool: torch.Tensor,  # [P, D], written
-    plan_a: torch.Tensor | None,  # [>= N] int32, -1: not captured; None: slot A not captured
-    plan_b: torch.Tensor | None,
-    split: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steered_capture_rms_norm_naive`` for clamp-only packs, one launch."""
-    assert pool.stride(-1) == 1 and pool.shape[-1] == x.shape[-1]
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, out, res_out,
-            sae_a=sae_a, sae_b=sae_b, split=split, cond=cond, capture=(pool, plan_a, plan_b))
+        cond_desc = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
+    if pool is not None:
+        assert pool.stride(-1) == 1 and pool.shape[-1] == d
+        ca = (pool, pool.stride(0), plan_a) if plan_a is not None else ()
+        cb = (pool, pool.stride(0), plan_b) if plan_b is not None else ()
+    if proj_a or proj_b:
+        pa, pb = _proj_desc(proj_a, d), _proj_desc(proj_b, d)
+    args = (x, residual if residual is not None else x, weight, out, res_out, index, x.stride(0),
+            residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
+            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb)
+    flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
+             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb))
+    _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

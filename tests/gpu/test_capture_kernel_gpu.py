@@ -37,8 +37,9 @@ def test_capture_in_the_norm_matches_naive(n, d, variant):
     after slot A's clamps and (gated) rows; the outputs equal the same norm without capture, bit for bit."""
     from tests.gpu.norm_inputs import TOL, norm_inputs
     from tests.sae_packs import clamp_pack, token_rows
-    from vllm_steer.kernels.steered_rms_norm import triton as norm
-    from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, steered_capture_rms_norm_naive
+    from tests import norm_calls as norm
+    from tests.norm_calls import steered_capture_rms_norm_naive
+    from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED
 
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(n * 3 + d)

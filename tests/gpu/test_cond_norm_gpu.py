@@ -15,13 +15,10 @@ pytest.importorskip("triton")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from vllm_steer.kernels.steered_rms_norm.naive import (  # noqa: E402
-    SAE_GATED,
-    VECTORS_UNGATED,
+from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED  # noqa: E402
+from tests.norm_calls import (  # noqa: E402
     steered_cond_rms_norm_naive,
     steered_cond_sae_rms_norm_naive,
-)
-from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
     steered_cond_rms_norm_triton,
     steered_cond_sae_rms_norm_triton,
     steered_rms_norm_triton,

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,9 +24,9 @@ from tests.sae_packs import IDLE_ROWS, R, clamp_pack, token_rows  # noqa: E402
 from tests.gpu.norm_inputs import DTYPES, norm_inputs  # noqa: E402
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
-from vllm_steer.kernels.steered_rms_norm.naive import steered_sae_rms_norm_naive  # noqa: E402
-from vllm_steer.kernels.steered_rms_norm.triton import (  # noqa: E402
-    steered_rms_norm_triton, steered_sae_rms_norm_triton,
+from tests.norm_calls import (  # noqa: E402
+    op_steered_rms_norm, op_steered_sae_rms_norm, steered_rms_norm_triton, steered_sae_rms_norm_naive,
+    steered_sae_rms_norm_triton,
 )
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4),  # D-long fp32 dots, cuBLAS vs one program: order differs
@@ -139,7 +141,7 @@ def test_split_walks_match_the_serial_walk_and_leave_no_count(n, c):
 @pytest.fixture(scope="module")
 def registered():
     op.register()
-    return torch.ops.vllm_steer
+    return SimpleNamespace(steered_rms_norm=op_steered_rms_norm, steered_sae_rms_norm=op_steered_sae_rms_norm)
 
 
 def _full(pack: list[torch.Tensor], d: int, seed: int) -> list[torch.Tensor]:

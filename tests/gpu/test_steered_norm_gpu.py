@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,8 +22,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
-from vllm_steer.kernels.steered_rms_norm.naive import steered_rms_norm_naive  # noqa: E402
-from vllm_steer.kernels.steered_rms_norm.triton import steered_rms_norm_triton  # noqa: E402
+from tests.norm_calls import op_steered_rms_norm, steered_rms_norm_naive, steered_rms_norm_triton  # noqa: E402
 from tests.gpu.norm_inputs import DTYPES, TOL, norm_inputs  # noqa: E402
 
 R = 9
@@ -99,7 +100,7 @@ def test_cached_launch_keeps_each_specialization_apart():
                 first[(n, d, shift)] = (out, res)
             else:
                 assert torch.equal(out, first[(n, d, shift)][0]) and torch.equal(res, first[(n, d, shift)][1])
-    keys = list(tri._PLAIN.cache)
+    keys = list(tri._KERNEL.cache)
     aligned = {k[0][0][1] for k in keys}  # x's alignment bit over the cached kernels
     assert aligned == {True, False} and CachedLauncher.direct
 
@@ -127,7 +128,7 @@ def test_unsteered_equals_vllm_norm_kernels(n, dtype_name):
 @pytest.fixture(scope="module")
 def registered():
     op.register()
-    return torch.ops.vllm_steer
+    return SimpleNamespace(steered_rms_norm=op_steered_rms_norm)
 
 
 def test_op_in_cuda_graph_follows_tables_changed_after_capture(registered):

@@ -11,9 +11,9 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import (
-    SAE_GATED,
-    VECTORS_UNGATED,
+from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED
+from tests import norm_calls
+from tests.norm_calls import (
     steered_capture_rms_norm_naive,
     steered_cond_rms_norm_naive,
     steered_cond_sae_rms_norm_naive,
@@ -28,9 +28,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 @pytest.fixture(scope="module")
 def interpreted():
     import vllm_steer.kernels.capture_rows.triton as cap
-    import vllm_steer.kernels.steered_rms_norm.triton as norm
+    import vllm_steer.kernels.steered_rms_norm.triton as kernel
 
-    return norm, cap
+    norm_calls.split_buffers = kernel.split_buffers
+    return norm_calls, cap
 
 
 # The interpreter rounds float32 -> bfloat16 by truncation (numpy has no bf16), a GPU to nearest:
@@ -341,3 +342,64 @@ def test_step_index_kernel_matches_reference(seed):
     kernel.step_index_triton(got, *args, num_reqs, n + 30)
     step_index_naive(want, *args, num_reqs, n + 30)
     assert torch.equal(got, want)
+
+
+def _projections(rows: int, d: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """(count, dirs, bounds) for ``rows`` rows: row 0 none, odd rows ablate their directions, even rows cap
+    them into [-0.5, 0.5]; row r has min(r, k) live directions (unit vectors)."""
+    g = torch.Generator().manual_seed(seed)
+    dirs = torch.randn(rows, k, d, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    count = torch.tensor([min(r, k) for r in range(rows)], dtype=torch.int32)
+    dirs[0] = 0
+    bounds = torch.zeros(rows, k, 2)
+    bounds[0::2, :, 0], bounds[0::2, :, 1] = -0.5, 0.5
+    return count, dirs, bounds
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("variant", ["plain", "cond", "sae", "sae-split"])
+def test_triton_projection_kernel_matches_reference(interpreted, variant):
+    """Directional projections (ablate, cap) as a feature of the norm, with vectors, conditions or SAE
+    clamps at the same site: outputs as the reference; a token of an ablating row with one direction and no
+    later add at that slot leaves a stream with no component along it; row 0 is the plain norm, bit for bit."""
+    import vllm_steer.kernels.steered_rms_norm.triton as kernel
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+
+    n, d = 12, 80
+    x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=70)
+    index = token_rows(n)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(71)) * 0.5
+    pa, pb = _projections(6, d, 2, seed=72), _projections(6, d, 3, seed=73)
+    extra = {}
+    if variant == "cond":
+        cond_site = torch.tensor([-1, 20, -1, 5 | VECTORS_UNGATED, 21, 5], dtype=torch.int32)
+        params = torch.tensor([[0.1, 2.0, float(i % 2), 0.0] for i in range(6)], dtype=torch.float32)
+        params[0, 3] = 1.0
+        probe = torch.randn(6, d, generator=torch.Generator().manual_seed(74)) / 8
+        extra = {"cond": (cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32))}
+    elif variant.startswith("sae"):
+        extra = {"sae_a": clamp_pack(d, 37, seed=75, jumprelu=True), "sae_b": clamp_pack(d, 37, seed=76)}
+    split = {"split": 3} if variant == "sae-split" else {}
+    gate0 = torch.rand(n + 5, generator=torch.Generator().manual_seed(77)) * 0.8 + 0.1
+    vec = ((ta, _on()), (tb, _on()))
+    gate_t, gate_n = gate0.clone(), gate0.clone()
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **extra, gate=gate_t, proj_a=pa, proj_b=pb,
+                                     **split)
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **extra, gate=gate_n, proj_a=pa, proj_b=pb)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
+    torch.testing.assert_close(gate_t, gate_n, rtol=1e-5, atol=1e-5)
+    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **extra, gate=gate0.clone(), **split)
+    rows = index[:n].long()
+    assert torch.equal(got[1][rows == 0], plain[1][rows == 0]) and torch.equal(got[0][rows == 0], plain[0][rows == 0])
+    assert not torch.allclose(got[1][rows != 0], plain[1][rows != 0], rtol=1e-3, atol=1e-3)  # they moved
+    if variant == "plain":  # slot B only, one ablated direction (row 1): nothing along it before B's add
+        only_b = steered_norm_naive(x, r, w, 1e-5, 0.0, index, vec_b=(torch.zeros_like(tb), _on()),
+                                    proj_b=_projections(6, d, 1, seed=78))
+        t1 = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_b=(torch.zeros_like(tb), _on()),
+                                        proj_b=_projections(6, d, 1, seed=78))
+        v = _projections(6, d, 1, seed=78)[1][1, 0]
+        along = t1[1][rows == 1] @ v
+        torch.testing.assert_close(along, torch.zeros_like(along), rtol=0, atol=1e-5)
+        torch.testing.assert_close(t1[1], only_b[1], **_SAE_TOL[torch.float32])

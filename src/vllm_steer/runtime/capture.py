@@ -72,8 +72,6 @@ class CaptureBuffers:
         width = -(-max_tokens // 4) * 4  # each site's row starts on 16 bytes (see runtime.tables)
         self.plan = torch.full((len(sites), width), -1, dtype=torch.int32, device=device)
         self.max_rows = max_rows
-        # the gate argument of the capture norm op on a server without conditions (never read or written)
-        self.no_gate = torch.zeros(1, dtype=torch.float32, device=device)
 
     def plan_view(self, hook: str, layer: int) -> torch.Tensor:
         return self.plan[self.site_index[(hook, layer)]]

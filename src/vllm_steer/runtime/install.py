@@ -1,15 +1,15 @@
 """Puts steering (and capture) into a loaded vLLM model: only at the norms that receive a hooked site.
 
 Each such fused add + RMSNorm instance gets its class swapped for a cached subclass whose forward
-calls ``torch.ops.vllm_steer.steered_rms_norm`` (the same contract as vLLM's norm, with the site's
-steering rows added to the stream inside the kernel); when capture consumers are configured the
-norm calls ``steered_capture_rms_norm`` instead, which writes each captured slot's stream to the pool
-in the same launch, before that slot's steering (layer 0's norm, steered by an in-place add, keeps a
+calls ``torch.ops.vllm_steer.steered_norm`` (the same contract as vLLM's norm, with the site's
+steering added to the stream inside the kernel) with the descriptors of the features its class has:
+vectors per slot, SAE packs, conditions, capture (each captured slot's stream written to the pool in the
+same launch, before that slot's steering; layer 0's norm, steered by an in-place add, keeps a
 ``capture_rows_`` op before it). Parameters,
 names and weights are untouched. Tables, index, flags, capture pool and plans are registered as
 non-persistent buffers: torch.compile lifts them as graph inputs and CUDA graphs read fixed
-addresses, which the runtime updates in place. Which tables a norm has is a class attribute, so
-the traced graph holds exactly those ops and nothing else; norms of unhooked sites stay vLLM's.
+addresses, which the runtime updates in place. Which features a norm has are class attributes, so
+the traced graph holds exactly that op and nothing else; norms of unhooked sites stay vLLM's.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def _norm_params(norm: nn.Module) -> tuple[float, float]:
 
 
 def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """The steered norm: (capture, then) vLLM's fused add + RMSNorm with this site's rows added."""
+    """The steered norm: vLLM's fused add + RMSNorm with this site's features (capture, SAE clamps, gated
+    rows, vectors) applied in one launch of ``steered_norm``."""
     if residual is None:  # the first layer: the stream is x itself, and the caller keeps x as residual
         if "b" in self._vs_capture:
             torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, self.vs_b_plan)
@@ -103,30 +104,16 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
             # into an addmm), so the first layer costs no launch of its own either.
             x.add_(self.vs_b_table.index_select(0, self.vs_index[: x.shape[0]]))
         return self._vs_base.forward(self, x)
-    ta = self.vs_a_table if self._vs_has_a else None
-    fa = self.vs_a_flag if self._vs_has_a else None
-    if self._vs_capture:  # capture in the same launch: slot B's stream after A's clamps and (gated) rows
-        return _captured_forward(self, x, residual, ta, fa)
-    if self._vs_cond and not self._vs_sae:  # steer.conditions: rows may carry a probe's gate
-        return torch.ops.vllm_steer.steered_cond_rms_norm(
-            x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
-            self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
-            self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_gate, self.vs_site_ids)
-    if self._vs_sae:  # a site of this norm has an SAE: its clamps come before its vectors
-        packs = _sae_packs(self)
-        if self._vs_cond:  # the gate scales the clamps or vectors of the rows whose condition says so
-            return torch.ops.vllm_steer.steered_cond_sae_rms_norm(
-                x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
-                self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
-                packs[0], packs[1], self._vs_topk[0], self._vs_topk[1],
-                self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_gate, self.vs_site_ids)
-        return torch.ops.vllm_steer.steered_sae_rms_norm(
-            x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
-            self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
-            packs[0], packs[1], self._vs_topk[0], self._vs_topk[1])
-    return torch.ops.vllm_steer.steered_rms_norm(
-        x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
-        self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None)
+    cond = self._vs_cond
+    return torch.ops.vllm_steer.steered_norm(
+        x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index,
+        [self.vs_a_table, self.vs_a_flag] if self._vs_has_a else [],
+        [self.vs_b_table, self.vs_b_flag] if self._vs_has_b else [],
+        *_sae_packs(self), *self._vs_topk,
+        [self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_site_ids] if cond else [],
+        self.vs_gate if cond else None,
+        self.vs_a_plan if "a" in self._vs_capture else None, self.vs_b_plan if "b" in self._vs_capture else None,
+        self.vs_pool if self._vs_capture else None, [], [])  # projections: no runtime tables yet (issue 38 item 3)
 
 
 def _sae_packs(self) -> list[list[torch.Tensor]]:
@@ -134,27 +121,12 @@ def _sae_packs(self) -> list[list[torch.Tensor]]:
     return [[getattr(self, f"vs_{slot}_sae_{i}") for i in range(n)] for slot, n in zip("ab", self._vs_sae or (0, 0))]
 
 
-def _captured_forward(self, x: torch.Tensor, residual: torch.Tensor, ta, fa):
-    """The steered norm of a server with capture consumers: ``steered_capture_rms_norm`` (any steered
-    norm's work, each captured slot's stream written to the pool as it reaches the slot)."""
-    packs = _sae_packs(self)
-    topk = self._vs_topk if self._vs_sae else (0, 0)
-    cond = self._vs_cond
-    return torch.ops.vllm_steer.steered_capture_rms_norm(
-        x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index, ta, fa,
-        self.vs_b_table if self._vs_has_b else None, self.vs_b_flag if self._vs_has_b else None,
-        packs[0], packs[1], topk[0], topk[1],
-        self.vs_cond_site if cond else None, self.vs_cond_params if cond else None, self.vs_probe if cond else None,
-        self.vs_gate if cond else self.vs_no_gate, self.vs_site_ids if cond else None, self.vs_pool,
-        self.vs_a_plan if "a" in self._vs_capture else None, self.vs_b_plan if "b" in self._vs_capture else None)
-
-
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
                        offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0),
                        cond: bool = False) -> type:
     """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
-    the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the conditional
-    op (``steer.conditions``)."""
+    the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the condition
+    descriptor (``steer.conditions``)."""
     key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
@@ -208,8 +180,6 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
                 norm.register_buffer(f"vs_{slot}_plan", capture.plan_view(*where), persistent=False)
         if captured:
             norm.register_buffer("vs_pool", capture.pool, persistent=False)
-            if conditions is None:  # the capture op's gate argument: a dummy without conditions
-                norm.register_buffer("vs_no_gate", capture.no_gate, persistent=False)
     norm_op.register()
     capture_op.register()
     return sum((s.a is not None) + (s.b is not None) for s in sites)
