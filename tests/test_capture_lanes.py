@@ -241,10 +241,10 @@ def test_the_consumers_process_dies_with_its_worker(tmp_path):
 def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(smollm2_path, tmp_path):
     """Same engine, same batch shape: two plain streams decode beside a request captured by a consumer
     that does nothing (``idle``) and then by one burning CPU in pure Python (``burn``): median step gaps
-    stay within a generous factor, and the burner ran in another process than the engine's. On the
-    shared 2-core dev box (load 25-45, steps of ~3 s) the timing alone did not catch the old thread
-    lanes (1.78x with a burner of 300 ms a step, 0.82x with one burning throughout; the host gave 1.28x
-    and 1.63x): the bound is 3x against that noise, and the pid check is what fails with thread lanes."""
+    stay within 2x, and the burner ran in another process than the engine's. On an otherwise idle 2-core
+    box the consumers' process at the engine's priority slowed the steps 4x (67 -> 275 ms: a burning core
+    starves the engine's OMP threads); at nice 19 (``capture_host.NICE``) 0.97x (74 -> 72 ms). Under heavy
+    load (25-45) the timing is noise; the pid check is what fails with the old thread lanes."""
     from tests.engine_job import run_job
     from tests.hf_oracle import load
 
@@ -268,4 +268,4 @@ def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(
     print(f"median step gap: idle consumer {idle * 1e3:.1f} ms, burning consumer {burn * 1e3:.1f} ms "
           f"({burn / idle:.2f}x); burned {burned}")
     assert burned["burn-cap"] >= 0.9 * sum(gaps["burn"])  # the burner burned through the measured steps
-    assert burn < 3.0 * idle, f"a burning consumer slowed the runner: median gap {idle * 1e3:.1f} -> {burn * 1e3:.1f} ms"
+    assert burn < 2.0 * idle, f"a burning consumer slowed the runner: median gap {idle * 1e3:.1f} -> {burn * 1e3:.1f} ms"

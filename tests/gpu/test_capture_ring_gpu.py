@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_rows_through_the_pinned_ring_equal_the_pool(monkeypatch):
     from tests import lane_consumers
+    from tests.test_capture_lanes import Sent
     from vllm_steer.core.config import SteerConfig
     from vllm_steer.runtime import capture as capture_mod
 
@@ -24,7 +25,8 @@ def test_rows_through_the_pinned_ring_equal_the_pool(monkeypatch):
     try:
         assert rt._host.rows.is_pinned()
         spec = {"layers": [0], "hooks": ["post_mlp"], "positions": "all"}
-        rt.add_request("a", {"summing": spec}, prompt_len=toks)
+        rt._pusher = sent = Sent()  # what the worker would push to the submitter
+        rt.add_request("a", {"summing": spec}, prompt_len=toks, meta={"capture_reply": "ipc://inbox"})
         want = 0.0
         big = torch.randn(8192, 8192, device="cuda")
         for s in range(steps):
@@ -36,11 +38,9 @@ def test_rows_through_the_pinned_ring_equal_the_pool(monkeypatch):
             rt.after_forward()
         rt.finish_request("a")
         deadline = time.monotonic() + 60
-        done = {}
-        while not done and time.monotonic() < deadline:
-            done = rt.collect_results(["a"])["done"]
+        while not sent.of("a") and time.monotonic() < deadline:
             time.sleep(0.05)
-        site = done["a"]["summing"]["sites"]["post_mlp.0"]
+        site = sent.of("a")[-1][1]["summing"]["sites"]["post_mlp.0"]
         assert site[0] == list(range(steps * toks)) and site[1] == want and site[2] == "float32"
         assert rt.stats["ring_full"] == 0 and rt.stats["dropped_packets"] == 0
     finally:

@@ -24,6 +24,7 @@ The engine never waits for capture: rows it cannot keep are dropped, and
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -84,8 +85,10 @@ class BaseConsumer:
         return None
 
 
+@functools.cache
 def consumer_class(name: str) -> type:
-    """The class advertised as ``name`` in the ``vllm.capture_consumers`` group."""
+    """The class advertised as ``name`` in the ``vllm.capture_consumers`` group (looked up once per process:
+    scanning every distribution's entry points took ~10 ms, on every capturing request's preparation)."""
     found = [ep for ep in entry_points(group=GROUP) if ep.name == name]
     if not found:
         available = sorted(ep.name for ep in entry_points(group=GROUP))

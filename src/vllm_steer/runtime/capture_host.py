@@ -17,7 +17,9 @@ Wire (pickled ``multiprocessing.connection`` messages):
 Each consumer keeps its own queue and thread here (a slow consumer delays only itself); the worker
 bounds what each may have queued (it never sends more), so the queues here need no bound of their own.
 The host exits when its command pipe closes (the worker closed it or died) and is killed with its
-worker (``PR_SET_PDEATHSIG``): it never outlives the worker.
+worker (``PR_SET_PDEATHSIG``): it never outlives the worker. It runs at the lowest CPU priority (``NICE``):
+on the CPU lane a consumer burning a core slowed the engine's steps 4x at equal priority (its OMP threads
+lost their core), not at nice 19.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 logger = logging.getLogger("vllm.steer.capture")
 
 PR_SET_PDEATHSIG = 1
+NICE = 19  # consumers are background work: on a busy host the engine's threads get the CPU first
 STATS_S = 1.0  # how often consumers' own counters are read (and sent when they changed)
 
 
@@ -210,6 +213,7 @@ def serve(cmd: Connection, res: Connection) -> None:
 def main(argv: list[str]) -> int:
     parent, cmd_fd, res_fd = (int(a) for a in argv[1:4])
     _die_with_parent(parent)
+    os.nice(NICE)  # a consumer burning CPU must not slow the engine's steps (its queues drop, counted, instead)
     logging.basicConfig(level=logging.INFO, format="(capture host pid=%(process)d) %(levelname)s %(message)s")
     serve(Connection(cmd_fd, writable=False), Connection(res_fd, readable=False))
     return 0

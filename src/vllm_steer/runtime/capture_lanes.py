@@ -157,7 +157,7 @@ class CaptureHost:
             with torch.cuda.stream(copy_stream):
                 copy_stream.wait_event(forward_done)
                 dst.copy_(rows, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the notifier sleeps on it instead of spinning a core
                 event.record(copy_stream)
         else:
             dst.copy_(rows)
@@ -189,7 +189,7 @@ class CaptureHost:
                 continue
             try:
                 if event is not None:
-                    event.synchronize()  # releases the GIL while the copy runs
+                    event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
                 if msg[0] == "finish":
                     _, bit, request_id, key, meta, req = msg
                     dropped = req.dropped_for(bit) if req.dropped else {}
