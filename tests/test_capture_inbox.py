@@ -83,6 +83,12 @@ def test_a_dead_engine_ends_every_wait_at_once(box):
 
 
 def test_bounds_evict_the_oldest_and_unknown_messages_are_counted(box, monkeypatch):
+    from prometheus_client import REGISTRY
+
+    def exported(stat: str) -> float:  # what /metrics shows (this process's registry)
+        return REGISTRY.get_sample_value(f"vllm_steer_capture_inbox_{stat}_total") or 0.0
+
+    before = {k: exported(k) for k in ("evicted", "unexpected")}
     monkeypatch.setattr(inbox_mod, "MAX_ENTRIES", 2)
     for k in ("a", "b", "c"):
         box.expect(k, ["acts"], 1)
@@ -94,6 +100,7 @@ def test_bounds_evict_the_oldest_and_unknown_messages_are_counted(box, monkeypat
     box._swept = 0.0
     box.expect("d", ["acts"], 1)  # a complete result past its TTL goes
     assert list(box._entries) == ["c", "d"] and box.stats["evicted"] == 2
+    assert {k: exported(k) - v for k, v in before.items()} == {"evicted": 2, "unexpected": 1}
 
 
 def test_a_push_to_nobody_never_blocks_and_is_counted_past_the_bound(monkeypatch):

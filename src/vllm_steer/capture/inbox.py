@@ -31,10 +31,17 @@ from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
+from prometheus_client import Counter
 
 logger = logging.getLogger("vllm.steer")
 
 MAX_ENTRIES = 65536  # requests registered and not yet collected, in this process
+# what the bounds dropped, on /metrics (per API process; summed by vLLM's multiprocess collector)
+METRICS = {"evicted": Counter("vllm_steer_capture_inbox_evicted", "Capture results dropped by this process's bounds "
+                              "(more than MAX_ENTRIES registered, or complete and uncollected past their TTL)"),
+           "unexpected": Counter("vllm_steer_capture_inbox_unexpected", "Capture result messages for no waiting "
+                                 "request (evicted, or collected already): dropped"),
+           "bad_messages": Counter("vllm_steer_capture_inbox_bad_messages", "Malformed capture result messages")}
 DONE_TTL_S = 60.0  # complete results nobody waits for (at least; see ``ResultInbox.ttl``)
 DEAD_CHECK_S = 0.2  # how often a waiting response looks at its engine's health (a local flag, no call)
 
@@ -109,6 +116,10 @@ class ResultInbox:
         self._thread = threading.Thread(target=self._read, name="vllm-steer-capture-inbox", daemon=True)
         self._thread.start()
 
+    def _count(self, stat: str) -> None:
+        self.stats[stat] += 1
+        METRICS[stat].inc()
+
     # ---- registration (the front end, when a capturing request is submitted) ----------
     def expect(self, key: str, instances: Iterable[str], messages: int) -> None:
         with self._lock:
@@ -121,7 +132,7 @@ class ResultInbox:
         now = time.monotonic()
         while len(self._entries) > MAX_ENTRIES:
             _, e = self._entries.popitem(last=False)
-            self.stats["evicted"] += 1
+            self._count("evicted")
             self._wake(e)
         if now - self._swept < 1.0:
             return
@@ -129,7 +140,7 @@ class ResultInbox:
         for key in [k for k, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.ttl
                     and not e.wakers]:
             del self._entries[key]
-            self.stats["evicted"] += 1
+            self._count("evicted")
 
     # ---- the reader thread --------------------------------------------------------------
     def _read(self) -> None:
@@ -147,7 +158,7 @@ class ResultInbox:
             try:
                 self.deliver(*decode_message(data))
             except Exception:
-                self.stats["bad_messages"] += 1
+                self._count("bad_messages")
                 logger.exception("vllm-steer: a malformed capture result message was dropped")
 
     def deliver(self, key: str, count: int, results: dict) -> None:
@@ -156,7 +167,7 @@ class ResultInbox:
             self.stats["received"] += 1
             e = self._entries.get(key)
             if e is None:
-                self.stats["unexpected"] += 1
+                self._count("unexpected")
                 return
             e.results.update(results)
             e.got += count
