@@ -32,12 +32,24 @@ class Sink(CaptureConsumer):
         return None
 
 
+_MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_runtimes():
+    """Each runtime's consumers' process ends with its test (none left behind for the rest of the run)."""
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
+
 def _runtime(monkeypatch, sites, max_rows, max_tokens):
     monkeypatch.setattr(capture_mod, "consumer_class", lambda name: Sink)
     cfg = SteerConfig.model_validate({"capture": ["a", "b", "c"], "capture_max_rows": max(max_rows, 16),
                                       "hooks": list(HOOKS)})
     rt = capture_mod.CaptureRuntime(cfg, sites, NUM_LAYERS, max_tokens, 8, torch.float32, torch.device("cpu"))
     rt._planner.max_rows = max_rows  # below the config's floor: overflow with few cells
+    _MADE.append(rt)
     return rt
 
 
