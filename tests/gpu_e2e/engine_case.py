@@ -58,8 +58,9 @@ STEERED_SPECS = [
 ]
 
 
-def build_checkpoint(path: Path):
-    """Random-weight Llama of SHAPE (float32, fixed seed) + the offline test tokenizer; returns the tokenizer."""
+def build_checkpoint(path: Path, vocab: int | str | None = None):
+    """Random-weight Llama of SHAPE (float32, fixed seed) + the offline test tokenizer; returns the tokenizer.
+    ``vocab``: SHAPE's (None), or ``"tokenizer"``: the tokenizer's size (a server that detokenizes needs it)."""
     import transformers
 
     os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
@@ -68,7 +69,8 @@ def build_checkpoint(path: Path):
     tok = fixture_tokenizer()
     s = SHAPE
     cfg = transformers.LlamaConfig(
-        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+        vocab_size=len(tok) if vocab == "tokenizer" else (vocab or s.vocab), hidden_size=s.hidden,
+        intermediate_size=s.intermediate, num_hidden_layers=s.layers,
         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.hidden // s.heads,
         max_position_embeddings=1024, initializer_range=0.05, rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,

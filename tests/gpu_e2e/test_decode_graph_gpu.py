@@ -5,7 +5,8 @@ while they decode), each profiled by torch.profiler around the
 same greedy decode (``LLM.start_profile``), its trace read by ``trace_kernels``. The forward graph holds the
 same number of kernels in all three (steering folded into vLLM's norms: no launch of its own), and the
 steered norms run inside it. The A/B suite's graph phase measures the same at the 8b shape over HTTP (418
-kernels per step, bench/RESULTS.md). Skipped without CUDA."""
+kernels per step, bench/RESULTS.md). ``VLLM_STEER_E2E_TP=2``: every engine at TP=2 (the trace read is one
+rank's). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _profiled_decode(root: Path, steer: dict | None, extra) -> dict:
     prof = root / "prof"
     prof.mkdir(parents=True)
     llm = LLM(model=_config_dir(root), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-              gpu_memory_utilization=0.3, additional_config={"steer": steer} if steer is not None else {},
+              gpu_memory_utilization=0.3, tensor_parallel_size=int(os.environ.get("VLLM_STEER_E2E_TP", "1")),
+              additional_config={"steer": steer} if steer is not None else {},
               profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=str(prof),
                                              torch_profiler_with_stack=False,
                                              torch_profiler_dump_cuda_time_total=False))
