@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not ec.CPU and torch.cuda.device_count() < 2,
 STEPS = 12
 SCALE = 0.5
 LOGPROB_TOL = 0.05
+NEAR_TIE = 0.01  # top-1 minus top-2 logit gap under which float32 with TF32 attention may pick either
 CAPTURED = "post_mlp.1"
 REL_TOL = 1e-2  # float32 with TF32 attention (tests/gpu_e2e/test_capture_vs_hf_gpu.py)
 N = len(ec.STEERED_SPECS)
@@ -64,6 +65,8 @@ def _tokens(r: httpx.Response) -> tuple[list[int], list[float]]:
 def _matches(got: tuple[list[int], list[float]], ref: dict, what: str) -> None:
     toks, lps = got
     d = next((j for j, (a, b) in enumerate(zip(toks, ref["tokens"])) if a != b), None)
+    if d is not None and ref["gaps"][d] < NEAR_TIE:  # HF's top two within TF32's rounding: compare up to there
+        toks, lps, ref, d = toks[:d], lps[:d], {k: v[:d] for k, v in ref.items()}, None
     assert d is None, f"{what}: vLLM {toks} != HF {ref['tokens']} from token {d} (HF gap {ref['gaps'][d]:.4g})"
     err = max(abs(a - b) for a, b in zip(lps, ref["logprobs"]))
     assert err < LOGPROB_TOL, f"{what}: max |logprob vLLM - HF| {err:.4g}"
