@@ -1,7 +1,9 @@
 """The capture result channel without an engine: a worker's ``ResultPusher`` sends over a real ZMQ
 ipc socket to a ``ResultInbox``, which hands each waiting response its ids' results when every
 expected message is in, keeps results that came before the wait, and ends a wait at its deadline
-(timeout error per missing driver instance) or at once when the engine is dead."""
+(timeout error per missing driver instance) or at once when the engine is dead. Under pipeline
+parallelism: per-stage results merged (``activations``) or failed per stage, and the front end and the
+workers agreeing on which stages report."""
 
 from __future__ import annotations
 
