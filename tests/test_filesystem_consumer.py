@@ -132,6 +132,48 @@ def test_a_write_error_fails_only_its_request_and_later_ones_are_written(tmp_pat
     fs.close()
 
 
+def test_pipeline_stages_publish_one_request_json_when_the_last_stage_is_in(tmp_path, monkeypatch):
+    """Two stages' instances (each its own sites): each writes ``stage-K.json``; ``request.json`` appears
+    only with the last one, for the whole request (both stages' sites, merged status, ``stages``); a
+    stage whose writes failed fails the request, naming that stage."""
+    disk = _FullDisk()
+    monkeypatch.setattr(fsmod, "open", disk, raising=False)
+    stages = [FilesystemConsumer("fs", root=str(tmp_path), threads=1) for _ in range(2)]
+    rows = _rows(3)
+
+    def finish(stage, rid):
+        stages[stage].on_request_finished(rid, {"prompt_len": 3, "stage": stage, "stages": 2, "dropped": {},
+                                                "dropped_rows": 0})
+
+    stages[1].on_rows("r", 1, "pre_attn", np.arange(3), rows, {})
+    finish(1, "r")
+    d = tmp_path / "default" / "r"
+    assert (d / "stage-1.json").exists() and not (d / "request.json").exists()
+    with pytest.raises(FileNotFoundError, match="not published"):
+        load_request(str(tmp_path), "r")
+    stages[0].on_rows("r", 0, "pre_attn", np.arange(3), rows + 1, {})
+    finish(0, "r")
+    info = _status(tmp_path, "r")
+    assert {k: info[k] for k in ("status", "stages", "prompt_len", "dropped_rows")} == {
+        "status": "complete", "stages": ["complete", "complete"], "prompt_len": 3, "dropped_rows": 0}
+    assert "stage" not in info
+    got = load_request(str(tmp_path), "r")
+    np.testing.assert_array_equal(got[(0, "pre_attn")][1], rows + 1)
+    np.testing.assert_array_equal(got[(1, "pre_attn")][1], rows)
+    stages[0].on_rows("f", 0, "pre_attn", np.arange(3), rows, {})
+    finish(0, "f")
+    disk.full = True
+    stages[1].on_rows("f", 1, "pre_attn", np.arange(3), rows, {})
+    finish(1, "f")
+    info = _status(tmp_path, "f")
+    assert info["status"] == "failed" and info["stages"] == ["complete", "failed"], info
+    assert info["error"].startswith("stage 1: OSError") and "No space left" in info["error"]
+    with pytest.raises(CaptureWriteError, match="stage 1"):
+        load_request(str(tmp_path), "f")
+    for fs in stages:
+        fs.close()
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (we are root here and in CI), or None where the sandbox refuses the mount."""

@@ -1,22 +1,25 @@
 """Tensor and pipeline parallelism on the CPU lane (vLLM-CPU, 2 ranks over gloo / shared memory, the
 tiny Llama: 2 layers, 4 heads): one mixed batch (unsteered, vectors at every hook, a named module
-registered after start, capture at every site with a worker and a driver consumer) gives TP=2 and
+registered after start, capture at every site with a worker and driver consumers) gives TP=2 and
 PP=2 the tokens of TP=1, logprobs within 1e-3, the same capture files (each site once: TP rank 0
-captures, each pipeline stage its own sites) and the same driver result. Under PP a request asking
-the driver consumer for a later stage's site is refused, naming the field. Data parallelism (2 engine
-cores behind 2 API processes): modules reach both engines, every driver result comes back."""
+captures, each pipeline stage its own sites; under PP ``request.json`` comes with the last stage) and
+the same driver results: the ``activations`` consumer's sites of both stages merged, equal to TP=1's
+and to transformers'. Under PP a driver consumer without ``merge`` serves one stage's sites (a later
+stage's too) and a request spanning stages with it is refused, naming the field. Data parallelism (2
+engine cores behind 2 API processes): modules reach both engines, every driver result comes back."""
 
 from __future__ import annotations
 
 import json
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.engine_job import run_job
 from tests.steering_cases import floats, params, vector
-from vllm_steer.capture.filesystem import load_request
+from vllm_steer.capture.activations import decode_result
+from vllm_steer.capture.filesystem import _request_dir, load_request
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 SITES = [(layer, hook) for layer in (0, 1) for hook in HOOKS]
@@ -32,46 +35,55 @@ def _all_hooks(hidden: int) -> dict:
     return out
 
 
-def refused_driver_spec(llm, hidden: int) -> str:
-    """An engine_job call: a request asking the driver consumer for a site past the first stage."""
+LATE_PROBE_IDS = [1, 2, 3]
+
+
+def pipeline_driver_specs(llm) -> dict:
+    """An engine_job call under PP: the driver consumer without merge (``probe``) asked for sites on
+    both stages (refused: the message), then for a later stage's site alone (its result)."""
     from vllm import SamplingParams
 
-    capture = {"probe": {"layers": [1], "hooks": ["post_mlp"], "positions": "all"}}
+    from vllm_steer.capture.collect import collect
+
+    def run(capture):
+        outs = llm.generate([{"prompt_token_ids": LATE_PROBE_IDS}],
+                            SamplingParams(max_tokens=1, extra_args={"capture": capture}), use_tqdm=False)
+        return collect(llm, outs)[0].capture
+
     try:
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, extra_args={"capture": capture}),
-                     use_tqdm=False)
+        run({"probe": {"layers": [0, 1], "hooks": ["pre_attn"], "positions": "all"}})
+        refused = "accepted"
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(e).__name__}: {e}"
-    return "accepted"
+        refused = f"{type(e).__name__}: {e}"
+    return {"refused": refused, "late": run({"probe": {"sites": ["post_mlp.1"], "positions": "all_prompt"}})}
 
 
 def _job(model: str, hidden: int, root: str, extra: dict, pp: bool) -> dict:
     fs = {"layers": [0, 1], "hooks": list(HOOKS), "positions": "all"}
     probe = {"layers": [0], "hooks": ["pre_attn", "post_attn"], "positions": "all"}
-    batch = [params(8), params(8, steering_vectors=_all_hooks(hidden)),
+    prompt_means = {"layers": [0, 1], "hooks": list(HOOKS), "positions": "all_prompt", "reduce": "mean"}
+    last_rows = {"layers": [0, 1], "hooks": list(HOOKS), "positions": "all", "reduce": "last"}
+    batch = [params(8, capture={"act": prompt_means}), params(8, steering_vectors=_all_hooks(hidden)),
              params(8, steering_module={"name": "pm", "scale": 0.8}),
              params(8, steering_vectors=floats("post_mlp", 0, vector(hidden, 7, 6.0)),
-                    capture={"fs": fs, "probe": probe})]
+                    capture={"fs": fs, "probe": probe, "act": last_rows})]
     steer = {"max_configs": 8, "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": root}},
-                                           {"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 2}}]}
+                                           {"name": "probe", "instance": "probe", "params": {"dim": hidden, "seed": 2}},
+                                           {"name": "activations", "instance": "act"}]}
     calls = [{"llm_call": REGISTER, "kwargs": {"name": "pm", "steering_vectors": floats("post_attn", 1, vector(hidden, 9, 6.0))}},
              {"prompts": [{"prompt": "The quick brown fox"}] * len(batch), "params": batch}]
     if pp:
-        calls.append({"llm_call": "tests.test_parallel_ranks:refused_driver_spec", "kwargs": {"hidden": hidden}})
+        calls.append({"llm_call": "tests.test_parallel_ranks:pipeline_driver_specs"})
     return {"model": model, "collect_capture": True, "rpc_after": ["vllm_steer_status"],
             "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8,
                            "additional_config": {"steer": steer}, **extra},
             "calls": calls}
 
 
-def _published(root: str, request_id: str) -> dict:
-    deadline = time.time() + 60
-    while True:
-        try:
-            return load_request(root, request_id, sites=len(SITES))
-        except FileNotFoundError:
-            assert time.time() < deadline, f"capture of {request_id} never published in full"
-            time.sleep(0.2)
+def _published(root: str, request_id: str) -> tuple[dict, dict]:
+    """(rows by site, request.json) of a request: published once its response came (``collect``)."""
+    d = _request_dir(Path(root) / "default", request_id)  # the engine id's directory
+    return load_request(root, request_id), json.loads((d / "request.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -94,25 +106,63 @@ def test_a_mixed_batch_equals_one_rank(runs, kind):
     for i, (a, b) in enumerate(zip(ref_batch, batch)):
         assert b["token_ids"] == a["token_ids"], f"request {i}"
         np.testing.assert_allclose(b["logprobs"], a["logprobs"], atol=LOGPROB_ATOL, err_msg=f"request {i}")
-    # capture: every site once, equal to one rank's rows; the driver consumer's result too
-    want, have = _published(ref_root, ref_batch[3]["request_id"]), _published(root, batch[3]["request_id"])
+    # capture: every site once, equal to one rank's rows; the driver consumers' results too
+    (want, want_info), (have, info) = _published(ref_root, ref_batch[3]["request_id"]), _published(root, batch[3]["request_id"])
     assert set(have) == set(want) == set(SITES)
+    assert want_info["status"] == info["status"] == "complete" and "stages" not in want_info
+    if kind == "pp2":  # each stage's record, request.json from the last one in
+        assert info["stages"] == ["complete", "complete"], info
+        assert sorted(p.name for p in _request_dir(Path(root) / "default", batch[3]["request_id"]).glob("stage-*.json")) == [
+            "stage-0.json", "stage-1.json"]
     for site in SITES:
         np.testing.assert_array_equal(have[site][0], want[site][0], err_msg=str(site))
         np.testing.assert_allclose(have[site][1], want[site][1], rtol=1e-4, atol=1e-4, err_msg=str(site))
     assert batch[3]["capture"]["probe"]["rows"] == ref_batch[3]["capture"]["probe"]["rows"] > 0
     assert batch[3]["capture"]["probe"]["logit"] == pytest.approx(ref_batch[3]["capture"]["probe"]["logit"], abs=1e-4)
+    for i in (0, 3):  # activations: under PP the stages' sites merged into one result
+        a, b = ref_batch[i]["capture"]["act"], batch[i]["capture"]["act"]
+        assert b["sites"] == a["sites"] and len(a["sites"]) == len(SITES) and b["count"] == a["count"], (i, b)
+        for site, row in decode_result(a).items():
+            np.testing.assert_allclose(decode_result(b)[site], row, rtol=1e-5, atol=1e-5, err_msg=f"{i} {site}")
     workers = got["rpc_after"]["vllm_steer_status"]
     rows = [w["capture"]["rows"] for w in workers]
     if kind == "tp2":  # TP rank 1 holds the same residual: it captures nothing
         assert rows[0] > 0 and rows[1] == 0
-    else:  # each stage captures its own sites
-        assert all(r > 0 for r in rows) and sum(rows) == ref["rpc_after"]["vllm_steer_status"][0]["capture"]["rows"]
+    else:  # each stage captures its own sites (plus, on the last, the late probe's prompt rows)
+        assert all(r > 0 for r in rows)
+        assert sum(rows) == ref["rpc_after"]["vllm_steer_status"][0]["capture"]["rows"] + len(LATE_PROBE_IDS)
 
 
-def test_pipeline_parallel_refuses_a_driver_spec_past_the_first_stage(runs):
-    message = runs["pp2"][0]["calls"][2]
-    assert "capture.probe.layers" in message and "post_mlp.1 is on a later pipeline stage" in message
+def test_pipeline_stages_activations_equal_transformers(runs, tiny_model):
+    """The unsteered request's prompt means at every site (stage 0: layer 0's pre/post_attn, stage 1
+    the rest), from the PP=2 engine, against transformers on the same tokens."""
+    from tests import hf_oracle
+    from tests.test_capture import hf_streams
+
+    model = tiny_model("llama")
+    ids = hf_oracle.load(model)[1]("The quick brown fox").input_ids
+    ref = hf_streams(model, ids)
+    got = runs["pp2"][0]["calls"][1][0]["capture"]["act"]
+    assert got["count"] == [len(ids)] * len(SITES)  # the same prompt tokens as the engine's
+    for site, row in decode_result(got).items():
+        hook, layer = site.split(".")
+        np.testing.assert_allclose(row, ref[(int(layer), hook)].mean(axis=0), rtol=1e-4, atol=1e-4, err_msg=site)
+
+
+def test_pipeline_parallel_serves_a_driver_without_merge_one_stage_at_a_time(runs, tiny_model):
+    """``probe`` (no merge): sites on both stages are refused naming the field and the stages; a later
+    stage's site alone is served there (its logit from transformers' rows)."""
+    from tests.test_capture import hf_streams
+    from vllm_steer_probe import probe_weights
+
+    out = runs["pp2"][0]["calls"][2]
+    assert "capture.probe.layers" in out["refused"], out["refused"]
+    assert "pre_attn.0 is on stage 0, pre_attn.1 on stage 1" in out["refused"]
+    model = tiny_model("llama")
+    hidden = json.loads(open(f"{model}/config.json").read())["hidden_size"]
+    rows = hf_streams(model, LATE_PROBE_IDS)[(1, "post_mlp")]
+    assert out["late"]["probe"]["rows"] == len(LATE_PROBE_IDS)
+    assert out["late"]["probe"]["logit"] == pytest.approx(float(probe_weights(hidden, 2) @ rows.mean(axis=0)), abs=1e-4)
 
 
 def test_data_parallel_engines_share_modules_and_return_every_driver_result(tiny_model, probe_plugin, tmp_path):

@@ -11,6 +11,8 @@ default) or ``"mean"`` (the mean over every captured position). The result, in t
      "dropped_rows": <rows the request asked for and the engine dropped (capture's pool was full)>}
 
 ``decode_result`` turns it back into ``{site: vector}``. ``vllm_steer.extract`` is built on it.
+Under pipeline parallelism each stage's instance returns its own sites and ``merge`` joins them (sites
+in the same order as one stage would give; ``dropped_rows`` summed).
 Like every consumer it is called from its one dispatch thread (``runtime.capture_host``), so it keeps its
 per-request sums without a lock.
 """
@@ -74,12 +76,35 @@ class ActivationStats(BaseConsumer):
         if not sites:
             return None
         reduce = (meta.get("params") or {}).get("reduce", "last")
-        names = sorted(sites, key=lambda name: parse_site_name(name)[::-1])  # by layer, then hook
+        names = sorted(sites, key=_site_order)
         rows = np.stack([(sites[n].total / sites[n].count).astype(np.float32) if reduce == "mean" else sites[n].last
                          for n in names])
         return {"sites": names, "count": [sites[n].count for n in names], "shape": list(rows.shape),
                 "dtype": "float32", "data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode(),
                 "dropped_rows": int(meta.get("dropped_rows", 0))}
+
+
+    @classmethod
+    def merge(cls, results: list[dict]) -> dict:
+        """The pipeline stages' results of one request as one (each stage holds other sites)."""
+        rows = [np.frombuffer(base64.b64decode(r["data"]), np.float32).reshape(r["shape"]) for r in results]
+        by_site = {}
+        for r, block in zip(results, rows):
+            for name, count, row in zip(r["sites"], r["count"], block):
+                if name in by_site:
+                    raise ValueError(f"site {name} is in two stages' results")
+                by_site[name] = (count, row)
+        names = sorted(by_site, key=_site_order)
+        merged = np.stack([by_site[n][1] for n in names])
+        return {"sites": names, "count": [by_site[n][0] for n in names], "shape": list(merged.shape),
+                "dtype": "float32", "data": base64.b64encode(np.ascontiguousarray(merged).tobytes()).decode(),
+                "dropped_rows": sum(int(r.get("dropped_rows", 0)) for r in results)}
+
+
+def _site_order(name: str) -> tuple[int, str]:
+    """A result's site order: by layer, then hook name."""
+    hook, layer = parse_site_name(name)
+    return layer, hook
 
 
 def decode_result(result: dict) -> dict[str, np.ndarray]:

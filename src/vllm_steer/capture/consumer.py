@@ -2,10 +2,14 @@
 
 A consumer class (advertised as ``name = "package.module:Class"``) declares ``location``:
 ``"worker"`` (an instance runs on TP rank 0 of every pipeline stage, on that stage's sites: tensor
-parallel ranks hold the same residual, so each site is delivered once) or ``"driver"`` (one
-instance per engine, on the first stage's TP rank 0, whose ``on_request_finished`` may return a
-JSON-able per-request result that comes back with the request's output; under pipeline
-parallelism it sees the first stage's sites only, and requests asking it for others are refused).
+parallel ranks hold the same residual, so each site is delivered once) or ``"driver"`` (its
+``on_request_finished`` may return a JSON-able per-request result that comes back with the request's
+output). A driver also has an instance on TP rank 0 of every pipeline stage, which hears of a request
+only when the request's spec names a site of that stage. Under pipeline parallelism a request whose
+sites span stages so gets one result per stage; the process that submitted it merges them with the
+class's ``merge`` (in stage order) into the one result the response carries. A class without its own
+``merge`` cannot span stages: such a request is refused (400) in the front end (``mergeable``).
+``meta["stage"]`` / ``meta["stages"]`` tell an instance which pipeline stage it is on, of how many.
 
 Where consumers run: in a separate process per capturing worker (the "capture host",
 ``runtime.capture_host``), never in the worker: nothing a consumer does (numpy, file writes, pure
@@ -54,7 +58,9 @@ class CaptureConsumer(Protocol):
         ``meta``: ``prompt_len``; ``external_id`` (the id the caller knows, when it differs);
         ``params``: the request's consumer-specific spec keys (those ``validate_params`` checked);
         ``dropped``: ``{"hook.layer": [positions]}`` this consumer wanted and will never get
-        (empty when nothing was dropped); ``dropped_rows``: how many. Rows are dropped, never
+        (empty when nothing was dropped); ``dropped_rows``: how many; ``stage``, ``stages``: this
+        instance's pipeline stage and the engine's count of them (0 and 1 without pipeline
+        parallelism; each stage's instance hears of the request's end). Rows are dropped, never
         waited for, when a step wants more than the device pool holds (``steer.capture_max_rows``)
         or 256 row packets are still undelivered (a slow consumer) or the shared ring to the
         consumers' process is full. Each position of a request
@@ -63,9 +69,15 @@ class CaptureConsumer(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional, driver consumers under pipeline parallelism (see the module docstring):
+    # @classmethod
+    # def merge(cls, results: list[dict]) -> dict:
+    #     """One result from the results of the request's stages (stage order, two or more, none an
+    #     error object). Raising makes the request's result ``{"error": "merge_failed", ...}``."""
+
 
 class BaseConsumer:
-    """Convenience base: no global spec, no params check, nothing to do on finish."""
+    """Convenience base: no global spec, no params check, nothing to do on finish, no ``merge``."""
 
     location: ClassVar[str] = "worker"
 
@@ -83,6 +95,11 @@ class BaseConsumer:
 
     def close(self) -> None:
         return None
+
+
+def mergeable(cls: type) -> bool:
+    """Whether a driver consumer class merges per-stage results (defines a ``merge`` classmethod)."""
+    return callable(getattr(cls, "merge", None))
 
 
 @functools.cache

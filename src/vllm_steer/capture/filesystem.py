@@ -18,9 +18,11 @@ of it is published, and the writers go on with the next requests (written again 
 Writes for a request go to thread ``hash(request_id) % threads`` (so a file's order is kept), each
 thread keeps an LRU of open ``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d
 into place, so readers never see a partial shard (a killed process leaves only ``.tmp`` files).
-Under pipeline parallelism each stage writes the files of its own sites and publishes
-``request.json`` too: the request is complete once every stage has (``load_request`` takes the count
-of sites to expect).
+Under pipeline parallelism each stage writes the files of its own sites and its own record,
+``stage-K.json`` (``request.json``'s content for its sites); the stage that finds every stage's record
+there writes ``request.json`` for the whole request (``merged_record``: ``failed`` if a stage failed,
+naming it, ``partial`` if a stage dropped rows, ``stages`` each stage's status). So ``request.json``
+still marks a finished request; with stages on several hosts, ``root`` must be a filesystem they share.
 
 Exhaustion policy. Rows waiting for a writer hold at most ``max_queued_mb`` (rows past it are dropped,
 counted in ``stats()["dropped_writes"]`` and named in the request's ``dropped``); a write error is
@@ -165,9 +167,14 @@ class _Writer:
             meta = {**meta, "status": "failed", "error": error}
         else:
             meta = {**meta, "status": "partial" if meta.get("dropped_rows") else "complete"}
+        record = {"request_id": request_id, **meta}
+        stage, stages = record.pop("stage", 0), record.pop("stages", 1)
         try:
             request_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(request_dir / "request.json", {"request_id": request_id, **meta})
+            if stages > 1:
+                _publish_stage(request_dir, record, stage, stages)
+            else:
+                _write_json(request_dir / "request.json", record)
         except OSError as e:  # not even request.json fits: the request stays unpublished
             if error is None:
                 self.count("write_errors")
@@ -186,6 +193,36 @@ def _write_json(path: Path, obj: dict) -> None:
     except OSError:
         _remove(tmp)
         raise
+
+
+def _publish_stage(request_dir: Path, record: dict, stage: int, stages: int) -> None:
+    """Pipeline parallelism: this stage's record, then ``request.json`` if every stage's is there (the
+    last stage to publish finds them all; two finishing at once both write the same file)."""
+    _write_json(request_dir / f"stage-{stage}.json", record)
+    parts = []
+    for k in range(stages):
+        try:
+            parts.append(json.loads((request_dir / f"stage-{k}.json").read_text()))
+        except FileNotFoundError:  # that stage writes request.json when it publishes
+            return
+    _write_json(request_dir / "request.json", merged_record(parts))
+
+
+def merged_record(parts: list[dict]) -> dict:
+    """The whole request's ``request.json`` from its stages' records (stage order)."""
+    out = {k: v for k, v in parts[0].items() if k not in ("status", "error")}
+    for key in ("dropped", "sae_lens"):  # each stage names its own sites
+        if any(key in p for p in parts):
+            out[key] = {site: v for p in parts for site, v in (p.get(key) or {}).items()}
+    if any("dropped_rows" in p for p in parts):
+        out["dropped_rows"] = sum(int(p.get("dropped_rows", 0)) for p in parts)
+    status = [p.get("status") for p in parts]
+    failed = [f"stage {k}: {p.get('error')}" for k, p in enumerate(parts) if p.get("status") == "failed"]
+    out["status"] = "failed" if failed else "partial" if "partial" in status else "complete"
+    if failed:
+        out["error"] = "; ".join(failed)
+    out["stages"] = status
+    return out
 
 
 class _Budget:
@@ -337,9 +374,9 @@ def _request_dir(base: Path, request_id: str) -> Path:
 def load_request(root: str, request_id: str, tag: str = "default",
                  sites: int | None = None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """Read a published request back (``format="files"``): {(layer, hook): (positions, rows [n, D])}.
-    Raises FileNotFoundError while the request is not complete (no request.json yet, or fewer than
-    ``sites`` sites published: pipeline stages publish their own), CaptureWriteError when its writes
-    failed."""
+    Raises FileNotFoundError while the request is not complete (no request.json yet: under pipeline
+    parallelism it comes with the last stage; or fewer than ``sites`` sites published),
+    CaptureWriteError when its writes failed."""
     d = _request_dir(Path(root) / tag, request_id)
     if not (d / "request.json").exists():
         raise FileNotFoundError(f"capture of {request_id!r} is not published under {d}")

@@ -4,10 +4,17 @@ Every process that submits capturing requests (each API server process, a ``vllm
 ``ResultInbox`` (``inbox()``), bound on first use to an ipc path. The front end puts that address in
 each capturing request's engine payload (``capture_reply``) and registers the request here
 (``expect``: the driver instances whose results come back and how many worker messages end it); the
-worker holding the request's consumers PUSHes ``(id, count, results)`` to it when every consumer
+worker holding the request's consumers PUSHes ``(id, count, results, stage)`` to it when every consumer
 has handled the request's end (``runtime.result_push``). A reader thread files the messages; waiters
 (``wait`` for asyncio, ``wait_blocking``) are woken when their ids are complete. Nothing here asks the
 engine anything.
+
+Pipeline parallelism: every stage holding a consumer of the request sends its own messages, and a
+driver instance whose sites span stages sends a result from each. Results are kept per stage and
+merged when the request is taken (``_resolved``: the consumer class's ``merge``, given by the front
+end, over the stages' results in stage order). A failed stage decides its instance's result: the first
+error object in stage order, or ``timeout`` / ``engine_dead`` for a stage that never answered, with
+``"stage": k`` added when the instance spans stages; a raising ``merge`` gives ``merge_failed``.
 
 Bounds: at most ``MAX_ENTRIES`` registered requests (the oldest dropped past it, counted in
 ``stats["evicted"]``); complete results nobody collects expire after their TTL; a message for an
@@ -15,7 +22,7 @@ unknown id (evicted, or collected already) is counted (``stats["unexpected"]``) 
 ends at its deadline, each driver instance without a result then holding ``timeout_error``, or at once
 with ``engine_dead_error`` once the caller's ``dead()`` says the engine is gone.
 
-Wire format: msgspec msgpack of ``[id, count, results]`` (no pickle: the socket is a local path any
+Wire format: msgspec msgpack of ``[id, count, results, stage]`` (no pickle: the socket is a local path any
 local process could connect to).
 """
 
@@ -57,10 +64,11 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
 _decoder = msgspec.msgpack.Decoder()
 
 
-def encode_message(key: str, count: int, results: dict) -> bytes:
-    """One worker message; a result that cannot be encoded is sent as an error object instead."""
+def encode_message(key: str, count: int, results: dict, stage: int = 0) -> bytes:
+    """One worker message (from pipeline stage ``stage``); a result that cannot be encoded is sent as an
+    error object instead."""
     try:
-        return _encoder.encode([key, count, results])
+        return _encoder.encode([key, count, results, stage])
     except Exception:
         pass
     sendable = {}
@@ -70,12 +78,12 @@ def encode_message(key: str, count: int, results: dict) -> bytes:
             sendable[instance] = result
         except Exception as e:
             sendable[instance] = {"error": "unserializable", "message": f"the result could not be sent: {e}"}
-    return _encoder.encode([key, count, sendable])
+    return _encoder.encode([key, count, sendable, stage])
 
 
-def decode_message(data: bytes) -> tuple[str, int, dict]:
-    key, count, results = _decoder.decode(data)
-    return str(key), int(count), dict(results)
+def decode_message(data: bytes) -> tuple[str, int, dict, int]:
+    key, count, results, stage = _decoder.decode(data)
+    return str(key), int(count), dict(results), int(stage)
 
 
 def timeout_error(timeout: float) -> dict:
@@ -88,14 +96,27 @@ def engine_dead_error() -> dict:
     return {"error": "engine_dead", "message": "the engine stopped before this request's capture results came"}
 
 
+def _is_error(result: Any) -> bool:
+    """An error object (``{"error": code, "message": ...}``) rather than a consumer's result."""
+    return isinstance(result, dict) and isinstance(result.get("error"), str) and "message" in result
+
+
 @dataclass
 class _Entry:
     instances: list[str]  # driver instances whose results come back
-    messages: int  # worker messages (engine requests x pushing workers) that end it
+    messages: int  # worker messages (engine requests x pushing stages) that end it
+    requests: int  # engine requests: each pushing stage's final messages count them
+    stages: dict[str, tuple[int, ...]]  # driver instance -> the pipeline stages it runs on (absent: stage 0)
+    merge: dict[str, Callable[[list], Any] | None]  # instance -> its class's merge (instances spanning stages)
     got: int = 0
-    results: dict = field(default_factory=dict)
+    got_by_stage: dict[int, int] = field(default_factory=dict)
+    results: dict[str, dict[int, Any]] = field(default_factory=dict)  # instance -> stage -> result
     done_at: float | None = None
     wakers: list[Callable[[], None]] = field(default_factory=list)
+
+    def missing(self, stage: int) -> bool:
+        """Whether ``stage`` still owes final messages (it never answered in time)."""
+        return self.done_at is None and self.got_by_stage.get(stage, 0) < self.requests
 
 
 class ResultInbox:
@@ -121,9 +142,19 @@ class ResultInbox:
         METRICS[stat].inc()
 
     # ---- registration (the front end, when a capturing request is submitted) ----------
-    def expect(self, key: str, instances: Iterable[str], messages: int) -> None:
+    def expect(self, key: str, instances: Iterable[str], messages: int, *, requests: int | None = None,
+               stages: dict[str, tuple[int, ...]] | None = None,
+               merge: dict[str, Callable[[list], Any] | None] | None = None) -> None:
+        """``messages`` end ``key`` (0: nothing will come, it is complete now); ``requests``: the engine
+        requests each pushing stage's final messages count (default ``messages``: one stage);
+        ``stages``: the pipeline stages each driver instance runs on (default stage 0 only), whose
+        results ``merge`` joins (instance -> the consumer class's ``merge``, None if it has none)."""
+        e = _Entry(sorted(instances), max(0, messages), messages if requests is None else requests,
+                   stages or {}, merge or {})
+        if not e.messages:
+            e.done_at = time.monotonic()
         with self._lock:
-            self._entries[key] = _Entry(sorted(instances), max(1, messages))
+            self._entries[key] = e
             self._entries.move_to_end(key)
             self._evict()
 
@@ -161,16 +192,19 @@ class ResultInbox:
                 self._count("bad_messages")
                 logger.exception("vllm-steer: a malformed capture result message was dropped")
 
-    def deliver(self, key: str, count: int, results: dict) -> None:
-        """File one worker's message for ``key`` (the reader thread; tests call it directly)."""
+    def deliver(self, key: str, count: int, results: dict, stage: int = 0) -> None:
+        """File one worker's message for ``key`` from pipeline stage ``stage`` (the reader thread;
+        tests call it directly)."""
         with self._lock:
             self.stats["received"] += 1
             e = self._entries.get(key)
             if e is None:
                 self._count("unexpected")
                 return
-            e.results.update(results)
+            for instance, result in results.items():
+                e.results.setdefault(instance, {})[stage] = result
             e.got += count
+            e.got_by_stage[stage] = e.got_by_stage.get(stage, 0) + count
             if e.got >= e.messages and e.done_at is None:
                 e.done_at = time.monotonic()
                 self._wake(e)
@@ -197,16 +231,20 @@ class ResultInbox:
     def _take(self, keys: list[str], timeout: float, expected: dict[str, list[str]] | None,
               dead: bool) -> dict[str, dict]:
         """Results by id (removing them); each missing driver instance gets an error object."""
-        out = {}
         with self._lock:
-            for key in keys:
-                e = self._entries.pop(key, None)
-                res = dict(e.results) if e is not None else {}
-                if e is None or e.done_at is None:
-                    want = e.instances if e is not None else (expected or {}).get(key, ())
-                    for instance in want:
-                        res.setdefault(instance, engine_dead_error() if dead else timeout_error(timeout))
-                out[key] = res
+            entries = {key: self._entries.pop(key, None) for key in keys}
+        missing = engine_dead_error() if dead else timeout_error(timeout)
+        out = {}
+        for key, e in entries.items():  # merging runs outside the lock
+            if e is None:  # evicted, or never registered: every expected instance is missing
+                out[key] = {instance: dict(missing) for instance in (expected or {}).get(key, ())}
+                continue
+            res = {}
+            for instance in sorted(set(e.instances) | set(e.results)):
+                result = _resolved(e, instance, missing)
+                if result is not None:
+                    res[instance] = result
+            out[key] = res
         return out
 
     async def wait(self, keys: list[str], timeout: float, expected: dict[str, list[str]] | None = None,
@@ -263,6 +301,33 @@ class ResultInbox:
         self._thread.join(timeout=2)
         self._sock.close(0)
         self._ctx.term()
+
+
+def _resolved(e: _Entry, instance: str, missing: dict) -> Any:
+    """One driver instance's result from its stages' (None: it returned nothing)."""
+    by_stage = e.results.get(instance, {})
+    expected = e.stages.get(instance, (0,) if instance in e.instances else ())
+    stages = sorted(set(expected) | set(by_stage))
+    spans = len(stages) > 1
+    for stage in stages:  # the first failed stage, in stage order, is the instance's result
+        result = by_stage.get(stage)
+        if result is None and stage in expected and e.missing(stage):
+            result = dict(missing)
+        if _is_error(result):
+            return {**result, "stage": stage} if spans else result
+    got = [by_stage[s] for s in stages if by_stage.get(s) is not None]
+    if len(got) <= 1:
+        return got[0] if got else None
+    merge = e.merge.get(instance)
+    if merge is None:
+        return {"error": "not_mergeable", "message": f"consumer instance {instance!r} returned results on pipeline "
+                f"stages {[s for s in stages if by_stage.get(s) is not None]} and its class defines no merge"}
+    try:
+        return merge(got)
+    except Exception as exc:  # noqa: BLE001 - a consumer's bug is its request's result, never the server's
+        logger.exception("vllm-steer: merging %s's capture results failed", instance)
+        return {"error": "merge_failed", "message": f"merging the pipeline stages' results failed: "
+                                                    f"{type(exc).__name__}: {exc}"}
 
 
 _INBOX: ResultInbox | None = None

@@ -7,6 +7,7 @@ engine. Errors raise SteeringSpecError (a ValueError), which vLLM's OpenAI serve
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import threading
@@ -14,8 +15,8 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from vllm_steer.capture.consumer import consumer_class
-from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
+from vllm_steer.capture.consumer import consumer_class, mergeable
+from vllm_steer.capture.spec import CaptureSpec, CaptureSpecError, parse_capture_spec
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
@@ -62,11 +63,11 @@ class SteeringFrontend:
         self.sae_slots = slot_sites(cfg, self.shape.num_layers)
         pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
         self.pipeline_stages = pp
-        self.first_stage_layers: int | None = None  # decoder layers on the first pipeline stage (PP only)
+        self.stage_starts = [0]  # the first decoder layer of each pipeline stage
         if pp > 1:
             from vllm.distributed.utils import get_pp_indices
 
-            self.first_stage_layers = get_pp_indices(self.shape.num_layers, 0, pp)[1]
+            self.stage_starts = [get_pp_indices(self.shape.num_layers, s, pp)[0] for s in range(pp)]
 
     @property
     def sae(self) -> dict[str, SaeEntry]:
@@ -147,7 +148,7 @@ class SteeringFrontend:
         if not self.cfg.conditions:
             raise SteeringSpecError(CONDITION_FIELD, "conditional steering is off on this server "
                                                      "(start it with steer.conditions: true)")
-        if self.first_stage_layers is not None:
+        if self.pipeline_stages > 1:
             raise SteeringSpecError(CONDITION_FIELD, "conditions are not served under pipeline parallelism "
                                                      "(the gate would have to cross stages)")
         wire, phase, stop = parse_condition(raw, self.shape, STORE)
@@ -246,40 +247,79 @@ class SteeringFrontend:
                                           if c.params.get("global_spec")]
         return any(s.get("positions", "all_prompt") not in ("all_generated", "last_prompt") for s in specs)
 
-    def _driver_sites_on_first_stage(self, field: str, spec: Any) -> None:
-        """Under pipeline parallelism a driver consumer runs on the first stage (TP rank 0) and sees
-        only the sites whose norm is there: a spec reaching past them is refused (naming ``field``,
-        the key that named its sites), never half-served."""
-        if self.first_stage_layers is None:
-            return
-        outside = [(h, l) for h, l in spec.sites if receiving_layer(h, l) >= self.first_stage_layers]
-        if outside:
-            h, l = outside[0]
+    # ---- capture registration: which results come back, from which pipeline stages ----------
+    def stage_of(self, hook: str, layer: int) -> int:
+        """The pipeline stage whose norm receives a site (vLLM's ``get_pp_indices`` partition)."""
+        return bisect.bisect_right(self.stage_starts, receiving_layer(hook, layer)) - 1
+
+    def _stages_of(self, spec: CaptureSpec) -> tuple[int, ...]:
+        """The stages holding a spec's sites (those of ``steer.layers``: the sites workers hook)."""
+        layers = self.shape.layers
+        return tuple(sorted({self.stage_of(h, l) for h, l in spec.sites if layers is None or l in layers}))
+
+    def _one_stage(self, field: str, name: str, spec: CaptureSpec) -> None:
+        """A driver consumer without ``merge`` cannot join results of several pipeline stages: a spec
+        whose sites span stages is refused (naming ``field``, the key that named its sites)."""
+        first = {}
+        for h, l in spec.sites:
+            first.setdefault(self.stage_of(h, l), f"{h}.{l}")
+        if len(first) > 1:
+            (a, site_a), (b, site_b) = sorted(first.items())[:2]
             raise CaptureSpecError(
-                f"{field}: {h}.{l} is on a later pipeline stage; under pipeline parallelism a "
-                f"driver consumer sees the first stage's sites only (pre_attn/post_attn layers below "
-                f"{self.first_stage_layers}, post_mlp layers below {self.first_stage_layers - 1})")
+                f"{field}: consumer {name!r} cannot merge results of several pipeline stages (its class "
+                f"defines no merge) and these sites span stages: {site_a} is on stage {a}, {site_b} on stage "
+                f"{b}; ask it for one stage's sites (stage {b} starts at layer {self.stage_starts[b]}; "
+                f"post_mlp.L is on the stage of layer L+1)")
+
+    def _consumers(self) -> tuple[set[str], dict[str, Any], dict[str, CaptureSpec], set[str]]:
+        """(driver instances, instance -> merge of those that merge, parsed global specs, instances
+        with one), derived from the config once."""
+        cached = self.__dict__.get("_consumer_info")
+        if cached is None:
+            cfgs = self.cfg.capture if self.cfg else ()
+            classes = {c.instance_name: consumer_class(c.name) for c in cfgs}
+            drivers = {i for i, cls in classes.items() if cls.location == "driver"}
+            merge = {i: classes[i].merge for i in drivers if mergeable(classes[i])}
+            global_ = {c.instance_name: c.params["global_spec"] for c in cfgs if c.params.get("global_spec")}
+            specs = {}
+            for i, raw in global_.items():
+                try:
+                    specs[i] = parse_capture_spec(i, raw, self.shape.num_layers, self.shape.hooks)
+                except ValueError:  # the workers refuse it when they start
+                    pass
+            cached = self._consumer_info = (drivers, merge, specs, set(global_))
+        return cached
 
     def driver_instances(self, capture: dict) -> list[str]:
         """Driver consumer instances a request's captures run (its own and global specs'): those
         whose results come back."""
-        drivers = self.__dict__.get("_drivers")
-        if drivers is None:
-            cfgs = self.cfg.capture if self.cfg else ()
-            drivers = self._drivers = (
-                {c.instance_name for c in cfgs if consumer_class(c.name).location == "driver"},
-                {c.instance_name for c in cfgs if c.params.get("global_spec")})
-        driver, global_ = drivers
-        return sorted(driver & (set(capture) | global_))
+        drivers, _, _, global_ = self._consumers()
+        return sorted(drivers & (set(capture) | global_))
 
-    def result_messages(self, capture: dict, n: int) -> int:
-        """How many worker messages end a request's capture results (``capture.inbox``): one per
-        engine request (``n`` children) from TP rank 0 of every pipeline stage holding a consumer of
-        it: every stage when a worker consumer captures it (own or global spec), else the first."""
-        cfgs = self.cfg.capture if self.cfg else ()
-        used = set(capture) | {c.instance_name for c in cfgs if c.params.get("global_spec")}
-        on_workers = any(c.instance_name in used and consumer_class(c.name).location != "driver" for c in cfgs)
-        return max(1, n) * (self.pipeline_stages if on_workers else 1)
+    def capture_expectation(self, capture: dict, n: int) -> dict:
+        """``ResultInbox.expect``'s arguments for a request's captures (``n`` engine requests): its driver
+        instances and how many worker messages end it: one per engine request from TP rank 0 of every
+        pipeline stage that holds a consumer of it, which is every stage when a worker consumer
+        captures it (own or global spec), else the stages of the driver instances' sites (a driver
+        hears of a request only where its sites are: ``runtime.capture.CaptureRuntime._runs_here``).
+        Under pipeline parallelism also each driver instance's stages and the merge of those spanning
+        several."""
+        n = max(1, n)
+        instances = self.driver_instances(capture)
+        if self.pipeline_stages == 1:
+            return {"instances": instances, "messages": n}
+        drivers, merge, global_specs, global_ = self._consumers()
+        stages = {}
+        for i in instances:
+            spec = (parse_capture_spec(i, capture[i], self.shape.num_layers, self.shape.hooks) if i in capture
+                    else global_specs.get(i))
+            if spec is not None and (here := self._stages_of(spec)):
+                stages[i] = here
+        workers = (set(capture) | global_) - drivers
+        senders = (set(range(self.pipeline_stages)) if workers
+                   else {s for here in stages.values() for s in here})
+        return {"instances": sorted(stages), "messages": n * len(senders), "requests": n, "stages": stages,
+                "merge": {i: merge[i] for i in stages if len(stages[i]) > 1 and i in merge}}
 
     def _capture(self, raw: Any) -> dict | None:
         """Validate a request's ``capture`` field (each consumer checks its own keys)."""
@@ -302,8 +342,8 @@ class SteeringFrontend:
                     raise CaptureSpecError(f"{named_by}: layer {bad[0]} has no capture site (steer.layers)")
                 cls = consumer_class(configured[instance].name)
                 cls.validate_params(dict(spec.params))
-                if cls.location == "driver":
-                    self._driver_sites_on_first_stage(named_by, spec)
+                if self.pipeline_stages > 1 and cls.location == "driver" and not mergeable(cls):
+                    self._one_stage(named_by, configured[instance].name, spec)
             except CaptureSpecError as e:
                 raise SteeringSpecError(e.field, e.reason) from None
             except ValueError as e:
@@ -401,8 +441,8 @@ def patch_input_processor() -> None:
             if captures:  # driver results come back to this process's inbox, not through the engine
                 box = inbox()
                 box.ttl = max(box.ttl, 2 * frontend.cfg.capture_result_timeout_s)
-                box.expect(request_id, frontend.driver_instances(capture),
-                           frontend.result_messages(capture, getattr(params, "n", 1) or 1))
+                expected = frontend.capture_expectation(capture, getattr(params, "n", 1) or 1)
+                box.expect(request_id, **expected)
                 params.extra_args = {**ready.extra_args, PAYLOAD_KEY: encode_payload(
                     replace(ready.payload, capture_reply=box.address))}
             if captures and frontend.needs_whole_prompt(capture):
@@ -414,7 +454,7 @@ def patch_input_processor() -> None:
                 request.cache_salt = salted(request.cache_salt, keys[0])
             record_applied(request.request_id, *keys)
         if captures:
-            record_capture(request_id, frontend.driver_instances(capture))
+            record_capture(request_id, expected["instances"])
         return request
 
     process_inputs._vllm_steer = True  # type: ignore[attr-defined]

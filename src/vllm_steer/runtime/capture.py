@@ -25,8 +25,11 @@ the request's mark (``planned_upto``) were planned already, so they are skipped 
 hits are never computed (the front end turns cache reads off for captures that need the prompt).
 
 Parallelism: TP ranks see the same residual, so only TP rank 0 of each pipeline stage captures (its
-stage's sites: worker consumers there get each site once); driver consumers run on the first stage
-only, in every data-parallel engine.
+stage's sites: worker consumers there get each site once), in every data-parallel engine. Every
+stage runs every consumer; a driver hears of a request only on the stages holding one of its spec's
+sites (the submitting process merges their results: ``capture.inbox``), a worker consumer on every
+stage (each stage's instance finishes the request: the filesystem consumer's ``request.json`` covers
+them all). Result messages and finish metas carry the stage.
 
 Exhaustion policy: never block the step, drop and count, tell the consumer. A step that wants more
 rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in batch order and
@@ -129,10 +132,11 @@ class _Finishing:
 class CaptureRuntime:
     def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
                  hidden: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
-                 pp_rank: int = 0) -> None:
+                 pp_rank: int = 0, pp_size: int = 1) -> None:
         self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device)
         self.num_layers = num_layers
         self.hooks = tuple(cfg.hooks)
+        self.stage, self.stages = pp_rank, pp_size
         self.consumers: dict[int, tuple[str, type]] = {}  # bit -> (instance, class): instances live in the host
         self.bit_of: dict[str, int] = {}
         self.global_specs: dict[int, CaptureSpec] = {}
@@ -143,9 +147,8 @@ class CaptureRuntime:
         hosted: list[tuple[int, str, type, dict]] = []
         for i, c in enumerate(cfg.capture):
             cls = consumer_class(c.name)
-            # TP ranks hold the same residual: TP rank 0 of each stage captures its stage's sites;
-            # the one driver instance lives on the first stage (the front end keeps specs to its sites)
-            if tp_rank != 0 or (cls.location == "driver" and pp_rank != 0):
+            # TP ranks hold the same residual: TP rank 0 of each stage captures its stage's sites
+            if tp_rank != 0:
                 continue
             bit = 1 << i
             self.consumers[bit] = (c.instance_name, cls)
@@ -156,8 +159,9 @@ class CaptureRuntime:
                                  MAX_QUEUED_ROW_PACKETS, MAX_QUEUED_FINISHES) if hosted else None
         self._lanes: dict[int, Lane] = self._host.lanes if self._host else {}
         for bit, raw in (self._host.global_specs if self._host else {}).items():
-            if raw:
-                self.global_specs[bit] = parse_capture_spec(self.consumers[bit][0], raw, num_layers, self.hooks)
+            spec = parse_capture_spec(self.consumers[bit][0], raw, num_layers, self.hooks) if raw else None
+            if spec is not None and self._runs_here(bit, spec):
+                self.global_specs[bit] = spec
         self._requests: dict[str, _Request] = {}
         self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows)
         self._pending: list[_Entry] = []
@@ -194,8 +198,12 @@ class CaptureRuntime:
         specs = dict(self.global_specs)
         for instance, raw in (capture or {}).items():
             bit = self.bit_of.get(instance)
-            if bit is not None:  # not on TP ranks > 0; a driver instance on the first stage only
-                specs[bit] = parse_capture_spec(instance, raw, self.num_layers, self.hooks)
+            if bit is not None:  # not on TP ranks > 0
+                spec = parse_capture_spec(instance, raw, self.num_layers, self.hooks)
+                if self._runs_here(bit, spec):
+                    specs[bit] = spec
+                else:  # its own spec replaces a global one, also where it has no site
+                    specs.pop(bit, None)
         if specs:
             new = _Request(prompt_len, specs, meta or {}, plan=compile_request(specs, self.buffers.site_index))
             old = self._requests.get(request_id)
@@ -203,6 +211,14 @@ class CaptureRuntime:
                 new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
             self._requests[request_id] = new
             self._finished.pop(request_id, None)
+
+    def _runs_here(self, bit: int, spec: CaptureSpec) -> bool:
+        """Whether consumer ``bit`` hears of a request with ``spec`` on this stage: a worker consumer
+        always, a driver where a site of the spec is (any site on a single stage; the front end counts
+        the stages alike: ``frontend.prepare.SteeringFrontend.capture_expectation``)."""
+        if self.stages == 1 or self.consumers[bit][1].location != "driver":
+            return True
+        return any(site in self.buffers.site_index for site in spec.sites)
 
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -215,6 +231,7 @@ class CaptureRuntime:
         reply = req.meta.get("capture_reply")
         meta = {k: v for k, v in req.meta.items() if k != "capture_reply"}
         meta["prompt_len"] = req.prompt_len
+        meta["stage"], meta["stages"] = self.stage, self.stages
         bits = [b for b in req.specs if b in self._lanes]  # only the consumers this request used hear of its end
         with self._results_lock:
             f = self._finishing.get(key)
@@ -262,7 +279,8 @@ class CaptureRuntime:
         lane on this worker is now done (0: a partial result, more to come)."""
         if reply is None:  # submitted without an inbox (a payload built elsewhere): nobody to tell
             return
-        self._count("results_sent" if self._pusher.push(reply, key, requests, results) else "result_push_failed")
+        sent = self._pusher.push(reply, key, requests, results, self.stage)
+        self._count("results_sent" if sent else "result_push_failed")
 
     @property
     def active(self) -> bool:

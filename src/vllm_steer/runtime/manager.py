@@ -274,14 +274,15 @@ class SteeringRuntime:
         step_index(self.tables.index, one, one, one, slots.device, 0, 0)
 
 
-def _capture_ranks() -> tuple[int, int]:
-    """(TP rank, PP rank) of this worker within its engine (DP engines each count from 0)."""
+def _capture_ranks() -> tuple[int, int, int]:
+    """(TP rank, PP rank, PP size) of this worker within its engine (DP engines each count from 0)."""
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        pp = get_pp_group()
+        return get_tp_group().rank_in_group, pp.rank_in_group, pp.world_size
     except (ImportError, AssertionError):  # no distributed state (tests building a runtime by hand)
-        return 0, 0
+        return 0, 0, 1
 
 
 def build_runtime(runner: object) -> SteeringRuntime | None:

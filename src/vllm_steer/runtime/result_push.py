@@ -50,9 +50,9 @@ class ResultPusher:
         self._socks.move_to_end(address)
         return sock
 
-    def push(self, address: str, key: str, count: int, results: dict) -> bool:
+    def push(self, address: str, key: str, count: int, results: dict, stage: int = 0) -> bool:
         try:
-            data = encode_message(key, count, results)
+            data = encode_message(key, count, results, stage)
             with self._lock:
                 self._socket(address).send(data, zmq.NOBLOCK)
                 self.sent += 1
