@@ -132,6 +132,16 @@ class _HostLane:
             self.send(("errors", errors))
 
     def _finish(self, request_id: str, key: str, meta: dict) -> None:
+        errors = 0
+        for layer, hook, count, last_pos, mean, row in meta.pop("reduced", ()):  # reduced on the device
+            try:
+                self.consumer.on_reduced(request_id, layer, hook, "mean" if mean else "last",
+                                         row / count if mean else row, count, last_pos)
+            except Exception:
+                errors += 1
+                logger.exception("vllm-steer: capture consumer %s raised in on_reduced", self.instance)
+        if errors:
+            self.send(("errors", errors))
         try:
             out = self.consumer.on_request_finished(request_id, meta)
         except Exception as exc:
