@@ -122,6 +122,7 @@ def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, redu
     assert rt.stats["dropped_rows"] == 0
     if reduce_rows < 100:
         assert rt.stats["reduce_fallbacks"] > 0 and rt.stats["reduced_requests"] > 0
+        _fallbacks_reach_the_metrics(rt.status())
     else:
         assert rt.stats["reduce_fallbacks"] == 0 and rt.stats["reduced_requests"] > 0
     assert rt._reduce.free == reduce_rows  # every slot is free again
@@ -156,3 +157,17 @@ def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, redu
                 np.testing.assert_allclose(vectors[name], vec, rtol=1e-5, atol=1e-6, err_msg=f"{rid} {inst} {name}")
                 assert res["count"][res["sites"].index(name)] == n
             assert res["dropped_rows"] == 0
+
+
+def _fallbacks_reach_the_metrics(status: dict) -> None:
+    """The worker's counters become engine totals and Prometheus counters (as for every capture counter)."""
+    from prometheus_client import REGISTRY
+
+    from vllm_steer.engine.metrics_rpc import worker_values
+    from vllm_steer.server.metrics import apply_engine
+
+    _, totals = worker_values([{"steering": True, "live_configs": 0, "peak_live_configs": 0, "capture": status}])
+    assert totals["capture_reduce_fallbacks"] == status["reduce_fallbacks"] > 0
+    before = REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") or 0.0
+    apply_engine({"increments": totals})
+    assert REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") == before + status["reduce_fallbacks"]

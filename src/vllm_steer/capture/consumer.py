@@ -53,7 +53,9 @@ class CaptureConsumer(Protocol):
 
     def on_rows(self, request_id: str, layer: int, hook: str, positions: np.ndarray, rows: np.ndarray,
                 meta: dict[str, Any]) -> None:
-        """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``."""
+        """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``.
+        A class with ``raw_rows = True`` gets the rows as stored instead (bf16: their uint16 bits) and
+        ``meta["dtype"]`` names the model dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
 
     @classmethod
     def device_reduce(cls, params: dict[str, Any]) -> str | None:
