@@ -194,7 +194,7 @@ def test_device_reduced_last_and_mean_equal_the_per_step_rows_and_transformers(c
     """One batch, ``activations`` reduced on the device (its accumulator rows): with the filesystem consumer
     on the same cells its result equals the mean / last of the files' rows (the per-step path); alone,
     the prompt's mean / last of transformers' streams."""
-    root, *_, res = capture_run
+    root, _, _, res, _ = capture_run
     mixed_ids, outs, status = res["mixed"]
     for k, (out, spec, ids) in enumerate(zip(outs, MIXED, mixed_ids)):
         result = out["capture"]["activations"]

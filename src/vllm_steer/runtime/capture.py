@@ -10,6 +10,12 @@ process's GIL), where each consumer has its own queue and thread (a "lane": a sl
 itself). A raising consumer is counted; nothing stalls or kills the engine; a dead consumers' process
 disables capture for them (its requests' driver results are errors).
 
+Consumers that only want one row per site (``device_reduce``: ``activations``) are reduced on the device
+instead (``runtime.capture_reduce``): per request and site an accumulator slot held for the request's
+life (``steer.capture_reduce_rows``; ``stats["reduced_requests"]``), nothing copied per step, the slots
+gathered into the ring at its finish and handed to ``on_reduced``. A request that finds too few free
+slots is captured step by step as above (``stats["reduce_fallbacks"]``).
+
 Results of driver consumers go to the process that submitted the request, on a side channel the
 engine loop never waits on: when every consumer lane of this worker has handled a request's end,
 its driver results are PUSHed to the request's ``capture_reply`` address (``runtime.result_push``;

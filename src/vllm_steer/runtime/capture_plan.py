@@ -15,6 +15,13 @@ capturing request and once per (request, site) group, never per token or per sit
 step with last step's shape (the same requests in the same order, token counts, position classes and
 batch slots, no explicit positions, nothing dropped) reuses its cells: only the positions move.
 
+Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
+``red_bits``, ``red_slot``) leave the cells first (``_take_reduced``): a ``last`` consumer keeps only its
+last selected token per site, planned straight to its slot's pool row (or, when that token already has
+a row, a copy from it after the forward); a ``mean`` consumer's tokens share the other consumers' rows
+or take new step rows after them, and become (row -> slot) adds after the forward. Neither reaches the
+entries: nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
+
 The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step sends only its
 cells (flat index, row) and the resets of last step's cells it does not set again, in one copy from
 a persistent pinned ring into a persistent device staging buffer, then one ``index_copy_`` into the
