@@ -138,7 +138,9 @@ class CaptureRuntime:
     def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
                  hidden: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
                  pp_rank: int = 0) -> None:
-        reducing = tp_rank == 0 and any(reduces_on_device(consumer_class(c.name)) for c in cfg.capture)
+        reducing = tp_rank == 0 and any(  # a device-reducing consumer is hosted on this rank
+            reduces_on_device(cls) and (cls.location != "driver" or pp_rank == 0)
+            for cls in map(consumer_class, (c.name for c in cfg.capture)))
         reduce_rows = cfg.capture_reduce_rows if reducing else 0
         self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device, reduce_rows)
         self.num_layers = num_layers
