@@ -64,7 +64,7 @@ class ReduceRegion:
     def account(self, slots: np.ndarray, counts: np.ndarray, last_slots: np.ndarray, last_pos: np.ndarray) -> None:
         """A step reduced ``counts`` rows into ``slots``; ``last_pos``: the position now held by ``last_slots``."""
         if len(slots):
-            np.add.at(self.count, slots, counts)
+            self.count[slots] += counts  # a step names each slot once (np.add.at not needed)
         if len(last_slots):
             self.last[last_slots] = last_pos
 
