@@ -267,14 +267,14 @@ class CaptureRuntime:
                 picks.append((bit, int(row[col]), self._planner.sites[col], mean))
         all_slots = np.array([p[1] for p in picks], np.int64)
         plan.red_mask = 0
-        live = [p for p in picks if region.count[p[1]] > 0]
+        used = [p for p in picks if region.count[p[1]] > 0]
         out: dict[int, tuple] = {}
-        if live:
-            slots = np.array([p[1] for p in live], np.int64)
-            rows = region.gather(slots, np.array([p[3] for p in live], bool))
+        if used:
+            slots = np.array([p[1] for p in used], np.int64)
+            rows = region.gather(slots, np.array([p[3] for p in used], bool))
             at = 0
             for bit in plan.red_bits:
-                mine = [p for p in live if p[0] == bit]
+                mine = [p for p in used if p[0] == bit]
                 if mine:
                     out[bit] = (rows[at : at + len(mine)], [(p[2][1], p[2][0], int(region.count[p[1]]),
                                                             int(region.last[p[1]]), p[3]) for p in mine])
