@@ -8,6 +8,10 @@ layers; a prefill step of 4 x 512 prompt tokens capturing 4 layers all_prompt (f
 step, their layers alternating so the plan changes; adding them is timed apart). Reports the median / p90
 host time per step, the H2D plan bytes per step, (CUDA) the time with the device work synced, and the
 device ops one step issues (CUDA kernels and copies from the profiler; on CPU the copy ops).
+Hand-off cases (``plan_step`` + ``after_forward``, the whole per-step host cost, with the real
+``activations`` consumer in its own process): capture_gen_n16's shape (16 decode requests x post_mlp of
+3 layers, ``reduce`` last / mean) reduced on the device (``runtime.capture_reduce``) against the same
+with ``capture_reduce_rows`` 0 (every row copied to the consumers' process each step).
 ``--baseline FILE`` also runs an older ``runtime/capture.py`` (e.g. ``git show HEAD~1:src/...``) in the
 same process, for a before/after on one machine.
     python3 bench/capture_plan_cost.py [--steps 300 --baseline /tmp/capture_head.py --out FILE.json]
@@ -42,6 +46,10 @@ class Sink:
 
     def on_request_finished(self, *a):
         return None
+
+
+if __name__ == "__main__":  # the consumers' process imports Sink by module path: this file, from its folder
+    Sink.__module__ = "capture_plan_cost"
 
 
 def _load(path: str):
@@ -114,6 +122,42 @@ def _case(mod, device, name: str, steps: int, sync: bool) -> dict:
     return out
 
 
+def _handoff_case(device, steps: int, reduce_rows: int, mode: str) -> dict:
+    """Per-step host time of plan_step + after_forward at capture_gen_n16's shape (the forward is not run:
+    the pool holds whatever it holds), and the D2H bytes per step."""
+    from vllm_steer.capture.activations import ActivationStats
+
+    capture_mod.consumer_class = lambda name: ActivationStats
+    cfg = SteerConfig.model_validate({"capture": ["activations"], "capture_max_rows": MAX_ROWS,
+                                      "capture_reduce_rows": reduce_rows})
+    sites = [(h, l) for h in HOOKS for l in range(LAYERS)]
+    rt = capture_mod.CaptureRuntime(cfg, sites, LAYERS, WIDTH, HIDDEN, torch.bfloat16, device)
+    try:
+        ids = [f"r{i}" for i in range(16)]
+        spec = {"layers": [8, 16, 24], "hooks": ["post_mlp"], "positions": "all_generated", "reduce": mode}
+        for rid in ids:
+            rt.add_request(rid, {"activations": spec}, prompt_len=256)
+        times = []
+        for step in range(steps + 20):
+            if device.type == "cuda":
+                rt.before_forward()
+            t0 = time.perf_counter()
+            rt.plan_step(ids, np.ones(16, dtype=np.int32), np.full(16, 256 + step, dtype=np.int32))
+            rt.after_forward()
+            if step >= 20:
+                times.append(time.perf_counter() - t0)
+            if step % 8 == 7:  # the consumers' process keeps up (its queue never fills here)
+                time.sleep(0.01)
+        rows = rt.stats["rows"]
+        for rid in ids:
+            rt.finish_request(rid)
+        ms = sorted(t * 1e3 for t in times)
+        return {"median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * len(ms))],
+                "d2h_bytes_per_step": rows * HIDDEN * 2 / (steps + 20), "reduced_requests": rt.stats["reduced_requests"]}
+    finally:
+        rt.close()
+
+
 def _device_ops(mod, device) -> dict:
     """Kernels and copies one plan_step puts on the GPU (torch.profiler): a step whose plan changed,
     a step whose plan is the same as the last one's, and an idle step (nothing captured)."""
@@ -170,6 +214,13 @@ def main() -> None:
                 print(f"{key:70s} median {r['median_ms']:.3f} ms  p90 {r['p90_ms']:.3f} ms  "
                       f"H2D {r['h2d_bytes_per_step']:.0f} B/step  rows {r['rows_per_step']}"
                       + (f"  add {r['add_4_requests_ms']:.3f} ms" if "add_4_requests_ms" in r else ""), flush=True)
+    for mode in ("last", "mean"):
+        for label, rows in (("rows to the consumers' process each step", 0), ("reduced on the device", 2048)):
+            r = _handoff_case(device, args.steps, rows, mode)
+            key = f"hand-off: decode 16 x post_mlp 3 layers, activations reduce {mode} | {label}"
+            results["cases"][key] = r
+            print(f"{key:100s} median {r['median_ms']:.3f} ms  p90 {r['p90_ms']:.3f} ms  "
+                  f"D2H {r['d2h_bytes_per_step']:.0f} B/step", flush=True)
     results["device_ops_per_step"] = {label: _device_ops(mod, device) for label, mod in mods.items()}
     for label, per in results["device_ops_per_step"].items():
         print(f"device ops per plan_step ({label}):", json.dumps(per))

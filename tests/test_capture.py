@@ -11,6 +11,7 @@ import torch
 from tests import hf_oracle
 from tests.engine_job import run_job
 from tests.steering_cases import floats, params, vector
+from vllm_steer.capture.activations import decode_result
 from vllm_steer.capture.filesystem import load_request
 
 HIDDEN, LAYERS = 576, 30
@@ -21,6 +22,14 @@ EXTRACT_PAIRS = [{"positive": "I love this wonderful day", "negative": "I hate t
                  {"positive": "What a happy surprise", "negative": "What an awful surprise",
                   "prompt": "Describe the gift. "}]
 EXTRACT_LAYERS = [3, 10, 20]
+MIXED_PROMPTS = ["A quiet morning in the", "Seven cats sat on", "Tell me about rivers", "Once upon a time a"]
+MIXED_SITES = {"layers": [2, 15], "hooks": ["pre_attn", "post_mlp"]}
+# one batch: device-reduced activations beside the filesystem consumer on the same cells (0, 1: the
+# reduction reads the consumer's rows) and alone (2, 3: last planned straight to its slot)
+MIXED = [{"activations": {**MIXED_SITES, "positions": "all", "reduce": "mean"}, "fs": {**MIXED_SITES, "positions": "all"}},
+         {"activations": {**MIXED_SITES, "positions": "all", "reduce": "last"}, "fs": {**MIXED_SITES, "positions": "all"}},
+         {"activations": {**MIXED_SITES, "positions": "all_prompt", "reduce": "last"}},
+         {"activations": {**MIXED_SITES, "positions": "all_prompt", "reduce": "mean"}}]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +38,7 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
     _, tok = hf_oracle.load(smollm2_path)
     ids = tok(PROMPT)["input_ids"]
     long_ids = tok(PROMPT * 12)["input_ids"]
+    mixed_ids = [tok(p)["input_ids"] for p in MIXED_PROMPTS]
     steer = floats("post_mlp", 10, vector(HIDDEN, 5, 60.0))
     steer["pre_attn"] = floats("pre_attn", 20, vector(HIDDEN, 6, 60.0))["pre_attn"]
     reqs = [params(4, capture={"fs": ALL, "logging": ALL}),
@@ -53,11 +63,14 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
            + [{"llm_call": "tests.test_capture:worker_status"}]
            + [{"llm_call": "vllm_steer.extract:extract", "kwargs": {"pairs": EXTRACT_PAIRS, "layers": EXTRACT_LAYERS,
                                                                    "hooks": ["pre_attn", "post_mlp"], "chat": chat}}
-              for chat in (False, True)],
+              for chat in (False, True)]
+           + [{"prompts": [{"prompt_token_ids": i} for i in mixed_ids], "params": [params(5, capture=c) for c in MIXED]},
+              {"llm_call": "tests.test_capture:worker_status"}],
            "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
-    res["rpc_after"] = {"vllm_steer_status": res["calls"][-3]}
-    return root, ids, [c[0] for c in res["calls"][:-3]], res, len(long_ids)
+    res["rpc_after"] = {"vllm_steer_status": res["calls"][-5]}
+    res["mixed"] = (mixed_ids, res["calls"][-2], res["calls"][-1])
+    return root, ids, [c[0] for c in res["calls"][:-5]], res, len(long_ids)
 
 
 def worker_status(llm) -> list:
@@ -169,9 +182,37 @@ def test_collect_returns_at_the_timeout_with_an_error_for_a_slow_driver(capture_
 def test_extraction_on_the_in_process_llm_matches_transformers(capture_run, smollm2_path, chat):
     """``extract(llm, ...)``: the mean difference of the last tokens' residuals, as transformers computes
     it on the same texts (chat: the model's template; a pair with a prompt continues the answer)."""
-    got = capture_run[3]["calls"][-1 if chat else -2]
+    got = capture_run[3]["calls"][-3 if chat else -4]
     ref = hf_oracle.mean_diff_of_last_tokens(smollm2_path, EXTRACT_PAIRS, chat, EXTRACT_LAYERS)
     for site, r in ref.items():
         hook, layer = site.split(".")
         v = got.vectors[hook][int(layer)].astype(np.float64)
         assert np.linalg.norm(v - r) / np.linalg.norm(r) < 1e-3, site
+
+
+def test_device_reduced_last_and_mean_equal_the_per_step_rows_and_transformers(capture_run, smollm2_path):
+    """One batch, ``activations`` reduced on the device (its accumulator rows): with the filesystem consumer
+    on the same cells its result equals the mean / last of the files' rows (the per-step path); alone,
+    the prompt's mean / last of transformers' streams."""
+    root, _, _, res, _ = capture_run
+    mixed_ids, outs, status = res["mixed"]
+    for k, (out, spec, ids) in enumerate(zip(outs, MIXED, mixed_ids)):
+        result = out["capture"]["activations"]
+        got = decode_result(result)
+        assert sorted(got) == sorted(f"{h}.{l}" for h in MIXED_SITES["hooks"] for l in MIXED_SITES["layers"])
+        reduce = spec["activations"]["reduce"]
+        if "fs" in spec:
+            rows_of = {f"{h}.{l}": r for (l, h), (_, r) in load_request(str(root), out["request_id"]).items()}
+        else:
+            ref = hf_streams(smollm2_path, ids)
+            rows_of = {f"{h}.{l}": ref[(l, h)] for h in MIXED_SITES["hooks"] for l in MIXED_SITES["layers"]}
+        for name, vec in got.items():
+            rows = rows_of[name].astype(np.float64)
+            want = rows.mean(axis=0) if reduce == "mean" else rows[-1]
+            tol = dict(rtol=1e-5, atol=1e-4) if "fs" in spec else dict(rtol=1e-4, atol=2e-3)
+            np.testing.assert_allclose(vec, want, **tol, err_msg=f"request {k} {name}")
+            assert result["count"][result["sites"].index(name)] == len(rows)
+        assert result["dropped_rows"] == 0
+    (worker,) = status
+    cap = worker["capture"]
+    assert cap["reduced_requests"] >= 4 and cap["reduce_fallbacks"] == 0  # + extraction's texts

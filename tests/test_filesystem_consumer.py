@@ -409,3 +409,38 @@ def test_a_publish_that_fails_midway_leaves_no_shard_of_the_request(tmp_path, mo
     assert _status(tmp_path, "m")["status"] == "failed"
     assert sorted(p.name for p in (tmp_path / "default" / "m").iterdir()) == ["request.json"]
     fs.close()
+
+
+def test_bf16_rows_are_written_as_bf16_and_read_back_exactly(tmp_path):
+    """bf16 rows arrive as their bits (``raw_rows``, ``meta["dtype"]``): the file holds 2 bytes a value,
+    the sidecar says ``bfloat16``, ``load_request`` gives float32 (exact) or torch bf16, the documented
+    two numpy lines read the same values; the sae_lens format stores them as float32."""
+    import torch
+
+    rows = torch.randn(6, 16).to(torch.bfloat16)
+    bits = rows.view(torch.int16).numpy().view(np.uint16)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    fs.on_rows("r", 3, "post_mlp", np.arange(3), bits[:3], {"dtype": "bfloat16"})
+    fs.on_rows("r", 3, "post_mlp", np.arange(3, 6), bits[3:], {"dtype": "bfloat16"})
+    fs.on_request_finished("r", {"prompt_len": 6})
+    fs.close()
+    side = json.loads((tmp_path / "default" / "r" / "3_post_mlp.json").read_text())
+    assert side["dtype"] == "bfloat16" and side["shape"] == [6, 16]
+    path = tmp_path / "default" / "r" / "3_post_mlp.bin"
+    assert path.stat().st_size == 6 * 16 * 2
+    positions, got = load_request(str(tmp_path), "r")[(3, "post_mlp")]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, rows.float().numpy())
+    np.testing.assert_array_equal(positions, np.arange(6))
+    t = load_request(str(tmp_path), "r", torch=True)[(3, "post_mlp")][1]
+    assert t.dtype == torch.bfloat16 and torch.equal(t, rows)
+    b = np.fromfile(path, np.uint16).reshape(side["shape"])  # the two lines in the module's docstring
+    np.testing.assert_array_equal((b.astype(np.uint32) << 16).view(np.float32), rows.float().numpy())
+    sae = FilesystemConsumer("sae", root=str(tmp_path / "sae"), threads=1, format="sae_lens", context_size=2)
+    sae.on_rows("r", 3, "post_mlp", np.arange(6), bits, {"dtype": "bfloat16"})
+    sae.on_request_finished("r", {"prompt_len": 6})
+    sae.close()
+    d = tmp_path / "sae" / "default" / "sae_lens" / "blocks.3.hook_resid_post"
+    s = json.loads((d / "index.json").read_text())["shards"][0]
+    acts = np.memmap(d / s["file"], np.float32, "r", s["offset"], (s["windows"], 2, 16))
+    np.testing.assert_array_equal(np.asarray(acts).reshape(-1, 16), rows.float().numpy()[: s["windows"] * 2])

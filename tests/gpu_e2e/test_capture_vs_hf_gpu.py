@@ -2,7 +2,8 @@
 consumer's rows at every hook of every layer equal transformers' residual stream (pre_attn =
 hidden_states[i], post_mlp = hidden_states[i+1], post_attn = layer input + attention output), a steered
 request captures the same rows at and before its steered site and different ones after it, and nothing
-is dropped or raises. Settings: tests/gpu_e2e/engine_case.py (skipped without CUDA)."""
+is dropped or raises; the ``activations`` consumer reduced on the device (mean / last over the prompt,
+every site) equals the same reduction of the filesystem consumer's rows. Settings: tests/gpu_e2e/engine_case.py (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def capture_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("capture")
     ckpt, root = work / "model", work / "captures"
     ids = ec.build_checkpoint(ckpt)(ec.PROMPTS[0])["input_ids"]
-    steer = {"max_configs": 8, "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}}]}
+    steer = {"max_configs": 8, "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}},
+                                           "activations"]}
     all_sites = {"fs": {"layers": "all", "hooks": "all", "positions": "all_prompt"}}
     vec = np.random.default_rng(7).standard_normal(ec.SHAPE.hidden).astype(np.float32)
     vec *= 8.0 / np.linalg.norm(vec)
@@ -40,9 +42,13 @@ def capture_run(tmp_path_factory):
     steered = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False,
                              extra_args={"capture": all_sites,
                                          "steering_vectors": {"post_mlp": {str(STEERED_LAYER): vec.tolist()}}})
+    reduced = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False, extra_args={"capture": {
+        "activations": {"layers": "all", "hooks": "all", "positions": "all_prompt", "reduce": r}}}) for r in ("mean", "last")]
+    if ec.PP > 1:  # a driver consumer sees the first stage's sites only (a spec naming others is refused)
+        reduced = []
     llm = ec.make_llm(ckpt, steer)
     try:
-        outs = llm.generate([{"prompt_token_ids": ids}] * 2, [plain, steered], use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": ids}] * (2 + len(reduced)), [plain, steered, *reduced], use_tqdm=False)
         collect(llm, outs)
         after = llm.collective_rpc("vllm_steer_status")
     finally:
@@ -51,6 +57,7 @@ def capture_run(tmp_path_factory):
         "ckpt": ckpt, "ids": ids, "after": after,
         "plain": load_request(str(root), outs[0].request_id, sites=SITES),
         "steered": load_request(str(root), outs[1].request_id, sites=SITES),
+        "reduced": {r: out.capture["activations"] for r, out in zip(("mean", "last"), outs[2:])},
     }
 
 
@@ -86,3 +93,19 @@ def test_no_capture_errors_or_drops(capture_run):
     assert stats["rows"] > 0, stats
     bad = {k: stats[k] for k in ("dropped_rows", "dropped_packets", "consumer_errors") if stats[k]}
     assert not bad, f"capture counters over the workers: {stats}"
+
+
+@pytest.mark.skipif(ec.PP > 1, reason="a driver consumer sees the first pipeline stage's sites only")
+def test_device_reduced_mean_and_last_equal_the_rows_reduced(capture_run):
+    from vllm_steer.capture.activations import decode_result
+
+    plain, ids = capture_run["plain"], capture_run["ids"]
+    for reduce, result in capture_run["reduced"].items():
+        got = decode_result(result)
+        assert len(got) == SITES and result["count"] == [len(ids)] * SITES and result["dropped_rows"] == 0
+        for (layer, hook), (_, rows) in plain.items():
+            want = rows.astype(np.float64).mean(axis=0) if reduce == "mean" else rows[-1]
+            err = float(np.max(np.abs(got[f"{hook}.{layer}"] - want)) / np.max(np.abs(rows)))
+            assert err < REL_TOL, f"{reduce} {hook}.{layer}: {err}"
+    caps = [w["capture"] for w in capture_run["after"]]
+    assert sum(c["reduced_requests"] for c in caps) == 2 and sum(c["reduce_fallbacks"] for c in caps) == 0

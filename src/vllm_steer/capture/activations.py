@@ -11,7 +11,9 @@ default) or ``"mean"`` (the mean over every captured position). The result, in t
      "dropped_rows": <rows the request asked for and the engine dropped (capture's pool was full)>}
 
 ``decode_result`` turns it back into ``{site: vector}``. ``vllm_steer.extract`` is built on it.
-Under pipeline parallelism each stage's instance returns its own sites and ``merge`` joins them (sites
+The reduction runs on the device (``device_reduce``: one accumulator row per site, ``on_reduced`` at the
+end, float32 sums for ``mean``); when the engine's accumulator rows are all held a request's rows come
+step by step (``on_rows``) and are reduced here in float64. Under pipeline parallelism each stage's instance returns its own sites and ``merge`` joins them (sites
 in the same order as one stage would give; ``dropped_rows`` summed).
 Like every consumer it is called from its one dispatch thread (``runtime.capture_host``), so it keeps its
 per-request sums without a lock.
@@ -56,6 +58,16 @@ class ActivationStats(BaseConsumer):
             raise ValueError(f"unknown key {sorted(extra)[0]!r} (the activations consumer takes 'reduce')")
         if params.get("reduce", "last") not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {list(REDUCTIONS)}, got {params['reduce']!r}")
+
+    @classmethod
+    def device_reduce(cls, params: dict[str, Any]) -> str | None:
+        return params.get("reduce", "last")  # the engine reduces on the device while it has rows for it
+
+    def on_reduced(self, request_id: str, layer: int, hook: str, reduce: str, row: np.ndarray, count: int,
+                   position: int) -> None:
+        site = self._sites.setdefault(request_id, {})[f"{hook}.{layer}"] = _Site(row.shape[0])
+        site.total = row.astype(np.float64) * count
+        site.count, site.last, site.last_pos = count, np.array(row, np.float32), position
 
     def on_rows(self, request_id: str, layer: int, hook: str, positions: np.ndarray, rows: np.ndarray,
                 meta: dict[str, Any]) -> None:

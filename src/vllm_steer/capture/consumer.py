@@ -24,6 +24,13 @@ the host process dies, the worker logs it, answers the requests it owed with ``{
 "consumer_died", ...}`` and captures nothing more for its consumers until the engine restarts.
 The engine never waits for capture: rows it cannot keep are dropped, and
 ``on_request_finished``'s ``meta["dropped"]`` names their positions.
+
+A consumer that only wants one row per site (the last captured, or the mean) says so with
+``device_reduce(params)``: the engine then reduces on the device (``runtime.capture_reduce``) and calls
+``on_reduced`` once per site at the request's end, before ``on_request_finished``, instead of
+``on_rows`` each step. When the engine's accumulator rows (``steer.capture_reduce_rows``) are all
+held, a request falls back to ``on_rows`` (counted in capture stats as ``reduce_fallbacks``), so such a
+consumer implements both.
 """
 
 from __future__ import annotations
@@ -50,7 +57,20 @@ class CaptureConsumer(Protocol):
 
     def on_rows(self, request_id: str, layer: int, hook: str, positions: np.ndarray, rows: np.ndarray,
                 meta: dict[str, Any]) -> None:
-        """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``."""
+        """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``.
+        A class with ``raw_rows = True`` gets the rows as stored instead (bf16: their uint16 bits) and
+        ``meta["dtype"]`` names the model dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+
+    @classmethod
+    def device_reduce(cls, params: dict[str, Any]) -> str | None:
+        """``"last"`` / ``"mean"``: a request with these spec params wants only that reduction per site
+        (delivered through ``on_reduced``); None: every row through ``on_rows`` (optional method)."""
+
+    def on_reduced(self, request_id: str, layer: int, hook: str, reduce: str, row: np.ndarray, count: int,
+                   position: int) -> None:
+        """A site's reduction (float32 ``[D]``): ``"last"``, the row at ``position`` (the highest captured),
+        or ``"mean"`` over the ``count`` captured rows (float32 sums on the device). Called at the
+        request's end, before ``on_request_finished``; only for consumers whose ``device_reduce`` says so."""
 
     def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
         """All rows of the request were delivered. Driver consumers may return a result.
@@ -90,6 +110,10 @@ class BaseConsumer:
     def validate_params(cls, params: dict[str, Any]) -> None:
         return None
 
+    @classmethod
+    def device_reduce(cls, params: dict[str, Any]) -> str | None:
+        return None
+
     def on_request_finished(self, request_id: str, meta: dict[str, Any]) -> dict | None:
         return None
 
@@ -100,6 +124,12 @@ class BaseConsumer:
 def mergeable(cls: type) -> bool:
     """Whether a driver consumer class merges per-stage results (defines a ``merge`` classmethod)."""
     return callable(getattr(cls, "merge", None))
+
+
+def reduces_on_device(cls: type) -> bool:
+    """Whether a consumer class may ask for device reduction (defines its own ``device_reduce``)."""
+    own = getattr(cls, "device_reduce", None)
+    return own is not None and getattr(own, "__func__", None) is not BaseConsumer.device_reduce.__func__
 
 
 @functools.cache

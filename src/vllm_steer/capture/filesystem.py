@@ -3,11 +3,15 @@ atomically, write faults contained to the request they hit.
 
 Two output formats (``format``):
 
-- ``"files"`` (default): ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, float32
-  or the model's fp16) plus ``{layer}_{hook}.json`` (positions, dtype, shape).
+- ``"files"`` (default): ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, in the
+  model's dtype: ``"bfloat16"`` rows are raw bf16, half the bytes of float32) plus ``{layer}_{hook}.json``
+  (positions, dtype, shape). ``load_request`` returns float32 (``torch=True``: torch tensors in the stored
+  dtype); without it, two lines of numpy: ``b = np.fromfile(bin, np.uint16 if dtype == "bfloat16" else
+  dtype)`` then, for bfloat16, ``(b.astype(np.uint32) << 16).view(np.float32)`` (exact).
 - ``"sae_lens"``: the rows go to one dataset per site that sae-lens trains from directly
   (``capture.saelens_format``: ``context_size`` tokens a row, ``shard_mb`` an arrow file, windows
-  waiting ``flush_s`` written anyway); the request directory keeps only ``request.json``.
+  waiting ``flush_s`` written anyway); the request directory keeps only ``request.json``. bf16 rows are
+  written as float32 there (Arrow has no bfloat16; sae-lens reads the dataset's dtype as stored).
 
 Either way ``request.json`` (the request's metadata and ``status``) is written last: a request
 directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows were dropped
@@ -83,7 +87,8 @@ class _Writer:
         self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
         self.failed: dict[str, str] = {}  # request -> first error
 
-    def append(self, request_id: str, path: Path, positions: np.ndarray, rows: np.ndarray) -> None:
+    def append(self, request_id: str, path: Path, positions: np.ndarray, rows: np.ndarray,
+               dtype: str | None = None) -> None:
         if request_id in self.failed:
             return
         try:
@@ -94,7 +99,7 @@ class _Writer:
                 entry = (open(tmp, "ab"), request_id)
             self.open[tmp] = entry
             side = self.meta.setdefault(request_id, {}).setdefault(
-                path, {"positions": [], "dtype": str(rows.dtype), "hidden": int(rows.shape[1])})
+                path, {"positions": [], "dtype": dtype or str(rows.dtype), "hidden": int(rows.shape[1])})
             self._evict()
             if request_id in self.failed:  # evicting one of its own files failed
                 return
@@ -246,6 +251,7 @@ class _Budget:
 
 class FilesystemConsumer(BaseConsumer):
     location = "worker"
+    raw_rows = True  # bf16 rows as stored (their bits): written as they are, half float32's bytes
 
     def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
                  max_open: int = 64, format: str = "files", max_queued_mb: float = 256,
@@ -292,6 +298,9 @@ class FilesystemConsumer(BaseConsumer):
         return self._queues[zlib.crc32(request_id.encode()) % len(self._queues)]
 
     def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        dtype = meta.get("dtype")
+        if dtype == "bfloat16" and self.sink is not None:  # the sae_lens datasets hold float32 (exact)
+            rows, dtype = (rows.astype(np.uint32) << 16).view(np.float32), None
         if not self._budget.take(rows.nbytes):  # the writers are behind (a slow or full disk): drop
             self._count("dropped_writes")
             with self._lock:
@@ -299,7 +308,7 @@ class FilesystemConsumer(BaseConsumer):
                     int(p) for p in positions)
             return
         path = self.root / _safe(request_id) / f"{layer}_{hook}.bin"
-        self._queue_of(request_id).put(("append", request_id, path, positions, rows))
+        self._queue_of(request_id).put(("append", request_id, path, positions, rows, dtype))
 
     def on_request_finished(self, request_id, meta) -> None:
         with self._lock:
@@ -371,12 +380,25 @@ def _request_dir(base: Path, request_id: str) -> Path:
     return matches[0] if len(matches) == 1 else d
 
 
-def load_request(root: str, request_id: str, tag: str = "default",
-                 sites: int | None = None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-    """Read a published request back (``format="files"``): {(layer, hook): (positions, rows [n, D])}.
+def read_rows(path: Path, dtype: str, shape: list[int], torch: bool = False) -> Any:
+    """A ``.bin`` file's rows: float32 numpy for bfloat16 (exact), numpy in the stored dtype otherwise;
+    ``torch``: a torch tensor in the stored dtype (bfloat16 included)."""
+    raw = np.fromfile(path, dtype=np.uint16 if dtype == "bfloat16" else dtype).reshape(shape)
+    if torch:
+        import torch as _torch
+
+        t = _torch.from_numpy(raw)
+        return t.view(_torch.bfloat16) if dtype == "bfloat16" else t
+    return (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else raw
+
+
+def load_request(root: str, request_id: str, tag: str = "default", sites: int | None = None,
+                 torch: bool = False) -> dict[tuple[int, str], tuple[np.ndarray, Any]]:
+    """Read a published request back (``format="files"``): {(layer, hook): (positions, rows [n, D])}, rows
+    as ``read_rows`` gives them (bfloat16 files: float32 numpy, or with ``torch`` bf16 tensors).
     Raises FileNotFoundError while the request is not complete (no request.json yet: under pipeline
-    parallelism it comes with the last stage; or fewer than ``sites`` sites published),
-    CaptureWriteError when its writes failed."""
+    parallelism it comes with the last stage; or fewer than ``sites`` sites published), CaptureWriteError when its writes
+    failed."""
     d = _request_dir(Path(root) / tag, request_id)
     if not (d / "request.json").exists():
         raise FileNotFoundError(f"capture of {request_id!r} is not published under {d}")
@@ -389,6 +411,6 @@ def load_request(root: str, request_id: str, tag: str = "default",
     for side_path in sorted(d.glob("*_*.json")):
         side = json.loads(side_path.read_text())
         layer, hook = side_path.stem.split("_", 1)
-        rows = np.fromfile(side_path.with_suffix(".bin"), dtype=side["dtype"]).reshape(side["shape"])
+        rows = read_rows(side_path.with_suffix(".bin"), side["dtype"], side["shape"], torch)
         out[(int(layer), hook)] = (np.asarray(side["positions"]), rows)
     return out

@@ -132,6 +132,12 @@ class SteerConfig(BaseModel):
     """Capture consumers (objects, or ``"name:key=val,..."`` strings). None: no capture ops."""
     capture_max_rows: int = Field(default=4096, ge=16)
     """Residual rows one step can capture across all sites (the device pool's size)."""
+    capture_reduce_rows: int = Field(default=2048, ge=0)
+    """Accumulator rows for consumers that only want a per-site reduction (``device_reduce``, e.g.
+    ``activations``): one per (request, consumer, site) for the request's life, reduced on the device
+    (``runtime.capture_reduce``). Memory: ``rows x hidden x (model dtype bytes + 4)`` (2048 rows at
+    hidden 4096, bf16: 48 MiB). A request that finds too few free rows is captured step by step
+    instead (correct, slower; ``reduce_fallbacks``). 0: never reduced on the device."""
     loop_stall_warn_s: float = Field(default=10.0, ge=0)
     """An API process whose event loop runs nothing this long logs where it is blocked and counts it
     (``server.loop_watch``); 0: not watched."""

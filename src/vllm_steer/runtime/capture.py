@@ -10,6 +10,12 @@ process's GIL), where each consumer has its own queue and thread (a "lane": a sl
 itself). A raising consumer is counted; nothing stalls or kills the engine; a dead consumers' process
 disables capture for them (its requests' driver results are errors).
 
+Consumers that only want one row per site (``device_reduce``: ``activations``) are reduced on the device
+instead (``runtime.capture_reduce``): per request and site an accumulator slot held for the request's
+life (``steer.capture_reduce_rows``; ``stats["reduced_requests"]``), nothing copied per step, the slots
+gathered into the ring at its finish and handed to ``on_reduced``. A request that finds too few free
+slots is captured step by step as above (``stats["reduce_fallbacks"]``).
+
 Results of driver consumers go to the process that submitted the request, on a side channel the
 engine loop never waits on: when every consumer lane of this worker has handled a request's end,
 its driver results are PUSHed to the request's ``capture_reply`` address (``runtime.result_push``;
@@ -54,12 +60,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_steer.capture.consumer import consumer_class
+from vllm_steer.capture.consumer import consumer_class, reduces_on_device
 from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
 from vllm_steer.core.config import SteerConfig
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture_lanes import RING_STEPS, CaptureHost, Lane
-from vllm_steer.runtime.capture_plan import CapturePlanner, RequestPlan, compile_request
+from vllm_steer.runtime.capture_plan import CapturePlanner, ReduceStep, RequestPlan, compile_request
+from vllm_steer.runtime.capture_reduce import MODES, ReduceRegion
 from vllm_steer.runtime.result_push import ResultPusher
 
 logger = logging.getLogger("vllm.steer.capture")
@@ -69,9 +76,10 @@ class CaptureBuffers:
     """Device pool ``[max_rows, D]`` and per-site plans ``[n_sites, max_tokens]`` (int32, -1 = none)."""
 
     def __init__(self, sites: list[tuple[str, int]], max_rows: int, max_tokens: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, reduce_rows: int = 0) -> None:
         self.site_index = {s: i for i, s in enumerate(sites)}
-        self.pool = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
+        # step rows, then the ``last`` accumulators of device-reduced consumers (runtime.capture_reduce)
+        self.pool = torch.zeros(max_rows + reduce_rows, hidden, dtype=dtype, device=device)
         width = -(-max_tokens // 4) * 4  # each site's row starts on 16 bytes (see runtime.tables)
         self.plan = torch.full((len(sites), width), -1, dtype=torch.int32, device=device)
         self.max_rows = max_rows
@@ -133,7 +141,11 @@ class CaptureRuntime:
     def __init__(self, cfg: SteerConfig, sites: list[tuple[str, int]], num_layers: int, max_tokens: int,
                  hidden: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
                  pp_rank: int = 0, pp_size: int = 1) -> None:
-        self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device)
+        reducing = tp_rank == 0 and any(  # a device-reducing consumer is hosted on this rank
+            reduces_on_device(cls)
+            for cls in map(consumer_class, (c.name for c in cfg.capture)))
+        reduce_rows = cfg.capture_reduce_rows if reducing else 0
+        self.buffers = CaptureBuffers(sites, cfg.capture_max_rows, max_tokens, hidden, dtype, device, reduce_rows)
         self.num_layers = num_layers
         self.hooks = tuple(cfg.hooks)
         self.stage, self.stages = pp_rank, pp_size
@@ -142,7 +154,8 @@ class CaptureRuntime:
         self.global_specs: dict[int, CaptureSpec] = {}
         self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "dropped_finishes": 0,
                       "consumer_errors": 0, "recomputed_positions": 0, "ring_full": 0, "consumer_host_deaths": 0,
-                      "results_sent": 0, "result_push_failed": 0, "publish_calls": 0}
+                      "results_sent": 0, "result_push_failed": 0, "publish_calls": 0,
+                      "reduced_requests": 0, "reduce_fallbacks": 0}
         self._stats_lock = threading.Lock()  # the host's threads count from their threads
         hosted: list[tuple[int, str, type, dict]] = []
         for i, c in enumerate(cfg.capture):
@@ -163,7 +176,12 @@ class CaptureRuntime:
             if spec is not None and self._runs_here(bit, spec):
                 self.global_specs[bit] = spec
         self._requests: dict[str, _Request] = {}
-        self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows)
+        max_pairs = 2 * cfg.capture_max_rows + reduce_rows
+        self._reduce = (ReduceRegion(reduce_rows, cfg.capture_max_rows, self.buffers.pool, max_pairs)
+                        if reduce_rows else None)
+        self._red_step: ReduceStep | None = None
+        self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows, cfg.capture_max_rows,
+                                       reduce_rows, max_pairs)
         self._pending: list[_Entry] = []
         self._rows_used = 0
         self._results_lock = threading.Lock()
@@ -209,6 +227,10 @@ class CaptureRuntime:
             old = self._requests.get(request_id)
             if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
                 new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
+                for f in ("red_bits", "red_mean", "red_slot", "red_mask"):  # and its slots stay its own
+                    setattr(new.plan, f, getattr(old.plan, f))
+            elif self._reduce is not None:
+                self._reserve(new)
             self._requests[request_id] = new
             self._finished.pop(request_id, None)
 
@@ -220,9 +242,67 @@ class CaptureRuntime:
             return True
         return any(site in self.buffers.site_index for site in spec.sites)
 
+    def _reserve(self, req: _Request) -> None:
+        """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank);
+        too few free: they get rows step by step instead (``reduce_fallbacks``)."""
+        wanted = []
+        for bit, spec in req.specs.items():
+            entry = self.consumers.get(bit)
+            mode = (entry[1].device_reduce(spec.params)
+                    if entry is not None and bit in self._lanes and reduces_on_device(entry[1]) else None)
+            if mode not in MODES:
+                continue
+            cols = np.unique([self.buffers.site_index[s] for s in spec.sites if s in self.buffers.site_index])
+            if len(cols):
+                wanted.append((bit, mode == "mean", cols.astype(np.int64)))
+        if not wanted:
+            return
+        slots = self._reduce.alloc(sum(len(c) for _, _, c in wanted))
+        if slots is None:
+            self._count("reduce_fallbacks")
+            return
+        table = np.full((len(wanted), len(self.buffers.site_index)), -1, np.int64)
+        at = 0
+        for i, (_, _, cols) in enumerate(wanted):
+            table[i, cols] = slots[at : at + len(cols)]
+            at += len(cols)
+        plan = req.plan
+        plan.red_bits, plan.red_mean = tuple(w[0] for w in wanted), tuple(w[1] for w in wanted)
+        plan.red_slot, plan.red_mask = table, int(np.bitwise_or.reduce([w[0] for w in wanted]))
+        self._count("reduced_requests")
+
+    def _collect_reduced(self, req: _Request) -> dict[int, tuple]:
+        """A finished request's slots, gathered (one device op) and freed: bit -> (rows [n, D] float32 on the
+        device, [(layer, hook, count, last position, mean)]) for the sites that reduced anything."""
+        plan, region = req.plan, self._reduce
+        if not plan.red_mask or region is None:
+            return {}
+        picks = []  # (bit, slot, site, mean)
+        for bit, mean, row in zip(plan.red_bits, plan.red_mean, plan.red_slot):
+            for col in np.flatnonzero(row >= 0).tolist():
+                picks.append((bit, int(row[col]), self._planner.sites[col], mean))
+        all_slots = np.array([p[1] for p in picks], np.int64)
+        plan.red_mask = 0
+        used = [p for p in picks if region.count[p[1]] > 0]
+        out: dict[int, tuple] = {}
+        if used:
+            slots = np.array([p[1] for p in used], np.int64)
+            rows = region.gather(slots, np.array([p[3] for p in used], bool))
+            at = 0
+            for bit in plan.red_bits:
+                mine = [p for p in used if p[0] == bit]
+                if mine:
+                    out[bit] = (rows[at : at + len(mine)], [(p[2][1], p[2][0], int(region.count[p[1]]),
+                                                            int(region.last[p[1]]), p[3]) for p in mine])
+                    at += len(mine)
+        region.release(all_slots)
+        return out
+
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is None or request_id in self._finished:
+            if req is not None:
+                self._collect_reduced(req)  # its slots are free again
             return
         self._finished[request_id] = None
         while len(self._finished) > RECENTLY_FINISHED_MAX:
@@ -245,10 +325,11 @@ class CaptureRuntime:
             done = None if f.left else self._finishing.pop(key)
         if done is not None:
             self._send(key, done.reply, done.requests, done.results)
+        reduced = self._collect_reduced(req)
         for b in bits:
             lane = self._lanes[b]
             if lane.finish_slots.acquire(blocking=False):
-                self._host.finish(lane, request_id, key, meta, req)
+                self._host.finish(lane, request_id, key, meta, req, reduced.get(b), self._copy_stream)
                 continue
             self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
             self._finished_by(key, b, lane.instance, {
@@ -300,14 +381,22 @@ class CaptureRuntime:
         entries = [_Entry(rid, layer, hook, pos[a:b], a, masks[a:b])
                    for rid, (hook, layer), a, b in zip(step.request_ids, step.sites, step.starts, step.ends)]
         self._pending, self._rows_used = entries, step.rows
-        live.capture_live = bool(entries)
+        red = self._red_step = step.reduce
+        if red is not None:
+            self._reduce.account(red.acct_slots, red.acct_counts, red.last_slots, red.last_pos)
+        live.capture_live = step.planned > 0
 
     def after_forward(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).
 
         The used pool rows are copied into the host's shared ring (on a GPU on a side stream that
         waits for the forward; the next step's compute waits for the copy before its capture op
-        overwrites the pool); the host's notifier thread waits for the copy before telling it."""
+        overwrites the pool); the host's notifier thread waits for the copy before telling it. Device-reduced
+        consumers' rows are added / copied into their slots first (``runtime.capture_reduce``)."""
+        red = self._red_step
+        if red is not None:
+            self._red_step = None
+            self._reduce.apply(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst)
         if not self._pending:
             return
         host = self._host

@@ -91,6 +91,10 @@ class _Packet:
                 self._data = as_float(self.ring[self.row0 : self.row0 + self.n], self.dtype)
             return self._data
 
+    def raw(self) -> np.ndarray:
+        """The rows as stored (bfloat16: its uint16 bits), for consumers with ``raw_rows``."""
+        return self.ring[self.row0 : self.row0 + self.n]
+
 
 class _HostLane:
     def __init__(self, bit: int, instance: str, consumer: Any, send) -> None:
@@ -115,16 +119,18 @@ class _HostLane:
     def _rows(self, packet_id: int, packet: _Packet) -> None:
         data = None
         errors = 0
+        raw = bool(getattr(self.consumer, "raw_rows", False))
+        meta = {"dtype": packet.dtype} if raw else {}
         for request_id, layer, hook, positions, row0, masks in packet.entries:
             take = (masks & self.bit) != 0
             if not take.any():
                 continue
             if data is None:
-                data = packet.data()
+                data = packet.raw() if raw else packet.data()
             # boolean-mask indexing copies: the consumer never holds ring memory
             block = data[row0 : row0 + len(positions)][take]
             try:
-                self.consumer.on_rows(request_id, layer, hook, positions[take], block, {})
+                self.consumer.on_rows(request_id, layer, hook, positions[take], block, meta)
             except Exception:
                 errors += 1
                 logger.exception("vllm-steer: capture consumer %s raised in on_rows", self.instance)
@@ -132,6 +138,16 @@ class _HostLane:
             self.send(("errors", errors))
 
     def _finish(self, request_id: str, key: str, meta: dict) -> None:
+        errors = 0
+        for layer, hook, count, last_pos, mean, row in meta.pop("reduced", ()):  # reduced on the device
+            try:
+                self.consumer.on_reduced(request_id, layer, hook, "mean" if mean else "last",
+                                         row / count if mean else row, count, last_pos)
+            except Exception:
+                errors += 1
+                logger.exception("vllm-steer: capture consumer %s raised in on_reduced", self.instance)
+        if errors:
+            self.send(("errors", errors))
         try:
             out = self.consumer.on_request_finished(request_id, meta)
         except Exception as exc:

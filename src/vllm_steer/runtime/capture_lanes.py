@@ -166,8 +166,11 @@ class CaptureHost:
         self._notify.put((event, ("rows", packet_id, start, n, entries, [lane.bit for lane in lanes])))
         return event if event is not None else True
 
-    def finish(self, lane: Lane, request_id: str, key: str, meta: dict, req: Any) -> None:
-        """Queue a finish notice for ``lane`` (its finish slot taken)."""
+    def finish(self, lane: Lane, request_id: str, key: str, meta: dict, req: Any, reduced: tuple | None = None,
+               copy_stream: Any = None) -> None:
+        """Queue a finish notice for ``lane`` (its finish slot taken); ``reduced``: the request's
+        device-reduced rows for this consumer (float32 ``[n, D]`` on the device, and per row ``(layer,
+        hook, count, last position, mean)``), copied into the ring and read back by the notifier."""
         with self._lock:
             dead = self.dead
             if not dead:
@@ -176,7 +179,50 @@ class CaptureHost:
             lane.finish_slots.release()
             self.rt._finished_by(key, lane.bit, lane.instance, self._died_result())
             return
-        self._notify.put((None, ("finish", lane.bit, request_id, key, meta, req)))
+        event, red = None, None
+        if reduced is not None:
+            rows, items = reduced
+            staged = self._stage_float32(rows, copy_stream)
+            if staged is None:  # the ring is full: this consumer's reduction is lost, said in its meta
+                self.rt._count("ring_full")
+                red = ("lost", sum(item[2] for item in items))
+            else:
+                event, packet_id, start, n_ring = staged
+                red = ("ring", packet_id, start, n_ring, items)
+        self._notify.put((event, ("finish", lane.bit, request_id, key, meta, req, red)))
+
+    def _stage_float32(self, rows: torch.Tensor, copy_stream: Any) -> tuple | None:
+        """Copy float32 rows into the ring (a model-dtype ring holds a float32 row in 4 / itemsize ring rows)."""
+        n, hidden = rows.shape
+        per = 4 // self.rows.element_size()
+        packet_id = self._next_id
+        self._next_id += 1
+        start = self.ring.alloc(packet_id, n * per)
+        if start is None:
+            return None
+        dst = self.rows[start : start + n * per].view(torch.float32).view(n, hidden)
+        event = None
+        if rows.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_event(ready)
+                rows.record_stream(copy_stream)
+                dst.copy_(rows, non_blocking=True)
+                event = torch.cuda.Event(blocking=True)
+                event.record(copy_stream)
+        else:
+            dst.copy_(rows)
+        return event, packet_id, start, n * per
+
+    def _read_reduced(self, red: tuple) -> tuple[list, int]:
+        """(the reduced rows as numpy, with their items; rows lost) once the copy is done; frees the ring rows."""
+        if red[0] == "lost":
+            return [], red[1]
+        _, packet_id, start, n_ring, items = red
+        block = self.rows[start : start + n_ring].view(torch.float32).view(len(items), -1).numpy().copy()
+        self.ring.free(packet_id)
+        return [(*item, row) for item, row in zip(items, block)], 0
 
     # ---- threads -----------------------------------------------------------------------------
     def _notifier(self) -> None:
@@ -191,12 +237,14 @@ class CaptureHost:
                 if event is not None:
                     event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
                 if msg[0] == "finish":
-                    _, bit, request_id, key, meta, req = msg
+                    _, bit, request_id, key, meta, req, red = msg
                     dropped = req.dropped_for(bit) if req.dropped else {}
                     spec = req.specs.get(bit)
+                    reduced, lost = self._read_reduced(red) if red is not None else ([], 0)
                     msg = ("finish", request_id, key, {bit: {
                         **meta, "params": dict(spec.params) if spec is not None else {},
-                        "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))}})
+                        "dropped": dropped, "dropped_rows": sum(map(len, dropped.values())) + lost,
+                        **({"reduced": reduced} if reduced else {})}})
                 self._cmd.send(msg)
             except (OSError, ValueError) as exc:
                 self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")

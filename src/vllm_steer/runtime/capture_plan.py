@@ -15,6 +15,13 @@ capturing request and once per (request, site) group, never per token or per sit
 step with last step's shape (the same requests in the same order, token counts, position classes and
 batch slots, no explicit positions, nothing dropped) reuses its cells: only the positions move.
 
+Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
+``red_bits``, ``red_slot``) leave the cells first (``_take_reduced``): a ``last`` consumer keeps only its
+last selected token per site, planned straight to its slot's pool row (or, when that token already has
+a row, a copy from it after the forward); a ``mean`` consumer's tokens share the other consumers' rows
+or take new step rows after them, and become (row -> slot) adds after the forward. Neither reaches the
+entries: nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
+
 The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step sends only its
 cells (flat index, row) and the resets of last step's cells it does not set again, in one copy from
 a persistent pinned ring into a persistent device staging buffer, then one ``index_copy_`` into the
@@ -45,6 +52,11 @@ class RequestPlan:
     explicit: list[tuple[int, np.ndarray, np.ndarray]]  # (bit, sorted positions, site columns)
     cols: np.ndarray  # [n_sites] bool: sites any of its specs captures here
     captures: bool  # any site here at all
+    # consumers reduced on the device (``runtime.capture_reduce``), set once their slots are held:
+    red_bits: tuple[int, ...] = ()
+    red_mean: tuple[bool, ...] = ()
+    red_slot: np.ndarray | None = None  # [len(red_bits), n_sites] int64: slot per site, -1 none
+    red_mask: int = 0  # the OR of red_bits
 
 
 def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int]) -> RequestPlan:
@@ -84,6 +96,24 @@ class StepPlan:
     rows: int
     dropped_rows: int
     recomputed: int
+    planned: int = 0  # plan cells set this step (rows for consumers plus tokens reduced straight into a slot)
+    reduce: ReduceStep | None = None
+
+
+@dataclass
+class ReduceStep:
+    """This step's work for device-reduced consumers (``runtime.capture_reduce.ReduceRegion``): after the
+    forward ``acc[mean_slot] += pool[mean_src]`` and ``pool[copy_dst] = pool[copy_src]``; on the host each
+    ``acct_slots`` slot counts ``acct_counts`` more rows and each ``last_slots`` slot now holds ``last_pos``."""
+
+    mean_src: np.ndarray
+    mean_slot: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+    acct_slots: np.ndarray
+    acct_counts: np.ndarray
+    last_slots: np.ndarray
+    last_pos: np.ndarray
 
 
 @dataclass
@@ -102,25 +132,32 @@ class _Same:
     starts: list[int]
     ends: list[int]
     masks: np.ndarray
+    rows: np.ndarray  # the plan rows of ``flat``
+    reduce: ReduceStep | None  # with last_pos as token indices (the positions move)
 
 
+_NONE = np.zeros(0, np.int64)
 _EMPTY = StepPlan([], [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, 0)
 
 
 class CapturePlanner:
     """Plans steps and keeps the device plan ``[n_sites, width]`` in step with them."""
 
-    def __init__(self, sites: list[tuple[str, int]], plan: torch.Tensor, max_rows: int) -> None:
+    def __init__(self, sites: list[tuple[str, int]], plan: torch.Tensor, max_rows: int, reduce_base: int = 0,
+                 reduce_rows: int = 0, max_pairs: int = 0) -> None:
         self.sites = sites
         self.device_plan = plan
         self.width = plan.shape[1]
         self.max_rows = max_rows
+        self.reduce_base = reduce_base  # pool row of reduce slot 0 (``runtime.capture_reduce``)
+        self.max_pairs = max_pairs  # reduce pairs (adds + copies) one step may hold
         # one upload: int64 flat indices (sets, then resets), then their int32 values packed in pairs
-        cap = 2 * max_rows
+        cap = 2 * (max_rows + reduce_rows)
         words = cap + (cap + 1) // 2
         self._ring = PinnedRing((words,), torch.int64, plan.device)
         self._staging = torch.empty(words, dtype=torch.int64, device=plan.device)
         self._last = np.zeros(0, np.int64)  # flat plan cells set by the last upload
+        self._last_rows = np.zeros(0, np.int64)  # and their rows
         self._same: _Same | None = None
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
@@ -175,10 +212,14 @@ class CapturePlanner:
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
                 and np.array_equal(same.klass, klass) and np.array_equal(same.tok, tok)):
             # the cells of last step (steady decode of a stable batch): only the positions moved
-            self._upload(same.flat)
+            self._upload(same.flat, same.rows)
             self.reused += 1
+            red = same.reduce
+            if red is not None:
+                red = ReduceStep(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
+                                 red.acct_counts, red.last_slots, pos[red.last_pos])
             return StepPlan(same.request_ids, same.sites, same.starts, same.ends, pos[same.t], same.masks,
-                            len(same.t), 0, recomputed)
+                            len(same.t), 0, recomputed, len(same.flat), red)
         self._same = None
         plans = [r.plan for r in reqs]
         union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
@@ -190,8 +231,9 @@ class CapturePlanner:
                 sel = np.flatnonzero(np.isin(pos[a:b], wanted)) + a
                 if len(sel):
                     masks[np.ix_(sel, np.searchsorted(union, cols))] |= bit
+        red = self._take_reduced(plans, starts, count, masks, union) if any(p.red_mask for p in plans) else None
         t, c = np.nonzero(masks)
-        if not len(t):
+        if not len(t) and red is None:
             self._upload(np.zeros(0, np.int64))
             return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, 0, recomputed)
         key = owner[t] * len(union) + c
@@ -201,7 +243,7 @@ class CapturePlanner:
         cell_pos = pos[t]
         kept = min(len(t), self.max_rows)
         bounds = np.flatnonzero(key[1:] != key[:-1]) + 1
-        heads, ends = np.concatenate(([0], bounds)), np.append(bounds, len(t))
+        heads, ends = (np.concatenate(([0], bounds)), np.append(bounds, len(t))) if len(t) else (_NONE, _NONE)
         owner_of, col_of = np.divmod(key[heads], len(union))
         col_of = union[col_of]
         if kept < len(t):  # the pool is full: drop (never wait), count, and tell the consumer
@@ -214,18 +256,122 @@ class CapturePlanner:
         sites = self.sites
         batch_of = idx[lv][owner_of].tolist()
         flat = union[c[:kept]] * self.width + tok[t[:kept]]
-        self._upload(flat)
+        rows = np.arange(kept, dtype=np.int64)
+        red_step = red_same = None
+        red_dropped = 0
+        if red is not None:
+            flat, rows, red_step, red_same, red_dropped = self._place_reduced(red, flat, rows, kept, union, tok, pos,
+                                                                              reqs)
+        self._upload(flat, rows)
         step = StepPlan([req_ids[i] for i in batch_of], [sites[i] for i in col_of.tolist()], heads.tolist(),
-                        ends.tolist(), cell_pos[:kept], cell_masks[:kept], kept, len(t) - kept, recomputed)
-        if kept == len(t) and not any(p.explicit for p in plans):  # the next step may be the same cells
+                        ends.tolist(), cell_pos[:kept], cell_masks[:kept], kept, len(t) - kept + red_dropped,
+                        recomputed, len(flat), red_step)
+        if kept == len(t) and not red_dropped and not any(p.explicit for p in plans):  # the next step may be the same
             cell_masks.flags.writeable = False  # shared by the steps that reuse it
             self._same = _Same(list(map(id, reqs)), reqs, count, klass, tok, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks)
+                               step.ends, cell_masks, rows, red_same)
         return step
 
-    def _upload(self, flat: np.ndarray) -> None:
-        """Make the device plan hold row i at cell ``flat[i]`` and -1 at last step's other cells."""
-        if np.array_equal(flat, self._last):
+    def _take_reduced(self, plans: list[RequestPlan], starts: np.ndarray, count: np.ndarray, masks: np.ndarray,
+                      union: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Take the device-reduced consumers' bits out of ``masks`` (in place): their cells, as token and
+        union-column indices with the slot each goes to (mean: every selected token; last: the last one
+        per site), plus the rows each slot counts."""
+        parts: dict[str, list] = {k: [] for k in ("mt", "mc", "ms", "mk", "mb", "lt", "lc", "ls", "gs", "gn")}
+        for k, p in enumerate(plans):
+            if not p.red_mask:
+                continue
+            a, b = int(starts[k]), int(starts[k] + count[k])
+            sub = masks[a:b]
+            for bit, mean, slot_row in zip(p.red_bits, p.red_mean, p.red_slot):
+                hit = (sub & bit) != 0
+                n_hit = hit.sum(axis=0)
+                cs = np.flatnonzero(n_hit)
+                if not len(cs):
+                    continue
+                slot_u = slot_row[union]
+                if mean:
+                    tt, cc = np.nonzero(hit)
+                    parts["mt"].append(tt + a)
+                    parts["mc"].append(cc)
+                    parts["ms"].append(slot_u[cc])
+                    parts["mk"].append(np.full(len(tt), k, np.int64))
+                    parts["mb"].append(np.full(len(tt), bit, np.int64))
+                else:
+                    parts["lt"].append((b - a - 1) - np.argmax(hit[::-1][:, cs], axis=0) + a)
+                    parts["lc"].append(cs)
+                    parts["ls"].append(slot_u[cs])
+                    parts["gs"].append(slot_u[cs])
+                    parts["gn"].append(n_hit[cs])
+            np.bitwise_and(sub, ~p.red_mask, out=sub)
+        if not any(parts.values()):
+            return None
+        return {k: np.concatenate(v).astype(np.int64) if v else _NONE for k, v in parts.items()}
+
+    def _place_reduced(self, red: dict[str, np.ndarray], flat: np.ndarray, rows: np.ndarray, kept: int,
+                       union: np.ndarray, tok: np.ndarray, pos: np.ndarray, reqs: list) -> tuple:
+        """Rows for the reduced cells: a mean cell adds the row of its token (a consumer's row, or a new step
+        row after them: past ``max_rows`` it is dropped, recorded on its request); a last cell is planned
+        straight to its slot's pool row, or, when the token already has a row, copied from it after the forward."""
+        width, base = self.width, self.reduce_base
+        order = np.argsort(flat, kind="stable")
+        sorted_flat = flat[order]
+
+        def home(cells: np.ndarray, known: np.ndarray, known_rows: np.ndarray) -> np.ndarray:
+            if not len(known):
+                return np.full(len(cells), -1, np.int64)
+            at = np.minimum(np.searchsorted(known, cells), len(known) - 1)
+            return np.where(known[at] == cells, known_rows[at], -1)
+
+        mean_src, mean_slot, dropped = red["mt"][:0], red["ms"][:0], 0
+        if len(red["mt"]):
+            fm = union[red["mc"]] * width + tok[red["mt"]]
+            src = home(fm, sorted_flat, rows[order])
+            new = src < 0
+            fresh, inv = np.unique(fm[new], return_inverse=True)
+            room = max(min(self.max_rows - kept, len(fresh)), 0)
+            new_rows = np.where(np.arange(len(fresh)) < room, kept + np.arange(len(fresh)), -1)
+            src[new] = new_rows[inv]
+            flat, rows = np.concatenate((flat, fresh[:room])), np.concatenate((rows, new_rows[:room]))
+            ok = src >= 0
+            ok &= np.cumsum(ok) <= self.max_pairs  # the step's pairs are bounded too
+            if not ok.all():  # no row for them: dropped like any row the pool cannot hold
+                for i in np.flatnonzero(~ok).tolist():
+                    hook, layer = self.sites[int(union[red["mc"][i]])]
+                    reqs[int(red["mk"][i])].drop(hook, layer, pos[red["mt"][i : i + 1]], red["mb"][i : i + 1])
+                dropped = int((~ok).sum())
+            mean_src, mean_slot = src[ok], red["ms"][ok]
+            acct = np.bincount(red["ms"][ok], minlength=0)
+            m_slots = np.flatnonzero(acct)
+            m_counts = acct[m_slots]
+        else:
+            m_slots = m_counts = _NONE
+        copy_src, copy_dst = _NONE, _NONE
+        if len(red["lt"]):
+            fl = union[red["lc"]] * width + tok[red["lt"]]
+            order = np.argsort(flat, kind="stable")
+            src = home(fl, flat[order], rows[order])
+            target = base + red["ls"]
+            direct = np.flatnonzero(src < 0)
+            if len(direct):  # the first last-slot of a cell takes the plan cell; others copy from it
+                cells, first = np.unique(fl[direct], return_index=True)
+                head = direct[first]
+                flat, rows = np.concatenate((flat, cells)), np.concatenate((rows, target[head]))
+                src[direct] = target[head][np.searchsorted(cells, fl[direct])]
+            copy = src != target
+            copy_src, copy_dst = src[copy], target[copy]
+        last_slots, last_tok = red["ls"], red["lt"]
+        step = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, np.concatenate((m_slots, red["gs"])),
+                          np.concatenate((m_counts, red["gn"])), last_slots, pos[last_tok])
+        same = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, step.acct_slots, step.acct_counts, last_slots,
+                          last_tok)
+        return flat, rows, step, same, dropped
+
+    def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Make the device plan hold ``rows[i]`` (default i) at cell ``flat[i]`` and -1 at last step's other cells."""
+        if rows is None:
+            rows = np.arange(len(flat), dtype=np.int64)
+        if np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows):
             return  # the same cells take the same rows: nothing changes on the device
         resets = np.setdiff1d(self._last, flat, assume_unique=True)
         m = len(flat) + len(resets)
@@ -233,12 +379,12 @@ class CapturePlanner:
         host[: len(flat)] = flat
         host[len(flat) : m] = resets
         values = host[m : m + (m + 1) // 2].view(np.int32)
-        values[: len(flat)] = np.arange(len(flat), dtype=np.int32)
+        values[: len(flat)] = rows
         values[len(flat) : m] = -1
         words = m + (m + 1) // 2
         staged = self._staging[:words]
         land(staged)
         self.device_plan.view(-1).index_copy_(0, staged[:m], staged[m:].view(torch.int32)[:m])
-        self._last = flat
+        self._last, self._last_rows = flat, rows
         self.uploads += 1
         self.upload_bytes += 8 * words

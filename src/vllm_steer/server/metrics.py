@@ -32,6 +32,9 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   packets dropped (consumer queue or shared ring full), finished requests not handed to a stuck consumer,
   consumer calls that raised, steps the shared ring to the consumers' process had no room for, consumers'
   processes that died, driver results not sent to the submitting process; summed over workers.
+- ``vllm_steer_capture_reduced_requests_total``, ``..._capture_reduce_fallbacks_total`` counters: requests whose
+  capture was reduced on the device (``runtime.capture_reduce``), and those that found its rows all held and
+  went step by step instead.
 - ``vllm_steer_capture_write_errors_total``, ``..._capture_dropped_writes_total``, ``..._capture_failed_requests_total``
   counters: consumers' own counts (their ``stats()``; the filesystem consumer's): writes that failed (disk
   full), row packets dropped because the writer queue was full, requests marked failed; summed over workers.
@@ -106,6 +109,10 @@ ENGINE_COUNTERS = {
                                  "shared ring to the consumers' process (dropped for their consumers)"),
     "capture_consumer_host_deaths": Counter("vllm_steer_capture_consumer_host_deaths",
                                             "Capture consumers' processes that died (capture disabled for them)"),
+    "capture_reduced_requests": Counter("vllm_steer_capture_reduced_requests",
+                                        "Requests whose capture was reduced on the device (steer.capture_reduce_rows)"),
+    "capture_reduce_fallbacks": Counter("vllm_steer_capture_reduce_fallbacks",
+                                        "Requests sent rows step by step because the device-reduce rows were all held"),
     "capture_result_push_failed": Counter("vllm_steer_capture_result_push_failed",
                                           "Driver capture results a worker could not send to the submitting process"),
     "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),

@@ -1,0 +1,173 @@
+"""Capture reduced on the device (``runtime.capture_reduce``) against a plain reference (CPU, no engine).
+
+Random batches of prefill chunks and decode steps, preempted requests recomputing, two ``activations``
+instances (``last`` / ``mean``) and a per-step consumer sharing sites; the forward is simulated (each
+plan cell's stream, a function of request, position and site, stored to ``pool[plan]``). The
+``activations`` results must equal the reduction of every position each request selected (each
+counted once), whether the request was reduced on the device or, with the accumulator rows all held,
+fell back to rows step by step (``reduce_fallbacks``)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_capture_plan import HOOKS, NUM_LAYERS, Sink, _random_spec
+from vllm_steer.capture.activations import ActivationStats, decode_result
+from vllm_steer.core.config import SteerConfig
+from vllm_steer.runtime import capture as capture_mod
+
+HIDDEN = 8
+MODES = {"all": lambda p, n: True, "all_prompt": lambda p, n: p < n, "all_generated": lambda p, n: p >= n,
+         "last_prompt": lambda p, n: p == n - 1}
+
+
+def stream(rid: str, pos: int, site: int) -> np.ndarray:
+    return np.sin(int(rid[1:]) * 1.3 + pos * 0.7 + site * 0.11 + np.arange(HIDDEN)).astype(np.float32)
+
+
+@pytest.fixture
+def runtimes():
+    made = []
+    yield made
+    for rt in made:
+        rt.close()
+
+
+def _runtime(monkeypatch, runtimes, sites, reduce_rows):
+    classes = {"activations": ActivationStats, "sink": Sink}
+    monkeypatch.setattr(capture_mod, "consumer_class", lambda name: classes[name])
+    cfg = SteerConfig.model_validate({"capture": ["sink", "activations", {"name": "activations", "instance": "act2"}],
+                                      "capture_reduce_rows": reduce_rows, "hooks": list(HOOKS)})
+    rt = capture_mod.CaptureRuntime(cfg, sites, NUM_LAYERS, 64, HIDDEN, torch.float32, torch.device("cpu"))
+    runtimes.append(rt)
+    got: dict[str, dict] = {}
+    rt._send = lambda key, reply, requests, results: got.setdefault(key, {}).update(results)
+    return rt, got
+
+
+def _forward(rt, req_ids, scheduled, computed) -> None:
+    """What the steered norms store: each planned cell's stream at ``pool[plan[site, token]]``."""
+    plan = rt.buffers.plan.numpy()
+    tok = 0
+    for rid, n, first in zip(req_ids, scheduled.tolist(), computed.tolist()):
+        for j in range(n):
+            for s in np.flatnonzero(plan[:, tok + j] >= 0).tolist():
+                rt.buffers.pool[int(plan[s, tok + j])] = torch.from_numpy(stream(rid, first + j, s))
+        tok += n
+
+
+@pytest.mark.parametrize("seed,reduce_rows", [(0, 2048), (1, 2048), (2, 14), (3, 8)])
+def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, reduce_rows):
+    rng = random.Random(seed)
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    rt, got = _runtime(monkeypatch, runtimes, sites, reduce_rows)
+    live: dict[str, dict] = {}
+    want: dict[str, dict] = {}  # rid -> instance -> (reduce, {site name: set of positions})
+    seen: dict[str, set] = {}  # rid -> positions computed at least once
+    next_id = 0
+    steady = seed % 2 == 1
+    for step in range(50):
+        while len(live) < 6 and rng.random() < (0.2 if steady else 0.6):
+            rid, prompt_len = f"r{next_id}", rng.randint(1, 20)
+            next_id += 1
+            capture = {}
+            for inst in ("activations", "act2", "sink"):
+                if rng.random() < 0.7:
+                    capture[inst] = _random_spec(rng, 30, not steady)
+                    if inst != "sink":
+                        capture[inst]["reduce"] = rng.choice(["last", "mean"])
+            if rng.random() < 0.3 and "activations" in capture:  # the same cells as another consumer
+                capture["sink"] = {k: v for k, v in capture["activations"].items() if k != "reduce"}
+            rt.add_request(rid, capture, prompt_len)
+            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len, "capture": capture}
+            seen[rid] = set()
+        if not live:
+            continue
+        ids = list(live)
+        if not steady:
+            rng.shuffle(ids)
+        req_ids, scheduled, computed, budget = [], [], [], 48
+        for rid in ids:
+            st = live[rid]
+            if rng.random() < (0.01 if steady else 0.08) and st["computed"]:  # preempted: recomputes
+                st["computed"] = rng.choice([0, st["computed"] // 2])
+            left = st["total"] - st["computed"]
+            n = min(left, rng.randint(1, 16), budget) if left > 1 else 1
+            if n <= 0 or budget <= 0:
+                continue
+            req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
+            budget -= n
+        scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
+        rt.plan_step(req_ids, scheduled, computed)
+        _forward(rt, req_ids, scheduled, computed)
+        rt.after_forward()
+        for rid, n, first in zip(req_ids, scheduled.tolist(), computed.tolist()):
+            st = live[rid]
+            seen[rid].update(range(first, first + n))
+            st["computed"] = first + n
+            if st["computed"] >= st["total"]:
+                st["total"] += 1
+                if st["total"] - st["prompt_len"] > rng.randint(3, 30 if steady else 10) or step == 49:
+                    rt.finish_request(rid)
+                    want[rid] = st
+                    del live[rid]
+    for rid in list(live):
+        rt.finish_request(rid)
+        want[rid] = live.pop(rid)
+    assert rt.stats["dropped_rows"] == 0
+    if reduce_rows < 100:
+        assert rt.stats["reduce_fallbacks"] > 0 and rt.stats["reduced_requests"] > 0
+        _fallbacks_reach_the_metrics(rt.status())
+    else:
+        assert rt.stats["reduce_fallbacks"] == 0 and rt.stats["reduced_requests"] > 0
+    assert rt._reduce.free == reduce_rows  # every slot is free again
+    expected = {}
+    for rid, st in want.items():
+        for inst in ("activations", "act2"):
+            raw = st["capture"].get(inst)
+            if raw is None:
+                continue
+            spec = capture_mod.parse_capture_spec(inst, raw, NUM_LAYERS, HOOKS)
+            sel = (lambda p, n, ps=raw["positions"]: p in ps) if isinstance(raw["positions"], list) \
+                else MODES[raw["positions"]]
+            positions = sorted(p for p in seen[rid] if sel(p, st["prompt_len"]))
+            if not positions:
+                continue
+            out = {}
+            for hook, layer in spec.sites:
+                s = sites.index((hook, layer))
+                vals = np.stack([stream(rid, p, s) for p in positions])
+                out[f"{hook}.{layer}"] = (vals.mean(axis=0) if raw["reduce"] == "mean" else vals[-1], len(positions))
+            expected.setdefault(rid, {})[inst] = out
+    assert sum(map(len, expected.values())) >= 10
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(set(v) - set(got.get(k, {})) for k, v in expected.items()):
+        time.sleep(0.05)
+    for rid, per in expected.items():
+        for inst, sites_want in per.items():
+            res = got[rid][inst]
+            vectors = decode_result(res)
+            assert sorted(vectors) == sorted(sites_want), (rid, inst)
+            for name, (vec, n) in sites_want.items():
+                np.testing.assert_allclose(vectors[name], vec, rtol=1e-5, atol=1e-6, err_msg=f"{rid} {inst} {name}")
+                assert res["count"][res["sites"].index(name)] == n
+            assert res["dropped_rows"] == 0
+
+
+def _fallbacks_reach_the_metrics(status: dict) -> None:
+    """The worker's counters become engine totals and Prometheus counters (as for every capture counter)."""
+    from prometheus_client import REGISTRY
+
+    from vllm_steer.engine.metrics_rpc import worker_values
+    from vllm_steer.server.metrics import apply_engine
+
+    _, totals = worker_values([{"steering": True, "live_configs": 0, "peak_live_configs": 0, "capture": status}])
+    assert totals["capture_reduce_fallbacks"] == status["reduce_fallbacks"] > 0
+    before = REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") or 0.0
+    apply_engine({"increments": totals})
+    assert REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") == before + status["reduce_fallbacks"]
