@@ -23,10 +23,11 @@ from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
-from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD,
-                                     TIER_FIELDS, effective_phases, selected)
+from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, PROJECTION_FIELDS,
+                                     REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS, effective_phases, selected)
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
+from vllm_steer.frontend.projection_spec import ProjWire, parse_projections, projection_key
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, Prepared, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
@@ -94,21 +95,24 @@ class SteeringFrontend:
             capture = {}
         sae_raw = fields.pop(SAE_FIELD, None)
         cond_raw = fields.pop(CONDITION_FIELD, None)
+        proj = parse_projections({f: fields.pop(f, None) for f in PROJECTION_FIELDS}, self.shape,
+                                 self.cfg.max_projections)
         if cond_raw is None and (carried := self._module_condition(fields.get(MODULE_FIELD))) is not None:
             try:  # the named module carries one (frontend.condition_spec.module_condition)
-                return self._with_condition(carried, sae_raw, fields, capture)
+                return self._with_condition(carried, sae_raw, fields, capture, proj)
             except SteeringSpecError as e:
                 if not e.field.startswith(CONDITION_FIELD):
                     raise
                 raise SteeringSpecError(f"{MODULE_FIELD}.name", f"the module's {e.field} does not fit this "
                                                                 f"request: {str(e).split(': ', 1)[-1]}") from None
         if cond_raw is not None:
-            return self._with_condition(cond_raw, sae_raw, fields, capture)
+            return self._with_condition(cond_raw, sae_raw, fields, capture, proj)
+        out = self._vectors(fields, capture)
         if sae_raw is not None:
             catalog = self.sae
             pre_sae, dec_sae = parse_sae(sae_raw, catalog)
-            return self._with_sae(*self._vectors(fields, capture), pre_sae, dec_sae, catalog)
-        return self._vectors(fields, capture)
+            out = self._with_sae(*out, pre_sae, dec_sae, catalog)
+        return self._with_projections(*out, *proj)
 
     @staticmethod
     def _module_condition(ref: Any) -> dict | None:
@@ -139,8 +143,32 @@ class SteeringFrontend:
         out = replace(base, prefill=kp, decode=kd, configs=configs, sae=sae, sae_versions=versions or None)
         return out, kp, kd
 
-    def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any],
-                        capture: dict | None) -> tuple[SteerPayload | None, str | None, str | None]:
+    @staticmethod
+    def _with_projections(payload: SteerPayload | None, pk: str | None, dk: str | None, pre: list[ProjWire],
+                          dec: list[ProjWire]) -> tuple[SteerPayload | None, str | None, str | None]:
+        """The payload (vectors, clamps) re-keyed with each phase's projections (which travel beside the rows,
+        as SAE clamps do): one key, one row for the phase's whole config."""
+        if not pre and not dec:
+            return payload, pk, dk
+        kp = projection_key(pk, pre)
+        kd = kp if pk == dk and pre == dec else projection_key(dk, dec)
+        base = payload or SteerPayload()
+        configs: dict = {}
+        for new, old in ((kp, pk), (kd, dk)):
+            if new is None:
+                continue
+            if old is None:
+                configs[new] = {}  # projections only: no vector rows
+            elif old in base.configs:
+                configs[new] = base.configs[old]
+            # else: a bare module reference, whose rows the worker builds
+        renamed = [(old, new) for old, new in ((pk, kp), (dk, kd)) if old is not None]
+        sae = {new: base.sae[old] for old, new in renamed if old in base.sae} if base.sae else base.sae
+        projections = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
+        return replace(base, prefill=kp, decode=kd, configs=configs, sae=sae, projections=projections), kp, kd
+
+    def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any], capture: dict | None,
+                        proj: tuple[list, list] = ([], [])) -> tuple[SteerPayload | None, str | None, str | None]:
         """The payload of a conditional request (``frontend.condition_spec``): its vector rows always
         travel (a module's too), with its SAE clamps if any, each gated phase re-keyed with the
         condition, which travels beside them."""
@@ -163,15 +191,19 @@ class SteeringFrontend:
         check_sites(wire, sites, clamp_sites, sae_sites, phase)
         if sae_raw is not None:  # the clamps first: the condition keys the phase's whole config
             payload, pk, dk = self._with_sae(payload, pk, dk, *clamps, catalog)
+        payload, pk, dk = self._with_projections(payload, pk, dk, *proj)
         # each phase's key: the gated ones re-keyed with the condition, the other kept (pk may equal dk)
         npk, ndk = (condition_key(k, wire) if g and k is not None else k for k, g in zip((pk, dk), gated))
         renamed = [(old, new) for old, new in ((pk, npk), (dk, ndk)) if old is not None]
         payload = payload or SteerPayload()
         sae = {new: payload.sae[old] for old, new in renamed if old in payload.sae} if payload.sae else payload.sae
+        projections = ({new: payload.projections[old] for old, new in renamed if old in payload.projections}
+                       if payload.projections else payload.projections)
         # stop_when: (above, tokens, whether the last prompt position's gate counts: prefill gated)
         out = replace(payload, prefill=npk, decode=ndk,
                       configs={new: payload.configs[old] for old, new in renamed if old in payload.configs},
                       condition={new: tuple(wire) for old, new in renamed if new != old}, sae=sae,
+                      projections=projections,
                       stop_when=(*stop, phase == "both") if stop is not None else None)
         return out, npk, ndk
 
@@ -315,7 +347,8 @@ class SteeringFrontend:
         """A request whose prefill and decode configs differ needs two rows at once: refused (400)
         where the tables run one config at a time, instead of waiting for a row that never comes."""
         if pk and dk and pk != dk and self.cfg.usable_rows < 2:
-            field = next((f for f in ("decode_steering_vectors", "prefill_steering_vectors", SAE_FIELD)
+            field = next((f for f in ("decode_steering_vectors", "prefill_steering_vectors", SAE_FIELD,
+                                      *PROJECTION_FIELDS[::-1])
                           if extra_args.get(f) is not None), "steering_vectors")
             raise SteeringSpecError(field, (
                 f"needs 2 steering rows at once (its prefill and decode configs differ), but this server runs "
