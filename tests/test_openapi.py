@@ -20,7 +20,8 @@ ROUTES = {
     "/v1/steering/sae/{name}": {"get", "delete"},
 }
 MODULE_FIELDS = {"name", "description", "replace", "steering_vectors", "prefill_steering_vectors",
-                 "decode_steering_vectors", "steering_condition"}
+                 "decode_steering_vectors", "steering_condition", "steering_projections",
+                 "prefill_steering_projections", "decode_steering_projections", "as_ablation"}
 
 
 @pytest.fixture(scope="module")

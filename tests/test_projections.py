@@ -123,3 +123,23 @@ def test_tables_take_a_rows_projections_and_clear_them_when_the_row_is_reused(fe
         [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
     tables.write_row(2, None)
     assert tables.descs[("post_mlp", 3)][0].tolist() == [0, 0, 0, 0]
+
+
+def test_a_condition_may_gate_projections_and_keys_them_with_the_phase():
+    fe = _frontend(dtype=torch.float32, layers=4, hidden=D, max_projections=2, conditions=True)
+    cond = {"site": "post_mlp.1", "probe": DIR.tolist(), "applies_to": ["projections", "vectors"]}
+    proj = {"steering_projections": {"post_mlp.2": [ablate()]}}
+    p, pk, dk = fe.resolve({**proj, "steering_condition": cond})
+    assert pk == dk and list(p.projections) == [pk] and list(p.condition) == [pk] and p.condition[pk][6] == 5
+    _, ungated, _ = fe.resolve(proj)
+    assert ungated != pk
+    with pytest.raises(SteeringSpecError) as e:  # a projection before the probe: no gate there yet
+        fe.resolve({"steering_projections": {"post_mlp.0": [ablate()]}, "steering_condition": cond})
+    assert e.value.field == "steering_condition.site" and "post_mlp.0" in str(e.value)
+    with pytest.raises(SteeringSpecError) as e:  # gating projections the request does not have
+        fe.resolve({"steering_vectors": {"post_mlp": {"2": DIR.tolist()}},
+                    "steering_condition": {**cond, "applies_to": "projections"}})
+    assert e.value.field == "steering_condition" and "scales projections" in str(e.value)
+    with pytest.raises(SteeringSpecError) as e:
+        fe.resolve({**proj, "steering_condition": {**cond, "applies_to": ["projections", "projections"]}})
+    assert e.value.field == "steering_condition.applies_to"

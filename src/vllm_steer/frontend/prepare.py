@@ -27,7 +27,9 @@ from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIEL
                                      REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS, effective_phases, selected)
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
+from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.frontend.projection_spec import ProjWire, parse_projections, projection_key
+from vllm_steer.frontend.projection_spec import summary as projection_summary
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, Prepared, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
@@ -96,7 +98,7 @@ class SteeringFrontend:
         sae_raw = fields.pop(SAE_FIELD, None)
         cond_raw = fields.pop(CONDITION_FIELD, None)
         proj = parse_projections({f: fields.pop(f, None) for f in PROJECTION_FIELDS}, self.shape,
-                                 self.cfg.max_projections)
+                                 self.cfg.max_projections, self._module_projections(fields.get(MODULE_FIELD)))
         if cond_raw is None and (carried := self._module_condition(fields.get(MODULE_FIELD))) is not None:
             try:  # the named module carries one (frontend.condition_spec.module_condition)
                 return self._with_condition(carried, sae_raw, fields, capture, proj)
@@ -113,6 +115,21 @@ class SteeringFrontend:
             pre_sae, dec_sae = parse_sae(sae_raw, catalog)
             out = self._with_sae(*out, pre_sae, dec_sae, catalog)
         return self._with_projections(*out, *proj)
+
+    def _module_projections(self, ref: Any) -> tuple[dict, tuple | None, tuple | None] | None:
+        """The projection fields of the module a request names, with the request's selection (None: none)."""
+        if isinstance(ref, str):
+            ref = {"name": ref}
+        module = STORE.get(ref.get("name")) if isinstance(ref, dict) and isinstance(ref.get("name"), str) else None
+        if module is None or not module.projections:
+            return None
+        sel = parse_spec({MODULE_FIELD: ref}, self.shape).module  # the selection, checked as _vectors will
+        sites = [parse_site_name(site) for ops in projection_summary(module.projections).values() for site in ops]
+        if not module.has_vectors and not any((sel.layers is None or l in sel.layers) and
+                                              (sel.hooks is None or h in sel.hooks) for h, l in sites):
+            raise SteeringSpecError("steering_module.layers" if sel.layers else "steering_module.hooks",
+                                    f"the selection holds none of module {module.name!r}'s projections")
+        return module.projections, sel.layers, sel.hooks
 
     @staticmethod
     def _module_condition(ref: Any) -> dict | None:
@@ -187,8 +204,9 @@ class SteeringFrontend:
         sites = {(hook, layer) for key, g in zip((pk, dk), gated) if g and key is not None
                  for hook, (layers, _) in configs[key].items() for layer in layers}
         clamp_sites = {(e[1], e[2]) for entries, g in zip(clamps, gated) if g for e in entries}
+        proj_sites = {(e[0], e[1]) for entries, g in zip(proj, gated) if g for e in entries}
         sae_sites = set(self.sae_slots) | {site for e in self.sae.values() for site in e.sites}
-        check_sites(wire, sites, clamp_sites, sae_sites, phase)
+        check_sites(wire, sites, clamp_sites, sae_sites, phase, proj_sites)
         if sae_raw is not None:  # the clamps first: the condition keys the phase's whole config
             payload, pk, dk = self._with_sae(payload, pk, dk, *clamps, catalog)
         payload, pk, dk = self._with_projections(payload, pk, dk, *proj)
@@ -222,6 +240,8 @@ class SteeringFrontend:
             configs = {key: layout} if key is not None else {}
             return SteerPayload(prefill=pk, decode=dk, configs=configs, capture=capture), pk, dk
         spec = parse_spec(fields, self.shape)
+        if spec.module is not None and (named := STORE.get(spec.module.name)) is not None and not named.has_vectors:
+            spec = dataclasses.replace(spec, module=None)  # projections only (``_module_projections``): no rows
         bare_module = spec.module is not None and not any(spec.tiers.values()) and not ship_rows
         if bare_module:
             module = STORE.get(spec.module.name)

@@ -40,21 +40,76 @@ ProjWire = list  # [hook, layer, dirs (float32 bytes [K, D]), bounds (float32 by
 Site = tuple[str, int]
 
 
-def parse_projections(fields: dict[str, Any], shape: ModelShape,
-                      max_projections: int) -> tuple[list[ProjWire], list[ProjWire]]:
-    """(prefill, decode) wire entries of a request's projection fields (absent ones: none)."""
+Ops = dict[Site, tuple[str, list[tuple[np.ndarray, float, float]]]]  # site -> (field naming it, [(v, lo, hi)])
+
+
+def parse_projections(fields: dict[str, Any], shape: ModelShape, max_projections: int,
+                      module: tuple[dict, tuple[int, ...] | None, tuple[str, ...] | None] | None = None,
+                      ) -> tuple[list[ProjWire], list[ProjWire]]:
+    """(prefill, decode) wire entries of a request's projection fields (absent ones: none). ``module``: the
+    projection fields of the module the request names (``SteeringModule.projections``, checked when it was
+    registered) with the request's layer / hook selection: its ops at a site come before the request's."""
     given = [f for f in PROJECTION_FIELDS if fields.get(f) is not None]
-    if not given:
+    if not given and not (module and module[0]):
         return [], []
     if max_projections <= 0:
-        raise SteeringSpecError(given[0], "directional projections are off on this server (start it with "
-                                          "steer.max_projections >= 1)")
-    base, pre, dec = (_parse_field(f, fields.get(f), shape) for f in PROJECTION_FIELDS)
+        raise SteeringSpecError(given[0] if given else "steering_module.name",
+                                "directional projections are off on this server (start it with "
+                                "steer.max_projections >= 1)")
+    tiers = [_parse_field(f, fields.get(f), shape) for f in PROJECTION_FIELDS]
+    if module and module[0]:
+        raw, layers, hooks = module
+        for i, f in enumerate(PROJECTION_FIELDS):
+            own = _parse_field(f, raw.get(f), shape)
+            own = {s: v for s, v in own.items() if (layers is None or s[1] in layers) and (hooks is None or s[0] in hooks)}
+            tiers[i] = {s: (tiers[i][s][0] if s in tiers[i] else "steering_module.name",
+                            own.get(s, ("", []))[1] + tiers[i].get(s, ("", []))[1]) for s in set(own) | set(tiers[i])}
+    base, pre, dec = tiers
     return (_phase(base, pre, PROJECTION_FIELDS[1], max_projections),
             _phase(base, dec, PROJECTION_FIELDS[2], max_projections))
 
 
-Ops = dict[Site, tuple[str, list[tuple[np.ndarray, float, float]]]]  # site -> (field naming it, [(v, lo, hi)])
+def module_projections(fields: dict[str, Any], shape: ModelShape, max_projections: int) -> dict | None:
+    """A module registration's projection fields, checked as a request's would be (SteeringSpecError naming
+    the field), kept as given (None: none)."""
+    out = {f: fields[f] for f in PROJECTION_FIELDS if fields.get(f) is not None}
+    if out:
+        parse_projections(out, shape, max_projections)
+    return out or None
+
+
+def ablations_of(tiers: dict[str, Any]) -> dict:
+    """A module's vectors as ablation directions at their sites, tier by tier (``steering_vectors`` ->
+    ``steering_projections``, ...): how a GGUF / repeng control vector is used to remove its direction."""
+    from vllm_steer.core.vectors import TIER_FIELDS
+
+    out: dict = {}
+    for tier, proj_field in zip(TIER_FIELDS, PROJECTION_FIELDS):
+        for hook, layers in (tiers.get(tier) or {}).items():
+            for layer, v in layers.items():
+                if np.any(v):
+                    out.setdefault(proj_field, {})[f"{hook}.{layer}"] = [{"direction": packed(v), "mode": "ablate"}]
+    return out
+
+
+def packed(v: np.ndarray) -> dict:
+    """A direction in the packed form requests take (float32, base64): exact and compact in JSON."""
+    import base64
+
+    return {"dtype": "float32", "data": base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()}
+
+
+def summary(fields: dict | None) -> dict | None:
+    """A module's projections as its listing shows them: per field, per site, the ops' modes."""
+    if not fields:
+        return None
+    out: dict = {}
+    for f, obj in fields.items():
+        for key, value in obj.items():
+            sites = [(key, value)] if "." in key else [(f"{key}.{l}", v) for l, v in value.items()]
+            for site, ops in sites:
+                out.setdefault(f, {})[site] = [op.get("mode") for op in ops]
+    return out
 
 
 def _phase(base: Ops, own: Ops, own_field: str, k_max: int) -> list[ProjWire]:
