@@ -478,7 +478,7 @@ def test_stop_when_ends_a_request_where_transformers_gate_passes_the_bound(cond_
     assert abs(float(soft["stop_reason"]) - stop_setup["gates"][j]) < 1e-2
     for got, n in ((cond_run["mixed"][6], 3), (cond_run["mixed"][7], 4)):
         assert (got["finish_reason"], len(got["token_ids"]), float(got["stop_reason"])) == ("stop_when", n, 1.0)
-    assert [r["finish_reason"] for r in cond_run["mixed"][:5] + cond_run["mixed"][8:]] == ["length"] * 7
+    assert [r["finish_reason"] for r in cond_run["mixed"][:5] + cond_run["mixed"][8:]] == ["length"] * 8
 
 
 def test_the_gate_matters_and_the_neighbours_are_untouched(cond_run, smollm2_path, prompt_ids, probe_setup):

@@ -396,7 +396,7 @@ def test_modules_carry_projections_json_safetensors_and_a_gguf_used_as_an_ablati
         cases = [({"steering_module": names[0]}, {"steering_vectors": vecs, "steering_projections": {"post_mlp.10": ops}}),
                  ({"steering_module": names[1]}, {"steering_projections": {"post_mlp.10": ops}}),
                  ({"steering_module": names[2]}, {"steering_projections": {"post_mlp.10": [
-                     {"direction": d_cap.tolist(), "mode": "ablate"}]}})]
+                     {"direction": (d_cap * 5).tolist(), "mode": "ablate"}]}})]  # the same float32 values
         plain = complete(base, model).json()["choices"][0]["text"]
         for via_module, inline in cases:
             a, b = complete(base, model, **via_module).json(), complete(base, model, **inline).json()
