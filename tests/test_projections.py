@@ -143,3 +143,36 @@ def test_a_condition_may_gate_projections_and_keys_them_with_the_phase():
     with pytest.raises(SteeringSpecError) as e:
         fe.resolve({**proj, "steering_condition": {**cond, "applies_to": ["projections", "projections"]}})
     assert e.value.field == "steering_condition.applies_to"
+
+
+def test_module_files_carry_projections_and_a_module_may_be_its_vectors_as_ablations(fe):
+    from safetensors.numpy import save
+
+    from vllm_steer.frontend.module_registration import module_from_file, module_from_json
+
+    shape = fe.module_shape
+    st = save({"post_mlp.1": DIR, "decode.project.post_mlp.2": np.stack([DIR, -DIR]),
+               "decode.project.post_mlp.2.bounds": np.array([[0, 0], [-np.inf, 2.0]], np.float32)})
+    m = module_from_file("st", st, "m.safetensors", shape, max_projections=2)
+    assert m.has_vectors and m.summary()["projections"] == {"decode_steering_projections": {"post_mlp.2": ["ablate", "cap"]}}
+    assert m.projections["decode_steering_projections"]["post_mlp.2"][1] == {"direction": (-DIR).tolist(), "mode": "cap",
+                                                                             "max": 2.0}
+    a = module_from_json({"name": "a", "steering_vectors": {"post_mlp": {"1": DIR.tolist()}}, "as_ablation": True},
+                         shape, max_projections=2)
+    assert not a.has_vectors and a.summary()["projections"] == {"steering_projections": {"post_mlp.1": ["ablate"]}}
+    for bad, field, words in (
+            ({"project.post_mlp.2.bounds": np.zeros((1, 2), np.float32)}, "file.project.post_mlp.2.bounds", "without"),
+            ({"project.post_mlp.2": DIR[None], "project.post_mlp.2.bounds": np.full((1, 2), np.nan, np.float32)},
+             "file.project.post_mlp.2", "no NaN"),
+            ({"project.post_mlp.2": np.zeros((1, D), np.float32)},
+             "file.steering_projections.post_mlp.2[0].direction", "non-zero")):
+        with pytest.raises(SteeringSpecError) as e:
+            module_from_file("bad", save(bad), "m.safetensors", shape, max_projections=2)
+        assert e.value.field == field and words in str(e.value), str(e.value)
+    with pytest.raises(SteeringSpecError) as e:  # a server without projections
+        module_from_file("st", st, "m.safetensors", shape)
+    assert e.value.field.startswith("file.decode_steering_projections") and "max_projections" in str(e.value)
+    with pytest.raises(SteeringSpecError) as e:
+        module_from_json({"name": "a", "steering_vectors": {"post_mlp": {"1": DIR.tolist()}}, "as_ablation": True,
+                          "steering_projections": {"post_mlp.1": [ablate()]}}, shape, max_projections=2)
+    assert e.value.field == "as_ablation"
