@@ -8,6 +8,9 @@
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
+#   proj       the projection kernel tests (interpreted and GPU), then project_n16 (16 requests each ablating one
+#              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj
+#              ab-start)
 #   capture    capture idle, capturing (activations) and writing every layer to disk vs stock (first:
 #              GPU_MEM=0.3 SERVERS=stock,steer_capture,steer_capture_fs ab-start; then
 #              GRAPH_SERVERS=stock,steer_capture graph counts the capture kernels per decode step)
@@ -73,6 +76,11 @@ case "${1:-}" in
     timeout 420 "${KEPT[@]}" --tag cond --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
       --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
     ;;
+  proj)
+    timeout 120 "${PT[@]}" tests/gpu/test_proj_norm_gpu.py 2>&1 | tail -6
+    timeout 420 "${KEPT[@]}" --tag proj --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
+      --arms "${ARMS:-stock,per_request_n16,project_idle,project_n16,enabled_idle}" 2>&1 | tail -40
+    ;;
   capture)
     timeout 540 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 520 \
       --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all}" 2>&1 | tail -50
@@ -95,6 +103,6 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|capture|prefill|stop|small" >&2
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|stop|small" >&2
      exit 2 ;;
 esac

@@ -108,7 +108,7 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
                                 "capture_result_timeout_s": CAPTURE_TIMEOUT_S,
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
                                 "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root),
-                                "conditions": True}})
+                                "conditions": True, "max_projections": 2}})
     log = d / "server.log"
     with openai_server(smollm2_path, *API_SERVER_ARGS, "--additional-config", cfg, log=log,
                        max_model_len=API_MAX_MODEL_LEN) as (base, _):

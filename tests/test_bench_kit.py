@@ -211,3 +211,26 @@ def test_the_host_profile_splits_py_spy_samples_per_step_by_thread_and_owner():
     assert s["threads_ms_per_step"] == {"MainThread": 50.0, "vllm-steer-capture-a": 50.0}
     assert s["top_vllm_steer"] == [("on_rows (vllm_steer/capture/activations.py)", 10),
                                    ("plan (vllm_steer/runtime/capture.py)", 4)]
+
+
+def test_the_projection_arm_ablates_one_unit_direction_per_request_at_every_post_mlp(ctx):
+    """``project_n16``: 16 distinct configs, each one random unit direction (packed float32) ablated at post_mlp of
+    every layer, which the front end accepts on a server with ``max_projections`` 1 (its server's block)."""
+    import torch
+
+    from abkit.servers import STEER_SERVERS
+    from tests.test_spec_and_hash import _frontend
+
+    arm = ARMS["project_n16"]
+    assert expects_steering_field(arm) and arm["server"] == "steer_proj"
+    fields = arm_fields(arm, 20, 5, ctx)
+    layers = ctx["shape"]["layers"]
+    dirs = [np.frombuffer(base64.b64decode(f["steering_projections"]["post_mlp"]["0"][0]["direction"]["data"]),
+                          np.float32) for f in fields]
+    assert len({d.tobytes() for d in dirs}) == 16 and dirs[16].tobytes() == dirs[0].tobytes()
+    np.testing.assert_allclose([np.linalg.norm(d) for d in dirs], 1.0, rtol=1e-6)
+    assert all(sorted(f["steering_projections"]["post_mlp"], key=int) == [str(l) for l in range(layers)] for f in fields)
+    fe = _frontend(dtype=torch.bfloat16, layers=layers, hidden=ctx["shape"]["hidden"],
+                   **STEER_SERVERS["steer_proj"]["steer"])
+    payload, pk, dk = fe.resolve(fields[3])
+    assert pk == dk and len(payload.projections[pk]) == layers

@@ -19,7 +19,8 @@ from tests.engine_job import run_job
 from tests.server import scrape_metrics
 from tests.sae_writers import write_gemma_scope
 from tests.steering_cases import floats, params, vector
-from tests.test_sae_engine import BIG as SAE_BIG, RESIDUAL_ATOL, RESIDUAL_RTOL, SAES, _edit as sae_edit, stream_into
+from tests.test_sae_engine import BIG as SAE_BIG, CAP_DIR, RESIDUAL_ATOL, RESIDUAL_RTOL, SAES, _edit as sae_edit, \
+    stream_into
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import site_order
@@ -254,7 +255,16 @@ def probe_setup(smollm2_path, prompt_ids):
             "v1": vector(HIDDEN, 1, SCALE), "v2": vector(HIDDEN, 2, SCALE / 2)}
 
 
-def _condition(ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors") -> dict:
+# Request 10: projections gated (applies_to "projections"; its vectors ungated): a cap at the SAE site
+# post_mlp.14 (the SAE norm's op reads the gate) and an ablation at pre_attn.16
+UNIT_CAP = (CAP_DIR / np.linalg.norm(CAP_DIR.astype(np.float64))).astype(np.float32)
+PROJ_ABLATE = vector(HIDDEN, 9, 1.0)
+PROJECTIONS = {f"post_mlp.{STEER_LAYER}": [{"direction": CAP_DIR.tolist(), "mode": "cap", "min": 25.0}],
+               f"pre_attn.{STEER_LAYER + 2}": [{"direction": (PROJ_ABLATE * 5).tolist(), "mode": "ablate"}]}
+PROJ_OPS = {STEER_LAYER: [(UNIT_CAP, 25.0, np.inf)], STEER_LAYER + 2: [(PROJ_ABLATE, 0.0, 0.0)]}
+
+
+def _condition(ps: dict, mode: str, phase: str = "both", applies_to: str | list = "vectors") -> dict:
     return {"site": f"post_mlp.{PROBE_LAYER}", "probe": [float(x) for x in ps["probe"]], "threshold": ps["threshold"],
             "sharpness": ps["sharpness"], "mode": mode, "phase": phase, "applies_to": applies_to}
 
@@ -310,11 +320,14 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
              params(steering_vectors=_vectors(ps), steering_condition=_open_gate("decode", 3)),
              params(sae=SAE_CLAMPS, steering_condition=_condition(ps, "soft", applies_to="sae")),
              params(sae=SAE_CLAMPS, steering_vectors=_vectors(ps), steering_condition=_condition(ps, "hard",
-                                                                                                   applies_to="both"))]
+                                                                                                   applies_to="both")),
+             params(steering_vectors=_vectors(ps), steering_projections=PROJECTIONS,
+                    steering_condition=_condition(ps, "soft", applies_to="projections"))]
     d = tmp_path_factory.mktemp("cond")
     sae = {"gs": {"path": write_gemma_scope(str(d / "gs"), SAES["gs"][SAE_SITE]), "site": "post_mlp.%d" % STEER_LAYER}}
-    engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 10,
+    engine = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 11,
               "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 12,
+                                                                                    "max_projections": 1,
                                                                                     "conditions": True, "sae": sae,
                                                                                     "capture": ["activations"]}}}
     job = {"model": smollm2_path, "llm_kwargs": engine,
@@ -331,16 +344,18 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
 
 
 def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors",
-              clamps: list | None = None, vectors: bool = True):
+              clamps: list | None = None, vectors: bool = True, projections: dict | None = None):
     """transformers with hooks: the gate from the residual leaving layer PROBE_LAYER, then at each later
-    site the SAE clamp's move (``clamps``, at SAE_SITE) and each vector, scaled by its token's gate as
-    ``applies_to`` says (``phase`` decode: the prompt's tokens ungated, the generated ones gated)."""
-    edits, _ = _gated_edits(len(prompt_ids), ps, mode, phase, applies_to, clamps, vectors)
+    site the SAE clamp's move (``clamps``, at SAE_SITE), the projections' (``projections``: layer ->
+    [(unit v, lo, hi)] at STEER_LAYER's post_mlp and STEER_LAYER + 2's pre_attn) and each vector, scaled by
+    its token's gate as ``applies_to`` says (``phase`` decode: the prompt's tokens ungated, the generated
+    ones gated)."""
+    edits, _ = _gated_edits(len(prompt_ids), ps, mode, phase, applies_to, clamps, vectors, projections)
     return hf_oracle.greedy(path, prompt_ids, 12, edits=edits)
 
 
 def _gated_edits(n_prompt: int, ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors",
-                 clamps: list | None = None, vectors: bool = True) -> tuple[list, dict]:
+                 clamps: list | None = None, vectors: bool = True, projections: dict | None = None) -> tuple[list, dict]:
     """``_hf_gated``'s stream edits, and the dict whose ``"g"`` holds the last forward's gates per token."""
     probe = torch.from_numpy(ps["probe"])
     gate: dict[str, torch.Tensor] = {}
@@ -352,21 +367,33 @@ def _gated_edits(n_prompt: int, ps: dict, mode: str, phase: str = "both", applie
             gate["g"][..., :n_prompt] = 1.0
         return s
 
-    def weight(what: str) -> torch.Tensor:
-        return gate["g"][..., None] if applies_to in (what, "both") else torch.ones(())
+    gated = {"both": ("vectors", "sae")}.get(applies_to, applies_to)
 
-    def add(v: np.ndarray | None, clamp=None):
+    def weight(what: str) -> torch.Tensor:
+        return gate["g"][..., None] if what in gated else torch.ones(())
+
+    def project(s: torch.Tensor, ops: list) -> torch.Tensor:
+        for v, lo, hi in ops:
+            v = torch.from_numpy(v)
+            p = s @ v
+            s = s + (p.clamp(lo, hi) - p)[..., None] * v
+        return s
+
+    def add(v: np.ndarray | None, clamp=None, ops=None):
         vt = torch.from_numpy(v) if v is not None and vectors else torch.zeros(())
 
         def edit(s: torch.Tensor) -> torch.Tensor:
             if clamp is not None:  # the clamp first, as at every site: its move scaled
                 s = s + weight("sae") * (clamp(s) - s)
+            if ops:  # then the projections' move
+                s = s + weight("projections") * (project(s, ops) - s)
             return s + weight("vectors") * vt
         return edit
 
     clamp = sae_edit(SAES["gs"][SAE_SITE], "delta", clamps) if clamps else None
-    edits = [("post_mlp", PROBE_LAYER, read_gate), ("post_mlp", STEER_LAYER, add(ps["v1"], clamp)),
-             ("pre_attn", STEER_LAYER + 2, add(ps["v2"]))]
+    ops = projections or {}
+    edits = [("post_mlp", PROBE_LAYER, read_gate), ("post_mlp", STEER_LAYER, add(ps["v1"], clamp, ops.get(STEER_LAYER))),
+             ("pre_attn", STEER_LAYER + 2, add(ps["v2"], None, ops.get(STEER_LAYER + 2)))]
     return edits, gate
 
 
@@ -400,6 +427,18 @@ def test_gated_sae_clamps_match_transformers_with_the_same_gate(cond_run, smollm
     ungated, _ = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[
         ("post_mlp", STEER_LAYER, sae_edit(SAES["gs"][SAE_SITE], "delta", SAE_BIG))])
     assert got["token_ids"] != ungated and got["token_ids"] != cond_run["mixed"][3]["token_ids"]  # the gate mattered
+
+
+def test_gated_projections_match_transformers_with_the_same_gate(cond_run, smollm2_path, prompt_ids, probe_setup):
+    """``applies_to: "projections"``: each projection's move (a cap at the SAE site, an ablation at a plain
+    norm) scaled by the gate, ``s + g * (projected(s) - s)``, the vectors at the same sites ungated."""
+    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, "soft", applies_to="projections",
+                                    projections=PROJ_OPS)
+    got = cond_run["mixed"][10]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    ungated, _ = _hf_gated(smollm2_path, prompt_ids, probe_setup, "soft", applies_to=(), projections=PROJ_OPS)
+    assert got["token_ids"] != ungated and got["token_ids"] != cond_run["mixed"][2]["token_ids"]  # the gate mattered
 
 
 @pytest.mark.parametrize("site", CAPTURED)
@@ -439,7 +478,7 @@ def test_stop_when_ends_a_request_where_transformers_gate_passes_the_bound(cond_
     assert abs(float(soft["stop_reason"]) - stop_setup["gates"][j]) < 1e-2
     for got, n in ((cond_run["mixed"][6], 3), (cond_run["mixed"][7], 4)):
         assert (got["finish_reason"], len(got["token_ids"]), float(got["stop_reason"])) == ("stop_when", n, 1.0)
-    assert [r["finish_reason"] for r in cond_run["mixed"][:5] + cond_run["mixed"][8:]] == ["length"] * 7
+    assert [r["finish_reason"] for r in cond_run["mixed"][:5] + cond_run["mixed"][8:]] == ["length"] * 8
 
 
 def test_the_gate_matters_and_the_neighbours_are_untouched(cond_run, smollm2_path, prompt_ids, probe_setup):

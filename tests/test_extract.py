@@ -148,6 +148,24 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
     r = httpx.get(f"{base}/v1/steering/modules/cli-extracted", timeout=30)
     assert r.status_code == 200 and r.json()["layers"] == [8, 9, 10], r.text
     httpx.delete(f"{base}/v1/steering/modules/cli-extracted", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    # --emit ablate: a module that removes each extracted direction (project.<site>), used like the same inline
+    out = _cli("--server", base, "--pairs", str(pairs), "--layers", "8-10", "--emit", "ablate", "--api-key", API_KEY,
+               "-o", str(tmp_path / "a.safetensors"), "--register", "cli-ablate", "--replace")
+    assert out.returncode == 0 and "3 directions to ablate" in out.stderr, out.stderr
+    tensors = load_file(str(tmp_path / "a.safetensors"))
+    assert sorted(tensors) == [f"project.post_mlp.{l}" for l in (10, 8, 9)]
+    np.testing.assert_allclose(tensors["project.post_mlp.9"], ref.vectors["post_mlp"][9], rtol=1e-5, atol=RERUN_ATOL)
+    r = httpx.get(f"{base}/v1/steering/modules/cli-ablate", timeout=30)
+    assert r.status_code == 200 and r.json()["projections"] == {"steering_projections": {
+        f"post_mlp.{l}": ["ablate"] for l in (8, 9, 10)}} and r.json()["layers"] == [], r.text
+    inline = {"steering_projections": {f"post_mlp.{l}": [{"direction": tensors[f"project.post_mlp.{l}"].tolist(),
+                                                          "mode": "ablate"}] for l in (8, 9, 10)}}
+    texts = [httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "I think that", "max_tokens": 8, "temperature": 0, **body}).json()
+        for body in ({"steering_module": "cli-ablate"}, inline)]
+    assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+    assert texts[0]["steering"] == texts[1]["steering"]
+    httpx.delete(f"{base}/v1/steering/modules/cli-ablate", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
 
 @pytest.mark.parametrize("args,words", [
@@ -157,6 +175,7 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
     (["--pairs", "{tmp}/empty.jsonl"], "no pairs"),
     (["--pairs", "{tmp}/bad.jsonl"], "bad.jsonl:1.negative: expected a non-empty string"),
     (["-o", "{tmp}/v.npy"], "the output must end in .safetensors or .gguf"),
+    (["--emit", "ablate", "-o", "{tmp}/v.gguf"], "--emit ablate writes .safetensors"),
 ])
 def test_bad_inputs_are_clear_errors(api_server, tmp_path, args, words):
     (tmp_path / "pairs.jsonl").write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps(PAIRS[1]) + "\n")

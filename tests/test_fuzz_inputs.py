@@ -198,15 +198,50 @@ def _condition_cases() -> Iterator[Case]:
     yield "condition:no-vectors", {f: ok}, f
     clamps = {"sae": {"name": "fz", "clamps": [{"feature": 3, "value": 1.0}]}}  # fz: post_mlp.12
     yield "condition:applies-to", {**vec, f: {**ok, "applies_to": "all"}}, f"{f}.applies_to"
+    yield "condition:applies-to-list", {**vec, f: {**ok, "applies_to": ["vectors", "x"]}}, f"{f}.applies_to"
+    yield "condition:applies-to-projections-none", {**vec, f: {**ok, "applies_to": "projections"}}, f
     yield "condition:applies-to-sae-none", {**vec, f: {**ok, "applies_to": "sae"}}, f
     yield ("condition:sae-before-probe", {**vec, **clamps, f: {**ok, "site": "post_mlp.13", "applies_to": "sae"}},
            f"{f}.site")
     yield "condition:probe-beside-sae", {**vec, **clamps, f: {**ok, "site": "pre_attn.13"}}, f"{f}.site"
 
 
+def _projection_cases() -> Iterator[Case]:
+    """Each projection field (the shared server runs steer.max_projections 2): every corruption of the base
+    field, a few of each phase's (they share the parser)."""
+    ab = {"direction": GOOD_VEC.tolist(), "mode": "ablate"}
+    for f in ("steering_projections", "prefill_steering_projections", "decode_steering_projections"):
+        site = f"{f}.post_mlp.{LAYER}"
+        for name, bad, field in (
+                ("type", [ab], f), ("hook", {"mid": {str(LAYER): [ab]}}, f"{f}.mid"),
+                ("hookval", {"post_mlp": [ab]}, f"{f}.post_mlp"),
+                ("layer", {"post_mlp": {"99": [ab]}}, f"{f}.post_mlp.99"),
+                ("site-bad", {"post_mlp.x": [ab]}, f"{f}.post_mlp.x"), ("pre-attn-0", {"pre_attn.0": [ab]}, f"{f}.pre_attn.0"),
+                ("ops-empty", {"post_mlp": {str(LAYER): []}}, site), ("ops-obj", {"post_mlp": {str(LAYER): ab}}, site),
+                ("too-many", {"post_mlp": {str(LAYER): [ab] * 3}}, site),
+                ("op-int", {"post_mlp": {str(LAYER): [5]}}, f"{site}[0]"),
+                ("mode", {"post_mlp": {str(LAYER): [{**ab, "mode": "erase"}]}}, f"{site}[0].mode"),
+                ("no-dir", {"post_mlp": {str(LAYER): [{"mode": "ablate"}]}}, f"{site}[0].direction"),
+                ("dir-zero", {"post_mlp": {str(LAYER): [{**ab, "direction": [0.0] * HIDDEN}]}}, f"{site}[0].direction"),
+                ("dir-short", {"post_mlp": {str(LAYER): [{**ab, "direction": [1.0] * 7}]}}, f"{site}[0].direction"),
+                ("dir-inf", {"post_mlp": {str(LAYER): [{**ab, "direction": [1e400] * HIDDEN}]}}, f"{site}[0].direction"),
+                ("dir-packed", {"post_mlp": {str(LAYER): [{**ab, "direction": {"dtype": "float32", "data": "AAAA"}}]}},
+                 f"{site}[0].direction.data"),
+                ("ablate-max", {"post_mlp": {str(LAYER): [{**ab, "max": 1.0}]}}, f"{site}[0].max"),
+                ("cap-none", {"post_mlp": {str(LAYER): [{**ab, "mode": "cap"}]}}, f"{site}[0]"),
+                ("cap-order", {"post_mlp": {str(LAYER): [{**ab, "mode": "cap", "min": 2, "max": 1}]}}, f"{site}[0].min"),
+                ("cap-str", {"post_mlp": {str(LAYER): [{**ab, "mode": "cap", "max": "1"}]}}, f"{site}[0].max"),
+                ("cap-inf", {"post_mlp": {str(LAYER): [{**ab, "mode": "cap", "min": 1e400}]}}, f"{site}[0].min")):
+            if f == "steering_projections" or name in ("type", "too-many", "dir-zero", "cap-order"):
+                yield f"proj:{f}:{name}", {f: bad}, field
+    yield ("proj:over-max-with-base", {"steering_projections": {f"post_mlp.{LAYER}": [ab, ab]},
+                                       "decode_steering_projections": {f"post_mlp.{LAYER}": [ab]}},
+           f"decode_steering_projections.post_mlp.{LAYER}")
+
+
 def completion_cases() -> list[Case]:
     return ([c for t in TIERS for c in _tier_cases(t)] + list(_other_cases()) + list(_sae_cases())
-            + list(_condition_cases()))
+            + list(_condition_cases()) + list(_projection_cases()))
 
 
 def _xargs(fields: dict) -> dict:

@@ -371,3 +371,41 @@ def test_registering_beyond_max_modules_is_a_409_naming_the_limit(base, model):
         for name in fillers + ["one-too-many"]:
             httpx.delete(f"{base}/v1/steering/modules/{name}", headers=AUTH, timeout=30)
     assert len(httpx.get(f"{base}/v1/steering/modules", timeout=30).json()["data"]) == len(held)
+
+
+def test_modules_carry_projections_json_safetensors_and_a_gguf_used_as_an_ablation(base, model):
+    """A module's projections (JSON fields, safetensors ``project.<site>`` tensors with bounds, a GGUF control
+    vector registered ``as_ablation``) apply to a request naming it exactly as the same projections inline:
+    same text, same config key (``steering``)."""
+    d_ab, d_cap = vector(HIDDEN, 31, 1.0), vector(HIDDEN, 32, 1.0)
+    ops = [{"direction": d_ab.tolist(), "mode": "ablate"}, {"direction": (d_cap * 3).tolist(), "mode": "cap", "min": 20.0}]
+    vecs = {"post_mlp": {str(LAYER): VEC.tolist()}}
+    names = ["proj-json", "proj-st", "proj-gguf"]
+    try:
+        r = register(base, {"name": names[0], "steering_vectors": vecs, "steering_projections": {"post_mlp.10": ops}})
+        assert r.status_code == 201 and r.json()["projections"] == {"steering_projections": {
+            "post_mlp.10": ["ablate", "cap"]}}, r.text
+        st = save({"project.post_mlp.10": np.stack([d_ab, d_cap * 3]),
+                   "project.post_mlp.10.bounds": np.array([[0, 0], [20, np.inf]], np.float32)})
+        r = register(base, files={"file": ("p.safetensors", st)}, data={"name": names[1]})
+        assert r.status_code == 201 and r.json()["bytes"] == 0, r.text
+        r = register(base, files={"file": ("cv.gguf", gguf_control_vector({10: d_cap * 5}))},
+                     data={"name": names[2], "as_ablation": "true"})
+        assert r.status_code == 201 and r.json()["layers"] == [] and r.json()["projections"] == {
+            "steering_projections": {"post_mlp.10": ["ablate"]}}, r.text
+        cases = [({"steering_module": names[0]}, {"steering_vectors": vecs, "steering_projections": {"post_mlp.10": ops}}),
+                 ({"steering_module": names[1]}, {"steering_projections": {"post_mlp.10": ops}}),
+                 ({"steering_module": names[2]}, {"steering_projections": {"post_mlp.10": [
+                     {"direction": (d_cap * 5).tolist(), "mode": "ablate"}]}})]  # the same float32 values
+        plain = complete(base, model).json()["choices"][0]["text"]
+        for via_module, inline in cases:
+            a, b = complete(base, model, **via_module).json(), complete(base, model, **inline).json()
+            assert a["choices"][0]["text"] == b["choices"][0]["text"], via_module
+            assert a["steering"] == b["steering"], via_module  # the same config key
+        assert complete(base, model, **cases[1][1]).json()["choices"][0]["text"] != plain  # the cap moves it
+        r = register(base, files={"file": ("cv.gguf", gguf_control_vector({10: d_cap}))},
+                     data={"name": "proj-bad", "as_ablation": "maybe"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "as_ablation", r.text
+    finally:
+        for name in names:
+            httpx.delete(f"{base}/v1/steering/modules/{name}", headers=AUTH, timeout=30)

@@ -20,7 +20,8 @@ ROUTES = {
     "/v1/steering/sae/{name}": {"get", "delete"},
 }
 MODULE_FIELDS = {"name", "description", "replace", "steering_vectors", "prefill_steering_vectors",
-                 "decode_steering_vectors", "steering_condition"}
+                 "decode_steering_vectors", "steering_condition", "steering_projections",
+                 "prefill_steering_projections", "decode_steering_projections", "as_ablation"}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_request_bodies_name_the_accepted_fields(spec):
     packed = follow(spec, module["properties"]["steering_vectors"]["anyOf"][0]["additionalProperties"]["anyOf"][1])
     assert {"dtype", "shape", "layer_indices", "data"} <= set(packed["properties"])
     form = body_schema(spec, "/v1/steering/modules", "multipart/form-data")
-    assert set(form["properties"]) == {"file", "name", "description", "replace"}
+    assert set(form["properties"]) == {"file", "name", "description", "replace", "as_ablation"}
     assert form["properties"]["file"]["format"] == "binary" and set(form["required"]) == {"file", "name"}
     sae = body_schema(spec, "/v1/steering/sae", "application/json")
     assert set(sae["properties"]) == {"name", "path", "format", "site", "features", "replace"}

@@ -2,7 +2,9 @@
 forward hook doing the same clamp (kernels/sae_clamp/naive.py) at the same site: delta and
 reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens and manifest files, in
 one mixed batch with vector and plain requests; phases; a clamp to a feature's own value; what capture reads
-at the clamped site and just after it."""
+at the clamped site and just after it. The same engine (``max_projections`` 2) serves directional
+projections (ablate / cap, several per site, with a vector at the same site, prefill-only and decode-only)
+in the same batches, against transformers hooks doing ``h - (h.v)v`` / clamping the component."""
 
 from __future__ import annotations
 
@@ -73,6 +75,52 @@ PHASED = {
 }
 
 
+# Directional projections. ABLATE_AT: its direction is transformers' own stream there (unnormalised: the
+# server normalises it), so ablating it moves the stream a lot; the caps push a component to a bound.
+ABLATE_AT = ("post_mlp", 12)
+CAP_DIR, CAP2_DIR = vector(HIDDEN, 7, 1.0), vector(HIDDEN, 8, 3.0)
+
+
+def _proj_requests(ablate_dir: np.ndarray) -> dict:
+    """name -> (steering fields, phase ("both" / "prefill" / "decode"), [(hook, layer, [(unit v, lo, hi)])], vectors)."""
+    ab = {"direction": ablate_dir.tolist(), "mode": "ablate"}
+    cap_lo = {"direction": CAP_DIR.tolist(), "mode": "cap", "min": 25.0}
+    cap_hi = {"direction": CAP2_DIR.tolist(), "mode": "cap", "min": -2.0, "max": -1.0}
+    u = lambda v: (v / np.linalg.norm(v.astype(np.float64))).astype(np.float32)  # noqa: E731
+    ops_12 = [(u(ablate_dir), 0.0, 0.0), (u(CAP_DIR), 25.0, np.inf)]
+    both = {"steering_projections": {"post_mlp.12": [ab, cap_lo], "pre_attn.8": [cap_hi]}}
+    edits = [("post_mlp", 12, ops_12), ("pre_attn", 8, [(u(CAP2_DIR), -2.0, -1.0)])]
+    return {
+        "proj_two_sites": (both, "both", edits, None),
+        "proj_then_vector": ({"steering_projections": {"post_mlp": {"14": [cap_lo]}},
+                              "steering_vectors": floats("post_mlp", 14, VEC)}, "both",
+                             [("post_mlp", 14, [(u(CAP_DIR), 25.0, np.inf)])], {"post_mlp": {14: VEC}}),
+        "proj_prefill_only": ({"prefill_steering_projections": both["steering_projections"]}, "prefill", edits, None),
+        "proj_decode_only": ({"decode_steering_projections": both["steering_projections"]}, "decode", edits, None),
+    }
+
+
+def _project_edit(ops: list, phase: str, prompt_len: int):
+    """transformers' stream edit of one site's projections, on the positions of ``phase`` only (the oracle
+    recomputes the whole sequence each step: positions < prompt_len are prefill)."""
+
+    def project(h: torch.Tensor) -> torch.Tensor:
+        for v, lo, hi in ops:
+            v = torch.from_numpy(v)
+            p = h @ v
+            h = h + (p.clamp(lo, hi) - p)[..., None] * v
+        return h
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        if phase == "both":
+            return project(h)
+        cut = min(prompt_len, h.shape[1])
+        parts = (project(h[:, :cut]), h[:, cut:]) if phase == "prefill" else (h[:, :cut], project(h[:, cut:]))
+        return torch.cat(parts, dim=1)
+
+    return fn
+
+
 def _files(d) -> dict:
     gs = write_gemma_scope(d / "gs", SAES["gs"][("post_mlp", 14)])
     lens = write_sae_lens(d / "lens", SAES["lens"][("post_mlp", 10)], hook_name="blocks.10.hook_resid_post")
@@ -94,21 +142,24 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
     phased = [params(prompt_logprobs=True, **fields) for fields in PHASED.values()]
     prompt = {"prompt_token_ids": list(prompt_ids)}
     rt_request = params(sae={"name": "rt", "clamps": RT_CLAMPS})
+    proj = _proj_requests(stream_into(smollm2_path, prompt_ids, ABLATE_AT[1] + 1))
+    proj_batch = [params(prompt_logprobs=True, **fields) for fields, _, _, _ in proj.values()]
     job = {
         "model": smollm2_path,
         "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16,
                        "distributed_executor_backend": "uni",
-                       "additional_config": {"steer": {"max_configs": 16, "sae": _files(d),
+                       "additional_config": {"steer": {"max_configs": 16, "max_projections": 2, "sae": _files(d),
                                                        "sae_slots": {"post_mlp.16": 48}, "sae_root": str(d),
                                                        "capture": ["activations"]}}},
         "calls": [{"prompts": [prompt] * len(batch), "params": batch},
-                  {"prompts": [prompt] * len(phased), "params": phased}]
+                  {"prompts": [prompt] * (len(phased) + len(proj)), "params": phased + proj_batch}]
         + _runtime_calls(d, prompt, rt_request),
         "collect_capture": True,
     }
     res = run_job(job, d)
     return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1])),
-            "runtime": res["calls"][2:]}
+            "runtime": res["calls"][2:], "proj": proj,
+            "projected": dict(zip(proj, res["calls"][1][len(PHASED):]))}
 
 
 def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
@@ -255,3 +306,28 @@ def test_capture_reads_the_stream_before_its_own_sites_clamps_and_after_earlier_
                                err_msg=f"{site}: max |diff| to each reading {off}")
     for other in set(streams) - {want}:  # the clamp moves this token's stream: the other reading is wrong
         assert not np.allclose(row, streams[other], rtol=RESIDUAL_RTOL, atol=RESIDUAL_ATOL), (site, other)
+
+
+@pytest.mark.parametrize("name", ["proj_two_sites", "proj_then_vector", "proj_prefill_only", "proj_decode_only"])
+def test_projections_in_a_mixed_batch_equal_transformers_hooks_doing_the_same_edit(run, smollm2_path, prompt_ids,
+                                                                                   name):
+    """Ablation (h - (h.v)v) and caps (the component clamped into [lo, hi]), two directions at one site and one
+    at another, before a vector at the same site, per phase; beside plain, SAE and vector requests (the phased
+    batch's plain request, checked against transformers below too)."""
+    _, phase, sites, vectors = run["proj"][name]
+    edits = [(hook, layer, _project_edit(ops, phase, len(prompt_ids))) for hook, layer, ops in sites]
+    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=edits)
+    got, plain = run["projected"][name], run["phased"]["plain"]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    plain_prompt = plain["prompt_logprobs"][1:]
+    if phase == "decode":  # the prompt is read unprojected: its logprobs and the first token are plain's
+        np.testing.assert_allclose(got["prompt_logprobs"][1:], plain_prompt, atol=1e-5)
+        assert got["token_ids"][0] == plain["token_ids"][0]
+    else:
+        assert not np.allclose(got["prompt_logprobs"][1:], plain_prompt, atol=1e-3)
+    assert got["token_ids"] != plain["token_ids"]  # the projection really steered
+    if name == "proj_prefill_only":  # same prompt as both phases, other tokens
+        both = run["projected"]["proj_two_sites"]
+        np.testing.assert_allclose(got["prompt_logprobs"][1:], both["prompt_logprobs"][1:], atol=1e-5)
+        assert got["token_ids"] != both["token_ids"]

@@ -1,6 +1,7 @@
 """The A/B arms (server + kind of traffic), their request fields, bodies and steering modules. Kinds: ``plain``,
 ``module``, ``shared`` (one config for all), ``per_request`` (n configs), ``sae`` (clamp sets), ``cond`` (with /
-without a steering_condition); single-site (post_mlp of --site-layer, 16 vectors; hotwire adds at the end of layer L
+without a steering_condition), ``project`` (n configs, each ablating one random unit direction at every layer's
+post_mlp: ``steering_projections``, the direction packed); single-site (post_mlp of --site-layer, 16 vectors; hotwire adds at the end of layer L
 = post_mlp at L): ``site_module`` (``ab_site_{i%16}``), ``site_inline``, ``hotwire`` (id ``v{i%16}``, vllm_xargs);
 ``capture`` (the ``activations`` consumer at 3 sites), ``capture_fs`` (the ``filesystem`` consumer: files on local
 disk, checked and removed after each run). ``load`` overrides the phase's load (``prompt_len``, ``max_tokens``,
@@ -61,6 +62,10 @@ ARMS = {
     "cond_idle": dict(server="steer_cond", kind="plain"),
     "cond_n16": dict(server="steer_cond", kind="cond", n_configs=16, condition=True),
     "cond_off_n16": dict(server="steer_cond", kind="cond", n_configs=16, condition=False),
+    # directional projections (steer.max_projections 1): idle, and 16 configs each ablating one random unit
+    # direction at every layer's post_mlp (compare with per_request_n16 on the steer server, same run)
+    "project_idle": dict(server="steer_proj", kind="plain"),
+    "project_n16": dict(server="steer_proj", kind="project", n_configs=16),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),
@@ -105,6 +110,19 @@ def steering_configs(n: int, seed: int, shape: dict, std: float, pack_dtype: str
     layers = list(range(first_layer, shape["layers"]))
     return [{h: pack((rng.standard_normal((len(layers), shape["hidden"]), dtype=np.float32) * std),
                      layers, pack_dtype, binary=binary) for h in HOOKS} for _ in range(n)]
+
+
+def projection_configs(n: int, seed: int, shape: dict) -> list[dict]:
+    """n distinct ``steering_projections``: each one random unit direction (float32, packed in base64: no JSON
+    floats to parse) ablated at post_mlp of every layer."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        v = rng.standard_normal(shape["hidden"]).astype(np.float32)
+        op = {"direction": {"dtype": "float32", "data": base64.b64encode((v / np.linalg.norm(v)).tobytes()).decode()},
+              "mode": "ablate"}
+        out.append({"post_mlp": {str(layer): [op] for layer in range(shape["layers"])}})
+    return out
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -168,6 +186,9 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
                      "threshold": 0.0}
         extra = {"steering_condition": condition} if arm.get("condition", True) else {}
         return [{"steering_vectors": cfgs[i % len(cfgs)], **extra} for i in range(n_requests)]
+    if kind == "project":
+        return [{"steering_projections": cfg} for cfg in
+                (projection_configs(n, seed, ctx["shape"])[i % n] for i in range(n_requests))]
     if kind in ("capture", "capture_fs"):
         spec = {"layers": capture_layers(arm, ctx["shape"]["layers"]), "hooks": ["post_mlp"],
                 "positions": arm.get("positions", "all_generated")}

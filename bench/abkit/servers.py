@@ -40,11 +40,14 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_rows4": {"steer": {"max_configs": 4}},
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}},
                  "steer_cond": {"steer": {"max_configs": 272, "conditions": True}},  # conditional steering
+                 # directional projections: one direction per site and row (steer.max_projections)
+                 "steer_proj": {"steer": {"max_configs": 272, "max_projections": 1}},
                  # capture: the activations driver consumer enabled (a capture op before every steered norm)
                  "steer_capture": {"steer": {"max_configs": 272, "capture": ["activations"]}}}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
-                "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17}
+                "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
+                "steer_proj": 18}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b bf16): the heavy arm drops nothing

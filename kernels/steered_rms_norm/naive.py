@@ -14,7 +14,7 @@ import torch
 
 # A conditional row's ``cond_site`` word: its probe site's order in the low 16 bits, plus what its gate
 # does not / does scale (``applies_to``); -1: no condition (runtime.condition_tables writes it)
-SITE_MASK, VECTORS_UNGATED, SAE_GATED = 0xFFFF, 1 << 16, 1 << 17
+SITE_MASK, VECTORS_UNGATED, SAE_GATED, PROJ_GATED = 0xFFFF, 1 << 16, 1 << 17, 1 << 18
 
 
 def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float,
@@ -94,7 +94,7 @@ def _staged(
     """The float32 stream after every slot. The order of effects, per slot: its capture (the stream as it
     reaches the slot), the gate (at a row's probe site), the SAE clamps (their move scaled by the gate for
     a row whose condition gates SAE clamps: ``s + g * (clamped(s) - s)``), the directional projections
-    (ungated), then the vectors (scaled for a row whose condition gates vectors). Without a live condition every row adds as the plain op, bit for
+    (likewise ``s + g * (projected(s) - s)`` for a row whose condition gates them), then the vectors (scaled for a row whose condition gates vectors). Without a live condition every row adds as the plain op, bit for
     bit. ``cond_params[0, 3]`` (row 0 never has a condition) is 0 while no live row has one: then every row
     adds as the plain op (the kernel's fast path; ``runtime.condition_tables`` keeps it)."""
     from vllm_steer.kernels.capture_rows.op import capture_rows
@@ -116,6 +116,7 @@ def _staged(
         site = torch.where(on, word & SITE_MASK, -1)  # the probe site of each token's row
         vectors_gated = on & ((word & VECTORS_UNGATED) == 0)
         sae_gated = (on & ((word & SAE_GATED) != 0))[:, None]
+        proj_gated = (on & ((word & PROJ_GATED) != 0))[:, None]
         g = gate[:n]
     for slot, (pack, topk, proj, vec, plan) in enumerate(slots):
         if plan is not None:  # capture: the stream as it reaches the slot
@@ -128,7 +129,8 @@ def _staged(
             clamped = apply_site_naive(s, rows, list(pack), topk)
             s = torch.where(sae_gated, s + g[:, None] * (clamped - s), clamped) if gating else clamped
         if proj:
-            s = project_naive(s, rows, proj)
+            projected = project_naive(s, rows, proj)
+            s = torch.where(proj_gated, s + g[:, None] * (projected - s), projected) if gating else projected
         if vec:
             table, flag = vec
             if not flag.is_cuda and not bool(flag[0]):

@@ -44,6 +44,7 @@ MAX_HIDDEN = 16384  # one row in registers; every supported family is far below
 _SITE_MASK = tl.constexpr(naive.SITE_MASK)
 _VECTORS_UNGATED = tl.constexpr(naive.VECTORS_UNGATED)
 _SAE_GATED = tl.constexpr(naive.SAE_GATED)
+_PROJ_GATED = tl.constexpr(naive.PROJ_GATED)
 
 
 @triton.jit
@@ -83,7 +84,7 @@ def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_pr
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
         tl.store(p_gate_t, g)
     if PROJ:  # the row's projections come after the gate, before the vectors
-        b_s = _project(b_s, i_row, proj, o_d, m_d)
+        b_s = _project_gated(b_s, i_row, proj, o_d, m_d, (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0), g)
     return tl.where(on, b_s + tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0) * b_t, b_s), g
 
 
@@ -101,6 +102,13 @@ def _project(b_s, i_row, proj, o_d, m_d):
         hi = tl.load(p_bounds + (i_r * K + k) * 2 + 1)
         b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
     return b_s
+
+
+@triton.jit
+def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g):
+    """``_project``, or for a row whose condition gates its projections ``s + g * (projected(s) - s)``."""
+    b_p = _project(b_s, i_row, proj, o_d, m_d)
+    return tl.where(gated, b_s + g * (b_p - b_s), b_p)
 
 
 @triton.jit
@@ -249,14 +257,14 @@ def _steered_norm_kernel(
                 b_s, g = _add_gated_row(b_s, vec_a, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids), p_gate + i_t,
                                         p_probe, p_cparams, stride_probe, proj_a, PROJ_A)
             elif PROJ_A:
-                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
+                b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0), g)
             if CAP_B:
                 _capture(b_s, i_t, cap_b, o_d, m_d, True)
             if HAS_B:
                 b_s, g = _add_gated_row(b_s, vec_b, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids + 1),
                                         p_gate + i_t, p_probe, p_cparams, stride_probe, proj_b, PROJ_B)
             elif PROJ_B:
-                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
+                b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0), g)
         else:
             if PROJ_A:
                 b_s = _project(b_s, i_row, proj_a, o_d, m_d)
@@ -277,6 +285,7 @@ def _steered_norm_kernel(
             g = tl.load(p_gate + i_t)
             w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
             w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
+            proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
         else:
             w_sae = 1.0
             w_vec = 1.0
@@ -287,7 +296,10 @@ def _steered_norm_kernel(
             else:
                 b_s = _sae_clamp_row(b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
         if PROJ_A:
-            b_s = _project(b_s, i_row, proj_a, o_d, m_d)
+            if COND:
+                b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g)
+            else:
+                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
         if HAS_A:
             b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
         if CAP_B:
@@ -305,7 +317,10 @@ def _steered_norm_kernel(
                     i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
         if PROJ_B:
-            b_s = _project(b_s, i_row, proj_b, o_d, m_d)
+            if COND:
+                b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, proj_gated, g)
+            else:
+                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
         if HAS_B:
             b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
     m_w = m_d & go

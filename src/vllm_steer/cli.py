@@ -32,6 +32,10 @@ def _extract_parser(sub: argparse._SubParsersAction) -> None:
                    help="the last token's residual (default) or the mean over the text")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template (server side)")
     p.add_argument("--normalize", action="store_true", help="scale each vector to unit norm")
+    p.add_argument("--emit", choices=("add", "ablate"), default="add",
+                   help="add (default: a module adding the vectors) or ablate (a module removing each direction "
+                        "from the stream, e.g. a refusal direction; .safetensors; the server needs "
+                        "steer.max_projections >= 1)")
     p.add_argument("-o", "--output", required=True, help="the module file: .safetensors or .gguf (post_mlp only)")
     p.add_argument("--register", metavar="NAME", help="also register it on the server as module NAME")
     p.add_argument("--replace", action="store_true", help="with --register: replace a module of that name")
@@ -45,15 +49,17 @@ def _progress(done: int, total: int) -> None:
 def run_extract(args: argparse.Namespace) -> int:
     if args.positive and not args.negative:
         raise ExtractError("--positive needs --negative")
-    file_kind(args.output)
+    if file_kind(args.output) == "gguf" and args.emit == "ablate":
+        raise ExtractError("--emit ablate writes .safetensors (project.<site> tensors): a GGUF control vector is "
+                           "added by llama.cpp and repeng")
     pairs = read_jsonl(args.pairs) if args.pairs else read_two_files(args.positive, args.negative)
     result = extract(args.server, pairs, layers=args.layers,
                      hooks=[h.strip() for h in args.hooks.split(",") if h.strip()], method=args.method,
                      reduce=args.reduce, chat=args.chat, normalize=args.normalize, model=args.model,
-                     api_key=args.api_key, progress=_progress)
+                     api_key=args.api_key, progress=_progress, emit=args.emit)
     path = result.save(args.output)
     n = sum(len(per) for per in result.vectors.values())
-    print(f"wrote {path}: {n} vectors ({', '.join(sorted(result.vectors))}; {result.method} over "
+    print(f"wrote {path}: {n} {'directions to ablate' if args.emit == 'ablate' else 'vectors'} ({', '.join(sorted(result.vectors))}; {result.method} over "
           f"{result.pairs} pairs, {result.info['seconds']} s)", file=sys.stderr)
     if args.register:
         summary = result.register(args.server, args.register, api_key=args.api_key, replace=args.replace)

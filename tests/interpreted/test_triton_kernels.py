@@ -11,7 +11,7 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED
+from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED
 from tests import norm_calls
 from tests.norm_calls import (
     steered_capture_rms_norm_naive,
@@ -358,11 +358,13 @@ def _projections(rows: int, d: int, k: int, seed: int) -> tuple[torch.Tensor, ..
 
 
 @_INTERPRETER_INDEX
-@pytest.mark.parametrize("variant", ["plain", "cond", "sae", "sae-split"])
+@pytest.mark.parametrize("variant", ["plain", "cond", "cond-proj-gated", "cond-sae-proj-gated", "sae", "sae-split"])
 def test_triton_projection_kernel_matches_reference(interpreted, variant):
-    """Directional projections (ablate, cap) as a feature of the norm, with vectors, conditions or SAE
-    clamps at the same site: outputs as the reference; a token of an ablating row with one direction and no
-    later add at that slot leaves a stream with no component along it; row 0 is the plain norm, bit for bit."""
+    """Directional projections (ablate, cap) as a feature of the norm, with vectors, conditions (rows whose
+    condition gates their projections: ``s + g * (projected(s) - s)``, at a probe site and after it, and at an
+    SAE norm, which only reads the gate) or SAE clamps at the same site: outputs as the reference; a token of
+    an ablating row with one direction and no later add at that slot leaves a stream with no component along
+    it; row 0 is the plain norm, bit for bit."""
     import vllm_steer.kernels.steered_rms_norm.triton as kernel
     from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
 
@@ -372,12 +374,17 @@ def test_triton_projection_kernel_matches_reference(interpreted, variant):
     w = torch.randn(d, generator=torch.Generator().manual_seed(71)) * 0.5
     pa, pb = _projections(6, d, 2, seed=72), _projections(6, d, 3, seed=73)
     extra = {}
-    if variant == "cond":
+    if variant.startswith("cond"):
         cond_site = torch.tensor([-1, 20, -1, 5 | VECTORS_UNGATED, 21, 5], dtype=torch.int32)
+        if "proj-gated" in variant:  # rows 1 (probe at slot A), 3 (probe earlier, vectors ungated), 4 (probe at B)
+            cond_site[[1, 3, 4]] |= PROJ_GATED
         params = torch.tensor([[0.1, 2.0, float(i % 2), 0.0] for i in range(6)], dtype=torch.float32)
         params[0, 3] = 1.0
         probe = torch.randn(6, d, generator=torch.Generator().manual_seed(74)) / 8
-        extra = {"cond": (cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32))}
+        site_ids = [30, 31] if "sae" in variant else [20, 21]  # no probe at an SAE norm (the front end's rule)
+        extra = {"cond": (cond_site, params, probe, torch.tensor(site_ids, dtype=torch.int32))}
+        if "sae" in variant:
+            extra |= {"sae_a": clamp_pack(d, 37, seed=75, jumprelu=True), "sae_b": clamp_pack(d, 37, seed=76)}
     elif variant.startswith("sae"):
         extra = {"sae_a": clamp_pack(d, 37, seed=75, jumprelu=True), "sae_b": clamp_pack(d, 37, seed=76)}
     split = {"split": 3} if variant == "sae-split" else {}
@@ -390,6 +397,13 @@ def test_triton_projection_kernel_matches_reference(interpreted, variant):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
     torch.testing.assert_close(gate_t, gate_n, rtol=1e-5, atol=1e-5)
+    if "proj-gated" in variant:  # the gate scales the projections' move: not the ungated projection's result
+        ungated = (extra["cond"][0] & ~PROJ_GATED, *extra["cond"][1:])
+        free = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **(extra | {"cond": ungated}),
+                                  gate=gate0.clone(), proj_a=pa, proj_b=pb)
+        moved = (index[:n] == 1) | (index[:n] == 3) | (index[:n] == 4)
+        assert not torch.allclose(got[1][moved], free[1][moved], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got[1][~moved], free[1][~moved], **_SAE_TOL[torch.float32])
     plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **extra, gate=gate0.clone(), **split)
     rows = index[:n].long()
     assert torch.equal(got[1][rows == 0], plain[1][rows == 0]) and torch.equal(got[0][rows == 0], plain[0][rows == 0])

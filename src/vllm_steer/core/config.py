@@ -158,6 +158,13 @@ class SteerConfig(BaseModel):
     restricted."""
     max_sae_bytes: int = Field(default=4 << 30, ge=1)
     """Largest file a runtime SAE registration reads (each file on its own; 4 GiB by default)."""
+    max_projections: int = Field(default=0, ge=0, le=64)
+    """Directions one steering config may project the stream onto at one site (``steering_projections``:
+    ablate or cap). 0: no projection tables and no projection step in any norm (the op is as without the
+    feature). K > 0: every steered norm's slot gets a count ``[max_configs]`` int32, directions
+    ``[max_configs, K, hidden]`` float32 and bounds ``[max_configs, K, 2]`` float32 on each worker:
+    ``max_configs x K x hidden x 4`` bytes per hooked site (e.g. 32 x 1 x 4096 x 4 = 512 KiB, so 48 MiB for the
+    96 sites of a 32-layer model with every hook)."""
     conditions: bool = False
     """Allow ``steering_condition`` (steering scaled per token by a probe's gate): every steered norm
     then runs the conditional op, with a probe table ``[max_configs, hidden]`` float32 and a per-token

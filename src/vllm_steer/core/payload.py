@@ -2,7 +2,8 @@
 
 The front end validates, resolves tiers and hashes once per request, then builds one ``SteerPayload``: each
 distinct effective vector set once, already in the model dtype and in table layout (``core.layout``), keyed by
-its hash, with whatever else the features need (module reference, SAE clamps, condition, stop_when, capture).
+its hash, with whatever else the features need (module reference, SAE clamps, condition, stop_when, capture,
+projections).
 It travels in ``SamplingParams.extra_args[PAYLOAD_KEY]`` as msgpack bytes (``encode_payload``): vLLM's deep
 copies of the params then copy one bytes object, not nested lists. Readers decode it (``payload_of``; the rows
 and probes come back as views into those bytes, no copy) and read attributes, never raw keys; anything else
@@ -33,6 +34,7 @@ _TORCH_DTYPES = {
 # The wire forms of one SAE clamp site (core.sae_rows) and one condition (frontend.condition_spec).
 SaeClamp = tuple[str, str, int, int, memoryview, memoryview, memoryview]  # name, hook, layer, mode, slots, codes, values
 Condition = tuple[str, int, float, float, int, memoryview, int]  # hook, layer, threshold, sharpness, hard, probe, applies
+Projection = tuple[str, int, memoryview, memoryview]  # hook, layer, dirs [K, D] f32, bounds [K, 2] f32
 Rows = dict[str, tuple[tuple[int, ...], memoryview]]  # core.layout.Layout as decoded: hook -> (layers, rows)
 
 
@@ -69,6 +71,7 @@ class SteerPayload(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     sae_versions: dict[str, int] | None = None  # runtime SAE name -> the registration it was prepared for
     external_id: str | None = None  # the request id callers know (set on capturing payloads)
     capture_reply: str | None = None  # where a worker sends this request's capture results
+    projections: dict[str, list[Projection]] | None = None  # key -> its sites' directions (frontend.projection_spec)
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -14,8 +14,10 @@ MODULE_FIELD = "steering_module"
 CAPTURE_FIELD = "capture"
 SAE_FIELD = "sae"
 CONDITION_FIELD = "steering_condition"
-GATES_VECTORS, GATES_SAE = 1, 2  # what a condition scales (its ``applies_to``), as bits of its wire form
-REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD, SAE_FIELD, CONDITION_FIELD)
+# directional projections (ablate / cap) per phase, like the vector tiers (frontend.projection_spec)
+PROJECTION_FIELDS = ("steering_projections", "prefill_steering_projections", "decode_steering_projections")
+GATES_VECTORS, GATES_SAE, GATES_PROJECTIONS = 1, 2, 4  # what a condition scales (its ``applies_to``), as bits of its wire form
+REQUEST_FIELDS = TIER_FIELDS + (MODULE_FIELD, CAPTURE_FIELD, SAE_FIELD, CONDITION_FIELD) + PROJECTION_FIELDS
 
 # hook -> layer -> float32 vector [D]
 Vectors = dict[str, dict[int, np.ndarray]]

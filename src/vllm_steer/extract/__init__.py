@@ -18,7 +18,7 @@ import numpy as np
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
 from vllm_steer.core.site_names import tl_hook
-from vllm_steer.extract.files import Vectors, file_kind, gguf_bytes, safetensors_bytes
+from vllm_steer.extract.files import EMITS, Vectors, file_kind, gguf_bytes, safetensors_bytes
 from vllm_steer.extract.methods import METHODS, direction
 from vllm_steer.extract.pairs import ExtractError, Pair, as_pair, read_jsonl
 from vllm_steer.extract.sources import Text, capture_field, source_of
@@ -37,15 +37,21 @@ class Extraction:
     pairs: int
     model: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    emit: str = "add"  # "ablate": the module ablates each direction at its site (steer.max_projections)
 
     def metadata(self) -> dict[str, str]:
-        return {"description": f"vllm-steer extract: {self.method} over {self.pairs} pairs ({self.reduce} token)",
-                "method": self.method, "reduce": self.reduce, "pairs": str(self.pairs), "model": self.model}
+        what = "ablating the directions of " if self.emit == "ablate" else ""
+        return {"description": f"vllm-steer extract: {what}{self.method} over {self.pairs} pairs ({self.reduce} token)",
+                "method": self.method, "reduce": self.reduce, "pairs": str(self.pairs), "model": self.model,
+                "emit": self.emit}
 
     def file_bytes(self, kind: str = "safetensors") -> bytes:
         if kind == "gguf":
+            if self.emit == "ablate":  # llama.cpp / repeng would add them
+                raise ExtractError("--emit ablate writes .safetensors (project.<site> tensors); a GGUF control "
+                                   "vector is added by llama.cpp and repeng (register one with as_ablation instead)")
             return gguf_bytes(self.vectors, self.model)
-        return safetensors_bytes(self.vectors, self.metadata())
+        return safetensors_bytes(self.vectors, self.metadata(), self.emit)
 
     def save(self, path: str | Path) -> Path:
         """Write a ``.safetensors`` or ``.gguf`` module file (by suffix)."""
@@ -77,14 +83,20 @@ def _layers(layers: Any) -> list[int] | str:
 def extract(target: Any, pairs: Iterable[Any] | str | Path, *, layers: Any = "all",
             hooks: Iterable[str] = ("post_mlp",), method: str = "mean_diff", reduce: str = "last",
             chat: bool = False, normalize: bool = False, model: str | None = None, api_key: str | None = None,
-            instance: str = "activations", progress: Callable[[int, int], None] | None = None) -> Extraction:
+            instance: str = "activations", progress: Callable[[int, int], None] | None = None,
+            emit: str = "add") -> Extraction:
     """Steering vectors from contrastive ``pairs`` (a JSONL path, or Pairs / dicts / 2-tuples).
 
     ``target``: a server URL (``http://host:8000``) or a ``vllm.LLM``, either with ``"activations"`` in
     its ``steer.capture``. ``method``: ``mean_diff`` (CAA) or ``pca`` (repeng's PCA of paired differences,
     unit norm). ``reduce``: ``last`` (the last token's residual, CAA and repeng) or ``mean`` (over the
     whole text). ``normalize``: scale each vector to unit norm. ``chat``: apply the model's chat template.
-    ``instance``: the consumer's instance name on the server, when the operator named it otherwise."""
+    ``instance``: the consumer's instance name on the server, when the operator named it otherwise.
+    ``emit``: ``add`` (a module adding the vectors) or ``ablate`` (a module removing each direction from the
+    stream at its site, ``h - (h.v)v``: e.g. a refusal direction by diff-of-means; the server needs
+    ``steer.max_projections`` >= 1)."""
+    if emit not in EMITS:
+        raise ExtractError(f"emit: expected one of {list(EMITS)}, got {emit!r}")
     if method not in METHODS:
         raise ExtractError(f"method: expected one of {list(METHODS)}, got {method!r}")
     if reduce not in ("last", "mean"):
@@ -116,4 +128,4 @@ def extract(target: Any, pairs: Iterable[Any] | str | Path, *, layers: Any = "al
         hook, layer = site.rsplit(".", 1)
         vectors.setdefault(hook, {})[int(layer)] = v
     return Extraction(vectors, method, reduce, len(pairs), getattr(source, "model", "") or "",
-                      {"requests": len(texts), "seconds": round(time.monotonic() - t0, 3)})
+                      {"requests": len(texts), "seconds": round(time.monotonic() - t0, 3)}, emit)

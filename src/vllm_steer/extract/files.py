@@ -1,6 +1,7 @@
 """Extracted vectors as module files: safetensors (``<hook>.<layer>``, what ``/v1/steering/modules``
-reads) and the GGUF control vector llama.cpp and repeng read (``direction.N``: added to decoder
-layer N's output, our ``post_mlp`` at N; see ``frontend.module_files``)."""
+reads; with ``emit="ablate"`` ``project.<hook>.<layer>``: directions the module ablates) and the GGUF
+control vector llama.cpp and repeng read (``direction.N``: added to decoder layer N's output, our
+``post_mlp`` at N; see ``frontend.module_files``)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from vllm_steer.extract.pairs import ExtractError
 Vectors = dict[str, dict[int, np.ndarray]]
 
 
-def safetensors_bytes(vectors: Vectors, metadata: dict[str, str]) -> bytes:
+EMITS = ("add", "ablate")  # what a module made of the vectors does: adds them, or ablates their directions
+
+
+def safetensors_bytes(vectors: Vectors, metadata: dict[str, str], emit: str = "add") -> bytes:
     from safetensors.numpy import save
 
-    tensors = {f"{hook}.{layer}": np.ascontiguousarray(v, np.float32) for hook, per in vectors.items()
-               for layer, v in sorted(per.items())}
+    prefix = "project." if emit == "ablate" else ""
+    tensors = {f"{prefix}{hook}.{layer}": np.ascontiguousarray(v, np.float32) for hook, per in vectors.items()
+               for layer, v in sorted(per.items()) if emit == "add" or np.any(v)}
     return save(tensors, metadata=metadata)
 
 

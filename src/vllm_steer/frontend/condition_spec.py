@@ -13,7 +13,9 @@ capture reads there). In the gated phases (``phase``: ``both``, the default, ``p
 the other phase's steering applies unconditionally) what ``applies_to`` names is scaled by its token's
 ``g`` at every site of the same forward pass: ``vectors`` (the default) every vector add, ``sae`` every
 SAE clamp's move of the stream (``s + g * (clamped(s) - s)``: ``g = 0`` leaves the site as if unclamped,
-``g = 1`` is the plain clamp), ``both`` both; what it does not name applies unconditionally. A probe
+``g = 1`` is the plain clamp), ``both`` both, ``projections`` every directional projection's move
+(``s + g * (projected(s) - s)``), or a list of those three names; what it does not name applies
+unconditionally. A probe
 ``{"dtype": "float32" | "float16" | "bfloat16", "data": base64}`` is the vector packed (as packed
 steering vectors are; no JSON number to parse). A probe ``{"module": name}`` is that named module's
 vector at the probe site (or at its own ``site``), read when the request arrives. Sites before ``site``
@@ -40,7 +42,7 @@ from blake3 import blake3
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import HOOK_NAMES, site_order
 from vllm_steer.core.site_names import parse_site_name
-from vllm_steer.core.vectors import CONDITION_FIELD, GATES_SAE, GATES_VECTORS
+from vllm_steer.core.vectors import CONDITION_FIELD, GATES_PROJECTIONS, GATES_SAE, GATES_VECTORS
 from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_packed_vector, parse_vector
 
 _DOMAIN = b"vllm-steer-condition-v1\0"
@@ -50,7 +52,9 @@ MAX_STOP_TOKENS = 4096
 _MODES = {"soft": 0, "hard": 1}
 PHASES = ("both", "prefill", "decode")
 _PROBE_KEYS = {"module", "site"}
-APPLIES_TO = {"vectors": GATES_VECTORS, "sae": GATES_SAE, "both": GATES_VECTORS | GATES_SAE}
+APPLIES_TO = {"vectors": GATES_VECTORS, "sae": GATES_SAE, "both": GATES_VECTORS | GATES_SAE,
+              "projections": GATES_PROJECTIONS}
+_GATEABLE = ("vectors", "sae", "projections")  # the names a list form of ``applies_to`` may hold
 
 # [hook, layer, threshold, sharpness, hard (0/1), probe as float32 bytes, applies_to bits]: plain types for msgspec
 ConditionWire = list
@@ -88,11 +92,24 @@ def parse_condition(raw: Any, shape: ModelShape, modules: Any = None) -> tuple[C
     phase = raw.get("phase", "both")
     if phase not in PHASES:
         raise SteeringSpecError(f"{f}.phase", f"expected one of {list(PHASES)}, got {phase!r}")
-    applies = raw.get("applies_to", "vectors")
-    if applies not in APPLIES_TO:
-        raise SteeringSpecError(f"{f}.applies_to", f"expected one of {list(APPLIES_TO)}, got {applies!r}")
-    wire = [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes(), APPLIES_TO[applies]]
+    wire = [hook, layer, threshold, sharpness, _MODES[mode], (probe + np.float32(0)).tobytes(),
+            applies_bits(raw.get("applies_to", "vectors"))]
     return wire, phase, parse_stop(raw.get("stop_when"), phase)
+
+
+def applies_bits(applies: Any) -> int:
+    """The wire bits of ``applies_to``: one name of APPLIES_TO, or a non-empty list of _GATEABLE names."""
+    f = f"{CONDITION_FIELD}.applies_to"
+    if isinstance(applies, list):
+        if not applies or not all(isinstance(a, str) and a in _GATEABLE for a in applies) \
+                or len(set(applies)) != len(applies):
+            raise SteeringSpecError(f, f"expected a non-empty list of distinct names from {list(_GATEABLE)}, "
+                                       f"got {applies!r}")
+        return sum(APPLIES_TO[a] for a in applies)
+    if not isinstance(applies, str) or applies not in APPLIES_TO:
+        raise SteeringSpecError(f, f"expected one of {list(APPLIES_TO)} (or a list of {list(_GATEABLE)}), "
+                                   f"got {applies!r}")
+    return APPLIES_TO[applies]
 
 
 def parse_stop(raw: Any, phase: str) -> list | None:
@@ -184,17 +201,20 @@ def condition_summary(raw: dict | None) -> dict | None:
 
 
 def check_sites(wire: ConditionWire, sites: set[tuple[str, int]], clamp_sites: set[tuple[str, int]],
-                sae_sites: set[tuple[str, int]], phase: str = "both") -> None:
+                sae_sites: set[tuple[str, int]], phase: str = "both",
+                proj_sites: set[tuple[str, int]] = frozenset()) -> None:
     """What the condition gates (``sites``: its phases' vector sites, ``clamp_sites``: their SAE clamps'
-    sites; each only if ``applies_to`` names it) exists and lies at or after the probe site, and the
-    probe is not folded into a norm that applies an SAE (``sae_sites``: sites with an SAE or reserved
-    for one; such norms read the gate, the probe's norm computes it)."""
+    sites, ``proj_sites``: their projections' sites; each only if ``applies_to`` names it) exists and lies
+    at or after the probe site, and the probe is not folded into a norm that applies an SAE (``sae_sites``:
+    sites with an SAE or reserved for one; such norms read the gate, the probe's norm computes it)."""
     field = f"{CONDITION_FIELD}.site"
-    gated = (sites if wire[6] & GATES_VECTORS else set()) | (clamp_sites if wire[6] & GATES_SAE else set())
+    gated = ((sites if wire[6] & GATES_VECTORS else set()) | (clamp_sites if wire[6] & GATES_SAE else set())
+             | (proj_sites if wire[6] & GATES_PROJECTIONS else set()))
     if not gated:
         where = "" if phase == "both" else f" in its {phase} phase ({CONDITION_FIELD}.phase)"
-        what = {GATES_VECTORS: "steering vectors", GATES_SAE: "SAE clamps"}.get(wire[6],
-                                                                               "steering vectors or SAE clamps")
+        names = [n for n, bit in (("steering vectors", GATES_VECTORS), ("SAE clamps", GATES_SAE),
+                                  ("projections", GATES_PROJECTIONS)) if wire[6] & bit]
+        what = " or ".join(names)
         raise SteeringSpecError(CONDITION_FIELD, f"a condition scales {what} ({CONDITION_FIELD}.applies_to): the "
                                                  f"request has none{where}")
     probe = site_order(wire[0], wire[1])  # the probe site's position in the forward pass

@@ -3,6 +3,9 @@
 safetensors: tensors named by a site (``core.site_names``: ``<hook>.<layer>`` or TransformerLens'
 ``blocks.<layer>.hook_resid_pre|mid|post``) for both phases, or ``prefill.<site>`` / ``decode.<site>``,
 each ``[hidden]``; a site named twice in one tier is refused; metadata ``description`` (optional).
+Projections (``steer.max_projections``): ``[prefill.|decode.]project.<site>`` ``[K, hidden]`` (or ``[hidden]``)
+directions, ablated unless ``project.<site>.bounds`` ``[K, 2]`` gives each its [lo, hi] (+-inf: unbounded),
+as ``steering_projections`` in a request (``frontend.projection_spec``).
 
 GGUF control vectors (llama.cpp ``cvector-generator``, repeng ``export_gguf``): tensors
 ``direction.N``. Convention, as llama.cpp applies them: ``direction.N`` is added to the output of
@@ -25,6 +28,9 @@ from vllm_steer.frontend.spec import ModelShape, check_finite, check_layer
 _TIER_PREFIX = {"": "steering_vectors", "prefill.": "prefill_steering_vectors", "decode.": "decode_steering_vectors"}
 _PHASE = re.compile(r"(prefill\.|decode\.)?(.*)", re.S)
 _GGUF_NAME = re.compile(r"^direction\.(\d+)$")
+_PROJ_FIELD = {"": "steering_projections", "prefill.": "prefill_steering_projections",
+               "decode.": "decode_steering_projections"}
+_PROJ = re.compile(r"(prefill\.|decode\.)?project\.(.*?)(\.bounds)?", re.S)
 
 
 def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str | int, arr: np.ndarray, shape: ModelShape, field: str) -> None:
@@ -41,8 +47,37 @@ def _add(tiers: dict[str, Vectors], tier: str, hook: str, layer_raw: str | int, 
     layers[layer] = vec
 
 
-def read_safetensors(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors], dict[str, str]]:
-    """(tiers, metadata) of a safetensors file's bytes."""
+def _projections(tensors: dict[str, np.ndarray]) -> dict:
+    """The ``project.`` tensors of a file as request projection fields (checked by the caller, as a request's)."""
+    found: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    for name, arr in tensors.items():
+        phase, site, bounds = _PROJ.fullmatch(name).groups()
+        found.setdefault((phase or "", site), {})["bounds" if bounds else "dirs"] = arr
+    out: dict = {}
+    for (phase, site), parts in found.items():
+        name = f"{phase}project.{site}"
+        if "dirs" not in parts:
+            raise SteeringSpecError(f"file.{name}.bounds", f"bounds without directions ({name})")
+        dirs = np.asarray(parts["dirs"], dtype=np.float32)
+        dirs = dirs[None] if dirs.ndim == 1 else dirs
+        bounds = parts.get("bounds")
+        if dirs.ndim != 2 or (bounds is not None and (np.shape(bounds) != (dirs.shape[0], 2)
+                                                       or np.isnan(np.asarray(bounds, dtype=np.float64)).any())):
+            raise SteeringSpecError(f"file.{name}", "expected directions [K, hidden] and bounds [K, 2] (no NaN)")
+        ops = []
+        for k, v in enumerate(dirs):
+            if bounds is None or (bounds[k][0] == 0 and bounds[k][1] == 0):
+                ops.append({"direction": v.tolist(), "mode": "ablate"})
+            else:
+                lo, hi = (float(b) for b in bounds[k])
+                ops.append({"direction": v.tolist(), "mode": "cap", **({"min": lo} if np.isfinite(lo) else {}),
+                            **({"max": hi} if np.isfinite(hi) else {})})
+        out.setdefault(_PROJ_FIELD[phase], {})[site] = ops
+    return out
+
+
+def read_safetensors(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors], dict[str, str], dict]:
+    """(tiers, metadata, projection fields) of a safetensors file's bytes."""
     from safetensors import safe_open
     from safetensors.numpy import load
 
@@ -56,16 +91,19 @@ def read_safetensors(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors]
         with safe_open(f.name, "np") as st:
             metadata = dict(st.metadata() or {})
     tiers: dict[str, Vectors] = {t: {} for t in TIER_FIELDS}
+    projections = _projections({n: a for n, a in tensors.items() if _PROJ.fullmatch(n)})
     for name, arr in tensors.items():
+        if _PROJ.fullmatch(name):
+            continue
         phase, site = _PHASE.fullmatch(name).groups()
         try:
             hook, layer = parse_site_name(site)
         except ValueError as e:
             raise SteeringSpecError(f"file.{name}", f"tensor names must be [prefill.|decode.]<site>: {e}") from None
         _add(tiers, _TIER_PREFIX[phase or ""], hook, layer, arr, shape, f"file.{name}")
-    if not any(tiers.values()):
+    if not any(tiers.values()) and not projections:
         raise SteeringSpecError("file", "no steering tensors in the file")
-    return tiers, metadata
+    return tiers, metadata, projections
 
 
 def read_gguf_control_vector(data: bytes, shape: ModelShape) -> tuple[dict[str, Vectors], dict[str, str]]:

@@ -18,11 +18,12 @@ from vllm_steer.core.rpc import Name, RegisterModule, call_args
 from vllm_steer.core.config import SteerConfigError, upload_cap
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
-from vllm_steer.core.vectors import CONDITION_FIELD, TIER_FIELDS
+from vllm_steer.core.vectors import CONDITION_FIELD, PROJECTION_FIELDS, TIER_FIELDS
 from vllm_steer.frontend.condition_spec import module_condition
 from vllm_steer.frontend.module_store import MODULE_SYNC, STORE, SteeringModule
 from vllm_steer.frontend.named_store import NameLimitError, NameTakenError
 from vllm_steer.frontend.module_files import read_gguf_control_vector, read_safetensors
+from vllm_steer.frontend.projection_spec import ablations_of, module_projections
 from vllm_steer.frontend.spec import ModelShape, parse_spec
 
 GGUF_MAGIC = b"GGUF"
@@ -57,10 +58,35 @@ def check_replace(value: Any) -> bool:
     raise SteeringSpecError("replace", f"expected true or false, got {value!r}")
 
 
-def module_from_json(body: dict, shape: ModelShape, conditions: bool = False) -> SteeringModule:
+def check_as_ablation(value: Any) -> bool:
+    """``as_ablation``: the module's vectors become ablation directions at their sites (a GGUF / repeng
+    control vector used to remove its direction); JSON boolean, or true/false/1/0/yes/no in a form."""
+    try:
+        return check_replace(value)
+    except SteeringSpecError:
+        raise SteeringSpecError("as_ablation", f"expected true or false, got {value!r}") from None
+
+
+def with_projections(module: SteeringModule, fields: dict, shape: ModelShape, max_projections: int,
+                     as_ablation: bool) -> SteeringModule:
+    """The module with its projections: ``fields``' projection fields (checked as a request's), and, with
+    ``as_ablation``, its vectors turned into ablations (it then adds no vector)."""
+    if as_ablation:
+        if any(fields.get(f) is not None for f in PROJECTION_FIELDS):
+            raise SteeringSpecError("as_ablation", "a module given as an ablation takes its directions from its "
+                                                   "vectors: leave out the projection fields")
+        fields = ablations_of(module.tiers)
+        module.tiers = {t: {} for t in TIER_FIELDS}
+    module.projections = module_projections(fields, shape, max_projections)
+    return module
+
+
+def module_from_json(body: dict, shape: ModelShape, conditions: bool = False, max_projections: int = 0) -> SteeringModule:
     """A module from its JSON registration; ``conditions`` (``steer.conditions``): it may carry a
-    ``steering_condition`` for the requests that name it."""
-    extra = set(body) - {"name", "description", "replace", CONDITION_FIELD, *TIER_FIELDS}
+    ``steering_condition`` for the requests that name it; ``max_projections`` (``steer.max_projections``):
+    projection fields (as in requests), or ``as_ablation``."""
+    extra = set(body) - {"name", "description", "replace", "as_ablation", CONDITION_FIELD, *TIER_FIELDS,
+                         *PROJECTION_FIELDS}
     if extra:
         raise SteeringSpecError(sorted(extra)[0], "unknown field in a module registration")
     name = check_name(body.get("name"))
@@ -70,9 +96,10 @@ def module_from_json(body: dict, shape: ModelShape, conditions: bool = False) ->
         spec = parse_spec({k: body.get(k) for k in TIER_FIELDS}, shape)
     except SteeringTooLarge as e:  # a tier (or one packed hook) alone is over the cap
         raise SteeringTooLarge(e.field, f"{str(e).split(': ', 1)[-1]} (steer.max_module_bytes)") from None
-    if not any(spec.tiers.values()):
-        raise SteeringSpecError("steering_vectors", "a module needs at least one vector")
     module = SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
+    with_projections(module, body, shape, max_projections, check_as_ablation(body.get("as_ablation")))
+    if not module.has_vectors and not module.projections:
+        raise SteeringSpecError("steering_vectors", "a module needs at least one vector (or projection)")
     if body.get(CONDITION_FIELD) is not None:
         module.condition = module_condition(body[CONDITION_FIELD], module, shape,
                                             {m.name: m for m in STORE.all()}, conditions)
@@ -93,7 +120,8 @@ def check_module(module: SteeringModule, shape: ModelShape, field: str) -> None:
         raise SteeringSpecError(field, str(e)) from None
 
 
-def _json_file(name: str, data: bytes, shape: ModelShape, description: str, conditions: bool) -> SteeringModule:
+def _json_file(name: str, data: bytes, shape: ModelShape, description: str, conditions: bool,
+               max_projections: int) -> SteeringModule:
     """A .json module file: the registration object's fields; its errors are named under ``file``."""
     try:
         body = json.loads(data)
@@ -102,7 +130,7 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str, cond
     if not isinstance(body, dict):
         raise SteeringSpecError("file", "a JSON module file holds an object of steering fields")
     try:
-        module = module_from_json({**body, "name": name}, shape, conditions)
+        module = module_from_json({**body, "name": name}, shape, conditions, max_projections)
     except SteeringSpecError as e:
         if e.field == "name":
             raise
@@ -113,20 +141,31 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str, cond
 
 
 def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, description: str = "",
-                     conditions: bool = False) -> SteeringModule:
+                     conditions: bool = False, max_projections: int = 0, as_ablation: Any = None) -> SteeringModule:
+    """A module from a file (``as_ablation``: its vectors become ablation directions, e.g. a GGUF / repeng
+    control vector's); safetensors files may carry projections (``module_files``)."""
     check_name(name)
     description = check_description(description or None)
+    ablation = check_as_ablation(as_ablation)
+    projections: dict = {}
     if data[:4] == GGUF_MAGIC or filename.endswith(".gguf"):
         tiers, meta = read_gguf_control_vector(data, shape)
         source = "gguf"
     elif filename.endswith(".json"):
-        return _json_file(name, data, shape, description, conditions)
+        module = _json_file(name, data, shape, description, conditions, max_projections)
+        return with_projections(module, {}, shape, max_projections, True) if ablation else module
     elif filename.endswith(".safetensors") or not filename:
-        tiers, meta = read_safetensors(data, shape)
+        tiers, meta, projections = read_safetensors(data, shape)
         source = "safetensors"
     else:
         raise SteeringSpecError("file", f"unsupported module file {filename!r}: expected .safetensors, .gguf or .json")
     module = SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype)
+    try:
+        with_projections(module, projections, shape, max_projections, ablation)
+    except SteeringSpecError as e:
+        if e.field == "as_ablation":
+            raise
+        raise type(e)(f"file.{e.field}", str(e).split(": ", 1)[-1]) from None
     check_module(module, shape, "file")
     return module
 
@@ -135,7 +174,7 @@ def _register_args(module: SteeringModule, replace: bool, max_modules: int | Non
     """The RPC's arguments: the workers' four, and what the engine core's registry decides on."""
     keys = [k for k in module.keys if k is not None]
     meta = {"description": module.description, "source": module.source, "dtype": module.dtype,
-            "created": module.created, "condition": module.condition}
+            "created": module.created, "condition": module.condition, "projections": module.projections}
     policy = {"replace": replace, "max_modules": max_modules, "meta": meta}
     return call_args(RegisterModule(module.name, module.version, tiers_to_wire(module.tiers), keys, policy))
 
@@ -218,13 +257,16 @@ def load_path(name: str, path: str, shape: ModelShape) -> SteeringModule:
 
 
 def register_module(llm: Any, name: str, replace: bool = False, description: str = "", **tiers: Any) -> dict:
-    """Register a named module on a ``vllm.LLM`` (tiers as in requests: ``steering_vectors=...``, and
-    ``steering_condition=...`` under ``steer.conditions``)."""
+    """Register a named module on a ``vllm.LLM`` (tiers as in requests: ``steering_vectors=...``,
+    ``steering_condition=...`` under ``steer.conditions``, ``steering_projections=...`` or ``as_ablation=True``
+    under ``steer.max_projections``)."""
     from vllm_steer.frontend.prepare import SteeringFrontend
 
     frontend = SteeringFrontend(llm.llm_engine.vllm_config)
     conditions = frontend.cfg is not None and frontend.cfg.conditions
-    module = module_from_json({"name": name, "description": description, **tiers}, frontend.module_shape, conditions)
+    max_projections = frontend.cfg.max_projections if frontend.cfg is not None else 0
+    module = module_from_json({"name": name, "description": description, **tiers}, frontend.module_shape, conditions,
+                              max_projections)
     max_modules = frontend.cfg.max_modules if frontend.cfg is not None else None
     return register_sync(llm.collective_rpc, module, replace, max_modules).summary()
 

@@ -11,6 +11,7 @@ from vllm_steer.core.layout import config_hash
 from vllm_steer.core.payload import tiers_from_wire
 from vllm_steer.core.vectors import TIER_FIELDS, Vectors, effective_phases
 from vllm_steer.frontend.condition_spec import condition_summary
+from vllm_steer.frontend.projection_spec import summary as projection_summary
 from vllm_steer.frontend.named_store import NamedStore
 from vllm_steer.frontend.registry_sync import RegistrySync
 
@@ -25,6 +26,11 @@ class SteeringModule:
     version: int = 0
     created: float = field(default_factory=time.time)
     condition: dict | None = None  # its steering_condition as registered (frontend.condition_spec)
+    projections: dict | None = None  # its projection fields as registered (frontend.projection_spec)
+
+    @property
+    def has_vectors(self) -> bool:
+        return any(self.tiers.values())
 
     @property
     def nbytes(self) -> int:
@@ -43,7 +49,8 @@ class SteeringModule:
         return {"name": self.name, "description": self.description, "source": self.source,
                 "version": self.version, "hooks": hooks, "layers": layers,
                 "tiers": [t for t in TIER_FIELDS if self.tiers.get(t)], "dtype": "float32",
-                "bytes": self.nbytes, "created": self.created, "condition": condition_summary(self.condition)}
+                "bytes": self.nbytes, "created": self.created, "condition": condition_summary(self.condition),
+                "projections": projection_summary(self.projections)}
 
 
 def module_from_entry(name: str, entry: dict, hidden: int) -> SteeringModule:
@@ -51,7 +58,7 @@ def module_from_entry(name: str, entry: dict, hidden: int) -> SteeringModule:
     meta = entry.get("meta", {})
     return SteeringModule(name, tiers_from_wire(entry["wire"], hidden), meta.get("description", ""),
                           meta.get("source", "json"), meta.get("dtype", "float32"), entry["version"],
-                          meta.get("created", 0.0), meta.get("condition"))
+                          meta.get("created", 0.0), meta.get("condition"), meta.get("projections"))
 
 
 STORE: NamedStore[SteeringModule] = NamedStore()

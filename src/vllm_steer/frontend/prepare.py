@@ -24,10 +24,13 @@ from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name, encode_payload
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
-from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, REQUEST_FIELDS, SAE_FIELD,
-                                     TIER_FIELDS, effective_phases, selected)
+from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, PROJECTION_FIELDS,
+                                     REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS, effective_phases, selected)
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
+from vllm_steer.core.site_names import parse_site_name
+from vllm_steer.frontend.projection_spec import ProjWire, parse_projections, projection_key
+from vllm_steer.frontend.projection_spec import summary as projection_summary
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, Prepared, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
@@ -95,21 +98,39 @@ class SteeringFrontend:
             capture = {}
         sae_raw = fields.pop(SAE_FIELD, None)
         cond_raw = fields.pop(CONDITION_FIELD, None)
+        proj = parse_projections({f: fields.pop(f, None) for f in PROJECTION_FIELDS}, self.shape,
+                                 self.cfg.max_projections, self._module_projections(fields.get(MODULE_FIELD)))
         if cond_raw is None and (carried := self._module_condition(fields.get(MODULE_FIELD))) is not None:
             try:  # the named module carries one (frontend.condition_spec.module_condition)
-                return self._with_condition(carried, sae_raw, fields, capture)
+                return self._with_condition(carried, sae_raw, fields, capture, proj)
             except SteeringSpecError as e:
                 if not e.field.startswith(CONDITION_FIELD):
                     raise
                 raise SteeringSpecError(f"{MODULE_FIELD}.name", f"the module's {e.field} does not fit this "
                                                                 f"request: {str(e).split(': ', 1)[-1]}") from None
         if cond_raw is not None:
-            return self._with_condition(cond_raw, sae_raw, fields, capture)
+            return self._with_condition(cond_raw, sae_raw, fields, capture, proj)
+        out = self._vectors(fields, capture)
         if sae_raw is not None:
             catalog = self.sae
             pre_sae, dec_sae = parse_sae(sae_raw, catalog)
-            return self._with_sae(*self._vectors(fields, capture), pre_sae, dec_sae, catalog)
-        return self._vectors(fields, capture)
+            out = self._with_sae(*out, pre_sae, dec_sae, catalog)
+        return self._with_projections(*out, *proj)
+
+    def _module_projections(self, ref: Any) -> tuple[dict, tuple | None, tuple | None] | None:
+        """The projection fields of the module a request names, with the request's selection (None: none)."""
+        if isinstance(ref, str):
+            ref = {"name": ref}
+        module = STORE.get(ref.get("name")) if isinstance(ref, dict) and isinstance(ref.get("name"), str) else None
+        if module is None or not module.projections:
+            return None
+        sel = parse_spec({MODULE_FIELD: ref}, self.shape).module  # the selection, checked as _vectors will
+        sites = [parse_site_name(site) for ops in projection_summary(module.projections).values() for site in ops]
+        if not module.has_vectors and not any((sel.layers is None or l in sel.layers) and
+                                              (sel.hooks is None or h in sel.hooks) for h, l in sites):
+            raise SteeringSpecError("steering_module.layers" if sel.layers else "steering_module.hooks",
+                                    f"the selection holds none of module {module.name!r}'s projections")
+        return module.projections, sel.layers, sel.hooks
 
     @staticmethod
     def _module_condition(ref: Any) -> dict | None:
@@ -140,8 +161,32 @@ class SteeringFrontend:
         out = replace(base, prefill=kp, decode=kd, configs=configs, sae=sae, sae_versions=versions or None)
         return out, kp, kd
 
-    def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any],
-                        capture: dict | None) -> tuple[SteerPayload | None, str | None, str | None]:
+    @staticmethod
+    def _with_projections(payload: SteerPayload | None, pk: str | None, dk: str | None, pre: list[ProjWire],
+                          dec: list[ProjWire]) -> tuple[SteerPayload | None, str | None, str | None]:
+        """The payload (vectors, clamps) re-keyed with each phase's projections (which travel beside the rows,
+        as SAE clamps do): one key, one row for the phase's whole config."""
+        if not pre and not dec:
+            return payload, pk, dk
+        kp = projection_key(pk, pre)
+        kd = kp if pk == dk and pre == dec else projection_key(dk, dec)
+        base = payload or SteerPayload()
+        configs: dict = {}
+        for new, old in ((kp, pk), (kd, dk)):
+            if new is None:
+                continue
+            if old is None:
+                configs[new] = {}  # projections only: no vector rows
+            elif old in base.configs:
+                configs[new] = base.configs[old]
+            # else: a bare module reference, whose rows the worker builds
+        renamed = [(old, new) for old, new in ((pk, kp), (dk, kd)) if old is not None]
+        sae = {new: base.sae[old] for old, new in renamed if old in base.sae} if base.sae else base.sae
+        projections = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
+        return replace(base, prefill=kp, decode=kd, configs=configs, sae=sae, projections=projections), kp, kd
+
+    def _with_condition(self, raw: Any, sae_raw: Any, fields: dict[str, Any], capture: dict | None,
+                        proj: tuple[list, list] = ([], [])) -> tuple[SteerPayload | None, str | None, str | None]:
         """The payload of a conditional request (``frontend.condition_spec``): its vector rows always
         travel (a module's too), with its SAE clamps if any, each gated phase re-keyed with the
         condition, which travels beside them."""
@@ -160,19 +205,24 @@ class SteeringFrontend:
         sites = {(hook, layer) for key, g in zip((pk, dk), gated) if g and key is not None
                  for hook, (layers, _) in configs[key].items() for layer in layers}
         clamp_sites = {(e[1], e[2]) for entries, g in zip(clamps, gated) if g for e in entries}
+        proj_sites = {(e[0], e[1]) for entries, g in zip(proj, gated) if g for e in entries}
         sae_sites = set(self.sae_slots) | {site for e in self.sae.values() for site in e.sites}
-        check_sites(wire, sites, clamp_sites, sae_sites, phase)
+        check_sites(wire, sites, clamp_sites, sae_sites, phase, proj_sites)
         if sae_raw is not None:  # the clamps first: the condition keys the phase's whole config
             payload, pk, dk = self._with_sae(payload, pk, dk, *clamps, catalog)
+        payload, pk, dk = self._with_projections(payload, pk, dk, *proj)
         # each phase's key: the gated ones re-keyed with the condition, the other kept (pk may equal dk)
         npk, ndk = (condition_key(k, wire) if g and k is not None else k for k, g in zip((pk, dk), gated))
         renamed = [(old, new) for old, new in ((pk, npk), (dk, ndk)) if old is not None]
         payload = payload or SteerPayload()
         sae = {new: payload.sae[old] for old, new in renamed if old in payload.sae} if payload.sae else payload.sae
+        projections = ({new: payload.projections[old] for old, new in renamed if old in payload.projections}
+                       if payload.projections else payload.projections)
         # stop_when: (above, tokens, whether the last prompt position's gate counts: prefill gated)
         out = replace(payload, prefill=npk, decode=ndk,
                       configs={new: payload.configs[old] for old, new in renamed if old in payload.configs},
                       condition={new: tuple(wire) for old, new in renamed if new != old}, sae=sae,
+                      projections=projections,
                       stop_when=(*stop, phase == "both") if stop is not None else None)
         return out, npk, ndk
 
@@ -191,6 +241,8 @@ class SteeringFrontend:
             configs = {key: layout} if key is not None else {}
             return SteerPayload(prefill=pk, decode=dk, configs=configs, capture=capture), pk, dk
         spec = parse_spec(fields, self.shape)
+        if spec.module is not None and (named := STORE.get(spec.module.name)) is not None and not named.has_vectors:
+            spec = dataclasses.replace(spec, module=None)  # projections only (``_module_projections``): no rows
         bare_module = spec.module is not None and not any(spec.tiers.values()) and not ship_rows
         if bare_module:
             module = STORE.get(spec.module.name)
@@ -355,7 +407,8 @@ class SteeringFrontend:
         """A request whose prefill and decode configs differ needs two rows at once: refused (400)
         where the tables run one config at a time, instead of waiting for a row that never comes."""
         if pk and dk and pk != dk and self.cfg.usable_rows < 2:
-            field = next((f for f in ("decode_steering_vectors", "prefill_steering_vectors", SAE_FIELD)
+            field = next((f for f in ("decode_steering_vectors", "prefill_steering_vectors", SAE_FIELD,
+                                      *PROJECTION_FIELDS[::-1])
                           if extra_args.get(f) is not None), "steering_vectors")
             raise SteeringSpecError(field, (
                 f"needs 2 steering rows at once (its prefill and decode configs differ), but this server runs "

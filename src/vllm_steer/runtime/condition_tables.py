@@ -2,7 +2,7 @@
 
 Per row: ``site`` [R] int32 (the probe site's position in the forward pass, ``core.hooks.site_order``,
 in the low 16 bits, plus ``VECTORS_UNGATED`` when ``applies_to`` leaves the vectors unconditional and
-``SAE_GATED`` when it scales the SAE clamps; -1: the row has no condition), ``params`` [R, 4] float32
+``SAE_GATED`` when it scales the SAE clamps, ``PROJ_GATED`` when it scales the projections; -1: the row has no condition), ``params`` [R, 4] float32
 (threshold, sharpness, hard, unused) and ``probe`` [R, D] float32; ``params[0, 3]`` (row 0 never has a
 condition) is 1 while a live row has one, else 0, and the kernel then adds every row as the plain one
 does (no gate work on a server with ``conditions`` while no conditional request runs). Per token:
@@ -18,15 +18,15 @@ import numpy as np
 import torch
 
 from vllm_steer.core.hooks import site_order
-from vllm_steer.core.vectors import GATES_SAE, GATES_VECTORS
-from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED
+from vllm_steer.core.vectors import GATES_PROJECTIONS, GATES_SAE, GATES_VECTORS
+from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 
 def site_word(hook: str, layer: int, applies: int) -> int:
     """A conditional row's ``site`` entry: its probe site and what its gate scales."""
     return (site_order(hook, layer) | (0 if applies & GATES_VECTORS else VECTORS_UNGATED)
-            | (SAE_GATED if applies & GATES_SAE else 0))
+            | (SAE_GATED if applies & GATES_SAE else 0) | (PROJ_GATED if applies & GATES_PROJECTIONS else 0))
 
 
 class ConditionTables:

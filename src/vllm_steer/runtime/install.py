@@ -24,6 +24,7 @@ from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.kernels.steered_rms_norm import op as norm_op
 from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.families import FINAL_NORM, INPUT_NORM, UnsupportedModelError, adapter_for_layer
+from vllm_steer.runtime.projection_tables import ProjectionTables
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.tables import SteeringTables
 
@@ -113,7 +114,9 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         [self.vs_cond_site, self.vs_cond_params, self.vs_probe, self.vs_site_ids] if cond else [],
         self.vs_gate if cond else None,
         self.vs_a_plan if "a" in self._vs_capture else None, self.vs_b_plan if "b" in self._vs_capture else None,
-        self.vs_pool if self._vs_capture else None, [], [])  # projections: no runtime tables yet (issue 38 item 3)
+        self.vs_pool if self._vs_capture else None,
+        [self.vs_a_proj_count, self.vs_a_proj_dirs, self.vs_a_proj_bounds] if "a" in self._vs_proj else [],
+        [self.vs_b_proj_count, self.vs_b_proj_dirs, self.vs_b_proj_bounds] if "b" in self._vs_proj else [])
 
 
 def _sae_packs(self) -> list[list[torch.Tensor]]:
@@ -123,28 +126,31 @@ def _sae_packs(self) -> list[list[torch.Tensor]]:
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
                        offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0),
-                       cond: bool = False) -> type:
+                       cond: bool = False, proj: tuple[str, ...] = ()) -> type:
     """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
     the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the condition
-    descriptor (``steer.conditions``)."""
-    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond)
+    descriptor (``steer.conditions``); ``proj``: the slots with projection tables (``steer.max_projections``)."""
+    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
                  "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
-                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond}
+                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond, "_vs_proj": proj}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
 
 
 def install_steering(sites: list[NormSite], tables: SteeringTables, capture: object | None = None,
-                     sae: SaeTables | None = None, conditions: ConditionTables | None = None) -> int:
+                     sae: SaeTables | None = None, conditions: ConditionTables | None = None,
+                     projections: ProjectionTables | None = None) -> int:
     """Swap every site's norm for its steered subclass; returns how many hooked sites it serves.
 
     ``capture`` (a CaptureBuffers) makes every norm capture its slots in its own launch (the pool, plans);
     ``sae`` gives the norms of its sites the SAE packs (and the op that applies them);
-    ``conditions`` gives every steered norm the conditional op (with the SAE, if any) and its buffers."""
+    ``conditions`` gives every steered norm the conditional op (with the SAE, if any) and its buffers;
+    ``projections`` gives every steered slot its projection descriptor (count, directions, bounds) but
+    layer 0's ``pre_attn`` (steered by an in-place add, not the op: the front end refuses projections there)."""
     packs = sae.packs if sae is not None else {}
     topk_of = sae.topk if sae is not None else {}
     for site in sites:
@@ -157,8 +163,13 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
         site_packs = {k: packs.get(s, []) for k, s in slots.items()}
         lengths = (len(site_packs["a"]), len(site_packs["b"]))
         topk = (topk_of.get(site.a, 0), topk_of.get(site.b, 0))
+        proj = tuple(k for k, s in slots.items() if s is not None and projections is not None
+                     and s in projections.descs and s != ("pre_attn", 0))
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
-                                            lengths, topk, conditions is not None)
+                                            lengths, topk, conditions is not None, proj)
+        for slot in proj:
+            for name, t in zip(("count", "dirs", "bounds"), projections.descs[slots[slot]]):
+                norm.register_buffer(f"vs_{slot}_proj_{name}", t, persistent=False)
         if conditions is not None:
             order = [site_order(*s) if s is not None else -2 for s in (site.a, site.b)]
             norm.register_buffer("vs_site_ids", torch.tensor(order, dtype=torch.int32, device=tables.index.device),

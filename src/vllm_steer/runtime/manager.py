@@ -32,6 +32,7 @@ from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.pinned_ring import PinnedRing
+from vllm_steer.runtime.projection_tables import ProjectionTables
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.slot_rows import SlotRows
@@ -95,8 +96,10 @@ class SteeringRuntime:
         self.conditions = (ConditionTables(cfg.max_configs, hidden_size, max_num_tokens, device)
                            if cfg.conditions else None)
         self.stops = StopWatch(self.conditions.gate, max_num_reqs) if self.conditions is not None else None
+        self.projections = (ProjectionTables(set(flat), cfg.max_configs, cfg.max_projections, hidden_size, device)
+                            if cfg.max_projections > 0 else None)
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae,
-                                        self.conditions)
+                                        self.conditions, self.projections)
         self.steered_norms = [s.name for s in sites]
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
@@ -133,10 +136,10 @@ class SteeringRuntime:
         if req_id in self._held:  # re-added (streaming input): drop the old state first
             self.remove_request(req_id)
         rows: dict[str, int] = {}
-        sae, conditions = steering.sae or {}, steering.condition or {}
+        sae, conditions, projections = steering.sae or {}, steering.condition or {}, steering.projections or {}
         for key in steering.keys:
             rows[key] = self._acquire(key, lambda k=key: self._vectors_for(steering, k), sae.get(key),
-                                      conditions.get(key))
+                                      conditions.get(key), projections.get(key))
         self.peak_live_configs = max(self.peak_live_configs, len(self.rows.live_keys()))
         if self.stops is not None and steering.stop_when:
             self.stops.watch(req_id, steering.stop_when, prompt_len)
@@ -145,21 +148,24 @@ class SteeringRuntime:
         return pair
 
     def _acquire(self, key: str, rows: Callable[[], Layout], sae: list | None = None,
-                 condition: list | None = None) -> int:
+                 condition: list | None = None, projections: list | None = None) -> int:
         row, needs_write, became_live = self.rows.acquire(key)
         if needs_write:
-            self._write(row, rows(), sae, condition)
+            self._write(row, rows(), sae, condition, projections)
         if became_live:
             self._set_live(row, True)
         return row
 
-    def _write(self, row: int, layout: Layout, sae: list | None = None, condition: list | None = None) -> None:
+    def _write(self, row: int, layout: Layout, sae: list | None = None, condition: list | None = None,
+               projections: list | None = None) -> None:
         self.row_upload_bytes += self.tables.write_row(row, layout)
         self.row_uploads += 1
         if self.sae is not None:
             self.row_upload_bytes += self.sae.write_row(row, sae)
         if self.conditions is not None:
             self.row_upload_bytes += self.conditions.write_row(row, condition)
+        if self.projections is not None:
+            self.row_upload_bytes += self.projections.write_row(row, projections)
 
     def _release(self, key: str) -> None:
         row = self.rows.row_of(key)

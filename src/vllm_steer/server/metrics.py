@@ -59,7 +59,9 @@ PREPARE_SECONDS = Histogram("vllm_steer_prepare_seconds", "Time to decode, check
                             "fields (off the event loop; refused ones too)",
                             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
 _KINDS = {"steering_vectors": "vectors", "prefill_steering_vectors": "vectors", "decode_steering_vectors": "vectors",
-          "steering_module": "module", "sae": "sae", "capture": "capture", "steering_condition": "condition"}
+          "steering_module": "module", "sae": "sae", "capture": "capture", "steering_condition": "condition",
+          "steering_projections": "projections", "prefill_steering_projections": "projections",
+          "decode_steering_projections": "projections"}
 
 
 def _gauge(name: str, doc: str) -> Gauge:

@@ -103,7 +103,8 @@ async def register(raw: Request) -> JSONResponse:
                 if upload is None or isinstance(upload, str):
                     raise SteeringSpecError("file", "a multipart registration needs a 'file' part")
                 module = module_from_file(form.get("name"), await upload.read(), upload.filename or "",
-                                          shape, form.get("description"), cfg.conditions)
+                                          shape, form.get("description"), cfg.conditions, cfg.max_projections,
+                                          form.get("as_ablation"))
                 replace = check_replace(form.get("replace")) or check_replace(raw.query_params.get("replace"))
         else:
             try:
@@ -112,7 +113,7 @@ async def register(raw: Request) -> JSONResponse:
                 raise SteeringSpecError("body", f"invalid JSON: {str(e)[:200]}") from None
             if not isinstance(body, dict):
                 raise SteeringSpecError("body", "expected a JSON object")
-            module = module_from_json(body, shape, cfg.conditions)
+            module = module_from_json(body, shape, cfg.conditions, cfg.max_projections)
             replace = check_replace(body.get("replace")) or check_replace(raw.query_params.get("replace"))
     except BodyTooLarge as e:
         await drain_refused_body(raw.receive, dict(raw.scope.get("headers") or []), e)

@@ -59,6 +59,11 @@ class ModuleRegistration(BaseModel):
     decode_steering_vectors: Tier | None = None
     steering_condition: dict | None = Field(None, description="steer.conditions: a condition (as in requests) for "
                                                               "every request naming the module without its own")
+    steering_projections: dict | None = Field(None, description="steer.max_projections: directions (ablate / cap) "
+                                                                "as in requests, for every request naming the module")
+    prefill_steering_projections: dict | None = None
+    decode_steering_projections: dict | None = None
+    as_ablation: bool = Field(False, description="the module's vectors become ablation directions at their sites")
     replace: bool = Field(False, description="replace a module of that name (else 409)")
 
 
@@ -71,6 +76,8 @@ class ModuleUpload(BaseModel):
     name: Name
     description: Description | None = None
     replace: Literal["true", "false", "1", "0", "yes", "no"] | None = None
+    as_ablation: Literal["true", "false", "1", "0", "yes", "no"] | None = Field(
+        None, description="the file's vectors (e.g. a GGUF / repeng control vector) become ablation directions")
 
 
 class ModuleSummary(BaseModel):
@@ -85,6 +92,7 @@ class ModuleSummary(BaseModel):
     bytes: int = Field(description="the module's float32 vectors, all tiers")
     created: float = Field(description="seconds since the epoch")
     condition: dict | None = Field(None, description="its steering_condition (an inline probe shown as its length)")
+    projections: dict | None = Field(None, description="its projections: per field, per site, the ops' modes")
 
 
 class ModuleInfo(ModuleSummary):
