@@ -1,6 +1,6 @@
 """Soak: N minutes of mixed traffic (plain, inline vectors, module churn, SAE clamps, aborted capture streams, bad
 inputs that must be 400s) against one vllm-steer server, then the checks: memory flat within a band, rows back to
-zero, nothing unfinished, no unexpected status. CI runs 3 minutes of it (tests/test_soak.py).
+zero, nothing unfinished, no unexpected status. CI runs 2 minutes of it (tests/test_soak.py).
     python bench/soak.py --base http://127.0.0.1:8000 --model MODEL --hidden 576 --minutes 20 --out soak.json
 """
 

@@ -11,6 +11,7 @@ for _k, _v in {
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "TORCHINDUCTOR_VEC_ISA_OK": "1",  # as tests.engine_job.CPU_ENV: no per-ISA probe processes
 }.items():
     os.environ.setdefault(_k, _v)
 

@@ -23,14 +23,24 @@ CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
+    # Inductor (compiled engines) trusts the CPU flags for AVX2/AVX-512 instead of building and loading a
+    # probe library per ISA in a fresh Python (~1.7 s each, several per compiling process)
+    "TORCHINDUCTOR_VEC_ISA_OK": "1",
 }
+# An enforce_eager engine still torch.compiles vLLM's CPU sampler (`compiled_random_sample`) in its warm-up
+# and the logprobs op at the first request: Inductor, its ISA probes and a C++ build, ~20 s of a ~25 s
+# start of the tiny model (measured 2026-11-26), for code that is vLLM's and the same math eager. Engines
+# that are eager anyway run those eagerly; the tests about compile (test_families_and_compile) are not
+# enforce_eager and keep Inductor.
+EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def run_job(job: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None, timeout: int = 600) -> dict:
     """Run ``job`` in a fresh process; raise with the child's log tail if it fails."""
     src, dst = tmp_path / "job.pkl", tmp_path / "result.pkl"
     src.write_bytes(pickle.dumps(job))
-    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    eager = job.get("llm_kwargs", {}).get("enforce_eager", False)
+    full_env = {**os.environ, **CPU_ENV, **(EAGER_ENV if eager else {}), **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine_job", str(src), str(dst)],
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,

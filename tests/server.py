@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.engine_job import CPU_ENV, ROOT
+from tests.engine_job import CPU_ENV, EAGER_ENV, ROOT
 
 
 def free_port() -> int:
@@ -27,7 +27,8 @@ def openai_server(model: str, *args: str, log: Path, env: dict | None = None, ti
     """Yield (base_url, process) of a running server; kill it on exit. ``env`` values of None unset
     the variable (e.g. ``{"VLLM_PLUGINS": None}``: a server without the endpoint plugin)."""
     port = free_port()
-    full_env = {**os.environ, **CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    eager = EAGER_ENV if "--enforce-eager" in args else {}
+    full_env = {**os.environ, **CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **eager, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}
     cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len), *args]

@@ -262,6 +262,14 @@ def test_decode_steered_reply_blocks_are_not_reused_by_an_unsteered_follow_up(ph
     np.testing.assert_allclose(follow_cached["logprobs"], follow_fresh["logprobs"], atol=1e-4)
 
 
+# Tokens each request of the preemption test generates. 9 KV blocks of 32 tokens hold the 8 requests' first
+# blocks only: at ~26 generated tokens each needs a second block, so requests are preempted and later resumed
+# by recomputation whatever the length past that. 48 (not 100: the test took ~130 s of CI) keeps every
+# request past its first block well before its end, so preemption, recomputation and the capture of each
+# position once are exercised as before, at half the decode steps.
+PREEMPT_TOKENS = 48
+
+
 def test_preempted_requests_resume_with_their_own_steering_and_capture_each_position_once(
         core_run, smollm2_path, prompt_ids, probe_plugin, tmp_path):
     """A KV cache too small for the batch forces preemption; every request (unsteered, vectors, a
@@ -273,12 +281,12 @@ def test_preempted_requests_resume_with_their_own_steering_and_capture_each_posi
     spec = {"layers": [3, 17], "hooks": ["pre_attn", "post_mlp"], "positions": "all"}
     probe = {"layers": [17], "hooks": ["post_mlp"], "positions": "all"}
     cap = {"fs": spec, "probe": probe}
-    reqs = [params(100, logprobs=False, capture=cap)] + [
-        params(100, logprobs=False, capture=cap,
+    reqs = [params(PREEMPT_TOKENS, logprobs=False, capture=cap)] + [
+        params(PREEMPT_TOKENS, logprobs=False, capture=cap,
                steering_vectors=floats(HOOKS[i % 3], 6 + i, vector(HIDDEN, 300 + i, SCALE)))
         for i in range(5)
-    ] + [params(100, logprobs=False, capture=cap, steering_module={"name": "pm", "scale": 0.7}),
-         params(100, logprobs=False, capture=cap, sae={"name": "pz", "clamps": CLAMPS})]
+    ] + [params(PREEMPT_TOKENS, logprobs=False, capture=cap, steering_module={"name": "pm", "scale": 0.7}),
+         params(PREEMPT_TOKENS, logprobs=False, capture=cap, sae={"name": "pz", "clamps": CLAMPS})]
     root = tmp_path / "captures"
     steer = {"max_configs": 8, "sae": _sae(tmp_path),
              "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}},
@@ -299,7 +307,7 @@ def test_preempted_requests_resume_with_their_own_steering_and_capture_each_posi
     assert worker["capture"]["recomputed_positions"] > 0
     assert worker["capture"]["dropped_rows"] == worker["capture"]["dropped_packets"] == 0
     together, alone = out["calls"][1], [c[0] for c in out["calls"][2:]]
-    n = len(prompt_ids) + 100 - 1  # prompt + generated tokens fed back
+    n = len(prompt_ids) + PREEMPT_TOKENS - 1  # prompt + generated tokens fed back
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t["token_ids"] == a["token_ids"], f"request {i}"
         # the driver result: every position once (a recomputed one is not summed twice), same score
