@@ -66,7 +66,7 @@ class Sent:
         self.messages: list[tuple[str, str, int, dict]] = []
         self.lock = threading.Lock()
 
-    def push(self, address, key, count, results) -> bool:
+    def push(self, address, key, count, results, stage=0) -> bool:
         with self.lock:
             self.messages.append((address, key, count, dict(results)))
         return True
