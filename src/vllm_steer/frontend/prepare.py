@@ -146,15 +146,7 @@ class SteeringFrontend:
         kp = sae_config_key(pk, pre, identity)
         kd = kp if pk == dk and pre == dec else sae_config_key(dk, dec, identity)
         base = payload or SteerPayload()
-        configs: dict = {}
-        for new, old in ((kp, pk), (kd, dk)):
-            if new is None:
-                continue
-            if old is None:
-                configs[new] = {}  # clamps only: no vector rows
-            elif old in base.configs:
-                configs[new] = base.configs[old]
-            # else: a bare module reference, whose rows the worker builds
+        configs = _rekeyed_rows(base, ((kp, pk), (kd, dk)))
         sae = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
         # the versions are checked when the request is handed over (frontend.prepared) and in the engine core
         versions = {name: catalog[name].version for name in identity if catalog[name].version}
@@ -171,15 +163,7 @@ class SteeringFrontend:
         kp = projection_key(pk, pre)
         kd = kp if pk == dk and pre == dec else projection_key(dk, dec)
         base = payload or SteerPayload()
-        configs: dict = {}
-        for new, old in ((kp, pk), (kd, dk)):
-            if new is None:
-                continue
-            if old is None:
-                configs[new] = {}  # projections only: no vector rows
-            elif old in base.configs:
-                configs[new] = base.configs[old]
-            # else: a bare module reference, whose rows the worker builds
+        configs = _rekeyed_rows(base, ((kp, pk), (kd, dk)))
         renamed = [(old, new) for old, new in ((pk, kp), (dk, kd)) if old is not None]
         sae = {new: base.sae[old] for old, new in renamed if old in base.sae} if base.sae else base.sae
         projections = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
@@ -512,3 +496,17 @@ def patch_input_processor() -> None:
 
     process_inputs._vllm_steer = True  # type: ignore[attr-defined]
     InputProcessor.process_inputs = process_inputs
+
+
+def _rekeyed_rows(base: SteerPayload, renames: tuple) -> dict:
+    """The shipped rows under each phase's new key ((new, old) pairs): an old key's rows, none for a phase that
+    had no vectors (clamps or projections only), and nothing for a bare module reference (its worker builds them)."""
+    configs: dict = {}
+    for new, old in renames:
+        if new is None:
+            continue
+        if old is None:
+            configs[new] = {}
+        elif old in base.configs:
+            configs[new] = base.configs[old]
+    return configs

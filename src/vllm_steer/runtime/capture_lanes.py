@@ -149,18 +149,7 @@ class CaptureHost:
         start = self.ring.alloc(packet_id, n)
         if start is None:
             return None
-        dst = self.rows[start : start + n]
-        event = None
-        if rows.is_cuda:
-            forward_done = torch.cuda.Event()
-            forward_done.record()
-            with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(forward_done)
-                dst.copy_(rows, non_blocking=True)
-                event = torch.cuda.Event(blocking=True)  # the notifier sleeps on it instead of spinning a core
-                event.record(copy_stream)
-        else:
-            dst.copy_(rows)
+        event = _copy_into(self.rows[start : start + n], rows, copy_stream)
         with self._lock:
             self._refs[packet_id] = len(lanes)
         self._notify.put((event, ("rows", packet_id, start, n, entries, [lane.bit for lane in lanes])))
@@ -200,19 +189,7 @@ class CaptureHost:
         start = self.ring.alloc(packet_id, n * per)
         if start is None:
             return None
-        dst = self.rows[start : start + n * per].view(torch.float32).view(n, hidden)
-        event = None
-        if rows.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-            with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(ready)
-                rows.record_stream(copy_stream)
-                dst.copy_(rows, non_blocking=True)
-                event = torch.cuda.Event(blocking=True)
-                event.record(copy_stream)
-        else:
-            dst.copy_(rows)
+        event = _copy_into(self.rows[start : start + n * per].view(torch.float32).view(n, hidden), rows, copy_stream)
         return event, packet_id, start, n * per
 
     def _read_reduced(self, red: tuple) -> tuple[list, int]:
@@ -332,3 +309,20 @@ class CaptureHost:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _copy_into(dst: torch.Tensor, rows: torch.Tensor, copy_stream: Any) -> Any:
+    """Copy ``rows`` into ring rows ``dst``: on a GPU, on ``copy_stream`` after the work queued so far on the
+    current stream (the forward that wrote them), returning the copy's event; on the CPU at once (None)."""
+    if not rows.is_cuda:
+        dst.copy_(rows)
+        return None
+    ready = torch.cuda.Event()
+    ready.record()
+    with torch.cuda.stream(copy_stream):
+        copy_stream.wait_event(ready)
+        rows.record_stream(copy_stream)  # a gathered tensor is freed on the step's stream: not before the copy
+        dst.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event(blocking=True)  # the notifier sleeps on it instead of spinning a core
+        event.record(copy_stream)
+    return event
