@@ -21,7 +21,7 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
 from vllm_steer.core.layout import layout_key, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name, encode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, PROJECTION_FIELDS,
@@ -417,9 +417,12 @@ def _overflow_field(fields: dict[str, Any], spec: Any) -> str:
 
 
 def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str) -> Prepared:
-    """The request's engine extra_args and keys: prepared off the event loop (a live token), or now."""
+    """The request's engine extra_args and keys: prepared off the event loop (a live token), or now; a
+    capturing payload names this process's inbox."""
+    from vllm_steer.capture.inbox import inbox
+
     prepared = PREPARED.get(extra[TOKEN_FIELD]) if TOKEN_FIELD in extra else None
-    out = for_request(prepared or frontend.engine_extra_args(extra), extra, request_id)
+    out = for_request(prepared or frontend.engine_extra_args(extra), extra, request_id, lambda: inbox().address)
     if SAE_SYNC.enabled and out.payload is not None:  # the last check before the engine core: moved since the last pull?
         SAE_REGISTRY.check_current(out.payload, SAE_SYNC.stale())
     return out
@@ -480,8 +483,6 @@ def patch_input_processor() -> None:
                 box.ttl = max(box.ttl, 2 * frontend.cfg.capture_result_timeout_s)
                 expected = frontend.capture_expectation(capture, getattr(params, "n", 1) or 1)
                 box.expect(request_id, **expected)
-                params.extra_args = {**ready.extra_args, PAYLOAD_KEY: encode_payload(
-                    replace(ready.payload, capture_reply=box.address))}
             if captures and frontend.needs_whole_prompt(capture):
                 # Cached prompt blocks are never recomputed, so their residuals would be missing.
                 params.skip_reading_prefix_cache = True

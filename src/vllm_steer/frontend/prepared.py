@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from msgspec.structs import replace
 
@@ -75,16 +75,18 @@ class PreparedRequests:
 PREPARED = PreparedRequests()
 
 
-def for_request(prepared: Prepared, extra_args: dict, request_id: str) -> Prepared:
+def for_request(prepared: Prepared, extra_args: dict, request_id: str,
+                reply: Callable[[], str] | None = None) -> Prepared:
     """The prepared result for one engine request: the caller's other extra_args kept, the
     request's id in a capturing payload (one HTTP request may become several engine requests;
-    vLLM suffixes the id later, and consumers report both), and the payload encoded: the bytes
-    the engine core and the workers decode."""
+    vLLM suffixes the id later, and consumers report both) with where its results go (``reply()``:
+    this process's capture inbox, asked only for a capturing request), and the payload encoded once:
+    the bytes the engine core and the workers decode."""
     merged = {k: v for k, v in extra_args.items() if k != TOKEN_FIELD and k not in REQUEST_FIELDS}
     merged.update(prepared.extra_args or {})
     payload = prepared.payload
     if payload is not None:
         if payload.capture is not None:
-            payload = replace(payload, external_id=request_id)
+            payload = replace(payload, external_id=request_id, capture_reply=reply() if reply is not None else None)
         merged[PAYLOAD_KEY] = encode_payload(payload)
     return Prepared(payload, merged or None, prepared.prefill_key, prepared.decode_key)
