@@ -50,6 +50,13 @@ def test_client_module_lifecycle_equals_inline_vectors(api_server):
         assert gated["choices"][0]["text"] == sent["choices"][0]["text"] == inline["choices"][0]["text"]
         assert gated["steering"] == sent["steering"] != inline["steering"]
         assert c.delete_module("client-cond") == {"deleted": "client-cond"}
+        # projections: a numpy direction (sent packed) equals the same direction as a JSON list
+        ablate = c.complete(PROMPT, projections={"post_mlp": {14: [{"direction": VEC, "mode": "ablate"}]}},
+                            max_tokens=8, temperature=0)
+        listed = c.complete(PROMPT, projections={"post_mlp.14": [{"direction": VEC.tolist(), "mode": "ablate"}]},
+                            max_tokens=8, temperature=0)
+        assert ablate["steering"] == listed["steering"] and "steering" not in plain  # one config key, applied
+        assert ablate["choices"][0]["text"] == listed["choices"][0]["text"]
         with pytest.raises(SteeringAPIError) as e:
             c.register_module("client-mod", steering_vectors={"post_mlp": {14: VEC}})
         assert e.value.status == 409 and e.value.param == "name"

@@ -62,8 +62,11 @@ def _numpy(v: Any) -> Any:
     return v.detach().cpu().float().numpy() if hasattr(v, "detach") else v
 
 
-def _steering(tiers: dict, module: Any, capture: Any, sae: Any, condition: Any = None) -> dict:
+def _steering(tiers: dict, module: Any, capture: Any, sae: Any, condition: Any = None,
+              projections: Any = None) -> dict:
     body = {name: _packed(v) for name, v in tiers.items() if v}
+    if projections is not None:
+        body["steering_projections"] = _projections(projections)
     if module is not None:
         body["steering_module"] = module
     if condition is not None:
@@ -73,6 +76,20 @@ def _steering(tiers: dict, module: Any, capture: Any, sae: Any, condition: Any =
     if sae is not None:
         body["sae"] = sae
     return body
+
+
+def _projections(spec: dict) -> dict:
+    """``steering_projections`` ({hook: {layer: [op, ...]}} or {site: [op, ...]}) with numpy (or torch)
+    directions packed as float32 bytes in base64; other values as given."""
+    def op(o: dict) -> dict:
+        d = o.get("direction")
+        if not hasattr(d, "tolist"):
+            return dict(o)
+        raw = np.ascontiguousarray(_numpy(d), dtype=np.float32)
+        return {**o, "direction": {"dtype": "float32", "data": base64.b64encode(raw.tobytes()).decode("ascii")}}
+
+    return {key: ({str(layer): [op(o) for o in ops] for layer, ops in val.items()} if isinstance(val, dict)
+                  else [op(o) for o in val]) for key, val in spec.items()}
 
 
 def _condition(condition: dict) -> dict:
@@ -160,22 +177,22 @@ class _Routes:
     def complete(self, prompt: str | list[int], *, module: str | dict | None = None, capture: dict | None = None,
                  sae: dict | list | None = None, steering_vectors: dict | None = None,
                  prefill_steering_vectors: dict | None = None, decode_steering_vectors: dict | None = None,
-                 condition: dict | None = None, **params: Any) -> Any:
-        """``POST /v1/completions`` with steering fields; ``params``: any OpenAI / vLLM completion
-        parameter (``max_tokens``, ``temperature``, ...). The whole JSON answer (with ``steering`` and
-        ``capture``)."""
+                 condition: dict | None = None, projections: dict | None = None, **params: Any) -> Any:
+        """``POST /v1/completions`` with steering fields (``projections``: ``steering_projections``, numpy
+        directions packed); ``params``: any OpenAI / vLLM completion parameter (``max_tokens``,
+        ``temperature``, ...). The whole JSON answer (with ``steering`` and ``capture``)."""
         tiers = {"steering_vectors": steering_vectors, "prefill_steering_vectors": prefill_steering_vectors,
                  "decode_steering_vectors": decode_steering_vectors}
         body = {**({"model": self.model} if self.model else {}), "prompt": prompt, **params,
-                **_steering(tiers, module, capture, sae, condition)}
+                **_steering(tiers, module, capture, sae, condition, projections)}
         return self._send(_Call("POST", "/v1/completions", {"json": body}))
 
     def chat(self, messages: list[dict], *, module: str | dict | None = None, capture: dict | None = None,
              sae: dict | list | None = None, steering_vectors: dict | None = None, condition: dict | None = None,
-             **params: Any) -> Any:
+             projections: dict | None = None, **params: Any) -> Any:
         """``POST /v1/chat/completions`` with steering fields (as ``complete``)."""
         body = {**({"model": self.model} if self.model else {}), "messages": messages, **params,
-                **_steering({"steering_vectors": steering_vectors}, module, capture, sae, condition)}
+                **_steering({"steering_vectors": steering_vectors}, module, capture, sae, condition, projections)}
         return self._send(_Call("POST", "/v1/chat/completions", {"json": body}))
 
 
