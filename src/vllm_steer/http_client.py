@@ -83,10 +83,7 @@ def _projections(spec: dict) -> dict:
     directions packed as float32 bytes in base64; other values as given."""
     def op(o: dict) -> dict:
         d = o.get("direction")
-        if not hasattr(d, "tolist"):
-            return dict(o)
-        raw = np.ascontiguousarray(_numpy(d), dtype=np.float32)
-        return {**o, "direction": {"dtype": "float32", "data": base64.b64encode(raw.tobytes()).decode("ascii")}}
+        return {**o, "direction": _float32_packed(d)} if hasattr(d, "tolist") else dict(o)
 
     return {key: ({str(layer): [op(o) for o in ops] for layer, ops in val.items()} if isinstance(val, dict)
                   else [op(o) for o in val]) for key, val in spec.items()}
@@ -95,10 +92,13 @@ def _projections(spec: dict) -> dict:
 def _condition(condition: dict) -> dict:
     """A ``steering_condition`` with a numpy (or torch) probe packed as float32 bytes in base64."""
     probe = condition.get("probe")
-    if not hasattr(probe, "tolist"):
-        return dict(condition)
-    raw = np.ascontiguousarray(probe.detach().cpu().numpy() if hasattr(probe, "detach") else probe, dtype=np.float32)
-    return {**condition, "probe": {"dtype": "float32", "data": base64.b64encode(raw.tobytes()).decode("ascii")}}
+    return {**condition, "probe": _float32_packed(probe)} if hasattr(probe, "tolist") else dict(condition)
+
+
+def _float32_packed(v: Any) -> dict:
+    """A numpy (or torch) vector as the packed float32 form requests take (base64 bytes)."""
+    raw = np.ascontiguousarray(_numpy(v), dtype=np.float32)
+    return {"dtype": "float32", "data": base64.b64encode(raw.tobytes()).decode("ascii")}
 
 
 def _raise_for(status: int, body: Any, text: str) -> None:

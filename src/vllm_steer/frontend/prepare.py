@@ -165,7 +165,7 @@ class SteeringFrontend:
         base = payload or SteerPayload()
         configs = _rekeyed_rows(base, ((kp, pk), (kd, dk)))
         renamed = [(old, new) for old, new in ((pk, kp), (dk, kd)) if old is not None]
-        sae = {new: base.sae[old] for old, new in renamed if old in base.sae} if base.sae else base.sae
+        sae = _renamed(base.sae, renamed)
         projections = {k: entries for k, entries in ((kp, pre), (kd, dec)) if k is not None and entries}
         return replace(base, prefill=kp, decode=kd, configs=configs, sae=sae, projections=projections), kp, kd
 
@@ -199,12 +199,10 @@ class SteeringFrontend:
         npk, ndk = (condition_key(k, wire) if g and k is not None else k for k, g in zip((pk, dk), gated))
         renamed = [(old, new) for old, new in ((pk, npk), (dk, ndk)) if old is not None]
         payload = payload or SteerPayload()
-        sae = {new: payload.sae[old] for old, new in renamed if old in payload.sae} if payload.sae else payload.sae
-        projections = ({new: payload.projections[old] for old, new in renamed if old in payload.projections}
-                       if payload.projections else payload.projections)
+        sae, projections = _renamed(payload.sae, renamed), _renamed(payload.projections, renamed)
         # stop_when: (above, tokens, whether the last prompt position's gate counts: prefill gated)
         out = replace(payload, prefill=npk, decode=ndk,
-                      configs={new: payload.configs[old] for old, new in renamed if old in payload.configs},
+                      configs=_renamed(payload.configs, renamed),
                       condition={new: tuple(wire) for old, new in renamed if new != old}, sae=sae,
                       projections=projections,
                       stop_when=(*stop, phase == "both") if stop is not None else None)
@@ -511,3 +509,9 @@ def _rekeyed_rows(base: SteerPayload, renames: tuple) -> dict:
         elif old in base.configs:
             configs[new] = base.configs[old]
     return configs
+
+
+def _renamed(by_key: dict | None, renamed: list) -> dict | None:
+    """``by_key`` (configs, SAE clamps, projections: each keyed by config key) under the new keys of the
+    (old, new) pairs ``renamed``; None / empty stays as it is."""
+    return {new: by_key[old] for old, new in renamed if old in by_key} if by_key else by_key

@@ -28,9 +28,9 @@ from blake3 import blake3
 
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import HOOK_NAMES
-from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.vectors import PROJECTION_FIELDS
-from vllm_steer.frontend.spec import ModelShape, check_layer, finite_number, parse_packed_vector, parse_vector
+from vllm_steer.frontend.spec import (ModelShape, check_hook, check_layer, finite_number, parse_packed_vector,
+                                     parse_site_key, parse_vector)
 
 _DOMAIN = b"vllm-steer-projections-v1\0"
 MODES = ("ablate", "cap")
@@ -137,14 +137,9 @@ def _parse_field(field: str, obj: Any, shape: ModelShape) -> Ops:
     for key, value in obj.items():
         f = f"{field}.{key}"
         if isinstance(key, str) and "." in key:  # a site name: [op, ...]
-            try:
-                hook, layer = parse_site_name(key)
-            except ValueError as e:
-                raise SteeringSpecError(f, str(e)) from None
-            _check_hook(f, hook, shape)
-            sites = [((hook, check_layer(f, layer, shape)), f, value)]
+            sites = [(parse_site_key(f, key, shape), f, value)]
         else:
-            _check_hook(f, key, shape)
+            check_hook(f, key, shape)
             if not isinstance(value, dict):
                 raise SteeringSpecError(f, "expected {layer: [projections]}")
             sites = [((key, check_layer(f"{f}.{l}", l, shape)), f"{f}.{l}", v) for l, v in value.items()]
@@ -156,14 +151,6 @@ def _parse_field(field: str, obj: Any, shape: ModelShape) -> Ops:
                 raise SteeringSpecError(sf, f"site {site[0]}.{site[1]} is given twice in {field}")
             out[site] = (sf, _parse_ops(sf, ops, shape))
     return out
-
-
-def _check_hook(field: str, hook: Any, shape: ModelShape) -> None:
-    if hook not in HOOK_NAMES:
-        raise SteeringSpecError(field, f"unknown hook point {hook!r}; expected one of {list(HOOK_NAMES)}")
-    if hook not in shape.hooks:
-        raise SteeringSpecError(field, f"hook point {hook!r} is not enabled on this server "
-                                       f"(steer.hooks={list(shape.hooks)})")
 
 
 def _parse_ops(field: str, ops: Any, shape: ModelShape) -> list[tuple[np.ndarray, float, float]]:

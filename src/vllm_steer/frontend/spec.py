@@ -262,7 +262,7 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
     total = 0
     for hook in sorted(hooks, key=HOOK_NAMES.index):
         f = f"{tier}.{hook}"
-        _check_hook(f, hook, shape)
+        check_hook(f, hook, shape)
         _, layers, raw = _packed_raw(f, hooks[hook], shape)
         total += len(raw)
         try:
@@ -285,7 +285,7 @@ def _scale_rows(src: np.ndarray, scales: list, bf16_source: bool) -> np.ndarray:
     return src * np.asarray(scales, dtype=src.dtype).reshape(-1, 1)
 
 
-def _check_hook(field: str, hook: Any, shape: ModelShape) -> None:
+def check_hook(field: str, hook: Any, shape: ModelShape) -> None:
     if hook not in HOOK_NAMES:
         raise SteeringSpecError(field, f"unknown hook point {hook!r}; expected one of {list(HOOK_NAMES)}")
     if hook not in shape.hooks:
@@ -294,13 +294,13 @@ def _check_hook(field: str, hook: Any, shape: ModelShape) -> None:
         )
 
 
-def _parse_site_key(field: str, key: str, shape: ModelShape) -> tuple[str, int]:
+def parse_site_key(field: str, key: str, shape: ModelShape) -> tuple[str, int]:
     """A tier's site-name key (``blocks.12.hook_resid_post``, ``post_mlp.12``) -> (hook, layer), checked."""
     try:
         hook, layer = parse_site_name(key)
     except ValueError as e:
         raise SteeringSpecError(field, str(e)) from None
-    _check_hook(field, hook, shape)
+    check_hook(field, hook, shape)
     return hook, check_layer(field, layer, shape)
 
 
@@ -315,7 +315,7 @@ def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
         if hook in site_keys:
             continue
         f = f"{field}.{hook}"
-        _check_hook(f, hook, shape)
+        check_hook(f, hook, shape)
         if not isinstance(value, dict):
             raise SteeringSpecError(f, "expected {layer: [floats]} or a packed object with 'data'")
         layers = decode_packed(f, value, shape) if "data" in value else _parse_float_layers(f, value, shape)
@@ -323,7 +323,7 @@ def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
             out[hook] = layers
     for key in site_keys:  # merged into the hook form: {hook: {layer: vector}}
         f = f"{field}.{key}"
-        hook, layer = _parse_site_key(f, key, shape)
+        hook, layer = parse_site_key(f, key, shape)
         if layer in out.get(hook, {}):
             raise SteeringSpecError(f, f"site {hook}.{layer} is given twice in {field}")
         out[hook] = {**out.get(hook, {}), layer: parse_vector(f, obj[key], shape)}
@@ -351,7 +351,7 @@ def _parse_module(obj: Any, shape: ModelShape) -> ModuleRef | None:
         if not isinstance(hooks, list) or not hooks or not all(isinstance(h, str) for h in hooks):
             raise SteeringSpecError(f"{MODULE_FIELD}.hooks", "expected a non-empty list of hook points")
         for h in hooks:
-            _check_hook(f"{MODULE_FIELD}.hooks", h, shape)
+            check_hook(f"{MODULE_FIELD}.hooks", h, shape)
         hooks = sorted(set(hooks))
     return ModuleRef(obj["name"], finite_number(f"{MODULE_FIELD}.scale", obj.get("scale", 1.0)),
                      None if layers is None else tuple(layers), None if hooks is None else tuple(hooks))
