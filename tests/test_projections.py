@@ -4,6 +4,8 @@ written with the row, cleared when the row is reused). The engine oracle is in t
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +178,12 @@ def test_module_files_carry_projections_and_a_module_may_be_its_vectors_as_ablat
         module_from_json({"name": "a", "steering_vectors": {"post_mlp": {"1": DIR.tolist()}}, "as_ablation": True,
                           "steering_projections": {"post_mlp.1": [ablate()]}}, shape, max_projections=2)
     assert e.value.field == "as_ablation"
+    # a JSON file registered with as_ablation: its vectors become ablations, as a body's flag makes them; its own
+    # projection fields beside the flag are refused, not dropped
+    body = {"steering_vectors": {"post_mlp": {"1": DIR.tolist()}}}
+    f = module_from_file("j", json.dumps(body).encode(), "m.json", shape, max_projections=2, as_ablation="true")
+    assert not f.has_vectors and f.summary()["projections"] == {"steering_projections": {"post_mlp.1": ["ablate"]}}
+    with pytest.raises(SteeringSpecError) as e:
+        module_from_file("j", json.dumps({**body, "steering_projections": {"post_mlp.1": [ablate()]}}).encode(),
+                         "m.json", shape, max_projections=2, as_ablation="true")
+    assert e.value.field == "file.as_ablation" and "leave out the projection fields" in str(e.value)

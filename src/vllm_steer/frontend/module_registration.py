@@ -121,8 +121,9 @@ def check_module(module: SteeringModule, shape: ModelShape, field: str) -> None:
 
 
 def _json_file(name: str, data: bytes, shape: ModelShape, description: str, conditions: bool,
-               max_projections: int) -> SteeringModule:
-    """A .json module file: the registration object's fields; its errors are named under ``file``."""
+               max_projections: int, as_ablation: bool = False) -> SteeringModule:
+    """A .json module file: the registration object's fields (``as_ablation``: the registration's flag, applied
+    as the file's own would be); its errors are named under ``file``."""
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -130,7 +131,8 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str, cond
     if not isinstance(body, dict):
         raise SteeringSpecError("file", "a JSON module file holds an object of steering fields")
     try:
-        module = module_from_json({**body, "name": name}, shape, conditions, max_projections)
+        module = module_from_json({**body, "name": name, **({"as_ablation": True} if as_ablation else {})}, shape,
+                                  conditions, max_projections)
     except SteeringSpecError as e:
         if e.field == "name":
             raise
@@ -152,8 +154,7 @@ def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, d
         tiers, meta = read_gguf_control_vector(data, shape)
         source = "gguf"
     elif filename.endswith(".json"):
-        module = _json_file(name, data, shape, description, conditions, max_projections)
-        return with_projections(module, {}, shape, max_projections, True) if ablation else module
+        return _json_file(name, data, shape, description, conditions, max_projections, ablation)
     elif filename.endswith(".safetensors") or not filename:
         tiers, meta, projections = read_safetensors(data, shape)
         source = "safetensors"
