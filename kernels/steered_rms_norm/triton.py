@@ -92,15 +92,24 @@ def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_pr
 def _project(b_s, i_row, proj, o_d, m_d):
     """b_s after row ``i_row``'s directional projections, one after another (naive.project_naive):
     ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v``. ``proj``: (count [R] int32, dirs [R, K, D] fp32,
-    bounds [R, K, 2] fp32, K, dirs' row stride, dirs' direction stride). Row 0 (count 0): one int32 load."""
+    bounds [R, K, 2] fp32, K, dirs' row stride, dirs' direction stride). The count, the first direction and
+    its bounds are loaded together (none waits on the count), and not at all for row 0 (unsteered tokens)."""
     p_count, p_dirs, p_bounds, K, stride_row, stride_k = proj
     i_r = i_row.to(tl.int64)
-    for k in range(0, tl.load(p_count + i_r)):
-        b_v = tl.load(p_dirs + i_r * stride_row + k * stride_k + o_d, mask=m_d, other=0.0).to(tl.float32)
+    live = i_row != 0
+    n = tl.load(p_count + i_r, mask=live, other=0)
+    b_v = tl.load(p_dirs + i_r * stride_row + o_d, mask=m_d & live, other=0.0).to(tl.float32)
+    lo = tl.load(p_bounds + i_r * K * 2, mask=live, other=0.0)
+    hi = tl.load(p_bounds + i_r * K * 2 + 1, mask=live, other=0.0)
+    if n > 0:
         p = tl.sum(b_s * b_v, axis=0)
-        lo = tl.load(p_bounds + (i_r * K + k) * 2)
-        hi = tl.load(p_bounds + (i_r * K + k) * 2 + 1)
         b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
+        for k in range(1, n):
+            b_v = tl.load(p_dirs + i_r * stride_row + k * stride_k + o_d, mask=m_d, other=0.0).to(tl.float32)
+            p = tl.sum(b_s * b_v, axis=0)
+            lo = tl.load(p_bounds + (i_r * K + k) * 2)
+            hi = tl.load(p_bounds + (i_r * K + k) * 2 + 1)
+            b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
     return b_s
 
 

@@ -346,11 +346,12 @@ def test_step_index_kernel_matches_reference(seed):
 
 def _projections(rows: int, d: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     """(count, dirs, bounds) for ``rows`` rows: row 0 none, odd rows ablate their directions, even rows cap
-    them into [-0.5, 0.5]; row r has min(r, k) live directions (unit vectors)."""
+    them into [-0.5, 0.5]; row r < rows - 1 has min(r, k) live directions (unit vectors); the last row has none
+    left but stale directions in its table (a row reused without projections: the count alone decides)."""
     g = torch.Generator().manual_seed(seed)
     dirs = torch.randn(rows, k, d, generator=g)
     dirs = dirs / dirs.norm(dim=-1, keepdim=True)
-    count = torch.tensor([min(r, k) for r in range(rows)], dtype=torch.int32)
+    count = torch.tensor([min(r, k) for r in range(rows - 1)] + [0], dtype=torch.int32)
     dirs[0] = 0
     bounds = torch.zeros(rows, k, 2)
     bounds[0::2, :, 0], bounds[0::2, :, 1] = -0.5, 0.5
