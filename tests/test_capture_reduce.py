@@ -171,3 +171,50 @@ def _fallbacks_reach_the_metrics(status: dict) -> None:
     before = REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") or 0.0
     apply_engine({"increments": totals})
     assert REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") == before + status["reduce_fallbacks"]
+
+
+def test_a_prompt_only_capture_ends_with_its_prefill(monkeypatch, runtimes):
+    """A request whose specs want only prompt positions (or explicit ones) is ended by the step that plans its
+    last wanted position, before the engine ends it: its result is sent then (a 1-token request does not wait
+    the one or two engine steps the runner takes to hear of its end); the engine's later end and a re-add
+    after a preemption change nothing; a request that wants generated tokens is not ended early."""
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    rt, got = _runtime(monkeypatch, runtimes, sites, 2048)
+    sends: list[str] = []
+    record = rt._send
+    rt._send = lambda key, *rest: (sends.append(key), record(key, *rest))
+    spec = {"layers": [0, 1], "hooks": ["post_mlp"], "reduce": "mean"}
+    rt.add_request("r1", {"activations": {**spec, "positions": "all_prompt"}}, 6)
+    rt.add_request("r2", {"activations": {**spec, "positions": [0, 2]}}, 6)
+    rt.add_request("r3", {"activations": {**spec, "positions": "all"}}, 6)
+
+    def step(req_ids, scheduled, computed):
+        scheduled, computed = np.array(scheduled, np.int32), np.array(computed, np.int32)
+        rt.plan_step(req_ids, scheduled, computed)
+        _forward(rt, req_ids, scheduled, computed)
+        rt.after_forward()
+
+    def sent(rid, within=10.0):
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and rid not in got:
+            time.sleep(0.02)
+        return rid in got
+
+    step(["r1", "r2", "r3"], [4, 2, 4], [0, 0, 0])  # r2's positions 0..1: its position 2 is still to come
+    assert not sent("r1", 0.5) and not sent("r2", 0.01)
+    step(["r1", "r2", "r3"], [2, 4, 2], [4, 2, 4])  # the prompts end: r1 and r2 are complete
+    assert sent("r1") and sent("r2")
+    assert not sent("r3", 0.5)  # it wants generated tokens: only the engine's end ends it
+    for rid, n, ps in (("r1", 6, range(6)), ("r2", 2, (0, 2))):
+        vectors = decode_result(got[rid]["activations"])
+        s = sites.index(("post_mlp", 1))
+        np.testing.assert_allclose(vectors["post_mlp.1"], np.mean([stream(rid, p, s) for p in ps], axis=0),
+                                   rtol=1e-5, atol=1e-6)
+        assert got[rid]["activations"]["count"][0] == n
+    rt.add_request("r1", {"activations": {**spec, "positions": "all_prompt"}}, 6)  # resumed: ignored
+    step(["r1", "r3"], [6, 1], [0, 6])  # r1 recomputed from 0 after a preemption: nothing planned for it
+    rt.finish_request("r1"), rt.finish_request("r2"), rt.finish_request("r3")
+    assert sent("r3")
+    time.sleep(0.3)
+    assert sorted(sends) == ["r1", "r2", "r3"]  # each sent once
+    assert rt._reduce.free == 2048 and not rt._requests and not rt._bounded

@@ -94,6 +94,7 @@ class _Request:
     specs: dict[int, CaptureSpec]  # consumer bit -> spec
     meta: dict[str, Any] = field(default_factory=dict)
     planned_upto: int = 0  # positions below it were planned (captured or dropped) once already
+    ends_at: int | None = None  # every spec's last wanted position is below it (None: wants generated tokens)
     plan: RequestPlan | None = None  # what it captures on this rank, compiled when it is added
     dropped: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     """(hook, layer) -> [(positions, consumer masks)] of rows that were wanted and not delivered."""
@@ -114,6 +115,21 @@ class _Request:
 MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
+_EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
+
+
+def _ends_at(specs, prompt_len: int) -> int | None:
+    """The position every spec's wanted positions are below (None: some spec wants generated tokens)."""
+    end = 0
+    for spec in specs:
+        mode = spec.positions
+        if mode in ("all_prompt", "last_prompt"):
+            end = max(end, prompt_len)
+        elif isinstance(mode, tuple):
+            end = max(end, max(mode, default=-1) + 1)
+        else:
+            return None
+    return end
 
 
 @dataclass
@@ -186,7 +202,9 @@ class CaptureRuntime:
         self._rows_used = 0
         self._results_lock = threading.Lock()
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
-        self._finished: OrderedDict[str, None] = OrderedDict()  # recently finished engine ids (bounded)
+        self._finished: OrderedDict[str, str | None] = OrderedDict()  # recently finished engine ids (bounded)
+        self._bounded: set[str] = set()  # requests whose specs want no generated token past some position
+        self._complete: list[str] = []  # of those, the ones this step's plan completed
         self._pusher = ResultPusher()
         self._copy_done: Any = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -213,6 +231,8 @@ class CaptureRuntime:
 
     # ---- control plane -----------------------------------------------------------------
     def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None) -> None:
+        if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
+            return
         specs = dict(self.global_specs)
         for instance, raw in (capture or {}).items():
             bit = self.bit_of.get(instance)
@@ -233,6 +253,9 @@ class CaptureRuntime:
                 self._reserve(new)
             self._requests[request_id] = new
             self._finished.pop(request_id, None)
+            new.ends_at = _ends_at(specs.values(), prompt_len)
+            if new.ends_at is not None:
+                self._bounded.add(request_id)
 
     def _runs_here(self, bit: int, spec: CaptureSpec) -> bool:
         """Whether consumer ``bit`` hears of a request with ``spec`` on this stage: a worker consumer
@@ -298,13 +321,16 @@ class CaptureRuntime:
         region.release(all_slots)
         return out
 
-    def finish_request(self, request_id: str) -> None:
+    def finish_request(self, request_id: str, early: bool = False) -> None:
+        """The request's end (``early``: every position its specs want was planned, before the engine ends
+        it): its consumers hear of it, its driver results go to the submitter once they have."""
         req = self._requests.pop(request_id, None)
+        self._bounded.discard(request_id)
         if req is None or request_id in self._finished:
             if req is not None:
                 self._collect_reduced(req)  # its slots are free again
             return
-        self._finished[request_id] = None
+        self._finished[request_id] = _EARLY if early else None
         while len(self._finished) > RECENTLY_FINISHED_MAX:
             self._finished.popitem(last=False)
         key = req.meta.get("external_id") or request_id  # results go by the id callers know
@@ -371,6 +397,10 @@ class CaptureRuntime:
     def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
         """Before the forward: this step's pool rows and the device plan (``runtime.capture_plan``)."""
         step = self._planner.plan(self._requests, req_ids, num_scheduled, num_computed)
+        if self._bounded:  # ended once the step's forward is handed off (after_forward)
+            reqs = self._requests
+            self._complete = [rid for rid in req_ids if rid in self._bounded
+                              and reqs[rid].planned_upto >= reqs[rid].ends_at]
         if step.recomputed:
             self.stats["recomputed_positions"] += step.recomputed
         if step.dropped_rows:
@@ -387,6 +417,16 @@ class CaptureRuntime:
         live.capture_live = step.planned > 0
 
     def after_forward(self) -> None:
+        """Hand the rows this step captured to the consumers' process (no device sync here), then end the
+        requests whose capture this step completed (a prompt-only capture ends with its prefill, not one or
+        two engine steps after the request's last token: what a 1-token request waits for)."""
+        self._hand_off()
+        if self._complete:
+            done, self._complete = self._complete, []
+            for rid in done:
+                self.finish_request(rid, early=True)
+
+    def _hand_off(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).
 
         The used pool rows are copied into the host's shared ring (on a GPU on a side stream that

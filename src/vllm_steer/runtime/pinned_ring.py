@@ -2,7 +2,8 @@
 
 A ring of pinned host buffers of one shape: ``stage()`` hands out the next buffer whose previous
 copy has finished (an event query, never a wait; a busy ring gives a fresh pinned block) and a
-``land(dst)`` that enqueues the non-blocking copy and records the buffer's event. The host may run
+``land(dst)`` that enqueues the non-blocking copy and records the buffer's event (``land(dst, at)``: one of several
+parts of the buffer, e.g. one row write's sites, each landed where it goes). The host may run
 steps ahead of the device (async scheduling), so a buffer is never refilled before its copy ran.
 On CPU devices the host buffer is plain memory and ``land`` copies at once.
 """
@@ -33,8 +34,10 @@ class PinnedRing:
         else:  # the device is further behind than the ring is deep: a one-off block
             buf, i = torch.zeros(self.shape, dtype=self.dtype, pin_memory=True), None
 
-        def land(dst: torch.Tensor) -> None:
-            dst.copy_(buf[: dst.shape[0]], non_blocking=self.pinned)
+        def land(dst: torch.Tensor, at: int | tuple | None = None) -> None:
+            """Copy the buffer's first ``len(dst)`` rows (or ``buf[at]``: several copies out of one staged
+            buffer, each a contiguous part) into ``dst``."""
+            dst.copy_(buf[: dst.shape[0]] if at is None else buf[at], non_blocking=self.pinned)
             if self.pinned and i is not None:
                 ev = self._events[i] or torch.cuda.Event()
                 ev.record()

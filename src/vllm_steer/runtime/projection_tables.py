@@ -7,7 +7,7 @@ is folded into (``kernels/steered_rms_norm``). Rows share the numbering of the s
 owns one row for its vectors, clamps and projections. A row is written with the config that takes it, and a
 reused row's old sites are cleared first (count 0), as SAE rows are. Each tensor is allocated on its own, so
 every view handed to the model is 16-byte aligned (NOTES: Inductor copies misaligned inputs).
-Writes are control-plane (when a row is written), never per step; no host sync.
+Writes are control-plane (when a row is written), never per step; no host sync (staged in pinned buffers).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_steer.runtime.pinned_ring import PinnedRing
+
 Site = tuple[str, int]
+_STAGING_SLOTS = 4  # pinned buffers per ring: a busy ring falls back to a fresh pinned block
 
 
 class ProjectionTables:
@@ -27,6 +30,11 @@ class ProjectionTables:
                    torch.zeros(num_rows, k, hidden, dtype=torch.float32, device=device),
                    torch.zeros(num_rows, k, 2, dtype=torch.float32, device=device)]
             for site in sorted(sites)}
+        # a row's directions and bounds are staged in pinned memory (one buffer per write, a part per site) and
+        # copied non-blocking: a pageable host -> device copy would wait for the forward in flight
+        n = max(1, len(self.descs))
+        self._dirs_ring = PinnedRing((n, k, hidden), torch.float32, device, _STAGING_SLOTS)
+        self._bounds_ring = PinnedRing((n, k, 2), torch.float32, device, _STAGING_SLOTS)
         self._written: dict[int, list[Site]] = {}  # row -> the sites whose count it set
 
     @property
@@ -35,23 +43,26 @@ class ProjectionTables:
 
     def write_row(self, row: int, entries: list | None) -> int:
         """Give ``row`` the projections ``entries`` (``frontend.projection_spec`` wire form; sites of other
-        ranks skipped) and none anywhere else it had some; bytes written."""
+        ranks skipped) and none anywhere else it had some; bytes written. No host sync: device writes are
+        kernel fills and non-blocking copies out of pinned buffers."""
         written = 0
         for site in self._written.pop(row, []):
             self.descs[site][0][row : row + 1].fill_(0)
             written += 4
-        touched = []
-        for hook, layer, dirs, bounds in entries or ():
-            desc = self.descs.get((hook, int(layer)))
-            if desc is None:
-                continue  # another rank's site
-            count, d_table, b_table = desc
+        mine = [((hook, int(layer)), dirs, bounds) for hook, layer, dirs, bounds in entries or ()
+                if (hook, int(layer)) in self.descs]  # others: another rank's sites
+        if not mine:
+            return written
+        dirs_host, land_dirs = self._dirs_ring.stage()
+        bounds_host, land_bounds = self._bounds_ring.stage()
+        for j, (site, dirs, bounds) in enumerate(mine):
+            count, d_table, b_table = self.descs[site]
             n = len(bounds) // 8
-            d_table[row, :n].copy_(torch.from_numpy(np.frombuffer(dirs, dtype=np.float32).reshape(n, self.hidden).copy()))
-            b_table[row, :n].copy_(torch.from_numpy(np.frombuffer(bounds, dtype=np.float32).reshape(n, 2).copy()))
+            dirs_host[j, :n] = np.frombuffer(dirs, dtype=np.float32).reshape(n, self.hidden)
+            bounds_host[j, :n] = np.frombuffer(bounds, dtype=np.float32).reshape(n, 2)
+            land_dirs(d_table[row, :n], (j, slice(0, n)))
+            land_bounds(b_table[row, :n], (j, slice(0, n)))
             count[row : row + 1].fill_(n)
-            touched.append((hook, int(layer)))
             written += len(dirs) + len(bounds) + 4
-        if touched:
-            self._written[row] = touched
+        self._written[row] = [site for site, _, _ in mine]
         return written
