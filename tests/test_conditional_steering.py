@@ -24,7 +24,7 @@ from tests.test_sae_engine import BIG as SAE_BIG, CAP_DIR, RESIDUAL_ATOL, RESIDU
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import site_order
-from tests.norm_calls import steered_cond_rms_norm_naive, steered_rms_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
 
 HIDDEN = 576
 PROBE_LAYER, STEER_LAYER = 10, 14  # probe at post_mlp.10, steer at post_mlp.14 (and pre_attn.16)
@@ -50,8 +50,9 @@ def test_the_op_gates_conditional_rows_and_leaves_the_others_bit_for_bit():
     params_ = torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0.3, 2.0, 0, 0], [0, 0, 1, 0]], dtype=torch.float32)
     probe = torch.randn(r, d, generator=g)
     gate = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.25, 9.0, 7.0])  # row 3's token: its gate from an earlier norm
-    out, new_res = steered_cond_rms_norm_naive(x, res, w, 1e-6, 0.0, index, ta, one, tb, one, cond_site, params_,
-                                               probe, gate, torch.tensor([site_a, site_b], dtype=torch.int32))
+    site_ids = torch.tensor([site_a, site_b], dtype=torch.int32)
+    out, new_res = steered_norm_naive(x, res, w, 1e-6, 0.0, index, vec_a=(ta, one), vec_b=(tb, one),
+                                      cond=(cond_site, params_, probe, site_ids), gate=gate)
     s0 = x + res
     want_gate = torch.tensor([9.0, 9.0, 0.0, 0.0, 0.25, 9.0])
     for t in (2, 3):  # computed here, at slot A, from the stream before A's add
@@ -61,12 +62,13 @@ def test_the_op_gates_conditional_rows_and_leaves_the_others_bit_for_bit():
     torch.testing.assert_close(new_res, s)
     torch.testing.assert_close(gate[:n], want_gate)
     assert gate[n] == 7.0  # past this step's tokens: untouched
-    plain_out, plain_res = steered_rms_norm_naive(x, res, w, 1e-6, 0.0, index, ta, one, tb, one)
+    plain_out, plain_res = steered_norm_naive(x, res, w, 1e-6, 0.0, index, vec_a=(ta, one), vec_b=(tb, one))
     for t in (0, 1, 5):  # unsteered and unconditional rows: the plain op, bit for bit
         assert torch.equal(new_res[t], plain_res[t]) and torch.equal(out[t], plain_out[t])
     params_[0, 3] = 0  # no live row has a condition (runtime.condition_tables keeps the flag): the plain op
-    idle = steered_cond_rms_norm_naive(x, res, w, 1e-6, 0.0, index, ta, one, tb, one, cond_site, params_, probe,
-                                       gate, torch.tensor([site_a, site_b], dtype=torch.int32))
+    idle = steered_norm_naive(x, res, w, 1e-6, 0.0, index, vec_a=(ta, one), vec_b=(tb, one),
+                              cond=(cond_site, params_, probe, torch.tensor([site_a, site_b], dtype=torch.int32)),
+                              gate=gate)
     assert torch.equal(idle[0], plain_out) and torch.equal(idle[1], plain_res)
 
 

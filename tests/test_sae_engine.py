@@ -4,7 +4,8 @@ reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens and 
 one mixed batch with vector and plain requests; phases; a clamp to a feature's own value; what capture reads
 at the clamped site and just after it. The same engine (``max_projections`` 2) serves directional
 projections (ablate / cap, several per site, with a vector at the same site, prefill-only and decode-only)
-in the same batches, against transformers hooks doing ``h - (h.v)v`` / clamping the component."""
+in the same batches, against transformers hooks doing ``h - (h.v)v`` / clamping the component, beside a
+vector-only request at a projected site (its row projects nothing there)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,9 @@ CAP_DIR, CAP2_DIR = vector(HIDDEN, 7, 1.0), vector(HIDDEN, 8, 3.0)
 
 
 def _proj_requests(ablate_dir: np.ndarray) -> dict:
-    """name -> (steering fields, phase ("both" / "prefill" / "decode"), [(hook, layer, [(unit v, lo, hi)])], vectors)."""
+    """name -> (steering fields, phase ("both" / "prefill" / "decode"), [(hook, layer, [(unit v, lo, hi)])], vectors);
+    the last, ``vector_at_projected_site``, adds a vector at ABLATE_AT (where the others project) and projects
+    nothing."""
     ab = {"direction": ablate_dir.tolist(), "mode": "ablate"}
     cap_lo = {"direction": CAP_DIR.tolist(), "mode": "cap", "min": 25.0}
     cap_hi = {"direction": CAP2_DIR.tolist(), "mode": "cap", "min": -2.0, "max": -1.0}
@@ -97,6 +100,8 @@ def _proj_requests(ablate_dir: np.ndarray) -> dict:
                              [("post_mlp", 14, [(u(CAP_DIR), 25.0, np.inf)])], {"post_mlp": {14: VEC}}),
         "proj_prefill_only": ({"prefill_steering_projections": both["steering_projections"]}, "prefill", edits, None),
         "proj_decode_only": ({"decode_steering_projections": both["steering_projections"]}, "decode", edits, None),
+        "vector_at_projected_site": ({"steering_vectors": floats(*ABLATE_AT, VEC)}, "both", [],
+                                     {ABLATE_AT[0]: {ABLATE_AT[1]: VEC}}),
     }
 
 
@@ -331,3 +336,16 @@ def test_projections_in_a_mixed_batch_equal_transformers_hooks_doing_the_same_ed
         both = run["projected"]["proj_two_sites"]
         np.testing.assert_allclose(got["prompt_logprobs"][1:], both["prompt_logprobs"][1:], atol=1e-5)
         assert got["token_ids"] != both["token_ids"]
+
+
+def test_a_vector_only_request_at_a_projected_site_equals_transformers(run, smollm2_path, prompt_ids):
+    """A request with a vector at post_mlp.12 and no projection, in the batch whose other rows project at
+    post_mlp.12 (two directions) and pre_attn.8: the norm's projection step leaves its row alone (count 0),
+    so it equals transformers with the vector alone."""
+    _, _, sites, vectors = run["proj"]["vector_at_projected_site"]
+    assert sites == [] and vectors == {"post_mlp": {12: VEC}}
+    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors)
+    got = run["projected"]["vector_at_projected_site"]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    assert got["token_ids"] != run["phased"]["plain"]["token_ids"]  # the vector really steered

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_steer.kernels.steered_rms_norm import op
-from tests.norm_calls import op_steered_rms_norm, steered_rms_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NORMS = ("RMSNorm", "GemmaRMSNorm")
@@ -73,7 +73,8 @@ def test_unsteered_equals_vllm_norm_bit_for_bit(vllm_norm, kind, dtype_name):
     want_out, want_res = m.forward_native(x.clone(), r.clone())
     zero = torch.zeros_like(index)
     for idx, fa in ((zero, _on()), (index, _off())):
-        out, res = steered_rms_norm_naive(x, r, m.weight.data, m.variance_epsilon, offset, idx, ta, fa, tb, fa)
+        out, res = steered_norm_naive(x, r, m.weight.data, m.variance_epsilon, offset, idx, vec_a=(ta, fa),
+                                      vec_b=(tb, fa))
         assert torch.equal(out, want_out) and torch.equal(res, want_res)
 
 
@@ -82,7 +83,7 @@ def test_steered_rows_follow_the_spec(vllm_norm, kind):
     """float64 numpy of the README's formula: s = x + r + A[i] + B[i], then vLLM's normalization."""
     m, offset = vllm_norm(kind, 64, torch.float32, seed=3)
     x, r, (ta, tb), index = _case(11, 64, torch.float32, seed=4)
-    out, res = steered_rms_norm_naive(x, r, m.weight.data, 1e-5, offset, index, ta, _on(), tb, _on())
+    out, res = steered_norm_naive(x, r, m.weight.data, 1e-5, offset, index, vec_a=(ta, _on()), vec_b=(tb, _on()))
     i = index[:11].numpy()
     s = x.double().numpy() + r.double().numpy() + ta.double().numpy()[i] + tb.double().numpy()[i]
     w = m.weight.data.double().numpy() + offset
@@ -102,8 +103,11 @@ def test_registered_op_is_the_reference_on_cpu(vllm_norm):
     op.register()  # idempotent
     m, offset = vllm_norm("GemmaRMSNorm", 48, torch.bfloat16, seed=7)
     x, r, (ta, tb), index = _case(5, 48, torch.bfloat16, seed=8)
-    got = op_steered_rms_norm(x, r, m.weight, 1e-5, offset, index, ta, _on(), None, None)
-    want = steered_rms_norm_naive(x, r, m.weight, 1e-5, offset, index, ta, _on())
+    # every argument positional: vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate, plan_a, plan_b, pool,
+    # proj_a, proj_b (the op's schema has no defaults)
+    got = torch.ops.vllm_steer.steered_norm(x, r, m.weight, 1e-5, offset, index, [ta, _on()], [], [], [], 0, 0, [],
+                                            None, None, None, None, [], [])
+    want = steered_norm_naive(x, r, m.weight, 1e-5, offset, index, vec_a=(ta, _on()))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -123,8 +127,6 @@ def test_projections_ablate_and_cap_follow_the_formula():
     """The reference's directional projections against float64 numpy: ablation removes the component
     along the (unit) direction, a cap clamps it into [lo, hi]; two directions apply one after the other;
     then the row's vectors are added (capture -> SAE -> projections -> vectors)."""
-    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
-
     d, n = 64, 6
     x, r, (ta, _), _ = _case(n, d, torch.float32, seed=30)
     g = torch.Generator().manual_seed(31)

@@ -114,10 +114,13 @@ def _project(b_s, i_row, proj, o_d, m_d):
 
 
 @triton.jit
-def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g):
-    """``_project``, or for a row whose condition gates its projections ``s + g * (projected(s) - s)``."""
+def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g, COND: tl.constexpr = True):
+    """``_project``, or for a row whose condition gates its projections ``s + g * (projected(s) - s)``
+    (COND False: a site without conditions, ``gated`` and ``g`` unused: ``_project`` alone)."""
     b_p = _project(b_s, i_row, proj, o_d, m_d)
-    return tl.where(gated, b_s + g * (b_p - b_s), b_p)
+    if COND:
+        b_p = tl.where(gated, b_s + g * (b_p - b_s), b_p)
+    return b_p
 
 
 @triton.jit
@@ -295,9 +298,11 @@ def _steered_norm_kernel(
             w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
             w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
             proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
-        else:
+        else:  # no conditions: the weights are 1, the projections ungated (``g`` unused)
             w_sae = 1.0
             w_vec = 1.0
+            proj_gated = False
+            g = 1.0
         if SAE_A:
             if SPLIT > 1:
                 b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), split, sae_a, o_d, m_d, D, BLOCK_C,
@@ -305,10 +310,7 @@ def _steered_norm_kernel(
             else:
                 b_s = _sae_clamp_row(b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
         if PROJ_A:
-            if COND:
-                b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g)
-            else:
-                b_s = _project(b_s, i_row, proj_a, o_d, m_d)
+            b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
         if HAS_A:
             b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
         if CAP_B:
@@ -326,10 +328,7 @@ def _steered_norm_kernel(
                     i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
         if PROJ_B:
-            if COND:
-                b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, proj_gated, g)
-            else:
-                b_s = _project(b_s, i_row, proj_b, o_d, m_d)
+            b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, proj_gated, g, COND)
         if HAS_B:
             b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
     m_w = m_d & go

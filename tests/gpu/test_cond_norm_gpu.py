@@ -1,10 +1,10 @@
-"""GPU checks of the conditional steered norm (``steered_cond_rms_norm``, issue 27; runs only where CUDA
-is available): the Triton kernel against the plain-torch reference in a batch of unsteered tokens,
+"""GPU checks of the steered norm with a condition (its ``cond`` / ``gate`` descriptors, issue 27; runs only
+where CUDA is available): the Triton kernel against the plain-torch reference in a batch of unsteered tokens,
 rows without a condition, rows gated at slot A, at slot B and earlier (the gate buffer's value), soft
 and hard; rows without a condition (or whose condition gates only SAE clamps) equal the plain kernel bit
 for bit; inside a CUDA graph captured with no conditional row, a condition written afterwards takes effect
-at replay. The SAE norm of a server with conditions (``steered_cond_sae_rms_norm``): clamps and vectors
-scaled by the gate as each row's site word says, serial and split clamp walks."""
+at replay. The SAE norm of a server with conditions (``cond`` beside ``sae_a`` / ``sae_b``): clamps and
+vectors scaled by the gate as each row's site word says, serial and split clamp walks."""
 
 from __future__ import annotations
 
@@ -15,15 +15,8 @@ pytest.importorskip("triton")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED  # noqa: E402
-from tests.norm_calls import (  # noqa: E402
-    steered_cond_rms_norm_naive,
-    steered_cond_sae_rms_norm_naive,
-    steered_cond_rms_norm_triton,
-    steered_cond_sae_rms_norm_triton,
-    steered_rms_norm_triton,
-    steered_sae_rms_norm_triton,
-)
+from vllm_steer.kernels.steered_rms_norm.naive import SAE_GATED, VECTORS_UNGATED, steered_norm_naive  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton  # noqa: E402
 from tests.sae_packs import clamp_pack, token_rows  # noqa: E402
 from tests.gpu.norm_inputs import DTYPES, TOL, norm_inputs  # noqa: E402
 
@@ -51,33 +44,35 @@ def test_triton_matches_reference(n, d, dtype_name):
     dtype = DTYPES[dtype_name]
     x, r, w, ta, tb, index, site, params, probe, gate, ids = _case(n, d, dtype, seed=n * 7 + d)
     one = torch.ones(1, dtype=torch.uint8, device="cuda")
+    vec = {"vec_a": (ta, one), "vec_b": (tb, one)}
+    cond = (site, params, probe, ids)
     g_t, g_r = gate.clone(), gate.clone()
-    got = steered_cond_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, site, params, probe, g_t, ids)
-    want = steered_cond_rms_norm_naive(x, r, w, EPS, 0.0, index, ta, one, tb, one, site, params, probe, g_r, ids)
+    got = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, cond=cond, gate=g_t)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, cond=cond, gate=g_r)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL[dtype])
     torch.testing.assert_close(g_t, g_r, rtol=1e-4, atol=1e-4)
-    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one)
+    plain = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec)
     word = site[index[:n].long()]  # unsteered tokens, rows without a condition or with ungated vectors: bit for bit
     keep = (word < 0) | ((word & VECTORS_UNGATED) != 0)
     assert torch.equal(got[1][keep], plain[1][keep]) and torch.equal(got[0][keep], plain[0][keep])
     params[0, 3] = 0  # no live row has a condition: the plain kernel for every token, the gate untouched
     g_0 = gate.clone()
-    idle = steered_cond_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, site, params, probe, g_0, ids)
+    idle = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, cond=cond, gate=g_0)
     assert torch.equal(idle[0], plain[0]) and torch.equal(idle[1], plain[1]) and torch.equal(g_0, gate)
 
 
 def test_a_condition_written_after_capture_takes_effect_at_replay():
     x, r, w, ta, tb, index, site, params, probe, gate, ids = _case(16, 4096, torch.bfloat16, seed=3)
     one = torch.ones(1, dtype=torch.uint8, device="cuda")
+    vec = {"vec_a": (ta, one), "vec_b": (tb, one)}
     live = torch.full_like(site, -1)  # captured with no conditional row
     live_params = params.clone()
     live_params[0, 3] = 0  # and the any-live-condition flag down
     out = [None]
 
     def step():
-        out[0] = steered_cond_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, live, live_params, probe,
-                                              gate, ids)
+        out[0] = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, cond=(live, live_params, probe, ids), gate=gate)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -89,7 +84,7 @@ def test_a_condition_written_after_capture_takes_effect_at_replay():
     gate_ref = gate.clone()
     graph.replay()
     torch.cuda.synchronize()
-    want = steered_cond_rms_norm_naive(x, r, w, EPS, 0.0, index, ta, one, tb, one, site, params, probe, gate_ref, ids)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, cond=(site, params, probe, ids), gate=gate_ref)
     for a, b in zip(out[0], want):
         torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
 
@@ -109,15 +104,14 @@ def test_conditional_sae_kernel_matches_reference(n, d):
     probe = torch.randn(R, d, generator=g, device="cuda")
     gate = torch.rand(n + 5, generator=g, device="cuda") * 0.8 + 0.1
     ids = torch.tensor([40, 41], dtype=torch.int32, device="cuda")
+    feats = {"vec_a": (ta, one), "vec_b": (tb, one), "sae_a": pa, "sae_b": pb}
     g_t, g_r = gate.clone(), gate.clone()
-    got = steered_cond_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, pa, pb, site, params, probe,
-                                           g_t, ids)
-    want = steered_cond_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, ta, one, tb, one, pa, pb, 0, 0, site, params,
-                                           probe, g_r, ids)
+    got = steered_norm_triton(x, r, w, EPS, 0.0, index, **feats, cond=(site, params, probe, ids), gate=g_t)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **feats, cond=(site, params, probe, ids), gate=g_r)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
     assert torch.equal(g_t, gate)  # only read
-    plain = steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, one, tb, one, pa, pb)
+    plain = steered_norm_triton(x, r, w, EPS, 0.0, index, **feats)
     rows = index[:n].long()
     ungated = (rows == 0) | (rows == 2)
     assert torch.equal(got[1][ungated], plain[1][ungated]) and torch.equal(got[0][ungated], plain[0][ungated])

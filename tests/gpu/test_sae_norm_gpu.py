@@ -1,6 +1,7 @@
-"""GPU checks of steered_sae_rms_norm's Triton path (clamp-only SAE packs; runs only where CUDA is available).
+"""GPU checks of the steered norm's SAE clamps on its Triton path (clamp-only SAE packs; runs only where CUDA is
+available).
 
-- Triton vs the plain-torch reference (``steered_sae_rms_norm_naive``) for (N, D, dtype, SAE slots,
+- Triton vs the plain-torch reference (``steered_norm_naive`` with ``sae_a`` / ``sae_b``) for (N, D, dtype, SAE slots,
   vector tables, clamp-set size): within float32 rounding (the clamps' dot products sum in another
   order), tokens whose pre-activation sits on a threshold left out (there a rounding flips the feature);
 - tokens of row 0, of an OFF row or of a row without codes equal the no-SAE kernel bit for bit;
@@ -24,10 +25,8 @@ from tests.sae_packs import IDLE_ROWS, R, clamp_pack, token_rows  # noqa: E402
 from tests.gpu.norm_inputs import DTYPES, norm_inputs  # noqa: E402
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
-from tests.norm_calls import (  # noqa: E402
-    op_steered_rms_norm, op_steered_sae_rms_norm, steered_rms_norm_triton, steered_sae_rms_norm_naive,
-    steered_sae_rms_norm_triton,
-)
+from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4),  # D-long fp32 dots, cuBLAS vs one program: order differs
        torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -55,6 +54,11 @@ def _flag(v: int) -> torch.Tensor:
     return torch.full((1,), v, dtype=torch.uint8, device="cuda")
 
 
+def _vecs(ta: torch.Tensor, tb: torch.Tensor, tables: str = "ab") -> dict:
+    """The vector descriptors of the slots named in ``tables``, each table active."""
+    return {f"vec_{slot}": (t, _flag(1)) for slot, t in (("a", ta), ("b", tb)) if slot in tables}
+
+
 def _ambiguous(x, r, index, vec, pa, pb) -> torch.Tensor:
     """[N] bool: tokens with a clamped feature whose pre-activation (as the reference computes it) is
     within MARGIN of its threshold or of 0, where the two implementations may legitimately disagree."""
@@ -62,7 +66,7 @@ def _ambiguous(x, r, index, vec, pa, pb) -> torch.Tensor:
     rows = index[:n].long()
     s = x.float() + r.float()
     out = torch.zeros(n, dtype=torch.bool, device=x.device)
-    for pack, table in ((pa, vec[0]), (pb, vec[2])):
+    for pack, slot in ((pa, "vec_a"), (pb, "vec_b")):
         if pack:
             mode, code, _, enc, _, bias, thr = pack[:7]
             pre = s @ enc.T + bias
@@ -70,8 +74,8 @@ def _ambiguous(x, r, index, vec, pa, pb) -> torch.Tensor:
             live = (code[rows] != 0) & (mode[rows] != 0)[:, None]
             out |= (near & live).any(dim=1)
             s = apply_site_naive(s, rows, pack, 0)
-        if table is not None:
-            s = s + table[rows].float()
+        if slot in vec:
+            s = s + vec[slot][0][rows].float()
     return out
 
 
@@ -102,11 +106,10 @@ def test_triton_sae_matches_reference(n, d, dtype_name, sae, tables, c):
     offset = 1.0 if d % 2 else 0.0  # GemmaRMSNorm's weight at odd D
     pa = clamp_pack(d, c, seed=d + c, jumprelu=True, device="cuda") if "a" in sae else []
     pb = clamp_pack(d, c, seed=d + c + 1, jumprelu=False, device="cuda") if "b" in sae else []
-    vec = (ta if "a" in tables else None, _flag(1) if "a" in tables else None,
-           tb if "b" in tables else None, _flag(1) if "b" in tables else None)
-    got = steered_sae_rms_norm_triton(x, r, w, EPS, offset, index, *vec, pa, pb)
-    want = steered_sae_rms_norm_naive(x, r, w, EPS, offset, index, *vec, pa, pb, 0, 0)
-    plain = steered_rms_norm_triton(x, r, w, EPS, offset, index, *vec)
+    vec = _vecs(ta, tb, tables)
+    got = steered_norm_triton(x, r, w, EPS, offset, index, **vec, sae_a=pa, sae_b=pb)
+    want = steered_norm_naive(x, r, w, EPS, offset, index, **vec, sae_a=pa, sae_b=pb)
+    plain = steered_norm_triton(x, r, w, EPS, offset, index, **vec)
     _check(got, want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
     if n >= 7:  # the clamps moved the steered tokens
         rows = index[:n].long()
@@ -123,14 +126,14 @@ def test_split_walks_match_the_serial_walk_and_leave_no_count(n, c):
     d, dtype = 4096, torch.bfloat16
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=n + c)
     pa = clamp_pack(d, c, seed=c, jumprelu=True, device="cuda")
-    vec = (ta, _flag(1), tb, _flag(1))
-    serial = steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec, pa, [], split=1)
-    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, [], 0, 0)
-    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
+    vec = _vecs(ta, tb)
+    serial = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, split=1)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa)
+    plain = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec)
     ambiguous = _ambiguous(x, r, index, vec, pa, [])
     assert split_of(n) > 1
     for split in sorted({2, 5, 16, split_of(n)}):
-        got = steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec, pa, [], split=split)
+        got = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, split=split)
         _check(got, want, plain, index, dtype, ambiguous)
         keep = ~ambiguous
         for g, s_ in zip(got, serial):
@@ -140,8 +143,16 @@ def test_split_walks_match_the_serial_walk_and_leave_no_count(n, c):
 
 @pytest.fixture(scope="module")
 def registered():
+    """The registered op called with vector and SAE descriptors only (every other feature off; its schema has no
+    defaults: vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate, plan_a, plan_b, pool, proj_a, proj_b)."""
     op.register()
-    return SimpleNamespace(steered_rms_norm=op_steered_rms_norm, steered_sae_rms_norm=op_steered_sae_rms_norm)
+
+    def steered_norm(x, r, w, index, vec, sae_a, sae_b, topk_a=0, topk_b=0):
+        return torch.ops.vllm_steer.steered_norm(x, r, w, EPS, 0.0, index, list(vec.get("vec_a", ())),
+                                                 list(vec.get("vec_b", ())), list(sae_a), list(sae_b), topk_a, topk_b,
+                                                 [], None, None, None, None, [], [])
+
+    return SimpleNamespace(steered_norm=steered_norm)
 
 
 def _full(pack: list[torch.Tensor], d: int, seed: int) -> list[torch.Tensor]:
@@ -167,29 +178,29 @@ def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_reference(register
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=3)
     pa = clamp_pack(d, 37, seed=4, device="cuda")
     pb = clamp_pack(d, 37, seed=5, jumprelu=False, device="cuda")
-    vec = (ta, _flag(1), tb, _flag(1))
-    got = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
-    assert all(torch.equal(a, b) for a, b in zip(got, steered_sae_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec,
-                                                                                  pa, pb)))
+    vec = _vecs(ta, tb)
+    got = registered.steered_norm(x, r, w, index, vec, pa, pb)
+    assert all(torch.equal(a, b) for a, b in zip(got, steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, sae_a=pa,
+                                                                          sae_b=pb)))
     if which == "a":
         pa, topk = _full(pa, d, seed=6), (4, 0)
     else:
         pb, topk = _full(pb, d, seed=7), (0, 0)
         pb[0][1] = 2  # RECONSTRUCT: only a full pack can
-    got = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, *topk)
-    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, *topk)
+    got = registered.steered_norm(x, r, w, index, vec, pa, pb, *topk)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb, topk_a=topk[0], topk_b=topk[1])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _captured_idle(registered, x, r, w, index, vec, pa, pb):
     """(graph, its outputs, the plain kernel's) of the SAE op captured while every row is OFF; the
     outputs equal the plain kernel's at the first replay."""
-    registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)  # JIT outside the graph
+    registered.steered_norm(x, r, w, index, vec, pa, pb)  # JIT outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = registered.steered_sae_rms_norm(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+        out = registered.steered_norm(x, r, w, index, vec, pa, pb)
     graph.replay()
-    plain = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *vec)
+    plain = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec)
     assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
     return graph, out, plain
 
@@ -199,7 +210,7 @@ def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=11)
     pa = clamp_pack(d, 37, seed=12, device="cuda")
     pb = clamp_pack(d, 37, seed=13, jumprelu=False, device="cuda")
-    vec = (ta, _flag(1), tb, _flag(1))
+    vec = _vecs(ta, tb)
     steered = [[t.clone() for t in p[:3]] for p in (pa, pb)]  # mode, code, value as written later
     for p in (pa, pb):
         p[0].zero_()
@@ -211,14 +222,14 @@ def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
         for t, v in zip(p[:3], rows):
             t.copy_(v)
     graph.replay()
-    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
     _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
     assert not torch.equal(res, plain[1])
 
     pa[2].mul_(-2.0)  # other values, and row 5 of B switched off
     pb[0][5] = 0
     graph.replay()
-    want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
     _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
 
     pa[0].zero_()
@@ -243,7 +254,7 @@ def test_runtime_sae_staged_into_a_reserved_site_after_capture(registered, tmp_p
     sae = SaeTables({}, {site: 48}, {site}, R, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1 << 30))
     pa, pb = sae.packs[site], clamp_pack(d, 8, seed=22, device="cuda")
     pb[0].zero_()
-    vec = (ta, _flag(1), tb, _flag(1))
+    vec = _vecs(ta, tb)
     graph, (out, res), plain = _captured_idle(registered, x, r, w, index, vec, pa, pb)
 
     for seed, features in ((23, list(range(40))), (24, [5, 9, 33])):
@@ -253,7 +264,7 @@ def test_runtime_sae_staged_into_a_reserved_site_after_capture(registered, tmp_p
         sae.write_row(1, [wire_entry(f"s{seed}", *site, DELTA, slots, np.full(len(slots), SET, np.int32),
                                      np.full(len(slots), 6.0, np.float32))])
         graph.replay()
-        want = steered_sae_rms_norm_naive(x, r, w, EPS, 0.0, index, *vec, pa, pb, 0, 0)
+        want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
         _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
         assert not torch.equal(res, plain[1])
         assert int(torch.count_nonzero(pa[3][len(features):])) == 0  # the slots past its features are empty

@@ -1,4 +1,4 @@
-"""GPU checks of the steered_rms_norm Triton kernel (runs only where CUDA is available).
+"""GPU checks of the steered norm's Triton kernel (runs only where CUDA is available).
 
 - Triton vs the plain-torch reference for every (N, D, dtype, norm kind, tables): the new residual
   bit for bit (the same float32 sums in the same order), the normalized output within a few units
@@ -22,7 +22,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
-from tests.norm_calls import op_steered_rms_norm, steered_rms_norm_naive, steered_rms_norm_triton  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive  # noqa: E402
+from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton  # noqa: E402
 from tests.gpu.norm_inputs import DTYPES, TOL, norm_inputs  # noqa: E402
 
 R = 9
@@ -53,14 +54,13 @@ def test_triton_matches_reference(n, d, dtype_name, kind, tables):
     dtype = DTYPES[dtype_name]
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=n * 31 + d)
     offset = 1.0 if kind == "gemma" else 0.0
-    args = (ta if "a" in tables else None, _flag(1) if "a" in tables else None,
-            tb if "b" in tables else None, _flag(1) if "b" in tables else None)
-    out, res = steered_rms_norm_triton(x, r, w, EPS, offset, index, *args)
-    want_out, want_res = steered_rms_norm_naive(x, r, w, EPS, offset, index, *args)
+    vec = {f"vec_{slot}": (t, _flag(1)) for slot, t in (("a", ta), ("b", tb)) if slot in tables}
+    out, res = steered_norm_triton(x, r, w, EPS, offset, index, **vec)
+    want_out, want_res = steered_norm_naive(x, r, w, EPS, offset, index, **vec)
     assert torch.equal(res, want_res)
     torch.testing.assert_close(out, want_out, **TOL[dtype])
     if tables != "none":  # unsteered tokens are exactly the unsteered norm's rows
-        plain_out, plain_res = steered_rms_norm_triton(x, r, w, EPS, offset, torch.zeros_like(index))
+        plain_out, plain_res = steered_norm_triton(x, r, w, EPS, offset, torch.zeros_like(index))
         rows = index[:n] == 0
         assert torch.equal(out[rows], plain_out[rows]) and torch.equal(res[rows], plain_res[rows])
 
@@ -91,9 +91,9 @@ def test_cached_launch_keeps_each_specialization_apart():
     for rnd in range(3):
         for n, d, shift in cases:
             x, r, w, ta, tb, index = _views(n, d, shift, seed=n + d + shift)
-            args = (ta, _flag(1), tb, _flag(1))
-            out, res = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, *args)
-            want_out, want_res = steered_rms_norm_naive(x, r, w, EPS, 0.0, index, *args)
+            vec = {"vec_a": (ta, _flag(1)), "vec_b": (tb, _flag(1))}
+            out, res = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec)
+            want_out, want_res = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec)
             assert torch.equal(res, want_res), (n, d, shift, rnd)
             torch.testing.assert_close(out, want_out, **TOL[torch.bfloat16])
             if rnd == 0:
@@ -114,7 +114,7 @@ def test_unsteered_equals_vllm_norm_kernels(n, dtype_name):
 
     dtype = DTYPES[dtype_name]
     x, r, w, ta, _, index = _case(n, 4096, dtype, seed=n)
-    out, res = steered_rms_norm_triton(x, r, w, EPS, 0.0, index, ta, _flag(0))
+    out, res = steered_norm_triton(x, r, w, EPS, 0.0, index, vec_a=(ta, _flag(0)))
     cx, cr = x.clone(), r.clone()
     torch.ops._C.fused_add_rms_norm(cx, cr, w, EPS)
     assert torch.equal(res, cr)
@@ -127,8 +127,15 @@ def test_unsteered_equals_vllm_norm_kernels(n, dtype_name):
 
 @pytest.fixture(scope="module")
 def registered():
+    """The registered op called with vector descriptors only (every other feature off; its schema has no
+    defaults: vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate, plan_a, plan_b, pool, proj_a, proj_b)."""
     op.register()
-    return SimpleNamespace(steered_rms_norm=op_steered_rms_norm)
+
+    def steered_norm(x, r, w, index, vec_a, vec_b=()):
+        return torch.ops.vllm_steer.steered_norm(x, r, w, EPS, 0.0, index, list(vec_a), list(vec_b), [], [], 0, 0,
+                                                 [], None, None, None, None, [], [])
+
+    return SimpleNamespace(steered_norm=steered_norm)
 
 
 def test_op_in_cuda_graph_follows_tables_changed_after_capture(registered):
@@ -137,18 +144,18 @@ def test_op_in_cuda_graph_follows_tables_changed_after_capture(registered):
     steered_index = index.clone()
     index.zero_()
     fa, fb = _flag(0), _flag(0)
-    registered.steered_rms_norm(x, r, w, EPS, 0.0, index, ta, fa, tb, fb)  # JIT outside the graph
+    registered.steered_norm(x, r, w, index, (ta, fa), (tb, fb))  # JIT outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, res = registered.steered_rms_norm(x, r, w, EPS, 0.0, index, ta, fa, tb, fb)
+        out, res = registered.steered_norm(x, r, w, index, (ta, fa), (tb, fb))
     graph.replay()
-    plain = steered_rms_norm_naive(x, r, w, EPS, 0.0, torch.zeros_like(index))
+    plain = steered_norm_naive(x, r, w, EPS, 0.0, torch.zeros_like(index))
     torch.testing.assert_close(out, plain[0], **TOL[dtype])
     index.copy_(steered_index)
     fa.fill_(1)
     fb.fill_(1)
     graph.replay()
-    want = steered_rms_norm_naive(x, r, w, EPS, 0.0, steered_index, ta, fa, tb, fb)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, steered_index, vec_a=(ta, fa), vec_b=(tb, fb))
     assert torch.equal(res, want[1])
     torch.testing.assert_close(out, want[0], **TOL[dtype])
     fa.fill_(0)
@@ -165,11 +172,11 @@ def test_op_stays_opaque_under_torch_compile(registered):
 
     @torch.compile(fullgraph=True)
     def f(x, r):
-        return registered.steered_rms_norm(x, r, w, EPS, 0.0, index, table, flag, None, None)
+        return registered.steered_norm(x, r, w, index, (table, flag))
 
     first = f(x, r)
     torch.testing.assert_close(first[1], (x.float() + r.float()).to(dtype), rtol=0, atol=0)
     table.copy_(ta)  # after compilation: a folded zero table would ignore this
     second = f(x, r)
-    want = steered_rms_norm_naive(x, r, w, EPS, 0.0, index, ta, flag)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, vec_a=(ta, flag))
     assert torch.equal(second[1], want[1])

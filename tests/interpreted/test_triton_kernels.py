@@ -1,4 +1,4 @@
-"""The Triton kernels (steered_rms_norm, steered_sae_rms_norm, capture_rows, step_index) against their plain-torch
+"""The Triton kernels (the steered norm with each of its features, capture_rows, step_index) against their plain-torch
 references, run by Triton's CPU interpreter. Only meaningful with TRITON_INTERPRET=1 set before Triton is imported:
 ``tests/test_steered_norm.py`` runs this directory in such a process (``./dev test`` ignores it)."""
 
@@ -11,15 +11,7 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED
-from tests import norm_calls
-from tests.norm_calls import (
-    steered_capture_rms_norm_naive,
-    steered_cond_rms_norm_naive,
-    steered_cond_sae_rms_norm_naive,
-    steered_rms_norm_naive,
-    steered_sae_rms_norm_naive,
-)
+from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED, steered_norm_naive
 from tests.sae_packs import IDLE_ROWS, clamp_pack, token_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -30,8 +22,12 @@ def interpreted():
     import vllm_steer.kernels.capture_rows.triton as cap
     import vllm_steer.kernels.steered_rms_norm.triton as kernel
 
-    norm_calls.split_buffers = kernel.split_buffers
-    return norm_calls, cap
+    return kernel, cap
+
+
+def _vecs(tables: str, ta: torch.Tensor, tb: torch.Tensor) -> dict:
+    """The vector descriptors of the slots named in ``tables`` ("a", "b", "ab", "none"), each table active."""
+    return {f"vec_{slot}": (t, _on()) for slot, t in (("a", ta), ("b", tb)) if slot in tables}
 
 
 # The interpreter rounds float32 -> bfloat16 by truncation (numpy has no bf16), a GPU to nearest:
@@ -56,10 +52,9 @@ def test_triton_kernel_matches_reference(interpreted, vllm_norm, kind, dtype_nam
     dtype = DTYPES[dtype_name]
     m, offset = vllm_norm(kind, 80, dtype, seed=9)  # D not a power of two: masked lanes
     x, r, (ta, tb), index = _case(7, 80, dtype, seed=10)
-    args = (ta if "a" in tables else None, _on() if "a" in tables else None,
-            tb if "b" in tables else None, _on() if "b" in tables else None)
-    got = norm.steered_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args)
-    want = steered_rms_norm_naive(x, r, m.weight.data, 1e-5, offset, index, *args)
+    vec = _vecs(tables, ta, tb)
+    got = norm.steered_norm_triton(x, r, m.weight.data, 1e-5, offset, index, **vec)
+    want = steered_norm_naive(x, r, m.weight.data, 1e-5, offset, index, **vec)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **_TOL[dtype])
 
@@ -84,22 +79,19 @@ def test_triton_conditional_kernel_matches_reference(interpreted, vllm_norm, dty
     params[0, 3] = 1.0  # a live row has a condition (0: the plain adds, checked below)
     probe = torch.randn(rows, 80, generator=g) / 8
     gate0 = torch.rand(16, generator=g)
-    args = (ta if "a" in tables else None, _on() if "a" in tables else None,
-            tb if "b" in tables else None, _on() if "b" in tables else None)
+    vec = _vecs(tables, ta, tb)
+    cond = (cond_site, params, probe, site_ids)
     gate_t, gate_r = gate0.clone(), gate0.clone()
-    got = norm.steered_cond_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args, cond_site, params,
-                                             probe, gate_t, site_ids)
-    want = steered_cond_rms_norm_naive(x, r, m.weight.data, 1e-5, offset, index, *args, cond_site, params, probe,
-                                       gate_r, site_ids)
+    got = norm.steered_norm_triton(x, r, m.weight.data, 1e-5, offset, index, **vec, cond=cond, gate=gate_t)
+    want = steered_norm_naive(x, r, m.weight.data, 1e-5, offset, index, **vec, cond=cond, gate=gate_r)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **_TOL[dtype])
     torch.testing.assert_close(gate_t, gate_r, rtol=1e-5, atol=1e-5)
     assert not torch.equal(gate_r[:9], gate0[:9])  # some gate was computed here
     params[0, 3] = 0.0
     gate_0 = gate0.clone()
-    idle = norm.steered_cond_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args, cond_site, params,
-                                              probe, gate_0, site_ids)
-    plain = norm.steered_rms_norm_triton(x, r, m.weight.data, 1e-5, offset, index, *args)
+    idle = norm.steered_norm_triton(x, r, m.weight.data, 1e-5, offset, index, **vec, cond=cond, gate=gate_0)
+    plain = norm.steered_norm_triton(x, r, m.weight.data, 1e-5, offset, index, **vec)
     assert torch.equal(idle[0], plain[0]) and torch.equal(idle[1], plain[1]) and torch.equal(gate_0, gate0)
 
 
@@ -115,7 +107,7 @@ def test_triton_conditional_sae_kernel_matches_reference(interpreted, split):
     index = token_rows(n)
     w = torch.randn(d, generator=torch.Generator().manual_seed(51)) * 0.5
     pa, pb = clamp_pack(d, 37, seed=52, jumprelu=True), clamp_pack(d, 37, seed=53, jumprelu=False)
-    vec = (ta, _on(), tb, _on())
+    vec = _vecs("ab", ta, tb)
     earlier = 5  # every condition's probe site: before this norm's slots (20, 21)
     # rows: 0 none, 1 clamps and vectors gated, 2 none (SAE OFF), 3 clamps only (no codes), 4 vectors only,
     # 5 clamps only
@@ -125,16 +117,15 @@ def test_triton_conditional_sae_kernel_matches_reference(interpreted, split):
     probe = torch.randn(6, d, generator=torch.Generator().manual_seed(54))
     gate0 = torch.rand(n + 5, generator=torch.Generator().manual_seed(55)) * 0.8 + 0.1
     gate_t, gate_r = gate0.clone(), gate0.clone()
-    ids = torch.tensor([20, 21], dtype=torch.int32)
-    got = norm.steered_cond_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, cond_site, params, probe,
-                                                gate_t, ids, split=split)
-    want = steered_cond_sae_rms_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, 0, 0, cond_site, params, probe,
-                                           gate_r, ids)
+    cond = (cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32))
+    got = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, cond=cond, gate=gate_t,
+                                   split=split)
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, cond=cond, gate=gate_r)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
     assert torch.equal(gate_t, gate0) and torch.equal(gate_r, gate0)
     rows = index[:n].long()
-    plain = norm.steered_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, split=split)
+    plain = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, split=split)
     ungated = torch.isin(rows, torch.tensor([0, 2]))
     assert torch.equal(got[1][ungated], plain[1][ungated]) and torch.equal(got[0][ungated], plain[0][ungated])
     gated = torch.isin(rows, torch.tensor([1, 4, 5]))  # the gate (in 0.1..0.9) moved them
@@ -145,8 +136,8 @@ def test_triton_idle_flag_skips_the_table(interpreted):
     norm, _ = interpreted
     x, r, (ta, _), index = _case(4, 32, torch.float32, seed=11)
     w = torch.ones(32)
-    idle = norm.steered_rms_norm_triton(x, r, w, 1e-5, 0.0, index, ta, _off())
-    plain = steered_rms_norm_naive(x, r, w, 1e-5, 0.0, torch.zeros_like(index))
+    idle = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_a=(ta, _off()))
+    plain = steered_norm_naive(x, r, w, 1e-5, 0.0, torch.zeros_like(index))
     for a, b in zip(idle, plain):
         torch.testing.assert_close(a, b, **_TOL[torch.float32])
 
@@ -163,16 +154,15 @@ def _sae_case(interpreted, dtype_name, sae, tables, c, split):
     offset = 1.0 if c == 37 else 0.0  # GemmaRMSNorm's weight for one of the two
     pa = clamp_pack(d, c, seed=30 + c, jumprelu=True) if "a" in sae else []
     pb = clamp_pack(d, c, seed=40 + c, jumprelu=False) if "b" in sae else []
-    vec = (ta if "a" in tables else None, _on() if "a" in tables else None,
-           tb if "b" in tables else None, _on() if "b" in tables else None)
-    got = norm.steered_sae_rms_norm_triton(x, r, w, 1e-5, offset, index, *vec, pa, pb, split=split)
-    want = steered_sae_rms_norm_naive(x, r, w, 1e-5, offset, index, *vec, pa, pb, 0, 0)
+    vec = _vecs(tables, ta, tb)
+    got = norm.steered_norm_triton(x, r, w, 1e-5, offset, index, **vec, sae_a=pa, sae_b=pb, split=split)
+    want = steered_norm_naive(x, r, w, 1e-5, offset, index, **vec, sae_a=pa, sae_b=pb)
     for g, wt in zip(got, want):
         torch.testing.assert_close(g, wt, **_SAE_TOL[dtype])
     if split != 1:  # the split walk leaves its counts at zero for the next launch (a replayed graph's too)
         assert not norm.split_buffers(x.device, d)[1].any()
     # the clamps moved the stream (the case is not vacuous) ...
-    plain = norm.steered_rms_norm_triton(x, r, w, 1e-5, offset, index, *vec)
+    plain = norm.steered_norm_triton(x, r, w, 1e-5, offset, index, **vec)
     rows = index[:n].long()
     idle = torch.isin(rows, torch.tensor(IDLE_ROWS))
     assert not torch.allclose(got[1][~idle].float(), plain[1][~idle].float(), rtol=1e-2, atol=1e-2)
@@ -217,8 +207,8 @@ def test_triton_sae_kernel_each_clamp_kind(interpreted):
     for t in range(2):
         xs = x[t : t + 1].expand(len(codes), d).contiguous()
         index = torch.arange(1, len(codes) + 1, dtype=torch.int32)
-        got = norm.steered_sae_rms_norm_triton(xs, None, w, 1e-5, 0.0, index, None, None, None, None, pack, [])
-        want = steered_sae_rms_norm_naive(xs, None, w, 1e-5, 0.0, index, None, None, None, None, pack, [], 0, 0)
+        got = norm.steered_norm_triton(xs, None, w, 1e-5, 0.0, index, sae_a=pack)
+        want = steered_norm_naive(xs, None, w, 1e-5, 0.0, index, sae_a=pack)
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         f = max(float(x[t] @ enc + bias), 0.0)
@@ -236,7 +226,7 @@ def test_triton_sae_kernel_refuses_full_packs(interpreted):
     full = clamp_pack(16, 2, seed=8) + [torch.zeros(16, 4), torch.zeros(4), torch.zeros(4), torch.zeros(4, 16),
                                         torch.zeros(16)]
     with pytest.raises(ValueError, match="clamp-only"):
-        norm.steered_sae_rms_norm_triton(x, r, torch.ones(16), 1e-5, 0.0, index, None, None, None, None, full, [])
+        norm.steered_norm_triton(x, r, torch.ones(16), 1e-5, 0.0, index, sae_a=full)
 
 
 def test_capture_rows_triton_matches_reference(interpreted):
@@ -269,8 +259,8 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
     sae = variant.startswith("sae") or variant == "cond-sae"
     pa = clamp_pack(d, 37, seed=62, jumprelu=True) if sae else []
     pb = clamp_pack(d, 37, seed=63, jumprelu=False) if sae else []
-    vec = (ta, _on(), tb, _on())
-    cond = None
+    vec = _vecs("ab", ta, tb)
+    cond = gate0 = None
     if variant.startswith("cond"):
         # rows: 0 none, 1 gated at A (an SAE norm: gated earlier, clamps too), 2 none, 3 gated earlier with
         # its vectors ungated, 4 gated at A, 5 gated earlier (rows from token_rows: every row has tokens)
@@ -280,7 +270,7 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
         params[0, 3] = 1.0
         probe = torch.randn(6, d, generator=torch.Generator().manual_seed(64)) / 8
         gate0 = torch.rand(n + 5, generator=torch.Generator().manual_seed(65)) * 0.8 + 0.1
-        cond = (cond_site, params, probe, gate0, torch.tensor([20, 21], dtype=torch.int32))
+        cond = (cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32))
     plans = {}
     for k, slot in enumerate("ab"):
         plan = torch.full((n + 5,), -1, dtype=torch.int32)
@@ -288,17 +278,19 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
             plan[[1 + k, 4, 6 + k, 9, 11]] = torch.tensor([0, 2, 4, 6, 8], dtype=torch.int32) + k
         plans[slot] = plan if slot in captured else None
     split = 3 if variant == "sae-split" else 1
+
+    def gated() -> dict:  # the condition with a fresh copy of the gate buffer (each call writes it)
+        return {} if cond is None else {"cond": cond, "gate": gate0.clone()}
+
     runs = {}
     for who in ("triton", "naive"):
         pool = torch.full((11, d), float("nan"))
-        c = None if cond is None else (*cond[:3], cond[3].clone(), cond[4])
+        feats = dict(**vec, sae_a=pa, sae_b=pb, **gated(), pool=pool, plan_a=plans["a"], plan_b=plans["b"])
         if who == "triton":
-            got = norm.steered_capture_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, c, pool,
-                                                       plans["a"], plans["b"], split=split)
+            got = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **feats, split=split)
         else:
-            got = steered_capture_rms_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, 0, 0, c, pool,
-                                                 plans["a"], plans["b"])
-        runs[who] = (got, pool, None if c is None else c[3])
+            got = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **feats)
+        runs[who] = (got, pool, feats.get("gate"))
     (got_t, pool_t, gate_t), (got_n, pool_n, gate_n) = runs["triton"], runs["naive"]
     for a, b in zip(got_t, got_n):
         torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
@@ -312,16 +304,8 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
         torch.testing.assert_close(pool_t[2], x[4] + r[4], rtol=1e-6, atol=1e-6)
     if plans["b"] is not None and variant == "plain":
         torch.testing.assert_close(pool_t[3], x[4] + r[4] + ta[index[4].long()], rtol=1e-6, atol=1e-6)
-    # the same norm without capture: the same outputs
-    c = None if cond is None else (*cond[:3], cond[3].clone(), cond[4])
-    if variant == "plain":
-        alone = norm.steered_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec)
-    elif variant == "cond":
-        alone = norm.steered_cond_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, *c)
-    elif variant == "cond-sae":
-        alone = norm.steered_cond_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, *c, split=split)
-    else:
-        alone = norm.steered_sae_rms_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, pa, pb, split=split)
+    # the same norm without capture: the same outputs (split is 1 but for sae-split; no SAE: pa, pb empty)
+    alone = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, **gated(), split=split)
     assert torch.equal(alone[0], got_t[0]) and torch.equal(alone[1], got_t[1])
 
 
@@ -366,9 +350,7 @@ def test_triton_projection_kernel_matches_reference(interpreted, variant):
     SAE norm, which only reads the gate) or SAE clamps at the same site: outputs as the reference; a token of
     an ablating row with one direction and no later add at that slot leaves a stream with no component along
     it; row 0 is the plain norm, bit for bit."""
-    import vllm_steer.kernels.steered_rms_norm.triton as kernel
-    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
-
+    kernel, _ = interpreted
     n, d = 12, 80
     x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=70)
     index = token_rows(n)
