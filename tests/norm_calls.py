@@ -97,10 +97,11 @@ def steered_capture_rms_norm_triton(x, residual, weight, eps, weight_offset, ind
 def op_steered_rms_norm(x, residual, weight, eps, weight_offset, index, table_a=None, flag_a=None, table_b=None,
                         flag_b=None):
     return _op()(x, residual, weight, eps, weight_offset, index, list(_vec(table_a, flag_a)),
-                 list(_vec(table_b, flag_b)), [], [], 0, 0, [], None, None, None, None, [], [])
+                 list(_vec(table_b, flag_b)), [], [], 0, 0, [], None, None, None, None, [], [], [])
 
 
 def op_steered_sae_rms_norm(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b,
                             sae_a, sae_b, topk_a, topk_b):
     return _op()(x, residual, weight, eps, weight_offset, index, list(_vec(table_a, flag_a)),
-                 list(_vec(table_b, flag_b)), list(sae_a), list(sae_b), topk_a, topk_b, [], None, None, None, None, [], [])
+                 list(_vec(table_b, flag_b)), list(sae_a), list(sae_b), topk_a, topk_b, [], None, None, None, None, [], [],
+                 [])
