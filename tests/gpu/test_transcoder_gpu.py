@@ -26,7 +26,9 @@ from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive  # noqa
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 EPS = 1e-5
-MARGIN = 1e-3  # |pre - threshold| (or |pre|, the only_if_active gate) below this: rounding may flip f
+# |pre - threshold| (or |pre|, the only_if_active gate) below this: rounding may flip f (bf16: the output the
+# reference encodes may differ from the kernel's by an ulp, its norm summing in another order)
+MARGIN = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -53,13 +55,13 @@ def _case(n: int, d: int, dtype: torch.dtype, seed: int, sae: bool):
     return x, r, w, token_rows(n, "cuda"), tc, kw
 
 
-def _ambiguous(out: torch.Tensor, index: torch.Tensor, tc: list) -> torch.Tensor:
+def _ambiguous(out: torch.Tensor, index: torch.Tensor, tc: list, margin: float) -> torch.Tensor:
     """[N] bool: tokens with a clamped transcoder feature whose pre-activation (from the output) is within MARGIN
-    of its threshold or of 0."""
+    of its threshold or of 0 (``margin``)."""
     mode, code, _, enc, _, bias, thr = tc[:7]
     rows = index[: out.shape[0]].long()
     pre = out.float() @ enc.T + bias
-    near = ((pre - thr).abs() < MARGIN) | (pre.abs() < MARGIN)
+    near = ((pre - thr).abs() < margin) | (pre.abs() < margin)
     return ((code[rows] != 0) & near).any(dim=1) & (mode[rows] != 0)
 
 
@@ -73,7 +75,7 @@ def test_transcoder_kernel_matches_reference(n, d, dtype, sae, split):
     without = _triton(x, r, w, EPS, 0.0, index, split=split, **kw)
     want = steered_norm_naive(x, r, w, EPS, 0.0, index, tc=tc, **kw)
     assert torch.equal(got[0], without[0])
-    keep = ~_ambiguous(got[0], index, tc)
+    keep = ~_ambiguous(got[0], index, tc, MARGIN[dtype])
     torch.testing.assert_close(got[0], want[0], **TOL[dtype])
     torch.testing.assert_close(got[1][keep], want[1][keep], **TOL[dtype])
     rows = index[:n].long()
