@@ -106,3 +106,35 @@ def write_manifest(dir: str, saes: dict[str, SaeWeights], activation: str, k: in
         manifest["k"] = k
     write_json(os.path.join(dir, "manifest.json"), manifest)
     return dir
+
+
+TRANSCODER_ARCHS = {("relu", False): "transcoder", ("relu", True): "skip_transcoder",
+                    ("jumprelu", False): "jumprelu_transcoder", ("jumprelu", True): "jumprelu_skip_transcoder"}
+
+
+def random_transcoder(d_model: int, d_sae: int, activation: str = "relu", seed: int = 0) -> SaeWeights:
+    """A float32 transcoder (d_out = d_in = ``d_model``) as ``random_sae`` makes an SAE; its meta says so."""
+    w = random_sae(d_model, d_sae, activation, seed=seed)
+    return SaeWeights(meta=SaeMeta(d_model=d_model, d_sae=d_sae, activation=activation, k=0, dtype="float32",
+                                   b_dec_in=False, transcoder=True),
+                      w_enc=w.w_enc, b_enc=w.b_enc, w_dec=w.w_dec, b_dec=w.b_dec, threshold=w.threshold)
+
+
+def write_sae_lens_transcoder(dir: str, w: SaeWeights, layer: int, skip: bool = False, dtype: str = "float32",
+                              hook_name: str | None = None, **cfg_overrides: Any) -> str:
+    """A sae-lens 6 transcoder directory as ``Transcoder.save_model`` writes it (cfg.json with d_out and the
+    metadata's hook_name / hook_name_out, weights W_enc, b_enc, W_dec, b_dec, threshold for jumprelu, W_skip
+    [d_out, d_in] for a skip transcoder); returns ``dir``."""
+    os.makedirs(dir, exist_ok=True)
+    tensors = tensors_of(w)
+    if skip:
+        tensors["W_skip"] = (np.random.default_rng(7).normal(0.0, 0.05, size=(w.meta.d_model, w.meta.d_model))
+                             .astype(np.float32))
+    write_safetensors(os.path.join(dir, "sae_weights.safetensors"), tensors, dtype)
+    cfg = {"d_in": w.meta.d_model, "d_sae": w.meta.d_sae, "d_out": w.meta.d_model, "dtype": dtype, "device": "cpu",
+           "apply_b_dec_to_input": False, "normalize_activations": "none", "reshape_activations": "none",
+           "architecture": TRANSCODER_ARCHS[(w.meta.activation, skip)],
+           "metadata": {"model_name": "tiny", "hook_name": hook_name or f"blocks.{layer}.mlp.hook_in",
+                        "hook_name_out": f"blocks.{layer}.hook_mlp_out", "sae_lens_version": "6.54.12"}}
+    write_json(os.path.join(dir, "cfg.json"), {**cfg, **cfg_overrides})
+    return dir

@@ -15,7 +15,14 @@ import torch
 
 from tests import hf_oracle
 from tests.engine_job import run_job
-from tests.sae_writers import random_sae, write_gemma_scope, write_manifest, write_sae_lens
+from tests.sae_writers import (
+    random_sae,
+    random_transcoder,
+    write_gemma_scope,
+    write_manifest,
+    write_sae_lens,
+    write_sae_lens_transcoder,
+)
 from tests.steering_cases import floats, params, vector
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.kernels.sae_clamp import naive
@@ -60,6 +67,25 @@ REQUESTS = {  # name -> (steering fields, the oracle's edits as [(sae, site, mod
     "gs_delta_captured": ({"sae": {"name": "gs", "clamps": BIG}, "capture": CAPTURE},
                           [("gs", ("post_mlp", 14), "delta", BIG)], None),
 }
+# Transcoders (sae-lens files; their site is post_attn.L, the norm that makes layer L's MLP input): "tc" a ReLU
+# transcoder of layer 8 (hook blocks.8.mlp.hook_in), "tcs" a JumpReLU skip transcoder of layer 10 (Gemma Scope's
+# hook name blocks.10.ln2.hook_normalized). A request clamps one like an SAE; the oracle edits the MLP's output.
+TCS = {"tc": (8, random_transcoder(HIDDEN, F, "relu", seed=31), False),
+       "tcs": (10, random_transcoder(HIDDEN, F, "jumprelu", seed=32), True)}
+TC_CLAMPS = [{"feature": 2, "kind": "set", "value": 30.0}, {"feature": 11, "kind": "add", "value": 25.0},
+             {"feature": 25, "kind": "scale", "value": 4.0, "only_if_active": True}]
+LENS_CLAMPS = [{"feature": 5, "kind": "scale", "value": 6.0}]
+TC_REQUESTS = {  # name -> (steering fields, the transcoders' edits [(name, clamps)], stream edits, vectors)
+    "tc_delta": ({"sae": {"name": "tc", "clamps": TC_CLAMPS}}, [("tc", TC_CLAMPS)], [], None),
+    "tcs_after_vector": ({"sae": {"name": "tcs", "clamps": TC_CLAMPS[:2]},
+                          "steering_vectors": floats("post_attn", 10, VEC)},
+                         [("tcs", TC_CLAMPS[:2])], [], {"post_attn": {10: VEC}}),
+    # a transcoder of layer 10 and the residual SAE at post_mlp.10 (whose input has the transcoder's edit)
+    "tcs_then_sae": ({"sae": [{"name": "tcs", "clamps": TC_CLAMPS}, {"name": "lens", "clamps": LENS_CLAMPS}]},
+                     [("tcs", TC_CLAMPS)], [("lens", ("post_mlp", 10), "delta", LENS_CLAMPS)], None),
+}
+
+
 # SAEs registered while the engine runs, one after the other at the reserved site post_mlp.16: the
 # second (fewer features) replaces the first's staged weights in place after the first is deleted
 RT_SITE = ("post_mlp", 16)
@@ -130,9 +156,12 @@ def _files(d) -> dict:
     gs = write_gemma_scope(d / "gs", SAES["gs"][("post_mlp", 14)])
     lens = write_sae_lens(d / "lens", SAES["lens"][("post_mlp", 10)], hook_name="blocks.10.hook_resid_post")
     man = write_manifest(d / "man", {f"{h}.{l}": w for (h, l), w in SAES["man"].items()}, "topk", 8)
+    tcs = {name: {"path": str(write_sae_lens_transcoder(
+        d / name, w, layer, skip, hook_name=f"blocks.{layer}.ln2.hook_normalized" if skip else None))}
+        for name, (layer, w, skip) in TCS.items()}
     return {"gs": {"path": str(gs), "site": "post_mlp.14", "reconstruct": True},
             "lens": {"path": str(lens), "features": list(range(32))},
-            "man": {"path": str(man)}}
+            "man": {"path": str(man)}, **tcs}
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +173,7 @@ def prompt_ids(smollm2_path):
 def run(smollm2_path, prompt_ids, tmp_path_factory):
     d = tmp_path_factory.mktemp("sae")
     batch = [params(**fields) for fields, _, _ in REQUESTS.values()]
+    batch += [params(**fields) for fields, _, _, _ in TC_REQUESTS.values()]
     phased = [params(prompt_logprobs=True, **fields) for fields in PHASED.values()]
     prompt = {"prompt_token_ids": list(prompt_ids)}
     rt_request = params(sae={"name": "rt", "clamps": RT_CLAMPS})
@@ -163,6 +193,7 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
     }
     res = run_job(job, d)
     return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1])),
+            "transcoded": dict(zip(TC_REQUESTS, res["calls"][0][len(REQUESTS):])), "dir": d,
             "runtime": res["calls"][2:], "proj": proj,
             "projected": dict(zip(proj, res["calls"][1][len(PHASED):]))}
 
@@ -349,3 +380,65 @@ def test_a_vector_only_request_at_a_projected_site_equals_transformers(run, smol
     assert got["token_ids"] == ref_tokens
     np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
     assert got["token_ids"] != run["phased"]["plain"]["token_ids"]  # the vector really steered
+
+
+def _clamped(f: torch.Tensor, clamps: list) -> torch.Tensor:
+    """f' of the oracle, in plain torch: each clamp's feature SET / ADD / SCALE by its value (only_if_active: only
+    where the feature is active)."""
+    f_new = f.clone()
+    for c in clamps:
+        i, v, old = c["feature"], c["value"], f[..., c["feature"]]
+        new = {"set": torch.full_like(old, v), "add": old + v, "scale": old * v}[c["kind"]]
+        f_new[..., i] = torch.where(old > 0, new, old) if c.get("only_if_active") else new
+    return f_new
+
+
+def _transcoder_hook(path: str, weights, clamps: list):
+    """A forward hook on layer L's MLP: ``out + dec(f') - dec(f)``, ``f`` encoded from the MLP's input by
+    sae-lens' own transcoder when sae-lens imports, else by the file's weights in plain torch (relu, or
+    jumprelu: relu(pre) * (pre > threshold), as sae-lens)."""
+    try:
+        from sae_lens import SAE
+    except ImportError:
+        SAE = None
+    if SAE is not None:
+        tc = SAE.load_from_disk(path)
+        encode, decode = tc.encode, tc.decode
+    else:
+        w_enc, b_enc, w_dec, b_dec = (torch.from_numpy(a) for a in (weights.w_enc, weights.b_enc, weights.w_dec,
+                                                                    weights.b_dec))
+        thr = None if weights.threshold is None else torch.from_numpy(weights.threshold)
+
+        def encode(x):
+            pre = x @ w_enc + b_enc
+            return torch.relu(pre) if thr is None else torch.relu(pre) * (pre > thr)
+
+        def decode(f):
+            return f @ w_dec + b_dec
+
+    def hook(module, args, output):
+        f = encode(args[0])
+        return output + (decode(_clamped(f, clamps)) - decode(f))
+
+    return hook
+
+
+@pytest.mark.parametrize("name", list(TC_REQUESTS))
+def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, smollm2_path, prompt_ids, name):
+    """A transcoder-clamped request (beside plain, SAE and vector requests in one batch) equals transformers with
+    a forward hook on layer L's MLP adding dec(f') - dec(f), f encoded from the MLP's input; after a vector at
+    post_attn.L (the transcoder reads the steered stream's norm) and before a residual SAE at post_mlp.L."""
+    _, tc_edits, stream_edits, vectors = TC_REQUESTS[name]
+    model, _ = hf_oracle.load(smollm2_path)
+    handles = [model.model.layers[TCS[tc][0]].mlp.register_forward_hook(
+        _transcoder_hook(str(run["dir"] / tc), TCS[tc][1], clamps)) for tc, clamps in tc_edits]
+    hf_edits = [(site[0], site[1], _edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in stream_edits]
+    try:
+        ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)
+    finally:
+        for h in handles:
+            h.remove()
+    got = run["transcoded"][name]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    assert got["token_ids"] != run["batch"]["plain"]["token_ids"]  # the clamps really steered

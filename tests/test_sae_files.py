@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tests.sae_writers import (
-    random_sae, tensors_of, write_gemma_scope, write_json, write_manifest, write_sae_lens, write_safetensors,
+    random_sae, random_transcoder, tensors_of, write_gemma_scope, write_json, write_manifest, write_sae_lens,
+    write_sae_lens_transcoder, write_safetensors,
 )
 from vllm_steer.core import sae_files
 from vllm_steer.core.bf16 import round_to_bf16
@@ -282,6 +283,78 @@ def test_sae_lens_cfg_refusals(tmp_path, change, key, match):
         read_sae_meta(d)
 
 
+# --- sae-lens transcoders -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["transcoder", "skip"])
+@pytest.mark.parametrize("activation", ["relu", "jumprelu"])
+def test_sae_lens_transcoders_load_at_their_layers_post_attn_site(tmp_path, activation, skip):
+    """sae-lens' Transcoder / SkipTranscoder (and their JumpReLU kinds), saved as sae-lens saves them: the site is
+    post_attn.L (the norm whose output is layer L's MLP input), the meta says transcoder, no b_dec input; W_skip is
+    checked, not read (the edit never involves it)."""
+    w = random_transcoder(D, F, activation, seed=3)
+    d = write_sae_lens_transcoder(str(tmp_path / "t"), w, 4, skip)
+    want = SaeMeta(D, F, activation, 0, "float32", False, transcoder=True)
+    assert read_sae_meta(d) == {("post_attn", 4): want}
+    got = load_sae(d)[("post_attn", 4)]
+    assert got.meta == want
+    _same(got, w)
+
+
+@pytest.mark.parametrize("fields, site", [
+    ({"hook_name": "blocks.7.ln2.hook_normalized"}, ("post_attn", 7)),  # Gemma Scope (Gemma 2)
+    ({"hook_name": "blocks.7.hook_mlp_in", "hf_hook_name": "model.layers.7.pre_feedforward_layernorm.output"},
+     ("post_attn", 7)),  # Gemma Scope 2: the HF hook says what the TL name does not
+    ({"hook_name": "blocks.2.mlp.hook_in"}, ("post_attn", 2)),  # mwhanna's
+    ({"hook_name": "model.layers.5.mlp"}, ("post_attn", 5)),
+])
+def test_sae_lens_transcoder_sites_from_hook_names(tmp_path, fields, site):
+    d = write_sae_lens_transcoder(str(tmp_path / "t"), random_transcoder(D, F), 0)
+    cfg = json.load(open(os.path.join(d, "cfg.json")))
+    cfg["metadata"].update(fields, hook_name_out=f"blocks.{site[1]}.hook_mlp_out")
+    write_json(os.path.join(d, "cfg.json"), cfg)
+    assert list(read_sae_meta(d)) == [site]
+
+
+@pytest.mark.parametrize("change, key, match", [
+    ({"apply_b_dec_to_input": True}, "apply_b_dec_to_input", "not supported for a transcoder"),
+    ({"d_out": D + 2}, "d_out", rf"{D + 2} != d_in {D}"),
+    ({"architecture": "clt"}, "architecture", "unsupported architecture 'clt'"),
+    ({"metadata": {"hook_name": "blocks.3.hook_resid_mid"}}, "metadata.hook_name", "is not an MLP input"),
+    # TransformerLens' hook_mlp_in is the stream before the norm: only an hf_hook_name can say it is the output
+    ({"metadata": {"hook_name": "blocks.3.hook_mlp_in"}}, "metadata.hook_name", "is not an MLP input"),
+    ({"metadata": {"hook_name": "blocks.3.mlp.hook_in", "hook_name_out": "blocks.5.hook_mlp_out"}},
+     "metadata.hook_name_out", "must write the MLP output of the layer it reads"),
+    ({"metadata": {"hook_name": "blocks.3.mlp.hook_in", "hook_name_out": "blocks.3.hook_resid_post"}},
+     "metadata.hook_name_out", "blocks.3.hook_mlp_out"),
+])
+def test_sae_lens_transcoder_cfg_refusals_name_the_field(tmp_path, change, key, match):
+    d = write_sae_lens_transcoder(str(tmp_path / "t"), random_transcoder(D, F), 3, **change)
+    with pytest.raises(SaeFileError, match=rf"cfg\.json: {key}: .*{match}"):
+        read_sae_meta(d)
+
+
+def test_sae_lens_transcoder_missing_d_out_and_w_skip_and_bad_sites(tmp_path):
+    d = write_sae_lens_transcoder(str(tmp_path / "t"), random_transcoder(D, F), 3)
+    _edit(os.path.join(d, "cfg.json"), drop=("d_out",))
+    with pytest.raises(SaeFileError, match=r"cfg\.json: d_out: missing"):
+        read_sae_meta(d)
+    d = write_sae_lens_transcoder(str(tmp_path / "s"), random_transcoder(D, F), 3, skip=True)
+    write_safetensors(_lens_weights(d), tensors_of(random_transcoder(D, F)))  # no W_skip
+    with pytest.raises(SaeFileError, match=r"sae_weights\.safetensors: W_skip: missing array"):
+        read_sae_meta(d)
+    write_safetensors(_lens_weights(d), {**tensors_of(random_transcoder(D, F)), "W_skip": np.zeros((D, D + 1))})
+    with pytest.raises(SaeFileError, match=r"W_skip: shape \[16, 17\] does not match"):
+        read_sae_meta(d)
+    d = write_sae_lens_transcoder(str(tmp_path / "u"), random_transcoder(D, F), 3,
+                                  metadata={"hook_name": None})  # no hook: the site must be given, a post_attn one
+    with pytest.raises(SaeFileError, match="site: .*does not name the MLP input of a layer"):
+        read_sae_meta(d)
+    assert list(read_sae_meta(d, site="post_attn.6")) == [("post_attn", 6)]
+    with pytest.raises(SaeFileError, match="site: a transcoder of layer L sits at post_attn.L"):
+        read_sae_meta(d, site="post_mlp.6")
+
+
 def test_sae_lens_old_hook_z_sae_is_refused(tmp_path):
     d = write_sae_lens(str(tmp_path / "s"), random_sae(D, F), hook_name="blocks.2.attn.hook_z", new_format=False)
     with pytest.raises(SaeFileError, match=r"cfg\.json: reshape_activations: 'hook_z'"):
@@ -518,3 +591,38 @@ def test_explicit_format_with_missing_files(tmp_path):
     os.remove(_lens_weights(d))
     with pytest.raises(SaeFileError, match=r"sae_weights\.safetensors: file: not found"):
         read_sae_meta(d, format="sae_lens")
+
+
+def test_a_transcoder_and_a_residual_sae_share_a_site_in_the_catalog_and_in_one_request(tmp_path):
+    """The catalog keys sites by kind: a residual SAE at post_attn.2 and layer 2's transcoder both load (two
+    transcoders of one layer do not, nor a transcoder with reconstruct, nor one registered at runtime); one request
+    clamps both there, and its config key does not depend on the order it names them in."""
+    from vllm_steer.core.config import SaeModuleConfig, SteerConfig, SteerConfigError
+    from vllm_steer.core.errors import SteeringSpecError
+    from vllm_steer.core.sae_catalog import runtime_entry, sae_catalog, slot_sites
+    from vllm_steer.core.sae_rows import sae_config_key
+    from vllm_steer.frontend.sae_spec import parse_sae
+
+    tc = write_sae_lens_transcoder(str(tmp_path / "tc"), random_transcoder(D, F), 2)
+    tc2 = write_sae_lens_transcoder(str(tmp_path / "tc2"), random_transcoder(D, F, seed=4), 2)
+    res = write_sae_lens(str(tmp_path / "res"), random_sae(D, F), hook_name="blocks.2.hook_resid_mid")
+    cfg = lambda **sae: SteerConfig.model_validate({"sae": sae, "sae_slots": {"post_attn.2": 4}})  # noqa: E731
+    catalog = sae_catalog(cfg(tc={"path": tc}, res={"path": res, "site": "post_attn.1"}), D, 4)
+    assert catalog["tc"].transcoder and list(catalog["tc"].sites) == [("post_attn", 2)]
+    catalog = sae_catalog(SteerConfig.model_validate({"sae": {"tc": {"path": tc}, "res": {"path": res}}}), D, 4)
+    with pytest.raises(SteerConfigError, match=r"steer\.sae\.tc2: site post_attn\.2 already has the transcoder 'tc'"):
+        sae_catalog(cfg(tc={"path": tc}, tc2={"path": tc2}), D, 4)
+    with pytest.raises(SteerConfigError, match=r"steer\.sae\.tc: .*a transcoder clamps only"):
+        sae_catalog(cfg(tc={"path": tc, "reconstruct": True}), D, 4)
+    with pytest.raises(SteeringSpecError, match="a transcoder cannot be registered at runtime") as e:
+        c = cfg(tc={"path": res, "site": "post_attn.1"}).model_copy(update={"sae_root": str(tmp_path)})
+        runtime_entry("rt", SaeModuleConfig(path=tc), c, D, 4, slot_sites(c, 4), 1)
+    assert e.value.field == "path"
+    both = [{"name": "tc", "clamps": [{"feature": 1, "kind": "set", "value": 2.0}]},
+            {"name": "res", "clamps": [{"feature": 3, "kind": "add", "value": 1.0}]}]
+    pre, dec = parse_sae(both, catalog)
+    assert [(e[0], e[1], e[2]) for e in pre] == [("tc", "post_attn", 2), ("res", "post_attn", 2)] and pre == dec
+    ids = {n: e.identity for n, e in catalog.items()}
+    assert sae_config_key(None, pre, ids) == sae_config_key(None, parse_sae(both[::-1], catalog)[0], ids)
+    with pytest.raises(SteeringSpecError, match=r"site post_attn\.2 is clamped twice in the prefill phase"):
+        parse_sae([both[0], both[0]], catalog)

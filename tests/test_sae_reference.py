@@ -161,3 +161,58 @@ def test_the_engine_pack_equals_the_reference(activation, full):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     off = (torch.from_numpy(mode)[index.long()] == OFF)
     assert torch.equal(got[off], x[off]) and bool((~off).any())
+
+
+def test_transcoder_reference_and_its_engine_pack_edit_the_mlp_output_by_the_formula(tmp_path):
+    """A transcoder's edit of the MLP output, ``(f' - f) @ W_dec`` with f from the MLP's input (the reference,
+    ``transcoder_clamp_naive``), against numpy; then the worker's tables: a transcoder and a residual SAE at one site
+    (post_attn.1) keep their own packs, one row writes both, the transcoder's pack gives the reference's delta and a
+    row rewritten without it is OFF there."""
+    from vllm_steer.core.config import SaeModuleConfig
+    from vllm_steer.core.sae_catalog import SaeEntry
+    from vllm_steer.core.sae_files import read_sae_meta
+    from vllm_steer.core.sae_paths import runtime_access
+    from vllm_steer.core.sae_rows import ONLY_IF_ACTIVE, wire_entry
+    from vllm_steer.kernels.sae_clamp.naive import transcoder_clamp_naive
+    from vllm_steer.kernels.sae_clamp.packed import clamp_delta_naive
+    from vllm_steer.runtime.sae_tables import SaeTables
+    from tests.sae_writers import random_sae, random_transcoder, write_sae_lens, write_sae_lens_transcoder
+
+    w = random_transcoder(D, F, "jumprelu", seed=4)
+    tc = Sae(*(torch.from_numpy(a) for a in (w.w_enc, w.b_enc, w.w_dec, w.b_dec)), JUMPRELU,
+             torch.from_numpy(w.threshold))
+    mode, kind, value, only = _tables(5, 11)
+    mode[2] = DELTA  # a transcoder does not reconstruct
+    x = np.random.default_rng(12).normal(0, 2, size=(11, D)).astype(np.float32)
+    index = np.array([0, 1, 2, 3, 4, 1, 2, 0, 3, 1, 2], dtype=np.int32)
+    got = transcoder_clamp_naive(torch.from_numpy(x), torch.from_numpy(index), tc, *(torch.from_numpy(a) for a in
+                                                                                       (mode, kind, value, only)))
+    pre = x.astype(np.float64) @ w.w_enc + w.b_enc
+    f = np.maximum(pre, 0) * (pre > w.threshold)
+    for t, r in enumerate(index):
+        f_new = f[t].copy()
+        for i in np.nonzero(kind[r])[0]:
+            if only[r, i] and f[t, i] <= 0:
+                continue
+            f_new[i] = {SET: value[r, i], ADD: f[t, i] + value[r, i], SCALE: f[t, i] * value[r, i]}[int(kind[r, i])]
+        want = (f_new - f[t]) @ w.w_dec if mode[r] != OFF else np.zeros(D)
+        np.testing.assert_allclose(got[t].numpy(), want, rtol=1e-4, atol=1e-4)
+    # the worker's tables
+    site = ("post_attn", 1)
+    tc_dir = write_sae_lens_transcoder(str(tmp_path / "tc"), w, 1)
+    sae_dir = write_sae_lens(str(tmp_path / "sae"), random_sae(D, F, seed=5), hook_name="blocks.1.hook_resid_mid")
+    entries = {name: SaeEntry(name, SaeModuleConfig(path=p), read_sae_meta(p), tuple(range(F)),
+                              {i: i for i in range(F)}, name) for name, p in (("t", tc_dir), ("s", sae_dir))}
+    assert entries["t"].transcoder and not entries["s"].transcoder
+    tables = SaeTables(entries, {}, {site}, 5, D, torch.device("cpu"), runtime_access(None, 1))
+    assert set(tables.packs) == set(tables.tc_packs) == {site}
+    for r in range(1, 5):
+        feats = np.nonzero(kind[r])[0].astype(np.int32)
+        codes = kind[r, feats].astype(np.int32) | (only[r, feats].astype(np.int32) * ONLY_IF_ACTIVE)
+        rows = [wire_entry("t", *site, int(mode[r]), feats, codes, value[r, feats])] if mode[r] else []
+        tables.write_row(r, rows + [wire_entry("s", *site, DELTA, feats[:1], codes[:1], value[r, feats[:1]])])
+    delta = clamp_delta_naive(torch.from_numpy(x), torch.from_numpy(index).long(), tables.tc_packs[site])
+    torch.testing.assert_close(delta, got, rtol=1e-4, atol=1e-4)
+    assert tables.packs[site][0][1:].tolist() == [DELTA] * 4  # the residual SAE's rows are its own
+    tables.write_row(1, [])
+    assert int(tables.tc_packs[site][0][1]) == OFF and int(tables.packs[site][0][1]) == OFF

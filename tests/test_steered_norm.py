@@ -104,9 +104,9 @@ def test_registered_op_is_the_reference_on_cpu(vllm_norm):
     m, offset = vllm_norm("GemmaRMSNorm", 48, torch.bfloat16, seed=7)
     x, r, (ta, tb), index = _case(5, 48, torch.bfloat16, seed=8)
     # every argument positional: vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate, plan_a, plan_b, pool,
-    # proj_a, proj_b (the op's schema has no defaults)
+    # proj_a, proj_b, tc (the op's schema has no defaults)
     got = torch.ops.vllm_steer.steered_norm(x, r, m.weight, 1e-5, offset, index, [ta, _on()], [], [], [], 0, 0, [],
-                                            None, None, None, None, [], [])
+                                            None, None, None, None, [], [], [])
     want = steered_norm_naive(x, r, m.weight, 1e-5, offset, index, vec_a=(ta, _on()))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

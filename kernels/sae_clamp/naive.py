@@ -3,7 +3,8 @@
 Per token ``t`` whose row ``r = index[t]`` is not 0 and whose row mode is not OFF, in float32 whatever
 the weights' dtype: encode the stream, apply the activation, clamp the row's features, then either add
 the clamped features' decoder delta (DELTA) or replace the stream by the decoded features (RECONSTRUCT).
-Tokens of row 0 (or an OFF row) come back unchanged, bit for bit.
+Tokens of row 0 (or an OFF row) come back unchanged, bit for bit. One function per architecture (``relu``,
+``jumprelu``, ``topk``: the activation; ``transcoder_clamp_naive``: a transcoder's edit of the MLP output).
 """
 
 from __future__ import annotations
@@ -34,20 +35,31 @@ class Sae:
     b_dec_in: bool = False  # sae-lens' apply_b_dec_to_input
 
 
+# One function per architecture, as sae-lens has one class each: the activation of the pre-activations.
+def relu(sae: Sae, pre: torch.Tensor) -> torch.Tensor:
+    return torch.relu(pre)
+
+
+def jumprelu(sae: Sae, pre: torch.Tensor) -> torch.Tensor:
+    return torch.relu(pre) * (pre > sae.threshold.float())  # sae-lens' JumpReLU
+
+
+def topk(sae: Sae, pre: torch.Tensor) -> torch.Tensor:
+    top = torch.topk(pre, sae.k, dim=-1)
+    return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+
+
+ARCHITECTURES = {RELU: relu, JUMPRELU: jumprelu, TOPK: topk}
+
+
 def encode(sae: Sae, x: torch.Tensor) -> torch.Tensor:
     """Feature activations ``f`` [N, F] of the stream ``x`` [N, D], in float32."""
     xf = x.float()
     if sae.b_dec_in:
         xf = xf - sae.b_dec.float()
-    pre = xf @ sae.w_enc.float() + sae.b_enc.float()
-    if sae.activation == RELU:
-        return torch.relu(pre)
-    if sae.activation == JUMPRELU:
-        return torch.relu(pre) * (pre > sae.threshold.float())  # sae-lens' JumpReLU
-    if sae.activation == TOPK:
-        top = torch.topk(pre, sae.k, dim=-1)
-        return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
-    raise ValueError(f"unknown activation code {sae.activation}")
+    if sae.activation not in ARCHITECTURES:
+        raise ValueError(f"unknown activation code {sae.activation}")
+    return ARCHITECTURES[sae.activation](sae, xf @ sae.w_enc.float() + sae.b_enc.float())
 
 
 def clamp(f: torch.Tensor, kind: torch.Tensor, value: torch.Tensor, only_if_active: torch.Tensor) -> torch.Tensor:
@@ -83,3 +95,23 @@ def sae_clamp_naive(
     recon = f_new @ w_dec + sae.b_dec.float()
     out[steered] = torch.where((ms == RECONSTRUCT)[:, None], recon, delta).to(x.dtype)
     return out
+
+
+def transcoder_clamp_naive(
+    mlp_in: torch.Tensor,  # [N, D], the MLP's input (layer L's pre-MLP norm output)
+    index: torch.Tensor,  # [>= N] int32: each token's row (0: none)
+    tc: Sae,  # a transcoder: w_enc [D, F], w_dec [F, D_out], b_dec [D_out] (sae-lens Transcoder; b_dec_in off)
+    mode: torch.Tensor,  # [R] int8: OFF / DELTA per row (a transcoder does not reconstruct)
+    kind: torch.Tensor,  # [R, F] int8
+    value: torch.Tensor,  # [R, F] float32
+    only_if_active: torch.Tensor,  # [R, F] int8
+) -> torch.Tensor:
+    """What each token's row's clamps add to the MLP's output [N, D_out] (float32): ``dec(f') - dec(f)`` =
+    ``(f' - f) @ W_dec``, f encoded from ``mlp_in`` (b_dec and a skip transcoder's ``W_skip @ x`` cancel);
+    zeros for row 0 / OFF rows."""
+    n = mlp_in.shape[0]
+    rows = index[:n].long()
+    on = mode[rows] != OFF
+    f = encode(tc, mlp_in)
+    f_new = clamp(f, kind[rows], value[rows].float(), only_if_active[rows])
+    return torch.where(on[:, None], (f_new - f) @ tc.w_dec.float(), torch.zeros((), dtype=torch.float32))

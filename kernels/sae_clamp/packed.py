@@ -1,7 +1,8 @@
 """SAE clamping in the engine's layout (a site's "pack" of device tensors), in plain torch: what the
 steered norm runs at a site with an SAE on CPU, and the spec its GPU twin is tested against. Same
 math as ``naive.sae_clamp_naive`` (the README's formulas); the pack keeps the clampable features'
-encoder columns / decoder rows apart so delta with ReLU / JumpReLU reads only those.
+encoder columns / decoder rows apart so delta with ReLU / JumpReLU reads only those. A transcoder's pack has the
+clamp-only layout; ``clamp_delta_naive`` gives its edit of the MLP's output (``naive.transcoder_clamp_naive``).
 
 A pack is a list of tensors, in this order (R rows of the row tables, C clampable features, D the
 hidden size, F = d_sae; the full weights only at TopK sites or sites that allow reconstruct):
@@ -40,6 +41,25 @@ def _full_features(xs: torch.Tensor, pack: list[torch.Tensor], topk: int) -> tor
     return torch.where(pre > thr_f, pre, torch.zeros_like(pre))
 
 
+def _clamped(f: torch.Tensor, c: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """f' of the activations ``f`` under the codes ``c`` and values ``v`` (each token's row's)."""
+    kind, only = c & 3, (c >> 2) & 1
+    new = torch.where(kind == SET, v, torch.where(kind == ADD, f + v, torch.where(kind == SCALE, f * v, f)))
+    return torch.where((kind != 0) & ((only == 0) | (f > 0)), new, f)
+
+
+def clamp_delta_naive(x: torch.Tensor, rows: torch.Tensor, pack: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_c (f'_c - f_c) dec[c]`` per token [N, D] (float32) of a clamp-only pack, f from ``x`` [N, D]
+    (float32); exactly 0 for tokens whose row mode is OFF. A transcoder's pack: what the clamps add to the MLP's
+    output, ``x`` the MLP's input (the steered norm's output)."""
+    mode, code, value, enc, dec, bias, thr = pack[:7]
+    on = mode[rows] != 0
+    pre = x @ enc.T + bias
+    f = torch.where(pre > thr, pre, torch.zeros_like(pre))
+    delta = (_clamped(f, code[rows], value[rows]) - f) @ dec
+    return torch.where(on[:, None], delta, torch.zeros_like(delta))
+
+
 def apply_site_naive(s: torch.Tensor, rows: torch.Tensor, pack: list[torch.Tensor], topk: int) -> torch.Tensor:
     """The float32 stream ``s`` [N, D] after each token's row (``rows`` [N] int64) clamps this site.
 
@@ -58,10 +78,7 @@ def apply_site_naive(s: torch.Tensor, rows: torch.Tensor, pack: list[torch.Tenso
     else:
         pre = s @ enc.T + bias
         f = torch.where(pre > thr, pre, torch.zeros_like(pre))
-    c, v = code[rows], value[rows]
-    kind, only = c & 3, (c >> 2) & 1
-    new = torch.where(kind == SET, v, torch.where(kind == ADD, f + v, torch.where(kind == SCALE, f * v, f)))
-    f_new = torch.where((kind != 0) & ((only == 0) | (f > 0)), new, f)
+    f_new = _clamped(f, code[rows], value[rows])
     base = s
     if full:
         recon = f_all @ pack[11].float() + pack[12]

@@ -4,7 +4,8 @@ implementation on CPU (and for full SAE packs on CUDA). Mirrors vLLM's native ``
 
 One function, ``steered_norm_naive``, composes every feature a norm's two slots may have, each given by its
 descriptor (a few tensors; empty / None: the feature is off), in the order written once in ``_staged``:
-per slot, capture -> gate (at a row's probe site) -> SAE clamps -> projections -> vectors; then the norm."""
+per slot, capture -> gate (at a row's probe site) -> SAE clamps -> projections -> vectors; then the norm; then a
+transcoder's clamps (``transcoder_step``: encoded from the norm's output, added to the residual only)."""
 
 from __future__ import annotations
 
@@ -75,12 +76,39 @@ def steered_norm_naive(
     pool: torch.Tensor | None = None,  # [P, D], rows written in place (with a plan)
     proj_a: Sequence[torch.Tensor] = (),  # slot A's projections (project_naive), () for none
     proj_b: Sequence[torch.Tensor] = (),
+    tc: Sequence[torch.Tensor] = (),  # a transcoder's clamp-only pack (reads the output, moves the residual), ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normalized output, new residual) of ``x + residual`` with every feature of both slots applied in
-    ``_staged``'s order. Without SAE, condition or capture: ``((x + residual) + A[index]) + B[index]``."""
+    ``_staged``'s order, then the norm, then the transcoder (``transcoder_step``). Without SAE, condition,
+    capture or transcoder: ``((x + residual) + A[index]) + B[index]``."""
     slots = ((sae_a, topk_a, proj_a, vec_a, plan_a), (sae_b, topk_b, proj_b, vec_b, plan_b))
     s = _staged(x, residual, index, slots, (*cond, gate) if cond else None, pool)
-    return _normalize(s, weight, eps, weight_offset, x.dtype), s.to(x.dtype)
+    out = _normalize(s, weight, eps, weight_offset, x.dtype)
+    if tc:
+        s = transcoder_step(s, out, index, tc, cond, gate)
+    return out, s.to(x.dtype)
+
+
+def transcoder_step(s: torch.Tensor, out: torch.Tensor, index: torch.Tensor, tc: Sequence[torch.Tensor],
+                    cond: Sequence[torch.Tensor] = (), gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 stream ``s`` [N, D] after a transcoder's clamps at this norm: ``s + w * sum_c (f'_c - f_c)
+    dec[c]``, f encoded from the norm's output ``out`` (the MLP's input, in its dtype). The stream after the MLP
+    is ``s + mlp(out)``, so adding the delta here edits the MLP's output exactly, whatever the MLP is. ``w``: the
+    gate for a row whose condition gates SAE clamps (``SAE_GATED``; a transcoder's norm only reads the gate),
+    else 1. Tokens whose row mode is OFF keep ``s`` bit for bit."""
+    from vllm_steer.kernels.sae_clamp.packed import clamp_delta_naive
+
+    n = s.shape[0]
+    rows = index[:n].long()
+    on = (tc[0].index_select(0, rows) != 0)[:, None]
+    if not on.is_cuda and not bool(on.any()):
+        return s
+    delta = clamp_delta_naive(out.float(), rows, list(tc))
+    if cond:
+        word = cond[0].index_select(0, rows)
+        gated = (word >= 0) & ((word & SAE_GATED) != 0) & (cond[1][0, 3] != 0)
+        delta = delta * torch.where(gated, gate[:n], torch.ones_like(gate[:n]))[:, None]
+    return torch.where(on, s + delta, s)
 
 
 def _staged(

@@ -6,7 +6,9 @@ add + RMSNorm at hooked norms: the steering costs no launch of its own. Each fea
 as its descriptor: ``vec_a`` / ``vec_b`` (``Tensor[]``: table, flag), ``sae_a`` / ``sae_b`` (``Tensor[]``:
 the SAE pack) with their TopK k (``int``), ``cond`` (``Tensor[]``: site words, params, probes, site ids)
 with the mutated ``gate`` (``Tensor?``), and capture as ``plan_a`` / ``plan_b`` (``Tensor?``) with the
-mutated ``pool`` (``Tensor?``), ``proj_a`` / ``proj_b`` (``Tensor[]``: live count, directions, bounds).
+mutated ``pool`` (``Tensor?``), ``proj_a`` / ``proj_b`` (``Tensor[]``: live count, directions, bounds), ``tc``
+(``Tensor[]``: a transcoder's clamp-only pack, at the norm that makes the MLP's input; last and required: a
+schema cannot default a tensor list).
 An empty list or None turns the feature off; which features a norm has is
 fixed at install, so every traced call has the same arguments, all of them graph inputs (buffers).
 
@@ -46,15 +48,16 @@ def _impl(
     pool: torch.Tensor | None,
     proj_a: list[torch.Tensor],
     proj_b: list[torch.Tensor],
+    tc: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     global _triton_norm
     if x.is_cuda and len(sae_a) in (0, N_CLAMP_ONLY) and len(sae_b) in (0, N_CLAMP_ONLY):
         if _triton_norm is None:
             from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
         return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
-                            plan_a, plan_b, pool, proj_a, proj_b)
+                            plan_a, plan_b, pool, proj_a, proj_b, tc=tc)
     return steered_norm_naive(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a,
-                              topk_b, cond, gate, plan_a, plan_b, pool, proj_a, proj_b)
+                              topk_b, cond, gate, plan_a, plan_b, pool, proj_a, proj_b, tc)
 
 
 def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,10 @@ clamps by blocks of codes; each stores its partial sum in a persistent scratch a
 per-token count (atomic); the last to arrive adds the partials in program order, resets the count and
 finishes the token (no program waits for another, so no deadlock whatever the scheduling). Unclamped
 tokens are finished by program 0 as before, bit for bit. One launch either way.
+
+With TC (a transcoder at the norm that makes the MLP's input) the same clamp walk runs after the norm, its
+features encoded from the output as stored; its delta goes to the residual only (the MLP's output edit). It is
+split like the first SAE slot's when no SAE slot is (else the program that finishes the token walks it).
 """
 
 from __future__ import annotations
@@ -163,32 +167,32 @@ def _sae_walk(b_s, i_r, c_first, c_step, sae, o_d, m_d, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _sae_clamp_row(b_s, i_row, sae, o_d, m_d, BLOCK_C: tl.constexpr, w):
+def _sae_clamp_row(b_s, b_x, i_row, sae, o_d, m_d, BLOCK_C: tl.constexpr, w):
     """b_s after the row's SAE clamps (delta mode): b_s + w * sum over clamped slots c of
-    (f'_c - f_c) * dec[c], each f_c from the unclamped b_s (w: the gate of a gated row, else 1.0).
-    Row 0 and OFF rows: b_s untouched."""
+    (f'_c - f_c) * dec[c], each f_c encoded from b_x (the unclamped b_s for an SAE; the norm's output for a
+    transcoder) (w: the gate of a gated row, else 1.0). Row 0 and OFF rows: b_s untouched."""
     if i_row != 0:
         i_r = i_row.to(tl.int64)
         if tl.load(sae[0] + i_r) != 0:  # the row's mode: OFF rows skip the walk
-            b_s += w * _sae_walk(b_s, i_r, 0, BLOCK_C, sae, o_d, m_d, BLOCK_C)
+            b_s += w * _sae_walk(b_x, i_r, 0, BLOCK_C, sae, o_d, m_d, BLOCK_C)
     return b_s
 
 
 @triton.jit
-def _sae_clamp_split(b_s, i_t, i_row, i_k, split, sae, o_d, m_d, D: tl.constexpr, BLOCK_C: tl.constexpr,
+def _sae_clamp_split(b_s, b_x, i_t, i_row, i_k, split, sae, o_d, m_d, D: tl.constexpr, BLOCK_C: tl.constexpr,
                      SPLIT: tl.constexpr, w):
     """The row's clamps shared by the token's SPLIT programs (program ``i_k`` takes the blocks of codes
     i_k, i_k + SPLIT, ...): each writes its partial sum to ``scratch[i_t * SPLIT + i_k]`` and counts
     itself in ``count[i_t]``; the last to arrive adds the partials (in program order: the result does not
     depend on which is last), resets the count and finishes the token. Returns (b_s, whether this
     program finishes the token): for row 0 and OFF rows program 0, b_s untouched. The sum is scaled by
-    ``w`` (the gate of a gated row, else 1.0)."""
+    ``w`` (the gate of a gated row, else 1.0); the features are encoded from ``b_x`` (``_sae_clamp_row``)."""
     p_scratch, p_count = split
     go = i_k == 0
     if i_row != 0:
         i_r = i_row.to(tl.int64)
         if tl.load(sae[0] + i_r) != 0:
-            b_acc = _sae_walk(b_s, i_r, i_k * BLOCK_C, SPLIT * BLOCK_C, sae, o_d, m_d, BLOCK_C)
+            b_acc = _sae_walk(b_x, i_r, i_k * BLOCK_C, SPLIT * BLOCK_C, sae, o_d, m_d, BLOCK_C)
             p_mine = p_scratch + (i_t * SPLIT) * D
             tl.store(p_mine + i_k * D + o_d, b_acc, mask=m_d)
             tl.debug_barrier()  # every thread's part is stored before the count says so
@@ -228,6 +232,7 @@ def _steered_norm_kernel(
     cap_b,  # CAP_B: the same for slot B
     proj_a,  # PROJ_A: (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32, K, dirs' strides (row, k))
     proj_b,  # PROJ_B: the same for slot B
+    tc,  # TC: a transcoder's clamp-only pack, as sae_a: encodes the normalized output, moves the residual only
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -237,15 +242,17 @@ def _steered_norm_kernel(
     SAE_A: tl.constexpr,
     SAE_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr,  # > 1: the first SAE slot's clamps are shared by SPLIT programs per token
+    SPLIT: tl.constexpr,  # > 1: the first SAE slot's (else the transcoder's) clamps are shared by SPLIT programs
     COND: tl.constexpr,  # rows may carry a condition (with SAE_A / SAE_B: the gate is only read)
     CAP_A: tl.constexpr,  # slot A is captured: the stream as it reaches slot A goes to the pool
     CAP_B: tl.constexpr,  # slot B is captured: the stream after slot A's clamps and (gated) rows
     PROJ_A: tl.constexpr = False,  # slot A's rows may project the stream onto directions (ablate / cap)
     PROJ_B: tl.constexpr = False,
+    TC: tl.constexpr = False,  # a transcoder's clamps after the norm (naive.transcoder_step)
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
-    (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm."""
+    (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
+    clamps (encoded from the output as stored, added to the residual only)."""
     i_t = tl.program_id(0).to(tl.int64)
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
     o_d = tl.arange(0, BLOCK_D)
@@ -259,7 +266,7 @@ def _steered_norm_kernel(
                        eviction_policy="evict_first").to(tl.float32)
     if CAP_A:  # every program of the token has the pristine stream: the first stores it
         _capture(b_s, i_t, cap_a, o_d, m_d, tl.program_id(1) == 0)
-    if COND and not (SAE_A or SAE_B):  # the gate changes only at a probe site, where it is stored
+    if COND and not (SAE_A or SAE_B or TC):  # the gate changes only at a probe site, where it is stored
         p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe = cond
         i_row = tl.load(p_index + i_t)
         if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
@@ -288,7 +295,7 @@ def _steered_norm_kernel(
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
-    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B:
+    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC:
         i_row = tl.load(p_index + i_t)
         if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
             p_csite = cond[0]
@@ -305,10 +312,10 @@ def _steered_norm_kernel(
             g = 1.0
         if SAE_A:
             if SPLIT > 1:
-                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), split, sae_a, o_d, m_d, D, BLOCK_C,
-                                           SPLIT, w_sae)
+                b_s, go = _sae_clamp_split(b_s, b_s, i_t, i_row, tl.program_id(1), split, sae_a, o_d, m_d, D,
+                                           BLOCK_C, SPLIT, w_sae)
             else:
-                b_s = _sae_clamp_row(b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
+                b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
         if PROJ_A:
             b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
         if HAS_A:
@@ -320,19 +327,20 @@ def _steered_norm_kernel(
                 _capture(b_s, i_t, cap_b, o_d, m_d, tl.program_id(1) == 0)
         if SAE_B:
             if SPLIT > 1 and not SAE_A:  # B's stream (s + A[row]) is known to every program
-                b_s, go = _sae_clamp_split(b_s, i_t, i_row, tl.program_id(1), split, sae_b, o_d, m_d, D, BLOCK_C,
-                                           SPLIT, w_sae)
+                b_s, go = _sae_clamp_split(b_s, b_s, i_t, i_row, tl.program_id(1), split, sae_b, o_d, m_d, D,
+                                           BLOCK_C, SPLIT, w_sae)
             else:  # after a split A only the finishing program has the whole stream: it walks B alone
                 i_row_b = i_row
                 if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
                     i_row_b = tl.where(go, i_row, 0)
-                b_s = _sae_clamp_row(b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
+                b_s = _sae_clamp_row(b_s, b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
         if PROJ_B:
             b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, proj_gated, g, COND)
         if HAS_B:
             b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
     m_w = m_d & go
-    tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
+    if not TC:
+        tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
     b_var = tl.sum(b_s * b_s, axis=0) / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
     if OFFSET_WEIGHT:
@@ -340,7 +348,21 @@ def _steered_norm_kernel(
     else:
         # vLLM's RMSNorm: normalized.to(w.dtype) * w, rounded in w's dtype
         b_o = (b_n.to(b_w.dtype).to(tl.float32) * b_w.to(tl.float32)).to(b_w.dtype)
-    tl.store(p_out + i_t * stride_out + o_d, b_o.to(p_out.dtype.element_ty), mask=m_w)
+    b_o = b_o.to(p_out.dtype.element_ty)
+    if TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
+        tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_d & (tl.program_id(1) == 0))
+    else:
+        tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_w)
+    if TC:  # the MLP's input is b_o: its clamps' delta goes to the residual
+        if SPLIT > 1 and not (SAE_A or SAE_B):  # the token's programs share the walk, the last finishes it
+            b_s, go = _sae_clamp_split(b_s, b_o.to(tl.float32), i_t, i_row, tl.program_id(1), split, tc, o_d, m_d,
+                                       D, BLOCK_C, SPLIT, w_sae)
+        else:  # after a split SAE walk, the program that finished the token walks it alone
+            i_row_t = i_row
+            if SPLIT > 1:
+                i_row_t = tl.where(go, i_row, 0)
+            b_s = _sae_clamp_row(b_s, b_o.to(tl.float32), i_row_t, tc, o_d, m_d, BLOCK_C, w_sae)
+        tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d & go)
 
 
 def _num_warps(block_d: int) -> int:
@@ -424,6 +446,7 @@ def steered_norm_triton(
     proj_a: Sequence[torch.Tensor] = (),  # (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32), () for none
     proj_b: Sequence[torch.Tensor] = (),
     split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
+    tc: Sequence[torch.Tensor] = (),  # a transcoder's clamp-only pack (reads the output, moves the residual), ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -440,7 +463,7 @@ def steered_norm_triton(
     va = (vec_a[0], vec_a[1], vec_a[0].stride(0)) if vec_a else ()
     vb = (vec_b[0], vec_b[1], vec_b[0].stride(0)) if vec_b else ()
     sa = sb = bufs = cond_desc = ca = cb = pa = pb = ()
-    if sae_a or sae_b:
+    if sae_a or sae_b or tc:
         sa, sb = _sae_desc(sae_a, d), _sae_desc(sae_b, d)
         split = split_of(n) if split is None else split
         bufs = (split_buffers(x.device, d) or ()) if split > 1 else ()
@@ -458,10 +481,11 @@ def steered_norm_triton(
         cb = (pool, pool.stride(0), plan_b) if plan_b is not None else ()
     if proj_a or proj_b:
         pa, pb = _proj_desc(proj_a, d), _proj_desc(proj_b, d)
+    tcd = _sae_desc(tc, d) if tc else ()
     args = (x, residual if residual is not None else x, weight, out, res_out, index, x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
-            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb)
+            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd)
     flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
-             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb))
+             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd))
     _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

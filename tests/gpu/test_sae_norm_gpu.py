@@ -150,7 +150,7 @@ def registered():
     def steered_norm(x, r, w, index, vec, sae_a, sae_b, topk_a=0, topk_b=0):
         return torch.ops.vllm_steer.steered_norm(x, r, w, EPS, 0.0, index, list(vec.get("vec_a", ())),
                                                  list(vec.get("vec_b", ())), list(sae_a), list(sae_b), topk_a, topk_b,
-                                                 [], None, None, None, None, [], [])
+                                                 [], None, None, None, None, [], [], [])
 
     return SimpleNamespace(steered_norm=steered_norm)
 

@@ -133,7 +133,7 @@ def registered():
 
     def steered_norm(x, r, w, index, vec_a, vec_b=()):
         return torch.ops.vllm_steer.steered_norm(x, r, w, EPS, 0.0, index, list(vec_a), list(vec_b), [], [], 0, 0,
-                                                 [], None, None, None, None, [], [])
+                                                 [], None, None, None, None, [], [], [])
 
     return SimpleNamespace(steered_norm=steered_norm)
 

@@ -400,3 +400,57 @@ def test_triton_projection_kernel_matches_reference(interpreted, variant):
         along = t1[1][rows == 1] @ v
         torch.testing.assert_close(along, torch.zeros_like(along), rtol=0, atol=1e-5)
         torch.testing.assert_close(t1[1], only_b[1], **_SAE_TOL[torch.float32])
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("variant", ["tc", "tc-serial", "tc-bf16", "sae-tc", "sae-tc-split", "cond-tc", "cond-sae-tc"])
+def test_triton_transcoder_kernel_matches_reference(interpreted, variant):
+    """A transcoder at the norm that makes the MLP's input: encoded from the norm's output as stored, its clamps'
+    delta moves only the residual (the output is the kernel's without it, bit for bit); beside a residual SAE at
+    the same norm (slot A: its clamps move the stream before the norm, the transcoder reads the result), its walk
+    serial, split (alone: 8 programs per token; after a split SAE walk: by the program that finishes the token), and
+    gated by a condition. Tokens of row 0, of an OFF row or of a row with no codes come back as
+    without the transcoder, bit for bit."""
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+    from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
+
+    dtype = torch.bfloat16 if variant == "tc-bf16" else torch.float32
+    n, d = 12, 80
+    x, r, (ta, _), _ = _case(n, d, dtype, seed=70)
+    index = token_rows(n)
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(71)) * 0.5 + 1.0).to(dtype)
+    tc = clamp_pack(d, 37, seed=72, jumprelu=True, hidden_scale=1.0)  # the output's elements are ~N(0, 1)
+    sae = clamp_pack(d, 37, seed=73, jumprelu=False) if "sae" in variant else []
+    kw = {"vec_a": (ta, _on()), "sae_a": sae}
+    if "cond" in variant:  # rows 1 and 5: their condition gates SAE clamps (the transcoder's too)
+        cond_site = torch.tensor([-1, 5 | SAE_GATED, -1, -1, 5, 5 | SAE_GATED | VECTORS_UNGATED], dtype=torch.int32)
+        params = torch.tensor([[0.0, 1.0, 0.0, 1.0]] + [[0.1, 2.0, 0.0, 0.0]] * 5, dtype=torch.float32)
+        probe = torch.randn(6, d, generator=torch.Generator().manual_seed(74))
+        gate = torch.rand(n + 5, generator=torch.Generator().manual_seed(75)) * 0.8 + 0.1
+        kw.update(cond=(cond_site, params, probe, torch.tensor([20, -2], dtype=torch.int32)), gate=gate)
+    split = {"sae-tc-split": 3, "sae-tc": 1, "tc-serial": 1}.get(variant)
+    got = steered_norm_triton(x, r, w, 1e-5, 0.0, index, split=split, tc=tc, **kw)
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, tc=tc, **kw)
+    tol = _SAE_TOL[dtype]
+    # bf16: the interpreter rounds the output by truncation, the reference to nearest; a feature whose pre sits at
+    # its threshold may then flip, so the residual is checked against the delta of the output the kernel stored
+    for a, b in zip(got, want) if dtype == torch.float32 else ((got[0], want[0]),):
+        torch.testing.assert_close(a, b, **tol)
+    without = steered_norm_triton(x, r, w, 1e-5, 0.0, index, split=split, **kw)
+    assert torch.equal(got[0], without[0])  # the transcoder edits the MLP's output, not its input
+    rows = index[:n].long()
+    idle = torch.isin(rows, torch.tensor(IDLE_ROWS))
+    assert torch.equal(got[1][idle], without[1][idle])
+    assert not torch.allclose(got[1][~idle].float(), without[1][~idle].float(), rtol=1e-2, atol=1e-2)
+    if split != 1:  # a split walk leaves its counts at zero for the next launch
+        from vllm_steer.kernels.steered_rms_norm.triton import split_buffers
+
+        assert not split_buffers(x.device, d)[1].any()
+    # the delta is the clamps' edit of features encoded from the stored output: (f' - f) @ dec, per token
+    from vllm_steer.kernels.sae_clamp.packed import clamp_delta_naive
+
+    delta = clamp_delta_naive(without[0].float(), rows, tc)
+    if "cond" not in variant:  # bf16: the reference rounds the stream before adding (the kernel after): 2 ulps
+        err = (got[1].float() - (without[1].float() + delta)).abs()
+        ulps = 2.0 ** -7 * (got[1].float().abs() + without[1].float().abs()) if dtype != torch.float32 else 0.0
+        assert bool((err <= ulps + tol["atol"]).all()), float((err - ulps).max())

@@ -29,6 +29,11 @@ class SaeEntry:
     version: int = 0  # > 0: registered at runtime (POST /v1/steering/sae), its registration number
 
     @property
+    def transcoder(self) -> bool:
+        """A transcoder (reads layer L's MLP input, its clamps edit the MLP's output): its sites are post_attn.L."""
+        return any(m.transcoder for m in self.sites.values())
+
+    @property
     def full(self) -> bool:
         """Whether the workers keep the whole SAE (reconstruct allowed, or TopK needs every feature)."""
         return self.config.reconstruct or any(m.activation == "topk" for m in self.sites.values())
@@ -67,6 +72,9 @@ def _entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_lay
             raise fail("site", f"{where} is not a steerable site (steer.hooks / steer.layers)")
         if (hook, layer) == ("pre_attn", 0):
             raise fail("site", f"{where}: pre_attn of layer 0 cannot take an SAE (use post_attn.0 or later)")
+        if meta.transcoder and c.reconstruct:
+            raise fail("reconstruct", f"{where}: a transcoder clamps only (delta); it cannot reconstruct the MLP's "
+                                      "output")
     d_sae = {m.d_sae for m in sites.values()}
     features = c.features
     if features is None:
@@ -112,22 +120,24 @@ def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, int]:
 def sae_catalog(cfg: SteerConfig | None, hidden: int, num_layers: int) -> dict[str, SaeEntry]:
     """name -> entry of every configured SAE; raises SteerConfigError naming the key at fault
     (two SAEs may not share a site: their clamps would have no defined order; nor may an SAE take
-    a site reserved in ``sae_slots``)."""
+    a site reserved in ``sae_slots``). A transcoder at post_attn.L and a residual SAE at post_attn.L do
+    not share: the SAE edits the stream entering the norm, the transcoder the MLP's output after it."""
     if cfg is None or not cfg.sae:
         return {}
     out = {name: _entry(name, c, cfg, hidden, num_layers, _config_fail(f"additional_config.steer.sae.{name}"))
            for name, c in cfg.sae.items()}
-    owner: dict[Site, str] = {}
+    owner: dict[tuple[Site, bool], str] = {}
     for name, e in out.items():
         for site in e.sites:
-            if site in owner:
+            if (site, e.transcoder) in owner:
+                what = "transcoder" if e.transcoder else "SAE"
                 raise SteerConfigError(f"additional_config.steer.sae.{name}: site {site[0]}.{site[1]} already has "
-                                       f"the SAE {owner[site]!r}")
-            owner[site] = name
+                                       f"the {what} {owner[(site, e.transcoder)]!r}")
+            owner[(site, e.transcoder)] = name
     for site in slot_sites(cfg, num_layers):
-        if site in owner:
-            raise SteerConfigError(f"additional_config.steer.sae_slots.{site[0]}.{site[1]}: the SAE {owner[site]!r} "
-                                   "is loaded there")
+        if (site, False) in owner:
+            raise SteerConfigError(f"additional_config.steer.sae_slots.{site[0]}.{site[1]}: the SAE "
+                                   f"{owner[(site, False)]!r} is loaded there")
     return out
 
 
@@ -147,6 +157,9 @@ def runtime_entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, 
         raise fail("reconstruct", "an SAE registered at runtime clamps only (delta); reconstruct needs the whole "
                                   "SAE on every worker: load it at start-up (steer.sae)")
     entry = _entry(name, c, cfg, hidden, num_layers, fail, version, runtime_access(cfg.sae_root, cfg.max_sae_bytes))
+    if entry.transcoder:
+        raise fail("path", "a transcoder cannot be registered at runtime (sae_slots reserve residual SAE sites): "
+                           "load it at start-up (steer.sae)")
     for (hook, layer), meta in entry.sites.items():
         if meta.activation == "topk":
             raise fail("path", f"site {hook}.{layer}: a TopK SAE needs every feature on the workers: load it at "

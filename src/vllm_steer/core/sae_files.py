@@ -1,5 +1,10 @@
 """SAE weight files: Gemma Scope ``params.npz``, sae-lens directories and our ``manifest.json``.
 
+sae-lens transcoders (``transcoder``, ``skip_transcoder`` and their ``jumprelu_`` kinds) load from sae-lens
+directories as SAEs whose meta says ``transcoder``: they encode layer L's MLP input (no b_dec subtracted) and
+decode its output (``d_out`` = ``d_in``); their site is ``post_attn.L``, the norm that makes that input. W_skip
+is checked, never read: a clamp's edit, ``dec(f') - dec(f)``, does not involve it (nor b_dec).
+
 This module owns reading those formats into float32 numpy arrays (numpy, json, zipfile; no torch),
 with every array, shape, dtype and activation checked. ``read_sae_meta`` reads headers only (the API
 process validates requests against an SAE without loading its weights); ``load_sae`` reads the arrays.
@@ -43,6 +48,17 @@ _RAW_DTYPES = {name: raw for name, raw in _ST_DTYPES.values()}
 _MAX_ST_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB too
 _HF_LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)")  # sae-lens' name for a HF layer's output
 _LENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
+# sae-lens transcoders (saes/transcoder.py): architecture -> activation; "skip" ones also hold W_skip [d_out, d_in]
+_LENS_TRANSCODERS = {"transcoder": "relu", "skip_transcoder": "relu", "jumprelu_transcoder": "jumprelu",
+                     "jumprelu_skip_transcoder": "jumprelu"}
+# the hook names sae-lens gives a transcoder's input (the MLP's input: layer L's pre-MLP norm output) and output
+# (what the MLP block adds to the residual stream, after Gemma's post-MLP norm too)
+# (blocks.L.hook_mlp_in is TransformerLens' stream before that norm: sae-lens gives it to Gemma Scope 2's transcoders,
+# whose hf_hook_name, read first, says the norm's output)
+_TC_IN = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(?:ln2\.hook_normalized|mlp\.hook_in)"
+                    r"|model\.layers\.(0|[1-9][0-9]*)\.(?:mlp|mlp\.input|post_attention_layernorm\.output"
+                    r"|pre_feedforward_layernorm\.output)")
+_TC_OUT = re.compile(r"blocks\.(0|[1-9][0-9]*)\.hook_mlp_out")
 _MANIFEST_KEYS = {"format", "version", "activation", "k", "b_dec_in", "sites"}
 
 Site = tuple[str, int]
@@ -70,6 +86,7 @@ class SaeMeta:
     k: int  # TopK's k (0 otherwise)
     dtype: str  # stored weight dtype: "float32" | "float16" | "bfloat16"
     b_dec_in: bool  # subtract b_dec from the input before encoding (sae-lens apply_b_dec_to_input)
+    transcoder: bool = False  # reads layer L's MLP input, writes its output; its site is post_attn.L (the norm)
 
 
 @dataclass(frozen=True)
@@ -356,7 +373,7 @@ def _check_shapes(path: str, shapes: Shapes, activation: str, extra: tuple[str, 
     if len(w_enc) != 2 or 0 in w_enc:
         raise SaeFileError(path, "W_enc", f"wrong rank or empty: expected [d_model, d_sae], got {list(w_enc)}")
     d, f = w_enc
-    want = {"W_dec": (f, d), "b_enc": (f,), "b_dec": (d,), "threshold": (f,), "scaling_factor": (f,)}
+    want = {"W_dec": (f, d), "b_enc": (f,), "b_dec": (d,), "threshold": (f,), "scaling_factor": (f,), "W_skip": (d, d)}
     for name in sorted(shapes):
         shape = shapes[name][0]
         if name in want and len(shape) != len(want[name]):
@@ -445,9 +462,11 @@ def _lens_activation(cfg_path: str, cfg: dict[str, Any]) -> tuple[str, int, str]
     arch = cfg.get("architecture", "standard")
     act_key = next((k for k in ("activation_fn_str", "activation_fn") if k in cfg), "activation_fn")
     act = cfg.get(act_key) or None
-    if arch not in _LENS_ARCHITECTURES:
-        raise SaeFileError(cfg_path, "architecture", f"unsupported architecture {_shown(arch)} "
-                                                     f"(supported: {', '.join(_LENS_ARCHITECTURES)})")
+    if arch in _LENS_TRANSCODERS and act in (None, "relu"):
+        return _LENS_TRANSCODERS[arch], 0, ""
+    if arch not in _LENS_ARCHITECTURES and arch not in _LENS_TRANSCODERS:
+        raise SaeFileError(cfg_path, "architecture", f"unsupported architecture {_shown(arch)} (supported: "
+                                                     f"{', '.join(_LENS_ARCHITECTURES + tuple(_LENS_TRANSCODERS))})")
     if arch == "standard" and act in (None, "relu"):
         return "relu", 0, ""
     if arch in ("standard", "topk") and act in (None, "topk"):
@@ -457,15 +476,54 @@ def _lens_activation(cfg_path: str, cfg: dict[str, Any]) -> tuple[str, int, str]
     raise SaeFileError(cfg_path, act_key, f"unsupported activation {_shown(act)} for architecture {_shown(arch)}")
 
 
+def _lens_field(cfg: dict[str, Any], *keys: str) -> tuple[Any, str]:
+    """(value, field) of the first of ``keys`` set: top level (sae-lens < 6), else under metadata (6) or meta
+    (6 rc); (None, keys[0]) when none is."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key], key
+    for outer in ("metadata", "meta"):
+        for key in keys:
+            if isinstance(cfg.get(outer), dict) and cfg[outer].get(key) is not None:
+                return cfg[outer][key], f"{outer}.{key}"
+    return None, keys[0]
+
+
 def _lens_hook_name(cfg: dict[str, Any]) -> Any:
     """hook_name: top level (sae-lens < 6, or hook_point older still), else under metadata (6) or meta (6 rc)."""
-    for key in ("hook_name", "hook_point"):
-        if cfg.get(key) is not None:
-            return cfg[key]
-    for key in ("metadata", "meta"):
-        if isinstance(cfg.get(key), dict) and cfg[key].get("hook_name") is not None:
-            return cfg[key]["hook_name"]
-    return None
+    return _lens_field(cfg, "hook_name", "hook_point")[0]
+
+
+def _tc_layer(pattern: re.Pattern, value: Any) -> int | None:
+    m = pattern.fullmatch(value) if isinstance(value, str) else None
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
+
+
+def _lens_transcoder(cfg_path: str, cfg: dict[str, Any], arch: str, d_in: int | None) -> Site | None:
+    """A transcoder's checks (sae-lens saes/transcoder.py) and its site, post_attn.L: the norm whose output is
+    layer L's MLP input (its ``hf_hook_name``, else ``hook_name``; None when neither names one), whose output
+    ``hook_name_out`` must be that layer's ``hook_mlp_out`` (what the MLP block adds to the stream)."""
+    if _bool_field(cfg_path, "apply_b_dec_to_input", cfg.get("apply_b_dec_to_input", False)):
+        raise SaeFileError(cfg_path, "apply_b_dec_to_input", "true is not supported for a transcoder (b_dec is "
+                                                              "the output's bias; sae-lens refuses it too)")
+    if "d_out" not in cfg:
+        raise SaeFileError(cfg_path, "d_out", f"missing (architecture {arch} needs it)")
+    if _int_field(cfg_path, "d_out", cfg["d_out"]) != d_in and d_in is not None:
+        raise SaeFileError(cfg_path, "d_out", f"{_shown(cfg['d_out'])} != d_in {d_in}: a transcoder writes the MLP's "
+                                              "output, as wide as its input")
+    hf, hf_field = _lens_field(cfg, "hf_hook_name")
+    name, name_field = (hf, hf_field) if hf is not None else _lens_field(cfg, "hook_name", "hook_point")
+    layer = _tc_layer(_TC_IN, name)
+    if layer is None and name is not None:
+        raise SaeFileError(cfg_path, name_field, f"{_shown(name)} is not an MLP input (expected blocks.L.ln2."
+                                                 "hook_normalized, blocks.L.mlp.hook_in, or an hf_hook_name "
+                                                 "model.layers.L.mlp)")
+    out, out_field = _lens_field(cfg, "hook_name_out")
+    out_layer = _tc_layer(_TC_OUT, out)
+    if out is not None and (out_layer is None or (layer is not None and out_layer != layer)):
+        raise SaeFileError(cfg_path, out_field, f"{_shown(out)}: a transcoder must write the MLP output of the layer "
+                                                f"it reads (blocks.{layer if layer is not None else 'L'}.hook_mlp_out)")
+    return None if layer is None else ("post_attn", layer)
 
 
 def _lens_refusals(cfg_path: str, cfg: dict[str, Any], hook_name: Any) -> None:
@@ -516,7 +574,11 @@ def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _P
     activation, k, k_field = _lens_activation(cfg_path, cfg)
     hook_name = _lens_hook_name(cfg)
     _lens_refusals(cfg_path, cfg, hook_name)
-    b_dec_in = _bool_field(cfg_path, "apply_b_dec_to_input", cfg.get("apply_b_dec_to_input", True))
+    arch = cfg.get("architecture")
+    transcoder = arch in _LENS_TRANSCODERS
+    b_dec_in = not transcoder and _bool_field(cfg_path, "apply_b_dec_to_input", cfg.get("apply_b_dec_to_input", True))
+    d_in = _int_field(cfg_path, "d_in", cfg["d_in"]) if "d_in" in cfg else None  # None: _lens_dims says it is missing
+    tc_site = _lens_transcoder(cfg_path, cfg, arch, d_in) if transcoder else None
     fold = activation == "topk" and _bool_field(cfg_path, "rescale_acts_by_decoder_norm",
                                                 cfg.get("rescale_acts_by_decoder_norm", False))
     if not _present(file):
@@ -525,11 +587,22 @@ def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _P
     shapes = _st_shapes(entries)
     if "threshold" not in shapes and "log_threshold" in shapes:
         shapes["threshold"] = shapes.pop("log_threshold")
-    d, f = _check_shapes(file, shapes, activation, extra=("scaling_factor",))
+    skip = transcoder and "skip" in arch
+    if skip and "W_skip" not in shapes:
+        raise SaeFileError(file, "W_skip", f"missing array (architecture {arch} has a skip connection)")
+    d, f = _check_shapes(file, shapes, activation, extra=("scaling_factor",) + (("W_skip",) if skip else ()))
     _lens_dims(cfg_path, cfg, d, f, file)
     if activation == "topk":
         _check_k(cfg_path, k_field, k, f)
-    meta = SaeMeta(d_model=d, d_sae=f, activation=activation, k=k, dtype=shapes["W_enc"][1], b_dec_in=b_dec_in)
+    meta = SaeMeta(d_model=d, d_sae=f, activation=activation, k=k, dtype=shapes["W_enc"][1], b_dec_in=b_dec_in,
+                   transcoder=transcoder)
+    if transcoder:
+        where = _site_arg(cfg_path, site, tc_site,
+                          f"hook_name {_shown(hook_name)} does not name the MLP input of a layer")
+        if where[0] != "post_attn":
+            raise SaeFileError(cfg_path, "site", f"a transcoder of layer L sits at post_attn.L (the norm that makes "
+                                                 f"the MLP's input), got {where[0]}.{where[1]}")
+        return {where: _Plan(file, meta, lambda: _lens_read(file, entries, activation, False, files))}
     where = _site_arg(cfg_path, site, _lens_site(hook_name),
                       f"hook_name {_shown(hook_name)} is not a residual-stream hook")
     return {where: _Plan(file, meta, lambda: _lens_read(file, entries, activation, fold, files))}

@@ -28,8 +28,9 @@ def wire_entry(name: str, hook: str, layer: int, mode: int, slots: np.ndarray, c
 
 
 def sorted_entries(entries: list[SaeWire]) -> list[SaeWire]:
-    """Entries in site order (hook order, then layer): the order the key hashes them in."""
-    return sorted(entries, key=lambda e: (HOOK_NAMES.index(e[1]), e[2]))
+    """Entries in site order (hook order, then layer; then name: a residual SAE and a transcoder may share a
+    site): the order the key hashes them in."""
+    return sorted(entries, key=lambda e: (HOOK_NAMES.index(e[1]), e[2], e[0]))
 
 
 def unpack_entry(entry: SaeWire) -> tuple[str, str, int, int, np.ndarray, np.ndarray, np.ndarray]:

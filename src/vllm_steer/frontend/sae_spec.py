@@ -2,7 +2,8 @@
 
 ``"sae": {"name", "site"?, "mode"?: "delta" | "reconstruct", "phase"?: "both" | "prefill" | "decode",
 "clamps": [{"feature", "kind": "set" | "add" | "scale", "value", "only_if_active"?}]}``, or a list of such
-objects (one per SAE site and phase). Every problem raises SteeringSpecError naming the field, e.g.
+objects (one per SAE site and phase; a transcoder is named like an SAE, its site post_attn.L for layer L's MLP).
+Every problem raises SteeringSpecError naming the field, e.g.
 ``sae.clamps[3].feature``. Out come the wire entries (``core.sae_rows``) of each phase.
 
 Neuronpedia's steering shape is sugar over it: ``"sae": {"features": [{"sae", "index", "strength",
@@ -136,7 +137,8 @@ def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], li
     if not items:
         raise SteeringSpecError(SAE_FIELD, "expected an object or a non-empty list of objects")
     phases: tuple[list[SaeWire], list[SaeWire]] = ([], [])
-    taken: set[tuple[int, tuple[str, int]]] = set()
+    taken: set[tuple[int, tuple[str, int], bool]] = set()  # (phase, site, transcoder?): an SAE and a transcoder
+    # may share a site
     for i, item in enumerate(items):
         field = f"{SAE_FIELD}[{i}]" if isinstance(raw, list) else SAE_FIELD
         _object(field, item, _ENTRY_KEYS, '{"name", "clamps", "mode"?, "phase"?, "site"?}')
@@ -157,9 +159,9 @@ def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], li
         wire = wire_entry(name, site[0], site[1], mode, slots, codes, values)
         for p, on in enumerate((pre, dec)):
             if on:
-                if (p, site) in taken:
+                if (p, site, entry.transcoder) in taken:
                     raise SteeringSpecError(field, f"site {site[0]}.{site[1]} is clamped twice in the "
                                                    f"{('prefill', 'decode')[p]} phase")
-                taken.add((p, site))
+                taken.add((p, site, entry.transcoder))
                 phases[p].append(wire)
     return phases

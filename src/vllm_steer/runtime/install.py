@@ -116,7 +116,8 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         self.vs_a_plan if "a" in self._vs_capture else None, self.vs_b_plan if "b" in self._vs_capture else None,
         self.vs_pool if self._vs_capture else None,
         [self.vs_a_proj_count, self.vs_a_proj_dirs, self.vs_a_proj_bounds] if "a" in self._vs_proj else [],
-        [self.vs_b_proj_count, self.vs_b_proj_dirs, self.vs_b_proj_bounds] if "b" in self._vs_proj else [])
+        [self.vs_b_proj_count, self.vs_b_proj_dirs, self.vs_b_proj_bounds] if "b" in self._vs_proj else [],
+        [getattr(self, f"vs_tc_{i}") for i in range(self._vs_tc)])
 
 
 def _sae_packs(self) -> list[list[torch.Tensor]]:
@@ -126,16 +127,18 @@ def _sae_packs(self) -> list[list[torch.Tensor]]:
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
                        offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0),
-                       cond: bool = False, proj: tuple[str, ...] = ()) -> type:
+                       cond: bool = False, proj: tuple[str, ...] = (), tc: int = 0) -> type:
     """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
     the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the condition
-    descriptor (``steer.conditions``); ``proj``: the slots with projection tables (``steer.max_projections``)."""
-    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj)
+    descriptor (``steer.conditions``); ``proj``: the slots with projection tables (``steer.max_projections``);
+    ``tc``: the length of a transcoder's pack (0: none; only a post_attn norm, whose output is the MLP's input)."""
+    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj, tc)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
                  "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
-                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond, "_vs_proj": proj}
+                 "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond, "_vs_proj": proj,
+                 "_vs_tc": tc}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
@@ -147,11 +150,13 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
     """Swap every site's norm for its steered subclass; returns how many hooked sites it serves.
 
     ``capture`` (a CaptureBuffers) makes every norm capture its slots in its own launch (the pool, plans);
-    ``sae`` gives the norms of its sites the SAE packs (and the op that applies them);
+    ``sae`` gives the norms of its sites the SAE packs (and the op that applies them), and layer L's post_attn
+    norm a transcoder's pack (its output is the MLP's input; the clamps' delta goes to the returned residual);
     ``conditions`` gives every steered norm the conditional op (with the SAE, if any) and its buffers;
     ``projections`` gives every steered slot its projection descriptor (count, directions, bounds) but
     layer 0's ``pre_attn`` (steered by an in-place add, not the op: the front end refuses projections there)."""
     packs = sae.packs if sae is not None else {}
+    tc_packs = sae.tc_packs if sae is not None else {}  # by post_attn.L: only that norm's slot A is one
     topk_of = sae.topk if sae is not None else {}
     for site in sites:
         norm = site.norm
@@ -165,8 +170,11 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
         topk = (topk_of.get(site.a, 0), topk_of.get(site.b, 0))
         proj = tuple(k for k, s in slots.items() if s is not None and projections is not None
                      and s in projections.descs and s != ("pre_attn", 0))
+        tc = tc_packs.get(site.a, [])
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
-                                            lengths, topk, conditions is not None, proj)
+                                            lengths, topk, conditions is not None, proj, len(tc))
+        for i, t in enumerate(tc):
+            norm.register_buffer(f"vs_tc_{i}", t, persistent=False)
         for slot in proj:
             for name, t in zip(("count", "dirs", "bounds"), projections.descs[slots[slot]]):
                 norm.register_buffer(f"vs_{slot}_proj_{name}", t, persistent=False)

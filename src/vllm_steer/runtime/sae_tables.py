@@ -2,7 +2,8 @@
 staged once at start-up, or, at sites ``steer.sae_slots`` reserved, zeros until an SAE is registered
 at runtime and staged in place; row tables updated in place; layout in kernels/sae_clamp/packed.py). Rows
 share the numbering of the steering tables: a config key owns one row for its vectors and its clamps
-alike, so the row gate, the index and preemption need nothing new."""
+alike, so the row gate, the index and preemption need nothing new. A transcoder's packs (``tc_packs``, by its
+post_attn.L site) have the clamp-only layout too; the norm of post_attn.L applies them to its output's delta."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ class SaeTables:
         files are read only as ``runtime_files`` allows (steer.sae_root, steer.max_sae_bytes)."""
         self.runtime_files = runtime_files
         self.packs: dict[Site, list[torch.Tensor]] = {}
+        self.tc_packs: dict[Site, list[torch.Tensor]] = {}  # transcoders: at post_attn.L, layer L's MLP
+        self._tc_names = {name for name, e in catalog.items() if e.transcoder}
         self.topk: dict[Site, int] = {}
         self.slots = {s: n for s, n in slots.items() if s in sites}
         for site, capacity in self.slots.items():
@@ -78,10 +81,13 @@ class SaeTables:
             weights = load_sae(entry.config.path, entry.config.format, entry.config.site)
             for site in mine:
                 w = weights[site]
+                if entry.transcoder:
+                    self.tc_packs[site] = _pack(w, entry, num_rows, device)
+                    continue
                 self.packs[site] = _pack(w, entry, num_rows, device)
                 self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
-        self._written: dict[int, list[Site]] = {}  # row -> sites whose row tables it set
-        if self.packs and device.type == "cuda":  # the split clamp walk's buffers, before any graph capture
+        self._written: dict[int, list[tuple[bool, Site]]] = {}  # row -> (transcoder?, site) whose tables it set
+        if (self.packs or self.tc_packs) and device.type == "cuda":  # the split walk's buffers, before graph capture
             from vllm_steer.kernels.steered_rms_norm.triton import split_buffers
 
             split_buffers(device, hidden)
@@ -92,12 +98,14 @@ class SaeTables:
         word per touched site, plus a named site's whole code and value rows)."""
         touched = []
         written = 0
-        for site in self._written.pop(row, []):
-            self.packs[site][0][row : row + 1].fill_(0)
-            written += self.packs[site][0].element_size()
+        for tc, site in self._written.pop(row, []):
+            pack = (self.tc_packs if tc else self.packs)[site]
+            pack[0][row : row + 1].fill_(0)
+            written += pack[0].element_size()
         for entry in entries or ():
-            _name, hook, layer, mode, slots, codes, values = unpack_entry(entry)
-            pack = self.packs.get((hook, layer))
+            name, hook, layer, mode, slots, codes, values = unpack_entry(entry)
+            tc = name in self._tc_names
+            pack = (self.tc_packs if tc else self.packs).get((hook, layer))
             if pack is None:
                 continue  # another rank's site
             code = torch.zeros(pack[1].shape[1], dtype=torch.int32)
@@ -108,7 +116,7 @@ class SaeTables:
             pack[1][row].copy_(code)  # one host -> device copy each (control plane, not per step)
             pack[2][row].copy_(value)
             pack[0][row : row + 1].fill_(mode)
-            touched.append((hook, layer))
+            touched.append((tc, (hook, layer)))
             written += code.nbytes + value.nbytes + pack[0].element_size()
         if touched:
             self._written[row] = touched
