@@ -87,7 +87,7 @@ case "${1:-}" in
     ;;
   prefill)
     timeout 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
-      --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
+      --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
     ;;
   host)
     timeout 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20

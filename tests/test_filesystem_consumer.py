@@ -444,3 +444,22 @@ def test_bf16_rows_are_written_as_bf16_and_read_back_exactly(tmp_path):
     s = json.loads((d / "index.json").read_text())["shards"][0]
     acts = np.memmap(d / s["file"], np.float32, "r", s["offset"], (s["windows"], 2, 16))
     np.testing.assert_array_equal(np.asarray(acts).reshape(-1, 16), rows.float().numpy()[: s["windows"] * 2])
+
+
+@pytest.mark.parametrize("fsync", [True, "false"])
+def test_fsync_off_skips_every_fsync_and_still_publishes_whole_files(tmp_path, monkeypatch, fsync):
+    """``fsync: false`` (a param may come as a string): no file or record is fsynced, files still appear whole
+    (renamed into place once complete) with their request.json; by default every shard and record is."""
+    synced = []
+    real = fsmod.os.fsync
+    monkeypatch.setattr(fsmod.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=2, fsync=fsync)
+    rows = np.arange(32, dtype=np.float32).reshape(2, 16)
+    for i in range(3):
+        fs.on_rows(f"r{i}", 1, "post_mlp", np.array([0, 1]), rows + i, {})
+        fs.on_request_finished(f"r{i}", {"prompt_len": 2})
+    for i in range(3):
+        positions, got = load_request(str(tmp_path), f"r{i}")[(1, "post_mlp")]
+        np.testing.assert_array_equal(got, rows + i)
+        assert json.loads((tmp_path / "default" / f"r{i}" / "request.json").read_text())["status"] == "complete"
+    assert (len(synced) >= 9) if fsync is True else not synced  # per request: the shard, its sidecar, request.json

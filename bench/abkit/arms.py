@@ -77,6 +77,8 @@ ARMS = {
     "prefill_stock": dict(server="stock", kind="plain", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_capture_fs": dict(server="steer_capture_fs", kind="capture_fs", layers=4, positions="all_prompt",
                                load=PREFILL_LOAD, ref="prefill_stock"),
+    "prefill_capture_fs_nosync": dict(server="steer_capture_fs", kind="capture_fs", instance="fs_nosync", layers=4,
+                                      positions="all_prompt", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_capture_mem": dict(server="steer_capture_fs", kind="capture", layers=4, positions="all_prompt",
                                 reduce="mean", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_extract_hs": dict(server=EXTRACT_SERVER, kind="extract_hs", load=PREFILL_LOAD, ref="prefill_stock"),
@@ -193,7 +195,7 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
         spec = {"layers": capture_layers(arm, ctx["shape"]["layers"]), "hooks": ["post_mlp"],
                 "positions": arm.get("positions", "all_generated")}
         if kind == "capture_fs":
-            return [{"capture": {"filesystem": spec}}] * n_requests
+            return [{"capture": {arm.get("instance", "filesystem"): spec}}] * n_requests
         return [{"capture": {"activations": {**spec, "reduce": arm.get("reduce", "last")}}}] * n_requests
     if kind == "extract_hs":
         return [None] * n_requests

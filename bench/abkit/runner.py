@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from .arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
-from .servers import CAPTURE_FS_DIR, EXTRACT_DIR, T0, log, server_unavailable
+from .servers import CAPTURE_FS_DIR, CAPTURE_FS_NOSYNC_DIR, EXTRACT_DIR, T0, log, server_unavailable
 
 GRAPH_PLAN = [  # (label, server, kind of traffic)
     ("stock / unsteered", "stock", "plain"), ("disabled / unsteered", "disabled", "plain"),
@@ -178,7 +178,7 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
 def written_files(arm: dict, ctx: dict) -> Path | None:
     """The folder an arm's server writes its captured files to (None: an arm that writes none)."""
     if arm["kind"] == "capture_fs":
-        return ctx["workdir"] / CAPTURE_FS_DIR
+        return ctx["workdir"] / (CAPTURE_FS_NOSYNC_DIR if arm.get("instance") == "fs_nosync" else CAPTURE_FS_DIR)
     if arm["kind"] == "extract_hs":
         return ctx["workdir"] / EXTRACT_DIR
     return None

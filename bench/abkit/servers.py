@@ -4,8 +4,8 @@ Each server is its own process group; all stay alive together so trials of diffe
   stock / disabled   VLLM_PLUGINS=none / steer, no steer block;   steer and its ablations: STEER_SERVERS
   hotwire    the peer plugin hotwire-vllm from --peer-wheel (its own site folder and VLLM_CACHE_ROOT); CUDA only
   sae / sae_full / sae_serial   an SAE at 4 layers (SAE_SERVERS);   *_multi   ``--api-server-count`` front ends
-  steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs, a pool for a whole
-             prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
+  steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
+             without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
 --keep-servers leaves them running and writes STATE_FILE; --reuse-servers adopts them."""
 
@@ -50,6 +50,7 @@ PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_
                 "steer_proj": 18}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
+CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)
 CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b bf16): the heavy arm drops nothing
 # steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
@@ -138,7 +139,9 @@ def sae_layers(num_layers: int) -> list[int]:  # the 4 SAE sites' layers
 def capture_fs_block(workdir: Path) -> dict:
     """The steer block of steer_capture_fs: activations (driver) and filesystem (worker, no global spec)."""
     fs = {"name": "filesystem", "params": {"root": str(workdir / CAPTURE_FS_DIR), "threads": 4}}
-    return {"steer": {"max_configs": 272, "capture": ["activations", fs], "capture_max_rows": CAPTURE_FS_ROWS}}
+    nosync = {"name": "filesystem", "instance": "fs_nosync",
+              "params": {"root": str(workdir / CAPTURE_FS_NOSYNC_DIR), "threads": 4, "fsync": False}}
+    return {"steer": {"max_configs": 272, "capture": ["activations", fs, nosync], "capture_max_rows": CAPTURE_FS_ROWS}}
 
 
 def extract_hs_args(workdir: Path, num_layers: int) -> list[str]:

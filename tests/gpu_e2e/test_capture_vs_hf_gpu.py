@@ -7,8 +7,6 @@ every site) equals the same reduction of the filesystem consumer's rows. Setting
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -21,6 +19,7 @@ STEERED_LAYER = 1  # post_mlp of this layer is steered
 # relative to each site's largest |value|: float32 GPU attention runs in TF32 (~5e-4 rounding), which puts
 # elementwise ratios near zero far off while the stream agrees to ~2e-3
 REL_TOL = 1e-2
+SAME_TOL = 1e-3  # plain vs steered before the steered site: rounding only (see the test)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +45,7 @@ def capture_run(tmp_path_factory):
                                          "steering_vectors": {"post_mlp": {str(STEERED_LAYER): vec.tolist()}}})
     reduced = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False, extra_args={"capture": {
         "activations": {"layers": "all", "hooks": "all", "positions": "all_prompt", "reduce": r}}}) for r in ("mean", "last")]
-    if ec.PP > 1 or os.environ.get("VLLM_STEER_E2E_NO_REDUCE"):  # (the second: a batch of the two alone)
+    if ec.PP > 1:  # a driver consumer sees the first stage's sites only (a spec naming others is refused)
         reduced = []
     llm = ec.make_llm(ckpt, steer)
     try:
@@ -77,23 +76,28 @@ def test_every_site_is_captured_and_matches_transformers(capture_run):
     assert not bad, f"sites whose max |vLLM - HF| / max |HF| >= {REL_TOL}: {bad}"
 
 
+def _rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+
+
 def test_steered_request_captures_the_same_rows_at_and_before_its_site(capture_run):
+    """Before the steered site the two requests' streams are the same computation: the embedding (pre_attn.0)
+    bit for bit; after a GEMM only up to rounding (SAME_TOL). On the GPU a request's rows are not bit-stable
+    across its place in a batch: with 4 requests of 43 tokens (not 2) TF32 GEMMs differ in the last bits
+    (6e-5 .. 2e-4 of the row scale at every position, an H200, nineteenth/twentieth sessions), while the
+    steering moves later sites by ~10% of it."""
     plain, steered = capture_run["plain"], capture_run["steered"]
-    differ = {}
-    for layer in range(STEERED_LAYER + 1):
-        for hook in ("pre_attn", "post_attn", "post_mlp"):
-            a, b = plain[(layer, hook)][1], steered[(layer, hook)][1]
-            if not np.array_equal(a, b):  # how far, and at which positions (a mix-up or rounding)
-                rows = np.flatnonzero((a != b).any(axis=1)).tolist()
-                differ[f"{hook}.{layer}"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(a))), rows)
-    assert not differ, (f"sites at or before post_mlp.{STEERED_LAYER} where the steered capture differs "
-                        f"(max |diff| / max |row|, positions): {differ}")
+    assert np.array_equal(plain[(0, "pre_attn")][1], steered[(0, "pre_attn")][1])
+    differ = {f"{hook}.{layer}": round(_rel_diff(plain[(layer, hook)][1], steered[(layer, hook)][1]), 6)
+              for layer in range(STEERED_LAYER + 1) for hook in ("pre_attn", "post_attn", "post_mlp")}
+    bad = {k: v for k, v in differ.items() if not v <= SAME_TOL}
+    assert not bad, f"sites at or before post_mlp.{STEERED_LAYER} where the steered capture differs: {bad}"
 
 
 def test_steered_request_captures_different_rows_after_its_site(capture_run):
     key = (STEERED_LAYER + 1, "pre_attn")
-    assert not np.array_equal(capture_run["plain"][key][1], capture_run["steered"][key][1]), \
-        f"{key}: the steered request's capture equals the plain one's"
+    moved = _rel_diff(capture_run["plain"][key][1], capture_run["steered"][key][1])
+    assert moved > 10 * SAME_TOL, f"{key}: the steered request's capture moved by {moved} only"
 
 
 def test_no_capture_errors_or_drops(capture_run):

@@ -22,6 +22,9 @@ of it is published, and the writers go on with the next requests (written again 
 Writes for a request go to thread ``hash(request_id) % threads`` (so a file's order is kept), each
 thread keeps an LRU of open ``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d
 into place, so readers never see a partial shard (a killed process leaves only ``.tmp`` files).
+``fsync: false`` skips the fsyncs: files are still published by rename when complete, so readers on this
+host see whole files as before, but a machine crash may lose the last ones; the disk's sync rate no longer
+bounds the requests (a response waits for its files' publication).
 Under pipeline parallelism each stage writes the files of its own sites and its own record,
 ``stage-K.json`` (``request.json``'s content for its sites); the stage that finds every stage's record
 there writes ``request.json`` for the whole request (``merged_record``: ``failed`` if a stage failed,
@@ -79,11 +82,12 @@ class _Writer:
     """One writer thread's state: open ``.tmp`` files (LRU) and per-request sidecars. Every method
     runs on that thread; an OSError fails only the request it hit."""
 
-    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None) -> None:
+    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None, fsync: bool = True) -> None:
         self.open: OrderedDict[Path, tuple[Any, str]] = OrderedDict()  # tmp -> (file, request)
         self.max_open = max_open
         self.count = count
         self.sink = sink  # the sae-lens datasets, or None for the files format
+        self.fsync = fsync  # files and records fsynced before they are published
         self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
         self.failed: dict[str, str] = {}  # request -> first error
 
@@ -142,7 +146,7 @@ class _Writer:
             fh = self.open.pop(tmp, (None,))[0] or open(tmp, "ab")
             with fh:
                 fh.flush()
-                if self.sink is None:
+                if self.sink is None and self.fsync:
                     os.fsync(fh.fileno())
             side["shape"] = [len(side["positions"]), side["hidden"]]
             if self.sink is not None:
@@ -154,7 +158,7 @@ class _Writer:
                 _remove(tmp)
             else:
                 os.replace(tmp, path)
-                _write_json(path.with_suffix(".json"), side)
+                _write_json(path.with_suffix(".json"), side, self.fsync)
         self.meta.pop(request_id, None)
         return out
 
@@ -177,9 +181,9 @@ class _Writer:
         try:
             request_dir.mkdir(parents=True, exist_ok=True)
             if stages > 1:
-                _publish_stage(request_dir, record, stage, stages)
+                _publish_stage(request_dir, record, stage, stages, self.fsync)
             else:
-                _write_json(request_dir / "request.json", record)
+                _write_json(request_dir / "request.json", record, self.fsync)
         except OSError as e:  # not even request.json fits: the request stays unpublished
             if error is None:
                 self.count("write_errors")
@@ -187,30 +191,31 @@ class _Writer:
             logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", request_id, e)
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def _write_json(path: Path, obj: dict, fsync: bool = True) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
     try:
         with open(tmp, "w") as f:
             json.dump(obj, f)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
         _remove(tmp)
         raise
 
 
-def _publish_stage(request_dir: Path, record: dict, stage: int, stages: int) -> None:
+def _publish_stage(request_dir: Path, record: dict, stage: int, stages: int, fsync: bool = True) -> None:
     """Pipeline parallelism: this stage's record, then ``request.json`` if every stage's is there (the
     last stage to publish finds them all; two finishing at once both write the same file)."""
-    _write_json(request_dir / f"stage-{stage}.json", record)
+    _write_json(request_dir / f"stage-{stage}.json", record, fsync)
     parts = []
     for k in range(stages):
         try:
             parts.append(json.loads((request_dir / f"stage-{k}.json").read_text()))
         except FileNotFoundError:  # that stage writes request.json when it publishes
             return
-    _write_json(request_dir / "request.json", merged_record(parts))
+    _write_json(request_dir / "request.json", merged_record(parts), fsync)
 
 
 def merged_record(parts: list[dict]) -> dict:
@@ -256,7 +261,7 @@ class FilesystemConsumer(BaseConsumer):
     def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
                  max_open: int = 64, format: str = "files", max_queued_mb: float = 256,
                  publish_timeout_s: float = 20.0, context_size: int = 128, shard_mb: float = 64,
-                 flush_s: float = 10.0, **params: Any) -> None:
+                 flush_s: float = 10.0, fsync: bool | str = True, **params: Any) -> None:
         super().__init__(instance, **params)
         if format not in FORMATS:
             raise ValueError(f"filesystem consumer: format must be one of {FORMATS}, got {format!r}")
@@ -274,7 +279,8 @@ class FilesystemConsumer(BaseConsumer):
             from vllm_steer.capture.saelens_format import SaeLensDatasets
             self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), float(shard_mb), self._count)
         self._queues = [queue.Queue() for _ in range(max(1, int(threads)))]
-        self._writers = [_Writer(int(max_open), self._count, self.sink) for _ in self._queues]
+        sync = fsync if isinstance(fsync, bool) else str(fsync).lower() not in ("false", "0", "no")
+        self._writers = [_Writer(int(max_open), self._count, self.sink, sync) for _ in self._queues]
         self._threads = [threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs")
                          for q, w in zip(self._queues, self._writers)]
         for t in self._threads:

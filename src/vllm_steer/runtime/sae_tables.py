@@ -14,6 +14,9 @@ from vllm_steer.core.sae_catalog import SaeEntry, Site
 from vllm_steer.core.sae_files import SaeWeights, load_sae
 from vllm_steer.core.sae_paths import FileAccess
 from vllm_steer.core.sae_rows import SaeWire, unpack_entry
+from vllm_steer.runtime.pinned_ring import PinnedRing
+
+_STAGING_SLOTS = 4  # pinned buffers per ring (row writes staged there): a busy ring falls back to a fresh block
 
 
 def _tensor(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -87,6 +90,8 @@ class SaeTables:
                 self.packs[site] = _pack(w, entry, num_rows, device)
                 self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
         self._written: dict[int, list[tuple[bool, Site]]] = {}  # row -> (transcoder?, site) whose tables it set
+        self._device = device
+        self._code_ring = self._value_ring = None  # sized for every pack at the first write (_stage)
         if (self.packs or self.tc_packs) and device.type == "cuda":  # the split walk's buffers, before graph capture
             from vllm_steer.kernels.steered_rms_norm.triton import split_buffers
 
@@ -102,25 +107,37 @@ class SaeTables:
             pack = (self.tc_packs if tc else self.packs)[site]
             pack[0][row : row + 1].fill_(0)
             written += pack[0].element_size()
+        mine = []
         for entry in entries or ():
             name, hook, layer, mode, slots, codes, values = unpack_entry(entry)
             tc = name in self._tc_names
             pack = (self.tc_packs if tc else self.packs).get((hook, layer))
-            if pack is None:
-                continue  # another rank's site
-            code = torch.zeros(pack[1].shape[1], dtype=torch.int32)
-            value = torch.zeros(pack[2].shape[1], dtype=torch.float32)
-            idx = torch.from_numpy(slots.astype(np.int64))
-            code[idx] = torch.from_numpy(codes.copy())
-            value[idx] = torch.from_numpy(values.copy())
-            pack[1][row].copy_(code)  # one host -> device copy each (control plane, not per step)
-            pack[2][row].copy_(value)
+            if pack is not None:  # else another rank's site
+                mine.append((tc, (hook, layer), pack, mode, slots, codes, values))
+        if mine:  # staged in pinned buffers, a part per site, copied non-blocking: a pageable host -> device
+            (code_host, land_code), (value_host, land_value) = self._stage()  # copy would wait for the forward
+        for j, (tc, site, pack, mode, slots, codes, values) in enumerate(mine):
+            c = pack[1].shape[1]
+            code_host[j, :c], value_host[j, :c] = 0, 0
+            code_host[j, slots] = codes
+            value_host[j, slots] = values
+            land_code(pack[1][row], (j, slice(0, c)))
+            land_value(pack[2][row], (j, slice(0, c)))
             pack[0][row : row + 1].fill_(mode)
-            touched.append((tc, (hook, layer)))
-            written += code.nbytes + value.nbytes + pack[0].element_size()
+            touched.append((tc, site))
+            written += 8 * c + pack[0].element_size()
         if touched:
             self._written[row] = touched
         return written
+
+    def _stage(self) -> tuple:
+        """A code and a value staging buffer ([sites, clamp slots]) and their ``land``s."""
+        every = [*self.packs.values(), *self.tc_packs.values()]
+        shape = (len(every), max(p[1].shape[1] for p in every))
+        if self._code_ring is None or self._code_ring.shape != shape:
+            self._code_ring = PinnedRing(shape, torch.int32, self._device, _STAGING_SLOTS)
+            self._value_ring = PinnedRing(shape, torch.float32, self._device, _STAGING_SLOTS)
+        return self._code_ring.stage(), self._value_ring.stage()
 
     def load_runtime(self, path: str, format: str | None, site: str | None, features: tuple[int, ...],
                      sites: list[Site]) -> list[Site]:
