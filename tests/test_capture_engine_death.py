@@ -12,7 +12,9 @@ import time
 
 import httpx
 
-CAPTURE = {"activations": {"layers": [1], "hooks": ["post_mlp"], "positions": "last_prompt"}}
+# every position, generated ones too: its result waits for the request's end (a prompt-only capture has its
+# result once its prefill is planned, before any kill)
+CAPTURE = {"activations": {"layers": [1], "hooks": ["post_mlp"], "positions": "all"}}
 
 
 def _engine_core_pids(proc) -> list[int]:
