@@ -2,14 +2,16 @@
 """Host cost of one steered request per stage at a model shape (no engine): decode the body (JSON / msgpack),
 prepare it (front end, the payload encoded for one engine request), its trip to the engine core (vLLM's clone
 of the params, its msgpack encode and decode of them), the engine core's read of the payload, the worker's table
-write (payload decoded, rows written; CUDA if any), a wave of 16 in the 4-thread pool vs one by one;
-forms: packed bf16 / float32, float lists, a module reference.
+write (payload decoded, rows written; CUDA if any), a wave of 16 in the 4-thread pool vs one by one, and the API
+process's whole share (``_api_process``: the real middleware and a handler doing vLLM's part: CPU, wall, a wave of
+16); forms: packed bf16 / float32, float lists, a module reference, and an unsteered body (stock's share).
     python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import json
@@ -42,7 +44,8 @@ def _bodies(layers: int, hidden: int, rng: np.random.Generator) -> dict[str, tup
     def vecs():
         return {h: rng.standard_normal((layers, hidden), dtype=np.float32) * 0.05 for h in HOOKS}
 
-    out = {}
+    out = {"unsteered, JSON": (json.dumps({"model": "m", "prompt": [1] * 256, "max_tokens": 128,
+                                           "stream": True}).encode(), False)}
     for dt in ("bfloat16", "float32"):
         packed = {h: pack(v, ids, dt) for h, v in vecs().items()}
         base = {"model": "m", "prompt": [1] * 256, "max_tokens": 128, "stream": True}
@@ -70,6 +73,78 @@ def _median_ms(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def _api_process(fe, body: bytes, msgpack: bool, repeat: int) -> tuple[float, float, float]:
+    """The API process's whole share of one request, through the real request middleware and a handler doing
+    what vLLM's does with the body it gets (FastAPI's JSON parse, the pydantic request, ``to_sampling_params``,
+    ``process_inputs``' preparation and clone, the msgpack encode for the engine core): (CPU ms of the
+    process, all threads, per request one by one; wall ms per request one by one; wall ms of a wave of 16
+    sent at once)."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_steer.frontend.prepare import _ALL_FIELDS, _prepared
+    from vllm_steer.server.openai_fields import endpoint_attached, patch_openai_requests
+
+    patch_openai_requests()
+    endpoint_attached()
+    encoder = MsgpackEncoder()
+    app = SimpleNamespace(state=SimpleNamespace(steer_config=fe.cfg, steer_frontend=fe,
+                                                steer_engine_client=SimpleNamespace(collective_rpc=None)))
+
+    async def vllm_handler(scope, receive, send):
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        request = CompletionRequest.model_validate(json.loads(b"".join(chunks)))
+        params = request.to_sampling_params(8, {})
+        extra = params.extra_args
+        if extra and any(k in extra for k in _ALL_FIELDS):
+            params.extra_args = _prepared(fe, extra, "req-0").extra_args
+        encoder.encode(params.clone())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = request_body.SteeringRequestMiddleware(vllm_handler)
+    ctype = b"application/msgpack" if msgpack else b"application/json"
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app,
+             "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]}
+
+    parts = [body[i:i + 65536] for i in range(0, len(body), 65536)] or [b""]  # as uvicorn hands it over
+
+    async def one() -> None:
+        it = iter(range(len(parts)))
+
+        async def receive():
+            i = next(it)
+            return {"type": "http.request", "body": parts[i], "more_body": i < len(parts) - 1}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                assert message["status"] == 200, message
+
+        await middleware(scope, receive, send)
+
+    async def run() -> tuple[float, float, float]:
+        for _ in range(3):
+            await one()
+        cpu, wall = [], []
+        for _ in range(repeat):
+            c0, t0 = time.process_time(), time.perf_counter()
+            await one()
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        waves = []
+        for _ in range(max(3, repeat // 5)):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(16)))
+            waves.append(time.perf_counter() - t0)
+        return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3, statistics.median(waves) * 1e3
+
+    return asyncio.run(run())
 
 
 def main() -> None:
@@ -110,8 +185,9 @@ def main() -> None:
     print(f"per request, {args.layers} layers x {args.hidden} x {len(HOOKS)} hooks, model bf16, tables on {device}, "
           f"median of {args.repeat} (ms)")
     print("| request | body bytes | decode | prepare | to the engine | engine core read | engine write "
-          "| wave of 16: one by one | wave of 16: pool of 4 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| wave of 16: one by one | wave of 16: pool of 4 | API process: CPU | API process: wall "
+          "| API process: wave of 16 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items():
         fields = request_body.steering_fields(dict(request_body._decode(body, msgpack)))
         t_dec = _median_ms(lambda: request_body._decode(body, msgpack), args.repeat)
@@ -128,11 +204,13 @@ def main() -> None:
         t_serial = _median_ms(lambda: [request_body._prepare(fe, b, msgpack) for b in wave], max(3, args.repeat // 5))
         t_pool = _median_ms(lambda: list(pool.map(lambda b: request_body._prepare(fe, b, msgpack), wave)),
                             max(3, args.repeat // 5))
+        api_cpu, api_wall, api_wave = _api_process(fe, body, msgpack, args.repeat)
         results.append({"request": name, "body_bytes": len(body), "decode_ms": t_dec, "prepare_ms": t_prep,
                         "to_engine_ms": t_trip, "engine_core_read_ms": t_core, "engine_write_ms": t_write,
-                        "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool})
+                        "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool, "api_cpu_ms": api_cpu,
+                        "api_wall_ms": api_wall, "api_wave16_ms": api_wave})
         print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_trip:.3f} | {t_core:.3f} | {t_write:.2f} "
-              f"| {t_serial:.1f} | {t_pool:.1f} |")
+              f"| {t_serial:.1f} | {t_pool:.1f} | {api_cpu:.2f} | {api_wall:.2f} | {api_wave:.1f} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"layers": args.layers, "hidden": args.hidden, "device": str(device),

@@ -446,3 +446,105 @@ def test_prometheus_engine_metrics_follow_rows_uploads_and_captures(server):
     last = scrape_metrics(base)  # the same config again: its row was still resident, nothing is written
     assert last["vllm_steer_row_uploads_total"] == after["vllm_steer_row_uploads_total"]
     assert last["vllm_steer_row_upload_bytes_total"] == after["vllm_steer_row_upload_bytes_total"]
+
+
+# ---- one pass (issue 41): no engine, the real middleware and a handler doing vLLM's part ----------------------
+
+
+def _through_api_process(body: bytes, msgpack: bool = False) -> tuple[dict, dict, dict]:
+    """(what vLLM's handler parsed, the engine request's extra_args, call counts of the vector parsers) of one
+    request through ``SteeringRequestMiddleware``, vLLM's request model and ``process_inputs``' preparation."""
+    import asyncio
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_steer.frontend import prepare, spec
+    from vllm_steer.frontend.prepare import SteeringFrontend, _prepared
+    from vllm_steer.server.openai_fields import endpoint_attached, patch_openai_requests
+    from vllm_steer.server.request_body import SteeringRequestMiddleware
+
+    patch_openai_requests()
+    endpoint_attached()
+    mc = SimpleNamespace(dtype=torch.float32, hf_text_config=SimpleNamespace(num_hidden_layers=4),
+                         get_hidden_size=lambda: 64)
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
+    app = SimpleNamespace(state=SimpleNamespace(steer_config=fe.cfg, steer_frontend=fe,
+                                                steer_engine_client=SimpleNamespace(collective_rpc=None)))
+    seen: dict = {}
+    calls = {"engine_extra_args": 0, "packed_data": 0, "parse_vector": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    async def vllm_handler(scope, receive, send):
+        message = await receive()
+        seen["body"] = message["body"]
+        request = CompletionRequest.model_validate(json.loads(message["body"]))
+        params = request.to_sampling_params(8, {})
+        seen["extra_args"] = _prepared(fe, params.extra_args or {}, "req-0").extra_args
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        seen.setdefault("status", message.get("status"))
+
+    ctype = b"application/msgpack" if msgpack else b"application/json"
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app,
+             "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]}
+    with mock.patch.object(SteeringFrontend, "engine_extra_args",
+                           counting("engine_extra_args", SteeringFrontend.engine_extra_args)), \
+            mock.patch.object(spec, "_packed_data", counting("packed_data", spec._packed_data)), \
+            mock.patch.object(spec, "parse_vector", counting("parse_vector", spec.parse_vector)):
+        asyncio.run(SteeringRequestMiddleware(vllm_handler)(scope, receive, send))
+    assert seen["status"] == 200, seen
+    assert prepare.PREPARED.payloads() == []  # the token lived only while its request was added
+    return json.loads(seen["body"]), seen["extra_args"], calls
+
+
+@pytest.mark.parametrize("form", ["packed JSON", "packed msgpack", "floats JSON", "large packed JSON"])
+def test_vectors_are_parsed_once_and_never_reach_vllm(form):
+    """The steering fields are decoded and prepared once, in the middleware (on the loop for a small body,
+    in the pool for a large one); vLLM's handler parses a body without them and ``process_inputs`` only
+    attaches the prepared payload."""
+    import msgspec
+
+    from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+    from vllm_steer.server.request_body import INLINE_BYTES
+
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((4 if form.startswith("large") else 2, 64)).astype(np.float32)
+    layers = list(range(len(rows)))
+    if form.startswith("floats"):
+        vectors = {"post_mlp": {str(l): rows[l].tolist() for l in layers}}
+    else:
+        vectors = {"post_mlp": pack(rows, layers, "float32"), "pre_attn": pack(rows, layers, "float32")}
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "steering_vectors": vectors}
+    if form.startswith("large"):  # past INLINE_BYTES: prepared in the pool
+        body["prompt"] = [1] * (INLINE_BYTES // 2)
+    msgpack = form.endswith("msgpack")
+    if msgpack:
+        body["steering_vectors"] = {h: {**p, "data": base64.b64decode(p["data"])} for h, p in vectors.items()}
+    raw = msgspec.msgpack.encode(body) if msgpack else json.dumps(body).encode()
+    assert (len(raw) > INLINE_BYTES) == form.startswith("large")
+    parsed, extra, calls = _through_api_process(raw, msgpack)
+    assert "steering_vectors" not in parsed and set(parsed["vllm_xargs"]) == {"vllm_steer_prepared"}
+    assert calls["engine_extra_args"] == 1
+    if form.startswith("floats"):
+        assert calls == {"engine_extra_args": 1, "packed_data": 0, "parse_vector": len(layers)}
+    else:
+        assert calls == {"engine_extra_args": 1, "packed_data": 2, "parse_vector": 0}  # one per hook
+    payload = decode_payload(extra[PAYLOAD_KEY])
+    assert set(extra) == {PAYLOAD_KEY} and payload.prefill == payload.decode
+    hooks = ("post_mlp",) if form.startswith("floats") else ("pre_attn", "post_mlp")
+    for hook in hooks:
+        ids, got = payload.configs[payload.prefill][hook]
+        assert list(ids) == layers
+        np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32).reshape(rows.shape), rows)

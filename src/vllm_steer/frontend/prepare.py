@@ -26,6 +26,7 @@ from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, PROJECTION_FIELDS,
                                      REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS, effective_phases, selected)
+from vllm_steer.frontend import path_trace
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.core.site_names import parse_site_name
@@ -116,6 +117,31 @@ class SteeringFrontend:
             pre_sae, dec_sae = parse_sae(sae_raw, catalog)
             out = self._with_sae(*out, pre_sae, dec_sae, catalog)
         return self._with_projections(*out, *proj)
+
+    def _cached_module(self, ref: Any) -> tuple[SteerPayload, str | None, str | None] | None:
+        """The payload of an earlier request naming the same module version, scale and selection (a bare
+        reference depends on nothing else), or None."""
+        module = STORE.get(ref.name)
+        return self._module_cache.get((ref.name, module.version if module else None, ref.scale, ref.layers,
+                                       ref.hooks))
+
+    def cheap(self, fields: dict[str, Any]) -> bool:
+        """Whether resolving ``fields`` is light work (server.request_body then prepares a small body on the
+        event loop): everything but a named module whose rows would be built (no cached payload, inline
+        vectors on top, or a condition, whose rows travel)."""
+        ref = fields.get(MODULE_FIELD)
+        if ref is None:
+            return True
+        try:
+            parsed = parse_spec({MODULE_FIELD: ref}, self.shape).module
+        except SteeringSpecError:
+            return True  # refused at once
+        module = STORE.get(parsed.name)
+        if module is None or not module.has_vectors:
+            return True  # unknown (refused), or projections only: no rows
+        if module.condition is not None or any(fields.get(f) is not None for f in (*TIER_FIELDS, CONDITION_FIELD)):
+            return False
+        return self._cached_module(parsed) is not None
 
     def _module_projections(self, ref: Any) -> tuple[dict, tuple | None, tuple | None] | None:
         """The projection fields of the module a request names, with the request's selection (None: none)."""
@@ -227,10 +253,7 @@ class SteeringFrontend:
             spec = dataclasses.replace(spec, module=None)  # projections only (``_module_projections``): no rows
         bare_module = spec.module is not None and not any(spec.tiers.values()) and not ship_rows
         if bare_module:
-            module = STORE.get(spec.module.name)
-            cache_key = (spec.module.name, module.version if module else None, spec.module.scale,
-                         spec.module.layers, spec.module.hooks)
-            hit = self._module_cache.get(cache_key)
+            hit = self._cached_module(spec.module)
             if hit is not None:  # depends only on (name, version, scale, selection): reuse, no rehash
                 payload, pk, dk = hit
                 return (replace(payload, capture=capture) if capture is not None else payload), pk, dk
@@ -467,6 +490,8 @@ def patch_input_processor() -> None:
         extra = getattr(params, "extra_args", None)
         frontend = frontend_of(self)
         asks = bool(extra) and any(k in extra for k in _ALL_FIELDS)
+        if path_trace.ON and asks:
+            path_trace.stamp(extra.get(TOKEN_FIELD), "process_inputs")
         if isinstance(params, SamplingParams) and (asks or frontend.captures_all):
             # Before vLLM clones the params (a deep copy on the LLM path): it then copies the
             # packed payload, not lists of floats. The caller's object is left untouched.
@@ -491,6 +516,8 @@ def patch_input_processor() -> None:
             record_applied(request.request_id, *keys)
         if captures:
             record_capture(request_id, expected["instances"])
+        if path_trace.ON and asks:
+            path_trace.stamp(extra.get(TOKEN_FIELD), "engine_request")
         return request
 
     process_inputs._vllm_steer = True  # type: ignore[attr-defined]

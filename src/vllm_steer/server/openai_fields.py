@@ -3,7 +3,7 @@ inside ``vllm_xargs`` as JSON strings.
 
 ``steering_fields`` finds them in a decoded body (the request middleware takes them out and
 prepares them before vLLM parses the body). ``to_sampling_params`` (patched on the completion and
-chat request classes) carries the middleware's token, or, for a body the middleware left alone,
+chat request classes) carries, for a body the middleware left alone (its token rides ``vllm_xargs``),
 the fields themselves, into ``SamplingParams.extra_args``: vLLM keeps unknown top-level fields
 (``extra="allow"``) but only forwards ``vllm_xargs``, whose values must be flat.
 
@@ -19,6 +19,7 @@ import msgspec
 
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.vectors import REQUEST_FIELDS
+from vllm_steer.frontend import path_trace
 from vllm_steer.frontend.prepared import TOKEN_FIELD
 
 MAX_NESTING = 8  # {hook: {layer: [floats]}} is 3 deep; a capture spec 3 or 4
@@ -84,10 +85,9 @@ def steering_fields(body: dict) -> dict[str, Any]:
 
 
 def _request_fields(request: Any) -> dict[str, Any]:
-    """What a parsed request carries for us: the middleware's token, or fields it left in place."""
-    extra = dict(request.model_extra or {})
-    if TOKEN_FIELD in extra:
-        return {TOKEN_FIELD: extra[TOKEN_FIELD]}
+    """Steering fields the middleware left in a parsed request (its token travels in ``vllm_xargs``,
+    which vLLM forwards itself)."""
+    extra = request.model_extra or {}
     body = {k: v for k, v in extra.items() if k in REQUEST_FIELDS}
     xargs = getattr(request, "vllm_xargs", None)
     if xargs and any(k in xargs for k in REQUEST_FIELDS):
@@ -107,6 +107,8 @@ def _patch(cls: type) -> None:
             raise SteeringSpecError(next(iter(fields)), (
                 "this server does not steer: it runs without vllm-steer's endpoint plugin; start it with "
                 "VLLM_PLUGINS=steer and --additional-config '{\"steer\": {}}'"))
+        if path_trace.ON and params.extra_args:
+            path_trace.stamp(params.extra_args.get(TOKEN_FIELD), "to_sampling_params")
         if fields:
             extra = {k: v for k, v in (params.extra_args or {}).items() if k not in REQUEST_FIELDS}
             params.extra_args = {**extra, **fields}

@@ -27,6 +27,7 @@ import msgspec
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
+from vllm_steer.frontend import path_trace
 from vllm_steer.frontend.module_store import MODULE_SYNC
 from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
@@ -41,6 +42,7 @@ _MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS + (TOKEN_FIELD,))
 _MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear either way
 _SAE_MARKER = b"sae"
 _JSON_DECODER = msgspec.json.Decoder()
+INLINE_BYTES = 64 * 1024  # bodies up to this size may be prepared on the event loop (``_prepare_request``)
 _MSGPACK_DECODER = msgspec.msgpack.Decoder()
 
 
@@ -62,20 +64,51 @@ def _decode(body: bytes, msgpack: bool) -> dict | None:
     return obj
 
 
-def _prepare(frontend: Any, body: bytes, msgpack: bool) -> tuple[dict | None, Any]:
-    """In the pool: (the body without steering fields, or None to pass it through; prepared)."""
+def _fields(body: bytes, msgpack: bool) -> tuple[dict | None, dict]:
+    """(the decoded body, or None to pass it through untouched; its steering fields, taken out of it)."""
     obj = _decode(body, msgpack)
     if obj is None:
-        return None, None
-    if TOKEN_FIELD in obj:
+        return None, {}
+    xargs = obj.get("vllm_xargs")
+    if TOKEN_FIELD in obj or (isinstance(xargs, dict) and TOKEN_FIELD in xargs):
         raise SteeringSpecError(TOKEN_FIELD, "is reserved for vllm-steer's engine payload")
-    fields = steering_fields(obj)
-    if not fields:
-        return (obj if msgpack else None), None
+    return obj, steering_fields(obj)
+
+
+def _prepare_fields(frontend: Any, fields: dict, trace: Any = None) -> Any:
+    """The front end's one pass over a request's steering fields: the prepared payload."""
+    if trace is not None:
+        trace.stamp("prepare_start")
     with PREPARE_SECONDS.time():
         prepared = frontend.engine_extra_args(fields)
     count_request(fields)
-    return obj, prepared
+    if trace is not None:
+        trace.stamp("prepare_end")
+    return prepared
+
+
+def _prepare(frontend: Any, body: bytes, msgpack: bool, trace: Any = None) -> tuple[dict | None, Any]:
+    """In the pool: (the body without steering fields, or None to pass it through; prepared)."""
+    obj, fields = _fields(body, msgpack)
+    if obj is None or not fields:
+        return (obj if msgpack else None), None
+    return obj, _prepare_fields(frontend, fields, trace)
+
+
+async def _prepare_request(frontend: Any, body: bytes, msgpack: bool, trace: Any) -> tuple[dict | None, Any]:
+    """``_prepare``, on the event loop where that is cheaper than a hop to the pool and back: a small
+    body whose fields the front end resolves without heavy work (``SteeringFrontend.cheap``). Each hop
+    waits for the GIL twice behind whatever the loop and the other threads run (up to the 5 ms switch
+    interval each time); a module reference costs ~20 us to prepare."""
+    loop = asyncio.get_running_loop()
+    if len(body) > INLINE_BYTES:
+        return await loop.run_in_executor(pool(), _prepare, frontend, body, msgpack, trace)
+    obj, fields = _fields(body, msgpack)
+    if obj is None or not fields:
+        return (obj if msgpack else None), None
+    if frontend is not None and not frontend.cheap(fields):
+        return obj, await loop.run_in_executor(pool(), _prepare_fields, frontend, fields, trace)
+    return obj, _prepare_fields(frontend, fields, trace)
 
 
 class BodyTooLarge(Exception):
@@ -153,6 +186,7 @@ class SteeringRequestMiddleware:
         if gone or not (msgpack or any(m in body for m in _MARKERS)):
             await self.app(scope, _replay(body, receive), send)
             return
+        trace = path_trace.Trace() if path_trace.ON else None
         frontend = getattr(scope["app"].state, "steer_frontend", None)
         rpc = scope["app"].state.steer_engine_client.collective_rpc if frontend is not None else None
         if MODULE_SYNC.stale() and _MODULE_MARKER in body:  # another API process changed the modules
@@ -160,8 +194,7 @@ class SteeringRequestMiddleware:
         if SAE_SYNC.stale() and _SAE_MARKER in body:  # ... or the runtime SAEs
             await SAE_SYNC.refresh(rpc, frontend)
         try:
-            obj, prepared = await asyncio.get_running_loop().run_in_executor(
-                pool(), _prepare, frontend, body, msgpack)
+            obj, prepared = await _prepare_request(frontend, body, msgpack, trace)
         except SteeringSpecError as e:
             await _send_error(send, 400, str(e), e.field)
             return
@@ -180,8 +213,14 @@ class SteeringRequestMiddleware:
         except SteeringSpecError as e:  # its SAE was deleted or replaced meanwhile
             await _send_error(send, 400, str(e), e.field)
             return
-        if token is not None:
-            obj[TOKEN_FIELD] = token
+        if token is not None:  # vLLM's own vllm_xargs carries it into SamplingParams.extra_args
+            xargs = obj.get("vllm_xargs")
+            if xargs is None or isinstance(xargs, dict):  # else vLLM refuses the body (400)
+                obj["vllm_xargs"] = {**(xargs or {}), TOKEN_FIELD: token}
+        if trace is not None:
+            trace.stamp("back_on_loop")
+            trace.bind(token)
+            send = _first_byte(send, trace, token, len(body))
         new_body = msgspec.json.encode(obj)
         headers[b"content-type"] = b"application/json"
         headers[b"content-length"] = str(len(new_body)).encode()
@@ -191,6 +230,16 @@ class SteeringRequestMiddleware:
         finally:
             if token is not None:
                 PREPARED.drop(token)
+
+
+def _first_byte(send: Any, trace: Any, token: str | None, size: int) -> Any:
+    """``send`` that closes ``trace`` at the response's first body bytes (VLLM_STEER_TRACE_PATH only)."""
+    async def traced(message: dict) -> None:
+        if message["type"] == "http.response.body" and message.get("body") and trace.stamps[-1][0] != "first_byte":
+            trace.close(token, size)
+        await send(message)
+
+    return traced
 
 
 def _replay(body: bytes, receive: Any) -> Any:
