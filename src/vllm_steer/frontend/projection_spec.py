@@ -21,6 +21,8 @@ them (its own BLAKE3 domain: a projected config never shares a row or a prefix-c
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -122,9 +124,9 @@ def _phase(base: Ops, own: Ops, own_field: str, k_max: int) -> list[ProjWire]:
             where = f" (with {PROJECTION_FIELDS[0]}'s)" if site in own and site in base else ""
             raise SteeringSpecError(field, f"{len(ops)} directions at {site[0]}.{site[1]}{where}, over this "
                                            f"server's steer.max_projections ({k_max})")
-        dirs = np.stack([v for v, _, _ in ops]).astype(np.float32)
+        dirs = b"".join(v.tobytes() for v, _, _ in ops)  # unit float32 directions (unit_direction)
         bounds = np.asarray([(lo, hi) for _, lo, hi in ops], dtype=np.float32) + np.float32(0.0)  # -0 as 0
-        out.append([site[0], site[1], dirs.tobytes(), bounds.tobytes()])
+        out.append([site[0], site[1], dirs, bounds.tobytes()])
     return out
 
 
@@ -188,10 +190,11 @@ def unit_direction(field: str, raw: Any, shape: ModelShape) -> np.ndarray:
     """``raw`` (floats, or packed ``{"dtype", "data"}``) normalised to unit length in float32; a zero (or
     non-finite) direction is refused."""
     d = parse_packed_vector(field, raw, shape) if isinstance(raw, dict) else parse_vector(field, raw, shape)
-    norm = float(np.linalg.norm(d.astype(np.float64)))
-    if not np.isfinite(norm) or norm == 0.0:
+    d64 = d.astype(np.float64)
+    norm = math.sqrt(float(np.dot(d64, d64)))
+    if not math.isfinite(norm) or norm == 0.0:
         raise SteeringSpecError(field, "a direction must be non-zero (and finite)")
-    return (d.astype(np.float64) / norm).astype(np.float32)
+    return (d64 / norm).astype(np.float32)
 
 
 def entry_sites(entries: list[ProjWire]) -> set[Site]:
