@@ -83,7 +83,7 @@ case "${1:-}" in
     ;;
   capture)
     timeout 540 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 520 \
-      --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all}" 2>&1 | tail -50
+      --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all,capture_fs_all_nosync}" 2>&1 | tail -50
     ;;
   prefill)
     timeout 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \

@@ -72,6 +72,8 @@ ARMS = {
     "capture_gen_n16": dict(server="steer_capture", kind="capture"),
     # the heavy capture: every request writes post_mlp of every layer at every position to local disk
     "capture_fs_all": dict(server="steer_capture_fs", kind="capture_fs", layers="all", positions="all"),
+    "capture_fs_all_nosync": dict(server="steer_capture_fs", kind="capture_fs", instance="fs_nosync", layers="all",
+                                  positions="all"),
     # prefill capture against vLLM's own extract_hidden_states (4 layers, prompt 512, 1 token, 256 requests at c32):
     # rows to files (filesystem consumer), rows to host memory only (activations, reduce mean), vLLM's connector
     "prefill_stock": dict(server="stock", kind="plain", load=PREFILL_LOAD, ref="prefill_stock"),
