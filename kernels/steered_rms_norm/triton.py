@@ -128,11 +128,17 @@ def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g, COND: tl.constexpr = Tr
 
 
 @triton.jit
-def _capture(b_s, i_t, cap, o_d, m_d, mine):
-    """pool[plan[t]] = b_s (in the pool's dtype) when this program is ``mine`` and the token is planned
-    (plan >= 0); an unplanned token costs one int32 load. ``cap``: (pool, pool stride, plan)."""
-    p_pool, stride_pool, p_plan = cap
-    i_p = tl.load(p_plan + i_t)
+def _plan_of(i_t, cap):
+    """Token ``i_t``'s pool row in a slot's capture plan (-1: not captured), loaded at the top of the kernel
+    with the stream: a load issued where the store needs it would put its latency on the launch's path."""
+    return tl.load(cap[2] + i_t)
+
+
+@triton.jit
+def _capture(b_s, i_p, cap, o_d, m_d, mine):
+    """pool[i_p] = b_s (in the pool's dtype) when this program is ``mine`` and the token is planned
+    (i_p >= 0, from ``_plan_of``). ``cap``: (pool, pool stride, plan)."""
+    p_pool, stride_pool, _ = cap
     if mine & (i_p >= 0):
         tl.store(p_pool + i_p.to(tl.int64) * stride_pool + o_d, b_s.to(p_pool.dtype.element_ty), mask=m_d)
 
@@ -257,6 +263,10 @@ def _steered_norm_kernel(
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    if CAP_A:  # the capture plans first: their loads overlap the stream's
+        i_pa = _plan_of(i_t, cap_a)
+    if CAP_B:
+        i_pb = _plan_of(i_t, cap_b)
     # Every load the plain path needs is issued here, the weight's too (as Inductor's fused add +
     # RMSNorm does): issued after the reduction, its latency would add to every launch.
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0, eviction_policy="evict_last")
@@ -265,7 +275,7 @@ def _steered_norm_kernel(
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
     if CAP_A:  # every program of the token has the pristine stream: the first stores it
-        _capture(b_s, i_t, cap_a, o_d, m_d, tl.program_id(1) == 0)
+        _capture(b_s, i_pa, cap_a, o_d, m_d, tl.program_id(1) == 0)
     if COND and not (SAE_A or SAE_B or TC):  # the gate changes only at a probe site, where it is stored
         p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe = cond
         i_row = tl.load(p_index + i_t)
@@ -278,7 +288,7 @@ def _steered_norm_kernel(
             elif PROJ_A:
                 b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0), g)
             if CAP_B:
-                _capture(b_s, i_t, cap_b, o_d, m_d, True)
+                _capture(b_s, i_pb, cap_b, o_d, m_d, True)
             if HAS_B:
                 b_s, g = _add_gated_row(b_s, vec_b, i_row, o_d, m_d, g, i_gsite, tl.load(p_site_ids + 1),
                                         p_gate + i_t, p_probe, p_cparams, stride_probe, proj_b, PROJ_B)
@@ -290,7 +300,7 @@ def _steered_norm_kernel(
             if HAS_A:
                 b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, 1.0)
             if CAP_B:
-                _capture(b_s, i_t, cap_b, o_d, m_d, True)
+                _capture(b_s, i_pb, cap_b, o_d, m_d, True)
             if PROJ_B:
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
@@ -322,9 +332,9 @@ def _steered_norm_kernel(
             b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
         if CAP_B:
             if SAE_A and SPLIT > 1:  # only the program that finished A's split walk has the whole stream
-                _capture(b_s, i_t, cap_b, o_d, m_d, go)
+                _capture(b_s, i_pb, cap_b, o_d, m_d, go)
             else:
-                _capture(b_s, i_t, cap_b, o_d, m_d, tl.program_id(1) == 0)
+                _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
         if SAE_B:
             if SPLIT > 1 and not SAE_A:  # B's stream (s + A[row]) is known to every program
                 b_s, go = _sae_clamp_split(b_s, b_s, i_t, i_row, tl.program_id(1), split, sae_b, o_d, m_d, D,
