@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Microbenchmark (GPU, bf16, µs per launch in CUDA graphs of 20 launches, after a correctness check) of the steered
-norm (idle; row 0; every token steered; the conditional kernel: cond_plain / cond_gated / cond_probe) against
+norm (idle; row 0; every token steered; the conditional kernel: cond_plain / cond_gated / cond_probe; projections:
+proj_row0 / proj_all; capture plans: capture_idle / capture_all) against
 vLLM's CUDA ``_C.fused_add_rms_norm``, its Inductor-compiled native norm, and a gather-add before the norm.
     python3 bench/kernels_bench.py --out $OUT/kernels.json
 """
@@ -90,6 +91,23 @@ def main() -> int:
                 csite[0] = -1
                 cases[label] = (lambda csite=csite: steered_norm_triton(
                     x, r, w, EPS, 0.0, steered, (ta, on), (tb, on), cond=(csite, params, probe, site_ids), gate=gate))
+            # projections (one unit direction per row at slot A, ablated) and capture plans (every token -1: a
+            # capturing server's idle launches; every token planned: each stored to the pool)
+            count = torch.ones(R, dtype=torch.int32, device="cuda")
+            count[0] = 0
+            dirs = torch.randn(R, 1, d, device="cuda", generator=g)
+            dirs /= dirs.norm(dim=-1, keepdim=True)
+            bounds = torch.zeros(R, 1, 2, device="cuda")
+            proj = (count, dirs, bounds)
+            cases["proj_row0"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, on), (tb, on), proj_a=proj)
+            cases["proj_all"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, steered, (ta, on), (tb, on), proj_a=proj)
+            none = torch.full((max(n, 8192),), -1, dtype=torch.int32, device="cuda")
+            every = torch.arange(max(n, 8192), dtype=torch.int32, device="cuda")
+            pool = torch.empty(2 * max(n, 8192), d, dtype=torch.bfloat16, device="cuda")
+            cases["capture_idle"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, off), (tb, off),
+                                                                plan_a=none, plan_b=none, pool=pool)
+            cases["capture_all"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, off), (tb, off),
+                                                               plan_a=every, plan_b=every + n, pool=pool)
             for impl, fn in cases.items():
                 fn()
                 torch.cuda.synchronize()
