@@ -6,7 +6,8 @@
 #   checks     tests/gpu_e2e (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
-#   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start)
+#   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start;
+#              transcoders: SERVERS=stock,sae,transcoder ab-start, ARMS=stock,sae_delta_n16,transcoder_idle,transcoder_n16)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
 #   proj       the projection kernel tests (interpreted and GPU), then project_n16 (16 requests each ablating one
 #              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj

@@ -17,7 +17,7 @@ import numpy as np
 
 from vllm_steer.client import pack
 
-from .servers import (CLAMPED, EXTRACT_SERVER, MULTI_SUFFIX, PEER_SERVER, SAE_FEATURES, SAE_NAME, log, sae_layers,
+from .servers import (CLAMPED, EXTRACT_SERVER, MULTI_SUFFIX, PEER_SERVER, SAE_FEATURES, SAE_NAME, TC_PREFIX, log, sae_layers,
                       server_unavailable, site_vectors)
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
@@ -46,6 +46,9 @@ ARMS = {
     "sae_serial_idle": dict(server="sae_serial", kind="plain"),
     "sae_serial_delta_n16": dict(server="sae_serial", kind="sae", mode="delta", n_configs=16),
     "sae_full_idle": dict(server="sae_full", kind="plain"),
+    # transcoders (issue 39): a clamp set of CLAMPED features on each of the 4 layers' transcoders (post_attn sites)
+    "transcoder_idle": dict(server="transcoder", kind="plain"),
+    "transcoder_n16": dict(server="transcoder", kind="sae", mode="delta", n_configs=16, transcoder=True),
     "sae_reconstruct_n16": dict(server="sae_full", kind="sae", mode="reconstruct", n_configs=16),
     # single-site work: the peer plugin hotwire, vllm-steer by module name and inline
     "hotwire_idle": dict(server=PEER_SERVER, kind="plain"),
@@ -177,7 +180,9 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
         return [{"steering_vectors": cfg}] * n_requests
     if kind == "sae":  # n distinct clamp sets: CLAMPED features SET at each of the 4 sites
         rng = np.random.default_rng(seed)
-        cfgs = [[{"name": SAE_NAME, "site": f"post_mlp.{layer}", "mode": arm["mode"],
+        tc = arm.get("transcoder", False)  # a transcoder per layer, at its MLP-input norm (post_attn)
+        cfgs = [[{"name": f"{TC_PREFIX}{layer}" if tc else SAE_NAME, "site": f"{'post_attn' if tc else 'post_mlp'}.{layer}",
+                  "mode": arm["mode"],
                   "clamps": [{"feature": int(f), "kind": "set", "value": float(v)} for f, v in
                              zip(rng.choice(SAE_FEATURES, CLAMPED, replace=False), rng.uniform(1, 8, CLAMPED))]}
                  for layer in sae_layers(ctx["shape"]["layers"])] for _ in range(n)]

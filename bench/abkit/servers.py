@@ -3,7 +3,7 @@ of a shape, weights --load-format dummy; the peer plugin's wheel; the SAE; the h
 Each server is its own process group; all stay alive together so trials of different servers interleave:
   stock / disabled   VLLM_PLUGINS=none / steer, no steer block;   steer and its ablations: STEER_SERVERS
   hotwire    the peer plugin hotwire-vllm from --peer-wheel (its own site folder and VLLM_CACHE_ROOT); CUDA only
-  sae / sae_full / sae_serial   an SAE at 4 layers (SAE_SERVERS);   *_multi   ``--api-server-count`` front ends
+  sae / sae_full / sae_serial   an SAE at 4 layers (SAE_SERVERS);   transcoder   a transcoder at each of them;   *_multi   ``--api-server-count`` front ends
   steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
              without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
@@ -47,13 +47,14 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
-                "steer_proj": 18}
+                "steer_proj": 18, "transcoder": 19}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)
 CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b bf16): the heavy arm drops nothing
 # steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
+TC_SERVER, TC_PREFIX = "transcoder", "ab_tc_"  # steer + a transcoder at each of the 4 SAE layers (sae-lens files)
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}}
 PEER_SERVER = "hotwire"  # runs the plugin of --peer-wheel from its own site folder
 PEER_SITE, PEER_DIST = "hotwire_site", "hotwire_vllm"
@@ -181,6 +182,35 @@ def sae_block(workdir: Path, model_dir: Path, full: bool) -> dict:
     return {"steer": {"max_configs": 272, "sae": {SAE_NAME: entry}}}
 
 
+def transcoder_block(workdir: Path, model_dir: Path) -> dict:
+    """The steer block of the transcoder server: per SAE layer L a sae-lens transcoder directory (bf16, ReLU,
+    D_SAE features; it reads layer L's MLP input, writes its output), named TC_PREFIX + L, written on first use."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    rng, sae = np.random.default_rng(1), {}
+    for layer in sae_layers(layers):
+        root = workdir / "transcoders" / f"{TC_PREFIX}{layer}"
+        if not (root / "cfg.json").exists():
+            root.mkdir(parents=True, exist_ok=True)
+
+            def t(*shape: int, std: float) -> torch.Tensor:
+                return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * std).to(torch.bfloat16)
+
+            save_file({"W_enc": t(hidden, D_SAE, std=0.02), "W_dec": t(D_SAE, hidden, std=0.02),
+                       "b_enc": t(D_SAE, std=0.01), "b_dec": t(hidden, std=0.01)}, str(root / "sae_weights.safetensors"))
+            (root / "cfg.json").write_text(json.dumps({
+                "d_in": hidden, "d_sae": D_SAE, "d_out": hidden, "dtype": "bfloat16", "device": "cpu",
+                "apply_b_dec_to_input": False, "normalize_activations": "none", "reshape_activations": "none",
+                "architecture": "transcoder",
+                "metadata": {"model_name": "bench", "hook_name": f"blocks.{layer}.mlp.hook_in",
+                             "hook_name_out": f"blocks.{layer}.hook_mlp_out"}}))
+        sae[f"{TC_PREFIX}{layer}"] = {"path": str(root), "features": SAE_FEATURES}
+    return {"steer": {"max_configs": 272, "sae": sae}}
+
+
 class Server:
     def __init__(self, name: str, port: int, args, model_dir: Path, workdir: Path):
         self.name, self.port, self.args, self.model_dir = name, port, args, model_dir
@@ -214,6 +244,8 @@ class Server:
         elif self.name == EXTRACT_SERVER:
             layers = json.loads((self.model_dir / "config.json").read_text())["num_hidden_layers"]
             cmd += extract_hs_args(self.log_path.parents[1], layers)
+        elif self.name == TC_SERVER:
+            cmd += ["--additional-config", json.dumps(transcoder_block(self.log_path.parents[1], self.model_dir))]
         elif self.name in SAE_SERVERS:  # the workdir holds the SAE files
             block = sae_block(self.log_path.parents[1], self.model_dir, SAE_SERVERS[self.name])
             cmd += ["--additional-config", json.dumps(block)]
