@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
 from vllm_steer.kernels.steered_rms_norm.triton import _add_edit, _add_row, _project_gated, _sae_clamp_row
 
@@ -112,8 +113,8 @@ def _gather(p_x, p_res, p_index, p_tok, p_count, p_s, r0, stride_x, stride_res, 
 
 
 @triton.jit
-def _encode(p_s, p_count, p_wenc, p_benc, p_pre, r0, stride_s, stride_w, stride_pre,
-            D: tl.constexpr, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+def _encode(p_s, p_count, p_wenc, p_benc, p_pre, r0, stride_s, stride_w, stride_pre, F,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr):
     """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per BLOCK_F features."""
     o_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -219,8 +220,8 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
 
 @triton.jit
 def _decode(p_coef, p_s, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_edit, r0,
-            stride_coef, stride_s, stride_w, stride_edit,
-            D: tl.constexpr, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+            stride_coef, stride_s, stride_w, stride_edit, F,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr):
     """edit[t] = coef[j] @ W_dec (+ b_dec - S[j] for a RECONSTRUCT row) for the round's listed tokens; a program
     per BLOCK_D columns. A W_dec tile whose coefficients are all 0 for the tile's tokens is not read."""
@@ -284,26 +285,29 @@ def site_edit(
     s = torch.empty(rn, d, dtype=torch.float32, device=dev)
     pre = torch.empty(rn, f_all, dtype=torch.float32, device=dev)
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
-    _compact[(1,)](index, mode, tok, count, n, BLOCK=1024)
+    _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
     p = prefix or {}
     block_d = triton.next_power_of_2(d)
     block_m = _block_m(n)
     single = f_all <= _SELECT_MAX
     block_sel = triton.next_power_of_2(f_all) if single else 4096
+    pre_flags = tuple(bool(p.get(k)) for k in ("vec", "sae", "proj", "full", "cond"))
     for r0 in range(0, n, ROUND):
-        _gather[(rn,)](x, residual if residual is not None else x, index, tok, count, s, r0, x.stride(0),
-                       residual.stride(0) if residual is not None else 0, s.stride(0),
-                       p.get("vec", ()), p.get("sae", ()), p.get("proj", ()), p.get("full", ()), p.get("cond", ()),
-                       D=d, BLOCK_D=block_d, HAS_RES=residual is not None, PRE_VEC=bool(p.get("vec")),
-                       PRE_SAE=bool(p.get("sae")), PRE_PROJ=bool(p.get("proj")), PRE_FULL=bool(p.get("full")),
-                       COND=bool(p.get("cond")), num_warps=4 if block_d <= 1024 else 8)
-        _encode[(triton.cdiv(f_all, 64),)](s, count, w_enc, b_enc, pre, r0, s.stride(0), w_enc.stride(0),
-                                           pre.stride(0), D=d, F=f_all, BLOCK_M=block_m, BLOCK_F=64, BLOCK_K=64,
-                                           ROUND_N=ROUND, PRECISE=precise, UPCAST=_UPCAST, num_warps=4)
-        _select[(rn,)](pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0),
-                       code.stride(0), value.stride(0), cv.stride(0), f_all, c, topk, TOPK=topk > 0, SINGLE=single,
-                       BLOCK=block_sel, BLOCK_C=64, num_warps=16 if block_sel >= 8192 else 8)
-        _decode[(triton.cdiv(d, 64),)](pre, s, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0),
-                                       s.stride(0), w_dec.stride(0), edit.stride(0), D=d, F=f_all, BLOCK_M=block_m,
-                                       BLOCK_F=64, BLOCK_D=64, ROUND_N=ROUND, PRECISE=precise, UPCAST=_UPCAST, num_warps=4)
+        _GATHER((rn,), (x, residual if residual is not None else x, index, tok, count, s, r0, x.stride(0),
+                        residual.stride(0) if residual is not None else 0, s.stride(0),
+                        *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond"))),
+                (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
+        _ENCODE((triton.cdiv(f_all, 64),), (s, count, w_enc, b_enc, pre, r0, s.stride(0), w_enc.stride(0),
+                                            pre.stride(0), f_all), (d, block_m, 64, 64, ROUND, precise, _UPCAST), 4)
+        _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
+                        value.stride(0), cv.stride(0), f_all, c, topk),
+                (topk > 0, single, block_sel, 64), 16 if block_sel >= 8192 else 8)
+        _DECODE((triton.cdiv(d, 64),), (pre, s, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0),
+                                        s.stride(0), w_dec.stride(0), edit.stride(0), f_all),
+                (d, block_m, 64, 64, ROUND, precise, _UPCAST), 4)
     return edit
+
+
+# launched without Triton's per-call binding (steps above the CUDA-graph sizes launch from Python: ../launch_cache.py)
+_COMPACT, _GATHER, _ENCODE, _SELECT, _DECODE = (CachedLauncher(k) for k in (_compact, _gather, _encode, _select,
+                                                                            _decode))

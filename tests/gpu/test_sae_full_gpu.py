@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from tests.gpu.norm_inputs import DTYPES, norm_inputs  # noqa: E402
-from tests.sae_packs import FULL_MODES, R, full_pack, token_rows  # noqa: E402
+from tests.sae_packs import R, full_pack, token_rows  # noqa: E402
 from vllm_steer.kernels.sae_clamp.packed import _full_features, apply_site_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive  # noqa: E402
@@ -129,20 +129,17 @@ def test_topk_selects_the_reference_features():
     x = torch.randn(n, d, generator=g, device="cuda") * 3
     index = torch.ones(n, dtype=torch.int32, device="cuda")
     seen = {}
-    real = full_triton._decode
+    real = full_triton._DECODE
 
-    class _Spy:  # keeps the coefficients _decode reads
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen["coef"] = args[0].clone()
-                return real[grid](*args, **kw)
-            return launch
+    def spy(grid, args, constexprs, num_warps):  # keeps the coefficients _decode reads
+        seen["coef"] = args[0].clone()
+        real(grid, args, constexprs, num_warps)
 
-    full_triton._decode = _Spy()
+    full_triton._DECODE = spy
     try:
         full_triton.site_edit(x, None, index, pack, k)
     finally:
-        full_triton._decode = real
+        full_triton._DECODE = real
     want = _full_features(x.float(), pack, k)
     top = (x.float() @ pack[8].float() + pack[9]).topk(k + 1, dim=-1).values
     keep = (top[:, k - 1] - top[:, k]).abs() >= MARGIN
@@ -201,4 +198,3 @@ def test_an_idle_step_launches_only_the_early_exit_kernels():
     names = sorted(e.name for e in prof.events() if e.device_type.name == "CUDA")
     want = sorted(["_compact", "_gather", "_encode", "_select", "_decode"] * 2 + ["_steered_norm_kernel"])
     assert names == want, names
-    assert FULL_MODES[0] == 0

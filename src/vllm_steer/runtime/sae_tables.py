@@ -2,7 +2,8 @@
 staged once at start-up, or, at sites ``steer.sae_slots`` reserved, zeros until an SAE is registered
 at runtime and staged in place; row tables updated in place; layout in kernels/sae_clamp/packed.py). Rows
 share the numbering of the steering tables: a config key owns one row for its vectors and its clamps
-alike, so the row gate, the index and preemption need nothing new. A transcoder's packs (``tc_packs``, by its
+alike, so the row gate, the index and preemption need nothing new. A full pack (TopK, or a site that allows
+reconstruct) keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands, kernels/sae_clamp/full_triton.py). A transcoder's packs (``tc_packs``, by its
 post_attn.L site) have the clamp-only layout too; the norm of post_attn.L applies them to its output's delta."""
 
 from __future__ import annotations
