@@ -40,6 +40,7 @@ from vllm_steer.kernels.steered_rms_norm.triton import _add_edit, _add_row, _pro
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
 _SELECT_MAX = 16384  # d_sae up to this: a token's pre-activations stay in registers through the TopK search
+_SELECT_CHUNK = 4096  # larger d_sae: read in chunks of this many, once per bit of the search
 _RECON = tl.constexpr(RECONSTRUCT)
 _SAE_GATED = tl.constexpr(1 << 17)
 _VECTORS_UNGATED = tl.constexpr(1 << 16)
@@ -201,7 +202,10 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
             tl.store(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, tl.where(recon, f_new, f_new - f), mask=m_c)
         tl.debug_barrier()  # every clamped feature's pre is read before the coefficients overwrite it
         if SINGLE:
-            b_f = _act(b_row, thr_key, tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
+            if TOPK:  # no thresholds to read
+                b_f = _act(b_row, thr_key, 0.0, TOPK)
+            else:
+                b_f = _act(b_row, thr_key, tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
             tl.store(p_row + o, tl.where(recon, b_f, 0.0), mask=o < F)
         else:
             for f0 in range(0, F, BLOCK):
@@ -290,7 +294,7 @@ def site_edit(
     block_d = triton.next_power_of_2(d)
     block_m = _block_m(n)
     single = f_all <= _SELECT_MAX
-    block_sel = triton.next_power_of_2(f_all) if single else 4096
+    block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
     pre_flags = tuple(bool(p.get(k)) for k in ("vec", "sae", "proj", "full", "cond"))
     for r0 in range(0, n, ROUND):
         _GATHER((rn,), (x, residual if residual is not None else x, index, tok, count, s, r0, x.stride(0),

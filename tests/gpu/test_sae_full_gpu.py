@@ -195,6 +195,7 @@ def test_an_idle_step_launches_only_the_early_exit_kernels():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         op.triton_path(*args)
         torch.cuda.synchronize()
-    names = sorted(e.name for e in prof.events() if e.device_type.name == "CUDA")
-    want = sorted(["_compact", "_gather", "_encode", "_select", "_decode"] * 2 + ["_steered_norm_kernel"])
-    assert names == want, names
+    known = ("_compact", "_gather", "_encode", "_select", "_decode", "_steered_norm_kernel")
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    counts = {k: sum(n.startswith(k) for n in names) for k in known}
+    assert len(names) == 11 and counts == {**dict.fromkeys(known[:5], 2), "_steered_norm_kernel": 1}, names

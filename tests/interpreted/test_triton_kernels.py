@@ -256,7 +256,9 @@ def _op_args(x, r, w, index, a: dict) -> tuple:
             a["cond"], a["gate"], None, None, None, [], [], [])
 
 
+# + N 300 (three rounds of 128); "chunked": d_sae past the in-register limit (the search reads chunks of 64)
 _FULL_CASES = [(k, slots, n) for k in (0, 8) for slots in ("a", "b", "ab") for n in (1, 13)] + [(8, "ab", 300)]
+_FULL_CASES += [(k, "chunked", 13) for k in (0, 8)]
 
 
 @_INTERPRETER_INDEX
@@ -264,11 +266,16 @@ _FULL_CASES = [(k, slots, n) for k in (0, 8) for slots in ("a", "b", "ab") for n
 def test_full_sae_slots_match_reference(interpreted, monkeypatch, topk, slots, n):
     """The op's CUDA path (``op.triton_path``: full slots' edits by the tensor-core kernels, then the norm) against
     the reference, every row kind in the batch (OFF, DELTA with every clamp kind, DELTA bare, RECONSTRUCT), slot B
-    encoded after slot A's vectors (and slot A's full edit); N = 300 in three rounds of 128 (the last partial)."""
+    encoded after slot A's vectors (and slot A's full edit); N = 300 in three rounds of 128 (the last partial); the
+    TopK search over chunks of pre read from memory (d_sae 200 in chunks of 64, the last partial)."""
     from vllm_steer.kernels.sae_clamp import full_triton
     from vllm_steer.kernels.steered_rms_norm import op
 
     monkeypatch.setattr(full_triton, "ROUND", 128)
+    if slots == "chunked":
+        monkeypatch.setattr(full_triton, "_SELECT_MAX", 64)
+        monkeypatch.setattr(full_triton, "_SELECT_CHUNK", 64)
+        slots = "ab"
     norm, _ = interpreted
     x, r, w, index, a = _full_case(n, slots, topk, seed=60 + n)
     got = op.triton_path(*_op_args(x, r, w, index, a))
