@@ -4,14 +4,15 @@ row is on and for no other; the steered norm adds ``w * edit[t]`` where the slot
 ``FULL_B`` in ``../steered_rms_norm/triton.py``). ``site_edit`` launches it.
 
 Launches per full slot and step, each a few µs and nothing more when no token's row is on (no host sync, no
-data-dependent shape: CUDA graphs replay them with rows changed after capture):
+data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 at slot A, 5 at slot B.
 
 1. ``_compact`` (one program): the ids of the on tokens (row != 0, mode != 0) in order, and their count. The
    count is the only write of an idle step.
 2. per round of ``ROUND`` listed tokens (``ceil(N / ROUND)`` rounds, fixed by N; a round past the count exits):
-   - ``_gather``: the slot's float32 stream of each listed token: x + residual, for slot B plus slot A's
+   - ``_gather`` (slot B only): the slot's float32 stream of each listed token: x + residual plus slot A's
      features (clamp-only walk or full edit, projections, vectors, with the gate's weights), as the norm has it;
-   - ``_encode``: ``pre = S @ W_enc + b_enc`` (``tl.dot``; the stream split into bf16 hi + lo, both against the
+     at slot A the GEMMs read x + residual of the listed tokens themselves;
+   - ``_encode``: ``pre = s @ W_enc + b_enc`` (``tl.dot``; the stream split into bf16 hi + lo, both against the
      bf16 weights, float32 accumulation: the error of the weights' rounding only);
    - ``_select``: per token the activation (TopK: the k-th largest ``pre`` found exactly by a bitwise search on
      order-preserving integer keys; else ``pre > thr``), the row's clamps, and the decode coefficients in place
@@ -114,9 +115,27 @@ def _gather(p_x, p_res, p_index, p_tok, p_count, p_s, r0, stride_x, stride_res, 
 
 
 @triton.jit
-def _encode(p_s, p_count, p_wenc, p_benc, p_pre, r0, stride_s, stride_w, stride_pre, F,
+def _stream(src, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr):
+    """The float32 stream of listed rows ``o_m`` (of this round), columns ``o_k``: DIRECT (slot A, nothing before
+    it) x[t] + residual[t] of their tokens, else the gathered S rows. ``src``: (S, S stride, x, residual, x stride,
+    residual stride, tok + r0)."""
+    p_s, stride_s, p_x, p_res, stride_x, stride_res, p_tok = src
+    m = m_m[:, None] & m_k[None, :]
+    if DIRECT:
+        i_t = tl.load(p_tok + o_m, mask=m_m, other=0).to(tl.int64)
+        a = tl.load(p_x + i_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            a += tl.load(p_res + i_t[:, None] * stride_res + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(p_s + o_m[:, None] * stride_s + o_k[None, :], mask=m, other=0.0)
+    return a
+
+
+@triton.jit
+def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-            ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr):
+            ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+            HAS_RES: tl.constexpr):
     """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per BLOCK_F features."""
     o_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     m_f = o_f < F
@@ -129,7 +148,7 @@ def _encode(p_s, p_count, p_wenc, p_benc, p_pre, r0, stride_s, stride_w, stride_
         for k0 in range(0, D, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < D
-            a = tl.load(p_s + o_m[:, None] * stride_s + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
             w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
                         mask=m_k[:, None] & m_f[None, :], other=0.0)
             a_hi = a.to(w.dtype)
@@ -223,10 +242,11 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
 
 
 @triton.jit
-def _decode(p_coef, p_s, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_edit, r0,
-            stride_coef, stride_s, stride_w, stride_edit, F,
+def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_edit, r0,
+            stride_coef, stride_w, stride_edit, F,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-            ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr):
+            ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+            HAS_RES: tl.constexpr):
     """edit[t] = coef[j] @ W_dec (+ b_dec - S[j] for a RECONSTRUCT row) for the round's listed tokens; a program
     per BLOCK_D columns. A W_dec tile whose coefficients are all 0 for the tile's tokens is not read."""
     o_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -251,7 +271,7 @@ def _decode(p_coef, p_s, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_edit
         i_t = tl.load(p_tok + r0 + o_m, mask=m_m, other=0).to(tl.int64)
         i_r = tl.load(p_index + i_t, mask=m_m, other=0)
         recon = tl.load(p_mode + i_r, mask=m_m, other=0) == _RECON
-        b_s = tl.load(p_s + o_m[:, None] * stride_s + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)
+        b_s = _stream(src, o_m, m_m, o_d, m_d, DIRECT, HAS_RES)
         b_dec = tl.load(p_bdec + o_d, mask=m_d, other=0.0)
         e = tl.where(recon[:, None], acc + b_dec[None, :] - b_s, acc)
         tl.store(p_edit + i_t[:, None] * stride_edit + o_d[None, :], e, mask=m_m[:, None] & m_d[None, :])
@@ -286,29 +306,33 @@ def site_edit(
     rn = min(n, ROUND)
     tok = torch.empty(n, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
-    s = torch.empty(rn, d, dtype=torch.float32, device=dev)
+    p = prefix or {}
+    pre_flags = tuple(bool(p.get(k)) for k in ("vec", "sae", "proj", "full", "cond"))
+    s = torch.empty(rn if any(pre_flags) else 1, d, dtype=torch.float32, device=dev)  # gathered streams (slot B)
     pre = torch.empty(rn, f_all, dtype=torch.float32, device=dev)
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
     _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
-    p = prefix or {}
     block_d = triton.next_power_of_2(d)
     block_m = _block_m(n)
     single = f_all <= _SELECT_MAX
     block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
-    pre_flags = tuple(bool(p.get(k)) for k in ("vec", "sae", "proj", "full", "cond"))
+    direct = not any(pre_flags)  # slot A: the stream is x + residual, read by the GEMMs themselves
+    res = residual if residual is not None else x
+    res_stride = residual.stride(0) if residual is not None else 0
     for r0 in range(0, n, ROUND):
-        _GATHER((rn,), (x, residual if residual is not None else x, index, tok, count, s, r0, x.stride(0),
-                        residual.stride(0) if residual is not None else 0, s.stride(0),
-                        *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond"))),
-                (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
-        _ENCODE((triton.cdiv(f_all, 64),), (s, count, w_enc, b_enc, pre, r0, s.stride(0), w_enc.stride(0),
-                                            pre.stride(0), f_all), (d, block_m, 64, 64, ROUND, precise, _UPCAST), 4)
+        if not direct:
+            _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
+                            *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond"))),
+                    (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
+        src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
+        flags = (ROUND, precise, _UPCAST, direct, residual is not None)
+        _ENCODE((triton.cdiv(f_all, 64),), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0), pre.stride(0), f_all),
+                (d, block_m, 64, 64, *flags), 4)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk),
                 (topk > 0, single, block_sel, 64), 16 if block_sel >= 8192 else 8)
-        _DECODE((triton.cdiv(d, 64),), (pre, s, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0),
-                                        s.stride(0), w_dec.stride(0), edit.stride(0), f_all),
-                (d, block_m, 64, 64, ROUND, precise, _UPCAST), 4)
+        _DECODE((triton.cdiv(d, 64),), (pre, src, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0),
+                                        w_dec.stride(0), edit.stride(0), f_all), (d, block_m, 64, 64, *flags), 4)
     return edit
 
 

@@ -7,7 +7,8 @@ through ``op.triton_path``, what the registered op runs on CUDA); runs only wher
   and k+1-th pre-activation) or a clamped feature's threshold sits within MARGIN are left out (a rounding there
   flips a feature); tokens of row 0 / OFF rows / bare DELTA rows equal the kernel without SAE bit for bit;
 - inside a CUDA graph captured while every row was OFF, rows written in place afterwards take effect at replay;
-- an idle step (no row on) launches only the full path's early-exit kernels (5 per full slot) and the norm: no GEMM.
+- an idle step (no row on) launches only the full path's early-exit kernels (4 per full slot A, 5 per slot B) and
+  the norm: no GEMM.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ def test_full_slots_in_a_cuda_graph_follow_rows_changed_after_capture():
 
 
 def test_an_idle_step_launches_only_the_early_exit_kernels():
-    """Every row OFF: per full slot _compact, _gather, _encode, _select, _decode (each returns at once), then the
-    norm; no GEMM, no copy, no other kernel."""
+    """Every row OFF: per full slot _compact, (slot B: _gather), _encode, _select, _decode (each returns at once),
+    then the norm; no GEMM, no copy, no other kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     n, d, f = 64, 4096, 16384
@@ -198,4 +199,5 @@ def test_an_idle_step_launches_only_the_early_exit_kernels():
     known = ("_compact", "_gather", "_encode", "_select", "_decode", "_steered_norm_kernel")
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     counts = {k: sum(n.startswith(k) for n in names) for k in known}
-    assert len(names) == 11 and counts == {**dict.fromkeys(known[:5], 2), "_steered_norm_kernel": 1}, names
+    # slot A's GEMMs read x + residual themselves (no _gather); slot B gathers the stream after slot A's features
+    assert len(names) == 10 and counts == {**dict.fromkeys(known[:5], 2), "_gather": 1, "_steered_norm_kernel": 1}, names
