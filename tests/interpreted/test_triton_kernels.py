@@ -256,9 +256,9 @@ def _op_args(x, r, w, index, a: dict) -> tuple:
             a["cond"], a["gate"], None, None, None, [], [], [])
 
 
-# + N 300 (three rounds of 128); "chunked": d_sae past the in-register limit (the search reads chunks of 64)
-_FULL_CASES = [(k, slots, n) for k in (0, 8) for slots in ("a", "b", "ab") for n in (1, 13)] + [(8, "ab", 300)]
-_FULL_CASES += [(k, "chunked", 13) for k in (0, 8)]
+# + N 300 at slot B (three rounds of 128, gathered); "chunked": d_sae past the in-register limit (the search reads chunks of 64)
+_FULL_CASES = [(k, slots, n) for k in (0, 8) for slots in ("a", "b", "ab") for n in (1, 13)] + [(8, "b", 300)]
+_FULL_CASES += [(k, "chunked", 5) for k in (0, 8)]
 
 
 @_INTERPRETER_INDEX
