@@ -1,6 +1,8 @@
 """GPU time per launch (from a CUDA graph) of the steered norm with SAE clamps against the plain one: the clamp-only
 path by clamps per token and split (``split_of(N)`` the default) beside the bandwidth bound; the dense whole-SAE path
-by d_sae. Usage: python3 bench/sae_kernel_bench.py [--out FILE.json]"""
+(the torch reference) by d_sae; full packs on the tensor-core path (``op.triton_path``: TopK k 64 delta with 16 clamp
+sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read and that bound.
+Usage: python3 bench/sae_kernel_bench.py [--out FILE.json] [--full-only]"""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import torch
 
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
+from vllm_steer.kernels.steered_rms_norm.op import triton_path
 from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_norm_triton
 
 D, STAGED, ROWS = 4096, 256, 4
@@ -58,14 +61,76 @@ def _pack(clamps: int, dev) -> list[torch.Tensor]:
                                torch.arange(STAGED))]
 
 
+FULL_F, FULL_K, FULL_CLAMPS, FULL_SETS = 16384, 64, 64, 16
+
+
+def _full_pack(topk: int, mode: int, dev) -> list[torch.Tensor]:
+    """A full pack (d_sae FULL_F, bf16 weights as the engine stages them) whose rows 1..FULL_SETS each SET
+    FULL_CLAMPS of its 256 clampable features, in ``mode`` (0: every row OFF)."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    rows = FULL_SETS + 1
+    mode_t = torch.full((rows,), mode, dtype=torch.int32)
+    mode_t[0] = 0
+    code = torch.zeros(rows, STAGED, dtype=torch.int32)
+    for r in range(1, rows):
+        code[r, torch.randperm(STAGED, generator=g)[:FULL_CLAMPS]] = 1
+    value = torch.randn(rows, STAGED, generator=g)
+    feats = torch.randperm(FULL_F, generator=g)[:STAGED].sort().values
+    w_enc = (torch.randn(D, FULL_F, generator=g) * 0.02).bfloat16()
+    w_dec = (torch.randn(FULL_F, D, generator=g) * 0.02).bfloat16()
+    b_enc, thr = torch.zeros(FULL_F), torch.full((FULL_F,), 0.0 if topk else 0.05)
+    pack = [mode_t, code, value, w_enc[:, feats].T.float().contiguous(), w_dec[feats].float(), b_enc[feats],
+            thr[feats], feats, w_enc, b_enc, thr, w_dec, torch.zeros(D)]
+    return [t.to(dev) for t in pack]
+
+
+def _full_bytes(n: int, pack: list[torch.Tensor], active: int, recon: bool) -> int:
+    """Bytes a full site must read / write beyond the norm: the index and modes; for ``active`` tokens their
+    stream, W_enc once, pre written and read (float32), W_dec's tiles (all of them for reconstruct, else the
+    64-feature tiles holding a clamped feature) and the edit written and read."""
+    idle = n * 8
+    if not active:
+        return idle
+    tiles = FULL_F // 64 if recon else len(torch.unique(pack[7][pack[1][1:].any(0).nonzero().flatten()] // 64))
+    return (idle + D * FULL_F * 2 + tiles * 64 * D * 2 + active * (3 * D * 4 + 2 * FULL_F * 4))
+
+
+def _full_rows(dev, w) -> list[dict]:
+    rows = []
+    for n in (16, 2048):
+        x = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
+        res = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
+        steered = (torch.arange(n, device=dev, dtype=torch.int32) % FULL_SETS + 1)
+        idle = torch.zeros(n, dtype=torch.int32, device=dev)
+        base = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, idle))
+        rows.append({"n": n, "path": "plain norm", "clamps": 0, "us": round(base, 2)})
+        for name, topk, mode in (("full TopK k64 idle", FULL_K, 0), ("full TopK k64 delta", FULL_K, 1),
+                                 ("full JumpReLU reconstruct", 0, 2)):
+            pack = _full_pack(topk, mode, dev)
+            index = idle if mode == 0 else steered
+
+            def call():
+                return triton_path(x, res, w, 1e-5, 0.0, index, [], [], pack, [], topk, 0, [], None, None, None,
+                                   None, [], [], [])
+
+            us = _time(call, iters=50 if mode else 200)
+            active = 0 if mode == 0 else n
+            byt = _full_bytes(n, pack, active, mode == 2)
+            rows.append({"n": n, "path": f"{name} (1 site, d_sae {FULL_F})", "clamps": FULL_CLAMPS if mode else 0,
+                         "us": round(us, 2), "extra_us": round(us - base, 2), "bytes": byt,
+                         "bound_us": round(byt / HBM_BYTES_PER_US, 2)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--full-only", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
     w = torch.ones(D, dtype=torch.bfloat16, device=dev)
-    rows: list[dict] = []
-    for n in (16, 64, 256, 2048):
+    rows: list[dict] = _full_rows(dev, w)
+    for n in () if args.full_only else (16, 64, 256, 2048):
         x = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
         res = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
         steered = torch.arange(n, device=dev, dtype=torch.int32) % (ROWS - 1) + 1  # every token clamps
@@ -92,9 +157,11 @@ def main() -> None:
             rows_l = steered.long()
             us = _time(lambda: apply_site_naive(s, rows_l, full, 0), iters=50)
             rows.append({"n": n, "path": f"whole SAE (torch, fp32) d_sae {d_sae}", "clamps": 64, "us": round(us, 1)})
-    print("| tokens | path | clamps per token | µs | bandwidth bound µs |\n| --- | --- | --- | --- | --- |")
+    print("| tokens | path | clamps per token | µs | over the plain norm µs | bytes | bandwidth bound µs |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['n']} | {r['path']} | {r['clamps']} | {r['us']} | {r.get('bound_us', '')} |")
+        print(f"| {r['n']} | {r['path']} | {r['clamps']} | {r['us']} | {r.get('extra_us', '')} | {r.get('bytes', '')} "
+              f"| {r.get('bound_us', '')} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "D": D, "staged": STAGED, "rows": rows}, f, indent=1)

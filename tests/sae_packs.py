@@ -46,3 +46,27 @@ def clamp_pack(d: int, c: int, seed: int, jumprelu: bool = True, device: str | t
 def token_rows(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """An index [n + 5] int32 that cycles through every row (so each row has tokens)."""
     return (torch.arange(n + 5, device=device) % R).to(torch.int32)
+
+
+FULL_MODES = (0, 1, 0, 1, 2, 2)  # per row: OFF, DELTA (every kind), OFF with codes, DELTA bare, RECONSTRUCT x 2
+
+
+def full_pack(d: int, f: int, c: int, seed: int, topk: int = 0, device: str | torch.device = "cpu",
+              hidden_scale: float = 3.0, modes: tuple[int, ...] = FULL_MODES, thr_scale: float = 0.8
+              ) -> list[torch.Tensor]:
+    """A full pack (packed.py, 13 tensors) of a random SAE with ``f`` features (``c`` of them clampable, rows as
+    ``clamp_pack``'s but for ``modes``; JumpReLU thresholds up to ``thr_scale``); w_enc / w_dec in bfloat16 as the engine stages them, the clampable
+    copies their float32 values (so the reference and the kernels use the same weights)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    pack = clamp_pack(d, c, seed, jumprelu=not topk)
+    pack[0] = torch.tensor(modes, dtype=torch.int32)
+    pack[7] = torch.randperm(f, generator=g)[:c].sort().values
+    w_enc = (torch.randn(d, f, generator=g) * (1.5 / (hidden_scale * d ** 0.5))).bfloat16()
+    w_dec = (torch.randn(f, d, generator=g) * 0.3).bfloat16()
+    b_enc = torch.randn(f, generator=g) * 0.5
+    thr_f = torch.zeros(f) if topk else torch.rand(f, generator=g) * thr_scale
+    b_dec = torch.randn(d, generator=g) * 0.2
+    feats = pack[7]
+    pack[3:7] = [w_enc[:, feats].T.float().contiguous(), w_dec[feats].float(), b_enc[feats], thr_f[feats]]
+    pack += [w_enc, b_enc, thr_f, w_dec, b_dec]
+    return [t.to(device) for t in pack]

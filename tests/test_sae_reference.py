@@ -3,6 +3,8 @@ directly in numpy (float64), for each activation, both modes and every clamp kin
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -130,6 +132,8 @@ def test_the_engine_pack_equals_the_reference(activation, full):
     from vllm_steer.runtime.sae_tables import SaeTables, _pack
 
     sae = _sae(activation, b_dec_in=True)
+    if full:  # the engine stages a full pack's weights in bfloat16: the reference with the same weights
+        sae = dataclasses.replace(sae, w_enc=sae.w_enc.bfloat16().float(), w_dec=sae.w_dec.bfloat16().float())
     mode, kind, value, only = _tables(5, activation)
     clampable = sorted(set(np.nonzero(kind.any(axis=0))[0].tolist()) | {F - 1})
     name = {RELU: "relu", JUMPRELU: "jumprelu", TOPK: "topk"}[activation]

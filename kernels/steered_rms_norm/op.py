@@ -12,19 +12,27 @@ schema cannot default a tensor list).
 An empty list or None turns the feature off; which features a norm has is
 fixed at install, so every traced call has the same arguments, all of them graph inputs (buffers).
 
-CUDA tensors run the Triton kernel (one launch) unless an SAE pack is full (TopK, or a site that allows
-reconstruct): then, like other devices, the plain-torch reference (graph-safe, no host sync).
+CUDA tensors run the Triton kernel (one launch); a slot whose SAE pack is full (TopK, or a site that allows
+reconstruct) first gets its on tokens' edit from the tensor-core kernels of ``kernels/sae_clamp/full_triton.py``
+(a few launches that exit at once when no row is on), which the norm adds where the slot's clamps go; those run
+only with ``VLLM_STEER_SAE_FULL_KERNELS=1`` until a GPU has run their tests (else full packs take the reference,
+as before). Other devices run the plain-torch reference.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_steer.kernels.library import LIB
-from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
+from vllm_steer.kernels.sae_clamp.packed import N_FULL
 from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
 
 _registered = False
+# The full-pack kernels (kernels/sae_clamp/full_triton.py) are tested under Triton's interpreter only: until a GPU
+# run passes tests/gpu/test_sae_full_gpu.py, CUDA runs full packs through the reference unless this is set.
+FULL_KERNELS = os.environ.get("VLLM_STEER_SAE_FULL_KERNELS", "0") == "1"
 _triton_norm = None  # kernels.steered_rms_norm.triton.steered_norm_triton, imported on first CUDA call
 
 
@@ -50,14 +58,27 @@ def _impl(
     proj_b: list[torch.Tensor],
     tc: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
+            plan_a, plan_b, pool, proj_a, proj_b, tc)
+    full = len(sae_a) == N_FULL or len(sae_b) == N_FULL
+    return triton_path(*args) if x.is_cuda and (FULL_KERNELS or not full) else steered_norm_naive(*args)
+
+
+def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
+                plan_a, plan_b, pool, proj_a, proj_b, tc) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on CUDA (and under Triton's interpreter, in tests): full SAE slots' edits first, then the norm's
+    one launch."""
     global _triton_norm
-    if x.is_cuda and len(sae_a) in (0, N_CLAMP_ONLY) and len(sae_b) in (0, N_CLAMP_ONLY):
-        if _triton_norm is None:
-            from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
-        return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
-                            plan_a, plan_b, pool, proj_a, proj_b, tc=tc)
-    return steered_norm_naive(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a,
-                              topk_b, cond, gate, plan_a, plan_b, pool, proj_a, proj_b, tc)
+    if _triton_norm is None:
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
+    full_a = full_b = ()
+    if len(sae_a) == N_FULL or len(sae_b) == N_FULL:
+        from vllm_steer.kernels.sae_clamp.full_slot import full_slots
+
+        sae_a, full_a, sae_b, full_b = full_slots(x, residual, index, vec_a, sae_a, topk_a, sae_b, topk_b, cond,
+                                                  gate, proj_a)
+    return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
+                        plan_a, plan_b, pool, proj_a, proj_b, tc=tc, full_a=full_a, full_b=full_b)
 
 
 def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,6 +214,18 @@ def _sae_clamp_split(b_s, b_x, i_t, i_row, i_k, split, sae, o_d, m_d, D: tl.cons
 
 
 @triton.jit
+def _add_edit(b_s, i_t, i_row, full, o_d, m_d, w):
+    """b_s + w * edit[t] for a token whose row is on at a full SAE slot (the edit, ``clamped(s) - s``, computed
+    before this launch by ``kernels/sae_clamp/full_triton.py``); row 0 and OFF rows: b_s untouched, the edit
+    unread. ``full``: (edit [N, D] fp32, mode [R] int32, edit stride)."""
+    p_edit, p_mode, stride_e = full
+    if i_row != 0:
+        if tl.load(p_mode + i_row) != 0:
+            b_s += w * tl.load(p_edit + i_t * stride_e + o_d, mask=m_d, other=0.0)
+    return b_s
+
+
+@triton.jit
 def _steered_norm_kernel(
     p_x,  # [N, D]
     p_res,  # [N, D] (ignored unless HAS_RES)
@@ -239,6 +251,8 @@ def _steered_norm_kernel(
     proj_a,  # PROJ_A: (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32, K, dirs' strides (row, k))
     proj_b,  # PROJ_B: the same for slot B
     tc,  # TC: a transcoder's clamp-only pack, as sae_a: encodes the normalized output, moves the residual only
+    full_a,  # FULL_A: (edit [N, D] fp32, mode [R] int32, edit stride): a full SAE pack's move at slot A
+    full_b,  # FULL_B: the same for slot B
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -255,6 +269,8 @@ def _steered_norm_kernel(
     PROJ_A: tl.constexpr = False,  # slot A's rows may project the stream onto directions (ablate / cap)
     PROJ_B: tl.constexpr = False,
     TC: tl.constexpr = False,  # a transcoder's clamps after the norm (naive.transcoder_step)
+    FULL_A: tl.constexpr = False,  # slot A's SAE is a full pack: its edit is added where its clamps would be
+    FULL_B: tl.constexpr = False,
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -276,7 +292,7 @@ def _steered_norm_kernel(
                        eviction_policy="evict_first").to(tl.float32)
     if CAP_A:  # every program of the token has the pristine stream: the first stores it
         _capture(b_s, i_pa, cap_a, o_d, m_d, tl.program_id(1) == 0)
-    if COND and not (SAE_A or SAE_B or TC):  # the gate changes only at a probe site, where it is stored
+    if COND and not (SAE_A or SAE_B or TC or FULL_A or FULL_B):  # the gate changes only at a probe site, where it is stored
         p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe = cond
         i_row = tl.load(p_index + i_t)
         if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
@@ -305,7 +321,7 @@ def _steered_norm_kernel(
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
-    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC:
+    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC or FULL_A or FULL_B:
         i_row = tl.load(p_index + i_t)
         if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
             p_csite = cond[0]
@@ -326,6 +342,8 @@ def _steered_norm_kernel(
                                            BLOCK_C, SPLIT, w_sae)
             else:
                 b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
+        if FULL_A:
+            b_s = _add_edit(b_s, i_t, i_row, full_a, o_d, m_d, w_sae)
         if PROJ_A:
             b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
         if HAS_A:
@@ -344,6 +362,8 @@ def _steered_norm_kernel(
                 if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
                     i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
+        if FULL_B:
+            b_s = _add_edit(b_s, i_t, i_row, full_b, o_d, m_d, w_sae)
         if PROJ_B:
             b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, proj_gated, g, COND)
         if HAS_B:
@@ -457,6 +477,8 @@ def steered_norm_triton(
     proj_b: Sequence[torch.Tensor] = (),
     split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
     tc: Sequence[torch.Tensor] = (),  # a transcoder's clamp-only pack (reads the output, moves the residual), ()
+    full_a: Sequence[torch.Tensor] = (),  # a full SAE pack's move at slot A: (edit [N, D] fp32, mode [R] int32), ()
+    full_b: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -492,10 +514,12 @@ def steered_norm_triton(
     if proj_a or proj_b:
         pa, pb = _proj_desc(proj_a, d), _proj_desc(proj_b, d)
     tcd = _sae_desc(tc, d) if tc else ()
+    fa = (full_a[0], full_a[1], full_a[0].stride(0)) if full_a else ()
+    fb = (full_b[0], full_b[1], full_b[0].stride(0)) if full_b else ()
     args = (x, residual if residual is not None else x, weight, out, res_out, index, x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
-            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd)
+            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb)
     flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
-             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd))
+             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb))
     _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

@@ -5,8 +5,8 @@ available).
   vector tables, clamp-set size): within float32 rounding (the clamps' dot products sum in another
   order), tokens whose pre-activation sits on a threshold left out (there a rounding flips the feature);
 - tokens of row 0, of an OFF row or of a row without codes equal the no-SAE kernel bit for bit;
-- the registered op routes clamp-only packs to Triton and full packs (TopK / reconstruct) to the
-  reference; inside a CUDA graph captured while every row was OFF, mode / code / value rows changed in
+- the registered op routes clamp-only packs to Triton and full packs (TopK / reconstruct) to the full
+  kernels (kernels/sae_clamp/full_triton.py) before it; inside a CUDA graph captured while every row was OFF, mode / code / value rows changed in
   place afterwards take effect at replay.
 """
 
@@ -173,7 +173,11 @@ def _full(pack: list[torch.Tensor], d: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("which", ["a", "b"])
-def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_reference(registered, which):
+def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_full_kernels(registered, which, monkeypatch):
+    """Clamp-only packs: the one Triton launch, bit for bit; full packs (float32 weights here: IEEE dots) through
+    the tensor-core path (``tests/gpu/test_sae_full_gpu.py`` tests it in depth; on with VLLM_STEER_SAE_FULL_KERNELS),
+    the reference's result."""
+    monkeypatch.setattr(op, "FULL_KERNELS", True)
     n, d, dtype = 32, 512, torch.bfloat16
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=3)
     pa = clamp_pack(d, 37, seed=4, device="cuda")
@@ -189,7 +193,8 @@ def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_reference(register
         pb[0][1] = 2  # RECONSTRUCT: only a full pack can
     got = registered.steered_norm(x, r, w, index, vec, pa, pb, *topk)
     want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb, topk_a=topk[0], topk_b=topk[1])
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[dtype])
 
 
 def _captured_idle(registered, x, r, w, index, vec, pa, pb):

@@ -12,7 +12,7 @@ import torch
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
 from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED, steered_norm_naive
-from tests.sae_packs import IDLE_ROWS, clamp_pack, token_rows
+from tests.sae_packs import IDLE_ROWS, clamp_pack, full_pack, token_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -227,6 +227,130 @@ def test_triton_sae_kernel_refuses_full_packs(interpreted):
                                         torch.zeros(16)]
     with pytest.raises(ValueError, match="clamp-only"):
         norm.steered_norm_triton(x, r, torch.ones(16), 1e-5, 0.0, index, sae_a=full)
+
+
+# Full packs (TopK, reconstruct): the encoder and decoder run as bf16 tensor-core dots against the bf16 weights
+# the reference also uses (in float32), the float32 stream split into bf16 hi + lo (the interpreter truncates:
+# ~2^-16 relative per operand, a GPU rounds: ~2^-17), float32 sums in another order; a reconstructed row is
+# ``s + (recon - s)`` (one more rounding of a value ~20 here). So 2e-4 relative, 1e-3 absolute on the stream.
+_FULL_TOL = dict(rtol=2e-4, atol=1e-3)
+_FULL_IDLE = (0, 2, 3)  # row 0, an OFF row with codes, a DELTA row without codes: bit for bit the kernel without
+
+
+def _full_case(n: int, slots: str, topk: int, seed: int, dtype=torch.float32, f: int = 200, cond=None):
+    """x, residual, weight, index and the op's arguments (as the engine passes them) of a norm whose ``slots``
+    have full packs (d 80, d_sae ``f``: not a multiple of the kernels' 64-feature tiles; 40 clampable)."""
+    d = 80
+    x, r, (ta, tb), _ = _case(n, d, dtype, seed=seed)
+    index = token_rows(n)
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(seed + 1)) * 0.5).to(dtype)
+    packs = {k: full_pack(d, f, 40, seed=seed + 2 + i, topk=topk) if k in slots else [] for i, k in enumerate("ab")}
+    args = dict(vec_a=[ta, _on()], vec_b=[tb, _on()], sae_a=packs["a"], sae_b=packs["b"], topk_a=topk if "a" in slots
+                else 0, topk_b=topk if "b" in slots else 0, cond=list(cond[0]) if cond else [],
+                gate=cond[1] if cond else None)
+    return x, r, w, index, args
+
+
+def _op_args(x, r, w, index, a: dict) -> tuple:
+    return (x, r, w, 1e-5, 0.0, index, a["vec_a"], a["vec_b"], a["sae_a"], a["sae_b"], a["topk_a"], a["topk_b"],
+            a["cond"], a["gate"], None, None, None, [], [], [])
+
+
+# + N 300 at slot B (three rounds of 128, gathered); "chunked": d_sae past the in-register limit (the search reads chunks of 64)
+_FULL_CASES = [(k, slots, n) for k in (0, 8) for slots in ("a", "b", "ab") for n in (1, 13)] + [(8, "b", 300)]
+_FULL_CASES += [(k, "chunked", 5) for k in (0, 8)]
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("topk,slots,n", _FULL_CASES, ids=[f"k{k}-{s}-N{n}" for k, s, n in _FULL_CASES])
+def test_full_sae_slots_match_reference(interpreted, monkeypatch, topk, slots, n):
+    """The op's CUDA path (``op.triton_path``: full slots' edits by the tensor-core kernels, then the norm) against
+    the reference, every row kind in the batch (OFF, DELTA with every clamp kind, DELTA bare, RECONSTRUCT), slot B
+    encoded after slot A's vectors (and slot A's full edit); N = 300 in three rounds of 128 (the last partial); the
+    TopK search over chunks of pre read from memory (d_sae 200 in chunks of 64, the last partial)."""
+    from vllm_steer.kernels.sae_clamp import full_triton
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    monkeypatch.setattr(full_triton, "ROUND", 128)
+    if slots == "chunked":
+        monkeypatch.setattr(full_triton, "_SELECT_MAX", 64)
+        monkeypatch.setattr(full_triton, "_SELECT_CHUNK", 64)
+        slots = "ab"
+    norm, _ = interpreted
+    x, r, w, index, a = _full_case(n, slots, topk, seed=60 + n)
+    got = op.triton_path(*_op_args(x, r, w, index, a))
+    want = steered_norm_naive(*_op_args(x, r, w, index, a))
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, **_FULL_TOL)
+    plain = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_a=a["vec_a"], vec_b=a["vec_b"])
+    rows = index[:n].long()
+    idle = torch.isin(rows, torch.tensor(_FULL_IDLE))
+    assert torch.equal(got[0][idle], plain[0][idle]) and torch.equal(got[1][idle], plain[1][idle])
+    if (~idle).any():  # not vacuous: the SAE moved the on tokens
+        assert not torch.allclose(got[1][~idle], plain[1][~idle], rtol=1e-2, atol=1e-2)
+
+
+@_INTERPRETER_INDEX
+def test_full_sae_bf16_stream_matches_reference(interpreted):
+    """A bf16 model: the outputs round to bf16 (one unit in the last place, as every bf16 kernel test)."""
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    x, r, w, index, a = _full_case(13, "ab", 8, seed=90, dtype=torch.bfloat16)
+    got = op.triton_path(*_op_args(x, r, w, index, a))
+    want = steered_norm_naive(*_op_args(x, r, w, index, a))
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, **_TOL[torch.bfloat16])
+
+
+@_INTERPRETER_INDEX
+def test_full_sae_gated_rows_match_reference(interpreted):
+    """With conditions: the gate (read from the buffer) scales a gated row's full edit, at slot A and in slot B's
+    encoder input (slot A's gated vectors), as the reference does."""
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    n = 12
+    earlier = 5
+    cond_site = torch.tensor([-1, earlier | SAE_GATED, -1, earlier, earlier | SAE_GATED | VECTORS_UNGATED, -1],
+                             dtype=torch.int32)
+    params = torch.tensor([[0.0, 1.0, 0.0, 1.0]] + [[0.1, 2.0, 0.0, 0.0]] * 5, dtype=torch.float32)
+    probe = torch.randn(6, 80, generator=torch.Generator().manual_seed(94))
+    gate = torch.rand(n + 5, generator=torch.Generator().manual_seed(95)) * 0.8 + 0.1
+    cond = ((cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32)), gate)
+    x, r, w, index, a = _full_case(n, "ab", 8, seed=93, cond=cond)
+    got = op.triton_path(*_op_args(x, r, w, index, a))
+    want = steered_norm_naive(*_op_args(x, r, w, index, a))
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, **_FULL_TOL)
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("topk", [0, 8], ids=["jumprelu", "topk8"])
+def test_full_sae_idle_batch_writes_nothing(interpreted, monkeypatch, topk):
+    """No token's row is on (rows 0 and OFF only): the outputs are the kernel's without SAE, bit for bit, and the
+    full kernels leave every scratch buffer as they found it but the on-token count (written 0)."""
+    from vllm_steer.kernels.sae_clamp import full_triton
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    made = []
+
+    def sentinel_empty(*shape, dtype, device):
+        t = torch.full(shape, 7, dtype=dtype, device=device)
+        made.append(t)
+        return t
+
+    class _Torch:  # full_triton's torch, its scratch allocations filled with a sentinel
+        empty = staticmethod(sentinel_empty)
+        float32, int32 = torch.float32, torch.int32
+
+    monkeypatch.setattr(full_triton, "torch", _Torch)
+    x, r, w, index, a = _full_case(20, "ab", topk, seed=97)
+    index[:] = torch.where(index % 2 == 0, 0, 2).to(torch.int32)  # rows 0 and 2 (OFF, with codes)
+    got = op.triton_path(*_op_args(x, r, w, index, a))
+    plain = interpreted[0].steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_a=a["vec_a"], vec_b=a["vec_b"])
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    counts = [t for t in made if t.shape == (1,)]
+    assert len(counts) == 2 and all(int(t) == 0 for t in counts)  # one per full slot
+    assert len(made) == 12 and all(bool((t == 7).all()) for t in made if t.shape != (1,))
 
 
 def test_capture_rows_triton_matches_reference(interpreted):

@@ -2,10 +2,13 @@
 staged once at start-up, or, at sites ``steer.sae_slots`` reserved, zeros until an SAE is registered
 at runtime and staged in place; row tables updated in place; layout in kernels/sae_clamp/packed.py). Rows
 share the numbering of the steering tables: a config key owns one row for its vectors and its clamps
-alike, so the row gate, the index and preemption need nothing new. A transcoder's packs (``tc_packs``, by its
+alike, so the row gate, the index and preemption need nothing new. A full pack (TopK, or a site that allows
+reconstruct) keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands, kernels/sae_clamp/full_triton.py). A transcoder's packs (``tc_packs``, by its
 post_attn.L site) have the clamp-only layout too; the norm of post_attn.L applies them to its output's delta."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -40,12 +43,23 @@ def _clampable(w: SaeWeights, feats: np.ndarray) -> list[np.ndarray]:
     return [w.w_enc[:, feats].T, w.w_dec[feats], _folded_bias(w)[feats], _threshold(w)[feats], feats]
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """``a`` rounded to bfloat16 (nearest), as float32."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).bfloat16().float().numpy()
+
+
 def _pack(w: SaeWeights, entry: SaeEntry, num_rows: int, device: torch.device) -> list[torch.Tensor]:
+    """A site's pack. A full one keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands; half the
+    float32 bytes: 4 * d_model * d_sae per site) and derives everything else from those rounded weights (the
+    clampable copies, the folded bias), so the reference and the kernels compute with the same SAE."""
+    if entry.full:
+        w = dataclasses.replace(w, w_enc=_bf16(w.w_enc), w_dec=_bf16(w.w_dec))
     enc, dec, bias, thr, feats = _clampable(w, np.asarray(entry.features, dtype=np.int64))
     pack = _row_tables(num_rows, len(feats), device)
     pack += [_tensor(a, device) for a in (enc, dec, bias, thr)] + [_tensor(feats, device, torch.int64)]
     if entry.full:
-        pack += [_tensor(a, device) for a in (w.w_enc, _folded_bias(w), _threshold(w), w.w_dec, w.b_dec)]
+        pack += [_tensor(w.w_enc, device, torch.bfloat16), _tensor(_folded_bias(w), device),
+                 _tensor(_threshold(w), device), _tensor(w.w_dec, device, torch.bfloat16), _tensor(w.b_dec, device)]
     return pack
 
 

@@ -1,0 +1,41 @@
+"""The steered norm's full SAE slots on CUDA: turns a slot's full pack into the edit descriptor the norm kernel adds
+(``FULL_A`` / ``FULL_B``), computing the edit with ``full_triton.site_edit``. Slot B's edit is encoded from the
+stream after slot A's features, which ``site_edit`` re-applies to the on tokens (as the norm kernel would)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_steer.kernels.sae_clamp.full_triton import site_edit
+from vllm_steer.kernels.sae_clamp.packed import N_FULL
+
+
+def full_slots(x: torch.Tensor, residual: torch.Tensor | None, index: torch.Tensor, vec_a: Sequence[torch.Tensor],
+               sae_a: Sequence[torch.Tensor], topk_a: int, sae_b: Sequence[torch.Tensor], topk_b: int,
+               cond: Sequence[torch.Tensor], gate: torch.Tensor | None, proj_a: Sequence[torch.Tensor]) -> tuple:
+    """(sae_a, full_a, sae_b, full_b) for the Triton norm: a full slot's clamp-only descriptor emptied and its
+    ``(edit, mode)`` given instead; a clamp-only slot passes through."""
+    from vllm_steer.kernels.steered_rms_norm.triton import _proj_desc, _sae_desc
+
+    d = x.shape[1]
+    full_a = full_b = ()
+    if len(sae_a) == N_FULL:
+        full_a = (site_edit(x, residual, index, sae_a, topk_a), sae_a[0])
+        sae_a = []
+    if len(sae_b) == N_FULL:
+        prefix = {}
+        if vec_a:
+            prefix["vec"] = (vec_a[0], vec_a[1], vec_a[0].stride(0))
+        if sae_a:
+            prefix["sae"] = _sae_desc(sae_a, d)
+        if proj_a:
+            prefix["proj"] = _proj_desc(proj_a, d)
+        if full_a:
+            prefix["full"] = (full_a[0], full_a[1], full_a[0].stride(0))
+        if cond:
+            prefix["cond"] = (cond[0], cond[1], cond[2], gate, cond[3], cond[2].stride(0))
+        full_b = (site_edit(x, residual, index, sae_b, topk_b, prefix), sae_b[0])
+        sae_b = []
+    return sae_a, full_a, sae_b, full_b

@@ -1,0 +1,341 @@
+"""Full SAE packs (TopK, or a site that allows reconstruct) on CUDA: each on token's move at one slot,
+``edit[t] = clamped(s)[t] - s[t]`` (``packed.apply_site_naive``), computed with tensor cores for the tokens whose
+row is on and for no other; the steered norm adds ``w * edit[t]`` where the slot's clamps go (``FULL_A`` /
+``FULL_B`` in ``../steered_rms_norm/triton.py``). ``site_edit`` launches it.
+
+Launches per full slot and step, each a few µs and nothing more when no token's row is on (no host sync, no
+data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 at slot A, 5 at slot B.
+
+1. ``_compact`` (one program): the ids of the on tokens (row != 0, mode != 0) in order, and their count. The
+   count is the only write of an idle step.
+2. per round of ``ROUND`` listed tokens (``ceil(N / ROUND)`` rounds, fixed by N; a round past the count exits):
+   - ``_gather`` (slot B only): the slot's float32 stream of each listed token: x + residual plus slot A's
+     features (clamp-only walk or full edit, projections, vectors, with the gate's weights), as the norm has it;
+     at slot A the GEMMs read x + residual of the listed tokens themselves;
+   - ``_encode``: ``pre = s @ W_enc + b_enc`` (``tl.dot``; the stream split into bf16 hi + lo, both against the
+     bf16 weights, float32 accumulation: the error of the weights' rounding only);
+   - ``_select``: per token the activation (TopK: the k-th largest ``pre`` found exactly by a bitwise search on
+     order-preserving integer keys; else ``pre > thr``), the row's clamps, and the decode coefficients in place
+     of ``pre``: a RECONSTRUCT row's ``f'`` (every feature), a DELTA row's ``f' - f`` (clamped features, 0
+     elsewhere);
+   - ``_decode``: ``edit[t] = coef @ W_dec`` (+ ``b_dec - s`` for RECONSTRUCT rows), a W_dec tile read only
+     when some coefficient of the tile's tokens is not 0 (delta-only batches read the clamped rows' tiles).
+
+TopK ties: every feature whose pre equals the k-th largest is kept (torch.topk keeps exactly k); with float
+activations a tie at the boundary is a measure-zero event.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_steer.kernels.launch_cache import CachedLauncher
+from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
+from vllm_steer.kernels.steered_rms_norm.triton import _add_edit, _add_row, _project_gated, _sae_clamp_row
+
+_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
+_SELECT_MAX = 16384  # d_sae up to this: a token's pre-activations stay in registers through the TopK search
+_SELECT_CHUNK = 4096  # larger d_sae: read in chunks of this many, once per bit of the search
+_RECON = tl.constexpr(RECONSTRUCT)
+_SAE_GATED = tl.constexpr(1 << 17)
+_VECTORS_UNGATED = tl.constexpr(1 << 16)
+_PROJ_GATED = tl.constexpr(1 << 18)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b (a, b in the weights' dtype). UPCAST (Triton's interpreter, whose dot mishandles bfloat16):
+    the same products in float32 (a product of two bf16 values is exact in float32). Float32 weights (tests):
+    IEEE float32, not TF32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif b.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _compact(p_index, p_mode, p_tok, p_count, N, BLOCK: tl.constexpr):
+    """tok[0:count] = the tokens t < N whose row is on, in order; count[0] = how many."""
+    base = 0
+    for t0 in range(0, N, BLOCK):
+        o_t = t0 + tl.arange(0, BLOCK)
+        m_t = o_t < N
+        row = tl.load(p_index + o_t, mask=m_t, other=0)
+        on = (tl.load(p_mode + row, mask=m_t & (row != 0), other=0) != 0).to(tl.int32)
+        tl.store(p_tok + base + tl.cumsum(on, axis=0) - 1, o_t.to(tl.int32), mask=on != 0)
+        base += tl.sum(on, axis=0)
+    tl.store(p_count, base)
+
+
+@triton.jit
+def _gather(p_x, p_res, p_index, p_tok, p_count, p_s, r0, stride_x, stride_res, stride_s,
+            vec_a, sae_a, proj_a, full_a, cond,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, PRE_VEC: tl.constexpr,
+            PRE_SAE: tl.constexpr, PRE_PROJ: tl.constexpr, PRE_FULL: tl.constexpr, COND: tl.constexpr):
+    """S[j] = the stream at the slot of listed token r0 + j: x + residual, then (slot B) slot A's features in the
+    norm kernel's order and weights (so S equals the kernel's stream there, bit for bit)."""
+    j = tl.program_id(0)
+    if r0 + j < tl.load(p_count):
+        i_t = tl.load(p_tok + r0 + j).to(tl.int64)
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+        if HAS_RES:
+            b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0).to(tl.float32)
+        if PRE_VEC or PRE_SAE or PRE_PROJ or PRE_FULL:
+            i_row = tl.load(p_index + i_t)
+            if COND:  # an SAE norm only reads the gate (no probe sits here)
+                i_gsite = tl.load(cond[0] + i_row)
+                g = tl.load(cond[3] + i_t)
+                w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
+                w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
+                proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
+            else:
+                w_sae = 1.0
+                w_vec = 1.0
+                proj_gated = False
+                g = 1.0
+            if PRE_SAE:
+                b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, 32, w_sae)
+            if PRE_FULL:
+                b_s = _add_edit(b_s, i_t, i_row, full_a, o_d, m_d, w_sae)
+            if PRE_PROJ:
+                b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
+            if PRE_VEC:
+                b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
+        tl.store(p_s + j * stride_s + o_d, b_s, mask=m_d)
+
+
+@triton.jit
+def _stream(src, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr):
+    """The float32 stream of listed rows ``o_m`` (of this round), columns ``o_k``: DIRECT (slot A, nothing before
+    it) x[t] + residual[t] of their tokens, else the gathered S rows. ``src``: (S, S stride, x, residual, x stride,
+    residual stride, tok + r0)."""
+    p_s, stride_s, p_x, p_res, stride_x, stride_res, p_tok = src
+    m = m_m[:, None] & m_k[None, :]
+    if DIRECT:
+        i_t = tl.load(p_tok + o_m, mask=m_m, other=0).to(tl.int64)
+        a = tl.load(p_x + i_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            a += tl.load(p_res + i_t[:, None] * stride_res + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(p_s + o_m[:, None] * stride_s + o_k[None, :], mask=m, other=0.0)
+    return a
+
+
+@triton.jit
+def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+            ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+            HAS_RES: tl.constexpr):
+    """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per BLOCK_F features."""
+    o_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    m_f = o_f < F
+    n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
+    b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
+    for m0 in range(0, n, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < n
+        acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < D
+            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+            w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
+                        mask=m_k[:, None] & m_f[None, :], other=0.0)
+            a_hi = a.to(w.dtype)
+            acc = _dot(a_hi, w, acc, UPCAST)
+            if PRECISE:
+                acc = _dot((a - a_hi.to(tl.float32)).to(w.dtype), w, acc, UPCAST)
+        tl.store(p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :], acc + b_bias[None, :],
+                 mask=m_m[:, None] & m_f[None, :])
+
+
+@triton.jit
+def _key(v):
+    """An int64 in [0, 2^32) that orders as the float32 ``v``."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _act(v, thr_key, thr, TOPK: tl.constexpr):
+    """The activation of pre ``v``: TopK: relu(v) if its key is among the k largest (>= thr_key); else
+    v * (v > thr)."""
+    if TOPK:
+        return tl.where(_key(v) >= thr_key, tl.maximum(v, 0.0), 0.0)
+    else:
+        return tl.where(v > thr, v, 0.0)
+
+
+@triton.jit
+def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
+            stride_pre, stride_code, stride_value, stride_cv, F, C, K,
+            TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients written over
+    pre (RECONSTRUCT: f with clamped features f'; DELTA: f' - f at clamped features, 0 elsewhere). ``cv``: the
+    clamped features' coefficients, staged while pre is still whole. SINGLE: F <= BLOCK, the row in registers."""
+    j = tl.program_id(0)
+    if r0 + j < tl.load(p_count):
+        i_t = tl.load(p_tok + r0 + j).to(tl.int64)
+        i_r = tl.load(p_index + i_t).to(tl.int64)
+        recon = tl.load(p_mode + i_r) == _RECON
+        p_row = p_pre + j.to(tl.int64) * stride_pre
+        o = tl.arange(0, BLOCK)
+        thr_key = tl.zeros((), dtype=tl.int64)
+        if SINGLE:
+            b_row = tl.load(p_row + o, mask=o < F, other=float("-inf"))
+        if TOPK:  # the largest key T with #(key >= T) >= K: the K-th largest, bit by bit from the top
+            if SINGLE:
+                b_key = tl.where(o < F, _key(b_row), -1)
+                for b in tl.static_range(31, -1, -1):
+                    cand = thr_key | (1 << b)
+                    thr_key = tl.where(tl.sum((b_key >= cand).to(tl.int32), axis=0) >= K, cand, thr_key)
+            else:
+                for b in tl.static_range(31, -1, -1):
+                    cand = thr_key | (1 << b)
+                    cnt = 0
+                    for f0 in range(0, F, BLOCK):
+                        v = tl.load(p_row + f0 + o, mask=f0 + o < F, other=float("-inf"))
+                        cnt += tl.sum(((_key(v) >= cand) & (f0 + o < F)).to(tl.int32), axis=0)
+                    thr_key = tl.where(cnt >= K, cand, thr_key)
+        o_c = tl.arange(0, BLOCK_C)
+        for c0 in range(0, C, BLOCK_C):  # the row's clamped features, from pre as it is
+            m_c = c0 + o_c < C
+            code = tl.load(p_code + i_r * stride_code + c0 + o_c, mask=m_c, other=0)
+            feat = tl.load(p_feat + c0 + o_c, mask=m_c, other=0)
+            v = tl.load(p_row + feat, mask=m_c, other=0.0)
+            f = _act(v, thr_key, tl.load(p_thr + feat, mask=m_c, other=0.0), TOPK)
+            val = tl.load(p_value + i_r * stride_value + c0 + o_c, mask=m_c, other=0.0)
+            kind = code & 3
+            new = tl.where(kind == 1, val, tl.where(kind == 2, f + val, tl.where(kind == 3, f * val, f)))
+            f_new = tl.where((kind != 0) & (((code & 4) == 0) | (f > 0)), new, f)
+            tl.store(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, tl.where(recon, f_new, f_new - f), mask=m_c)
+        tl.debug_barrier()  # every clamped feature's pre is read before the coefficients overwrite it
+        if SINGLE:
+            if TOPK:  # no thresholds to read
+                b_f = _act(b_row, thr_key, 0.0, TOPK)
+            else:
+                b_f = _act(b_row, thr_key, tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
+            tl.store(p_row + o, tl.where(recon, b_f, 0.0), mask=o < F)
+        else:
+            for f0 in range(0, F, BLOCK):
+                m_f = f0 + o < F
+                v = tl.load(p_row + f0 + o, mask=m_f, other=0.0)
+                b_f = _act(v, thr_key, tl.load(p_thr + f0 + o, mask=m_f, other=0.0), TOPK)
+                tl.store(p_row + f0 + o, tl.where(recon, b_f, 0.0), mask=m_f)
+        tl.debug_barrier()
+        for c0 in range(0, C, BLOCK_C):
+            m_c = c0 + o_c < C
+            code = tl.load(p_code + i_r * stride_code + c0 + o_c, mask=m_c, other=0)
+            feat = tl.load(p_feat + c0 + o_c, mask=m_c, other=0)
+            cv = tl.load(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, mask=m_c, other=0.0)
+            tl.store(p_row + feat, cv, mask=m_c & ((code & 3) != 0))
+
+
+@triton.jit
+def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_edit, r0,
+            stride_coef, stride_w, stride_edit, F,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+            ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+            HAS_RES: tl.constexpr):
+    """edit[t] = coef[j] @ W_dec (+ b_dec - S[j] for a RECONSTRUCT row) for the round's listed tokens; a program
+    per BLOCK_D columns. A W_dec tile whose coefficients are all 0 for the tile's tokens is not read."""
+    o_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
+    for m0 in range(0, n, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < n
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            o_f = f0 + tl.arange(0, BLOCK_F)
+            m_f = o_f < F
+            c = tl.load(p_coef + o_m[:, None].to(tl.int64) * stride_coef + o_f[None, :],
+                        mask=m_m[:, None] & m_f[None, :], other=0.0)
+            if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
+                w = tl.load(p_wdec + o_f[:, None].to(tl.int64) * stride_w + o_d[None, :],
+                            mask=m_f[:, None] & m_d[None, :], other=0.0)
+                c_hi = c.to(w.dtype)
+                acc = _dot(c_hi, w, acc, UPCAST)
+                if PRECISE:
+                    acc = _dot((c - c_hi.to(tl.float32)).to(w.dtype), w, acc, UPCAST)
+        i_t = tl.load(p_tok + r0 + o_m, mask=m_m, other=0).to(tl.int64)
+        i_r = tl.load(p_index + i_t, mask=m_m, other=0)
+        recon = tl.load(p_mode + i_r, mask=m_m, other=0) == _RECON
+        b_s = _stream(src, o_m, m_m, o_d, m_d, DIRECT, HAS_RES)
+        b_dec = tl.load(p_bdec + o_d, mask=m_d, other=0.0)
+        e = tl.where(recon[:, None], acc + b_dec[None, :] - b_s, acc)
+        tl.store(p_edit + i_t[:, None] * stride_edit + o_d[None, :], e, mask=m_m[:, None] & m_d[None, :])
+
+
+def _block_m(n: int) -> int:
+    return 16 if n <= 64 else 64 if n <= 512 else 128
+
+
+def site_edit(
+    x: torch.Tensor,  # [N, D]
+    residual: torch.Tensor | None,  # [N, D]
+    index: torch.Tensor,  # [>= N] int32
+    pack: Sequence[torch.Tensor],  # a full pack (packed.py, N_FULL tensors; w_enc / w_dec bf16)
+    topk: int,  # TopK's k, 0: the pack's thresholds
+    prefix: dict | None = None,  # slot B: slot A's descriptors as the norm kernel takes them
+    precise: bool = True,
+) -> torch.Tensor:
+    """The on tokens' move at a full slot, ``edit`` [N, D] float32: row t holds ``clamped(s)[t] - s[t]`` for a
+    token whose row is on and is not written for any other (the norm reads it only for those). ``prefix`` (slot
+    B): ``vec`` (table, flag, stride), ``sae`` (a clamp-only descriptor), ``proj``, ``full`` (slot A's edit
+    descriptor), ``cond`` (the norm's condition descriptor): slot A's features, applied before the encoder."""
+    n, d = x.shape
+    mode, code, value = pack[0], pack[1], pack[2]
+    feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
+    f_all, c = w_enc.shape[1], code.shape[1]
+    assert w_enc.stride(-1) == 1 and w_dec.stride(-1) == 1 and code.stride(-1) == 1 and value.stride(-1) == 1
+    dev = x.device
+    edit = torch.empty(n, d, dtype=torch.float32, device=dev)
+    if n == 0:
+        return edit
+    rn = min(n, ROUND)
+    tok = torch.empty(n, dtype=torch.int32, device=dev)
+    count = torch.empty(1, dtype=torch.int32, device=dev)
+    p = prefix or {}
+    pre_flags = tuple(bool(p.get(k)) for k in ("vec", "sae", "proj", "full", "cond"))
+    s = torch.empty(rn if any(pre_flags) else 1, d, dtype=torch.float32, device=dev)  # gathered streams (slot B)
+    pre = torch.empty(rn, f_all, dtype=torch.float32, device=dev)
+    cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
+    _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
+    block_d = triton.next_power_of_2(d)
+    block_m = _block_m(n)
+    single = f_all <= _SELECT_MAX
+    block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
+    direct = not any(pre_flags)  # slot A: the stream is x + residual, read by the GEMMs themselves
+    res = residual if residual is not None else x
+    res_stride = residual.stride(0) if residual is not None else 0
+    for r0 in range(0, n, ROUND):
+        if not direct:
+            _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
+                            *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond"))),
+                    (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
+        src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
+        flags = (ROUND, precise, _UPCAST, direct, residual is not None)
+        _ENCODE((triton.cdiv(f_all, 64),), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0), pre.stride(0), f_all),
+                (d, block_m, 64, 64, *flags), 4)
+        _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
+                        value.stride(0), cv.stride(0), f_all, c, topk),
+                (topk > 0, single, block_sel, 64), 16 if block_sel >= 8192 else 8)
+        _DECODE((triton.cdiv(d, 64),), (pre, src, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0),
+                                        w_dec.stride(0), edit.stride(0), f_all), (d, block_m, 64, 64, *flags), 4)
+    return edit
+
+
+# launched without Triton's per-call binding (steps above the CUDA-graph sizes launch from Python: ../launch_cache.py)
+_COMPACT, _GATHER, _ENCODE, _SELECT, _DECODE = (CachedLauncher(k) for k in (_compact, _gather, _encode, _select,
+                                                                            _decode))
