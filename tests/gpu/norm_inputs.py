@@ -1,8 +1,10 @@
-"""Inputs shared by the GPU tests of the steered norm kernels (plain, SAE, conditional): the dtypes, the
-usual tolerances, and one case's stream, residual, norm weight and two steering tables."""
+"""Inputs shared by the GPU tests of the steered norm kernels (plain, SAE, conditional, transcoder): the dtypes,
+the usual tolerances, one case's stream, residual, norm weight and two steering tables, the fixture that keeps the
+references' matmuls in true float32, and the comparison of a kernel's outputs with the reference's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -20,3 +22,26 @@ def norm_inputs(g: torch.Generator, n: int, d: int, dtype: torch.dtype, rows: in
     ta[0].zero_()
     tb[0].zero_()
     return x, r, w, ta, tb
+
+
+@pytest.fixture
+def full_fp32_matmuls():
+    """The reference's matmuls in true float32 (no TF32), whatever the process set (``usefixtures``)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def check_outputs(got, want, plain, index, tol: dict, ambiguous: torch.Tensor, idle_rows) -> None:
+    """The kernel's (output, residual) as the reference's within ``tol`` for every token not on a threshold
+    (``ambiguous``: rounding may flip a feature there; most tokens must remain), and tokens of ``idle_rows`` as the
+    plain kernel's (``plain``), bit for bit."""
+    n = got[0].shape[0]
+    rows = index[:n].long()
+    keep = ~ambiguous
+    assert n <= 2 or int(keep.sum()) >= (n + 1) // 2, "too many tokens on a threshold: the case is degenerate"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[keep], w[keep], **tol)
+    idle = torch.isin(rows, torch.tensor(idle_rows, device=rows.device))
+    assert torch.equal(got[0][idle], plain[0][idle]) and torch.equal(got[1][idle], plain[1][idle])

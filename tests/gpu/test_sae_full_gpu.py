@@ -18,9 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("full_fp32_matmuls")]
 
-from tests.gpu.norm_inputs import DTYPES, norm_inputs  # noqa: E402
+from tests.gpu.norm_inputs import DTYPES, check_outputs, full_fp32_matmuls, norm_inputs  # noqa: E402,F401
 from tests.sae_packs import R, full_pack, token_rows  # noqa: E402
 from vllm_steer.kernels.sae_clamp.packed import _full_features, apply_site_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
@@ -35,13 +36,6 @@ MARGIN = 2e-3
 THR = 0.01  # JumpReLU thresholds in [0, THR): a feature flipping at one (a rounding) moves f by < THR
 IDLE = (0, 2, 3)  # row 0, an OFF row with codes, a DELTA row without codes
 
-
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _case(n, d, f, dtype, slots, topk, seed):
@@ -88,14 +82,7 @@ def _ambiguous(x, r, index, a) -> torch.Tensor:
 
 
 def _check(got, want, plain, index, dtype, ambiguous):
-    n = got[0].shape[0]
-    rows = index[:n].long()
-    keep = ~ambiguous
-    assert n <= 2 or int(keep.sum()) >= (n + 1) // 2, "too many tokens on a boundary: the case is degenerate"
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g[keep], w[keep], **TOL[dtype])
-    idle = torch.isin(rows, torch.tensor(IDLE, device="cuda"))
-    assert torch.equal(got[0][idle], plain[0][idle]) and torch.equal(got[1][idle], plain[1][idle])
+    check_outputs(got, want, plain, index, TOL[dtype], ambiguous, IDLE)
 
 
 CASES = [pytest.param(n, d, f, name, slots, k, id=f"N{n}-D{d}-F{f}-{name}-{slots}-k{k}")

@@ -17,9 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("full_fp32_matmuls")]
 
-from tests.gpu.norm_inputs import norm_inputs  # noqa: E402
+from tests.gpu.norm_inputs import full_fp32_matmuls, norm_inputs  # noqa: E402,F401
 from tests.sae_packs import IDLE_ROWS, R, clamp_pack, token_rows  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive  # noqa: E402
@@ -30,13 +31,6 @@ EPS = 1e-5
 # reference encodes may differ from the kernel's by an ulp, its norm summing in another order)
 MARGIN = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 
-
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _triton(*args, **kw):
