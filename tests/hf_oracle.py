@@ -4,7 +4,8 @@ vector added by forward hooks at the same points, greedy-decoded in float32.
 Hook points, defined on HF's layer structure (stream = residual stream):
 - pre_attn at layer i: a forward pre-hook on layers[i] adds v to its input hidden states.
 - post_attn: a forward hook adds v to the output of the module whose output is added to the
-  residual after attention (``self_attn`` for Llama/Qwen/Mistral; Gemma's ``post_attention_layernorm``).
+  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's ``post_attention_layernorm``,
+  GLM-4's ``post_self_attn_layernorm``).
 - post_mlp: a forward hook on layers[i] adds v to the layer's output.
 """
 
@@ -15,7 +16,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-_POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm"}
+_POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm",
+                     "glm4": "post_self_attn_layernorm"}
 
 
 @lru_cache(maxsize=4)

@@ -140,10 +140,25 @@ def _attrs(target: str, members: str, owner: str, why: str) -> tuple[Use, ...]:
 _SCHED, _OUT, _REQ = "vllm.v1.core.sched.scheduler:Scheduler", "vllm.v1.core.sched.output", "vllm.v1.request"
 _V1, _V2 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _CFG, _SP = "vllm.config", "vllm.sampling_params:SamplingParams"
-_FAMILIES = (("llama", "Llama", "post_attention_layernorm"), ("mistral", "Mistral", "post_attention_layernorm"),
-             ("qwen2", "Qwen2", "post_attention_layernorm"), ("qwen3", "Qwen3", "post_attention_layernorm"),
-             ("qwen3_moe", "Qwen3Moe", "post_attention_layernorm"), ("mixtral", "Mixtral", "post_attention_layernorm"),
-             ("gemma2", "Gemma2", "pre_feedforward_layernorm"), ("gemma3", "Gemma3", "pre_feedforward_layernorm"))
+
+
+def _family_uses() -> tuple[Use, ...]:
+    """The rows of every family in ``runtime.families.FAMILIES`` (the one family table): its layer's fused norms
+    and its model's layers and final norm, one row per class (families that share classes share rows)."""
+    from vllm_steer.runtime.families import FAMILIES
+
+    rows: dict[tuple[str, str], Use] = {}
+    for f in (f for f in FAMILIES if f.norms):
+        where = f.path
+        for u in (*_attrs(f"{where}:{f.layer}", " ".join(f.norms), "vllm_steer.runtime.families",
+                          "the fused norms hooks are folded into (found from the layer's forward; this row names "
+                          "the ones the tests check)"),
+                  *_attrs(f"{where}:{f.model}", "layers norm", "vllm_steer.runtime.install",
+                          "model.model.layers (else the model is refused) and the final norm (read with a default: "
+                          "post_mlp of the last layer would go unsteered)")):
+            rows.setdefault((u.target, u.member), u)
+    return tuple(rows.values())
+
 
 USES: tuple[Use, ...] = (
     # engine core: the row gate, the decode salt, refusals, registries
@@ -236,13 +251,7 @@ USES: tuple[Use, ...] = (
             "vllm_steer.runtime.install", "as above, for Gemma's (1 + w) norms"),
     *_attrs("vllm.model_executor.models.utils", "PPMissingLayer", "vllm_steer.runtime.install",
             "matched by class name: layers of other pipeline stages would be taken for this rank's"),
-    *(u for m, name, post in _FAMILIES for u in (
-        *_attrs(f"vllm.model_executor.models.{m}:{name}DecoderLayer", f"input_layernorm {post}",
-                "vllm_steer.runtime.families",
-                "the fused norms hooks are folded into (the layer is matched by class name)"),
-        *_attrs(f"vllm.model_executor.models.{m}:{name}Model", "layers norm", "vllm_steer.runtime.install",
-                "model.model.layers (else the model is refused) and the final norm (read with a default: post_mlp "
-                "of the last layer would go unsteered)"))),
+    *_family_uses(),
     Use("vllm.utils.torch_utils", "direct_register_custom_op", "method", "vllm_steer.kernels.steered_rms_norm.op",
         "the steering and capture ops are registered with it",
         ("op_name", "op_func", "mutates_args", "fake_impl", "target_lib")),

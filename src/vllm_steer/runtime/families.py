@@ -1,62 +1,254 @@
-"""Model-family adapters: which norm of a supported decoder layer receives each hook point.
+"""Which fused norm of a decoder layer receives each hook point: found from the layer's structure, and
+the one table of the families that structure was checked on (tests, ``patches.USES``, the README table).
 
 vLLM keeps the residual stream split: a decoder layer takes and returns ``(hidden, residual)``
 with stream = hidden + residual, and the next fused add + RMSNorm sums them. Every hook point is
 therefore the input of one fused norm, which is where the steering add is folded in:
 
-- ``pre_attn`` of layer L: the stream entering layer L = the input of ``layers[L].input_layernorm``
-  (without a residual on the first layer, whose stream is the embedding itself);
-- ``post_mlp`` of layer L: layer L's output = the same input of ``layers[L+1].input_layernorm``,
+- ``pre_attn`` of layer L: the stream entering layer L = the input of the layer's first fused norm
+  (``input_layernorm``; without a residual on the first layer, whose stream is the embedding itself);
+- ``post_mlp`` of layer L: layer L's output = the same input of layer L+1's first fused norm,
   or of the final ``model.norm`` after the last layer;
-- ``post_attn`` of layer L: the input of the fused norm that adds the attention branch:
-  ``post_attention_layernorm(attn_out, residual)`` in Llama-style layers; in Gemma2/3, which
-  normalize the branch first, ``pre_feedforward_layernorm(post_attention_layernorm(attn_out), residual)``.
+- ``post_attn`` of layer L: the input of the second fused norm, the one that adds the attention branch:
+  ``post_attention_layernorm(attn_out, residual)`` in Llama-style layers; in Gemma2/3, which normalize
+  the branch first, ``pre_feedforward_layernorm(post_attention_layernorm(attn_out), residual)``; GLM-4
+  normalizes it too, with ``post_self_attn_layernorm``, then adds it in ``post_attention_layernorm``.
 
-Nothing else lives here. See NOTES.md for the derivations and the transformers oracle.
+The rule, read from the source of the layer's ``forward`` (``ast``; nothing runs): it takes ``residual``;
+exactly two submodules are called as ``x, residual = self.<norm>(h, residual)``, the first before the
+attention, the second between attention and MLP; ``residual`` is read or written nowhere else (but a
+``residual is None`` test, ``residual = hidden_states`` under it, and ``return h, residual``); and both
+norms are vLLM's own ``RMSNorm`` (with a weight) or ``GemmaRMSNorm``, not a subclass. The model's
+forward must call ``self.norm(h, residual)``. Whatever breaks the rule is refused naming what was not
+found: unfused adds (Granite's residual multiplier), post-norm layers (OLMo-2/3), a residual scaled
+outside a norm (DeepSeek-V2 in float16), parallel attention + MLP (one fused norm).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class FamilyAdapter:
-    name: str
-    post_attn_norm: str  # attribute of the decoder layer: the fused add+norm after attention
-
-
-INPUT_NORM = "input_layernorm"
-FINAL_NORM = "norm"  # model.model.norm
-
-_LLAMA_STYLE = "post_attention_layernorm"
-_GEMMA_STYLE = "pre_feedforward_layernorm"
-
-_BY_LAYER_CLASS: dict[str, FamilyAdapter] = {
-    "LlamaDecoderLayer": FamilyAdapter("llama", _LLAMA_STYLE),
-    "MistralDecoderLayer": FamilyAdapter("mistral", _LLAMA_STYLE),
-    "Qwen2DecoderLayer": FamilyAdapter("qwen2", _LLAMA_STYLE),
-    "Qwen3DecoderLayer": FamilyAdapter("qwen3", _LLAMA_STYLE),
-    "Qwen3MoeDecoderLayer": FamilyAdapter("qwen3_moe", _LLAMA_STYLE),
-    "MixtralDecoderLayer": FamilyAdapter("mixtral", _LLAMA_STYLE),
-    "Gemma2DecoderLayer": FamilyAdapter("gemma2", _GEMMA_STYLE),
-    "Gemma3DecoderLayer": FamilyAdapter("gemma3", _GEMMA_STYLE),
-}
-
-SUPPORTED_LAYER_CLASSES = tuple(sorted(_BY_LAYER_CLASS))
+from functools import lru_cache
 
 
 class UnsupportedModelError(RuntimeError):
-    """Steering is enabled for a model whose decoder layers have no adapter."""
+    """Steering is enabled for a model whose decoder layers do not fit the fused-norm rule."""
 
 
-def adapter_for_layer(layer: object) -> FamilyAdapter:
-    """The adapter of a decoder layer instance, matched on its class or first known base."""
-    for cls in type(layer).__mro__:
-        adapter = _BY_LAYER_CLASS.get(cls.__name__)
-        if adapter is not None:
-            return adapter
-    raise UnsupportedModelError(
-        f"vllm-steer has no adapter for decoder layer {type(layer).__name__}; "
-        f"supported: {', '.join(SUPPORTED_LAYER_CLASSES)}"
-    )
+@dataclass(frozen=True)
+class LayerNorms:
+    """A decoder layer's fused add + norms: ``input_norm`` gets pre_attn[L] (and post_mlp[L-1]),
+    ``post_attn_norm`` gets post_attn[L]; ``attn`` / ``mlp``: the submodules called between them and after."""
+
+    input_norm: str
+    post_attn_norm: str
+    attn: str = ""
+    mlp: str = ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family the rule was checked on: the classes its architecture builds, the norms the rule must find
+    (None: the rule must refuse it) and how its steering is tested (engine vs transformers on the CPU lane:
+    ``cpu-all`` every hook at every layer, ``cpu`` one site per hook, ``cpu-opt`` the same outside CI;
+    ``rule``: the rule only)."""
+
+    name: str
+    architecture: str  # the HF ``architectures`` entry
+    module: str  # where the classes live (vllm.model_executor.models.<module>, or a full dotted path)
+    layer: str  # decoder layer class in that module
+    model: str  # the inner model class (``model.model``)
+    norms: tuple[str, str] | None  # (input norm, post-attention norm) the rule finds; None: refused
+    tested: str
+
+    @property
+    def path(self) -> str:
+        return self.module if "." in self.module else f"vllm.model_executor.models.{self.module}"
+
+
+FINAL_NORM = "norm"  # model.model.norm
+_LLAMA = ("input_layernorm", "post_attention_layernorm")
+_GEMMA = ("input_layernorm", "pre_feedforward_layernorm")
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "LlamaForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu-all"),
+    Family("mistral", "MistralForCausalLM", "mistral", "MistralDecoderLayer", "MistralModel", _LLAMA, "cpu-all"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", "Qwen2DecoderLayer", "Qwen2Model", _LLAMA, "cpu-all"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", "Qwen3DecoderLayer", "Qwen3Model", _LLAMA, "cpu-all"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeModel", _LLAMA,
+           "cpu-all"),
+    Family("mixtral", "MixtralForCausalLM", "mixtral", "MixtralDecoderLayer", "MixtralModel", _LLAMA, "rule"),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", "Gemma2DecoderLayer", "Gemma2Model", _GEMMA, "cpu-all"),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3", "Gemma3DecoderLayer", "Gemma3Model", _GEMMA, "cpu-all"),
+    Family("phi3", "Phi3ForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu-opt"),
+    Family("glm4", "Glm4ForCausalLM", "glm4", "Glm4DecoderLayer", "Glm4Model", _LLAMA, "cpu"),
+    Family("granite", "GraniteForCausalLM", "granite", "GraniteDecoderLayer", "GraniteModel", None, "refused"),
+    Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe", "GraniteMoeDecoderLayer", "GraniteMoeModel", None,
+           "refused"),
+    Family("olmo2", "Olmo2ForCausalLM", "transformers.models.olmo2.modeling_olmo2", "Olmo2DecoderLayer",
+           "Olmo2Model", None, "refused"),  # vLLM 0.26 serves it with its Transformers backend (HF's modules)
+    Family("olmo3", "Olmo3ForCausalLM", "olmo3", "Olmo3DecoderLayer", "Olmo3Model", None, "refused"),
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", None, "refused"),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
+           None, "refused"),
+)
+
+SUPPORTED_LAYER_CLASSES = tuple(sorted({f.layer for f in FAMILIES if f.norms}))
+_FUSED_NORM_CLASSES = {"RMSNorm", "GemmaRMSNorm"}
+_NORM_MODULE = "vllm.model_executor.layers.layernorm"
+
+
+def layer_norms(layer: object) -> LayerNorms:
+    """The fused norms of a decoder layer instance; raises UnsupportedModelError naming what was not found."""
+    cls = type(layer)
+    found = structure(cls)
+    if isinstance(found, str):
+        raise UnsupportedModelError(f"vllm-steer cannot steer decoder layer {cls.__name__}: {found}")
+    for attr in (found.input_norm, found.post_attn_norm):
+        norm = getattr(layer, attr, None)
+        base = getattr(type(norm), "_vs_base", type(norm))  # an already steered norm: its vLLM class
+        if base.__name__ not in _FUSED_NORM_CLASSES or base.__module__ != _NORM_MODULE:
+            raise UnsupportedModelError(
+                f"vllm-steer cannot steer decoder layer {cls.__name__}: its fused norm {attr} is "
+                f"{base.__module__}.{base.__name__}, not vLLM's RMSNorm or GemmaRMSNorm")
+    return found
+
+
+@lru_cache(maxsize=None)
+def model_problem(model_cls: type) -> str | None:
+    """Why the inner model's forward is not a plain pass over its layers ending on the fused final norm
+    (None: it is): one loop, not nested, whose only writes of ``hidden_states`` / ``residual`` are
+    ``hidden_states, residual = layer(...)`` (else a layer's output is not the next one's input: Solar's
+    skip connections, Ouro's repeated passes), then ``self.norm(hidden_states, residual)``."""
+    name = model_cls.__name__
+    tree = _forward_tree(model_cls)
+    if isinstance(tree, str):
+        return tree
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))
+             and any(_is_layer_call(s) for s in ast.walk(n))]
+    outer = [n for n in loops if not any(n is not o and n in set(ast.walk(o)) for o in loops)]
+    if not loops:
+        return f"{name}.forward has no loop of hidden_states, residual = layer(...)"
+    if len(loops) != 1 or len(outer) != 1:
+        return f"{name}.forward runs its layers in {len(loops)} nested loops (a layer may run twice)"
+    calls = [s for s in ast.walk(loops[0]) if _is_layer_call(s)]
+    stream = {"residual", calls[0].targets[0].elts[0].id}
+    for node in ast.walk(loops[0]):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and not any(node is c for c in calls):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id in stream for tt in targets for t in ast.walk(tt)):
+                return (f"{name}.forward line {node.lineno} changes the stream between layers: "
+                        f"{_line(tree, node.lineno)}")
+    if not any(_fused_call(c) == FINAL_NORM for c in ast.walk(tree)):
+        return f"{name}.forward never calls self.{FINAL_NORM}(hidden_states, residual)"
+    return None
+
+
+def _is_layer_call(node: ast.AST) -> bool:
+    """``hidden_states, residual = <call>(...)`` (any name for the first)."""
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)):
+        return False
+    elts = node.targets[0].elts
+    return len(elts) == 2 and isinstance(elts[0], ast.Name) and _is_residual(elts[1]) \
+        and isinstance(node.value, ast.Call) and _fused_call(node.value) is None
+
+
+@lru_cache(maxsize=None)
+def structure(cls: type) -> LayerNorms | str:
+    """The fused norms of a decoder layer class by the rule of this module's docstring, or why it does not fit."""
+    name = cls.__name__
+    tree = _forward_tree(cls)
+    if isinstance(tree, str):
+        return tree
+    params = {a.arg for a in tree.args.args + tree.args.kwonlyargs}
+    if "residual" not in params:
+        return f"{name}.forward takes no residual: its residual adds are not fused into norms"
+    fused: list[tuple[str, ast.Call]] = []
+    allowed: set[int] = set()  # ids of the residual Name nodes the rule allows
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and _is_residual(node.left) and all(
+                isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            allowed.add(id(node.left))
+        elif isinstance(node, ast.If) and _is_none_test(node.test):
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign) and [_is_residual(t) for t in stmt.targets] == [True] \
+                        and isinstance(stmt.value, ast.Name):
+                    allowed.add(id(stmt.targets[0]))  # the first layer: residual = hidden_states
+        elif isinstance(node, ast.Assign) and (attr := _fused_call(node.value)):
+            target = node.targets[0]
+            if not (len(node.targets) == 1 and isinstance(target, ast.Tuple) and len(target.elts) == 2
+                    and _is_residual(target.elts[1])):
+                return f"{name}.forward line {node.lineno}: self.{attr}(..., residual) does not return the residual"
+            fused.append((attr, node.value))
+            allowed.update({id(target.elts[1]), id(node.value.args[1])})
+        elif isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) == 2 \
+                and _is_residual(node.value.elts[1]):
+            allowed.add(id(node.value.elts[1]))
+    for node in ast.walk(tree):
+        if _is_residual(node) and id(node) not in allowed:
+            return (f"{name}.forward line {node.lineno} reads or writes the residual outside a fused norm: "
+                    f"{_line(tree, node.lineno)}")
+    fused.sort(key=lambda f: (f[1].lineno, f[1].col_offset))  # ast.walk is breadth-first
+    names = list(dict.fromkeys(attr for attr, _ in fused))
+    if len(names) != 2:
+        return (f"{name}.forward calls {len(names)} fused norm(s) ({', '.join(names) or 'none'}), "
+                "not 2 (one before attention, one between attention and MLP)")
+    lines = [min(c.lineno for a, c in fused if a == n) for n in names]
+    between = _submodule_calls(tree, lines[0], lines[1], names)
+    after = _submodule_calls(tree, lines[1], 10**9, names)
+    if not between or not after:
+        return f"{name}.forward calls no submodule between {names[0]} and {names[1]}, or none after {names[1]}"
+    return LayerNorms(names[0], names[1], between[0], after[0])
+
+
+def _forward_tree(cls: type) -> ast.FunctionDef | str:
+    """The parsed ``forward`` of a class; one that only returns ``super().forward(...)`` is its base's."""
+    for owner in cls.__mro__:
+        if "forward" not in vars(owner):
+            continue
+        try:
+            node = ast.parse(textwrap.dedent(inspect.getsource(vars(owner)["forward"]))).body[0]
+        except (OSError, TypeError, SyntaxError) as e:
+            return f"the source of {owner.__name__}.forward cannot be read ({type(e).__name__})"
+        if not isinstance(node, ast.FunctionDef):
+            return f"{owner.__name__}.forward is not a function"
+        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if not (len(body) == 1 and isinstance(body[0], ast.Return) and "super().forward(" in ast.unparse(body[0])):
+            return node
+    return f"{cls.__name__} has no forward"
+
+
+def _is_residual(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "residual"
+
+
+def _is_none_test(node: ast.AST) -> bool:
+    return isinstance(node, ast.Compare) and _is_residual(node.left) and isinstance(node.ops[0], ast.Is) \
+        and isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None
+
+
+def _self_attr_call(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+        return node.func.attr
+    return None
+
+
+def _fused_call(node: ast.AST) -> str | None:
+    """``self.<attr>(x, residual)``: the attribute, else None."""
+    attr = _self_attr_call(node)
+    return attr if attr and len(node.args) == 2 and _is_residual(node.args[1]) else None
+
+
+def _submodule_calls(tree: ast.AST, after: int, before: int, norms: list[str]) -> list[str]:
+    calls = sorted((n.lineno, a) for n in ast.walk(tree)
+                   if (a := _self_attr_call(n)) and a not in norms and after < n.lineno < before)
+    return [a for _, a in calls]
+
+
+def _line(tree: ast.FunctionDef, lineno: int) -> str:
+    simple = [s for s in ast.walk(tree) if isinstance(s, ast.stmt) and s.lineno <= lineno <= (s.end_lineno or 0)
+              and not isinstance(s, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef))]
+    return ast.unparse(min(simple, key=lambda s: (s.end_lineno or 0) - s.lineno)) if simple else ""

@@ -23,7 +23,7 @@ from vllm_steer.core.hooks import site_order
 from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.kernels.steered_rms_norm import op as norm_op
 from vllm_steer.runtime.condition_tables import ConditionTables
-from vllm_steer.runtime.families import FINAL_NORM, INPUT_NORM, UnsupportedModelError, adapter_for_layer
+from vllm_steer.runtime.families import FINAL_NORM, UnsupportedModelError, layer_norms, model_problem
 from vllm_steer.runtime.projection_tables import ProjectionTables
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.tables import SteeringTables
@@ -44,7 +44,8 @@ class NormSite:
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    """(global layer index, layer) of every decoder layer present on this rank."""
+    """(global layer index, layer) of every decoder layer present on this rank; raises UnsupportedModelError
+    for a model whose layers or layer loop do not fit ``runtime.families``' fused-norm rule."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -53,7 +54,10 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
         )
     found = [(i, l) for i, l in enumerate(layers) if type(l).__name__ != "PPMissingLayer"]
     for _, layer in found:
-        adapter_for_layer(layer)  # raises for unsupported families
+        layer_norms(layer)  # raises for layers that do not fit
+    problem = model_problem(type(inner))
+    if problem is not None:
+        raise UnsupportedModelError(f"vllm-steer cannot steer {type(model).__name__}: {problem}")
     return found
 
 
@@ -70,10 +74,11 @@ def norm_sites(model: nn.Module, wanted: set[Site]) -> list[NormSite]:
 
     sites = []
     for i, layer in find_decoder_layers(model):
-        post_attn = adapter_for_layer(layer).post_attn_norm
-        sites.append(NormSite(f"layers.{i}.{INPUT_NORM}", getattr(layer, INPUT_NORM),
+        norms = layer_norms(layer)
+        sites.append(NormSite(f"layers.{i}.{norms.input_norm}", getattr(layer, norms.input_norm),
                               pick("post_mlp", i - 1) if i > 0 else None, pick("pre_attn", i)))
-        sites.append(NormSite(f"layers.{i}.{post_attn}", getattr(layer, post_attn), pick("post_attn", i), None))
+        sites.append(NormSite(f"layers.{i}.{norms.post_attn_norm}", getattr(layer, norms.post_attn_norm),
+                              pick("post_attn", i), None))
     final = getattr(model.model, FINAL_NORM, None)
     if final is not None and type(final).__name__ != "PPMissingLayer":
         sites.append(NormSite(FINAL_NORM, final, pick("post_mlp", n_layers - 1), None))
