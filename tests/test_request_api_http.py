@@ -548,3 +548,27 @@ def test_vectors_are_parsed_once_and_never_reach_vllm(form):
         ids, got = payload.configs[payload.prefill][hook]
         assert list(ids) == layers
         np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32).reshape(rows.shape), rows)
+
+
+def test_a_misspelled_steering_field_is_a_400_with_did_you_mean_and_extras_pass(server):
+    """A near-miss alone in a body (no real steering field for the marker scan to find), at the top level or in
+    vllm_xargs, on both routes and streaming, is refused naming it; vLLM-accepted extras still pass."""
+    base, model = server[0], server[1]
+    refused = {f: _metric(base, "vllm_steer_rejected_total", status="400", field=f) for f in ("other", "vllm_xargs")}
+    cases = [("/v1/completions", {"prompt": "Hi", "steering_vector": {"post_mlp": {"3": [0.5] * 576}}},
+              "steering_vector", "steering_vectors"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "capure": {}},
+              "capure", "capture"),
+             ("/v1/completions", {"prompt": "Hi", "vllm_xargs": {"steering_modul": '{"name": "preloaded"}'}},
+              "vllm_xargs.steering_modul", "steering_module")]
+    for route, body, param, meant in cases:
+        r = httpx.post(f"{base}{route}", timeout=60, json={"model": model, "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and f"did you mean `{meant}`?" in error["message"]
+    for field, more in (("other", 2), ("vllm_xargs", 1)):  # counted under the top-level key's label
+        assert _metric(base, "vllm_steer_rejected_total", status="400", field=field) == refused[field] + more
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "Hi", "max_tokens": 2, "user": "u", "metadata": {"k": "v"}, "x-vendor-trace": "t",
+        "vllm_xargs": {"tenant": "a"}})
+    assert r.status_code == 200 and "steering" not in r.json()

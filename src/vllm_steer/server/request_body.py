@@ -10,7 +10,8 @@ token that hands the prepared payload to ``process_inputs`` (frontend.prepared).
 
 Bodies may also be msgpack (``Content-Type: application/msgpack``): the same object as the JSON
 body, where a packed vector's ``data`` is a msgpack bin of the raw little-endian rows instead of
-base64. Bodies without steering fields pass through untouched. With steering on, a body larger than
+base64. A key that looks like a steering field but is not one is a 400 with a "did you mean"
+(``field_names``). Bodies without steering fields pass through untouched. With steering on, a body larger than
 ``steer.max_body_bytes`` is a 413 before it is read further (declared length first, then as it arrives).
 """
 
@@ -32,6 +33,7 @@ from vllm_steer.frontend.module_store import MODULE_SYNC
 from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
 from vllm_steer.server.errors import error_response
+from vllm_steer.server import field_names
 from vllm_steer.server.openai_fields import steering_fields
 
 logger = logging.getLogger("vllm.steer")
@@ -72,6 +74,7 @@ def _fields(body: bytes, msgpack: bool) -> tuple[dict | None, dict]:
     xargs = obj.get("vllm_xargs")
     if TOKEN_FIELD in obj or (isinstance(xargs, dict) and TOKEN_FIELD in xargs):
         raise SteeringSpecError(TOKEN_FIELD, "is reserved for vllm-steer's engine payload")
+    field_names.check(obj)  # a misspelled steering field is a 400, not a silent 200 unsteered
     return obj, steering_fields(obj)
 
 
@@ -183,7 +186,7 @@ class SteeringRequestMiddleware:
                                          "(steer.max_body_bytes)", "body")
             return
         msgpack = headers.get(b"content-type", b"").split(b";")[0].strip() in MSGPACK_TYPES
-        if gone or not (msgpack or any(m in body for m in _MARKERS)):
+        if gone or not (msgpack or any(m in body for m in _MARKERS) or field_names.suspect(body)):
             await self.app(scope, _replay(body, receive), send)
             return
         trace = path_trace.Trace() if path_trace.ON else None
