@@ -3,7 +3,8 @@ consumer's rows at every hook of every layer equal transformers' residual stream
 hidden_states[i], post_mlp = hidden_states[i+1], post_attn = layer input + attention output), a steered
 request captures the same rows at and before its steered site and different ones after it, and nothing
 is dropped or raises; the ``activations`` consumer reduced on the device (mean / last over the prompt,
-every site) equals the same reduction of the filesystem consumer's rows. Settings: tests/gpu_e2e/engine_case.py (skipped without CUDA)."""
+every site) equals the same reduction of the filesystem consumer's rows (under PP: each stage reduces its own
+sites, the API process merges the stages' results). Settings: tests/gpu_e2e/engine_case.py (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,6 @@ def capture_run(tmp_path_factory):
                                          "steering_vectors": {"post_mlp": {str(STEERED_LAYER): vec.tolist()}}})
     reduced = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False, extra_args={"capture": {
         "activations": {"layers": "all", "hooks": "all", "positions": "all_prompt", "reduce": r}}}) for r in ("mean", "last")]
-    if ec.PP > 1:  # a driver consumer sees the first stage's sites only (a spec naming others is refused)
-        reduced = []
     llm = ec.make_llm(ckpt, steer)
     try:
         outs = llm.generate([{"prompt_token_ids": ids}] * (2 + len(reduced)), [plain, steered, *reduced], use_tqdm=False)
@@ -107,7 +106,6 @@ def test_no_capture_errors_or_drops(capture_run):
     assert not bad, f"capture counters over the workers: {stats}"
 
 
-@pytest.mark.skipif(ec.PP > 1, reason="a driver consumer sees the first pipeline stage's sites only")
 def test_device_reduced_mean_and_last_equal_the_rows_reduced(capture_run):
     from vllm_steer.capture.activations import decode_result
 
