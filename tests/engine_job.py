@@ -114,6 +114,18 @@ def handed_over_stale(llm, extra: dict, prompt: dict, between: list[dict]) -> di
     return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "tokens": list(out.token_ids)}
 
 
+def generate_error(llm, extra: dict, prompt: dict) -> dict:
+    """``llm.generate`` with ``extra_args=extra``: the error it raises (type, message, field), or its tokens."""
+    from vllm import SamplingParams
+
+    try:
+        out = llm.generate([prompt], [SamplingParams(max_tokens=2, temperature=0.0, extra_args=dict(extra))],
+                           use_tqdm=False)[0].outputs[0]
+    except Exception as e:  # noqa: BLE001 - what the caller sees is the point
+        return {"error": type(e).__name__, "message": str(e), "field": getattr(e, "field", None)}
+    return {"tokens": list(out.token_ids)}
+
+
 def _main(src: str, dst: str) -> None:
     job = pickle.loads(Path(src).read_bytes())
     from vllm import LLM, SamplingParams

@@ -20,7 +20,7 @@ import pytest
 from vllm_steer import devserve
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.vectors import REQUEST_FIELDS
-from vllm_steer.server import field_names
+from vllm_steer.frontend import field_names
 from vllm_steer.server.request_body import SteeringRequestMiddleware
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -62,10 +62,26 @@ def core_run(smollm2_path, prompt_ids, tmp_path_factory):
             {"prompts": [_prompt(prompt_ids)] * len(oracle), "params": oracle},
             {"prompts": [_prompt(prompt_ids)] * len(mixed), "params": mixed},
         ]
-        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in mixed],
+        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in mixed]
+        + [{"llm_call": "tests.engine_job:generate_error", "kwargs": {"extra": extra, "prompt": _prompt(prompt_ids)}}
+           for extra in MISSPELLED],
     }
     res = run_job(job, tmp_path_factory.mktemp("core"))
-    return {"oracle": res["calls"][0], "mixed": res["calls"][1], "alone": [c[0] for c in res["calls"][2:]], "mixed_params": mixed}
+    alone = res["calls"][2 : 2 + len(mixed)]
+    return {"oracle": res["calls"][0], "mixed": res["calls"][1], "alone": [c[0] for c in alone], "mixed_params": mixed,
+            "misspelled": res["calls"][2 + len(mixed):]}
+
+
+# offline extra_args: a near-miss of a steering field is refused (vLLM would ignore it); other keys pass
+MISSPELLED = [{"steering_vector": {"post_mlp": {"3": [0.0]}}}, {"capure": {}}, {"my_plugin_flag": 1}]
+
+
+def test_a_misspelled_steering_key_in_offline_extra_args_is_refused_naming_it(core_run):
+    refused, capture, other = core_run["misspelled"]
+    assert refused["error"] == "SteeringSpecError" and refused["field"] == "extra_args.steering_vector"
+    assert "did you mean `steering_vectors`" in refused["message"], refused
+    assert capture["field"] == "extra_args.capure" and "did you mean `capture`" in capture["message"], capture
+    assert "tokens" in other and len(other["tokens"]) == 2, other  # not steering-like: generated as usual
 
 
 @pytest.mark.parametrize("hook_i", range(3), ids=HOOKS)

@@ -26,7 +26,7 @@ from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, PROJECTION_FIELDS,
                                      REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS, effective_phases, selected)
-from vllm_steer.frontend import path_trace
+from vllm_steer.frontend import field_names, path_trace
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.core.site_names import parse_site_name
@@ -490,6 +490,8 @@ def patch_input_processor() -> None:
         extra = getattr(params, "extra_args", None)
         frontend = frontend_of(self)
         asks = bool(extra) and any(k in extra for k in _ALL_FIELDS)
+        if extra:  # a misspelled steering key would be ignored (unsteered): refused, naming it
+            field_names.check_extra_args(extra)
         if path_trace.ON and asks:
             path_trace.stamp(extra.get(TOKEN_FIELD), "process_inputs")
         if isinstance(params, SamplingParams) and (asks or frontend.captures_all):

@@ -33,7 +33,7 @@ from vllm_steer.frontend.module_store import MODULE_SYNC
 from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
 from vllm_steer.server.errors import error_response
-from vllm_steer.server import field_names
+from vllm_steer.frontend import field_names
 from vllm_steer.server.openai_fields import steering_fields
 
 logger = logging.getLogger("vllm.steer")

@@ -1,9 +1,11 @@
-"""Near-misses of the steering field names: a body key that looks like a steering field but is not one.
+"""Near-misses of the steering field names: a body key (or an ``extra_args`` key on the offline path) that looks
+like a steering field but is not one.
 
 vLLM keeps unknown top-level fields (``extra="allow"``) and ignores them, so ``"steering_vector": ...``
 would be a 200 without steering. The rule (README, "Misspelled fields"): a key K of the body's top level,
 of its ``vllm_xargs`` or of an ``extra_body`` object is refused (400, ``param`` K, "did you mean") when K is
-not itself a steering field, not a field vLLM's request declares and not vllm-steer's reserved token, and,
+not itself a steering field, not a field vLLM's request declares and not one of vllm-steer's reserved keys
+(the prepared token, the payload: refused elsewhere as reserved), and,
 with k = K lower-cased and ``-`` read as ``_``:
 
 - k contains ``steer`` (``steering``, ``steer_vectors``, ``SteeringVectors``), or
@@ -23,6 +25,7 @@ import re
 from functools import lru_cache
 
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.payload import PAYLOAD_KEY
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.prepared import TOKEN_FIELD
 
@@ -71,7 +74,7 @@ def looks_like_steering(key: str) -> bool:
 @lru_cache(maxsize=4096)
 def near_miss(key: str) -> str | None:
     """The steering field ``key`` was probably meant to be, or None when it is not steering-like."""
-    if key in _FIELDS or key == TOKEN_FIELD or len(key) > 64 or not looks_like_steering(key):
+    if key in _FIELDS or key in (TOKEN_FIELD, PAYLOAD_KEY) or len(key) > 64 or not looks_like_steering(key):
         return None
     if key in declared_by_vllm():
         return None
@@ -92,6 +95,15 @@ def _refuse(key: str, where: str, meant: str) -> SteeringSpecError:
     return SteeringSpecError(where + key, (
         f"not a steering field: did you mean `{meant}`? (vLLM would ignore it and answer unsteered; "
         f"steering fields: {', '.join(REQUEST_FIELDS)})"))
+
+
+def check_extra_args(extra: dict) -> None:
+    """Refuse ``SamplingParams.extra_args`` with a near-miss key: the offline ``LLM`` path (and what the HTTP
+    path forwards), where vLLM would otherwise ignore it as it ignores any unknown key."""
+    for key in extra:
+        meant = near_miss(key) if isinstance(key, str) else None
+        if meant is not None:
+            raise _refuse(key, "extra_args.", meant)
 
 
 def check(body: dict) -> None:
