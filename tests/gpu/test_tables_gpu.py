@@ -44,10 +44,11 @@ def test_projection_and_sae_rows_are_written_without_a_host_sync(tmp_path):
 
     from vllm_steer.core.sae_paths import runtime_access
     from vllm_steer.core.sae_rows import DELTA, SET, wire_entry
-    from vllm_steer.runtime.projection_tables import _STAGING_SLOTS, ProjectionTables
+    from vllm_steer.runtime.pinned_ring import SLOTS
+    from vllm_steer.runtime.projection_tables import ProjectionTables
     from vllm_steer.runtime.sae_tables import SaeTables
 
-    d, k, rows, site = 256, 2, 3 * _STAGING_SLOTS + 2, ("post_mlp", 3)
+    d, k, rows, site = 256, 2, 3 * SLOTS + 2, ("post_mlp", 3)
     proj = ProjectionTables({("post_mlp", 1), site}, rows + 1, k, d, torch.device("cuda"))
     sae = SaeTables({}, {site: 48}, {site}, rows + 1, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1))
     rng = np.random.default_rng(0)

@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 
+SLOTS = 4  # buffers per ring unless a caller asks for more (a busy ring gives a one-off pinned block)
+
+
 class PinnedRing:
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots: int = 4) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots: int = SLOTS) -> None:
         self.shape, self.dtype = shape, dtype
         self.pinned = device.type == "cuda" and torch.cuda.is_available()
         self._bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(slots)]

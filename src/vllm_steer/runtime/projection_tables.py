@@ -21,7 +21,6 @@ import torch
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 Site = tuple[str, int]
-_STAGING_SLOTS = 4  # pinned buffers per ring: a busy ring falls back to a fresh pinned block
 
 
 class ProjectionTables:
@@ -29,6 +28,7 @@ class ProjectionTables:
         self.k = k
         self.hidden = hidden
         self.sites = sorted(sites)
+        self._index = {site: i for i, site in enumerate(self.sites)}  # site -> its place in a row
         n, r_pad, d_pad = max(1, len(self.sites)), -(-num_rows // 4) * 4, -(-hidden // 4) * 4
         # one allocation per kind, a row's sites side by side where a row is written (one copy), each site's
         # view 16-byte aligned (padded rows and hidden size): the views are what the norms read
@@ -37,12 +37,12 @@ class ProjectionTables:
         self._count = torch.zeros(n, r_pad, dtype=torch.int32, device=device)
         self.descs: dict[Site, list[torch.Tensor]] = {
             site: [self._count[i, :num_rows], self._dirs[:, i, :, :hidden], self._bounds[i, :num_rows]]
-            for i, site in enumerate(self.sites)}
+            for site, i in self._index.items()}
         # a row is staged in pinned memory and copied non-blocking: a pageable host -> device copy would wait for
         # the forward in flight
-        self._dirs_ring = PinnedRing((n, k, d_pad), torch.float32, device, _STAGING_SLOTS)
-        self._bounds_ring = PinnedRing((n, k, 2), torch.float32, device, _STAGING_SLOTS)
-        self._count_ring = PinnedRing((n,), torch.int32, device, _STAGING_SLOTS)
+        self._dirs_ring = PinnedRing((n, k, d_pad), torch.float32, device)
+        self._bounds_ring = PinnedRing((n, k, 2), torch.float32, device)
+        self._count_ring = PinnedRing((n,), torch.int32, device)
         self._live: set[int] = set()  # rows with a projection somewhere
 
     @property
@@ -54,9 +54,8 @@ class ProjectionTables:
         ranks skipped) and none anywhere else; bytes written. At most five device operations (the row's
         directions, bounds and counts over every site of this rank, staged in pinned buffers and copied
         non-blocking), none for a row that had and gets no projection; no host sync."""
-        index = {site: i for i, site in enumerate(self.sites)}
-        mine = [(index[(hook, int(layer))], dirs, bounds) for hook, layer, dirs, bounds in entries or ()
-                if (hook, int(layer)) in index]  # others: another rank's sites
+        mine = [(self._index[(hook, int(layer))], dirs, bounds) for hook, layer, dirs, bounds in entries or ()
+                if (hook, int(layer)) in self._index]  # others: another rank's sites
         if not mine and row not in self._live:
             return 0
         count_host, land_count = self._count_ring.stage()

@@ -19,9 +19,6 @@ from vllm_steer.core.sae_paths import FileAccess
 from vllm_steer.core.sae_rows import SaeWire, unpack_entry
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
-_STAGING_SLOTS = 4  # pinned buffers per ring (row writes staged there): a busy ring falls back to a fresh block
-
-
 def _tensor(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
@@ -149,8 +146,8 @@ class SaeTables:
         every = [*self.packs.values(), *self.tc_packs.values()]
         shape = (len(every), max(p[1].shape[1] for p in every))
         if self._code_ring is None or self._code_ring.shape != shape:
-            self._code_ring = PinnedRing(shape, torch.int32, self._device, _STAGING_SLOTS)
-            self._value_ring = PinnedRing(shape, torch.float32, self._device, _STAGING_SLOTS)
+            self._code_ring = PinnedRing(shape, torch.int32, self._device)
+            self._value_ring = PinnedRing(shape, torch.float32, self._device)
         return self._code_ring.stage(), self._value_ring.stage()
 
     def load_runtime(self, path: str, format: str | None, site: str | None, features: tuple[int, ...],
