@@ -31,7 +31,8 @@ from .servers import log
 STEPS = "vllm:iteration_tokens_total_count"
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<path>.*?)(?::(?P<line>\d+))?\)$")
 _OURS, _VLLM = re.compile(r"(^|/)vllm_steer/"), re.compile(r"(^|/)vllm/")
-ROLES = (("EngineCore", "engine_core"), ("Worker", "worker"))  # vLLM's process titles (setproctitle)
+ROLES = (("EngineCore", "engine_core"), ("Worker", "worker"),  # vLLM's process titles (setproctitle)
+         ("vllm_steer.runtime.capture_host", "capture_host"))  # a capturing worker's consumer process
 
 
 def find_py_spy() -> str | None:
