@@ -165,7 +165,8 @@ def test_random_batches_match_the_reference(monkeypatch, seed):
             {r: (live[r]["prompt_len"], live[r]["specs"]) for r in live if live[r]["specs"]},
             req_ids, scheduled, computed)
         assert np.array_equal(rt.buffers.plan.numpy(), want_plan), f"step {step}"
-        got = [(e.request_id, e.layer, e.hook, e.positions.tolist(), e.row0, e.masks.tolist()) for e in rt._pending]
+        got = [(rid, layer, hook, pos.tolist(), row0, masks.tolist()) for rid, layer, hook, pos, row0, masks in
+               (rt._pending.entries() if rt._pending is not None else ())]
         assert got == want_entries, f"step {step}"
         assert rt._rows_used == want_rows
         assert rt.stats["recomputed_positions"] - before["recomputed_positions"] == want_recomputed
@@ -197,24 +198,24 @@ def test_overflow_drops_the_tail_and_a_repeated_step_uploads_nothing(monkeypatch
     planner = rt._planner
     rt.plan_step(["x", "y"], np.array([3, 3]), np.array([0, 0]))  # 12 cells wanted, 6 rows
     assert rt._rows_used == 6 and rt.stats["dropped_rows"] == 6
-    assert [(e.request_id, e.layer, e.row0, e.positions.tolist()) for e in rt._pending] == [
+    assert [(rid, layer, row0, pos.tolist()) for rid, layer, _, pos, row0, _ in rt._pending.entries()] == [
         ("x", 0, 0, [0, 1, 2]), ("x", 2, 3, [0, 1, 2])]
     assert {k: [p.tolist() for p, _ in v] for k, v in rt._requests["y"].dropped.items()} == {
         ("post_mlp", 0): [[0, 1, 2]], ("post_mlp", 2): [[0, 1, 2]]}
     assert planner.uploads == 1
     # decode: x's token 3 is generated (bits a|b), y's is not wanted by b; rows 0..3
     rt.plan_step(["x", "y"], np.array([1, 1]), np.array([3, 3]))
-    assert [(e.request_id, e.layer, e.row0, e.masks.tolist()) for e in rt._pending] == [
+    assert [(rid, layer, row0, masks.tolist()) for rid, layer, _, _, row0, masks in rt._pending.entries()] == [
         ("x", 0, 0, [3]), ("x", 2, 1, [3]), ("y", 0, 2, [4]), ("y", 2, 3, [4])]
     plan = rt.buffers.plan.numpy()
     assert plan[0, :2].tolist() == [0, 2] and plan[2, :2].tolist() == [1, 3] and (plan[:, 2:] == -1).all()
     assert planner.uploads == 2
     rt.plan_step(["x", "y"], np.array([1, 1]), np.array([4, 4]))  # same cells, same rows: no upload
     assert planner.uploads == 2 and rt._rows_used == 4 and planner.reused == 1
-    assert [(e.request_id, e.layer, e.row0, e.positions.tolist()) for e in rt._pending] == [
+    assert [(rid, layer, row0, pos.tolist()) for rid, layer, _, pos, row0, _ in rt._pending.entries()] == [
         ("x", 0, 0, [4]), ("x", 2, 1, [4]), ("y", 0, 2, [4]), ("y", 2, 3, [4])]
     rt.finish_request("x"), rt.finish_request("y")
     assert rt.active  # the device plan still holds last step's cells
     rt.plan_step(["z"], np.array([1]), np.array([0]))
-    assert planner.uploads == 3 and (rt.buffers.plan.numpy() == -1).all() and not rt._pending
+    assert planner.uploads == 3 and (rt.buffers.plan.numpy() == -1).all() and rt._pending is None
     assert not rt.active  # idle: plan_step is no longer called

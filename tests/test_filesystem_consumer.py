@@ -18,6 +18,11 @@ from vllm_steer.capture import filesystem as fsmod
 from vllm_steer.capture.filesystem import CaptureWriteError, FilesystemConsumer, load_request
 
 
+def _published(fut):
+    """What the capture host does with ``on_request_finished``'s Future: wait until the request is published."""
+    return fut.result(timeout=60) if fut is not None else None
+
+
 def test_concurrent_requests_each_round_trip(tmp_path):
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=3, max_open=4)  # LRU smaller than live files
     rng = np.random.default_rng(0)
@@ -30,7 +35,7 @@ def test_concurrent_requests_each_round_trip(tmp_path):
                 rows = rng.standard_normal((2, 16)).astype(np.float32) + i
                 expected.setdefault((rid, layer, hook), []).append(rows)
                 fs.on_rows(rid, layer, hook, np.array([2 * step, 2 * step + 1]), rows, {})
-        fs.on_request_finished(rid, {"external_id": f"ext-{i}", "prompt_len": 3})
+        _published(fs.on_request_finished(rid, {"external_id": f"ext-{i}", "prompt_len": 3}))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
     [t.start() for t in threads]
@@ -48,7 +53,7 @@ import os, sys, time
 import numpy as np
 from vllm_steer.capture.filesystem import FilesystemConsumer
 fs = FilesystemConsumer("fs", root=sys.argv[1], threads=1)
-fs.on_rows("victim", 0, "pre_attn", np.arange(4), np.ones((4, 8), np.float32), {})
+fs.on_rows("victim", 0, "pre_attn", np.arange(4), np.ones((4, 65536), np.float32), {})  # 1 MiB: written at once
 deadline = time.monotonic() + 60
 while not any(n.endswith(".bin.tmp") for _, _, names in os.walk(sys.argv[1]) for n in names):
     assert time.monotonic() < deadline, "the writer thread never wrote the .tmp file"
@@ -116,7 +121,7 @@ def test_a_write_error_fails_only_its_request_and_later_ones_are_written(tmp_pat
     disk.full = True
     fs.on_rows("a", 0, "post_mlp", np.arange(4), _rows(4), {})
     fs.on_rows("a", 0, "post_mlp", np.arange(4, 8), _rows(4), {})  # skipped: the request already failed
-    fs.on_request_finished("a", {"prompt_len": 3})  # returns once published: the writer did not die
+    _published(fs.on_request_finished("a", {"prompt_len": 3}))  # returns once published: the writer did not die
     st = _status(tmp_path, "a")
     assert st["status"] == "failed" and "No space left" in st["error"], st
     with pytest.raises(CaptureWriteError, match="No space left"):
@@ -125,7 +130,7 @@ def test_a_write_error_fails_only_its_request_and_later_ones_are_written(tmp_pat
     disk.full = False
     rows = _rows(6, seed=1)
     fs.on_rows("b", 1, "pre_attn", np.arange(6), rows, {})
-    fs.on_request_finished("b", {"prompt_len": 6})
+    _published(fs.on_request_finished("b", {"prompt_len": 6}))
     assert _status(tmp_path, "b")["status"] == "complete"
     np.testing.assert_array_equal(load_request(str(tmp_path), "b")[(1, "pre_attn")][1], rows)
     assert fs.stats() == {"write_errors": 1, "dropped_writes": 0, "failed_requests": 1, "publish_timeouts": 0}
@@ -142,8 +147,8 @@ def test_pipeline_stages_publish_one_request_json_when_the_last_stage_is_in(tmp_
     rows = _rows(3)
 
     def finish(stage, rid):
-        stages[stage].on_request_finished(rid, {"prompt_len": 3, "stage": stage, "stages": 2, "dropped": {},
-                                                "dropped_rows": 0})
+        _published(stages[stage].on_request_finished(rid, {"prompt_len": 3, "stage": stage, "stages": 2, "dropped": {},
+                                                "dropped_rows": 0}))
 
     stages[1].on_rows("r", 1, "pre_attn", np.arange(3), rows, {})
     finish(1, "r")
@@ -211,7 +216,7 @@ def test_a_real_full_disk_fails_the_request_and_writing_resumes_when_space_retur
     fs = FilesystemConsumer("fs", root=str(mnt), threads=2, max_open=1)
     for step in range(4):
         fs.on_rows("a", 0, "post_mlp", np.arange(step * 64, (step + 1) * 64), _rows(64, 256, step), {})
-    fs.on_request_finished("a", {"prompt_len": 64})
+    _published(fs.on_request_finished("a", {"prompt_len": 64}))
     with pytest.raises((FileNotFoundError, CaptureWriteError)):  # request.json itself may not fit
         load_request(str(mnt), "a")
     assert not list(mnt.rglob("*.tmp"))
@@ -222,14 +227,15 @@ def test_a_real_full_disk_fails_the_request_and_writing_resumes_when_space_retur
         filler.unlink()
     rows = _rows(64, 256, 9)
     fs.on_rows("b", 0, "post_mlp", np.arange(64), rows, {})
-    fs.on_request_finished("b", {"prompt_len": 64})
+    _published(fs.on_request_finished("b", {"prompt_len": 64}))
     np.testing.assert_array_equal(load_request(str(mnt), "b")[(0, "post_mlp")][1], rows)
     fs.close()
 
 
-def test_queued_rows_are_bounded_and_publish_waits_a_bounded_time(tmp_path, monkeypatch):
+def test_queued_rows_are_bounded_and_a_late_publication_is_counted(tmp_path, monkeypatch):
     """A stuck writer: rows past max_queued_mb are dropped (counted, named in request.json, which
-    says partial); on_request_finished returns after publish_timeout_s; the writer publishes later."""
+    says partial); on_request_finished returns at once with a Future the writer completes when it has
+    published; a publication later than publish_timeout_s after the finish is counted."""
     gate = threading.Event()
     real_append = fsmod._Writer.append
 
@@ -244,10 +250,14 @@ def test_queued_rows_are_bounded_and_publish_waits_a_bounded_time(tmp_path, monk
         rows = _rows(16, seed=step)
         fs.on_rows("r", 2, "post_attn", np.arange(step * 16, (step + 1) * 16), rows, {})
         kept.append(rows)
-    fs.on_request_finished("r", {"prompt_len": 8, "dropped": {"post_attn.2": [99]}, "dropped_rows": 1})
-    assert fs.stats()["publish_timeouts"] == 1 and fs.stats()["dropped_writes"] == 3
+    fut = fs.on_request_finished("r", {"prompt_len": 8, "dropped": {"post_attn.2": [99]}, "dropped_rows": 1})
+    with pytest.raises(TimeoutError):  # the writer is stuck: not published yet
+        fut.result(timeout=0.3)
+    assert fs.stats()["publish_timeouts"] == 0 and fs.stats()["dropped_writes"] == 3
     assert not (tmp_path / "default" / "r" / "request.json").exists()
     gate.set()
+    assert fut.result(timeout=30) is None and (tmp_path / "default" / "r" / "request.json").exists()
+    assert fs.stats()["publish_timeouts"] == 1  # published 0.3 s after the finish: over publish_timeout_s
     fs.close()
     st = _status(tmp_path, "r")
     assert st["status"] == "partial" and st["dropped"] == {"post_attn.2": list(range(16, 64)) + [99]}
@@ -271,7 +281,7 @@ def _sae_capture(root, context=4, shard_mb=None):
         fs.on_rows(f"r{i}", 1, "post_mlp", np.arange(n - 3), rows[: n - 3], {})
         fs.on_rows(f"r{i}", 1, "post_mlp", np.arange(n - 3, n), rows[n - 3 :], {})
         fs.on_rows(f"r{i}", 0, "pre_attn", np.arange(n), other, {})
-        fs.on_request_finished(f"r{i}", {"prompt_len": n})  # published in this order
+        _published(fs.on_request_finished(f"r{i}", {"prompt_len": n}))  # published in this order
         packed["blocks.1.hook_resid_post"].append(rows)
         packed["blocks.0.hook_resid_pre"].append(other)
         assert _status(root, f"r{i}")["status"] == "complete"
@@ -357,7 +367,7 @@ def test_write_errors_reach_the_metrics(tmp_path, monkeypatch):
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
     disk.full = True
     fs.on_rows("a", 0, "post_mlp", np.arange(2), _rows(2), {})
-    fs.on_request_finished("a", {"prompt_len": 2})
+    _published(fs.on_request_finished("a", {"prompt_len": 2}))
     status = {"rows": 2, "consumer_errors": 0, **fs.stats()}
     assert status["write_errors"] == 1 and status["failed_requests"] == 1
     _, totals = worker_values([{"steering": True, "live_configs": 0, "peak_live_configs": 0, "capture": status}])
@@ -374,7 +384,7 @@ def test_sae_lens_windows_of_a_quiet_consumer_reach_the_disk(tmp_path):
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, format="sae_lens", context_size=4, flush_s=0.05)
     rows = _rows(9, 8)
     fs.on_rows("q", 2, "post_mlp", np.arange(9), rows, {})
-    fs.on_request_finished("q", {"prompt_len": 9})
+    _published(fs.on_request_finished("q", {"prompt_len": 9}))
     state = tmp_path / "default" / "sae_lens" / "blocks.2.hook_resid_post" / "state.json"
     deadline = time.monotonic() + 60
     while not state.exists():
@@ -404,7 +414,7 @@ def test_a_publish_that_fails_midway_leaves_no_shard_of_the_request(tmp_path, mo
     for layer in (0, 1):
         fs.on_rows("m", layer, "post_mlp", np.arange(3), _rows(3, seed=layer), {})
     monkeypatch.setattr(fsmod.os, "fsync", fsync)
-    fs.on_request_finished("m", {"prompt_len": 3})
+    _published(fs.on_request_finished("m", {"prompt_len": 3}))
     monkeypatch.setattr(fsmod.os, "fsync", real_fsync)
     assert _status(tmp_path, "m")["status"] == "failed"
     assert sorted(p.name for p in (tmp_path / "default" / "m").iterdir()) == ["request.json"]
@@ -422,7 +432,7 @@ def test_bf16_rows_are_written_as_bf16_and_read_back_exactly(tmp_path):
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
     fs.on_rows("r", 3, "post_mlp", np.arange(3), bits[:3], {"dtype": "bfloat16"})
     fs.on_rows("r", 3, "post_mlp", np.arange(3, 6), bits[3:], {"dtype": "bfloat16"})
-    fs.on_request_finished("r", {"prompt_len": 6})
+    _published(fs.on_request_finished("r", {"prompt_len": 6}))
     fs.close()
     side = json.loads((tmp_path / "default" / "r" / "3_post_mlp.json").read_text())
     assert side["dtype"] == "bfloat16" and side["shape"] == [6, 16]
@@ -438,7 +448,7 @@ def test_bf16_rows_are_written_as_bf16_and_read_back_exactly(tmp_path):
     np.testing.assert_array_equal((b.astype(np.uint32) << 16).view(np.float32), rows.float().numpy())
     sae = FilesystemConsumer("sae", root=str(tmp_path / "sae"), threads=1, format="sae_lens", context_size=2)
     sae.on_rows("r", 3, "post_mlp", np.arange(6), bits, {"dtype": "bfloat16"})
-    sae.on_request_finished("r", {"prompt_len": 6})
+    _published(sae.on_request_finished("r", {"prompt_len": 6}))
     sae.close()
     d = tmp_path / "sae" / "default" / "sae_lens" / "blocks.3.hook_resid_post"
     s = json.loads((d / "index.json").read_text())["shards"][0]
@@ -457,7 +467,7 @@ def test_fsync_off_skips_every_fsync_and_still_publishes_whole_files(tmp_path, m
     rows = np.arange(32, dtype=np.float32).reshape(2, 16)
     for i in range(3):
         fs.on_rows(f"r{i}", 1, "post_mlp", np.array([0, 1]), rows + i, {})
-        fs.on_request_finished(f"r{i}", {"prompt_len": 2})
+        _published(fs.on_request_finished(f"r{i}", {"prompt_len": 2}))
     for i in range(3):
         positions, got = load_request(str(tmp_path), f"r{i}")[(1, "post_mlp")]
         np.testing.assert_array_equal(got, rows + i)

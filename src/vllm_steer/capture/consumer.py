@@ -85,7 +85,13 @@ class CaptureConsumer(Protocol):
         or 256 row packets are still undelivered (a slow consumer) or the shared ring to the
         consumers' process is full. Each position of a request
         arrives at most once, also when a preempted request recomputes it; positions the engine
-        does not compute (prefix-cache hits) are not captured and not listed."""
+        does not compute (prefix-cache hits) are not captured and not listed.
+
+        Work that outlasts the call (files still being written) may return a ``concurrent.futures.Future``
+        of the result instead: the consumer's thread goes on with the next rows at once, and the request's
+        result is sent (and its response, which waits for every consumer, released) when the future is done;
+        an exception set on it counts as one raised here. ``on_rows`` and ``on_request_finished`` of one
+        instance are always called from the same thread."""
 
     def close(self) -> None: ...
 

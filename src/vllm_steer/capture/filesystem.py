@@ -19,9 +19,14 @@ directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows
 ``error`` when a write failed (disk full, ...): that request's ``.tmp`` files are removed and nothing
 of it is published, and the writers go on with the next requests (written again once space returns).
 
-Writes for a request go to thread ``hash(request_id) % threads`` (so a file's order is kept), each
-thread keeps an LRU of open ``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d
-into place, so readers never see a partial shard (a killed process leaves only ``.tmp`` files).
+A file's rows are gathered in memory and handed to a writer thread in chunks of ``FLUSH_BYTES`` (or
+sooner when the queued bytes pass half of ``max_queued_mb``, and at the request's end), so a decode step
+costs a list append per (request, site), not a write. Writes for a request go to thread
+``hash(request_id) % threads`` (so a file's order is kept), each thread keeps an LRU of open
+``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d into place, so readers never see
+a partial shard (a killed process leaves only ``.tmp`` files). ``on_request_finished`` does not wait for
+that: it returns a ``Future`` the writer completes once the request is published, and the capture host
+answers the request then (the response waits for it, bounded by ``capture_result_timeout_s``).
 ``fsync: false`` skips the fsyncs: files are still published by rename when complete, so readers on this
 host see whole files as before, but a machine crash may lose the last ones; the disk's sync rate no longer
 bounds the requests (a response waits for its files' publication).
@@ -33,9 +38,9 @@ still marks a finished request; with stages on several hosts, ``root`` must be a
 
 Exhaustion policy. Rows waiting for a writer hold at most ``max_queued_mb`` (rows past it are dropped,
 counted in ``stats()["dropped_writes"]`` and named in the request's ``dropped``); a write error is
-counted in ``write_errors`` and fails only its request (``failed_requests``); ``on_request_finished``
-waits at most ``publish_timeout_s`` for its request's publication (``publish_timeouts``; the writer
-still publishes it), and at most ``MAX_PENDING_PUBLISHES`` publications wait for a stuck writer
+counted in ``write_errors`` and fails only its request (``failed_requests``); a publication that took
+longer than ``publish_timeout_s`` after its request finished is counted (``publish_timeouts``: the
+writers are behind), and at most ``MAX_PENDING_PUBLISHES`` publications wait for a stuck writer
 (past that a request is not published: ``failed_requests``). ``stats()`` reaches ``/metrics``
 through the capture runtime's status.
 """
@@ -47,8 +52,10 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +67,7 @@ logger = logging.getLogger("vllm.steer.capture")
 
 FORMATS = ("files", "sae_lens")
 MAX_PENDING_PUBLISHES = 1024
+FLUSH_BYTES = 256 * 1024  # a file's rows go to its writer in chunks of at least this (else at the request's end)
 STATS = ("write_errors", "dropped_writes", "failed_requests", "publish_timeouts")
 
 
@@ -91,8 +99,9 @@ class _Writer:
         self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
         self.failed: dict[str, str] = {}  # request -> first error
 
-    def append(self, request_id: str, path: Path, positions: np.ndarray, rows: np.ndarray,
-               dtype: str | None = None) -> None:
+    def append(self, request_id: str, path: Path, positions: list[np.ndarray], rows: list[np.ndarray],
+               dtype: str) -> None:
+        """Write a chunk of a file's rows (``rows``: blocks ``[n, D]``, ``positions`` theirs) in one write."""
         if request_id in self.failed:
             return
         try:
@@ -103,12 +112,12 @@ class _Writer:
                 entry = (open(tmp, "ab"), request_id)
             self.open[tmp] = entry
             side = self.meta.setdefault(request_id, {}).setdefault(
-                path, {"positions": [], "dtype": dtype or str(rows.dtype), "hidden": int(rows.shape[1])})
+                path, {"positions": [], "dtype": dtype, "hidden": int(rows[0].shape[1])})
             self._evict()
             if request_id in self.failed:  # evicting one of its own files failed
                 return
-            entry[0].write(np.ascontiguousarray(rows).tobytes())
-            side["positions"].extend(int(p) for p in positions)
+            entry[0].write(np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows)))
+            side["positions"] += positions
         except OSError as e:
             self.fail(request_id, e)
 
@@ -148,17 +157,18 @@ class _Writer:
                 fh.flush()
                 if self.sink is None and self.fsync:
                     os.fsync(fh.fileno())
-            side["shape"] = [len(side["positions"]), side["hidden"]]
+            positions = np.concatenate(side["positions"]) if side["positions"] else np.zeros(0, np.int64)
+            side["shape"] = [len(positions), side["hidden"]]
             if self.sink is not None:
                 layer, hook = path.stem.split("_", 1)
                 rows = np.memmap(tmp, dtype=side["dtype"], mode="r", shape=tuple(side["shape"])) if side["shape"][0] else None
                 if rows is not None:
-                    out[f"{hook}.{layer}"] = self.sink.add(hook, int(layer), np.asarray(side["positions"]), rows)
+                    out[f"{hook}.{layer}"] = self.sink.add(hook, int(layer), positions, rows)
                     del rows
                 _remove(tmp)
             else:
                 os.replace(tmp, path)
-                _write_json(path.with_suffix(".json"), side, self.fsync)
+                _write_json(path.with_suffix(".json"), {**side, "positions": positions.tolist()}, self.fsync)
         self.meta.pop(request_id, None)
         return out
 
@@ -254,6 +264,18 @@ class _Budget:
             self.used -= n
 
 
+class _File:
+    """A file's rows not yet handed to its writer (one per (request, site), on the lane's thread)."""
+
+    __slots__ = ("path", "dtype", "positions", "rows", "nbytes")
+
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path, self.dtype = path, dtype
+        self.positions: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.nbytes = 0
+
+
 class FilesystemConsumer(BaseConsumer):
     location = "worker"
     raw_rows = True  # bf16 rows as stored (their bits): written as they are, half float32's bytes
@@ -273,6 +295,7 @@ class FilesystemConsumer(BaseConsumer):
         self._lock = threading.Lock()
         self._budget = _Budget(int(float(max_queued_mb) * 2**20))  # params may come as strings ("name:key=val")
         self._dropped: dict[str, dict[str, list[int]]] = {}  # request -> rows this consumer dropped
+        self._files: dict[str, dict[tuple[int, str], _File]] = {}  # request -> its files' unwritten rows
         self._pending_publishes = 0
         self.sink = None
         if format == "sae_lens":
@@ -304,19 +327,42 @@ class FilesystemConsumer(BaseConsumer):
         return self._queues[zlib.crc32(request_id.encode()) % len(self._queues)]
 
     def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        """Gather the rows for their file (``on_rows`` and ``on_request_finished`` run on one thread: the
+        capture host's lane of this instance)."""
         dtype = meta.get("dtype")
         if dtype == "bfloat16" and self.sink is not None:  # the sae_lens datasets hold float32 (exact)
             rows, dtype = (rows.astype(np.uint32) << 16).view(np.float32), None
-        if not self._budget.take(rows.nbytes):  # the writers are behind (a slow or full disk): drop
+        budget = self._budget
+        if not budget.take(rows.nbytes):  # the writers are behind (a slow or full disk): drop
             self._count("dropped_writes")
             with self._lock:
                 self._dropped.setdefault(request_id, {}).setdefault(f"{hook}.{layer}", []).extend(
                     int(p) for p in positions)
             return
-        path = self.root / _safe(request_id) / f"{layer}_{hook}.bin"
-        self._queue_of(request_id).put(("append", request_id, path, positions, rows, dtype))
+        files = self._files.get(request_id)
+        if files is None:
+            files = self._files[request_id] = {}
+        f = files.get((layer, hook))
+        if f is None:
+            f = files[(layer, hook)] = _File(self.root / _safe(request_id) / f"{layer}_{hook}.bin",
+                                             dtype or str(rows.dtype))
+        f.positions.append(positions)
+        f.rows.append(rows)
+        f.nbytes += rows.nbytes
+        if f.nbytes >= FLUSH_BYTES or budget.used * 2 > budget.limit:
+            self._hand(request_id, f)
 
-    def on_request_finished(self, request_id, meta) -> None:
+    def _hand(self, request_id: str, f: _File) -> None:
+        """A file's gathered rows to its request's writer (their budget given back once written)."""
+        self._queue_of(request_id).put(("append", request_id, f.path, f.positions, f.rows, f.dtype, f.nbytes))
+        f.positions, f.rows, f.nbytes = [], [], 0
+
+    def on_request_finished(self, request_id, meta) -> Future | None:
+        """Hand the request's last rows to its writer and queue its publication: a ``Future`` done once
+        ``request.json`` is written (None when the request will not be published)."""
+        for f in self._files.pop(request_id, {}).values():
+            if f.nbytes:
+                self._hand(request_id, f)
         with self._lock:
             mine = self._dropped.pop(request_id, {})
             full = self._pending_publishes >= MAX_PENDING_PUBLISHES
@@ -331,11 +377,10 @@ class FilesystemConsumer(BaseConsumer):
             dropped = {k: sorted(set(meta.get("dropped", {}).get(k, [])) | set(v))
                        for k, v in {**meta.get("dropped", {}), **mine}.items()}
             meta = {**meta, "dropped": dropped, "dropped_rows": sum(map(len, dropped.values()))}
-        done = threading.Event()
-        self._queue_of(request_id).put(("publish", request_id, self.root / _safe(request_id), meta, done))
-        if not done.wait(self.publish_timeout_s):  # published later; the response does not wait for it
-            self._count("publish_timeouts")
-        return None
+        done: Future = Future()
+        self._queue_of(request_id).put(("publish", request_id, self.root / _safe(request_id), meta, done,
+                                        time.monotonic()))
+        return done
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
         while True:
@@ -348,7 +393,7 @@ class FilesystemConsumer(BaseConsumer):
                 return
             try:
                 if item[0] == "append":
-                    writer.append(*item[1:])
+                    writer.append(*item[1:6])
                 else:
                     writer.publish(item[2], item[1], item[3])
             except Exception as e:  # a bug, not a disk fault: still only this request fails
@@ -358,11 +403,13 @@ class FilesystemConsumer(BaseConsumer):
                     writer.publish(item[2], item[1], item[3])  # request.json says failed
             finally:
                 if item[0] == "append":
-                    self._budget.give(item[4].nbytes)
+                    self._budget.give(item[6])
                 else:
                     with self._lock:
                         self._pending_publishes -= 1
-                    item[4].set()
+                    if time.monotonic() - item[5] > self.publish_timeout_s:  # the writers are behind
+                        self._count("publish_timeouts")
+                    item[4].set_result(None)
                     if self.sink is not None:
                         self.sink.flush_stale(self.flush_s)
 

@@ -65,7 +65,7 @@ from vllm_steer.capture.spec import CaptureSpec, parse_capture_spec
 from vllm_steer.core.config import SteerConfig
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.runtime.capture_lanes import RING_STEPS, CaptureHost, Lane
-from vllm_steer.runtime.capture_plan import CapturePlanner, ReduceStep, RequestPlan, compile_request
+from vllm_steer.runtime.capture_plan import CapturePlanner, ReduceStep, RequestPlan, StepPlan, compile_request
 from vllm_steer.runtime.capture_reduce import MODES, ReduceRegion
 from vllm_steer.runtime.result_push import ResultPusher
 
@@ -133,16 +133,6 @@ def _ends_at(specs, prompt_len: int) -> int | None:
 
 
 @dataclass
-class _Entry:
-    request_id: str
-    layer: int
-    hook: str
-    positions: np.ndarray
-    row0: int
-    masks: np.ndarray  # consumer bitmask per row
-
-
-@dataclass
 class _Finishing:
     """A finished request whose finish packets are not yet handled by every consumer lane."""
 
@@ -198,7 +188,7 @@ class CaptureRuntime:
         self._red_step: ReduceStep | None = None
         self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows, cfg.capture_max_rows,
                                        reduce_rows, max_pairs)
-        self._pending: list[_Entry] = []
+        self._pending: StepPlan | None = None  # this step's groups, handed off after the forward
         self._rows_used = 0
         self._results_lock = threading.Lock()
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
@@ -407,10 +397,7 @@ class CaptureRuntime:
             self.stats["dropped_rows"] += step.dropped_rows
         if self.buffers.plan.is_cuda:
             self.before_forward()
-        pos, masks = step.positions, step.masks
-        entries = [_Entry(rid, layer, hook, pos[a:b], a, masks[a:b])
-                   for rid, (hook, layer), a, b in zip(step.request_ids, step.sites, step.starts, step.ends)]
-        self._pending, self._rows_used = entries, step.rows
+        self._pending, self._rows_used = (step if step.request_ids else None), step.rows
         red = self._red_step = step.reduce
         if red is not None:
             self._reduce.account(red.acct_slots, red.acct_counts, red.last_slots, red.last_pos)
@@ -437,15 +424,14 @@ class CaptureRuntime:
         if red is not None:
             self._red_step = None
             self._reduce.apply(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst)
-        if not self._pending:
+        step = self._pending
+        if step is None:
             return
         host = self._host
         if host is None or host.dead:  # capture disabled: the finishes answer consumer_died
-            self._pending = []
+            self._pending = None
             return
-        wanted = 0
-        for e in self._pending:
-            wanted |= int(np.bitwise_or.reduce(e.masks))
+        wanted = int(np.bitwise_or.reduce(step.masks))
         lanes = []
         for bit, lane in self._lanes.items():
             if not wanted & bit:
@@ -456,11 +442,10 @@ class CaptureRuntime:
             self._count("dropped_packets")  # 256 packets undelivered in this lane: drop its rows
             self._drop_pending(bit)
         if not lanes:
-            self._pending = []
+            self._pending = None
             return
         n = self._rows_used
-        entries = [(e.request_id, e.layer, e.hook, e.positions, e.row0, e.masks) for e in self._pending]
-        sent = host.send_rows(self.buffers.pool[:n], entries, lanes, self._copy_stream)
+        sent = host.send_rows(self.buffers.pool[:n], step.wire(), lanes, self._copy_stream)
         if sent is None:  # the ring is full (the host is behind): drop for every lane, never wait
             self._count("ring_full")
             for lane in lanes:
@@ -471,15 +456,15 @@ class CaptureRuntime:
             self._count("rows", n)
             if sent is not True:
                 self._copy_done = sent
-        self._pending = []
+        self._pending = None
 
     def _drop_pending(self, bit: int) -> None:
         """This step's rows are not delivered to consumer ``bit``: record them for its finish meta."""
-        for e in self._pending:
-            req = self._requests.get(e.request_id)
-            mine = (e.masks & bit) != 0
+        for rid, layer, hook, positions, _, masks in self._pending.entries():
+            req = self._requests.get(rid)
+            mine = (masks & bit) != 0
             if req is not None and mine.any():
-                req.drop(e.hook, e.layer, e.positions[mine], e.masks[mine] & bit)
+                req.drop(hook, layer, positions[mine], masks[mine] & bit)
 
     def before_forward(self) -> None:
         """The forward may overwrite the pool only once the last copy out of it is done (GPU-side wait)."""

@@ -6,12 +6,15 @@ each step's captured rows into. Nothing a consumer does here (numpy, file writes
 plugin's pure Python) takes the worker's GIL.
 
 Wire (pickled ``multiprocessing.connection`` messages):
-- in: ``("init", {...})`` once, then ``("rows", packet_id, ring_row0, n, entries, bits)`` and
+- in: ``("init", {...})`` once, then ``("rows", packet_id, ring_row0, n, groups, bits)`` (``groups``: request
+  ids, (hook, layer) sites, first and end cells per (request, site), positions and consumer masks per cell:
+  ``runtime.capture_plan.StepPlan.wire``) and
   ``("finish", request_id, key, {bit: meta}, bits)``;
 - out: ``("ready", {bit: global_spec})`` or ``("failed", message)``, then ``("done", packet_id, bit)``
   (a lane is done with a packet: its ring rows may be reused once every lane is), ``("finished", key,
   bit, result)`` (``result``: a driver's return value, or ``{"error": "consumer_error", ...}`` when
-  ``on_request_finished`` raised), ``("errors", n)`` (exceptions caught in ``on_rows``) and ``("stats",
+  ``on_request_finished`` raised; a returned ``concurrent.futures.Future`` is answered when it is done, and
+  the lane goes on meanwhile), ``("errors", n)`` (exceptions caught in ``on_rows``) and ``("stats",
   {bit: counts})`` (consumers' own counters, their optional ``stats()``: sent every ``STATS_S`` when they changed).
 
 Each consumer keeps its own queue and thread here (a slow consumer delays only itself); the worker
@@ -33,6 +36,7 @@ import queue
 import signal
 import sys
 import threading
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -80,20 +84,27 @@ def as_float(block: np.ndarray, dtype: str) -> np.ndarray:
 class _Packet:
     """One step's rows in the ring, converted once for the lanes that take some of them."""
 
-    def __init__(self, ring: np.ndarray, dtype: str, row0: int, n: int, entries: list) -> None:
-        self.ring, self.dtype, self.row0, self.n, self.entries = ring, dtype, row0, n, entries
+    def __init__(self, ring: np.ndarray, dtype: str, row0: int, n: int, groups: tuple) -> None:
+        self.ring, self.dtype, self.row0, self.n = ring, dtype, row0, n
+        self.request_ids, self.sites, self.starts, self.ends, self.positions, self.masks = groups
         self._lock = threading.Lock()
         self._data: np.ndarray | None = None
 
     def data(self) -> np.ndarray:
+        """The rows as consumers get them, converted once (a new array, shared by the lanes: read-only)."""
         with self._lock:
             if self._data is None:
-                self._data = as_float(self.ring[self.row0 : self.row0 + self.n], self.dtype)
+                data = as_float(self.ring[self.row0 : self.row0 + self.n], self.dtype)
+                self._data = data if self.dtype == "bfloat16" else data.copy()  # a new array, not ring memory
+                self._data.flags.writeable = False
             return self._data
 
     def raw(self) -> np.ndarray:
-        """The rows as stored (bfloat16: its uint16 bits), for consumers with ``raw_rows``."""
-        return self.ring[self.row0 : self.row0 + self.n]
+        """The rows as stored (bfloat16: its uint16 bits), for consumers with ``raw_rows``: this lane's
+        copy out of the ring (one copy of the packet, not one per (request, site)), read-only."""
+        out = self.ring[self.row0 : self.row0 + self.n].copy()
+        out.flags.writeable = False
+        return out
 
 
 class _HostLane:
@@ -117,20 +128,26 @@ class _HostLane:
                 self._finish(*item[1:])
 
     def _rows(self, packet_id: int, packet: _Packet) -> None:
-        data = None
+        mine = (packet.masks & self.bit) != 0  # one pass over the packet's cells
+        every = bool(mine.all())  # the common case: this consumer wants every cell (no per-group mask)
+        if not every and not mine.any():
+            return
         errors = 0
         raw = bool(getattr(self.consumer, "raw_rows", False))
         meta = {"dtype": packet.dtype} if raw else {}
-        for request_id, layer, hook, positions, row0, masks in packet.entries:
-            take = (masks & self.bit) != 0
-            if not take.any():
-                continue
-            if data is None:
-                data = packet.raw() if raw else packet.data()
-            # boolean-mask indexing copies: the consumer never holds ring memory
-            block = data[row0 : row0 + len(positions)][take]
+        data, positions = packet.raw() if raw else packet.data(), packet.positions
+        on_rows = self.consumer.on_rows
+        for request_id, (hook, layer), a, b in zip(packet.request_ids, packet.sites, packet.starts, packet.ends):
+            # read-only views of the packet's copy, or boolean-index copies: never ring memory
+            if every:
+                pos, block = positions[a:b], data[a:b]
+            else:
+                take = mine[a:b]
+                if not take.any():
+                    continue
+                pos, block = positions[a:b][take], data[a:b][take]
             try:
-                self.consumer.on_rows(request_id, layer, hook, positions[take], block, meta)
+                on_rows(request_id, layer, hook, pos, block, meta)
             except Exception:
                 errors += 1
                 logger.exception("vllm-steer: capture consumer %s raised in on_rows", self.instance)
@@ -151,10 +168,21 @@ class _HostLane:
         try:
             out = self.consumer.on_request_finished(request_id, meta)
         except Exception as exc:
-            self.send(("errors", 1))
-            logger.exception("vllm-steer: capture consumer %s raised in on_request_finished", self.instance)
-            out = {"error": "consumer_error", "message": f"{type(exc).__name__}: {exc}"[:1000]}
+            out = self._failed(exc)
+        if isinstance(out, Future):  # e.g. files still being published: answer when done, go on now
+            out.add_done_callback(lambda fut: self.send(("finished", key, self.bit, self._outcome(fut))))
+            return
         self.send(("finished", key, self.bit, out))
+
+    def _outcome(self, fut: Future) -> Any:
+        exc = fut.exception()
+        return self._failed(exc) if exc is not None else fut.result()
+
+    def _failed(self, exc: BaseException) -> dict:
+        self.send(("errors", 1))
+        logger.error("vllm-steer: capture consumer %s raised in on_request_finished", self.instance,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        return {"error": "consumer_error", "message": f"{type(exc).__name__}: {exc}"[:1000]}
 
 
 def _report_stats(consumers: dict[int, tuple[str, Any]], send, stop: threading.Event) -> None:
@@ -207,8 +235,8 @@ def serve(cmd: Connection, res: Connection) -> None:
         except (EOFError, OSError):
             break
         if msg[0] == "rows":
-            _, packet_id, row0, n, entries, bits = msg
-            packet = _Packet(ring, dtype, row0, n, entries)
+            _, packet_id, row0, n, groups, bits = msg
+            packet = _Packet(ring, dtype, row0, n, groups)
             for bit in bits:
                 lanes[bit].queue.put(("rows", packet_id, packet))
         elif msg[0] == "finish":

@@ -140,8 +140,10 @@ class CaptureHost:
         threading.Thread(target=self._reader, name="vllm-steer-capture-results", daemon=True).start()
 
     # ---- the step thread ---------------------------------------------------------------------
-    def send_rows(self, rows: torch.Tensor, entries: list[tuple], lanes: list[Lane], copy_stream: Any) -> Any:
-        """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken).
+    def send_rows(self, rows: torch.Tensor, groups: tuple, lanes: list[Lane], copy_stream: Any) -> Any:
+        """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken); ``groups``:
+        ``StepPlan.wire()`` (request ids, sites, starts, ends, positions, masks: columns, so the notifier's
+        pickle does not grow by one tuple of arrays per (request, site)).
         Returns the copy's event (GPU), True (CPU), or None when the ring is full (nothing queued)."""
         n = rows.shape[0]
         packet_id = self._next_id
@@ -152,7 +154,7 @@ class CaptureHost:
         event = _copy_into(self.rows[start : start + n], rows, copy_stream)
         with self._lock:
             self._refs[packet_id] = len(lanes)
-        self._notify.put((event, ("rows", packet_id, start, n, entries, [lane.bit for lane in lanes])))
+        self._notify.put((event, ("rows", packet_id, start, n, groups, [lane.bit for lane in lanes])))
         return event if event is not None else True
 
     def finish(self, lane: Lane, request_id: str, key: str, meta: dict, req: Any, reduced: tuple | None = None,

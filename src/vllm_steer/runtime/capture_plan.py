@@ -99,6 +99,18 @@ class StepPlan:
     planned: int = 0  # plan cells set this step (rows for consumers plus tokens reduced straight into a slot)
     reduce: ReduceStep | None = None
 
+    def wire(self) -> tuple:
+        """The groups as the consumers' process receives them: a few lists and two arrays, whatever the
+        count of (request, site) groups (``runtime.capture_host``: one pickle of columns, not one tuple of
+        arrays per group)."""
+        return self.request_ids, self.sites, self.starts, self.ends, self.positions, self.masks
+
+    def entries(self):
+        """(request id, layer, hook, positions, first row, masks) per group, in pool-row order."""
+        pos, masks = self.positions, self.masks
+        for rid, (hook, layer), a, b in zip(self.request_ids, self.sites, self.starts, self.ends):
+            yield rid, layer, hook, pos[a:b], a, masks[a:b]
+
 
 @dataclass
 class ReduceStep:

@@ -1,0 +1,61 @@
+"""The capture host's cost per decode step of the heavy arm, on the CPU (issue 37): every request capturing
+post_mlp of every layer at its new token, through a consumer lane into the filesystem consumer (no fsync).
+
+Builds the packets a worker sends (``StepPlan.wire``: R requests x S sites, one row each, bf16 rows of D),
+pickles them as the notifier does, runs ``_HostLane._rows`` on each and publishes every request at the end.
+Prints ms per step for the lane (what must stay under an engine step, ~6.8 ms at 8b on an H100), the pickle
+round trip (the worker's notifier pays the dump), and until the files are published.
+
+    python bench/capture_host_cost.py [--requests 16 --sites 32 --hidden 4096 --steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import tempfile
+import time
+
+import numpy as np
+
+from vllm_steer.capture.filesystem import FilesystemConsumer
+from vllm_steer.runtime import capture_host
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--sites", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=300)
+    a = ap.parse_args()
+    n = a.requests * a.sites
+    ring = np.random.default_rng(0).integers(0, 2**16, (n, a.hidden), dtype=np.uint16)
+    rids = [f"cmpl-{i:032x}-0" for i in range(a.requests)]
+    sites = [("post_mlp", layer) for layer in range(a.sites)]
+    groups = ([r for r in rids for _ in sites], [s for _ in rids for s in sites], list(range(n)),
+              list(range(1, n + 1)))
+    with tempfile.TemporaryDirectory() as root:
+        fs = FilesystemConsumer("fs", root=root, threads=4, fsync=False)
+        lane = capture_host._HostLane.__new__(capture_host._HostLane)  # no thread: the lane's work, timed here
+        lane.bit, lane.instance, lane.consumer, lane.send = 1, "fs", fs, lambda msg: None
+        pickled = 0.0
+        t0 = time.perf_counter()
+        for step in range(a.steps):
+            wire = (*groups, np.full(n, 100 + step, np.int64), np.ones(n, np.int64))
+            t = time.perf_counter()
+            wire = pickle.loads(pickle.dumps(wire))
+            pickled += time.perf_counter() - t
+            lane._rows(step, capture_host._Packet(ring, "bfloat16", 0, n, wire))
+        t1 = time.perf_counter()
+        for fut in [fs.on_request_finished(r, {"prompt_len": 100}) for r in rids]:
+            fut.result(timeout=120)
+        fs.close()
+        t2 = time.perf_counter()
+    print(f"{a.requests} requests x {a.sites} sites, D {a.hidden}: lane {1e3 * (t1 - t0) / a.steps:.2f} ms/step "
+          f"(pickle round trip {1e3 * pickled / a.steps:.2f}), until published {1e3 * (t2 - t0) / a.steps:.2f} "
+          f"ms/step, {n * a.hidden * 2 * a.steps / (t2 - t0) / 1e9:.2f} GB/s written")
+
+
+if __name__ == "__main__":
+    main()
