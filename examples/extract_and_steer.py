@@ -1,10 +1,12 @@
 """Extraction end to end: contrastive pairs -> a steering vector (difference of means of the last
 token's residual, read by the server's ``activations`` capture consumer) -> a module file and a
-registered module -> a steered completion.
+registered module -> a steered completion. The strength is a ``norm``: a fraction of each steered site's typical
+residual norm, which extraction measured over the same texts and stored in the file (so the module carries it).
+On SmolLM2 with these 10 layers, ``norm`` 0.05 reads well and text breaks past ~0.1 (``vllm-steer sweep`` shows it).
 
 The server needs ``"capture": ["activations"]`` in its steer block (and the module key, when set):
 ``python examples/extract_and_steer.py BASE_URL [API_KEY] [OUT.safetensors]``.
-The same from the shell: ``vllm-steer extract --server BASE_URL --pairs pairs.jsonl -o joy.gguf --register joy``.
+The same from the shell: ``vllm-steer extract --server BASE_URL --pairs pairs.jsonl -o joy.safetensors --register joy``.
 """
 
 import sys
@@ -28,7 +30,7 @@ with Client(base_url, api_key=api_key) as c:
     print("saved:", found.save(out))
     c.register_module("joy", file=out, replace=True)
     prompt = "Today the weather is bad and I feel"
-    for scale in (0.0, 2.0):
-        r = c.complete(prompt, module=None if scale == 0 else {"name": "joy", "scale": scale}, max_tokens=12, temperature=0)
-        print(f"scale {scale}:", repr(r["choices"][0]["text"]))
+    for norm in (0.0, 0.05):
+        r = c.complete(prompt, module=None if norm == 0 else {"name": "joy", "norm": norm}, max_tokens=12, temperature=0)
+        print(f"norm {norm}:", repr(r["choices"][0]["text"]))
     c.delete_module("joy")

@@ -109,11 +109,23 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
                                 "capture_result_timeout_s": CAPTURE_TIMEOUT_S,
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
                                 "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root),
-                                "conditions": True, "max_projections": 2}})
+                                "conditions": True, "max_projections": 2,
+                                "site_norms": _site_norms_file(d)}})
     log = d / "server.log"
     with openai_server(smollm2_path, *API_SERVER_ARGS, "--additional-config", cfg, log=log,
                        max_model_len=API_MAX_MODEL_LEN) as (base, _):
         yield base, smollm2_path, log, d / "captures"
+
+
+SERVER_NORMS = {f"post_mlp.{layer}": 4.0 + layer for layer in range(30)}  # the shared server's steer.site_norms
+# (made up: post_mlp sites only, so a pre_attn ``norm`` strength is the 400 that names calibrate)
+
+
+def _site_norms_file(d) -> str:
+    import json
+
+    (d / "site_norms.json").write_text(json.dumps({"site_norms": SERVER_NORMS}))
+    return str(d / "site_norms.json")
 
 
 SLOW_HTTP_S = 30.0  # an HTTP call of a test slower than this (to its response's headers) is listed at the end (a

@@ -50,7 +50,7 @@ def extracted(api_server, tmp_path_factory):
 def test_extract_and_steer(extracted):
     got, out = extracted
     assert out.is_file() and got["saved"].strip() == str(out)
-    assert got["scale 0.0"] != got["scale 2.0"]
+    assert got["norm 0.0"] != got["norm 0.05"]
 
 
 def test_modules_sh(api_server, extracted):

@@ -75,6 +75,13 @@ def _tier_cases(tier: str) -> Iterator[Case]:
     yield f"{tier}:packed:idx-dup", {tier: {"post_mlp": dup}}, f"{h}.layer_indices"
     big = pack(np.ones((25, HIDDEN), np.float32), list(range(25)))
     yield f"{tier}:packed:over-cap", {tier: {"post_mlp": big}}, f"{h}.data"
+    # (after the cases above: module_cases takes every third, and a request over its cap is a module under its own)
+    for name, over in (("norm-str", {"norm": "a"}), ("norm-inf", {"norm": 1e400}), ("norm-list", {"norm": [0.1]}),
+                       ("norm-and-scales", {"norm": 0.1, "scales": [1.0]})):
+        yield f"{tier}:packed:{name}", {tier: {"post_mlp": _packed(**over)}}, f"{h}.norm"
+    # the shared server's steer.site_norms holds post_mlp sites only
+    yield f"{tier}:norm:no-site-norm", {tier: {"pre_attn": {"norm": 0.1, str(LAYER): GOOD_VEC.tolist()}}}, f"{f}.pre_attn.norm"
+    yield f"{tier}:norm:bool", {tier: {"post_mlp": {"norm": True, str(LAYER): GOOD_VEC.tolist()}}}, f"{h}.norm"
 
 
 def _other_cases() -> Iterator[Case]:
@@ -83,6 +90,8 @@ def _other_cases() -> Iterator[Case]:
                              ("scale-str", {"name": "preloaded", "scale": "a"}, f"{m}.scale"),
                              ("scale-inf", {"name": "preloaded", "scale": 1e400}, f"{m}.scale"),
                              ("scale-bool", {"name": "preloaded", "scale": True}, f"{m}.scale"),
+                             ("norm-str", {"name": "preloaded", "norm": "a"}, f"{m}.norm"),
+                             ("norm-and-scale", {"name": "preloaded", "norm": 0.1, "scale": 2}, f"{m}.norm"),
                              ("extra", {"name": "preloaded", "boost": 1}, m),
                              ("unknown", {"name": "no-such-module"}, f"{m}.name"),
                              ("unknown-str", "no-such-module", f"{m}.name"),

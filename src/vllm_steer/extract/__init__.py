@@ -3,11 +3,15 @@
 ``extract(target, pairs, ...)`` sends each side of each pair through the model (a running server's
 URL, or an in-process ``vllm.LLM``) with the built-in ``activations`` capture consumer, and computes
 a direction per hook and layer (``methods``). The result saves as a module file or registers as a
-named module. ``vllm-steer extract`` (``vllm_steer.cli``) is the same from the shell.
+named module, with each site's typical residual norm over the same texts (``core.site_norms``: the
+file's ``site_norms`` metadata, what ``steering_module: {"norm": x}`` reads). ``vllm-steer extract``
+(``vllm_steer.cli``) is the same from the shell; ``calibrate`` and ``sweep`` (this package) measure norms
+for other vectors and show where a strength breaks the text.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +22,7 @@ import numpy as np
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
 from vllm_steer.core.site_names import tl_hook
+from vllm_steer.core.site_norms import METADATA_KEY, Norms, as_json, measure
 from vllm_steer.extract.files import EMITS, Vectors, file_kind, gguf_bytes, safetensors_bytes
 from vllm_steer.extract.methods import METHODS, direction
 from vllm_steer.extract.pairs import ExtractError, Pair, as_pair, read_jsonl
@@ -38,12 +43,16 @@ class Extraction:
     model: str = ""
     info: dict[str, Any] = field(default_factory=dict)
     emit: str = "add"  # "ablate": the module ablates each direction at its site (steer.max_projections)
+    site_norms: Norms | None = None  # typical residual norm per site over the same texts (core.site_norms)
 
     def metadata(self) -> dict[str, str]:
         what = "ablating the directions of " if self.emit == "ablate" else ""
-        return {"description": f"vllm-steer extract: {what}{self.method} over {self.pairs} pairs ({self.reduce} token)",
-                "method": self.method, "reduce": self.reduce, "pairs": str(self.pairs), "model": self.model,
-                "emit": self.emit}
+        out = {"description": f"vllm-steer extract: {what}{self.method} over {self.pairs} pairs ({self.reduce} token)",
+               "method": self.method, "reduce": self.reduce, "pairs": str(self.pairs), "model": self.model,
+               "emit": self.emit}
+        if self.site_norms:
+            out[METADATA_KEY] = json.dumps(as_json(self.site_norms))
+        return out
 
     def file_bytes(self, kind: str = "safetensors") -> bytes:
         if kind == "gguf":
@@ -116,6 +125,9 @@ def extract(target: Any, pairs: Iterable[Any] | str | Path, *, layers: Any = "al
     texts = [Text(side, p.prompt, chat) for p in pairs for side in (p.positive, p.negative)]
     t0 = time.monotonic()
     rows = source.activations(texts, capture_field(_layers(layers), hooks, reduce, instance), progress)
+    # the typical norms are of last-token rows (core.site_norms): a mean extraction reads them once more
+    last_rows = rows if reduce == "last" else source.activations(
+        texts, capture_field(_layers(layers), hooks, "last", instance))
     sites = list(rows[0])
     vectors: Vectors = {}
     for site in sites:
@@ -128,4 +140,5 @@ def extract(target: Any, pairs: Iterable[Any] | str | Path, *, layers: Any = "al
         hook, layer = site.rsplit(".", 1)
         vectors.setdefault(hook, {})[int(layer)] = v
     return Extraction(vectors, method, reduce, len(pairs), getattr(source, "model", "") or "",
-                      {"requests": len(texts), "seconds": round(time.monotonic() - t0, 3)}, emit)
+                      {"requests": len(texts) * (1 if reduce == "last" else 2),
+                       "seconds": round(time.monotonic() - t0, 3)}, emit, measure(last_rows))

@@ -18,6 +18,7 @@ from vllm_steer.core.rpc import Name, RegisterModule, call_args
 from vllm_steer.core.config import SteerConfigError, upload_cap
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.payload import tiers_to_wire
+from vllm_steer.core.site_norms import METADATA_KEY, Norms, as_json, parse_norms
 from vllm_steer.core.vectors import CONDITION_FIELD, PROJECTION_FIELDS, TIER_FIELDS
 from vllm_steer.frontend.condition_spec import module_condition
 from vllm_steer.frontend.module_store import MODULE_SYNC, STORE, SteeringModule
@@ -85,8 +86,8 @@ def module_from_json(body: dict, shape: ModelShape, conditions: bool = False, ma
     """A module from its JSON registration; ``conditions`` (``steer.conditions``): it may carry a
     ``steering_condition`` for the requests that name it; ``max_projections`` (``steer.max_projections``):
     projection fields (as in requests), or ``as_ablation``."""
-    extra = set(body) - {"name", "description", "replace", "as_ablation", CONDITION_FIELD, *TIER_FIELDS,
-                         *PROJECTION_FIELDS}
+    extra = set(body) - {"name", "description", "replace", "as_ablation", "site_norms", CONDITION_FIELD,
+                         *TIER_FIELDS, *PROJECTION_FIELDS}
     if extra:
         raise SteeringSpecError(sorted(extra)[0], "unknown field in a module registration")
     name = check_name(body.get("name"))
@@ -96,7 +97,8 @@ def module_from_json(body: dict, shape: ModelShape, conditions: bool = False, ma
         spec = parse_spec({k: body.get(k) for k in TIER_FIELDS}, shape)
     except SteeringTooLarge as e:  # a tier (or one packed hook) alone is over the cap
         raise SteeringTooLarge(e.field, f"{str(e).split(': ', 1)[-1]} (steer.max_module_bytes)") from None
-    module = SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype)
+    module = SteeringModule(name, spec.tiers, description, "json", dtype=shape.dtype,
+                            site_norms=check_site_norms(body.get("site_norms"), shape))
     with_projections(module, body, shape, max_projections, check_as_ablation(body.get("as_ablation")))
     if not module.has_vectors and not module.projections:
         raise SteeringSpecError("steering_vectors", "a module needs at least one vector (or projection)")
@@ -106,6 +108,19 @@ def module_from_json(body: dict, shape: ModelShape, conditions: bool = False, ma
     sizes = {t: sum(v.nbytes for ls in vecs.values() for v in ls.values()) for t, vecs in spec.tiers.items()}
     check_module(module, shape, max(sizes, key=sizes.__getitem__))
     return module
+
+
+def check_site_norms(raw: Any, shape: ModelShape, field: str = "site_norms") -> Norms | None:
+    """A registration's ``site_norms`` (``{"post_mlp.14": 9.8}``, or the JSON text of a file ``vllm-steer
+    calibrate`` wrote, as a form field sends it): the typical norms its ``norm`` strength reads; None: none."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise SteeringSpecError(field, f"not JSON: {str(e)[:200]}") from None
+    return parse_norms(raw, field, shape.num_layers)
 
 
 def check_module(module: SteeringModule, shape: ModelShape, field: str) -> None:
@@ -143,9 +158,13 @@ def _json_file(name: str, data: bytes, shape: ModelShape, description: str, cond
 
 
 def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, description: str = "",
-                     conditions: bool = False, max_projections: int = 0, as_ablation: Any = None) -> SteeringModule:
+                     conditions: bool = False, max_projections: int = 0, as_ablation: Any = None,
+                     site_norms: Any = None) -> SteeringModule:
     """A module from a file (``as_ablation``: its vectors become ablation directions, e.g. a GGUF / repeng
-    control vector's); safetensors files may carry projections (``module_files``)."""
+    control vector's); safetensors files may carry projections (``module_files``) and their typical
+    norms (metadata ``site_norms``, what ``vllm-steer extract`` writes); ``site_norms`` (the registration's)
+    wins over the file's."""
+    norms = check_site_norms(site_norms, shape)
     check_name(name)
     description = check_description(description or None)
     ablation = check_as_ablation(as_ablation)
@@ -154,13 +173,18 @@ def module_from_file(name: str, data: bytes, filename: str, shape: ModelShape, d
         tiers, meta = read_gguf_control_vector(data, shape)
         source = "gguf"
     elif filename.endswith(".json"):
-        return _json_file(name, data, shape, description, conditions, max_projections, ablation)
+        module = _json_file(name, data, shape, description, conditions, max_projections, ablation)
+        module.site_norms = norms or module.site_norms
+        return module
     elif filename.endswith(".safetensors") or not filename:
         tiers, meta, projections = read_safetensors(data, shape)
         source = "safetensors"
     else:
         raise SteeringSpecError("file", f"unsupported module file {filename!r}: expected .safetensors, .gguf or .json")
-    module = SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype)
+    if norms is None and meta.get(METADATA_KEY):
+        norms = check_site_norms(meta[METADATA_KEY], shape, f"file.metadata.{METADATA_KEY}")
+    module = SteeringModule(name, tiers, description or meta.get("description", ""), source, dtype=shape.dtype,
+                            site_norms=norms)
     try:
         with_projections(module, projections, shape, max_projections, ablation)
     except SteeringSpecError as e:
@@ -175,7 +199,8 @@ def _register_args(module: SteeringModule, replace: bool, max_modules: int | Non
     """The RPC's arguments: the workers' four, and what the engine core's registry decides on."""
     keys = [k for k in module.keys if k is not None]
     meta = {"description": module.description, "source": module.source, "dtype": module.dtype,
-            "created": module.created, "condition": module.condition, "projections": module.projections}
+            "created": module.created, "condition": module.condition, "projections": module.projections,
+            "site_norms": as_json(module.site_norms) if module.site_norms else None}
     policy = {"replace": replace, "max_modules": max_modules, "meta": meta}
     return call_args(RegisterModule(module.name, module.version, tiers_to_wire(module.tiers), keys, policy))
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from vllm_steer.core.layout import config_hash
 from vllm_steer.core.payload import tiers_from_wire
+from vllm_steer.core.site_norms import Norms, as_json, parse_norms
 from vllm_steer.core.vectors import TIER_FIELDS, Vectors, effective_phases
 from vllm_steer.frontend.condition_spec import condition_summary
 from vllm_steer.frontend.projection_spec import summary as projection_summary
@@ -27,6 +28,7 @@ class SteeringModule:
     created: float = field(default_factory=time.time)
     condition: dict | None = None  # its steering_condition as registered (frontend.condition_spec)
     projections: dict | None = None  # its projection fields as registered (frontend.projection_spec)
+    site_norms: Norms | None = None  # typical residual norms its ``norm`` strength reads (frontend.site_norms)
 
     @property
     def has_vectors(self) -> bool:
@@ -50,15 +52,18 @@ class SteeringModule:
                 "version": self.version, "hooks": hooks, "layers": layers,
                 "tiers": [t for t in TIER_FIELDS if self.tiers.get(t)], "dtype": "float32",
                 "bytes": self.nbytes, "created": self.created, "condition": condition_summary(self.condition),
-                "projections": projection_summary(self.projections)}
+                "projections": projection_summary(self.projections),
+                "site_norms": as_json(self.site_norms) if self.site_norms else None}
 
 
 def module_from_entry(name: str, entry: dict, hidden: int) -> SteeringModule:
     """The module another API process registered, from the engine core's registry entry."""
     meta = entry.get("meta", {})
+    norms = meta.get("site_norms")
     return SteeringModule(name, tiers_from_wire(entry["wire"], hidden), meta.get("description", ""),
                           meta.get("source", "json"), meta.get("dtype", "float32"), entry["version"],
-                          meta.get("created", 0.0), meta.get("condition"), meta.get("projections"))
+                          meta.get("created", 0.0), meta.get("condition"), meta.get("projections"),
+                          parse_norms(norms, "site_norms") if norms else None)
 
 
 STORE: NamedStore[SteeringModule] = NamedStore()

@@ -35,6 +35,7 @@ from vllm_steer.frontend.projection_spec import summary as projection_summary
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, Prepared, for_request
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
+from vllm_steer.frontend.site_norms import normed_tiers, server_norms
 from vllm_steer.frontend.spec import ModelShape, parse_packed_fast, parse_spec
 
 _ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY, TOKEN_FIELD)
@@ -60,6 +61,7 @@ class SteeringFrontend:
             layers=frozenset(cfg.layers) if cfg and cfg.layers is not None else None,
             max_bytes=cfg.max_request_bytes if cfg else 0,
             dtype=self.dtype,
+            site_norms=server_norms(cfg, mc.hf_text_config.num_hidden_layers),
         )
         # Modules (registered or preloaded) are checked against their own byte cap.
         self.module_shape = dataclasses.replace(self.shape, max_bytes=cfg.max_module_bytes if cfg else 0)
@@ -122,8 +124,8 @@ class SteeringFrontend:
         """The payload of an earlier request naming the same module version, scale and selection (a bare
         reference depends on nothing else), or None."""
         module = STORE.get(ref.name)
-        return self._module_cache.get((ref.name, module.version if module else None, ref.scale, ref.layers,
-                                       ref.hooks))
+        return self._module_cache.get((ref.name, module.version if module else None, ref.scale, ref.norm,
+                                       ref.layers, ref.hooks))
 
     def cheap(self, fields: dict[str, Any]) -> bool:
         """Whether resolving ``fields`` is light work (server.request_body then prepares a small body on the
@@ -252,6 +254,8 @@ class SteeringFrontend:
         if spec.module is not None and (named := STORE.get(spec.module.name)) is not None and not named.has_vectors:
             spec = dataclasses.replace(spec, module=None)  # projections only (``_module_projections``): no rows
         bare_module = spec.module is not None and not any(spec.tiers.values()) and not ship_rows
+        # a ``norm`` strength is a factor per site: the front end builds those rows (workers know one scale)
+        ship_rows = ship_rows or (spec.module is not None and spec.module.norm is not None)
         if bare_module:
             hit = self._cached_module(spec.module)
             if hit is not None:  # depends only on (name, version, scale, selection): reuse, no rehash
@@ -269,6 +273,8 @@ class SteeringFrontend:
                 raise SteeringSpecError("steering_module.layers" if spec.module.layers else "steering_module.hooks",
                                         f"the selection holds none of module {module.name!r}'s vectors "
                                         f"(hooks {module.summary()['hooks']}, layers {module.summary()['layers']})")
+            if spec.module.norm is not None:
+                module_tiers = normed_tiers(module_tiers, spec.module.norm, module, self.shape.site_norms)
         prefill, decode = effective_phases(spec.tiers, module_tiers, scale)
         try:
             layouts = {"prefill": table_layout(prefill, self.dtype)}
@@ -294,7 +300,8 @@ class SteeringFrontend:
             if len(self._module_cache) > 1024:
                 self._module_cache.clear()
             cached = replace(payload, capture=None) if capture is not None else payload
-            self._module_cache[(module.name, module.version, scale, spec.module.layers, spec.module.hooks)] = (cached, pk, dk)
+            self._module_cache[(module.name, module.version, scale, spec.module.norm, spec.module.layers,
+                                spec.module.hooks)] = (cached, pk, dk)
         return payload, pk, dk
 
     def needs_whole_prompt(self, capture: dict) -> bool:
@@ -432,6 +439,8 @@ class SteeringFrontend:
 
 def _overflow_field(fields: dict[str, Any], spec: Any) -> str:
     """The field to name when the effective rows overflow the model's dtype."""
+    if spec.module is not None and spec.module.norm is not None:
+        return f"{MODULE_FIELD}.norm"
     if spec.module is not None and spec.module.scale != 1.0:
         return f"{MODULE_FIELD}.scale"
     return next((f for f in TIER_FIELDS if fields.get(f) is not None), MODULE_FIELD)

@@ -7,7 +7,9 @@ each maps a hook point to ``{layer: [floats]}`` or to the packed form
 rows' little-endian bytes, base64 in a string (JSON) or raw (a msgpack bin, or Python bytes)
 (when a hook's object has ``data`` it is the packed form; packed wins over any layer keys beside it),
 and/or a site name (``core.site_names``: ``"blocks.12.hook_resid_post"`` or ``"post_mlp.12"``) to
-``[floats]``; a site given twice in one field is refused.
+``[floats]``; a site given twice in one field is refused. A hook's object (either form) may carry
+``"norm": x`` (instead of ``scales``): each of its vectors scaled to ``x`` times its site's typical residual
+norm (``core.site_norms``; the server's ``steer.site_norms``). ``steering_module`` takes ``scale`` or ``norm``.
 Every problem raises SteeringSpecError naming the field. Vectors come out in float32.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import binascii
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dc_field
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
 from vllm_steer.core.layout import Layout, itemsize, raw_rows
 from vllm_steer.core.site_names import parse_site_name
+from vllm_steer.core.site_norms import Norms, normed
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
 
 _PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
@@ -42,12 +45,15 @@ class ModelShape:
     layers: frozenset[int] | None  # steerable layers (None: all)
     max_bytes: int
     dtype: str = "float32"  # the model's dtype: what table rows (and config keys) are made of
+    # typical residual norms per site (steer.site_norms), what inline ``norm`` strengths read; None: none
+    site_norms: Norms | None = dc_field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
 class ModuleRef:
     name: str
     scale: float
+    norm: float | None = None  # the strength as a fraction of each site's typical residual norm (scale then 1)
     layers: tuple[int, ...] | None = None  # a selection of the module's layers (None: all)
     hooks: tuple[str, ...] | None = None  # ... and of its hook points
 
@@ -130,6 +136,8 @@ def parse_vector(field: str, values: Any, shape: ModelShape) -> np.ndarray:
 def _parse_float_layers(field: str, obj: dict, shape: ModelShape) -> dict[int, np.ndarray]:
     out: dict[int, np.ndarray] = {}
     for raw_layer, values in obj.items():
+        if raw_layer == "norm":
+            continue  # the hook's strength, applied by ``_parse_tier``
         f = f"{field}.{raw_layer}"
         layer = check_layer(f, raw_layer, shape)
         arr = parse_vector(f, values, shape)
@@ -230,6 +238,8 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
     n, d = len(layers), shape.hidden_size
     src = _packed_rows(dtype_name, raw, n, d)
     scales = obj.get("scales")
+    if scales is not None and obj.get("norm") is not None:
+        raise SteeringSpecError(f"{field}.norm", "give scales or norm, not both")
     if scales is not None:
         if not isinstance(scales, (list, tuple)) or len(scales) != n:
             raise SteeringSpecError(
@@ -256,7 +266,7 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
     tier = present[0]
     hooks = fields[tier]
     if not all(h in HOOK_NAMES and isinstance(v, dict) and "data" in v and v.get("dtype") == dtype_name
-               and v.get("scales") is None for h, v in hooks.items()):
+               and v.get("scales") is None and "norm" not in v for h, v in hooks.items()):
         return None
     layout: Layout = {}
     total = 0
@@ -319,6 +329,9 @@ def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
         if not isinstance(value, dict):
             raise SteeringSpecError(f, "expected {layer: [floats]} or a packed object with 'data'")
         layers = decode_packed(f, value, shape) if "data" in value else _parse_float_layers(f, value, shape)
+        if "norm" in value:
+            layers = normed(layers, hook, finite_number(f"{f}.norm", value["norm"]), _lookup(shape.site_norms),
+                            f"{f}.norm")
         if layers:
             out[hook] = layers
     for key in site_keys:  # merged into the hook form: {hook: {layer: vector}}
@@ -330,14 +343,18 @@ def _parse_tier(field: str, obj: Any, shape: ModelShape) -> Vectors:
     return out
 
 
+def _lookup(norms: Norms | None) -> Any:
+    return lambda hook, layer: None if norms is None else norms.get((hook, layer))
+
+
 def _parse_module(obj: Any, shape: ModelShape) -> ModuleRef | None:
     if obj is None:
         return None
     if isinstance(obj, str):
         obj = {"name": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise SteeringSpecError(MODULE_FIELD, 'expected {"name": str, "scale": float, "layers"?, "hooks"?}')
-    extra = set(obj) - {"name", "scale", "layers", "hooks"}
+        raise SteeringSpecError(MODULE_FIELD, 'expected {"name": str, "scale" or "norm": float, "layers"?, "hooks"?}')
+    extra = set(obj) - {"name", "scale", "norm", "layers", "hooks"}
     if extra:
         raise SteeringSpecError(MODULE_FIELD, f"unknown keys {sorted(extra)}")
     layers = hooks = None
@@ -353,7 +370,12 @@ def _parse_module(obj: Any, shape: ModelShape) -> ModuleRef | None:
         for h in hooks:
             check_hook(f"{MODULE_FIELD}.hooks", h, shape)
         hooks = sorted(set(hooks))
-    return ModuleRef(obj["name"], finite_number(f"{MODULE_FIELD}.scale", obj.get("scale", 1.0)),
+    norm = None
+    if obj.get("norm") is not None:
+        if obj.get("scale") is not None:
+            raise SteeringSpecError(f"{MODULE_FIELD}.norm", "give scale or norm, not both")
+        norm = finite_number(f"{MODULE_FIELD}.norm", obj["norm"])
+    return ModuleRef(obj["name"], finite_number(f"{MODULE_FIELD}.scale", obj.get("scale", 1.0)), norm,
                      None if layers is None else tuple(layers), None if hooks is None else tuple(hooks))
 
 

@@ -104,7 +104,7 @@ async def register(raw: Request) -> JSONResponse:
                     raise SteeringSpecError("file", "a multipart registration needs a 'file' part")
                 module = module_from_file(form.get("name"), await upload.read(), upload.filename or "",
                                           shape, form.get("description"), cfg.conditions, cfg.max_projections,
-                                          form.get("as_ablation"))
+                                          form.get("as_ablation"), form.get("site_norms"))
                 replace = check_replace(form.get("replace")) or check_replace(raw.query_params.get("replace"))
         else:
             try:

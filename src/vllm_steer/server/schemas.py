@@ -40,6 +40,8 @@ class PackedRows(BaseModel):
     layer_indices: list[int]
     data: str = Field(description="the rows' little-endian bytes, base64")
     scales: list[float] | None = None
+    norm: float | None = Field(None, description="instead of scales: each row scaled to norm x its site's typical "
+                                                 "residual L2 norm (steer.site_norms)")
 
 
 Tier = Annotated[dict[str, dict[str, list[float]] | PackedRows | list[float]],
@@ -64,6 +66,9 @@ class ModuleRegistration(BaseModel):
     prefill_steering_projections: dict | None = None
     decode_steering_projections: dict | None = None
     as_ablation: bool = Field(False, description="the module's vectors become ablation directions at their sites")
+    site_norms: dict[str, float] | None = Field(None, description="typical residual L2 norm per site ({'post_mlp.14': "
+                                                                  "9.8}, what vllm-steer calibrate writes): what a "
+                                                                  "request's steering_module.norm is relative to")
     replace: bool = Field(False, description="replace a module of that name (else 409)")
 
 
@@ -78,6 +83,8 @@ class ModuleUpload(BaseModel):
     replace: Literal["true", "false", "1", "0", "yes", "no"] | None = None
     as_ablation: Literal["true", "false", "1", "0", "yes", "no"] | None = Field(
         None, description="the file's vectors (e.g. a GGUF / repeng control vector) become ablation directions")
+    site_norms: str | None = Field(None, description="JSON: typical residual norms per site (a vllm-steer calibrate "
+                                                     "file's text); default: the file's metadata 'site_norms'")
 
 
 class ModuleSummary(BaseModel):
@@ -93,6 +100,7 @@ class ModuleSummary(BaseModel):
     created: float = Field(description="seconds since the epoch")
     condition: dict | None = Field(None, description="its steering_condition (an inline probe shown as its length)")
     projections: dict | None = Field(None, description="its projections: per field, per site, the ops' modes")
+    site_norms: dict[str, float] | None = Field(None, description="typical residual norms its 'norm' strength reads")
 
 
 class ModuleInfo(ModuleSummary):
