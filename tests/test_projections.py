@@ -187,3 +187,27 @@ def test_module_files_carry_projections_and_a_module_may_be_its_vectors_as_ablat
         module_from_file("j", json.dumps({**body, "steering_projections": {"post_mlp.1": [ablate()]}}).encode(),
                          "m.json", shape, max_projections=2, as_ablation="true")
     assert e.value.field == "file.as_ablation" and "leave out the projection fields" in str(e.value)
+
+
+def test_one_packed_direction_at_many_sites_is_read_once_and_keys_as_if_read_at_each(fe, monkeypatch):
+    """The memo of a request's packed directions (a refusal direction at every layer is read once) changes
+    neither the rows nor the key: the same request with float lists (never memoised) keys the same; a bad
+    direction is still refused naming the first site that gives it."""
+    from vllm_steer.frontend import projection_spec
+    from vllm_steer.frontend.projection_spec import packed
+
+    reads = []
+    real = projection_spec.unit_direction
+    monkeypatch.setattr(projection_spec, "unit_direction", lambda *a: reads.append(a[0]) or real(*a))
+    sites = ("post_mlp.1", "post_attn.2", "post_mlp.3")
+    p, k, _ = fe.resolve({"steering_projections": {s: [{"direction": packed(DIR * 2), "mode": "ablate"}]
+                                                   for s in sites}})
+    assert len(reads) == 1
+    lists, kl, _ = fe.resolve({"steering_projections": {s: [ablate(DIR * 2)] for s in sites}})
+    assert len(reads) == 4 and k == kl and p.projections == lists.projections
+    for _, _, dirs, _ in _entries(p, k):
+        np.testing.assert_allclose(dirs, [UNIT], rtol=1e-6)
+    zero = {"direction": packed(np.zeros(D, np.float32)), "mode": "ablate"}
+    with pytest.raises(SteeringSpecError) as e:
+        fe.resolve({"steering_projections": {"post_attn.2": [zero], "post_mlp.3": [zero]}})
+    assert e.value.field == "steering_projections.post_attn.2[0].direction"

@@ -58,11 +58,12 @@ def parse_projections(fields: dict[str, Any], shape: ModelShape, max_projections
         raise SteeringSpecError(given[0] if given else "steering_module.name",
                                 "directional projections are off on this server (start it with "
                                 "steer.max_projections >= 1)")
-    tiers = [_parse_field(f, fields.get(f), shape) for f in PROJECTION_FIELDS]
+    memo: dict = {}  # one direction given at many sites (a refusal direction at every layer) is read once
+    tiers = [_parse_field(f, fields.get(f), shape, memo) for f in PROJECTION_FIELDS]
     if module and module[0]:
         raw, layers, hooks = module
         for i, f in enumerate(PROJECTION_FIELDS):
-            own = _parse_field(f, raw.get(f), shape)
+            own = _parse_field(f, raw.get(f), shape, memo)
             own = {s: v for s, v in own.items() if (layers is None or s[1] in layers) and (hooks is None or s[0] in hooks)}
             tiers[i] = {s: (tiers[i][s][0] if s in tiers[i] else "steering_module.name",
                             own.get(s, ("", []))[1] + tiers[i].get(s, ("", []))[1]) for s in set(own) | set(tiers[i])}
@@ -130,7 +131,7 @@ def _phase(base: Ops, own: Ops, own_field: str, k_max: int) -> list[ProjWire]:
     return out
 
 
-def _parse_field(field: str, obj: Any, shape: ModelShape) -> Ops:
+def _parse_field(field: str, obj: Any, shape: ModelShape, memo: dict) -> Ops:
     if obj is None:
         return {}
     if not isinstance(obj, dict):
@@ -151,19 +152,19 @@ def _parse_field(field: str, obj: Any, shape: ModelShape) -> Ops:
                                             "site")
             if site in out:
                 raise SteeringSpecError(sf, f"site {site[0]}.{site[1]} is given twice in {field}")
-            out[site] = (sf, _parse_ops(sf, ops, shape))
+            out[site] = (sf, _parse_ops(sf, ops, shape, memo))
     return out
 
 
-def _parse_ops(field: str, ops: Any, shape: ModelShape) -> list[tuple[np.ndarray, float, float]]:
+def _parse_ops(field: str, ops: Any, shape: ModelShape, memo: dict) -> list[tuple[np.ndarray, float, float]]:
     if not isinstance(ops, list) or not ops:
         raise SteeringSpecError(field, 'expected a non-empty list of {"direction", "mode": "ablate" | "cap", '
                                        '"min"?, "max"?}')
-    return [_parse_op(f"{field}[{i}]", op, shape) for i, op in enumerate(ops)]
+    return [_parse_op(f"{field}[{i}]", op, shape, memo) for i, op in enumerate(ops)]
 
 
-def _parse_op(field: str, op: Any, shape: ModelShape) -> tuple[np.ndarray, float, float]:
-    """(unit direction, lo, hi) of one op."""
+def _parse_op(field: str, op: Any, shape: ModelShape, memo: dict) -> tuple[np.ndarray, float, float]:
+    """(unit direction, lo, hi) of one op; ``memo``: packed directions already read in this request."""
     if not isinstance(op, dict):
         raise SteeringSpecError(field, 'expected {"direction", "mode": "ablate" | "cap", "min"?, "max"?}')
     mode = op.get("mode")
@@ -174,7 +175,13 @@ def _parse_op(field: str, op: Any, shape: ModelShape) -> tuple[np.ndarray, float
         raise SteeringSpecError(f"{field}.{extra[0]}", f"unknown key for mode {mode!r} (keys: {sorted(_KEYS[mode])})")
     if "direction" not in op:
         raise SteeringSpecError(f"{field}.direction", "required")
-    v = unit_direction(f"{field}.direction", op["direction"], shape)
+    raw = op["direction"]
+    key = (raw.get("dtype"), raw["data"]) if isinstance(raw, dict) and isinstance(raw.get("data"), str) else None
+    v = memo.get(key) if key is not None else None
+    if v is None:
+        v = unit_direction(f"{field}.direction", raw, shape)
+        if key is not None:
+            memo[key] = v
     if mode == "ablate":
         return v, 0.0, 0.0
     lo = finite_number(f"{field}.min", op["min"]) if op.get("min") is not None else -np.inf
