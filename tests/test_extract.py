@@ -164,7 +164,9 @@ def test_the_command_writes_module_files_and_registers(api_server, tmp_path):
         "model": model, "prompt": "I think that", "max_tokens": 8, "temperature": 0, **body}).json()
         for body in ({"steering_module": "cli-ablate"}, inline)]
     assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
-    assert texts[0]["steering"] == texts[1]["steering"]
+    assert [t["steering"]["decode"] for t in texts[0:1]] == [texts[1]["steering"]["decode"]]
+    assert texts[0]["steering"]["projections"] == texts[1]["steering"]["projections"] == 3
+    assert texts[0]["steering"]["module"]["name"] == "cli-ablate"
     httpx.delete(f"{base}/v1/steering/modules/cli-ablate", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
 

@@ -72,7 +72,11 @@ def test_register_json_and_use_equals_inline(base, model):
     inline = complete(base, model, steering_vectors={"post_mlp": {str(LAYER): VEC.tolist()}}).json()
     plain = complete(base, model).json()
     assert via_module["choices"][0]["text"] == inline["choices"][0]["text"] != plain["choices"][0]["text"]
-    assert via_module["steering"] == inline["steering"]  # same config key: shares rows and cache salt
+    keys = lambda r: (r["steering"]["prefill"], r["steering"]["decode"])  # noqa: E731
+    assert keys(via_module) == keys(inline)  # same config key: shares rows and cache salt
+    # what was applied, said in the response (frontend.applied_report)
+    assert via_module["steering"]["module"] == {"name": "json-mod", "version": s["version"], "scale": 1.0}
+    assert via_module["steering"]["sites"] == inline["steering"]["sites"] == 1 and "module" not in inline["steering"]
 
 
 def test_register_packed_list_and_get(base):
@@ -136,7 +140,9 @@ def test_a_reference_selects_layers_and_hooks_of_a_module(base, model):
         assert texts["range"] != texts["plain"]
         a = complete(base, model, steering_module={"name": "mixed", "hooks": ["pre_attn"]}).json()
         b = complete(base, model, steering_vectors={"pre_attn": {"3": VEC.tolist()}}).json()
-        assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["steering"] == b["steering"]
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert (a["steering"]["decode"], a["steering"]["sites"]) == (b["steering"]["decode"], b["steering"]["sites"]) == (
+            b["steering"]["decode"], 1)  # the selection: one of the module's pre_attn sites
         for ref, field, words in [
             ({"name": "cv29", "layers": "20-40"}, "steering_module.layers", "layer 30 out of range"),
             ({"name": "cv29", "layers": "x"}, "steering_module.layers", "expected 'all', N, A-B"),
@@ -401,7 +407,8 @@ def test_modules_carry_projections_json_safetensors_and_a_gguf_used_as_an_ablati
         for via_module, inline in cases:
             a, b = complete(base, model, **via_module).json(), complete(base, model, **inline).json()
             assert a["choices"][0]["text"] == b["choices"][0]["text"], via_module
-            assert a["steering"] == b["steering"], via_module  # the same config key
+            assert a["steering"]["decode"] == b["steering"]["decode"], via_module  # the same config key
+            assert a["steering"]["projections"] == b["steering"]["projections"] == 1, a["steering"]
         assert complete(base, model, **cases[1][1]).json()["choices"][0]["text"] != plain  # the cap moves it
         r = register(base, files={"file": ("cv.gguf", gguf_control_vector({10: d_cap}))},
                      data={"name": "proj-bad", "as_ablation": "maybe"})

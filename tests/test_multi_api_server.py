@@ -38,7 +38,8 @@ def test_steering_through_two_api_server_processes(tiny_model, tmp_path):
                          {**plain, "steering_module": {"name": "m"}}):
                 r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
                 assert r.status_code == 200, r.text
-                assert r.json()["steering"] == {"prefill": want, "decode": want}
+                got = r.json()["steering"]
+                assert (got["prefill"], got["decode"], got["sites"]) == (want, want, 1)
                 texts.add(r.json()["choices"][0]["text"])
         base_text = httpx.post(f"{base}/v1/completions", json=plain, timeout=120).json()["choices"][0]["text"]
         assert len(texts) == 1 and texts != {base_text}  # the same steering everywhere, and it steers

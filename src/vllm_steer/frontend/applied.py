@@ -29,12 +29,16 @@ def close_holder(token: contextvars.Token) -> None:
     _HOLDER.reset(token)
 
 
-def record_applied(request_id: str, prefill_key: str | None, decode_key: str | None) -> None:
-    logger.info("vllm-steer: request %s steered: prefill=%s decode=%s", request_id, prefill_key, decode_key)
+def record_applied(request_id: str, prefill_key: str | None, decode_key: str | None,
+                   report: dict | None = None) -> None:
+    """``report``: what else the response says (``frontend.applied_report``: module, sites, SAEs, ...)."""
+    logger.info("vllm-steer: request %s steered: prefill=%s decode=%s %s", request_id, prefill_key, decode_key,
+                report or "")
     holder = _HOLDER.get()
     if holder is not None:
         holder["prefill"] = prefill_key
         holder["decode"] = decode_key
+        holder["report"] = report or {}
 
 
 def record_capture(request_id: str, driver_instances: list[str] | None = None) -> None:

@@ -28,6 +28,7 @@ from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIEL
                                      REQUEST_FIELDS, SAE_FIELD, TIER_FIELDS, effective_phases, selected)
 from vllm_steer.frontend import field_names, path_trace
 from vllm_steer.frontend.condition_spec import check_sites, condition_key, parse_condition
+from vllm_steer.frontend.applied_report import report
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.frontend.projection_spec import ProjWire, parse_projections, projection_key
@@ -434,7 +435,8 @@ class SteeringFrontend:
         if payload is not None:
             self._check_fits(extra_args, pk, dk)
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}
-        return Prepared(payload, extra or None, pk, dk)
+        said = report(extra_args, payload, STORE) if payload is not None and (pk or dk) else None
+        return Prepared(payload, extra or None, pk, dk, said)
 
 
 def _overflow_field(fields: dict[str, Any], spec: Any) -> str:
@@ -524,7 +526,7 @@ def patch_input_processor() -> None:
         if keys is not None and (keys[0] or keys[1]):
             if keys[0]:
                 request.cache_salt = salted(request.cache_salt, keys[0])
-            record_applied(request.request_id, *keys)
+            record_applied(request.request_id, *keys, ready.report)
         if captures:
             record_capture(request_id, expected["instances"])
         if path_trace.ON and asks:

@@ -32,6 +32,7 @@ class Prepared(NamedTuple):
     extra_args: dict | None
     prefill_key: str | None
     decode_key: str | None
+    report: dict | None = None  # what the response says was applied (frontend.applied_report)
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -89,4 +90,4 @@ def for_request(prepared: Prepared, extra_args: dict, request_id: str,
         if payload.capture is not None:
             payload = replace(payload, external_id=request_id, capture_reply=reply() if reply is not None else None)
         merged[PAYLOAD_KEY] = encode_payload(payload)
-    return Prepared(payload, merged or None, prepared.prefill_key, prepared.decode_key)
+    return Prepared(payload, merged or None, prepared.prefill_key, prepared.decode_key, prepared.report)

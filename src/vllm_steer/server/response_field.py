@@ -1,6 +1,7 @@
-"""Adds ``"steering": {"prefill": key, "decode": key}`` to OpenAI completion/chat responses of
+"""Adds ``"steering": {"prefill": key, "decode": key, ...}`` to OpenAI completion/chat responses of
 steered requests (every SSE event when streaming, spliced in as bytes), so a client can see that
-steering happened. Responses of unsteered requests pass through untouched.
+steering happened and what it was (``frontend.applied_report``: the module, its version and strength,
+the count of steered sites, SAEs, condition, projections, capture consumers). Responses of unsteered requests pass through untouched.
 
 A pure ASGI middleware: it opens an applied-holder per request (vllm_steer.frontend.applied) and rewrites
 only responses whose holder was filled; everything else streams through untouched. Responses of
@@ -32,8 +33,12 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 
 def _inject(obj: Any, applied: dict) -> Any:
     if isinstance(obj, dict) and ("prefill" in applied or "decode" in applied):
-        obj["steering"] = {"prefill": applied.get("prefill"), "decode": applied.get("decode")}
+        obj["steering"] = _field(applied)
     return obj
+
+
+def _field(applied: dict) -> dict:
+    return {"prefill": applied.get("prefill"), "decode": applied.get("decode"), **applied.get("report", {})}
 
 
 async def _capture_results(scope: dict, holder: dict) -> dict:
@@ -54,7 +59,7 @@ _DONE = b"data: [DONE]"
 
 def _steering_bytes(applied: dict) -> bytes:
     """``"steering":{...},`` once per response, spliced after the ``{`` of every SSE event."""
-    field = {"prefill": applied.get("prefill"), "decode": applied.get("decode")}
+    field = _field(applied)
     return b'"steering":' + json.dumps(field, separators=(",", ":")).encode() + b","
 
 
