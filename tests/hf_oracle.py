@@ -4,8 +4,9 @@ vector added by forward hooks at the same points, greedy-decoded in float32.
 Hook points, defined on HF's layer structure (stream = residual stream):
 - pre_attn at layer i: a forward pre-hook on layers[i] adds v to its input hidden states.
 - post_attn: a forward hook adds v to the output of the module whose output is added to the
-  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's ``post_attention_layernorm``,
-  GLM-4's ``post_self_attn_layernorm``).
+  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's, OLMo-3's and EXAONE-4's
+  ``post_attention_layernorm``, GLM-4's ``post_self_attn_layernorm``); Granite scales that output by
+  ``residual_multiplier`` before the add, so its hook adds ``v / residual_multiplier``.
 - post_mlp: a forward hook on layers[i] adds v to the layer's output.
 """
 
@@ -17,7 +18,9 @@ import numpy as np
 import torch
 
 _POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm",
-                     "glm4": "post_self_attn_layernorm"}
+                     "glm4": "post_self_attn_layernorm", "olmo3": "post_attention_layernorm",
+                     "exaone4": "post_attention_layernorm"}
+_BRANCH_SCALE = {"granite": "residual_multiplier", "granitemoe": "residual_multiplier"}  # config attribute
 
 
 @lru_cache(maxsize=4)
@@ -61,7 +64,8 @@ def install_hooks(model, family: str, steer: dict[str, dict[int, np.ndarray]], d
                 handles.append(block.register_forward_pre_hook(_add_input(v), with_kwargs=True))
             elif hook == "post_attn":
                 target = getattr(block, _POST_ATTN_MODULE.get(family, "self_attn"))
-                handles.append(target.register_forward_hook(_add(v)))
+                scale = getattr(model.config, _BRANCH_SCALE[family]) if family in _BRANCH_SCALE else 1.0
+                handles.append(target.register_forward_hook(_add(v / scale)))
             elif hook == "post_mlp":
                 handles.append(block.register_forward_hook(_add(v)))
             else:
