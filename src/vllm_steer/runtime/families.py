@@ -28,8 +28,9 @@ rule for every other layer), for decoders that keep one stream tensor and add ea
 their forward must match the adapter's statements exactly (``_LAYOUT_STATEMENTS``), else they are refused:
 
 - ``in_place`` (Granite, GraniteMoE: ``residual = h; h = self.<norm>(h)``, then ``h = residual + branch *
-  residual_multiplier``): the norms read the stream, at the same points as Llama's, and the caller keeps
-  their input as the residual; a steered norm writes the steered stream back into its input in place.
+  residual_multiplier``; Gemma-4: the same two norms of the stream, sandwiched by branch norms, its layer's
+  output scaled by ``layer_scalar``): the norms read the stream, at the same points as Llama's, and the
+  caller keeps their input as the residual; a steered norm writes the steered stream back into its input.
 - ``post_add`` (OLMo-3, EXAONE-4: ``h = self.<norm>(branch); h = h + residual``): no norm reads the stream;
   each branch's norm makes the sum. Steered layers get a forward with the same statements that passes the
   residual to their steered norms, which add it and steer the sum: post_attn.L at the attention branch's
@@ -123,7 +124,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo3", "Olmo3ForCausalLM", "olmo3", "Olmo3DecoderLayer", "Olmo3Model", _POST, "cpu", "post_add"),
     Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", _POST, "cpu-opt",
            "post_add"),
-    Family("gemma4", "Gemma4ForCausalLM", "gemma4", "Gemma4DecoderLayer", "Gemma4Model", None, "refused"),
+    Family("gemma4", "Gemma4ForCausalLM", "gemma4", "Gemma4DecoderLayer", "Gemma4Model", _GEMMA, "cpu", "in_place"),
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
            None, "refused"),
 )
@@ -198,15 +199,21 @@ def _is_layer_call(node: ast.AST) -> bool:
 
 
 def _one_stream_model_problem(name: str, tree: ast.FunctionDef) -> str | None:
-    """The adapters' model rule: one loop over the layers whose body is the layer call alone
-    (``hidden_states = layer(positions, hidden_states)``, or EXAONE-4's ``hidden_states, residual = layer(positions,
-    hidden_states, residual)``), and ``hidden_states = self.norm(hidden_states)`` after it."""
+    """The adapters' model rule: one loop over the layers whose only write of the stream is the layer call
+    (``hidden_states = layer(positions, hidden_states)``, or ``hidden_states, residual = layer(positions,
+    hidden_states, residual, ...)`` where the layer returns no residual or one it set from the stream itself),
+    and ``hidden_states = self.norm(hidden_states)`` after it."""
+    layer_call = re.compile(rf"({_H}|{_H}, {_R}) = layer\(positions, {_H}(, {_R})?(, .*)?\)")
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and layer_call.fullmatch(ast.unparse(n))]
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))]
-    calls = {"hidden_states = layer(positions, hidden_states)",
-             "hidden_states, residual = layer(positions, hidden_states, residual)"}
-    if len(loops) != 1 or [ast.unparse(b) for b in loops[0].body if not _is_docstring(b)] not in ([c] for c in calls):
+    if len(loops) != 1 or len(calls) != 1 or not any(c is calls[0] for c in ast.walk(loops[0])):
         return f"{name}.forward is not one loop of hidden_states = layer(positions, hidden_states)"
-    if not any(ast.unparse(n) == f"hidden_states = self.{FINAL_NORM}(hidden_states)" for n in ast.walk(tree)):
+    for node in ast.walk(loops[0]):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node is not calls[0]:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id in (_H, _R) for tt in targets for t in ast.walk(tt)):
+                return f"{name}.forward line {node.lineno} changes the stream between layers: {ast.unparse(node)}"
+    if not any(ast.unparse(n) == f"{_H} = self.{FINAL_NORM}({_H})" for n in ast.walk(tree)):
         return f"{name}.forward never calls hidden_states = self.{FINAL_NORM}(hidden_states)"
     return None
 
@@ -215,32 +222,64 @@ def _one_stream_model_problem(name: str, tree: ast.FunctionDef) -> str | None:
 # ATTN / MLP the submodules. in_place: the stream is the input of each norm, which the caller keeps as residual;
 # post_add: each branch is normalized, then added (what install's post_add forward does, statement for statement).
 _H, _R = "hidden_states", "residual"
-_ATTN_CALL = rf"self\.(?P<attn>\w+)\((positions=)?positions, ({_H}=)?{_H}\)"
-_LAYOUT_STATEMENTS = {
-    "in_place": (rf"{_R} = {_H}", rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = {_ATTN_CALL}",
-                 rf"{_H} = {_R} \+ {_H}( \* self\.\w+)?", rf"{_R} = {_H}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
-                 rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", rf"{_H} = {_R} \+ {_H}( \* self\.\w+)?", rf"return {_H}"),
-    "post_add": (rf"{_R} = {_H}", rf"{_H} = {_ATTN_CALL}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
-                 rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})", rf"{_R} = {_H}", rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)",
-                 rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})",
-                 rf"return (?P<ret>{_H}|\({_H}, {_R}\))"),
+_ATTN_CALL = rf"self\.(?P<attn>\w+)\((positions=)?positions, ({_H}=)?{_H}(, \*\*kwargs)?\)"
+# Gemma-4's two optional branches, as vLLM 0.26 writes them: the MoE beside the MLP reads the stream (residual)
+# after the in-place steered norm wrote it; the per-layer input is added to the layer's output
+_GEMMA4_MOE = re.escape("""if self.enable_moe_block:
+    hidden_states_1 = self.post_feedforward_layernorm_1(hidden_states)
+    hidden_states_2 = self.pre_feedforward_layernorm_2(residual)
+    router_logits = self.router(residual)
+    hidden_states_2 = self.moe(hidden_states_2, router_logits)
+    hidden_states_2 = self.post_feedforward_layernorm_2(hidden_states_2)
+    hidden_states = hidden_states_1 + hidden_states_2""")
+_GEMMA4_PLE = re.escape("""if per_layer_input is not None and self.per_layer_input_gate is not None:
+    gate = self.per_layer_input_gate(hidden_states)
+    gate = torch.nn.functional.gelu(gate, approximate='tanh')
+    gated_per_layer = gate * per_layer_input
+    per_layer_contribution = self.per_layer_projection(gated_per_layer)
+    per_layer_contribution = self.post_per_layer_input_norm(per_layer_contribution)
+    hidden_states = hidden_states + per_layer_contribution""")
+_BRANCH_NORM = rf"{_H} = self\.\w+\({_H}\)"  # a norm of a branch (not of the stream)
+_LAYOUT_STATEMENTS: dict[str, tuple[tuple[str, ...], ...]] = {  # each layout: its alternative forwards
+    "in_place": (
+        (rf"{_R} = {_H}", rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = {_ATTN_CALL}",
+         rf"{_H} = {_R} \+ {_H}( \* self\.\w+)?", rf"{_R} = {_H}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
+         rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", rf"{_H} = {_R} \+ {_H}( \* self\.\w+)?", rf"return {_H}"),
+        # Gemma-4: sandwich norms, the stream read by input_layernorm and pre_feedforward_layernorm
+        (rf"{_R} = {_H}", rf"{_H} = self\.(?P<n1>\w+)\({_R}\)", rf"{_H} = {_ATTN_CALL}", _BRANCH_NORM,
+         rf"{_H} = {_H} \+ {_R}", rf"{_R} = {_H}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
+         rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", _GEMMA4_MOE, _BRANCH_NORM, rf"{_H} = {_H} \+ {_R}", _GEMMA4_PLE,
+         rf"{_H} = {_H} \* self\.layer_scalar", rf"return \({_H}, None\)"),
+    ),
+    "post_add": (
+        (rf"{_R} = {_H}", rf"{_H} = {_ATTN_CALL}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
+         rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})", rf"{_R} = {_H}", rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)",
+         rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})",
+         rf"return (?P<ret>{_H}|\({_H}, {_R}\))"),
+    ),
 }
 
 
 def _adapted_structure(name: str, tree: ast.FunctionDef, layout: str) -> LayerNorms | str:
-    """An adapted layer's norms: its forward must be the layout's statements, one for one."""
+    """An adapted layer's norms: its forward must be one of the layout's statement lists, one for one (else
+    why, against the alternative it follows longest)."""
     body = [ast.unparse(s) for s in tree.body if not _is_docstring(s)]
-    patterns = _LAYOUT_STATEMENTS[layout]
-    if len(body) != len(patterns):
-        return f"{name}.forward has {len(body)} statements, not the {len(patterns)} of the {layout} layout"
-    groups: dict[str, str] = {}
-    for k, (line, pattern) in enumerate(zip(body, patterns), start=1):
-        m = re.fullmatch(pattern, line)
-        if m is None:
-            return f"{name}.forward statement {k} ({line}) is not the {layout} layout's (pattern {pattern})"
-        groups.update({k: v for k, v in m.groupdict().items() if v is not None})
-    return AdaptedNorms(groups["n1"], groups["n2"], groups["attn"], groups["mlp"], layout,
-                        groups.get("ret", _H) != _H)
+    why = []
+    for patterns in _LAYOUT_STATEMENTS[layout]:
+        groups: dict[str, str] = {}
+        for k, (line, pattern) in enumerate(zip(body, patterns), start=1):
+            m = re.fullmatch(pattern, line)
+            if m is None:
+                why.append((k, f"{name}.forward statement {k} ({line}) is not the {layout} layout's (pattern {pattern})"))
+                break
+            groups.update({key: v for key, v in m.groupdict().items() if v is not None})
+        else:
+            if len(body) == len(patterns):
+                return AdaptedNorms(groups["n1"], groups["n2"], groups["attn"], groups["mlp"], layout,
+                                    groups.get("ret", _H) != _H)
+            why.append((min(len(body), len(patterns)) + 1, f"{name}.forward has {len(body)} statements, not the "
+                                                             f"{len(patterns)} of the {layout} layout"))
+    return max(why, key=lambda w: w[0])[1]
 
 
 def _is_docstring(stmt: ast.stmt) -> bool:

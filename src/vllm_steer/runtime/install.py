@@ -71,6 +71,9 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
         raise UnsupportedModelError(
             f"vllm-steer cannot find decoder layers (model.model.layers) in {type(model).__name__}"
         )
+    if getattr(inner, "fast_prefill_enabled", False):  # Gemma-4's KV-sharing fast prefill: some layers see a subset
+        raise UnsupportedModelError(f"vllm-steer cannot steer {type(model).__name__} with kv_sharing_fast_prefill: "
+                                    "its later layers run on fewer tokens than the steering index holds")
     found = [(i, l) for i, l in enumerate(layers) if type(l).__name__ != "PPMissingLayer"]
     for _, layer in found:
         layer_norms(layer)  # raises for layers that do not fit
