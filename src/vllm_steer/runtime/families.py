@@ -270,7 +270,8 @@ def _adapted_structure(name: str, tree: ast.FunctionDef, layout: str) -> LayerNo
         for k, (line, pattern) in enumerate(zip(body, patterns), start=1):
             m = re.fullmatch(pattern, line)
             if m is None:
-                why.append((k, f"{name}.forward statement {k} ({line}) is not the {layout} layout's (pattern {pattern})"))
+                why.append((k, f"{name}.forward statement {k} ({line}) is not the {layout} layout's "
+                                f"(pattern {pattern})"))
                 break
             groups.update({key: v for key, v in m.groupdict().items() if v is not None})
         else:

@@ -240,8 +240,8 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
                      and s in projections.descs and s != ("pre_attn", 0))
         tc = tc_packs.get(site.a, [])
         if tc and site.mode != "fused":
-            raise UnsupportedModelError(f"vllm-steer cannot apply a transcoder at {site.name}: its layer adds the MLP's "
-                                        f"output outside a fused norm ({site.mode} layout)")
+            raise UnsupportedModelError(f"vllm-steer cannot apply a transcoder at {site.name}: its layer adds the "
+                                        f"MLP's output outside a fused norm ({site.mode} layout)")
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
                                             lengths, topk, conditions is not None, proj, len(tc), site.mode)
         if site.layer is not None:
