@@ -4,8 +4,9 @@ vector added by forward hooks at the same points, greedy-decoded in float32.
 Hook points, defined on HF's layer structure (stream = residual stream):
 - pre_attn at layer i: a forward pre-hook on layers[i] adds v to its input hidden states.
 - post_attn: a forward hook adds v to the output of the module whose output is added to the
-  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's ``post_attention_layernorm``,
-  GLM-4's ``post_self_attn_layernorm``).
+  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's, OLMo-3's and EXAONE-4's
+  ``post_attention_layernorm``, GLM-4's ``post_self_attn_layernorm``); Granite scales that output by
+  ``residual_multiplier`` before the add, so its hook adds ``v / residual_multiplier``.
 - post_mlp: a forward hook on layers[i] adds v to the layer's output.
 """
 
@@ -17,7 +18,9 @@ import numpy as np
 import torch
 
 _POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm",
-                     "glm4": "post_self_attn_layernorm"}
+                     "glm4": "post_self_attn_layernorm", "olmo3": "post_attention_layernorm",
+                     "exaone4": "post_attention_layernorm", "gemma4": "post_attention_layernorm"}
+_BRANCH_SCALE = {"granite": "residual_multiplier", "granitemoe": "residual_multiplier"}  # config attribute
 
 
 @lru_cache(maxsize=4)
@@ -61,7 +64,8 @@ def install_hooks(model, family: str, steer: dict[str, dict[int, np.ndarray]], d
                 handles.append(block.register_forward_pre_hook(_add_input(v), with_kwargs=True))
             elif hook == "post_attn":
                 target = getattr(block, _POST_ATTN_MODULE.get(family, "self_attn"))
-                handles.append(target.register_forward_hook(_add(v)))
+                scale = getattr(model.config, _BRANCH_SCALE[family]) if family in _BRANCH_SCALE else 1.0
+                handles.append(target.register_forward_hook(_add(v / scale)))
             elif hook == "post_mlp":
                 handles.append(block.register_forward_hook(_add(v)))
             else:
@@ -102,6 +106,42 @@ def install_edits(model, edits: list) -> list:
         else:
             raise ValueError(f"no stream edit at {hook}")
     return handles
+
+
+@torch.no_grad()
+def streams(path: str, ids: list[int], family: str = "llama") -> dict[str, np.ndarray]:
+    """``{"hook.layer": [T, D]}``: the residual stream of the prompt at each site (pre_attn: a layer's input;
+    post_attn: that plus the output of the module hooked for post_attn, scaled as the model scales it; post_mlp:
+    the layer's output)."""
+    model, _ = load(path)
+    scale = getattr(model.config, _BRANCH_SCALE[family]) if family in _BRANCH_SCALE else 1.0
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, kwargs, output=None):
+            t = (args[0] if args else kwargs["hidden_states"]) if output is None else output
+            seen[name] = (t[0] if isinstance(t, tuple) else t)[0].clone()
+        return hook
+
+    handles = []
+    for i, block in enumerate(model.model.layers):
+        handles.append(block.register_forward_pre_hook(keep(f"in.{i}"), with_kwargs=True))
+        handles.append(block.register_forward_hook(
+            lambda m, a, k, o, i=i: keep(f"post_mlp.{i}")(m, a, k, o), with_kwargs=True))
+        branch = getattr(block, _POST_ATTN_MODULE.get(family, "self_attn"))
+        handles.append(branch.register_forward_hook(
+            lambda m, a, k, o, i=i: keep(f"branch.{i}")(m, a, k, o), with_kwargs=True))
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for i in range(len(model.model.layers)):
+        out[f"pre_attn.{i}"] = seen[f"in.{i}"].numpy()
+        out[f"post_attn.{i}"] = (seen[f"in.{i}"] + scale * seen[f"branch.{i}"]).numpy()
+        out[f"post_mlp.{i}"] = seen[f"post_mlp.{i}"].numpy()
+    return out
 
 
 @torch.no_grad()

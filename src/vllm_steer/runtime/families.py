@@ -20,17 +20,33 @@ attention, the second between attention and MLP; ``residual`` is read or written
 ``residual is None`` test, ``residual = hidden_states`` under it, and ``return h, residual``); and both
 norms are vLLM's own ``RMSNorm`` (with a weight) or ``GemmaRMSNorm``, not a subclass. The model's
 forward must call ``self.norm(h, residual)``. Whatever breaks the rule is refused naming what was not
-found: unfused adds (Granite's residual multiplier), post-norm layers (OLMo-2/3), a residual scaled
-outside a norm (DeepSeek-V2 in float16), parallel attention + MLP (one fused norm).
+found: a residual scaled outside a norm (DeepSeek-V2 in float16), parallel attention + MLP (one fused norm),
+HF's own modules (OLMo-2, served by vLLM's Transformers backend).
+
+Two adapters, each a ``layout`` of a row of ``FAMILIES`` (and only of its classes: the rule above stays the
+rule for every other layer), for decoders that keep one stream tensor and add each branch outside the norms;
+their forward must match the adapter's statements exactly (``_LAYOUT_STATEMENTS``), else they are refused:
+
+- ``in_place`` (Granite, GraniteMoE: ``residual = h; h = self.<norm>(h)``, then ``h = residual + branch *
+  residual_multiplier``; Gemma-4: the same two norms of the stream, sandwiched by branch norms, its layer's
+  output scaled by ``layer_scalar``): the norms read the stream, at the same points as Llama's, and the
+  caller keeps their input as the residual; a steered norm writes the steered stream back into its input.
+- ``post_add`` (OLMo-3, EXAONE-4: ``h = self.<norm>(branch); h = h + residual``): no norm reads the stream;
+  each branch's norm makes the sum. Steered layers get a forward with the same statements that passes the
+  residual to their steered norms, which add it and steer the sum: post_attn.L at the attention branch's
+  norm, post_mlp.L (A) and pre_attn.L+1 (B) at layer L's MLP-branch norm, pre_attn.0 (the embeddings) at
+  an input site of layer 0 (``install.StreamInput``).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 
 class UnsupportedModelError(RuntimeError):
@@ -46,6 +62,17 @@ class LayerNorms:
     post_attn_norm: str
     attn: str = ""
     mlp: str = ""
+    layout: ClassVar[str] = "fused"
+    returns_residual: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class AdaptedNorms(LayerNorms):
+    """The norms of a layer an adapter fits (module docstring). post_add: ``input_norm`` is the MLP branch's norm
+    (it makes post_mlp.L and pre_attn.L+1), ``post_attn_norm`` the attention branch's."""
+
+    layout: str = "in_place"  # "in_place" | "post_add"
+    returns_residual: bool = False  # post_add: the layer returns (hidden_states, residual) (EXAONE-4)
 
 
 @dataclass(frozen=True)
@@ -62,6 +89,7 @@ class Family:
     model: str  # the inner model class (``model.model``)
     norms: tuple[str, str] | None  # (input norm, post-attention norm) the rule finds; None: refused
     tested: str
+    layout: str = "fused"  # the adapter: "in_place" or "post_add" (module docstring), else the fused rule
 
     @property
     def path(self) -> str:
@@ -71,6 +99,7 @@ class Family:
 FINAL_NORM = "norm"  # model.model.norm
 _LLAMA = ("input_layernorm", "post_attention_layernorm")
 _GEMMA = ("input_layernorm", "pre_feedforward_layernorm")
+_POST = ("post_feedforward_layernorm", "post_attention_layernorm")  # post_add: (MLP branch's, attention branch's)
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "LlamaForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu-all"),
@@ -84,26 +113,33 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3", "Gemma3ForCausalLM", "gemma3", "Gemma3DecoderLayer", "Gemma3Model", _GEMMA, "cpu-all"),
     Family("phi3", "Phi3ForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu-opt"),
     Family("glm4", "Glm4ForCausalLM", "glm4", "Glm4DecoderLayer", "Glm4Model", _LLAMA, "cpu"),
-    Family("granite", "GraniteForCausalLM", "granite", "GraniteDecoderLayer", "GraniteModel", None, "refused"),
-    Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe", "GraniteMoeDecoderLayer", "GraniteMoeModel", None,
-           "refused"),
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", "OlmoeDecoderLayer", "OlmoeModel", _LLAMA, "cpu-opt"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", "TransformerBlock", "GptOssModel", _LLAMA, "cpu-opt"),
+    Family("granite", "GraniteForCausalLM", "granite", "GraniteDecoderLayer", "GraniteModel", _LLAMA, "cpu",
+           "in_place"),
+    Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe", "GraniteMoeDecoderLayer", "GraniteMoeModel", _LLAMA,
+           "cpu-opt", "in_place"),
     Family("olmo2", "Olmo2ForCausalLM", "transformers.models.olmo2.modeling_olmo2", "Olmo2DecoderLayer",
            "Olmo2Model", None, "refused"),  # vLLM 0.26 serves it with its Transformers backend (HF's modules)
-    Family("olmo3", "Olmo3ForCausalLM", "olmo3", "Olmo3DecoderLayer", "Olmo3Model", None, "refused"),
-    Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", None, "refused"),
+    Family("olmo3", "Olmo3ForCausalLM", "olmo3", "Olmo3DecoderLayer", "Olmo3Model", _POST, "cpu", "post_add"),
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", _POST, "cpu-opt",
+           "post_add"),
+    Family("gemma4", "Gemma4ForCausalLM", "gemma4", "Gemma4DecoderLayer", "Gemma4Model", _GEMMA, "cpu", "in_place"),
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
            None, "refused"),
 )
 
 SUPPORTED_LAYER_CLASSES = tuple(sorted({f.layer for f in FAMILIES if f.norms}))
+_LAYOUTS = {(f.path, f.layer): f.layout for f in FAMILIES if f.norms and f.layout != "fused"}
+_LAYOUTS.update({(f.path, f.model): f.layout for f in FAMILIES if f.norms and f.layout != "fused"})
 _FUSED_NORM_CLASSES = {"RMSNorm", "GemmaRMSNorm"}
 _NORM_MODULE = "vllm.model_executor.layers.layernorm"
 
 
 def layer_norms(layer: object) -> LayerNorms:
     """The fused norms of a decoder layer instance; raises UnsupportedModelError naming what was not found."""
-    cls = type(layer)
-    found = structure(cls)
+    cls = getattr(type(layer), "_vs_layer_base", type(layer))  # a layer given install's post_add forward: vLLM's
+    found = structure(cls, layout_of(cls))
     if isinstance(found, str):
         raise UnsupportedModelError(f"vllm-steer cannot steer decoder layer {cls.__name__}: {found}")
     for attr in (found.input_norm, found.post_attn_norm):
@@ -116,6 +152,11 @@ def layer_norms(layer: object) -> LayerNorms:
     return found
 
 
+def layout_of(cls: type) -> str:
+    """The adapter a FAMILIES row gives this vLLM class (a decoder layer or inner model), else "fused"."""
+    return _LAYOUTS.get((cls.__module__, cls.__name__), "fused")
+
+
 @lru_cache(maxsize=None)
 def model_problem(model_cls: type) -> str | None:
     """Why the inner model's forward is not a plain pass over its layers ending on the fused final norm
@@ -126,6 +167,8 @@ def model_problem(model_cls: type) -> str | None:
     tree = _forward_tree(model_cls)
     if isinstance(tree, str):
         return tree
+    if layout_of(model_cls) != "fused":
+        return _one_stream_model_problem(name, tree)
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))
              and any(_is_layer_call(s) for s in ast.walk(n))]
     outer = [n for n in loops if not any(n is not o and n in set(ast.walk(o)) for o in loops)]
@@ -155,13 +198,105 @@ def _is_layer_call(node: ast.AST) -> bool:
         and isinstance(node.value, ast.Call) and _fused_call(node.value) is None
 
 
+def _one_stream_model_problem(name: str, tree: ast.FunctionDef) -> str | None:
+    """The adapters' model rule: one loop over the layers whose only write of the stream is the layer call
+    (``hidden_states = layer(positions, hidden_states)``, or ``hidden_states, residual = layer(positions,
+    hidden_states, residual, ...)`` where the layer returns no residual or one it set from the stream itself),
+    and ``hidden_states = self.norm(hidden_states)`` after it."""
+    layer_call = re.compile(rf"({_H}|{_H}, {_R}) = layer\(positions, {_H}(, {_R})?(, .*)?\)")
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and layer_call.fullmatch(ast.unparse(n))]
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))]
+    if len(loops) != 1 or len(calls) != 1 or not any(c is calls[0] for c in ast.walk(loops[0])):
+        return f"{name}.forward is not one loop of hidden_states = layer(positions, hidden_states)"
+    for node in ast.walk(loops[0]):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node is not calls[0]:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id in (_H, _R) for tt in targets for t in ast.walk(tt)):
+                return f"{name}.forward line {node.lineno} changes the stream between layers: {ast.unparse(node)}"
+    if not any(ast.unparse(n) == f"{_H} = self.{FINAL_NORM}({_H})" for n in ast.walk(tree)):
+        return f"{name}.forward never calls hidden_states = self.{FINAL_NORM}(hidden_states)"
+    return None
+
+
+# The statements of an adapted layer's forward (docstrings dropped, unparsed), as patterns: N1 / N2 the norms,
+# ATTN / MLP the submodules. in_place: the stream is the input of each norm, which the caller keeps as residual;
+# post_add: each branch is normalized, then added (what install's post_add forward does, statement for statement).
+_H, _R = "hidden_states", "residual"
+_ATTN_CALL = rf"self\.(?P<attn>\w+)\((positions=)?positions, ({_H}=)?{_H}(, \*\*kwargs)?\)"
+# Gemma-4's two optional branches, as vLLM 0.26 writes them: the MoE beside the MLP reads the stream (residual)
+# after the in-place steered norm wrote it; the per-layer input is added to the layer's output
+_GEMMA4_MOE = re.escape("""if self.enable_moe_block:
+    hidden_states_1 = self.post_feedforward_layernorm_1(hidden_states)
+    hidden_states_2 = self.pre_feedforward_layernorm_2(residual)
+    router_logits = self.router(residual)
+    hidden_states_2 = self.moe(hidden_states_2, router_logits)
+    hidden_states_2 = self.post_feedforward_layernorm_2(hidden_states_2)
+    hidden_states = hidden_states_1 + hidden_states_2""")
+_GEMMA4_PLE = re.escape("""if per_layer_input is not None and self.per_layer_input_gate is not None:
+    gate = self.per_layer_input_gate(hidden_states)
+    gate = torch.nn.functional.gelu(gate, approximate='tanh')
+    gated_per_layer = gate * per_layer_input
+    per_layer_contribution = self.per_layer_projection(gated_per_layer)
+    per_layer_contribution = self.post_per_layer_input_norm(per_layer_contribution)
+    hidden_states = hidden_states + per_layer_contribution""")
+_BRANCH_NORM = rf"{_H} = self\.\w+\({_H}\)"  # a norm of a branch (not of the stream)
+_LAYOUT_STATEMENTS: dict[str, tuple[tuple[str, ...], ...]] = {  # each layout: its alternative forwards
+    "in_place": (
+        (rf"{_R} = {_H}", rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = {_ATTN_CALL}",
+         rf"{_H} = {_R} \+ {_H}( \* self\.\w+)?", rf"{_R} = {_H}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
+         rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", rf"{_H} = {_R} \+ {_H}( \* self\.\w+)?", rf"return {_H}"),
+        # Gemma-4: sandwich norms, the stream read by input_layernorm and pre_feedforward_layernorm
+        (rf"{_R} = {_H}", rf"{_H} = self\.(?P<n1>\w+)\({_R}\)", rf"{_H} = {_ATTN_CALL}", _BRANCH_NORM,
+         rf"{_H} = {_H} \+ {_R}", rf"{_R} = {_H}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
+         rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", _GEMMA4_MOE, _BRANCH_NORM, rf"{_H} = {_H} \+ {_R}", _GEMMA4_PLE,
+         rf"{_H} = {_H} \* self\.layer_scalar", rf"return \({_H}, None\)"),
+    ),
+    "post_add": (
+        (rf"{_R} = {_H}", rf"{_H} = {_ATTN_CALL}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
+         rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})", rf"{_R} = {_H}", rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)",
+         rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})",
+         rf"return (?P<ret>{_H}|\({_H}, {_R}\))"),
+    ),
+}
+
+
+def _adapted_structure(name: str, tree: ast.FunctionDef, layout: str) -> LayerNorms | str:
+    """An adapted layer's norms: its forward must be one of the layout's statement lists, one for one (else
+    why, against the alternative it follows longest)."""
+    body = [ast.unparse(s) for s in tree.body if not _is_docstring(s)]
+    why = []
+    for patterns in _LAYOUT_STATEMENTS[layout]:
+        groups: dict[str, str] = {}
+        for k, (line, pattern) in enumerate(zip(body, patterns), start=1):
+            m = re.fullmatch(pattern, line)
+            if m is None:
+                why.append((k, f"{name}.forward statement {k} ({line}) is not the {layout} layout's "
+                                f"(pattern {pattern})"))
+                break
+            groups.update({key: v for key, v in m.groupdict().items() if v is not None})
+        else:
+            if len(body) == len(patterns):
+                return AdaptedNorms(groups["n1"], groups["n2"], groups["attn"], groups["mlp"], layout,
+                                    groups.get("ret", _H) != _H)
+            why.append((min(len(body), len(patterns)) + 1, f"{name}.forward has {len(body)} statements, not the "
+                                                             f"{len(patterns)} of the {layout} layout"))
+    return max(why, key=lambda w: w[0])[1]
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+
+
 @lru_cache(maxsize=None)
-def structure(cls: type) -> LayerNorms | str:
-    """The fused norms of a decoder layer class by the rule of this module's docstring, or why it does not fit."""
+def structure(cls: type, layout: str = "fused") -> LayerNorms | str:
+    """The norms of a decoder layer class by the rule of this module's docstring (the fused rule, or the
+    adapter ``layout`` its FAMILIES row gives it), or why it does not fit."""
     name = cls.__name__
     tree = _forward_tree(cls)
     if isinstance(tree, str):
         return tree
+    if layout != "fused":
+        return _adapted_structure(name, tree, layout)
     params = {a.arg for a in tree.args.args + tree.args.kwonlyargs}
     if "residual" not in params:
         return f"{name}.forward takes no residual: its residual adds are not fused into norms"
@@ -214,7 +349,7 @@ def _forward_tree(cls: type) -> ast.FunctionDef | str:
             return f"the source of {owner.__name__}.forward cannot be read ({type(e).__name__})"
         if not isinstance(node, ast.FunctionDef):
             return f"{owner.__name__}.forward is not a function"
-        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        body = [s for s in node.body if not _is_docstring(s)]
         if not (len(body) == 1 and isinstance(body[0], ast.Return) and "super().forward(" in ast.unparse(body[0])):
             return node
     return f"{cls.__name__} has no forward"

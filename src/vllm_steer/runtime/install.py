@@ -10,6 +10,14 @@ names and weights are untouched. Tables, index, flags, capture pool and plans ar
 non-persistent buffers: torch.compile lifts them as graph inputs and CUDA graphs read fixed
 addresses, which the runtime updates in place. Which features a norm has are class attributes, so
 the traced graph holds exactly that op and nothing else; norms of unhooked sites stay vLLM's.
+
+The adapters of ``runtime.families`` (one stream tensor, branches added outside the norms) use the same op:
+an ``in_place`` norm (Granite) is called without a residual on the stream its caller keeps, so it writes the
+steered stream back into its input; a ``post_add`` norm (OLMo-3) is given the residual by its layer's
+post_add forward (a cached subclass of the layer, only where a norm of it is steered) and returns the steered
+sum ``residual + norm(branch)``: its own norm is vLLM's, the op adds and steers (and writes a normalized
+output nothing reads: one extra write per steered post_add norm). Their pre_attn.0 (the embeddings, read by
+no norm) is held by a ``StreamInput`` of layer 0, steered in place like layer 0's fused norm.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from vllm_steer.core.hooks import site_order
 from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.kernels.steered_rms_norm import op as norm_op
 from vllm_steer.runtime.condition_tables import ConditionTables
-from vllm_steer.runtime.families import FINAL_NORM, UnsupportedModelError, layer_norms, model_problem
+from vllm_steer.runtime.families import FINAL_NORM, LayerNorms, UnsupportedModelError, layer_norms, model_problem
 from vllm_steer.runtime.projection_tables import ProjectionTables
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.tables import SteeringTables
@@ -41,6 +49,17 @@ class NormSite:
     norm: nn.Module
     a: Site | None
     b: Site | None
+    mode: str = "fused"  # runtime.families' layout of the layer: "fused", "in_place" or "post_add"
+    layer: nn.Module | None = None  # post_add: the layer whose forward passes the residual to this norm
+
+
+class StreamInput(nn.Module):
+    """pre_attn.0 of a post_add model: no norm reads the embeddings, so this site of layer 0 holds the slot's
+    buffers and, steered, adds its vectors to the stream in place (after capturing it), as layer 0's fused
+    norm does (``_forward`` without a residual). Unsteered it is the identity."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -52,6 +71,9 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
         raise UnsupportedModelError(
             f"vllm-steer cannot find decoder layers (model.model.layers) in {type(model).__name__}"
         )
+    if getattr(inner, "fast_prefill_enabled", False):  # Gemma-4's KV-sharing fast prefill: some layers see a subset
+        raise UnsupportedModelError(f"vllm-steer cannot steer {type(model).__name__} with kv_sharing_fast_prefill: "
+                                    "its later layers run on fewer tokens than the steering index holds")
     found = [(i, l) for i, l in enumerate(layers) if type(l).__name__ != "PPMissingLayer"]
     for _, layer in found:
         layer_norms(layer)  # raises for layers that do not fit
@@ -72,16 +94,41 @@ def norm_sites(model: nn.Module, wanted: set[Site]) -> list[NormSite]:
     def pick(hook: str, layer: int) -> Site | None:
         return (hook, layer) if (hook, layer) in wanted else None
 
-    sites = []
-    for i, layer in find_decoder_layers(model):
+    sites, final_mode = [], "fused"
+    layers = find_decoder_layers(model)
+    if layers and layer_norms(layers[0][1]).layout == "post_add":
+        return _post_add_sites(model, layers, pick)
+    for i, layer in layers:
         norms = layer_norms(layer)
+        mode = norms.layout
         sites.append(NormSite(f"layers.{i}.{norms.input_norm}", getattr(layer, norms.input_norm),
-                              pick("post_mlp", i - 1) if i > 0 else None, pick("pre_attn", i)))
+                              pick("post_mlp", i - 1) if i > 0 else None, pick("pre_attn", i), mode))
         sites.append(NormSite(f"layers.{i}.{norms.post_attn_norm}", getattr(layer, norms.post_attn_norm),
-                              pick("post_attn", i), None))
+                              pick("post_attn", i), None, mode))
+        final_mode = mode
     final = getattr(model.model, FINAL_NORM, None)
     if final is not None and type(final).__name__ != "PPMissingLayer":
-        sites.append(NormSite(FINAL_NORM, final, pick("post_mlp", n_layers - 1), None))
+        sites.append(NormSite(FINAL_NORM, final, pick("post_mlp", n_layers - 1), None, final_mode))
+    return [s for s in sites if s.a is not None or s.b is not None]
+
+
+def _post_add_sites(model: nn.Module, layers: list[tuple[int, nn.Module]], pick) -> list[NormSite]:
+    """A post_add model's sites: layer L's attention-branch norm makes post_attn.L, its MLP-branch norm
+    post_mlp.L (A) and pre_attn.L+1 (B); pre_attn.0 is layer 0's StreamInput. Not under pipeline parallelism
+    (core.hooks.receiving_layer places post_mlp.L on layer L+1's stage)."""
+    if len(layers) != len(model.model.layers):
+        raise UnsupportedModelError(f"vllm-steer cannot steer {type(model).__name__} under pipeline parallelism: "
+                                    "its post-norm layers make post_mlp.L in layer L, not in layer L+1")
+    sites = []
+    for i, layer in layers:
+        norms = layer_norms(layer)
+        if i == 0 and pick("pre_attn", 0):
+            layer.vs_input = StreamInput()
+            sites.append(NormSite("layers.0.vs_input", layer.vs_input, None, pick("pre_attn", 0), "fused", layer))
+        sites.append(NormSite(f"layers.{i}.{norms.post_attn_norm}", getattr(layer, norms.post_attn_norm),
+                              pick("post_attn", i), None, "post_add", layer))
+        sites.append(NormSite(f"layers.{i}.{norms.input_norm}", getattr(layer, norms.input_norm),
+                              pick("post_mlp", i), pick("pre_attn", i + 1), "post_add", layer))
     return [s for s in sites if s.a is not None or s.b is not None]
 
 
@@ -89,6 +136,8 @@ def _norm_params(norm: nn.Module) -> tuple[float, float]:
     """(eps, weight offset) of a vLLM RMSNorm / GemmaRMSNorm; refuses what the kernel cannot mirror."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
+    if isinstance(norm, StreamInput):
+        return 0.0, 0.0  # no norm: the slot's vectors only
     if isinstance(norm, GemmaRMSNorm):
         return float(norm.variance_epsilon), 1.0
     if isinstance(norm, RMSNorm):
@@ -100,7 +149,15 @@ def _norm_params(norm: nn.Module) -> tuple[float, float]:
 
 def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
     """The steered norm: vLLM's fused add + RMSNorm with this site's features (capture, SAE clamps, gated
-    rows, vectors) applied in one launch of ``steered_norm``."""
+    rows, vectors) applied in one launch of ``steered_norm``. ``in_place`` (no residual; the caller keeps x as
+    the stream): the steered stream is written back into x. ``post_add`` (given the residual by the layer's
+    post_add forward): returns ``residual + norm(x)``, steered."""
+    if self._vs_mode == "in_place":
+        out, stream = _steered(self, x, None)
+        x.copy_(stream)
+        return out
+    if self._vs_mode == "post_add":
+        return _steered(self, self._vs_base.forward(self, x), residual)[1]
     if residual is None:  # the first layer: the stream is x itself, and the caller keeps x as residual
         if "b" in self._vs_capture:
             torch.ops.vllm_steer.capture_rows_(self.vs_pool, x, self.vs_b_plan)
@@ -110,6 +167,11 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
             # into an addmm), so the first layer costs no launch of its own either.
             x.add_(self.vs_b_table.index_select(0, self.vs_index[: x.shape[0]]))
         return self._vs_base.forward(self, x)
+    return _steered(self, x, residual)
+
+
+def _steered(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalized output, steered stream) of ``x + residual`` by ``steered_norm`` with this norm's features."""
     cond = self._vs_cond
     return torch.ops.vllm_steer.steered_norm(
         x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index,
@@ -132,18 +194,19 @@ def _sae_packs(self) -> list[list[torch.Tensor]]:
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
                        offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0),
-                       cond: bool = False, proj: tuple[str, ...] = (), tc: int = 0) -> type:
+                       cond: bool = False, proj: tuple[str, ...] = (), tc: int = 0, mode: str = "fused") -> type:
     """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
     the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the condition
     descriptor (``steer.conditions``); ``proj``: the slots with projection tables (``steer.max_projections``);
-    ``tc``: the length of a transcoder's pack (0: none; only a post_attn norm, whose output is the MLP's input)."""
-    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj, tc)
+    ``tc``: the length of a transcoder's pack (0: none; only a post_attn norm, whose output is the MLP's input);
+    ``mode``: the layer's layout (``_forward``)."""
+    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj, tc, mode)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
                  "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
                  "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond, "_vs_proj": proj,
-                 "_vs_tc": tc}
+                 "_vs_tc": tc, "_vs_mode": mode}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
@@ -176,8 +239,13 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
         proj = tuple(k for k, s in slots.items() if s is not None and projections is not None
                      and s in projections.descs and s != ("pre_attn", 0))
         tc = tc_packs.get(site.a, [])
+        if tc and site.mode != "fused":
+            raise UnsupportedModelError(f"vllm-steer cannot apply a transcoder at {site.name}: its layer adds the "
+                                        f"MLP's output outside a fused norm ({site.mode} layout)")
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
-                                            lengths, topk, conditions is not None, proj, len(tc))
+                                            lengths, topk, conditions is not None, proj, len(tc), site.mode)
+        if site.layer is not None:
+            site.layer.__class__ = post_add_layer_class(type(site.layer), layer_norms(site.layer))
         for i, t in enumerate(tc):
             norm.register_buffer(f"vs_tc_{i}", t, persistent=False)
         for slot in proj:
@@ -207,3 +275,42 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
     norm_op.register()
     capture_op.register()
     return sum((s.a is not None) + (s.b is not None) for s in sites)
+
+
+_POST_ADD_LAYERS: dict[type, type] = {}
+
+
+def post_add_layer_class(base: type, norms: LayerNorms) -> type:
+    """The (cached) subclass of a post_add decoder layer whose forward passes the residual to its steered norms
+    (idempotent: a subclass maps to itself)."""
+    if "_vs_layer_base" in vars(base):
+        return base
+    cls = _POST_ADD_LAYERS.get(base)
+    if cls is None:
+        cls = type(f"Steered{base.__name__}", (base,), {"forward": _post_add_layer_forward, "_vs_layer_base": base,
+                                                       "_vs_norms": norms})
+        _POST_ADD_LAYERS[base] = cls
+    return cls
+
+
+def _post_add_layer_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                            residual: torch.Tensor | None = None):
+    """vLLM's post_add forward (``runtime.families._LAYOUT_STATEMENTS``), statement for statement, with each
+    branch's norm given the residual where it is steered (it adds it and steers the sum); pre_attn.0 first."""
+    n = self._vs_norms
+    if "vs_input" in self._modules:
+        self.vs_input(hidden_states)  # in place: pre_attn.0
+    residual = hidden_states
+    hidden_states = getattr(self, n.attn)(positions, hidden_states)
+    hidden_states = _add_branch(getattr(self, n.post_attn_norm), hidden_states, residual)
+    residual = hidden_states
+    hidden_states = getattr(self, n.mlp)(hidden_states)
+    hidden_states = _add_branch(getattr(self, n.input_norm), hidden_states, residual)
+    return (hidden_states, residual) if n.returns_residual else hidden_states
+
+
+def _add_branch(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + norm(branch)``: by the steered norm where it is one, else as vLLM's layer does."""
+    if getattr(type(norm), "_vs_mode", None) == "post_add":
+        return norm(branch, residual)
+    return residual + norm(branch)
