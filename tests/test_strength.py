@@ -141,7 +141,10 @@ def _complete(base: str, model: str, **fields) -> dict:
 
 def _same_output(a: dict, b: dict) -> None:
     assert a["status"] == b["status"] == 200, (a, b)
-    assert a["steering"] == b["steering"]  # the same config key: the same rows, bit for bit
+    assert a["steering"]["decode"] == b["steering"]["decode"]  # the same config key: the same rows, bit for bit
+    assert a["steering"]["sites"] == b["steering"]["sites"]
+    if "module" in a["steering"]:  # a module reference with a norm strength says so (frontend.applied_report)
+        assert a["steering"]["module"]["norm"] > 0 and "scale" not in a["steering"]["module"]
     la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
     assert la["tokens"] == lb["tokens"]
     assert np.allclose(la["token_logprobs"], lb["token_logprobs"], atol=1e-5)
