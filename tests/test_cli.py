@@ -1,7 +1,8 @@
 """``vllm-steer sites | modules list|show|register|delete | sae list`` against the shared test server (what they
 print equals what the routes answer), and every failure as ONE line on stderr with exit status 2: a refusal
 naming the command-line flag (``--replace``, ``--api-key``), a server that is down (an unused port), one that
-answers garbage (a tiny local HTTP server); and every ``vllm-steer`` command the README prints parses."""
+answers garbage or has steering off (a tiny local HTTP server), for these commands and extract / calibrate /
+sweep (which ask the status route first); and every ``vllm-steer`` command the README prints parses."""
 
 from __future__ import annotations
 
@@ -130,17 +131,30 @@ def test_sites_and_sae_list_say_what_the_server_reports(api_server, capsys):
 
 
 COMMANDS = [("sites",), ("modules", "list"), ("modules", "show", "x"), ("modules", "register", "x", "{file}"),
-            ("modules", "delete", "x"), ("sae", "list")]
+            ("modules", "delete", "x"), ("sae", "list"), ("extract", "--pairs", "{pairs}", "-o", "{out}.safetensors"),
+            ("calibrate", "-o", "{out}.json"), ("sweep", "--module", "x", "-o", "{out}")]
+
+
+def argv(cmd: tuple, tmp_path: Path) -> list[str]:
+    """``cmd`` with its files: a module file, a pairs file, an output prefix nothing may be written to."""
+    save_file({"post_mlp.3": np.ones(HIDDEN, np.float32)}, str(tmp_path / "m.safetensors"))
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"positive": "I love it", "negative": "I hate it"}) + "\n")
+    files = {"file": tmp_path / "m.safetensors", "pairs": tmp_path / "pairs.jsonl", "out": tmp_path / "out"}
+    return [a.format(**files) for a in cmd]
+
+
+def nothing_written(tmp_path: Path) -> None:
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "pairs.jsonl"]
 
 
 def test_a_server_that_is_down_is_one_line_and_exit_2(tmp_path, capsys):
-    (tmp_path / "m.safetensors").write_bytes(b"x")
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     for cmd in COMMANDS:
-        rc, out, err = run(capsys, *[a.format(file=tmp_path / "m.safetensors") for a in cmd], "--server", url)
+        rc, out, err = run(capsys, *argv(cmd, tmp_path), "--server", url)
         assert rc == 2 and out == ""
-        one_line_error(err, f"vllm-steer {' '.join(cmd[:2])}: error: cannot "
-                            f"reach {url}", "is the server up? (--server)")
+        command = " ".join(w for w in cmd[:2] if w.isalpha())
+        one_line_error(err, f"vllm-steer {command}: error: cannot reach {url}", "is the server up? (--server)")
+        nothing_written(tmp_path)
     done = subprocess.run([str(Path(sys.executable).with_name("vllm-steer")), "modules", "list", "--server", url],
                           capture_output=True, text=True, timeout=120)  # the installed command, no traceback
     assert done.returncode == 2 and done.stdout == ""
@@ -154,6 +168,7 @@ ANSWERS = {  # what the fake server answers every route: (status, body)
     "text": (200, b"hello"), "list": (200, b"[1, 2]"),
     "shape": (200, b'{"enabled": true, "model": {"hooks": 3}, "data": [{"name": 1}], "name": 1, "deleted": "x"}'),
     "html404": (404, b"<html>Not Found</html>"), "err500": (500, b"Internal Server Error"),
+    "off": (200, b'{"version": "0.3.0", "enabled": false, "model": null, "config": null, "workers": []}'),
 }
 
 
@@ -187,13 +202,23 @@ def fake_server():
 def test_a_server_answering_garbage_is_one_line_and_exit_2(fake_server, answer, words, tmp_path, capsys):
     url, mode = fake_server
     mode[0] = answer
-    save_file({"post_mlp.3": np.ones(HIDDEN, np.float32)}, str(tmp_path / "m.safetensors"))
     for cmd in COMMANDS:
         if answer == "shape" and cmd[1:2] == ("delete",):
             continue  # a well-formed delete answer
-        rc, out, err = run(capsys, *[a.format(file=tmp_path / "m.safetensors") for a in cmd], "--server", url)
+        rc, out, err = run(capsys, *argv(cmd, tmp_path), "--server", url)
         assert rc == 2 and out == "", (cmd, out)
         one_line_error(err, words)
+        nothing_written(tmp_path)
+
+
+def test_a_server_with_steering_off_is_named_before_any_work(fake_server, tmp_path, capsys):
+    url, mode = fake_server
+    mode[0] = "off"  # what GET /v1/steering answers without a steer block
+    for cmd in [c for c in COMMANDS if c[0] in ("sites", "extract", "calibrate", "sweep")]:
+        rc, out, err = run(capsys, *argv(cmd, tmp_path), "--server", url)
+        assert rc == 2 and out == ""
+        one_line_error(err, f"steering is off on {url}", "--additional-config")
+        nothing_written(tmp_path)
 
 
 @pytest.mark.parametrize("status, message, param, words", [

@@ -14,7 +14,7 @@ TIMEOUT_S = 120.0
 
 
 def client(args: argparse.Namespace) -> Client:
-    return Client(args.server, api_key=args.api_key, timeout=args.timeout)
+    return Client(args.server, api_key=args.api_key, timeout=getattr(args, "timeout", TIMEOUT_S))
 
 
 def timeout_arg(p: argparse.ArgumentParser) -> None:
@@ -38,6 +38,22 @@ def ask(args: argparse.Namespace, route: str, call: Callable[[Client], Any], *ke
         got = "a body that is not JSON" if body is None else f"{type(body).__name__} {str(body)[:80]!r}"
         raise garbage(args, route, f"expected a JSON object with {', '.join(keys) or 'fields'}, got {got}")
     return body
+
+
+def check_server(args: argparse.Namespace) -> dict:
+    """The status route's answer (``GET /v1/steering``), once the server answered it, runs vllm-steer with
+    steering on and answered as documented; else the ``CliError`` that says which. ``sites`` shows it;
+    extract, calibrate and sweep ask it first, so a wrong ``--server`` is named before any real work."""
+    route = "GET /v1/steering"
+    status = ask(args, route, lambda c: c.status(), "enabled", "model")
+    if not status["enabled"]:
+        raise CliError(f"steering is off on {args.server}: start it with --additional-config "
+                       "'{\"steer\": {...}}' (and without \"enabled\": false) (--server)")
+    model = status["model"]
+    if not (isinstance(model, dict) and isinstance(model.get("hooks"), list)
+            and isinstance(model.get("num_layers"), int)):
+        raise garbage(args, route, f"model: expected hooks and num_layers, got {str(model)[:80]!r}")
+    return status
 
 
 def garbage(args: argparse.Namespace, route: str, what: str) -> CliError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vllm_steer.cli.calls import check_server
 from vllm_steer.cli.options import server_args
 from vllm_steer.extract import ExtractError, extract
 from vllm_steer.extract import calibrate as calibration
@@ -59,6 +60,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     prompts = calibration.read_prompts(args.prompts) if args.prompts else None
+    check_server(args)
     obj = calibration.calibrate(args.server, prompts, layers=args.layers, chat=args.chat, model=args.model,
                                 api_key=args.api_key, hooks=[h.strip() for h in args.hooks.split(",") if h.strip()],
                                 progress=_progress)
@@ -95,6 +97,7 @@ def _sweep_parser(sub: argparse._SubParsersAction) -> None:
 def run_sweep(args: argparse.Namespace) -> int:
     prompts = calibration.read_prompts(args.prompts) if args.prompts else list(calibration.PROMPTS[:4])
     vectors = sweeping.vectors_from_file(args.vectors) if args.vectors else None
+    check_server(args)
     cells = sweeping.sweep(args.server, prompts, _floats(args.strengths), unit=args.unit, module=args.module,
                            vectors=vectors, max_tokens=args.max_tokens, model=args.model, api_key=args.api_key)
     paths = sweeping.write(cells, args.unit, args.output)
@@ -117,6 +120,7 @@ def run_extract(args: argparse.Namespace) -> int:
         raise ExtractError("--emit ablate writes .safetensors (project.<site> tensors): a GGUF control vector is "
                            "added by llama.cpp and repeng")
     pairs = read_jsonl(args.pairs) if args.pairs else read_two_files(args.positive, args.negative)
+    check_server(args)
     if 0 < len(pairs) < FEW_PAIRS:
         print(f"vllm-steer extract: warning: {len(pairs)} pair{'s' * (len(pairs) != 1)} only: such a vector is mostly "
               "the pair's own wording, not the concept; use several (CAA and repeng use tens to hundreds)",

@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from vllm_steer.cli.calls import ask, rendered, timeout_arg
+from vllm_steer.cli.calls import check_server, rendered, timeout_arg
 from vllm_steer.cli.options import server_args
-from vllm_steer.cli.refusals import CliError
 from vllm_steer.cli.tables import layer_ranges, table
 from vllm_steer.core.site_names import TL_HOOKS
 
@@ -52,9 +51,7 @@ def render(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    status = ask(args, ROUTE, lambda c: c.status(), "enabled", "model")
-    if not status["enabled"]:
-        raise CliError(f"steering is off on {args.server}: its steer block sets enabled: false (--server)")
+    status = check_server(args)
     s = rendered(args, ROUTE, lambda: sites_of(status))
     print(json.dumps(s, indent=2) if args.json else rendered(args, ROUTE, lambda: render(s)))
     return 0
