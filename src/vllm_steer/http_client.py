@@ -129,24 +129,26 @@ class _Routes:
     # -- named modules ----------------------------------------------------------------
     def register_module(self, name: str, *, file: str | Path | tuple[str, bytes] | None = None,
                         description: str | None = None, replace: bool = False, condition: dict | None = None,
-                        site_norms: dict | None = None, **tiers: Any) -> Any:
+                        site_norms: dict | None = None, as_ablation: bool = False, **tiers: Any) -> Any:
         """Register from vectors (``steering_vectors=``, ``prefill_steering_vectors=``,
         ``decode_steering_vectors=``, and a ``condition`` for the requests naming it) or from a ``file``
         (.safetensors, .gguf, .json: a path, or ``(filename, bytes)``); ``site_norms``: typical residual
         norms per site (``{"post_mlp.14": 9.8}`` or a ``vllm-steer calibrate`` file's object) for its
-        ``norm`` strengths. Its summary."""
+        ``norm`` strengths; ``as_ablation``: its vectors become directions ablated at their sites. Its summary."""
         bad = set(tiers) - set(TIER_FIELDS)
         if bad:
             raise TypeError(f"unknown tier {sorted(bad)[0]!r}; expected some of {list(TIER_FIELDS)}")
         if file is not None:
             data = {"name": name, "replace": "true" if replace else "false",
                     **({"description": description} if description is not None else {}),
-                    **({"site_norms": json.dumps(site_norms)} if site_norms is not None else {})}
+                    **({"site_norms": json.dumps(site_norms)} if site_norms is not None else {}),
+                    **({"as_ablation": "true"} if as_ablation else {})}
             upload = file if isinstance(file, tuple) else (Path(file).name, Path(file).read_bytes())
             return self._send(_Call("POST", "/v1/steering/modules", {"data": data, "files": {"file": upload}}))
         body = {"name": name, "replace": replace, **_steering(tiers, None, None, None, condition),
                 **({"description": description} if description is not None else {}),
-                **({"site_norms": site_norms} if site_norms is not None else {})}
+                **({"site_norms": site_norms} if site_norms is not None else {}),
+                **({"as_ablation": True} if as_ablation else {})}
         return self._send(_Call("POST", "/v1/steering/modules", {"json": body}))
 
     def modules(self) -> Any:

