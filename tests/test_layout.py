@@ -83,3 +83,15 @@ def test_the_layout_check_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from vllm_steer.frontend.spec import parse_spec\n")
     assert ("frontend", 2) in _imported_packages(bad)
+
+
+def test_pyproject_lists_every_package():
+    """setuptools installs only the packages pyproject.toml names: a new package missing there works in an
+    editable install (the test venv) and is absent from the wheel (the GPU lane, users)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("vllm_steer", *p.parent.relative_to(SRC).parts)) for p in SRC.rglob("__init__.py")}
+    found |= {".".join(("vllm_steer.kernels", *p.parent.relative_to(ROOT / "kernels").parts))
+              for p in (ROOT / "kernels").rglob("__init__.py")}
+    assert found - listed == set(), f"pyproject.toml's packages miss {sorted(found - listed)}"
