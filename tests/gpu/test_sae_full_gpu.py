@@ -45,10 +45,10 @@ SIGMAS = 6.0  # independent rounding errors summed over a dot product: bounded a
 def _gemm_eps(k: int) -> float:
     """The full kernels' worst-case GEMM error relative to sum |a| |w| of each output (``full_triton._tile_dot``):
     the float32 operand's bf16 hi + lo split (2^-17: the GPU rounds to nearest, 2^-18; Triton's interpreter
-    truncates, 2^-16, but this file runs on CUDA only), the tensor cores' accumulation inside one 64-deep K tile (at most one unit of 2^-23 per product, hi and
-    lo: 128 of them, whatever the MMA's order and rounding) and the IEEE running sums over the K tiles and the
-    decoder's splits (2^-24 each, at most 16 splits); plus the reference's own float32 GEMM (cuBLAS, nearest rounding:
-    unbiased, 6 sigma of sqrt(k) roundings)."""
+    truncates, 2^-16, but this file runs on CUDA only), the tensor cores' accumulation inside one 64-deep K tile (at
+    most one unit of 2^-23 per product, hi and lo: 128 of them, whatever the MMA's order and rounding) and the IEEE
+    running sums over the K tiles and the decoder's splits (2^-24 each, at most 16 splits); plus the reference's own
+    float32 GEMM (cuBLAS, nearest rounding: unbiased, 6 sigma of sqrt(k) roundings)."""
     return 2.0 ** -17 + 128 * 2.0 ** -23 + (-(-k // 64) + 16) * 2.0 ** -24 + SIGMAS * k ** 0.5 * 2.0 ** -24
 
 
@@ -98,8 +98,9 @@ def _slot_bounds(s, err, rows, pack, k) -> tuple[torch.Tensor, torch.Tensor]:
     rounding): if it is clamped (a code other than NONE) the token is ambiguous (a flip may move f' by a clamp's
     value: SET under only_if_active); at a RECONSTRUCT row an unclamped flip moves f by at most thr + m, which goes
     into the bound through |W_dec|. TopK: where the k-th and k+1-th pre are within 2 max(m), a RECONSTRUCT token is
-    ambiguous (its k-th feature may change), a DELTA token only if a clamped feature is in that band. The decode adds ``_gemm_eps(F) * sum |coef| |W_dec|`` and the coefficients' own error (m times their
-    slope in pre) carried through W_dec."""
+    ambiguous (its k-th feature may change), a DELTA token only if a clamped feature is in that band. The decode
+    adds ``_gemm_eps(F) * sum |coef| |W_dec|`` and the coefficients' own error (m times their slope in pre) carried
+    through W_dec."""
     from vllm_steer.kernels.sae_clamp.packed import _clamped
 
     mode = pack[0][rows]
