@@ -1,7 +1,8 @@
 """GPU time per launch (from a CUDA graph) of the steered norm with SAE clamps against the plain one: the clamp-only
 path by clamps per token and split (``split_of(N)`` the default) beside the bandwidth bound; the dense whole-SAE path
 (the torch reference) by d_sae; full packs on the tensor-core path (``op.triton_path``: TopK k 64 delta with 16 clamp
-sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read and that bound.
+sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read, the tensor-core
+flops, the larger of the two bounds, and each launch's GPU time (torch.profiler).
 Usage: python3 bench/sae_kernel_bench.py [--out FILE.json] [--full-only]"""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_norm_tr
 
 D, STAGED, ROWS = 4096, 256, 4
 HBM_BYTES_PER_US = 3.35e6  # H100 SXM HBM3 (an H200: 4.8e6)
+BF16_FLOP_PER_US = 989e6  # H100 SXM dense bf16 tensor-core peak (the H200's is the same)
 
 
 def _bound_us(n: int, clamps: int) -> float:
@@ -86,13 +88,38 @@ def _full_pack(topk: int, mode: int, dev) -> list[torch.Tensor]:
 
 def _full_bytes(n: int, pack: list[torch.Tensor], active: int, recon: bool) -> int:
     """Bytes a full site must read / write beyond the norm: the index and modes; for ``active`` tokens their
-    stream, W_enc once, pre written and read (float32), W_dec's tiles (all of them for reconstruct, else the
-    64-feature tiles holding a clamped feature) and the edit written and read."""
+    stream, W_enc once, pre written and read (float32), W_dec once for reconstruct (else the clampable features'
+    float32 rows, ``dec``) and the edit written and read."""
     idle = n * 8
     if not active:
         return idle
-    tiles = FULL_F // 64 if recon else len(torch.unique(pack[7][pack[1][1:].any(0).nonzero().flatten()] // 64))
-    return (idle + D * FULL_F * 2 + tiles * 64 * D * 2 + active * (3 * D * 4 + 2 * FULL_F * 4))
+    dec = D * FULL_F * 2 if recon else pack[4].numel() * 4
+    return idle + D * FULL_F * 2 + dec + active * (3 * D * 4 + 2 * FULL_F * 4)
+
+
+def _full_flop(n: int, pack: list[torch.Tensor], active: int, recon: bool) -> int:
+    """Tensor-core flops of the on tokens: the encoder and (reconstruct) the decoder, each twice (the float32
+    operand's bf16 hi and lo parts); a delta step's decode (float32, clampable rows) is small beside them."""
+    if not active:
+        return 0
+    return 2 * 2 * active * D * FULL_F * (2 if recon else 1)
+
+
+def _per_launch(fn, iters: int = 5) -> dict:
+    """GPU µs per call of each kernel ``fn`` launches (torch.profiler; outside a graph), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            out[e.name[:40]] = out.get(e.name[:40], 0.0) + e.time_range.elapsed_us() / iters
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def _full_rows(dev, w) -> list[dict]:
@@ -116,9 +143,11 @@ def _full_rows(dev, w) -> list[dict]:
             us = _time(call, iters=50 if mode else 200)
             active = 0 if mode == 0 else n
             byt = _full_bytes(n, pack, active, mode == 2)
+            flop = _full_flop(n, pack, active, mode == 2)
             rows.append({"n": n, "path": f"{name} (1 site, d_sae {FULL_F})", "clamps": FULL_CLAMPS if mode else 0,
                          "us": round(us, 2), "extra_us": round(us - base, 2), "bytes": byt,
-                         "bound_us": round(byt / HBM_BYTES_PER_US, 2)})
+                         "bound_us": round(max(byt / HBM_BYTES_PER_US, flop / BF16_FLOP_PER_US), 2),
+                         "launches": _per_launch(call)})
     return rows
 
 
@@ -162,6 +191,9 @@ def main() -> None:
     for r in rows:
         print(f"| {r['n']} | {r['path']} | {r['clamps']} | {r['us']} | {r.get('extra_us', '')} | {r.get('bytes', '')} "
               f"| {r.get('bound_us', '')} |")
+    for r in rows:  # the full path's launches, each's GPU time (profiled outside the graph)
+        if r.get("launches"):
+            print(f"{r['n']} tokens, {r['path']}: " + ", ".join(f"{k} {v} µs" for k, v in r["launches"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "D": D, "staged": STAGED, "rows": rows}, f, indent=1)

@@ -4,22 +4,28 @@ row is on and for no other; the steered norm adds ``w * edit[t]`` where the slot
 ``FULL_B`` in ``../steered_rms_norm/triton.py``). ``site_edit`` launches it.
 
 Launches per full slot and step, each a few µs and nothing more when no token's row is on (no host sync, no
-data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 at slot A, 5 at slot B.
+data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 or 5 at slot A, 5 or 6 at slot B.
 
 1. ``_compact`` (one program): the ids of the on tokens (row != 0, mode != 0) in order, and their count. The
    count is the only write of an idle step.
-2. per round of ``ROUND`` listed tokens (``ceil(N / ROUND)`` rounds, fixed by N; a round past the count exits):
+2. per round of ``ROUND`` listed tokens (``ceil(N / ROUND)`` rounds, fixed by N; a tile past the count exits):
    - ``_gather`` (slot B only): the slot's float32 stream of each listed token: x + residual plus slot A's
      features (clamp-only walk or full edit, projections, vectors, with the gate's weights), as the norm has it;
      at slot A the GEMMs read x + residual of the listed tokens themselves;
-   - ``_encode``: ``pre = s @ W_enc + b_enc`` (``tl.dot``; the stream split into bf16 hi + lo, both against the
-     bf16 weights, float32 accumulation: the error of the weights' rounding only);
+   - ``_encode``: ``pre = s @ W_enc + b_enc`` (``tl.dot``, a program per token tile x feature tile; the stream split
+     into bf16 hi + lo, both against the bf16 weights, float32 accumulation per K tile: ``_tile_dot``);
    - ``_select``: per token the activation (TopK: the k-th largest ``pre`` found exactly by a bitwise search on
      order-preserving integer keys; else ``pre > thr``), the row's clamps, and the decode coefficients in place
      of ``pre``: a RECONSTRUCT row's ``f'`` (every feature), a DELTA row's ``f' - f`` (clamped features, 0
      elsewhere);
-   - ``_decode``: ``edit[t] = coef @ W_dec`` (+ ``b_dec - s`` for RECONSTRUCT rows), a W_dec tile read only
-     when some coefficient of the tile's tokens is not 0 (delta-only batches read the clamped rows' tiles).
+   - ``_decode``: a program per token tile x column tile x split of d_sae (``_splits``: enough programs to fill
+     the GPU at decode sizes): RECONSTRUCT rows' ``coef @ W_dec`` (a W_dec tile read only when some coefficient of
+     the tile's tokens is not 0) plus DELTA rows' ``(f' - f) @ dec`` over the clampable features' float32 rows (a
+     delta-only step never reads W_dec); one split writes the edit itself (``_finish``: + ``b_dec - s`` for
+     RECONSTRUCT rows), else
+   - ``_reduce``: the splits' partial sums added in split order, then ``_finish``.
+
+Tiles and splits are fixed by N (``_TILES``; no autotuning). The per-launch roofline is in README.md.
 
 TopK ties: every feature whose pre equals the k-th largest is kept (torch.topk keeps exactly k); with float
 activations a tie at the boundary is a measure-zero event.
@@ -59,6 +65,21 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile_dot(a, w, PRECISE: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """a @ w of one K tile (a float32, w in the weights' dtype) in a fresh float32 accumulator: a split into bf16
+    hi + lo (lo first: PRECISE), both against w. The caller adds the tile to its running sum (IEEE float32
+    addition), so the tensor cores' own accumulation (its rounding, toward zero on NVIDIA's) spans one tile's
+    products only: the error stays within ~(2^-16 + 2 * BLOCK_K * 2^-23 + tiles * 2^-24) * sum |a| |w| whatever
+    the MMA's internal order (README, Precision), where one accumulator across all of K drifts by a rounding
+    per MMA step relative to the whole running sum."""
+    a_hi = a.to(w.dtype)
+    t = tl.zeros((BM, BN), dtype=tl.float32)
+    if PRECISE:
+        t = _dot((a - a_hi.to(tl.float32)).to(w.dtype), w, t, UPCAST)
+    return _dot(a_hi, w, t, UPCAST)
 
 
 @triton.jit
@@ -136,14 +157,16 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
             HAS_RES: tl.constexpr):
-    """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per BLOCK_F features."""
-    o_f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
-    m_f = o_f < F
+    """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per tile of BLOCK_M listed
+    tokens x BLOCK_F features (token tiles on grid axis 0, launched first: the tiles sharing W_enc's columns run
+    together, so W_enc leaves HBM about once per round). A tile past the count returns at once."""
+    m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
-    b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
-    for m0 in range(0, n, BLOCK_M):
+    if m0 < n:
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_m = o_m < n
+        o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        m_f = o_f < F
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
@@ -151,10 +174,8 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
             a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
             w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
                         mask=m_k[:, None] & m_f[None, :], other=0.0)
-            a_hi = a.to(w.dtype)
-            acc = _dot(a_hi, w, acc, UPCAST)
-            if PRECISE:
-                acc = _dot((a - a_hi.to(tl.float32)).to(w.dtype), w, acc, UPCAST)
+            acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
+        b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
         tl.store(p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :], acc + b_bias[None, :],
                  mask=m_m[:, None] & m_f[None, :])
 
@@ -180,8 +201,9 @@ def _act(v, thr_key, thr, TOPK: tl.constexpr):
 def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
             stride_pre, stride_code, stride_value, stride_cv, F, C, K,
             TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients written over
-    pre (RECONSTRUCT: f with clamped features f'; DELTA: f' - f at clamped features, 0 elsewhere). ``cv``: the
+    """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients: RECONSTRUCT
+    rows' written over pre (f with clamped features f'); DELTA rows' pre zeroed and their coefficients (f' - f at the
+    clamped features) left in ``cv`` (``_decode`` multiplies them with the clampable features' rows). ``cv``: the
     clamped features' coefficients, staged while pre is still whole. SINGLE: F <= BLOCK, the row in registers."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
@@ -238,47 +260,121 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
             code = tl.load(p_code + i_r * stride_code + c0 + o_c, mask=m_c, other=0)
             feat = tl.load(p_feat + c0 + o_c, mask=m_c, other=0)
             cv = tl.load(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, mask=m_c, other=0.0)
-            tl.store(p_row + feat, cv, mask=m_c & ((code & 3) != 0))
+            tl.store(p_row + feat, cv, mask=m_c & ((code & 3) != 0) & recon)
 
 
 @triton.jit
-def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_edit, r0,
-            stride_coef, stride_w, stride_edit, F,
+def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out, r0,
+            stride_coef, stride_w, stride_out, stride_split, F, F_SPLIT, p_cv, p_dec, stride_cv, stride_dec, C,
+            C_SPLIT,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr):
-    """edit[t] = coef[j] @ W_dec (+ b_dec - S[j] for a RECONSTRUCT row) for the round's listed tokens; a program
-    per BLOCK_D columns. A W_dec tile whose coefficients are all 0 for the tile's tokens is not read."""
-    o_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D
+            HAS_RES: tl.constexpr, FINISH: tl.constexpr):
+    """A tile of BLOCK_M listed tokens x BLOCK_D columns, split s = program_id(2) of the features: RECONSTRUCT rows'
+    ``coef @ W_dec`` over features [s F_SPLIT, (s + 1) F_SPLIT) (only if the tile has such a row; a W_dec tile
+    whose coefficients are all 0 for the tile's tokens is not read), plus DELTA rows' ``cv @ dec`` over clamped
+    features [s C_SPLIT, (s + 1) C_SPLIT) (``dec``: the clampable features' float32 rows: a delta-only step never
+    reads W_dec). FINISH (one split): the edit itself (``_finish``), else split s's partial sum (``out``
+    [splits, ROUND, D], summed in order by ``_reduce``)."""
+    m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
-    for m0 in range(0, n, BLOCK_M):
+    if m0 < n:
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_m = o_m < n
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for f0 in range(0, F, BLOCK_F):
-            o_f = f0 + tl.arange(0, BLOCK_F)
-            m_f = o_f < F
-            c = tl.load(p_coef + o_m[:, None].to(tl.int64) * stride_coef + o_f[None, :],
-                        mask=m_m[:, None] & m_f[None, :], other=0.0)
-            if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
-                w = tl.load(p_wdec + o_f[:, None].to(tl.int64) * stride_w + o_d[None, :],
-                            mask=m_f[:, None] & m_d[None, :], other=0.0)
-                c_hi = c.to(w.dtype)
-                acc = _dot(c_hi, w, acc, UPCAST)
-                if PRECISE:
-                    acc = _dot((c - c_hi.to(tl.float32)).to(w.dtype), w, acc, UPCAST)
+        o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
         i_t = tl.load(p_tok + r0 + o_m, mask=m_m, other=0).to(tl.int64)
-        i_r = tl.load(p_index + i_t, mask=m_m, other=0)
-        recon = tl.load(p_mode + i_r, mask=m_m, other=0) == _RECON
-        b_s = _stream(src, o_m, m_m, o_d, m_d, DIRECT, HAS_RES)
-        b_dec = tl.load(p_bdec + o_d, mask=m_d, other=0.0)
-        e = tl.where(recon[:, None], acc + b_dec[None, :] - b_s, acc)
-        tl.store(p_edit + i_t[:, None] * stride_edit + o_d[None, :], e, mask=m_m[:, None] & m_d[None, :])
+        row_mode = tl.load(p_mode + tl.load(p_index + i_t, mask=m_m, other=0), mask=m_m, other=0)
+        recon = m_m & (row_mode == _RECON)
+        delta = m_m & (row_mode != _RECON)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        if tl.max(recon.to(tl.int32), axis=0) != 0:
+            f_lo = tl.program_id(2) * F_SPLIT
+            f_hi = tl.minimum(F, f_lo + F_SPLIT)
+            for f0 in range(f_lo, f_hi, BLOCK_F):
+                o_f = f0 + tl.arange(0, BLOCK_F)
+                m_f = o_f < f_hi
+                c = tl.load(p_coef + o_m[:, None].to(tl.int64) * stride_coef + o_f[None, :],
+                            mask=recon[:, None] & m_f[None, :], other=0.0)
+                if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
+                    w = tl.load(p_wdec + o_f[:, None].to(tl.int64) * stride_w + o_d[None, :],
+                                mask=m_f[:, None] & m_d[None, :], other=0.0)
+                    acc += _tile_dot(c, w, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+        if tl.max(delta.to(tl.int32), axis=0) != 0:
+            c_lo = tl.program_id(2) * C_SPLIT
+            c_hi = tl.minimum(C, c_lo + C_SPLIT)
+            for c0 in range(c_lo, c_hi, BLOCK_F):
+                o_c = c0 + tl.arange(0, BLOCK_F)
+                m_c = o_c < c_hi
+                c = tl.load(p_cv + o_m[:, None].to(tl.int64) * stride_cv + o_c[None, :],
+                            mask=delta[:, None] & m_c[None, :], other=0.0)
+                if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
+                    w = tl.load(p_dec + o_c[:, None].to(tl.int64) * stride_dec + o_d[None, :],
+                                mask=m_c[:, None] & m_d[None, :], other=0.0)
+                    acc += _dot(c, w, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), UPCAST)
+        if FINISH:
+            _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_out, r0, stride_out, o_m, m_m, o_d, m_d, DIRECT,
+                    HAS_RES)
+        else:
+            p_part = p_out + tl.program_id(2).to(tl.int64) * stride_split
+            tl.store(p_part + o_m[:, None].to(tl.int64) * stride_out + o_d[None, :], acc,
+                     mask=m_m[:, None] & m_d[None, :])
 
 
-def _block_m(n: int) -> int:
-    return 16 if n <= 64 else 64 if n <= 512 else 128
+@triton.jit
+def _reduce(p_part, src, p_tok, p_count, p_index, p_mode, p_bdec, p_edit, r0, stride_part, stride_split, stride_edit,
+            SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+            ROUND_N: tl.constexpr, DIRECT: tl.constexpr, HAS_RES: tl.constexpr):
+    """The edit of a tile of listed tokens x columns from ``_decode``'s SPLIT partial sums, added in split order
+    (the same sum at every launch), then ``_finish``."""
+    m0 = tl.program_id(0) * BLOCK_M
+    n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
+    if m0 < n:
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < n
+        o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            acc += tl.load(p_part + i * stride_split + o_m[:, None].to(tl.int64) * stride_part + o_d[None, :],
+                           mask=m_m[:, None] & m_d[None, :], other=0.0)
+        _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o_m, m_m, o_d, m_d, DIRECT, HAS_RES)
+
+
+@triton.jit
+def _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o_m, m_m, o_d, m_d,
+            DIRECT: tl.constexpr, HAS_RES: tl.constexpr):
+    """edit[t] = acc (+ b_dec - S[j] for a RECONSTRUCT row) for listed tokens ``o_m`` of the round."""
+    i_t = tl.load(p_tok + r0 + o_m, mask=m_m, other=0).to(tl.int64)
+    i_r = tl.load(p_index + i_t, mask=m_m, other=0)
+    recon = tl.load(p_mode + i_r, mask=m_m, other=0) == _RECON
+    b_s = _stream(src, o_m, m_m, o_d, m_d, DIRECT, HAS_RES)
+    b_dec = tl.load(p_bdec + o_d, mask=m_d, other=0.0)
+    e = tl.where(recon[:, None], acc + b_dec[None, :] - b_s, acc)
+    tl.store(p_edit + i_t[:, None] * stride_edit + o_d[None, :], e, mask=m_m[:, None] & m_d[None, :])
+
+
+# Tiles by N (the step's token count: fixed per CUDA graph): (BLOCK_M, BLOCK_F / BLOCK_D, BLOCK_K / BLOCK_F, warps)
+# for the encoder and the decoder. Decode sizes stream the weights (bandwidth-bound: many small programs); prefill
+# sizes are tensor-core bound (128 x 128 tiles).
+_TILES = ((64, (16, 64, 64, 4)), (512, (64, 128, 64, 4)), (None, (128, 128, 64, 8)))
+_PROGRAMS = 528  # programs the decoder aims at (4 per SM of an H100's 132): splits over d_sae fill the GPU at decode
+_SPLIT_MAX = 16
+
+
+def _tiles(n: int) -> tuple[int, int, int, int]:
+    return next(t for limit, t in _TILES if limit is None or n <= limit)
+
+
+def _splits(rn: int, d: int, f: int, c: int, bm: int, bd: int, bf: int) -> tuple[int, int, int]:
+    """(splits, features per split, clamped features per split) of the decoder for rounds of ``rn`` listed tokens:
+    enough programs to fill the GPU (``_PROGRAMS``), at most ``_SPLIT_MAX``, each split a multiple of BLOCK_F
+    features (of d_sae, and of the ``c`` clampable ones)."""
+    tiles = triton.cdiv(rn, bm) * triton.cdiv(d, bd)
+    split = max(1, min(_SPLIT_MAX, _PROGRAMS // tiles, triton.cdiv(f, bf)))
+    per = triton.cdiv(triton.cdiv(f, split), bf) * bf
+    split = triton.cdiv(f, per)
+    return split, per, triton.cdiv(triton.cdiv(c, split), bf) * bf
 
 
 def site_edit(
@@ -296,9 +392,10 @@ def site_edit(
     descriptor), ``cond`` (the norm's condition descriptor): slot A's features, applied before the encoder."""
     n, d = x.shape
     mode, code, value = pack[0], pack[1], pack[2]
-    feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
+    dec, feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[4], pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
     f_all, c = w_enc.shape[1], code.shape[1]
     assert w_enc.stride(-1) == 1 and w_dec.stride(-1) == 1 and code.stride(-1) == 1 and value.stride(-1) == 1
+    assert dec.stride(-1) == 1
     dev = x.device
     edit = torch.empty(n, d, dtype=torch.float32, device=dev)
     if n == 0:
@@ -311,14 +408,17 @@ def site_edit(
     s = torch.empty(rn if any(pre_flags) else 1, d, dtype=torch.float32, device=dev)  # gathered streams (slot B)
     pre = torch.empty(rn, f_all, dtype=torch.float32, device=dev)
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
+    bm, bn, bk, warps = _tiles(n)
+    split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk)
+    part = torch.empty(split, rn, d, dtype=torch.float32, device=dev) if split > 1 else edit
     _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
     block_d = triton.next_power_of_2(d)
-    block_m = _block_m(n)
     single = f_all <= _SELECT_MAX
     block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
     direct = not any(pre_flags)  # slot A: the stream is x + residual, read by the GEMMs themselves
     res = residual if residual is not None else x
     res_stride = residual.stride(0) if residual is not None else 0
+    m_tiles = triton.cdiv(rn, bm)
     for r0 in range(0, n, ROUND):
         if not direct:
             _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
@@ -326,16 +426,23 @@ def site_edit(
                     (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)
-        _ENCODE((triton.cdiv(f_all, 64),), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0), pre.stride(0), f_all),
-                (d, block_m, 64, 64, *flags), 4)
+        _ENCODE((m_tiles, triton.cdiv(f_all, bn)), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0),
+                                                      pre.stride(0), f_all), (d, bm, bn, bk, *flags), warps)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk),
                 (topk > 0, single, block_sel, 64), 16 if block_sel >= 8192 else 8)
-        _DECODE((triton.cdiv(d, 64),), (pre, src, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0),
-                                        w_dec.stride(0), edit.stride(0), f_all), (d, block_m, 64, 64, *flags), 4)
+        out_stride = part.stride(1) if split > 1 else edit.stride(0)
+        _DECODE((m_tiles, triton.cdiv(d, bn), split),
+                (pre, src, tok, count, index, mode, w_dec, b_dec, part, r0, pre.stride(0), w_dec.stride(0), out_stride,
+                 part.stride(0) if split > 1 else 0, f_all, f_split, cv, dec, cv.stride(0), dec.stride(0), c, c_split),
+                (d, bm, bk, bn, *flags, split == 1), warps)
+        if split > 1:
+            _REDUCE((triton.cdiv(rn, 16), triton.cdiv(d, 256)),
+                    (part, src, tok, count, index, mode, b_dec, edit, r0, part.stride(1), part.stride(0),
+                     edit.stride(0)), (split, d, 16, 256, ROUND, direct, residual is not None), 4)
     return edit
 
 
 # launched without Triton's per-call binding (steps above the CUDA-graph sizes launch from Python: ../launch_cache.py)
-_COMPACT, _GATHER, _ENCODE, _SELECT, _DECODE = (CachedLauncher(k) for k in (_compact, _gather, _encode, _select,
-                                                                            _decode))
+_COMPACT, _GATHER, _ENCODE, _SELECT, _DECODE, _REDUCE = (CachedLauncher(k) for k in (_compact, _gather, _encode,
+                                                                                     _select, _decode, _reduce))

@@ -259,6 +259,8 @@ def _op_args(x, r, w, index, a: dict) -> tuple:
 # + N 300 at slot B (three rounds of 128, gathered); "chunked": d_sae past the in-register limit (the search reads chunks of 64)
 _FULL_CASES = [(k, slots, n) for k in (0, 8) for slots in ("a", "b", "ab") for n in (1, 13)] + [(8, "b", 300)]
 _FULL_CASES += [(k, "chunked", 5) for k in (0, 8)]
+# "whole": the decoder in one split (it writes the edit itself; else splits of d_sae summed by _reduce)
+_FULL_CASES += [(k, "whole", 13) for k in (0, 8)]
 
 
 @_INTERPRETER_INDEX
@@ -267,7 +269,8 @@ def test_full_sae_slots_match_reference(interpreted, monkeypatch, topk, slots, n
     """The op's CUDA path (``op.triton_path``: full slots' edits by the tensor-core kernels, then the norm) against
     the reference, every row kind in the batch (OFF, DELTA with every clamp kind, DELTA bare, RECONSTRUCT), slot B
     encoded after slot A's vectors (and slot A's full edit); N = 300 in three rounds of 128 (the last partial); the
-    TopK search over chunks of pre read from memory (d_sae 200 in chunks of 64, the last partial)."""
+    TopK search over chunks of pre read from memory (d_sae 200 in chunks of 64, the last partial); the decoder split
+    over d_sae (partial sums, ``_reduce``) and in one piece."""
     from vllm_steer.kernels.sae_clamp import full_triton
     from vllm_steer.kernels.steered_rms_norm import op
 
@@ -275,6 +278,9 @@ def test_full_sae_slots_match_reference(interpreted, monkeypatch, topk, slots, n
     if slots == "chunked":
         monkeypatch.setattr(full_triton, "_SELECT_MAX", 64)
         monkeypatch.setattr(full_triton, "_SELECT_CHUNK", 64)
+        slots = "ab"
+    if slots == "whole":
+        monkeypatch.setattr(full_triton, "_SPLIT_MAX", 1)
         slots = "ab"
     norm, _ = interpreted
     x, r, w, index, a = _full_case(n, slots, topk, seed=60 + n)
@@ -350,7 +356,7 @@ def test_full_sae_idle_batch_writes_nothing(interpreted, monkeypatch, topk):
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
     counts = [t for t in made if t.shape == (1,)]
     assert len(counts) == 2 and all(int(t) == 0 for t in counts)  # one per full slot
-    assert len(made) == 12 and all(bool((t == 7).all()) for t in made if t.shape != (1,))
+    assert len(made) == 14 and all(bool((t == 7).all()) for t in made if t.shape != (1,))  # 7 per slot: + partials
 
 
 def test_capture_rows_triton_matches_reference(interpreted):
