@@ -157,12 +157,12 @@ def test_packed_in_the_model_dtype_takes_the_byte_path_to_the_same_key_and_rows(
     floats_field = {"post_mlp": {"3": rows[0].tolist(), "0": rows[1].tolist(), "2": (rows[2] + np.float32(0)).tolist()},
                     "pre_attn": {"1": rows[0].tolist()}}
     fast, slow = (fe.engine_extra_args({"steering_vectors": f}) for f in (packed_field, floats_field))
-    (pk_fast, dk_fast), (pk_slow, dk_slow) = fast[2:], slow[2:]
+    (pk_fast, dk_fast), (pk_slow, dk_slow) = fast[2:4], slow[2:4]
     assert pk_fast == dk_fast == pk_slow == dk_slow is not None
     assert fast.payload.configs == slow.payload.configs
     (layout,) = fast.payload.configs.values()
     assert [(h, ids) for h, (ids, _) in layout.items()] == [("pre_attn", (1,)), ("post_mlp", (2, 3))]
-    _, _, pk, dk = fe.engine_extra_args({"prefill_steering_vectors": packed_field})
+    _, _, pk, dk, _ = fe.engine_extra_args({"prefill_steering_vectors": packed_field})
     assert (pk, dk) == (pk_fast, None)
 
 
@@ -182,7 +182,7 @@ def test_byte_path_refuses_bad_rows_naming_the_field():
     with pytest.raises(SteeringSpecError) as e:
         fe.engine_extra_args({"steering_vectors": {"mid": pack(two, [1, 2], "bfloat16")}})
     assert e.value.field == "steering_vectors.mid"
-    zero, _, pk, dk = fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(np.zeros((1, 8)), [1], "bfloat16")}})
+    zero, _, pk, dk, _ = fe.engine_extra_args({"steering_vectors": {"post_mlp": pack(np.zeros((1, 8)), [1], "bfloat16")}})
     assert zero is None and pk is dk is None  # all-zero vectors are no steering at all
 
 
