@@ -130,6 +130,7 @@ class Use:
     owner: str  # the vllm_steer module that relies on it
     why: str  # what breaks if it moves
     params: tuple[str, ...] = ()  # "method": leading parameter names the plugin passes (or vLLM passes us)
+    family: bool = False  # a model family's file: a release without that file cannot serve it, so its absence is fine
 
 
 def _attrs(target: str, members: str, owner: str, why: str) -> tuple[Use, ...]:
@@ -156,7 +157,7 @@ def _family_uses() -> tuple[Use, ...]:
                   *_attrs(f"{where}:{f.model}", "layers norm", "vllm_steer.runtime.install",
                           "model.model.layers (else the model is refused) and the final norm (read with a default: "
                           "post_mlp of the last layer would go unsteered)")):
-            rows.setdefault((u.target, u.member), u)
+            rows.setdefault((u.target, u.member), dataclasses.replace(u, family=True))
     return tuple(rows.values())
 
 
@@ -386,6 +387,10 @@ def use_problem(use: Use) -> str | None:
         owner = importlib.import_module(mod)
         for part in filter(None, qual.split(".")):
             owner = getattr(owner, part)
+    except ModuleNotFoundError as e:
+        if use.family and e.name == mod:  # e.g. olmo3 before vLLM had it: that release serves no such model
+            return None
+        return f"{where}: missing: {type(e).__name__}: {e}"
     except Exception as e:  # noqa: BLE001 - any import or lookup failure is the answer
         return f"{where}: missing: {type(e).__name__}: {e}"
     if use.kind == "any_of":
