@@ -99,10 +99,14 @@ class _Packet:
                 self._data.flags.writeable = False
             return self._data
 
-    def raw(self) -> np.ndarray:
+    def raw(self, copy: bool) -> np.ndarray:
         """The rows as stored (bfloat16: its uint16 bits), for consumers with ``raw_rows``: this lane's
-        copy out of the ring (one copy of the packet, not one per (request, site)), read-only."""
-        out = self.ring[self.row0 : self.row0 + self.n].copy()
+        read-only copy out of the ring (one copy of the packet, not one per (request, site)), or, without
+        ``copy``, the ring itself (for a lane that copies the cells it takes by a boolean index)."""
+        rows = self.ring[self.row0 : self.row0 + self.n]
+        if not copy:
+            return rows
+        out = rows.copy()
         out.flags.writeable = False
         return out
 
@@ -135,7 +139,7 @@ class _HostLane:
         errors = 0
         raw = bool(getattr(self.consumer, "raw_rows", False))
         meta = {"dtype": packet.dtype} if raw else {}
-        data, positions = packet.raw() if raw else packet.data(), packet.positions
+        data, positions = packet.raw(copy=every) if raw else packet.data(), packet.positions
         on_rows = self.consumer.on_rows
         for request_id, (hook, layer), a, b in zip(packet.request_ids, packet.sites, packet.starts, packet.ends):
             # read-only views of the packet's copy, or boolean-index copies: never ring memory
