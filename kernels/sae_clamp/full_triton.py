@@ -264,6 +264,28 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
 
 
 @triton.jit
+def _decode_span(acc, p_c, stride_c, rows, lo, hi, p_w, stride_w, o_m, o_d, m_d, BLOCK_F: tl.constexpr,
+                 HILO: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """acc + ``c[rows, lo:hi] @ w[lo:hi, o_d]``, BLOCK_F features a tile; a ``w`` tile whose coefficients are all 0
+    for the tile's rows is not read. HILO: float32 coefficients against weights in their own dtype (``_tile_dot``);
+    else both float32 (``_dot``). Each tile's product is added to ``acc`` in IEEE float32."""
+    for f0 in range(lo, hi, BLOCK_F):
+        o_f = f0 + tl.arange(0, BLOCK_F)
+        m_f = o_f < hi
+        c = tl.load(p_c + o_m[:, None].to(tl.int64) * stride_c + o_f[None, :],
+                    mask=rows[:, None] & m_f[None, :], other=0.0)
+        if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
+            w = tl.load(p_w + o_f[:, None].to(tl.int64) * stride_w + o_d[None, :],
+                        mask=m_f[:, None] & m_d[None, :], other=0.0)
+            if HILO:
+                acc += _tile_dot(c, w, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+            else:
+                acc += _dot(c, w, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), UPCAST)
+    return acc
+
+
+@triton.jit
 def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out, r0,
             stride_coef, stride_w, stride_out, stride_split, F, F_SPLIT, p_cv, p_dec, stride_cv, stride_dec, C,
             C_SPLIT,
@@ -290,28 +312,12 @@ def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out,
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         if tl.max(recon.to(tl.int32), axis=0) != 0:
             f_lo = tl.program_id(2) * F_SPLIT
-            f_hi = tl.minimum(F, f_lo + F_SPLIT)
-            for f0 in range(f_lo, f_hi, BLOCK_F):
-                o_f = f0 + tl.arange(0, BLOCK_F)
-                m_f = o_f < f_hi
-                c = tl.load(p_coef + o_m[:, None].to(tl.int64) * stride_coef + o_f[None, :],
-                            mask=recon[:, None] & m_f[None, :], other=0.0)
-                if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
-                    w = tl.load(p_wdec + o_f[:, None].to(tl.int64) * stride_w + o_d[None, :],
-                                mask=m_f[:, None] & m_d[None, :], other=0.0)
-                    acc += _tile_dot(c, w, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+            acc = _decode_span(acc, p_coef, stride_coef, recon, f_lo, tl.minimum(F, f_lo + F_SPLIT), p_wdec, stride_w,
+                               o_m, o_d, m_d, BLOCK_F, True, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
         if tl.max(delta.to(tl.int32), axis=0) != 0:
             c_lo = tl.program_id(2) * C_SPLIT
-            c_hi = tl.minimum(C, c_lo + C_SPLIT)
-            for c0 in range(c_lo, c_hi, BLOCK_F):
-                o_c = c0 + tl.arange(0, BLOCK_F)
-                m_c = o_c < c_hi
-                c = tl.load(p_cv + o_m[:, None].to(tl.int64) * stride_cv + o_c[None, :],
-                            mask=delta[:, None] & m_c[None, :], other=0.0)
-                if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
-                    w = tl.load(p_dec + o_c[:, None].to(tl.int64) * stride_dec + o_d[None, :],
-                                mask=m_c[:, None] & m_d[None, :], other=0.0)
-                    acc += _dot(c, w, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), UPCAST)
+            acc = _decode_span(acc, p_cv, stride_cv, delta, c_lo, tl.minimum(C, c_lo + C_SPLIT), p_dec, stride_dec,
+                               o_m, o_d, m_d, BLOCK_F, False, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
         if FINISH:
             _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_out, r0, stride_out, o_m, m_m, o_d, m_d, DIRECT,
                     HAS_RES)
