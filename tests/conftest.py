@@ -45,6 +45,7 @@ API_MAX_MODEL_LEN = 8192
 LONG_STREAM_TOKENS = API_MAX_MODEL_LEN - 48
 API_SERVER_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-num-batched-tokens", "2048")
 CAPTURE_TIMEOUT_S = 4  # steer.capture_result_timeout_s of the shared API server (the slow consumer's tests)
+API_CAPTURE_ROWS = 512  # steer.capture_max_rows of the shared API server: a wide prompt capture is chunked to fit
 SAE_SITE, SAE_D, SAE_CLAMPABLE, SAE_SEED = "post_mlp.12", 64, 32, 11  # the shared server's SAE "fz"
 SAE_SLOT, SAE_SLOT_SIZE = "post_mlp.8", 16  # its site reserved for SAEs registered at runtime
 
@@ -106,7 +107,7 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
     cfg = json.dumps({"steer": {"max_configs": 16, "max_request_bytes": API_SERVER_CAP, "api_key": API_KEY,
                                 "modules": {"preloaded": str(d / "preloaded.safetensors")},
                                 "max_modules": MAX_MODULES, "max_module_bytes": MODULE_CAP, "capture": capture,
-                                "capture_result_timeout_s": CAPTURE_TIMEOUT_S,
+                                "capture_result_timeout_s": CAPTURE_TIMEOUT_S, "capture_max_rows": API_CAPTURE_ROWS,
                                 "sae": {"fz": {"path": sae, "site": SAE_SITE, "features": list(range(SAE_CLAMPABLE))}},
                                 "sae_slots": {SAE_SLOT: SAE_SLOT_SIZE}, "sae_root": str(sae_root),
                                 "conditions": True, "max_projections": 2,

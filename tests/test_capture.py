@@ -18,6 +18,7 @@ HIDDEN, LAYERS = 576, 30
 PROMPT = "The robot looked at the sea and"
 ALL = {"layers": "all", "hooks": "all", "positions": "all_prompt"}
 SLOW_TIMEOUT_S = 1.5  # steer.capture_result_timeout_s of this engine
+POOL_ROWS = 256  # steer.capture_max_rows of this engine
 EXTRACT_PAIRS = [{"positive": "I love this wonderful day", "negative": "I hate this terrible day"},
                  {"positive": "What a happy surprise", "negative": "What an awful surprise",
                   "prompt": "Describe the gift. "}]
@@ -51,7 +52,10 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
                           "additional_config": {"steer": {"max_configs": 4, "capture": [
                               {"name": "filesystem", "instance": "fs", "params": {"root": str(root), "threads": 2}},
                               "logging", "probe:dim=576,seed=3", "slow", "activations"],
-                              "capture_result_timeout_s": SLOW_TIMEOUT_S}}},
+                              "capture_result_timeout_s": SLOW_TIMEOUT_S,
+                              # a pool smaller than the first request's prompt x 90 sites: its prefill is chunked
+                              # to fit (engine.capture_budget), so every row is still there (no dropped_rows)
+                              "capture_max_rows": POOL_ROWS}}},
            "calls": [{"prompts": [{"prompt_token_ids": ids}], "params": [p]} for p in reqs]
            # a long prompt seen once without capture (its blocks get cached), then captured
            + [{"prompts": [{"prompt_token_ids": long_ids}], "params": [p]}
@@ -109,7 +113,7 @@ def test_captured_residuals_match_transformers_at_every_hook(capture_run, smollm
     root, ids, results, *_ = capture_run
     got = load_request(str(root), results[0]["request_id"])
     ref = hf_streams(smollm2_path, ids)
-    assert len(got) == LAYERS * 3
+    assert len(got) == LAYERS * 3 and len(ids) * LAYERS * 3 > POOL_ROWS  # more rows than one step's pool holds
     for key, (positions, rows) in got.items():
         np.testing.assert_array_equal(positions, np.arange(len(ids)))
         np.testing.assert_allclose(rows, ref[key], rtol=1e-4, atol=2e-3, err_msg=str(key))

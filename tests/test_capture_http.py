@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests import hf_oracle
-from tests.conftest import CAPTURE_TIMEOUT_S, LONG_STREAM_TOKENS, PROBE_LAYER, PROBE_SEED, process_stalled_between
-from tests.server import log_tail
+from tests.conftest import API_CAPTURE_ROWS, CAPTURE_TIMEOUT_S, LONG_STREAM_TOKENS, PROBE_LAYER, PROBE_SEED, process_stalled_between
+from tests.server import log_tail, scrape_metrics
 from vllm_steer.capture.filesystem import load_request
 
 PROMPT = "The capital of France is"
@@ -116,6 +116,30 @@ def test_concurrent_requests_each_get_complete_files(api_server):
         n = len(got[(0, "pre_attn")][0])
         assert all(rows.shape == (n, 576) and np.isfinite(rows).all() for _, rows in got.values())
     assert not list(root.rglob("*.tmp"))
+
+
+def test_a_prompt_wider_than_the_capture_pool_is_chunked_and_every_row_kept(api_server):
+    """30 sites x a ~50-token prompt is ~3x the pool (steer.capture_max_rows): the scheduler chunks the prefill
+    (engine.capture_budget), the file holds every prompt position of every site, no row is dropped, and the
+    capped steps are on /metrics."""
+    base, model, log, root = api_server
+    before = scrape_metrics(base)
+    r = complete(base, model, prompt=" ".join(["The tide came in over the grey stones"] * 6), max_tokens=2,
+                 capture={"fs": {"layers": "all", "hooks": ["post_mlp"], "positions": "all_prompt"}})
+    assert r.status_code == 200, r.text
+    n = r.json()["usage"]["prompt_tokens"]
+    assert n * 30 > 2 * API_CAPTURE_ROWS
+    got = load_request(str(root), f"{r.json()['id']}-0")
+    assert sorted(got) == [(layer, "post_mlp") for layer in range(30)]
+    for site, (positions, rows) in got.items():
+        np.testing.assert_array_equal(positions, np.arange(n), err_msg=str(site))
+        assert rows.shape == (n, 576) and np.isfinite(rows).all()
+    deadline = time.monotonic() + 30  # a scrape may answer with the engine's values of the scrape before
+    while (now := scrape_metrics(base))["vllm_steer_capture_throttled_steps_total"] < (
+            before["vllm_steer_capture_throttled_steps_total"] + 2):
+        assert time.monotonic() < deadline, f"throttled steps {now['vllm_steer_capture_throttled_steps_total']}"
+        time.sleep(0.2)
+    assert now["vllm_steer_capture_dropped_rows_total"] == before["vllm_steer_capture_dropped_rows_total"]
 
 
 SLOW_S = 2 * CAPTURE_TIMEOUT_S  # the slow consumer's sleep: past the timeout

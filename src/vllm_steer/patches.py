@@ -173,6 +173,11 @@ USES: tuple[Use, ...] = (
         "would pass the row gate"),
     *_attrs(_SCHED, "requests", "vllm_steer.engine.module_rpc",
             "unfinished requests per module / SAE site: versions in use would be forgotten, SAE sites overwritten"),
+    *_attrs(_SCHED, "max_num_scheduled_tokens running", "vllm_steer.engine.capture_budget",
+            "a step's token budget, lowered for one schedule() so capturing prefills fit the capture pool: rows "
+            "would be dropped"),
+    *_attrs(f"{_REQ}:Request", "num_computed_tokens", "vllm_steer.engine.capture_budget",
+            "how much of a capturing request's prompt is left: its prefill would not be chunked to fit the pool"),
     Use("vllm.v1.core.sched.request_queue:RequestQueue", "remove_requests", "method", "vllm_steer.engine.scheduler",
         "held requests are taken out of a waiting queue for one schedule()", ("self", "requests")),
     Use("vllm.v1.core.sched.request_queue:RequestQueue", "prepend_request", "method", "vllm_steer.engine.scheduler",

@@ -72,6 +72,9 @@ class SteerPayload(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     external_id: str | None = None  # the request id callers know (set on capturing payloads)
     capture_reply: str | None = None  # where a worker sends this request's capture results
     projections: dict[str, list[Projection]] | None = None  # key -> its sites' directions (frontend.projection_spec)
+    # pool rows one token of the request takes on a worker, by position class (before the last prompt token, the
+    # last prompt token, generated): the scheduler chunks its prefill to fit steer.capture_max_rows (engine.capture_budget)
+    capture_rows: tuple[int, int, int] | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:

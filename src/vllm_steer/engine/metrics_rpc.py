@@ -49,6 +49,8 @@ def engine_metrics(core: Any, gate: Any, worker_status: Callable[[], list[dict]]
     gauges["requests_waiting_for_row"] = requests_waiting_for_row(core.scheduler, gate)
     totals["row_wait_timeouts"] = gate.wait_timeouts
     totals["stop_when_stops"] = getattr(core.scheduler, "steer_stop_when_stops", 0)
+    budget = getattr(core.scheduler, "steer_capture", None)
+    totals["capture_throttled_steps"] = budget.throttled_steps if budget is not None else 0
     reported = getattr(core, _STATE, {})
     # A total below what was handed out means the workers restarted: all of it is new.
     increments = {k: v - reported.get(k, 0) if v >= reported.get(k, 0) else v for k, v in totals.items()}

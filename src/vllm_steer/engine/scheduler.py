@@ -7,11 +7,13 @@
   that was deleted or replaced since it was prepared, is refused (``engine.refusals``); unsteered
   requests pass untouched;
 - ``schedule``: only while steered requests wait, set aside those whose configs do not fit, refuse
-  those set aside past ``steer.max_row_wait_s``, and admit the steered ones that were scheduled;
+  those set aside past ``steer.max_row_wait_s``, and admit the steered ones that were scheduled; only
+  while capturing requests are unfinished, cap the step's tokens so their cells fit the workers'
+  capture pool (``engine.capture_budget``);
 - ``update_from_output``: refused requests' final outputs go out with the step's; the requests the
   workers' ``stop_when`` watch stopped (``runtime.stop_watch``) are noted for
 - ``_update_request_with_output``: which finishes them as a stop token would (``core.stops``);
-- ``_free_request``: a finished request gives its rows back.
+- ``_free_request``: a finished request gives its rows (and its capture cost) back.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vllm_steer.core.payload import PayloadError, SteerPayload, request_payload
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.core.stops import encode as encode_stop
 from vllm_steer.core.vectors import MODULE_FIELD, SAE_FIELD
+from vllm_steer.engine.capture_budget import CaptureBudget
 from vllm_steer.engine.decode_block_salt import DecodeSaltedHasher, decode_salt_key
 from vllm_steer.engine.module_registry import registry_of
 from vllm_steer.engine.refusals import flush, refuse
@@ -77,6 +80,7 @@ def patch_scheduler() -> None:
         orig_init(self, *args, **kwargs)
         cfg = steer_config_of(self.vllm_config)
         self.steer_gate = RowGate(cfg.usable_rows, cfg.max_row_wait_s) if cfg is not None else None
+        self.steer_capture = CaptureBudget(cfg.capture_max_rows) if cfg is not None and cfg.capture else None
         self.steer_outbox = []  # (request, Refusal) finished by us, their outputs not sent yet
         self.steer_stops = None  # request id -> gate: this step's stop_when stops (runtime.stop_watch)
         self.steer_stop_when_stops = 0  # requests stop_when finished (on /metrics)
@@ -91,6 +95,8 @@ def patch_scheduler() -> None:
                 payload, refusal = None, Refusal(500, None, str(e))
             if payload is not None:
                 gate.arrive(request.request_id, payload.keys)
+                if self.steer_capture is not None:
+                    self.steer_capture.arrive(request.request_id, payload.capture_rows)
                 hasher = getattr(request, "_block_hasher", None)
                 key = decode_salt_key(payload)
                 if key is not None and hasher is not None and not isinstance(hasher, DecodeSaltedHasher):
@@ -102,6 +108,18 @@ def patch_scheduler() -> None:
         return out
 
     def schedule(self, *args, **kwargs):
+        budget: CaptureBudget | None = self.steer_capture
+        cap = budget.token_cap(self.requests, self.running, getattr(self, "num_spec_tokens", 0)) if budget else None
+        if cap is None or cap >= self.max_num_scheduled_tokens:
+            return _schedule(self, *args, **kwargs)
+        full = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = cap
+        try:
+            return _schedule(self, *args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = full
+
+    def _schedule(self, *args, **kwargs):
         gate: RowGate | None = self.steer_gate
         if gate is None or not gate.waiting:
             return orig_schedule(self, *args, **kwargs)
@@ -151,6 +169,8 @@ def patch_scheduler() -> None:
     def _free_request(self, request, *args, **kwargs):
         if self.steer_gate is not None:
             self.steer_gate.release(request.request_id)
+        if self.steer_capture is not None:
+            self.steer_capture.release(request.request_id)
         return orig_free(self, request, *args, **kwargs)
 
     schedule._vllm_steer = True  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from msgspec.structs import replace
 
 from vllm_steer.capture.consumer import consumer_class, mergeable
 from vllm_steer.capture.spec import CaptureSpec, CaptureSpecError, parse_capture_spec
+from vllm_steer.frontend.capture_rows import row_cost
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
@@ -428,10 +429,34 @@ class SteeringFrontend:
                 f"{self.cfg.usable_rows} config at a time (steer.max_configs = {self.cfg.max_configs}): send one "
                 "config for both phases, or raise steer.max_configs"))
 
+    def capture_rows(self, capture: dict) -> tuple[int, int, int] | None:
+        """Pool rows one token of a request with these captures takes on a worker, per position class
+        (``frontend.capture_rows``); None when it takes none. More than ``steer.capture_max_rows`` for one
+        token: refused (400), since no chunking could fit it."""
+        if not capture and "_global_rows" in self.__dict__:  # only the consumers' global specs: the same each time
+            return self._global_rows
+        _, _, global_specs, _ = self._consumers()
+        classes = self.__dict__.get("_consumer_classes")
+        if classes is None:
+            classes = self._consumer_classes = {c.instance_name: consumer_class(c.name) for c in self.cfg.capture}
+        specs = {i: s for i, s in global_specs.items() if i not in capture}  # a request's own spec replaces it
+        specs.update((i, parse_capture_spec(i, raw, self.shape.num_layers, self.shape.hooks)) for i, raw in capture.items())
+        cost = row_cost(((spec, classes[i]) for i, spec in specs.items()), self.stage_of, self.shape.layers)
+        if capture and max(cost) > self.cfg.capture_max_rows:
+            raise SteeringSpecError(CAPTURE_FIELD, (
+                f"one token captures {max(cost)} (site, token) rows on a worker, more than steer.capture_max_rows "
+                f"({self.cfg.capture_max_rows}) holds in a step: capture fewer sites, or raise steer.capture_max_rows"))
+        out = cost if any(cost) else None
+        if not capture:
+            self._global_rows = out
+        return out
+
     def engine_extra_args(self, extra_args: dict[str, Any]) -> Prepared:
         """The payload, the extra_args without the steering fields, and the keys;
         ``prepared.for_request`` then makes it one engine request's."""
         payload, pk, dk = self.resolve(extra_args)
+        if payload is not None and payload.capture is not None:
+            payload = replace(payload, capture_rows=self.capture_rows(payload.capture))
         if payload is not None:
             self._check_fits(extra_args, pk, dk)
         extra = {k: v for k, v in extra_args.items() if k not in REQUEST_FIELDS}

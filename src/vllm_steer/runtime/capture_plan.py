@@ -98,6 +98,7 @@ class StepPlan:
     recomputed: int
     planned: int = 0  # plan cells set this step (rows for consumers plus tokens reduced straight into a slot)
     reduce: ReduceStep | None = None
+    pool_rows: int = 0  # step rows of the pool in use: the consumers' cells plus mean-reduced tokens' own rows
 
     def wire(self) -> tuple:
         """The groups as the consumers' process receives them: a few lists and two arrays, whatever the
@@ -146,6 +147,7 @@ class _Same:
     masks: np.ndarray
     rows: np.ndarray  # the plan rows of ``flat``
     reduce: ReduceStep | None  # with last_pos as token indices (the positions move)
+    pool_rows: int = 0
 
 
 _NONE = np.zeros(0, np.int64)
@@ -231,7 +233,7 @@ class CapturePlanner:
                 red = ReduceStep(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
                                  red.acct_counts, red.last_slots, pos[red.last_pos])
             return StepPlan(same.request_ids, same.sites, same.starts, same.ends, pos[same.t], same.masks,
-                            len(same.t), 0, recomputed, len(same.flat), red)
+                            len(same.t), 0, recomputed, len(same.flat), red, same.pool_rows)
         self._same = None
         plans = [r.plan for r in reqs]
         union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
@@ -270,18 +272,18 @@ class CapturePlanner:
         flat = union[c[:kept]] * self.width + tok[t[:kept]]
         rows = np.arange(kept, dtype=np.int64)
         red_step = red_same = None
-        red_dropped = 0
+        red_dropped = fresh = 0
         if red is not None:
-            flat, rows, red_step, red_same, red_dropped = self._place_reduced(red, flat, rows, kept, union, tok, pos,
-                                                                              reqs)
+            flat, rows, red_step, red_same, red_dropped, fresh = self._place_reduced(red, flat, rows, kept, union, tok,
+                                                                                     pos, reqs)
         self._upload(flat, rows)
         step = StepPlan([req_ids[i] for i in batch_of], [sites[i] for i in col_of.tolist()], heads.tolist(),
                         ends.tolist(), cell_pos[:kept], cell_masks[:kept], kept, len(t) - kept + red_dropped,
-                        recomputed, len(flat), red_step)
+                        recomputed, len(flat), red_step, kept + fresh)
         if kept == len(t) and not red_dropped and not any(p.explicit for p in plans):  # the next step may be the same
             cell_masks.flags.writeable = False  # shared by the steps that reuse it
             self._same = _Same(list(map(id, reqs)), reqs, count, klass, tok, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks, rows, red_same)
+                               step.ends, cell_masks, rows, red_same, step.pool_rows)
         return step
 
     def _take_reduced(self, plans: list[RequestPlan], starts: np.ndarray, count: np.ndarray, masks: np.ndarray,
@@ -335,7 +337,7 @@ class CapturePlanner:
             at = np.minimum(np.searchsorted(known, cells), len(known) - 1)
             return np.where(known[at] == cells, known_rows[at], -1)
 
-        mean_src, mean_slot, dropped = red["mt"][:0], red["ms"][:0], 0
+        mean_src, mean_slot, dropped, room = red["mt"][:0], red["ms"][:0], 0, 0
         if len(red["mt"]):
             fm = union[red["mc"]] * width + tok[red["mt"]]
             src = home(fm, sorted_flat, rows[order])
@@ -377,7 +379,7 @@ class CapturePlanner:
                           np.concatenate((m_counts, red["gn"])), last_slots, pos[last_tok])
         same = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, step.acct_slots, step.acct_counts, last_slots,
                           last_tok)
-        return flat, rows, step, same, dropped
+        return flat, rows, step, same, dropped, room
 
     def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Make the device plan hold ``rows[i]`` (default i) at cell ``flat[i]`` and -1 at last step's other cells."""

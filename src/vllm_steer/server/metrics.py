@@ -20,6 +20,8 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
 - ``vllm_steer_row_wait_timeouts_total`` counter: steered requests refused (503) after waiting
   ``steer.max_row_wait_s`` for a row.
 - ``vllm_steer_stop_when_stops_total`` counter: requests finished by their condition's ``stop_when``.
+- ``vllm_steer_capture_throttled_steps_total`` counter: steps whose token budget was lowered so capturing
+  prefills fit the workers' capture pool (``engine.capture_budget``).
 - ``vllm_steer_row_uploads_total`` counter: configs written into the tables (a config whose row is
   still resident is not written again).
 - ``vllm_steer_row_upload_bytes_total`` counter: bytes those uploads copied into the tables (per
@@ -94,6 +96,9 @@ ENGINE_COUNTERS = {
     "stop_when_stops": Counter("vllm_steer_stop_when_stops", "Requests finished by their steering_condition's "
                                "stop_when (finish_reason stop_when)"),
     "capture_rows": Counter("vllm_steer_capture_rows", "Residual rows captured, summed over workers"),
+    "capture_throttled_steps": Counter("vllm_steer_capture_throttled_steps",
+                                       "Steps whose token budget the scheduler lowered so capturing prefills' rows "
+                                       "fit steer.capture_max_rows (engine.capture_budget)"),
     "capture_dropped_rows": Counter("vllm_steer_capture_dropped_rows",
                                     "Residual rows not captured because the step's pool was full"),
     "capture_dropped_packets": Counter("vllm_steer_capture_dropped_packets",
