@@ -2,7 +2,7 @@
 print equals what the routes answer), and every failure as ONE line on stderr with exit status 2: a refusal
 naming the command-line flag (``--replace``, ``--api-key``), a server that is down (an unused port), one that
 answers garbage or has steering off (a tiny local HTTP server), for these commands and extract / calibrate /
-sweep (which ask the status route first); and every ``vllm-steer`` command the README prints parses."""
+sweep (which ask the status route first); and every ``vllm-steer`` command README.md and docs/ print parses."""
 
 from __future__ import annotations
 
@@ -241,8 +241,9 @@ def test_layer_ranges():
     assert layer_ranges([7, 0, 1, 2, 5, 8]) == "0-2,5,7-8" and layer_ranges([3]) == "3" and layer_ranges([]) == "-"
 
 
-def test_every_vllm_steer_command_in_the_readme_parses():
-    text = re.sub(r"\\\n\s*", " ", (ROOT / "README.md").read_text())
+def test_every_vllm_steer_command_in_the_readme_and_docs_parses():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = re.sub(r"\\\n\s*", " ", "\n".join(p.read_text() for p in docs))
     commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()
                 if line.strip().startswith("vllm-steer ")]
     assert len(commands) >= 5 and any(c.startswith("vllm-steer modules register") for c in commands), commands

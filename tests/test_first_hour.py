@@ -1,5 +1,6 @@
 """A newcomer's first hour without a server: misspelled steering fields are refused (and nothing else is),
-``./dev`` runs what it is given and prints commands that work, the README's shell blocks are pasteable."""
+``./dev`` runs what it is given and prints commands that work, the shell blocks of README.md and docs/*.md are
+pasteable."""
 
 from __future__ import annotations
 
@@ -212,14 +213,15 @@ def test_dev_serve_merges_additional_config_and_prints_a_working_command(fake_ve
     assert done.returncode == 2 and argv == [] and "must be a JSON object" in done.stderr
 
 
-# README: every ```bash block is checked statically or listed here with why it is not.
+# README.md and docs/*.md: every ```bash block is checked statically or listed here with why it is not.
 SKIPPED = {
     "./dev test": "runs the whole suite (CI runs it)",
 }
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _bash_blocks() -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def _bash_blocks(path: Path) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
 
 
 def _commands(block: str) -> list[str]:
@@ -236,7 +238,7 @@ def _commands(block: str) -> list[str]:
         if joined.strip():
             out.append(joined.strip())
         joined = ""
-    assert not joined, f"unbalanced quotes in README block:\n{block}"
+    assert not joined, f"unbalanced quotes in a shell block:\n{block}"
     return out
 
 
@@ -244,32 +246,35 @@ def _single_quoted(command: str) -> list[str]:
     return re.findall(r"'([^']*)'", command)
 
 
-def test_readme_shell_blocks_work_as_written():
-    served = None  # the model name the latest server in the README answers to
+def test_readme_and_docs_shell_blocks_work_as_written():
     checked, skipped = 0, []
-    for block in _bash_blocks():
-        commands = _commands(block)
-        if block.strip() in SKIPPED:
-            skipped.append(block.strip())
-            continue
-        for cmd in commands:
-            words = shlex.split(cmd, comments=True)
-            for quoted in _single_quoted(cmd):
-                assert not re.search(r"\$[A-Za-z_{(]", quoted), f"a $ inside single quotes never expands: {cmd}"
-            assert words[:3] != ["pip", "install", "vllm-steer"], "vllm-steer is not on the package index yet"
-            if "vllm" in words and "serve" in words or any(w.endswith("vllm-steer-serve") for w in words):
-                assert "VLLM_PLUGINS=steer" in words, cmd
-                launcher = next(i for i, w in enumerate(words) if w in ("vllm", "vllm-steer-serve"))
-                assert words[launcher + 1] == "serve", f"the subcommand `serve` is missing: {cmd}"
-                config = json.loads(words[words.index("--additional-config") + 1])
-                assert isinstance(config.get("steer"), dict), cmd
-                served = (words[words.index("--served-model-name") + 1] if "--served-model-name" in words
-                          else words[launcher + 2])
-            if words[:2] == ["./dev", "serve"]:
-                served = devserve.SERVED_NAME
-            if words[0] == "curl" and "-d" in words:
-                body = words[words.index("-d") + 1]
-                if body.startswith("{") and '"model"' in body:
-                    assert json.loads(body)["model"] == served, f"{cmd}\nthe server above serves {served}"
-            checked += 1
+    assert len(DOCS) > 8, DOCS  # README.md and the docs/ pages
+    for path in DOCS:
+        served = None  # the model name the latest server above, in this file, answers to
+        for block in _bash_blocks(path):
+            commands = _commands(block)
+            if block.strip() in SKIPPED:
+                skipped.append(block.strip())
+                continue
+            for cmd in commands:
+                where = f"{path.relative_to(ROOT)}: {cmd}"
+                words = shlex.split(cmd, comments=True)
+                for quoted in _single_quoted(cmd):
+                    assert not re.search(r"\$[A-Za-z_{(]", quoted), f"a $ inside single quotes never expands: {where}"
+                assert words[:3] != ["pip", "install", "vllm-steer"], f"not on the package index yet: {where}"
+                if "vllm" in words and "serve" in words or any(w.endswith("vllm-steer-serve") for w in words):
+                    assert "VLLM_PLUGINS=steer" in words, where
+                    launcher = next(i for i, w in enumerate(words) if w in ("vllm", "vllm-steer-serve"))
+                    assert words[launcher + 1] == "serve", f"the subcommand `serve` is missing: {where}"
+                    config = json.loads(words[words.index("--additional-config") + 1])
+                    assert isinstance(config.get("steer"), dict), where
+                    served = (words[words.index("--served-model-name") + 1] if "--served-model-name" in words
+                              else words[launcher + 2])
+                if words[:2] == ["./dev", "serve"]:
+                    served = devserve.SERVED_NAME
+                if words[0] == "curl" and "-d" in words:
+                    body = words[words.index("-d") + 1]
+                    if body.startswith("{") and '"model"' in body:
+                        assert json.loads(body)["model"] == served, f"{where}\nthe server above serves {served}"
+                checked += 1
     assert checked >= 10 and sorted(skipped) == sorted(SKIPPED), (checked, skipped)

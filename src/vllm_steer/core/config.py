@@ -54,7 +54,7 @@ def parse_consumer_shorthand(text: str) -> dict[str, Any]:
 
 
 class SaeModuleConfig(BaseModel):
-    """One SAE to load at start-up (``steer.sae.<name>``); README "SAE clamping" has the formats."""
+    """One SAE to load at start-up (``steer.sae.<name>``); docs/sae.md has the formats."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 

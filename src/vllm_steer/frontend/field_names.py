@@ -2,7 +2,7 @@
 like a steering field but is not one.
 
 vLLM keeps unknown top-level fields (``extra="allow"``) and ignores them, so ``"steering_vector": ...``
-would be a 200 without steering. The rule (README, "Misspelled fields"): a key K of the body's top level,
+would be a 200 without steering. The rule (docs/requests.md, "Misspelled fields"): a key K of the body's top level,
 of its ``vllm_xargs`` or of an ``extra_body`` object is refused (400, ``param`` K, "did you mean") when K is
 not itself a steering field, not a field vLLM's request declares and not one of vllm-steer's reserved keys
 (the prepared token, the payload: refused elsewhere as reserved), and,

@@ -1,5 +1,5 @@
 """Which fused norm of a decoder layer receives each hook point: found from the layer's structure, and
-the one table of the families that structure was checked on (tests, ``patches.USES``, the README table).
+the one table of the families that structure was checked on (tests, ``patches.USES``, docs/models.md).
 
 vLLM keeps the residual stream split: a decoder layer takes and returns ``(hidden, residual)``
 with stream = hidden + residual, and the next fused add + RMSNorm sums them. Every hook point is
