@@ -30,7 +30,8 @@ def _every_field() -> SteerPayload:
         sae={"kd": [("gs", "post_mlp", 3, 1, b"\1\0\0\0", b"\2\0\0\0", b"\0\0\0@")]},
         condition={"kd": ("post_mlp", 2, 0.5, 4.0, 1, np.ones(8, np.float32).tobytes(), 2)},
         stop_when=(0.25, 2, True), sae_versions={"gs": 11}, external_id="cmpl-1", capture_reply="tcp://h:1",
-        projections={"kd": [("post_mlp", 3, np.ones(8, np.float32).tobytes(), np.zeros(2, np.float32).tobytes())]})
+        projections={"kd": [("post_mlp", 3, np.ones(8, np.float32).tobytes(), np.zeros(2, np.float32).tobytes())]},
+        capture_rows=(30, 31, 2))
 
 
 def test_every_field_round_trips_through_vllms_own_transport():
@@ -47,6 +48,7 @@ def test_every_field_round_trips_through_vllms_own_transport():
     assert got.rows_of("kd") == {} and got.rows_of("other") is None
     assert got.module.layers == (1, 3) and got.stop_when == (0.25, 2, True) and got.condition["kd"][6] == 2
     assert np.frombuffer(got.projections["kd"][0][2], np.float32).tolist() == [1.0] * 8
+    assert got.capture_rows == (30, 31, 2)
 
 
 def test_unset_fields_cost_nothing_and_read_as_their_defaults():
@@ -60,7 +62,7 @@ def test_unset_fields_cost_nothing_and_read_as_their_defaults():
     (b"\xc1\x00", "garbled"),
     (msgspec.msgpack.encode(["vllm-steer/2", "k", "k"]), "not a vllm-steer/3 payload: Invalid value 'vllm-steer/2'"),
     (msgspec.msgpack.encode(["vllm-steer/3", 5]), "Expected `str | null`, got `int`"),
-    (msgspec.msgpack.encode(["vllm-steer/3", "k", "k", {}] + [None] * 9 + ["a field this version lacks"]),
+    (msgspec.msgpack.encode(["vllm-steer/3", "k", "k", {}] + [None] * 10 + ["a field this version lacks"]),
      "Expected `array` of at most length"),
 ])
 def test_an_unknown_or_garbled_payload_is_refused_with_a_clear_error(raw, words):
