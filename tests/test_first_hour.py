@@ -173,16 +173,16 @@ case "$2" in
   tests.fixtures.models) printf 'smollm2\\t/models/smollm2\\n'; exit 0 ;;
 esac
 printf '%s\\n' "$@" > {tmp_path}/argv
+printf '%s' "$VLLM_CPU_OMP_THREADS_BIND" > {tmp_path}/bind
 """,
         tmp_path / "uvbin" / "uv": "#!/bin/sh\nexit 0\n",
     }
     for path, text in scripts.items():
         path.write_text(text)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "VLLM_STEER_VENV": str(tmp_path / "venv"), "PATH": f"{tmp_path / 'uvbin'}:{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT / "src")}
-
     def dev(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        env = {**os.environ, "VLLM_STEER_VENV": str(tmp_path / "venv"), "PYTHONPATH": str(ROOT / "src"),
+               "PATH": f"{tmp_path / 'uvbin'}:{os.environ['PATH']}"}
         (tmp_path / "argv").unlink(missing_ok=True)
         done = subprocess.run([str(ROOT / "dev"), *args], env=env, capture_output=True, text=True, timeout=60)
         argv = (tmp_path / "argv").read_text().splitlines() if (tmp_path / "argv").exists() else []
@@ -211,6 +211,17 @@ def test_dev_serve_merges_additional_config_and_prints_a_working_command(fake_ve
     assert "examples/openai_steering.py http://127.0.0.1:8000\n" in done.stdout  # the server, not .../v1
     done, argv = fake_venv("serve", "--additional-config", "[1]")
     assert done.returncode == 2 and argv == [] and "must be a JSON object" in done.stderr
+
+
+def test_dev_serve_leaves_cpu_cores_unpinned_unless_told(fake_venv, tmp_path, monkeypatch):
+    """vLLM's CPU default pins every server to the first core: two on one machine crawl. ./dev serve runs
+    unpinned (nobind); a binding the caller sets is kept."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert fake_venv("serve")[0].returncode == 0
+    assert (tmp_path / "bind").read_text() == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert fake_venv("serve")[0].returncode == 0
+    assert (tmp_path / "bind").read_text() == "0-1"
 
 
 # README.md and docs/*.md: every ```bash block is checked statically or listed here with why it is not.
