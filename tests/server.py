@@ -21,6 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), so
+    a test run killed hard (``./dev test`` stopped, CI's timeout) leaves no server behind; vLLM's engine
+    processes end with their API server."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def spawn(cmd: list[str], env: dict, stdout) -> subprocess.Popen:
+    """A test server process: its own process group (stopped with ``os.killpg``), ended with its parent."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
 @contextmanager
 def openai_server(model: str, *args: str, log: Path, env: dict | None = None, timeout: float = 300,
                   max_model_len: int = 512):
@@ -33,7 +49,7 @@ def openai_server(model: str, *args: str, log: Path, env: dict | None = None, ti
     cmd = [sys.executable, "-m", "vllm_steer.launcher", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len), *args]
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = spawn(cmd, env=full_env, stdout=fh)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout

@@ -13,6 +13,7 @@ import shlex
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -289,3 +290,26 @@ def test_readme_and_docs_shell_blocks_work_as_written():
                         assert json.loads(body)["model"] == served, f"{where}\nthe server above serves {served}"
                 checked += 1
     assert checked >= 10 and sorted(skipped) == sorted(SKIPPED), (checked, skipped)
+
+
+def test_a_test_server_ends_when_the_test_process_is_killed(tmp_path):
+    """``tests.server.spawn`` (every HTTP test's server): a test process killed with SIGKILL (no cleanup runs)
+    takes its server down with it."""
+    script = ("import os, subprocess, sys; from tests.server import spawn; "
+              "p = spawn(['sleep', '120'], dict(os.environ), subprocess.DEVNULL); print(p.pid, flush=True); "
+              "os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"the server process {child} outlived its killed parent"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie is gone (its parent died, init reaps it)
+    except FileNotFoundError:
+        return False
