@@ -35,6 +35,16 @@ CPU_ENV = {
 EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
 
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), so
+    a test run killed hard (``./dev test`` stopped, CI's timeout) leaves no server or engine job behind; vLLM's
+    engine processes end with their API server."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def run_job(job: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None, timeout: int = 600) -> dict:
     """Run ``job`` in a fresh process; raise with the child's log tail if it fails."""
     src, dst = tmp_path / "job.pkl", tmp_path / "result.pkl"
@@ -43,7 +53,7 @@ def run_job(job: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = No
     full_env = {**os.environ, **CPU_ENV, **(EAGER_ENV if eager else {}), **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine_job", str(src), str(dst)],
-        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, preexec_fn=die_with_parent,
     )
     if proc.returncode != 0 or not dst.exists():
         raise RuntimeError(f"engine job failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.engine_job import CPU_ENV, EAGER_ENV, ROOT
+from tests.engine_job import CPU_ENV, EAGER_ENV, ROOT, die_with_parent
 
 
 def free_port() -> int:
@@ -21,20 +21,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), so
-    a test run killed hard (``./dev test`` stopped, CI's timeout) leaves no server behind; vLLM's engine
-    processes end with their API server."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-
-
 def spawn(cmd: list[str], env: dict, stdout) -> subprocess.Popen:
     """A test server process: its own process group (stopped with ``os.killpg``), ended with its parent."""
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
 
 
 @contextmanager
