@@ -113,7 +113,9 @@ def api_server(smollm2_path, probe_plugin, tmp_path_factory, sae_root):
                                 "conditions": True, "max_projections": 2,
                                 "site_norms": _site_norms_file(d)}})
     log = d / "server.log"
-    with openai_server(smollm2_path, *API_SERVER_ARGS, "--additional-config", cfg, log=log,
+    # served by its path (what the tests send) and by the dev server's name (what the README's commands send)
+    names = ("--served-model-name", smollm2_path, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    with openai_server(smollm2_path, *API_SERVER_ARGS, *names, "--additional-config", cfg, log=log,
                        max_model_len=API_MAX_MODEL_LEN) as (base, _):
         yield base, smollm2_path, log, d / "captures"
 

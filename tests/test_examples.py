@@ -1,10 +1,13 @@
 """Every file in examples/ runs against the shared SmolLM2 server and does what it says (so the
 examples cannot rot): steering changes the text, extraction writes a module that steers, curl
-registers / uses / deletes a module, an SAE clamp applies, captured files equal the response's rows."""
+registers / uses / deletes a module, an SAE clamp applies, captured files equal the response's rows.
+The README's CPU quickstart runs as written against the same server (its address put in for the dev server's)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +83,32 @@ def test_capture_sae_lens(api_server):
     got = _py("capture_sae_lens.py", api_server[0], str(api_server[3]), "sae", "3")
     tokens = int(got["tokens captured"])
     assert got["windows"].strip() == f"{tokens // 4} of 4 tokens, d_in 576", got
+
+
+def _quickstart_blocks() -> list[str]:
+    """The README's CPU quickstart shell blocks after ``./dev serve`` (the server is the shared test server)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quickstart (CPU)", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert blocks[0].strip() == "./dev serve" and len(blocks) >= 3, blocks
+    return blocks[1:]
+
+
+def test_the_readme_cpu_quickstart_runs_as_written(api_server, tmp_path):
+    """The blocks in one shell, in order, in an empty directory: the example prints its three lines, extract writes
+    and registers ``happy``, and the curl's completion says it applied ``happy`` at norm 0.04 on 11 sites."""
+    base = api_server[0]
+    script = "\n".join(_quickstart_blocks())  # one terminal: the first block activates the venv for the rest
+    script = (script.replace("http://127.0.0.1:8000", base).replace("localhost:8000", base)
+              .replace("source .venv/bin/activate", f"source {Path(sys.executable).parent}/activate")
+              .replace("examples/", f"{EXAMPLES}/"))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_API_KEY": API_KEY})
+    assert done.returncode == 0, f"{script}\n{done.stdout}\n{done.stderr}"
+    example = dict(line.split(":", 1) for line in done.stdout.splitlines() if ":" in line)
+    assert example["unsteered"] != example["steered"] and "'sites': 1" in example["applied"]
+    assert (tmp_path / "happy.jsonl").is_file() and (tmp_path / "happy.safetensors").is_file()
+    completion = json.loads(done.stdout.strip().splitlines()[-1])  # the server took the README's model name
+    assert completion["choices"][0]["text"].strip(), completion
+    module = completion["steering"]["module"]
+    assert module["name"] == "happy" and module["norm"] == 0.04 and completion["steering"]["sites"] == 11
