@@ -17,8 +17,8 @@ with Client(base_url) as c:
     r = c.complete("The robot looked at the sea and", max_tokens=4, temperature=0, capture={
         fs: {"layers": [3, 10], "hooks": ["post_mlp"], "positions": "all_prompt"},
         "activations": {"layers": [3, 10], "hooks": ["post_mlp"], "positions": "last_prompt"}})
-    files = load_request(root, f"{r['id']}-0")  # (layer, hook) -> (positions, rows [n, hidden])
-    last = decode_activations(r["capture"]["activations"])  # "post_mlp.3" -> [hidden]
+    files = load_request(root, f"{r.id}-0")  # (layer, hook) -> (positions, rows [n, hidden])
+    last = decode_activations(r.capture["activations"])  # "post_mlp.3" -> [hidden]
     for (layer, hook), (positions, rows) in sorted(files.items()):
         same = bool((rows[-1] == last[f"{hook}.{layer}"]).all())
         print(f"{hook}.{layer}: {rows.shape[0]} positions x {rows.shape[1]} from files; last row equals the response's: {same}")

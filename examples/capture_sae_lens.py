@@ -30,7 +30,7 @@ with Client(base_url) as c:
     for prompt in ("The robot looked at the sea and", "Once upon a time", "The capital of France is"):
         r = c.complete(prompt, max_tokens=16, temperature=0, capture={
             instance: {"layers": [layer], "hooks": ["post_mlp"], "positions": "all"}})
-        tokens += r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] - 1  # the last token is never run
+        tokens += r.usage.prompt_tokens + r.usage.completion_tokens - 1  # the last token is never run
 
 deadline = time.monotonic() + 120
 while True:  # wait for the windows (the writer adds shards; a tail shorter than a window stays buffered)

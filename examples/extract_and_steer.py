@@ -25,12 +25,12 @@ pairs = [
 ]
 
 with Client(base_url, api_key=api_key) as c:
-    layers = c.status()["model"]["num_layers"]
+    layers = c.status().model.num_layers
     found = c.extract(pairs, layers=f"{layers // 5}-{layers // 2}", method="mean_diff")
     print("saved:", found.save(out))
     c.register_module("joy", file=out, replace=True)
     prompt = "Today the weather is bad and I feel"
     for norm in (0.0, 0.05):
         r = c.complete(prompt, module=None if norm == 0 else {"name": "joy", "norm": norm}, max_tokens=12, temperature=0)
-        print(f"norm {norm}:", repr(r["choices"][0]["text"]))
+        print(f"norm {norm}:", repr(r.text))
     c.delete_module("joy")

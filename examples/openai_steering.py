@@ -24,10 +24,10 @@ def main() -> None:
     base_url = server_url(sys.argv)
     client = OpenAI(base_url=f"{base_url}/v1", api_key="EMPTY")
     model = client.models.list().data[0].id
-    sites = Client(base_url).status()["model"]  # hidden size, layers, hooks of the served model
-    layer = sites["num_layers"] // 2
+    sites = Client(base_url).status().model  # hidden size, layers, hooks of the served model
+    layer = sites.num_layers // 2
 
-    direction = np.random.default_rng(0).standard_normal(sites["hidden_size"]).astype(np.float32)
+    direction = np.random.default_rng(0).standard_normal(sites.hidden_size).astype(np.float32)
     direction *= 60.0 / np.linalg.norm(direction)
 
     prompt = "The capital of France is"

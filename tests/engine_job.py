@@ -158,7 +158,8 @@ def _main(src: str, dst: str) -> None:
             from vllm_steer.capture.collect import collect
 
             collect(llm, outs)
-        result["calls"].append([{**_output_record(o), "capture": getattr(o, "capture", None)} for o in outs])
+        result["calls"].append([{**_output_record(o), "capture": getattr(o, "capture", None),
+                                 "steering": getattr(o, "steering", "absent")} for o in outs])
     if job.get("rpc_after"):
         result["rpc_after"] = {name: llm.collective_rpc(name) for name in job["rpc_after"]}
     result["parent_pid"] = os.getpid()

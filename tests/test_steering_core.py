@@ -1,10 +1,12 @@
 """Steering core on real SmolLM2-135M (float32, CPU lane): oracle, mixed batch, capacity, phases,
 isolation under pressure (4 x max_configs distinct configs at once, vectors, named modules and SAE
-clamps; preemption), capture of preempted requests and capture pool exhaustion."""
+clamps; preemption), capture of preempted requests and capture pool exhaustion; ``LLM`` outputs say what was
+applied (``RequestOutput.steering``, the HTTP field)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from tests.engine_job import run_job
 from tests.sae_writers import random_sae, write_gemma_scope
 from tests.steering_cases import floats, params, vector
 from vllm_steer.capture.filesystem import load_request
+from vllm_steer.client_types import Applied
 
 HIDDEN = 576
 LAYER = 14
@@ -154,14 +157,18 @@ def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
         + [{"prompts": [_prompt(long_ids)], "params": [p]} for p in (params(8), params(8, capture={"fs": spec}))]
         + [{"llm_call": "tests.engine_job:handed_over_stale", "kwargs": {  # pm replaced on the way
             "extra": {"steering_module": {"name": "pm"}}, "prompt": _prompt(prompt_ids),
-            "between": [_register("pm", "post_mlp", 8, 501, replace=True)]}}],
+            "between": [_register("pm", "post_mlp", 8, 501, replace=True)]}},
+           # n > 1: the children's params are copies (applied_output reads the parent's)
+           {"prompts": [_prompt(prompt_ids)], "params": [{**params(4, steering_vectors=floats("post_mlp", 5, vector(
+               HIDDEN, 402, SCALE))), "n": 2, "seed": 1, "temperature": 0.8}]}],  # n > 1 is not greedy
         "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
     out = run_job(job, d)
     (worker,) = out["rpc_after"]["vllm_steer_status"]
     calls = out["calls"][1:]  # calls[0]: the module registration's summary
     return {"worker": worker, "batch": calls[0], "new_alone": [c[0] for c in calls[1:5]], "long": calls[5:7],
-            "long_ids": long_ids, "root": d / "captures", "stale_module": calls[7]}
+            "long_ids": long_ids, "root": d / "captures", "stale_module": calls[7], "fanned_out": calls[8][0],
+            "module": out["calls"][0], "log": out["log"]}
 
 
 def test_more_configs_than_rows_all_complete_with_their_own_steering(pressure_run, core_run):
@@ -175,6 +182,28 @@ def test_more_configs_than_rows_all_complete_with_their_own_steering(pressure_ru
     plain = core_run["alone"][0]["token_ids"]
     assert all(r["token_ids"] != plain for r in batch[8:])  # the module and the SAE really steer
     assert batch[8]["token_ids"] != batch[9]["token_ids"] and batch[10]["token_ids"] != batch[11]["token_ids"]
+
+
+def test_llm_outputs_say_what_was_applied_as_the_http_field_does(pressure_run):
+    """``RequestOutput.steering``: the HTTP response's ``steering`` object (keys the typed client reads, config keys
+    the log line reports for that request id, the module's version and strength, site count, SAEs) on steered
+    requests' outputs, n > 1 included; None on unsteered and capture-only requests."""
+    fields = set(Applied.__struct_fields__)
+    steered = pressure_run["batch"] + pressure_run["new_alone"] + [pressure_run["fanned_out"]]
+    for rec in steered:
+        got = rec["steering"]
+        assert isinstance(got, dict) and set(got) <= fields and {"prefill", "decode", "sites"} <= set(got), got
+        said = re.search(rf"request {re.escape(rec['request_id'])} steered: prefill=(\S+) decode=(\S+)",
+                         pressure_run["log"])
+        assert said is not None and (str(got["prefill"]), str(got["decode"])) == said.groups(), rec["request_id"]
+    by_module, half, clamp, clamp_vec = (r["steering"] for r in pressure_run["new_alone"])
+    assert by_module["module"] == {"name": "pm", "version": pressure_run["module"]["version"], "scale": 1.0}
+    assert half["module"]["scale"] == 0.5 and by_module["sites"] == half["sites"] == 1
+    assert by_module["prefill"] != half["prefill"] and "sae" not in by_module
+    assert clamp["sae"] == clamp_vec["sae"] == ["pz"] and clamp["sites"] == 0 and clamp_vec["sites"] == 1
+    assert all(r["steering"]["sites"] == 1 and "module" not in r["steering"] for r in pressure_run["batch"][:8])
+    assert pressure_run["fanned_out"]["steering"]["sites"] == 1
+    assert [c[0]["steering"] for c in pressure_run["long"]] == [None, None]  # unsteered; capture only
 
 
 def test_a_request_whose_module_version_is_gone_on_its_way_is_refused_by_the_engine(pressure_run):

@@ -2,8 +2,7 @@
 ``vllm-steer sweep``. Parsing and file forms without an engine; on the shared SmolLM2 server: a ``norm``
 strength (a module's, and inline vectors' through ``steer.site_norms``) gives the same rows (config key),
 tokens and logprobs as the same vector scaled by hand; the 400s; extraction stores the norms it saw;
-calibrate's norms equal transformers' hidden states'; sweep writes its tables (and the PNG when matplotlib
-is installed)."""
+calibrate's norms equal transformers' hidden states'; sweep writes its tables and its PNG (a line per metric)."""
 
 from __future__ import annotations
 
@@ -19,11 +18,13 @@ from safetensors.numpy import save
 
 from tests import hf_oracle
 from tests.conftest import API_KEY, SERVER_NORMS
+from tests.test_png_chart import read_png
 from vllm_steer import cli
 from vllm_steer.client import pack
 from vllm_steer.core.config import SteerConfig, SteerConfigError
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.site_norms import METADATA_KEY, norm_factor, parse_norms, read_file
+from vllm_steer.extract.sweep import COLORS
 from vllm_steer.frontend.module_registration import module_from_file, module_from_json
 from vllm_steer.frontend.site_norms import normed_tiers, server_norms
 from vllm_steer.frontend.spec import ModelShape, parse_spec
@@ -169,11 +170,11 @@ def test_norm_strengths_equal_the_vector_scaled_by_hand_and_extraction_stores_it
     name = "strength-joy"
     summary = got.register(base, name, api_key=API_KEY, replace=True)  # the file carries the norms
     try:
-        assert summary["site_norms"] == {k: pytest.approx(v, rel=1e-5) for k, v in
+        assert summary.site_norms == {k: pytest.approx(v, rel=1e-5) for k, v in
                                          json.loads(got.metadata()[METADATA_KEY]).items()}
         norm = 0.4
         by_norm = _complete(base, model, steering_module={"name": name, "norm": norm})
-        typical = {l: summary["site_norms"][f"post_mlp.{l}"] for l in (4, 9)}
+        typical = {l: summary.site_norms[f"post_mlp.{l}"] for l in (4, 9)}
         # the module's rows scaled by hand (float32 as the server reads them)
         hand = {str(l): _by_hand(got.vectors["post_mlp"][l], norm, typical[l]).tolist() for l in (4, 9)}
         _same_output(by_norm, _complete(base, model, steering_vectors={"post_mlp": hand}))
@@ -210,12 +211,10 @@ def _sweep_writes_its_tables(base: str, name: str, api_server) -> None:
     assert float(cells[1][3]) < float(cells[0][3])  # steering makes the unsteered text less likely
     md = out.with_name("sweep.md").read_text()
     assert md.startswith("| norm | fluency | shift | distinct |") and len(md.splitlines()) == 4
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert not out.with_name("sweep.png").exists()
-    else:
-        assert out.with_name("sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = read_png(out.with_name("sweep.png").read_bytes())  # no plotting library: extract.png_chart
+    assert img.shape == (12 + 2 * 220 + 18 + 24, 640, 3)
+    for color in COLORS.values():  # fluency, shift and distinct each drew its line
+        assert (img == np.asarray(color, np.uint8)).all(axis=2).sum() > 100, color
 
 
 def test_calibrate_writes_the_norms_transformers_gives(api_server, tmp_path):

@@ -4,7 +4,8 @@ Turn it on with ``VLLM_PLUGINS=steer`` and ``--additional-config '{"steer": {}}'
 The public API is what ``__all__`` names (imported on first use, so loading the plugin stays light):
 
 - requests: ``pack``, ``steering_body``, ``msgpack_body`` (vectors in the wire format);
-- a server: ``Client``, ``AsyncClient``, ``SteeringAPIError``;
+- a server: ``Client``, ``AsyncClient``, ``SteeringAPIError``, and the typed answers they return (``Status``,
+  ``Module``, ``Sae``, ``Completion`` with its ``Applied`` report, ...: ``client_types``);
 - an in-process ``vllm.LLM``: ``register_module``, ``delete_module``, ``register_sae``, ``delete_sae``,
   ``collect`` (driver consumers' results onto the outputs);
 - capture results: ``load_request`` (the filesystem consumer's files), ``decode_activations`` (the
@@ -21,6 +22,9 @@ _EXPORTS = {
     "pack": "vllm_steer.client", "steering_body": "vllm_steer.client", "msgpack_body": "vllm_steer.client",
     "Client": "vllm_steer.http_client", "AsyncClient": "vllm_steer.http_client",
     "SteeringAPIError": "vllm_steer.http_client",
+    **{name: "vllm_steer.client_types" for name in (
+        "Status", "ModelSites", "Worker", "Module", "ModuleList", "Sae", "SaeList", "SaeSlot", "Deleted",
+        "Completion", "Choice", "Message", "Usage", "Applied", "AppliedModule")},
     "register_module": "vllm_steer.frontend.module_registration",
     "delete_module": ("vllm_steer.frontend.module_registration", "unregister_module"),
     "register_sae": "vllm_steer.frontend.sae_registration",

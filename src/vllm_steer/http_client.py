@@ -8,8 +8,10 @@ and to steered completions, next to (not instead of) the ``openai`` client.
     c.delete_module("joy")
 
 Vectors (``{hook: {layer: vector}}``, numpy / torch / lists) are packed with ``client.pack`` before
-they are sent. Every non-2xx answer raises ``SteeringAPIError`` with the server's status, message and
-``param`` (the field at fault). ``AsyncClient`` has the same methods, as coroutines.
+they are sent. Answers are typed (``client_types``: ``Status``, ``Module``, ``Sae``, ``Completion`` with
+its ``steering`` report and ``.raw``, ...); a 2xx body that is not the documented shape raises
+``msgspec.ValidationError`` (a ``ValueError``). Every non-2xx answer raises ``SteeringAPIError`` with the
+server's status, message and ``param`` (the field at fault). ``AsyncClient`` has the same methods, as coroutines.
 """
 
 from __future__ import annotations
@@ -18,12 +20,26 @@ import base64
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+import msgspec
 import numpy as np
 
 from vllm_steer.client import pack
+from vllm_steer.client_types import (
+    Completion,
+    Deleted,
+    Module,
+    ModuleList,
+    Sae,
+    SaeList,
+    Status,
+    decoded,
+)
 from vllm_steer.core.vectors import TIER_FIELDS
+
+if TYPE_CHECKING:
+    from vllm_steer.extract import Extraction
 
 
 class SteeringAPIError(Exception):
@@ -102,6 +118,10 @@ def _float32_packed(v: Any) -> dict:
     return {"dtype": "float32", "data": base64.b64encode(raw.tobytes()).decode("ascii")}
 
 
+def _as(kind: type) -> Callable[[Any], Any]:
+    return lambda body: decoded(body, kind)
+
+
 def _raise_for(status: int, body: Any, text: str) -> None:
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
@@ -122,14 +142,16 @@ class _Routes:
         raise NotImplementedError
 
     # -- steering state ---------------------------------------------------------------
-    def status(self) -> Any:
-        """``GET /v1/steering``: configuration, rows, modules, SAEs, workers' counters."""
-        return self._send(_Call("GET", "/v1/steering"))
+    def status(self) -> Status:
+        """``GET /v1/steering``: the plugin's ``version``, ``enabled``, the served ``model``'s sites (``num_layers``,
+        ``hidden_size``, ``hooks``, ``dtype``), the ``config`` (the steer block) and each worker's view
+        (``workers``: pid, ops, rows in use, capture counters). Modules and SAEs: ``modules()``, ``saes()``."""
+        return self._send(_Call("GET", "/v1/steering", post=_as(Status)))
 
     # -- named modules ----------------------------------------------------------------
     def register_module(self, name: str, *, file: str | Path | tuple[str, bytes] | None = None,
                         description: str | None = None, replace: bool = False, condition: dict | None = None,
-                        site_norms: dict | None = None, as_ablation: bool = False, **tiers: Any) -> Any:
+                        site_norms: dict | None = None, as_ablation: bool = False, **tiers: Any) -> Module:
         """Register from vectors (``steering_vectors=``, ``prefill_steering_vectors=``,
         ``decode_steering_vectors=``, and a ``condition`` for the requests naming it) or from a ``file``
         (.safetensors, .gguf, .json: a path, or ``(filename, bytes)``); ``site_norms``: typical residual
@@ -144,63 +166,68 @@ class _Routes:
                     **({"site_norms": json.dumps(site_norms)} if site_norms is not None else {}),
                     **({"as_ablation": "true"} if as_ablation else {})}
             upload = file if isinstance(file, tuple) else (Path(file).name, Path(file).read_bytes())
-            return self._send(_Call("POST", "/v1/steering/modules", {"data": data, "files": {"file": upload}}))
+            return self._send(_Call("POST", "/v1/steering/modules", {"data": data, "files": {"file": upload}},
+                                    _as(Module)))
         body = {"name": name, "replace": replace, **_steering(tiers, None, None, None, condition),
                 **({"description": description} if description is not None else {}),
                 **({"site_norms": site_norms} if site_norms is not None else {}),
                 **({"as_ablation": True} if as_ablation else {})}
-        return self._send(_Call("POST", "/v1/steering/modules", {"json": body}))
+        return self._send(_Call("POST", "/v1/steering/modules", {"json": body}, _as(Module)))
 
-    def modules(self) -> Any:
-        return self._send(_Call("GET", "/v1/steering/modules", post=lambda b: b["data"]))
+    def modules(self) -> list[Module]:
+        """``GET /v1/steering/modules``: every registered module, with its ``in_flight`` requests."""
+        return self._send(_Call("GET", "/v1/steering/modules", post=lambda b: decoded(b, ModuleList).data))
 
-    def served_models(self) -> Any:
+    def served_models(self) -> list[str]:
         """``GET /v1/models``: the ids of the models this server serves."""
         return self._send(_Call("GET", "/v1/models", post=lambda b: [m["id"] for m in b["data"]]))
 
-    def module(self, name: str) -> Any:
-        return self._send(_Call("GET", f"/v1/steering/modules/{name}"))
+    def module(self, name: str) -> Module:
+        return self._send(_Call("GET", f"/v1/steering/modules/{name}", post=_as(Module)))
 
-    def delete_module(self, name: str) -> Any:
-        return self._send(_Call("DELETE", f"/v1/steering/modules/{name}"))
+    def delete_module(self, name: str) -> Deleted:
+        return self._send(_Call("DELETE", f"/v1/steering/modules/{name}", post=_as(Deleted)))
 
     # -- runtime SAEs -----------------------------------------------------------------
     def register_sae(self, name: str, path: str, *, site: str | None = None, features: list[int] | None = None,
-                     replace: bool = False, **entry: Any) -> Any:
+                     replace: bool = False, **entry: Any) -> Sae:
         """``POST /v1/steering/sae``: a ``steer.sae`` entry (``path`` under the server's ``sae_root``)."""
         body = {"name": name, "path": path, "site": site, "features": features, "replace": replace, **entry}
-        return self._send(_Call("POST", "/v1/steering/sae", {"json": {k: v for k, v in body.items() if v is not None}}))
+        return self._send(_Call("POST", "/v1/steering/sae", {"json": {k: v for k, v in body.items() if v is not None}},
+                                _as(Sae)))
 
-    def saes(self) -> Any:
-        return self._send(_Call("GET", "/v1/steering/sae"))
+    def saes(self) -> SaeList:
+        """``GET /v1/steering/sae``: the SAEs requests may clamp (``data``) and the reserved sites (``slots``)."""
+        return self._send(_Call("GET", "/v1/steering/sae", post=_as(SaeList)))
 
-    def sae(self, name: str) -> Any:
-        return self._send(_Call("GET", f"/v1/steering/sae/{name}"))
+    def sae(self, name: str) -> Sae:
+        return self._send(_Call("GET", f"/v1/steering/sae/{name}", post=_as(Sae)))
 
-    def delete_sae(self, name: str) -> Any:
-        return self._send(_Call("DELETE", f"/v1/steering/sae/{name}"))
+    def delete_sae(self, name: str) -> Deleted:
+        return self._send(_Call("DELETE", f"/v1/steering/sae/{name}", post=_as(Deleted)))
 
     # -- steered generation -----------------------------------------------------------
     def complete(self, prompt: str | list[int], *, module: str | dict | None = None, capture: dict | None = None,
                  sae: dict | list | None = None, steering_vectors: dict | None = None,
                  prefill_steering_vectors: dict | None = None, decode_steering_vectors: dict | None = None,
-                 condition: dict | None = None, projections: dict | None = None, **params: Any) -> Any:
+                 condition: dict | None = None, projections: dict | None = None, **params: Any) -> Completion:
         """``POST /v1/completions`` with steering fields (``projections``: ``steering_projections``, numpy
         directions packed); ``params``: any OpenAI / vLLM completion parameter (``max_tokens``,
-        ``temperature``, ...). The whole JSON answer (with ``steering`` and ``capture``)."""
+        ``temperature``, ...). The answer: ``.text``, ``.choices``, ``.usage``, ``.steering`` (what was applied),
+        ``.capture`` (the driver consumers' results) and ``.raw`` (the whole JSON)."""
         tiers = {"steering_vectors": steering_vectors, "prefill_steering_vectors": prefill_steering_vectors,
                  "decode_steering_vectors": decode_steering_vectors}
         body = {**({"model": self.model} if self.model else {}), "prompt": prompt, **params,
                 **_steering(tiers, module, capture, sae, condition, projections)}
-        return self._send(_Call("POST", "/v1/completions", {"json": body}))
+        return self._send(_Call("POST", "/v1/completions", {"json": body}, _as(Completion)))
 
     def chat(self, messages: list[dict], *, module: str | dict | None = None, capture: dict | None = None,
              sae: dict | list | None = None, steering_vectors: dict | None = None, condition: dict | None = None,
-             projections: dict | None = None, **params: Any) -> Any:
-        """``POST /v1/chat/completions`` with steering fields (as ``complete``)."""
+             projections: dict | None = None, **params: Any) -> Completion:
+        """``POST /v1/chat/completions`` with steering fields (as ``complete``); ``.text``: the first message's."""
         body = {**({"model": self.model} if self.model else {}), "messages": messages, **params,
                 **_steering({"steering_vectors": steering_vectors}, module, capture, sae, condition, projections)}
-        return self._send(_Call("POST", "/v1/chat/completions", {"json": body}))
+        return self._send(_Call("POST", "/v1/chat/completions", {"json": body}, _as(Completion)))
 
 
 class Client(_Routes):
@@ -215,7 +242,7 @@ class Client(_Routes):
         r = self.http.request(call.method, call.path, **call.kwargs)
         return _answer(r, call)
 
-    def extract(self, pairs: Any, **kwargs: Any) -> Any:
+    def extract(self, pairs: Any, **kwargs: Any) -> Extraction:
         """``vllm_steer.extract`` against this server (its ``activations`` consumer)."""
         from vllm_steer.extract import extract
 
@@ -260,4 +287,6 @@ def _answer(r: Any, call: _Call) -> Any:
         body = None
     if not 200 <= r.status_code < 300:
         _raise_for(r.status_code, body, r.text)
+    if body is None:
+        raise msgspec.ValidationError(f"expected a JSON body, got {r.text[:80]!r}")
     return call.post(body)

@@ -58,6 +58,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vllm.v1.engine.output_processor:RequestState._new_completion_output",
           ("self", "token_ids", "finish_reason", "stop_reason"), "vllm_steer.frontend.stop_output",
           "a stop_when stop reads finish_reason 'stop_when' with its gate as stop_reason", "as above"),
+    Patch("vllm.v1.engine.output_processor:OutputProcessor.add_request", ("self", "request", "prompt", "parent_req"),
+          "vllm_steer.frontend.applied_output",
+          "LLM outputs say what was applied: a steered request's state sets RequestOutput.steering (the HTTP field); "
+          "RequestOutput gains a class attribute steering = None", "vLLM outputs carry plugin fields"),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
           "vllm_steer.engine.scheduler", "called, not replaced (engine.refusals): finishes refused requests with FINISHED_ERROR",
           "as above"),
@@ -277,6 +281,15 @@ USES: tuple[Use, ...] = (
     *_attrs("vllm.outputs:RequestOutput", "finished outputs", "vllm_steer.frontend.applied", "as above"),
     *_attrs("vllm.outputs:CompletionOutput", "finish_reason stop_reason", "vllm_steer.frontend.applied",
             "a refusal travels in stop_reason of an \"error\" finish"),
+    *_attrs("vllm.v1.engine:EngineCoreRequest", "sampling_params", "vllm_steer.frontend.applied_output",
+            "a steered request's report rides on its SamplingParams to the output processor"),
+    *_attrs("vllm.v1.engine.parallel_sampling:ParentRequest", "sampling_params", "vllm_steer.frontend.applied_output",
+            "as above, for n > 1 (the children's params are copies without it)"),
+    *_attrs("vllm.v1.engine.output_processor:OutputProcessor", "request_states", "vllm_steer.frontend.applied_output",
+            "the state the request's outputs are built by"),
+    Use("vllm.v1.engine.output_processor:RequestState", "_new_request_output", "method",
+        "vllm_steer.frontend.applied_output", "wrapped per steered request: every RequestOutput it builds",
+        ("self", "external_req_id", "outputs", "finished")),
     *_attrs("vllm.outputs:RequestOutput", "request_id", "vllm_steer.capture.collect",
             "LLM users' capture results are matched by it"),
     *_attrs("vllm.entrypoints.llm:LLM", "llm_engine", "vllm_steer.capture.collect",
@@ -333,6 +346,7 @@ GENERAL_APPLIERS = (
     "vllm_steer.runtime.runner_v2:patch_v2_runner",
     "vllm_steer.server.openai_fields:patch_openai_requests_in_api_server",
     "vllm_steer.frontend.stop_output:patch_output_processor",
+    "vllm_steer.frontend.applied_output:patch_output_processor_applied",
 )
 # The endpoint plugin's (API server process only).
 SERVER_APPLIERS = ("vllm_steer.server.openai_fields:patch_openai_requests",)

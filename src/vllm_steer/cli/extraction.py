@@ -102,9 +102,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                            vectors=vectors, max_tokens=args.max_tokens, model=args.model, api_key=args.api_key)
     paths = sweeping.write(cells, args.unit, args.output)
     print(paths["md"].read_text(), end="")
-    written = ", ".join(str(p) for p in paths.values() if p is not None)
-    note = "" if paths["png"] is not None else " (no plot: it needs matplotlib, which is not installed)"
-    print(f"wrote {written}{note}", file=sys.stderr)
+    written = ", ".join(str(p) for p in paths.values())
+    print(f"wrote {written} (the plot: fluency blue, shift orange above; distinct grey below)", file=sys.stderr)
     return 0
 
 
@@ -135,7 +134,7 @@ def run_extract(args: argparse.Namespace) -> int:
           f"{result.pairs} pairs, {result.info['seconds']} s)", file=sys.stderr)
     if args.register:
         summary = result.register(args.server, args.register, api_key=args.api_key, replace=args.replace)
-        print(f"registered module {summary.get('name', args.register)!r}", file=sys.stderr)
+        print(f"registered module {summary.name!r}", file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ from vllm_steer.cli.calls import ask, rendered, timeout_arg
 from vllm_steer.cli.options import server_args
 from vllm_steer.cli.refusals import REGISTER_FLAGS, CliError
 from vllm_steer.cli.tables import fields, layer_ranges, table
+from vllm_steer.client_types import Module
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.http_client import SteeringAPIError
 
@@ -50,9 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "name", metavar="NAME")
 
 
-def _get(args: argparse.Namespace, call, *keys: str) -> dict:
+def _get(args: argparse.Namespace, call):
     try:
-        return ask(args, ROUTE, call, *keys)
+        return ask(args, ROUTE, call)
     except SteeringAPIError as e:
         if e.status == 404 and e.param == "name":
             raise CliError(f"NAME: {e.message} (vllm-steer modules list shows the registered ones)") from None
@@ -69,60 +70,58 @@ def _grouped(sites: list) -> str:
     return "; ".join(f"{h} {layer_ranges(ls)}" for h, ls in hooks.items()) + f" ({len(sites)} site{plural})"
 
 
-def _sites(info: dict) -> list[tuple[str, str]]:
+def _sites(info: Module) -> list[tuple[str, str]]:
     """Per tier, its sites (``post_mlp 10-20 (11 sites)``), then per projection field its sites and modes; from
     hooks x layers where the server lists no sites (an older server)."""
-    by_tier = info.get("sites")
-    if not isinstance(by_tier, dict):
-        hooks, layers = info["hooks"], layer_ranges(info["layers"])
-        out = [("sites", f"{', '.join(hooks)} at layers {layers}")] if hooks else []
-    else:
-        out = [(f"sites ({TIERS.get(t, t)})", _grouped(sites)) for t, sites in by_tier.items()]
-    for field, per_site in (info.get("projections") or {}).items():
+    out = [(f"sites ({TIERS.get(t, t)})", _grouped(sites)) for t, sites in info.sites.items()]
+    if not info.sites and info.hooks:
+        out = [("sites", f"{', '.join(info.hooks)} at layers {layer_ranges(info.layers)}")]
+    for field, per_site in (info.projections or {}).items():
         modes = sorted({m for ms in per_site.values() for m in ms})
         tier = TIERS.get(field.replace("projections", "vectors"), field)
         out.append((f"projections ({tier})", f"{_grouped(list(per_site))}: {', '.join(modes)}"))
     return out or [("sites", "none")]
 
 
-def _extras(info: dict) -> list[str]:
-    return [x for x, on in (("norms", info.get("site_norms")), ("condition", info.get("condition")),
-                            ("projections", info.get("projections"))) if on]
+def _extras(info: Module) -> list[str]:
+    return [x for x, on in (("norms", info.site_norms), ("condition", info.condition),
+                            ("projections", info.projections)) if on]
 
 
 def _residual_order(hook: str) -> tuple[int, str]:
     return (HOOK_NAMES.index(hook) if hook in HOOK_NAMES else len(HOOK_NAMES), hook)
 
 
-def render_list(data: list) -> str:
+def render_list(data: list[Module]) -> str:
     if not data:
         return "no modules registered (vllm-steer modules register NAME FILE)"
-    rows = [[m["name"], ", ".join(sorted(m["hooks"], key=_residual_order)), layer_ranges(m["layers"]),
-             ", ".join(TIERS.get(t, t) for t in m["tiers"]), m["bytes"], m.get("in_flight"), ", ".join(_extras(m)),
-             m.get("description")] for m in data]
+    rows = [[m.name, ", ".join(sorted(m.hooks, key=_residual_order)), layer_ranges(m.layers),
+             ", ".join(TIERS.get(t, t) for t in m.tiers), m.bytes, m.in_flight, ", ".join(_extras(m)),
+             m.description] for m in data]
     return table(["name", "hooks", "layers", "tiers", "bytes", "in_flight", "carries", "description"], rows)
 
 
-def render_show(m: dict) -> str:
-    norms = m.get("site_norms") or {}
-    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(m["created"])))
-    pairs = [("name", m["name"]), ("description", m.get("description")), ("source", m["source"]),
-             ("version", m["version"]), ("created", created), *_sites(m), ("bytes", m["bytes"]),
-             ("in_flight", m.get("in_flight")),
-             ("site_norms", ", ".join(f"{k} {float(v):.4g}" for k, v in norms.items()) or "none (the server's)"),
-             ("condition", json.dumps(m["condition"]) if m.get("condition") else None)]
+def render_show(m: Module) -> str:
+    norms = m.site_norms or {}
+    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.created))
+    pairs = [("name", m.name), ("description", m.description), ("source", m.source),
+             ("version", m.version), ("created", created), *_sites(m), ("bytes", m.bytes),
+             ("in_flight", m.in_flight),
+             ("site_norms", ", ".join(f"{k} {v:.4g}" for k, v in norms.items()) or "none (the server's)"),
+             ("condition", json.dumps(m.condition) if m.condition else None)]
     return fields(pairs)
 
 
 def run_list(args: argparse.Namespace) -> int:
-    body = _get(args, lambda c: {"data": c.modules()}, "data")
-    print(json.dumps(body["data"], indent=2) if args.json else rendered(args, ROUTE, lambda: render_list(body["data"])))
+    data = _get(args, lambda c: c.modules())
+    print(json.dumps([m.as_dict() for m in data], indent=2) if args.json
+          else rendered(args, ROUTE, lambda: render_list(data)))
     return 0
 
 
 def run_show(args: argparse.Namespace) -> int:
-    info = _get(args, lambda c: c.module(args.name), "name", "hooks", "layers")
-    print(json.dumps(info, indent=2) if args.json else rendered(args, ROUTE, lambda: render_show(info)))
+    info = _get(args, lambda c: c.module(args.name))
+    print(json.dumps(info.as_dict(), indent=2) if args.json else rendered(args, ROUTE, lambda: render_show(info)))
     return 0
 
 
@@ -140,17 +139,17 @@ def run_register(args: argparse.Namespace) -> int:
             raise CliError(f"--site-norms: {args.site_norms} is not JSON ({e})") from None
     info = _get(args, lambda c: c.register_module(args.name, file=str(path), replace=args.replace,
                                                   description=args.description, site_norms=norms,
-                                                  as_ablation=args.as_ablation), "name", "hooks", "layers")
+                                                  as_ablation=args.as_ablation))
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(info.as_dict(), indent=2))
     else:
         where = "; ".join(f"{k} {v}" for k, v in rendered(args, ROUTE, lambda: _sites(info)))
-        print(f"registered module {info['name']!r} ({where}; {info['bytes']} bytes); a request names it as "
-              f'{{"steering_module": {{"name": "{info["name"]}", "scale": 1.0}}}}')
+        print(f"registered module {info.name!r} ({where}; {info.bytes} bytes); a request names it as "
+              f'{{"steering_module": {{"name": "{info.name}", "scale": 1.0}}}}')
     return 0
 
 
 def run_delete(args: argparse.Namespace) -> int:
-    body = _get(args, lambda c: c.delete_module(args.name), "deleted")
-    print(json.dumps(body) if args.json else f"deleted module {body['deleted']!r}")
+    body = _get(args, lambda c: c.delete_module(args.name))
+    print(json.dumps(body.as_dict()) if args.json else f"deleted module {body.deleted!r}")
     return 0

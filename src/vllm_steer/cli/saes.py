@@ -9,6 +9,7 @@ import json
 from vllm_steer.cli.calls import ask, rendered, timeout_arg
 from vllm_steer.cli.options import server_args
 from vllm_steer.cli.tables import table
+from vllm_steer.client_types import SaeList
 
 ROUTE = "GET /v1/steering/sae"
 
@@ -22,18 +23,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(run=run_list)
 
 
-def render(body: dict) -> str:
-    rows = [[e["name"], e["source"], ", ".join(e["sites"]), e["d_sae"], e["activation"], e["clampable"],
-             ", ".join(e["modes"]), e.get("in_flight")] for e in body["data"]]
+def render(body: SaeList) -> str:
+    rows = [[e.name, e.source, ", ".join(e.sites), e.d_sae, e.activation, e.clampable, ", ".join(e.modes),
+             e.in_flight] for e in body.data]
     out = [table(["name", "source", "sites", "d_sae", "activation", "clampable", "modes", "in_flight"], rows)
            if rows else "no SAEs on this server (steer.sae, or POST /v1/steering/sae)"]
-    for s in body.get("slots") or []:
-        out.append(f"site {s['site']} reserved for runtime SAEs ({s['clampable']} features): "
-                   f"{'held by ' + s['sae'] if s.get('sae') else 'free'}")
+    for s in body.slots:
+        out.append(f"site {s.site} reserved for runtime SAEs ({s.clampable} features): "
+                   f"{'held by ' + s.sae if s.sae else 'free'}")
     return "\n".join(out)
 
 
 def run_list(args: argparse.Namespace) -> int:
-    body = ask(args, ROUTE, lambda c: c.saes(), "data")
-    print(json.dumps(body, indent=2) if args.json else rendered(args, ROUTE, lambda: render(body)))
+    body = ask(args, ROUTE, lambda c: c.saes())
+    print(json.dumps(body.as_dict(), indent=2) if args.json else rendered(args, ROUTE, lambda: render(body)))
     return 0

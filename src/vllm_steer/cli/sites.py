@@ -10,6 +10,7 @@ import json
 from vllm_steer.cli.calls import check_server, rendered, timeout_arg
 from vllm_steer.cli.options import server_args
 from vllm_steer.cli.tables import layer_ranges, table
+from vllm_steer.client_types import Status
 from vllm_steer.core.site_names import TL_HOOKS
 
 ROUTE = "GET /v1/steering"
@@ -25,12 +26,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def sites_of(status: dict) -> dict:
+def sites_of(status: Status) -> dict:
     """The status route's answer -> ``{hooks, layers, sites, hidden_size, dtype, sae, sae_slots, site_norms}``."""
-    model, cfg = status["model"], status.get("config") or {}
-    layers = sorted(int(l) for l in (cfg.get("layers") or range(int(model["num_layers"]))))
-    hooks = [str(h) for h in model["hooks"]]
-    return {"num_layers": int(model["num_layers"]), "hidden_size": model["hidden_size"], "dtype": model["dtype"],
+    model, cfg = status.model, status.config or {}
+    layers = sorted(int(l) for l in (cfg.get("layers") or range(model.num_layers)))
+    hooks = list(model.hooks)
+    return {"num_layers": model.num_layers, "hidden_size": model.hidden_size, "dtype": model.dtype,
             "hooks": hooks, "layers": layers, "sites": [f"{h}.{l}" for h in hooks for l in layers],
             "sae": {name: e.get("site") for name, e in (cfg.get("sae") or {}).items()},
             "sae_slots": dict(cfg.get("sae_slots") or {}), "site_norms": bool(cfg.get("site_norms"))}

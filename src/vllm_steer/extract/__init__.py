@@ -27,6 +27,7 @@ from vllm_steer.extract.files import EMITS, Vectors, file_kind, gguf_bytes, safe
 from vllm_steer.extract.methods import METHODS, direction
 from vllm_steer.extract.pairs import ExtractError, Pair, as_pair, read_jsonl
 from vllm_steer.extract.sources import Text, capture_field, source_of
+from vllm_steer.client_types import Module
 from vllm_steer.http_client import Client, SteeringAPIError
 
 __all__ = ["Extraction", "ExtractError", "Pair", "extract"]
@@ -71,7 +72,7 @@ class Extraction:
         return Path(path)
 
     def register(self, base_url: str, name: str, api_key: str | None = None, replace: bool = False,
-                 timeout: float = 120.0) -> dict:
+                 timeout: float = 120.0) -> Module:
         """Register as the named module ``name`` on a server (``POST /v1/steering/modules``, a file upload)."""
         with Client(base_url, api_key=api_key, timeout=timeout) as c:
             try:

@@ -83,7 +83,7 @@ class HttpSource:
         else:
             where, answer = "POST /v1/completions", self._call(
                 "an extraction request", c.complete, text.plain(), capture=capture, max_tokens=1, temperature=0)
-        return _rows({k: v for k, v in (answer.get("capture") or {}).items() if k in capture}, where)
+        return _rows({k: v for k, v in (answer.capture or {}).items() if k in capture}, where)
 
     def activations(self, texts: list[Text], capture: dict, progress: Progress | None = None) -> list[dict]:
         out: list[dict | None] = [None] * len(texts)

@@ -13,8 +13,8 @@ two scores, each a **mean per-token log-prob over a completion's tokens** (from 
 - ``distinct``: distinct tokens / tokens of the steered completion (1: no repetition; loops fall toward 0).
 
 Pick the largest strength whose ``fluency`` stays within ~1 nat of strength 0's and whose ``shift`` has
-moved: past it the text breaks. The plot needs matplotlib (not a dependency: without it only the tables
-are written, and the command says so).
+moved: past it the text breaks. The plot (``extract.png_chart``, no plotting library) has two panels over the
+strengths: ``fluency`` (blue) and ``shift`` (orange) in mean log-prob per token, then ``distinct`` (grey, 0 to 1).
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ import numpy as np
 
 from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.extract.pairs import ExtractError
+from vllm_steer.extract.png_chart import Series, chart, png_bytes
+from vllm_steer.client_types import Completion
 from vllm_steer.http_client import Client, SteeringAPIError
 
 UNITS = ("norm", "scale")
 COLUMNS = ("strength", "prompt", "fluency", "shift", "distinct", "text")
+COLORS = {"fluency": (31, 119, 180), "shift": (255, 127, 14), "distinct": (127, 127, 127)}  # the plot's lines
 
 
 @dataclass
@@ -85,9 +88,9 @@ def steering_fields(strength: float, unit: str, module: str | None, vectors: dic
     return {"steering_vectors": tier}
 
 
-def _mean_logprob(answer: dict, start: int, ids: list[int]) -> float:
+def _mean_logprob(answer: Completion, start: int, ids: list[int]) -> float:
     """Mean log-prob of ``ids`` at prompt positions ``start..`` of a ``prompt_logprobs`` answer."""
-    entries = answer["choices"][0]["prompt_logprobs"][start:start + len(ids)]
+    entries = answer.choices[0].prompt_logprobs[start:start + len(ids)]
     if not ids:
         return float("nan")
     return float(np.mean([e[str(t)]["logprob"] for e, t in zip(entries, ids)]))
@@ -98,7 +101,7 @@ class _Sweep:
         self.c = client
         self.max_tokens = max_tokens
 
-    def _call(self, **kwargs: Any) -> dict:
+    def _call(self, **kwargs: Any) -> Completion:
         try:
             return self.c.complete(**kwargs)
         except SteeringAPIError as e:
@@ -107,8 +110,8 @@ class _Sweep:
 
     def generate(self, prompt: str, steering: dict) -> tuple[list[int], list[int], str]:
         a = self._call(prompt=prompt, max_tokens=self.max_tokens, temperature=0, return_token_ids=True, **steering)
-        choice = a["choices"][0]
-        return list(choice["prompt_token_ids"]), list(choice["token_ids"]), choice["text"]
+        choice = a.choices[0]
+        return list(choice.prompt_token_ids or ()), list(choice.token_ids or ()), choice.content
 
     def score(self, prompt_ids: list[int], ids: list[int], steering: dict) -> float:
         a = self._call(prompt=prompt_ids + ids, max_tokens=1, temperature=0, prompt_logprobs=0, **steering)
@@ -171,38 +174,23 @@ def markdown(cells: list[Cell], unit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(cells: list[Cell], unit: str, path: str | Path) -> Path | None:
-    """The metrics' means against strength as a PNG; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def plot(cells: list[Cell], path: str | Path) -> Path:
+    """The metrics' means against strength as a PNG: fluency (blue) and shift (orange) above, distinct (grey, on
+    0 to 1) below."""
     rows = summary(cells)
     xs = [r["strength"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k in ("fluency", "shift"):
-        ax.plot(xs, [r[k] for r in rows], marker="o", label=f"{k} (mean log-prob)")
-    ax.set_xlabel(unit)
-    ax.set_ylabel("mean log-prob per token")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [r["distinct"] for r in rows], color="grey", linestyle="--", marker=".", label="distinct")
-    ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("distinct tokens")
-    ax.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    panels = [[Series([r[k] for r in rows], COLORS[k]) for k in ("fluency", "shift")],
+              [Series([r["distinct"] for r in rows], COLORS["distinct"])]]
+    data = png_bytes(chart(panels, xs, ylims=[None, (0.0, 1.05)]))
+    Path(path).write_bytes(data)
     return Path(path)
 
 
-def write(cells: list[Cell], unit: str, prefix: str | Path) -> dict[str, Path | None]:
-    """``<prefix>.csv`` (every cell), ``<prefix>.md`` (the summary) and ``<prefix>.png`` (None without matplotlib)."""
+def write(cells: list[Cell], unit: str, prefix: str | Path) -> dict[str, Path]:
+    """``<prefix>.csv`` (every cell), ``<prefix>.md`` (the summary) and ``<prefix>.png`` (the plot)."""
     prefix = Path(prefix)
     paths = {"csv": prefix.with_name(prefix.name + ".csv"), "md": prefix.with_name(prefix.name + ".md")}
     paths["csv"].write_text(csv_text(cells))
     paths["md"].write_text(markdown(cells, unit))
-    paths["png"] = plot(cells, unit, prefix.with_name(prefix.name + ".png"))
+    paths["png"] = plot(cells, prefix.with_name(prefix.name + ".png"))
     return paths

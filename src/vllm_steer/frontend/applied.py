@@ -1,4 +1,5 @@
-"""What steering a request got, reported back: the log line, and the HTTP response field.
+"""What steering a request got, reported back: the log line, the HTTP response field (``steering_field``: its value,
+also what ``frontend.applied_output`` puts on an ``LLM``'s ``RequestOutput.steering``).
 
 The OpenAI middleware (server/response_field.py) opens a holder for each HTTP request in a
 context variable; the front end fills it when the request is prepared (same task, or a task
@@ -27,6 +28,11 @@ def open_holder() -> tuple[dict, contextvars.Token]:
 
 def close_holder(token: contextvars.Token) -> None:
     _HOLDER.reset(token)
+
+
+def steering_field(prefill_key: str | None, decode_key: str | None, report: dict | None) -> dict:
+    """The ``steering`` object a steered request's response carries: the two config keys, then the report."""
+    return {"prefill": prefill_key, "decode": decode_key, **(report or {})}
 
 
 def record_applied(request_id: str, prefill_key: str | None, decode_key: str | None,

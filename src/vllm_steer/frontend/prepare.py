@@ -514,7 +514,8 @@ def patch_input_processor() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
     from vllm_steer.capture.inbox import inbox
-    from vllm_steer.frontend.applied import record_applied, record_capture
+    from vllm_steer.frontend.applied import record_applied, record_capture, steering_field
+    from vllm_steer.frontend.applied_output import mark
 
     if getattr(InputProcessor.process_inputs, "_vllm_steer", False):
         return
@@ -552,6 +553,7 @@ def patch_input_processor() -> None:
             if keys[0]:
                 request.cache_salt = salted(request.cache_salt, keys[0])
             record_applied(request.request_id, *keys, ready.report)
+            mark(request.sampling_params, steering_field(*keys, ready.report))  # RequestOutput.steering
         if captures:
             record_capture(request_id, expected["instances"])
         if path_trace.ON and asks:

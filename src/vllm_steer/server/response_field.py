@@ -26,7 +26,7 @@ from vllm_steer.core.refusals import Refusal
 from vllm_steer.server.errors import error_response
 from vllm_steer.capture.collect import DEFAULT_TIMEOUT_S
 from vllm_steer.capture.inbox import inbox
-from vllm_steer.frontend.applied import close_holder, open_holder
+from vllm_steer.frontend.applied import close_holder, open_holder, steering_field
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -38,7 +38,7 @@ def _inject(obj: Any, applied: dict) -> Any:
 
 
 def _field(applied: dict) -> dict:
-    return {"prefill": applied.get("prefill"), "decode": applied.get("decode"), **applied.get("report", {})}
+    return steering_field(applied.get("prefill"), applied.get("decode"), applied.get("report"))
 
 
 async def _capture_results(scope: dict, holder: dict) -> dict:
