@@ -112,3 +112,15 @@ def test_the_readme_cpu_quickstart_runs_as_written(api_server, tmp_path):
     assert completion["choices"][0]["text"].strip(), completion
     module = completion["steering"]["module"]
     assert module["name"] == "happy" and module["norm"] == 0.04 and completion["steering"]["sites"] == 11
+
+
+def test_the_readme_python_block_runs_as_written(api_server):
+    """The GPU quickstart's Python (any server: the shared one here): it builds a vector from ``status()``'s typed
+    answer and gets a steered completion."""
+    (block,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    code = block.replace("http://127.0.0.1:8000", api_server[0]) + "\nprint(json.dumps(out.model_extra['steering']))\n"
+    done = subprocess.run([sys.executable, "-c", "import json\n" + code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    applied = json.loads(done.stdout.strip().splitlines()[-1])
+    assert applied["sites"] == 1 and applied["prefill"] == applied["decode"]
