@@ -4,7 +4,9 @@ prepare it (front end, the payload encoded for one engine request), its trip to 
 of the params, its msgpack encode and decode of them), the engine core's read of the payload, the worker's table
 write (payload decoded, rows written; CUDA if any), a wave of 16 in the 4-thread pool vs one by one, and the API
 process's whole share (``_api_process``: the real middleware and a handler doing vLLM's part: CPU, wall, a wave of
-16); forms: packed bf16 / float32, float lists, a module reference, and an unsteered body (stock's share).
+16), and the content-bound floor of a packed body (``_floor``: base64 decode of its blocks, one BLAKE3 over the
+rows, one copy of them); forms: packed bf16 / float32, float lists, a module reference, and an unsteered body
+(stock's share).
     python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
 """
 
@@ -22,8 +24,10 @@ from types import SimpleNamespace
 
 import msgspec
 import numpy as np
+import pybase64
 import torch
 from vllm import SamplingParams
+from blake3 import blake3
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_steer.client import pack
@@ -71,6 +75,28 @@ def _median_ms(fn, repeat: int) -> float:
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _floor(body: bytes, msgpack: bool, repeat: int) -> float:
+    """Ms of what a packed body's content costs at least: its blocks' base64 decoded (a JSON body; from fresh
+    copies of the text, as a request brings), one BLAKE3 over the rows, one copy of them (0: no packed block)."""
+    obj = msgspec.msgpack.decode(body) if msgpack else msgspec.json.decode(body)
+    blocks = [p["data"] for tier in ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors")
+              for p in (obj.get(tier) or {}).values() if isinstance(p, dict) and "data" in p]
+    if not blocks:
+        return 0.0
+    times = []
+    for _ in range(repeat):
+        texts = [bytearray(b.encode() if isinstance(b, str) else b) for b in blocks]
+        t0 = time.perf_counter()
+        rows = [pybase64.b64decode(t, validate=True) for t in texts] if not msgpack else texts
+        h = blake3()
+        for r in rows:
+            h.update(r)
+        h.digest()
+        b"".join(rows)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -186,8 +212,8 @@ def main() -> None:
           f"median of {args.repeat} (ms)")
     print("| request | body bytes | decode | prepare | to the engine | engine core read | engine write "
           "| wave of 16: one by one | wave of 16: pool of 4 | API process: CPU | API process: wall "
-          "| API process: wave of 16 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| API process: wave of 16 | floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items():
         fields = request_body.steering_fields(dict(request_body._decode(body, msgpack)))
         t_dec = _median_ms(lambda: request_body._decode(body, msgpack), args.repeat)
@@ -205,12 +231,13 @@ def main() -> None:
         t_pool = _median_ms(lambda: list(pool.map(lambda b: request_body._prepare(fe, b, msgpack), wave)),
                             max(3, args.repeat // 5))
         api_cpu, api_wall, api_wave = _api_process(fe, body, msgpack, args.repeat)
+        floor = _floor(body, msgpack, args.repeat)
         results.append({"request": name, "body_bytes": len(body), "decode_ms": t_dec, "prepare_ms": t_prep,
                         "to_engine_ms": t_trip, "engine_core_read_ms": t_core, "engine_write_ms": t_write,
                         "wave16_serial_ms": t_serial, "wave16_pool4_ms": t_pool, "api_cpu_ms": api_cpu,
-                        "api_wall_ms": api_wall, "api_wave16_ms": api_wave})
+                        "api_wall_ms": api_wall, "api_wave16_ms": api_wave, "floor_ms": floor})
         print(f"| {name} | {len(body):,} | {t_dec:.2f} | {t_prep:.2f} | {t_trip:.3f} | {t_core:.3f} | {t_write:.2f} "
-              f"| {t_serial:.1f} | {t_pool:.1f} | {api_cpu:.2f} | {api_wall:.2f} | {api_wave:.1f} |")
+              f"| {t_serial:.1f} | {t_pool:.1f} | {api_cpu:.2f} | {api_wall:.2f} | {api_wave:.1f} | {floor:.2f} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"layers": args.layers, "hidden": args.hidden, "device": str(device),

@@ -25,6 +25,7 @@ _WORDS = {
     "float16": (np.uint16, 0x8000, 0x7C00),
     "bfloat16": (np.uint16, 0x8000, 0x7F80),
 }
+_SIGNED = {np.uint32: np.int32, np.uint16: np.int16}
 
 Layout = dict[str, tuple[tuple[int, ...], bytes]]  # hook -> (sorted layer ids, [n, D] rows in the dtype)
 
@@ -80,44 +81,65 @@ def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
 def raw_rows(raw: bytes, layers: list[int], dtype_name: str, hidden: int) -> tuple[tuple[int, ...], bytes] | None:
     """Rows already in the model dtype -> (sorted ids, bytes) without all-zero rows (None: none
     left), the same bytes ``table_layout`` makes of the same values (-0.0 becomes 0.0). Raises
-    ValueError on NaN or Inf. Checked on the bit patterns: three passes over the data (the
-    magnitudes, their per-row maximum, the -0.0 test), each in numpy without the GIL."""
+    ValueError on NaN or Inf. Checked on the bit patterns in three reductions without temporaries
+    (numpy, without the GIL): each row's largest word read signed (its largest positive element) and
+    unsigned (its largest negative one, if any), and the smallest signed word (-0.0 is the only word
+    that is the signed minimum)."""
     word, sign, exponent = _WORDS[dtype_name]
     w = np.frombuffer(raw, dtype=word).reshape(len(layers), hidden)
-    magnitude = w & word(sign - 1)  # every bit but the sign
-    row_max = magnitude.max(axis=1) if magnitude.size else np.zeros(len(layers), dtype=word)
-    if row_max.size and row_max.max() >= exponent:  # all exponent bits set: Inf or NaN
-        raise ValueError("contains NaN or Inf")
-    keep = row_max > 0
-    order = np.argsort(np.asarray(layers), kind="stable")
-    order = order[keep[order]]
-    if not order.size:
+    if not w.size:
         return None
-    changed = order.size != len(layers) or bool((order != np.arange(len(layers))).any())
-    negative_zero = w == word(sign)
-    if negative_zero.any():
-        w = np.where(negative_zero, word(0), w)
-        changed = True
-    if changed:
-        w = w[order]
-    ids = tuple(int(layers[i]) for i in order)
-    return ids, (w.tobytes() if changed else bytes(raw))
+    signed = w.view(_SIGNED[word])
+    top_signed, top = signed.max(axis=1), w.max(axis=1)
+    if top_signed.max() >= exponent or top.max() >= (sign | exponent):  # all exponent bits set: Inf or NaN
+        raise ValueError("contains NaN or Inf")
+    keep = (top_signed > 0) | (top > sign)  # a nonzero magnitude, positive or negative
+    negative_zero = signed.min() == -sign
+    if keep.all() and layers == sorted(layers):  # the usual case: every row, in order (no index twice: spec checks)
+        if not negative_zero:
+            return tuple(layers), bytes(raw)
+        order = None
+    else:
+        order = np.argsort(np.asarray(layers), kind="stable")
+        order = order[keep[order]]
+        if not order.size:
+            return None
+    if negative_zero:
+        w = np.where(w == word(sign), word(0), w)
+    if order is None:
+        return tuple(layers), w.tobytes()
+    return tuple(np.asarray(layers)[order].tolist()), w[order].tobytes()
+
+
+class KeyHasher:
+    """The config key of a layout fed hook by hook in HOOK_NAMES order (``add``), so a caller can hash each
+    hook's rows while they are still in cache; ``layout_key`` is this over a whole layout."""
+
+    def __init__(self, dtype_name: str) -> None:
+        self._h = blake3(_DOMAIN + dtype_name.encode() + b"\0")
+        self._any = False
+
+    def add(self, hook: str, ids: tuple[int, ...], raw: bytes) -> None:
+        self._h.update(hook.encode() + b"\0")
+        self._h.update(np.asarray(ids, dtype="<i4").tobytes())
+        self._h.update(raw)
+        self._any = True
+
+    def key(self) -> str | None:
+        """Hex key; None when nothing was added (unsteered)."""
+        return self._h.hexdigest()[:32] if self._any else None
 
 
 def layout_key(layout: Layout, dtype_name: str) -> str | None:
     """Hex key of a config in table layout; None for an empty one (unsteered)."""
     if not layout:
         return None
-    h = blake3(_DOMAIN + dtype_name.encode() + b"\0")
+    h = KeyHasher(dtype_name)
     for hook in HOOK_NAMES:
         entry = layout.get(hook)
-        if entry is None:
-            continue
-        ids, raw = entry
-        h.update(hook.encode() + b"\0")
-        h.update(np.asarray(ids, dtype="<i4").tobytes())
-        h.update(raw)
-    return h.hexdigest()[:32]
+        if entry is not None:
+            h.add(hook, *entry)
+    return h.key()
 
 
 def config_hash(vectors: Vectors, dtype_name: str) -> str | None:

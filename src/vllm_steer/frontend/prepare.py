@@ -244,8 +244,7 @@ class SteeringFrontend:
         ``ship_rows``: a module's rows travel too (the worker does not build them)."""
         fast = parse_packed_fast(fields, self.shape)
         if fast is not None:  # one tier, packed in the model dtype: bytes in, bytes out
-            tier, layout = fast
-            key = layout_key(layout, self.dtype)
+            tier, layout, key = fast
             if key is None and capture is None:
                 return None, None, None
             pre, dec = _PHASES[tier]

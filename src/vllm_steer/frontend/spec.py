@@ -27,12 +27,13 @@ from vllm_steer.core import bf16
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
-from vllm_steer.core.layout import Layout, itemsize, raw_rows
+from vllm_steer.core.layout import KeyHasher, Layout, itemsize, raw_rows
 from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.site_norms import Norms, normed
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
 
 _PACKED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
+_INTS = frozenset((int,))  # type(x) is int: a bool is not a layer index
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def _packed_raw(field: str, obj: dict, shape: ModelShape) -> tuple[str, list[int
         raise SteeringSpecError(
             f"{field}.layer_indices", f"expected a list of {n} layer indices (shape[0])"
         )
-    if all(type(x) is int for x in indices) and (not indices or (
+    if _INTS.issuperset(map(type, indices)) and (not indices or (
             min(indices) >= 0 and max(indices) < shape.num_layers and shape.layers is None)):
         layers = list(indices)  # the common case, checked in bulk
     else:
@@ -253,10 +254,11 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
     return PackedLayers(arr, layers)
 
 
-def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, Layout] | None:
+def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, Layout, str | None] | None:
     """The common per-request case, straight to table layout without float32: one tier, every
-    hook packed in the model's dtype, no scales, no module. Returns (tier field, layout), or None
-    when the request needs the general path (which then reports any error)."""
+    hook packed in the model's dtype, no scales, no module. Returns (tier field, layout, its
+    ``layout_key``, each hook hashed as soon as its rows are checked), or None when the request
+    needs the general path (which then reports any error)."""
     if fields.get(MODULE_FIELD) is not None:
         return None
     dtype_name = shape.dtype
@@ -269,6 +271,7 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
                and v.get("scales") is None and "norm" not in v for h, v in hooks.items()):
         return None
     layout: Layout = {}
+    hasher = KeyHasher(dtype_name)
     total = 0
     for hook in sorted(hooks, key=HOOK_NAMES.index):
         f = f"{tier}.{hook}"
@@ -281,9 +284,10 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
             raise SteeringSpecError(f"{f}.data", str(e)) from None
         if rows is not None:
             layout[hook] = rows
+            hasher.add(hook, *rows)
     if total > shape.max_bytes:
         raise SteeringTooLarge(tier, f"{total} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
-    return tier, layout
+    return tier, layout, hasher.key()
 
 
 def _scale_rows(src: np.ndarray, scales: list, bf16_source: bool) -> np.ndarray:

@@ -32,6 +32,7 @@ from vllm_steer.frontend import path_trace
 from vllm_steer.frontend.module_store import MODULE_SYNC
 from vllm_steer.frontend.sae_registry import SAE_SYNC
 from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, pool
+from vllm_steer.server import base64_lift
 from vllm_steer.server.errors import error_response
 from vllm_steer.frontend import field_names
 from vllm_steer.server.openai_fields import steering_fields
@@ -49,7 +50,16 @@ _MSGPACK_DECODER = msgspec.msgpack.Decoder()
 
 
 def _decode(body: bytes, msgpack: bool) -> dict | None:
-    """The body as a dict; None for a JSON body this cannot read (vLLM reports its own error)."""
+    """The body as a dict; None for a JSON body this cannot read (vLLM reports its own error). A large JSON
+    body's packed vector blocks come out as bytes, decoded from the body's own base64 (``base64_lift``)."""
+    if not msgpack and len(body) >= base64_lift.MIN_CHARS and (lifted := base64_lift.lift(body)) is not None:
+        obj = _decode_plain(lifted[0], False)
+        if obj is not None and base64_lift.restore(obj, lifted[1]):
+            return obj
+    return _decode_plain(body, msgpack)
+
+
+def _decode_plain(body: bytes, msgpack: bool) -> dict | None:
     try:
         obj = (_MSGPACK_DECODER if msgpack else _JSON_DECODER).decode(body)
     except (msgspec.DecodeError, RecursionError, ValueError):

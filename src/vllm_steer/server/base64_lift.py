@@ -1,0 +1,115 @@
+"""Large base64 ``data`` strings of a JSON body decoded straight from the body's bytes.
+
+A JSON parse builds a ``str`` of every base64 string (msgspec scans 1 MB of them in ~0.3 ms, more than the
+base64 decode itself), only for the front end to decode it once more. ``lift`` finds each ``"data": "..."``
+whose string is long and has no escape, decodes the base64 in place (pybase64, validated, from a view of the
+body), and hands back the body with a short placeholder instead of each such string. ``restore`` then puts,
+into the decoded body, the raw bytes where a placeholder stands for a packed vector block of a tier
+(``{tier: {hook: {"data": ...}}}``, what the msgpack form carries as a bin already) and the original text
+anywhere else in the steering fields; a placeholder outside them (a key that merely ends in ``"data``, say)
+makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
+parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
+"""
+
+from __future__ import annotations
+
+import binascii
+import re
+import secrets
+from typing import Any
+
+import pybase64
+
+from vllm_steer.core.vectors import REQUEST_FIELDS, TIER_FIELDS
+
+MIN_CHARS = 16 * 1024  # a shorter string costs less to parse than to lift
+_PREFIX = f"vllm-steer-lifted-{secrets.token_hex(8)}-"  # drawn once per process: no body holds it by chance
+_KEY = b'"data"'
+_COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*"')
+
+
+class Lifted:
+    """The strings taken out of one body: placeholder -> (decoded bytes, start and end of the text in the body)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.strings: dict[str, tuple[bytes, int, int]] = {}
+
+    def text(self, placeholder: str) -> str:
+        _, start, end = self.strings[placeholder]
+        return self.body[start:end].decode("ascii")
+
+
+def lift(body: bytes) -> tuple[bytes, Lifted] | None:
+    """(the body with placeholders, what they stand for), or None when no string was worth lifting."""
+    pieces: list[bytes] = []
+    lifted = Lifted(body)
+    done = 0  # the body up to here is in pieces
+    view = memoryview(body)
+    at = body.find(_KEY)
+    while at >= 0:
+        colon = _COLON.match(body, at + len(_KEY))  # the key's colon and the value's opening quote
+        if colon is None:
+            at = body.find(_KEY, at + len(_KEY))
+            continue
+        start = colon.end()
+        end = body.find(b'"', start)
+        if end < 0:
+            break
+        if end - start >= MIN_CHARS:  # an escape (a backslash) fails the validation: left as it is
+            try:
+                raw = pybase64.b64decode(view[start:end], validate=True)
+            except (binascii.Error, ValueError):
+                raw = None  # left as text: the front end reports it
+            if raw is not None:
+                placeholder = f"{_PREFIX}{len(lifted.strings)}"
+                lifted.strings[placeholder] = (raw, start, end)
+                pieces += (body[done:start], placeholder.encode())
+                done = end
+        at = body.find(_KEY, end + 1)
+    if not lifted.strings:
+        return None
+    pieces.append(body[done:])
+    return b"".join(pieces), lifted
+
+
+def restore(obj: dict, lifted: Lifted) -> bool:
+    """Put back what ``lift`` took out of the decoded body ``obj`` (see the module docstring); False when a
+    placeholder was not found where it may stand (``obj`` must then be decoded again from the body)."""
+    left = dict(lifted.strings)
+    xargs = obj.get("vllm_xargs")
+    for where in (obj, xargs) if isinstance(xargs, dict) else (obj,):
+        for tier in TIER_FIELDS:
+            hooks = where.get(tier)
+            if not isinstance(hooks, dict):
+                continue
+            for packed in hooks.values():
+                data = packed.get("data") if isinstance(packed, dict) else None
+                if isinstance(data, str) and data in left:
+                    packed["data"] = left.pop(data)[0]
+    if left:
+        for where in (obj, xargs) if isinstance(xargs, dict) else (obj,):
+            for field in REQUEST_FIELDS:
+                if field in where:
+                    where[field] = _texts(where[field], left, lifted)
+    return not left
+
+
+def _texts(node: Any, left: dict, lifted: Lifted) -> Any:
+    """``node`` with every placeholder still ``left`` replaced by its original text (popped from ``left``)."""
+    if not left:
+        return node
+    if isinstance(node, str):
+        if node in left:
+            left.pop(node)
+            return lifted.text(node)
+        return node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if isinstance(v, (str, dict, list)):
+                node[k] = _texts(v, left, lifted)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            if isinstance(v, (str, dict, list)):
+                node[i] = _texts(v, left, lifted)
+    return node

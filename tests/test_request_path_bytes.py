@@ -1,0 +1,191 @@
+"""The request path's byte handling (issue 41, no engine): base64 strings lifted out of a JSON body
+(``server.base64_lift``), ``core.layout.raw_rows`` against the general float32 path, and one 1 MB request's
+key and engine payload equal whichever way its vectors came (JSON with and without the lift, msgpack)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from vllm_steer.client import pack
+from vllm_steer.core import bf16
+from vllm_steer.core.layout import raw_rows, table_layout
+from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.server import base64_lift, request_body
+
+HOOKS = ("pre_attn", "post_attn", "post_mlp")
+
+
+def _b64(n: int, seed: int = 0) -> str:
+    return base64.b64encode(np.random.default_rng(seed).bytes(n)).decode()
+
+
+def _as_text(obj):
+    """``obj`` with every bytes value as the base64 text it was lifted from."""
+    if isinstance(obj, dict):
+        return {k: _as_text(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_as_text(v) for v in obj]
+    return base64.b64encode(obj).decode() if isinstance(obj, bytes) else obj
+
+
+def test_tier_data_is_lifted_as_bytes_and_the_rest_equals_the_plain_parse():
+    data = {h: _b64(3 * base64_lift.MIN_CHARS, i) for i, h in enumerate(HOOKS)}
+    probe = _b64(base64_lift.MIN_CHARS, 7)
+    obj = {"model": "m", "prompt": "say \"data\": \"x\"", "max_tokens": 4,
+           "steering_vectors": {h: {"dtype": "bfloat16", "shape": [1, 8], "layer_indices": [0], "data": d}
+                                for h, d in data.items()},
+           "steering_condition": {"site": "pre_attn.1", "probe": {"dtype": "float32", "data": probe}},
+           "vllm_xargs": {"decode_steering_vectors": {"post_mlp": {"data": data["post_mlp"]}}}}
+    body = json.dumps(obj, indent=1).encode()  # whitespace around the colons too
+    got = request_body._decode(body, False)
+    for h in HOOKS:  # the tiers' blocks: raw bytes, as a msgpack body carries them
+        assert got["steering_vectors"][h]["data"] == base64.b64decode(data[h])
+    assert got["vllm_xargs"]["decode_steering_vectors"]["post_mlp"]["data"] == base64.b64decode(data["post_mlp"])
+    assert got["steering_condition"]["probe"]["data"] == probe  # elsewhere: the original text
+    assert _as_text(got) == json.loads(body)
+
+
+@pytest.mark.parametrize("case", ["key ending in data", "escaped slash", "invalid base64", "duplicate field",
+                                  "short", "not a string"])
+def test_what_is_not_a_tier_block_parses_as_before(case):
+    """Anything the lift must not touch decodes exactly as the plain parse does (strings stay strings)."""
+    long = _b64(2 * base64_lift.MIN_CHARS)
+    tier = {"post_mlp": {"dtype": "float32", "data": long}}
+    if case == "key ending in data":  # a vLLM field whose key merely ends in "data: the whole body parsed again
+        body = json.dumps({"prompt": "p", "metadata": {'x"data': long}, "steering_vectors": tier}).encode()
+    elif case == "escaped slash":  # valid JSON for "/": left to the parser
+        text = json.dumps({"prompt": "p", "steering_vectors": {"post_mlp": {"data": long + "/A=="}}})
+        body = text.replace("/", "\\/").encode()
+    elif case == "invalid base64":  # left as text: the front end names it ("invalid base64")
+        body = json.dumps({"steering_vectors": {"post_mlp": {"data": long[:-1] + "*"}}}).encode()
+    elif case == "duplicate field":  # the last one wins, as in the plain parse (the first's placeholder is gone)
+        body = (b'{"steering_vectors": ' + json.dumps(tier).encode() + b', "steering_vectors": {"pre_attn": {"data": "'
+                + _b64(2 * base64_lift.MIN_CHARS, 1).encode() + b'"}}}')
+    elif case == "short":
+        body = json.dumps({"prompt": "p" * base64_lift.MIN_CHARS, "steering_vectors": {"post_mlp": {"data": "AAAA"}}}
+                          ).encode()
+    else:
+        body = json.dumps({"prompt": "p" * base64_lift.MIN_CHARS, "steering_vectors": {"post_mlp": {"data": 5}}}
+                          ).encode()
+    if case in ("key ending in data", "duplicate field"):
+        assert base64_lift.lift(body) is not None  # lifted, then refused by ``restore``
+    got = request_body._decode(body, False)
+    assert got == json.loads(body)  # the lifted parse is dropped (a placeholder went missing or stood elsewhere)
+    assert not any(isinstance(v.get("data"), bytes) for v in got["steering_vectors"].values())
+
+
+def test_raw_rows_equal_the_float32_path_on_every_dtype():
+    """Rows sent in the model's dtype are checked and keyed on their bits; the result equals ``table_layout``
+    of the same values (zero rows dropped, -0.0 as 0.0, sorted layers) and NaN / Inf are refused."""
+    rng, pick = np.random.default_rng(3), random.Random(3)
+    for trial in range(400):
+        dtype = pick.choice(["float32", "float16", "bfloat16"])
+        n, d = pick.randint(1, 5), pick.choice([1, 4, 16])
+        values = rng.standard_normal((n, d)).astype(np.float32)
+        for _ in range(pick.randint(0, 4)):
+            i, j = pick.randrange(n), pick.randrange(d)
+            values[i, pick.choice([j, slice(None)])] = pick.choice([0.0, -0.0, np.inf, -np.inf, np.nan])
+        if dtype == "bfloat16":
+            words = bf16.to_bits(values)
+            values = bf16.from_bits(words).reshape(n, d)
+        else:
+            words = values.astype(dtype)
+            values = words.astype(np.float32)
+        layers = pick.sample(range(12), n)
+        raw = np.ascontiguousarray(words).tobytes()
+        try:
+            expected = table_layout({"post_mlp": {l: values[i] for i, l in enumerate(layers)
+                                                  if values[i].any() or not np.isfinite(values[i]).all()}}, dtype)
+        except ValueError:
+            expected = "refused"
+        try:
+            got = raw_rows(raw, layers, dtype, d)
+        except ValueError:
+            got = "refused"
+        assert got == expected.get("post_mlp") if isinstance(expected, dict) else got == expected, (trial, dtype)
+
+
+def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
+    """(prefill key, engine payload bytes) of one request through the real middleware and ``process_inputs``'
+    preparation (what vLLM's handler does in between: parse the body it gets, ``to_sampling_params``)."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_steer.frontend.prepare import _prepared
+    from vllm_steer.server.openai_fields import endpoint_attached, patch_openai_requests
+
+    patch_openai_requests()
+    endpoint_attached()
+    app = SimpleNamespace(state=SimpleNamespace(steer_config=fe.cfg, steer_frontend=fe,
+                                                steer_engine_client=SimpleNamespace(collective_rpc=None)))
+    seen = {}
+
+    async def handler(scope, receive, send):
+        message = await receive()
+        params = CompletionRequest.model_validate(json.loads(message["body"])).to_sampling_params(8, {})
+        ready = _prepared(fe, params.extra_args, "req-0")
+        seen["out"] = ready.prefill_key, ready.extra_args[PAYLOAD_KEY]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    parts = [body[i:i + 65536] for i in range(0, len(body), 65536)]
+    it = iter(range(len(parts)))
+
+    async def receive():
+        i = next(it)
+        return {"type": "http.request", "body": parts[i], "more_body": i < len(parts) - 1}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200, message
+
+    ctype = b"application/msgpack" if msgpack else b"application/json"
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app,
+             "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]}
+    asyncio.run(request_body.SteeringRequestMiddleware(handler)(scope, receive, send))
+    return seen["out"]
+
+
+def test_a_1mb_json_request_has_the_key_and_payload_of_the_same_vectors_as_msgpack(monkeypatch):
+    """32 layers x 4096 x 3 hooks of bf16 (1 MB of JSON): lifted, parsed plainly (lift off) and as msgpack bins,
+    the prefill key and the engine payload's bytes are the same, and the rows are the ones sent (the -0.0 and
+    the zero row sent in one hook normalised as the float32 path does)."""
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=32),
+                         get_hidden_size=lambda: 4096)
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
+    rng = np.random.default_rng(11)
+    vectors = {h: (rng.standard_normal((32, 4096), dtype=np.float32) * 0.05) for h in HOOKS}
+    vectors["post_mlp"][3] = 0.0
+    vectors["post_mlp"][5, 7] = -0.0
+    layers = list(range(32))[::-1]  # unsorted: rows reordered on the way
+    packed = {h: pack(v, layers, "bfloat16") for h, v in vectors.items()}
+    base = {"model": "m", "prompt": [1] * 16, "max_tokens": 4}
+    as_json = json.dumps({**base, "steering_vectors": packed}).encode()
+    as_msgpack = msgspec.msgpack.encode({**base, "steering_vectors": {h: pack(v, layers, "bfloat16", binary=True)
+                                                                       for h, v in vectors.items()}})
+    assert len(as_json) > 1_000_000
+    lifted = _engine_payload(fe, as_json, False)
+    binary = _engine_payload(fe, as_msgpack, True)
+    monkeypatch.setattr(base64_lift, "MIN_CHARS", 1 << 40)  # the plain parse: base64 text to the front end
+    plain = _engine_payload(fe, as_json, False)
+    assert lifted == plain == binary and lifted[0] is not None
+    payload = decode_payload(lifted[1])
+    rows = payload.configs[payload.prefill]
+    for h in HOOKS:
+        values = bf16.from_bits(bf16.to_bits(vectors[h])).reshape(32, 4096)
+        keep = [l for l in sorted(layers) if values[31 - l].any()]
+        ids, raw = rows[h]
+        assert list(ids) == keep
+        np.testing.assert_array_equal(bf16.from_bits(np.frombuffer(raw, np.uint16)).reshape(len(keep), 4096),
+                                      values[[31 - l for l in keep]] + np.float32(0.0))
+        assert not (np.frombuffer(raw, np.uint16) == 0x8000).any()  # no -0.0 left
