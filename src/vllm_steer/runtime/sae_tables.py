@@ -11,6 +11,7 @@ post_attn.L site) have the clamp-only layout too; the norm of post_attn.L applie
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import torch
@@ -115,15 +116,23 @@ class SaeTables:
         self.slots = {s: n for s, n in slots.items() if s in sites}
         self.slot_base: dict[Site, int] = {}  # where a site's reserved region starts in its pack
         self._offset: dict[tuple[bool, Site], dict[str, int]] = {}  # where each start-up SAE's region starts
-        weights = {name: load_sae(e.config.path, e.config.format, e.config.site) for name, e in catalog.items()
-                   if any(s in sites for s in e.sites)}
-        for (site, tc), regions in site_regions(catalog, self.slots).items():
-            if site not in sites:
-                continue
+        mine = {key: regions for key, regions in site_regions(catalog, self.slots).items() if key[0] in sites}
+        left = Counter(r.name for regions in mine.values() for r in regions if r.name is not None)
+        weights: dict[str, dict] = {}  # an SAE's weights from its first site of this rank to its last only
+        for (site, tc), regions in mine.items():
+            names = [r.name for r in regions if r.name is not None]
+            for name in names:
+                if name not in weights:
+                    c = catalog[name].config
+                    weights[name] = load_sae(c.path, c.format, c.site)
             (self.tc_packs if tc else self.packs)[site] = self._site_pack(site, regions, catalog, weights, hidden,
                                                                           num_rows, device)
             self._offset[(tc, site)] = {r.name: r.offset for r in regions if r.name is not None}
             self.slot_base.update({site: r.offset for r in regions if r.name is None})
+            left.subtract(names)
+            for name in names:
+                if not left[name]:
+                    del weights[name]
         self._written: dict[int, list[tuple[bool, Site]]] = {}  # row -> (transcoder?, site) whose tables it set
         self._device = device
         self._code_ring = self._value_ring = None  # sized for every pack at the first write (_stage)
