@@ -127,7 +127,7 @@ def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, Slot]:
         return {}
     out: dict[Site, Slot] = {}
     for text, raw in cfg.sae_slots.items():
-        capacity = Slot(raw) if isinstance(raw, int) else Slot(raw.features, raw.d_sae, raw.k, raw.reconstruct)
+        slot = Slot(raw) if isinstance(raw, int) else Slot(raw.features, raw.d_sae, raw.k, raw.reconstruct)
         key = f"additional_config.steer.sae_slots.{text}"
         try:
             hook, layer = parse_site(text, key)
@@ -139,7 +139,7 @@ def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, Slot]:
             raise SteerConfigError(f"{key}: pre_attn of layer 0 cannot take an SAE")
         if (hook, layer) in out:
             raise SteerConfigError(f"{key}: site {hook}.{layer} is named twice")
-        out[(hook, layer)] = capacity
+        out[(hook, layer)] = slot
     return out
 
 
