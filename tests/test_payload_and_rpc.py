@@ -121,7 +121,8 @@ def test_the_engine_core_answers_its_methods_and_forwards_every_other_name(monke
     monkeypatch.setattr(EngineCore, "collective_rpc", lambda self, method, timeout=None, args=(), kwargs=None:
                         seen.append((method, tuple(args))) or [f"worker:{method}"])
     module_rpc.patch_engine_core_rpc()
-    payload = SteerPayload("k", "k", module=ModuleRef("m", 1, 1.0), sae={"k": [("s", "post_mlp", 2, 1, b"", b"", b"")]})
+    payload = SteerPayload("k", "k", module=ModuleRef("m", 1, 1.0), sae={"k": [("s", "post_mlp", 2, 1, b"", b"", b"")]},
+                           sae_versions={"s": 1})  # a runtime SAE: its site counts as in use
     request = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: encode_payload(payload)}))
     core = SimpleNamespace(scheduler=SimpleNamespace(steer_gate=object(), requests={"r": request}))
     assert EngineCore.collective_rpc(core, "vllm_steer_module_users") == [{"m": 1}]

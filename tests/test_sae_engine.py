@@ -5,7 +5,9 @@ one mixed batch with vector and plain requests; phases; a clamp to a feature's o
 at the clamped site and just after it. The same engine (``max_projections`` 2) serves directional
 projections (ablate / cap, several per site, with a vector at the same site, prefill-only and decode-only)
 in the same batches, against transformers hooks doing ``h - (h.v)v`` / clamping the component, beside a
-vector-only request at a projected site (its row projects nothing there)."""
+vector-only request at a projected site (its row projects nothing there). SAEs registered at runtime: clamp-only
+at a site a start-up SAE shares (each one's edit of the same stream, added), and a TopK SAE in a full
+reservation (delta and reconstruct)."""
 
 from __future__ import annotations
 
@@ -100,11 +102,32 @@ TC_REQUESTS = {  # name -> (steering fields, the transcoders' edits [(name, clam
 
 
 # SAEs registered while the engine runs, one after the other at the reserved site post_mlp.16: the
-# second (fewer features) replaces the first's staged weights in place after the first is deleted
+# second (fewer features) replaces the first's staged weights in place after the first is deleted. The
+# start-up SAE "share" holds post_mlp.16 too (a clamp-only site: one pack, a region each).
 RT_SITE = ("post_mlp", 16)
 RT = {"rt_a": random_sae(HIDDEN, F, "relu", seed=21), "rt_b": random_sae(HIDDEN, F, "jumprelu", seed=22)}
 RT_FEATURES = {"rt_a": list(range(40)), "rt_b": [3, 17, 30, 41]}
 RT_CLAMPS = BIG
+SHARE = random_sae(HIDDEN, F, "jumprelu", seed=23, b_dec_in=True)
+SHARE_CLAMPS = [{"feature": 4, "kind": "set", "value": 30.0}, {"feature": 9, "kind": "add", "value": 20.0}]
+# A full reservation (TopK k=8 SAEs of up to 96 features, reconstruct allowed) at post_mlp.18 and the TopK SAE
+# (64 features: padded) registered there at runtime for delta clamps and reconstruct.
+FULL_SITE = ("post_mlp", 18)
+RTK = _bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=24))
+SLOTS = {"post_mlp.16": 48, "post_mlp.18": {"features": 8, "d_sae": 96, "k": 8, "reconstruct": True}}
+# after the runtime calls above: (steering, [(weights, site, mode, clamps)]), the edits of one site all reading
+# the same stream (several SAEs at one site: their edits add)
+SHARED = {
+    "rtk_delta": ({"sae": {"name": "rtk", "clamps": BIG}}, [(RTK, FULL_SITE, "delta", BIG)]),
+    "rtk_reconstruct": ({"sae": {"name": "rtk", "mode": "reconstruct"}}, [(RTK, FULL_SITE, "reconstruct", [])]),
+    "rt_and_share": ({"sae": [{"name": "share", "clamps": SHARE_CLAMPS}, {"name": "rt", "clamps": RT_CLAMPS}]},
+                     [(RT["rt_a"], RT_SITE, "delta", RT_CLAMPS), (SHARE, RT_SITE, "delta", SHARE_CLAMPS)]),
+    "rtk_and_rt_share": ({"sae": [{"name": "rtk", "mode": "reconstruct", "clamps": BIG[:1]},
+                                  {"name": "rt", "clamps": RT_CLAMPS}, {"name": "share", "clamps": SHARE_CLAMPS}]},
+                         [(RT["rt_a"], RT_SITE, "delta", RT_CLAMPS), (SHARE, RT_SITE, "delta", SHARE_CLAMPS),
+                          (RTK, FULL_SITE, "reconstruct", BIG[:1])]),
+    "plain": ({}, []),
+}
 NO_OP = [{"feature": 3, "kind": "scale", "value": 1.0}, {"feature": 17, "kind": "add", "value": 0.0}]
 PHASED = {
     "own_value": {"sae": {"name": "gs", "clamps": NO_OP}},
@@ -172,9 +195,10 @@ def _files(d) -> dict:
     tcs = {name: {"path": str(write_sae_lens_transcoder(
         d / name, w, layer, skip, hook_name=f"blocks.{layer}.ln2.hook_normalized" if skip else None))}
         for name, (layer, w, skip) in TCS.items()}
+    share = write_sae_lens(d / "share", SHARE, hook_name="blocks.16.hook_resid_post")
     return {"gs": {"path": str(gs), "site": "post_mlp.14", "reconstruct": True},
             "lens": {"path": str(lens), "features": list(range(32))},
-            "man": {"path": str(man)}, **tcs}
+            "man": {"path": str(man)}, **tcs, "share": {"path": str(share), "features": list(range(24))}}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +221,7 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
         "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16,
                        "distributed_executor_backend": "uni",
                        "additional_config": {"steer": {"max_configs": 16, "max_projections": 2, "sae": _files(d),
-                                                       "sae_slots": {"post_mlp.16": 48}, "sae_root": str(d),
+                                                       "sae_slots": SLOTS, "sae_root": str(d),
                                                        "capture": ["activations"]}}},
         "calls": [{"prompts": [prompt] * len(batch), "params": batch},
                   {"prompts": [prompt] * (len(phased) + len(proj)), "params": phased + proj_batch}]
@@ -208,7 +232,8 @@ def run(smollm2_path, prompt_ids, tmp_path_factory):
     return {"batch": dict(zip(REQUESTS, res["calls"][0])), "phased": dict(zip(PHASED, res["calls"][1])),
             "transcoded": dict(zip(TC_REQUESTS, res["calls"][0][len(REQUESTS):])), "dir": d,
             "runtime": res["calls"][2:], "proj": proj,
-            "projected": dict(zip(proj, res["calls"][1][len(PHASED):]))}
+            "projected": dict(zip(proj, res["calls"][1][len(PHASED):])),
+            "rtk": res["calls"][-2], "shared": dict(zip(SHARED, res["calls"][-1]))}
 
 
 def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
@@ -228,6 +253,10 @@ def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
             {"llm_call": "vllm_steer.frontend.sae_registration:unregister_sae", "kwargs": {"name": "rt"}},
             {"llm_call": "vllm_steer.frontend.sae_registration:register_sae", "kwargs": {
                 "name": "rt", "features": RT_FEATURES["rt_a"], **files["rt_a"]}}]}})
+    rtk = write_manifest(d / "rtk", {"post_mlp.18": RTK}, "topk", 8)  # TopK, into the full reservation
+    calls.append({"llm_call": "vllm_steer.frontend.sae_registration:register_sae", "kwargs": {
+        "name": "rtk", "path": str(rtk), "features": [3, 17, 30], "reconstruct": True}})
+    calls.append({"prompts": [prompt] * len(SHARED), "params": [params(**fields) for fields, _ in SHARED.values()]})
     return calls
 
 
@@ -455,3 +484,35 @@ def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, sm
     assert got["token_ids"] == ref_tokens
     np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
     assert got["token_ids"] != run["batch"]["plain"]["token_ids"]  # the clamps really steered
+
+
+def _together(edits: list):
+    """transformers' stream edit of several SAEs at one site: each one's edit of the same stream, added."""
+    fns = [_edit(w, mode, clamps) for w, mode, clamps in edits]
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        return h + sum((f(h) - h for f in fns), torch.zeros_like(h))
+
+    return fn
+
+
+@pytest.mark.parametrize("name", [n for n in SHARED if n != "plain"])
+def test_runtime_topk_reconstruct_and_several_saes_at_one_site_equal_transformers(run, smollm2_path, prompt_ids,
+                                                                                  name):
+    """In one batch after the runtime registrations: a TopK SAE registered at runtime into a full reservation
+    (delta clamps; reconstruct), a runtime SAE and a start-up SAE at one site in one request (their edits of the
+    same stream added), and all three at two sites; beside a plain request (rt alone: the runtime test above)."""
+    assert (run["rtk"]["activation"], run["rtk"]["k"], run["rtk"]["modes"]) == ("topk", 8, ["delta", "reconstruct"])
+    _, edits = SHARED[name]
+    by_site: dict = {}
+    for w, site, mode, clamps in edits:
+        by_site.setdefault(site, []).append((w, mode, clamps))
+    hf_edits = [(site[0], site[1], _together(e)) for site, e in by_site.items()]
+    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=hf_edits)
+    got = run["shared"][name]
+    assert run["shared"]["plain"]["token_ids"] == run["batch"]["plain"]["token_ids"]
+    assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    assert got["token_ids"] != run["shared"]["plain"]["token_ids"]  # really steered
+    if name == "rt_and_share":  # not what rt (the same file, the same clamps) does alone
+        assert got["token_ids"] != run["runtime"][1][0]["token_ids"]

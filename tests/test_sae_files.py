@@ -594,12 +594,13 @@ def test_explicit_format_with_missing_files(tmp_path):
 
 
 def test_a_transcoder_and_a_residual_sae_share_a_site_in_the_catalog_and_in_one_request(tmp_path):
-    """The catalog keys sites by kind: a residual SAE at post_attn.2 and layer 2's transcoder both load (two
-    transcoders of one layer do not, nor a transcoder with reconstruct, nor one registered at runtime); one request
-    clamps both there, and its config key does not depend on the order it names them in."""
+    """The catalog keys sites by kind: a residual SAE at post_attn.2 and layer 2's transcoder both load (so do two
+    transcoders of one layer: clamp-only, one pack with a region each; not a transcoder with reconstruct, nor one
+    registered at runtime); one request clamps both there, and its config key does not depend on the order it
+    names them in."""
     from vllm_steer.core.config import SaeModuleConfig, SteerConfig, SteerConfigError
     from vllm_steer.core.errors import SteeringSpecError
-    from vllm_steer.core.sae_catalog import runtime_entry, sae_catalog, slot_sites
+    from vllm_steer.core.sae_catalog import runtime_entry, sae_catalog, site_regions, slot_sites
     from vllm_steer.core.sae_rows import sae_config_key
     from vllm_steer.frontend.sae_spec import parse_sae
 
@@ -610,8 +611,9 @@ def test_a_transcoder_and_a_residual_sae_share_a_site_in_the_catalog_and_in_one_
     catalog = sae_catalog(cfg(tc={"path": tc}, res={"path": res, "site": "post_attn.1"}), D, 4)
     assert catalog["tc"].transcoder and list(catalog["tc"].sites) == [("post_attn", 2)]
     catalog = sae_catalog(SteerConfig.model_validate({"sae": {"tc": {"path": tc}, "res": {"path": res}}}), D, 4)
-    with pytest.raises(SteerConfigError, match=r"steer\.sae\.tc2: site post_attn\.2 already has the transcoder 'tc'"):
-        sae_catalog(cfg(tc={"path": tc}, tc2={"path": tc2}), D, 4)
+    two = sae_catalog(cfg(tc={"path": tc}, tc2={"path": tc2}), D, 4)  # clamp-only: they share the site's pack
+    assert [(r.name, r.offset, r.size) for r in site_regions(two, {})[(("post_attn", 2), True)]] == [
+        ("tc", 0, F), ("tc2", F, F)]
     with pytest.raises(SteerConfigError, match=r"steer\.sae\.tc: .*a transcoder clamps only"):
         sae_catalog(cfg(tc={"path": tc, "reconstruct": True}), D, 4)
     with pytest.raises(SteeringSpecError, match="a transcoder cannot be registered at runtime") as e:
@@ -624,5 +626,5 @@ def test_a_transcoder_and_a_residual_sae_share_a_site_in_the_catalog_and_in_one_
     assert [(e[0], e[1], e[2]) for e in pre] == [("tc", "post_attn", 2), ("res", "post_attn", 2)] and pre == dec
     ids = {n: e.identity for n, e in catalog.items()}
     assert sae_config_key(None, pre, ids) == sae_config_key(None, parse_sae(both[::-1], catalog)[0], ids)
-    with pytest.raises(SteeringSpecError, match=r"site post_attn\.2 is clamped twice in the prefill phase"):
+    with pytest.raises(SteeringSpecError, match=r"SAE 'tc' clamps site post_attn\.2 twice in the prefill phase"):
         parse_sae([both[0], both[0]], catalog)

@@ -21,9 +21,12 @@ def _core(requests=()):
     return core
 
 
-def _clamping(site: str):
+def _clamping(site: str, runtime: bool = True):
+    """A request clamping at ``site`` with the runtime SAE "s" (else with a start-up SAE "boot" sharing the site)."""
     hook, layer = site.split(".")
-    payload = SteerPayload(None, "d", sae={"d": [("s", hook, int(layer), 1, b"", b"", b"")]})
+    name = "s" if runtime else "boot"
+    payload = SteerPayload(None, "d", sae={"d": [(name, hook, int(layer), 1, b"", b"", b"")]},
+                           sae_versions={"s": 1} if runtime else None)
     return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={PAYLOAD_KEY: encode_payload(payload)}))
 
 
@@ -67,10 +70,16 @@ def test_a_released_or_expired_hold_no_longer_counts(monkeypatch):
 
 @pytest.mark.parametrize("where", ["hold", "register"])
 def test_an_engine_whose_requests_clamp_at_the_site_refuses(where):
-    core = _core([_clamping("post_mlp.1"), _clamping("post_mlp.1"), _clamping("post_mlp.2")])
+    """Requests of a runtime SAE at the site refuse it; those of a start-up SAE sharing the site (its own region of
+    the site's pack) do not count."""
+    core = _core([_clamping("post_mlp.1"), _clamping("post_mlp.1"), _clamping("post_mlp.2"),
+                  _clamping("post_mlp.1", runtime=False)])
     reply = _hold(core, "a", 10, ["post_mlp.1"]) if where == "hold" else _register(core, "a", 10, ["post_mlp.1"])[0]
     assert reply == {"busy": {"post_mlp.1": 2}}
     assert registry_of(core, "sae").listing()["versions"] == {}
+    core = _core([_clamping("post_mlp.1", runtime=False), _clamping("post_mlp.2")])
+    reply = _hold(core, "a", 10, ["post_mlp.1"]) if where == "hold" else _register(core, "a", 10, ["post_mlp.1"])[0]
+    assert reply == ({"held": 10} if where == "hold" else {"staged": True})
 
 
 def test_a_request_prepared_for_an_sae_registration_that_is_gone_is_refused_in_the_engine():

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.conftest import API_KEY, LONG_STREAM_TOKENS, SAE_SLOT, SAE_SLOT_SIZE
-from tests.sae_writers import random_sae, write_gemma_scope
-from tests.server import log_tail
+from tests.sae_writers import random_sae, write_gemma_scope, write_manifest
+from tests.server import log_tail, scrape_metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HIDDEN, F = 576, 64
@@ -26,6 +26,7 @@ CLAMPS = [{"feature": f, "kind": "set", "value": 60.0} for f in (1, 2, 3, 4)]
 def server(api_server, sae_root):
     d = sae_root / "rt_sae"
     files = {seed: write_gemma_scope(str(d / f"s{seed}"), random_sae(HIDDEN, F, "jumprelu", seed=seed)) for seed in (31, 32)}
+    files["topk"] = write_manifest(str(d / "topk"), {SAE_SLOT: random_sae(HIDDEN, F, "topk", k=4)}, "topk", 4)
     return api_server[0], api_server[1], files, api_server[2]
 
 
@@ -68,6 +69,12 @@ def _long_stream(base, model, started, stop, out):
         started.set()
 
 
+def _refused_at_site(base) -> float:
+    """``vllm_steer_sae_registrations_refused_total`` of 409s naming ``site``, as /metrics shows it."""
+    return sum(v for k, v in scrape_metrics(base).items() if k.startswith("vllm_steer_sae_registrations_refused_total")
+               and 'status="409"' in k and 'field="site"' in k)
+
+
 def _refusal(r, status: int, param: str, words: str) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -88,7 +95,10 @@ def test_registrations_are_refused_with_the_field_at_fault(server):
         ({**good, "features": [1, F]}, 400, "features", "out of range"),
         ({**good, "features": [1, 1]}, 400, "features", "duplicate"),
         ({**good, "features": [True]}, 400, "features.0", "integer"),
-        ({**good, "reconstruct": True}, 400, "reconstruct", "unknown field"),
+        ({**good, "reconstruct": True}, 400, "reconstruct", f"site {SAE_SLOT} holds {SAE_SLOT_SIZE} clampable "
+                                                            "features, ReLU / JumpReLU, delta only (steer.sae_slots): "
+                                                            "reconstruct needs a site reserved with d_sae"),
+        ({**good, "path": files["topk"], "site": None}, 400, "path", "a TopK SAE needs a site reserved with d_sae"),
         ({**good, "name": "../x"}, 400, "name", "module name is"),
         ({**good, "name": "fz"}, 409, "name", "loaded at start-up"),
     ]
@@ -130,7 +140,12 @@ def test_register_steer_delete_in_flight_and_reuse_the_site(server):
     assert r.status_code == 201, r.text
     assert (r.json()["sites"], r.json()["clampable"], r.json()["source"]) == ([SAE_SLOT], 8, "runtime")
     _refusal(post(base, body), 409, "name", "replace=true")
-    _refusal(post(base, {**body, "name": "other"}), 409, "site", "holds the SAE 'rt'")
+    before = _refused_at_site(base)
+    _refusal(post(base, {**body, "name": "other"}), 409, "site",
+             "holds the SAE 'rt' (steer.sae_slots reserves one runtime SAE per site; no reserved site is free)")
+    metrics = scrape_metrics(base)  # the only reserved site is held: none free, the refusal counted
+    assert metrics['vllm_steer_sae_slots{state="held"}'] == 1 and metrics['vllm_steer_sae_slots{state="free"}'] == 0
+    assert _refused_at_site(base) == before + 1
     try:
         plain, first = text(base, model), text(base, model, sae={"name": "rt", "clamps": CLAMPS})
         assert first != plain and text(base, model, sae={"name": "rt", "clamps": CLAMPS}) == first

@@ -14,14 +14,14 @@ import torch
 from tests.sae_writers import random_sae, write_gemma_scope, write_json, write_sae_lens
 from vllm_steer.core.config import SaeModuleConfig, SteerConfig, parse_steer_config, SteerConfigError
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.core.sae_catalog import runtime_entry
+from vllm_steer.core.sae_catalog import Slot, runtime_entry
 from vllm_steer.core.sae_files import SaeFileError, read_sae_meta
 from vllm_steer.core.sae_paths import DENIED, NO_ROOT, SaePathError, runtime_access
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.server.errors import error_body
 
 D, F, LAYERS = 16, 32, 4
-SITE, SLOTS = "post_mlp.1", {("post_mlp", 1): 8}
+SITE, SLOTS = "post_mlp.1", {("post_mlp", 1): Slot(8)}
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from tests.sae_writers import random_sae, write_gemma_scope, write_manifest
 from vllm_steer.capture.spec import CaptureSpecError, parse_capture_spec
 from vllm_steer.core.config import SaeModuleConfig, SteerConfig, SteerConfigError
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.core.sae_catalog import runtime_entry, sae_catalog, slot_sites
+from vllm_steer.core.sae_catalog import Slot, runtime_entry, sae_catalog, slot_sites
 from vllm_steer.core.sae_files import SaeFileError, load_sae, read_sae_meta
 from vllm_steer.core.site_names import TL_HOOKS, parse_site_name, tl_hook
 from vllm_steer.frontend.module_files import read_safetensors
@@ -219,7 +219,7 @@ def _cfg(path: str, site: str, slot: str) -> SteerConfig:
 def test_sae_config_slots_and_request_sites_in_either_spelling(gemma):
     ours = _cfg(gemma, "post_mlp.2", "post_attn.1")
     tl = _cfg(gemma, "blocks.2.hook_resid_post", "blocks.1.hook_resid_mid")
-    assert slot_sites(tl, 4) == slot_sites(ours, 4) == {("post_attn", 1): 4}
+    assert slot_sites(tl, 4) == slot_sites(ours, 4) == {("post_attn", 1): Slot(4)}
     want, got = sae_catalog(ours, D, 4)["fz"], sae_catalog(tl, D, 4)["fz"]
     assert got.sites == want.sites == {("post_mlp", 2): want.sites[("post_mlp", 2)]}
     clamp = {"name": "fz", "clamps": [{"feature": 1, "kind": "set", "value": 2.0}]}

@@ -44,7 +44,8 @@ def render(s: dict) -> str:
              f"({s['dtype']}); name a site hook.layer (post_mlp.12) or blocks.12.hook_resid_post"]
     if s["sae"] or s["sae_slots"]:
         saes = [f"{name} at {site}" for name, site in s["sae"].items()]
-        saes += [f"{site} reserved for runtime SAEs ({n} features)" for site, n in s["sae_slots"].items()]
+        saes += [f"{site} reserved for runtime SAEs ({n if isinstance(n, int) else n['features']} features)"
+                 for site, n in s["sae_slots"].items()]
         lines.append(f"SAE: {'; '.join(saes)} (vllm-steer sae list)")
     lines.append("norm strengths: server-wide norms (steer.site_norms)" if s["site_norms"] else
                  "norm strengths: no server-wide norms, only modules' own (vllm-steer calibrate writes them)")

@@ -89,6 +89,22 @@ class SaeModuleConfig(BaseModel):
 MAX_CLAMPABLE = 4096  # clampable features per SAE site
 
 
+class SaeSlotConfig(BaseModel):
+    """A site reserved for a runtime SAE of any architecture (``steer.sae_slots.<site>`` as an object): the whole
+    SAE is staged there (TopK ranks every feature; reconstruct decodes them all), so its size is reserved too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    features: int = Field(ge=1, le=MAX_CLAMPABLE)
+    """How many features requests may clamp (the SAE's ``features`` list, or all of a small one)."""
+    d_sae: int = Field(ge=1)
+    """The most features an SAE registered here may have (4 * d_model * d_sae bytes of bfloat16 weights)."""
+    k: int = Field(default=0, ge=0)
+    """The TopK k of the SAEs registered here (0: ReLU / JumpReLU ones); the norm's op is built for it."""
+    reconstruct: bool = False
+    """Whether an SAE registered here may be registered with ``reconstruct: true``."""
+
+
 def upload_cap(max_bytes: int) -> int:
     """The largest body worth reading for ``max_bytes`` of vectors: twice them (packed in base64
     JSON they are 4/3 as large) plus 1 MiB for the rest of the body."""
@@ -147,11 +163,12 @@ class SteerConfig(BaseModel):
     ``{"error": "timeout", "message": ...}`` in ``capture``. Results never delay other requests."""
     sae: dict[str, SaeModuleConfig] = Field(default_factory=dict)
     """SAEs requests may clamp features of (``"sae": {"name": ...}``), by name."""
-    sae_slots: dict[str, int] = Field(default_factory=dict)
+    sae_slots: dict[str, int | SaeSlotConfig] = Field(default_factory=dict)
     """Sites reserved for SAEs registered while the server runs (``POST /v1/steering/sae``):
     site name (``"hook.layer"`` or TransformerLens', ``core.site_names``) -> how many clampable
-    features the site holds (its tables are allocated at start-up, so CUDA graphs and torch.compile
-    see them from the first step)."""
+    features the site holds (a clamp-only ReLU / JumpReLU SAE; it may share the site with start-up
+    SAEs), or a ``SaeSlotConfig`` (any architecture, TopK and reconstruct too; alone at its site). Its
+    tables are allocated at start-up, so CUDA graphs and torch.compile see them from the first step."""
     sae_root: tuple[str, ...] | None = None
     """The directories (absolute; one string or a list) whose files runtime SAE registrations may
     read (``core.sae_paths``); None: registration by path is refused (403). ``steer.sae`` is not
@@ -219,7 +236,10 @@ class SteerConfig(BaseModel):
     @classmethod
     def _slot_sizes(cls, v: Any) -> Any:
         for site, n in v.items():
-            if not 1 <= n <= MAX_CLAMPABLE:
+            if isinstance(n, SaeSlotConfig):
+                if n.k > n.d_sae or n.features > n.d_sae:
+                    raise ValueError(f"{site}: k and features must not exceed d_sae ({n.d_sae})")
+            elif not 1 <= n <= MAX_CLAMPABLE:
                 raise ValueError(f"{site}: between 1 and {MAX_CLAMPABLE} clampable features, got {n}")
         return v
 

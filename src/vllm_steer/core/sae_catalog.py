@@ -2,7 +2,9 @@
 features and their slots, whether it may reconstruct. Those of ``steer.sae`` are built at start-up by
 the API process from file headers only (to validate requests) and by every worker before loading the
 weights of its sites, so both agree on slots and sites. Those registered at runtime take sites that
-``steer.sae_slots`` reserved (``runtime_entry``)."""
+``steer.sae_slots`` reserved (``runtime_entry``): a clamp-only region, which may share its site with start-up
+clamp-only SAEs, or a full reservation (TopK, reconstruct), alone at its site. Several SAEs at one site form one
+pack (``site_regions``)."""
 
 from __future__ import annotations
 
@@ -95,13 +97,37 @@ def _config_fail(key: str) -> Fail:
     return lambda sub, message: SteerConfigError(f"{key}{'.' + sub if sub == 'features' else ''}: {message}")
 
 
-def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, int]:
-    """``steer.sae_slots`` as sites -> capacity; SteerConfigError naming the key of a bad one (a
+@dataclass(frozen=True)
+class Slot:
+    """A site's reservation for a runtime SAE (``steer.sae_slots``): ``features`` clampable ones; ``d_sae`` > 0: a
+    full one (the whole SAE staged, up to ``d_sae`` features; TopK of ``k`` only, or ReLU / JumpReLU when 0;
+    ``reconstruct`` allowed or not), alone at its site; 0: a clamp-only region of the site's pack."""
+
+    features: int
+    d_sae: int = 0
+    k: int = 0
+    reconstruct: bool = False
+
+    @property
+    def full(self) -> bool:
+        return self.d_sae > 0
+
+    def describe(self) -> str:
+        if not self.full:
+            return f"{self.features} clampable features, ReLU / JumpReLU, delta only"
+        arch = f"TopK k={self.k}" if self.k else "ReLU / JumpReLU"
+        return (f"{self.features} clampable features of at most d_sae {self.d_sae}, {arch}, "
+                f"{'delta or reconstruct' if self.reconstruct else 'delta only'}")
+
+
+def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, Slot]:
+    """``steer.sae_slots`` as sites -> reservation; SteerConfigError naming the key of a bad one (a
     site no config SAE holds, steerable, not pre_attn.0)."""
     if cfg is None or not cfg.sae_slots:
         return {}
-    out: dict[Site, int] = {}
-    for text, capacity in cfg.sae_slots.items():
+    out: dict[Site, Slot] = {}
+    for text, raw in cfg.sae_slots.items():
+        slot = Slot(raw) if isinstance(raw, int) else Slot(raw.features, raw.d_sae, raw.k, raw.reconstruct)
         key = f"additional_config.steer.sae_slots.{text}"
         try:
             hook, layer = parse_site(text, key)
@@ -113,31 +139,66 @@ def slot_sites(cfg: SteerConfig | None, num_layers: int) -> dict[Site, int]:
             raise SteerConfigError(f"{key}: pre_attn of layer 0 cannot take an SAE")
         if (hook, layer) in out:
             raise SteerConfigError(f"{key}: site {hook}.{layer} is named twice")
-        out[(hook, layer)] = capacity
+        out[(hook, layer)] = slot
     return out
 
 
 def sae_catalog(cfg: SteerConfig | None, hidden: int, num_layers: int) -> dict[str, SaeEntry]:
-    """name -> entry of every configured SAE; raises SteerConfigError naming the key at fault
-    (two SAEs may not share a site: their clamps would have no defined order; nor may an SAE take
-    a site reserved in ``sae_slots``). A transcoder at post_attn.L and a residual SAE at post_attn.L do
-    not share: the SAE edits the stream entering the norm, the transcoder the MLP's output after it."""
+    """name -> entry of every configured SAE; raises SteerConfigError naming the key at fault. Several
+    clamp-only SAEs (and a ``sae_slots`` reservation) may share a site (``site_regions``: their encoders all
+    read the same stream, their edits add); a full one (TopK, or reconstruct) holds its site alone. A
+    transcoder at post_attn.L and a residual SAE at post_attn.L have a pack each: the SAE edits the stream
+    entering the norm, the transcoder the MLP's output after it."""
     if cfg is None or not cfg.sae:
         return {}
     out = {name: _entry(name, c, cfg, hidden, num_layers, _config_fail(f"additional_config.steer.sae.{name}"))
            for name, c in cfg.sae.items()}
-    owner: dict[tuple[Site, bool], str] = {}
+    owners: dict[tuple[Site, bool], list[str]] = {}
     for name, e in out.items():
         for site in e.sites:
-            if (site, e.transcoder) in owner:
+            there = owners.setdefault((site, e.transcoder), [])
+            full = next((n for n in there + [name] if out[n].full), None)
+            if there and full is not None:
                 what = "transcoder" if e.transcoder else "SAE"
                 raise SteerConfigError(f"additional_config.steer.sae.{name}: site {site[0]}.{site[1]} already has "
-                                       f"the {what} {owner[(site, e.transcoder)]!r}")
-            owner[(site, e.transcoder)] = name
-    for site in slot_sites(cfg, num_layers):
-        if (site, False) in owner:
-            raise SteerConfigError(f"additional_config.steer.sae_slots.{site[0]}.{site[1]}: the SAE "
-                                   f"{owner[(site, False)]!r} is loaded there")
+                                       f"the {what} {there[0]!r}, and {full!r} is a full {what} (TopK or "
+                                       "reconstruct), which holds its site alone")
+            there.append(name)
+    for site, slot in slot_sites(cfg, num_layers).items():
+        key = f"additional_config.steer.sae_slots.{site[0]}.{site[1]}"
+        full = next((n for n in owners.get((site, False), []) if out[n].full), None)
+        if full is not None:
+            raise SteerConfigError(f"{key}: the SAE {full!r} loaded there is a full SAE (TopK or reconstruct), "
+                                   "which holds its site alone")
+        if slot.full and owners.get((site, False)):
+            raise SteerConfigError(f"{key}: a full reservation (d_sae) holds its site alone, and the SAE "
+                                   f"{owners[(site, False)][0]!r} is loaded there")
+    return out
+
+
+@dataclass(frozen=True)
+class Region:
+    """A part of a site's pack (kernels/sae_clamp/packed.py): the clamp slots ``[offset, offset + size)``
+    belong to the SAE ``name`` (None: the ``sae_slots`` reservation, for the runtime SAE registered there)."""
+
+    name: str | None
+    offset: int
+    size: int
+
+
+def site_regions(catalog: dict[str, SaeEntry], slots: dict[Site, Slot]) -> dict[tuple[Site, bool], list[Region]]:
+    """Per (site, transcoder?) the regions of its one pack: the start-up SAEs there in config order, then the
+    reserved region of a runtime SAE. A request's wire slots are each SAE's own (``slot_of``); the workers add
+    the region's offset. One pack per site keeps the norm's one clamp walk (CPU and Triton alike): the clamps
+    of every SAE at the site read the same stream and their edits add (``README`` "Several SAEs at one site")."""
+    out: dict[tuple[Site, bool], list[Region]] = {}
+    for name, e in catalog.items():
+        for site in e.sites:
+            there = out.setdefault((site, e.transcoder), [])
+            there.append(Region(name, sum(r.size for r in there), len(e.features)))
+    for site, slot in slots.items():
+        there = out.setdefault((site, False), [])
+        there.append(Region(None, sum(r.size for r in there), slot.features))
     return out
 
 
@@ -146,28 +207,35 @@ class SlotError(Exception):
 
 
 def runtime_entry(name: str, c: SaeModuleConfig, cfg: SteerConfig, hidden: int, num_layers: int,
-                  slots: dict[Site, int], version: int) -> SaeEntry:
-    """The entry of an SAE registered while the server runs, checked against its reserved slots;
-    SteeringSpecError naming the registration's field (``path``, ``site``, ``features``, ...), or
-    SaePathError (403) for a path outside ``steer.sae_root`` (``core.sae_paths``)."""
+                  slots: dict[Site, Slot], version: int) -> SaeEntry:
+    """The entry of an SAE registered while the server runs, checked against its reserved slots (a
+    clamp-only one takes ReLU / JumpReLU SAEs for delta; a full one any architecture it was reserved for);
+    SteeringSpecError naming the registration's field (``path``, ``site``, ``features``, ``reconstruct``),
+    or SaePathError (403) for a path outside ``steer.sae_root`` (``core.sae_paths``)."""
     def fail(sub: str, message: str) -> Exception:
         return SteeringSpecError(sub or "path", message)
 
-    if c.reconstruct:
-        raise fail("reconstruct", "an SAE registered at runtime clamps only (delta); reconstruct needs the whole "
-                                  "SAE on every worker: load it at start-up (steer.sae)")
     entry = _entry(name, c, cfg, hidden, num_layers, fail, version, runtime_access(cfg.sae_root, cfg.max_sae_bytes))
     if entry.transcoder:
         raise fail("path", "a transcoder cannot be registered at runtime (sae_slots reserve residual SAE sites): "
                            "load it at start-up (steer.sae)")
     for (hook, layer), meta in entry.sites.items():
-        if meta.activation == "topk":
-            raise fail("path", f"site {hook}.{layer}: a TopK SAE needs every feature on the workers: load it at "
-                               "start-up (steer.sae)")
+        where = f"site {hook}.{layer}"
         if (hook, layer) not in slots:
-            raise fail("site", f"site {hook}.{layer} is not reserved for SAEs registered at runtime (reserved: "
+            raise fail("site", f"{where} is not reserved for SAEs registered at runtime (reserved: "
                                f"{sorted(f'{h}.{l}' for h, l in slots)}; steer.sae_slots)")
-        if len(entry.features) > slots[(hook, layer)]:
-            raise fail("features", f"{len(entry.features)} clampable features, but site {hook}.{layer} holds "
-                                   f"{slots[(hook, layer)]} (steer.sae_slots); list fewer features")
+        slot = slots[(hook, layer)]
+        held = f"{where} holds {slot.describe()} (steer.sae_slots)"
+        if len(entry.features) > slot.features:
+            raise fail("features", f"{len(entry.features)} clampable features, but {where} holds {slot.features} "
+                                   "(steer.sae_slots); list fewer features")
+        if c.reconstruct and not slot.reconstruct:
+            raise fail("reconstruct", f"{held}: reconstruct needs a site reserved with d_sae and reconstruct: true")
+        k = meta.k if meta.activation == "topk" else 0
+        if not slot.full and k:
+            raise fail("path", f"{held}: a TopK SAE needs a site reserved with d_sae and k (every feature ranks)")
+        if slot.full and k != slot.k:
+            raise fail("path", f"{held}; this SAE is {f'TopK k={k}' if k else meta.activation}")
+        if slot.full and meta.d_sae > slot.d_sae:
+            raise fail("path", f"{held}; this SAE has d_sae {meta.d_sae}")
     return entry

@@ -56,14 +56,16 @@ def _forget_retired(call: Call) -> None:
 
 
 def sae_users(requests: Any) -> dict[str, dict[str, int]]:
-    """Unfinished requests per SAE name and per SAE site (``hook.layer``) their clamps use."""
+    """Unfinished requests per SAE name, and per site (``hook.layer``) where they clamp a runtime SAE (a start-up
+    SAE sharing the site has its own part of the site's pack)."""
     names: Counter[str] = Counter()
     sites: Counter[str] = Counter()
     for payload in _payloads(requests):
         if payload.sae:
             entries = [e for phase in payload.sae.values() for e in phase]
             names.update({e[0] for e in entries})
-            sites.update({f"{e[1]}.{e[2]}" for e in entries})
+            runtime = payload.sae_versions or {}
+            sites.update({f"{e[1]}.{e[2]}" for e in entries if e[0] in runtime})
     return {"names": dict(names), "sites": dict(sites)}
 
 

@@ -23,7 +23,7 @@ from vllm_steer.frontend.module_registration import check_name, check_replace
 from vllm_steer.frontend.prepared import PREPARED
 from vllm_steer.frontend.sae_registry import REGISTRY, SAE_SYNC
 
-_CONFIG_FIELDS = ("path", "format", "site", "features")
+_CONFIG_FIELDS = ("path", "format", "site", "features", "reconstruct")
 _FIELDS = {"name", "replace", *_CONFIG_FIELDS}
 
 
@@ -51,10 +51,12 @@ def sae_from_json(body: dict) -> tuple[str, SaeModuleConfig, bool]:
 
 
 def _in_transit(sites: set[str]) -> dict[str, int]:
-    """Requests of this process on their way to the engine that clamp at ``sites`` (``hook.layer``)."""
+    """Requests of this process on their way to the engine that clamp a runtime SAE at ``sites`` (``hook.layer``;
+    a start-up SAE sharing the site has its own part of the site's pack)."""
     out: dict[str, int] = {}
     for payload in PREPARED.payloads():
-        used = {f"{e[1]}.{e[2]}" for phase in (payload.sae or {}).values() for e in phase}
+        runtime = payload.sae_versions or {}
+        used = {f"{e[1]}.{e[2]}" for phase in (payload.sae or {}).values() for e in phase if e[0] in runtime}
         for site in used & sites:
             out[site] = out.get(site, 0) + 1
     return out
@@ -65,12 +67,21 @@ def _busy(where: str, counts: dict[str, int]) -> SlotError:
                      "retry when they finish")
 
 
+def _held(site: str, holder: str, slots: dict | None = None) -> str:
+    """Why a registration at a taken reserved site is refused: the limit (one runtime SAE per reserved site) and,
+    where this process knows them, the reserved sites still free."""
+    free = sorted(f"{h}.{l}" for h, l in slots or () if REGISTRY.holder((h, l)) is None)
+    where = f"; free reserved sites: {free}" if free else "; no reserved site is free" if slots is not None else ""
+    return (f"site {site} holds the SAE {holder!r} (steer.sae_slots reserves one runtime SAE per site{where}); "
+            "delete it first")
+
+
 def _refusal(name: str, r: dict) -> Exception:
     """The error of the engine core's refusal of a registration (another API process got there first)."""
     if "busy" in r:
         return _busy("in the engine", r["busy"])
     if r["refused"] == "held":
-        return SlotError(f"site {r['site']} holds the SAE {r['holder']!r}; delete it first")
+        return SlotError(_held(r["site"], r["holder"]))
     if r["refused"] == "exists":
         return SaeExistsError(f"SAE {name!r} exists; pass replace=true to replace it")
     return SaeExistsError(f"SAE {name!r} was registered again meanwhile (refused: {r['refused']}); retry")
@@ -92,7 +103,7 @@ class _Registration:
         for site in self.entry.sites:
             holder = REGISTRY.holder(site)
             if holder is not None and holder != name:
-                raise SlotError(f"site {site[0]}.{site[1]} holds the SAE {holder!r}; delete it first")
+                raise SlotError(_held(f"{site[0]}.{site[1]}", holder, frontend.sae_slots))
         self.sites = [f"{h}.{l}" for h, l in self.entry.sites]
         if self.old is not None:  # new requests can no longer name the old one
             REGISTRY.drop(name)
@@ -205,12 +216,13 @@ def unregister_sae(llm: Any, name: str) -> SaeEntry:
 
 
 def register_sae(llm: Any, name: str, path: str, format: str | None = None, site: str | None = None,
-                 features: list[int] | None = None, replace: bool = False) -> dict:
+                 features: list[int] | None = None, replace: bool = False, reconstruct: bool = False) -> dict:
     """Register an SAE on a ``vllm.LLM`` started with ``steer.sae_slots`` (as ``POST /v1/steering/sae``)."""
     from vllm_steer.frontend.prepare import SteeringFrontend
 
     frontend = SteeringFrontend(llm.llm_engine.vllm_config)
-    body = {"name": name, "path": path, "format": format, "site": site, "features": features, "replace": replace}
+    body = {"name": name, "path": path, "format": format, "site": site, "features": features, "replace": replace,
+            "reconstruct": reconstruct or None}
     reg = _Registration(frontend, *sae_from_json({k: v for k, v in body.items() if v is not None}))
     try:
         replies = llm.collective_rpc("vllm_steer_register_sae", args=reg.rpc_args)

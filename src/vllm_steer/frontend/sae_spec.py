@@ -2,7 +2,8 @@
 
 ``"sae": {"name", "site"?, "mode"?: "delta" | "reconstruct", "phase"?: "both" | "prefill" | "decode",
 "clamps": [{"feature", "kind": "set" | "add" | "scale", "value", "only_if_active"?}]}``, or a list of such
-objects (one per SAE site and phase; a transcoder is named like an SAE, its site post_attn.L for layer L's MLP).
+objects (one per SAE, site and phase; a transcoder is named like an SAE, its site post_attn.L for layer L's MLP).
+Several SAEs at one site all read the same stream there and their edits add (``core.sae_catalog.site_regions``).
 Every problem raises SteeringSpecError naming the field, e.g.
 ``sae.clamps[3].feature``. Out come the wire entries (``core.sae_rows``) of each phase.
 
@@ -137,8 +138,8 @@ def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], li
     if not items:
         raise SteeringSpecError(SAE_FIELD, "expected an object or a non-empty list of objects")
     phases: tuple[list[SaeWire], list[SaeWire]] = ([], [])
-    taken: set[tuple[int, tuple[str, int], bool]] = set()  # (phase, site, transcoder?): an SAE and a transcoder
-    # may share a site
+    taken: set[tuple[int, tuple[str, int], str]] = set()  # (phase, site, name): several SAEs (and a transcoder)
+    # may share a site, each once per phase
     for i, item in enumerate(items):
         field = f"{SAE_FIELD}[{i}]" if isinstance(raw, list) else SAE_FIELD
         _object(field, item, _ENTRY_KEYS, '{"name", "clamps", "mode"?, "phase"?, "site"?}')
@@ -159,9 +160,9 @@ def parse_sae(raw: Any, catalog: dict[str, SaeEntry]) -> tuple[list[SaeWire], li
         wire = wire_entry(name, site[0], site[1], mode, slots, codes, values)
         for p, on in enumerate((pre, dec)):
             if on:
-                if (p, site, entry.transcoder) in taken:
-                    raise SteeringSpecError(field, f"site {site[0]}.{site[1]} is clamped twice in the "
+                if (p, site, name) in taken:
+                    raise SteeringSpecError(field, f"SAE {name!r} clamps site {site[0]}.{site[1]} twice in the "
                                                    f"{('prefill', 'decode')[p]} phase")
-                taken.add((p, site, entry.transcoder))
+                taken.add((p, site, name))
                 phases[p].append(wire)
     return phases

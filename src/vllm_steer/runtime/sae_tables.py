@@ -1,6 +1,8 @@
 """Device buffers of SAE clamping on a worker: per SAE site of this rank, the site's pack (weights
-staged once at start-up, or, at sites ``steer.sae_slots`` reserved, zeros until an SAE is registered
-at runtime and staged in place; row tables updated in place; layout in kernels/sae_clamp/packed.py). Rows
+staged once at start-up, or, in the region ``steer.sae_slots`` reserved at a site, zeros until an SAE is
+registered at runtime and staged in place; row tables updated in place; layout in kernels/sae_clamp/packed.py).
+Several clamp-only SAEs at one site share its pack, one region of clamp slots each (``core.sae_catalog.site_regions``:
+the wire's slots are each SAE's own, offset here), so the norm's one clamp walk applies them all. Rows
 share the numbering of the steering tables: a config key owns one row for its vectors and its clamps
 alike, so the row gate, the index and preemption need nothing new. A full pack (TopK, or a site that allows
 reconstruct) keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands, kernels/sae_clamp/full_triton.py). A transcoder's packs (``tc_packs``, by its
@@ -9,11 +11,12 @@ post_attn.L site) have the clamp-only layout too; the norm of post_attn.L applie
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import torch
 
-from vllm_steer.core.sae_catalog import SaeEntry, Site
+from vllm_steer.core.sae_catalog import Region, SaeEntry, Site, Slot, site_regions
 from vllm_steer.core.sae_files import SaeWeights, load_sae
 from vllm_steer.core.sae_paths import FileAccess
 from vllm_steer.core.sae_rows import SaeWire, unpack_entry
@@ -21,6 +24,11 @@ from vllm_steer.runtime.pinned_ring import PinnedRing
 
 def _tensor(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+
+def _put(t: torch.Tensor, a: np.ndarray) -> None:
+    """Copy ``a`` into the device tensor (view) ``t`` in its dtype."""
+    t.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(t.dtype))
 
 
 def _folded_bias(w: SaeWeights) -> np.ndarray:
@@ -46,18 +54,27 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _pack(w: SaeWeights, entry: SaeEntry, num_rows: int, device: torch.device) -> list[torch.Tensor]:
-    """A site's pack. A full one keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands; half the
-    float32 bytes: 4 * d_model * d_sae per site) and derives everything else from those rounded weights (the
-    clampable copies, the folded bias), so the reference and the kernels compute with the same SAE."""
-    if entry.full:
-        w = dataclasses.replace(w, w_enc=_bf16(w.w_enc), w_dec=_bf16(w.w_dec))
+    """An SAE's pack when it is alone at its site. A full one (TopK, or reconstruct: always alone) keeps W_enc /
+    W_dec in bfloat16 (the tensor-core kernels' operands; half the float32 bytes: 4 * d_model * d_sae per site)
+    and derives everything else from those rounded weights (the clampable copies, the folded bias), so the
+    reference and the kernels compute with the same SAE."""
+    if not entry.full:
+        return _clamp_only_pack([_clampable(w, np.asarray(entry.features, dtype=np.int64))], num_rows, device)
+    w = dataclasses.replace(w, w_enc=_bf16(w.w_enc), w_dec=_bf16(w.w_dec))
     enc, dec, bias, thr, feats = _clampable(w, np.asarray(entry.features, dtype=np.int64))
     pack = _row_tables(num_rows, len(feats), device)
     pack += [_tensor(a, device) for a in (enc, dec, bias, thr)] + [_tensor(feats, device, torch.int64)]
-    if entry.full:
-        pack += [_tensor(w.w_enc, device, torch.bfloat16), _tensor(_folded_bias(w), device),
-                 _tensor(_threshold(w), device), _tensor(w.w_dec, device, torch.bfloat16), _tensor(w.b_dec, device)]
+    pack += [_tensor(w.w_enc, device, torch.bfloat16), _tensor(_folded_bias(w), device),
+             _tensor(_threshold(w), device), _tensor(w.w_dec, device, torch.bfloat16), _tensor(w.b_dec, device)]
     return pack
+
+
+def _clamp_only_pack(parts: list[list[np.ndarray]], num_rows: int, device: torch.device) -> list[torch.Tensor]:
+    """A clamp-only pack of the regions ``parts`` (each (enc, dec, bias, thr, features), ``_clampable``'s, or zeros
+    for a reserved region), one after the other in slot order."""
+    enc, dec, bias, thr, feats = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    return (_row_tables(num_rows, len(feats), device) + [_tensor(a, device) for a in (enc, dec, bias, thr)]
+            + [_tensor(feats, device, torch.int64)])
 
 
 def _row_tables(num_rows: int, c: int, device: torch.device) -> list[torch.Tensor]:
@@ -66,40 +83,56 @@ def _row_tables(num_rows: int, c: int, device: torch.device) -> list[torch.Tenso
             torch.zeros(num_rows, c, dtype=torch.float32, device=device)]
 
 
-def _empty_pack(capacity: int, hidden: int, num_rows: int, device: torch.device) -> list[torch.Tensor]:
-    """A reserved site's clamp-only pack: every row OFF, zero weights until an SAE is registered."""
-    f32 = {"dtype": torch.float32, "device": device}
-    return _row_tables(num_rows, capacity, device) + [
-        torch.zeros(capacity, hidden, **f32), torch.zeros(capacity, hidden, **f32), torch.zeros(capacity, **f32),
-        torch.zeros(capacity, **f32), torch.zeros(capacity, dtype=torch.int64, device=device)]
+_PAD_BIAS = -1e30  # a reserved full pack's features past its SAE's d_sae: never active, never in a TopK
+
+
+def _reserved_full(slot: Slot, hidden: int, num_rows: int, device: torch.device) -> list[torch.Tensor]:
+    """A full reservation's pack (every row OFF) until an SAE of at most ``slot.d_sae`` features is staged in it."""
+    f, bf16 = slot.d_sae, {"dtype": torch.bfloat16, "device": device}
+    return _clamp_only_pack([_reserved(slot.features, hidden)], num_rows, device) + [
+        torch.zeros(hidden, f, **bf16), torch.full((f,), _PAD_BIAS, device=device), torch.zeros(f, device=device),
+        torch.zeros(f, hidden, **bf16), torch.zeros(hidden, device=device)]
+
+
+def _reserved(capacity: int, hidden: int) -> list[np.ndarray]:
+    """A reserved region's zeros (its clamps read zero weights until an SAE is registered there)."""
+    z = np.zeros(capacity, dtype=np.float32)
+    return [np.zeros((capacity, hidden), np.float32), np.zeros((capacity, hidden), np.float32), z, z,
+            np.zeros(capacity, dtype=np.int64)]
 
 
 class SaeTables:
-    def __init__(self, catalog: dict[str, SaeEntry], slots: dict[Site, int], sites: set[Site], num_rows: int,
+    def __init__(self, catalog: dict[str, SaeEntry], slots: dict[Site, Slot], sites: set[Site], num_rows: int,
                  hidden: int, device: torch.device, runtime_files: FileAccess) -> None:
-        """Load the SAEs of ``sites`` (this rank's hooked sites) and stage their packs; reserve the
-        packs of the ``slots`` among them (capacity in clampable features) for runtime SAEs, whose
-        files are read only as ``runtime_files`` allows (steer.sae_root, steer.max_sae_bytes)."""
+        """Load the SAEs of ``sites`` (this rank's hooked sites) and stage their packs, one per site and kind
+        (``site_regions``: the clamp-only SAEs of a site one after the other, then the region the ``slots``
+        reserve there, in clampable features, for a runtime SAE, whose files are read only as ``runtime_files``
+        allows (steer.sae_root, steer.max_sae_bytes))."""
         self.runtime_files = runtime_files
         self.packs: dict[Site, list[torch.Tensor]] = {}
         self.tc_packs: dict[Site, list[torch.Tensor]] = {}  # transcoders: at post_attn.L, layer L's MLP
         self._tc_names = {name for name, e in catalog.items() if e.transcoder}
         self.topk: dict[Site, int] = {}
         self.slots = {s: n for s, n in slots.items() if s in sites}
-        for site, capacity in self.slots.items():
-            self.packs[site] = _empty_pack(capacity, hidden, num_rows, device)
-        for entry in catalog.values():
-            mine = [s for s in entry.sites if s in sites]
-            if not mine:
-                continue
-            weights = load_sae(entry.config.path, entry.config.format, entry.config.site)
-            for site in mine:
-                w = weights[site]
-                if entry.transcoder:
-                    self.tc_packs[site] = _pack(w, entry, num_rows, device)
-                    continue
-                self.packs[site] = _pack(w, entry, num_rows, device)
-                self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
+        self.slot_base: dict[Site, int] = {}  # where a site's reserved region starts in its pack
+        self._offset: dict[tuple[bool, Site], dict[str, int]] = {}  # where each start-up SAE's region starts
+        mine = {key: regions for key, regions in site_regions(catalog, self.slots).items() if key[0] in sites}
+        left = Counter(r.name for regions in mine.values() for r in regions if r.name is not None)
+        weights: dict[str, dict] = {}  # an SAE's weights from its first site of this rank to its last only
+        for (site, tc), regions in mine.items():
+            names = [r.name for r in regions if r.name is not None]
+            for name in names:
+                if name not in weights:
+                    c = catalog[name].config
+                    weights[name] = load_sae(c.path, c.format, c.site)
+            (self.tc_packs if tc else self.packs)[site] = self._site_pack(site, regions, catalog, weights, hidden,
+                                                                          num_rows, device)
+            self._offset[(tc, site)] = {r.name: r.offset for r in regions if r.name is not None}
+            self.slot_base.update({site: r.offset for r in regions if r.name is None})
+            left.subtract(names)
+            for name in names:
+                if not left[name]:
+                    del weights[name]
         self._written: dict[int, list[tuple[bool, Site]]] = {}  # row -> (transcoder?, site) whose tables it set
         self._device = device
         self._code_ring = self._value_ring = None  # sized for every pack at the first write (_stage)
@@ -107,6 +140,23 @@ class SaeTables:
             from vllm_steer.kernels.steered_rms_norm.triton import split_buffers
 
             split_buffers(device, hidden)
+
+    def _site_pack(self, site: Site, regions: list[Region], catalog: dict[str, SaeEntry], weights: dict,
+                   hidden: int, num_rows: int, device: torch.device) -> list[torch.Tensor]:
+        first = catalog[regions[0].name] if regions[0].name is not None else None
+        if first is None and self.slots[site].full:  # alone at its site (sae_catalog)
+            self.topk[site] = self.slots[site].k
+            return _reserved_full(self.slots[site], hidden, num_rows, device)
+        if first is not None and first.full:  # alone at its site (sae_catalog)
+            w = weights[first.name][site]
+            self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
+            return _pack(w, first, num_rows, device)
+        if first is None or not first.transcoder:
+            self.topk[site] = 0
+        parts = [_reserved(r.size, hidden) if r.name is None
+                 else _clampable(weights[r.name][site], np.asarray(catalog[r.name].features, dtype=np.int64))
+                 for r in regions]
+        return _clamp_only_pack(parts, num_rows, device)
 
     def write_row(self, row: int, entries: list[SaeWire] | None) -> int:
         """Set ``row`` of every site's clamp tables to a config's entries (sites it does not name:
@@ -118,23 +168,25 @@ class SaeTables:
             pack = (self.tc_packs if tc else self.packs)[site]
             pack[0][row : row + 1].fill_(0)
             written += pack[0].element_size()
-        mine = []
+        mine: dict[tuple[bool, Site], list] = {}  # a pack's entries: several SAEs may share its site
         for entry in entries or ():
             name, hook, layer, mode, slots, codes, values = unpack_entry(entry)
             tc = name in self._tc_names
-            pack = (self.tc_packs if tc else self.packs).get((hook, layer))
-            if pack is not None:  # else another rank's site
-                mine.append((tc, (hook, layer), pack, mode, slots, codes, values))
+            if (hook, layer) in (self.tc_packs if tc else self.packs):  # else another rank's site
+                offset = self._offset.get((tc, (hook, layer)), {}).get(name, self.slot_base.get((hook, layer), 0))
+                mine.setdefault((tc, (hook, layer)), []).append((mode, offset + slots, codes, values))
         if mine:  # staged in pinned buffers, a part per site, copied non-blocking: a pageable host -> device
             (code_host, land_code), (value_host, land_value) = self._stage()  # copy would wait for the forward
-        for j, (tc, site, pack, mode, slots, codes, values) in enumerate(mine):
+        for j, ((tc, site), parts) in enumerate(mine.items()):
+            pack = (self.tc_packs if tc else self.packs)[site]
             c = pack[1].shape[1]
             code_host[j, :c], value_host[j, :c] = 0, 0
-            code_host[j, slots] = codes
-            value_host[j, slots] = values
+            for _, slots, codes, values in parts:
+                code_host[j, slots] = codes
+                value_host[j, slots] = values
             land_code(pack[1][row], (j, slice(0, c)))
             land_value(pack[2][row], (j, slice(0, c)))
-            pack[0][row : row + 1].fill_(mode)
+            pack[0][row : row + 1].fill_(max(p[0] for p in parts))  # several only in clamp-only packs: all DELTA
             touched.append((tc, site))
             written += 8 * c + pack[0].element_size()
         if touched:
@@ -152,17 +204,29 @@ class SaeTables:
 
     def load_runtime(self, path: str, format: str | None, site: str | None, features: tuple[int, ...],
                      sites: list[Site]) -> list[Site]:
-        """Stage a runtime SAE's clampable features into the reserved packs of its ``sites`` on this
-        rank (the front end and the engine core checked that no unfinished request uses them). The
-        path policy is checked again here (SaePathError), as the API process did, before any read."""
+        """Stage a runtime SAE's clampable features (and at a full reservation the whole SAE, its W_enc / W_dec
+        rounded to bfloat16 as a start-up full SAE's) into the reserved regions of its ``sites`` on this rank
+        (the front end and the engine core checked that no unfinished request uses them), zeroing what a larger
+        SAE left there. The path policy is checked again here (SaePathError), as the API process did, before any
+        read."""
         mine = [s for s in sites if s in self.slots]
         if not mine:
             return []
         weights = load_sae(path, format, site, self.runtime_files)
         feats = np.asarray(features, dtype=np.int64)
         for s in mine:
-            pack, n = self.packs[s], len(feats)
-            for t, a in zip(pack[3:8], _clampable(weights[s], feats)):
-                t[:n].copy_(torch.from_numpy(np.ascontiguousarray(a)).to(t.dtype))
-                t[n:].zero_()
+            w, pack, n = weights[s], self.packs[s], len(feats)
+            if self.slots[s].full:
+                w = dataclasses.replace(w, w_enc=_bf16(w.w_enc), w_dec=_bf16(w.w_dec))
+                f = w.meta.d_sae
+                w_enc, b_enc, thr_f, w_dec, b_dec = pack[8:13]
+                _put(w_enc[:, :f], w.w_enc), w_enc[:, f:].zero_()
+                _put(b_enc[:f], _folded_bias(w)), b_enc[f:].fill_(_PAD_BIAS)
+                _put(thr_f[:f], _threshold(w)), thr_f[f:].zero_()
+                _put(w_dec[:f], w.w_dec), w_dec[f:].zero_()
+                _put(b_dec, w.b_dec)
+            base, end = self.slot_base[s], self.slot_base[s] + self.slots[s].features
+            for t, a in zip(pack[3:8], _clampable(w, feats)):
+                _put(t[base : base + n], a)
+                t[base + n : end].zero_()
         return mine

@@ -20,7 +20,8 @@ from typing import Any
 
 from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.frontend.module_store import STORE
-from vllm_steer.server.metrics import MODULES, ROWS_CAPACITY, SAES, apply_engine
+from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY
+from vllm_steer.server.metrics import MODULES, ROWS_CAPACITY, SAE_SLOTS, SAES, apply_engine
 
 logger = logging.getLogger("vllm.steer")
 
@@ -89,5 +90,9 @@ class EngineMetricsMiddleware:
                 ROWS_CAPACITY.set(cfg.usable_rows * getattr(state, "steer_engines", 1))
                 MODULES.set(len(STORE.all()))
                 SAES.set(len(frontend.sae) if frontend is not None else 0)
+                slots = frontend.sae_slots if frontend is not None else {}
+                held = sum(SAE_REGISTRY.holder(site) is not None for site in slots)
+                SAE_SLOTS.labels(state="held").set(held)
+                SAE_SLOTS.labels(state="free").set(len(slots) - held)
                 await _FETCHER.refresh(engine)
         await self.app(scope, receive, send)

@@ -47,6 +47,9 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   ``steer.loop_stall_warn_s`` (``server.loop_watch``, which logs where it was blocked).
 - ``vllm_steer_modules`` gauge: named modules in this API process's store; ``vllm_steer_saes`` gauge:
   SAEs requests may clamp (``steer.sae`` and registered ones).
+- ``vllm_steer_sae_slots{state}`` gauge: sites ``steer.sae_slots`` reserves for runtime SAEs, ``held`` by one or
+  ``free``; ``vllm_steer_sae_registrations_refused_total{status,field}`` counter: runtime SAE registrations
+  refused (409 ``site``: every reserved site it names is taken, or still in use).
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ ROWS_CAPACITY = _gauge("vllm_steer_rows_capacity", "Steering-table rows for dist
                        "rows are shared by all hooks: one config is one row in every hook's table")
 MODULES = _gauge("vllm_steer_modules", "Named steering modules registered (this API process's store)")
 SAES = _gauge("vllm_steer_saes", "SAEs requests may clamp (steer.sae and registered ones, this API process)")
+SAE_SLOTS = Gauge("vllm_steer_sae_slots", "Sites steer.sae_slots reserves for runtime SAEs, held by one or free "
+                  "(this API process's view)", ["state"], multiprocess_mode="mostrecent")
+SAE_REFUSED = Counter("vllm_steer_sae_registrations_refused", "Runtime SAE registrations refused, by status and "
+                      "field (409 site: the reserved site is taken or still in use)", ["status", "field"])
 ENGINE_UPDATED = _gauge("vllm_steer_engine_metrics_updated_seconds",
                         "Unix time of the engine's last answer to a /metrics scrape (older: values are the last ones)")
 ENGINE_GAUGES = {

@@ -24,10 +24,21 @@ from vllm_steer.frontend.sae_registration import (
 )
 from vllm_steer.frontend.sae_registry import REGISTRY, SAE_SYNC
 from vllm_steer.server.errors import error, mutation_denied
+from vllm_steer.server.metrics import SAE_REFUSED
 from vllm_steer.server.schemas import NAMED, Deleted, SaeInfo, SaeList, SaeRegistration, SaeSummary, errors, request_body
 
 logger = logging.getLogger("vllm.steer")
 router = APIRouter(prefix="/v1/steering/sae", tags=["steering"])
+
+
+_LABELS = {"body", "name", "path", "format", "site", "features", "reconstruct", "replace"}  # a bounded label set
+
+
+def _refused(status: int, message: str, field: str | None = None) -> JSONResponse:
+    """A refused registration: counted on /metrics (``vllm_steer_sae_registrations_refused_total``)."""
+    top = (field or "body").split(".")[0]
+    SAE_REFUSED.labels(status=str(status), field=top if top in _LABELS else "other").inc()
+    return error(status, message, field)
 
 
 async def _users(raw: Request) -> dict[str, int]:
@@ -53,8 +64,8 @@ async def list_sae(raw: Request) -> JSONResponse:
     catalog = frontend.sae if frontend is not None else {}
     users = await _users(raw) if catalog and raw.app.state.steer_engine_client is not None else {}
     data = [{**sae_summary(e), "in_flight": users.get(name, 0)} for name, e in catalog.items()]
-    slots = [{"site": f"{h}.{l}", "clampable": n, "sae": REGISTRY.holder((h, l))}
-             for (h, l), n in (frontend.sae_slots if frontend is not None else {}).items()]
+    slots = [{"site": f"{h}.{l}", "clampable": slot.features, "sae": REGISTRY.holder((h, l))}
+             for (h, l), slot in (frontend.sae_slots if frontend is not None else {}).items()]
     return JSONResponse({"object": "list", "data": data, "slots": slots})
 
 
@@ -77,7 +88,7 @@ async def register(raw: Request) -> JSONResponse:
     if raw.app.state.steer_config is None or frontend is None:
         return error(400, "steering is disabled on this server")
     if not frontend.sae_slots:
-        return error(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
+        return _refused(409, "this server reserved no site for runtime SAEs (start it with steer.sae_slots)", "site")
     client = raw.app.state.steer_engine_client
     # data parallelism: every engine answers for itself before any stages the SAE
     rpc_each = partial(rpc_every_engine, client) if getattr(raw.app.state, "steer_engines", 1) > 1 else None
@@ -88,17 +99,17 @@ async def register(raw: Request) -> JSONResponse:
         entry = await register_sae_async(client.collective_rpc, frontend, body, rpc_each)
     except (ValueError, RecursionError) as e:
         if isinstance(e, SteeringSpecError):
-            return error(400, str(e), e.field)
-        return error(400, f"invalid JSON: {str(e)[:200]}", "body")
+            return _refused(400, str(e), e.field)
+        return _refused(400, f"invalid JSON: {str(e)[:200]}", "body")
     except SaePathError as e:  # one answer whatever the reason: it never tells whether a file exists
-        return error(403, str(e), "path")
+        return _refused(403, str(e), "path")
     except SaeExistsError as e:
-        return error(409, e.args[0], "name")
+        return _refused(409, e.args[0], "name")
     except SlotError as e:
-        return error(409, str(e), "site")
+        return _refused(409, str(e), "site")
     except Exception as e:  # no input may become a 500: name what was being read
         logger.exception("vllm-steer: an SAE registration failed")
-        return error(400, f"could not register the SAE: {type(e).__name__}: {str(e)[:300]}", "body")
+        return _refused(400, f"could not register the SAE: {type(e).__name__}: {str(e)[:300]}", "body")
     return JSONResponse(sae_summary(entry), status_code=201)
 
 

@@ -127,6 +127,8 @@ class SaeRegistration(BaseModel):
     format: Literal["gemma_scope", "sae_lens", "manifest"] | None = Field(None, description="None: told by the files")
     site: str | None = Field(None, description="hook.layer (or blocks.L.hook_resid_*), one of steer.sae_slots")
     features: list[int] | None = Field(None, description="the features requests may clamp; None: all")
+    reconstruct: bool = Field(False, description="requests may ask for mode reconstruct (a site reserved with "
+                                                 "d_sae and reconstruct: true)")
     replace: bool = False
 
 
