@@ -123,7 +123,7 @@ def test_request_bodies_name_the_accepted_fields(spec):
     assert set(form["properties"]) == {"file", "name", "description", "replace", "as_ablation", "site_norms"}
     assert form["properties"]["file"]["format"] == "binary" and set(form["required"]) == {"file", "name"}
     sae = body_schema(spec, "/v1/steering/sae", "application/json")
-    assert set(sae["properties"]) == {"name", "path", "format", "site", "features", "replace"}
+    assert set(sae["properties"]) == {"name", "path", "format", "site", "features", "replace", "reconstruct"}
     assert set(sae["required"]) == {"name", "path"}
 
 
