@@ -146,12 +146,11 @@ def test_capped_steps_keep_their_cells_in_the_pool_and_every_prompt_finishes(see
         got = _schedule(reqs, min(full_budget, cap) if cap is not None else full_budget)
         cells = sum(_cells(costs[r], reqs[r].num_computed_tokens, n, reqs[r].num_prompt_tokens)
                     for r, n in got.items() if r in costs)
-        widest = max((costs[r][0] for r, q in reqs.items() if r in costs and q.num_prompt_tokens - q.num_computed_tokens > 1),
+        widest = max((max(costs[r][:2]) for r, q in reqs.items() if r in costs and q.num_computed_tokens < q.num_prompt_tokens),
                      default=0)
-        fixed = sum(costs[r][1] for r, q in reqs.items() if r in costs and q.num_computed_tokens < q.num_prompt_tokens)
         if cap is not None:
             capped += 1
-            if max_rows - decode_cells - fixed >= widest:  # room for a prompt token: the step fits
+            if max_rows - decode_cells >= widest:  # room for a prompt token: the step fits
                 assert cells <= max_rows, (cap, got, cells)
             assert any(reqs[r].num_computed_tokens < reqs[r].num_prompt_tokens for r in got)  # a prompt moved
         else:
@@ -164,3 +163,16 @@ def test_capped_steps_keep_their_cells_in_the_pool_and_every_prompt_finishes(see
     assert budget.throttled_steps == capped and not budget
     if any(c[0] for c in costs.values()):
         assert capped > 0  # prompts of up to 300 tokens at up to 12 rows each overflow 64 rows
+
+
+def test_decode_rows_alone_never_cap_a_step():
+    """Capturing decodes wider than the pool with no capturing prompt left: nothing to chunk (their rows drop,
+    counted by the workers), so no cap; a prompt waiting beside them gets one token a step."""
+    budget = CaptureBudget(16)
+    reqs = {f"d{i}": SimpleNamespace(num_prompt_tokens=4, num_computed_tokens=9) for i in range(6)}
+    for rid in reqs:
+        budget.arrive(rid, (0, 0, 3))
+    assert budget.token_cap(reqs, reqs.values()) is None and budget.throttled_steps == 0
+    reqs["p"] = SimpleNamespace(num_prompt_tokens=50, num_computed_tokens=0)
+    budget.arrive("p", (2, 2, 2))
+    assert budget.token_cap(reqs, reqs.values()) == 6 + 1 and budget.throttled_steps == 1

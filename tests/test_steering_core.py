@@ -137,7 +137,8 @@ def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
     """max_configs=3 (2 usable rows): 12 distinct configs at once (the 8 vector configs of core_run,
     a named module at two scales, an SAE clamp, the clamp plus a vector), then each new one alone.
     The same engine runs capture with the smallest pool (capture_max_rows=16): a long prompt
-    captured at every position of two sites, and the same prompt uncaptured."""
+    captured at every position of two sites (its prefill is chunked to fit), the same prompt uncaptured, and
+    six requests decoding at once that capture three sites of every generated token (18 rows a step: some drop)."""
     d = tmp_path_factory.mktemp("pressure")
     _, tok = hf_oracle.load(smollm2_path)
     long_ids = tok(LONG_PROMPT)["input_ids"]
@@ -146,6 +147,7 @@ def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
            params(sae={"name": "pz", "clamps": CLAMPS}, steering_vectors=floats("pre_attn", 9, vector(HIDDEN, 400, SCALE)))]
     batch = core_run["mixed_params"][1:9] + new
     spec = {"layers": [2, 20], "hooks": ["post_mlp"], "positions": "all"}
+    generated = {"layers": [2, 11, 20], "hooks": ["post_mlp"], "positions": "all_generated"}
     job = {
         "model": smollm2_path,
         "llm_kwargs": _engine(max_configs=3, additional_config={"steer": {
@@ -160,7 +162,8 @@ def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
             "between": [_register("pm", "post_mlp", 8, 501, replace=True)]}},
            # n > 1: the children's params are copies (applied_output reads the parent's)
            {"prompts": [_prompt(prompt_ids)], "params": [{**params(4, steering_vectors=floats("post_mlp", 5, vector(
-               HIDDEN, 402, SCALE))), "n": 2, "seed": 1, "temperature": 0.8}]}],  # n > 1 is not greedy
+               HIDDEN, 402, SCALE))), "n": 2, "seed": 1, "temperature": 0.8}]},  # n > 1 is not greedy
+           {"prompts": [_prompt(prompt_ids)] * 7, "params": [params(8)] + [params(8, capture={"fs": generated})] * 6}],
         "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
     out = run_job(job, d)
@@ -168,6 +171,7 @@ def pressure_run(core_run, smollm2_path, prompt_ids, tmp_path_factory):
     calls = out["calls"][1:]  # calls[0]: the module registration's summary
     return {"worker": worker, "batch": calls[0], "new_alone": [c[0] for c in calls[1:5]], "long": calls[5:7],
             "long_ids": long_ids, "root": d / "captures", "stale_module": calls[7], "fanned_out": calls[8][0],
+            "decode_batch": calls[9], "prompt_ids": prompt_ids,
             "module": out["calls"][0], "log": out["log"]}
 
 
@@ -219,32 +223,52 @@ def test_a_request_whose_module_version_is_gone_on_its_way_is_refused_by_the_eng
     assert "changed while this request was prepared" in refusal.message
 
 
-def test_a_full_capture_pool_drops_rows_never_tokens_and_tells_the_consumer(pressure_run, smollm2_path):
-    """capture_max_rows=16 and 2 sites x every position of a long prompt: the step keeps 16 rows and
-    drops the rest (counted), tokens equal the uncaptured run, every delivered row is the right one
-    (transformers' residual at that position), and the finish meta lists exactly the missing ones."""
+def _captured(run, request_id):
+    """A request's filesystem files and its ``request.json`` (what the consumer was told at its finish)."""
+    d = next(p.parent for p in run["root"].rglob("request.json") if json.loads(p.read_text())["external_id"] == request_id)
+    return load_request(str(run["root"]), request_id), json.loads((d / "request.json").read_text())
+
+
+def test_a_full_capture_pool_chunks_prefills_and_drops_decode_rows_never_tokens(pressure_run, smollm2_path):
+    """capture_max_rows=16. A long prompt captured at every position of 2 sites wants ~200 rows: its prefill is
+    chunked (engine.capture_budget), so every row is delivered and equals transformers'. Six requests decoding
+    at once, each capturing 3 sites of every generated token, want 18 rows a step: the step keeps 16 and drops
+    the rest (counted), tokens equal the uncaptured run, every delivered row is the right one, and each finish
+    meta lists exactly its missing ones."""
     from tests.test_capture import hf_streams
 
     plain, captured = (c[0] for c in pressure_run["long"])
     assert captured["token_ids"] == plain["token_ids"]
-    stats = pressure_run["worker"]["capture"]
-    assert stats["dropped_rows"] > 0 and stats["consumer_errors"] == 0
     ids = pressure_run["long_ids"]
     n = len(ids) + 8 - 1  # prompt + generated tokens fed back
-    got = load_request(str(pressure_run["root"]), captured["request_id"])
-    d = next(p.parent for p in pressure_run["root"].rglob("request.json")
-             if json.loads(p.read_text())["external_id"] == captured["request_id"])
-    meta = json.loads((d / "request.json").read_text())
+    assert 2 * len(ids) > 16
+    got, meta = _captured(pressure_run, captured["request_id"])
     ref = hf_streams(smollm2_path, ids + captured["token_ids"][:-1])
-    delivered = 0
+    assert meta["dropped_rows"] == 0 and not meta["dropped"]
     for layer in (2, 20):
-        positions, rows = got.get((layer, "post_mlp"), (np.zeros(0, int), np.zeros((0, HIDDEN))))
-        missing = meta["dropped"].get(f"post_mlp.{layer}", [])
-        assert sorted(positions.tolist() + missing) == list(range(n)), layer  # each position: delivered xor listed
-        np.testing.assert_allclose(rows, ref[(layer, "post_mlp")][positions], rtol=1e-4, atol=2e-3)
-        delivered += len(positions)
-    assert meta["dropped_rows"] == 2 * n - delivered == stats["dropped_rows"]
-    assert delivered >= 16
+        positions, rows = got[(layer, "post_mlp")]
+        np.testing.assert_array_equal(positions, np.arange(n))
+        np.testing.assert_allclose(rows, ref[(layer, "post_mlp")], rtol=1e-4, atol=2e-3)
+
+    plain, *batch = pressure_run["decode_batch"]
+    prompt = pressure_run["prompt_ids"]
+    ref = hf_streams(smollm2_path, prompt + plain["token_ids"][:-1])
+    wanted = list(range(len(prompt), len(prompt) + 7))  # the generated tokens fed back
+    dropped = 0
+    for out in batch:
+        assert out["token_ids"] == plain["token_ids"]
+        got, meta = _captured(pressure_run, out["request_id"])
+        delivered = 0
+        for layer in (2, 11, 20):
+            positions, rows = got.get((layer, "post_mlp"), (np.zeros(0, int), np.zeros((0, HIDDEN))))
+            missing = meta["dropped"].get(f"post_mlp.{layer}", [])
+            assert sorted(positions.tolist() + missing) == wanted, layer  # each position: delivered xor listed
+            np.testing.assert_allclose(rows, ref[(layer, "post_mlp")][positions], rtol=1e-4, atol=2e-3)
+            delivered += len(positions)
+        assert meta["dropped_rows"] == 3 * len(wanted) - delivered
+        dropped += meta["dropped_rows"]
+    stats = pressure_run["worker"]["capture"]
+    assert dropped == stats["dropped_rows"] > 0 and stats["consumer_errors"] == 0
 
 
 LONG_PROMPT = "Once upon a time there was a little robot who wanted to learn how to write stories. " * 6
