@@ -134,7 +134,7 @@ def test_a_prompt_wider_than_the_capture_pool_is_chunked_and_every_row_kept(api_
     for site, (positions, rows) in got.items():
         np.testing.assert_array_equal(positions, np.arange(n), err_msg=str(site))
         assert rows.shape == (n, 576) and np.isfinite(rows).all()
-    deadline = time.monotonic() + 30  # a scrape may answer with the engine's values of the scrape before
+    deadline = time.monotonic() + 120  # a scrape may answer with the engine's values of the scrape before (CI stalls)
     while (now := scrape_metrics(base))["vllm_steer_capture_throttled_steps_total"] < (
             before["vllm_steer_capture_throttled_steps_total"] + 2):
         assert time.monotonic() < deadline, f"throttled steps {now['vllm_steer_capture_throttled_steps_total']}"
