@@ -4,6 +4,8 @@ and name the keys of real answers (success and error) of the shared server."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import numpy as np
 import pytest
@@ -177,3 +179,17 @@ def test_sae_and_status_answers_match_their_schemas(base, spec, sae_root):
     assert_error(spec, path, "post", outside, 403)
     assert_error(spec, named, "delete", httpx.delete(f"{base}{path}/fz", headers=AUTH, timeout=30), 409)
     assert_names(answer_schema(spec, "/v1/steering", "get", 200), httpx.get(f"{base}/v1/steering", timeout=30).json())
+
+
+def test_the_completion_routes_document_the_steering_fields(spec):
+    """vLLM's /v1/completions and /v1/chat/completions request models list every steering field, each with a
+    description, and the vectors' packed form; vLLM's own fields are still there."""
+    from vllm_steer.core.vectors import REQUEST_FIELDS
+
+    for path, own in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        body = body_schema(spec, path, "application/json")
+        props = body["properties"]
+        assert set(REQUEST_FIELDS) <= set(props) and own in props and "max_tokens" in props, path
+        assert all(props[f].get("description") for f in REQUEST_FIELDS), path
+        assert "PackedRows" in json.dumps(props["steering_vectors"]) or "layer_indices" in json.dumps(
+            props["steering_vectors"]), path

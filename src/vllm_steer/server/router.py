@@ -27,7 +27,7 @@ from vllm_steer.server.openai_fields import endpoint_attached
 from vllm_steer.server.modules_routes import router as modules_router
 from vllm_steer.server.request_body import SteeringRequestMiddleware
 from vllm_steer.server.sae_routes import router as sae_router
-from vllm_steer.server.schemas import SteeringStatus
+from vllm_steer.server.schemas import SteeringStatus, document_request_fields
 from vllm_steer.server.response_field import SteeringResponseMiddleware
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"])
@@ -70,6 +70,7 @@ class SteeringEndpointPlugin:
         app.include_router(router)
         app.include_router(modules_router)
         app.include_router(sae_router)
+        document_request_fields(app)
         app.add_middleware(EngineMetricsMiddleware)  # /metrics only: engine values fetched per scrape
         app.add_middleware(SteeringResponseMiddleware)
         app.add_middleware(SteeringRequestMiddleware)  # added last: runs first, before the holder opens

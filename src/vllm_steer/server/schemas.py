@@ -1,4 +1,6 @@
-"""The documented shapes of the /v1/steering routes, as vLLM's OpenAPI (``/openapi.json``, ``/docs``) shows them.
+"""The documented shapes of the /v1/steering routes, as vLLM's OpenAPI (``/openapi.json``, ``/docs``) shows them,
+and the steering fields of ``/v1/completions`` and ``/v1/chat/completions`` (``document_request_fields``: added to
+the schemas of vLLM's own request models when the document is built).
 
 Documentation only: the routes parse and check their input by hand (their exact 4xx answers in vLLM's
 error shape) and build their answers themselves. These models reach the OpenAPI through FastAPI's
@@ -213,3 +215,48 @@ def request_body(**media: type[BaseModel]) -> dict[str, Any]:
     types = {"json": "application/json", "form": "multipart/form-data"}
     return {"requestBody": {"required": True,
                             "content": {types[k]: {"schema": _inlined(m)} for k, m in media.items()}}}
+
+
+class SteeringFields(BaseModel):
+    """The fields a completion or chat completion request may carry for steering (docs/requests.md)."""
+
+    steering_vectors: Tier | None = Field(None, description="vectors added at every position")
+    prefill_steering_vectors: Tier | None = Field(None, description="vectors added at prompt positions only")
+    decode_steering_vectors: Tier | None = Field(None, description="vectors added at generated positions only")
+    steering_module: dict[str, Any] | str | None = Field(
+        None, description="a registered module: {name, scale | norm, layers?, hooks?} or its name")
+    sae: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None, description="SAE feature clamps: {name, clamps: [{feature, mode, value}]} (docs/sae.md)")
+    steering_condition: dict[str, Any] | None = Field(
+        None, description="steering gated per token by a probe (docs/conditions.md)")
+    steering_projections: dict[str, Any] | None = Field(
+        None, description="directions ablated or capped at every position (docs/projections.md)")
+    prefill_steering_projections: dict[str, Any] | None = Field(None, description="the same, prompt positions only")
+    decode_steering_projections: dict[str, Any] | None = Field(None, description="the same, generated positions only")
+    capture: dict[str, dict[str, Any]] | None = Field(
+        None, description="{consumer instance: {layers, hooks | sites, positions, ...}} (docs/capture.md)")
+
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def document_request_fields(app: Any) -> None:
+    """Wrap ``app.openapi`` so the request models of the completion routes list the steering fields."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        fields = _inlined(SteeringFields)["properties"]
+        for path in COMPLETION_PATHS:
+            body = schema.get("paths", {}).get(path, {}).get("post", {}).get("requestBody", {})
+            model = body.get("content", {}).get("application/json", {}).get("schema", {})
+            ref = model.get("$ref", "")
+            target = schema.get("components", {}).get("schemas", {}).get(ref.rsplit("/", 1)[-1]) if ref else model
+            if isinstance(target, dict):
+                target.setdefault("properties", {}).update(fields)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
