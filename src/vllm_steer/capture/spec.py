@@ -35,6 +35,11 @@ class CaptureSpecError(ValueError):
         return str(self).split(": ", 1)[-1]
 
 
+# position classes of a token: before the last prompt token, the last prompt token, generated; the classes
+# each position mode covers (explicit positions may fall in any)
+POSITION_CLASSES = {"all": (0, 1, 2), "all_prompt": (0, 1), "last_prompt": (1,), "all_generated": (2,)}
+
+
 @dataclass(frozen=True)
 class CaptureSpec:
     sites: tuple[Site, ...]  # (hook, layer), in hook order then layer order

@@ -3,7 +3,7 @@
 A worker's capture pool holds ``steer.capture_max_rows`` rows a step: one row per captured (site, token),
 shared by every consumer that wants that cell (``runtime.capture_plan``). The scheduler keeps a step's cells
 inside the pool by chunking capturing prefills (``engine.capture_budget``); it needs, per request, the rows a
-token costs in each position class (``capture_plan._MODE_CLASSES``: before the last prompt token, the last
+token costs in each position class (``capture.spec.POSITION_CLASSES``: before the last prompt token, the last
 prompt token, generated). Counted here, once per request, from its specs and the consumers' global specs:
 
 - only the sites a worker hooks (``steer.layers``), per pipeline stage (each stage's pool holds its own sites;
@@ -18,10 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from vllm_steer.capture.consumer import reduces_on_device
-from vllm_steer.capture.spec import CaptureSpec
-
-_CLASSES = {"all": (0, 1, 2), "all_prompt": (0, 1), "last_prompt": (1,), "all_generated": (2,)}
-
+from vllm_steer.capture.spec import POSITION_CLASSES, CaptureSpec
 
 def takes_step_rows(cls: type, spec: CaptureSpec) -> bool:
     """Whether a consumer's cells occupy the step's pool rows (a device ``last`` reduction does not)."""
@@ -36,7 +33,7 @@ def row_cost(specs: Iterable[tuple[CaptureSpec, type]], stage_of: Callable[[str,
     for spec, cls in specs:
         if not takes_step_rows(cls, spec):
             continue
-        classes = _CLASSES.get(spec.positions, (0, 1, 2)) if isinstance(spec.positions, str) else (0, 1, 2)
+        classes = POSITION_CLASSES.get(spec.positions, (0, 1, 2)) if isinstance(spec.positions, str) else (0, 1, 2)
         for hook, layer in spec.sites:
             if hooked is not None and layer not in hooked:
                 continue

@@ -38,10 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_steer.capture.spec import POSITION_CLASSES
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
-# position classes of a token: before the last prompt token, the last prompt token, generated
-_MODE_CLASSES = {"all": (0, 1, 2), "all_prompt": (0, 1), "last_prompt": (1,), "all_generated": (2,)}
 
 
 @dataclass
@@ -69,7 +68,7 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
         cols = np.array([site_index[s] for s in spec.sites if s in site_index], dtype=np.int64)
         if not len(cols):
             continue
-        classes = _MODE_CLASSES.get(spec.positions) if isinstance(spec.positions, str) else None
+        classes = POSITION_CLASSES.get(spec.positions) if isinstance(spec.positions, str) else None
         if classes is None:
             explicit.append((bit, np.unique(np.asarray(spec.positions, dtype=np.int64)), cols))
             continue
