@@ -8,6 +8,7 @@ through ``op.triton_path``, what the registered op runs on CUDA); runs only wher
   clamped feature may flip (its pre within that bound of its threshold, or of the TopK boundary) are left out;
   with both slots each stage is checked on its own (``_check_case``); tokens of row 0 / OFF rows / bare DELTA rows
   equal the kernel without SAE bit for bit;
+- a smaller SAE padded into a runtime full reservation (``_PAD_BIAS``) acts as the SAE itself;
 - inside a CUDA graph captured while every row was OFF, rows written in place afterwards take effect at replay;
 - an idle step (no row on) launches only the full path's early-exit kernels (5 per full slot A, 6 per slot B at N 64)
   and the norm: no GEMM.
@@ -199,6 +200,35 @@ def test_full_slots_match_reference(n, d, f, dtype_name, slots, topk):
     if n >= 7:
         live = ~torch.isin(index[:n].long(), torch.tensor(IDLE, device="cuda"))
         assert not torch.allclose(got[1][live].float(), plain[1][live].float(), rtol=1e-2, atol=1e-2)
+
+
+def _padded(pack, width):
+    """``pack`` as a runtime full reservation of ``width`` features holds it (``SaeTables.load_runtime``): W_enc /
+    W_dec zero past its d_sae, b_enc ``_PAD_BIAS`` there, thresholds zero."""
+    from vllm_steer.runtime.sae_tables import _PAD_BIAS
+
+    d, f = pack[8].shape
+    out = list(pack)
+    out[8] = torch.zeros(d, width, dtype=pack[8].dtype, device="cuda")
+    out[9] = torch.full((width,), _PAD_BIAS, device="cuda")
+    out[10] = torch.zeros(width, device="cuda")
+    out[11] = torch.zeros(width, d, dtype=pack[11].dtype, device="cuda")
+    out[8][:, :f], out[9][:f], out[10][:f], out[11][:f] = pack[8], pack[9], pack[10], pack[11]
+    return out
+
+
+@pytest.mark.parametrize("slots,topk", [("a", 0), ("a", 64), ("ab", 64), ("b", 0)])
+def test_a_padded_full_reservation_acts_as_its_sae(slots, topk):
+    """A 1000-feature SAE staged in a 16384-feature reservation: the op on the padded pack within the bounds of the
+    reference on the SAE's own pack (the padding never activates, never enters a TopK)."""
+    n, d, f, dtype = 300, 4096, 1000, torch.bfloat16
+    x, r, w, index, a = _case(n, d, f, dtype, slots, topk, seed=77 + topk)
+    padded = dict(a, **{f"sae_{k}": _padded(a[f"sae_{k}"], 16384) for k in slots})
+    got = op.triton_path(*_args(x, r, w, index, padded))
+    plain = steered_norm_triton(x, r, w, EPS, 0.0, index, vec_a=a["vec_a"], vec_b=a["vec_b"])
+    _check_case(got, x, r, w, index, a, plain, dtype)
+    live = ~torch.isin(index[:n].long(), torch.tensor(IDLE, device="cuda"))
+    assert not torch.allclose(got[1][live].float(), plain[1][live].float(), rtol=1e-2, atol=1e-2)
 
 
 def test_topk_selects_the_reference_features():

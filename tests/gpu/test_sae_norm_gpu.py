@@ -80,7 +80,7 @@ CASES = [pytest.param(n, d, name, sae, tables, 37, id=f"N{n}-D{d}-{name}-sae_{sa
          for n in (1, 7, 300) for d in (80, 4096, 4099) for name in DTYPES
          for sae in ("a", "b", "ab") for tables in ("none", "ab")]
 CASES += [pytest.param(64, 4096, "bfloat16", "ab", "ab", c, id=f"N64-D4096-bfloat16-sae_ab-vec_ab-C{c}")
-          for c in (1, 300, 4096)]
+          for c in (1, 300, 4096, 9000)]  # 9000: several SAEs' regions sharing one site's pack
 CASES += [pytest.param(16, 8192, "float32", "ab", "ab", 130, id="N16-D8192-float32-sae_ab-vec_ab-C130")]
 
 
@@ -235,13 +235,14 @@ def test_runtime_sae_staged_into_a_reserved_site_after_capture(registered, tmp_p
     import numpy as np
 
     from tests.sae_writers import random_sae, write_gemma_scope
+    from vllm_steer.core.sae_catalog import Slot
     from vllm_steer.core.sae_paths import runtime_access
     from vllm_steer.core.sae_rows import DELTA, SET, wire_entry
     from vllm_steer.runtime.sae_tables import SaeTables
 
     n, d, dtype, site = 24, 1024, torch.bfloat16, ("post_mlp", 3)
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=21)
-    sae = SaeTables({}, {site: 48}, {site}, R, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1 << 30))
+    sae = SaeTables({}, {site: Slot(48)}, {site}, R, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1 << 30))
     pa, pb = sae.packs[site], clamp_pack(d, 8, seed=22, device="cuda")
     pb[0].zero_()
     vec = _vecs(ta, tb)

@@ -42,6 +42,7 @@ def test_projection_and_sae_rows_are_written_without_a_host_sync(tmp_path):
     rings have slots, with the stream kept busy."""
     import numpy as np
 
+    from vllm_steer.core.sae_catalog import Slot
     from vllm_steer.core.sae_paths import runtime_access
     from vllm_steer.core.sae_rows import DELTA, SET, wire_entry
     from vllm_steer.runtime.pinned_ring import SLOTS
@@ -50,7 +51,7 @@ def test_projection_and_sae_rows_are_written_without_a_host_sync(tmp_path):
 
     d, k, rows, site = 256, 2, 3 * SLOTS + 2, ("post_mlp", 3)
     proj = ProjectionTables({("post_mlp", 1), site}, rows + 1, k, d, torch.device("cuda"))
-    sae = SaeTables({}, {site: 48}, {site}, rows + 1, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1))
+    sae = SaeTables({}, {site: Slot(48)}, {site}, rows + 1, d, torch.device("cuda"), runtime_access((str(tmp_path),), 1))
     rng = np.random.default_rng(0)
     slow = torch.randn(4096, 4096, device="cuda")
     expect = {}
