@@ -1,12 +1,14 @@
 """The capture host's cost per decode step of the heavy arm, on the CPU (issue 37): every request capturing
 post_mlp of every layer at its new token, through a consumer lane into the filesystem consumer (no fsync).
 
-Builds the packets a worker sends (``StepPlan.wire``: R requests x S sites, one row each, bf16 rows of D),
-pickles them as the notifier does, runs ``_HostLane._rows`` on each and publishes every request at the end.
-Prints ms per step for the lane (what must stay under an engine step, ~6.8 ms at 8b on an H100), the pickle
-round trip (the worker's notifier pays the dump), and until the files are published.
+Builds the packets a worker sends (``StepPlan.wire``: R requests x S sites, one row each, bf16 rows of D;
+with ``--prompt P`` first one prefill packet of P rows per (request, site)), pickles them as the notifier
+does, runs ``_HostLane._rows`` on each and publishes every request at the end. Prints the process's CPU per
+step (lane and writer threads), ms per step for the lane (what must stay under an engine step, ~6.8 ms at
+8b on an H100), the pickle round trip (the worker's notifier pays the dump), until the files are published,
+and the consumer's counters (``dropped_writes``: rows that found the writers' queue full).
 
-    python bench/capture_host_cost.py [--requests 16 --sites 32 --hidden 4096 --steps 300]
+    python bench/capture_host_cost.py [--requests 16 --sites 32 --hidden 4096 --steps 300 --prompt 0]
 """
 
 from __future__ import annotations
@@ -28,19 +30,27 @@ def main() -> None:
     ap.add_argument("--sites", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--prompt", type=int, default=0, help="first a prefill packet of this many rows per (request, site)")
+    ap.add_argument("--max-queued-mb", type=float, default=None, help="default: the consumer's")
     a = ap.parse_args()
     n = a.requests * a.sites
-    ring = np.random.default_rng(0).integers(0, 2**16, (n, a.hidden), dtype=np.uint16)
+    ring = np.random.default_rng(0).integers(0, 2**16, (n * max(1, a.prompt), a.hidden), dtype=np.uint16)
     rids = [f"cmpl-{i:032x}-0" for i in range(a.requests)]
     sites = [("post_mlp", layer) for layer in range(a.sites)]
     groups = ([r for r in rids for _ in sites], [s for _ in rids for s in sites], list(range(n)),
               list(range(1, n + 1)))
     with tempfile.TemporaryDirectory() as root:
-        fs = FilesystemConsumer("fs", root=root, threads=4, fsync=False)
+        limit = {} if a.max_queued_mb is None else {"max_queued_mb": a.max_queued_mb}
+        fs = FilesystemConsumer("fs", root=root, threads=4, fsync=False, **limit)
         lane = capture_host._HostLane.__new__(capture_host._HostLane)  # no thread: the lane's work, timed here
         lane.bit, lane.instance, lane.consumer, lane.send = 1, "fs", fs, lambda msg: None
         pickled = 0.0
         t0 = time.perf_counter()
+        if a.prompt:  # every request's prompt at once, as a prefill step hands it over
+            p = a.prompt
+            wire = (groups[0], groups[1], list(range(0, n * p, p)), list(range(p, n * p + 1, p)),
+                    np.tile(np.arange(p, dtype=np.int64), n), np.ones(n * p, np.int64))
+            lane._rows(-1, capture_host._Packet(ring, "bfloat16", 0, n * p, wire))
         for step in range(a.steps):
             wire = (*groups, np.full(n, 100 + step, np.int64), np.ones(n, np.int64))
             t = time.perf_counter()
@@ -52,9 +62,11 @@ def main() -> None:
             fut.result(timeout=120)
         fs.close()
         t2 = time.perf_counter()
-    print(f"{a.requests} requests x {a.sites} sites, D {a.hidden}: lane {1e3 * (t1 - t0) / a.steps:.2f} ms/step "
+    cpu = time.process_time()
+    print(f"process CPU {1e3 * cpu / (a.steps + 1):.2f} ms/step; {a.requests} requests x {a.sites} sites, D {a.hidden}: lane {1e3 * (t1 - t0) / a.steps:.2f} ms/step "
           f"(pickle round trip {1e3 * pickled / a.steps:.2f}), until published {1e3 * (t2 - t0) / a.steps:.2f} "
-          f"ms/step, {n * a.hidden * 2 * a.steps / (t2 - t0) / 1e9:.2f} GB/s written")
+          f"ms/step, {n * a.hidden * 2 * (a.steps + a.prompt) / (t2 - t0) / 1e9:.2f} GB/s written; "
+          f"consumer stats {fs.stats()}")
 
 
 if __name__ == "__main__":

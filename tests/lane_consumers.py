@@ -64,6 +64,20 @@ class Summing(Stuck):
         return {"sites": self.got.pop(request_id, {}), "dropped": meta.get("dropped")}
 
 
+class Recording(Summing):
+    """A driver returning every row it received through ``on_rows`` (raw: bf16 as its bits), per site."""
+
+    raw_rows = True
+
+    def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        site = self.got.setdefault(request_id, {}).setdefault(f"{hook}.{layer}", [[], []])
+        site[0] += [int(p) for p in positions]
+        site[1] += rows.tolist()
+
+    def on_request_finished(self, request_id, meta):
+        return {"sites": self.got.pop(request_id, {})}
+
+
 class Burner:
     """A worker consumer whose ``on_rows`` burns CPU in pure Python (holding the GIL of whatever
     process runs it) when ``burn`` is set: the first call burns until the file ``stop`` exists (at most

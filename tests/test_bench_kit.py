@@ -186,12 +186,28 @@ def test_the_file_writing_arms_ask_the_filesystem_consumer_and_are_checked_for_c
     assert fields[0] == {"capture": {"filesystem": {"layers": "all", "hooks": ["post_mlp"], "positions": "all"}}}
     assert not expects_steering_field(ARMS["capture_fs_all"])
     (tmp_path / "default" / "r1").mkdir(parents=True)
-    (tmp_path / "default" / "r1" / "request.json").write_text("{}")
+    (tmp_path / "default" / "r1" / "request.json").write_text('{"status": "partial", "dropped_rows": 7}')
     (tmp_path / "default" / "r1" / "3_post_mlp.bin").write_bytes(b"\0" * 1000)
     t = {"n_errors": 0, "n": 2, "unexpected_steering": 0, "captured": 0,
          **files_written(tmp_path, "capture_fs", 2, wall=0.5, wait_s=0.2)}
-    assert (t["files_complete"], t["bytes_written"], t["write_gbps"]) == (1, 1002, 1002 / 0.5 / 1e9)
+    assert (t["files_complete"], t["bytes_written"], t["write_gbps"]) == (1, 1040, 1040 / 0.5 / 1e9)
+    assert (t["statuses"], t["dropped_rows"]) == ({"partial": 1}, 7)  # drops are reported, not hidden
     assert check_steering(t, "capture_fs_all") == "captured files complete for 1 of 2 requests"
+
+
+def test_a_trial_reports_the_capture_counters_that_moved(monkeypatch):
+    import io
+
+    from abkit import runner
+
+    pages = iter(["vllm_steer_capture_rows_total 10\nvllm_steer_capture_dropped_writes_total{a=\"1\"} 2\n"
+                  "vllm_steer_capture_dropped_writes_total{a=\"2\"} 1\nvllm_steer_capture_rows_created 5\n",
+                  "vllm_steer_capture_rows_total 30\nvllm_steer_capture_dropped_writes_total{a=\"1\"} 2\n"
+                  "vllm_steer_capture_dropped_writes_total{a=\"2\"} 4\nvllm_steer_capture_ring_full_total 0\n"])
+    monkeypatch.setattr(runner.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(next(pages).encode()))
+    server = type("S", (), {"base": "http://x"})()
+    before, after = runner.capture_counters(server), runner.capture_counters(server)
+    assert runner.counter_delta(before, after) == {"rows_total": 20.0, "dropped_writes_total": 3.0}
 
 
 def test_the_host_profile_splits_py_spy_samples_per_step_by_thread_and_owner():

@@ -26,7 +26,8 @@ from vllm_steer.runtime import capture as capture_mod
 from vllm_steer.runtime import capture_lanes
 
 CLASSES = {"stuck": lane_consumers.Stuck, "quick": lane_consumers.Quick, "raising": lane_consumers.Raising,
-           "summing": lane_consumers.Summing, "burner": lane_consumers.Burner, "counting": lane_consumers.Counting}
+           "summing": lane_consumers.Summing, "burner": lane_consumers.Burner, "counting": lane_consumers.Counting,
+           "recording": lane_consumers.Recording}
 SPEC = {"layers": [0], "hooks": ["post_mlp"], "positions": "all"}
 
 
@@ -111,6 +112,36 @@ def test_rows_reach_a_consumer_process_exactly_bf16_included(make_rt):
         assert sorted(b) == ["post_mlp.0", "post_mlp.1"] and b["post_mlp.0"][0] == b["post_mlp.1"][0] == [0, 1, 2]
         assert b["post_mlp.0"][1] + b["post_mlp.1"][1] == hidden * (sum(1.5 + r for r in range(3, 7)) + 101.5 + 102.5)
         assert out["a"]["summing"]["dropped"] == {} and rt.stats["rows"] == 10
+
+
+def test_the_filesystem_consumer_takes_whole_steps_and_writes_what_on_rows_would_get(make_rt, monkeypatch, tmp_path):
+    """The filesystem consumer gets each step in one call (``on_packet``, its cells masked out of a packet it
+    shares with another consumer) and regroups rows of many steps per file: each file holds exactly the
+    rows and positions a per-(request, site) consumer received for the same sites, in order, bf16 as its bits."""
+    from vllm_steer.capture.filesystem import FilesystemConsumer, load_request
+
+    monkeypatch.setitem(CLASSES, "filesystem", FilesystemConsumer)
+    both = {**SPEC, "layers": [0, 1]}
+    for dtype in (torch.float32, torch.bfloat16):
+        root = tmp_path / str(dtype).split(".")[1]
+        rt = make_rt(["recording", {"name": "filesystem", "params": {"root": str(root), "threads": 2}}],
+                     dtype=dtype, max_rows=64)
+        rt.add_request("a", {"recording": both, "filesystem": SPEC}, prompt_len=5)  # fs: layer 0 only
+        rt.add_request("b", {"recording": both, "filesystem": both}, prompt_len=3)
+        _step(rt, {"a": (0, 5), "b": (0, 3)}, lambda r: float(r))
+        for k in range(1, 7):  # decode: several packets gathered before a flush
+            _step(rt, {"a": (4 + k, 1), "b": (2 + k, 1)}, lambda r, k=k: float(16 * k + r))
+        rt.finish_request("a")
+        rt.finish_request("b")
+        seen = _collect(rt, ["a", "b"])
+        for rid, sites in (("a", ["post_mlp.0"]), ("b", ["post_mlp.0", "post_mlp.1"])):
+            files = load_request(str(root), rid, torch=True)
+            assert sorted(f"{h}.{layer}" for layer, h in files) == sites
+            for (layer, hook), (positions, rows) in files.items():
+                want_pos, want_rows = seen[rid]["recording"]["sites"][f"{hook}.{layer}"]
+                assert positions.tolist() == want_pos == list(range(len(want_pos)))
+                got = rows.view(torch.int16).numpy().astype(np.uint16) if dtype == torch.bfloat16 else rows.numpy()
+                np.testing.assert_array_equal(got, np.asarray(want_rows, dtype=got.dtype))
 
 
 def test_consumers_own_counters_reach_the_workers_capture_status(make_rt):

@@ -244,7 +244,8 @@ def test_queued_rows_are_bounded_and_a_late_publication_is_counted(tmp_path, mon
         real_append(self, *args)
 
     monkeypatch.setattr(fsmod._Writer, "append", slow_append)
-    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, max_queued_mb=1000 / 2**20, publish_timeout_s=0.1)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, max_queued_mb=1000 / 2**20, publish_timeout_s=0.1,
+                            max_wait_s=0.2)
     kept = []
     for step in range(4):  # 16 rows x 16 floats = 1024 bytes each: the first fits, the rest do not
         rows = _rows(16, seed=step)
@@ -265,6 +266,28 @@ def test_queued_rows_are_bounded_and_a_late_publication_is_counted(tmp_path, mon
     positions, rows = load_request(str(tmp_path), "r")[(2, "post_attn")]
     np.testing.assert_array_equal(positions, np.arange(16))
     np.testing.assert_array_equal(rows, kept[0])
+
+
+def test_a_step_waits_for_slow_writers_instead_of_dropping(tmp_path, monkeypatch):
+    """Writers slower than the rows but moving: a step that finds the queue full waits for room (up to
+    ``max_wait_s``), so nothing is dropped and every row is in its file, in order."""
+    real_append = fsmod._Writer.append
+
+    def slow_append(self, *args):
+        time.sleep(0.05)
+        real_append(self, *args)
+
+    monkeypatch.setattr(fsmod._Writer, "append", slow_append)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, max_queued_mb=2048 / 2**20, max_wait_s=10)
+    kept = [_rows(16, seed=step) for step in range(8)]  # 1024 bytes a step: two fit in the queue
+    for step, rows in enumerate(kept):
+        fs.on_rows("r", 2, "post_attn", np.arange(step * 16, (step + 1) * 16), rows, {})
+    _published(fs.on_request_finished("r", {"prompt_len": 8}))
+    fs.close()
+    assert fs.stats()["dropped_writes"] == 0 and _status(tmp_path, "r")["status"] == "complete"
+    positions, rows = load_request(str(tmp_path), "r")[(2, "post_attn")]
+    np.testing.assert_array_equal(positions, np.arange(128))
+    np.testing.assert_array_equal(rows, np.concatenate(kept))
 
 
 # ---- format "sae_lens" (issue 37 item 5) --------------------------------------------------------------

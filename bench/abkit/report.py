@@ -3,6 +3,7 @@ per ab phase the arms and their deltas against the reference arm (reference_labe
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import statistics
@@ -154,14 +155,21 @@ def ab_tables(phases: dict, lines: list[str]) -> None:
         if any(written.values()):
             lines.append("\nCaptured files (mean over trials; GB/s = bytes written / the load's wall time; lag: "
                          "after the load's last event until every request's files were complete):\n")
-            table(lines, "arm | trials | prompt tok/s | GB written | write GB/s | lag s | complete")
+            table(lines, "arm | trials | prompt tok/s | GB written | write GB/s | lag s | complete | statuses | "
+                  "rows dropped (records) | capture counters (sum over trials)")
             for label, ts in written.items():
                 if ts:
                     m = {k: statistics.fmean(t[k] for t in ts) for k in
                          ("prompt_throughput", "bytes_written", "write_gbps", "publish_lag_s")}
                     done = f"{sum(t['files_complete'] for t in ts)}/{sum(t['files_expected'] for t in ts)}"
+                    statuses, counters = collections.Counter(), collections.Counter()
+                    for t in ts:
+                        statuses.update(t.get("statuses", {}))
+                        counters.update(t.get("capture_counters", {}))
+                    dropped = sum(t.get("dropped_rows", 0) for t in ts)
                     lines.append(f"| {label} | {len(ts)} | {m['prompt_throughput']:.0f} | {m['bytes_written'] / 1e9:.2f} "
-                                 f"| {m['write_gbps']:.2f} | {m['publish_lag_s']:.1f} | {done} |")
+                                 f"| {m['write_gbps']:.2f} | {m['publish_lag_s']:.1f} | {done} | {_hist(statuses)} "
+                                 f"| {dropped} | {_hist({k: int(v) for k, v in counters.items()})} |")
         if "k256" in stats and "disabled_c256" in stats:
             k, dd = stats["k256"]["throughput"], stats["disabled_c256"]["throughput"]
             if k[0] == k[0] and dd[0]:

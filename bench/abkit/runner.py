@@ -5,6 +5,7 @@ and the ``graph`` phase (torch.profiler around a few requests per server, read b
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import os
@@ -39,6 +40,27 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
         return status, json.loads(raw) if raw else None
     except ValueError:
         return status, raw[:500].decode(errors="replace")
+
+
+def capture_counters(server) -> dict[str, float]:
+    """The server's ``vllm_steer_capture_*`` counters from /metrics (summed over labels); {} if unreadable."""
+    try:
+        with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm_steer_capture_") and "_created" not in line.split(" ", 1)[0]:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict[str, float]:
+    """Counters that moved during a trial (``_total`` names only: gauges are not differences)."""
+    return {k.removeprefix("vllm_steer_capture_"): after[k] - before.get(k, 0.0) for k in after
+            if k.endswith("_total") and after[k] != before.get(k, 0.0)}
 
 
 async def _one(session, url: str, body: bytes) -> dict:
@@ -165,6 +187,8 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
     files = written_files(arm, ctx)
     if files is not None:
         shutil.rmtree(files, ignore_errors=True)
+    counted = arm["kind"] in ("capture", "capture_fs")
+    before = capture_counters(server) if counted else {}
     res, wall = run_load(server, bodies, conc)
     t = summarize_trial(res, wall, expects_steering_field(arm))
     t.update(trial=None if warmup else trial, body_bytes_mean=int(sum(map(len, bodies)) / len(bodies)),
@@ -172,6 +196,8 @@ def one_run(pool, arm_name: str, load: dict, trial: int, phase: str, ctx: dict, 
     if files is not None:
         t.update(files_written(files, arm["kind"], n, wall))
         shutil.rmtree(files, ignore_errors=True)
+    if counted:  # after the files are complete: every drop of the trial is counted by then
+        t["capture_counters"] = counter_delta(before, capture_counters(server))
     return t
 
 
@@ -213,8 +239,13 @@ def files_written(root: Path, kind: str, n: int, wall: float, wait_s: float = 12
             break
         time.sleep(0.5)
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
-    return {"files_complete": done, "files_expected": n, "bytes_written": size, "write_gbps": size / wall / 1e9,
-            "publish_lag_s": round(time.time() - t0, 2)}
+    out = {"files_complete": done, "files_expected": n, "bytes_written": size, "write_gbps": size / wall / 1e9,
+           "publish_lag_s": round(time.time() - t0, 2)}
+    if kind == "capture_fs":  # what the requests' records say: complete, or partial with the rows dropped
+        records = [json.loads(p.read_text()) for p in root.glob(pattern)]
+        out["statuses"] = dict(collections.Counter(r.get("status", "?") for r in records))
+        out["dropped_rows"] = sum(int(r.get("dropped_rows", 0)) for r in records)
+    return out
 
 
 def check_steering(t: dict, arm_name: str) -> str | None:

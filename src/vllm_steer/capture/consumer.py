@@ -36,12 +36,29 @@ consumer implements both.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 GROUP = "vllm.capture_consumers"
+
+
+@dataclass(frozen=True)
+class RowPacket:
+    """One step's rows for one consumer, in column form (the optional ``on_packet``): group ``g`` is request
+    ``request_ids[g]`` at site ``sites[g]`` (``(hook, layer)``), its rows ``data[starts[g]:ends[g]]`` at
+    ``positions[starts[g]:ends[g]]``. ``data`` is read-only and valid during the call only (it may be the
+    shared ring's memory: copy what you keep); ``meta`` as ``on_rows``'s."""
+
+    request_ids: list[str]
+    sites: list[tuple[str, int]]
+    starts: np.ndarray  # int64 [groups]
+    ends: np.ndarray
+    positions: np.ndarray  # int64 [rows]
+    data: np.ndarray  # [rows, D]
+    meta: dict
 
 
 @runtime_checkable
@@ -60,6 +77,10 @@ class CaptureConsumer(Protocol):
         """Residual rows ``[n, D]`` (model dtype as numpy; bf16 arrives as float32) at ``positions``.
         A class with ``raw_rows = True`` gets the rows as stored instead (bf16: their uint16 bits) and
         ``meta["dtype"]`` names the model dtype (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+
+    # Optional: a consumer that defines ``on_packet(packet: RowPacket)`` gets each step's rows in one call
+    # (column form, see RowPacket) instead of one ``on_rows`` per (request, site): the filesystem consumer
+    # does, so its Python per step does not grow with requests x sites.
 
     @classmethod
     def device_reduce(cls, params: dict[str, Any]) -> str | None:

@@ -19,11 +19,13 @@ directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows
 ``error`` when a write failed (disk full, ...): that request's ``.tmp`` files are removed and nothing
 of it is published, and the writers go on with the next requests (written again once space returns).
 
-A file's rows are gathered in memory and handed to a writer thread in chunks of ``FLUSH_BYTES`` (or
-sooner when the queued bytes pass half of ``max_queued_mb``, and at the request's end), so a decode step
-costs a list append per (request, site), not a write. Writes for a request go to thread
+A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``); when
+they reach ``FLUSH_BYTES`` per open file (at most a quarter of ``max_queued_mb``), and at a request's end,
+they are regrouped per file and each file's block goes to its writer thread (which gathers its rows), so a decode
+step costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
 ``hash(request_id) % threads`` (so a file's order is kept), each thread keeps an LRU of open
-``.bin.tmp`` files; on finish every file is fsynced and ``os.replace``d into place, so readers never see
+``.bin.tmp`` files (``max_open``; default: from the process's file limit, up to 1024); on finish every
+file is fsynced and ``os.replace``d into place, so readers never see
 a partial shard (a killed process leaves only ``.tmp`` files). ``on_request_finished`` does not wait for
 that: it returns a ``Future`` the writer completes once the request is published, and the capture host
 answers the request then (the response waits for it, bounded by ``capture_result_timeout_s``).
@@ -36,8 +38,11 @@ there writes ``request.json`` for the whole request (``merged_record``: ``failed
 naming it, ``partial`` if a stage dropped rows, ``stages`` each stage's status). So ``request.json``
 still marks a finished request; with stages on several hosts, ``root`` must be a filesystem they share.
 
-Exhaustion policy. Rows waiting for a writer hold at most ``max_queued_mb`` (rows past it are dropped,
-counted in ``stats()["dropped_writes"]`` and named in the request's ``dropped``); a write error is
+Exhaustion policy. Rows waiting for a writer hold at most ``max_queued_mb`` (default 1024). A step whose
+rows find no room waits for the writers up to ``max_wait_s`` (default 1 s; the consumer's lane holds its
+ring rows meanwhile, so the engine's shared ring is the buffer: the step itself never waits), then its rows
+are dropped, counted in ``stats()["dropped_writes"]`` and named in the request's ``dropped``; after such a
+drop steps are dropped at once until the writers have drained half the limit. A write error is
 counted in ``write_errors`` and fails only its request (``failed_requests``); a publication that took
 longer than ``publish_timeout_s`` after its request finished is counted (``publish_timeouts``: the
 writers are behind), and at most ``MAX_PENDING_PUBLISHES`` publications wait for a stuck writer
@@ -51,6 +56,7 @@ import json
 import logging
 import os
 import queue
+import resource
 import threading
 import time
 import zlib
@@ -61,13 +67,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_steer.capture.consumer import BaseConsumer
+from vllm_steer.capture.consumer import BaseConsumer, RowPacket
+from vllm_steer.capture.fs_gather import Block, StepGather
 
 logger = logging.getLogger("vllm.steer.capture")
 
 FORMATS = ("files", "sae_lens")
 MAX_PENDING_PUBLISHES = 1024
-FLUSH_BYTES = 256 * 1024  # a file's rows go to its writer in chunks of at least this (else at the request's end)
+FLUSH_BYTES = 256 * 1024  # gathered rows are flushed at this many bytes per open file (and at a request's end)
 STATS = ("write_errors", "dropped_writes", "failed_requests", "publish_timeouts")
 
 
@@ -246,34 +253,37 @@ def merged_record(parts: list[dict]) -> dict:
 
 
 class _Budget:
-    """Bytes of rows queued for the writers, bounded: ``take`` refuses past the limit."""
+    """Bytes of rows held for the writers (gathered or queued), bounded: ``take`` waits at most ``wait_s`` for
+    room, then refuses; after a refusal it refuses at once until the writers have drained half the limit
+    (a stuck disk costs one wait, not one per step)."""
 
     def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self.lock = threading.Lock()
+        self.limit, self.used, self.shedding = limit, 0, False
+        self.cond = threading.Condition()
 
-    def take(self, n: int) -> bool:
-        with self.lock:
-            if self.used + n > self.limit and self.used > 0:
-                return False
+    def take(self, n: int, wait_s: float | None = None) -> bool:
+        """Room for ``n`` bytes: at once (``wait_s`` None), or waiting for it at most ``wait_s``."""
+        with self.cond:
+            deadline = None
+            while self.used + n > self.limit and self.used > 0:
+                if wait_s is None:
+                    return False
+                if deadline is None:
+                    deadline = time.monotonic() + (0.0 if self.shedding else wait_s)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.shedding = True
+                    return False
+                self.cond.wait(left)
             self.used += n
             return True
 
     def give(self, n: int) -> None:
-        with self.lock:
+        with self.cond:
             self.used -= n
-
-
-class _File:
-    """A file's rows not yet handed to its writer (one per (request, site), on the lane's thread)."""
-
-    __slots__ = ("path", "dtype", "positions", "rows", "nbytes")
-
-    def __init__(self, path: Path, dtype: str) -> None:
-        self.path, self.dtype = path, dtype
-        self.positions: list[np.ndarray] = []
-        self.rows: list[np.ndarray] = []
-        self.nbytes = 0
+            if self.used * 2 <= self.limit:
+                self.shedding = False
+            self.cond.notify_all()
 
 
 class FilesystemConsumer(BaseConsumer):
@@ -281,7 +291,7 @@ class FilesystemConsumer(BaseConsumer):
     raw_rows = True  # bf16 rows as stored (their bits): written as they are, half float32's bytes
 
     def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
-                 max_open: int = 64, format: str = "files", max_queued_mb: float = 256,
+                 max_open: int = 0, format: str = "files", max_queued_mb: float = 1024, max_wait_s: float = 1.0,
                  publish_timeout_s: float = 20.0, context_size: int = 128, shard_mb: float = 64,
                  flush_s: float = 10.0, fsync: bool | str = True, **params: Any) -> None:
         super().__init__(instance, **params)
@@ -294,8 +304,11 @@ class FilesystemConsumer(BaseConsumer):
         self._counts = dict.fromkeys(STATS, 0)
         self._lock = threading.Lock()
         self._budget = _Budget(int(float(max_queued_mb) * 2**20))  # params may come as strings ("name:key=val")
+        self.max_wait_s = float(max_wait_s)
         self._dropped: dict[str, dict[str, list[int]]] = {}  # request -> rows this consumer dropped
-        self._files: dict[str, dict[tuple[int, str], _File]] = {}  # request -> its files' unwritten rows
+        self._gather = StepGather(self._budget.limit // 4)  # rows not yet handed to a writer
+        self._gathering = threading.RLock()  # the lane's thread only, as the contract says; a lock all the same
+        self._dtype = ""  # the files' dtype (the model's)
         self._pending_publishes = 0
         self.sink = None
         if format == "sae_lens":
@@ -303,7 +316,8 @@ class FilesystemConsumer(BaseConsumer):
             self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), float(shard_mb), self._count)
         self._queues = [queue.Queue() for _ in range(max(1, int(threads)))]
         sync = fsync if isinstance(fsync, bool) else str(fsync).lower() not in ("false", "0", "no")
-        self._writers = [_Writer(int(max_open), self._count, self.sink, sync) for _ in self._queues]
+        open_each = int(max_open) or _open_files_each(len(self._queues))
+        self._writers = [_Writer(open_each, self._count, self.sink, sync) for _ in self._queues]
         self._threads = [threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs")
                          for q, w in zip(self._queues, self._writers)]
         for t in self._threads:
@@ -323,46 +337,71 @@ class FilesystemConsumer(BaseConsumer):
         with self._lock:
             return dict(self._counts)
 
+    def _queue_index(self, request_id: str) -> int:
+        return zlib.crc32(request_id.encode()) % len(self._queues)
+
     def _queue_of(self, request_id: str) -> queue.Queue:
-        return self._queues[zlib.crc32(request_id.encode()) % len(self._queues)]
+        return self._queues[self._queue_index(request_id)]
 
     def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
-        """Gather the rows for their file (``on_rows`` and ``on_request_finished`` run on one thread: the
-        capture host's lane of this instance)."""
-        dtype = meta.get("dtype")
+        """One (request, site)'s rows: a packet of one group."""
+        self.on_packet(RowPacket([request_id], [(hook, layer)], np.zeros(1, np.int64),
+                                 np.full(1, len(rows), np.int64), positions, rows, meta))
+
+    def on_packet(self, packet: RowPacket) -> None:
+        """A step's rows, gathered as they are (``capture.fs_gather``) until a flush regroups them per file.
+        Runs on the capture host's lane of this instance, as ``on_request_finished`` does."""
+        with self._gathering:
+            self._take(packet)
+
+    def _take(self, packet: RowPacket) -> None:
+        rows, dtype = packet.data, packet.meta.get("dtype")
         if dtype == "bfloat16" and self.sink is not None:  # the sae_lens datasets hold float32 (exact)
             rows, dtype = (rows.astype(np.uint32) << 16).view(np.float32), None
         budget = self._budget
-        if not budget.take(rows.nbytes):  # the writers are behind (a slow or full disk): drop
-            self._count("dropped_writes")
-            with self._lock:
-                self._dropped.setdefault(request_id, {}).setdefault(f"{hook}.{layer}", []).extend(
-                    int(p) for p in positions)
-            return
-        files = self._files.get(request_id)
-        if files is None:
-            files = self._files[request_id] = {}
-        f = files.get((layer, hook))
-        if f is None:
-            f = files[(layer, hook)] = _File(self.root / _safe(request_id) / f"{layer}_{hook}.bin",
-                                             dtype or str(rows.dtype))
-        f.positions.append(positions)
-        f.rows.append(rows)
-        f.nbytes += rows.nbytes
-        if f.nbytes >= FLUSH_BYTES or budget.used * 2 > budget.limit:
-            self._hand(request_id, f)
+        if not budget.take(rows.nbytes):
+            self._flush()  # what is gathered goes to the writers first: they free the room waited for
+            if not budget.take(rows.nbytes, self.max_wait_s):  # the writers are behind (a slow or full disk)
+                self._drop(packet)
+                return
+        self._dtype = dtype or str(rows.dtype)
+        g = self._gather
+        if not g.fits(len(rows)):
+            self._flush()
+        g.add(packet.request_ids, packet.sites, packet.starts, packet.ends, packet.positions, rows,
+              arena_rows=-(-self._flush_bytes() // max(1, rows[0].nbytes)) if len(rows) else 0)
+        if g.nbytes >= self._flush_bytes():
+            self._flush()
 
-    def _hand(self, request_id: str, f: _File) -> None:
-        """A file's gathered rows to its request's writer (their budget given back once written)."""
-        self._queue_of(request_id).put(("append", request_id, f.path, f.positions, f.rows, f.dtype, f.nbytes))
-        f.positions, f.rows, f.nbytes = [], [], 0
+    def _flush_bytes(self) -> int:
+        """Gathered bytes that make a flush: FLUSH_BYTES per open file, at most a quarter of the limit."""
+        return min(self._budget.limit // 4, FLUSH_BYTES * max(1, self._gather.active_files()))
+
+    def _drop(self, packet: RowPacket) -> None:
+        self._count("dropped_writes")
+        with self._lock:
+            for rid, (hook, layer), a, b in zip(packet.request_ids, packet.sites, packet.starts.tolist(),
+                                                packet.ends.tolist()):
+                self._dropped.setdefault(rid, {}).setdefault(f"{hook}.{layer}", []).extend(
+                    packet.positions[a:b].tolist())
+
+    def _flush(self) -> None:
+        """Every gathered row to its file's writer: one block per file, one queue item per writer."""
+        per_queue: dict[int, list[Block]] = {}
+        for block in self._gather.flush():
+            per_queue.setdefault(self._queue_index(block.request_id), []).append(block)
+        for k, blocks in per_queue.items():
+            self._queues[k].put(("append", blocks, self._dtype, sum(b.rows.nbytes for b in blocks)))
+
+    def _path(self, block: Block) -> Path:
+        return self.root / _safe(block.request_id) / f"{block.layer}_{block.hook}.bin"
 
     def on_request_finished(self, request_id, meta) -> Future | None:
         """Hand the request's last rows to its writer and queue its publication: a ``Future`` done once
         ``request.json`` is written (None when the request will not be published)."""
-        for f in self._files.pop(request_id, {}).values():
-            if f.nbytes:
-                self._hand(request_id, f)
+        with self._gathering:
+            self._flush()  # its last rows (and the others' gathered ones) go before its publication
+            self._gather.files.forget(request_id)
         with self._lock:
             mine = self._dropped.pop(request_id, {})
             full = self._pending_publishes >= MAX_PENDING_PUBLISHES
@@ -393,17 +432,19 @@ class FilesystemConsumer(BaseConsumer):
                 return
             try:
                 if item[0] == "append":
-                    writer.append(*item[1:6])
+                    for b in item[1]:
+                        writer.append(b.request_id, self._path(b), [b.positions], [b.materialize()], item[2])
                 else:
                     writer.publish(item[2], item[1], item[3])
             except Exception as e:  # a bug, not a disk fault: still only this request fails
                 logger.exception("vllm-steer: filesystem capture writer")
-                writer.fail(item[1], e)
+                for rid in {b.request_id for b in item[1]} if item[0] == "append" else (item[1],):
+                    writer.fail(rid, e)
                 if item[0] == "publish":
                     writer.publish(item[2], item[1], item[3])  # request.json says failed
             finally:
                 if item[0] == "append":
-                    self._budget.give(item[6])
+                    self._budget.give(item[3])
                 else:
                     with self._lock:
                         self._pending_publishes -= 1
@@ -421,6 +462,14 @@ class FilesystemConsumer(BaseConsumer):
             t.join(timeout=self.publish_timeout_s)
         if self.sink is not None:
             self.sink.close()
+
+
+def _open_files_each(threads: int) -> int:
+    """Open files each writer keeps (its LRU): a quarter of the process's file limit shared by the writers,
+    at least 64, at most 1024 (a batch of 32 requests x 32 sites keeps every file open)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    room = soft // 4 // max(1, threads) if soft != resource.RLIM_INFINITY else 1024
+    return max(64, min(1024, room))
 
 
 def _request_dir(base: Path, request_id: str) -> Path:

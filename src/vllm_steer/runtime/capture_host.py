@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_steer.capture.consumer import RowPacket
+
 logger = logging.getLogger("vllm.steer.capture")
 
 PR_SET_PDEATHSIG = 1
@@ -111,6 +113,24 @@ class _Packet:
         return out
 
 
+def _columns(packet: _Packet, data: np.ndarray, positions: np.ndarray, mine: np.ndarray | None,
+             meta: dict) -> RowPacket:
+    """The packet as ``on_packet`` gets it: every cell (``mine`` None: a read-only view of ``data``), or only
+    the cells of ``mine`` (copied by a boolean index; groups left empty are left out)."""
+    starts, ends = np.asarray(packet.starts, dtype=np.int64), np.asarray(packet.ends, dtype=np.int64)
+    rids, sites = packet.request_ids, packet.sites
+    if mine is not None:
+        counts = np.add.reduceat(mine.astype(np.int64), starts) if len(starts) else starts
+        keep = np.flatnonzero(counts)
+        rids, sites = [rids[g] for g in keep.tolist()], [sites[g] for g in keep.tolist()]
+        ends = np.cumsum(counts[keep])
+        starts = ends - counts[keep]
+        data, positions = data[mine], positions[mine]
+    data = data.view()
+    data.flags.writeable = False
+    return RowPacket(rids, sites, starts, ends, positions, data, meta)
+
+
 class _HostLane:
     def __init__(self, bit: int, instance: str, consumer: Any, send) -> None:
         self.bit, self.instance, self.consumer, self.send = bit, instance, consumer, send
@@ -139,7 +159,17 @@ class _HostLane:
         errors = 0
         raw = bool(getattr(self.consumer, "raw_rows", False))
         meta = {"dtype": packet.dtype} if raw else {}
-        data, positions = packet.raw(copy=every) if raw else packet.data(), packet.positions
+        on_packet = getattr(self.consumer, "on_packet", None)
+        # on_packet's data is valid during the call only: ring memory, not this lane's copy
+        data = packet.raw(copy=every and on_packet is None) if raw else packet.data()
+        positions = packet.positions
+        if on_packet is not None:  # the whole step in one call
+            try:
+                on_packet(_columns(packet, data, positions, None if every else mine, meta))
+            except Exception:
+                self.send(("errors", 1))
+                logger.exception("vllm-steer: capture consumer %s raised in on_packet", self.instance)
+            return
         on_rows = self.consumer.on_rows
         for request_id, (hook, layer), a, b in zip(packet.request_ids, packet.sites, packet.starts, packet.ends):
             # read-only views of the packet's copy, or boolean-index copies: never ring memory
