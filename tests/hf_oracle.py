@@ -4,7 +4,7 @@ vector added by forward hooks at the same points, greedy-decoded in float32.
 Hook points, defined on HF's layer structure (stream = residual stream):
 - pre_attn at layer i: a forward pre-hook on layers[i] adds v to its input hidden states.
 - post_attn: a forward hook adds v to the output of the module whose output is added to the
-  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's, OLMo-3's and EXAONE-4's
+  residual after attention (``self_attn`` for Llama/Qwen/Mistral/Phi-3; Gemma's, OLMo-2/3's and EXAONE-4's
   ``post_attention_layernorm``, GLM-4's ``post_self_attn_layernorm``); Granite scales that output by
   ``residual_multiplier`` before the add, so its hook adds ``v / residual_multiplier``.
 - post_mlp: a forward hook on layers[i] adds v to the layer's output.
@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 _POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm",
-                     "glm4": "post_self_attn_layernorm", "olmo3": "post_attention_layernorm",
+                     "glm4": "post_self_attn_layernorm", "olmo2": "post_attention_layernorm",
+                     "olmo3": "post_attention_layernorm",
                      "exaone4": "post_attention_layernorm", "gemma4": "post_attention_layernorm"}
 _BRANCH_SCALE = {"granite": "residual_multiplier", "granitemoe": "residual_multiplier"}  # config attribute
 

@@ -21,7 +21,7 @@ attention, the second between attention and MLP; ``residual`` is read or written
 norms are vLLM's own ``RMSNorm`` (with a weight) or ``GemmaRMSNorm``, not a subclass. The model's
 forward must call ``self.norm(h, residual)``. Whatever breaks the rule is refused naming what was not
 found: a residual scaled outside a norm (DeepSeek-V2 in float16), parallel attention + MLP (one fused norm),
-HF's own modules (OLMo-2, served by vLLM's Transformers backend).
+HF's own modules that no adapter matches (vLLM's Transformers backend).
 
 Two adapters, each a ``layout`` of a row of ``FAMILIES`` (and only of its classes: the rule above stays the
 rule for every other layer), for decoders that keep one stream tensor and add each branch outside the norms;
@@ -35,7 +35,9 @@ their forward must match the adapter's statements exactly (``_LAYOUT_STATEMENTS`
   each branch's norm makes the sum. Steered layers get a forward with the same statements that passes the
   residual to their steered norms, which add it and steer the sum: post_attn.L at the attention branch's
   norm, post_mlp.L (A) and pre_attn.L+1 (B) at layer L's MLP-branch norm, pre_attn.0 (the embeddings) at
-  an input site of layer 0 (``install.StreamInput``).
+  an input site of layer 0 (``install.StreamInput``). OLMo-2, which vLLM 0.26 serves with its Transformers
+  backend, has the same statements in HF's words (``hf``: the attention gets the layer's arguments by keyword,
+  its norms are the backend's ``TPAwareRMSNorm``, a vLLM RMSNorm, and the stream is [1, T, D]).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class LayerNorms:
     mlp: str = ""
     layout: ClassVar[str] = "fused"
     returns_residual: ClassVar[bool] = False
+    hf: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class AdaptedNorms(LayerNorms):
 
     layout: str = "in_place"  # "in_place" | "post_add"
     returns_residual: bool = False  # post_add: the layer returns (hidden_states, residual) (EXAONE-4)
+    hf: bool = False  # post_add: HF's layer (vLLM's Transformers backend): keyword arguments, a [1, T, D] stream
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", "MixtralForCausalLM", "mixtral", "MixtralDecoderLayer", "MixtralModel", _LLAMA, "rule"),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2", "Gemma2DecoderLayer", "Gemma2Model", _GEMMA, "cpu-all"),
     Family("gemma3", "Gemma3ForCausalLM", "gemma3", "Gemma3DecoderLayer", "Gemma3Model", _GEMMA, "cpu-all"),
-    Family("phi3", "Phi3ForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu-opt"),
+    Family("phi3", "Phi3ForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu"),
     Family("glm4", "Glm4ForCausalLM", "glm4", "Glm4DecoderLayer", "Glm4Model", _LLAMA, "cpu"),
     Family("olmoe", "OlmoeForCausalLM", "olmoe", "OlmoeDecoderLayer", "OlmoeModel", _LLAMA, "cpu-opt"),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", "TransformerBlock", "GptOssModel", _LLAMA, "cpu-opt"),
@@ -119,10 +123,12 @@ FAMILIES: tuple[Family, ...] = (
            "in_place"),
     Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe", "GraniteMoeDecoderLayer", "GraniteMoeModel", _LLAMA,
            "cpu-opt", "in_place"),
+    # vLLM 0.26 serves OLMo-2 with its Transformers backend: HF's classes, vLLM's norms (TPAwareRMSNorm), linears
+    # and attention
     Family("olmo2", "Olmo2ForCausalLM", "transformers.models.olmo2.modeling_olmo2", "Olmo2DecoderLayer",
-           "Olmo2Model", None, "refused"),  # vLLM 0.26 serves it with its Transformers backend (HF's modules)
+           "Olmo2Model", _POST, "cpu", "post_add"),
     Family("olmo3", "Olmo3ForCausalLM", "olmo3", "Olmo3DecoderLayer", "Olmo3Model", _POST, "cpu", "post_add"),
-    Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", _POST, "cpu-opt",
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", _POST, "cpu",
            "post_add"),
     Family("gemma4", "Gemma4ForCausalLM", "gemma4", "Gemma4DecoderLayer", "Gemma4Model", _GEMMA, "cpu", "in_place"),
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
@@ -134,6 +140,9 @@ _LAYOUTS = {(f.path, f.layer): f.layout for f in FAMILIES if f.norms and f.layou
 _LAYOUTS.update({(f.path, f.model): f.layout for f in FAMILIES if f.norms and f.layout != "fused"})
 _FUSED_NORM_CLASSES = {"RMSNorm", "GemmaRMSNorm"}
 _NORM_MODULE = "vllm.model_executor.layers.layernorm"
+# the Transformers backend's swap for HF's RMSNorms: vLLM's RMSNorm that all-gathers a TP-sharded input first
+# (the branch norms it gives a post_add layer see the full width: o_proj / down_proj are row-parallel)
+_BACKEND_NORMS = {("vllm.model_executor.models.transformers.fusers.rms_norm", "TPAwareRMSNorm")}
 
 
 def layer_norms(layer: object) -> LayerNorms:
@@ -145,7 +154,8 @@ def layer_norms(layer: object) -> LayerNorms:
     for attr in (found.input_norm, found.post_attn_norm):
         norm = getattr(layer, attr, None)
         base = getattr(type(norm), "_vs_base", type(norm))  # an already steered norm: its vLLM class
-        if base.__name__ not in _FUSED_NORM_CLASSES or base.__module__ != _NORM_MODULE:
+        vllms = base.__name__ in _FUSED_NORM_CLASSES and base.__module__ == _NORM_MODULE
+        if not (vllms or (found.hf and (base.__module__, base.__name__) in _BACKEND_NORMS)):
             raise UnsupportedModelError(
                 f"vllm-steer cannot steer decoder layer {cls.__name__}: its fused norm {attr} is "
                 f"{base.__module__}.{base.__name__}, not vLLM's RMSNorm or GemmaRMSNorm")
@@ -203,7 +213,8 @@ def _one_stream_model_problem(name: str, tree: ast.FunctionDef) -> str | None:
     (``hidden_states = layer(positions, hidden_states)``, or ``hidden_states, residual = layer(positions,
     hidden_states, residual, ...)`` where the layer returns no residual or one it set from the stream itself),
     and ``hidden_states = self.norm(hidden_states)`` after it."""
-    layer_call = re.compile(rf"({_H}|{_H}, {_R}) = layer\(positions, {_H}(, {_R})?(, .*)?\)")
+    layer_call = re.compile(rf"({_H}|{_H}, {_R}) = layer\(positions, {_H}(, {_R})?(, .*)?\)"
+                            rf"|{_H} = decoder_layer\({_H}(, \w+=\w+)*(, \*\*kwargs)?\)")  # HF's: keywords only
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and layer_call.fullmatch(ast.unparse(n))]
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))]
     if len(loops) != 1 or len(calls) != 1 or not any(c is calls[0] for c in ast.walk(loops[0])):
@@ -256,6 +267,11 @@ _LAYOUT_STATEMENTS: dict[str, tuple[tuple[str, ...], ...]] = {  # each layout: i
          rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})", rf"{_R} = {_H}", rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)",
          rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = ({_H} \+ {_R}|{_R} \+ {_H})",
          rf"return (?P<ret>{_H}|\({_H}, {_R}\))"),
+        # HF's (OLMo-2 in vLLM's Transformers backend): the attention gets every argument of the layer by keyword
+        (rf"{_R} = {_H}", rf"{_H}, _ = self\.(?P<attn>\w+)\({_H}={_H}(?P<hf>(, \w+=\w+)*), \*\*kwargs\)",
+         rf"{_H} = self\.(?P<n2>\w+)\({_H}\)", rf"{_H} = {_R} \+ {_H}", rf"{_R} = {_H}",
+         rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", rf"{_H} = self\.(?P<n1>\w+)\({_H}\)", rf"{_H} = {_R} \+ {_H}",
+         rf"return {_H}"),
     ),
 }
 
@@ -276,11 +292,25 @@ def _adapted_structure(name: str, tree: ast.FunctionDef, layout: str) -> LayerNo
             groups.update({key: v for key, v in m.groupdict().items() if v is not None})
         else:
             if len(body) == len(patterns):
+                if "hf" in groups and (why_hf := _hf_arguments_problem(name, tree, groups["hf"])):
+                    why.append((len(body), why_hf))
+                    continue
                 return AdaptedNorms(groups["n1"], groups["n2"], groups["attn"], groups["mlp"], layout,
-                                    groups.get("ret", _H) != _H)
+                                    groups.get("ret", _H) != _H, "hf" in groups)
             why.append((min(len(body), len(patterns)) + 1, f"{name}.forward has {len(body)} statements, not the "
                                                              f"{len(patterns)} of the {layout} layout"))
     return max(why, key=lambda w: w[0])[1]
+
+
+def _hf_arguments_problem(name: str, tree: ast.FunctionDef, passed: str) -> str | None:
+    """An HF layer's attention must get each of the layer's arguments as itself (``x=x``) and ``**kwargs``:
+    install's forward for it passes them on as one ``**kwargs``."""
+    params = [a.arg for a in tree.args.args + tree.args.kwonlyargs][2:]  # after self, hidden_states
+    keys = [kv.split("=") for kv in passed.split(", ")[1:]]
+    if tree.args.vararg or tree.args.kwarg is None or any(k != v for k, v in keys) \
+            or sorted(k for k, _ in keys) != sorted(params):
+        return f"{name}.forward does not pass each of its arguments ({', '.join(params)}) on to its attention"
+    return None
 
 
 def _is_docstring(stmt: ast.stmt) -> bool:

@@ -287,7 +287,8 @@ def post_add_layer_class(base: type, norms: LayerNorms) -> type:
         return base
     cls = _POST_ADD_LAYERS.get(base)
     if cls is None:
-        cls = type(f"Steered{base.__name__}", (base,), {"forward": _post_add_layer_forward, "_vs_layer_base": base,
+        forward = _hf_post_add_layer_forward if norms.hf else _post_add_layer_forward
+        cls = type(f"Steered{base.__name__}", (base,), {"forward": forward, "_vs_layer_base": base,
                                                        "_vs_norms": norms})
         _POST_ADD_LAYERS[base] = cls
     return cls
@@ -309,8 +310,23 @@ def _post_add_layer_forward(self, positions: torch.Tensor, hidden_states: torch.
     return (hidden_states, residual) if n.returns_residual else hidden_states
 
 
+def _hf_post_add_layer_forward(self, hidden_states: torch.Tensor, **kwargs):
+    """HF's post_add forward (OLMo-2 in vLLM's Transformers backend; ``runtime.families``' HF statements), the
+    same way: the stream is [1, T, D] there (the backend adds a batch dimension), the steered ops see [T, D]."""
+    n = self._vs_norms
+    if "vs_input" in self._modules:
+        self.vs_input(hidden_states.view(-1, hidden_states.shape[-1]))  # in place: pre_attn.0
+    residual = hidden_states
+    hidden_states, _ = getattr(self, n.attn)(hidden_states=hidden_states, **kwargs)
+    hidden_states = _add_branch(getattr(self, n.post_attn_norm), hidden_states, residual)
+    residual = hidden_states
+    hidden_states = getattr(self, n.mlp)(hidden_states)
+    return _add_branch(getattr(self, n.input_norm), hidden_states, residual)
+
+
 def _add_branch(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + norm(branch)``: by the steered norm where it is one, else as vLLM's layer does."""
+    """``residual + norm(branch)``: by the steered norm where it is one (on [T, D] views), else as the layer does."""
     if getattr(type(norm), "_vs_mode", None) == "post_add":
-        return norm(branch, residual)
+        d = residual.shape[-1]
+        return norm(branch.reshape(-1, d), residual.reshape(-1, d)).view(residual.shape)
     return residual + norm(branch)
