@@ -290,6 +290,21 @@ def test_a_step_waits_for_slow_writers_instead_of_dropping(tmp_path, monkeypatch
     np.testing.assert_array_equal(rows, np.concatenate(kept))
 
 
+def test_gathered_steps_give_back_exactly_the_bytes_they_took(tmp_path):
+    """Many small steps gathered into one flush (regrouped per file by the writers): once written, the queue's
+    byte count is back to zero, so the bound keeps bounding."""
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=2, max_queued_mb=1)
+    for step in range(40):  # 40 steps x 3 files x 2 rows x 64 B: far below a flush, so one multi-step flush
+        for rid, layer in (("a", 0), ("a", 1), ("b", 0)):
+            fs.on_rows(rid, layer, "post_mlp", np.arange(2 * step, 2 * step + 2), _rows(2, seed=step), {})
+    assert fs._budget.used == 40 * 3 * 2 * 64
+    for rid in ("a", "b"):
+        _published(fs.on_request_finished(rid, {"prompt_len": 4}))
+    assert fs._budget.used == 0
+    assert load_request(str(tmp_path), "a")[(1, "post_mlp")][0].tolist() == list(range(80))
+    fs.close()
+
+
 # ---- format "sae_lens" (issue 37 item 5) --------------------------------------------------------------
 
 def _sae_capture(root, context=4, shard_mb=None):

@@ -391,7 +391,7 @@ class FilesystemConsumer(BaseConsumer):
         for block in self._gather.flush():
             per_queue.setdefault(self._queue_index(block.request_id), []).append(block)
         for k, blocks in per_queue.items():
-            self._queues[k].put(("append", blocks, self._dtype, sum(b.rows.nbytes for b in blocks)))
+            self._queues[k].put(("append", blocks, self._dtype, sum(b.nbytes for b in blocks)))
 
     def _path(self, block: Block) -> Path:
         return self.root / _safe(block.request_id) / f"{block.layer}_{block.hook}.bin"

@@ -32,6 +32,12 @@ class Block:
     rows: np.ndarray
     index: np.ndarray | None = None
 
+    @property
+    def nbytes(self) -> int:
+        if self.index is None:
+            return self.rows.nbytes
+        return len(self.index) * self.rows[0].nbytes
+
     def materialize(self) -> np.ndarray:
         if self.index is None:
             return self.rows
