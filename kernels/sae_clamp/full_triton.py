@@ -49,6 +49,8 @@ _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
 _SELECT_MAX = 16384  # d_sae up to this: a token's pre-activations stay in registers through the TopK search
 _SELECT_CHUNK = 4096  # larger d_sae: read in chunks of this many, once per bit of the search
+_GROUPS = 64  # TopK's lower bound: the smallest of this many groups' largest keys (valid for k <= 64)
+_SELECT_C = 1024  # clampable features a step of _select's clamp loops (one step for C <= 1024: fewer round trips)
 _RECON = tl.constexpr(RECONSTRUCT)
 _SAE_GATED = tl.constexpr(1 << 17)
 _VECTORS_UNGATED = tl.constexpr(1 << 16)
@@ -211,38 +213,50 @@ def _search_step(thr_key, b, cnt, K):
 @triton.jit
 def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
             stride_pre, stride_code, stride_value, stride_cv, F, C, K,
-            TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+            TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+            GROUPS: tl.constexpr):
     """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients: RECONSTRUCT
     rows' written over pre (f with clamped features f'); a DELTA row's coefficients (f' - f at the clamped features)
     go to ``cv`` only (``_decode`` multiplies them with the clampable features' W_dec rows and reads no DELTA row's
     pre). ``cv``: the clamped features' coefficients, staged while pre is still whole. SINGLE: F <= BLOCK, the row
-    in registers.
+    in registers (as GROUPS groups of BLOCK / GROUPS features).
 
-    TopK: the K-th largest key (``_key``: relu's order, int32), bit by bit from bit 30 (the sign bit of every key is
-    0), stopping early once exactly K keys reach the threshold (at most 31 passes over the row, ~10-20 with
-    continuous activations)."""
+    TopK: the K-th largest key T (``_key``: relu's order, int32), bit by bit from bit 30 (the sign bit of every key
+    is 0), stopping once exactly K keys reach the threshold. SINGLE: T lies in [lo, hi], hi the largest key and lo
+    the smallest of the groups' largest (K or more groups: K distinct keys reach it), so a candidate <= lo is kept
+    and one > hi dropped without counting; only the bits that split [lo, hi] cost a pass over the row (with
+    continuous activations ~10 of the 31)."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
         i_t = tl.load(p_tok + r0 + j).to(tl.int64)
         i_r = tl.load(p_index + i_t).to(tl.int64)
         recon = tl.load(p_mode + i_r) == _RECON
         p_row = p_pre + j.to(tl.int64) * stride_pre
-        o = tl.arange(0, BLOCK)
+        o = tl.arange(0, GROUPS)[:, None] * (BLOCK // GROUPS) + tl.arange(0, BLOCK // GROUPS)[None, :]
         thr_key = tl.zeros((), dtype=tl.int32)
         if TOPK:  # the largest key T with #(key >= T) >= K: the K-th largest
             b = tl.full((), 30, tl.int32)
             if SINGLE:
                 b_key = tl.where(o < F, _key(tl.load(p_row + o, mask=o < F, other=0.0)), -1)
+                hi = tl.max(tl.max(b_key, axis=1), axis=0)
+                g_max = tl.max(b_key, axis=1)  # a group past F: -1
+                lo = tl.min(tl.where(g_max >= 0, g_max, hi), axis=0)
+                lo = tl.where(tl.sum((g_max >= 0).to(tl.int32), axis=0) >= K, lo, 0)
                 while b >= 0:
-                    cnt = tl.sum((b_key >= (thr_key | (1 << b))).to(tl.int32), axis=0)
+                    cand = thr_key | (1 << b)
+                    cnt = tl.where(cand <= lo, K + 1, 0)
+                    if cand > lo:
+                        if cand <= hi:
+                            cnt = tl.sum(tl.sum((b_key >= cand).to(tl.int32), axis=1), axis=0)
                     thr_key, b = _search_step(thr_key, b, cnt, K)
             else:
+                o_1 = tl.arange(0, BLOCK)
                 while b >= 0:
                     cand = thr_key | (1 << b)
                     cnt = 0
                     for f0 in range(0, F, BLOCK):
-                        v = tl.load(p_row + f0 + o, mask=f0 + o < F, other=0.0)
-                        cnt += tl.sum(((_key(v) >= cand) & (f0 + o < F)).to(tl.int32), axis=0)
+                        v = tl.load(p_row + f0 + o_1, mask=f0 + o_1 < F, other=0.0)
+                        cnt += tl.sum(((_key(v) >= cand) & (f0 + o_1 < F)).to(tl.int32), axis=0)
                     thr_key, b = _search_step(thr_key, b, cnt, K)
         elif SINGLE:
             b_row = tl.load(p_row + o, mask=o < F, other=0.0)
@@ -267,11 +281,12 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
                     b_f = _act(b_row, thr_key, tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
                 tl.store(p_row + o, b_f, mask=o < F)
             else:
+                o_1 = tl.arange(0, BLOCK)
                 for f0 in range(0, F, BLOCK):
-                    m_f = f0 + o < F
-                    v = tl.load(p_row + f0 + o, mask=m_f, other=0.0)
-                    b_f = _act(v, thr_key, tl.load(p_thr + f0 + o, mask=m_f, other=0.0), TOPK)
-                    tl.store(p_row + f0 + o, b_f, mask=m_f)
+                    m_f = f0 + o_1 < F
+                    v = tl.load(p_row + f0 + o_1, mask=m_f, other=0.0)
+                    b_f = _act(v, thr_key, tl.load(p_thr + f0 + o_1, mask=m_f, other=0.0), TOPK)
+                    tl.store(p_row + f0 + o_1, b_f, mask=m_f)
             tl.debug_barrier()
             for c0 in range(0, C, BLOCK_C):
                 m_c = c0 + o_c < C
@@ -457,7 +472,8 @@ def site_edit(
                                                       pre.stride(0), f_all), (d, bm, bn, bk, *flags), warps)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk),
-                (topk > 0, single, block_sel, 64), 16 if block_sel >= 8192 else 8)
+                (topk > 0, single, block_sel, min(triton.next_power_of_2(max(c, 1)), _SELECT_C),
+                 min(_GROUPS, block_sel)), 16 if block_sel >= 8192 else 8)
         out_stride = part.stride(1) if split > 1 else edit.stride(0)
         _DECODE((m_tiles, triton.cdiv(d, bn), split),
                 (pre, src, tok, count, index, mode, w_dec, b_dec, part, r0, pre.stride(0), w_dec.stride(0), out_stride,
