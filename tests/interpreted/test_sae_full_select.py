@@ -39,8 +39,10 @@ def _moved(x, r, index, pack, topk) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 # (d_sae, k, case): "few_positive": 3 features can be positive (the K-th largest relu(pre) is 0); "k_over_groups":
-# k 60 > the 50 groups of 4 that hold features (F 200 in 64 groups): no lower bound; "k_groups": 64 full groups, k 64
-_CASES = [(200, 8, "few_positive"), (200, 60, "k_over_groups"), (256, 64, "k_groups")]
+# every pre positive, each group of 4 led by one feature 6 above the rest, k 100 > the 64 groups (the smallest group
+# maximum is above the k-th largest: no lower bound); "bounded": 64 groups
+# of 64, each with a positive maximum, so the search starts inside [smallest group maximum, maximum]
+_CASES = [(200, 8, "few_positive"), (256, 100, "k_over_groups"), (4096, 8, "bounded")]
 
 
 @pytest.mark.parametrize("f,k,case", _CASES, ids=[c for _, _, c in _CASES])
@@ -48,17 +50,25 @@ def test_topk_search_edge_cases_match_reference(f, k, case):
     pack = full_pack(D, f, 24, seed=11, topk=k)
     if case == "few_positive":
         pack[9] = torch.full((f,), -50.0).index_put((torch.tensor([3, 70, 150]),), torch.tensor(2.0))
-        pack[5] = pack[9][pack[7]]
+    if case == "k_over_groups":
+        pack[9] = pack[9] + torch.where(torch.arange(f) % 4 == 0, 8.0, 2.0)
+    pack[5] = pack[9][pack[7]]
     x, r = _stream(13, seed=12)
     index = token_rows(13)
     got, want, on = _moved(x, r, index, pack, k)
     assert on.any()
     torch.testing.assert_close(got, want, **TOL)
-    if case == "few_positive":  # not vacuous: some of the 3 features are on, fewer than k
-        from vllm_steer.kernels.sae_clamp.packed import _full_features
+    from vllm_steer.kernels.sae_clamp.packed import _full_features
 
+    pre = (x + r) @ pack[8].float() + pack[9]
+    if case == "few_positive":  # not vacuous: some of the 3 features are on, fewer than k
         active = (_full_features(x + r, pack, k) > 0).sum(-1)
         assert bool((active > 0).any()) and int(active.max()) < k
+    else:  # the groups' maxima are positive (their smallest is a key > 0)
+        low = pre.view(13, 64, -1).amax(-1).amin(-1)
+        assert bool((low > 0).all())
+        if case == "k_over_groups":  # ... and above the k-th largest: the search must not start from it
+            assert bool((low > pre.topk(k, dim=-1).values[:, -1]).all())
 
 
 @pytest.mark.parametrize("k", [0, 8], ids=["jumprelu", "topk8"])
