@@ -19,8 +19,9 @@ data-dependent shape: CUDA graphs replay them with rows changed after capture): 
      decode coefficients: a RECONSTRUCT row's ``f'`` (every feature) over ``pre``, a DELTA row's ``f' - f``
      (clamped features) in ``cv`` (its pre is not written back);
    - ``_decode``: a program per token tile x column tile x split of d_sae (``_splits``: enough programs to fill
-     the GPU at decode sizes): RECONSTRUCT rows' ``coef @ W_dec`` (a W_dec tile masked off, no bytes moved, when
-     every coefficient of the tile's tokens is 0; no branch in the K loop, so its loads pipeline) plus DELTA rows'
+     the GPU at decode sizes): RECONSTRUCT rows' ``coef @ W_dec`` (at most ``_SKIP_TOKENS`` tokens a round: a W_dec
+     tile masked off, no bytes moved, when every coefficient of the tile's tokens is 0; more: every tile streamed;
+     no branch in the K loop either way, so its loads pipeline) plus DELTA rows'
      ``(f' - f) @ W_dec[feats]`` over the clampable features' W_dec rows gathered by id (a delta-only step reads
      C rows of W_dec, not d_sae); both on tensor cores (``_tile_dot``); one split writes the edit itself
      (``_finish``: + ``b_dec - s`` for RECONSTRUCT rows), else
@@ -298,25 +299,28 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
 
 @triton.jit
 def _decode_span(acc, p_c, stride_c, rows, lo, hi, p_w, stride_w, p_feat, o_m, o_d, m_d, BLOCK_F: tl.constexpr,
-                 GATHER: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 GATHER: tl.constexpr, SKIP: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """acc + ``c[rows, lo:hi] @ w[feature lo:hi, o_d]``, BLOCK_F features (a K tile) at a time, each tile's product
     in a fresh float32 accumulator (``_tile_dot``: the float32 coefficients' bf16 hi + lo against the weights) added
     to ``acc`` in IEEE float32. GATHER: feature i's row of ``w`` is ``feat[i]`` (the clamped features' W_dec rows),
-    else i. A ``w`` tile whose coefficients are all 0 for the tile's rows is masked off (its load moves no bytes, its
-    product adds 0): no branch in the loop, so Triton's pipeliner keeps the next tiles' loads in flight."""
+    else i. SKIP (a few tokens a round, whose coefficient tiles are mostly 0 with sparse activations): a ``w`` tile
+    whose coefficients are all 0 for the tile's rows is masked off (its load moves no bytes, its product adds 0);
+    else every tile is read (no reduction between a coefficient load and the weights' load: a plain GEMM loop that
+    Triton's pipeliner streams). No branch in the loop either way."""
     for f0 in range(lo, hi, BLOCK_F):
         o_f = f0 + tl.arange(0, BLOCK_F)
         m_f = o_f < hi
         c = tl.load(p_c + o_m[:, None].to(tl.int64) * stride_c + o_f[None, :],
                     mask=rows[:, None] & m_f[None, :], other=0.0)
-        live = tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0
         if GATHER:
             i_w = tl.load(p_feat + o_f, mask=m_f, other=0)
         else:
             i_w = o_f
-        w = tl.load(p_w + i_w[:, None].to(tl.int64) * stride_w + o_d[None, :],
-                    mask=tl.where(live, m_f[:, None] & m_d[None, :], False), other=0.0)
+        m_w = m_f[:, None] & m_d[None, :]
+        if SKIP:
+            m_w = tl.where(tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0, m_w, False)
+        w = tl.load(p_w + i_w[:, None].to(tl.int64) * stride_w + o_d[None, :], mask=m_w, other=0.0)
         acc += _tile_dot(c, w, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
     return acc
 
@@ -326,7 +330,7 @@ def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out,
             stride_coef, stride_w, stride_out, stride_split, F, F_SPLIT, p_cv, p_feat, stride_cv, C, C_SPLIT,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr, FINISH: tl.constexpr):
+            HAS_RES: tl.constexpr, FINISH: tl.constexpr, SKIP: tl.constexpr):
     """A tile of BLOCK_M listed tokens x BLOCK_D columns, split s = program_id(2) of the features: RECONSTRUCT rows'
     ``coef @ W_dec`` over features [s F_SPLIT, (s + 1) F_SPLIT) (only if the tile has such a row; a W_dec tile
     whose coefficients are all 0 for the tile's tokens is not read), plus DELTA rows' ``cv @ W_dec[feat]`` over
@@ -349,11 +353,11 @@ def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out,
         if tl.max(recon.to(tl.int32), axis=0) != 0:
             f_lo = tl.program_id(2) * F_SPLIT
             acc = _decode_span(acc, p_coef, stride_coef, recon, f_lo, tl.minimum(F, f_lo + F_SPLIT), p_wdec, stride_w,
-                               p_feat, o_m, o_d, m_d, BLOCK_F, False, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+                               p_feat, o_m, o_d, m_d, BLOCK_F, False, SKIP, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
         if tl.max(delta.to(tl.int32), axis=0) != 0:
             c_lo = tl.program_id(2) * C_SPLIT
             acc = _decode_span(acc, p_cv, stride_cv, delta, c_lo, tl.minimum(C, c_lo + C_SPLIT), p_wdec, stride_w,
-                               p_feat, o_m, o_d, m_d, BLOCK_F, True, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+                               p_feat, o_m, o_d, m_d, BLOCK_F, True, SKIP, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
         if FINISH:
             _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_out, r0, stride_out, o_m, m_m, o_d, m_d, DIRECT,
                     HAS_RES)
@@ -402,6 +406,7 @@ def _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o
 _TILES = ((64, (16, 64, 64, 4)), (512, (64, 128, 64, 4)), (None, (128, 128, 64, 8)))
 _PROGRAMS = 528  # programs the decoder aims at (4 per SM of an H100's 132): splits over d_sae fill the GPU at decode
 _SPLIT_MAX = 16
+_SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
 _REDUCE_D = 64  # _reduce's columns a program: 64 programs a 16-token tile at D 4096 (256 gave 16: latency-bound)
 
 
@@ -478,7 +483,7 @@ def site_edit(
         _DECODE((m_tiles, triton.cdiv(d, bn), split),
                 (pre, src, tok, count, index, mode, w_dec, b_dec, part, r0, pre.stride(0), w_dec.stride(0), out_stride,
                  part.stride(0) if split > 1 else 0, f_all, f_split, cv, feats, cv.stride(0), c, c_split),
-                (d, bm, bk, bn, *flags, split == 1), warps)
+                (d, bm, bk, bn, *flags, split == 1, rn <= _SKIP_TOKENS), warps)
         if split > 1:
             _REDUCE((triton.cdiv(rn, 16), triton.cdiv(d, _REDUCE_D)),
                     (part, src, tok, count, index, mode, b_dec, edit, r0, part.stride(1), part.stride(0),
