@@ -229,16 +229,17 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
     continuous activations ~10 of the 31)."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
+        p_row = p_pre + j.to(tl.int64) * stride_pre
+        o = tl.arange(0, GROUPS)[:, None] * (BLOCK // GROUPS) + tl.arange(0, BLOCK // GROUPS)[None, :]
+        if TOPK and SINGLE:  # issued before the token's row lookups (a chain of three dependent loads)
+            b_key = tl.where(o < F, _key(tl.load(p_row + o, mask=o < F, other=0.0)), -1)
         i_t = tl.load(p_tok + r0 + j).to(tl.int64)
         i_r = tl.load(p_index + i_t).to(tl.int64)
         recon = tl.load(p_mode + i_r) == _RECON
-        p_row = p_pre + j.to(tl.int64) * stride_pre
-        o = tl.arange(0, GROUPS)[:, None] * (BLOCK // GROUPS) + tl.arange(0, BLOCK // GROUPS)[None, :]
         thr_key = tl.zeros((), dtype=tl.int32)
         if TOPK:  # the largest key T with #(key >= T) >= K: the K-th largest
             b = tl.full((), 30, tl.int32)
             if SINGLE:
-                b_key = tl.where(o < F, _key(tl.load(p_row + o, mask=o < F, other=0.0)), -1)
                 hi = tl.max(tl.max(b_key, axis=1), axis=0)
                 g_max = tl.max(b_key, axis=1)  # a group past F: -1
                 lo = tl.min(tl.where(g_max >= 0, g_max, hi), axis=0)
@@ -259,8 +260,6 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
                         v = tl.load(p_row + f0 + o_1, mask=f0 + o_1 < F, other=0.0)
                         cnt += tl.sum(((_key(v) >= cand) & (f0 + o_1 < F)).to(tl.int32), axis=0)
                     thr_key, b = _search_step(thr_key, b, cnt, K)
-        elif SINGLE:
-            b_row = tl.load(p_row + o, mask=o < F, other=0.0)
         o_c = tl.arange(0, BLOCK_C)
         for c0 in range(0, C, BLOCK_C):  # the row's clamped features, from pre as it is
             m_c = c0 + o_c < C
@@ -279,7 +278,8 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
                 if TOPK:  # relu(pre) of the K largest: the key's own bits
                     b_f = tl.where(b_key >= thr_key, b_key.to(tl.float32, bitcast=True), 0.0)
                 else:
-                    b_f = _act(b_row, thr_key, tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
+                    b_f = _act(tl.load(p_row + o, mask=o < F, other=0.0), thr_key,
+                               tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
                 tl.store(p_row + o, b_f, mask=o < F)
             else:
                 o_1 = tl.arange(0, BLOCK)
