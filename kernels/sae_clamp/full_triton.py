@@ -160,10 +160,12 @@ def _stream(src, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr
 def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr):
+            HAS_RES: tl.constexpr, UNROLL: tl.constexpr):
     """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per tile of BLOCK_M listed
     tokens x BLOCK_F features (token tiles on grid axis 0, launched first: the tiles sharing W_enc's columns run
-    together, so W_enc leaves HBM about once per round). A tile past the count returns at once."""
+    together, so W_enc leaves HBM about once per round). A tile past the count returns at once. UNROLL K tiles a
+    loop step (a small grid: twice the W_enc bytes in flight a program), each still its own ``_tile_dot`` added in
+    K order: the same arithmetic as one a step."""
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
     if m0 < n:
@@ -172,13 +174,14 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
         o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         m_f = o_f < F
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < D
-            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
-            w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
-                        mask=m_k[:, None] & m_f[None, :], other=0.0)
-            acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
+        for k0 in range(0, D, BLOCK_K * UNROLL):
+            for u in tl.static_range(UNROLL):
+                o_k = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
+                m_k = o_k < D
+                a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+                w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
+                            mask=m_k[:, None] & m_f[None, :], other=0.0)
+                acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
         b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
         tl.store(p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :], acc + b_bias[None, :],
                  mask=m_m[:, None] & m_f[None, :])
@@ -406,6 +409,7 @@ def _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o
 _TILES = ((64, (16, 64, 64, 4)), (512, (64, 128, 64, 4)), (None, (128, 128, 64, 8)))
 _PROGRAMS = 528  # programs the decoder aims at (4 per SM of an H100's 132): splits over d_sae fill the GPU at decode
 _SPLIT_MAX = 16
+_ENC_UNROLL = 2  # K tiles a step of the encoder's loop when its grid is under _PROGRAMS (N 16: 256 programs)
 _SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
 _REDUCE_D = 64  # _reduce's columns a program: 64 programs a 16-token tile at D 4096 (256 gave 16: latency-bound)
 
@@ -465,7 +469,7 @@ def site_edit(
     direct = not any(pre_flags)  # slot A: the stream is x + residual, read by the GEMMs themselves
     res = residual if residual is not None else x
     res_stride = residual.stride(0) if residual is not None else 0
-    m_tiles = triton.cdiv(rn, bm)
+    m_tiles, f_tiles = triton.cdiv(rn, bm), triton.cdiv(f_all, bn)
     for r0 in range(0, n, ROUND):
         if not direct:
             _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
@@ -473,8 +477,8 @@ def site_edit(
                     (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)
-        _ENCODE((m_tiles, triton.cdiv(f_all, bn)), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0),
-                                                      pre.stride(0), f_all), (d, bm, bn, bk, *flags), warps)
+        _ENCODE((m_tiles, f_tiles), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0), pre.stride(0), f_all),
+                (d, bm, bn, bk, *flags, _ENC_UNROLL if m_tiles * f_tiles < _PROGRAMS else 1), warps)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk),
                 (topk > 0, single, block_sel, min(triton.next_power_of_2(max(c, 1)), _SELECT_C),

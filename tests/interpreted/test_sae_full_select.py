@@ -2,7 +2,8 @@
 cases, against the plain-torch pack reference, under Triton's interpreter (run in a subprocess by
 ``tests/test_steered_norm.py``): fewer positive pre-activations than k, k above the search's group count (its lower
 bound unusable), k equal to it; a DELTA row's decode reads only the clamped features' W_dec rows; a RECONSTRUCT
-row's decode leaves W_dec tiles whose coefficients are all 0 unread."""
+row's decode leaves W_dec tiles whose coefficients are all 0 unread; the encoder's unrolled K loop computes what one
+K tile a step does, bit for bit."""
 
 from __future__ import annotations
 
@@ -103,3 +104,19 @@ def test_reconstruct_leaves_zero_coefficient_tiles_unread():
     pack[11] = pack[11].view(-1, 64, D).masked_fill(dead[:, None, None], float("nan")).view(f, D)
     got = _moved(x, r, index, pack, k)[0]
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_encoder_unroll_keeps_the_arithmetic(monkeypatch):
+    """Two K tiles a loop step (small grids) against one: the same edit bit for bit (D 200: the last step's second
+    tile past D)."""
+    from vllm_steer.kernels.sae_clamp import full_triton
+
+    pack = full_pack(200, 200, 24, seed=41, topk=8)
+    g = torch.Generator().manual_seed(42)
+    x, r = torch.randn(7, 200, generator=g) * 3, torch.randn(7, 200, generator=g)
+    index = token_rows(7)
+    two = full_triton.site_edit(x, r, index, pack, 8)
+    monkeypatch.setattr(full_triton, "_ENC_UNROLL", 1)
+    one = full_triton.site_edit(x, r, index, pack, 8)
+    on = pack[0][index[:7].long()] != 0
+    assert on.any() and torch.equal(two[on], one[on])
