@@ -14,15 +14,17 @@ data-dependent shape: CUDA graphs replay them with rows changed after capture): 
      at slot A the GEMMs read x + residual of the listed tokens themselves;
    - ``_encode``: ``pre = s @ W_enc + b_enc`` (``tl.dot``, a program per token tile x feature tile; the stream split
      into bf16 hi + lo, both against the bf16 weights, float32 accumulation per K tile: ``_tile_dot``);
-   - ``_select``: per token the activation (TopK: the k-th largest ``pre`` found exactly by a bitwise search on
-     order-preserving integer keys; else ``pre > thr``), the row's clamps, and the decode coefficients in place
-     of ``pre``: a RECONSTRUCT row's ``f'`` (every feature), a DELTA row's ``f' - f`` (clamped features, 0
-     elsewhere);
+   - ``_select``: per token the activation (TopK: the k-th largest ``relu(pre)`` found exactly by a bitwise search
+     on its int32 bits, stopping once exactly k reach the threshold; else ``pre > thr``), the row's clamps, and the
+     decode coefficients: a RECONSTRUCT row's ``f'`` (every feature) over ``pre``, a DELTA row's ``f' - f``
+     (clamped features) in ``cv`` (its pre is not written back);
    - ``_decode``: a program per token tile x column tile x split of d_sae (``_splits``: enough programs to fill
-     the GPU at decode sizes): RECONSTRUCT rows' ``coef @ W_dec`` (a W_dec tile read only when some coefficient of
-     the tile's tokens is not 0) plus DELTA rows' ``(f' - f) @ dec`` over the clampable features' float32 rows (a
-     delta-only step never reads W_dec); one split writes the edit itself (``_finish``: + ``b_dec - s`` for
-     RECONSTRUCT rows), else
+     the GPU at decode sizes): RECONSTRUCT rows' ``coef @ W_dec`` (at most ``_SKIP_TOKENS`` tokens a round: a W_dec
+     tile masked off, no bytes moved, when every coefficient of the tile's tokens is 0; more: every tile streamed;
+     no branch in the K loop either way, so its loads pipeline) plus DELTA rows'
+     ``(f' - f) @ W_dec[feats]`` over the clampable features' W_dec rows gathered by id (a delta-only step reads
+     C rows of W_dec, not d_sae); both on tensor cores (``_tile_dot``); one split writes the edit itself
+     (``_finish``: + ``b_dec - s`` for RECONSTRUCT rows), else
    - ``_reduce``: the splits' partial sums added in split order, then ``_finish``.
 
 Tiles and splits are fixed by N (``_TILES``; no autotuning). The per-launch roofline is in README.md.
@@ -48,6 +50,8 @@ _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
 _SELECT_MAX = 16384  # d_sae up to this: a token's pre-activations stay in registers through the TopK search
 _SELECT_CHUNK = 4096  # larger d_sae: read in chunks of this many, once per bit of the search
+_GROUPS = 64  # TopK's lower bound: the smallest of this many groups' largest keys (valid for k <= 64)
+_SELECT_C = 1024  # clampable features a step of _select's clamp loops (one step for C <= 1024: fewer round trips)
 _RECON = tl.constexpr(RECONSTRUCT)
 _SAE_GATED = tl.constexpr(1 << 17)
 _VECTORS_UNGATED = tl.constexpr(1 << 16)
@@ -156,10 +160,12 @@ def _stream(src, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr
 def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr):
+            HAS_RES: tl.constexpr, UNROLL: tl.constexpr):
     """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per tile of BLOCK_M listed
     tokens x BLOCK_F features (token tiles on grid axis 0, launched first: the tiles sharing W_enc's columns run
-    together, so W_enc leaves HBM about once per round). A tile past the count returns at once."""
+    together, so W_enc leaves HBM about once per round). A tile past the count returns at once. UNROLL K tiles a
+    loop step (a small grid: twice the W_enc bytes in flight a program), each still its own ``_tile_dot`` added in
+    K order: the same arithmetic as one a step."""
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
     if m0 < n:
@@ -168,13 +174,14 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
         o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         m_f = o_f < F
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < D
-            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
-            w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
-                        mask=m_k[:, None] & m_f[None, :], other=0.0)
-            acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
+        for k0 in range(0, D, BLOCK_K * UNROLL):
+            for u in tl.static_range(UNROLL):
+                o_k = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
+                m_k = o_k < D
+                a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+                w = tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :],
+                            mask=m_k[:, None] & m_f[None, :], other=0.0)
+                acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
         b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
         tl.store(p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :], acc + b_bias[None, :],
                  mask=m_m[:, None] & m_f[None, :])
@@ -182,9 +189,11 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F,
 
 @triton.jit
 def _key(v):
-    """An int64 in [0, 2^32) that orders as the float32 ``v``."""
+    """An int32 that orders as ``relu(v)`` (float32): the bits of v where v > 0 (positive floats order as their bits),
+    else 0. TopK's activation is relu of the k largest, so ranking relu(pre) keeps the same activations: a feature
+    that ties at 0 or sits below it activates to 0 either way."""
     bits = v.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+    return tl.maximum(bits, 0)
 
 
 @triton.jit
@@ -198,37 +207,62 @@ def _act(v, thr_key, thr, TOPK: tl.constexpr):
 
 
 @triton.jit
+def _search_step(thr_key, b, cnt, K):
+    """One bit of the K-th largest key's search: keep bit b if at least K keys reach ``thr_key | 1 << b`` (their
+    count ``cnt``); done (b = -1) when exactly K do, as no lower bit can change which keys reach the threshold."""
+    thr_key = tl.where(cnt >= K, thr_key | (1 << b), thr_key)
+    return thr_key, tl.where(cnt == K, -1, b - 1)
+
+
+@triton.jit
 def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
             stride_pre, stride_code, stride_value, stride_cv, F, C, K,
-            TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+            TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+            GROUPS: tl.constexpr):
     """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients: RECONSTRUCT
-    rows' written over pre (f with clamped features f'); DELTA rows' pre zeroed and their coefficients (f' - f at the
-    clamped features) left in ``cv`` (``_decode`` multiplies them with the clampable features' rows). ``cv``: the
-    clamped features' coefficients, staged while pre is still whole. SINGLE: F <= BLOCK, the row in registers."""
+    rows' written over pre (f with clamped features f'); a DELTA row's coefficients (f' - f at the clamped features)
+    go to ``cv`` only (``_decode`` multiplies them with the clampable features' W_dec rows and reads no DELTA row's
+    pre). ``cv``: the clamped features' coefficients, staged while pre is still whole. SINGLE: F <= BLOCK, the row
+    in registers (as GROUPS groups of BLOCK / GROUPS features).
+
+    TopK: the K-th largest key T (``_key``: relu's order, int32), bit by bit from bit 30 (the sign bit of every key
+    is 0), stopping once exactly K keys reach the threshold. SINGLE: T lies in [lo, hi], hi the largest key and lo
+    the smallest of the groups' largest (K or more groups: K distinct keys reach it), so a candidate <= lo is kept
+    and one > hi dropped without counting; only the bits that split [lo, hi] cost a pass over the row (with
+    continuous activations ~10 of the 31)."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
+        p_row = p_pre + j.to(tl.int64) * stride_pre
+        o = tl.arange(0, GROUPS)[:, None] * (BLOCK // GROUPS) + tl.arange(0, BLOCK // GROUPS)[None, :]
+        if TOPK and SINGLE:  # issued before the token's row lookups (a chain of three dependent loads)
+            b_key = tl.where(o < F, _key(tl.load(p_row + o, mask=o < F, other=0.0)), -1)
         i_t = tl.load(p_tok + r0 + j).to(tl.int64)
         i_r = tl.load(p_index + i_t).to(tl.int64)
         recon = tl.load(p_mode + i_r) == _RECON
-        p_row = p_pre + j.to(tl.int64) * stride_pre
-        o = tl.arange(0, BLOCK)
-        thr_key = tl.zeros((), dtype=tl.int64)
-        if SINGLE:
-            b_row = tl.load(p_row + o, mask=o < F, other=float("-inf"))
-        if TOPK:  # the largest key T with #(key >= T) >= K: the K-th largest, bit by bit from the top
+        thr_key = tl.zeros((), dtype=tl.int32)
+        if TOPK:  # the largest key T with #(key >= T) >= K: the K-th largest
+            b = tl.full((), 30, tl.int32)
             if SINGLE:
-                b_key = tl.where(o < F, _key(b_row), -1)
-                for b in tl.static_range(31, -1, -1):
+                hi = tl.max(tl.max(b_key, axis=1), axis=0)
+                g_max = tl.max(b_key, axis=1)  # a group past F: -1
+                lo = tl.min(tl.where(g_max >= 0, g_max, hi), axis=0)
+                lo = tl.where(tl.sum((g_max >= 0).to(tl.int32), axis=0) >= K, lo, 0)
+                while b >= 0:
                     cand = thr_key | (1 << b)
-                    thr_key = tl.where(tl.sum((b_key >= cand).to(tl.int32), axis=0) >= K, cand, thr_key)
+                    cnt = tl.where(cand <= lo, K + 1, 0)
+                    if cand > lo:
+                        if cand <= hi:
+                            cnt = tl.sum(tl.sum((b_key >= cand).to(tl.int32), axis=1), axis=0)
+                    thr_key, b = _search_step(thr_key, b, cnt, K)
             else:
-                for b in tl.static_range(31, -1, -1):
+                o_1 = tl.arange(0, BLOCK)
+                while b >= 0:
                     cand = thr_key | (1 << b)
                     cnt = 0
                     for f0 in range(0, F, BLOCK):
-                        v = tl.load(p_row + f0 + o, mask=f0 + o < F, other=float("-inf"))
-                        cnt += tl.sum(((_key(v) >= cand) & (f0 + o < F)).to(tl.int32), axis=0)
-                    thr_key = tl.where(cnt >= K, cand, thr_key)
+                        v = tl.load(p_row + f0 + o_1, mask=f0 + o_1 < F, other=0.0)
+                        cnt += tl.sum(((_key(v) >= cand) & (f0 + o_1 < F)).to(tl.int32), axis=0)
+                    thr_key, b = _search_step(thr_key, b, cnt, K)
         o_c = tl.arange(0, BLOCK_C)
         for c0 in range(0, C, BLOCK_C):  # the row's clamped features, from pre as it is
             m_c = c0 + o_c < C
@@ -241,62 +275,71 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
             new = tl.where(kind == 1, val, tl.where(kind == 2, f + val, tl.where(kind == 3, f * val, f)))
             f_new = tl.where((kind != 0) & (((code & 4) == 0) | (f > 0)), new, f)
             tl.store(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, tl.where(recon, f_new, f_new - f), mask=m_c)
-        tl.debug_barrier()  # every clamped feature's pre is read before the coefficients overwrite it
-        if SINGLE:
-            if TOPK:  # no thresholds to read
-                b_f = _act(b_row, thr_key, 0.0, TOPK)
+        if recon:  # a DELTA row's pre is not read again: left as it is
+            tl.debug_barrier()  # every clamped feature's pre is read before the coefficients overwrite it
+            if SINGLE:
+                if TOPK:  # relu(pre) of the K largest: the key's own bits
+                    b_f = tl.where(b_key >= thr_key, b_key.to(tl.float32, bitcast=True), 0.0)
+                else:
+                    b_f = _act(tl.load(p_row + o, mask=o < F, other=0.0), thr_key,
+                               tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
+                tl.store(p_row + o, b_f, mask=o < F)
             else:
-                b_f = _act(b_row, thr_key, tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
-            tl.store(p_row + o, tl.where(recon, b_f, 0.0), mask=o < F)
-        else:
-            for f0 in range(0, F, BLOCK):
-                m_f = f0 + o < F
-                v = tl.load(p_row + f0 + o, mask=m_f, other=0.0)
-                b_f = _act(v, thr_key, tl.load(p_thr + f0 + o, mask=m_f, other=0.0), TOPK)
-                tl.store(p_row + f0 + o, tl.where(recon, b_f, 0.0), mask=m_f)
-        tl.debug_barrier()
-        for c0 in range(0, C, BLOCK_C):
-            m_c = c0 + o_c < C
-            code = tl.load(p_code + i_r * stride_code + c0 + o_c, mask=m_c, other=0)
-            feat = tl.load(p_feat + c0 + o_c, mask=m_c, other=0)
-            cv = tl.load(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, mask=m_c, other=0.0)
-            tl.store(p_row + feat, cv, mask=m_c & ((code & 3) != 0) & recon)
+                o_1 = tl.arange(0, BLOCK)
+                for f0 in range(0, F, BLOCK):
+                    m_f = f0 + o_1 < F
+                    v = tl.load(p_row + f0 + o_1, mask=m_f, other=0.0)
+                    b_f = _act(v, thr_key, tl.load(p_thr + f0 + o_1, mask=m_f, other=0.0), TOPK)
+                    tl.store(p_row + f0 + o_1, b_f, mask=m_f)
+            tl.debug_barrier()
+            for c0 in range(0, C, BLOCK_C):
+                m_c = c0 + o_c < C
+                code = tl.load(p_code + i_r * stride_code + c0 + o_c, mask=m_c, other=0)
+                feat = tl.load(p_feat + c0 + o_c, mask=m_c, other=0)
+                cv = tl.load(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, mask=m_c, other=0.0)
+                tl.store(p_row + feat, cv, mask=m_c & ((code & 3) != 0))
 
 
 @triton.jit
-def _decode_span(acc, p_c, stride_c, rows, lo, hi, p_w, stride_w, o_m, o_d, m_d, BLOCK_F: tl.constexpr,
-                 HILO: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """acc + ``c[rows, lo:hi] @ w[lo:hi, o_d]``, BLOCK_F features a tile; a ``w`` tile whose coefficients are all 0
-    for the tile's rows is not read. HILO: float32 coefficients against weights in their own dtype (``_tile_dot``);
-    else both float32 (``_dot``). Each tile's product is added to ``acc`` in IEEE float32."""
+def _decode_span(acc, p_c, stride_c, rows, lo, hi, p_w, stride_w, p_feat, o_m, o_d, m_d, BLOCK_F: tl.constexpr,
+                 GATHER: tl.constexpr, SKIP: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """acc + ``c[rows, lo:hi] @ w[feature lo:hi, o_d]``, BLOCK_F features (a K tile) at a time, each tile's product
+    in a fresh float32 accumulator (``_tile_dot``: the float32 coefficients' bf16 hi + lo against the weights) added
+    to ``acc`` in IEEE float32. GATHER: feature i's row of ``w`` is ``feat[i]`` (the clamped features' W_dec rows),
+    else i. SKIP (a few tokens a round, whose coefficient tiles are mostly 0 with sparse activations): a ``w`` tile
+    whose coefficients are all 0 for the tile's rows is masked off (its load moves no bytes, its product adds 0);
+    else every tile is read (no reduction between a coefficient load and the weights' load: a plain GEMM loop that
+    Triton's pipeliner streams). No branch in the loop either way."""
     for f0 in range(lo, hi, BLOCK_F):
         o_f = f0 + tl.arange(0, BLOCK_F)
         m_f = o_f < hi
         c = tl.load(p_c + o_m[:, None].to(tl.int64) * stride_c + o_f[None, :],
                     mask=rows[:, None] & m_f[None, :], other=0.0)
-        if tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0:
-            w = tl.load(p_w + o_f[:, None].to(tl.int64) * stride_w + o_d[None, :],
-                        mask=m_f[:, None] & m_d[None, :], other=0.0)
-            if HILO:
-                acc += _tile_dot(c, w, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
-            else:
-                acc += _dot(c, w, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), UPCAST)
+        if GATHER:
+            i_w = tl.load(p_feat + o_f, mask=m_f, other=0)
+        else:
+            i_w = o_f
+        m_w = m_f[:, None] & m_d[None, :]
+        if SKIP:
+            m_w = tl.where(tl.max(tl.max(tl.abs(c), axis=1), axis=0) != 0.0, m_w, False)
+        w = tl.load(p_w + i_w[:, None].to(tl.int64) * stride_w + o_d[None, :], mask=m_w, other=0.0)
+        acc += _tile_dot(c, w, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
     return acc
 
 
 @triton.jit
 def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out, r0,
-            stride_coef, stride_w, stride_out, stride_split, F, F_SPLIT, p_cv, p_dec, stride_cv, stride_dec, C,
-            C_SPLIT,
+            stride_coef, stride_w, stride_out, stride_split, F, F_SPLIT, p_cv, p_feat, stride_cv, C, C_SPLIT,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr, FINISH: tl.constexpr):
+            HAS_RES: tl.constexpr, FINISH: tl.constexpr, SKIP: tl.constexpr):
     """A tile of BLOCK_M listed tokens x BLOCK_D columns, split s = program_id(2) of the features: RECONSTRUCT rows'
     ``coef @ W_dec`` over features [s F_SPLIT, (s + 1) F_SPLIT) (only if the tile has such a row; a W_dec tile
-    whose coefficients are all 0 for the tile's tokens is not read), plus DELTA rows' ``cv @ dec`` over clamped
-    features [s C_SPLIT, (s + 1) C_SPLIT) (``dec``: the clampable features' float32 rows: a delta-only step never
-    reads W_dec). FINISH (one split): the edit itself (``_finish``), else split s's partial sum (``out``
+    whose coefficients are all 0 for the tile's tokens is not read), plus DELTA rows' ``cv @ W_dec[feat]`` over
+    clamped features [s C_SPLIT, (s + 1) C_SPLIT): the clampable features' rows of W_dec, gathered by feature id
+    (``dec`` holds the same values in float32: the pack derives it from the rounded W_dec), on tensor cores as
+    RECONSTRUCT's. FINISH (one split): the edit itself (``_finish``), else split s's partial sum (``out``
     [splits, ROUND, D], summed in order by ``_reduce``)."""
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
@@ -313,11 +356,11 @@ def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out,
         if tl.max(recon.to(tl.int32), axis=0) != 0:
             f_lo = tl.program_id(2) * F_SPLIT
             acc = _decode_span(acc, p_coef, stride_coef, recon, f_lo, tl.minimum(F, f_lo + F_SPLIT), p_wdec, stride_w,
-                               o_m, o_d, m_d, BLOCK_F, True, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+                               p_feat, o_m, o_d, m_d, BLOCK_F, False, SKIP, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
         if tl.max(delta.to(tl.int32), axis=0) != 0:
             c_lo = tl.program_id(2) * C_SPLIT
-            acc = _decode_span(acc, p_cv, stride_cv, delta, c_lo, tl.minimum(C, c_lo + C_SPLIT), p_dec, stride_dec,
-                               o_m, o_d, m_d, BLOCK_F, False, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
+            acc = _decode_span(acc, p_cv, stride_cv, delta, c_lo, tl.minimum(C, c_lo + C_SPLIT), p_wdec, stride_w,
+                               p_feat, o_m, o_d, m_d, BLOCK_F, True, SKIP, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
         if FINISH:
             _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_out, r0, stride_out, o_m, m_m, o_d, m_d, DIRECT,
                     HAS_RES)
@@ -366,6 +409,9 @@ def _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o
 _TILES = ((64, (16, 64, 64, 4)), (512, (64, 128, 64, 4)), (None, (128, 128, 64, 8)))
 _PROGRAMS = 528  # programs the decoder aims at (4 per SM of an H100's 132): splits over d_sae fill the GPU at decode
 _SPLIT_MAX = 16
+_ENC_UNROLL = 2  # K tiles a step of the encoder's loop when its grid is under _PROGRAMS (N 16: 256 programs)
+_SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
+_REDUCE_D = 64  # _reduce's columns a program: 64 programs a 16-token tile at D 4096 (256 gave 16: latency-bound)
 
 
 def _tiles(n: int) -> tuple[int, int, int, int]:
@@ -398,10 +444,9 @@ def site_edit(
     descriptor), ``cond`` (the norm's condition descriptor): slot A's features, applied before the encoder."""
     n, d = x.shape
     mode, code, value = pack[0], pack[1], pack[2]
-    dec, feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[4], pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
+    feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
     f_all, c = w_enc.shape[1], code.shape[1]
     assert w_enc.stride(-1) == 1 and w_dec.stride(-1) == 1 and code.stride(-1) == 1 and value.stride(-1) == 1
-    assert dec.stride(-1) == 1
     dev = x.device
     edit = torch.empty(n, d, dtype=torch.float32, device=dev)
     if n == 0:
@@ -424,7 +469,7 @@ def site_edit(
     direct = not any(pre_flags)  # slot A: the stream is x + residual, read by the GEMMs themselves
     res = residual if residual is not None else x
     res_stride = residual.stride(0) if residual is not None else 0
-    m_tiles = triton.cdiv(rn, bm)
+    m_tiles, f_tiles = triton.cdiv(rn, bm), triton.cdiv(f_all, bn)
     for r0 in range(0, n, ROUND):
         if not direct:
             _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
@@ -432,20 +477,21 @@ def site_edit(
                     (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)
-        _ENCODE((m_tiles, triton.cdiv(f_all, bn)), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0),
-                                                      pre.stride(0), f_all), (d, bm, bn, bk, *flags), warps)
+        _ENCODE((m_tiles, f_tiles), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0), pre.stride(0), f_all),
+                (d, bm, bn, bk, *flags, _ENC_UNROLL if m_tiles * f_tiles < _PROGRAMS else 1), warps)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk),
-                (topk > 0, single, block_sel, 64), 16 if block_sel >= 8192 else 8)
+                (topk > 0, single, block_sel, min(triton.next_power_of_2(max(c, 1)), _SELECT_C),
+                 min(_GROUPS, block_sel)), 16 if block_sel >= 8192 else 8)
         out_stride = part.stride(1) if split > 1 else edit.stride(0)
         _DECODE((m_tiles, triton.cdiv(d, bn), split),
                 (pre, src, tok, count, index, mode, w_dec, b_dec, part, r0, pre.stride(0), w_dec.stride(0), out_stride,
-                 part.stride(0) if split > 1 else 0, f_all, f_split, cv, dec, cv.stride(0), dec.stride(0), c, c_split),
-                (d, bm, bk, bn, *flags, split == 1), warps)
+                 part.stride(0) if split > 1 else 0, f_all, f_split, cv, feats, cv.stride(0), c, c_split),
+                (d, bm, bk, bn, *flags, split == 1, rn <= _SKIP_TOKENS), warps)
         if split > 1:
-            _REDUCE((triton.cdiv(rn, 16), triton.cdiv(d, 256)),
+            _REDUCE((triton.cdiv(rn, 16), triton.cdiv(d, _REDUCE_D)),
                     (part, src, tok, count, index, mode, b_dec, edit, r0, part.stride(1), part.stride(0),
-                     edit.stride(0)), (split, d, 16, 256, ROUND, direct, residual is not None), 4)
+                     edit.stride(0)), (split, d, 16, _REDUCE_D, ROUND, direct, residual is not None), 4)
     return edit
 
 
