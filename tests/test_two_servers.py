@@ -1,13 +1,16 @@
 """Two ``./dev serve`` side by side on one machine (issue 42): vLLM's CPU default pins every engine to the first
 core, so a second CPU server beside a first crawled and never came up; ``./dev serve`` runs unpinned (``nobind``).
 Two real ``./dev serve`` (SmolLM2, eager to keep it cheap, started at the same time on two ports) both print their
-"vllm-steer ready" line and answer a steered completion each, then stop with everything they started."""
+"vllm-steer ready" line and answer a steered completion each (on one, the curl ``./dev serve`` printed, as printed),
+then stop with everything they started."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -103,5 +106,10 @@ def test_two_dev_servers_run_side_by_side(tmp_path):
             # the steered token's log-prob moved (one token: the text of both may still read " Paris")
             lp = [r.json()["choices"][0]["logprobs"]["top_logprobs"][0] for r in (plain, steered)]
             assert lp[0] != lp[1], lp
+        # the curl ./dev serve printed before the server started, pasted as printed
+        (curl,) = [line.strip() for line in logs[0].read_text().splitlines() if line.startswith("  curl -s ")]
+        done = subprocess.run(["bash", "-c", curl], cwd=ROOT, capture_output=True, text=True, timeout=240)
+        answer = json.loads(done.stdout)
+        assert answer["choices"][0]["text"] and answer["steering"]["sites"] == 1, (curl, done.stdout, done.stderr)
     for proc in procs:
         assert not _group_alive(proc.pid), f"./dev serve's process group {proc.pid} outlived the test"
