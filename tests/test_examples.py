@@ -127,7 +127,8 @@ def test_the_readme_python_block_runs_as_written(api_server):
     whose text differs from the unsteered one."""
     base, model = api_server[0], api_server[1]
     (block,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    code = block.replace('"http://127.0.0.1:8000"', repr(base)).replace("Client(url)", f"Client(url, api_key={API_KEY!r})")
+    code = block.replace('"http://127.0.0.1:8000"', repr(base))
+    code = code.replace("Client(url)", f"Client(url, api_key={API_KEY!r})")
     assert repr(base) in code and API_KEY in code, block
     norm = float(re.search(r'"norm": ([0-9.]+)', block)[1])
     code += "\nimport json; print(json.dumps(out.raw))\n"

@@ -2,7 +2,11 @@
 core, so a second CPU server beside a first crawled and never came up; ``./dev serve`` runs unpinned (``nobind``).
 Two real ``./dev serve`` (SmolLM2, eager to keep it cheap, started at the same time on two ports) both print their
 "vllm-steer ready" line and answer a steered completion each (on one, the curl ``./dev serve`` printed, as printed),
-then stop with everything they started."""
+then stop with everything they started.
+
+Eager engines do not show the pinned hang (s23: forced to ``auto``, both eager servers came up in ~3 min on the
+shared box at load ~20, as unpinned ones did); it was seen with compiled engines, whose start (~2 x 2-4 min here)
+CI's budget cannot hold. So the binding the servers run with is read from their ``/proc/PID/environ``."""
 
 from __future__ import annotations
 
