@@ -130,6 +130,17 @@ def test_sites_and_sae_list_say_what_the_server_reports(api_server, capsys):
     assert rc == 0 and [e["name"] for e in json.loads(out)["data"]] == [e["name"] for e in saes["data"]]
 
 
+def test_extract_from_too_few_pairs_warns_and_still_writes(api_server, tmp_path, capsys):
+    """One pair is not accepted silently (issue 42): a one-line warning says why few pairs make a poor vector."""
+    pairs = tmp_path / "one.jsonl"
+    pairs.write_text(json.dumps({"positive": "I love it", "negative": "I hate it"}) + "\n")
+    rc, out, err = run(capsys, "extract", "--server", api_server[0], "--pairs", str(pairs), "--layers", "3",
+                       "-o", str(tmp_path / "one.safetensors"))
+    assert rc == 0 and (tmp_path / "one.safetensors").is_file(), err
+    warning = [line for line in err.splitlines() if "warning" in line]
+    assert warning == [line for line in err.splitlines() if line.startswith("vllm-steer extract: warning: 1 pair only")]
+    assert len(warning) == 1 and "use several" in warning[0], err
+
 COMMANDS = [("sites",), ("modules", "list"), ("modules", "show", "x"), ("modules", "register", "x", "{file}"),
             ("modules", "delete", "x"), ("sae", "list"), ("extract", "--pairs", "{pairs}", "-o", "{out}.safetensors"),
             ("calibrate", "-o", "{out}.json"), ("sweep", "--module", "x", "-o", "{out}")]
