@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a `timeout` stops the server too (the finally below)
     model = args.model
     if model is None:
         sys.path.insert(0, str(ROOT))
