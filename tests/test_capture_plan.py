@@ -219,3 +219,39 @@ def test_overflow_drops_the_tail_and_a_repeated_step_uploads_nothing(monkeypatch
     rt.plan_step(["z"], np.array([1]), np.array([0]))
     assert planner.uploads == 3 and (rt.buffers.plan.numpy() == -1).all() and rt._pending is None
     assert not rt.active  # idle: plan_step is no longer called
+
+
+def test_plain_requests_plan_and_hand_off_nothing(monkeypatch):
+    """Requests without a capture spec on a capturing server: the runtime holds nothing for them and a step plans
+    nothing and hands nothing to the consumers' process (no per-step work while nobody captures)."""
+    from vllm_steer.kernels.capture_rows import live
+
+    rt = _runtime(monkeypatch, [("post_mlp", l) for l in range(NUM_LAYERS)], 6, 16)
+    calls = []
+    for name in ("plan_step", "_hand_off"):
+        real = getattr(rt, name)
+        monkeypatch.setattr(rt, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    for rid in ("p", "q"):
+        rt.add_request(rid, None, prompt_len=3)
+    assert not rt._requests and not rt.active
+    from vllm_steer.runtime.manager import SteeringRuntime
+
+    host = SimpleRuntime(rt)
+    for first in (0, 3, 4):  # a prefill, two decodes
+        SteeringRuntime.plan_capture(host, ["p", "q"], np.array([3 if not first else 1] * 2), np.array([first] * 2))
+        assert live.capture_live is False
+        rt.after_forward()
+    rt.finish_request("p"), rt.finish_request("q")
+    assert calls == []
+    spec = {"layers": [0], "hooks": ["post_mlp"], "positions": "all"}  # one capturing request: both run again
+    rt.add_request("x", {"a": spec}, prompt_len=3)
+    SteeringRuntime.plan_capture(host, ["x"], np.array([3]), np.array([0]))
+    rt.after_forward()
+    assert calls == ["plan_step", "_hand_off"] and live.capture_live is True
+
+
+class SimpleRuntime:
+    """What ``SteeringRuntime.plan_capture`` reads of its runtime."""
+
+    def __init__(self, capture) -> None:
+        self.capture = capture

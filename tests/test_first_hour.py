@@ -85,6 +85,42 @@ def test_the_byte_scan_reads_keys_only():
     assert field_names.suspect(b'{"model": "m", "messages": [], "steering_vector" : {}}')
 
 
+def _full_rule(key: str) -> bool:
+    """The rule as the module docstring states it: ``distance`` to every field, no shortcut."""
+    k = key.lower().replace("-", "_")
+    return "steer" in k or any(field_names.distance(k, f) <= field_names.max_distance(f) for f in REQUEST_FIELDS)
+
+
+def test_new_body_keys_are_screened_by_length_before_any_edit_distance(monkeypatch):
+    """Every key of every plain body is read once (``suspect``): keys whose length is far from every field's
+    (a logit_bias's token ids, most schema properties) compute no edit distance at all, and the shortcut
+    decides like the full rule on near misses and random keys alike."""
+    rng = __import__("random").Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz_-"
+    keys = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 30))) for _ in range(1500)]
+    for f in REQUEST_FIELDS:  # one to three random edits of each field: many within its distance, many not
+        for _ in range(60):
+            k = list(f)
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(len(k))
+                k[i:i + 1] = rng.choice(([], [rng.choice(letters)], [k[i], rng.choice(letters)]))
+            keys.append("".join(k))
+    decided = [field_names.looks_like_steering(k) for k in keys]
+    assert decided == [_full_rule(k) for k in keys] and 100 < sum(decided) < len(keys) - 100
+    calls = []
+    real = field_names.distance
+    monkeypatch.setattr(field_names, "distance", lambda *a: calls.append(a) or real(*a))
+    field_names.near_miss.cache_clear()
+    body = json.dumps({"model": "m", "prompt": "hi", "logit_bias": {str(t): 1.0 for t in range(1000, 1100)},
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                           "properties": {"x": {}, "answer_text": {}}}}}}).encode()
+    assert not field_names.suspect(body)
+    # only keys of a near length are compared (6 vs "capture", 15 vs "steering_module" / "steering_vectors"):
+    # not the 100 token ids, nor the other 8 keys
+    assert {c[0] for c in calls} == {"prompt", "schema", "response_format"}
+    assert field_names.suspect(b'{"model": "m", "capure": 1}') and calls  # a near one is still compared
+
+
 def _call(body: bytes) -> tuple[list[dict], list[bytes]]:
     """Drive the request middleware with ``body`` (steering on, no engine): what it sent, what vLLM's app got."""
     seen: list[bytes] = []

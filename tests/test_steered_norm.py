@@ -148,3 +148,41 @@ def test_projections_ablate_and_cap_follow_the_formula():
     ablated = (res[1] - ta[1]).double() @ dirs[1, 0].double()
     assert abs(float(ablated)) < 1e-5
     assert torch.equal(res[[0, 5]], (x[[0, 5]].float() + r[[0, 5]].float()).to(x.dtype))  # row 0 untouched
+
+
+def test_a_capturing_norm_copies_nothing_on_cpu_while_the_runtime_says_nobody_captures(monkeypatch):
+    """The CPU op (the CPU lane's steered norm on a capturing server) skips its capture plans while the worker
+    runtime has said nothing is captured this step (``capture_rows.live``): no plan is read, the outputs are
+    the same; once a step captures, the plans are read and the pool written."""
+    from vllm_steer.kernels.capture_rows import live
+    from vllm_steer.kernels.capture_rows import naive as capture_naive
+
+    op.register()
+    calls = []
+    real = capture_naive.capture_rows_naive
+    monkeypatch.setattr(capture_naive, "capture_rows_naive", lambda *a: calls.append(1) or real(*a))
+    import vllm_steer.kernels.capture_rows.op as capture_op
+
+    monkeypatch.setattr(capture_op, "capture_rows_naive", capture_naive.capture_rows_naive)
+    g = torch.Generator().manual_seed(3)
+    n, d = 5, 16
+    x, r, w = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+    table, off = torch.zeros(R, d), torch.zeros(1, dtype=torch.uint8)
+    index, idle = torch.zeros(8, dtype=torch.int32), torch.full((8,), -1, dtype=torch.int32)
+    pool = torch.zeros(4, d)
+
+    def run(plan_a, plan_b):
+        return torch.ops.vllm_steer.steered_norm(x, r, w, 1e-5, 0.0, index, [table, off], [table, off], [], [], 0, 0,
+                                                 [], None, plan_a, plan_b, pool, [], [], [])
+
+    monkeypatch.setattr(live, "capture_live", False)
+    skipped = run(idle, idle)
+    assert calls == [] and not pool.any()
+    monkeypatch.setattr(live, "capture_live", True)
+    read = run(idle, idle)
+    assert len(calls) == 2 and not pool.any()
+    assert all(torch.equal(a, b) for a, b in zip(skipped, read))
+    plan = idle.clone()
+    plan[1] = 2
+    run(plan, idle)
+    assert torch.equal(pool[2], (x[1] + r[1]).float()) and not pool[[0, 1, 3]].any()

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.library import LIB
 from vllm_steer.kernels.sae_clamp.packed import N_FULL
 from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
@@ -58,9 +59,11 @@ def _impl(
     proj_b: list[torch.Tensor],
     tc: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    full = len(sae_a) == N_FULL or len(sae_b) == N_FULL
+    if pool is not None and not x.is_cuda and live.may_skip(False):  # CPU: nothing captured this step, plans empty
+        plan_a = plan_b = pool = None
     args = (x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
             plan_a, plan_b, pool, proj_a, proj_b, tc)
-    full = len(sae_a) == N_FULL or len(sae_b) == N_FULL
     return triton_path(*args) if x.is_cuda and (FULL_KERNELS or not full) else steered_norm_naive(*args)
 
 

@@ -109,7 +109,8 @@ def patch_scheduler() -> None:
 
     def schedule(self, *args, **kwargs):
         budget: CaptureBudget | None = self.steer_capture
-        cap = budget.token_cap(self.requests, self.running, getattr(self, "num_spec_tokens", 0)) if budget else None
+        cap = (budget.token_cap(self.requests, self.running, getattr(self, "num_spec_tokens", 0))
+               if budget is not None and budget.costs else None)  # no capturing request: nothing per step
         if cap is None or cap >= self.max_num_scheduled_tokens:
             return _schedule(self, *args, **kwargs)
         full = self.max_num_scheduled_tokens
@@ -155,9 +156,11 @@ def patch_scheduler() -> None:
         return outputs
 
     def _update_request_with_output(self, request, new_token_ids, *args, **kwargs):
-        new_token_ids, stopped = orig_update_request(self, request, new_token_ids, *args, **kwargs)
         stops = self.steer_stops
-        if stops and not stopped and new_token_ids and request.request_id in stops:
+        if not stops:  # every request of every step: no stop_when stop this step, vLLM's call as is
+            return orig_update_request(self, request, new_token_ids, *args, **kwargs)
+        new_token_ids, stopped = orig_update_request(self, request, new_token_ids, *args, **kwargs)
+        if not stopped and new_token_ids and request.request_id in stops:
             from vllm.v1.request import RequestStatus
 
             request.status = RequestStatus.FINISHED_STOPPED

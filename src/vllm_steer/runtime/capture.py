@@ -406,8 +406,10 @@ class CaptureRuntime:
     def after_forward(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here), then end the
         requests whose capture this step completed (a prompt-only capture ends with its prefill, not one or
-        two engine steps after the request's last token: what a 1-token request waits for)."""
-        self._hand_off()
+        two engine steps after the request's last token: what a 1-token request waits for). Nothing planned this
+        step (no request captures): nothing to do."""
+        if self._pending is not None or self._red_step is not None:
+            self._hand_off()
         if self._complete:
             done, self._complete = self._complete, []
             for rid in done:
