@@ -174,6 +174,24 @@ def greedy(
             h.remove()
 
 
+@torch.no_grad()
+def forced(path: str, prompt_ids: list[int], tokens: list[int], steer: dict[str, dict[int, np.ndarray]] | None = None,
+           family: str = "llama") -> dict[str, np.ndarray]:
+    """Teacher-forced on ``prompt_ids + tokens`` (one forward, ``steer``'s vectors by hooks): per token, its logprob
+    (``logprobs``) and how far its logit trails the top one (``trail``, 0 where it is the argmax)."""
+    model, _ = load(path)
+    handles = install_hooks(model, family, steer or {})
+    try:
+        logits = model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    at = logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)]
+    idx = torch.tensor(tokens)[:, None]
+    return {"logprobs": torch.log_softmax(at, dim=-1).gather(1, idx)[:, 0].numpy(),
+            "trail": (at.max(dim=-1).values - at.gather(1, idx)[:, 0]).numpy()}
+
+
 def pair_text_ids(tok, pair: dict, side: str, chat: bool) -> list[int]:
     """The token ids extraction sends for one side of a pair, built with transformers: prompt +
     completion as is, or chat-templated (a user turn; with a prompt, the answer continued)."""

