@@ -22,7 +22,6 @@ import json
 import marshal
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.server import free_port, wait_healthy  # noqa: E402
 ARMS = {
     "stock": None,
     "steer": {"steer": {"max_configs": 272}},
@@ -43,15 +44,9 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "TOKENIZE
 OURS = f"{os.sep}vllm_steer{os.sep}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, arm: str, model: str, gpu: bool, log: Path, profile_dir: Path | None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **({} if gpu else CPU_ENV), "VLLM_PLUGINS": "none" if ARMS[arm] is None else "steer"}
         if profile_dir is not None:
@@ -66,19 +61,11 @@ class Server:
         self.fh = open(log, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.fh, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.time() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{arm} server exited rc={self.proc.returncode}: see {log}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise TimeoutError(f"{arm} server not up in 600 s: see {log}")
-            time.sleep(1)
+        try:
+            wait_healthy(self.base, self.proc, 600, lambda: f"{arm}: see {log}")
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         try:
@@ -216,7 +203,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a `timeout` stops the server too (the finally below)
     model = args.model
     if model is None:
-        sys.path.insert(0, str(ROOT))
         from tests.fixtures.models import tiny_model
 
         model = str(tiny_model("llama"))

@@ -27,6 +27,23 @@ def spawn(cmd: list[str], env: dict, stdout) -> subprocess.Popen:
                             preexec_fn=die_with_parent)
 
 
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float, detail) -> None:
+    """Until ``base``'s /health answers 200: RuntimeError if the process exits first, TimeoutError after
+    ``timeout`` seconds (each message ends with ``detail()``, e.g. the log's tail)."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited rc={proc.returncode}:\n{detail()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"server not up in {timeout}s:\n{detail()}")
+        time.sleep(1)
+
+
 @contextmanager
 def openai_server(model: str, *args: str, log: Path, env: dict | None = None, timeout: float = 300,
                   max_model_len: int = 512):
@@ -42,18 +59,7 @@ def openai_server(model: str, *args: str, log: Path, env: dict | None = None, ti
         proc = spawn(cmd, env=full_env, stdout=fh)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited rc={proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"server not up in {timeout}s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+        wait_healthy(base, proc, timeout, lambda: log.read_text()[-4000:])
         yield base, proc
     finally:
         try:

@@ -114,7 +114,7 @@ class StepGather:
         self._fill = 0
         self._fids: list[np.ndarray] = []
         self._positions: list[np.ndarray] = []
-        self._groups: list[tuple[list, list, np.ndarray, np.ndarray]] = []  # the first packet's, for a lone one
+        self._first: tuple[list, list, np.ndarray, np.ndarray] | None = None  # its groups: a lone packet's files
         self.nbytes = 0
 
     def fits(self, rows: int) -> bool:
@@ -133,8 +133,8 @@ class StepGather:
         group_fids = self.files.of_groups(request_ids, sites)
         self._fids.append(np.repeat(group_fids, ends - starts))
         self._positions.append(np.asarray(positions))
-        if not self._groups:
-            self._groups.append((request_ids, sites, starts, ends))
+        if self._first is None:
+            self._first = (request_ids, sites, starts, ends)
         self.nbytes += data.nbytes
 
     def active_files(self) -> int:
@@ -147,7 +147,7 @@ class StepGather:
         n, arena = self._fill, self._arena
         keys = self.files.keys
         if len(self._fids) == 1:  # one packet: its groups are its files, already contiguous
-            request_ids, sites, starts, ends = self._groups[0]
+            request_ids, sites, starts, ends = self._first
             rows, positions = arena[:n], self._positions[0]
             rows.flags.writeable = False
             out = [Block(rid, layer, hook, positions[a:b], rows[a:b]) for rid, (hook, layer), a, b in
@@ -165,5 +165,5 @@ class StepGather:
                 rid, layer, hook = keys[int(sorted_fids[a])]
                 out.append(Block(rid, layer, hook, positions[a:b], rows, order[a:b]))
         self._arena = None  # the blocks view it: a later flush's arena comes from the pool once they are written
-        self._fill, self._fids, self._positions, self._groups, self.nbytes = 0, [], [], [], 0
+        self._fill, self._fids, self._positions, self._first, self.nbytes = 0, [], [], None, 0
         return out
