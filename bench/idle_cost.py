@@ -45,7 +45,8 @@ OURS = f"{os.sep}vllm_steer{os.sep}"
 
 
 class Server:
-    def __init__(self, arm: str, model: str, gpu: bool, log: Path, profile_dir: Path | None) -> None:
+    def __init__(self, arm: str, model: str, gpu: bool, log: Path, profile_dir: Path | None,
+                 extra: list[str] = ()) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **({} if gpu else CPU_ENV), "VLLM_PLUGINS": "none" if ARMS[arm] is None else "steer"}
@@ -56,6 +57,7 @@ class Server:
                str(self.port), "--max-model-len", "512", "--max-num-seqs", "64"]
         if not gpu:
             cmd += ["--enforce-eager", "--dtype", "float32"]
+        cmd += list(extra)
         if ARMS[arm] is not None:
             cmd += ["--additional-config", json.dumps(ARMS[arm])]
         self.fh = open(log, "w")
@@ -199,7 +201,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--load-format", default=None, help="e.g. dummy for the A/B suite's weightless model directory")
+    ap.add_argument("--gpu-mem", type=float, default=None, help="--gpu-memory-utilization")
     args = ap.parse_args()
+    extra = (["--load-format", args.load_format] if args.load_format else []) + \
+        (["--gpu-memory-utilization", str(args.gpu_mem)] if args.gpu_mem else [])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a `timeout` stops the server too (the finally below)
     model = args.model
     if model is None:
@@ -213,7 +219,7 @@ def main() -> None:
         row = {}
         for arm in arms:
             prof = work / f"prof_{arm}_{rnd}" if args.profile else None
-            server = Server(arm, model, args.gpu, work / f"{arm}_{rnd}.log", prof)
+            server = Server(arm, model, args.gpu, work / f"{arm}_{rnd}.log", prof, extra)
             try:
                 asyncio.run(load(server.base, model, args.warmup, args.concurrency, args.max_tokens, args.prompt_len))
                 if prof is not None:  # count from here: drop what start-up and the warm-up ran

@@ -1,8 +1,9 @@
 """cProfile in every Python process of a server, for ``bench/idle_cost.py --profile`` (on PYTHONPATH only then).
 
 With ``VLLM_STEER_IDLE_PROFILE=<dir>`` set, each process (the API server, the engine core, the capture host; a
-forked child starts afresh) profiles every thread (each thread its own ``cProfile.Profile``, started on the
-thread's first profiled call; thread CPU time, so a preempted thread's wait is not counted) and writes the
+forked child starts afresh) profiles every thread (before Python 3.12 each thread its own ``cProfile.Profile``, started on the
+thread's first profiled call; thread CPU time, so a preempted thread's wait is not counted; from 3.12 one profiler
+for the process, whose call counts are exact and own times mix threads) and writes the
 merged stats to ``<dir>/<pid>.prof`` every 5 s and at exit, with
 ``<pid>.argv`` naming the process. Nothing happens without the variable.
 """
@@ -20,11 +21,17 @@ if _DIR:
     import time
 
     _EVERY_S = 5.0
+    # Python 3.12+ runs cProfile on sys.monitoring: one profiler per interpreter sees every thread, and a second
+    # one fails ("Another profiling tool is already active"). There one profiler serves the whole process: call
+    # counts stay exact, own times mix threads (read the counts).
+    _PER_THREAD = sys.version_info < (3, 12)
     _profs: list = []
     _lock = threading.Lock()
 
     def _start_thread(*_a):
-        prof = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time of the thread: preemption is not counted
+        # per thread: CPU time of the thread (preemption is not counted); one for the process: wall time (a thread
+        # clock read by events of several threads could run backwards)
+        prof = cProfile.Profile(time.thread_time_ns if _PER_THREAD else time.perf_counter_ns, 1e-9)
         with _lock:
             _profs.append(prof)
         prof.enable()  # replaces this thread's profile function (this one) with cProfile's
@@ -65,7 +72,8 @@ if _DIR:
         os.makedirs(_DIR, exist_ok=True)
         with open(os.path.join(_DIR, f"{os.getpid()}.argv"), "w") as fh:
             fh.write(" ".join(sys.argv))
-        threading.setprofile(_start_thread)
+        if _PER_THREAD:
+            threading.setprofile(_start_thread)
         _start_thread()
         threading.Thread(target=_dumper, daemon=True, name="idle-profile-dump").start()
 
