@@ -18,8 +18,10 @@ import base64
 import contextlib
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -38,6 +40,9 @@ from vllm_steer.frontend.prepare import SteeringFrontend
 from vllm_steer.frontend.prepared import for_request
 from vllm_steer.runtime.tables import SteeringTables
 from vllm_steer.server import request_body
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.asgi_drive import completion_scope, post, reply_ok  # noqa: E402
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 
@@ -115,8 +120,6 @@ def _api_process(fe, body: bytes, msgpack: bool, repeat: int) -> tuple[float, fl
     patch_openai_requests()
     endpoint_attached()
     encoder = MsgpackEncoder()
-    app = SimpleNamespace(state=SimpleNamespace(steer_config=fe.cfg, steer_frontend=fe,
-                                                steer_engine_client=SimpleNamespace(collective_rpc=None)))
 
     async def vllm_handler(scope, receive, send):
         chunks = []
@@ -131,28 +134,13 @@ def _api_process(fe, body: bytes, msgpack: bool, repeat: int) -> tuple[float, fl
         if extra and any(k in extra for k in _ALL_FIELDS):
             params.extra_args = _prepared(fe, extra, "req-0").extra_args
         encoder.encode(params.clone())
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+        await reply_ok(send)
 
     middleware = request_body.SteeringRequestMiddleware(vllm_handler)
-    ctype = b"application/msgpack" if msgpack else b"application/json"
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app,
-             "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]}
-
-    parts = [body[i:i + 65536] for i in range(0, len(body), 65536)] or [b""]  # as uvicorn hands it over
+    scope = completion_scope(fe, body, msgpack)
 
     async def one() -> None:
-        it = iter(range(len(parts)))
-
-        async def receive():
-            i = next(it)
-            return {"type": "http.request", "body": parts[i], "more_body": i < len(parts) - 1}
-
-        async def send(message):
-            if message["type"] == "http.response.start":
-                assert message["status"] == 200, message
-
-        await middleware(scope, receive, send)
+        await post(middleware, scope, body)
 
     async def run() -> tuple[float, float, float]:
         for _ in range(3):

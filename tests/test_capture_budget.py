@@ -101,6 +101,21 @@ def test_one_token_wider_than_the_pool_is_refused_naming_capture():
         13, 13, 13)  # post_mlp.3 is on the second stage (layer 4's norm receives it): 11 + 13
 
 
+def test_a_request_s_capture_specs_are_parsed_once(monkeypatch):
+    """The front end validates a request's capture specs and counts its rows from the same parse: one
+    ``parse_capture_spec`` per instance a request names, with the same rows as a fresh parse gives."""
+    from vllm_steer.frontend import prepare
+
+    calls = []
+    real = prepare.parse_capture_spec
+    monkeypatch.setattr(prepare, "parse_capture_spec", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    fe = _frontend(4)
+    got = fe.engine_extra_args({"capture": SPECS[7]}).payload.capture_rows
+    assert sorted(calls) == ["act", "log"], calls
+    assert got == fe.capture_rows(dict(SPECS[7])) and any(got), got  # asked again (the memo is spent): parsed afresh, same rows
+    assert sorted(calls) == ["act", "act", "log", "log"], calls
+
+
 def _cells(cost, computed, tokens, prompt):
     """Rows a capturing request's chunk of ``tokens`` from ``computed`` takes (the planner's classes)."""
     c0, c1, c2 = cost

