@@ -18,6 +18,7 @@
 #   prefill    prefill capture (4 layers, prompt 512, 1 token, 256 requests at c32) to files / to memory vs stock
 #              and vLLM's extract_hidden_states (after capture: SERVERS=steer_capture stop, then this starts
 #              extract_hs; it needs stock and steer_capture_fs kept)
+#   idle       launch_cost, then idle_cost --profile (stock vs IDLE_ARMS' steer arm, its own servers, GPU_MEM each)
 #   stop       stop the kept servers named in SERVERS
 #   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load
 #   ray        the e2e tests with vLLM's Ray executor at TP=2 (first: bench/ray_bundle.sh parts into /tmp/gr)
@@ -94,6 +95,13 @@ case "${1:-}" in
   host)
     timeout 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20
     ;;
+  idle)  # host µs per eager launch of our norm vs vLLM's, then the idle cost with every process profiled (counts of
+         # our functions per request / step); needs the A/B suite's model directory (any ab-start made it)
+    timeout 120 python3 bench/launch_cost.py --out "$OUT/launch.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20
+    timeout 560 python3 bench/idle_cost.py --gpu --model /tmp/vllm_steer_ab/model-8b-bfloat16 --load-format dummy \
+      --gpu-mem "${GPU_MEM:-0.3}" --arms "${IDLE_ARMS:-stock,steer_capture}" --concurrency 32 --requests 256 \
+      --max-tokens 64 --profile --out "$OUT/idle_profile.json" 2>&1 | tail -60
+    ;;
   stop)
     timeout 120 "${AB[@]}" --phases stop --reuse-servers --keep-servers --servers "${SERVERS:?names}" --tag stop \
       2>&1 | tail -5
@@ -115,6 +123,6 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|stop|host|ray|small" >&2
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|idle|stop|host|ray|small" >&2
      exit 2 ;;
 esac
