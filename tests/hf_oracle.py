@@ -176,11 +176,11 @@ def greedy(
 
 @torch.no_grad()
 def forced(path: str, prompt_ids: list[int], tokens: list[int], steer: dict[str, dict[int, np.ndarray]] | None = None,
-           family: str = "llama") -> dict[str, np.ndarray]:
-    """Teacher-forced on ``prompt_ids + tokens`` (one forward, ``steer``'s vectors by hooks): per token, its logprob
-    (``logprobs``) and how far its logit trails the top one (``trail``, 0 where it is the argmax)."""
+           family: str = "llama", edits: list | None = None) -> dict[str, np.ndarray]:
+    """Teacher-forced on ``prompt_ids + tokens`` (one forward, ``edits`` then ``steer``'s vectors by hooks): per
+    token, its logprob (``logprobs``) and how far its logit trails the top one (``trail``, 0 where it is the argmax)."""
     model, _ = load(path)
-    handles = install_hooks(model, family, steer or {})
+    handles = install_edits(model, edits or []) + install_hooks(model, family, steer or {})
     try:
         logits = model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0].float()
     finally:

@@ -18,8 +18,9 @@ from tests import hf_oracle
 from tests.engine_job import run_job
 from tests.server import scrape_metrics
 from tests.sae_writers import write_gemma_scope
+from tests.sae_oracle import sae_edit
 from tests.steering_cases import floats, params, vector
-from tests.test_sae_engine import BIG as SAE_BIG, CAP_DIR, RESIDUAL_ATOL, RESIDUAL_RTOL, SAES, _edit as sae_edit, \
+from tests.test_sae_engine import BIG as SAE_BIG, CAP_DIR, RESIDUAL_ATOL, RESIDUAL_RTOL, SAES, \
     stream_into
 from vllm_steer.capture.activations import decode_result
 from vllm_steer.core.errors import SteeringSpecError

@@ -17,6 +17,7 @@ import torch
 
 from tests import hf_oracle
 from tests.engine_job import run_job
+from tests.sae_oracle import bf16_exact, sae_edit
 from tests.sae_writers import (
     random_sae,
     random_transcoder,
@@ -27,13 +28,10 @@ from tests.sae_writers import (
 )
 from tests.steering_cases import floats, params, vector
 from vllm_steer.capture.activations import decode_result
-from vllm_steer.kernels.sae_clamp import naive
 
 HIDDEN, F = 576, 64
 PROMPT = "The capital of France is"
 LOGPROB_ATOL = 2e-3
-ACT = {"relu": naive.RELU, "jumprelu": naive.JUMPRELU, "topk": naive.TOPK}
-KIND = {"set": naive.SET, "add": naive.ADD, "scale": naive.SCALE}
 VEC = vector(HIDDEN, 5, 60.0)
 RESIDUAL_RTOL, RESIDUAL_ATOL = 1e-4, 2e-3  # float32 residual rows, vLLM-CPU vs transformers (as test_capture)
 # post_mlp.14 and pre_attn.15: one point of the stream, read before and after post_mlp.14's steering
@@ -41,22 +39,11 @@ CAPTURE = {"activations": {"sites": ["post_mlp.14", "pre_attn.15"], "positions":
 
 
 
-def _bf16_exact(w):
-    """``w`` with W_enc / W_dec rounded to bfloat16: the engine keeps a full pack's (TopK, reconstruct) weights in
-    bf16, so the oracle computes with the same SAE (the rounding itself is documented, kernels/sae_clamp/README.md)."""
-    import dataclasses
-
-    def r(a):
-        return torch.from_numpy(a).bfloat16().float().numpy()
-
-    return dataclasses.replace(w, w_enc=r(w.w_enc), w_dec=r(w.w_dec))
-
-
 SAES = {  # name -> {site: weights}; gs (reconstruct allowed) and man (TopK) are full packs: bf16 weights
-    "gs": {("post_mlp", 14): _bf16_exact(random_sae(HIDDEN, F, "jumprelu", seed=1))},
+    "gs": {("post_mlp", 14): bf16_exact(random_sae(HIDDEN, F, "jumprelu", seed=1))},
     "lens": {("post_mlp", 10): random_sae(HIDDEN, F, "relu", seed=2, b_dec_in=True)},
-    "man": {("pre_attn", 6): _bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=3)),
-            ("post_mlp", 20): _bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=4))},
+    "man": {("pre_attn", 6): bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=3)),
+            ("post_mlp", 20): bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=4))},
 }
 BIG = [{"feature": 3, "kind": "set", "value": 40.0}, {"feature": 17, "kind": "set", "value": 35.0},
        {"feature": 30, "kind": "add", "value": 25.0, "only_if_active": False}]
@@ -113,7 +100,7 @@ SHARE_CLAMPS = [{"feature": 4, "kind": "set", "value": 30.0}, {"feature": 9, "ki
 # A full reservation (TopK k=8 SAEs of up to 96 features, reconstruct allowed) at post_mlp.18 and the TopK SAE
 # (64 features: padded) registered there at runtime for delta clamps and reconstruct.
 FULL_SITE = ("post_mlp", 18)
-RTK = _bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=24))
+RTK = bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=24))
 SLOTS = {"post_mlp.16": 48, "post_mlp.18": {"features": 8, "d_sae": 96, "k": 8, "reconstruct": True}}
 # after the runtime calls above: (steering, [(weights, site, mode, clamps)]), the edits of one site all reading
 # the same stream (several SAEs at one site: their edits add)
@@ -260,27 +247,6 @@ def _runtime_calls(d, prompt: dict, request: dict) -> list[dict]:
     return calls
 
 
-def _edit(weights, mode: str, clamps: list):
-    sae = naive.Sae(torch.from_numpy(weights.w_enc), torch.from_numpy(weights.b_enc), torch.from_numpy(weights.w_dec),
-                    torch.from_numpy(weights.b_dec), ACT[weights.meta.activation],
-                    None if weights.threshold is None else torch.from_numpy(weights.threshold), weights.meta.k,
-                    weights.meta.b_dec_in)
-    kind = torch.zeros(2, F, dtype=torch.int8)
-    value = torch.zeros(2, F)
-    only = torch.zeros(2, F, dtype=torch.int8)
-    for c in clamps:
-        kind[1, c["feature"]], value[1, c["feature"]] = KIND[c["kind"]], c["value"]
-        only[1, c["feature"]] = int(c.get("only_if_active", False))
-    modes = torch.tensor([naive.OFF, naive.DELTA if mode == "delta" else naive.RECONSTRUCT], dtype=torch.int8)
-
-    def fn(h: torch.Tensor) -> torch.Tensor:
-        flat = h.reshape(-1, h.shape[-1])
-        index = torch.ones(flat.shape[0], dtype=torch.int32)
-        return naive.sae_clamp_naive(flat, index, sae, modes, kind, value, only).reshape(h.shape)
-
-    return fn
-
-
 @torch.no_grad()
 def stream_into(path: str, ids: list[int], layer: int, edits: list | None = None) -> np.ndarray:
     """transformers' residual stream entering ``layer`` at the last token, after ``edits`` (hf_oracle's
@@ -306,7 +272,7 @@ def stream_into(path: str, ids: list[int], layer: int, edits: list | None = None
 @pytest.mark.parametrize("name", [n for n in REQUESTS if n != "plain"])
 def test_each_request_of_a_mixed_batch_equals_transformers_with_the_same_clamp(run, smollm2_path, prompt_ids, name):
     _, edits, vectors = REQUESTS[name]
-    hf_edits = [(site[0], site[1], _edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in edits]
+    hf_edits = [(site[0], site[1], sae_edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in edits]
     ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)
     got = run["batch"][name]
     assert got["token_ids"] == ref_tokens
@@ -346,7 +312,7 @@ def test_runtime_registered_saes_clamp_like_transformers_and_replace_each_other(
     assert reg_a["sites"] == reg_b["sites"] == ["post_mlp.16"] and reg_a["source"] == "runtime"
     assert (reg_a["clampable"], reg_b["clampable"]) == (40, 4)
     for which, got in (("rt_a", got_a), ("rt_b", got_b)):
-        edit = _edit(RT[which], "delta", RT_CLAMPS)
+        edit = sae_edit(RT[which], "delta", RT_CLAMPS)
         ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[(*RT_SITE, edit)])
         assert got["token_ids"] == ref_tokens, which
         np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
@@ -374,7 +340,7 @@ def test_capture_reads_the_stream_before_its_own_sites_clamps_and_after_earlier_
     pre_attn.15, the same point of the stream read after post_mlp.14's steering, is that output clamped."""
     got = run["batch"]["gs_delta_captured"]["capture"]["activations"]
     assert got["count"] == [len(prompt_ids)] * 2 and got["dropped_rows"] == 0, got
-    edit = ("post_mlp", 14, _edit(SAES["gs"][("post_mlp", 14)], "delta", BIG))
+    edit = ("post_mlp", 14, sae_edit(SAES["gs"][("post_mlp", 14)], "delta", BIG))
     streams = {"pristine": stream_into(smollm2_path, prompt_ids, 15),
                "clamped": stream_into(smollm2_path, prompt_ids, 15, [edit])}
     want = "pristine" if site == "post_mlp.14" else "clamped"
@@ -474,7 +440,7 @@ def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, sm
     model, _ = hf_oracle.load(smollm2_path)
     handles = [model.model.layers[TCS[tc][0]].mlp.register_forward_hook(
         _transcoder_hook(str(run["dir"] / tc), TCS[tc][1], clamps)) for tc, clamps in tc_edits]
-    hf_edits = [(site[0], site[1], _edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in stream_edits]
+    hf_edits = [(site[0], site[1], sae_edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in stream_edits]
     try:
         ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)
     finally:
@@ -488,7 +454,7 @@ def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, sm
 
 def _together(edits: list):
     """transformers' stream edit of several SAEs at one site: each one's edit of the same stream, added."""
-    fns = [_edit(w, mode, clamps) for w, mode, clamps in edits]
+    fns = [sae_edit(w, mode, clamps) for w, mode, clamps in edits]
 
     def fn(h: torch.Tensor) -> torch.Tensor:
         return h + sum((f(h) - h for f in fns), torch.zeros_like(h))

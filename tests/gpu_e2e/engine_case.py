@@ -9,6 +9,7 @@ engines' tensor / pipeline parallel sizes (default 1); VLLM_STEER_E2E_BACKEND vL
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from pathlib import Path
@@ -145,6 +146,25 @@ def oracle_runs(path: Path, prompts: list[list[int]], batch_vecs: list, steps: i
 
 
 # ---------------------------------------------------------------------------------------- vllm.LLM
+
+
+def one_engine_run(fn):
+    """For a module fixture whose body starts an engine: after a first failure, the later tests fail at once naming
+    it instead of starting another engine to fail again."""
+    failed: list[str] = []
+
+    @functools.wraps(fn)
+    def once(*args, **kwargs):
+        if failed:
+            pytest.fail(f"the engine run failed (see the first test's error): {failed[0]}")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            failed.append(repr(e)[:500])
+            raise
+
+    return once
+
 
 
 def make_llm(path: Path, steer: dict | None, mem: float = 0.30):

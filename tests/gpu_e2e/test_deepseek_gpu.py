@@ -97,19 +97,11 @@ def build_checkpoint(path: Path):
     return tok
 
 
-_FAILED: list[str] = []  # the engine run's failure, so each test does not start another engine to fail again
-
-
 @pytest.fixture(scope="module")
+@ec.one_engine_run
 def run(tmp_path_factory):
     """The checkpoint, the prompt, the cases, and vLLM's greedy tokens + logprobs for every case (one batch)."""
-    if _FAILED:
-        pytest.fail(f"the engine run failed (see the first test's error): {_FAILED[0]}")
-    try:
-        return _engine_run(tmp_path_factory)
-    except Exception as e:
-        _FAILED.append(repr(e)[:500])
-        raise
+    return _engine_run(tmp_path_factory)
 
 
 def _engine_run(tmp_path_factory) -> dict:
