@@ -69,6 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--std", type=float, default=0.05, help="std of the steering vectors' entries")
     ap.add_argument("--gpu-mem", type=float, default=0.24, help="gpu_memory_utilization per server")
     ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every server")
+    ap.add_argument("--quantization", default=None,
+                    help="--quantization of every server (e.g. fp8: the dummy weights quantized at load; issue 43's "
+                         "FP8 cost: stock FP8 vs steer FP8)")
     ap.add_argument("--api-servers", type=int, default=4, help="--api-server-count of the *_multi servers")
     ap.add_argument("--cache-root", default=str(Path(tempfile.gettempdir()) / "vllm_steer_ab_cache"))
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "vllm_steer_ab"))
@@ -171,7 +174,8 @@ def main() -> int:
            "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide,
            "graph_servers": _names(args.graph_servers), "args": args, "site_layer": meta["site_layer"],
            "workdir": workdir}
-    log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}; results -> {out_json}")
+    log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}"
+        f"{'; quantization ' + args.quantization if args.quantization else ''}; results -> {out_json}")
     if not args.peer_wheel:
         log("no --peer-wheel: hotwire and its arms are skipped")
     pool = Pool(args, model_dir, workdir)

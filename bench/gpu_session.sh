@@ -24,13 +24,15 @@
 #   ray        the e2e tests with vLLM's Ray executor at TP=2 (first: bench/ray_bundle.sh parts into /tmp/gr)
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
-# TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; TP sets every A/B server's --tensor-parallel-size. A later run starts with python3 -c 'import vllm' || exit 3
+# TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; TP sets every A/B server's --tensor-parallel-size, QUANT its
+# --quantization (fp8: issue 43's FP8 cost; stop the bf16 servers first, kept servers do not record
+# it). A later run starts with python3 -c 'import vllm' || exit 3
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "${OUT:=/tmp/out}"
 PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
-AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}")
+AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"})
 KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)

@@ -78,6 +78,19 @@ def test_single_site_arms_send_what_each_plugin_reads(ctx):
     _check_packed(ctx)
 
 
+def test_every_server_gets_the_quantization_asked_for(tmp_path):
+    """``--quantization fp8`` (issue 43's FP8 cost) reaches stock's and steer's command lines alike; unset, neither."""
+    import ab_suite
+    from abkit.servers import Server
+
+    for flag, want in (([], None), (["--quantization", "fp8"], "fp8")):
+        args = ab_suite.parse_args(["--workdir", str(tmp_path), *flag])
+        for name in ("stock", "steer"):
+            cmd = Server(name, 8100, args, tmp_path / "model", tmp_path).command()
+            got = cmd[cmd.index("--quantization") + 1] if "--quantization" in cmd else None
+            assert got == want, (name, flag, cmd)
+
+
 def test_paired_deltas_pair_trials_by_number():
     arm = {"trials": [{"trial": 0, "throughput": 110.0}, {"trial": 2, "throughput": 90.0}]}
     ref = {"trials": [{"trial": 0, "throughput": 100.0}, {"trial": 1, "throughput": 50.0},

@@ -236,6 +236,7 @@ class Server:
                 "dummy", "--dtype", a.dtype, "--seed", "0", "--max-model-len", str(a.max_model_len),
                 "--max-num-seqs", str(a.max_num_seqs), "--disable-uvicorn-access-log"]
         cmd += ["--tensor-parallel-size", str(a.tp)] if getattr(a, "tp", 1) > 1 else []
+        cmd += ["--quantization", a.quantization] if getattr(a, "quantization", None) else []
         cmd += ["--gpu-memory-utilization", str(a.gpu_mem)] if a.launcher != "cpu" else []
         cmd += ["--enforce-eager"] if a.enforce_eager else []
         if self.name in STEER_SERVERS:
