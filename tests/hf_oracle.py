@@ -182,10 +182,16 @@ def forced(path: str, prompt_ids: list[int], tokens: list[int], steer: dict[str,
     model, _ = load(path)
     handles = install_edits(model, edits or []) + install_hooks(model, family, steer or {})
     try:
-        logits = model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0].float()
+        return teacher_forced(model, prompt_ids, tokens)
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt_ids: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
+    """``forced``'s result from ``model`` as it is (its hooks already installed)."""
+    logits = model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0].float()
     at = logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)]
     idx = torch.tensor(tokens)[:, None]
     return {"logprobs": torch.log_softmax(at, dim=-1).gather(1, idx)[:, 0].numpy(),

@@ -96,6 +96,34 @@ def vectors_for(spec: dict, scale: float) -> dict[str, dict[int, np.ndarray]]:
             for hook, layers in spec.items()}
 
 
+def check_forced(got: dict, ref: dict, plain: dict | None, tol: float, tie: float, effect: float) -> None:
+    """vLLM's tokens against transformers teacher-forced on them (``hf_oracle.forced``'s ``ref``): each logprob within
+    ``tol``, each token transformers' argmax or within ``tie`` of it (a near-tie); with ``plain`` (the reference
+    without the request's edits), the edits move the reference's logprobs by more than ``effect`` somewhere."""
+    lp = np.abs(np.asarray(got["logprobs"]) - ref["logprobs"])
+    assert lp.max() < tol, f"|logprob vLLM - transformers| per token {lp.round(4)} (tolerance {tol})"
+    trail = ref["trail"]  # the reference's top logit minus the logit of vLLM's token, per step
+    assert trail.max() < tie, f"vLLM's token {int(trail.argmax())} trails transformers' argmax by {trail.max():.4g}"
+    if plain is not None:
+        moved = np.abs(ref["logprobs"] - plain["logprobs"]).max()
+        assert moved > effect, f"the edits move transformers' logprobs by {moved:.4g} only (<= {effect})"
+
+
+def site_cases(sites: list[tuple[str, int]], hidden: int, scale: float, seed: int) -> list[dict | None]:
+    """Each request's {hook: {layer: vector}}: one per site (std ``scale``), all sites at once (``scale / 2``
+    each), and None (unsteered)."""
+    rng = np.random.default_rng(seed)
+
+    def vec(s):
+        return (rng.standard_normal(hidden) * s).astype(np.float32)
+
+    one = [{h: {layer: vec(scale)}} for h, layer in sites]
+    every: dict = {}
+    for h, layer in sites:
+        every.setdefault(h, {})[layer] = vec(scale / 2)
+    return [*one, every, None]
+
+
 def as_request_field(vecs: dict) -> dict:
     """{hook: {layer: np}} -> the request's ``steering_vectors`` ({hook: {"layer": [floats]}})."""
     return {hook: {str(l): v.tolist() for l, v in layers.items()} for hook, layers in vecs.items()}

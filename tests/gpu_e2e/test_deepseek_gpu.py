@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -54,20 +53,6 @@ TIE = LOGPROB_TOL  # a generated token's logit may trail the reference's top log
 EFFECT = 5 * LOGPROB_TOL
 HIDDEN = 256
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
-
-
-def _cases() -> list[dict | None]:
-    """Each request's {hook: {layer: vector}}: one per site, all six sites at once, and None (unsteered)."""
-    rng = np.random.default_rng(43)
-
-    def vec(scale):
-        return (rng.standard_normal(HIDDEN) * scale).astype(np.float32)
-
-    one = [{h: {layer: vec(SCALE)}} for h, layer in SITES]
-    every: dict = {}
-    for h, layer in SITES:
-        every.setdefault(h, {})[layer] = vec(SCALE / 2)
-    return [*one, every, None]
 
 
 def build_checkpoint(path: Path):
@@ -110,7 +95,7 @@ def _engine_run(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("deepseek") / "deepseek-v3-random"
     tok = build_checkpoint(path)
     ids = [tok.bos_token_id] if ONE_POSITION else tok(PROMPT)["input_ids"]
-    cases = _cases()
+    cases = ec.site_cases(SITES, HIDDEN, SCALE, seed=43)
     kw = dict(model=str(path), dtype=DTYPE, seed=0, max_model_len=256, max_num_seqs=16,
               gpu_memory_utilization=0.3, enforce_eager=ec.CPU, additional_config={"steer": {"max_configs": 16}})
     if not ec.CPU:
@@ -146,11 +131,4 @@ def test_engine_is_steered_compiled_with_cuda_graphs(run):
 def test_tokens_and_logprobs_match_transformers(run, k):
     got, steer = run["got"][k], run["cases"][k]
     ref = _reference(run, k, steer)
-    lp = np.abs(np.asarray(got["logprobs"]) - ref["logprobs"])
-    assert lp.max() < LOGPROB_TOL, f"|logprob vLLM - transformers| per token {lp.round(4)} (tolerance {LOGPROB_TOL})"
-    trail = ref["trail"]  # the reference's top logit minus the logit of vLLM's token, per step
-    assert trail.max() < TIE, f"vLLM's token {int(trail.argmax())} trails transformers' argmax by {trail.max():.4g}"
-    if steer is not None:
-        plain = _reference(run, k, None)
-        moved = np.abs(ref["logprobs"] - plain["logprobs"]).max()
-        assert moved > EFFECT, f"the vectors move transformers' logprobs by {moved:.4g} only (<= {EFFECT})"
+    ec.check_forced(got, ref, _reference(run, k, None) if steer is not None else None, LOGPROB_TOL, TIE, EFFECT)

@@ -60,20 +60,6 @@ PROMPT = "Every morning the robot said hello to the sun and asked it a question 
 _ORIGINAL_NAMES = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_", "hc_head_"))
 
 
-def _cases() -> list[dict | None]:
-    """Each request's {hook: {layer: vector}}: one per site, all six sites at once, and None (unsteered)."""
-    rng = np.random.default_rng(44)
-
-    def vec(scale):
-        return (rng.standard_normal(HIDDEN) * scale).astype(np.float32)
-
-    one = [{h: {layer: vec(SCALE)}} for h, layer in SITES]
-    every: dict = {}
-    for h, layer in SITES:
-        every.setdefault(h, {})[layer] = vec(SCALE / 2)
-    return [*one, every, None]
-
-
 def build_checkpoint(path: Path):
     """The tiny random DeepSeek-V4 (module docstring), + the offline test tokenizer."""
     import transformers
@@ -178,7 +164,7 @@ def _engine_run(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("deepseek_v4") / "deepseek-v4-random"
     tok = build_checkpoint(path)
     ids = tok(PROMPT)["input_ids"]
-    cases = _cases()
+    cases = ec.site_cases(SITES, HIDDEN, SCALE, seed=44)
     kw = dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=256, max_num_seqs=16,
               gpu_memory_utilization=0.3, additional_config={"steer": {"max_configs": 16}},
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
@@ -222,20 +208,15 @@ def _norm_hooks(model, steer: dict) -> list:
 @torch.no_grad()
 def _reference(run, k: int, steer: dict | None) -> dict:
     """transformers (float32, ``steer``'s vectors by hooks) teacher-forced on request k's prompt + vLLM's tokens."""
-    from tests.hf_oracle import load
+    from tests.hf_oracle import load, teacher_forced
 
     model, _ = load(run["path"])
-    ids, tokens = run["ids"], run["got"][k]["tokens"]
     handles = _norm_hooks(model, steer or {})
     try:
-        logits = model(torch.tensor([list(ids) + list(tokens)])).logits[0].float()
+        return teacher_forced(model, run["ids"], run["got"][k]["tokens"])
     finally:
         for h in handles:
             h.remove()
-    at = logits[len(ids) - 1: len(ids) - 1 + len(tokens)]
-    idx = torch.tensor(tokens)[:, None]
-    return {"logprobs": torch.log_softmax(at, dim=-1).gather(1, idx)[:, 0].numpy(),
-            "trail": (at.max(dim=-1).values - at.gather(1, idx)[:, 0]).numpy()}
 
 
 def test_engine_is_steered_compiled_with_cuda_graphs(run):
@@ -250,11 +231,4 @@ def test_engine_is_steered_compiled_with_cuda_graphs(run):
 def test_tokens_and_logprobs_match_transformers(run, k):
     got, steer = run["got"][k], run["cases"][k]
     ref = _reference(run, k, steer)
-    lp = np.abs(np.asarray(got["logprobs"]) - ref["logprobs"])
-    assert lp.max() < LOGPROB_TOL, f"|logprob vLLM - transformers| per token {lp.round(4)} (tolerance {LOGPROB_TOL})"
-    trail = ref["trail"]
-    assert trail.max() < TIE, f"vLLM's token {int(trail.argmax())} trails transformers' argmax by {trail.max():.4g}"
-    if steer is not None:
-        plain = _reference(run, k, None)
-        moved = np.abs(ref["logprobs"] - plain["logprobs"]).max()
-        assert moved > EFFECT, f"the vectors move transformers' logprobs by {moved:.4g} only (<= {EFFECT})"
+    ec.check_forced(got, ref, _reference(run, k, None) if steer is not None else None, LOGPROB_TOL, TIE, EFFECT)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from tests.gpu_e2e import engine_case as ec
@@ -109,11 +108,4 @@ def test_the_workers_run_the_full_kernels(run):
 def test_tokens_and_logprobs_match_transformers_with_the_same_sae_edit(run, name):
     got, (_, edits) = run["got"][name], REQUESTS[name]
     ref = _reference(run, name, edits)
-    lp = np.abs(np.asarray(got["logprobs"]) - ref["logprobs"])
-    assert lp.max() < LOGPROB_TOL, f"|logprob vLLM - transformers| per token {lp.round(4)} (tolerance {LOGPROB_TOL})"
-    trail = ref["trail"]
-    assert trail.max() < TIE, f"vLLM's token {int(trail.argmax())} trails transformers' argmax by {trail.max():.4g}"
-    if edits:
-        plain = _reference(run, name, [])
-        moved = np.abs(ref["logprobs"] - plain["logprobs"]).max()
-        assert moved > EFFECT, f"the SAE edit moves transformers' logprobs by {moved:.4g} only (<= {EFFECT})"
+    ec.check_forced(got, ref, _reference(run, name, []) if edits else None, LOGPROB_TOL, TIE, EFFECT)
