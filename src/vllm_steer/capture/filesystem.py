@@ -75,6 +75,9 @@ logger = logging.getLogger("vllm.steer.capture")
 FORMATS = ("files", "sae_lens")
 MAX_PENDING_PUBLISHES = 1024
 FLUSH_BYTES = 256 * 1024  # gathered rows are flushed at this many bytes per open file (and at a request's end)
+IOV_MAX = 1024  # views per os.writev (Linux's limit)
+BATCH_REQUESTS = 64  # prepared publications made durable together, at most (one syncfs)
+BATCH_S = 0.05  # a prepared publication waits at most this long for others while its writer has work queued
 STATS = ("write_errors", "dropped_writes", "failed_requests", "publish_timeouts")
 
 
@@ -93,38 +96,57 @@ def _remove(path: Path) -> None:
         pass
 
 
-class _Writer:
-    """One writer thread's state: open ``.tmp`` files (LRU) and per-request sidecars. Every method
-    runs on that thread; an OSError fails only the request it hit."""
+class _Prepared:
+    """A request made ready to publish: its files closed and written under ``.tmp`` names (``renames``: tmp ->
+    final, in publication order, the record last), waiting for its batch's sync."""
 
-    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None, fsync: bool = True) -> None:
-        self.open: OrderedDict[Path, tuple[Any, str]] = OrderedDict()  # tmp -> (file, request)
+    __slots__ = ("request_id", "request_dir", "record", "stage", "stages", "renames", "failed", "item")
+
+    def __init__(self, request_id: str, request_dir: Path, record: dict, stage: int, stages: int, item: tuple) -> None:
+        self.request_id, self.request_dir, self.record, self.stage, self.stages = (
+            request_id, request_dir, record, stage, stages)
+        self.renames: list[tuple[Path, Path]] = []
+        self.failed = record["status"] == "failed"
+        self.item = item  # the queue's publish item (its Future is set once published)
+
+
+class _Writer:
+    """One writer thread's state: open ``.tmp`` files (LRU of raw descriptors) and per-request sidecars. Every
+    method runs on that thread; an OSError fails only the request it hit (a failed batch sync: its requests)."""
+
+    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None, sync: str = "syncfs") -> None:
+        self.open: OrderedDict[Path, tuple[int, str]] = OrderedDict()  # tmp -> (fd, request)
         self.max_open = max_open
         self.count = count
         self.sink = sink  # the sae-lens datasets, or None for the files format
-        self.fsync = fsync  # files and records fsynced before they are published
+        self.sync = sync  # SYNC_MODES: how bytes are made durable before they are published
         self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
         self.failed: dict[str, str] = {}  # request -> first error
 
-    def append(self, request_id: str, path: Path, positions: list[np.ndarray], rows: list[np.ndarray],
-               dtype: str) -> None:
-        """Write a chunk of a file's rows (``rows``: blocks ``[n, D]``, ``positions`` theirs) in one write."""
+    def append(self, request_id: str, path: Path, block: Block, dtype: str) -> None:
+        """Write a block of a file's rows in one ``os.writev`` straight from the gather arena."""
         if request_id in self.failed:
             return
         try:
             tmp = path.with_name(path.name + ".tmp")
             entry = self.open.pop(tmp, None)
             if entry is None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                entry = (open(tmp, "ab"), request_id)
+                try:
+                    fd = _open_append(tmp)
+                except FileNotFoundError:  # the request's first file: its directory
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    fd = _open_append(tmp)
+                entry = (fd, request_id)
             self.open[tmp] = entry
-            side = self.meta.setdefault(request_id, {}).setdefault(
-                path, {"positions": [], "dtype": dtype, "hidden": int(rows[0].shape[1])})
+            side = self.meta.setdefault(request_id, {}).get(path)
+            if side is None:
+                side = self.meta[request_id][path] = {"positions": [], "dtype": dtype,
+                                                      "hidden": int(block.rows.shape[1])}
             self._evict()
             if request_id in self.failed:  # evicting one of its own files failed
                 return
-            entry[0].write(np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows)))
-            side["positions"] += positions
+            _write_all(entry[0], block.chunks())
+            side["positions"].append(block.positions)
         except OSError as e:
             self.fail(request_id, e)
 
@@ -132,7 +154,7 @@ class _Writer:
         while len(self.open) > self.max_open:
             _, (old, rid) = self.open.popitem(last=False)
             try:
-                old.close()  # buffered bytes land now: a full disk may say so here
+                os.close(old)
             except OSError as e:
                 self.fail(rid, e)
 
@@ -148,22 +170,28 @@ class _Writer:
             entry = self.open.pop(tmp, None)
             if entry is not None:
                 try:
-                    entry[0].close()
+                    os.close(entry[0])
                 except OSError:
                     pass
-            for p in (tmp, path, path.with_suffix(".json")):
+            side = path.with_suffix(".json")
+            for p in (tmp, path, side, _tmp_json(side)):
                 _remove(p)
 
-    def _finish_files(self, request_id: str) -> dict:
-        """Close, fsync and read out (sae_lens) or rename into place (files) the request's shards."""
+    def _finish_files(self, request_id: str, renames: list[tuple[Path, Path]]) -> dict:
+        """Close the request's shards; read them out (sae_lens) or write their sidecars under ``.tmp`` names
+        (files: ``renames`` gets shard and sidecar, published after the batch's sync)."""
         out: dict = {}
         for path, side in list(self.meta.get(request_id, {}).items()):
             tmp = path.with_name(path.name + ".tmp")
-            fh = self.open.pop(tmp, (None,))[0] or open(tmp, "ab")
-            with fh:
-                fh.flush()
-                if self.sink is None and self.fsync:
-                    os.fsync(fh.fileno())
+            entry = self.open.pop(tmp, None)
+            if entry is not None:
+                try:
+                    if self.sync == "files" and self.sink is None:
+                        os.fsync(entry[0])
+                finally:
+                    os.close(entry[0])
+            elif self.sync == "files" and self.sink is None:  # evicted from the LRU earlier
+                _fsync_path(tmp)
             positions = np.concatenate(side["positions"]) if side["positions"] else np.zeros(0, np.int64)
             side["shape"] = [len(positions), side["hidden"]]
             if self.sink is not None:
@@ -174,15 +202,21 @@ class _Writer:
                     del rows
                 _remove(tmp)
             else:
-                os.replace(tmp, path)
-                _write_json(path.with_suffix(".json"), {**side, "positions": positions.tolist()}, self.fsync)
+                record = {k: v for k, v in side.items() if k != "positions"}
+                record.update(sidecar_positions(positions))
+                sidecar = path.with_suffix(".json")
+                renames.append((tmp, path))
+                renames.append((_write_tmp_json(sidecar, record, self.sync == "files"), sidecar))
         self.meta.pop(request_id, None)
         return out
 
-    def publish(self, request_dir: Path, request_id: str, meta: dict) -> None:
+    def prepare(self, request_dir: Path, request_id: str, meta: dict, item: tuple) -> _Prepared:
+        """The request's files closed, its sidecars and record written under ``.tmp`` names: published by
+        ``commit`` once the batch is durable."""
+        renames: list[tuple[Path, Path]] = []
         if request_id not in self.failed:
             try:
-                written = self._finish_files(request_id)
+                written = self._finish_files(request_id, renames)
                 if self.sink is not None:
                     meta = {**meta, "sae_lens": written}
             except OSError as e:
@@ -190,42 +224,207 @@ class _Writer:
         error = self.failed.pop(request_id, None)
         if error is not None:
             self.count("failed_requests")
+            renames = []  # fail() removed them
             meta = {**meta, "status": "failed", "error": error}
         else:
             meta = {**meta, "status": "partial" if meta.get("dropped_rows") else "complete"}
         record = {"request_id": request_id, **meta}
         stage, stages = record.pop("stage", 0), record.pop("stages", 1)
+        prep = _Prepared(request_id, request_dir, record, stage, stages, item)
+        prep.renames = renames
         try:
             request_dir.mkdir(parents=True, exist_ok=True)
-            if stages > 1:
-                _publish_stage(request_dir, record, stage, stages, self.fsync)
-            else:
-                _write_json(request_dir / "request.json", record, self.fsync)
-        except OSError as e:  # not even request.json fits: the request stays unpublished
-            if error is None:
-                self.count("write_errors")
-                self.count("failed_requests")
-            logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", request_id, e)
+            final = request_dir / (f"stage-{stage}.json" if stages > 1 else "request.json")
+            prep.renames.append((_write_tmp_json(final, record, self.sync == "files"), final))
+        except OSError as e:
+            self._unpublished(prep, e)
+        return prep
+
+    def _unpublished(self, prep: _Prepared, err: OSError) -> None:
+        """Not even the record could be written: the request stays unpublished (its files removed)."""
+        if not prep.failed:
+            self.count("write_errors")
+            self.count("failed_requests")
+        for tmp, final in prep.renames:
+            _remove(tmp)
+            if not _is_record(final):
+                _remove(final)
+        prep.renames = []
+        logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", prep.request_id, err)
+
+    def commit(self, batch: list[_Prepared]) -> None:
+        """Make the batch's bytes durable (one ``syncfs`` for them all), then publish each request: its
+        shards and sidecars renamed into place, its record last. A failed sync fails every request of the batch
+        (it cannot say whose bytes were lost); a failed rename fails only its request."""
+        live = [p for p in batch if p.renames]
+        if live and self.sync == "syncfs":
+            try:
+                _syncfs_of(live[0].request_dir)
+            except OSError as e:
+                for prep in live:
+                    self._fail_prepared(prep, e)
+        for prep in live:
+            if not prep.renames:
+                continue
+            try:
+                for tmp, final in prep.renames[:-1]:
+                    os.replace(tmp, final)
+            except OSError as e:
+                self._fail_prepared(prep, e)
+                continue
+            tmp, final = prep.renames[-1]
+            try:
+                os.replace(tmp, final)
+                if prep.stages > 1:
+                    _merge_stages(prep.request_dir, prep.stages, self.sync != "off")
+            except OSError as e:
+                _remove(tmp)
+                self._unpublished(prep, e)
+
+    def _fail_prepared(self, prep: _Prepared, err: OSError) -> None:
+        """A prepared request whose publication failed: its files removed, a ``failed`` record published
+        (fsynced on its own: the failure path)."""
+        if not prep.failed:
+            self.count("write_errors")
+            self.count("failed_requests")
+            logger.warning("vllm-steer: filesystem capture of %s failed: %s", prep.request_id, err)
+        for tmp, final in prep.renames:
+            _remove(tmp)
+            if not _is_record(final):
+                _remove(final)
+        prep.renames, prep.failed = [], True
+        record = {**prep.record, "status": "failed", "error": f"{type(err).__name__}: {err}"}
+        try:
+            final = prep.request_dir / (f"stage-{prep.stage}.json" if prep.stages > 1 else "request.json")
+            _write_json(final, record, self.sync != "off")
+            if prep.stages > 1:
+                _merge_stages(prep.request_dir, prep.stages, self.sync != "off")
+        except OSError as e2:
+            logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", prep.request_id, e2)
+
+
+def _is_record(path: Path) -> bool:
+    return path.name == "request.json" or path.name.startswith("stage-")
+
+
+def _open_append(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+
+
+def _write_all(fd: int, chunks: list[memoryview]) -> None:
+    """Write flat byte views in order: ``os.writev`` (IOV_MAX views a call), finishing a short write (over
+    2 GiB, a nearly full disk) one view at a time."""
+    for k in range(0, len(chunks), IOV_MAX):
+        part = chunks[k : k + IOV_MAX]
+        done = os.writev(fd, part)
+        if done == sum(map(len, part)):
+            continue
+        for mv in part:
+            if done >= len(mv):
+                done -= len(mv)
+                continue
+            mv, done = mv[done:], 0
+            while len(mv):
+                mv = mv[os.write(fd, mv):]
+
+
+def sidecar_positions(positions: np.ndarray) -> dict:
+    """A sidecar's positions: ``{"positions_range": [start, stop]}`` when they are ``start, start + 1, ...,
+    stop - 1`` (every prompt and generated token captured: the common case, and a constant size), else
+    ``{"positions": [...]}``. ``read_positions`` reads either."""
+    n = len(positions)
+    if n and int(positions[-1]) - int(positions[0]) == n - 1 and (n == 1 or bool((np.diff(positions) == 1).all())):
+        return {"positions_range": [int(positions[0]), int(positions[0]) + n]}
+    return {"positions": positions.tolist()}
+
+
+def read_positions(side: dict) -> np.ndarray:
+    """A sidecar's positions (either form of ``sidecar_positions``; files written before the range form have
+    ``positions``)."""
+    if "positions_range" in side:
+        return np.arange(*side["positions_range"], dtype=np.int64)
+    return np.asarray(side["positions"], dtype=np.int64)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _libc_syncfs_fn() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).syncfs  # releases the GIL while it waits
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_libc_syncfs = _libc_syncfs_fn()
+HAS_SYNCFS = hasattr(os, "syncfs") or _libc_syncfs is not None
+
+
+def _syncfs(fd: int) -> None:
+    """``syncfs(2)``: every dirty byte of the filesystem holding ``fd`` to the disk (reports writeback errors
+    since Linux 5.8)."""
+    if hasattr(os, "syncfs"):
+        os.syncfs(fd)
+        return
+    if _libc_syncfs(fd) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _syncfs_of(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _syncfs(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_json(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
+
+
+def _write_tmp_json(path: Path, obj: dict, fsync: bool = False) -> Path:
+    """``obj`` as JSON under a ``.tmp`` name beside ``path`` (the caller renames it into place); one write."""
+    tmp = _tmp_json(path)
+    data = json.dumps(obj).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            _write_all(fd, [memoryview(data)])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        _remove(tmp)
+        raise
+    return tmp
 
 
 def _write_json(path: Path, obj: dict, fsync: bool = True) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
+    """``obj`` published at ``path`` on its own: written, fsynced (``fsync``), renamed into place."""
+    tmp = _write_tmp_json(path, obj, fsync)
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
         _remove(tmp)
         raise
 
 
-def _publish_stage(request_dir: Path, record: dict, stage: int, stages: int, fsync: bool = True) -> None:
-    """Pipeline parallelism: this stage's record, then ``request.json`` if every stage's is there (the
-    last stage to publish finds them all; two finishing at once both write the same file)."""
-    _write_json(request_dir / f"stage-{stage}.json", record, fsync)
+def _merge_stages(request_dir: Path, stages: int, fsync: bool = True) -> None:
+    """Pipeline parallelism, once a stage's ``stage-K.json`` is in place: ``request.json`` if every stage's record
+    is there (the last stage to publish finds them all; two finishing at once both write the same file)."""
     parts = []
     for k in range(stages):
         try:
@@ -315,7 +514,7 @@ class FilesystemConsumer(BaseConsumer):
             from vllm_steer.capture.saelens_format import SaeLensDatasets
             self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), float(shard_mb), self._count)
         self._queues = [queue.Queue() for _ in range(max(1, int(threads)))]
-        sync = fsync if isinstance(fsync, bool) else str(fsync).lower() not in ("false", "0", "no")
+        sync = _sync_mode(fsync)
         open_each = int(max_open) or _open_files_each(len(self._queues))
         self._writers = [_Writer(open_each, self._count, self.sink, sync) for _ in self._queues]
         self._threads = [threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs")
@@ -422,37 +621,59 @@ class FilesystemConsumer(BaseConsumer):
         return done
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
+        """The writer thread: appends as they come; publications prepared, then committed in batches (when the
+        queue is empty, ``BATCH_REQUESTS`` are waiting or the oldest has waited ``BATCH_S``)."""
+        batch: list[_Prepared] = []
         while True:
-            try:
-                item = q.get(timeout=self.flush_s if self.sink is not None else None)
-            except queue.Empty:  # idle: buffered sae-lens windows go to disk
-                self.sink.flush_stale(self.flush_s)
-                continue
+            if batch:
+                item = q.get_nowait() if not q.empty() else "commit"
+            else:
+                try:
+                    item = q.get(timeout=self.flush_s if self.sink is not None else None)
+                except queue.Empty:  # idle: buffered sae-lens windows go to disk
+                    self.sink.flush_stale(self.flush_s)
+                    continue
+            if item == "commit" or item is None or len(batch) >= BATCH_REQUESTS or (
+                    batch and time.monotonic() - batch[0].item[6] > BATCH_S):
+                self._commit(writer, batch)
+                batch = []
             if item is None:
                 return
-            try:
-                if item[0] == "append":
+            if item == "commit":
+                continue
+            if item[0] == "append":
+                try:
                     for b in item[1]:
-                        writer.append(b.request_id, self._path(b), [b.positions], [b.materialize()], item[2])
-                else:
-                    writer.publish(item[2], item[1], item[3])
+                        writer.append(b.request_id, self._path(b), b, item[2])
+                except Exception as e:  # a bug, not a disk fault: still only these requests fail
+                    logger.exception("vllm-steer: filesystem capture writer")
+                    for rid in {b.request_id for b in item[1]}:
+                        writer.fail(rid, e)
+                finally:
+                    self._budget.give(item[3])
+                continue
+            item = (*item, time.monotonic())  # [6]: when it was prepared
+            try:
+                batch.append(writer.prepare(item[2], item[1], item[3], item))
             except Exception as e:  # a bug, not a disk fault: still only this request fails
                 logger.exception("vllm-steer: filesystem capture writer")
-                for rid in {b.request_id for b in item[1]} if item[0] == "append" else (item[1],):
-                    writer.fail(rid, e)
-                if item[0] == "publish":
-                    writer.publish(item[2], item[1], item[3])  # request.json says failed
-            finally:
-                if item[0] == "append":
-                    self._budget.give(item[3])
-                else:
-                    with self._lock:
-                        self._pending_publishes -= 1
-                    if time.monotonic() - item[5] > self.publish_timeout_s:  # the writers are behind
-                        self._count("publish_timeouts")
-                    item[4].set_result(None)
-                    if self.sink is not None:
-                        self.sink.flush_stale(self.flush_s)
+                writer.fail(item[1], e)
+                batch.append(writer.prepare(item[2], item[1], item[3], item))  # request.json says failed
+
+    def _commit(self, writer: _Writer, batch: list[_Prepared]) -> None:
+        try:
+            writer.commit(batch)
+        except Exception:  # a bug: the requests are answered all the same (their files may be missing)
+            logger.exception("vllm-steer: filesystem capture writer")
+        for prep in batch:
+            item = prep.item
+            with self._lock:
+                self._pending_publishes -= 1
+            if time.monotonic() - item[5] > self.publish_timeout_s:  # the writers are behind
+                self._count("publish_timeouts")
+            item[4].set_result(None)
+        if batch and self.sink is not None:
+            self.sink.flush_stale(self.flush_s)
 
     def close(self) -> None:
         """Finish what is queued (bounded wait), then write the sae-lens datasets' last whole windows."""
@@ -462,6 +683,19 @@ class FilesystemConsumer(BaseConsumer):
             t.join(timeout=self.publish_timeout_s)
         if self.sink is not None:
             self.sink.close()
+
+
+def _sync_mode(fsync: bool | str) -> str:
+    """The ``fsync`` param: true (or ``"syncfs"``): one ``syncfs`` per batch (per-file fsyncs where there is no
+    syncfs); ``"files"``: each file fsynced; false: none."""
+    mode = str(fsync).lower()
+    if mode in ("false", "0", "no", "off"):
+        return "off"
+    if mode == "files":
+        return "files"
+    if mode in ("true", "1", "yes", "syncfs"):
+        return "syncfs" if HAS_SYNCFS else "files"
+    raise ValueError(f"filesystem consumer: fsync must be true, false, 'syncfs' or 'files', got {fsync!r}")
 
 
 def _open_files_each(threads: int) -> int:
@@ -514,5 +748,5 @@ def load_request(root: str, request_id: str, tag: str = "default", sites: int | 
         side = json.loads(side_path.read_text())
         layer, hook = side_path.stem.split("_", 1)
         rows = read_rows(side_path.with_suffix(".bin"), side["dtype"], side["shape"], torch)
-        out[(int(layer), hook)] = (np.asarray(side["positions"]), rows)
+        out[(int(layer), hook)] = (read_positions(side), rows)
     return out
