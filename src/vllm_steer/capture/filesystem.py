@@ -5,7 +5,9 @@ Two output formats (``format``):
 
 - ``"files"`` (default): ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, in the
   model's dtype: ``"bfloat16"`` rows are raw bf16, half the bytes of float32) plus ``{layer}_{hook}.json``
-  (positions, dtype, shape). ``load_request`` returns float32 (``torch=True``: torch tensors in the stored
+  (``dtype``, ``shape``, ``hidden`` and the rows' positions: ``"positions_range": [start, stop]`` when they are
+  consecutive, the usual case, else ``"positions": [...]``; files written before the range form always have
+  ``positions``, and ``read_positions`` reads either). ``load_request`` returns float32 (``torch=True``: torch tensors in the stored
   dtype); without it, two lines of numpy: ``b = np.fromfile(bin, np.uint16 if dtype == "bfloat16" else
   dtype)`` then, for bfloat16, ``(b.astype(np.uint32) << 16).view(np.float32)`` (exact).
 - ``"sae_lens"``: the rows go to one dataset per site that sae-lens trains from directly
@@ -21,17 +23,36 @@ of it is published, and the writers go on with the next requests (written again 
 
 A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``); when
 they reach ``FLUSH_BYTES`` per open file (at most a quarter of ``max_queued_mb``), and at a request's end,
-they are regrouped per file and each file's block goes to its writer thread (which gathers its rows), so a decode
-step costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
+they are regrouped per file and each file's block goes to its writer thread, which writes it with one
+``os.writev`` of views of the gather arena (one per run of consecutive rows: no gather copy), so a decode step
+costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
 ``hash(request_id) % threads`` (so a file's order is kept), each thread keeps an LRU of open
-``.bin.tmp`` files (``max_open``; default: from the process's file limit, up to 1024); on finish every
-file is fsynced and ``os.replace``d into place, so readers never see
-a partial shard (a killed process leaves only ``.tmp`` files). ``on_request_finished`` does not wait for
-that: it returns a ``Future`` the writer completes once the request is published, and the capture host
-answers the request then (the response waits for it, bounded by ``capture_result_timeout_s``).
-``fsync: false`` skips the fsyncs: files are still published by rename when complete, so readers on this
-host see whole files as before, but a machine crash may lose the last ones; the disk's sync rate no longer
-bounds the requests (a response waits for its files' publication).
+``.bin.tmp`` descriptors (``max_open``; default: from the process's file limit, up to 1024).
+``on_request_finished`` does not wait for the publication: it returns a ``Future`` the writer completes once
+the request is published, and the capture host answers the request then (the response waits for it, bounded
+by ``capture_result_timeout_s``).
+
+Publication protocol (a writer thread, per batch of the requests it finished together):
+
+1. prepare each request: close its ``.bin.tmp`` files, write each sidecar and the record (``request.json``,
+   or ``stage-K.json`` under pipeline parallelism) under ``.tmp`` names; a write error here fails only that
+   request (its files removed, its record says ``failed``);
+2. make the batch durable: one ``syncfs`` of the root's filesystem (``fsync: true``, the default) for every
+   request of the batch; ``fsync: "files"`` fsyncs each file in step 1 instead (where ``syncfs`` is missing,
+   or where the root shares its filesystem with other heavy writers: ``syncfs`` writes their dirty data too;
+   before Linux 5.8 ``syncfs`` does not report write-back errors); ``fsync: false`` skips this;
+3. publish each request: its shards and sidecars renamed into place, its record last.
+
+So nothing is renamed to its final name before its bytes (the record's too) are durable, and a request
+directory with ``request.json`` is complete; readers never see a partial shard (a killed process leaves only
+``.tmp`` files). A batch is what the writer's queue holds: prepared requests are committed as soon as the
+queue is empty, ``BATCH_REQUESTS`` are waiting, or the oldest has waited ``BATCH_S`` behind other work, so a
+lone request is synced at once and a busy writer pays one sync for many requests (each request's 2 files a
+site plus its record were each fsynced before). A failed ``syncfs`` cannot say whose bytes were lost: every
+request of its batch is published as ``failed``. A failed rename fails only its request. With ``fsync: false``
+files are still published by rename when complete, so readers on this host see whole files as before, but a
+machine crash may lose the last ones; the disk's sync rate no longer bounds the requests (a response waits for
+its files' publication).
 Under pipeline parallelism each stage writes the files of its own sites and its own record,
 ``stage-K.json`` (``request.json``'s content for its sites); the stage that finds every stage's record
 there writes ``request.json`` for the whole request (``merged_record``: ``failed`` if a stage failed,
@@ -115,33 +136,40 @@ class _Writer:
     method runs on that thread; an OSError fails only the request it hit (a failed batch sync: its requests)."""
 
     def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None, sync: str = "syncfs") -> None:
-        self.open: OrderedDict[Path, tuple[int, str]] = OrderedDict()  # tmp -> (fd, request)
+        self.open: OrderedDict[tuple, tuple[int, str]] = OrderedDict()  # (request, layer, hook) -> (fd, request)
         self.max_open = max_open
         self.count = count
         self.sink = sink  # the sae-lens datasets, or None for the files format
         self.sync = sync  # SYNC_MODES: how bytes are made durable before they are published
-        self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
+        self.meta: dict[str, dict[tuple, dict]] = {}  # request -> (layer, hook) -> sidecar (and its "path", "tmp")
         self.failed: dict[str, str] = {}  # request -> first error
 
-    def append(self, request_id: str, path: Path, block: Block, dtype: str) -> None:
-        """Write a block of a file's rows in one ``os.writev`` straight from the gather arena."""
+    def append(self, root: Path, block: Block, dtype: str) -> None:
+        """Write a block of a file (``{root}/{request}/{layer}_{hook}.bin.tmp``) in one ``os.writev`` straight
+        from the gather arena."""
+        request_id = block.request_id
         if request_id in self.failed:
             return
         try:
-            tmp = path.with_name(path.name + ".tmp")
-            entry = self.open.pop(tmp, None)
+            sides = self.meta.get(request_id)
+            if sides is None:
+                sides = self.meta[request_id] = {}
+            side = sides.get((block.layer, block.hook))
+            if side is None:
+                path = root / _safe(request_id) / f"{block.layer}_{block.hook}.bin"
+                side = sides[(block.layer, block.hook)] = {
+                    "positions": [], "dtype": dtype, "hidden": int(block.rows.shape[1]), "path": path,
+                    "tmp": path.with_name(path.name + ".tmp")}
+            key = (request_id, block.layer, block.hook)
+            entry = self.open.pop(key, None)
             if entry is None:
                 try:
-                    fd = _open_append(tmp)
+                    fd = _open_append(side["tmp"])
                 except FileNotFoundError:  # the request's first file: its directory
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    fd = _open_append(tmp)
+                    side["path"].parent.mkdir(parents=True, exist_ok=True)
+                    fd = _open_append(side["tmp"])
                 entry = (fd, request_id)
-            self.open[tmp] = entry
-            side = self.meta.setdefault(request_id, {}).get(path)
-            if side is None:
-                side = self.meta[request_id][path] = {"positions": [], "dtype": dtype,
-                                                      "hidden": int(block.rows.shape[1])}
+            self.open[key] = entry
             self._evict()
             if request_id in self.failed:  # evicting one of its own files failed
                 return
@@ -165,25 +193,24 @@ class _Writer:
             self.failed[request_id] = f"{type(err).__name__}: {err}"
             self.count("write_errors")
             logger.warning("vllm-steer: filesystem capture of %s failed: %s", request_id, err)
-        for path in self.meta.pop(request_id, {}):
-            tmp = path.with_name(path.name + ".tmp")
-            entry = self.open.pop(tmp, None)
+        for (layer, hook), side in self.meta.pop(request_id, {}).items():
+            entry = self.open.pop((request_id, layer, hook), None)
             if entry is not None:
                 try:
                     os.close(entry[0])
                 except OSError:
                     pass
-            side = path.with_suffix(".json")
-            for p in (tmp, path, side, _tmp_json(side)):
+            path, sidecar = side["path"], side["path"].with_suffix(".json")
+            for p in (side["tmp"], path, sidecar, _tmp_json(sidecar)):
                 _remove(p)
 
     def _finish_files(self, request_id: str, renames: list[tuple[Path, Path]]) -> dict:
         """Close the request's shards; read them out (sae_lens) or write their sidecars under ``.tmp`` names
         (files: ``renames`` gets shard and sidecar, published after the batch's sync)."""
         out: dict = {}
-        for path, side in list(self.meta.get(request_id, {}).items()):
-            tmp = path.with_name(path.name + ".tmp")
-            entry = self.open.pop(tmp, None)
+        for (layer, hook), side in list(self.meta.get(request_id, {}).items()):
+            path, tmp = side["path"], side["tmp"]
+            entry = self.open.pop((request_id, layer, hook), None)
             if entry is not None:
                 try:
                     if self.sync == "files" and self.sink is None:
@@ -195,14 +222,13 @@ class _Writer:
             positions = np.concatenate(side["positions"]) if side["positions"] else np.zeros(0, np.int64)
             side["shape"] = [len(positions), side["hidden"]]
             if self.sink is not None:
-                layer, hook = path.stem.split("_", 1)
                 rows = np.memmap(tmp, dtype=side["dtype"], mode="r", shape=tuple(side["shape"])) if side["shape"][0] else None
                 if rows is not None:
                     out[f"{hook}.{layer}"] = self.sink.add(hook, int(layer), positions, rows)
                     del rows
                 _remove(tmp)
             else:
-                record = {k: v for k, v in side.items() if k != "positions"}
+                record = {k: side[k] for k in ("dtype", "hidden", "shape")}
                 record.update(sidecar_positions(positions))
                 sidecar = path.with_suffix(".json")
                 renames.append((tmp, path))
@@ -592,9 +618,6 @@ class FilesystemConsumer(BaseConsumer):
         for k, blocks in per_queue.items():
             self._queues[k].put(("append", blocks, self._dtype, sum(b.nbytes for b in blocks)))
 
-    def _path(self, block: Block) -> Path:
-        return self.root / _safe(block.request_id) / f"{block.layer}_{block.hook}.bin"
-
     def on_request_finished(self, request_id, meta) -> Future | None:
         """Hand the request's last rows to its writer and queue its publication: a ``Future`` done once
         ``request.json`` is written (None when the request will not be published)."""
@@ -644,7 +667,7 @@ class FilesystemConsumer(BaseConsumer):
             if item[0] == "append":
                 try:
                     for b in item[1]:
-                        writer.append(b.request_id, self._path(b), b, item[2])
+                        writer.append(self.root, b, item[2])
                 except Exception as e:  # a bug, not a disk fault: still only these requests fail
                     logger.exception("vllm-steer: filesystem capture writer")
                     for rid in {b.request_id for b in item[1]}:
