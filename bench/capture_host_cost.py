@@ -92,14 +92,24 @@ def main() -> None:
         t1 = time.perf_counter()
         for fut in [fs.on_request_finished(r, {"prompt_len": 100}) for r in rids]:
             fut.result(timeout=120)
+        user, system = (sum(x) for x in zip(*(_thread_cpu(t.native_id) for t in fs._threads)))
+        writers = user + system
         fs.close()
         t2, cpu = time.perf_counter(), time.process_time() - cpu0
     written = n * a.hidden * 2 * (a.steps + a.prompt)
-    print(f"process CPU {1e3 * cpu / (a.steps + 1):.2f} ms/step ({written / cpu / 1e9:.2f} GB per CPU-second); "
+    print(f"process CPU {1e3 * cpu / (a.steps + 1):.2f} ms/step ({written / cpu / 1e9:.2f} GB per CPU-second), writer "
+          f"threads {1e3 * writers / (a.steps + 1):.2f} ms/step ({written / max(writers, 1e-9) / 1e9:.2f} GB per CPU-second; "
+          f"user {1e3 * user / (a.steps + 1):.2f}, system {1e3 * system / (a.steps + 1):.2f} ms/step); "
           f"{a.requests} requests x {a.sites} sites, D {a.hidden}, fsync {a.fsync}, {a.threads} writers: lane "
           f"{1e3 * (t1 - t0) / a.steps:.2f} ms/step (pickle round trip {1e3 * pickled / a.steps:.2f}), until published "
           f"{1e3 * (t2 - t0) / a.steps:.2f} ms/step, {written / (t2 - t0) / 1e9:.2f} GB/s written; syncs per request "
           f"{ {k: round(v / a.requests, 2) for k, v in syncs.items()} }; consumer stats {fs.stats()}")
+
+
+def _thread_cpu(tid: int) -> tuple[float, float]:
+    """A thread's CPU seconds (user, system) from /proc."""
+    fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

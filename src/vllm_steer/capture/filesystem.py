@@ -26,7 +26,8 @@ they reach ``FLUSH_BYTES`` per open file (at most a quarter of ``max_queued_mb``
 they are regrouped per file and each file's block goes to its writer thread, which writes it with one
 ``os.writev`` of views of the gather arena (one per run of consecutive rows: no gather copy), so a decode step
 costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
-``hash(request_id) % threads`` (so a file's order is kept), each thread keeps an LRU of open
+``hash(request_id) % threads`` (so a file's order is kept; ``threads`` 4 by default, as the GPU benches ran; their
+writes release the GIL), each thread keeps an LRU of open
 ``.bin.tmp`` descriptors (``max_open``; default: from the process's file limit, up to 1024).
 ``on_request_finished`` does not wait for the publication: it returns a ``Future`` the writer completes once
 the request is published, and the capture host answers the request then (the response waits for it, bounded
@@ -515,7 +516,7 @@ class FilesystemConsumer(BaseConsumer):
     location = "worker"
     raw_rows = True  # bf16 rows as stored (their bits): written as they are, half float32's bytes
 
-    def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
+    def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 4,
                  max_open: int = 0, format: str = "files", max_queued_mb: float = 1024, max_wait_s: float = 1.0,
                  publish_timeout_s: float = 20.0, context_size: int = 128, shard_mb: float = 64,
                  flush_s: float = 10.0, fsync: bool | str = True, **params: Any) -> None:

@@ -1,8 +1,9 @@
 """The filesystem consumer's step gatherer: a step's rows arrive as one packet (``RowPacket``: every
 (request, site) group of the step in column form) and are copied into an arena as they came (one
 sequential copy out of the shared ring). At a flush they are regrouped per file by a stable sort of the
-rows' file numbers: each file's block names its rows, which its writer thread gathers with one ``take``
-(so the writers gather in parallel). The consumer's Python per step is O(1) (plus O(groups) when the
+rows' file numbers: each file's block names its rows, which its writer thread writes with one ``os.writev``
+of views of the arena (``Block.chunks``: one per run of consecutive rows, no gather copy; so the writers work in
+parallel). The consumer's Python per step is O(1) (plus O(groups) when the
 batch's requests or sites change), and a file's writer gets one block per flush instead of one row per
 step. A flush of a single packet needs no regrouping: its groups are its files.
 
