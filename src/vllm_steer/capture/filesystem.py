@@ -302,11 +302,17 @@ class _Writer:
             tmp, final = prep.renames[-1]
             try:
                 os.replace(tmp, final)
-                if prep.stages > 1:
-                    _merge_stages(prep.request_dir, prep.stages, self.sync != "off")
             except OSError as e:
                 _remove(tmp)
                 self._unpublished(prep, e)
+                continue
+            if prep.stages > 1:
+                try:
+                    _merge_stages(prep.request_dir, prep.stages, self.sync != "off")
+                except OSError as e:  # this stage is published; request.json is not (a later stage may write it)
+                    self.count("write_errors")
+                    logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s",
+                                   prep.request_id, e)
 
     def _fail_prepared(self, prep: _Prepared, err: OSError) -> None:
         """A prepared request whose publication failed: its files removed, a ``failed`` record published
