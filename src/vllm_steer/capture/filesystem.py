@@ -141,7 +141,7 @@ class _Writer:
         self.max_open = max_open
         self.count = count
         self.sink = sink  # the sae-lens datasets, or None for the files format
-        self.sync = sync  # SYNC_MODES: how bytes are made durable before they are published
+        self.sync = sync  # "syncfs", "files" or "off" (`_sync_mode`): how bytes are made durable before publication
         self.meta: dict[str, dict[tuple, dict]] = {}  # request -> (layer, hook) -> sidecar (and its "path", "tmp")
         self.failed: dict[str, str] = {}  # request -> first error
 
