@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -78,34 +79,18 @@ def _rows(n, d=16, seed=0):
 
 
 class _FullDisk:
-    """``open`` for the filesystem module: writes to row files (``.bin.tmp``) raise ENOSPC while
-    ``full`` is set (small JSON files still fit, as on a disk that is nearly full)."""
+    """``_write_all`` for the filesystem module: writes to row files (``.bin.tmp``; with ``only``, those whose
+    path contains it) raise ENOSPC while ``full`` is set (small JSON files still fit, as on a disk that is
+    nearly full)."""
 
-    def __init__(self):
-        self.full = False
+    def __init__(self, only: str = ""):
+        self.full, self.only, self.real = False, only, fsmod._write_all
 
-    def __call__(self, path, mode="r", *a, **kw):
-        fh = open(path, mode, *a, **kw)
-        if not str(path).endswith(".bin.tmp"):
-            return fh
-        outer = self
-
-        class _File:
-            def write(self, data):
-                if outer.full:
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                return fh.write(data)
-
-            def __getattr__(self, name):
-                return getattr(fh, name)
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                fh.close()
-
-        return _File()
+    def __call__(self, fd, chunks):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if self.full and path.endswith(".bin.tmp") and self.only in path:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real(fd, chunks)
 
 
 def _status(root, rid):
@@ -116,7 +101,7 @@ def test_a_write_error_fails_only_its_request_and_later_ones_are_written(tmp_pat
     """Injected ENOSPC: the request it hits is published as failed (error in request.json, no .tmp
     left, counted); the writer thread lives on and the next request is written once space returns."""
     disk = _FullDisk()
-    monkeypatch.setattr(fsmod, "open", disk, raising=False)
+    monkeypatch.setattr(fsmod, "_write_all", disk)
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
     disk.full = True
     fs.on_rows("a", 0, "post_mlp", np.arange(4), _rows(4), {})
@@ -142,7 +127,7 @@ def test_pipeline_stages_publish_one_request_json_when_the_last_stage_is_in(tmp_
     only with the last one, for the whole request (both stages' sites, merged status, ``stages``); a
     stage whose writes failed fails the request, naming that stage."""
     disk = _FullDisk()
-    monkeypatch.setattr(fsmod, "open", disk, raising=False)
+    monkeypatch.setattr(fsmod, "_write_all", disk)
     stages = [FilesystemConsumer("fs", root=str(tmp_path), threads=1) for _ in range(2)]
     rows = _rows(3)
 
@@ -203,7 +188,7 @@ def test_a_real_full_disk_fails_the_request_and_writing_resumes_when_space_retur
     if mnt is None:
         warnings.warn(f"mount -t tmpfs refused ({refused}): full disk injected instead")
         mnt, disk = tmp_path, _FullDisk()
-        monkeypatch.setattr(fsmod, "open", disk, raising=False)
+        monkeypatch.setattr(fsmod, "_write_all", disk)
         disk.full = True
     else:
         filler = mnt / "filler"
@@ -401,7 +386,7 @@ def test_write_errors_reach_the_metrics(tmp_path, monkeypatch):
     from vllm_steer.server.metrics import apply_engine
 
     disk = _FullDisk()
-    monkeypatch.setattr(fsmod, "open", disk, raising=False)
+    monkeypatch.setattr(fsmod, "_write_all", disk)
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
     disk.full = True
     fs.on_rows("a", 0, "post_mlp", np.arange(2), _rows(2), {})
@@ -437,25 +422,25 @@ def test_sae_lens_windows_of_a_quiet_consumer_reach_the_disk(tmp_path):
 
 
 def test_a_publish_that_fails_midway_leaves_no_shard_of_the_request(tmp_path, monkeypatch):
-    """ENOSPC at the second shard's fsync: the first shard, already renamed into place, is removed
-    with the rest; request.json says failed."""
-    import os
+    """A rename that fails at the second shard (after the batch's sync): the first shard, already renamed into
+    place, is removed with the rest; request.json says failed."""
+    real_replace = os.replace
 
-    real_fsync = os.fsync
-
-    def fsync(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith("1_post_mlp.bin.tmp"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_fsync(fd)
+    def replace(src, dst):
+        if str(dst).endswith("1_post_mlp.bin"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
 
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
     for layer in (0, 1):
         fs.on_rows("m", layer, "post_mlp", np.arange(3), _rows(3, seed=layer), {})
-    monkeypatch.setattr(fsmod.os, "fsync", fsync)
+    monkeypatch.setattr(fsmod.os, "replace", replace)
     _published(fs.on_request_finished("m", {"prompt_len": 3}))
-    monkeypatch.setattr(fsmod.os, "fsync", real_fsync)
-    assert _status(tmp_path, "m")["status"] == "failed"
+    monkeypatch.setattr(fsmod.os, "replace", real_replace)
+    st = _status(tmp_path, "m")
+    assert st["status"] == "failed" and "Input/output error" in st["error"], st
     assert sorted(p.name for p in (tmp_path / "default" / "m").iterdir()) == ["request.json"]
+    assert fs.stats()["write_errors"] == 1 and fs.stats()["failed_requests"] == 1
     fs.close()
 
 
@@ -494,13 +479,15 @@ def test_bf16_rows_are_written_as_bf16_and_read_back_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(acts).reshape(-1, 16), rows.float().numpy()[: s["windows"] * 2])
 
 
-@pytest.mark.parametrize("fsync", [True, "false"])
-def test_fsync_off_skips_every_fsync_and_still_publishes_whole_files(tmp_path, monkeypatch, fsync):
-    """``fsync: false`` (a param may come as a string): no file or record is fsynced, files still appear whole
-    (renamed into place once complete) with their request.json; by default every shard and record is."""
-    synced = []
-    real = fsmod.os.fsync
+@pytest.mark.parametrize("fsync", [True, "files", "false"])
+def test_fsync_modes(tmp_path, monkeypatch, fsync):
+    """``fsync`` (a param may come as a string): true: one ``syncfs`` per batch of publications and no per-file
+    fsync; ``"files"``: every shard, sidecar and record fsynced; ``false``: neither. Files appear whole either way
+    (renamed into place once complete) with their request.json."""
+    synced, syncfs = [], []
+    real, real_syncfs = fsmod.os.fsync, fsmod._syncfs
     monkeypatch.setattr(fsmod.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    monkeypatch.setattr(fsmod, "_syncfs", lambda fd: (syncfs.append(fd), real_syncfs(fd)))
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=2, fsync=fsync)
     rows = np.arange(32, dtype=np.float32).reshape(2, 16)
     for i in range(3):
@@ -510,4 +497,204 @@ def test_fsync_off_skips_every_fsync_and_still_publishes_whole_files(tmp_path, m
         positions, got = load_request(str(tmp_path), f"r{i}")[(1, "post_mlp")]
         np.testing.assert_array_equal(got, rows + i)
         assert json.loads((tmp_path / "default" / f"r{i}" / "request.json").read_text())["status"] == "complete"
-    assert (len(synced) >= 9) if fsync is True else not synced  # per request: the shard, its sidecar, request.json
+    assert not list(tmp_path.rglob("*.tmp"))
+    if fsync is True:
+        assert 1 <= len(syncfs) <= 3 and not synced  # each request published alone here: at most one each
+    elif fsync == "files":
+        assert len(synced) == 9 and not syncfs  # per request: the shard, its sidecar, request.json
+    else:
+        assert not synced and not syncfs
+    fs.close()
+    with pytest.raises(ValueError, match="fsync must be"):
+        FilesystemConsumer("fs", root=str(tmp_path), fsync="sometimes")
+
+
+def _blocked_writer(monkeypatch):
+    """Holds the writer's first append until the returned event is set (so publications queue up behind it and
+    are committed as one batch: BATCH_S made long enough for a slow machine)."""
+    gate = threading.Event()
+    real_append = fsmod._Writer.append
+
+    def append(self, *args):
+        gate.wait(60)
+        real_append(self, *args)
+
+    monkeypatch.setattr(fsmod._Writer, "append", append)
+    monkeypatch.setattr(fsmod, "BATCH_S", 600.0)
+    return gate
+
+
+def test_requests_finishing_together_share_one_sync_and_nothing_is_published_before_it(tmp_path, monkeypatch):
+    """Five requests queued behind a busy writer: one ``syncfs`` makes all their bytes durable, and at that moment
+    none of their shards, sidecars or records is in place yet (only ``.tmp`` files); after it all are published."""
+    gate = _blocked_writer(monkeypatch)
+    seen = []
+    real_syncfs = fsmod._syncfs
+
+    def syncfs(fd):
+        seen.append(sorted(p.name for p in tmp_path.rglob("*") if p.is_file()))
+        real_syncfs(fd)
+
+    monkeypatch.setattr(fsmod, "_syncfs", syncfs)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    futs = []
+    for i in range(5):
+        for layer in (0, 3):
+            fs.on_rows(f"r{i}", layer, "post_mlp", np.arange(4), _rows(4, seed=10 * i + layer), {})
+        futs.append(fs.on_request_finished(f"r{i}", {"prompt_len": 4}))
+    gate.set()
+    for f in futs:
+        _published(f)
+    assert len(seen) == 1, seen  # one sync for the batch
+    assert seen[0] and all(name.endswith(".tmp") for name in seen[0]), seen[0]
+    assert len(seen[0]) == 5 * (2 + 2 + 1)  # per request: 2 shards, 2 sidecars, the record
+    for i in range(5):
+        got = load_request(str(tmp_path), f"r{i}")
+        for layer in (0, 3):
+            np.testing.assert_array_equal(got[(layer, "post_mlp")][1], _rows(4, seed=10 * i + layer))
+    assert not list(tmp_path.rglob("*.tmp"))
+    fs.close()
+
+
+def test_a_write_error_in_one_request_of_a_batch_fails_only_that_request(tmp_path, monkeypatch):
+    """ENOSPC on one request's shard while it shares a batch with others: it is published as failed (no shard
+    left), the others of the batch complete."""
+    gate = _blocked_writer(monkeypatch)
+    disk = _FullDisk(only="/bad/")
+    monkeypatch.setattr(fsmod, "_write_all", disk)
+    disk.full = True
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    futs = []
+    for rid in ("ok1", "bad", "ok2"):
+        fs.on_rows(rid, 0, "post_mlp", np.arange(3), _rows(3), {})
+        futs.append(fs.on_request_finished(rid, {"prompt_len": 3}))
+    gate.set()
+    for f in futs:
+        _published(f)
+    assert _status(tmp_path, "bad")["status"] == "failed"
+    assert sorted(p.name for p in (tmp_path / "default" / "bad").iterdir()) == ["request.json"]
+    for rid in ("ok1", "ok2"):
+        assert _status(tmp_path, rid)["status"] == "complete"
+        np.testing.assert_array_equal(load_request(str(tmp_path), rid)[(0, "post_mlp")][1], _rows(3))
+    assert fs.stats()["write_errors"] == 1 and fs.stats()["failed_requests"] == 1
+    fs.close()
+
+
+def test_a_failed_sync_fails_its_whole_batch_and_the_next_batch_is_written(tmp_path, monkeypatch):
+    """``syncfs`` reporting EIO: it cannot say whose bytes were lost, so every request of that batch is published
+    as failed (files removed, counted); the next request, synced fine, completes."""
+    gate = _blocked_writer(monkeypatch)
+    broken = [True]
+    real_syncfs = fsmod._syncfs
+
+    def syncfs(fd):
+        if broken[0]:
+            raise OSError(errno.EIO, "Input/output error")
+        real_syncfs(fd)
+
+    monkeypatch.setattr(fsmod, "_syncfs", syncfs)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    futs = []
+    for rid in ("a", "b"):
+        fs.on_rows(rid, 0, "post_mlp", np.arange(3), _rows(3), {})
+        futs.append(fs.on_request_finished(rid, {"prompt_len": 3}))
+    gate.set()
+    for f in futs:
+        _published(f)
+    for rid in ("a", "b"):
+        st = _status(tmp_path, rid)
+        assert st["status"] == "failed" and "Input/output error" in st["error"], st
+        assert sorted(p.name for p in (tmp_path / "default" / rid).iterdir()) == ["request.json"]
+        with pytest.raises(CaptureWriteError):
+            load_request(str(tmp_path), rid)
+    assert fs.stats()["write_errors"] == 2 and fs.stats()["failed_requests"] == 2
+    broken[0] = False
+    fs.on_rows("c", 0, "post_mlp", np.arange(3), _rows(3), {})
+    _published(fs.on_request_finished("c", {"prompt_len": 3}))
+    assert _status(tmp_path, "c")["status"] == "complete"
+    fs.close()
+
+
+def test_sidecar_positions_range_round_trips_and_old_sidecars_load(tmp_path):
+    """Contiguous positions are written as ``positions_range`` (a constant size), others as the list; both load
+    back through ``load_request``, and so does a sidecar of the earlier format (``positions`` always a list)."""
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    fs.on_rows("r", 0, "post_mlp", np.arange(5, 9), _rows(4), {})
+    fs.on_rows("r", 0, "post_mlp", np.arange(9, 12), _rows(3, seed=1), {})
+    fs.on_rows("r", 1, "post_mlp", np.array([0, 2, 3]), _rows(3, seed=2), {})
+    fs.on_rows("r", 2, "post_mlp", np.array([7]), _rows(1, seed=3), {})
+    _published(fs.on_request_finished("r", {"prompt_len": 12}))
+    fs.close()
+    d = tmp_path / "default" / "r"
+    sides = {k: json.loads((d / f"{k}_post_mlp.json").read_text()) for k in (0, 1, 2)}
+    assert sides[0]["positions_range"] == [5, 12] and "positions" not in sides[0]
+    assert sides[1]["positions"] == [0, 2, 3] and "positions_range" not in sides[1]
+    assert sides[2]["positions_range"] == [7, 8]
+    got = load_request(str(tmp_path), "r")
+    np.testing.assert_array_equal(got[(0, "post_mlp")][0], np.arange(5, 12))
+    np.testing.assert_array_equal(got[(0, "post_mlp")][1], np.concatenate([_rows(4), _rows(3, seed=1)]))
+    np.testing.assert_array_equal(got[(1, "post_mlp")][0], [0, 2, 3])
+    np.testing.assert_array_equal(got[(2, "post_mlp")][0], [7])
+    old = {k: v for k, v in sides[0].items() if k != "positions_range"}  # as earlier versions wrote it
+    (d / "0_post_mlp.json").write_text(json.dumps({**old, "positions": list(range(5, 12))}))
+    np.testing.assert_array_equal(load_request(str(tmp_path), "r")[(0, "post_mlp")][0], np.arange(5, 12))
+
+
+def test_short_writes_are_finished(tmp_path, monkeypatch):
+    """``os.writev`` may write less than asked (over 2 GiB, a nearly full disk): the rest is written after it."""
+    real_writev = os.writev
+
+    def short_writev(fd, bufs):
+        return real_writev(fd, [bytes(bufs[0])[:3]])  # 3 bytes of the first view only
+
+    monkeypatch.setattr(fsmod.os, "writev", short_writev)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    views = [memoryview(b"abcdef"), memoryview(b""), memoryview(b"ghij")] * 700  # more than IOV_MAX views
+    fsmod._write_all(fd, views)
+    os.close(fd)
+    assert path.read_bytes() == b"abcdefghij" * 700
+
+
+def test_blocks_are_written_straight_from_the_arena_in_row_order(tmp_path):
+    """Rows big enough to be written as views (``Block.chunks``: one per run of consecutive rows, no gather
+    copy): a prompt's runs then decode steps interleaving two requests x two sites, gathered into multi-packet
+    flushes, read back in order; ``chunks`` holds the same bytes as ``materialize`` for every block."""
+    from vllm_steer.capture.fs_gather import MIN_RUN_BYTES, StepGather
+
+    d = 1024  # float32: 4 KiB rows, over MIN_RUN_BYTES
+    assert 4 * d >= MIN_RUN_BYTES
+    g = StepGather(1 << 30)
+    rng = np.random.default_rng(3)
+    g.add(["a", "b"], [("post_mlp", 0), ("post_mlp", 0)], np.array([0, 3]), np.array([3, 5]), np.arange(5),
+          rng.standard_normal((5, d)).astype(np.float32), arena_rows=64)
+    for step in range(4):
+        g.add(["a", "a", "b"], [("post_mlp", 0), ("post_mlp", 1), ("post_mlp", 0)], np.arange(3), np.arange(1, 4),
+              np.full(3, 10 + step), rng.standard_normal((3, d)).astype(np.float32), arena_rows=64)
+    blocks = g.flush()
+    assert len(blocks) == 3
+    for b in blocks:
+        chunks = b.chunks()
+        assert all(isinstance(c, memoryview) for c in chunks)
+        assert b"".join(bytes(c) for c in chunks) == b.materialize().tobytes()
+    a0 = next(b for b in blocks if (b.request_id, b.layer) == ("a", 0))
+    assert [len(c) for c in a0.chunks()] == [3 * 4 * d] + [4 * d] * 4  # the prompt's rows in one view, then a row a step
+
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=2, max_open=1)  # reopened as the LRU turns
+    expected = {}
+    for step in range(6):
+        for rid in ("x", "y"):
+            for layer in (0, 1):
+                n = 3 if step == 0 else 1  # a prompt of 3, then one token a step
+                rows = rng.standard_normal((n, d)).astype(np.float32)
+                pos = np.arange(n) if step == 0 else np.array([2 + step])
+                expected.setdefault((rid, layer), []).append(rows)
+                fs.on_rows(rid, layer, "post_mlp", pos, rows, {})
+    for rid in ("x", "y"):
+        _published(fs.on_request_finished(rid, {"prompt_len": 3}))
+    fs.close()
+    for rid in ("x", "y"):
+        got = load_request(str(tmp_path), rid)
+        for layer in (0, 1):
+            np.testing.assert_array_equal(got[(layer, "post_mlp")][0], np.arange(8))
+            np.testing.assert_array_equal(got[(layer, "post_mlp")][1], np.concatenate(expected[(rid, layer)]))

@@ -5,7 +5,9 @@ Two output formats (``format``):
 
 - ``"files"`` (default): ``{root}/{tag}/{request_id}/{layer}_{hook}.bin`` (rows, row-major, in the
   model's dtype: ``"bfloat16"`` rows are raw bf16, half the bytes of float32) plus ``{layer}_{hook}.json``
-  (positions, dtype, shape). ``load_request`` returns float32 (``torch=True``: torch tensors in the stored
+  (``dtype``, ``shape``, ``hidden`` and the rows' positions: ``"positions_range": [start, stop]`` when they are
+  consecutive, the usual case, else ``"positions": [...]``; files written before the range form always have
+  ``positions``, and ``read_positions`` reads either). ``load_request`` returns float32 (``torch=True``: torch tensors in the stored
   dtype); without it, two lines of numpy: ``b = np.fromfile(bin, np.uint16 if dtype == "bfloat16" else
   dtype)`` then, for bfloat16, ``(b.astype(np.uint32) << 16).view(np.float32)`` (exact).
 - ``"sae_lens"``: the rows go to one dataset per site that sae-lens trains from directly
@@ -21,17 +23,37 @@ of it is published, and the writers go on with the next requests (written again 
 
 A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``); when
 they reach ``FLUSH_BYTES`` per open file (at most a quarter of ``max_queued_mb``), and at a request's end,
-they are regrouped per file and each file's block goes to its writer thread (which gathers its rows), so a decode
-step costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
-``hash(request_id) % threads`` (so a file's order is kept), each thread keeps an LRU of open
-``.bin.tmp`` files (``max_open``; default: from the process's file limit, up to 1024); on finish every
-file is fsynced and ``os.replace``d into place, so readers never see
-a partial shard (a killed process leaves only ``.tmp`` files). ``on_request_finished`` does not wait for
-that: it returns a ``Future`` the writer completes once the request is published, and the capture host
-answers the request then (the response waits for it, bounded by ``capture_result_timeout_s``).
-``fsync: false`` skips the fsyncs: files are still published by rename when complete, so readers on this
-host see whole files as before, but a machine crash may lose the last ones; the disk's sync rate no longer
-bounds the requests (a response waits for its files' publication).
+they are regrouped per file and each file's block goes to its writer thread, which writes it with one
+``os.writev`` of views of the gather arena (one per run of consecutive rows: no gather copy), so a decode step
+costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
+``hash(request_id) % threads`` (so a file's order is kept; ``threads`` 4 by default, as the GPU benches ran; their
+writes release the GIL), each thread keeps an LRU of open
+``.bin.tmp`` descriptors (``max_open``; default: from the process's file limit, up to 1024).
+``on_request_finished`` does not wait for the publication: it returns a ``Future`` the writer completes once
+the request is published, and the capture host answers the request then (the response waits for it, bounded
+by ``capture_result_timeout_s``).
+
+Publication protocol (a writer thread, per batch of the requests it finished together):
+
+1. prepare each request: close its ``.bin.tmp`` files, write each sidecar and the record (``request.json``,
+   or ``stage-K.json`` under pipeline parallelism) under ``.tmp`` names; a write error here fails only that
+   request (its files removed, its record says ``failed``);
+2. make the batch durable: one ``syncfs`` of the root's filesystem (``fsync: true``, the default) for every
+   request of the batch; ``fsync: "files"`` fsyncs each file in step 1 instead (where ``syncfs`` is missing,
+   or where the root shares its filesystem with other heavy writers: ``syncfs`` writes their dirty data too;
+   before Linux 5.8 ``syncfs`` does not report write-back errors); ``fsync: false`` skips this;
+3. publish each request: its shards and sidecars renamed into place, its record last.
+
+So nothing is renamed to its final name before its bytes (the record's too) are durable, and a request
+directory with ``request.json`` is complete; readers never see a partial shard (a killed process leaves only
+``.tmp`` files). A batch is what the writer's queue holds: prepared requests are committed as soon as the
+queue is empty, ``BATCH_REQUESTS`` are waiting, or the oldest has waited ``BATCH_S`` behind other work, so a
+lone request is synced at once and a busy writer pays one sync for many requests (each request's 2 files a
+site plus its record were each fsynced before). A failed ``syncfs`` cannot say whose bytes were lost: every
+request of its batch is published as ``failed``. A failed rename fails only its request. With ``fsync: false``
+files are still published by rename when complete, so readers on this host see whole files as before, but a
+machine crash may lose the last ones; the disk's sync rate no longer bounds the requests (a response waits for
+its files' publication).
 Under pipeline parallelism each stage writes the files of its own sites and its own record,
 ``stage-K.json`` (``request.json``'s content for its sites); the stage that finds every stage's record
 there writes ``request.json`` for the whole request (``merged_record``: ``failed`` if a stage failed,
@@ -75,6 +97,9 @@ logger = logging.getLogger("vllm.steer.capture")
 FORMATS = ("files", "sae_lens")
 MAX_PENDING_PUBLISHES = 1024
 FLUSH_BYTES = 256 * 1024  # gathered rows are flushed at this many bytes per open file (and at a request's end)
+IOV_MAX = 1024  # views per os.writev (Linux's limit)
+BATCH_REQUESTS = 64  # prepared publications made durable together, at most (one syncfs)
+BATCH_S = 0.05  # a prepared publication waits at most this long for others while its writer has work queued
 STATS = ("write_errors", "dropped_writes", "failed_requests", "publish_timeouts")
 
 
@@ -93,38 +118,64 @@ def _remove(path: Path) -> None:
         pass
 
 
-class _Writer:
-    """One writer thread's state: open ``.tmp`` files (LRU) and per-request sidecars. Every method
-    runs on that thread; an OSError fails only the request it hit."""
+class _Prepared:
+    """A request made ready to publish: its files closed and written under ``.tmp`` names (``renames``: tmp ->
+    final, in publication order, the record last), waiting for its batch's sync."""
 
-    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None, fsync: bool = True) -> None:
-        self.open: OrderedDict[Path, tuple[Any, str]] = OrderedDict()  # tmp -> (file, request)
+    __slots__ = ("request_id", "request_dir", "record", "stage", "stages", "renames", "failed", "item")
+
+    def __init__(self, request_id: str, request_dir: Path, record: dict, stage: int, stages: int, item: tuple) -> None:
+        self.request_id, self.request_dir, self.record, self.stage, self.stages = (
+            request_id, request_dir, record, stage, stages)
+        self.renames: list[tuple[Path, Path]] = []
+        self.failed = record["status"] == "failed"
+        self.item = item  # the queue's publish item (its Future is set once published)
+
+
+class _Writer:
+    """One writer thread's state: open ``.tmp`` files (LRU of raw descriptors) and per-request sidecars. Every
+    method runs on that thread; an OSError fails only the request it hit (a failed batch sync: its requests)."""
+
+    def __init__(self, max_open: int, count: Callable[[str], None], sink: Any = None, sync: str = "syncfs") -> None:
+        self.open: OrderedDict[tuple, tuple[int, str]] = OrderedDict()  # (request, layer, hook) -> (fd, request)
         self.max_open = max_open
         self.count = count
         self.sink = sink  # the sae-lens datasets, or None for the files format
-        self.fsync = fsync  # files and records fsynced before they are published
-        self.meta: dict[str, dict[Path, dict]] = {}  # request -> final path -> sidecar
+        self.sync = sync  # "syncfs", "files" or "off" (`_sync_mode`): how bytes are made durable before publication
+        self.meta: dict[str, dict[tuple, dict]] = {}  # request -> (layer, hook) -> sidecar (and its "path", "tmp")
         self.failed: dict[str, str] = {}  # request -> first error
 
-    def append(self, request_id: str, path: Path, positions: list[np.ndarray], rows: list[np.ndarray],
-               dtype: str) -> None:
-        """Write a chunk of a file's rows (``rows``: blocks ``[n, D]``, ``positions`` theirs) in one write."""
+    def append(self, root: Path, block: Block, dtype: str) -> None:
+        """Write a block of a file (``{root}/{request}/{layer}_{hook}.bin.tmp``) in one ``os.writev`` straight
+        from the gather arena."""
+        request_id = block.request_id
         if request_id in self.failed:
             return
         try:
-            tmp = path.with_name(path.name + ".tmp")
-            entry = self.open.pop(tmp, None)
+            sides = self.meta.get(request_id)
+            if sides is None:
+                sides = self.meta[request_id] = {}
+            side = sides.get((block.layer, block.hook))
+            if side is None:
+                path = root / _safe(request_id) / f"{block.layer}_{block.hook}.bin"
+                side = sides[(block.layer, block.hook)] = {
+                    "positions": [], "dtype": dtype, "hidden": int(block.rows.shape[1]), "path": path,
+                    "tmp": path.with_name(path.name + ".tmp")}
+            key = (request_id, block.layer, block.hook)
+            entry = self.open.pop(key, None)
             if entry is None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                entry = (open(tmp, "ab"), request_id)
-            self.open[tmp] = entry
-            side = self.meta.setdefault(request_id, {}).setdefault(
-                path, {"positions": [], "dtype": dtype, "hidden": int(rows[0].shape[1])})
+                try:
+                    fd = _open_append(side["tmp"])
+                except FileNotFoundError:  # the request's first file: its directory
+                    side["path"].parent.mkdir(parents=True, exist_ok=True)
+                    fd = _open_append(side["tmp"])
+                entry = (fd, request_id)
+            self.open[key] = entry
             self._evict()
             if request_id in self.failed:  # evicting one of its own files failed
                 return
-            entry[0].write(np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows)))
-            side["positions"] += positions
+            _write_all(entry[0], block.chunks())
+            side["positions"].append(block.positions)
         except OSError as e:
             self.fail(request_id, e)
 
@@ -132,7 +183,7 @@ class _Writer:
         while len(self.open) > self.max_open:
             _, (old, rid) = self.open.popitem(last=False)
             try:
-                old.close()  # buffered bytes land now: a full disk may say so here
+                os.close(old)
             except OSError as e:
                 self.fail(rid, e)
 
@@ -143,46 +194,56 @@ class _Writer:
             self.failed[request_id] = f"{type(err).__name__}: {err}"
             self.count("write_errors")
             logger.warning("vllm-steer: filesystem capture of %s failed: %s", request_id, err)
-        for path in self.meta.pop(request_id, {}):
-            tmp = path.with_name(path.name + ".tmp")
-            entry = self.open.pop(tmp, None)
+        for (layer, hook), side in self.meta.pop(request_id, {}).items():
+            entry = self.open.pop((request_id, layer, hook), None)
             if entry is not None:
                 try:
-                    entry[0].close()
+                    os.close(entry[0])
                 except OSError:
                     pass
-            for p in (tmp, path, path.with_suffix(".json")):
+            path, sidecar = side["path"], side["path"].with_suffix(".json")
+            for p in (side["tmp"], path, sidecar, _tmp_json(sidecar)):
                 _remove(p)
 
-    def _finish_files(self, request_id: str) -> dict:
-        """Close, fsync and read out (sae_lens) or rename into place (files) the request's shards."""
+    def _finish_files(self, request_id: str, renames: list[tuple[Path, Path]]) -> dict:
+        """Close the request's shards; read them out (sae_lens) or write their sidecars under ``.tmp`` names
+        (files: ``renames`` gets shard and sidecar, published after the batch's sync)."""
         out: dict = {}
-        for path, side in list(self.meta.get(request_id, {}).items()):
-            tmp = path.with_name(path.name + ".tmp")
-            fh = self.open.pop(tmp, (None,))[0] or open(tmp, "ab")
-            with fh:
-                fh.flush()
-                if self.sink is None and self.fsync:
-                    os.fsync(fh.fileno())
+        for (layer, hook), side in list(self.meta.get(request_id, {}).items()):
+            path, tmp = side["path"], side["tmp"]
+            entry = self.open.pop((request_id, layer, hook), None)
+            if entry is not None:
+                try:
+                    if self.sync == "files" and self.sink is None:
+                        os.fsync(entry[0])
+                finally:
+                    os.close(entry[0])
+            elif self.sync == "files" and self.sink is None:  # evicted from the LRU earlier
+                _fsync_path(tmp)
             positions = np.concatenate(side["positions"]) if side["positions"] else np.zeros(0, np.int64)
             side["shape"] = [len(positions), side["hidden"]]
             if self.sink is not None:
-                layer, hook = path.stem.split("_", 1)
                 rows = np.memmap(tmp, dtype=side["dtype"], mode="r", shape=tuple(side["shape"])) if side["shape"][0] else None
                 if rows is not None:
                     out[f"{hook}.{layer}"] = self.sink.add(hook, int(layer), positions, rows)
                     del rows
                 _remove(tmp)
             else:
-                os.replace(tmp, path)
-                _write_json(path.with_suffix(".json"), {**side, "positions": positions.tolist()}, self.fsync)
+                record = {k: side[k] for k in ("dtype", "hidden", "shape")}
+                record.update(sidecar_positions(positions))
+                sidecar = path.with_suffix(".json")
+                renames.append((tmp, path))
+                renames.append((_write_tmp_json(sidecar, record, self.sync == "files"), sidecar))
         self.meta.pop(request_id, None)
         return out
 
-    def publish(self, request_dir: Path, request_id: str, meta: dict) -> None:
+    def prepare(self, request_dir: Path, request_id: str, meta: dict, item: tuple) -> _Prepared:
+        """The request's files closed, its sidecars and record written under ``.tmp`` names: published by
+        ``commit`` once the batch is durable."""
+        renames: list[tuple[Path, Path]] = []
         if request_id not in self.failed:
             try:
-                written = self._finish_files(request_id)
+                written = self._finish_files(request_id, renames)
                 if self.sink is not None:
                     meta = {**meta, "sae_lens": written}
             except OSError as e:
@@ -190,42 +251,213 @@ class _Writer:
         error = self.failed.pop(request_id, None)
         if error is not None:
             self.count("failed_requests")
+            renames = []  # fail() removed them
             meta = {**meta, "status": "failed", "error": error}
         else:
             meta = {**meta, "status": "partial" if meta.get("dropped_rows") else "complete"}
         record = {"request_id": request_id, **meta}
         stage, stages = record.pop("stage", 0), record.pop("stages", 1)
+        prep = _Prepared(request_id, request_dir, record, stage, stages, item)
+        prep.renames = renames
         try:
             request_dir.mkdir(parents=True, exist_ok=True)
-            if stages > 1:
-                _publish_stage(request_dir, record, stage, stages, self.fsync)
-            else:
-                _write_json(request_dir / "request.json", record, self.fsync)
-        except OSError as e:  # not even request.json fits: the request stays unpublished
-            if error is None:
-                self.count("write_errors")
-                self.count("failed_requests")
-            logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", request_id, e)
+            final = request_dir / (f"stage-{stage}.json" if stages > 1 else "request.json")
+            prep.renames.append((_write_tmp_json(final, record, self.sync == "files"), final))
+        except OSError as e:
+            self._unpublished(prep, e)
+        return prep
+
+    def _unpublished(self, prep: _Prepared, err: OSError) -> None:
+        """Not even the record could be written: the request stays unpublished (its files removed)."""
+        if not prep.failed:
+            self.count("write_errors")
+            self.count("failed_requests")
+        for tmp, final in prep.renames:
+            _remove(tmp)
+            if not _is_record(final):
+                _remove(final)
+        prep.renames = []
+        logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", prep.request_id, err)
+
+    def commit(self, batch: list[_Prepared]) -> None:
+        """Make the batch's bytes durable (one ``syncfs`` for them all), then publish each request: its
+        shards and sidecars renamed into place, its record last. A failed sync fails every request of the batch
+        (it cannot say whose bytes were lost); a failed rename fails only its request."""
+        live = [p for p in batch if p.renames]
+        if live and self.sync == "syncfs":
+            try:
+                _syncfs_of(live[0].request_dir)
+            except OSError as e:
+                for prep in live:
+                    self._fail_prepared(prep, e)
+        for prep in live:
+            if not prep.renames:
+                continue
+            try:
+                for tmp, final in prep.renames[:-1]:
+                    os.replace(tmp, final)
+            except OSError as e:
+                self._fail_prepared(prep, e)
+                continue
+            tmp, final = prep.renames[-1]
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                _remove(tmp)
+                self._unpublished(prep, e)
+                continue
+            if prep.stages > 1:
+                try:
+                    _merge_stages(prep.request_dir, prep.stages, self.sync != "off")
+                except OSError as e:  # this stage is published; request.json is not (a later stage may write it)
+                    self.count("write_errors")
+                    logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s",
+                                   prep.request_id, e)
+
+    def _fail_prepared(self, prep: _Prepared, err: OSError) -> None:
+        """A prepared request whose publication failed: its files removed, a ``failed`` record published
+        (fsynced on its own: the failure path)."""
+        if not prep.failed:
+            self.count("write_errors")
+            self.count("failed_requests")
+            logger.warning("vllm-steer: filesystem capture of %s failed: %s", prep.request_id, err)
+        for tmp, final in prep.renames:
+            _remove(tmp)
+            if not _is_record(final):
+                _remove(final)
+        prep.renames, prep.failed = [], True
+        record = {**prep.record, "status": "failed", "error": f"{type(err).__name__}: {err}"}
+        try:
+            final = prep.request_dir / (f"stage-{prep.stage}.json" if prep.stages > 1 else "request.json")
+            _write_json(final, record, self.sync != "off")
+            if prep.stages > 1:
+                _merge_stages(prep.request_dir, prep.stages, self.sync != "off")
+        except OSError as e2:
+            logger.warning("vllm-steer: filesystem capture of %s: request.json not written: %s", prep.request_id, e2)
+
+
+def _is_record(path: Path) -> bool:
+    return path.name == "request.json" or path.name.startswith("stage-")
+
+
+def _open_append(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+
+
+def _write_all(fd: int, chunks: list[memoryview]) -> None:
+    """Write flat byte views in order: ``os.writev`` (IOV_MAX views a call), finishing a short write (over
+    2 GiB, a nearly full disk) one view at a time."""
+    for k in range(0, len(chunks), IOV_MAX):
+        part = chunks[k : k + IOV_MAX]
+        done = os.writev(fd, part)
+        if done == sum(map(len, part)):
+            continue
+        for mv in part:
+            if done >= len(mv):
+                done -= len(mv)
+                continue
+            mv, done = mv[done:], 0
+            while len(mv):
+                mv = mv[os.write(fd, mv):]
+
+
+def sidecar_positions(positions: np.ndarray) -> dict:
+    """A sidecar's positions: ``{"positions_range": [start, stop]}`` when they are ``start, start + 1, ...,
+    stop - 1`` (every prompt and generated token captured: the common case, and a constant size), else
+    ``{"positions": [...]}``. ``read_positions`` reads either."""
+    n = len(positions)
+    if n and int(positions[-1]) - int(positions[0]) == n - 1 and (n == 1 or bool((np.diff(positions) == 1).all())):
+        return {"positions_range": [int(positions[0]), int(positions[0]) + n]}
+    return {"positions": positions.tolist()}
+
+
+def read_positions(side: dict) -> np.ndarray:
+    """A sidecar's positions (either form of ``sidecar_positions``; files written before the range form have
+    ``positions``)."""
+    if "positions_range" in side:
+        return np.arange(*side["positions_range"], dtype=np.int64)
+    return np.asarray(side["positions"], dtype=np.int64)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _libc_syncfs_fn() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).syncfs  # releases the GIL while it waits
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_libc_syncfs = _libc_syncfs_fn()
+HAS_SYNCFS = hasattr(os, "syncfs") or _libc_syncfs is not None
+
+
+def _syncfs(fd: int) -> None:
+    """``syncfs(2)``: every dirty byte of the filesystem holding ``fd`` to the disk (reports writeback errors
+    since Linux 5.8)."""
+    if hasattr(os, "syncfs"):
+        os.syncfs(fd)
+        return
+    if _libc_syncfs(fd) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _syncfs_of(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _syncfs(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_json(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
+
+
+def _write_tmp_json(path: Path, obj: dict, fsync: bool = False) -> Path:
+    """``obj`` as JSON under a ``.tmp`` name beside ``path`` (the caller renames it into place); one write."""
+    tmp = _tmp_json(path)
+    data = json.dumps(obj).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            _write_all(fd, [memoryview(data)])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        _remove(tmp)
+        raise
+    return tmp
 
 
 def _write_json(path: Path, obj: dict, fsync: bool = True) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # each pipeline stage publishes request.json
+    """``obj`` published at ``path`` on its own: written, fsynced (``fsync``), renamed into place."""
+    tmp = _write_tmp_json(path, obj, fsync)
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
         _remove(tmp)
         raise
 
 
-def _publish_stage(request_dir: Path, record: dict, stage: int, stages: int, fsync: bool = True) -> None:
-    """Pipeline parallelism: this stage's record, then ``request.json`` if every stage's is there (the
-    last stage to publish finds them all; two finishing at once both write the same file)."""
-    _write_json(request_dir / f"stage-{stage}.json", record, fsync)
+def _merge_stages(request_dir: Path, stages: int, fsync: bool = True) -> None:
+    """Pipeline parallelism, once a stage's ``stage-K.json`` is in place: ``request.json`` if every stage's record
+    is there (the last stage to publish finds them all; two finishing at once both write the same file)."""
     parts = []
     for k in range(stages):
         try:
@@ -290,7 +522,7 @@ class FilesystemConsumer(BaseConsumer):
     location = "worker"
     raw_rows = True  # bf16 rows as stored (their bits): written as they are, half float32's bytes
 
-    def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 2,
+    def __init__(self, instance: str, root: str, tag: str = "default", threads: int = 4,
                  max_open: int = 0, format: str = "files", max_queued_mb: float = 1024, max_wait_s: float = 1.0,
                  publish_timeout_s: float = 20.0, context_size: int = 128, shard_mb: float = 64,
                  flush_s: float = 10.0, fsync: bool | str = True, **params: Any) -> None:
@@ -315,7 +547,7 @@ class FilesystemConsumer(BaseConsumer):
             from vllm_steer.capture.saelens_format import SaeLensDatasets
             self.sink = SaeLensDatasets(self.root / "sae_lens", int(context_size), float(shard_mb), self._count)
         self._queues = [queue.Queue() for _ in range(max(1, int(threads)))]
-        sync = fsync if isinstance(fsync, bool) else str(fsync).lower() not in ("false", "0", "no")
+        sync = _sync_mode(fsync)
         open_each = int(max_open) or _open_files_each(len(self._queues))
         self._writers = [_Writer(open_each, self._count, self.sink, sync) for _ in self._queues]
         self._threads = [threading.Thread(target=self._run, args=(q, w), daemon=True, name="vllm-steer-fs")
@@ -393,9 +625,6 @@ class FilesystemConsumer(BaseConsumer):
         for k, blocks in per_queue.items():
             self._queues[k].put(("append", blocks, self._dtype, sum(b.nbytes for b in blocks)))
 
-    def _path(self, block: Block) -> Path:
-        return self.root / _safe(block.request_id) / f"{block.layer}_{block.hook}.bin"
-
     def on_request_finished(self, request_id, meta) -> Future | None:
         """Hand the request's last rows to its writer and queue its publication: a ``Future`` done once
         ``request.json`` is written (None when the request will not be published)."""
@@ -422,37 +651,59 @@ class FilesystemConsumer(BaseConsumer):
         return done
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
+        """The writer thread: appends as they come; publications prepared, then committed in batches (when the
+        queue is empty, ``BATCH_REQUESTS`` are waiting or the oldest has waited ``BATCH_S``)."""
+        batch: list[_Prepared] = []
         while True:
-            try:
-                item = q.get(timeout=self.flush_s if self.sink is not None else None)
-            except queue.Empty:  # idle: buffered sae-lens windows go to disk
-                self.sink.flush_stale(self.flush_s)
-                continue
+            if batch:
+                item = q.get_nowait() if not q.empty() else "commit"
+            else:
+                try:
+                    item = q.get(timeout=self.flush_s if self.sink is not None else None)
+                except queue.Empty:  # idle: buffered sae-lens windows go to disk
+                    self.sink.flush_stale(self.flush_s)
+                    continue
+            if item == "commit" or item is None or len(batch) >= BATCH_REQUESTS or (
+                    batch and time.monotonic() - batch[0].item[6] > BATCH_S):
+                self._commit(writer, batch)
+                batch = []
             if item is None:
                 return
-            try:
-                if item[0] == "append":
+            if item == "commit":
+                continue
+            if item[0] == "append":
+                try:
                     for b in item[1]:
-                        writer.append(b.request_id, self._path(b), [b.positions], [b.materialize()], item[2])
-                else:
-                    writer.publish(item[2], item[1], item[3])
+                        writer.append(self.root, b, item[2])
+                except Exception as e:  # a bug, not a disk fault: still only these requests fail
+                    logger.exception("vllm-steer: filesystem capture writer")
+                    for rid in {b.request_id for b in item[1]}:
+                        writer.fail(rid, e)
+                finally:
+                    self._budget.give(item[3])
+                continue
+            item = (*item, time.monotonic())  # [6]: when it was prepared
+            try:
+                batch.append(writer.prepare(item[2], item[1], item[3], item))
             except Exception as e:  # a bug, not a disk fault: still only this request fails
                 logger.exception("vllm-steer: filesystem capture writer")
-                for rid in {b.request_id for b in item[1]} if item[0] == "append" else (item[1],):
-                    writer.fail(rid, e)
-                if item[0] == "publish":
-                    writer.publish(item[2], item[1], item[3])  # request.json says failed
-            finally:
-                if item[0] == "append":
-                    self._budget.give(item[3])
-                else:
-                    with self._lock:
-                        self._pending_publishes -= 1
-                    if time.monotonic() - item[5] > self.publish_timeout_s:  # the writers are behind
-                        self._count("publish_timeouts")
-                    item[4].set_result(None)
-                    if self.sink is not None:
-                        self.sink.flush_stale(self.flush_s)
+                writer.fail(item[1], e)
+                batch.append(writer.prepare(item[2], item[1], item[3], item))  # request.json says failed
+
+    def _commit(self, writer: _Writer, batch: list[_Prepared]) -> None:
+        try:
+            writer.commit(batch)
+        except Exception:  # a bug: the requests are answered all the same (their files may be missing)
+            logger.exception("vllm-steer: filesystem capture writer")
+        for prep in batch:
+            item = prep.item
+            with self._lock:
+                self._pending_publishes -= 1
+            if time.monotonic() - item[5] > self.publish_timeout_s:  # the writers are behind
+                self._count("publish_timeouts")
+            item[4].set_result(None)
+        if batch and self.sink is not None:
+            self.sink.flush_stale(self.flush_s)
 
     def close(self) -> None:
         """Finish what is queued (bounded wait), then write the sae-lens datasets' last whole windows."""
@@ -462,6 +713,19 @@ class FilesystemConsumer(BaseConsumer):
             t.join(timeout=self.publish_timeout_s)
         if self.sink is not None:
             self.sink.close()
+
+
+def _sync_mode(fsync: bool | str) -> str:
+    """The ``fsync`` param: true (or ``"syncfs"``): one ``syncfs`` per batch (per-file fsyncs where there is no
+    syncfs); ``"files"``: each file fsynced; false: none."""
+    mode = str(fsync).lower()
+    if mode in ("false", "0", "no", "off"):
+        return "off"
+    if mode == "files":
+        return "files"
+    if mode in ("true", "1", "yes", "syncfs"):
+        return "syncfs" if HAS_SYNCFS else "files"
+    raise ValueError(f"filesystem consumer: fsync must be true, false, 'syncfs' or 'files', got {fsync!r}")
 
 
 def _open_files_each(threads: int) -> int:
@@ -514,5 +778,5 @@ def load_request(root: str, request_id: str, tag: str = "default", sites: int | 
         side = json.loads(side_path.read_text())
         layer, hook = side_path.stem.split("_", 1)
         rows = read_rows(side_path.with_suffix(".bin"), side["dtype"], side["shape"], torch)
-        out[(int(layer), hook)] = (np.asarray(side["positions"]), rows)
+        out[(int(layer), hook)] = (read_positions(side), rows)
     return out

@@ -1,8 +1,9 @@
 """The filesystem consumer's step gatherer: a step's rows arrive as one packet (``RowPacket``: every
 (request, site) group of the step in column form) and are copied into an arena as they came (one
 sequential copy out of the shared ring). At a flush they are regrouped per file by a stable sort of the
-rows' file numbers: each file's block names its rows, which its writer thread gathers with one ``take``
-(so the writers gather in parallel). The consumer's Python per step is O(1) (plus O(groups) when the
+rows' file numbers: each file's block names its rows, which its writer thread writes with one ``os.writev``
+of views of the arena (``Block.chunks``: one per run of consecutive rows, no gather copy; so the writers work in
+parallel). The consumer's Python per step is O(1) (plus O(groups) when the
 batch's requests or sites change), and a file's writer gets one block per flush instead of one row per
 step. A flush of a single packet needs no regrouping: its groups are its files.
 
@@ -18,12 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 POOLED = 3  # buffers kept for reuse (more in use at once are allocated and dropped)
+MIN_RUN_BYTES = 2048  # a block whose runs of consecutive rows average less is gathered into one buffer instead
 
 
 @dataclass(frozen=True)
 class Block:
     """One file's rows of a flush, in arrival order: ``rows`` itself, or with ``index`` the rows of ``rows``
-    it names (``materialize`` gathers them: on the writer's thread, so writers gather in parallel)."""
+    it names. ``chunks`` gives its bytes for one ``os.writev`` without copying them (on the writer's thread, so
+    writers work in parallel); ``materialize`` gathers them into one array."""
 
     request_id: str
     layer: int
@@ -42,6 +45,24 @@ class Block:
         if self.index is None:
             return self.rows
         return self.rows.take(self.index, axis=0, mode="clip")  # "raise" would buffer the copy
+
+    def chunks(self) -> list[memoryview]:
+        """The block's bytes in order as flat byte views of the arena: one per run of consecutive rows (a
+        decode step's rows are one per file: a view per row, written by ``os.writev`` straight from the arena,
+        no gather copy); a block of short runs (small rows) is gathered into one buffer instead."""
+        rows = self.rows
+        if self.index is None:
+            return [memoryview(rows if rows.flags.c_contiguous else np.ascontiguousarray(rows)).cast("B")]
+        idx, row_bytes = self.index, rows[0].nbytes
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        if len(idx) * row_bytes < (len(breaks) + 1) * MIN_RUN_BYTES or not rows.flags.c_contiguous:
+            return [memoryview(self.materialize()).cast("B")]
+        flat = memoryview(rows).cast("B")
+        if not len(breaks):
+            return [flat[int(idx[0]) * row_bytes : (int(idx[-1]) + 1) * row_bytes]]
+        starts = (idx[np.concatenate(([0], breaks))] * row_bytes).tolist()
+        ends = ((idx[np.concatenate((breaks - 1, [len(idx) - 1]))] + 1) * row_bytes).tolist()
+        return [flat[a:b] for a, b in zip(starts, ends)]
 
 
 class FileIds:
