@@ -9,10 +9,12 @@ Launches (no host sync, no data-dependent shape: a CUDA graph replays them with 
 
 - ``_gather_on`` (slot B when anything comes before it): the float32 stream at slot B of each on token (x +
   residual, then slot A's edit, projections and vectors with the gate's weights: ``full_triton._slot_stream``);
-- ``_tile_clamps``: a program per token (the grid is fixed by N). A tile is a run of up to T consecutive tokens
-  with one row, cut at multiples of T (tokens of one prompt are contiguous; tiles split a long prompt): the
-  program of a tile's first token does the work, every other exits after two int32 loads, as does a tile whose
-  row is 0 or OFF (its edit is not written: the norm does not read it). The working program walks the row's
+- ``_tile_clamps``: grid (blocks of T tokens, T), fixed by N. A tile is a run of consecutive tokens with one row
+  inside a block (tokens of one prompt are contiguous; blocks cut a long prompt into tiles of T): program (b, j)
+  takes the j-th run of block b, found from the block's T rows (a cumsum of run starts); a program whose block
+  has no j-th run exits after those loads, as does a tile whose row is 0 or OFF (its edit is not written: the
+  norm does not read it). Blocks are grid axis 0, so every block's first run (a prefill step's work) is launched
+  before the programs that exit. The working program walks the row's
   codes CB at a time and gathers the clamped slots' ids into a dense block of CB (a one-hot reduction in
   registers); each full block (and the last) is one step: ``pre [T, CB] = S [T, D] @ enc[ids].T`` (``tl.dot``
   over D by BK), ``f = pre * (pre > thr)``, the clamp gives ``f'``, then per BK columns
@@ -38,7 +40,7 @@ from vllm_steer.kernels.steered_rms_norm.triton import _proj_desc
 PRECISION = "tf32x3"
 CB = 64  # clamped slots a step (the dense block of ids; the dots' inner size for the decoder)
 # hidden columns a step of both dots. Compiled for sm_90 (ptxas -v; tf32x3 runs as mma.sync): BK 64 spills 0.9-3.5
-# KB a thread at 255 registers; BK 32 with 4 warps at T 16, 8 at T 32 / 64 spills 0 / 52 / 172 bytes
+# KB a thread at 255 registers; BK 32 with 4 warps at T 16, 8 at T 32 / 64 spills 0 / 36 / 192 bytes
 BK = 32
 
 
@@ -93,19 +95,19 @@ def _tile_clamps(p_x, p_res, p_index, p_mode, p_code, p_value, p_enc, p_dec, p_b
                  stride_x, stride_res, stride_code, stride_value, stride_enc, stride_dec, stride_edit,
                  D: tl.constexpr, T: tl.constexpr, CB: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr,
                  PRECISION: tl.constexpr):
-    """edit[t] for the tile that starts at token t = program_id(0), if one does (module docstring)."""
-    t = tl.program_id(0)
-    i_row = tl.load(p_index + t)
-    prev = tl.load(p_index + tl.maximum(t - 1, 0), mask=t % T != 0, other=-1)  # a tile starts at multiples of T
-    if (i_row != 0) & (i_row != prev):
+    """edit[t] for the tokens of run j = program_id(1) of block b = program_id(0) (tokens [b T, b T + T)), if the
+    block has a j-th run of one row (module docstring)."""
+    o_t = tl.program_id(0) * T + tl.arange(0, T)
+    m_b = o_t < N
+    rows = tl.load(p_index + o_t, mask=m_b, other=0)
+    prev = tl.load(p_index + tl.maximum(o_t - 1, 0), mask=m_b & (o_t % T != 0), other=-1)
+    run = tl.cumsum(((rows != prev) & m_b).to(tl.int32), axis=0) - 1  # each token's run in the block
+    m_t = m_b & (run == tl.program_id(1))
+    i_row = tl.max(tl.where(m_t, rows, -1), axis=0)  # -1: the block has no such run
+    if i_row > 0:
         i_r = i_row.to(tl.int64)
         if tl.load(p_mode + i_r) != 0:
-            o_t = t + tl.arange(0, T)
-            end = tl.minimum((t // T + 1) * T, N)
-            rows = tl.load(p_index + o_t, mask=o_t < end, other=-1)
-            end = tl.min(tl.where(rows != i_row, o_t, end), axis=0)  # the run of this row, up to the cut
-            m_t = o_t < end
-            o_t = o_t.to(tl.int64)
+            o_l = o_t.to(tl.int64)
             p_code_row = p_code + i_r * stride_code
             p_value_row = p_value + i_r * stride_value
             o_j = tl.arange(0, CB)
@@ -121,7 +123,7 @@ def _tile_clamps(p_x, p_res, p_index, p_mode, p_code, p_value, p_enc, p_dec, p_b
                 ids = tl.where((o_j >= k) & (o_j < k + m), tl.sum(tl.where(hit, o_c[None, :], 0), axis=1), ids)
                 k += m
                 if (k >= CB) | ((c0 >= C) & ((k > 0) | (first != 0))):
-                    _tile_step(p_x, p_res, o_t, m_t, ids, tl.minimum(k, CB), first, p_code_row, p_value_row, p_enc,
+                    _tile_step(p_x, p_res, o_l, m_t, ids, tl.minimum(k, CB), first, p_code_row, p_value_row, p_enc,
                                p_dec, p_bias, p_thr, p_edit, stride_x, stride_res, stride_enc, stride_dec,
                                stride_edit, D, T, CB, BK, HAS_RES, PRECISION)
                     first = 0
@@ -161,7 +163,7 @@ def slot_edit(src: torch.Tensor, residual: torch.Tensor | None, index: torch.Ten
         return edit
     res = residual if residual is not None else src
     t = tile_tokens(n)
-    _TILE((n,), (src, res, index, mode, code, value, enc, dec, bias, thr, edit, n, code.shape[1], src.stride(0),
+    _TILE((triton.cdiv(n, t), t), (src, res, index, mode, code, value, enc, dec, bias, thr, edit, n, code.shape[1], src.stride(0),
                  res.stride(0), code.stride(0), value.stride(0), enc.stride(0), dec.stride(0), edit.stride(0)),
           (d, t, CB, BK, residual is not None, PRECISION), 4 if t <= 16 else 8)
     return edit
