@@ -14,12 +14,12 @@ Launches (no host sync, no data-dependent shape: a CUDA graph replays them with 
   takes the j-th run of block b, found from the block's T rows (a cumsum of run starts); a program whose block
   has no j-th run exits after those loads, as does a tile whose row is 0 or OFF (its edit is not written: the
   norm does not read it). Blocks are grid axis 0, so every block's first run (a prefill step's work) is launched
-  before the programs that exit. The working program walks the row's
-  codes CB at a time and gathers the clamped slots' ids into a dense block of CB (a one-hot reduction in
-  registers); each full block (and the last) is one step: ``pre [T, CB] = S [T, D] @ enc[ids].T`` (``tl.dot``
-  over D by BK), ``f = pre * (pre > thr)``, the clamp gives ``f'``, then per BK columns
-  ``edit [T, BK] += (f' - f) [T, CB] @ dec[ids] [CB, BK]``. A row without codes writes zeros (its tokens come back
-  bit for bit). Every f is taken from the stream before this slot's clamps, as in the walk.
+  before the programs that exit. The working program walks the row's codes CB at a time and gathers the clamped
+  slots' ids into a dense block of CB (a one-hot reduction in registers); each full block (and the last) is one
+  step: ``pre [T, CB] = S [T, D] @ enc[ids].T`` (``tl.dot`` over D by BK), ``f = pre * (pre > thr)``, the clamp
+  gives ``f'``, then per BK columns ``edit [T, BK] += (f' - f) [T, CB] @ dec[ids] [CB, BK]``. A row without codes
+  writes zeros (its tokens come back bit for bit). Every f is taken from the stream before this slot's clamps, as
+  in the walk.
 
 Dots: ``PRECISION`` (float32 operands): "tf32x3" (three TF32 tensor-core products, ~float32 accuracy) on CUDA;
 the interpreter computes float32 products.
@@ -163,8 +163,9 @@ def slot_edit(src: torch.Tensor, residual: torch.Tensor | None, index: torch.Ten
         return edit
     res = residual if residual is not None else src
     t = tile_tokens(n)
-    _TILE((triton.cdiv(n, t), t), (src, res, index, mode, code, value, enc, dec, bias, thr, edit, n, code.shape[1], src.stride(0),
-                 res.stride(0), code.stride(0), value.stride(0), enc.stride(0), dec.stride(0), edit.stride(0)),
+    _TILE((triton.cdiv(n, t), t),
+          (src, res, index, mode, code, value, enc, dec, bias, thr, edit, n, code.shape[1], src.stride(0),
+           res.stride(0), code.stride(0), value.stride(0), enc.stride(0), dec.stride(0), edit.stride(0)),
           (d, t, CB, BK, residual is not None, PRECISION), 4 if t <= 16 else 8)
     return edit
 
@@ -185,7 +186,7 @@ def tiled_slots(x: torch.Tensor, residual: torch.Tensor | None, index: torch.Ten
                "full": (full_a[0], full_a[1], full_a[0].stride(0)) if full_a else (),
                "cond": (cond[0], cond[1], cond[2], gate, cond[3], cond[2].stride(0)) if cond else ()}
         src, res = x, residual
-        if any(pre.values()):
+        if pre["vec"] or pre["proj"] or pre["full"]:  # else slot B's stream is x + residual (the gate: read only)
             src, res = torch.empty(n, d, dtype=torch.float32, device=x.device), None
             block_d = triton.next_power_of_2(d)
             _GATHER_ON((n,), (x, residual if residual is not None else x, index, sae_b[0], src, x.stride(0),
