@@ -85,10 +85,11 @@ def test_tiled_clamps_bf16_without_residual(norm):
 
 
 @_INTERPRETER_INDEX
-def test_tiled_clamps_with_conditions_and_projections(norm):
-    """An SAE norm of a server with conditions and projections: per row the gate (read from the buffer) scales its
-    clamps, its vectors, both or neither; slot B's stream has slot A's gated edit, projections and vectors; the
-    gate buffer is only read."""
+@pytest.mark.parametrize("variant", ["ab-proj", "b-alone"])
+def test_tiled_clamps_with_conditions_and_projections(norm, variant):
+    """An SAE norm of a server with conditions (and projections): per row the gate (read from the buffer) scales its
+    clamps, its vectors, both or neither; slot B's stream has slot A's gated edit, projections and vectors (b-alone:
+    nothing before slot B, its clamps encode x + residual); the gate buffer is only read."""
     from tests.interpreted.test_triton_kernels import _projections
 
     x, r, (ta, tb), _ = _case(N, D, torch.float32, seed=240)
@@ -102,6 +103,8 @@ def test_tiled_clamps_with_conditions_and_projections(norm):
     gate0 = torch.rand(N + 5, generator=torch.Generator().manual_seed(245)) * 0.8 + 0.1
     feats = dict(**_vecs("ab", ta, tb), sae_a=pa, sae_b=pb, proj_a=_projections(6, D, 2, seed=246),
                  cond=(cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32)))
+    if variant == "b-alone":
+        feats = {k: v for k, v in feats.items() if k not in ("vec_a", "sae_a", "proj_a")}
     gate_t, gate_n = gate0.clone(), gate0.clone()
     got = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **feats, gate=gate_t)
     want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **feats, gate=gate_n)
