@@ -1,5 +1,7 @@
 """GPU time per launch (from a CUDA graph) of the steered norm with SAE clamps against the plain one: the clamp-only
-path by clamps per token and split (``split_of(N)`` the default) beside the bandwidth bound; the dense whole-SAE path
+path by clamps per token and split (``split_of(N)`` the default) beside the bandwidth bound, past 64 tokens the
+clamps over token tiles (``tiled_of(N)``: the default) beside the walk in the norm (rows: decode-like at N <= 256,
+every token its own row of 3; prefill-like from N 512, 16 prompts of N / 16 tokens); the dense whole-SAE path
 (the torch reference) by d_sae; full packs on the tensor-core path (``op.triton_path``: TopK k 64 delta with 16 clamp
 sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read, the tensor-core
 flops, the larger of the two bounds, and each launch's GPU time (torch.profiler).
@@ -14,17 +16,26 @@ import torch
 
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
 from vllm_steer.kernels.steered_rms_norm.op import triton_path
-from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_norm_triton
+from vllm_steer.kernels.steered_rms_norm.triton import split_of, steered_norm_triton, tiled_of
 
 D, STAGED, ROWS = 4096, 256, 4
 HBM_BYTES_PER_US = 3.35e6  # H100 SXM HBM3 (an H200: 4.8e6)
 BF16_FLOP_PER_US = 989e6  # H100 SXM dense bf16 tensor-core peak (the H200's is the same)
 
 
-def _bound_us(n: int, clamps: int) -> float:
-    """Bytes a launch must move (bf16 x, residual in and out; fp32 enc / dec rows of the clamp sets) / bandwidth."""
+def _bound_us(n: int, clamps: int, tiled: bool = False) -> float:
+    """Bytes a launch must move (bf16 x, residual in and out; fp32 enc / dec rows of the clamp sets) / bandwidth;
+    ``tiled``: + the float32 edit written and read by the norm."""
     sets = min(n, ROWS - 1) if clamps else 0
-    return (4 * n * D * 2 + sets * clamps * 2 * D * 4) / HBM_BYTES_PER_US
+    edit = 2 * n * D * 4 if tiled and clamps else 0
+    return (4 * n * D * 2 + sets * clamps * 2 * D * 4 + edit) / HBM_BYTES_PER_US
+
+
+def _rows(n: int, dev) -> torch.Tensor:
+    """Every token's row (1..ROWS-1): at N <= 256 a decode batch (token t of its own request, rows cycling); from
+    N 512 a prefill step (16 prompts of N / 16 tokens, rows cycling by prompt)."""
+    t = torch.arange(n, device=dev, dtype=torch.int32)
+    return (t if n <= 256 else t * 16 // n) % (ROWS - 1) + 1
 
 
 def _time(fn, iters: int = 200) -> float:
@@ -151,6 +162,24 @@ def _full_rows(dev, w) -> list[dict]:
     return rows
 
 
+def _tile_sizes(n: int, x, res, w, index, pack) -> list[dict]:
+    """The tiled clamps with tiles of 16, 32 and 64 tokens (``tiled_triton.tile_tokens`` overridden), and with the
+    default tiles in IEEE float32 dots (FMA units) instead of ``PRECISION``'s."""
+    from vllm_steer.kernels.sae_clamp import tiled_triton
+
+    default, precision, rows = tiled_triton.tile_tokens, tiled_triton.PRECISION, []
+    try:
+        for t, prec in ((16, precision), (32, precision), (64, precision), (default(n), "ieee")):
+            tiled_triton.tile_tokens, tiled_triton.PRECISION = (lambda _n, t=t: t), prec
+            us = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, index, sae_a=pack), iters=50)
+            rows.append({"n": n, "path": f"clamp-only (Triton) tiled T {t} {prec}"
+                         + (" (default)" if t == default(n) and prec == precision else ""),
+                         "clamps": 64, "us": round(us, 2), "bound_us": round(_bound_us(n, 64, True), 2)})
+    finally:
+        tiled_triton.tile_tokens, tiled_triton.PRECISION = default, precision
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -159,23 +188,32 @@ def main() -> None:
     dev = torch.device("cuda")
     w = torch.ones(D, dtype=torch.bfloat16, device=dev)
     rows: list[dict] = _full_rows(dev, w)
-    for n in () if args.full_only else (16, 64, 256, 2048):
+    for n in () if args.full_only else (16, 64, 256, 512, 2048):
         x = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
         res = torch.randn(n, D, dtype=torch.bfloat16, device=dev)
-        steered = torch.arange(n, device=dev, dtype=torch.int32) % (ROWS - 1) + 1  # every token clamps
+        steered = _rows(n, dev)  # every token clamps
         idle = torch.zeros(n, dtype=torch.int32, device=dev)
         base = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, idle))
         rows.append({"n": n, "path": "plain norm", "clamps": 0, "us": round(base, 2)})
-        splits = sorted({1, split_of(n)} | ({4, 8, 16} if n <= 16 else set()))
+        # (name, launcher keywords, tiled): the splits of the walk in the norm, then past 64 tokens the tiles
+        ways = [(f" split {s}" + (" (default)" if s == split_of(n) and not tiled_of(n) else ""),
+                 {"split": s, "tiled": False}, False)
+                for s in sorted({1, split_of(n)} | ({4, 8, 16} if n <= 16 else set()))]
+        if tiled_of(n):
+            ways.append((" tiled (default)", {}, True))
         for clamps in (0, 8, 32, 64, 128, 256):
             pack = _pack(clamps, dev)
             index = idle if clamps == 0 else steered
-            for split in splits:
-                us = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, index, sae_a=pack, split=split))
-                path = ("clamp-only (Triton)" + (" idle" if clamps == 0 else "") + f" split {split}"
-                        + (" (default)" if split == split_of(n) else ""))
+            for name, kw, tiled in ways:
+                if tiled is False and tiled_of(n) and clamps > 64:  # the walk at prefill sizes: 64 clamps tell
+                    continue
+                us = _time(lambda: steered_norm_triton(x, res, w, 1e-5, 0.0, index, sae_a=pack, **kw),
+                           iters=50 if n >= 512 and clamps else 200)
+                path = "clamp-only (Triton)" + (" idle" if clamps == 0 else "") + name
                 rows.append({"n": n, "path": path, "clamps": clamps, "us": round(us, 2),
-                             "bound_us": round(_bound_us(n, clamps), 2)})
+                             "bound_us": round(_bound_us(n, clamps, tiled), 2)})
+            if tiled_of(n) and n >= 512 and clamps == 64:  # the tile size the default picks, against the others
+                rows += _tile_sizes(n, x, res, w, index, pack)
         for d_sae in (16384, 65536):
             if n > 256 and d_sae > 16384:
                 continue

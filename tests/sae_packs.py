@@ -70,3 +70,15 @@ def full_pack(d: int, f: int, c: int, seed: int, topk: int = 0, device: str | to
     pack[3:7] = [w_enc[:, feats].T.float().contiguous(), w_dec[feats].float(), b_enc[feats], thr_f[feats]]
     pack += [w_enc, b_enc, thr_f, w_dec, b_dec]
     return [t.to(device) for t in pack]
+
+
+def prefill_rows(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An index [n + 5] int32 laid out as a prefill step (n >= 64): decode tokens of rows 1, 4, 5, 0, 2, 3 (one each),
+    a prompt of row 1 from token 6 (off a multiple of any tile size), an unsteered prompt (row 0), a prompt of row
+    5, tokens of rows 2 (OFF) and 3 (no codes), the rest row 4, then padding (row 0). At n = 100: prompts of 37, 10
+    and 40 tokens."""
+    runs = [(1, 1), (4, 1), (5, 1), (0, 1), (2, 1), (3, 1), (1, 37 * n // 100), (0, n // 10), (5, 40 * n // 100),
+            (2, 3), (3, 4)]
+    rows = [r for r, k in runs for _ in range(k)]
+    assert len(rows) <= n
+    return torch.tensor(rows + [4] * (n - len(rows)) + [0] * 5, dtype=torch.int32, device=device)

@@ -1,6 +1,7 @@
 """The steered norm's full SAE slots on CUDA: turns a slot's full pack into the edit descriptor the norm kernel adds
 (``FULL_A`` / ``FULL_B``), computing the edit with ``full_triton.site_edit``. Slot B's edit is encoded from the
-stream after slot A's features, which ``site_edit`` re-applies to the on tokens (as the norm kernel would)."""
+stream after slot A's features, which ``site_edit`` re-applies to the on tokens (as the norm kernel would); a
+clamp-only slot A at prefill sizes gets its tiled edit first (``tiled_triton``), which both read."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def full_slots(x: torch.Tensor, residual: torch.Tensor | None, index: torch.Tens
                cond: Sequence[torch.Tensor], gate: torch.Tensor | None, proj_a: Sequence[torch.Tensor]) -> tuple:
     """(sae_a, full_a, sae_b, full_b) for the Triton norm: a full slot's clamp-only descriptor emptied and its
     ``(edit, mode)`` given instead; a clamp-only slot passes through."""
-    from vllm_steer.kernels.steered_rms_norm.triton import _proj_desc, _sae_desc
+    from vllm_steer.kernels.steered_rms_norm.triton import _proj_desc, _sae_desc, tiled_of
 
     d = x.shape[1]
     full_a = full_b = ()
@@ -25,6 +26,10 @@ def full_slots(x: torch.Tensor, residual: torch.Tensor | None, index: torch.Tens
         full_a = (site_edit(x, residual, index, sae_a, topk_a), sae_a[0])
         sae_a = []
     if len(sae_b) == N_FULL:
+        if sae_a and tiled_of(x.shape[0]):  # a clamp-only slot A at prefill sizes: its tiled edit (FULL_A)
+            from vllm_steer.kernels.sae_clamp.tiled_triton import slot_edit
+
+            full_a, sae_a = (slot_edit(x, residual, index, sae_a), sae_a[0]), []
         prefix = {}
         if vec_a:
             prefix["vec"] = (vec_a[0], vec_a[1], vec_a[0].stride(0))

@@ -101,41 +101,51 @@ def _compact(p_index, p_mode, p_tok, p_count, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, proj_a, full_a, cond, o_d, m_d,
+                 HAS_RES: tl.constexpr, PRE_VEC: tl.constexpr, PRE_SAE: tl.constexpr, PRE_PROJ: tl.constexpr,
+                 PRE_FULL: tl.constexpr, COND: tl.constexpr):
+    """Token i_t's float32 stream at slot B: x + residual, then slot A's features in the norm kernel's order and
+    weights (so it equals the kernel's stream there, bit for bit). Also ``tiled_triton``'s slot-B gather."""
+    b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if HAS_RES:
+        b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if PRE_VEC or PRE_SAE or PRE_PROJ or PRE_FULL:
+        i_row = tl.load(p_index + i_t)
+        if COND:  # an SAE norm only reads the gate (no probe sits here)
+            i_gsite = tl.load(cond[0] + i_row)
+            g = tl.load(cond[3] + i_t)
+            w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
+            w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
+            proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
+        else:
+            w_sae = 1.0
+            w_vec = 1.0
+            proj_gated = False
+            g = 1.0
+        if PRE_SAE:
+            b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, 32, w_sae)
+        if PRE_FULL:
+            b_s = _add_edit(b_s, i_t, i_row, full_a, o_d, m_d, w_sae)
+        if PRE_PROJ:
+            b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
+        if PRE_VEC:
+            b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
+    return b_s
+
+
+@triton.jit
 def _gather(p_x, p_res, p_index, p_tok, p_count, p_s, r0, stride_x, stride_res, stride_s,
             vec_a, sae_a, proj_a, full_a, cond,
             D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, PRE_VEC: tl.constexpr,
             PRE_SAE: tl.constexpr, PRE_PROJ: tl.constexpr, PRE_FULL: tl.constexpr, COND: tl.constexpr):
-    """S[j] = the stream at the slot of listed token r0 + j: x + residual, then (slot B) slot A's features in the
-    norm kernel's order and weights (so S equals the kernel's stream there, bit for bit)."""
+    """S[j] = the stream at the slot of listed token r0 + j (``_slot_stream``)."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
         i_t = tl.load(p_tok + r0 + j).to(tl.int64)
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < D
-        b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if HAS_RES:
-            b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if PRE_VEC or PRE_SAE or PRE_PROJ or PRE_FULL:
-            i_row = tl.load(p_index + i_t)
-            if COND:  # an SAE norm only reads the gate (no probe sits here)
-                i_gsite = tl.load(cond[0] + i_row)
-                g = tl.load(cond[3] + i_t)
-                w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
-                w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
-                proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
-            else:
-                w_sae = 1.0
-                w_vec = 1.0
-                proj_gated = False
-                g = 1.0
-            if PRE_SAE:
-                b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, 32, w_sae)
-            if PRE_FULL:
-                b_s = _add_edit(b_s, i_t, i_row, full_a, o_d, m_d, w_sae)
-            if PRE_PROJ:
-                b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
-            if PRE_VEC:
-                b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
+        b_s = _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, proj_a, full_a, cond, o_d,
+                           m_d, HAS_RES, PRE_VEC, PRE_SAE, PRE_PROJ, PRE_FULL, COND)
         tl.store(p_s + j * stride_s + o_d, b_s, mask=m_d)
 
 

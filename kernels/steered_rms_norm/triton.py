@@ -23,7 +23,10 @@ The walk is latency-bound (a D-long dot, then an axpy, per clamp, one after anot
 clamps by blocks of codes; each stores its partial sum in a persistent scratch and counts itself in a
 per-token count (atomic); the last to arrive adds the partials in program order, resets the count and
 finishes the token (no program waits for another, so no deadlock whatever the scheduling). Unclamped
-tokens are finished by program 0 as before, bit for bit. One launch either way.
+tokens are finished by program 0 as before, bit for bit. One launch either way. Past those sizes (``tiled_of(N)``)
+the SAE slots' clamps run before the norm over tiles of tokens that share a row (``../sae_clamp/tiled_triton.py``:
+each clamped row read once per tile, not once per token), and the norm adds their edit as a full pack's
+(``FULL_A`` / ``FULL_B``): one or two launches more per slot.
 
 With TC (a transcoder at the norm that makes the MLP's input) the same clamp walk runs after the norm, its
 features encoded from the output as stored; its delta goes to the residual only (the MLP's output edit). It is
@@ -438,6 +441,14 @@ def split_of(n: int) -> int:
     return max(1, min(SPLIT_MAX, SPLIT_PROGRAMS // max(n, 1)))
 
 
+def tiled_of(n: int) -> bool:
+    """Whether a step of ``n`` tokens applies its SAE slots' clamps over token tiles
+    (``../sae_clamp/tiled_triton.py``, two or three launches before the norm's) instead of the walk in the
+    norm: past SPLIT_MAX_TOKENS, where the split walk stops (up to there it fills the GPU with programs that
+    share each token's clamps; past it every token would walk its clamps alone, reading their rows again)."""
+    return n > SPLIT_MAX_TOKENS
+
+
 def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(scratch [SPLIT_PROGRAMS, d] float32, count [SPLIT_MAX_TOKENS] int32 zeros) for ``device``; made
     on first use outside a CUDA-graph capture (``runtime.sae_tables`` makes them when it stages a
@@ -476,6 +487,7 @@ def steered_norm_triton(
     proj_a: Sequence[torch.Tensor] = (),  # (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32), () for none
     proj_b: Sequence[torch.Tensor] = (),
     split: int | None = None,  # programs per token sharing the clamps (None: ``split_of(N)``; 1: serial)
+    tiled: bool | None = None,  # SAE slots' clamps over token tiles first (None: ``tiled_of(N)``)
     tc: Sequence[torch.Tensor] = (),  # a transcoder's clamp-only pack (reads the output, moves the residual), ()
     full_a: Sequence[torch.Tensor] = (),  # a full SAE pack's move at slot A: (edit [N, D] fp32, mode [R] int32), ()
     full_b: Sequence[torch.Tensor] = (),
@@ -495,6 +507,11 @@ def steered_norm_triton(
     va = (vec_a[0], vec_a[1], vec_a[0].stride(0)) if vec_a else ()
     vb = (vec_b[0], vec_b[1], vec_b[0].stride(0)) if vec_b else ()
     sa = sb = bufs = cond_desc = ca = cb = pa = pb = ()
+    if (sae_a or sae_b) and (tiled_of(n) if tiled is None else tiled):  # prefill: the edits first (FULL_A / B)
+        _sae_desc(sae_a, d), _sae_desc(sae_b, d)  # clamp-only packs only, as below
+        from vllm_steer.kernels.sae_clamp.tiled_triton import tiled_slots
+
+        sae_a, full_a, sae_b, full_b = tiled_slots(x, residual, index, vec_a, sae_a, sae_b, cond, gate, proj_a, full_a)
     if sae_a or sae_b or tc:
         sa, sb = _sae_desc(sae_a, d), _sae_desc(sae_b, d)
         split = split_of(n) if split is None else split

@@ -5,6 +5,9 @@ available).
   vector tables, clamp-set size): within float32 rounding (the clamps' dot products sum in another
   order), tokens whose pre-activation sits on a threshold left out (there a rounding flips the feature);
 - tokens of row 0, of an OFF row or of a row without codes equal the no-SAE kernel bit for bit;
+- prefill sizes (past the split walk's 64 tokens: the clamps over token tiles before the norm,
+  ``kernels/sae_clamp/tiled_triton.py``) on a prefill step's rows (decode tokens of several rows, two prompts, an
+  unsteered prompt, OFF and code-less rows) as the reference and as the walk in the norm;
 - the registered op routes clamp-only packs to Triton and full packs (TopK / reconstruct) to the full
   kernels (kernels/sae_clamp/full_triton.py) before it; inside a CUDA graph captured while every row was OFF, mode / code / value rows changed in
   place afterwards take effect at replay.
@@ -22,7 +25,7 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("full_fp32_matmuls")]
 
-from tests.sae_packs import IDLE_ROWS, R, clamp_pack, token_rows  # noqa: E402
+from tests.sae_packs import IDLE_ROWS, R, clamp_pack, prefill_rows, token_rows  # noqa: E402
 from tests.gpu.norm_inputs import DTYPES, check_outputs, full_fp32_matmuls, norm_inputs  # noqa: E402,F401
 from vllm_steer.kernels.sae_clamp.packed import apply_site_naive  # noqa: E402
 from vllm_steer.kernels.steered_rms_norm import op  # noqa: E402
@@ -126,6 +129,38 @@ def test_split_walks_match_the_serial_walk_and_leave_no_count(n, c):
         assert not split_buffers(x.device, d)[1].any(), split
 
 
+PREFILL = [pytest.param(n, "bfloat16", sae, c, id=f"N{n}-bfloat16-sae_{sae}-C{c}")
+           for n in (300, 2048) for sae in ("a", "b", "ab") for c in (1, 64, 200)]
+PREFILL += [pytest.param(2048, "float32", "ab", 64, id="N2048-float32-sae_ab-C64")]
+
+
+@pytest.mark.parametrize("n,dtype_name,sae,c", PREFILL)
+def test_prefill_tiles_match_reference_and_the_walk(n, dtype_name, sae, c):
+    """Prefill sizes: the clamps over token tiles (the default past 64 tokens) against the reference and against
+    the walk in the norm (``tiled=False``: one program per token), slot B encoded after slot A's edit and vectors;
+    tokens of row 0, OFF rows and rows without codes bit for bit the kernel without SAE."""
+    from vllm_steer.kernels.steered_rms_norm.triton import tiled_of
+
+    d, dtype = 4096, DTYPES[dtype_name]
+    x, r, w, ta, tb, _ = _case(n, d, dtype, seed=n + c)
+    index = prefill_rows(n, "cuda")
+    pa = clamp_pack(d, c, seed=c + 5, jumprelu=True, device="cuda") if "a" in sae else []
+    pb = clamp_pack(d, c, seed=c + 6, jumprelu=False, device="cuda") if "b" in sae else []
+    vec = _vecs(ta, tb)
+    assert tiled_of(n)
+    got = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
+    walk = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb, tiled=False)
+    plain = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec)
+    ambiguous = _ambiguous(x, r, index, vec, pa, pb)
+    _check(got, want, plain, index, dtype, ambiguous)
+    for g, s_ in zip(got, walk):
+        torch.testing.assert_close(g[~ambiguous], s_[~ambiguous], **TOL[dtype])
+    rows = index[:n].long()
+    live = ~torch.isin(rows, torch.tensor(IDLE_ROWS, device="cuda"))
+    assert not torch.allclose(got[1][live].float(), plain[1][live].float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.fixture(scope="module")
 def registered():
     """The registered op called with vector and SAE descriptors only (every other feature off; its schema has no
@@ -195,9 +230,14 @@ def _captured_idle(registered, x, r, w, index, vec, pa, pb):
     return graph, out, plain
 
 
-def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
-    n, d, dtype = 24, 4096, torch.bfloat16
+@pytest.mark.parametrize("n", [24, 300], ids=["decode-N24", "prefill-N300"])
+def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered, n):
+    """N 24: the walk in the norm (split); N 300 (a prefill step's rows): the tiled clamps before it, whose tiles are
+    found on the device at each replay."""
+    d, dtype = 4096, torch.bfloat16
     x, r, w, ta, tb, index = _case(n, d, dtype, seed=11)
+    if n > 64:
+        index = prefill_rows(n, "cuda")
     pa = clamp_pack(d, 37, seed=12, device="cuda")
     pb = clamp_pack(d, 37, seed=13, jumprelu=False, device="cuda")
     vec = _vecs(ta, tb)
@@ -221,6 +261,13 @@ def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered):
     graph.replay()
     want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
     _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
+
+    if n > 64:  # another step's token -> row map, written in place (as step_index does): other tiles at replay
+        index.copy_(token_rows(n, "cuda"))
+        graph.replay()
+        want = steered_norm_naive(x, r, w, EPS, 0.0, index, **vec, sae_a=pa, sae_b=pb)
+        plain = steered_norm_triton(x, r, w, EPS, 0.0, index, **vec)
+        _check((out, res), want, plain, index, dtype, _ambiguous(x, r, index, vec, pa, pb))
 
     pa[0].zero_()
     pb[0].zero_()
