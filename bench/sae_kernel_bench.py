@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--full-only", action="store_true")
     args = ap.parse_args()
+    from vllm_steer.kernels.steered_rms_norm import triton as kernel
+
+    kernel.TILED = True  # the tiled prefill clamps (VLLM_STEER_SAE_TILED: off by default until their GPU tests pass)
     dev = torch.device("cuda")
     w = torch.ones(D, dtype=torch.bfloat16, device=dev)
     rows: list[dict] = _full_rows(dev, w)

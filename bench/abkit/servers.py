@@ -56,6 +56,7 @@ CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b b
 SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
 TC_SERVER, TC_PREFIX = "transcoder", "ab_tc_"  # steer + a transcoder at each of the 4 SAE layers (sae-lens files)
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"},
+              "sae": {"VLLM_STEER_SAE_TILED": "1"},  # the tiled prefill clamps (off by default until GPU-tested)
               "sae_full": {"VLLM_STEER_SAE_FULL_KERNELS": "1"}}  # the full-pack kernels (off by default until GPU-tested)
 PEER_SERVER = "hotwire"  # runs the plugin of --peer-wheel from its own site folder
 PEER_SITE, PEER_DIST = "hotwire_site", "hotwire_vllm"

@@ -441,12 +441,18 @@ def split_of(n: int) -> int:
     return max(1, min(SPLIT_MAX, SPLIT_PROGRAMS // max(n, 1)))
 
 
+# The tiled prefill clamps (../sae_clamp/tiled_triton.py) are tested under Triton's interpreter and compiled for sm_90
+# offline only: until tests/gpu/test_sae_norm_gpu.py's prefill cases pass on a GPU, steps take the walk unless
+# VLLM_STEER_SAE_TILED=1 (the tests and sae_kernel_bench set TILED themselves).
+TILED = os.environ.get("VLLM_STEER_SAE_TILED", "0") == "1"
+
+
 def tiled_of(n: int) -> bool:
     """Whether a step of ``n`` tokens applies its SAE slots' clamps over token tiles
     (``../sae_clamp/tiled_triton.py``, two or three launches before the norm's) instead of the walk in the
-    norm: past SPLIT_MAX_TOKENS, where the split walk stops (up to there it fills the GPU with programs that
-    share each token's clamps; past it every token would walk its clamps alone, reading their rows again)."""
-    return n > SPLIT_MAX_TOKENS
+    norm: with TILED, past SPLIT_MAX_TOKENS, where the split walk stops (up to there it fills the GPU with programs
+    that share each token's clamps; past it every token would walk its clamps alone, reading their rows again)."""
+    return TILED and n > SPLIT_MAX_TOKENS
 
 
 def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -134,8 +134,16 @@ PREFILL = [pytest.param(n, "bfloat16", sae, c, id=f"N{n}-bfloat16-sae_{sae}-C{c}
 PREFILL += [pytest.param(2048, "float32", "ab", 64, id="N2048-float32-sae_ab-C64")]
 
 
+@pytest.fixture()
+def tiled_on(monkeypatch):
+    """The tiled prefill clamps on (``VLLM_STEER_SAE_TILED``: off by default until these tests pass on a GPU)."""
+    from vllm_steer.kernels.steered_rms_norm import triton as kernel
+
+    monkeypatch.setattr(kernel, "TILED", True)
+
+
 @pytest.mark.parametrize("n,dtype_name,sae,c", PREFILL)
-def test_prefill_tiles_match_reference_and_the_walk(n, dtype_name, sae, c):
+def test_prefill_tiles_match_reference_and_the_walk(n, dtype_name, sae, c, tiled_on):
     """Prefill sizes: the clamps over token tiles (the default past 64 tokens) against the reference and against
     the walk in the norm (``tiled=False``: one program per token), slot B encoded after slot A's edit and vectors;
     tokens of row 0, OFF rows and rows without codes bit for bit the kernel without SAE."""
@@ -231,7 +239,7 @@ def _captured_idle(registered, x, r, w, index, vec, pa, pb):
 
 
 @pytest.mark.parametrize("n", [24, 300], ids=["decode-N24", "prefill-N300"])
-def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered, n):
+def test_op_in_cuda_graph_follows_sae_rows_changed_after_capture(registered, n, tiled_on):
     """N 24: the walk in the norm (split); N 300 (a prefill step's rows): the tiled clamps before it, whose tiles are
     found on the device at each replay."""
     d, dtype = 4096, torch.bfloat16

@@ -24,10 +24,11 @@ N, D = 100, 80  # past the split walk's 64 tokens (the tiled path's threshold); 
 # (prefill_rows(100): the 37-token prompt of row 1 from token 6 is cut at tokens 16 and 32 by tiles of 16)
 
 
-@pytest.fixture(scope="module")
-def norm():
+@pytest.fixture()
+def norm(monkeypatch):
     import vllm_steer.kernels.steered_rms_norm.triton as kernel
 
+    monkeypatch.setattr(kernel, "TILED", True)  # off by default until the GPU tests pass
     return kernel
 
 
