@@ -18,6 +18,9 @@
 #   prefill    prefill capture (4 layers, prompt 512, 1 token, 256 requests at c32) to files / to memory vs stock
 #              and vLLM's extract_hidden_states (after capture: SERVERS=steer_capture stop, then this starts
 #              extract_hs; it needs stock and steer_capture_fs kept)
+#   gates      the GPU tests that gate a default or a claim (tiled prefill clamps, full-pack kernels served, transcoders,
+#              projections, DeepSeek-V4), then the disk's own fsynced write rate; for a second GPU beside the A/B
+#              servers: CUDA_VISIBLE_DEVICES=1 nohup setsid bash bench/gpu_session.sh gates > $OUT/gates.log &
 #   idle       launch_cost, then idle_cost --profile (stock vs IDLE_ARMS' steer arm, its own servers, GPU_MEM each)
 #   stop       stop the kept servers named in SERVERS
 #   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load
@@ -58,7 +61,8 @@ case "${1:-}" in
     VLLM_PLUGINS=steer timeout 560 "${PT[@]}" tests/gpu_e2e --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
     ;;
   ab-start)
-    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --keep-servers --tag start 2>&1 \
+    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --reuse-servers --keep-servers \
+      --tag start 2>&1 \
       | tail -12
     ;;
   ab)
@@ -97,6 +101,20 @@ case "${1:-}" in
   host)
     timeout 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20
     ;;
+  gates)
+    for t in tests/gpu/test_sae_norm_gpu.py tests/gpu/test_sae_full_gpu.py tests/gpu/test_transcoder_gpu.py \
+        tests/gpu/test_proj_norm_gpu.py; do
+      echo "== $t"; timeout 300 "${PT[@]}" --durations=5 "$t" 2>&1 | tail -25
+    done
+    for t in tests/gpu_e2e/test_sae_full_engine_gpu.py tests/gpu_e2e/test_deepseek_v4_gpu.py; do
+      echo "== $t"; VLLM_PLUGINS=steer timeout 420 "${PT[@]}" -rs "$t" > /tmp/gates_e2e.log 2>&1
+      grep -v "Deprecat\|warnings.warn" /tmp/gates_e2e.log | grep "passed\|failed\|skipped\|Error\|^E " | tail -25
+    done
+    echo "== disk: 4 GiB, O_DSYNC, then buffered + one fsync"
+    dd if=/dev/zero of=/tmp/dd_probe bs=64M count=64 oflag=dsync 2>&1 | tail -1
+    dd if=/dev/zero of=/tmp/dd_probe bs=64M count=64 conv=fsync 2>&1 | tail -1
+    rm -f /tmp/dd_probe; df -h /tmp | tail -1
+    ;;
   idle)  # host µs per eager launch of our norm vs vLLM's, then the idle cost with every process profiled (counts of
          # our functions per request / step); needs the A/B suite's model directory (any ab-start made it)
     timeout 120 python3 bench/launch_cost.py --out "$OUT/launch.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20
@@ -125,6 +143,6 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|idle|stop|host|ray|small" >&2
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|small" >&2
      exit 2 ;;
 esac

@@ -50,6 +50,9 @@ ARMS = {
     "transcoder_idle": dict(server="transcoder", kind="plain"),
     "transcoder_n16": dict(server="transcoder", kind="sae", mode="delta", n_configs=16, transcoder=True),
     "sae_reconstruct_n16": dict(server="sae_full", kind="sae", mode="reconstruct", n_configs=16),
+    # a TopK SAE (k 64) at the same 4 sites: idle, and 16 clamp sets in delta mode (issue 39's TopK target)
+    "sae_topk_idle": dict(server="sae_topk", kind="plain"),
+    "sae_topk_n16": dict(server="sae_topk", kind="sae", mode="delta", n_configs=16),
     # single-site work: the peer plugin hotwire, vllm-steer by module name and inline
     "hotwire_idle": dict(server=PEER_SERVER, kind="plain"),
     "hotwire_ids16": dict(server=PEER_SERVER, kind="hotwire", n_configs=16),

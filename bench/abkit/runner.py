@@ -24,6 +24,7 @@ GRAPH_PLAN = [  # (label, server, kind of traffic)
     ("steer / unsteered (enabled_idle)", "steer", "plain"), ("steer / per_request_n4", "steer", "per_request"),
     ("sae / unsteered (sae_idle)", "sae", "plain"), ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain"),
     ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain"), ("steer_cond / cond_n4", "steer_cond", "cond"),
+    ("steer_proj / unsteered (project_idle)", "steer_proj", "plain"), ("steer_proj / project_n4", "steer_proj", "project"),
     ("steer_capture / unsteered (capture_idle)", "steer_capture", "plain"),
     ("steer_capture / capturing (capture_gen)", "steer_capture", "capture")]
 

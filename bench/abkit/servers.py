@@ -3,7 +3,7 @@ of a shape, weights --load-format dummy; the peer plugin's wheel; the SAE; the h
 Each server is its own process group; all stay alive together so trials of different servers interleave:
   stock / disabled   VLLM_PLUGINS=none / steer, no steer block;   steer and its ablations: STEER_SERVERS
   hotwire    the peer plugin hotwire-vllm from --peer-wheel (its own site folder and VLLM_CACHE_ROOT); CUDA only
-  sae / sae_full / sae_serial   an SAE at 4 layers (SAE_SERVERS);   transcoder   a transcoder at each of them;   *_multi   ``--api-server-count`` front ends
+  sae / sae_full / sae_serial / sae_topk   an SAE at 4 layers (SAE_SERVERS);   transcoder   a transcoder at each of them;   *_multi   ``--api-server-count`` front ends
   steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
              without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
@@ -47,17 +47,18 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
-                "steer_proj": 18, "transcoder": 19}
+                "steer_proj": 18, "transcoder": 19, "sae_topk": 20}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)
 CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b bf16): the heavy arm drops nothing
-# steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token
-SAE_SERVERS = {"sae": False, "sae_full": True, "sae_serial": False}
+# steer + an SAE at 4 layers; full: the whole SAE kept (reconstruct); serial: the clamp walk one program per token;
+# topk: a TopK SAE (k = TOPK_K, issue 39's TopK arm), served by the full-pack kernels
+TOPK_K = 64
+SAE_SERVERS = {"sae": {}, "sae_full": {"reconstruct": True}, "sae_serial": {}, "sae_topk": {"topk": TOPK_K}}
 TC_SERVER, TC_PREFIX = "transcoder", "ab_tc_"  # steer + a transcoder at each of the 4 SAE layers (sae-lens files)
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"},
-              "sae": {"VLLM_STEER_SAE_TILED": "1"},  # the tiled prefill clamps (off by default until GPU-tested)
-              "sae_full": {"VLLM_STEER_SAE_FULL_KERNELS": "1"}}  # the full-pack kernels (off by default until GPU-tested)
+              "sae": {"VLLM_STEER_SAE_TILED": "1"}}  # the tiled prefill clamps (off by default: sae_serial is the A/B)
 PEER_SERVER = "hotwire"  # runs the plugin of --peer-wheel from its own site folder
 PEER_SITE, PEER_DIST = "hotwire_site", "hotwire_vllm"
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
@@ -135,8 +136,8 @@ def site_vectors(shape: dict, std: float, n: int = N_SITE):
     return np.random.default_rng(SITE_SEED).standard_normal((n, shape["hidden"]), dtype=np.float32) * np.float32(std)
 
 
-def sae_layers(num_layers: int) -> list[int]:  # the 4 SAE sites' layers
-    return [num_layers * i // 4 + num_layers // 8 for i in range(4)]
+def sae_layers(num_layers: int) -> list[int]:  # the (up to) 4 SAE sites' layers, distinct on the tiny shape too
+    return sorted({num_layers * i // 4 + num_layers // 8 for i in range(4)})
 
 
 def capture_fs_block(workdir: Path) -> dict:
@@ -158,12 +159,14 @@ def extract_hs_args(workdir: Path, num_layers: int) -> list[str]:
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
 
 
-def sae_block(workdir: Path, model_dir: Path, full: bool) -> dict:
-    """The steer block of an sae* server; the SAE (manifest format, bf16 safetensors) is written on first use."""
+def sae_block(workdir: Path, model_dir: Path, spec: dict) -> dict:
+    """The steer block of an sae* server (``spec``: SAE_SERVERS' entry); the SAE (manifest format, bf16 safetensors)
+    is written on first use, a TopK one under its own directory."""
     import torch
     from safetensors.torch import save_file
 
-    root = workdir / "sae"
+    k = spec.get("topk", 0)
+    root = workdir / (f"sae_topk{k}" if k else "sae")
     if not (root / "manifest.json").exists():
         cfg = json.loads((model_dir / "config.json").read_text())
         hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
@@ -178,9 +181,10 @@ def sae_block(workdir: Path, model_dir: Path, full: bool) -> dict:
             save_file({"W_enc": t(hidden, D_SAE, std=0.02), "W_dec": t(D_SAE, hidden, std=0.02),
                        "b_enc": t(D_SAE, std=0.01), "b_dec": t(hidden, std=0.01)}, str(root / name))
             sites[f"post_mlp.{layer}"] = name
-        (root / "manifest.json").write_text(json.dumps({"format": "vllm-steer-sae", "version": 1,
-                                                       "activation": "relu", "sites": sites}))
-    entry = {"path": str(root), "features": SAE_FEATURES, **({"reconstruct": True} if full else {})}
+        act = {"activation": "topk", "k": k} if k else {"activation": "relu"}
+        (root / "manifest.json").write_text(json.dumps({"format": "vllm-steer-sae", "version": 1, **act,
+                                                       "sites": sites}))
+    entry = {"path": str(root), "features": SAE_FEATURES, **({"reconstruct": True} if spec.get("reconstruct") else {})}
     return {"steer": {"max_configs": 272, "sae": {SAE_NAME: entry}}}
 
 

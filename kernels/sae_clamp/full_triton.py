@@ -424,8 +424,11 @@ _SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec ti
 _REDUCE_D = 64  # _reduce's columns a program: 64 programs a 16-token tile at D 4096 (256 gave 16: latency-bound)
 
 
-def _tiles(n: int) -> tuple[int, int, int, int]:
-    return next(t for limit, t in _TILES if limit is None or n <= limit)
+def _tiles(n: int, wide: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) for N tokens; ``wide``: a float32 stream (a float32 model), whose 128-token
+    tiles' pipelined stages need more shared memory than an H100 / H200 has (360 KB of 227): the 64-token tile."""
+    t = next(t for limit, t in _TILES if limit is None or n <= limit)
+    return _TILES[1][1] if wide and t[0] > _TILES[1][1][0] else t
 
 
 def _splits(rn: int, d: int, f: int, c: int, bm: int, bd: int, bf: int) -> tuple[int, int, int]:
@@ -469,7 +472,7 @@ def site_edit(
     s = torch.empty(rn if any(pre_flags) else 1, d, dtype=torch.float32, device=dev)  # gathered streams (slot B)
     pre = torch.empty(rn, f_all, dtype=torch.float32, device=dev)
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
-    bm, bn, bk, warps = _tiles(n)
+    bm, bn, bk, warps = _tiles(n, x.element_size() > 2)
     split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk)
     part = torch.empty(split, rn, d, dtype=torch.float32, device=dev) if split > 1 else edit
     _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)

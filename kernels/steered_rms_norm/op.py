@@ -14,9 +14,9 @@ fixed at install, so every traced call has the same arguments, all of them graph
 
 CUDA tensors run the Triton kernel (one launch); a slot whose SAE pack is full (TopK, or a site that allows
 reconstruct) first gets its on tokens' edit from the tensor-core kernels of ``kernels/sae_clamp/full_triton.py``
-(a few launches that exit at once when no row is on), which the norm adds where the slot's clamps go; those run
-only with ``VLLM_STEER_SAE_FULL_KERNELS=1`` until a GPU has run their tests (else full packs take the reference,
-as before). Other devices run the plain-torch reference.
+(a few launches that exit at once when no row is on), which the norm adds where the slot's clamps go
+(``VLLM_STEER_SAE_FULL_KERNELS=0`` sends full packs through the plain-torch reference instead). Other devices run
+the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from vllm_steer.kernels.sae_clamp.packed import N_FULL
 from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
 
 _registered = False
-# The full-pack kernels (kernels/sae_clamp/full_triton.py) are tested under Triton's interpreter only: until a GPU
-# run passes tests/gpu/test_sae_full_gpu.py, CUDA runs full packs through the reference unless this is set.
-FULL_KERNELS = os.environ.get("VLLM_STEER_SAE_FULL_KERNELS", "0") == "1"
+# The full-pack kernels (kernels/sae_clamp/full_triton.py): on since the twenty-fifth session, when the served-engine
+# oracle (tests/gpu_e2e/test_sae_full_engine_gpu.py) passed on a GPU; "0" runs full packs through the reference.
+FULL_KERNELS = os.environ.get("VLLM_STEER_SAE_FULL_KERNELS", "1") == "1"
 _triton_norm = None  # kernels.steered_rms_norm.triton.steered_norm_triton, imported on first CUDA call
 
 

