@@ -161,6 +161,7 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/v4-tvm:/tmp/site:$S:$S/nvidia_cutlass_dsl/dsl_packages
     # nvcc for TileLang's and DeepGEMM's runtime compiles: the image's, else the bundle's CUDA 13.0 compiler with the
     # image's own CUDA headers (torch's nvidia-cuda-runtime) merged into its include folder
+    [ -n "${CUDA_HOME:-}" ] && [ ! -x "$CUDA_HOME/bin/nvcc" ] && { echo "CUDA_HOME=$CUDA_HOME has no nvcc"; unset CUDA_HOME; }
     NV=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
     if [ -z "${CUDA_HOME:-}" ] && [ -n "$NV" ]; then export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NV")")"); fi
     if [ -z "${CUDA_HOME:-}" ] && ls /tmp/gv/v4nvcc.* > /dev/null 2>&1; then

@@ -8,8 +8,11 @@ or 64 heads), both MoE (4 routed experts, all routed: no discrete expert choice 
 expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels), hidden 256. Saved in
 bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
 ``compress_ratios`` / ``num_hash_layers`` in config.json (vLLM reads those; transformers folds them into its layer
-types). vLLM serves it with its fp8 KV cache (``fp8_ds_mla``: its V4 attention takes no other), compiled with CUDA
-graphs.
+types), except each attention's ``wo_a`` (8 groups of 128 rows), in DeepSeek's block FP8 with every other linear layer
+listed as unquantized: vLLM's CUDA V4 attention projects its output with DeepGEMM's FP8 einsum on wo_a's block scales
+(``nvidia/ops/o_proj.py``), so a bfloat16 wo_a cannot run. transformers reads a copy (``reference_path``) whose wo_a is
+that FP8 weight dequantized, exactly (power-of-two block scales). vLLM serves it with its fp8 KV cache (``fp8_ds_mla``:
+its V4 attention takes no other), compiled with CUDA graphs.
 
 What a vector means (docs/models.md, Hyper-connections): it is added to the merged stream a sublayer's RMSNorm reads,
 pre_attn.L at layer L's attention norm, post_attn.L at its MoE norm, post_mlp.L at layer L+1's attention norm (the
@@ -17,8 +20,8 @@ last layer's: the final norm, after hc_head's merge). The reference is transform
 weights with forward pre-hooks adding the same vectors to the inputs of those norms, teacher-forced on the tokens vLLM
 generated: each generated token's logprob within ``LOGPROB_TOL`` of the reference's, each token the reference's argmax
 or within ``TIE`` of it, and each steered request's vectors move the reference's logprobs by more than ``EFFECT``.
-``LOGPROB_TOL`` is not measured yet (bfloat16 + fp8 KV cache vs float32): the unsteered case's error is the engine's
-own; widen both together if that one fails.
+``LOGPROB_TOL`` is not measured yet (bfloat16, fp8 KV cache and wo_a's fp8 activations vs float32): the unsteered
+case's error is the engine's own; widen both together if that one fails.
 
 Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no TileLang / nvcc / DeepGEMM / CuTe DSL /
 sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bring them), or the steered engine fails
@@ -34,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import traceback
 from pathlib import Path
 
@@ -49,13 +53,14 @@ LAYERS = (0, 1)
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
 SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
-# embedding) to 6 (hc_head's); the least a single vector moves transformers' logprobs: 5.4 (post_mlp.0), measured on
-# 12 arbitrary tokens teacher-forced on CPU (s25, with the indexer at 64 heads of 128)
+# embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 2.9 (post_mlp.0), measured
+# on 12 arbitrary tokens teacher-forced on CPU (s25: the reference copy, indexer 64 x 128, o_lora_rank 128)
 LOGPROB_TOL = 0.3  # unmeasured (module docstring)
 TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
 STEPS = 12
 HIDDEN, STREAMS = 256, 4
+FP8_BLOCK = 128  # DeepSeek's FP8 weight blocks
 MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN = 2.0, 0.125, 4.0
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
 # DeepSeek's tensor names from transformers' (its save keeps the model. prefix and these two)
@@ -74,7 +79,7 @@ def build_checkpoint(path: Path):
     cfg = transformers.DeepseekV4Config(
         vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
         num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=64,
+        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=FP8_BLOCK,
         index_n_heads=64, index_head_dim=128, index_topk=16, sliding_window=16, hc_mult=STREAMS,
         layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
         num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
@@ -103,14 +108,61 @@ def build_checkpoint(path: Path):
         for pattern, new in _ORIGINAL_NAMES:
             name = re.sub(pattern, new, name)
         renamed[name] = t
-    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    engine, exact = _fp8_wo_a(renamed)
+    ref = reference_path(path)
+    shutil.copytree(path, ref)
+    save_file(exact, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    save_file(engine, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):  # vLLM's config rejects
         config.pop(key, None)  # transformers' mlp_layer_types ("moe" is not "sparse" / "dense")
     # what vLLM reads and transformers does not save (it folds these into layer types and partial_rotary_factor)
     config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64)
+    # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
+    config.update(expert_dtype="fp8", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK] * 2,
+        "ignored_layers": _unquantized_layers()})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return tok
+
+
+def reference_path(path: Path) -> Path:
+    """transformers' copy of the checkpoint: wo_a dequantized (exactly) to bfloat16, no quantization config."""
+    return path.with_name(path.name + "-reference")
+
+
+def _fp8_wo_a(weights: dict) -> tuple[dict, dict]:
+    """(vLLM's tensors, transformers' tensors): each ``attn.wo_a.weight`` as float8 e4m3 in 128 x 128 blocks with a
+    float32 power-of-two scale per block (DeepSeek's ``.scale``, the dequantizing factor) for vLLM, and its exact
+    dequantization in bfloat16 for transformers; every other tensor the same in both."""
+    engine, exact = dict(weights), dict(weights)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    for name, w in weights.items():
+        if not name.endswith(".attn.wo_a.weight"):
+            continue
+        out, inp = w.shape
+        blocks = w.float().reshape(out // FP8_BLOCK, FP8_BLOCK, inp // FP8_BLOCK, FP8_BLOCK)
+        amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / fp8_max)))  # powers of two: q * scale is exact in bfloat16
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        deq = (q.float() * scale[:, None, :, None]).reshape(out, inp)
+        engine[name] = q.reshape(out, inp)
+        engine[name.removesuffix("weight") + "scale"] = scale.contiguous()
+        exact[name] = deq.to(torch.bfloat16)
+        assert torch.equal(exact[name].float(), deq)
+    return engine, exact
+
+
+def _unquantized_layers() -> list[str]:
+    """vLLM's names of the FP8-capable linear layers other than wo_a (its Fp8Config leaves these unquantized; the
+    CUDA attention projects its output through DeepGEMM's FP8 einsum on wo_a's block scales, so wo_a must be FP8:
+    vllm/models/deepseek_v4/nvidia/ops/o_proj.py)."""
+    names = []
+    for layer in LAYERS:
+        attn, ffn = f"model.layers.{layer}.attn", f"model.layers.{layer}.ffn"
+        names += [f"{attn}.fused_wqa_wkv", f"{attn}.wq_a", f"{attn}.wkv", f"{attn}.wq_b", f"{attn}.wo_b",
+                  f"{ffn}.shared_experts.gate_up_proj", f"{ffn}.shared_experts.down_proj", f"{ffn}.experts"]
+    return names + ["model.layers.1.attn.indexer.wq_b"]  # the compressed layer's indexer
 
 
 def _nvcc() -> str | None:
@@ -200,7 +252,7 @@ def _engine_run(tmp_path_factory) -> dict:
         raise  # vLLM builds it without steering: the steered engine's failure is ours
     finally:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    return {"path": str(path), **ec.run_cases(llm, ids, cases, STEPS)}
+    return {"path": str(path), "reference": str(reference_path(path)), **ec.run_cases(llm, ids, cases, STEPS)}
 
 
 def _norm_hooks(model, steer: dict) -> list:
@@ -225,7 +277,7 @@ def _reference(run, k: int, steer: dict | None) -> dict:
     """transformers (float32, ``steer``'s vectors by hooks) teacher-forced on request k's prompt + vLLM's tokens."""
     from tests.hf_oracle import load, teacher_forced
 
-    model, _ = load(run["path"])
+    model, _ = load(run["reference"])
     handles = _norm_hooks(model, steer or {})
     try:
         return teacher_forced(model, run["ids"], run["got"][k]["tokens"])
