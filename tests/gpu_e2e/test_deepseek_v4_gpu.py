@@ -47,6 +47,7 @@ import pytest
 import torch
 
 from tests.gpu_e2e import engine_case as ec
+from tests.gpu_e2e import v4_fp8
 
 pytestmark = ec.needs_device
 
@@ -61,7 +62,6 @@ TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
 STEPS = 12
 HIDDEN, STREAMS = 256, 4
-FP8_BLOCK = 128  # DeepSeek's FP8 weight blocks
 MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN = 2.0, 0.125, 4.0
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
 # DeepSeek's tensor names from transformers' (its save keeps the model. prefix and these two)
@@ -80,7 +80,7 @@ def build_checkpoint(path: Path):
     cfg = transformers.DeepseekV4Config(
         vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
         num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=FP8_BLOCK,
+        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=v4_fp8.BLOCK,
         index_n_heads=64, index_head_dim=128, index_topk=16, sliding_window=16, hc_mult=STREAMS,
         layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
         num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
@@ -109,7 +109,7 @@ def build_checkpoint(path: Path):
         for pattern, new in _ORIGINAL_NAMES:
             name = re.sub(pattern, new, name)
         renamed[name] = t
-    engine, exact = _fp8_wo_a(renamed)
+    engine, exact = v4_fp8.fp8_wo_a(renamed)
     ref = reference_path(path)
     shutil.copytree(path, ref)
     save_file(exact, str(ref / "model.safetensors"), metadata={"format": "pt"})
@@ -120,50 +120,15 @@ def build_checkpoint(path: Path):
     # what vLLM reads and transformers does not save (it folds these into layer types and partial_rotary_factor)
     config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64)
     # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
-    config.update(expert_dtype="fp8", quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK] * 2,
-        "ignored_layers": _unquantized_layers()})
+    config.update(expert_dtype="fp8", quantization_config=v4_fp8.quantization_config(len(LAYERS), indexed=(1,)))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return tok
 
 
 def reference_path(path: Path) -> Path:
-    """transformers' copy of the checkpoint: wo_a dequantized (exactly) to bfloat16, no quantization config."""
+    """transformers' copy of the checkpoint: wo_a dequantized (exactly) to bfloat16, no quantization config
+    (``v4_fp8``)."""
     return path.with_name(path.name + "-reference")
-
-
-def _fp8_wo_a(weights: dict) -> tuple[dict, dict]:
-    """(vLLM's tensors, transformers' tensors): each ``attn.wo_a.weight`` as float8 e4m3 in 128 x 128 blocks with a
-    float32 power-of-two scale per block (DeepSeek's ``.scale``, the dequantizing factor) for vLLM, and its exact
-    dequantization in bfloat16 for transformers; every other tensor the same in both."""
-    engine, exact = dict(weights), dict(weights)
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    for name, w in weights.items():
-        if not name.endswith(".attn.wo_a.weight"):
-            continue
-        out, inp = w.shape
-        blocks = w.float().reshape(out // FP8_BLOCK, FP8_BLOCK, inp // FP8_BLOCK, FP8_BLOCK)
-        amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12)
-        scale = torch.exp2(torch.ceil(torch.log2(amax / fp8_max)))  # powers of two: q * scale is exact in bfloat16
-        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-        deq = (q.float() * scale[:, None, :, None]).reshape(out, inp)
-        engine[name] = q.reshape(out, inp)
-        engine[name.removesuffix("weight") + "scale"] = scale.contiguous()
-        exact[name] = deq.to(torch.bfloat16)
-        assert torch.equal(exact[name].float(), deq)
-    return engine, exact
-
-
-def _unquantized_layers() -> list[str]:
-    """vLLM's names of the FP8-capable linear layers other than wo_a (its Fp8Config leaves these unquantized; the
-    CUDA attention projects its output through DeepGEMM's FP8 einsum on wo_a's block scales, so wo_a must be FP8:
-    vllm/models/deepseek_v4/nvidia/ops/o_proj.py)."""
-    names = []
-    for layer in LAYERS:
-        attn, ffn = f"model.layers.{layer}.attn", f"model.layers.{layer}.ffn"
-        names += [f"{attn}.fused_wqa_wkv", f"{attn}.wq_a", f"{attn}.wkv", f"{attn}.wq_b", f"{attn}.wo_b",
-                  f"{ffn}.shared_experts.gate_up_proj", f"{ffn}.shared_experts.down_proj", f"{ffn}.experts"]
-    return names + ["model.layers.1.attn.indexer.wq_b"]  # the compressed layer's indexer
 
 
 def _nvcc() -> str | None:
