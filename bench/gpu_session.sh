@@ -141,8 +141,8 @@ case "${1:-}" in
   v4)  # after install and the .gpuvK calls (bench/v4_bundle.sh: each `mkdir -p /tmp/gv && cp .gpuvK/* /tmp/gv/`)
     python3 -c 'import vllm' || exit 3
     P=/tmp/v4-prefix
-    S=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib", vars={"base": "'$P'"}))')
-    if [ ! -d "$S/tilelang" ]; then
+    site() { find "$P" -maxdepth 5 -type d -path '*-packages/tilelang' 2>/dev/null | head -1 | xargs -r dirname; }
+    if [ -z "$(site)" ]; then
       rm -rf /tmp/vw && mkdir -p /tmp/vw/kernels
       cat $(ls /tmp/gv/v4kernels.* | sort -V) | tar -C /tmp/vw/kernels -xf - || exit 6
       W=(/tmp/vw/kernels/{tilelang,z3_solver,ml_dtypes,torch_c_dlpack_ext,nvidia_cutlass_dsl,nvidia_cuda_nvdisasm}*.whl
@@ -157,6 +157,7 @@ case "${1:-}" in
       python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/v4-tvm \
         /tmp/vw/kernels/apache_tvm_ffi-*.whl || exit 6
     fi
+    S=$(site)  # pip's --prefix layout (lib/python3.12/site-packages for the ray step; Debian's may differ)
     # the CuTe DSL's .pth (which puts dsl_packages on sys.path) runs only in site directories, not on PYTHONPATH
     export PYTHONPATH=/tmp/v4-tvm:/tmp/site:$S:$S/nvidia_cutlass_dsl/dsl_packages
     # nvcc for TileLang's and DeepGEMM's runtime compiles: the image's, else the bundle's CUDA 13.0 compiler with the
