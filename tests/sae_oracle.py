@@ -14,14 +14,16 @@ ACT = {"relu": naive.RELU, "jumprelu": naive.JUMPRELU, "topk": naive.TOPK}
 KIND = {"set": naive.SET, "add": naive.ADD, "scale": naive.SCALE}
 
 
-def bf16_exact(w):
+def bf16_exact(w, biases: bool = False):
     """``w`` with W_enc / W_dec rounded to bfloat16 (the engine's full packs hold them so; the rounding itself is
-    documented in kernels/sae_clamp/README.md), so the oracle computes with the same SAE."""
+    documented in kernels/sae_clamp/README.md), so the oracle computes with the same SAE; ``biases``: b_enc / b_dec
+    too (an SAE whose file is bf16)."""
 
     def r(a):
         return torch.from_numpy(a).bfloat16().float().numpy()
 
-    return dataclasses.replace(w, w_enc=r(w.w_enc), w_dec=r(w.w_dec))
+    w = dataclasses.replace(w, w_enc=r(w.w_enc), w_dec=r(w.w_dec))
+    return dataclasses.replace(w, b_enc=r(w.b_enc), b_dec=r(w.b_dec)) if biases else w
 
 
 def sae_edit(weights, mode: str, clamps: list):

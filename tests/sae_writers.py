@@ -138,3 +138,23 @@ def write_sae_lens_transcoder(dir: str, w: SaeWeights, layer: int, skip: bool = 
                         "hook_name_out": f"blocks.{layer}.hook_mlp_out", "sae_lens_version": "6.54.12"}}
     write_json(os.path.join(dir, "cfg.json"), {**cfg, **cfg_overrides})
     return dir
+
+
+def sparsify_cfg(w: SaeWeights, **overrides: Any) -> dict[str, Any]:
+    """The cfg.json sparsify 1.3.3's ``save_to_disk`` writes for a TopK SAE (``SparseCoderConfig.to_dict()`` + d_in)."""
+    cfg = {"activation": "topk", "expansion_factor": 32, "normalize_decoder": True, "num_latents": w.meta.d_sae,
+           "k": w.meta.k, "multi_topk": False, "skip_connection": False, "transcode": False, "d_in": w.meta.d_model}
+    return {**cfg, **overrides}
+
+
+def write_sparsify(dir: str, w: SaeWeights, dtype: str = "float32", extra: dict[str, np.ndarray] | None = None,
+                   **cfg_overrides: Any) -> str:
+    """A sparsify hookpoint folder as ``SparseCoder.save_to_disk`` writes it (``dir``'s name is the hookpoint,
+    e.g. ``layers.3``): cfg.json and sae.safetensors (encoder.weight = W_enc.T [F, D], encoder.bias, W_dec,
+    b_dec, and ``extra`` arrays); returns ``dir``. tests/test_sae_sparsify.py checks it against sparsify's own."""
+    os.makedirs(dir, exist_ok=True)
+    tensors = {"encoder.weight": np.ascontiguousarray(w.w_enc.T), "encoder.bias": w.b_enc, "W_dec": w.w_dec,
+               "b_dec": w.b_dec, **(extra or {})}
+    write_safetensors(os.path.join(dir, "sae.safetensors"), tensors, dtype)
+    write_json(os.path.join(dir, "cfg.json"), sparsify_cfg(w, **cfg_overrides))
+    return dir

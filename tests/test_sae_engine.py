@@ -1,6 +1,6 @@
 """SAE feature clamping in the engine (SmolLM2, float32, CPU lane) against transformers with a
 forward hook doing the same clamp (kernels/sae_clamp/naive.py) at the same site: delta and
-reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens and manifest files, in
+reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens, manifest and sparsify files, in
 one mixed batch with vector and plain requests; phases; a clamp to a feature's own value; what capture reads
 at the clamped site and just after it. The same engine (``max_projections`` 2) serves directional
 projections (ablate / cap, several per site, with a vector at the same site, prefill-only and decode-only)
@@ -25,6 +25,7 @@ from tests.sae_writers import (
     write_manifest,
     write_sae_lens,
     write_sae_lens_transcoder,
+    write_sparsify,
 )
 from tests.steering_cases import floats, params, vector
 from vllm_steer.capture.activations import decode_result
@@ -39,11 +40,13 @@ CAPTURE = {"activations": {"sites": ["post_mlp.14", "pre_attn.15"], "positions":
 
 
 
-SAES = {  # name -> {site: weights}; gs (reconstruct allowed) and man (TopK) are full packs: bf16 weights
+SAES = {  # name -> {site: weights}; gs (reconstruct allowed), man and sp (TopK) are full packs: bf16 weights
     "gs": {("post_mlp", 14): bf16_exact(random_sae(HIDDEN, F, "jumprelu", seed=1))},
     "lens": {("post_mlp", 10): random_sae(HIDDEN, F, "relu", seed=2, b_dec_in=True)},
     "man": {("pre_attn", 6): bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=3)),
             ("post_mlp", 20): bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=4))},
+    # an EleutherAI sparsify checkpoint root (its folder layers.22: post_mlp.22), saved in bf16 as theirs are
+    "sp": {("post_mlp", 22): bf16_exact(random_sae(HIDDEN, F, "topk", k=8, seed=6, b_dec_in=True), biases=True)},
 }
 BIG = [{"feature": 3, "kind": "set", "value": 40.0}, {"feature": 17, "kind": "set", "value": 35.0},
        {"feature": 30, "kind": "add", "value": 25.0, "only_if_active": False}]
@@ -63,6 +66,7 @@ REQUESTS = {  # name -> (steering fields, the oracle's edits as [(sae, site, mod
     "man_topk": ({"sae": [{"name": "man", "site": "pre_attn.6", "clamps": BIG},
                           {"name": "man", "site": "post_mlp.20", "clamps": BIG[1:]}]},
                  [("man", ("pre_attn", 6), "delta", BIG), ("man", ("post_mlp", 20), "delta", BIG[1:])], None),
+    "sp_topk": ({"sae": {"name": "sp", "clamps": BIG}}, [("sp", ("post_mlp", 22), "delta", BIG)], None),
     "vector": ({"steering_vectors": floats("post_mlp", 14, VEC)}, [], {"post_mlp": {14: VEC}}),
     "gs_and_vector": ({"sae": {"name": "gs", "clamps": BIG}, "steering_vectors": floats("post_mlp", 14, VEC)},
                       [("gs", ("post_mlp", 14), "delta", BIG)], {"post_mlp": {14: VEC}}),
@@ -183,9 +187,11 @@ def _files(d) -> dict:
         d / name, w, layer, skip, hook_name=f"blocks.{layer}.ln2.hook_normalized" if skip else None))}
         for name, (layer, w, skip) in TCS.items()}
     share = write_sae_lens(d / "share", SHARE, hook_name="blocks.16.hook_resid_post")
+    write_sparsify(d / "sp" / "layers.22", SAES["sp"][("post_mlp", 22)], dtype="bfloat16")
     return {"gs": {"path": str(gs), "site": "post_mlp.14", "reconstruct": True},
             "lens": {"path": str(lens), "features": list(range(32))},
-            "man": {"path": str(man)}, **tcs, "share": {"path": str(share), "features": list(range(24))}}
+            "man": {"path": str(man)}, **tcs, "share": {"path": str(share), "features": list(range(24))},
+            "sp": {"path": str(d / "sp")}}
 
 
 @pytest.fixture(scope="module")

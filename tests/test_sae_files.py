@@ -54,7 +54,7 @@ def _lens_weights(d):
 def test_constants():
     assert SITE_HOOKS == ("pre_attn", "post_attn", "post_mlp")
     assert ACTIVATIONS == ("relu", "jumprelu", "topk")
-    assert FORMATS == ("gemma_scope", "sae_lens", "manifest")
+    assert FORMATS == ("gemma_scope", "sae_lens", "manifest", "sparsify")
 
 
 @pytest.mark.parametrize("text, want", [("post_mlp.12", ("post_mlp", 12)), ("pre_attn.0", ("pre_attn", 0)),
@@ -480,10 +480,11 @@ def _bad_arrays(w):
 
 
 CASES = list(_bad_arrays(random_sae(D, F, "jumprelu")))
+JUMPRELU_FORMATS = ("gemma_scope", "sae_lens", "manifest")  # sparsify's TopK arrays: tests/test_sae_sparsify.py
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", JUMPRELU_FORMATS)
 def test_bad_arrays_are_refused(tmp_path, fmt, case):
     w = random_sae(D, F, "jumprelu")
     arrays, key, match = _bad_arrays(w)[case]
@@ -506,7 +507,7 @@ def test_bad_arrays_are_refused(tmp_path, fmt, case):
     assert e.value.key == key and e.value.path.endswith(file)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", JUMPRELU_FORMATS)
 @pytest.mark.parametrize("name", ["b_enc", "W_dec", "threshold"])
 def test_non_finite_values_are_refused_on_load(tmp_path, fmt, name):
     w = random_sae(D, F, "jumprelu")

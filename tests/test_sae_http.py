@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import API_KEY, LONG_STREAM_TOKENS, SAE_SLOT, SAE_SLOT_SIZE
-from tests.sae_writers import random_sae, write_gemma_scope, write_manifest
+from tests.sae_writers import random_sae, write_gemma_scope, write_manifest, write_sparsify
 from tests.server import log_tail, scrape_metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -27,6 +27,9 @@ def server(api_server, sae_root):
     d = sae_root / "rt_sae"
     files = {seed: write_gemma_scope(str(d / f"s{seed}"), random_sae(HIDDEN, F, "jumprelu", seed=seed)) for seed in (31, 32)}
     files["topk"] = write_manifest(str(d / "topk"), {SAE_SLOT: random_sae(HIDDEN, F, "topk", k=4)}, "topk", 4)
+    sp = random_sae(HIDDEN, F, "topk", k=4, b_dec_in=True)  # EleutherAI sparsify folders (layers.L: post_mlp.L)
+    files["sparsify"] = write_sparsify(str(d / "sp" / f"layers.{SAE_SLOT.split('.')[1]}"), sp)
+    files["sparsify_tc"] = write_sparsify(str(d / "sp_tc" / "layers.8.mlp"), sp, transcode=True)
     return api_server[0], api_server[1], files, api_server[2]
 
 
@@ -99,6 +102,9 @@ def test_registrations_are_refused_with_the_field_at_fault(server):
                                                             "features, ReLU / JumpReLU, delta only (steer.sae_slots): "
                                                             "reconstruct needs a site reserved with d_sae"),
         ({**good, "path": files["topk"], "site": None}, 400, "path", "a TopK SAE needs a site reserved with d_sae"),
+        ({**good, "path": files["sparsify"], "format": "sparsify", "site": None}, 400, "path",
+         "a TopK SAE needs a site reserved with d_sae"),
+        ({**good, "path": files["sparsify_tc"]}, 400, "path", "transcode: a TopK transcoder is not served"),
         ({**good, "name": "../x"}, 400, "name", "module name is"),
         ({**good, "name": "fz"}, 409, "name", "loaded at start-up"),
     ]

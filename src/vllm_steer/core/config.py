@@ -59,11 +59,13 @@ class SaeModuleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     path: str
-    """A Gemma Scope ``params.npz`` (or its folder), a sae-lens folder, or a manifest folder."""
-    format: Literal["gemma_scope", "sae_lens", "manifest"] | None = None
+    """A Gemma Scope ``params.npz`` (or its folder), a sae-lens folder, a manifest folder, or an EleutherAI
+    sparsify hookpoint folder (or its checkpoint root)."""
+    format: Literal["gemma_scope", "sae_lens", "manifest", "sparsify"] | None = None
     """None: told by the files."""
     site: str | None = None
-    """The site of a single-site file (sae-lens names its own): ``post_mlp.12`` or
+    """The site of a single-site file (sae-lens and sparsify name their own; with a sparsify root, the one
+    hookpoint to load): ``post_mlp.12`` or
     ``blocks.12.hook_resid_post`` (``core.site_names``)."""
     features: tuple[int, ...] | None = None
     """The features requests may clamp (their encoder columns / decoder rows are staged on every

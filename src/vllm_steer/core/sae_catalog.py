@@ -44,7 +44,10 @@ class SaeEntry:
 def _identity(name: str, path: str, version: int = 0) -> str:
     stats = [os.stat(path)]
     if os.path.isdir(path):
-        stats += [os.stat(os.path.join(path, f)) for f in sorted(os.listdir(path))]
+        for f in sorted(os.listdir(path)):
+            stats.append(os.stat(os.path.join(path, f)))
+            if os.path.isdir(os.path.join(path, f)):  # a sparsify checkpoint root: a folder per hookpoint
+                stats += [os.stat(os.path.join(path, f, g)) for g in sorted(os.listdir(os.path.join(path, f)))]
     tag = f"\0v{version}" if version else ""  # a runtime registration: keys never outlive it
     return f"{name}\0{os.path.abspath(path)}\0" + ",".join(f"{s.st_size}:{s.st_mtime_ns}" for s in stats) + tag
 

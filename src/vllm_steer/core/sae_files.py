@@ -1,4 +1,5 @@
-"""SAE weight files: Gemma Scope ``params.npz``, sae-lens directories and our ``manifest.json``.
+"""SAE weight files: Gemma Scope ``params.npz``, sae-lens directories, EleutherAI sparsify checkpoints and our
+``manifest.json``.
 
 sae-lens transcoders (``transcoder``, ``skip_transcoder`` and their ``jumprelu_`` kinds) load from sae-lens
 directories as SAEs whose meta says ``transcoder``: they encode layer L's MLP input (no b_dec subtracted) and
@@ -13,7 +14,8 @@ file's bytes beyond short field values (parse errors give a line and column, not
 files are read by a small reader of our own, since numpy has no bfloat16; a header is checked against
 the file's size (its length field, every tensor's data) before anything it describes is read. Every
 file is opened through a ``core.sae_paths.FileAccess`` (runtime registrations: inside steer.sae_root,
-regular files, size cap; ``SaePathError`` passes through unchanged).
+regular files, size cap; ``SaePathError`` passes through unchanged). sparsify's layout and config are
+``core.sae_sparsify``'s (imported on use: it reads through this module's helpers).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from vllm_steer.core.site_names import SITE_FORMS, parse_site_name
 
 SITE_HOOKS: tuple[str, ...] = HOOK_NAMES  # ("pre_attn", "post_attn", "post_mlp")
 ACTIVATIONS = ("relu", "jumprelu", "topk")
-FORMATS = ("gemma_scope", "sae_lens", "manifest")
+FORMATS = ("gemma_scope", "sae_lens", "manifest", "sparsify")
 
 MANIFEST_FORMAT = "vllm-steer-sae"
 MANIFEST_VERSION = 1
@@ -188,6 +190,9 @@ def _matching_formats(path: str) -> list[str]:
         found.append("sae_lens")
     if _is_file(path, MANIFEST_FILE):
         found.append("manifest")
+    sparsify = _sparsify()
+    if sparsify.is_folder(path) or (not found and sparsify.is_root(path)):
+        found.append("sparsify")
     return found
 
 
@@ -200,7 +205,8 @@ def detect_format(path: str) -> str:
         raise SaeFileError(path, "format", f"ambiguous: the directory holds files of {', '.join(found)}; pass format=")
     what = "no such file or directory" if not os.path.exists(path) else "not an SAE file or directory"
     raise SaeFileError(path, "format", f"{what}: looked for a .npz file, a directory with {GEMMA_FILE} (gemma_scope), "
-                                       f"{LENS_CFG} + {LENS_WEIGHTS} (sae_lens) or {MANIFEST_FILE} (manifest)")
+                                       f"{LENS_CFG} + {LENS_WEIGHTS} (sae_lens), {MANIFEST_FILE} (manifest), or "
+                                       f"{LENS_CFG} + sae.safetensors (sparsify: the folder, or a folder of them)")
 
 
 # --- .npz headers and arrays (Gemma Scope) -----------------------------------------------------
@@ -676,10 +682,24 @@ def _manifest_plans(path: str, site: str | None, files: FileAccess) -> dict[Site
     return plans
 
 
+# --- sparsify (core/sae_sparsify.py) ----------------------------------------------------------
+
+
+def _sparsify() -> Any:
+    """``core.sae_sparsify``, imported on use (it imports this module's readers)."""
+    from vllm_steer.core import sae_sparsify
+
+    return sae_sparsify
+
+
+def _sparsify_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
+    return _sparsify().sparsify_plans(path, site, files)
+
+
 # --- public entry points -----------------------------------------------------------------------
 
 _PLANNERS: dict[str, Callable[[str, str | None, FileAccess], dict[Site, _Plan]]] = {
-    "gemma_scope": _gemma_plans, "sae_lens": _lens_plans, "manifest": _manifest_plans,
+    "gemma_scope": _gemma_plans, "sae_lens": _lens_plans, "manifest": _manifest_plans, "sparsify": _sparsify_plans,
 }
 
 
