@@ -53,7 +53,7 @@ class ProjectionTables:
         self._bounds_ring = PinnedRing((n, k, 2), torch.float32, device)
         self._count_ring = PinnedRing((n,), torch.int32, device)
         self._idle_ring = PinnedRing((n,), torch.int32, device)
-        self._live: set[int] = set()  # rows with a projection somewhere
+        self._projecting: set[int] = set()  # rows written with a projection somewhere
         self._sites_of: dict[int, np.ndarray] = {}  # row -> the sites (indices) where it projects
         self._running: set[int] = set()  # rows live in the runtime's sense (held by a running request)
         self._live_at = np.zeros(n, dtype=np.int64)  # per site: running rows that project there
@@ -70,7 +70,7 @@ class ProjectionTables:
         assert row != 0, "row 0 is the unsteered row (its count holds the sites' idle marks)"
         mine = [(self._index[(hook, int(layer))], dirs, bounds) for hook, layer, dirs, bounds in entries or ()
                 if (hook, int(layer)) in self._index]  # others: another rank's sites
-        if not mine and row not in self._live:
+        if not mine and row not in self._projecting:
             return 0
         sites = np.array(sorted({i for i, _, bounds in mine if len(bounds)}), dtype=np.int64)
         if row in self._running:  # rewritten while held (not done today: rows are written before they go live)
@@ -90,9 +90,9 @@ class ProjectionTables:
                 count_host[i] = n
             land_dirs(self._dirs[row])
             land_bounds(self._bounds[:, row])
-            self._live.add(row)
+            self._projecting.add(row)
         else:
-            self._live.discard(row)
+            self._projecting.discard(row)
         land_count(self._count[:, row])
         return count_host.nbytes + (dirs_host.nbytes + bounds_host.nbytes if mine else 0)
 
@@ -105,6 +105,7 @@ class ProjectionTables:
         self._move(self._sites_of.get(row), 1 if live else -1)
 
     def _move(self, sites: np.ndarray | None, delta: int) -> None:
+        """Count a running row in (+1) or out (-1) at ``sites``; land the marks if a site crossed 0."""
         if sites is None or sites.size == 0:
             return
         before = self._live_at > 0
@@ -114,8 +115,3 @@ class ProjectionTables:
             host, land = self._idle_ring.stage()
             host[:] = np.where(after, 0, -1)
             land(self._count[:, 0])
-
-    @property
-    def idle_sites(self) -> list[Site]:
-        """The sites whose mark says no live row projects there (host bookkeeping, no device read)."""
-        return [site for site, i in self._index.items() if self._live_at[i] == 0]
