@@ -138,8 +138,8 @@ def main() -> int:
 
 def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
     """One decode step's steered norms as the engine launches them (see the module docstring), per arm: µs per step
-    (graph replay of one step, less the L2-evicting write's own time), and the result checked against the reference
-    for one launch of each slot kind."""
+    (graph replay of one step, less the L2-evicting write's own time); one input norm (post_mlp projected, pre_attn
+    idle) checked against the reference (``check_err``)."""
     import numpy as np
     import torch
     import triton.testing
