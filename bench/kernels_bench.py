@@ -3,6 +3,15 @@
 norm (idle; row 0; every token steered; the conditional kernel: cond_plain / cond_gated / cond_probe; projections:
 proj_row0 / proj_all; capture plans: capture_idle / capture_all) against
 vLLM's CUDA ``_C.fused_add_rms_norm``, its Inductor-compiled native norm, and a gather-add before the norm.
+Then the decode step as the engine launches it (``step_rows``, N in --step-ns, D 4096): the 64 steered norms of a
+32-layer model (post_attn L; post_mlp L with pre_attn L+1; the final norm), each slot its own vector table and, on a
+``max_projections`` 1 server, its own site of a ``runtime.projection_tables.ProjectionTables`` (the engine's
+layout: a row's 95 sites side by side), one token per row (rows 1..N, each its own direction), and a 256 MiB write
+per step that evicts L2 as the weights do (its own time subtracted): µs per step for ``step_steered`` (vectors at
+every slot, no projection tables: per_request_n16), ``step_proj_idle`` (projection tables, no live row:
+project_idle), ``step_proj_live`` (each row ablating its direction at every post_mlp site, the other sites marked
+idle: project_n16) and ``step_proj_unmarked`` (the same with no site marked idle, every slot reading its token's
+direction: project_n16 before the idle marks).
     python3 bench/kernels_bench.py --out $OUT/kernels.json
 """
 
@@ -23,6 +32,7 @@ def main() -> int:
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--ns", default="1,16,64,256,2048,8192", help="token counts N")
     ap.add_argument("--ds", default="4096,8192", help="hidden sizes D")
+    ap.add_argument("--step-ns", default="16,64", help="token counts of the engine-step rows ('' for none)")
     args = ap.parse_args()
 
     import torch
@@ -117,11 +127,93 @@ def main() -> int:
                        "max_abs_err_vs_ref": err, "max_abs_err_unsteered_vs_vllm_c": err_vllm}
                 rows.append(rec)
                 print(f"N={n:5d} D={d:5d} {impl:24s} {us:8.2f} us  {rec['GBps']:8.1f} GB/s", flush=True)
+    for n in [int(v) for v in args.step_ns.split(",") if v]:
+        rows += step_rows(n, 4096, 32)
     doc = {"gpu": dev, "copy_GBps": round(copy_gbps, 1), "bytes_model": "4*N*D*2 (read x, r; write out, residual)",
            "launches_per_replay": reps, "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k != "rows"}))
     return 0
+
+
+def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
+    """One decode step's steered norms as the engine launches them (see the module docstring), per arm: µs per step
+    (graph replay of one step, less the L2-evicting write's own time); one input norm (post_mlp projected, pre_attn
+    idle) checked against the reference (``check_err``)."""
+    import numpy as np
+    import torch
+    import triton.testing
+
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+    from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
+    from vllm_steer.runtime.projection_tables import ProjectionTables
+
+    dev = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(n)
+    sites = {(h, l) for h in ("pre_attn", "post_attn", "post_mlp") for l in range(layers)}
+    # the norms of a step: post_attn L (slot A), input norm of L + 1 (A: post_mlp L, B: pre_attn L + 1), final
+    norms = []
+    for layer in range(layers):
+        norms.append((("post_attn", layer), None))
+        norms.append((("post_mlp", layer), ("pre_attn", layer + 1) if layer + 1 < layers else None))
+    x = torch.randn(n, d, device=dev, generator=g).to(torch.bfloat16)
+    r = torch.randn(n, d, device=dev, generator=g).to(torch.bfloat16)
+    w = torch.randn(d, device=dev, generator=g).to(torch.bfloat16)
+    index = torch.arange(1, n + 1, dtype=torch.int32, device=dev)  # one row per token, as 16 distinct configs
+    tables = {s: (torch.randn(R, d, device=dev, generator=g) * 0.05).to(torch.bfloat16) for s in sites}
+    on, off = (torch.full((1,), v, dtype=torch.uint8, device=dev) for v in (1, 0))
+    proj = ProjectionTables(sites, R, 1, d, dev)
+    rng = np.random.default_rng(n)
+    for row in range(1, n + 1):
+        v = rng.standard_normal(d).astype(np.float32)
+        v = (v / np.linalg.norm(v)).astype(np.float32)
+        proj.write_row(row, [("post_mlp", l, v.tobytes(), np.zeros(2, np.float32).tobytes()) for l in range(layers)])
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device=dev)
+
+    def step(flag, with_proj: bool):
+        def run():
+            flush.zero_()
+            for a, b in norms:
+                vec_b = (tables[b], flag) if b is not None else ()
+                pa = proj.descs[a] if with_proj else ()
+                pb = proj.descs[b] if with_proj and b is not None else ()
+                steered_norm_triton(x, r, w, EPS, 0.0, index, (tables[a], flag), vec_b, proj_a=pa, proj_b=pb)
+        return run
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
+
+    flush_us = timed(lambda: flush.zero_())
+    out, err = [], None
+
+    def record(label: str, fn) -> None:
+        us = timed(fn) - flush_us
+        out.append({"N": n, "D": d, "impl": label, "us": round(us, 3), "launches": len(norms),
+                    "us_per_launch": round(us / len(norms), 3), "flush_us": round(flush_us, 2), "check_err": err})
+        print(f"N={n:5d} D={d:5d} {label:24s} {us:8.2f} us/step ({len(norms)} launches, {us / len(norms):.2f} us "
+              f"each)", flush=True)
+
+    record("step_steered", step(on, False))
+    record("step_proj_idle", step(off, True))  # no row live: every site marked idle
+    for row in range(1, n + 1):
+        proj.set_live(row, True)
+    torch.cuda.synchronize()
+    a, b = norms[1]  # a check: post_mlp 0 (projected) + pre_attn 1 (idle) at one input norm, as the reference
+    got = steered_norm_triton(x, r, w, EPS, 0.0, index, (tables[a], off), (tables[b], off), proj_a=proj.descs[a],
+                              proj_b=proj.descs[b])
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, (tables[a], off), (tables[b], off), proj_a=proj.descs[a],
+                              proj_b=proj.descs[b])
+    err = max(float((p.float() - q.float()).abs().max()) for p, q in zip(got, want))
+    plain = steered_norm_naive(x, r, w, EPS, 0.0, index, (tables[a], off), (tables[b], off))
+    moved = float((got[1].float() - plain[1].float()).abs().max())
+    print(f"N={n:5d} step check (post_mlp projected, pre_attn idle): max abs err vs reference {err:.3g}, "
+          f"moved by the projection {moved:.3g}")
+    record("step_proj_live", step(off, True))
+    proj._count[:, 0] = 0  # no site marked idle: every slot reads its token's direction (before the marks)
+    record("step_proj_unmarked", step(off, True))
+    return out
 
 
 if __name__ == "__main__":

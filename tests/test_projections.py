@@ -115,16 +115,48 @@ def test_tables_take_a_rows_projections_and_clear_them_when_the_row_is_reused(fe
     tables = ProjectionTables({("post_mlp", 1), ("pre_attn", 2), ("post_mlp", 3)}, 4, 2, D, torch.device("cpu"))
     assert tables.nbytes == 3 * (4 * 4 + 4 * 2 * D * 4 + 4 * 2 * 2 * 4)
     tables.write_row(2, p.projections[pk])
-    count, dirs, bounds = tables.descs[("post_mlp", 1)]
-    assert count.tolist() == [0, 0, 2, 0] and tables.descs[("pre_attn", 2)][0].tolist() == [0, 0, 1, 0]
+    count, dirs, bounds = tables.descs[("post_mlp", 1)]  # count[0]: the site's idle mark (no row live yet)
+    assert count.tolist() == [-1, 0, 2, 0] and tables.descs[("pre_attn", 2)][0].tolist() == [-1, 0, 1, 0]
     np.testing.assert_allclose(dirs[2].numpy(), [UNIT, UNIT], rtol=1e-6)
     assert bounds[2].tolist() == [[0.0, 0.0], [1.0, 2.0]]
     q, qk, _ = fe.resolve({"steering_projections": {"post_mlp.3": [cap(hi=0.5)]}})
     tables.write_row(2, q.projections[qk])  # the row reused for another config: its old sites cleared
     assert [tables.descs[s][0].tolist() for s in (("post_mlp", 1), ("pre_attn", 2), ("post_mlp", 3))] == \
-        [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
+        [[-1, 0, 0, 0], [-1, 0, 0, 0], [-1, 0, 1, 0]]
     tables.write_row(2, None)
-    assert tables.descs[("post_mlp", 3)][0].tolist() == [0, 0, 0, 0]
+    assert tables.descs[("post_mlp", 3)][0].tolist() == [-1, 0, 0, 0]
+
+
+def test_a_site_is_marked_idle_while_no_live_row_projects_there(fe):
+    """``count[site, 0]`` is -1 (the kernel reads no direction there) until a live row projects at the site, 0 while
+    one does; rows written but not live (cached) leave the marks as they are; a site shared by two live rows stays
+    live until both are released; a row rewritten while live moves its sites' counts."""
+    sites = (("post_mlp", 1), ("pre_attn", 2), ("post_mlp", 3))
+    tables = ProjectionTables(set(sites), 5, 2, D, torch.device("cpu"))
+
+    def marks() -> list[int]:
+        return [int(tables.descs[s][0][0]) for s in sites]
+
+    p, pk, _ = fe.resolve({"steering_projections": {"post_mlp.1": [ablate()], "pre_attn.2": [ablate()]}})
+    q, qk, _ = fe.resolve({"steering_projections": {"post_mlp.1": [cap(hi=0.5)]}})
+    tables.write_row(2, p.projections[pk])
+    tables.write_row(3, q.projections[qk])
+    assert marks() == [-1, -1, -1]  # written, not live
+    tables.set_live(2, True)
+    tables.set_live(2, True)  # idempotent
+    assert marks() == [0, 0, -1]
+    tables.set_live(3, True)
+    tables.set_live(4, True)  # a row without projections: nothing moves
+    tables.set_live(2, False)
+    assert marks() == [0, -1, -1]  # row 3 still holds post_mlp.1
+    tables.set_live(3, False)
+    assert marks() == [-1, -1, -1]
+    r, rk, _ = fe.resolve({"steering_projections": {"post_mlp.3": [ablate()]}})
+    tables.set_live(3, True)
+    tables.write_row(3, r.projections[rk])  # rewritten while live: post_mlp.1 out, post_mlp.3 in
+    assert marks() == [-1, -1, 0]
+    tables.write_row(3, None)
+    assert marks() == [-1, -1, -1] and tables.descs[("post_mlp", 3)][0].tolist()[3] == 0
 
 
 def test_a_condition_may_gate_projections_and_keys_them_with_the_phase():

@@ -44,9 +44,10 @@ def project_naive(s: torch.Tensor, rows: torch.Tensor, proj: Sequence[torch.Tens
     """The float32 stream ``s`` [N, D] after its rows' directional projections, one direction after another:
     ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v`` (v a unit direction; ablation: lo = hi = 0, the
     component along v removed). ``proj``: (count [R] int32: the row's live directions, dirs [R, K, D] float32,
-    bounds [R, K, 2] float32: lo, hi)."""
+    bounds [R, K, 2] float32: lo, hi). ``count[0]`` (row 0's, the unsteered row's) is the site's idle mark: < 0, no
+    token is projected here, whatever its row's count (``runtime.projection_tables``: no live row projects here)."""
     count, dirs, bounds = proj
-    live = count.index_select(0, rows)
+    live = torch.where(count[:1] >= 0, count.index_select(0, rows), 0)  # a tensor test: no host sync on CUDA
     for k in range(dirs.shape[1]):
         v = dirs[:, k].index_select(0, rows).float()
         lo, hi = bounds[:, k].index_select(0, rows).unbind(-1)

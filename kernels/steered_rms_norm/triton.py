@@ -100,10 +100,12 @@ def _project(b_s, i_row, proj, o_d, m_d):
     """b_s after row ``i_row``'s directional projections, one after another (naive.project_naive):
     ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v``. ``proj``: (count [R] int32, dirs [R, K, D] fp32,
     bounds [R, K, 2] fp32, K, dirs' row stride, dirs' direction stride). The count, the first direction and
-    its bounds are loaded together (none waits on the count), and not at all for row 0 (unsteered tokens)."""
+    its bounds are loaded together (none waits on the count), and not at all for row 0 (unsteered tokens) nor at
+    a site marked idle (``count[0] < 0``: no live row projects here, ``runtime/projection_tables.py``; the mark is
+    loaded with the token's row, so the loads wait on nothing more than before)."""
     p_count, p_dirs, p_bounds, K, stride_row, stride_k = proj
     i_r = i_row.to(tl.int64)
-    live = i_row != 0
+    live = (i_row != 0) & (tl.load(p_count) >= 0)
     n = tl.load(p_count + i_r, mask=live, other=0)
     b_v = tl.load(p_dirs + i_r * stride_row + o_d, mask=m_d & live, other=0.0).to(tl.float32)
     lo = tl.load(p_bounds + i_r * K * 2, mask=live, other=0.0)

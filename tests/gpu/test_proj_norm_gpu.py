@@ -2,7 +2,8 @@
 where CUDA is available): the Triton kernel against the plain-torch reference (``steered_norm_naive``) with vectors,
 with conditions (rows whose condition gates their projections, at a probe site and after it), and with SAE
 clamps; unprojected rows equal the kernel without projections bit for bit; in a CUDA graph captured before any
-row had projections, a row's directions written afterwards take effect at replay."""
+row had projections, a row's directions written afterwards take effect at replay; a site marked idle
+(``runtime.projection_tables``) projects nothing, and its mark follows the rows going live under a graph."""
 
 from __future__ import annotations
 
@@ -101,3 +102,45 @@ def test_directions_written_after_graph_capture_take_effect_at_replay():
         torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
     moved = index == 2
     assert not torch.equal(out["y"][1][moved], before[1][moved]) and torch.equal(out["y"][1][~moved], before[1][~moved])
+
+
+def test_a_site_marked_idle_projects_nothing_and_its_mark_follows_live_rows_under_a_graph():
+    """``runtime.projection_tables``' idle marks (``count[site, 0]``) on the GPU: a graph captured while no row is
+    live is the kernel without projections, bit for bit; the row going live (its mark landed by a pinned copy into
+    the strided column) makes the replay project its tokens as the reference; released, bit for bit as before."""
+    import numpy as np
+
+    from vllm_steer.runtime.projection_tables import ProjectionTables
+
+    d, n = 4096, 16
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x, r, w, ta, tb = norm_inputs(g, n, d, torch.bfloat16, R)
+    index = torch.arange(n, device="cuda", dtype=torch.int32) % R
+    one = torch.ones(1, dtype=torch.uint8, device="cuda")
+    tables = ProjectionTables({("post_mlp", 1), ("pre_attn", 2)}, R, 1, d, torch.device("cuda"))
+    pa, pb = tables.descs[("post_mlp", 1)], tables.descs[("pre_attn", 2)]
+    v = np.random.default_rng(4).standard_normal(d).astype(np.float32)
+    tables.write_row(2, [("post_mlp", 1, (v / np.linalg.norm(v)).astype(np.float32).tobytes(),
+                          np.zeros(2, np.float32).tobytes())])
+    vec = ([ta, one], [tb, one])
+    plain = _op(x, r, w, EPS, 0.0, index, *vec)
+    _op(x, r, w, EPS, 0.0, index, *vec, proj_a=pa, proj_b=pb)  # compile before capturing
+    out = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["y"] = _op(x, r, w, EPS, 0.0, index, *vec, proj_a=pa, proj_b=pb)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(out["y"], plain))  # row 2 written, not live: idle
+    tables.set_live(2, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert pa[0][0].item() == 0 and pb[0][0].item() == -1  # only post_mlp.1 has a live projecting row
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, *vec, proj_a=pa, proj_b=pb)
+    for a, b in zip(out["y"], want):
+        torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
+    moved = index[:n] == 2
+    assert not torch.equal(out["y"][1][moved], plain[1][moved])
+    assert torch.equal(out["y"][1][~moved], plain[1][~moved]) and torch.equal(out["y"][0][~moved], plain[0][~moved])
+    tables.set_live(2, False)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(out["y"], plain))

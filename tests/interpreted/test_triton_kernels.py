@@ -458,6 +458,14 @@ def test_step_index_kernel_matches_reference(seed):
     assert torch.equal(got, want)
 
 
+def _proj_case(seed: int) -> tuple:
+    """(n, d, x, r, table a, table b, index, weight) of the projection kernel tests: 12 tokens, d 80, float32."""
+    n, d = 12, 80
+    x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=seed)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(seed + 1)) * 0.5
+    return n, d, x, r, ta, tb, token_rows(n), w
+
+
 def _projections(rows: int, d: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     """(count, dirs, bounds) for ``rows`` rows: row 0 none, odd rows ablate their directions, even rows cap
     them into [-0.5, 0.5]; row r < rows - 1 has min(r, k) live directions (unit vectors); the last row has none
@@ -481,10 +489,7 @@ def test_triton_projection_kernel_matches_reference(interpreted, variant):
     an ablating row with one direction and no later add at that slot leaves a stream with no component along
     it; row 0 is the plain norm, bit for bit."""
     kernel, _ = interpreted
-    n, d = 12, 80
-    x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=70)
-    index = token_rows(n)
-    w = torch.randn(d, generator=torch.Generator().manual_seed(71)) * 0.5
+    n, d, x, r, ta, tb, index, w = _proj_case(seed=70)
     pa, pb = _projections(6, d, 2, seed=72), _projections(6, d, 3, seed=73)
     extra = {}
     if variant.startswith("cond"):
@@ -530,6 +535,49 @@ def test_triton_projection_kernel_matches_reference(interpreted, variant):
         along = t1[1][rows == 1] @ v
         torch.testing.assert_close(along, torch.zeros_like(along), rtol=0, atol=1e-5)
         torch.testing.assert_close(t1[1], only_b[1], **_SAE_TOL[torch.float32])
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("variant", ["plain", "cond", "sae"])
+def test_triton_projections_skip_a_site_marked_idle(interpreted, variant):
+    """A site whose idle mark is set (``count[0] = -1``: no live row projects there, runtime/projection_tables.py)
+    projects no token, whatever its row's count: the kernel is the one without projections, bit for bit, as the
+    reference; the mark cleared (0), the same tables project again (the marks of the two slots are independent)."""
+    kernel, _ = interpreted
+    n, d, x, r, ta, tb, index, w = _proj_case(seed=90)
+    pa, pb = _projections(6, d, 2, seed=92), _projections(6, d, 1, seed=93)
+    extra = {}
+    if variant == "cond":  # rows 1 and 4 gate their projections (the gated path's call)
+        cond_site = torch.tensor([-1, 20 | PROJ_GATED, -1, 5, 21 | PROJ_GATED, 5], dtype=torch.int32)
+        params = torch.tensor([[0.1, 2.0, 0.0, 0.0]] * 6, dtype=torch.float32)
+        params[0, 3] = 1.0
+        probe = torch.randn(6, d, generator=torch.Generator().manual_seed(94)) / 8
+        extra = {"cond": (cond_site, params, probe, torch.tensor([20, 21], dtype=torch.int32))}
+    elif variant == "sae":
+        extra = {"sae_a": clamp_pack(d, 37, seed=95, jumprelu=True)}
+    vec = ((ta, _on()), (tb, _on()))
+    gate0 = torch.rand(n + 5, generator=torch.Generator().manual_seed(96)) * 0.8 + 0.1
+    idle_a = (torch.cat([torch.tensor([-1], dtype=torch.int32), pa[0][1:]]), *pa[1:])
+    assert int(pa[0][0]) == 0 and (pa[0][1:] > 0).any()  # the helper's tables: site live, rows projecting
+
+    def both(proj_a, proj_b):
+        out = []
+        for fn in (kernel.steered_norm_triton, steered_norm_naive):
+            extra_g = dict(extra, gate=gate0.clone()) if extra.get("cond") else extra
+            out.append(fn(x, r, w, 1e-5, 0.0, index, *vec, **extra_g, proj_a=proj_a, proj_b=proj_b))
+        return out
+
+    (none_t, none_n), (idle_t, idle_n), (live_t, live_n) = both((), ()), both(idle_a, ()), both(pa, ())
+    assert all(torch.equal(a, b) for a, b in zip(idle_t, none_t))  # idle: the kernel without projections
+    assert all(torch.equal(a, b) for a, b in zip(idle_n, none_n))
+    for a, b in zip(live_t, live_n):
+        torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
+    steered = index[:n] != 0
+    assert not torch.allclose(live_t[1][steered], none_t[1][steered], rtol=1e-3, atol=1e-3)
+    (mixed_t, mixed_n), (full_t, _) = both(idle_a, pb), both((), pb)  # A idle, B live: only B projects
+    for a, b, c in zip(mixed_t, mixed_n, full_t):
+        torch.testing.assert_close(a, b, **_SAE_TOL[torch.float32])
+        assert torch.equal(a, c)
 
 
 @_INTERPRETER_INDEX

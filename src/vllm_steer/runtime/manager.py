@@ -173,10 +173,13 @@ class SteeringRuntime:
             self._set_live(row, False)
 
     def _set_live(self, row: int, live: bool) -> None:
-        """A row became live or was released: the tables' any-active flags and the condition flag follow."""
+        """A row became live or was released: the tables' any-active flags, the condition flag and the projection
+        sites' idle marks follow."""
         self.tables.set_live(row, live)
         if self.conditions is not None:
             self.conditions.set_live(row, live)
+        if self.projections is not None:
+            self.projections.set_live(row, live)
 
     def _vectors_for(self, steering: SteerPayload, key: str) -> Layout:
         if (rows := steering.rows_of(key)) is not None:

@@ -11,6 +11,14 @@ Writes are control-plane (when a row is written), never per step; no host sync (
 Stored as one tensor per kind (``dirs`` [R, sites, K, D] so a row is one copy; ``bounds`` and ``count`` site-major,
 so each site's view is contiguous): writing a row is five device operations whatever the number of sites (per-site
 tensors took three per site: 96 at 32 sites, at every admission).
+
+Each site's ``count[0]`` (row 0's, never a token's count: row 0 is the unsteered row) is the site's idle mark: -1 while
+no live row has a projection there, 0 otherwise (a live row: one a running request holds, ``set_live``). The kernel
+reads a token's count, direction and bounds only at a site not marked idle, so a server with projections pays for
+them only at the sites some running request projects at (a project_n16 request ablating at post_mlp made every
+steered token read a 16 KiB direction row at all 95 slots, 63 of them with count 0). Like the vector tables'
+any-active flags (``runtime.tables``), the mark changes only when a site's number of live projecting rows crosses 0,
+staged in a pinned ring as the rows are.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class ProjectionTables:
         self._dirs = torch.zeros(num_rows, n, k, d_pad, dtype=torch.float32, device=device)  # row-major: one copy
         self._bounds = torch.zeros(n, r_pad, k, 2, dtype=torch.float32, device=device)
         self._count = torch.zeros(n, r_pad, dtype=torch.int32, device=device)
+        self._count[:, 0] = -1  # every site idle: no live row projects anywhere yet
         self.descs: dict[Site, list[torch.Tensor]] = {
             site: [self._count[i, :num_rows], self._dirs[:, i, :, :hidden], self._bounds[i, :num_rows]]
             for site, i in self._index.items()}
@@ -43,7 +52,11 @@ class ProjectionTables:
         self._dirs_ring = PinnedRing((n, k, d_pad), torch.float32, device)
         self._bounds_ring = PinnedRing((n, k, 2), torch.float32, device)
         self._count_ring = PinnedRing((n,), torch.int32, device)
-        self._live: set[int] = set()  # rows with a projection somewhere
+        self._idle_ring = PinnedRing((n,), torch.int32, device)
+        self._projecting: set[int] = set()  # rows written with a projection somewhere
+        self._sites_of: dict[int, np.ndarray] = {}  # row -> the sites (indices) where it projects
+        self._running: set[int] = set()  # rows live in the runtime's sense (held by a running request)
+        self._live_at = np.zeros(n, dtype=np.int64)  # per site: running rows that project there
 
     @property
     def nbytes(self) -> int:
@@ -54,10 +67,16 @@ class ProjectionTables:
         ranks skipped) and none anywhere else; bytes written. At most five device operations (the row's
         directions, bounds and counts over every site of this rank, staged in pinned buffers and copied
         non-blocking), none for a row that had and gets no projection; no host sync."""
+        assert row != 0, "row 0 is the unsteered row (its count holds the sites' idle marks)"
         mine = [(self._index[(hook, int(layer))], dirs, bounds) for hook, layer, dirs, bounds in entries or ()
                 if (hook, int(layer)) in self._index]  # others: another rank's sites
-        if not mine and row not in self._live:
+        if not mine and row not in self._projecting:
             return 0
+        sites = np.array(sorted({i for i, _, bounds in mine if len(bounds)}), dtype=np.int64)
+        if row in self._running:  # rewritten while held (not done today: rows are written before they go live)
+            self._move(self._sites_of.get(row), -1)
+            self._move(sites, +1)
+        self._sites_of[row] = sites
         count_host, land_count = self._count_ring.stage()
         count_host[:] = 0
         if mine:
@@ -71,8 +90,28 @@ class ProjectionTables:
                 count_host[i] = n
             land_dirs(self._dirs[row])
             land_bounds(self._bounds[:, row])
-            self._live.add(row)
+            self._projecting.add(row)
         else:
-            self._live.discard(row)
+            self._projecting.discard(row)
         land_count(self._count[:, row])
         return count_host.nbytes + (dirs_host.nbytes + bounds_host.nbytes if mine else 0)
+
+    def set_live(self, row: int, live: bool) -> None:
+        """``row`` became live (a running request holds it) or was released: the sites it projects at count it in
+        (out); a site's idle mark (``count[site, 0]``) is written when its count crosses 0 (control plane)."""
+        if live == (row in self._running):
+            return
+        (self._running.add if live else self._running.discard)(row)
+        self._move(self._sites_of.get(row), 1 if live else -1)
+
+    def _move(self, sites: np.ndarray | None, delta: int) -> None:
+        """Count a running row in (+1) or out (-1) at ``sites``; land the marks if a site crossed 0."""
+        if sites is None or sites.size == 0:
+            return
+        before = self._live_at > 0
+        self._live_at[sites] += delta
+        after = self._live_at > 0
+        if not np.array_equal(before, after):
+            host, land = self._idle_ring.stage()
+            host[:] = np.where(after, 0, -1)
+            land(self._count[:, 0])
