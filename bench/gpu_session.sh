@@ -106,7 +106,9 @@ case "${1:-}" in
   gates)
     for t in tests/gpu/test_sae_norm_gpu.py tests/gpu/test_sae_full_gpu.py tests/gpu/test_transcoder_gpu.py \
         tests/gpu/test_proj_norm_gpu.py; do
-      echo "== $t"; timeout 300 "${PT[@]}" --durations=5 "$t" 2>&1 | tail -25
+      # a test past 150 s dumps every thread's stack (pytest's faulthandler): the twenty-fifth's stall, if it recurs
+      echo "== $t"; timeout 300 "${PT[@]}" --durations=5 -o faulthandler_timeout=150 "$t" > /tmp/gates_k.log 2>&1
+      grep -B2 -A30 "Timeout (0:02:30)" /tmp/gates_k.log | head -60; tail -25 /tmp/gates_k.log
     done
     for t in tests/gpu_e2e/test_sae_full_engine_gpu.py tests/gpu_e2e/test_deepseek_v4_gpu.py; do
       echo "== $t"; VLLM_PLUGINS=steer timeout 420 "${PT[@]}" -rs "$t" > /tmp/gates_e2e.log 2>&1
