@@ -44,7 +44,8 @@ import triton.language as tl
 
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
-from vllm_steer.kernels.steered_rms_norm.triton import _add_edit, _add_row, _project_gated, _sae_clamp_row
+from vllm_steer.kernels.steered_rms_norm.triton import (_PROJ_GATED, _SAE_GATED, _VECTORS_UNGATED, _add_edit, _add_row,
+                                                         _project_gated, _sae_clamp_row)
 
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
@@ -53,9 +54,6 @@ _SELECT_CHUNK = 4096  # larger d_sae: read in chunks of this many, once per bit 
 _GROUPS = 64  # TopK's lower bound: the smallest of this many groups' largest keys (valid for k <= 64)
 _SELECT_C = 1024  # clampable features a step of _select's clamp loops (one step for C <= 1024: fewer round trips)
 _RECON = tl.constexpr(RECONSTRUCT)
-_SAE_GATED = tl.constexpr(1 << 17)
-_VECTORS_UNGATED = tl.constexpr(1 << 16)
-_PROJ_GATED = tl.constexpr(1 << 18)
 
 
 @triton.jit
