@@ -136,3 +136,27 @@ def test_typed_answers_tolerate_new_keys_and_name_a_wrong_shape():
                                                              "dtype": "x"}, "config": None}, Status)
     with pytest.raises(ValueError, match="name"):
         decoded({"data": [{"name": 1}]}, SaeList)
+
+
+_RACE = """
+import sys, threading
+sys.setswitchinterval(1e-6)
+from vllm_steer.client_types import Completion, decoded
+body = {"id": "c", "model": "m", "choices": [{"index": 0, "text": "a"}], "usage": {"total_tokens": 2},
+        "steering": {"prefill": "k", "module": {"name": "j"}}}
+go = threading.Barrier(8)
+def one():
+    go.wait()
+    decoded(body, Completion)
+threads = [threading.Thread(target=one) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+"""
+
+
+def test_first_answers_decoded_on_several_threads_at_once_do_not_crash():
+    """msgspec builds a Struct's decoding info at its first use, and two threads doing that at once segfaulted the
+    extraction example in CI (its pool decodes completions in parallel; 5 of 30 runs of this script crashed before
+    `core.struct_info.prebuild`). Each run is a fresh interpreter, so each is a first use."""
+    codes = [subprocess.run([sys.executable, "-c", _RACE], capture_output=True).returncode for _ in range(20)]
+    assert codes == [0] * 20

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from vllm_steer.core.struct_info import prebuild
+
 T = TypeVar("T")
 
 
@@ -229,3 +231,6 @@ def decoded(body: Any, kind: type[T]) -> T:
     if isinstance(out, Completion):
         out.raw = body
     return out
+
+
+prebuild(Status, Module, ModuleList, Sae, SaeList, Deleted, Completion)  # the Client's threads may decode at once

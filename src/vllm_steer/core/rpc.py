@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_steer.core.struct_info import prebuild
+
 ENGINE_CORE, WORKER = "engine core", "worker"
 
 
@@ -117,6 +119,9 @@ METHODS: dict[str, Method] = {
     "vllm_steer_forget_modules": Method(ForgetModules, WORKER, "drop module versions nothing uses"),
     "vllm_steer_stage_sae": Method(StageSae, WORKER, "stage a runtime SAE into reserved sites"),
 }
+
+
+prebuild(*{m.args for m in METHODS.values()})  # parse_args may first run on any thread of the answering process
 
 
 class RpcArgsError(ValueError):
