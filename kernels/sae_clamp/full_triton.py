@@ -44,8 +44,8 @@ import triton.language as tl
 
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
-from vllm_steer.kernels.steered_rms_norm.triton import (_PROJ_GATED, _SAE_GATED, _VECTORS_UNGATED, _add_edit, _add_row,
-                                                         _project_gated, _sae_clamp_row)
+from vllm_steer.kernels.steered_rms_norm.triton import (_add_edit, _add_row, _gate_weights, _project_gated,
+                                                         _sae_clamp_row)
 
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
@@ -109,17 +109,7 @@ def _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, p
         b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0).to(tl.float32)
     if PRE_VEC or PRE_SAE or PRE_PROJ or PRE_FULL:
         i_row = tl.load(p_index + i_t)
-        if COND:  # an SAE norm only reads the gate (no probe sits here)
-            i_gsite = tl.load(cond[0] + i_row)
-            g = tl.load(cond[3] + i_t)
-            w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
-            w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
-            proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
-        else:
-            w_sae = 1.0
-            w_vec = 1.0
-            proj_gated = False
-            g = 1.0
+        w_sae, w_vec, proj_gated, g = _gate_weights(cond, i_row, i_t, COND)  # an SAE norm only reads the gate
         if PRE_SAE:
             b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, 32, w_sae)
         if PRE_FULL:

@@ -133,6 +133,25 @@ def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g, COND: tl.constexpr = Tr
 
 
 @triton.jit
+def _gate_weights(cond, i_row, i_t, COND: tl.constexpr):
+    """(w_sae, w_vec, proj_gated, g) of token ``i_t`` (row ``i_row``) at a norm that only reads the gate (no probe
+    sits there): the gate ``g`` weighs the row's SAE edit, vectors and projections as its site word's bits say,
+    1 / ungated for a row without a condition. Without conditions (COND False) the weights are 1 and ``g`` unused."""
+    if COND:
+        i_gsite = tl.load(cond[0] + i_row)
+        g = tl.load(cond[3] + i_t)
+        w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
+        w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
+        proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
+    else:
+        w_sae = 1.0
+        w_vec = 1.0
+        proj_gated = False
+        g = 1.0
+    return w_sae, w_vec, proj_gated, g
+
+
+@triton.jit
 def _plan_of(i_t, cap):
     """Token ``i_t``'s pool row in a slot's capture plan (-1: not captured), loaded at the top of the kernel
     with the stream: a load issued where the store needs it would put its latency on the launch's path."""
@@ -328,19 +347,8 @@ def _steered_norm_kernel(
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
     elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC or FULL_A or FULL_B:
         i_row = tl.load(p_index + i_t)
-        if COND:  # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
-            p_csite = cond[0]
-            p_gate = cond[3]
-            i_gsite = tl.load(p_csite + i_row)
-            g = tl.load(p_gate + i_t)
-            w_sae = tl.where((i_gsite >= 0) & ((i_gsite & _SAE_GATED) != 0), g, 1.0)
-            w_vec = tl.where((i_gsite >= 0) & ((i_gsite & _VECTORS_UNGATED) == 0), g, 1.0)
-            proj_gated = (i_gsite >= 0) & ((i_gsite & _PROJ_GATED) != 0)
-        else:  # no conditions: the weights are 1, the projections ungated (``g`` unused)
-            w_sae = 1.0
-            w_vec = 1.0
-            proj_gated = False
-            g = 1.0
+        # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
+        w_sae, w_vec, proj_gated, g = _gate_weights(cond, i_row, i_t, COND)
         if SAE_A:
             if SPLIT > 1:
                 b_s, go = _sae_clamp_split(b_s, b_s, i_t, i_row, tl.program_id(1), split, sae_a, o_d, m_d, D,
