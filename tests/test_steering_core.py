@@ -58,21 +58,26 @@ def core_run(smollm2_path, prompt_ids, tmp_path_factory):
         params(steering_vectors=floats(HOOKS[i % 3], 4 + 2 * i, vector(HIDDEN, 100 + i, SCALE)))
         for i in range(8)
     ] + [params()]
+    d = tmp_path_factory.mktemp("core")
+    preloaded = d / "pre.json"  # oracle[3]'s vector as a start-up module of the LLM's config
+    preloaded.write_text(json.dumps({"name": "pre", "steering_vectors": floats(HOOKS[2], LAYER, vector(HIDDEN, 2, SCALE))}))
     job = {
         "model": smollm2_path,
-        "llm_kwargs": _engine(max_configs=10),
+        "llm_kwargs": _engine(max_configs=10, additional_config={"steer": {"max_configs": 10,
+                                                                             "modules": {"pre": str(preloaded)}}}),
         "calls": [
             {"prompts": [_prompt(prompt_ids)] * len(oracle), "params": oracle},
             {"prompts": [_prompt(prompt_ids)] * len(mixed), "params": mixed},
         ]
         + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in mixed]
         + [{"llm_call": "tests.engine_job:generate_error", "kwargs": {"extra": extra, "prompt": _prompt(prompt_ids)}}
-           for extra in MISSPELLED],
+           for extra in MISSPELLED]
+        + [{"prompts": [_prompt(prompt_ids)], "params": [params(steering_module={"name": "pre"})]}],
     }
-    res = run_job(job, tmp_path_factory.mktemp("core"))
+    res = run_job(job, d)
     alone = res["calls"][2 : 2 + len(mixed)]
     return {"oracle": res["calls"][0], "mixed": res["calls"][1], "alone": [c[0] for c in alone], "mixed_params": mixed,
-            "misspelled": res["calls"][2 + len(mixed):]}
+            "misspelled": res["calls"][2 + len(mixed):-1], "preloaded": res["calls"][-1][0]}
 
 
 # offline extra_args: a near-miss of a steering field is refused (vLLM would ignore it); other keys pass
@@ -103,6 +108,15 @@ def test_unsteered_request_matches_transformers(core_run, smollm2_path, prompt_i
     ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12)
     got = core_run["oracle"][0]
     assert got["token_ids"] == ref_tokens
+    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+
+
+def test_a_module_in_the_llm_config_is_preloaded_and_steers_as_transformers(core_run, smollm2_path, prompt_ids):
+    """``steer.modules`` of an in-process ``LLM`` are registered when it is built (before, only a server loaded them:
+    the request was refused as naming an unknown module): the module request equals transformers with its vector."""
+    got = core_run["preloaded"]
+    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, {HOOKS[2]: {LAYER: vector(HIDDEN, 2, SCALE)}})
+    assert got["token_ids"] == ref_tokens and got["steering"]["module"]["name"] == "pre", got
     np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
 
 

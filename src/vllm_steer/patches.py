@@ -62,6 +62,9 @@ PATCHES: tuple[Patch, ...] = (
           "vllm_steer.frontend.applied_output",
           "LLM outputs say what was applied: a steered request's state sets RequestOutput.steering (the HTTP field); "
           "RequestOutput gains a class attribute steering = None", "vLLM outputs carry plugin fields"),
+    Patch("vllm.v1.engine.llm_engine:LLMEngine.__init__", ("self",), "vllm_steer.frontend.llm_preload",
+          "an in-process LLM registers steer.modules once its engine is up, as the API server does at start-up",
+          "vLLM has a post-start hook for plugins"),
     Patch("vllm.v1.core.sched.scheduler:Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
           "vllm_steer.engine.scheduler", "called, not replaced (engine.refusals): finishes refused requests with FINISHED_ERROR",
           "as above"),
@@ -347,6 +350,7 @@ GENERAL_APPLIERS = (
     "vllm_steer.server.openai_fields:patch_openai_requests_in_api_server",
     "vllm_steer.frontend.stop_output:patch_output_processor",
     "vllm_steer.frontend.applied_output:patch_output_processor_applied",
+    "vllm_steer.frontend.llm_preload:patch_llm_engine_preload",
 )
 # The endpoint plugin's (API server process only).
 SERVER_APPLIERS = ("vllm_steer.server.openai_fields:patch_openai_requests",)
