@@ -96,11 +96,14 @@ def _edit_input(fn):
 
 def install_edits(model, edits: list) -> list:
     """Hooks that replace the residual stream at (hook, layer) by ``fn(stream)``, in list order:
-    pre_attn = a layer's input, post_mlp = its output (post_attn has no module boundary in HF)."""
+    pre_attn = a layer's input, post_mlp = its output (post_attn has no module boundary in HF); ``mlp``: ``fn`` is
+    a forward hook on the layer's MLP (a transcoder's edit of its output)."""
     handles = []
     for hook, layer, fn in edits:
         block = model.model.layers[int(layer)]
-        if hook == "pre_attn":
+        if hook == "mlp":
+            handles.append(block.mlp.register_forward_hook(fn))
+        elif hook == "pre_attn":
             handles.append(block.register_forward_pre_hook(_edit_input(fn), with_kwargs=True))
         elif hook == "post_mlp":
             handles.append(block.register_forward_hook(_edit_output(fn)))

@@ -1,10 +1,17 @@
 """The SAE edit transformers' forward hooks apply in the oracle tests: a site's SAE (``tests.sae_writers``
 weights) clamped or reconstructed by the plain-torch reference (``kernels/sae_clamp/naive.py``), and the same SAE
-with its W_enc / W_dec rounded to bfloat16, as the engine keeps a full pack's (TopK, reconstruct) weights."""
+with its W_enc / W_dec rounded to bfloat16, as the engine keeps a full pack's (TopK, reconstruct) weights; EleutherAI
+sparsify's own ``SparseCoder`` (imported without its package ``__init__``), random coders of it and a transcoder's
+clamp edit by its ``encode`` / ``decode``."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+import types
 
 import torch
 
@@ -49,3 +56,82 @@ def sae_edit(weights, mode: str, clamps: list):
         return out.to(h.device, h.dtype).reshape(h.shape)
 
     return fn
+
+
+def sparsify_module() -> types.ModuleType:
+    """sparsify's ``sparse_coder`` module, imported without the package's ``__init__`` (it imports the trainer,
+    whose datasets / schedulefree ci/overrides.txt leaves out), with its eager decoder (the Triton one is
+    CUDA's: ``SPARSIFY_DISABLE_TRITON``, sparsify/utils.py)."""
+    if "sparsify.sparse_coder" not in sys.modules:
+        spec = importlib.util.find_spec("sparsify")
+        assert spec is not None, "eai-sparsify is not installed: ./dev setup installs ci/requirements.lock"
+        if "sparsify" not in sys.modules:
+            pkg = types.ModuleType("sparsify")
+            pkg.__path__ = list(spec.submodule_search_locations)
+            sys.modules["sparsify"] = pkg
+        old = os.environ.get("SPARSIFY_DISABLE_TRITON")
+        os.environ["SPARSIFY_DISABLE_TRITON"] = "1"
+        try:
+            importlib.import_module("sparsify.sparse_coder")
+        finally:
+            if old is None:
+                del os.environ["SPARSIFY_DISABLE_TRITON"]
+            else:
+                os.environ["SPARSIFY_DISABLE_TRITON"] = old
+    return sys.modules["sparsify.sparse_coder"]
+
+
+def sparsify_coder(d: int, num_latents: int, k: int, seed: int = 0, dtype=torch.float32, bias_shift: float = 0.0,
+                   scale: float = 0.3, bf16: bool = False, **cfg):
+    """A sparsify ``SparseCoder`` with random weights (std ``scale``; nonzero biases: b_dec matters; W_skip too with
+    ``skip_connection``); ``bf16``: its weights rounded to bfloat16 values (the engine keeps a full pack's so)."""
+    module = sparsify_module()  # first: "sparsify.config" alone would import the package's __init__
+    config = importlib.import_module("sparsify.config").SparseCoderConfig(num_latents=num_latents, k=k, **cfg)
+    coder = module.SparseCoder(d, config, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in coder.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+            if bf16:
+                p.copy_(p.bfloat16().float())
+        coder.encoder.bias -= bias_shift
+    return coder
+
+
+def sparsify_clamped(coder, x: torch.Tensor, kind: torch.Tensor, value: torch.Tensor,
+                     only: torch.Tensor) -> torch.Tensor:
+    """What the clamps do to a sparsify transcoder's output for input ``x`` [N, D], by sparsify's own code: its
+    ``forward`` (decode of the TopK latents + W_skip x for a skip transcoder) with the latents clamped, minus its
+    plain ``forward``: ``kind`` / ``value`` / ``only`` [N, F] per token (naive's codes)."""
+    top_acts, top_indices, _ = coder.encode(x)
+    f = torch.zeros(x.shape[0], coder.num_latents, dtype=top_acts.dtype).scatter(-1, top_indices, top_acts)
+    f_new = naive.clamp(f, kind, value, only)
+    every = torch.arange(coder.num_latents).expand(x.shape[0], -1)
+
+    def output(acts):
+        out = coder.decode(acts, every)
+        if coder.W_skip is not None:
+            out = out + x.to(coder.dtype) @ coder.W_skip.mT
+        return out
+
+    return output(f_new) - output(f)
+
+
+def sparsify_transcoder_hook(folder: str, clamps: list):
+    """A forward hook on layer L's MLP adding what ``clamps`` (a request's) do to the output of the sparsify (skip)
+    transcoder saved in ``folder`` (read by sparsify's own ``load_from_disk``), encoded from the MLP's input:
+    ``sparsify_clamped``, every token."""
+    coder = sparsify_module().SparseCoder.load_from_disk(folder)
+    f = coder.num_latents
+    kind, value, only = torch.zeros(f, dtype=torch.int8), torch.zeros(f), torch.zeros(f, dtype=torch.int8)
+    for c in clamps:
+        kind[c["feature"]], value[c["feature"]] = KIND[c["kind"]], c["value"]
+        only[c["feature"]] = int(c.get("only_if_active", False))
+
+    def hook(module, args, output):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        n = x.shape[0]
+        edit = sparsify_clamped(coder, x, kind.expand(n, f), value.expand(n, f), only.expand(n, f))
+        return output + edit.to(output.dtype).reshape(output.shape)
+
+    return hook

@@ -1,6 +1,7 @@
 """SAE feature clamping in the engine (SmolLM2, float32, CPU lane) against transformers with a
 forward hook doing the same clamp (kernels/sae_clamp/naive.py) at the same site: delta and
-reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens, manifest and sparsify files, in
+reconstruct, ReLU / JumpReLU / TopK, SAEs loaded from Gemma Scope, sae-lens, manifest and sparsify files, transcoders
+(sae-lens ReLU / JumpReLU, sparsify TopK and skip: a hook on the MLP, sparsify's own encode / decode for its), in
 one mixed batch with vector and plain requests; phases; a clamp to a feature's own value; what capture reads
 at the clamped site and just after it. The same engine (``max_projections`` 2) serves directional
 projections (ablate / cap, several per site, with a vector at the same site, prefill-only and decode-only)
@@ -17,7 +18,7 @@ import torch
 
 from tests import hf_oracle
 from tests.engine_job import run_job
-from tests.sae_oracle import bf16_exact, sae_edit
+from tests.sae_oracle import bf16_exact, sae_edit, sparsify_coder, sparsify_transcoder_hook
 from tests.sae_writers import (
     random_sae,
     random_transcoder,
@@ -80,6 +81,11 @@ TCS = {"tc": (8, random_transcoder(HIDDEN, F, "relu", seed=31), False),
        "tcs": (10, random_transcoder(HIDDEN, F, "jumprelu", seed=32), True)}
 TC_CLAMPS = [{"feature": 2, "kind": "set", "value": 30.0}, {"feature": 11, "kind": "add", "value": 25.0},
              {"feature": 25, "kind": "scale", "value": 4.0, "only_if_active": True}]
+# sparsify TopK transcoders (k 8 of 64; checkpoint roots with a folder layers.L.mlp, saved by sparsify's own
+# save_to_disk; weights bf16 values, as the engine stages a full pack's): "sptc" of layer 4, "sptcs" a skip
+# transcoder (W_skip, never read) of layer 12. name -> (layer, skip, seed)
+SP_TCS = {"sptc": (4, False, 41), "sptcs": (12, True, 42)}
+TC_LAYER = {**{name: v[0] for name, v in TCS.items()}, **{name: v[0] for name, v in SP_TCS.items()}}
 LENS_CLAMPS = [{"feature": 5, "kind": "scale", "value": 6.0}]
 TC_REQUESTS = {  # name -> (steering fields, the transcoders' edits [(name, clamps)], stream edits, vectors)
     "tc_delta": ({"sae": {"name": "tc", "clamps": TC_CLAMPS}}, [("tc", TC_CLAMPS)], [], None),
@@ -89,6 +95,12 @@ TC_REQUESTS = {  # name -> (steering fields, the transcoders' edits [(name, clam
     # a transcoder of layer 10 and the residual SAE at post_mlp.10 (whose input has the transcoder's edit)
     "tcs_then_sae": ({"sae": [{"name": "tcs", "clamps": TC_CLAMPS}, {"name": "lens", "clamps": LENS_CLAMPS}]},
                      [("tcs", TC_CLAMPS)], [("lens", ("post_mlp", 10), "delta", LENS_CLAMPS)], None),
+    "sptc_delta": ({"sae": {"name": "sptc", "clamps": TC_CLAMPS}}, [("sptc", TC_CLAMPS)], [], None),
+    # a skip transcoder after a vector at its norm's site, and a sae-lens transcoder of another layer
+    "sptcs_after_vector_and_tc": ({"sae": [{"name": "sptcs", "clamps": TC_CLAMPS[1:]},
+                                           {"name": "tc", "clamps": TC_CLAMPS}],
+                                   "steering_vectors": floats("post_attn", 12, VEC)},
+                                  [("sptcs", TC_CLAMPS[1:]), ("tc", TC_CLAMPS)], [], {"post_attn": {12: VEC}}),
 }
 
 
@@ -186,12 +198,15 @@ def _files(d) -> dict:
     tcs = {name: {"path": str(write_sae_lens_transcoder(
         d / name, w, layer, skip, hook_name=f"blocks.{layer}.ln2.hook_normalized" if skip else None))}
         for name, (layer, w, skip) in TCS.items()}
+    for name, (layer, skip, seed) in SP_TCS.items():
+        sparsify_coder(HIDDEN, F, 8, seed=seed, scale=0.1, bf16=True, transcode=True,
+                       skip_connection=skip).save_to_disk(d / name / f"layers.{layer}.mlp")
     share = write_sae_lens(d / "share", SHARE, hook_name="blocks.16.hook_resid_post")
     write_sparsify(d / "sp" / "layers.22", SAES["sp"][("post_mlp", 22)], dtype="bfloat16")
     return {"gs": {"path": str(gs), "site": "post_mlp.14", "reconstruct": True},
             "lens": {"path": str(lens), "features": list(range(32))},
             "man": {"path": str(man)}, **tcs, "share": {"path": str(share), "features": list(range(24))},
-            "sp": {"path": str(d / "sp")}}
+            "sp": {"path": str(d / "sp")}, **{name: {"path": str(d / name)} for name in SP_TCS}}
 
 
 @pytest.fixture(scope="module")
@@ -440,12 +455,18 @@ def _transcoder_hook(path: str, weights, clamps: list):
 @pytest.mark.parametrize("name", list(TC_REQUESTS))
 def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, smollm2_path, prompt_ids, name):
     """A transcoder-clamped request (beside plain, SAE and vector requests in one batch) equals transformers with
-    a forward hook on layer L's MLP adding dec(f') - dec(f), f encoded from the MLP's input; after a vector at
-    post_attn.L (the transcoder reads the steered stream's norm) and before a residual SAE at post_mlp.L."""
+    a forward hook on layer L's MLP adding dec(f') - dec(f), f encoded from the MLP's input (sparsify's TopK
+    transcoders: by sparsify's own encode / decode, a skip transcoder's W_skip x included on both sides); after a
+    vector at post_attn.L (the transcoder reads the steered stream's norm) and before a residual SAE at post_mlp.L."""
     _, tc_edits, stream_edits, vectors = TC_REQUESTS[name]
     model, _ = hf_oracle.load(smollm2_path)
-    handles = [model.model.layers[TCS[tc][0]].mlp.register_forward_hook(
-        _transcoder_hook(str(run["dir"] / tc), TCS[tc][1], clamps)) for tc, clamps in tc_edits]
+
+    def hook(tc: str, clamps: list):
+        if tc in SP_TCS:
+            return sparsify_transcoder_hook(str(run["dir"] / tc / f"layers.{TC_LAYER[tc]}.mlp"), clamps)
+        return _transcoder_hook(str(run["dir"] / tc), TCS[tc][1], clamps)
+
+    handles = [model.model.layers[TC_LAYER[tc]].mlp.register_forward_hook(hook(tc, clamps)) for tc, clamps in tc_edits]
     hf_edits = [(site[0], site[1], sae_edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in stream_edits]
     try:
         ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)

@@ -104,7 +104,8 @@ def test_registrations_are_refused_with_the_field_at_fault(server):
         ({**good, "path": files["topk"], "site": None}, 400, "path", "a TopK SAE needs a site reserved with d_sae"),
         ({**good, "path": files["sparsify"], "format": "sparsify", "site": None}, 400, "path",
          "a TopK SAE needs a site reserved with d_sae"),
-        ({**good, "path": files["sparsify_tc"]}, 400, "path", "transcode: a TopK transcoder is not served"),
+        ({**good, "path": files["sparsify_tc"], "site": None}, 400, "path",
+         "a transcoder cannot be registered at runtime"),
         ({**good, "name": "../x"}, 400, "name", "module name is"),
         ({**good, "name": "fz"}, 409, "name", "loaded at start-up"),
     ]

@@ -6,16 +6,14 @@ ci/requirements.lock): folders its own ``save_to_disk`` wrote load as TopK SAEs 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
-import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 
+from tests.sae_oracle import sparsify_clamped, sparsify_coder, sparsify_module
 from tests.sae_writers import random_sae, sparsify_cfg, write_json, write_safetensors, write_sparsify
 from vllm_steer.core import sae_files
 from vllm_steer.core.sae_files import SaeFileError, SaeMeta, detect_format, load_sae, read_sae_meta
@@ -25,40 +23,9 @@ from vllm_steer.kernels.sae_clamp import naive
 D, F, K = 16, 48, 5
 
 
-def _sparsify() -> types.ModuleType:
-    """sparsify's ``sparse_coder`` module, imported without the package's ``__init__`` (it imports the trainer,
-    whose datasets / schedulefree ci/overrides.txt leaves out), with its eager decoder (the Triton one is
-    CUDA's: ``SPARSIFY_DISABLE_TRITON``, sparsify/utils.py)."""
-    if "sparsify.sparse_coder" not in sys.modules:
-        spec = importlib.util.find_spec("sparsify")
-        assert spec is not None, "eai-sparsify is not installed: ./dev setup installs ci/requirements.lock"
-        if "sparsify" not in sys.modules:
-            pkg = types.ModuleType("sparsify")
-            pkg.__path__ = list(spec.submodule_search_locations)
-            sys.modules["sparsify"] = pkg
-        old = os.environ.get("SPARSIFY_DISABLE_TRITON")
-        os.environ["SPARSIFY_DISABLE_TRITON"] = "1"
-        try:
-            importlib.import_module("sparsify.sparse_coder")
-        finally:
-            if old is None:
-                del os.environ["SPARSIFY_DISABLE_TRITON"]
-            else:
-                os.environ["SPARSIFY_DISABLE_TRITON"] = old
-    return sys.modules["sparsify.sparse_coder"]
-
-
 def _coder(seed: int = 0, dtype=torch.float32, num_latents: int = F, k: int = K, bias_shift: float = 0.0, **cfg):
     """A sparsify SparseCoder with random weights (and nonzero biases: b_dec matters)."""
-    sc = _sparsify()
-    config = importlib.import_module("sparsify.config").SparseCoderConfig(num_latents=num_latents, k=k, **cfg)
-    coder = sc.SparseCoder(D, config, dtype=dtype)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (coder.encoder.weight, coder.encoder.bias, coder.W_dec, coder.b_dec):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        coder.encoder.bias -= bias_shift
-    return coder
+    return sparsify_coder(D, num_latents, k, seed, dtype, bias_shift, **cfg)
 
 
 def _saved(root, hookpoint: str, **kw) -> str:
@@ -89,7 +56,7 @@ def test_folders_sparsify_saved_load_as_topk_saes_with_its_tensors(tmp_path, dty
     got = load_sae(str(root))
     assert list(got) == [("post_mlp", 3), ("post_mlp", 11)]
     for site, folder in ((("post_mlp", 3), a), (("post_mlp", 11), b)):
-        ref = _sparsify().SparseCoder.load_from_disk(folder)  # sparsify's own reader
+        ref = sparsify_module().SparseCoder.load_from_disk(folder)  # sparsify's own reader
         w = got[site]
         assert w.meta == meta and w.threshold is None
         for arr, tensor in ((w.w_enc, ref.encoder.weight.T), (w.b_enc, ref.encoder.bias), (w.w_dec, ref.W_dec),
@@ -114,7 +81,7 @@ def test_the_test_writer_writes_what_sparsify_writes(tmp_path):
     headers = [sae_files._st_shapes(sae_files._st_header(os.path.join(p, "sae.safetensors"), sae_files.UNRESTRICTED))
                for p in (own, ours)]
     assert headers[0] == headers[1]
-    ref = _sparsify().SparseCoder.load_from_disk(ours)  # strict: every tensor name and shape as it expects
+    ref = sparsify_module().SparseCoder.load_from_disk(ours)  # strict: every tensor name and shape as it expects
     np.testing.assert_array_equal(ref.encoder.weight.detach().numpy(), w.w_enc.T)
     np.testing.assert_array_equal(load_sae(ours)[("post_mlp", 4)].w_enc, w.w_enc)
 
@@ -166,9 +133,9 @@ CFG_REFUSALS = {  # name -> (cfg changes, drop, key, message)
     "activation": ({"activation": "relu"}, (), "activation", "unknown activation 'relu'"),
     "signed": ({"signed": True}, (), "signed", "a signed SAE .*drops the field and would load it as unsigned"),
     "signed_type": ({"signed": "no"}, (), "signed", "expected true or false"),
-    "transcode": ({"transcode": True}, (), "transcode", "a TopK transcoder is not served: it needs the full-pack "
-                                                        "path at a transcoder site, which is not built"),
-    "skip": ({"skip_connection": True}, (), "skip_connection", "a skip connection .*not served.*not built"),
+    "transcode_type": ({"transcode": "yes"}, (), "transcode", "expected true or false"),
+    "skip": ({"skip_connection": True}, (), "skip_connection", r"a skip connection on an SAE \(transcode false\) is "
+                                                               "not served: only skip transcoders"),
     "multi_topk_type": ({"multi_topk": 1}, (), "multi_topk", "expected true or false"),
     "no_k": ({}, ("k",), "k", "missing"),
     "no_d_in": ({}, ("d_in",), "d_in", "missing"),
@@ -199,26 +166,129 @@ def test_multi_topk_and_unknown_keys_load_as_sparsify_reads_them(tmp_path):
     assert read_sae_meta(folder)[("post_mlp", 2)].k == K
 
 
-def test_transcoder_and_submodule_folders_are_refused(tmp_path):
-    """sparsify's (skip) transcoders sit at layers.N.mlp with transcode (and skip_connection, W_skip): refused
-    for transcoding, first; an SAE of a submodule's output is not the residual stream."""
+def test_hookpoints_of_another_kind_are_refused(tmp_path):
+    """An SAE of a submodule's output is not the residual stream; a transcoder's hookpoint must be an MLP
+    (layers.L.mlp); a root mixing SAEs and transcoders is refused (one steer.sae entry is one kind) unless site
+    picks one folder."""
     w = random_sae(D, F, "topk", k=K, b_dec_in=True)
-    skip = {"W_skip": np.zeros((D, D), np.float32)}
-    tc = write_sparsify(str(tmp_path / "tc" / "layers.3.mlp"), w, extra=skip, transcode=True, skip_connection=True)
-    for path in (tc, str(tmp_path / "tc")):
-        with pytest.raises(SaeFileError, match=r"layers\.3\.mlp/cfg\.json: transcode: a TopK transcoder is not served"):
-            read_sae_meta(path)
     sub = write_sparsify(str(tmp_path / "sub" / "layers.3.self_attn"), w)
     for path, kw in ((sub, {}), (sub, {"site": "post_mlp.3"}), (str(tmp_path / "sub"), {})):
-        with pytest.raises(SaeFileError, match=r"layers\.3\.self_attn: hookpoint: 'layers\.3\.self_attn' is a "
-                                               r"submodule's hookpoint, not the residual stream"):
+        with pytest.raises(SaeFileError, match=r"layers\.3\.self_attn: hookpoint: 'layers\.3\.self_attn' is not served "
+                                               r"as an SAE's hookpoint: only layers\.N"):
             read_sae_meta(path, **kw)
+    for name in ("layers.3", "layers.3.self_attn"):
+        tc = write_sparsify(str(tmp_path / "tc" / name), w, transcode=True)
+        with pytest.raises(SaeFileError, match=rf"{name}: hookpoint: '{name}' is not served as a transcoder's "
+                                               r"hookpoint: only layers\.L\.mlp"):
+            read_sae_meta(tc)
+    renamed = write_sparsify(str(tmp_path / "my-tc"), w, transcode=True)
+    with pytest.raises(SaeFileError, match=r"my-tc: site: a transcoder of layer L sits at post_attn\.L"):
+        read_sae_meta(renamed, site="post_mlp.3")
+    assert list(read_sae_meta(renamed, site="post_attn.3")) == [("post_attn", 3)]
+    with pytest.raises(SaeFileError, match=r"layers\.3\.mlp: site: post_attn\.4 disagrees with the folder's "
+                                           r"hookpoint layers\.3\.mlp \(post_attn\.3\)"):
+        read_sae_meta(write_sparsify(str(tmp_path / "one" / "layers.3.mlp"), w, transcode=True), site="post_attn.4")
     # a root with a hookpoint we do not map: refused naming it, unless site picks a layers.N folder
     write_sparsify(str(tmp_path / "mixed" / "embed_tokens"), w)
     write_sparsify(str(tmp_path / "mixed" / "layers.5"), w)
     with pytest.raises(SaeFileError, match=r"embed_tokens: site: the folder name 'embed_tokens' is not a hookpoint"):
         read_sae_meta(str(tmp_path / "mixed"))
     assert list(read_sae_meta(str(tmp_path / "mixed"), site="post_mlp.5")) == [("post_mlp", 5)]
+    both = tmp_path / "both"
+    write_sparsify(str(both / "layers.5"), w)
+    write_sparsify(str(both / "layers.5.mlp"), w, transcode=True)
+    with pytest.raises(SaeFileError, match=r"both: transcode: the checkpoint holds SAEs and transcoders \(layers\.5"
+                                           r"\.mlp\): one steer\.sae entry is one kind; load each with site="):
+        read_sae_meta(str(both))
+    assert list(read_sae_meta(str(both), site="post_attn.5")) == [("post_attn", 5)]
+    assert list(read_sae_meta(str(both), site="post_mlp.5")) == [("post_mlp", 5)]
+
+
+# --- (c) transcoders: sparsify's TopK transcoders and skip transcoders ---------------------------------------
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["transcoder", "skip_transcoder"])
+def test_transcoders_sparsify_saved_load_at_post_attn_without_w_skip(tmp_path, skip):
+    """A checkpoint root of sparsify-saved (skip) transcoders (hookpoints layers.L.mlp): transcoders at post_attn.L,
+    TopK, b_dec not subtracted from the input (sparsify's encode does not for a transcoder), their arrays sparsify's
+    own; W_skip checked for its shape and never read (the clamps' edit does not contain it)."""
+    root = tmp_path / "tc"
+    cfg = {"transcode": True, "skip_connection": skip}
+    for layer in (1, 3):
+        sparsify_coder(D, F, K, seed=layer, **cfg).save_to_disk(root / f"layers.{layer}.mlp")
+    meta = SaeMeta(d_model=D, d_sae=F, activation="topk", k=K, dtype="float32", b_dec_in=False, transcoder=True)
+    assert read_sae_meta(str(root)) == {("post_attn", 1): meta, ("post_attn", 3): meta}
+    got = load_sae(str(root))
+    ref = sparsify_module().SparseCoder.load_from_disk(root / "layers.3.mlp")
+    w = got[("post_attn", 3)]
+    for arr, tensor in ((w.w_enc, ref.encoder.weight.T), (w.b_enc, ref.encoder.bias), (w.w_dec, ref.W_dec),
+                        (w.b_dec, ref.b_dec)):
+        np.testing.assert_array_equal(arr, tensor.detach().float().numpy())
+    assert read_sae_meta(str(root), site="post_attn.1") == {("post_attn", 1): meta}
+    if skip:  # W_skip's shape is checked; a missing one is named
+        arrays = {**_arrays(w), "W_skip": np.zeros((D, D + 1), np.float32)}
+        write_safetensors(str(root / "layers.1.mlp" / "sae.safetensors"), arrays)
+        with pytest.raises(SaeFileError, match=r"sae\.safetensors: W_skip: shape \[16, 17\] does not match"):
+            read_sae_meta(str(root / "layers.1.mlp"))
+        write_safetensors(str(root / "layers.1.mlp" / "sae.safetensors"), _arrays(w))
+        with pytest.raises(SaeFileError, match=r"sae\.safetensors: W_skip: missing array"):
+            read_sae_meta(str(root / "layers.1.mlp"))
+    else:
+        write_safetensors(str(root / "layers.1.mlp" / "sae.safetensors"), {**_arrays(w), "W_skip": np.zeros((D, D))})
+        with pytest.raises(SaeFileError, match=r"sae\.safetensors: W_skip: unexpected array"):
+            read_sae_meta(str(root / "layers.1.mlp"))
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["transcoder", "skip_transcoder"])
+@pytest.mark.parametrize("bias_shift", [0.0, 4.0], ids=["dense", "fewer_than_k_active"])
+@torch.no_grad()
+def test_transcoder_pack_edits_the_mlp_output_as_sparsify_forward_with_clamped_latents(tmp_path, skip, bias_shift):
+    """The worker's pack of a sparsify (skip) transcoder (a TopK full pack at post_attn.L, weights rounded to bf16 as
+    staged) and the reference's edit of the MLP's output from its input (``clamp_delta_naive``, as the norm's
+    ``transcoder_step``) equal sparsify's own forward with the latents clamped minus its forward (W_skip x cancels),
+    per row (OFF, every clamp kind); the catalog refuses reconstruct and runtime registration, naming the field."""
+    from vllm_steer.core.config import SaeModuleConfig, SteerConfig, SteerConfigError
+    from vllm_steer.core.errors import SteeringSpecError
+    from vllm_steer.core.sae_catalog import runtime_entry, sae_catalog, slot_sites
+    from vllm_steer.core.sae_rows import wire_entry
+    from vllm_steer.kernels.sae_clamp.packed import N_FULL, clamp_delta_naive
+    from vllm_steer.runtime.sae_tables import SaeTables
+
+    site = ("post_attn", 2)
+    coder = sparsify_coder(D, F, K, seed=11, bias_shift=bias_shift, bf16=True, transcode=True, skip_connection=skip)
+    coder.save_to_disk(tmp_path / "tc" / "layers.2.mlp")
+    cfg = SteerConfig.model_validate({"sae": {"tc": {"path": str(tmp_path / "tc"), "features": [1, 4, 9, 30]}}})
+    catalog = sae_catalog(cfg, D, 4)
+    assert catalog["tc"].transcoder and catalog["tc"].full and list(catalog["tc"].sites) == [site]
+    tables = SaeTables(catalog, {}, {site}, 4, D, torch.device("cpu"), runtime_access(None, 1))
+    assert not tables.packs and len(tables.tc_packs[site]) == N_FULL and tables.tc_topk == {site: K}
+    feats = np.array([1, 4, 9, 30])
+    kind = torch.zeros(4, F, dtype=torch.int8)
+    value, only = torch.zeros(4, F), torch.zeros(4, F, dtype=torch.int8)
+    kind[1, feats] = torch.tensor([naive.SET, naive.ADD, naive.SCALE, naive.SET], dtype=torch.int8)
+    value[1, feats] = torch.tensor([5.0, 2.0, 3.0, 4.0])
+    only[1, 9] = 1
+    kind[3, 30], value[3, 30] = naive.SCALE, 0.0  # ablate one latent
+    for r, mode in ((1, naive.DELTA), (2, naive.OFF), (3, naive.DELTA)):
+        slots = np.nonzero(kind[r, feats].numpy())[0].astype(np.int32)
+        codes = (kind[r, feats[slots]].numpy().astype(np.int32) | only[r, feats[slots]].numpy().astype(np.int32) * 4)
+        if len(slots) and mode:
+            tables.write_row(r, [wire_entry("tc", *site, int(mode), slots, codes, value[r, feats[slots]].numpy())])
+    x = torch.randn(30, D, generator=torch.Generator().manual_seed(12)) * 2.0  # the MLP's input
+    rows = torch.arange(30) % 4
+    got = clamp_delta_naive(x, rows, tables.tc_packs[site], tables.tc_topk[site])
+    want = sparsify_clamped(coder, x, kind[rows], value[rows], only[rows])
+    want[(rows == 0) | (rows == 2)] = 0.0  # rows 0 and 2 (OFF) are not clamped
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[rows == 1].abs().amax(-1) > 0.1).all()  # the clamps moved the output
+    with pytest.raises(SteerConfigError, match=r"steer\.sae\.tc: .*a transcoder clamps only"):
+        sae_catalog(cfg.model_copy(update={"sae": {"tc": SaeModuleConfig(path=str(tmp_path / "tc"),
+                                                                         reconstruct=True)}}), D, 4)
+    rt = SteerConfig.model_validate({"sae_root": str(tmp_path), "sae_slots": {"post_attn.2": {
+        "features": 8, "d_sae": 64, "k": K}}})
+    with pytest.raises(SteeringSpecError, match="a transcoder cannot be registered at runtime") as e:
+        runtime_entry("rt", SaeModuleConfig(path=str(tmp_path / "tc")), rt, D, 4, slot_sites(rt, 4), 1)
+    assert e.value.field == "path"
 
 
 def _arrays(w):
@@ -326,7 +396,7 @@ def _naive_sae(folder, site) -> naive.Sae:
 @torch.no_grad()
 def test_the_reference_equals_sparsify_encode_and_decode(tmp_path, multi_topk, bias_shift):
     folder = _saved(tmp_path, "layers.6", seed=7, multi_topk=multi_topk, bias_shift=bias_shift)
-    coder = _sparsify().SparseCoder.load_from_disk(folder)
+    coder = sparsify_module().SparseCoder.load_from_disk(folder)
     sae = _naive_sae(folder, ("post_mlp", 6))
     x = torch.randn(40, D, generator=torch.Generator().manual_seed(8)) * 2.0
     top_acts, top_indices, _ = coder.encode(x)

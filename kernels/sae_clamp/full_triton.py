@@ -11,7 +11,8 @@ data-dependent shape: CUDA graphs replay them with rows changed after capture): 
 2. per round of ``ROUND`` listed tokens (``ceil(N / ROUND)`` rounds, fixed by N; a tile past the count exits):
    - ``_gather`` (slot B only): the slot's float32 stream of each listed token: x + residual plus slot A's
      features (clamp-only walk or full edit, projections, vectors, with the gate's weights), as the norm has it;
-     at slot A the GEMMs read x + residual of the listed tokens themselves;
+     at slot A the GEMMs read x + residual of the listed tokens themselves. A full transcoder pack (``norm``): the
+     stream after slot A, normalized as the norm kernel stores its output (the MLP's input), in float32;
    - ``_encode``: ``pre = s @ W_enc + b_enc`` (``tl.dot``, a program per token tile x feature tile; the stream split
      into bf16 hi + lo, both against the bf16 weights, float32 accumulation per K tile: ``_tile_dot``);
    - ``_select``: per token the activation (TopK: the k-th largest ``relu(pre)`` found exactly by a bitwise search
@@ -44,8 +45,8 @@ import triton.language as tl
 
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
-from vllm_steer.kernels.steered_rms_norm.triton import (_add_edit, _add_row, _gate_weights, _project_gated,
-                                                         _sae_clamp_row)
+from vllm_steer.kernels.steered_rms_norm.triton import (_add_edit, _add_row, _gate_weights, _normalized, _num_warps,
+                                                         _project_gated, _sae_clamp_row)
 
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
@@ -123,10 +124,13 @@ def _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, p
 
 @triton.jit
 def _gather(p_x, p_res, p_index, p_tok, p_count, p_s, r0, stride_x, stride_res, stride_s,
-            vec_a, sae_a, proj_a, full_a, cond,
+            vec_a, sae_a, proj_a, full_a, cond, norm,
             D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, PRE_VEC: tl.constexpr,
-            PRE_SAE: tl.constexpr, PRE_PROJ: tl.constexpr, PRE_FULL: tl.constexpr, COND: tl.constexpr):
-    """S[j] = the stream at the slot of listed token r0 + j (``_slot_stream``)."""
+            PRE_SAE: tl.constexpr, PRE_PROJ: tl.constexpr, PRE_FULL: tl.constexpr, COND: tl.constexpr,
+            NORM: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
+    """S[j] = the stream at the slot of listed token r0 + j (``_slot_stream``); NORM (a full transcoder's input):
+    that stream after slot A normalized as the norm kernel stores its output (``_normalized``, rounded to x's
+    dtype), in float32. ``norm``: (weight [D], eps, weight_offset)."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
         i_t = tl.load(p_tok + r0 + j).to(tl.int64)
@@ -134,6 +138,10 @@ def _gather(p_x, p_res, p_index, p_tok, p_count, p_s, r0, stride_x, stride_res, 
         m_d = o_d < D
         b_s = _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, proj_a, full_a, cond, o_d,
                            m_d, HAS_RES, PRE_VEC, PRE_SAE, PRE_PROJ, PRE_FULL, COND)
+        if NORM:
+            p_w, eps, weight_offset = norm
+            b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
+            b_s = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_x.dtype.element_ty).to(tl.float32)
         tl.store(p_s + j * stride_s + o_d, b_s, mask=m_d)
 
 
@@ -436,13 +444,15 @@ def site_edit(
     index: torch.Tensor,  # [>= N] int32
     pack: Sequence[torch.Tensor],  # a full pack (packed.py, N_FULL tensors; w_enc / w_dec bf16)
     topk: int,  # TopK's k, 0: the pack's thresholds
-    prefix: dict | None = None,  # slot B: slot A's descriptors as the norm kernel takes them
+    prefix: dict | None = None,  # slot B / a transcoder: slot A's descriptors as the norm kernel takes them
     precise: bool = True,
 ) -> torch.Tensor:
     """The on tokens' move at a full slot, ``edit`` [N, D] float32: row t holds ``clamped(s)[t] - s[t]`` for a
     token whose row is on and is not written for any other (the norm reads it only for those). ``prefix`` (slot
     B): ``vec`` (table, flag, stride), ``sae`` (a clamp-only descriptor), ``proj``, ``full`` (slot A's edit
-    descriptor), ``cond`` (the norm's condition descriptor): slot A's features, applied before the encoder."""
+    descriptor), ``cond`` (the norm's condition descriptor): slot A's features, applied before the encoder;
+    ``norm`` (weight, eps, weight_offset): a full transcoder pack, its input the norm's output of that stream (every
+    row DELTA: the edit is ``sum (f' - f) W_dec``, the MLP output's, which the norm adds to the residual)."""
     n, d = x.shape
     mode, code, value = pack[0], pack[1], pack[2]
     feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
@@ -457,7 +467,9 @@ def site_edit(
     count = torch.empty(1, dtype=torch.int32, device=dev)
     p = prefix or {}
     pre_flags = tuple(bool(p.get(k)) for k in ("vec", "sae", "proj", "full", "cond"))
-    s = torch.empty(rn if any(pre_flags) else 1, d, dtype=torch.float32, device=dev)  # gathered streams (slot B)
+    norm = p.get("norm", ())
+    direct = not any(pre_flags) and not norm  # slot A: the stream is x + residual, read by the GEMMs themselves
+    s = torch.empty(1 if direct else rn, d, dtype=torch.float32, device=dev)  # gathered streams
     pre = torch.empty(rn, f_all, dtype=torch.float32, device=dev)
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
     bm, bn, bk, warps = _tiles(n, x.element_size() > 2)
@@ -467,15 +479,15 @@ def site_edit(
     block_d = triton.next_power_of_2(d)
     single = f_all <= _SELECT_MAX
     block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
-    direct = not any(pre_flags)  # slot A: the stream is x + residual, read by the GEMMs themselves
     res = residual if residual is not None else x
     res_stride = residual.stride(0) if residual is not None else 0
     m_tiles, f_tiles = triton.cdiv(rn, bm), triton.cdiv(f_all, bn)
     for r0 in range(0, n, ROUND):
         if not direct:
             _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
-                            *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond"))),
-                    (d, block_d, residual is not None, *pre_flags), 4 if block_d <= 1024 else 8)
+                            *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond")), tuple(norm)),
+                    (d, block_d, residual is not None, *pre_flags, bool(norm), bool(norm) and norm[2] != 0.0),
+                    _num_warps(block_d) if norm else 4 if block_d <= 1024 else 8)
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)
         _ENCODE((m_tiles, f_tiles), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0), pre.stride(0), f_all),

@@ -1,8 +1,9 @@
 """SAE clamping in the engine's layout (a site's "pack" of device tensors), in plain torch: what the
 steered norm runs at a site with an SAE on CPU, and the spec its GPU twin is tested against. Same
 math as ``naive.sae_clamp_naive`` (the README's formulas); the pack keeps the clampable features'
-encoder columns / decoder rows apart so delta with ReLU / JumpReLU reads only those. A transcoder's pack has the
-clamp-only layout; ``clamp_delta_naive`` gives its edit of the MLP's output (``naive.transcoder_clamp_naive``).
+encoder columns / decoder rows apart so delta with ReLU / JumpReLU reads only those. A transcoder's pack has either
+layout (full for a TopK transcoder: sparsify's); ``clamp_delta_naive`` gives its edit of the MLP's output
+(``naive.transcoder_clamp_naive``).
 
 A pack is a list of tensors, in this order (R rows of the row tables, C clampable features, D the
 hidden size, F = d_sae; the full weights only at TopK sites or sites that allow reconstruct):
@@ -48,14 +49,18 @@ def _clamped(f: torch.Tensor, c: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where((kind != 0) & ((only == 0) | (f > 0)), new, f)
 
 
-def clamp_delta_naive(x: torch.Tensor, rows: torch.Tensor, pack: list[torch.Tensor]) -> torch.Tensor:
-    """``sum_c (f'_c - f_c) dec[c]`` per token [N, D] (float32) of a clamp-only pack, f from ``x`` [N, D]
-    (float32); exactly 0 for tokens whose row mode is OFF. A transcoder's pack: what the clamps add to the MLP's
-    output, ``x`` the MLP's input (the steered norm's output)."""
-    mode, code, value, enc, dec, bias, thr = pack[:7]
+def clamp_delta_naive(x: torch.Tensor, rows: torch.Tensor, pack: list[torch.Tensor], topk: int = 0) -> torch.Tensor:
+    """``sum_c (f'_c - f_c) dec[c]`` per token [N, D] (float32) of a pack's clamps (DELTA rows), f from ``x``
+    [N, D] (float32): a clamp-only pack's clampable features, a full one's every feature (TopK of ``topk``, as
+    ``apply_site_naive``); exactly 0 for tokens whose row mode is OFF. A transcoder's pack: what the clamps add to
+    the MLP's output, ``x`` the MLP's input (the steered norm's output)."""
+    mode, code, value, enc, dec, bias, thr, features = pack[:8]
     on = mode[rows] != 0
-    pre = x @ enc.T + bias
-    f = torch.where(pre > thr, pre, torch.zeros_like(pre))
+    if len(pack) == N_FULL:
+        f = _full_features(x, pack, topk)[:, features]
+    else:
+        pre = x @ enc.T + bias
+        f = torch.where(pre > thr, pre, torch.zeros_like(pre))
     delta = (_clamped(f, code[rows], value[rows]) - f) @ dec
     return torch.where(on[:, None], delta, torch.zeros_like(delta))
 

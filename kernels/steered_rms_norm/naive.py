@@ -77,7 +77,8 @@ def steered_norm_naive(
     pool: torch.Tensor | None = None,  # [P, D], rows written in place (with a plan)
     proj_a: Sequence[torch.Tensor] = (),  # slot A's projections (project_naive), () for none
     proj_b: Sequence[torch.Tensor] = (),
-    tc: Sequence[torch.Tensor] = (),  # a transcoder's clamp-only pack (reads the output, moves the residual), ()
+    tc: Sequence[torch.Tensor] = (),  # a transcoder's pack (reads the output, moves the residual), ()
+    topk_tc: int = 0,  # a full transcoder pack's TopK k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normalized output, new residual) of ``x + residual`` with every feature of both slots applied in
     ``_staged``'s order, then the norm, then the transcoder (``transcoder_step``). Without SAE, condition,
@@ -86,14 +87,15 @@ def steered_norm_naive(
     s = _staged(x, residual, index, slots, (*cond, gate) if cond else None, pool)
     out = _normalize(s, weight, eps, weight_offset, x.dtype)
     if tc:
-        s = transcoder_step(s, out, index, tc, cond, gate)
+        s = transcoder_step(s, out, index, tc, cond, gate, topk_tc)
     return out, s.to(x.dtype)
 
 
 def transcoder_step(s: torch.Tensor, out: torch.Tensor, index: torch.Tensor, tc: Sequence[torch.Tensor],
-                    cond: Sequence[torch.Tensor] = (), gate: torch.Tensor | None = None) -> torch.Tensor:
+                    cond: Sequence[torch.Tensor] = (), gate: torch.Tensor | None = None, topk: int = 0) -> torch.Tensor:
     """The float32 stream ``s`` [N, D] after a transcoder's clamps at this norm: ``s + w * sum_c (f'_c - f_c)
-    dec[c]``, f encoded from the norm's output ``out`` (the MLP's input, in its dtype). The stream after the MLP
+    dec[c]``, f encoded from the norm's output ``out`` (the MLP's input, in its dtype; a full pack's every
+    feature, TopK of ``topk`` for a TopK transcoder, as a residual full pack's). The stream after the MLP
     is ``s + mlp(out)``, so adding the delta here edits the MLP's output exactly, whatever the MLP is. ``w``: the
     gate for a row whose condition gates SAE clamps (``SAE_GATED``; a transcoder's norm only reads the gate),
     else 1. Tokens whose row mode is OFF keep ``s`` bit for bit."""
@@ -104,7 +106,7 @@ def transcoder_step(s: torch.Tensor, out: torch.Tensor, index: torch.Tensor, tc:
     on = (tc[0].index_select(0, rows) != 0)[:, None]
     if not on.is_cuda and not bool(on.any()):
         return s
-    delta = clamp_delta_naive(out.float(), rows, list(tc))
+    delta = clamp_delta_naive(out.float(), rows, list(tc), topk)
     if cond:
         word = cond[0].index_select(0, rows)
         gated = (word >= 0) & ((word & SAE_GATED) != 0) & (cond[1][0, 3] != 0)

@@ -7,14 +7,15 @@ as its descriptor: ``vec_a`` / ``vec_b`` (``Tensor[]``: table, flag), ``sae_a`` 
 the SAE pack) with their TopK k (``int``), ``cond`` (``Tensor[]``: site words, params, probes, site ids)
 with the mutated ``gate`` (``Tensor?``), and capture as ``plan_a`` / ``plan_b`` (``Tensor?``) with the
 mutated ``pool`` (``Tensor?``), ``proj_a`` / ``proj_b`` (``Tensor[]``: live count, directions, bounds), ``tc``
-(``Tensor[]``: a transcoder's clamp-only pack, at the norm that makes the MLP's input; last and required: a
-schema cannot default a tensor list).
+(``Tensor[]``: a transcoder's pack, at the norm that makes the MLP's input; required: a schema cannot default a
+tensor list) and its TopK k ``topk_tc`` (``int``, default 0: last, so callers without a TopK transcoder omit it).
 An empty list or None turns the feature off; which features a norm has is
 fixed at install, so every traced call has the same arguments, all of them graph inputs (buffers).
 
 CUDA tensors run the Triton kernel (one launch); a slot whose SAE pack is full (TopK, or a site that allows
 reconstruct) first gets its on tokens' edit from the tensor-core kernels of ``kernels/sae_clamp/full_triton.py``
-(a few launches that exit at once when no row is on), which the norm adds where the slot's clamps go
+(a few launches that exit at once when no row is on), which the norm adds where the slot's clamps go (a full
+transcoder pack, TopK: its edit encoded from the norm's output, which the gather recomputes, added after the norm)
 (``VLLM_STEER_SAE_FULL_KERNELS=0`` sends full packs through the plain-torch reference instead). Other devices run
 the plain-torch reference.
 """
@@ -58,30 +59,32 @@ def _impl(
     proj_a: list[torch.Tensor],
     proj_b: list[torch.Tensor],
     tc: list[torch.Tensor],
+    topk_tc: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    full = len(sae_a) == N_FULL or len(sae_b) == N_FULL
+    full = len(sae_a) == N_FULL or len(sae_b) == N_FULL or len(tc) == N_FULL
     if pool is not None and not x.is_cuda and live.may_skip(False):  # CPU: nothing captured this step, plans empty
         plan_a = plan_b = pool = None
     args = (x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
-            plan_a, plan_b, pool, proj_a, proj_b, tc)
+            plan_a, plan_b, pool, proj_a, proj_b, tc, topk_tc)
     return triton_path(*args) if x.is_cuda and (FULL_KERNELS or not full) else steered_norm_naive(*args)
 
 
 def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
-                plan_a, plan_b, pool, proj_a, proj_b, tc) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op on CUDA (and under Triton's interpreter, in tests): full SAE slots' edits first, then the norm's
-    one launch."""
+                plan_a, plan_b, pool, proj_a, proj_b, tc, topk_tc=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on CUDA (and under Triton's interpreter, in tests): full SAE slots' (and a full transcoder's) edits
+    first, then the norm's one launch."""
     global _triton_norm
     if _triton_norm is None:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
-    full_a = full_b = ()
-    if len(sae_a) == N_FULL or len(sae_b) == N_FULL:
+    full_a = full_b = full_tc = ()
+    if len(sae_a) == N_FULL or len(sae_b) == N_FULL or len(tc) == N_FULL:
         from vllm_steer.kernels.sae_clamp.full_slot import full_slots
 
-        sae_a, full_a, sae_b, full_b = full_slots(x, residual, index, vec_a, sae_a, topk_a, sae_b, topk_b, cond,
-                                                  gate, proj_a)
+        sae_a, full_a, sae_b, full_b, tc, full_tc = full_slots(
+            x, residual, index, vec_a, sae_a, topk_a, sae_b, topk_b, cond, gate, proj_a, tc, topk_tc,
+            (weight, eps, weight_offset))
     return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
-                        plan_a, plan_b, pool, proj_a, proj_b, tc=tc, full_a=full_a, full_b=full_b)
+                        plan_a, plan_b, pool, proj_a, proj_b, tc=tc, full_a=full_a, full_b=full_b, full_tc=full_tc)
 
 
 def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:

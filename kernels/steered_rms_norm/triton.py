@@ -30,7 +30,10 @@ each clamped row read once per tile, not once per token), and the norm adds thei
 
 With TC (a transcoder at the norm that makes the MLP's input) the same clamp walk runs after the norm, its
 features encoded from the output as stored; its delta goes to the residual only (the MLP's output edit). It is
-split like the first SAE slot's when no SAE slot is (else the program that finishes the token walks it).
+split like the first SAE slot's when no SAE slot is (else the program that finishes the token walks it). A full
+transcoder pack (TopK, sparsify's) has its edit computed before this launch from the norm's output
+(``../sae_clamp/full_triton.py``, whose gather recomputes the output with ``_normalized``) and added to the residual
+after the norm (``FULL_TC``).
 """
 
 from __future__ import annotations
@@ -250,6 +253,20 @@ def _add_edit(b_s, i_t, i_row, full, o_d, m_d, w):
 
 
 @triton.jit
+def _normalized(b_s, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
+    """vLLM's RMSNorm of the float32 stream ``b_s`` (``naive._normalize``), before the cast to the output's dtype:
+    also ``full_triton``'s gather of a full transcoder's input, so both compute it alike."""
+    b_var = tl.sum(b_s * b_s, axis=0) / D
+    b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
+    if OFFSET_WEIGHT:
+        b_o = b_n * (b_w.to(tl.float32) + weight_offset)
+    else:
+        # vLLM's RMSNorm: normalized.to(w.dtype) * w, rounded in w's dtype
+        b_o = (b_n.to(b_w.dtype).to(tl.float32) * b_w.to(tl.float32)).to(b_w.dtype)
+    return b_o
+
+
+@triton.jit
 def _steered_norm_kernel(
     p_x,  # [N, D]
     p_res,  # [N, D] (ignored unless HAS_RES)
@@ -277,6 +294,7 @@ def _steered_norm_kernel(
     tc,  # TC: a transcoder's clamp-only pack, as sae_a: encodes the normalized output, moves the residual only
     full_a,  # FULL_A: (edit [N, D] fp32, mode [R] int32, edit stride): a full SAE pack's move at slot A
     full_b,  # FULL_B: the same for slot B
+    full_tc,  # FULL_TC: the same for a full transcoder pack (its edit of the MLP's output, added to the residual)
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -295,6 +313,7 @@ def _steered_norm_kernel(
     TC: tl.constexpr = False,  # a transcoder's clamps after the norm (naive.transcoder_step)
     FULL_A: tl.constexpr = False,  # slot A's SAE is a full pack: its edit is added where its clamps would be
     FULL_B: tl.constexpr = False,
+    FULL_TC: tl.constexpr = False,  # a full transcoder pack's edit, added to the residual after the norm
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -316,7 +335,8 @@ def _steered_norm_kernel(
                        eviction_policy="evict_first").to(tl.float32)
     if CAP_A:  # every program of the token has the pristine stream: the first stores it
         _capture(b_s, i_pa, cap_a, o_d, m_d, tl.program_id(1) == 0)
-    if COND and not (SAE_A or SAE_B or TC or FULL_A or FULL_B):  # the gate changes only at a probe site, where it is stored
+    # the gate changes only at a probe site, where it is stored
+    if COND and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC):
         p_csite, p_cparams, p_probe, p_gate, p_site_ids, stride_probe = cond
         i_row = tl.load(p_index + i_t)
         if tl.load(p_cparams + 3) != 0:  # params[0, 3]: a live row has a condition (else the plain adds)
@@ -345,7 +365,7 @@ def _steered_norm_kernel(
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
-    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC or FULL_A or FULL_B:
+    elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC or FULL_A or FULL_B or FULL_TC:
         i_row = tl.load(p_index + i_t)
         # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
         w_sae, w_vec, proj_gated, g = _gate_weights(cond, i_row, i_t, COND)
@@ -382,16 +402,9 @@ def _steered_norm_kernel(
         if HAS_B:
             b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
     m_w = m_d & go
-    if not TC:
+    if not (TC or FULL_TC):
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
-    b_var = tl.sum(b_s * b_s, axis=0) / D
-    b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
-    if OFFSET_WEIGHT:
-        b_o = b_n * (b_w.to(tl.float32) + weight_offset)
-    else:
-        # vLLM's RMSNorm: normalized.to(w.dtype) * w, rounded in w's dtype
-        b_o = (b_n.to(b_w.dtype).to(tl.float32) * b_w.to(tl.float32)).to(b_w.dtype)
-    b_o = b_o.to(p_out.dtype.element_ty)
+    b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
     if TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
         tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_d & (tl.program_id(1) == 0))
     else:
@@ -406,6 +419,9 @@ def _steered_norm_kernel(
                 i_row_t = tl.where(go, i_row, 0)
             b_s = _sae_clamp_row(b_s, b_o.to(tl.float32), i_row_t, tc, o_d, m_d, BLOCK_C, w_sae)
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_d & go)
+    elif FULL_TC:  # the edit was encoded from this output (full_triton's gather): it goes to the residual
+        b_s = _add_edit(b_s, i_t, i_row, full_tc, o_d, m_d, w_sae)
+        tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
 
 
 def _num_warps(block_d: int) -> int:
@@ -507,6 +523,7 @@ def steered_norm_triton(
     tc: Sequence[torch.Tensor] = (),  # a transcoder's clamp-only pack (reads the output, moves the residual), ()
     full_a: Sequence[torch.Tensor] = (),  # a full SAE pack's move at slot A: (edit [N, D] fp32, mode [R] int32), ()
     full_b: Sequence[torch.Tensor] = (),
+    full_tc: Sequence[torch.Tensor] = (),  # a full transcoder pack's edit: (edit [N, D] fp32, mode [R] int32), ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -549,10 +566,11 @@ def steered_norm_triton(
     tcd = _sae_desc(tc, d) if tc else ()
     fa = (full_a[0], full_a[1], full_a[0].stride(0)) if full_a else ()
     fb = (full_b[0], full_b[1], full_b[0].stride(0)) if full_b else ()
+    ftc = (full_tc[0], full_tc[1], full_tc[0].stride(0)) if full_tc else ()
     args = (x, residual if residual is not None else x, weight, out, res_out, index, x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
-            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb)
+            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc)
     flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
-             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb))
+             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb), bool(ftc))
     _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

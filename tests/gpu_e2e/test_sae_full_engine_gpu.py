@@ -4,8 +4,11 @@ forward hook doing the same edit (``tests/sae_oracle.py``: the plain-torch refer
 SAE weights the engine keeps).
 
 The engine case's random Llama (float32, compiled with CUDA graphs), two SAEs: a TopK SAE (k 8) at post_mlp.1 and a
-JumpReLU SAE allowing reconstruct at post_mlp.2, d_sae ``F``. One batch, one prompt each: TopK clamps, reconstruct,
-reconstruct with a clamp, delta clamps on the reconstruct site, both SAEs at once, and a plain request. Each
+JumpReLU SAE allowing reconstruct at post_mlp.2, d_sae ``F``; and an EleutherAI sparsify TopK skip transcoder (k 8) of
+layer 1's MLP (post_attn.1: ``FULL_TC``, its edit encoded from the norm's output), whose oracle is a hook on that MLP
+by sparsify's own encode / decode. One batch, one prompt each: TopK clamps, reconstruct, reconstruct with a clamp,
+delta clamps on the reconstruct site, both SAEs at once, the transcoder alone and before the TopK SAE of its layer's
+output, and a plain request. Each
 request's tokens are teacher-forced through transformers with the same edits: each generated token's logprob is
 within ``LOGPROB_TOL`` of the reference's and is the reference's argmax or within ``TIE`` of it; each edit moves the
 reference's logprobs of those tokens by more than ``EFFECT`` (a missing or misplaced edit fails). This is the
@@ -23,7 +26,7 @@ import os
 import pytest
 
 from tests.gpu_e2e import engine_case as ec
-from tests.sae_oracle import bf16_exact, sae_edit
+from tests.sae_oracle import bf16_exact, sae_edit, sparsify_coder, sparsify_transcoder_hook
 from tests.sae_writers import random_sae, write_gemma_scope, write_manifest
 
 pytestmark = ec.needs_device
@@ -46,8 +49,13 @@ REQUESTS = {  # name -> (the request's "sae" field or None, [(weights, site, mod
     "delta_on_reconstruct_site": ({"name": "rc", "clamps": CLAMPS}, [(RECON_SAE, RECON_SITE, "delta", CLAMPS)]),
     "both": ([{"name": "tk", "clamps": CLAMPS[1:]}, {"name": "rc", "mode": "reconstruct"}],
              [(TOPK_SAE, TOPK_SITE, "delta", CLAMPS[1:]), (RECON_SAE, RECON_SITE, "reconstruct", [])]),
+    "tc_topk": ({"name": "sptc", "clamps": CLAMPS}, [("sptc", ("post_attn", 1), "delta", CLAMPS)]),
+    "tc_topk_then_topk": ([{"name": "sptc", "clamps": CLAMPS[:2]}, {"name": "tk", "clamps": CLAMPS[1:]}],
+                          [("sptc", ("post_attn", 1), "delta", CLAMPS[:2]),
+                           (TOPK_SAE, TOPK_SITE, "delta", CLAMPS[1:])]),
     "plain": (None, []),
 }
+TC_FOLDER = "sptc/layers.1.mlp"  # a sparsify checkpoint root's hookpoint folder
 
 
 def _worker_full_kernels(self) -> bool:
@@ -71,7 +79,10 @@ def _engine_run(tmp_path_factory) -> dict:
     tok = ec.build_checkpoint(path)
     ids = [tok(p)["input_ids"] for p in ec.PROMPTS[:len(REQUESTS)]]
     saes = {"tk": {"path": write_manifest(str(d / "tk"), {"post_mlp.1": TOPK_SAE}, "topk", 8)},
-            "rc": {"path": write_gemma_scope(str(d / "rc"), RECON_SAE), "site": "post_mlp.2", "reconstruct": True}}
+            "rc": {"path": write_gemma_scope(str(d / "rc"), RECON_SAE), "site": "post_mlp.2", "reconstruct": True},
+            "sptc": {"path": str(d / "sptc")}}
+    sparsify_coder(ec.SHAPE.hidden, F, 8, seed=63, scale=0.1, bf16=True, transcode=True,
+                   skip_connection=True).save_to_disk(d / TC_FOLDER)
     old = os.environ.get("VLLM_STEER_SAE_FULL_KERNELS")
     os.environ["VLLM_STEER_SAE_FULL_KERNELS"] = "1"  # read by the workers this engine spawns
     try:
@@ -89,14 +100,15 @@ def _engine_run(tmp_path_factory) -> dict:
         got = ec.generate(llm, ids, params)
     finally:
         ec.shutdown(llm)
-    return {"path": str(path), "ids": ids, "got": dict(zip(REQUESTS, got)), "full": full}
+    return {"path": str(path), "ids": ids, "got": dict(zip(REQUESTS, got)), "full": full, "dir": d}
 
 
 def _reference(run, name: str, edits: list) -> dict:
     from tests.hf_oracle import forced
 
     k = list(REQUESTS).index(name)
-    hf_edits = [(site[0], site[1], sae_edit(w, mode, clamps)) for w, site, mode, clamps in edits]
+    hf_edits = [("mlp", site[1], sparsify_transcoder_hook(str(run["dir"] / TC_FOLDER), clamps)) if w == "sptc"
+                else (site[0], site[1], sae_edit(w, mode, clamps)) for w, site, mode, clamps in edits]
     return forced(run["path"], run["ids"][k], run["got"][name]["tokens"], edits=hf_edits)
 
 

@@ -632,3 +632,66 @@ def test_triton_transcoder_kernel_matches_reference(interpreted, variant):
         err = (got[1].float() - (without[1].float() + delta)).abs()
         ulps = 2.0 ** -7 * (got[1].float().abs() + without[1].float().abs()) if dtype != torch.float32 else 0.0
         assert bool((err <= ulps + tol["atol"]).all()), float((err - ulps).max())
+
+
+_TC_FULL_MODES = (0, 1, 0, 1, 1, 1)  # a transcoder clamps only: OFF / DELTA rows (full_pack's rows otherwise)
+_TC_FULL = ["tc", "tc-offset", "tc-bf16", "sae-tc", "full-sae-tc", "cond-tc", "tc-N300"]
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("variant", _TC_FULL)
+def test_full_transcoder_matches_reference(interpreted, monkeypatch, variant):
+    """A TopK transcoder (sparsify's: a full pack at the norm that makes the MLP's input) on the op's CUDA path
+    (``op.triton_path``: its edit encoded by the tensor-core kernels from the norm's output, which their gather
+    recomputes, then added to the residual by the norm) against the reference: after slot A's vector, after a
+    clamp-only or a full residual SAE at slot A, gated by a condition, GemmaRMSNorm's offset weight, a bf16 stream,
+    N 300 in three rounds. The output is the norm's without the transcoder, bit for bit (it edits the MLP's output,
+    not its input); tokens of row 0, an OFF row or a row without codes keep the residual bit for bit."""
+    from vllm_steer.kernels.sae_clamp import full_triton
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    monkeypatch.setattr(full_triton, "ROUND", 128)
+    norm, _ = interpreted
+    dtype = torch.bfloat16 if variant == "tc-bf16" else torch.float32
+    n, d = (300 if variant == "tc-N300" else 12), 80
+    offset = 1.0 if variant == "tc-offset" else 0.0
+    x, r, (ta, _), _ = _case(n, d, dtype, seed=110)
+    index = token_rows(n)
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(111)) * 0.5 + (0.0 if offset else 1.0)).to(dtype)
+    tc = full_pack(d, 200, 40, seed=112, topk=8, hidden_scale=1.0, modes=_TC_FULL_MODES)
+    sae = {"sae-tc": clamp_pack(d, 37, seed=113, jumprelu=False),
+           "full-sae-tc": full_pack(d, 150, 30, seed=114, topk=6)}.get(variant, [])
+    cond, gate = [], None
+    if variant == "cond-tc":  # rows 1 and 5: their condition gates SAE clamps (the transcoder's too)
+        cond = [torch.tensor([-1, 5 | SAE_GATED, -1, -1, 5, 5 | SAE_GATED | VECTORS_UNGATED], dtype=torch.int32),
+                torch.tensor([[0.0, 1.0, 0.0, 1.0]] + [[0.1, 2.0, 0.0, 0.0]] * 5, dtype=torch.float32),
+                torch.randn(6, d, generator=torch.Generator().manual_seed(115)),
+                torch.tensor([20, -2], dtype=torch.int32)]
+        gate = torch.rand(n + 5, generator=torch.Generator().manual_seed(116)) * 0.8 + 0.1
+    topk_a = 6 if variant == "full-sae-tc" else 0
+
+    def args(tc_pack, k):
+        return (x, r, w, 1e-5, offset, index, [ta, _on()], [], sae, [], topk_a, 0, cond, gate, None, None, None, [],
+                [], tc_pack, k)
+
+    got = op.triton_path(*args(tc, 8))
+    want = steered_norm_naive(*args(tc, 8))
+    without = op.triton_path(*args([], 0))
+    assert torch.equal(got[0], without[0])  # the transcoder edits the MLP's output, not its input
+    torch.testing.assert_close(got[0], want[0], **(_TOL[dtype] if dtype != torch.float32 else _FULL_TOL))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[1], want[1], **_FULL_TOL)
+    rows = index[:n].long()
+    idle = torch.isin(rows, torch.tensor(IDLE_ROWS))
+    assert torch.equal(got[1][idle], without[1][idle])
+    assert not torch.allclose(got[1][~idle].float(), without[1][~idle].float(), rtol=1e-2, atol=1e-2)
+    # the residual moved by the clamps' edit of TopK features encoded from the stored output: (f' - f) @ W_dec
+    from vllm_steer.kernels.sae_clamp.packed import clamp_delta_naive
+
+    delta = clamp_delta_naive(without[0].float(), rows, tc, 8)
+    if cond:
+        g = torch.where(torch.tensor([False, True, False, False, False, True])[rows], gate[:n], 1.0)
+        delta = delta * g[:, None]
+    err = (got[1].float() - (without[1].float() + delta)).abs()
+    ulps = 2.0 ** -7 * (got[1].float().abs() + without[1].float().abs()) if dtype != torch.float32 else 0.0
+    assert bool((err <= ulps + _FULL_TOL["atol"]).all()), float((err - ulps).max())

@@ -10,14 +10,24 @@ module's output (``trainer.py`` 348-399), so ``layers.N`` is decoder layer N's o
 k)``, ``decode`` (198-202) ``Σ acts · W_dec[indices] + b_dec``: a TopK SAE with W_enc = encoder.weight.T and
 b_dec applied to the input (``b_dec_in``), which loads as a full pack.
 
+Transcoders (``transcode``: sparsify's TopK transcoders, hookpoint ``layers.L.mlp``): the trainer encodes that
+module's input and trains the coder to predict its output (``trainer.py`` 341-399: ``inputs`` / ``outputs`` of the
+hooked module); ``encode`` subtracts no b_dec for them (189-196). They load as transcoders (meta ``transcoder``, site
+``post_attn.L``: the norm whose output is layer L's MLP input; b_dec_in off), a TopK full pack at that transcoder
+site. Skip transcoders (``skip_connection`` with ``transcode``) add ``x @ W_skip.T`` to the decoded output
+(``forward`` 226-227): W_skip is checked for its shape and never read, because a clamp's edit ``dec(f') - dec(f)``
+does not contain it (the same x for both); b_dec cancels alike. So a transcoder clamps only (delta): reconstruct,
+replacing the MLP's output by ``dec(f) + W_skip x``, is refused (``core.sae_catalog``, naming ``reconstruct``).
+
 Refused, naming the field: activation ``groupmax``; ``signed`` (an old sparsify's TopK of |pre| without ReLU, a
-field 1.3.3 drops, so it would load such an SAE as unsigned); ``transcode`` and ``skip_connection`` (a TopK
-transcoder needs the full-pack path at a transcoder site, not built); a folder whose hookpoint is not
-``layers.N``. Read as sparsify reads them: ``multi_topk`` (a training loss: ``encode`` uses ``k`` alone, the 4k
-decode of ``forward`` 265-271 is a metric), ``normalize_decoder`` (init and training only) and unknown keys
-(``from_dict(..., drop_extra_fields=True)``, 146). ``d_in`` and ``k`` must be present (sparsify's default k
-changed between releases). Reading goes through ``core.sae_files``' safetensors reader and checks; this module
-owns the layout and the config.
+field 1.3.3 drops, so it would load such an SAE as unsigned); ``skip_connection`` without ``transcode`` (an SAE of
+the residual stream with a skip term: not a transcoder, and its reconstruction would need W_skip); a transcoder
+folder not named ``layers.L.mlp`` (without ``site``), an SAE folder not named ``layers.N``; a root mixing SAEs and
+transcoders (``transcode``: load each with ``site``). Read as sparsify reads them: ``multi_topk`` (a training loss:
+``encode`` uses ``k`` alone, the 4k decode of ``forward`` 265-271 is a metric), ``normalize_decoder`` (init and
+training only) and unknown keys (``from_dict(..., drop_extra_fields=True)``, 146). ``d_in`` and ``k`` must be
+present (sparsify's default k changed between releases). Reading goes through ``core.sae_files``' safetensors
+reader and checks; this module owns the layout and the config.
 """
 
 from __future__ import annotations
@@ -37,7 +47,8 @@ from vllm_steer.core.sae_paths import FileAccess
 CFG, WEIGHTS = "cfg.json", "sae.safetensors"
 ARRAYS = ("encoder.weight", "encoder.bias", "W_dec", "b_dec")
 _RESIDUAL = re.compile(r"layers\.(0|[1-9][0-9]*)")  # decoder layer N's output: post_mlp.N
-_SUBMODULE = re.compile(r"layers\.(0|[1-9][0-9]*)\..+")  # e.g. layers.3.mlp (a transcoder's), layers.3.self_attn
+_MLP = re.compile(r"layers\.(0|[1-9][0-9]*)\.mlp")  # a transcoder's: layer L's MLP (its input is post_attn.L's output)
+_SUBMODULE = re.compile(r"layers\.(0|[1-9][0-9]*)\..+")  # e.g. layers.3.self_attn
 
 
 def is_folder(path: str) -> bool:
@@ -58,7 +69,7 @@ def is_root(path: str) -> bool:
 
 
 def _order(name: str) -> tuple[int, str]:
-    m = _RESIDUAL.fullmatch(name)
+    m = _RESIDUAL.fullmatch(name) or _MLP.fullmatch(name)
     return (int(m.group(1)) if m else -1, name)
 
 
@@ -78,8 +89,8 @@ def _folders(path: str, files: FileAccess) -> dict[str, str]:
     return out
 
 
-def _check_cfg(cfg_path: str, cfg: dict[str, Any]) -> int:
-    """k, once the config is one we serve (every refusal names its field)."""
+def _check_cfg(cfg_path: str, cfg: dict[str, Any]) -> tuple[int, bool, bool]:
+    """(k, transcode, skip_connection), once the config is one we serve (every refusal names its field)."""
     activation = cfg.get("activation", "topk")
     if activation == "groupmax":
         raise SaeFileError(cfg_path, "activation", "'groupmax' (the max of each of k groups of latents) is not "
@@ -91,58 +102,62 @@ def _check_cfg(cfg_path: str, cfg: dict[str, Any]) -> int:
         raise SaeFileError(cfg_path, "signed", "a signed SAE (TopK of |pre-activation|, no ReLU; sparsify before "
                                                "1.0) is not served (sparsify 1.3.3 drops the field and would load "
                                                "it as unsigned)")
-    if _bool_field(cfg_path, "transcode", cfg.get("transcode", False)):
-        raise SaeFileError(cfg_path, "transcode", "a TopK transcoder is not served: it needs the full-pack path at "
-                                                  "a transcoder site, which is not built (sae-lens ReLU / JumpReLU "
-                                                  "transcoders load)")
-    if _bool_field(cfg_path, "skip_connection", cfg.get("skip_connection", False)):
-        raise SaeFileError(cfg_path, "skip_connection", "a skip connection (W_skip, sparsify's skip transcoders) is "
-                                                        "not served: a TopK transcoder needs the full-pack path at a "
-                                                        "transcoder site, which is not built")
+    transcode = _bool_field(cfg_path, "transcode", cfg.get("transcode", False))
+    skip = _bool_field(cfg_path, "skip_connection", cfg.get("skip_connection", False))
+    if skip and not transcode:
+        raise SaeFileError(cfg_path, "skip_connection", "a skip connection on an SAE (transcode false) is not served: "
+                                                        "only skip transcoders (transcode true), whose clamps' edit "
+                                                        "does not read W_skip")
     _bool_field(cfg_path, "multi_topk", cfg.get("multi_topk", False))  # a training loss: encode uses k
     for key in ("d_in", "k"):
         if key not in cfg:
             raise SaeFileError(cfg_path, key, "missing")
-    return _int_field(cfg_path, "k", cfg["k"])
+    return _int_field(cfg_path, "k", cfg["k"]), transcode, skip
 
 
-def _site(folder: str, name: str, site: str | None) -> Site:
-    """post_mlp.N for hookpoint ``layers.N`` (``site``, if given, must agree); ``site`` for a folder whose name is
-    not a hookpoint (renamed); a submodule's hookpoint is refused."""
-    if _SUBMODULE.fullmatch(name):
-        raise SaeFileError(folder, "hookpoint", f"{_shown(name)} is a submodule's hookpoint, not the residual "
-                                                "stream: only layers.N (decoder layer N's output, post_mlp.N) "
-                                                "is served")
-    m = _RESIDUAL.fullmatch(name)
-    own = ("post_mlp", int(m.group(1))) if m else None
+def _site(folder: str, name: str, site: str | None, transcode: bool) -> Site:
+    """An SAE's post_mlp.N for hookpoint ``layers.N``, a transcoder's post_attn.L for ``layers.L.mlp`` (``site``,
+    if given, must agree); ``site`` for a folder whose name is not a hookpoint (renamed); another hookpoint (a
+    submodule's output for an SAE, anything but an MLP for a transcoder) is refused."""
+    hook, pattern, what = (("post_attn", _MLP, "layers.L.mlp: layer L's MLP, read at post_attn.L") if transcode else
+                           ("post_mlp", _RESIDUAL, "layers.N: decoder layer N's output, post_mlp.N"))
+    m = pattern.fullmatch(name)
+    if m is None and (_SUBMODULE.fullmatch(name) or _RESIDUAL.fullmatch(name)):
+        kind = "a transcoder's" if transcode else "an SAE's"
+        raise SaeFileError(folder, "hookpoint", f"{_shown(name)} is not served as {kind} hookpoint: only {what}")
+    own = (hook, int(m.group(1))) if m else None
     given = _parse_site(site, "site", folder) if site is not None else None
     if own is not None and given is not None and given != own:
         raise SaeFileError(folder, "site", f"{given[0]}.{given[1]} disagrees with the folder's hookpoint {name} "
-                                           f"(post_mlp.{own[1]})")
+                                           f"({hook}.{own[1]})")
     where = own or given
     if where is None:
         raise SaeFileError(folder, "site", f"the folder name {_shown(name)} is not a hookpoint sparsify names "
-                                           "(layers.N: decoder layer N's output, post_mlp.N); pass site=")
+                                           f"({what}); pass site=")
+    if transcode and where[0] != "post_attn":
+        raise SaeFileError(folder, "site", f"a transcoder of layer L sits at post_attn.L (the norm that makes the "
+                                           f"MLP's input), got {where[0]}.{where[1]}")
     return where
 
 
-def _dims(cfg_path: str, cfg: dict[str, Any], shapes: Shapes, file: str) -> tuple[int, int]:
-    """(d_in, F) once every array is present with its shape and the config agrees."""
-    for name in ARRAYS:
+def _dims(cfg_path: str, cfg: dict[str, Any], shapes: Shapes, file: str, skip: bool) -> tuple[int, int]:
+    """(d_in, F) once every array is present with its shape (``skip``: W_skip too) and the config agrees."""
+    names = ARRAYS + (("W_skip",) if skip else ())
+    for name in names:
         if name not in shapes:
             held = _shown(sorted(shapes)) if shapes else "none"
             raise SaeFileError(file, name, f"missing array; the file holds {held}")
-    unexpected = sorted(set(shapes) - set(ARRAYS))
+    unexpected = sorted(set(shapes) - set(names))
     if unexpected:
         raise SaeFileError(file, unexpected[0][:40], f"unexpected array for a sparsify SAE (expected "
-                                                     f"{', '.join(ARRAYS)})")
+                                                     f"{', '.join(names)})")
     enc = shapes["encoder.weight"][0]
     if len(enc) != 2 or 0 in enc:
         raise SaeFileError(file, "encoder.weight", f"wrong rank or empty: expected [num_latents, d_in], got "
                                                    f"{list(enc)}")
     f, d = enc
-    for name, want in (("encoder.bias", (f,)), ("W_dec", (f, d)), ("b_dec", (d,))):
-        if shapes[name][0] != want:
+    for name, want in (("encoder.bias", (f,)), ("W_dec", (f, d)), ("b_dec", (d,)), ("W_skip", (d, d))):
+        if name in shapes and shapes[name][0] != want:
             raise SaeFileError(file, name, f"shape {list(shapes[name][0])} does not match encoder.weight "
                                            f"{list(enc)}: expected {list(want)}")
     if _int_field(cfg_path, "d_in", cfg["d_in"]) != d:
@@ -167,19 +182,20 @@ def _read(file: str, entries: dict[str, Any], files: FileAccess) -> dict[str, np
 def _folder(folder: str, site: str | None, files: FileAccess) -> tuple[Site, _Plan]:
     cfg_path, file = os.path.join(folder, CFG), os.path.join(folder, WEIGHTS)
     cfg = _read_json(cfg_path, files)
-    k = _check_cfg(cfg_path, cfg)
-    where = _site(folder, os.path.basename(os.path.normpath(folder)), site)
+    k, transcode, skip = _check_cfg(cfg_path, cfg)
+    where = _site(folder, os.path.basename(os.path.normpath(folder)), site, transcode)
     entries = _st_header(file, files)
     shapes = _st_shapes(entries)
-    d, f = _dims(cfg_path, cfg, shapes, file)
+    d, f = _dims(cfg_path, cfg, shapes, file, skip)
     _check_k(cfg_path, "k", k, f)
-    meta = SaeMeta(d_model=d, d_sae=f, activation="topk", k=k, dtype=shapes["encoder.weight"][1], b_dec_in=True)
+    meta = SaeMeta(d_model=d, d_sae=f, activation="topk", k=k, dtype=shapes["encoder.weight"][1],
+                   b_dec_in=not transcode, transcoder=transcode)
     return where, _Plan(file, meta, lambda: _read(file, entries, files))
 
 
 def sparsify_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
     """One hookpoint folder (its site from its name, or ``site``), or a checkpoint root: every hookpoint folder
-    in it (each must be ``layers.N``), or with ``site`` the one folder for it."""
+    in it (``layers.N`` SAEs or ``layers.L.mlp`` transcoders, not both), or with ``site`` the one folder for it."""
     if is_folder(path):
         where, plan = _folder(path, site, files)
         return {where: plan}
@@ -189,13 +205,17 @@ def sparsify_plans(path: str, site: str | None, files: FileAccess) -> dict[Site,
                                            "directory's folders")
     if site is not None:
         want = _parse_site(site, "site", path)
-        name = f"layers.{want[1]}"
-        if want[0] != "post_mlp" or name not in folders:
+        name = {"post_mlp": f"layers.{want[1]}", "post_attn": f"layers.{want[1]}.mlp"}.get(want[0])
+        if name not in folders:
             raise SaeFileError(path, "site", f"no hookpoint folder for {want[0]}.{want[1]} (sparsify's layers.N is "
-                                             f"post_mlp.N; this checkpoint holds {_shown(list(folders))})")
+                                             "post_mlp.N, a transcoder's layers.L.mlp post_attn.L; this checkpoint "
+                                             f"holds {_shown(list(folders))})")
         return dict([_folder(folders[name], None, files)])
     plans = {}
     for name, folder in folders.items():
         where, plan = _folder(folder, None, files)
+        if plans and next(iter(plans.values())).meta.transcoder != plan.meta.transcoder:
+            raise SaeFileError(path, "transcode", f"the checkpoint holds SAEs and transcoders ({name}): one "
+                                                  "steer.sae entry is one kind; load each with site=")
         plans[where] = plan
     return plans

@@ -192,7 +192,7 @@ def _steered(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torc
         self.vs_pool if self._vs_capture else None,
         [self.vs_a_proj_count, self.vs_a_proj_dirs, self.vs_a_proj_bounds] if "a" in self._vs_proj else [],
         [self.vs_b_proj_count, self.vs_b_proj_dirs, self.vs_b_proj_bounds] if "b" in self._vs_proj else [],
-        [getattr(self, f"vs_tc_{i}") for i in range(self._vs_tc)])
+        [getattr(self, f"vs_tc_{i}") for i in range(self._vs_tc)], self._vs_tc_topk)
 
 
 def _sae_packs(self) -> list[list[torch.Tensor]]:
@@ -202,19 +202,20 @@ def _sae_packs(self) -> list[list[torch.Tensor]]:
 
 def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str, ...], eps: float,
                        offset: float, sae: tuple[int, int] = (0, 0), topk: tuple[int, int] = (0, 0),
-                       cond: bool = False, proj: tuple[str, ...] = (), tc: int = 0, mode: str = "fused") -> type:
+                       cond: bool = False, proj: tuple[str, ...] = (), tc: int = 0, mode: str = "fused",
+                       tc_topk: int = 0) -> type:
     """The (cached) subclass of a norm class that steers (and captures) the given slots; ``sae``:
     the length of each slot's SAE pack (0: no SAE), ``topk`` their TopK k; ``cond``: the condition
     descriptor (``steer.conditions``); ``proj``: the slots with projection tables (``steer.max_projections``);
-    ``tc``: the length of a transcoder's pack (0: none; only a post_attn norm, whose output is the MLP's input);
-    ``mode``: the layer's layout (``_forward``)."""
-    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj, tc, mode)
+    ``tc``: the length of a transcoder's pack (0: none; only a post_attn norm, whose output is the MLP's input),
+    ``tc_topk`` its TopK k (a full pack); ``mode``: the layer's layout (``_forward``)."""
+    key = (base, has_a, has_b, capture, eps, offset, sae, topk, cond, proj, tc, mode, tc_topk)
     cls = _STEERED_CLASSES.get(key)
     if cls is None:
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
                  "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
                  "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond, "_vs_proj": proj,
-                 "_vs_tc": tc, "_vs_mode": mode}
+                 "_vs_tc": tc, "_vs_tc_topk": tc_topk, "_vs_mode": mode}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
@@ -234,6 +235,7 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
     packs = sae.packs if sae is not None else {}
     tc_packs = sae.tc_packs if sae is not None else {}  # by post_attn.L: only that norm's slot A is one
     topk_of = sae.topk if sae is not None else {}
+    tc_topk_of = sae.tc_topk if sae is not None else {}
     for site in sites:
         norm = site.norm
         if hasattr(type(norm), "_vs_base"):
@@ -251,7 +253,8 @@ def install_steering(sites: list[NormSite], tables: SteeringTables, capture: obj
             raise UnsupportedModelError(f"vllm-steer cannot apply a transcoder at {site.name}: its layer adds the "
                                         f"MLP's output outside a fused norm ({site.mode} layout)")
         norm.__class__ = steered_norm_class(type(norm), site.a is not None, site.b is not None, captured, eps, offset,
-                                            lengths, topk, conditions is not None, proj, len(tc), site.mode)
+                                            lengths, topk, conditions is not None, proj, len(tc), site.mode,
+                                            tc_topk_of.get(site.a, 0) if tc else 0)
         if site.layer is not None:
             site.layer.__class__ = post_add_layer_class(type(site.layer), layer_norms(site.layer))
         for i, t in enumerate(tc):

@@ -5,8 +5,9 @@ Several clamp-only SAEs at one site share its pack, one region of clamp slots ea
 the wire's slots are each SAE's own, offset here), so the norm's one clamp walk applies them all. Rows
 share the numbering of the steering tables: a config key owns one row for its vectors and its clamps
 alike, so the row gate, the index and preemption need nothing new. A full pack (TopK, or a site that allows
-reconstruct) keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands, kernels/sae_clamp/full_triton.py). A transcoder's packs (``tc_packs``, by its
-post_attn.L site) have the clamp-only layout too; the norm of post_attn.L applies them to its output's delta."""
+reconstruct) keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands, kernels/sae_clamp/full_triton.py).
+A transcoder's packs (``tc_packs``, by its post_attn.L site; ``tc_topk`` its k) have either layout (full: a TopK
+transcoder, sparsify's, alone at its site); the norm of post_attn.L applies them to its output's delta."""
 
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ class SaeTables:
         self.tc_packs: dict[Site, list[torch.Tensor]] = {}  # transcoders: at post_attn.L, layer L's MLP
         self._tc_names = {name for name, e in catalog.items() if e.transcoder}
         self.topk: dict[Site, int] = {}
+        self.tc_topk: dict[Site, int] = {}  # a full (TopK) transcoder pack's k, by its post_attn.L site
         self.slots = {s: n for s, n in slots.items() if s in sites}
         self.slot_base: dict[Site, int] = {}  # where a site's reserved region starts in its pack
         self._offset: dict[tuple[bool, Site], dict[str, int]] = {}  # where each start-up SAE's region starts
@@ -125,7 +127,7 @@ class SaeTables:
                 if name not in weights:
                     c = catalog[name].config
                     weights[name] = load_sae(c.path, c.format, c.site)
-            (self.tc_packs if tc else self.packs)[site] = self._site_pack(site, regions, catalog, weights, hidden,
+            (self.tc_packs if tc else self.packs)[site] = self._site_pack(site, tc, regions, catalog, weights, hidden,
                                                                           num_rows, device)
             self._offset[(tc, site)] = {r.name: r.offset for r in regions if r.name is not None}
             self.slot_base.update({site: r.offset for r in regions if r.name is None})
@@ -141,18 +143,18 @@ class SaeTables:
 
             split_buffers(device, hidden)
 
-    def _site_pack(self, site: Site, regions: list[Region], catalog: dict[str, SaeEntry], weights: dict,
+    def _site_pack(self, site: Site, tc: bool, regions: list[Region], catalog: dict[str, SaeEntry], weights: dict,
                    hidden: int, num_rows: int, device: torch.device) -> list[torch.Tensor]:
         first = catalog[regions[0].name] if regions[0].name is not None else None
+        topk = self.tc_topk if tc else self.topk
         if first is None and self.slots[site].full:  # alone at its site (sae_catalog)
             self.topk[site] = self.slots[site].k
             return _reserved_full(self.slots[site], hidden, num_rows, device)
-        if first is not None and first.full:  # alone at its site (sae_catalog)
+        if first is not None and first.full:  # alone at its site and kind (sae_catalog)
             w = weights[first.name][site]
-            self.topk[site] = w.meta.k if w.meta.activation == "topk" else 0
+            topk[site] = w.meta.k if w.meta.activation == "topk" else 0
             return _pack(w, first, num_rows, device)
-        if first is None or not first.transcoder:
-            self.topk[site] = 0
+        topk[site] = 0
         parts = [_reserved(r.size, hidden) if r.name is None
                  else _clampable(weights[r.name][site], np.asarray(catalog[r.name].features, dtype=np.int64))
                  for r in regions]
