@@ -29,6 +29,8 @@
 #              bench/v4_bundle.sh's parts in /tmp/gv, installed into /tmp/v4-prefix (after install)
 #   small      1b shape: stock, hotwire and vllm-steer on the single-site arms (post_mlp of layer 8, 16 vectors);
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
+#   offline    1b shape, engine side only (bench/offline_pairs.py): two stock LLMs (the method's spread) and a steer LLM,
+#              enabled_idle / site_named16 / site_inline16, TRIALS (default 40) shuffled trials of one fixed batch
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; TP sets every A/B server's --tensor-parallel-size, QUANT its
 # --quantization (fp8: issue 43's FP8 cost; stop the bf16 servers first, kept servers do not record
 # it). A later run starts with python3 -c 'import vllm' || exit 3
@@ -199,6 +201,10 @@ PY
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small" >&2
+  offline)
+    timeout 590 python3 bench/offline_pairs.py --shape 1b --trials "${TRIALS:-40}" --gpu-mem "${GPU_MEM:-0.12}" \
+      --out "$OUT/offline_pairs_1b.json" 2>&1 | grep -v "INFO\|WARNING\|Deprecat\|warnings.warn" | tail -60
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline" >&2
      exit 2 ;;
 esac

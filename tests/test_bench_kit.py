@@ -263,3 +263,30 @@ def test_the_projection_arm_ablates_one_unit_direction_per_request_at_every_post
                    **STEER_SERVERS["steer_proj"]["steer"])
     payload, pk, dk = fe.resolve(fields[3])
     assert pk == dk and len(payload.projections[pk]) == layers
+
+
+def test_offline_pairs_modules_load_as_start_up_modules_and_trials_pair_by_number(tmp_path):
+    """bench/offline_pairs.py: the steer LLM's start-up module files hold the single-site vectors the inline arm
+    sends (read back by the preload's own loader), and its summary pairs each arm with stock trial by trial."""
+    import types
+
+    from bench.offline_pairs import _fields_and_modules, _summary
+    from vllm_steer.frontend.module_registration import load_path
+    from vllm_steer.core.hooks import HOOK_NAMES as HOOKS
+    from vllm_steer.frontend.spec import ModelShape
+
+    shape = SHAPES["tiny"]
+    args = types.SimpleNamespace(arms=["stock", "site_named16", "site_inline16"], batch=20, std=0.05,
+                                 dtype="float32", site_layer=8)
+    fields, modules = _fields_and_modules(args, shape, tmp_path)
+    assert fields["stock"] == [None] * 20 and set(modules) == {f"ab_site_{i}" for i in range(N_SITE)}
+    assert [f["steering_module"]["name"] for f in fields["site_named16"]] == [f"ab_site_{i % N_SITE}" for i in range(20)]
+    module = load_path("ab_site_3", modules["ab_site_3"], ModelShape(shape["layers"], shape["hidden"], HOOKS, None, 1 << 20))
+    inline = fields["site_inline16"][3]["steering_vectors"]["post_mlp"]
+    want = np.frombuffer(base64.b64decode(inline["data"]), np.float32)
+    (tier,) = [t for t in module.tiers.values() if t]  # the one tier the file fills
+    np.testing.assert_array_equal(np.asarray(tier["post_mlp"][1], np.float32).ravel(), want)
+    trials = [{"stock": {"prefill": 0.1, "gen": 0.1 + 3 * 0.010}, "site_named16": {"prefill": 0.1, "gen": 0.1 + 3 * s}}
+              for s in (0.011, 0.0105)]
+    out = _summary(trials, ["stock", "site_named16"], 4)
+    assert [round(x, 6) for x in out["site_named16"]["decode_step_ms_vs_stock"]["pct"]] == [10.0, 5.0]
