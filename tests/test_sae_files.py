@@ -265,7 +265,8 @@ def test_sae_lens_truncated_data_is_refused_from_its_header(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("change, key, match", [
     ({"architecture": "gated"}, "architecture", "unsupported architecture 'gated'"),
-    ({"architecture": "batchtopk"}, "architecture", "unsupported architecture 'batchtopk'"),
+    ({"architecture": "batchtopk"}, "architecture", "unsupported architecture 'batchtopk'.*saves it for inference as a "
+                                                    "JumpReLU SAE"),
     ({"architecture": "standard", "activation_fn": "tanh-relu"}, "activation_fn", "unsupported activation"),
     ({"normalize_activations": "expected_average_only_in"}, "normalize_activations", "not supported"),
     ({"normalize_activations": True}, "normalize_activations", "not supported"),

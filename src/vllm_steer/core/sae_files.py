@@ -50,6 +50,7 @@ _RAW_DTYPES = {name: raw for name, raw in _ST_DTYPES.values()}
 _MAX_ST_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB too
 _HF_LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)")  # sae-lens' name for a HF layer's output
 _LENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
+_LENS_TRAINING_ONLY = ("batchtopk", "matryoshka_batchtopk")  # saved for inference as jumprelu (batchtopk_sae.py)
 # sae-lens transcoders (saes/transcoder.py): architecture -> activation; "skip" ones also hold W_skip [d_out, d_in]
 _LENS_TRANSCODERS = {"transcoder": "relu", "skip_transcoder": "relu", "jumprelu_transcoder": "jumprelu",
                      "jumprelu_skip_transcoder": "jumprelu"}
@@ -471,8 +472,10 @@ def _lens_activation(cfg_path: str, cfg: dict[str, Any]) -> tuple[str, int, str]
     if arch in _LENS_TRANSCODERS and act in (None, "relu"):
         return _LENS_TRANSCODERS[arch], 0, ""
     if arch not in _LENS_ARCHITECTURES and arch not in _LENS_TRANSCODERS:
+        hint = ("; a BatchTopK training checkpoint: sae-lens saves it for inference as a JumpReLU SAE (its threshold the "
+                "learned top-k threshold), which loads" if arch in _LENS_TRAINING_ONLY else "")
         raise SaeFileError(cfg_path, "architecture", f"unsupported architecture {_shown(arch)} (supported: "
-                                                     f"{', '.join(_LENS_ARCHITECTURES + tuple(_LENS_TRANSCODERS))})")
+                                                     f"{', '.join(_LENS_ARCHITECTURES + tuple(_LENS_TRANSCODERS))}){hint}")
     if arch == "standard" and act in (None, "relu"):
         return "relu", 0, ""
     if arch in ("standard", "topk") and act in (None, "topk"):
