@@ -2,7 +2,8 @@
 weights) clamped or reconstructed by the plain-torch reference (``kernels/sae_clamp/naive.py``), and the same SAE
 with its W_enc / W_dec rounded to bfloat16, as the engine keeps a full pack's (TopK, reconstruct) weights; EleutherAI
 sparsify's own ``SparseCoder`` (imported without its package ``__init__``), random coders of it and a transcoder's
-clamp edit by its ``encode`` / ``decode``."""
+clamp edit by its ``encode`` / ``decode``; dictionary_learning's own dictionaries and trainer configs (its modules
+imported without the package ``__init__`` files)."""
 
 from __future__ import annotations
 
@@ -135,3 +136,62 @@ def sparsify_transcoder_hook(folder: str, clamps: list):
         return output + edit.to(output.dtype).reshape(output.shape)
 
     return hook
+
+
+def dictlearn_module(name: str) -> types.ModuleType:
+    """``dictionary_learning.<name>`` (``dictionary``, ``trainers.top_k``, ...), imported without the package's
+    ``__init__`` files (they import the activation buffer, hence nnsight, which the locks leave out)."""
+    full = f"dictionary_learning.{name}"
+    if "dictionary_learning" not in sys.modules:
+        spec = importlib.util.find_spec("dictionary_learning")
+        assert spec is not None, "dictionary-learning is not installed: ./dev setup installs ci/requirements.lock"
+        root = list(spec.submodule_search_locations)[0]
+        for pkg, path in (("dictionary_learning", root),
+                          ("dictionary_learning.trainers", os.path.join(root, "trainers"))):
+            module = types.ModuleType(pkg)
+            module.__path__ = [path]
+            sys.modules[pkg] = module
+    return importlib.import_module(full)
+
+
+# dict_class -> (trainer module, trainer class, its extra arguments): the trainer dictionary_learning pairs with it
+DICTLEARN_TRAINERS = {
+    "AutoEncoder": ("standard", "StandardTrainer", {}),
+    "AutoEncoderNew": ("standard", "StandardTrainerAprilUpdate", {"dict_class": "AutoEncoderNew"}),
+    "GatedAutoEncoder": ("gdm", "GatedSAETrainer", {}),
+    "JumpReluAutoEncoder": ("jumprelu", "JumpReluTrainer", {}),
+    "AutoEncoderTopK": ("top_k", "TopKTrainer", {"k": True}),
+    "BatchTopKSAE": ("batch_top_k", "BatchTopKTrainer", {"k": True}),
+    "MatryoshkaBatchTopKSAE": ("matryoshka_batch_top_k", "MatryoshkaBatchTopKTrainer",
+                               {"k": True, "group_fractions": [0.25, 0.75]}),
+}
+
+
+def dictlearn_trainer(dict_class: str, d: int, f: int, k: int, layer: int, seed: int = 0, scale: float = 0.3,
+                      threshold: float = 0.2):
+    """dictionary_learning's own trainer for ``dict_class`` (built as its ``trainSAE`` builds it), its dictionary's
+    parameters and buffers random (std ``scale``; every bias nonzero; a BatchTopK / Matryoshka global ``threshold``,
+    a JumpReLU's per latent around it): (the dictionary, the ``config.json`` its ``trainSAE`` writes)."""
+    module, cls, extra = DICTLEARN_TRAINERS[dict_class]
+    kwargs = {key: value for key, value in extra.items() if key not in ("k", "dict_class")}
+    if extra.get("k"):
+        kwargs["k"] = k
+    if "dict_class" in extra:
+        kwargs["dict_class"] = getattr(dictlearn_module("dictionary"), extra["dict_class"])
+    trainer = getattr(dictlearn_module(f"trainers.{module}"), cls)(
+        steps=10_000, activation_dim=d, dict_size=f, layer=layer, lm_name="google/gemma-2-2b", device="cpu",
+        submodule_name=f"resid_post_layer_{layer}", **kwargs)
+    ae = trainer.ae
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ae.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        if hasattr(ae, "threshold"):
+            if ae.threshold.dim():
+                ae.threshold.copy_(threshold + torch.rand(ae.threshold.shape, generator=g) * threshold)
+            else:
+                ae.threshold.fill_(threshold)
+    config = {"trainer": dict(trainer.config),
+              "buffer": {"d_submodule": d, "io": "out", "n_ctxs": 30, "ctx_len": 128, "refresh_batch_size": 32,
+                         "out_batch_size": 4096, "device": "cpu"}}
+    return ae, config

@@ -54,7 +54,7 @@ def _lens_weights(d):
 def test_constants():
     assert SITE_HOOKS == ("pre_attn", "post_attn", "post_mlp")
     assert ACTIVATIONS == ("relu", "jumprelu", "topk")
-    assert FORMATS == ("gemma_scope", "sae_lens", "manifest", "sparsify")
+    assert FORMATS == ("gemma_scope", "sae_lens", "manifest", "sparsify", "dictionary_learning")
 
 
 @pytest.mark.parametrize("text, want", [("post_mlp.12", ("post_mlp", 12)), ("pre_attn.0", ("pre_attn", 0)),

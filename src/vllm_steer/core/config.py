@@ -61,7 +61,7 @@ class SaeModuleConfig(BaseModel):
     path: str
     """A Gemma Scope ``params.npz`` (or its folder), a sae-lens folder, a manifest folder, or an EleutherAI
     sparsify hookpoint folder (or its checkpoint root)."""
-    format: Literal["gemma_scope", "sae_lens", "manifest", "sparsify"] | None = None
+    format: Literal["gemma_scope", "sae_lens", "manifest", "sparsify", "dictionary_learning"] | None = None
     """None: told by the files."""
     site: str | None = None
     """The site of a single-site file (sae-lens and sparsify name their own; with a sparsify root, the one

@@ -1,5 +1,5 @@
-"""SAE weight files: Gemma Scope ``params.npz``, sae-lens directories, EleutherAI sparsify checkpoints and our
-``manifest.json``.
+"""SAE weight files: Gemma Scope ``params.npz``, sae-lens directories, EleutherAI sparsify checkpoints,
+dictionary_learning trainer folders and our ``manifest.json``.
 
 sae-lens transcoders (``transcoder``, ``skip_transcoder`` and their ``jumprelu_`` kinds) load from sae-lens
 directories as SAEs whose meta says ``transcoder``: they encode layer L's MLP input (no b_dec subtracted) and
@@ -15,7 +15,8 @@ files are read by a small reader of our own, since numpy has no bfloat16; a head
 the file's size (its length field, every tensor's data) before anything it describes is read. Every
 file is opened through a ``core.sae_paths.FileAccess`` (runtime registrations: inside steer.sae_root,
 regular files, size cap; ``SaePathError`` passes through unchanged). sparsify's layout and config are
-``core.sae_sparsify``'s (imported on use: it reads through this module's helpers).
+``core.sae_sparsify``'s, dictionary_learning's ``core.sae_dictlearn``'s (each imported on use: they read through
+this module's helpers; the latter reads ``ae.pt`` with torch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from vllm_steer.core.site_names import SITE_FORMS, parse_site_name
 
 SITE_HOOKS: tuple[str, ...] = HOOK_NAMES  # ("pre_attn", "post_attn", "post_mlp")
 ACTIVATIONS = ("relu", "jumprelu", "topk")
-FORMATS = ("gemma_scope", "sae_lens", "manifest", "sparsify")
+FORMATS = ("gemma_scope", "sae_lens", "manifest", "sparsify", "dictionary_learning")
 
 MANIFEST_FORMAT = "vllm-steer-sae"
 MANIFEST_VERSION = 1
@@ -191,6 +192,8 @@ def _matching_formats(path: str) -> list[str]:
         found.append("sae_lens")
     if _is_file(path, MANIFEST_FILE):
         found.append("manifest")
+    if _dictlearn().is_folder(path):
+        found.append("dictionary_learning")
     sparsify = _sparsify()
     if sparsify.is_folder(path) or (not found and sparsify.is_root(path)):
         found.append("sparsify")
@@ -207,7 +210,8 @@ def detect_format(path: str) -> str:
     what = "no such file or directory" if not os.path.exists(path) else "not an SAE file or directory"
     raise SaeFileError(path, "format", f"{what}: looked for a .npz file, a directory with {GEMMA_FILE} (gemma_scope), "
                                        f"{LENS_CFG} + {LENS_WEIGHTS} (sae_lens), {MANIFEST_FILE} (manifest), or "
-                                       f"{LENS_CFG} + sae.safetensors (sparsify: the folder, or a folder of them)")
+                                       f"{LENS_CFG} + sae.safetensors (sparsify: the folder, or a folder of them), or "
+                                       "config.json + ae.pt (dictionary_learning)")
 
 
 # --- .npz headers and arrays (Gemma Scope) -----------------------------------------------------
@@ -699,10 +703,25 @@ def _sparsify_plans(path: str, site: str | None, files: FileAccess) -> dict[Site
     return _sparsify().sparsify_plans(path, site, files)
 
 
+# --- dictionary_learning (core/sae_dictlearn.py) ------------------------------------------------
+
+
+def _dictlearn() -> Any:
+    """``core.sae_dictlearn``, imported on use (it imports this module's readers)."""
+    from vllm_steer.core import sae_dictlearn
+
+    return sae_dictlearn
+
+
+def _dictlearn_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _Plan]:
+    return _dictlearn().dictlearn_plans(path, site, files)
+
+
 # --- public entry points -----------------------------------------------------------------------
 
 _PLANNERS: dict[str, Callable[[str, str | None, FileAccess], dict[Site, _Plan]]] = {
     "gemma_scope": _gemma_plans, "sae_lens": _lens_plans, "manifest": _manifest_plans, "sparsify": _sparsify_plans,
+    "dictionary_learning": _dictlearn_plans,
 }
 
 

@@ -126,7 +126,8 @@ class SaeRegistration(BaseModel):
 
     name: Name
     path: str = Field(description="the SAE's files on the server, inside steer.sae_root (else 403)")
-    format: Literal["gemma_scope", "sae_lens", "manifest", "sparsify"] | None = Field(None, description="None: told by the files")
+    format: Literal["gemma_scope", "sae_lens", "manifest", "sparsify", "dictionary_learning"] | None = Field(
+        None, description="None: told by the files")
     site: str | None = Field(None, description="hook.layer (or blocks.L.hook_resid_*), one of steer.sae_slots")
     features: list[int] | None = Field(None, description="the features requests may clamp; None: all")
     reconstruct: bool = Field(False, description="requests may ask for mode reconstruct (a site reserved with "
