@@ -140,7 +140,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", "Phi3ForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu"),
     Family("glm4", "Glm4ForCausalLM", "glm4", "Glm4DecoderLayer", "Glm4Model", _LLAMA, "cpu"),
     Family("olmoe", "OlmoeForCausalLM", "olmoe", "OlmoeDecoderLayer", "OlmoeModel", _LLAMA, "cpu-opt"),
-    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", "TransformerBlock", "GptOssModel", _LLAMA, "cpu-opt"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", "TransformerBlock", "GptOssModel", _LLAMA, "cpu"),
     Family("granite", "GraniteForCausalLM", "granite", "GraniteDecoderLayer", "GraniteModel", _LLAMA, "cpu",
            "in_place"),
     Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe", "GraniteMoeDecoderLayer", "GraniteMoeModel", _LLAMA,
