@@ -110,9 +110,9 @@ def test_a_module_in_the_llm_config_is_preloaded_and_steers_as_transformers(core
     """``steer.modules`` of an in-process ``LLM`` are registered when it is built (before, only a server loaded them:
     the request was refused as naming an unknown module): the module request equals transformers with its vector."""
     got = core_run["preloaded"]
-    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, {HOOKS[2]: {LAYER: vector(HIDDEN, 2, SCALE)}})
-    assert got["token_ids"] == ref_tokens and got["steering"]["module"]["name"] == "pre", got
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    assert got["steering"]["module"]["name"] == "pre", got
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, {HOOKS[2]: {LAYER: vector(HIDDEN, 2, SCALE)}},
+                           atol=LOGPROB_ATOL)
 
 
 def test_mixed_batch_each_request_as_if_alone(core_run):
