@@ -1,5 +1,6 @@
 """The reference no one here wrote: Hugging Face transformers on the same weights, with the steering
-vector added by forward hooks at the same points, greedy-decoded in float32.
+vector added by forward hooks at the same points, in float32: greedy-decoded, or (``check_greedy``) teacher-forced
+on vLLM's tokens, the same check in one forward.
 
 Hook points, defined on HF's layer structure (stream = residual stream):
 - pre_attn at layer i: a forward pre-hook on layers[i] adds v to its input hidden states.
@@ -175,6 +176,30 @@ def greedy(
     finally:
         for h in handles:
             h.remove()
+
+
+def check_greedy(got: dict, path: str, prompt_ids: list[int], max_tokens: int,
+                 steer: dict[str, dict[int, np.ndarray]] | None = None, family: str = "llama",
+                 edits: list | None = None, atol: float = 2e-3, what: object = "") -> None:
+    """vLLM's greedy request ``got`` (``token_ids``, ``logprobs``) is transformers' greedy decode with the same
+    vectors / edits: ``max_tokens`` tokens, each transformers' argmax after the ones before it, its logprob within
+    ``atol``. Checked teacher-forced on vLLM's tokens, one forward instead of ``greedy``'s one per token: a sequence
+    whose every token is its prefix's argmax is the greedy one, so it is the same check (an exact tie aside)."""
+    tokens = got["token_ids"]
+    assert len(tokens) == max_tokens, (what, tokens)
+    ref = forced(path, prompt_ids, tokens, steer, family, edits)
+    off = np.flatnonzero(ref["trail"] > 0)
+    assert off.size == 0, (f"{what}: vLLM's token {off[0]} ({tokens[off[0]]}) trails transformers' argmax by "
+                           f"{ref['trail'][off[0]]:.4g}; vLLM's tokens {tokens}")
+    np.testing.assert_allclose(got["logprobs"], ref["logprobs"], atol=atol, err_msg=str(what))
+
+
+def is_greedy(tokens: list[int], path: str, prompt_ids: list[int],
+              steer: dict[str, dict[int, np.ndarray]] | None = None, family: str = "llama",
+              edits: list | None = None) -> bool:
+    """Whether ``tokens`` are transformers' greedy decode with these vectors / edits (teacher-forced, as
+    ``check_greedy``): ``not is_greedy(...)`` is ``tokens != greedy(...)[0]`` in one forward."""
+    return bool((forced(path, prompt_ids, tokens, steer, family, edits)["trail"] == 0).all())
 
 
 @torch.no_grad()

@@ -294,7 +294,7 @@ def stop_setup(smollm2_path, prompt_ids, probe_setup):
     so its residual is the unsteered model's on those tokens), and a ``stop_when`` bound halfway between
     two of its values: where two consecutive gates first pass it is where the engine must stop."""
     ps = probe_setup
-    tokens, _ = _hf_gated(smollm2_path, prompt_ids, ps, "soft")
+    tokens, _ = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=_hf_gated(smollm2_path, prompt_ids, ps, "soft"))
     model, _ = hf_oracle.load(smollm2_path)
     with torch.no_grad():
         hidden = model(torch.tensor([prompt_ids + tokens]), output_hidden_states=True).hidden_states[PROBE_LAYER + 1][0]
@@ -347,14 +347,13 @@ def cond_run(smollm2_path, prompt_ids, probe_setup, stop_setup, tmp_path_factory
 
 
 def _hf_gated(path: str, prompt_ids: list[int], ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors",
-              clamps: list | None = None, vectors: bool = True, projections: dict | None = None):
-    """transformers with hooks: the gate from the residual leaving layer PROBE_LAYER, then at each later
-    site the SAE clamp's move (``clamps``, at SAE_SITE), the projections' (``projections``: layer ->
-    [(unit v, lo, hi)] at STEER_LAYER's post_mlp and STEER_LAYER + 2's pre_attn) and each vector, scaled by
-    its token's gate as ``applies_to`` says (``phase`` decode: the prompt's tokens ungated, the generated
+              clamps: list | None = None, vectors: bool = True, projections: dict | None = None) -> list:
+    """The stream edits of transformers gated as the engine: the gate from the residual leaving layer PROBE_LAYER,
+    then at each later site the SAE clamp's move (``clamps``, at SAE_SITE), the projections' (``projections``:
+    layer -> [(unit v, lo, hi)] at STEER_LAYER's post_mlp and STEER_LAYER + 2's pre_attn) and each vector, scaled
+    by its token's gate as ``applies_to`` says (``phase`` decode: the prompt's tokens ungated, the generated
     ones gated)."""
-    edits, _ = _gated_edits(len(prompt_ids), ps, mode, phase, applies_to, clamps, vectors, projections)
-    return hf_oracle.greedy(path, prompt_ids, 12, edits=edits)
+    return _gated_edits(len(prompt_ids), ps, mode, phase, applies_to, clamps, vectors, projections)[0]
 
 
 def _gated_edits(n_prompt: int, ps: dict, mode: str, phase: str = "both", applies_to: str = "vectors",
@@ -366,7 +365,7 @@ def _gated_edits(n_prompt: int, ps: dict, mode: str, phase: str = "both", applie
     def read_gate(s: torch.Tensor) -> torch.Tensor:
         z = s @ probe - ps["threshold"]
         gate["g"] = (z > 0).float() if mode == "hard" else torch.sigmoid(ps["sharpness"] * z)
-        if phase == "decode":  # full recompute: positions past the prompt are the decode steps' tokens
+        if phase == "decode":  # each forward runs the whole sequence: positions past the prompt are decode's
             gate["g"][..., :n_prompt] = 1.0
         return s
 
@@ -403,10 +402,9 @@ def _gated_edits(n_prompt: int, ps: dict, mode: str, phase: str = "both", applie
 @pytest.mark.parametrize("i, mode, phase", [(0, "soft", "both"), (1, "hard", "both"), (4, "soft", "decode")])
 def test_gated_steering_matches_transformers_with_the_same_gate(cond_run, smollm2_path, prompt_ids, probe_setup, i,
                                                                 mode, phase):
-    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, mode, phase)
     got = cond_run["mixed"][i]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, edits=_hf_gated(smollm2_path, prompt_ids, probe_setup,
+                                                                               mode, phase), atol=LOGPROB_ATOL)
     if i >= len(cond_run["alone"]):
         return
     alone = cond_run["alone"][i]  # a mixed batch changes nothing
@@ -422,26 +420,27 @@ def test_gated_sae_clamps_match_transformers_with_the_same_gate(cond_run, smollm
                                                                 mode, applies_to, vectors):
     """``applies_to``: the clamp's move at the SAE site (and the vectors, for ``both``) scaled by the gate,
     in the same mixed batch (whose other requests' vectors at that site ran through the SAE norm too)."""
-    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, mode, applies_to=applies_to,
-                                    clamps=SAE_BIG, vectors=vectors)
     got = cond_run["mixed"][i]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
-    ungated, _ = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[
-        ("post_mlp", STEER_LAYER, sae_edit(SAES["gs"][SAE_SITE], "delta", SAE_BIG))])
-    assert got["token_ids"] != ungated and got["token_ids"] != cond_run["mixed"][3]["token_ids"]  # the gate mattered
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, edits=_hf_gated(
+        smollm2_path, prompt_ids, probe_setup, mode, applies_to=applies_to, clamps=SAE_BIG, vectors=vectors),
+        atol=LOGPROB_ATOL)
+    ungated = [("post_mlp", STEER_LAYER, sae_edit(SAES["gs"][SAE_SITE], "delta", SAE_BIG))]
+    # the gate mattered: not the ungated clamp's greedy tokens, nor the plain request's
+    assert not hf_oracle.is_greedy(got["token_ids"], smollm2_path, prompt_ids, edits=ungated)
+    assert got["token_ids"] != cond_run["mixed"][3]["token_ids"]
 
 
 def test_gated_projections_match_transformers_with_the_same_gate(cond_run, smollm2_path, prompt_ids, probe_setup):
     """``applies_to: "projections"``: each projection's move (a cap at the SAE site, an ablation at a plain
     norm) scaled by the gate, ``s + g * (projected(s) - s)``, the vectors at the same sites ungated."""
-    ref_tokens, ref_lps = _hf_gated(smollm2_path, prompt_ids, probe_setup, "soft", applies_to="projections",
-                                    projections=PROJ_OPS)
     got = cond_run["mixed"][10]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
-    ungated, _ = _hf_gated(smollm2_path, prompt_ids, probe_setup, "soft", applies_to=(), projections=PROJ_OPS)
-    assert got["token_ids"] != ungated and got["token_ids"] != cond_run["mixed"][2]["token_ids"]  # the gate mattered
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, edits=_hf_gated(
+        smollm2_path, prompt_ids, probe_setup, "soft", applies_to="projections", projections=PROJ_OPS),
+        atol=LOGPROB_ATOL)
+    ungated = _hf_gated(smollm2_path, prompt_ids, probe_setup, "soft", applies_to=(), projections=PROJ_OPS)
+    # the gate mattered: not the ungated projections' greedy tokens, nor the ungated vectors' request's
+    assert not hf_oracle.is_greedy(got["token_ids"], smollm2_path, prompt_ids, edits=ungated)
+    assert got["token_ids"] != cond_run["mixed"][2]["token_ids"]
 
 
 @pytest.mark.parametrize("site", CAPTURED)
@@ -491,13 +490,10 @@ def test_the_gate_matters_and_the_neighbours_are_untouched(cond_run, smollm2_pat
     assert soft["token_ids"] != ungated["token_ids"] and soft["token_ids"] != plain["token_ids"]
     # the prompt's last token ran ungated, so the first token is the ungated one; later ones are gated
     assert decode_gated["token_ids"][0] == ungated["token_ids"][0] and decode_gated["token_ids"] != ungated["token_ids"]
-    ref_ungated, lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, {
-        "post_mlp": {STEER_LAYER: probe_setup["v1"]}, "pre_attn": {STEER_LAYER + 2: probe_setup["v2"]}})
-    assert ungated["token_ids"] == ref_ungated
-    np.testing.assert_allclose(ungated["logprobs"], lps, atol=LOGPROB_ATOL)
-    ref_plain, plps = hf_oracle.greedy(smollm2_path, prompt_ids, 12)
-    assert plain["token_ids"] == ref_plain
-    np.testing.assert_allclose(plain["logprobs"], plps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(ungated, smollm2_path, prompt_ids, 12, {
+        "post_mlp": {STEER_LAYER: probe_setup["v1"]}, "pre_attn": {STEER_LAYER + 2: probe_setup["v2"]}},
+        atol=LOGPROB_ATOL, what="ungated")
+    hf_oracle.check_greedy(plain, smollm2_path, prompt_ids, 12, atol=LOGPROB_ATOL, what="plain")
 
 
 def _http(base: str, model: str, stream: bool = False, **fields) -> httpx.Response:

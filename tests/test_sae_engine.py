@@ -172,7 +172,7 @@ def _proj_requests(ablate_dir: np.ndarray) -> dict:
 
 def _project_edit(ops: list, phase: str, prompt_len: int):
     """transformers' stream edit of one site's projections, on the positions of ``phase`` only (the oracle
-    recomputes the whole sequence each step: positions < prompt_len are prefill)."""
+    runs the whole sequence in each forward: positions < prompt_len are prefill)."""
 
     def project(h: torch.Tensor) -> torch.Tensor:
         for v, lo, hi in ops:
@@ -294,17 +294,13 @@ def stream_into(path: str, ids: list[int], layer: int, edits: list | None = None
 def test_each_request_of_a_mixed_batch_equals_transformers_with_the_same_clamp(run, smollm2_path, prompt_ids, name):
     _, edits, vectors = REQUESTS[name]
     hf_edits = [(site[0], site[1], sae_edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in edits]
-    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)
     got = run["batch"][name]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, vectors, edits=hf_edits, atol=LOGPROB_ATOL)
     assert got["token_ids"] != run["batch"]["plain"]["token_ids"]  # the clamp really steered
 
 
 def test_plain_request_beside_sae_requests_equals_transformers(run, smollm2_path, prompt_ids):
-    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12)
-    assert run["batch"]["plain"]["token_ids"] == ref_tokens
-    np.testing.assert_allclose(run["batch"]["plain"]["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(run["batch"]["plain"], smollm2_path, prompt_ids, 12, atol=LOGPROB_ATOL)
 
 
 def test_clamping_features_to_their_own_value_changes_nothing(run):
@@ -334,9 +330,8 @@ def test_runtime_registered_saes_clamp_like_transformers_and_replace_each_other(
     assert (reg_a["clampable"], reg_b["clampable"]) == (40, 4)
     for which, got in (("rt_a", got_a), ("rt_b", got_b)):
         edit = sae_edit(RT[which], "delta", RT_CLAMPS)
-        ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=[(*RT_SITE, edit)])
-        assert got["token_ids"] == ref_tokens, which
-        np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+        hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, edits=[(*RT_SITE, edit)], atol=LOGPROB_ATOL,
+                               what=which)
     assert got_a["token_ids"] != got_b["token_ids"] != plain_b["token_ids"]
     assert plain_a["token_ids"] == plain_b["token_ids"] == run["batch"]["plain"]["token_ids"]
 
@@ -381,10 +376,8 @@ def test_projections_in_a_mixed_batch_equal_transformers_hooks_doing_the_same_ed
     batch's plain request, checked against transformers below too)."""
     _, phase, sites, vectors = run["proj"][name]
     edits = [(hook, layer, _project_edit(ops, phase, len(prompt_ids))) for hook, layer, ops in sites]
-    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=edits)
     got, plain = run["projected"][name], run["phased"]["plain"]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, vectors, edits=edits, atol=LOGPROB_ATOL)
     plain_prompt = plain["prompt_logprobs"][1:]
     if phase == "decode":  # the prompt is read unprojected: its logprobs and the first token are plain's
         np.testing.assert_allclose(got["prompt_logprobs"][1:], plain_prompt, atol=1e-5)
@@ -404,10 +397,8 @@ def test_a_vector_only_request_at_a_projected_site_equals_transformers(run, smol
     so it equals transformers with the vector alone."""
     _, _, sites, vectors = run["proj"]["vector_at_projected_site"]
     assert sites == [] and vectors == {"post_mlp": {12: VEC}}
-    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors)
     got = run["projected"]["vector_at_projected_site"]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, vectors, atol=LOGPROB_ATOL)
     assert got["token_ids"] != run["phased"]["plain"]["token_ids"]  # the vector really steered
 
 
@@ -468,14 +459,12 @@ def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, sm
 
     handles = [model.model.layers[TC_LAYER[tc]].mlp.register_forward_hook(hook(tc, clamps)) for tc, clamps in tc_edits]
     hf_edits = [(site[0], site[1], sae_edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in stream_edits]
+    got = run["transcoded"][name]
     try:
-        ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, vectors, edits=hf_edits)
+        hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, vectors, edits=hf_edits, atol=LOGPROB_ATOL)
     finally:
         for h in handles:
             h.remove()
-    got = run["transcoded"][name]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
     assert got["token_ids"] != run["batch"]["plain"]["token_ids"]  # the clamps really steered
 
 
@@ -501,11 +490,9 @@ def test_runtime_topk_reconstruct_and_several_saes_at_one_site_equal_transformer
     for w, site, mode, clamps in edits:
         by_site.setdefault(site, []).append((w, mode, clamps))
     hf_edits = [(site[0], site[1], _together(e)) for site, e in by_site.items()]
-    ref_tokens, ref_lps = hf_oracle.greedy(smollm2_path, prompt_ids, 12, edits=hf_edits)
     got = run["shared"][name]
     assert run["shared"]["plain"]["token_ids"] == run["batch"]["plain"]["token_ids"]
-    assert got["token_ids"] == ref_tokens
-    np.testing.assert_allclose(got["logprobs"], ref_lps, atol=LOGPROB_ATOL)
+    hf_oracle.check_greedy(got, smollm2_path, prompt_ids, 12, edits=hf_edits, atol=LOGPROB_ATOL)
     assert got["token_ids"] != run["shared"]["plain"]["token_ids"]  # really steered
     if name == "rt_and_share":  # not what rt (the same file, the same clamps) does alone
         assert got["token_ids"] != run["runtime"][1][0]["token_ids"]

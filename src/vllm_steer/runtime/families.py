@@ -105,8 +105,8 @@ class AdaptedNorms(LayerNorms):
 class Family:
     """A family the rule was checked on: the classes its architecture builds, the norms the rule must find
     (None: the rule must refuse it) and how its steering is tested (engine vs transformers on the CPU lane:
-    ``cpu-all`` every hook at every layer, ``cpu`` one site per hook, ``cpu-opt`` the same outside CI;
-    ``gpu``: on a GPU, tests/gpu_e2e (``gpu-mhc``: DeepSeek-V4's); ``rule``: the rule only)."""
+    ``cpu-all`` every hook at every layer, ``cpu`` one site per hook; ``gpu``: on a GPU, tests/gpu_e2e
+    (``gpu-mhc``: DeepSeek-V4's); ``rule``: the rule only)."""
 
     name: str
     architecture: str  # the HF ``architectures`` entry
@@ -139,12 +139,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3", "Gemma3ForCausalLM", "gemma3", "Gemma3DecoderLayer", "Gemma3Model", _GEMMA, "cpu-all"),
     Family("phi3", "Phi3ForCausalLM", "llama", "LlamaDecoderLayer", "LlamaModel", _LLAMA, "cpu"),
     Family("glm4", "Glm4ForCausalLM", "glm4", "Glm4DecoderLayer", "Glm4Model", _LLAMA, "cpu"),
-    Family("olmoe", "OlmoeForCausalLM", "olmoe", "OlmoeDecoderLayer", "OlmoeModel", _LLAMA, "cpu-opt"),
-    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", "TransformerBlock", "GptOssModel", _LLAMA, "cpu-opt"),
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", "OlmoeDecoderLayer", "OlmoeModel", _LLAMA, "cpu"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", "TransformerBlock", "GptOssModel", _LLAMA, "cpu"),
     Family("granite", "GraniteForCausalLM", "granite", "GraniteDecoderLayer", "GraniteModel", _LLAMA, "cpu",
            "in_place"),
     Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe", "GraniteMoeDecoderLayer", "GraniteMoeModel", _LLAMA,
-           "cpu-opt", "in_place"),
+           "cpu", "in_place"),
     # vLLM 0.26 serves OLMo-2 with its Transformers backend: HF's classes, vLLM's norms (TPAwareRMSNorm), linears
     # and attention
     Family("olmo2", "Olmo2ForCausalLM", "transformers.models.olmo2.modeling_olmo2", "Olmo2DecoderLayer",
