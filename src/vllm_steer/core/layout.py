@@ -81,27 +81,31 @@ def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
 def raw_rows(raw: bytes, layers: list[int], dtype_name: str, hidden: int) -> tuple[tuple[int, ...], bytes] | None:
     """Rows already in the model dtype -> (sorted ids, bytes) without all-zero rows (None: none
     left), the same bytes ``table_layout`` makes of the same values (-0.0 becomes 0.0). Raises
-    ValueError on NaN or Inf. Checked on the bit patterns in three reductions without temporaries
+    ValueError on NaN or Inf. Checked on the bit patterns in three passes without temporaries
     (numpy, without the GIL): each row's largest word read signed (its largest positive element) and
     unsigned (its largest negative one, if any), and the smallest signed word (-0.0 is the only word
-    that is the signed minimum)."""
+    that is the signed minimum); what is left is a few dozen numbers, looked at in Python."""
     word, sign, exponent = _WORDS[dtype_name]
     w = np.frombuffer(raw, dtype=word).reshape(len(layers), hidden)
     if not w.size:
         return None
     signed = w.view(_SIGNED[word])
-    top_signed, top = signed.max(axis=1), w.max(axis=1)
-    if top_signed.max() >= exponent or top.max() >= (sign | exponent):  # all exponent bits set: Inf or NaN
+    top_signed, top = signed.max(axis=1).tolist(), w.max(axis=1).tolist()
+    if max(top_signed) >= exponent or max(top) >= (sign | exponent):  # all exponent bits set: Inf or NaN
         raise ValueError("contains NaN or Inf")
-    keep = (top_signed > 0) | (top > sign)  # a nonzero magnitude, positive or negative
     negative_zero = signed.min() == -sign
-    if keep.all() and layers == sorted(layers):  # the usual case: every row, in order (no index twice: spec checks)
+    if min(top_signed) > 0 or all(s > 0 or u > sign for s, u in zip(top_signed, top)):
+        keep = None  # every row has a nonzero magnitude, positive or negative
+    else:
+        keep = np.array([s > 0 or u > sign for s, u in zip(top_signed, top)])
+    if keep is None and layers == sorted(layers):  # the usual case: every row, in order (no index twice: spec checks)
         if not negative_zero:
             return tuple(layers), bytes(raw)
         order = None
     else:
         order = np.argsort(np.asarray(layers), kind="stable")
-        order = order[keep[order]]
+        if keep is not None:
+            order = order[keep[order]]
         if not order.size:
             return None
     if negative_zero:
