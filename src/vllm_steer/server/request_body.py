@@ -3,8 +3,9 @@
 A pure ASGI middleware on /v1/completions and /v1/chat/completions. For a body that carries steering
 fields (top level or inside ``vllm_xargs``), it decodes the body, takes the fields out and runs
 the front end (validate, resolve modules and tiers, hash, pack) on the event loop where that costs less
-than a hop (``_prepare_request``), else in the preparation pool, awaited before vLLM's handler sees the request: a bad field is a 400 naming it, in streaming and
-non-streaming mode alike, before any byte of a response. The handler then parses a body without
+than a hop (``_prepare_request``), else in the preparation pool, awaited before vLLM's handler sees the
+request: a bad field is a 400 naming it, in streaming and non-streaming mode alike, before any byte of a
+response. The handler then parses a body without
 the vectors (megabytes of base64 never go through vLLM's JSON parse on the event loop), carrying a
 token that hands the prepared payload to ``process_inputs`` (frontend.prepared).
 
