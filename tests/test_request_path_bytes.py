@@ -173,3 +173,44 @@ def test_a_1mb_json_request_has_the_key_and_payload_of_the_same_vectors_as_msgpa
         np.testing.assert_array_equal(bf16.from_bits(np.frombuffer(raw, np.uint16)).reshape(len(keep), 4096),
                                       values[[31 - l for l in keep]] + np.float32(0.0))
         assert not (np.frombuffer(raw, np.uint16) == 0x8000).any()  # no -0.0 left
+
+
+def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(monkeypatch):
+    """A 1 MB JSON body whose base64 blocks lift away and whose vectors are packed in the model's dtype is prepared
+    on the event loop (no pool hop); float32 vectors for a bf16 model (converted value by value) are prepared in the
+    pool, and a body past INLINE_LIFTED_BYTES is read there whole; either way the same vectors get the same payload."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=32),
+                         get_hidden_size=lambda: 4096)
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
+    hops = []
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, fn, *args, **kwargs):
+            hops.append(fn.__name__)
+            return super().submit(fn, *args, **kwargs)
+
+    executor = Counting(1)
+    monkeypatch.setattr(request_body, "pool", lambda: executor)
+    rng = np.random.default_rng(12)
+    vectors = {h: rng.standard_normal((32, 4096), dtype=np.float32) for h in HOOKS}
+    base = {"model": "m", "prompt": [1] * 16, "max_tokens": 4}
+
+    def body(dtype: str, layers: int) -> bytes:
+        return json.dumps({**base, "steering_vectors": {h: pack(v[:layers], list(range(layers)), dtype)
+                                                        for h, v in vectors.items()}}).encode()
+
+    bf16_body, f32_body = body("bfloat16", 32), body("float32", 16)
+    assert request_body.INLINE_BYTES < 1_000_000 < len(bf16_body) <= request_body.INLINE_LIFTED_BYTES
+    assert 1_000_000 < len(f32_body) <= request_body.INLINE_LIFTED_BYTES
+    on_loop = _engine_payload(fe, bf16_body, False)
+    assert hops == []
+    _engine_payload(fe, f32_body, False)
+    assert hops == ["_prepare_fields"]
+    monkeypatch.setattr(request_body, "INLINE_LIFTED_BYTES", len(bf16_body) - 1)
+    assert _engine_payload(fe, bf16_body, False) == on_loop and on_loop[0] is not None
+    assert hops == ["_prepare_fields", "_prepare"]
+    executor.shutdown()

@@ -254,22 +254,30 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
     return PackedLayers(arr, layers)
 
 
+def packed_fast_tier(fields: dict[str, Any], shape: ModelShape) -> str | None:
+    """The tier field of a request ``parse_packed_fast`` takes (None: the general path): one tier, every hook
+    packed in the model's dtype, no scales, no norm, no module."""
+    if fields.get(MODULE_FIELD) is not None:
+        return None
+    present = [t for t in TIER_FIELDS if fields.get(t) is not None]
+    if len(present) != 1 or not isinstance(fields[present[0]], dict):
+        return None
+    if not all(h in HOOK_NAMES and isinstance(v, dict) and "data" in v and v.get("dtype") == shape.dtype
+               and v.get("scales") is None and "norm" not in v for h, v in fields[present[0]].items()):
+        return None
+    return present[0]
+
+
 def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, Layout, str | None] | None:
     """The common per-request case, straight to table layout without float32: one tier, every
     hook packed in the model's dtype, no scales, no module. Returns (tier field, layout, its
     ``layout_key``, each hook hashed as soon as its rows are checked), or None when the request
     needs the general path (which then reports any error)."""
-    if fields.get(MODULE_FIELD) is not None:
+    tier = packed_fast_tier(fields, shape)
+    if tier is None:
         return None
     dtype_name = shape.dtype
-    present = [t for t in TIER_FIELDS if fields.get(t) is not None]
-    if len(present) != 1 or not isinstance(fields[present[0]], dict):
-        return None
-    tier = present[0]
     hooks = fields[tier]
-    if not all(h in HOOK_NAMES and isinstance(v, dict) and "data" in v and v.get("dtype") == dtype_name
-               and v.get("scales") is None and "norm" not in v for h, v in hooks.items()):
-        return None
     layout: Layout = {}
     hasher = KeyHasher(dtype_name)
     total = 0
