@@ -256,7 +256,7 @@ def test_what_an_adapter_cannot_serve_is_refused_at_install():
 
     with set_current_vllm_config(VllmConfig()):
         norm = RMSNorm(8, eps=1e-6)
-    sae = SimpleNamespace(packs={}, tc_packs={("post_attn", 0): [object()]}, topk={})
+    sae = SimpleNamespace(packs={}, tc_packs={("post_attn", 0): [object()]}, topk={}, tc_topk={})
     for mode in ("in_place", "post_add"):
         site = NormSite("layers.0.post_attention_layernorm", norm, ("post_attn", 0), None, mode)
         with pytest.raises(UnsupportedModelError, match=f"cannot apply a transcoder at .*{mode} layout"):
