@@ -487,6 +487,7 @@ def site_edit(
             _GATHER((rn,), (x, res, index, tok, count, s, r0, x.stride(0), res_stride, s.stride(0),
                             *(p.get(k, ()) for k in ("vec", "sae", "proj", "full", "cond")), tuple(norm)),
                     (d, block_d, residual is not None, *pre_flags, bool(norm), bool(norm) and norm[2] != 0.0),
+                    # NORM: the norm kernel's warps, so the sum of squares reduces in its order (the same output)
                     _num_warps(block_d) if norm else 4 if block_d <= 1024 else 8)
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)

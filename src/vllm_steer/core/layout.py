@@ -95,10 +95,10 @@ def raw_rows(raw: bytes, layers: list[int], dtype_name: str, hidden: int) -> tup
     if max(top_signed) >= exponent or max(top) >= (sign | exponent):  # all exponent bits set: Inf or NaN
         raise ValueError("contains NaN or Inf")
     negative_zero = signed.min() == -sign
-    if min(top_signed) > 0 or all(s > 0 or u > sign for s, u in zip(top_signed, top)):
-        keep = None  # every row has a nonzero magnitude, positive or negative
-    else:
-        keep = np.array([s > 0 or u > sign for s, u in zip(top_signed, top)])
+    keep = None  # every row has a nonzero magnitude, positive or negative (a positive maximum: the usual case)
+    if min(top_signed) <= 0:
+        nonzero = [s > 0 or u > sign for s, u in zip(top_signed, top)]
+        keep = None if all(nonzero) else np.array(nonzero)
     if keep is None and layers == sorted(layers):  # the usual case: every row, in order (no index twice: spec checks)
         if not negative_zero:
             return tuple(layers), bytes(raw)
