@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The steps of one GPU session, from the repo root on the GPU machine (bench/RESULTS.md logs them). Before: the
-# bundle parts in /tmp/gb, .whl/ the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy, .whl/peer/ hotwire-vllm.
+# bundle parts in /tmp/gb, .whl/ the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy and the test-only wheels
+# (bench/tools_wheels.sh), .whl/peer/ hotwire-vllm. Several steps at once, one GPU each: bench/gpu_lanes.sh.
 #   install    bundle + plugin + py-spy into /tmp/site
 #   kernels    tests/gpu and kernels_bench;   cost   request_path_cost and the table-write test
 #   checks     tests/gpu_e2e (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
@@ -31,15 +32,20 @@
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 #   offline    1b shape, engine side only (bench/offline_pairs.py): two stock LLMs (the method's spread) and a steer LLM,
 #              enabled_idle / site_named16 / site_inline16, TRIALS (default 40) shuffled trials of one fixed batch
-# TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; TP sets every A/B server's --tensor-parallel-size, QUANT its
+# TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; KERNEL_TESTS= (empty) makes `kernels` the bench alone;
+# PORT_BASE moves a second suite's ports (a suite beside another also needs its own TMPDIR: bench/gpu_lanes.sh);
+# TP sets every A/B server's --tensor-parallel-size, QUANT its
 # --quantization (fp8: issue 43's FP8 cost; stop the bf16 servers first, kept servers do not record
 # it). A later run starts with python3 -c 'import vllm' || exit 3
+# Every step's commands run under `timeout -k 20`: a process stuck in a CUDA call does not run Python's SIGTERM handler
+# (the twenty-seventh's kernels_bench outlived its `timeout 240` by 15 minutes), so SIGKILL follows.
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "${OUT:=/tmp/out}"
 PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
-AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"})
+AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"}
+    ${PORT_BASE:+--port-base "$PORT_BASE"})
 KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
@@ -54,66 +60,67 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ;;
   kernels)
-    timeout 300 "${PT[@]}" tests/gpu --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
-    timeout 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tail -70
+    [ -n "${KERNEL_TESTS-tests/gpu}" ] && timeout -k 20 300 "${PT[@]}" ${KERNEL_TESTS-tests/gpu} \
+      --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
+    timeout -k 20 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -70
     ;;
   cost)
-    timeout 120 "${PT[@]}" tests/gpu/test_tables_gpu.py 2>&1 | tail -4
-    timeout 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
+    timeout -k 20 120 "${PT[@]}" tests/gpu/test_tables_gpu.py 2>&1 | tail -4
+    timeout -k 20 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
     ;;
   checks)
-    VLLM_PLUGINS=steer timeout 560 "${PT[@]}" tests/gpu_e2e --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
+    VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" tests/gpu_e2e --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
     ;;
   ab-start)
-    timeout 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --reuse-servers --keep-servers \
+    timeout -k 20 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --reuse-servers --keep-servers \
       --tag start 2>&1 \
       | tail -12
     ;;
   ab)
-    timeout 590 "${KEPT[@]}" --tag ab --trials "${TRIALS:-5}" --long-arms "${LONG_ARMS:-stock,per_request_n16}" \
+    timeout -k 20 590 "${KEPT[@]}" --tag ab --trials "${TRIALS:-5}" --long-arms "${LONG_ARMS:-stock,per_request_n16}" \
       --arms "${ARMS:-stock,disabled,enabled_idle,named_shared,per_request_n16,stock_c256,disabled_c256,k256}" \
       2>&1 | tail -60
     ;;
   graph)
-    timeout 590 "${AB[@]}" --phases graph --reuse-servers --tag graph \
+    timeout -k 20 590 "${AB[@]}" --phases graph --reuse-servers --tag graph \
       --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer}" 2>&1 | tail -40
     ;;
   sae)
-    timeout 120 "${PT[@]}" tests/gpu/test_sae_norm_gpu.py 2>&1 | tail -6
-    timeout 150 python3 bench/sae_kernel_bench.py --out "$OUT/sae_kernel.json" 2>&1 | tail -60
-    timeout 300 "${KEPT[@]}" --tag sae --trials "${TRIALS:-4}" --long-arms "" --deadline-s 280 \
+    timeout -k 20 120 "${PT[@]}" tests/gpu/test_sae_norm_gpu.py 2>&1 | tail -6
+    timeout -k 20 150 python3 bench/sae_kernel_bench.py --out "$OUT/sae_kernel.json" 2>&1 | tail -60
+    timeout -k 20 300 "${KEPT[@]}" --tag sae --trials "${TRIALS:-4}" --long-arms "" --deadline-s 280 \
       --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
     ;;
   cond)
-    timeout 120 "${PT[@]}" tests/gpu/test_cond_norm_gpu.py 2>&1 | tail -6
-    timeout 420 "${KEPT[@]}" --tag cond --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
+    timeout -k 20 120 "${PT[@]}" tests/gpu/test_cond_norm_gpu.py 2>&1 | tail -6
+    timeout -k 20 420 "${KEPT[@]}" --tag cond --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
       --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
     ;;
   proj)
-    timeout 120 "${PT[@]}" tests/gpu/test_proj_norm_gpu.py 2>&1 | tail -6
-    timeout 420 "${KEPT[@]}" --tag proj --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
+    timeout -k 20 120 "${PT[@]}" tests/gpu/test_proj_norm_gpu.py 2>&1 | tail -6
+    timeout -k 20 420 "${KEPT[@]}" --tag proj --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
       --arms "${ARMS:-stock,per_request_n16,project_idle,project_n16,enabled_idle}" 2>&1 | tail -40
     ;;
   capture)
-    timeout 540 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 520 \
+    timeout -k 20 540 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 520 \
       --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all,capture_fs_all_nosync}" 2>&1 | tail -50
     ;;
   prefill)
-    timeout 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
+    timeout -k 20 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
       --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
     ;;
   host)
-    timeout 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20
+    timeout -k 20 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20
     ;;
   gates)
     for t in tests/gpu/test_sae_norm_gpu.py tests/gpu/test_sae_full_gpu.py tests/gpu/test_transcoder_gpu.py \
         tests/gpu/test_proj_norm_gpu.py; do
       # a test past 150 s dumps every thread's stack (pytest's faulthandler): the twenty-fifth's stall, if it recurs
-      echo "== $t"; timeout 300 "${PT[@]}" --durations=5 -o faulthandler_timeout=150 "$t" > /tmp/gates_k.log 2>&1
+      echo "== $t"; timeout -k 20 300 "${PT[@]}" --durations=5 -o faulthandler_timeout=150 "$t" > /tmp/gates_k.log 2>&1
       grep -B2 -A30 "Timeout (0:02:30)" /tmp/gates_k.log | head -60; tail -25 /tmp/gates_k.log
     done
     for t in tests/gpu_e2e/test_sae_full_engine_gpu.py tests/gpu_e2e/test_deepseek_v4_gpu.py; do
-      echo "== $t"; VLLM_PLUGINS=steer timeout 420 "${PT[@]}" -rs "$t" > /tmp/gates_e2e.log 2>&1
+      echo "== $t"; VLLM_PLUGINS=steer timeout -k 20 420 "${PT[@]}" -rs "$t" > /tmp/gates_e2e.log 2>&1
       grep -v "Deprecat\|warnings.warn" /tmp/gates_e2e.log | grep "passed\|failed\|skipped\|Error\|^E " | tail -25
     done
     echo "== disk: 4 GiB, O_DSYNC, then buffered + one fsync"
@@ -123,13 +130,13 @@ case "${1:-}" in
     ;;
   idle)  # host µs per eager launch of our norm vs vLLM's, then the idle cost with every process profiled (counts of
          # our functions per request / step); needs the A/B suite's model directory (any ab-start made it)
-    timeout 120 python3 bench/launch_cost.py --out "$OUT/launch.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20
-    timeout 560 python3 bench/idle_cost.py --gpu --model /tmp/vllm_steer_ab/model-8b-bfloat16 --load-format dummy \
+    timeout -k 20 120 python3 bench/launch_cost.py --out "$OUT/launch.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20
+    timeout -k 20 560 python3 bench/idle_cost.py --gpu --model /tmp/vllm_steer_ab/model-8b-bfloat16 --load-format dummy \
       --gpu-mem "${GPU_MEM:-0.3}" --arms "${IDLE_ARMS:-stock,steer_capture}" --concurrency 32 --requests 256 \
       --max-tokens 64 --profile --out "$OUT/idle_profile.json" 2>&1 | tail -60
     ;;
   stop)
-    timeout 120 "${AB[@]}" --phases stop --reuse-servers --keep-servers --servers "${SERVERS:?names}" --tag stop \
+    timeout -k 20 120 "${AB[@]}" --phases stop --reuse-servers --keep-servers --servers "${SERVERS:?names}" --tag stop \
       2>&1 | tail -5
     ;;
   ray)  # after the .gpurK calls (bench/ray_bundle.sh: each `mkdir -p /tmp/gr && cp .gpurK/* /tmp/gr/`); 2+ GPUs
@@ -138,7 +145,7 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --find-links /tmp/rw --prefix /tmp/ray-prefix ray || exit 6
     export PYTHONPATH=/tmp/site:/tmp/ray-prefix/lib/python3.12/site-packages
     python3 -c 'import ray, vllm; print("ray", ray.__version__)' || exit 6
-    VLLM_PLUGINS=steer VLLM_STEER_E2E_TP="${TP:-2}" VLLM_STEER_E2E_BACKEND=ray timeout 560 "${PT[@]}" \
+    VLLM_PLUGINS=steer VLLM_STEER_E2E_TP="${TP:-2}" VLLM_STEER_E2E_BACKEND=ray timeout -k 20 560 "${PT[@]}" \
       tests/gpu_e2e/test_engine_vs_hf_gpu.py tests/gpu_e2e/test_capture_vs_hf_gpu.py --junitxml="$OUT/gpu_e2e_ray.xml" \
       2>&1 | tail -25
     ;;
@@ -190,19 +197,19 @@ from vllm.v1.attention.ops.flashmla import is_flashmla_sparse_supported
 print("tilelang", tilelang.__version__, "CUDA_HOME", tilelang.env.CUDA_HOME, "| vLLM sees tilelang", has_tilelang(),
       "cutedsl", has_cutedsl(), "deep_gemm", is_deep_gemm_supported(), "sparse FlashMLA", is_flashmla_sparse_supported())
 PY
-    VLLM_PLUGINS=steer timeout 540 "${PT[@]}" -rs tests/gpu_e2e/test_deepseek_v4_gpu.py \
+    VLLM_PLUGINS=steer timeout -k 20 540 "${PT[@]}" -rs tests/gpu_e2e/test_deepseek_v4_gpu.py \
       --junitxml="$OUT/gpu_e2e_v4.xml" > /tmp/v4_e2e.log 2>&1
     grep -v "Deprecat\|warnings.warn" /tmp/v4_e2e.log | grep "passed\|failed\|skipped\|SKIPPED\|Error\|^E " | tail -30
     ;;
   small)
     SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16
-    timeout 590 python3 bench/ab_suite.py --shape 1b --gpu-mem 0.15 --phases ab --tag small1b --long-arms "" \
+    timeout -k 20 590 python3 bench/ab_suite.py --shape 1b --gpu-mem 0.15 --phases ab --tag small1b --long-arms "" \
       --peer-wheel "$(ls .whl/peer/hotwire_vllm-*.whl 2>/dev/null | head -1)" --trials "${TRIALS:-8}" \
       --requests "${REQUESTS:-256}" --arms "${ARMS:-$SITE,site_named16_tiny,site_inline16_tiny}" \
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
   offline)
-    timeout 590 python3 bench/offline_pairs.py --shape 1b --trials "${TRIALS:-40}" --gpu-mem "${GPU_MEM:-0.12}" \
+    timeout -k 20 590 python3 bench/offline_pairs.py --shape 1b --trials "${TRIALS:-40}" --gpu-mem "${GPU_MEM:-0.12}" \
       --out "$OUT/offline_pairs_1b.json" 2>&1 | grep -v "INFO\|WARNING\|Deprecat\|warnings.warn" | tail -60
     ;;
   *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline" >&2

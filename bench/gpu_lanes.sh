@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Several GPU lanes at once on one multi-GPU machine: each lane is a background chain of bench/gpu_session.sh steps
+# pinned to one GPU, with its own TMPDIR (A/B state file, model, caches), ports and results folder, so the A/B suites
+# of different lanes never adopt each other's servers. Run from the repo root on the GPU machine, after `install`.
+#   start GPU NAME 'STEP; STEP; ...'   a lane: each STEP is `[VAR=value ...] step` of gpu_session.sh, run in order;
+#                                      a NAME started again (after its steps ended) goes on in the same folder, so
+#                                      its A/B suite adopts the servers its earlier steps kept
+#   poll [SECONDS]                     wait (at most SECONDS, default 0) while any lane runs, then print each log's
+#                                      tail and pack every log and result into $OUT/lanes.tgz (a call brings back
+#                                      only a few files: one archive comes back whole)
+# A lane on GPU k gets CUDA_VISIBLE_DEVICES=GPU, TMPDIR=/tmp/lanes/NAME/tmp, PORT_BASE=8100+100*GPU, OUT=/tmp/lanes/NAME/out.
+set -uo pipefail
+L=/tmp/lanes
+case "${1:-}" in
+  start)
+    gpu=${2:?gpu} name=${3:?name} steps=${4:?steps}
+    if [ -e "$L/$name.log" ] && ! tail -1 "$L/$name.log" | grep -q "lane done"; then
+      echo "lane $name is still running" >&2; exit 2
+    fi
+    mkdir -p "$L/$name/tmp" "$L/$name/out"
+    (
+      export CUDA_VISIBLE_DEVICES=$gpu TMPDIR=$L/$name/tmp PORT_BASE=$((8100 + 100 * gpu)) OUT=$L/$name/out
+      IFS=';' read -ra list <<< "$steps"
+      for s in "${list[@]}"; do
+        read -ra w <<< "$s"
+        [ ${#w[@]} -gt 0 ] || continue
+        echo "=== $(date +%T) $s"
+        env "${w[@]:0:${#w[@]}-1}" bash bench/gpu_session.sh "${w[-1]}"; rc=$?
+        echo "=== $(date +%T) rc=$rc $s"
+      done
+      echo "=== $(date +%T) lane done"
+    ) >> "$L/$name.log" 2>&1 < /dev/null &
+    disown; echo "lane $name on GPU $gpu: pid $!"
+    ;;
+  poll)
+    end=$((SECONDS + ${2:-0}))
+    running() { for f in "$L"/*.log; do [ -e "$f" ] && ! tail -1 "$f" | grep -q "lane done" && return 0; done; return 1; }
+    while [ $SECONDS -lt $end ] && running; do sleep 5; done
+    for f in "$L"/*.log; do
+      echo "##### $(basename "$f" .log)"; grep -v "Deprecat\|warnings.warn\|INFO\|WARNING" "$f" | tail -"${TAIL:-25}"
+    done
+    mkdir -p "${OUT:=/tmp/out}" && tar -C "$L" -czf "$OUT/lanes.tgz" --exclude='*/tmp' .
+    ;;
+  *) echo "usage: bash bench/gpu_lanes.sh start GPU NAME 'STEPS' | poll [SECONDS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The GPU kit's extra wheels, into .whl/tools/ (run from the repo root, here; `gpu_session.sh install` installs them
+# with --no-deps): py-spy for the host phase, and the test-only references the GPU tests import that the vLLM bundle
+# lacks: eai-sparsify (tests/sae_oracle.sparsify_module: the transcoder oracles of tests/gpu_e2e) with the modules its
+# `sparse_coder` imports. Versions are CI's lock (ci/requirements.lock), so both lanes test against the same code.
+set -euo pipefail
+lock=ci/requirements.lock
+pins=$(grep -iE '^(eai-sparsify|natsort|simple-parsing|docstring-parser|accelerate)==' "$lock")
+mkdir -p .whl/tools
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
+  --platform any -d .whl/tools $pins
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_5_x86_64 \
+  --platform manylinux1_x86_64 --platform manylinux_2_17_x86_64 -d .whl/tools py-spy
+ls .whl/tools
