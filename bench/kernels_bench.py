@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def main() -> int:
     ap.add_argument("--step-ns", default="16,64", help="token counts of the engine-step rows ('' for none)")
     args = ap.parse_args()
 
+    # Inductor compiles the native norm in this process, not in a pool of workers: workers that outlived a killed
+    # bench would keep its stdout open and the step's `| tail` waiting (a suspect for the twenty-seventh's 19 silent
+    # minutes: the step printed nothing although under `timeout 240`)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch
     import triton.testing
 
