@@ -10,7 +10,7 @@
 #                                      only a few files: one archive comes back whole)
 # A lane on GPU k gets CUDA_VISIBLE_DEVICES=GPU, TMPDIR=/tmp/lanes/NAME/tmp, PORT_BASE=8100+100*GPU, OUT=/tmp/lanes/NAME/out.
 set -uo pipefail
-L=/tmp/lanes
+L=${LANES_DIR:-/tmp/lanes}  # LANES_DIR: tests put the lanes elsewhere
 case "${1:-}" in
   start)
     gpu=${2:?gpu} name=${3:?name} steps=${4:?steps}
@@ -35,7 +35,7 @@ case "${1:-}" in
   poll)
     end=$((SECONDS + ${2:-0}))
     running() { for f in "$L"/*.log; do [ -e "$f" ] && ! tail -1 "$f" | grep -q "lane done" && return 0; done; return 1; }
-    while [ $SECONDS -lt $end ] && running; do sleep 5; done
+    while [ $SECONDS -lt $end ] && running; do sleep 2; done
     for f in "$L"/*.log; do
       echo "##### $(basename "$f" .log)"; grep -v "Deprecat\|warnings.warn\|INFO\|WARNING" "$f" | tail -"${TAIL:-25}"
     done

@@ -290,3 +290,42 @@ def test_offline_pairs_modules_load_as_start_up_modules_and_trials_pair_by_numbe
               for s in (0.011, 0.0105)]
     out = _summary(trials, ["stock", "site_named16"], 4)
     assert [round(x, 6) for x in out["site_named16"]["decode_step_ms_vs_stock"]["pct"]] == [10.0, 5.0]
+
+
+def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
+    """bench/gpu_lanes.sh with a stand-in gpu_session.sh: each step sees its lane's GPU, TMPDIR, port base, OUT and
+    only its own variables; a lane still running is not started twice; a lane started again goes on in its folder;
+    poll waits for every lane and packs logs and results (not the lanes' TMPDIRs) into one archive."""
+    import subprocess
+    import tarfile
+
+    repo, lanes, out = tmp_path / "repo", tmp_path / "lanes", tmp_path / "out"
+    (repo / "bench").mkdir(parents=True)
+    (repo / "bench" / "gpu_lanes.sh").write_text((ROOT / "bench" / "gpu_lanes.sh").read_text())
+    (repo / "bench" / "gpu_session.sh").write_text(
+        'echo "$1 gpu=$CUDA_VISIBLE_DEVICES port=$PORT_BASE tmp=$TMPDIR x=${X:-}" >> "$OUT/steps.txt"\n'
+        'touch "$TMPDIR/model.bin"; [ "$1" = slow ] && sleep 2; [ "$1" = bad ] && exit 3; exit 0\n')
+    env = {"PATH": "/usr/bin:/bin", "LANES_DIR": str(lanes), "OUT": str(out)}
+
+    def lanes_sh(*args):
+        return subprocess.run(["bash", "bench/gpu_lanes.sh", *args], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    assert lanes_sh("start", "2", "a", "X=1 slow; plain").returncode == 0
+    assert lanes_sh("start", "0", "b", "bad").returncode == 0
+    again = lanes_sh("start", "2", "a", "plain")
+    assert again.returncode == 2 and "still running" in again.stderr
+    polled = lanes_sh("poll", "30")
+    assert polled.returncode == 0 and "##### a" in polled.stdout and "rc=3 bad" in polled.stdout
+    assert (lanes / "a" / "out" / "steps.txt").read_text().splitlines() == [
+        f"slow gpu=2 port=8300 tmp={lanes}/a/tmp x=1", f"plain gpu=2 port=8300 tmp={lanes}/a/tmp x="]
+    assert (lanes / "b" / "out" / "steps.txt").read_text() == f"bad gpu=0 port=8100 tmp={lanes}/b/tmp x=\n"
+    assert lanes_sh("start", "2", "a", "X=2 plain").returncode == 0
+    assert lanes_sh("poll", "30").returncode == 0
+    last = (lanes / "a" / "out" / "steps.txt").read_text().splitlines()[-1]
+    assert last == f"plain gpu=2 port=8300 tmp={lanes}/a/tmp x=2"
+    assert (lanes / "a.log").read_text().count("lane done") == 2
+    with tarfile.open(out / "lanes.tgz") as tar:
+        names = {n.lstrip("./") for n in tar.getnames()}
+    assert {"a.log", "b.log", "a/out/steps.txt", "b/out/steps.txt"} <= names
+    assert not any(n.endswith("model.bin") for n in names)
