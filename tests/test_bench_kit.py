@@ -1,7 +1,8 @@
 """The A/B kit's pieces that need no GPU (bench/abkit): the trace parser of the graph phase and of the
 decode-graph check (tests/gpu_e2e/trace_kernels.py) on a synthetic trace, the single-site arms' request fields
 and packed vectors, the paired statistics, and (with the peer wheel in .whl/peer/) the hotwire server's set-up
-and its vector files read back by hotwire's own loader. The GPU run of the suite is bench/gpu_session.sh."""
+and its vector files read back by hotwire's own loader, and bench/gpu_lanes.sh's lanes (with a stand-in session
+script). The GPU run of the suite is bench/gpu_session.sh."""
 
 from __future__ import annotations
 
