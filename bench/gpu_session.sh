@@ -103,11 +103,11 @@ case "${1:-}" in
     ;;
   capture)
     timeout -k 20 540 "${KEPT[@]}" --tag capture --trials "${TRIALS:-5}" --long-arms "" --deadline-s 520 \
-      --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all,capture_fs_all_nosync}" 2>&1 | tail -50
+      --arms "${ARMS:-stock,capture_idle,capture_gen_n16,capture_fs_all,capture_fs_all_nosync,capture_fs_all_nowait}" 2>&1 | tail -50
     ;;
   prefill)
     timeout -k 20 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
-      --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
+      --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_fs_nowait,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
     ;;
   host)
     timeout -k 20 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20

@@ -198,6 +198,8 @@ def test_the_file_writing_arms_ask_the_filesystem_consumer_and_are_checked_for_c
 
     fields = arm_fields(ARMS["capture_fs_all"], 2, 0, ctx)
     assert fields[0] == {"capture": {"filesystem": {"layers": "all", "hooks": ["post_mlp"], "positions": "all"}}}
+    nowait = arm_fields(ARMS["capture_fs_all_nowait"], 1, 0, ctx)[0]["capture"]
+    assert nowait == {"fs_nosync": {"layers": "all", "hooks": ["post_mlp"], "positions": "all", "wait": False}}
     assert not expects_steering_field(ARMS["capture_fs_all"])
     (tmp_path / "default" / "r1").mkdir(parents=True)
     (tmp_path / "default" / "r1" / "request.json").write_text('{"status": "partial", "dropped_rows": 7}')

@@ -77,8 +77,9 @@ def test_streaming_response_ends_with_a_capture_chunk_equal_to_the_non_streaming
     ({"fs": {"hooks": ["mid"]}}, "capture.fs.hooks"),
     ({"fs": {"positions": "some"}}, "capture.fs.positions"),
     ({"fs": {"layers": [1], "colour": "red"}}, "capture.fs"),
+    ({"fs": {"layers": [1], "wait": "no"}}, "capture.fs: consumer 'filesystem': wait must be true or false"),
     ({"probe": {"layers": [1], "threshold": 2}}, "capture.probe"),
-], ids=["unknown-instance", "layer-range", "hook", "positions", "fs-extra-key", "probe-extra-key"])
+], ids=["unknown-instance", "layer-range", "hook", "positions", "fs-extra-key", "fs-wait", "probe-extra-key"])
 def test_bad_capture_spec_is_a_400_naming_the_consumer(api_server, capture, words):
     base, model = api_server[0], api_server[1]
     r = complete(base, model, capture=capture)
@@ -98,20 +99,29 @@ def test_a_raising_consumer_is_counted_and_the_server_keeps_serving(api_server):
 
 
 def test_concurrent_requests_each_get_complete_files(api_server):
+    """Eight concurrent capturing requests each get their own complete files; the odd ones ask ``"wait": false``
+    (their responses do not wait for the files, which are published behind them all the same)."""
     base, model, _, root = api_server
     ids, errors = [], []
 
     def run(i):
-        r = complete(base, model, prompt=f"{PROMPT} number {i}",
-                     capture={"fs": {"layers": [0, 7], "hooks": ["pre_attn", "post_mlp"], "positions": "all_prompt"}})
+        spec = {"layers": [0, 7], "hooks": ["pre_attn", "post_mlp"], "positions": "all_prompt", "wait": i % 2 == 0}
+        r = complete(base, model, prompt=f"{PROMPT} number {i}", capture={"fs": spec})
         (ids if r.status_code == 200 else errors).append((i, r.json()["id"]))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errors and len(ids) == 8
-    for i, resp_id in ids:
-        got = load_request(str(root), f"{resp_id}-0")
+    deadline = time.monotonic() + 30
+    for i, resp_id in sorted(ids):  # waited (even i): published before its response, so readable at once
+        while True:
+            try:
+                got = load_request(str(root), f"{resp_id}-0")
+                break
+            except FileNotFoundError:
+                assert i % 2 == 1 and time.monotonic() < deadline
+                time.sleep(0.05)
         assert sorted(got) == [(0, "post_mlp"), (0, "pre_attn"), (7, "post_mlp"), (7, "pre_attn")]
         n = len(got[(0, "pre_attn")][0])
         assert all(rows.shape == (n, 576) and np.isfinite(rows).all() for _, rows in got.values())

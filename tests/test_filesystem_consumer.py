@@ -697,3 +697,27 @@ def test_blocks_are_written_straight_from_the_arena_in_row_order(tmp_path):
         for layer in (0, 1):
             np.testing.assert_array_equal(got[(layer, "post_mlp")][0], np.arange(8))
             np.testing.assert_array_equal(got[(layer, "post_mlp")][1], np.concatenate(expected[(rid, layer)]))
+
+
+def test_a_request_that_does_not_wait_is_answered_at_once_and_published_behind(tmp_path, monkeypatch):
+    """``"wait": false``: on_request_finished returns None (nothing for the response to wait on) while the writer is
+    stuck, and the request is published all the same once it moves; the key is the consumer's only per-request one."""
+    gate = _held_appends(monkeypatch)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1)
+    rows = _rows(4)
+    fs.on_rows("r", 1, "post_mlp", np.arange(4), rows, {})
+    assert fs.on_request_finished("r", {"prompt_len": 4, "params": {"wait": False}}) is None
+    assert not (tmp_path / "default" / "r" / "request.json").exists()  # the writer has not moved yet
+    gate.set()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "default" / "r" / "request.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    fs.close()
+    assert _status(tmp_path, "r")["status"] == "complete"
+    np.testing.assert_array_equal(load_request(str(tmp_path), "r")[(1, "post_mlp")][1], rows)
+    FilesystemConsumer.validate_params({"wait": False})
+    with pytest.raises(ValueError, match="wait must be true or false"):
+        FilesystemConsumer.validate_params({"wait": "no"})
+    with pytest.raises(ValueError, match="only per-request key is 'wait'"):
+        FilesystemConsumer.validate_params({"colour": "red"})

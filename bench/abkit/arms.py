@@ -80,6 +80,9 @@ ARMS = {
     "capture_fs_all": dict(server="steer_capture_fs", kind="capture_fs", layers="all", positions="all"),
     "capture_fs_all_nosync": dict(server="steer_capture_fs", kind="capture_fs", instance="fs_nosync", layers="all",
                                   positions="all"),
+    # the same, each response not waiting for its files (`"wait": false`): they are published behind it
+    "capture_fs_all_nowait": dict(server="steer_capture_fs", kind="capture_fs", instance="fs_nosync", layers="all",
+                                  positions="all", wait=False),
     # prefill capture against vLLM's own extract_hidden_states (4 layers, prompt 512, 1 token, 256 requests at c32):
     # rows to files (filesystem consumer), rows to host memory only (activations, reduce mean), vLLM's connector
     "prefill_stock": dict(server="stock", kind="plain", load=PREFILL_LOAD, ref="prefill_stock"),
@@ -87,6 +90,8 @@ ARMS = {
                                load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_capture_fs_nosync": dict(server="steer_capture_fs", kind="capture_fs", instance="fs_nosync", layers=4,
                                       positions="all_prompt", load=PREFILL_LOAD, ref="prefill_stock"),
+    "prefill_capture_fs_nowait": dict(server="steer_capture_fs", kind="capture_fs", layers=4, positions="all_prompt",
+                                      wait=False, load=PREFILL_LOAD, ref="prefill_stock"),  # fsynced, not waited for
     "prefill_capture_mem": dict(server="steer_capture_fs", kind="capture", layers=4, positions="all_prompt",
                                 reduce="mean", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_extract_hs": dict(server=EXTRACT_SERVER, kind="extract_hs", load=PREFILL_LOAD, ref="prefill_stock"),
@@ -205,7 +210,8 @@ def arm_fields(arm: dict, n_requests: int, seed: int, ctx: dict) -> list[dict | 
         spec = {"layers": capture_layers(arm, ctx["shape"]["layers"]), "hooks": ["post_mlp"],
                 "positions": arm.get("positions", "all_generated")}
         if kind == "capture_fs":
-            return [{"capture": {arm.get("instance", "filesystem"): spec}}] * n_requests
+            wait = {"wait": arm["wait"]} if "wait" in arm else {}
+            return [{"capture": {arm.get("instance", "filesystem"): {**spec, **wait}}}] * n_requests
         return [{"capture": {"activations": {**spec, "reduce": arm.get("reduce", "last")}}}] * n_requests
     if kind == "extract_hs":
         return [None] * n_requests

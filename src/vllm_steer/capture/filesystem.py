@@ -31,7 +31,9 @@ writes release the GIL), each thread keeps an LRU of open
 ``.bin.tmp`` descriptors (``max_open``; default: from the process's file limit, up to 1024).
 ``on_request_finished`` does not wait for the publication: it returns a ``Future`` the writer completes once
 the request is published, and the capture host answers the request then (the response waits for it, bounded
-by ``capture_result_timeout_s``).
+by ``capture_result_timeout_s``). A request's spec may say ``"wait": false`` (the consumer's one per-request key):
+its response then ends with its last token and its files are published behind it (``request.json`` says when;
+the queue's bounds and counters are the same), so a client's slot is not held by the disk.
 
 Publication protocol (a writer thread, per batch of the requests it finished together):
 
@@ -557,8 +559,11 @@ class FilesystemConsumer(BaseConsumer):
 
     @classmethod
     def validate_params(cls, params: dict[str, Any]) -> None:
-        if params:
-            raise ValueError(f"the filesystem consumer takes no per-request keys, got {sorted(params)}")
+        extra = set(params) - {"wait"}
+        if extra:
+            raise ValueError(f"the filesystem consumer's only per-request key is 'wait', got {sorted(extra)}")
+        if not isinstance(params.get("wait", True), bool):
+            raise ValueError(f"wait must be true or false, got {params['wait']!r}")
 
     def _count(self, stat: str, n: int = 1) -> None:
         with self._lock:
@@ -627,7 +632,8 @@ class FilesystemConsumer(BaseConsumer):
 
     def on_request_finished(self, request_id, meta) -> Future | None:
         """Hand the request's last rows to its writer and queue its publication: a ``Future`` done once
-        ``request.json`` is written (None when the request will not be published)."""
+        ``request.json`` is written (None when the request will not be published, or when it asked ``"wait":
+        false``: its response does not wait for the files, which are published all the same)."""
         with self._gathering:
             self._flush()  # its last rows (and the others' gathered ones) go before its publication
             self._gather.files.forget(request_id)
@@ -648,7 +654,7 @@ class FilesystemConsumer(BaseConsumer):
         done: Future = Future()
         self._queue_of(request_id).put(("publish", request_id, self.root / _safe(request_id), meta, done,
                                         time.monotonic()))
-        return done
+        return done if (meta.get("params") or {}).get("wait", True) else None
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
         """The writer thread: appends as they come; publications prepared, then committed in batches (when the
