@@ -538,7 +538,8 @@ class FilesystemConsumer(BaseConsumer):
         self._budget = _Budget(int(float(max_queued_mb) * 2**20))  # params may come as strings ("name:key=val")
         self.max_wait_s = float(max_wait_s)
         self._dropped: dict[str, dict[str, list[int]]] = {}  # request -> rows this consumer dropped
-        self._gather = StepGather(self._budget.limit // 4)  # rows not yet handed to a writer
+        # rows not yet handed to a writer; its arenas: as many as the queue bound holds, and the one being filled
+        self._gather = StepGather(self._budget.limit // 4, self._budget.limit + self._budget.limit // 4)
         self._gathering = threading.RLock()  # the lane's thread only, as the contract says; a lock all the same
         self._dtype = ""  # the files' dtype (the model's)
         self._pending_publishes = 0
@@ -598,16 +599,21 @@ class FilesystemConsumer(BaseConsumer):
                 return
         self._dtype = dtype or str(rows.dtype)
         g = self._gather
-        if not g.fits(len(rows)):
+        if not g.fits(rows):
             self._flush()
         g.add(packet.request_ids, packet.sites, packet.starts, packet.ends, packet.positions, rows,
-              arena_rows=-(-self._flush_bytes() // max(1, rows[0].nbytes)) if len(rows) else 0)
+              arena_rows=-(-self._arena_bytes() // max(1, rows[0].nbytes)) if len(rows) else 0)
         if g.nbytes >= self._flush_bytes():
             self._flush()
 
     def _flush_bytes(self) -> int:
         """Gathered bytes that make a flush: FLUSH_BYTES per open file, at most a quarter of the limit."""
         return min(self._budget.limit // 4, FLUSH_BYTES * max(1, self._gather.active_files()))
+
+    def _arena_bytes(self) -> int:
+        """A new arena's size: two flushes (a request's prompt arriving mid-arena seldom forces an early one),
+        at most a quarter of the limit."""
+        return min(self._budget.limit // 4, 2 * self._flush_bytes())  # BufferPool rounds it up to a power of two
 
     def _drop(self, packet: RowPacket) -> None:
         self._count("dropped_writes")
@@ -617,10 +623,11 @@ class FilesystemConsumer(BaseConsumer):
                 self._dropped.setdefault(rid, {}).setdefault(f"{hook}.{layer}", []).extend(
                     packet.positions[a:b].tolist())
 
-    def _flush(self) -> None:
-        """Every gathered row to its file's writer: one block per file, one queue item per writer."""
+    def _flush(self, request_id: str | None = None) -> None:
+        """Every gathered row (or only ``request_id``'s) to its file's writer: one block per file, one queue
+        item per writer."""
         per_queue: dict[int, list[Block]] = {}
-        for block in self._gather.flush():
+        for block in self._gather.flush(request_id):
             per_queue.setdefault(self._queue_index(block.request_id), []).append(block)
         for k, blocks in per_queue.items():
             self._queues[k].put(("append", blocks, self._dtype, sum(b.nbytes for b in blocks)))
@@ -629,7 +636,7 @@ class FilesystemConsumer(BaseConsumer):
         """Hand the request's last rows to its writer and queue its publication: a ``Future`` done once
         ``request.json`` is written (None when the request will not be published)."""
         with self._gathering:
-            self._flush()  # its last rows (and the others' gathered ones) go before its publication
+            self._flush(request_id)  # its last rows go before its publication (the others' stay gathered)
             self._gather.files.forget(request_id)
         with self._lock:
             mine = self._dropped.pop(request_id, {})
@@ -651,8 +658,9 @@ class FilesystemConsumer(BaseConsumer):
         return done
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
-        """The writer thread: appends as they come; publications prepared, then committed in batches (when the
-        queue is empty, ``BATCH_REQUESTS`` are waiting or the oldest has waited ``BATCH_S``)."""
+        """The writer thread: appends as they come; publications prepared, then committed: at once without
+        ``syncfs`` (nothing to share), else in batches (when the queue is empty, ``BATCH_REQUESTS`` are waiting
+        or the oldest has waited ``BATCH_S``)."""
         batch: list[_Prepared] = []
         while True:
             if batch:
@@ -672,15 +680,10 @@ class FilesystemConsumer(BaseConsumer):
             if item == "commit":
                 continue
             if item[0] == "append":
-                try:
-                    for b in item[1]:
-                        writer.append(self.root, b, item[2])
-                except Exception as e:  # a bug, not a disk fault: still only these requests fail
-                    logger.exception("vllm-steer: filesystem capture writer")
-                    for rid in {b.request_id for b in item[1]}:
-                        writer.fail(rid, e)
-                finally:
-                    self._budget.give(item[3])
+                nbytes = item[3]
+                self._append(writer, item)
+                item = None  # no view of the arena outlives its write (the pool reuses the arena), then its room
+                self._budget.give(nbytes)
                 continue
             item = (*item, time.monotonic())  # [6]: when it was prepared
             try:
@@ -689,6 +692,19 @@ class FilesystemConsumer(BaseConsumer):
                 logger.exception("vllm-steer: filesystem capture writer")
                 writer.fail(item[1], e)
                 batch.append(writer.prepare(item[2], item[1], item[3], item))  # request.json says failed
+            if writer.sync != "syncfs":
+                self._commit(writer, batch)
+                batch = []
+
+    def _append(self, writer: _Writer, item: tuple) -> None:
+        _, blocks, dtype, _ = item
+        try:
+            for b in blocks:
+                writer.append(self.root, b, dtype)
+        except Exception as e:  # a bug, not a disk fault: still only these requests fail
+            logger.exception("vllm-steer: filesystem capture writer")
+            for rid in {b.request_id for b in blocks}:
+                writer.fail(rid, e)
 
     def _commit(self, writer: _Writer, batch: list[_Prepared]) -> None:
         try:
