@@ -12,7 +12,9 @@ for its files), so late publications cost throughput as on the GPU. Prints, per 
 (lane thread + writer threads, from ``/proc``; user and system), bytes per CPU-second, and per request the
 publication latency (finish notice -> published: p50 / p90 / max) and the slots' occupancy (a request's steps
 over slots x steps elapsed: 100% when no slot waits for a publication, the stock server's), the consumer's
-counters and the sync calls made. ``--root`` puts the files on a given filesystem (default: a temporary directory).
+counters and the sync calls made. ``--root`` puts the files on a given filesystem (default: a temporary directory);
+``--skip-row-writes`` leaves the rows' writes out (the kernel's page-cache copy, whose cost depends on the machine:
+on the shared CPU box it is most of the writers' CPU) to time what the host itself does.
 
     python bench/capture_host_cost.py --requests 16 --sites 32 --hidden 4096 --prompt 256 [--gen 128 --total 64
         --step-ms 5 --stagger 0 --fsync --root DIR]
@@ -51,8 +53,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4, help="writer threads (the bench server's config: 4)")
     ap.add_argument("--fsync", action="store_true", help="sync before publishing (the consumer's default)")
     ap.add_argument("--root", default=None, help="directory to write under (default: a temporary one)")
+    ap.add_argument("--skip-row-writes", action="store_true",
+                    help="rows are not written (the consumer's writes of over 4 KiB skipped): the host's own CPU "
+                         "without the kernel's page-cache copy of the rows")
     a = ap.parse_args()
     syncs = _count_syncs()
+    if a.skip_row_writes:
+        real_write_all = fs_module._write_all
+        fs_module._write_all = lambda fd, chunks: (real_write_all(fd, chunks) if sum(map(len, chunks)) <= 4096
+                                                   else None)
     sites = [("post_mlp", layer) for layer in range(a.sites)]
     ring_rows = a.requests * a.sites * max(1, a.prompt)  # a step where every slot prefills
     ring = np.random.default_rng(0).integers(0, 2**16, (ring_rows, a.hidden), dtype=np.uint16)
@@ -147,7 +156,7 @@ def main() -> None:
     per = 1e3 / steps
     print(f"{a.requests} x {a.sites} sites, D {a.hidden}, prompt {a.prompt} + {a.gen}, {a.total} requests (after "
           f"{a.warmup}), step "
-          f"{a.step_ms} ms, fsync {a.fsync}, {a.threads} writers: {steps} steps, {written / 1e9:.2f} GB in "
+          f"{a.step_ms} ms, fsync {a.fsync}, {a.threads} writers{', rows not written' * a.skip_row_writes}: {steps} steps, {written / 1e9:.2f} GB in "
           f"{elapsed:.1f} s ({written / elapsed / 1e9:.2f} GB/s)\n"
           f"  host CPU {per * host:.2f} ms/step ({written / max(host, 1e-9) / 1e9:.2f} GB per CPU-second): "
           + ", ".join(f"{k} {per * (user[k] + system[k]):.2f} (user {per * user[k]:.2f}, system {per * system[k]:.2f})"

@@ -21,11 +21,12 @@ directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows
 ``error`` when a write failed (disk full, ...): that request's ``.tmp`` files are removed and nothing
 of it is published, and the writers go on with the next requests (written again once space returns).
 
-A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``); when
-they reach ``FLUSH_BYTES`` per open file (at most a quarter of ``max_queued_mb``), and at a request's end,
-they are regrouped per file and each file's block goes to its writer thread, which writes it with one
-``os.writev`` of views of the gather arena (one per run of consecutive rows: no gather copy), so a decode step
-costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
+A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``, in pooled
+arenas reused as the writers finish with them: no fresh pages a step); when they reach ``FLUSH_BYTES`` per open file
+(at most a quarter of ``max_queued_mb``) they are regrouped per file, and at a request's end its own rows are (the
+others' stay gathered, so a finish does not cut every file's block short); each file's block goes to its writer
+thread, which writes it with one ``os.writev`` of views of the gather arena (one per run of consecutive rows: no
+gather copy), so a decode step costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
 ``hash(request_id) % threads`` (so a file's order is kept; ``threads`` 4 by default, as the GPU benches ran; their
 writes release the GIL), each thread keeps an LRU of open
 ``.bin.tmp`` descriptors (``max_open``; default: from the process's file limit, up to 1024).
@@ -46,10 +47,11 @@ Publication protocol (a writer thread, per batch of the requests it finished tog
 
 So nothing is renamed to its final name before its bytes (the record's too) are durable, and a request
 directory with ``request.json`` is complete; readers never see a partial shard (a killed process leaves only
-``.tmp`` files). A batch is what the writer's queue holds: prepared requests are committed as soon as the
-queue is empty, ``BATCH_REQUESTS`` are waiting, or the oldest has waited ``BATCH_S`` behind other work, so a
+``.tmp`` files). With ``syncfs`` a batch is what the writer's queue holds: prepared requests are committed as soon
+as the queue is empty, ``BATCH_REQUESTS`` are waiting, or the oldest has waited ``BATCH_S`` behind other work, so a
 lone request is synced at once and a busy writer pays one sync for many requests (each request's 2 files a
-site plus its record were each fsynced before). A failed ``syncfs`` cannot say whose bytes were lost: every
+site plus its record were each fsynced before); otherwise (``fsync: false`` or ``"files"``: no sync to share) each
+request is committed as soon as it is prepared. A failed ``syncfs`` cannot say whose bytes were lost: every
 request of its batch is published as ``failed``. A failed rename fails only its request. With ``fsync: false``
 files are still published by rename when complete, so readers on this host see whole files as before, but a
 machine crash may lose the last ones; the disk's sync rate no longer bounds the requests (a response waits for
