@@ -721,3 +721,74 @@ def test_a_request_that_does_not_wait_is_answered_at_once_and_published_behind(t
         FilesystemConsumer.validate_params({"wait": "no"})
     with pytest.raises(ValueError, match="only per-request key is 'wait'"):
         FilesystemConsumer.validate_params({"colour": "red"})
+
+
+def test_a_request_end_flushes_only_its_rows_and_arenas_are_reused(tmp_path):
+    """``StepGather.flush(request)`` hands out that request's rows only (the others stay gathered, flushed later in
+    order); the arena is filled on past a flush without touching the rows its blocks view, and once no block views
+    an arena the pool hands it out again: a steady capture allocates nothing."""
+    from vllm_steer.capture.fs_gather import StepGather
+
+    d = 1024  # float32: 4 KiB rows, written as views
+    g = StepGather(1 << 30)
+    rng = np.random.default_rng(5)
+    sent: dict = {}
+
+    def step(rids, k):
+        data = rng.standard_normal((2 * len(rids), d)).astype(np.float32)
+        sites = [s for _ in rids for s in (("post_mlp", 0), ("post_mlp", 1))]
+        groups = [r for r in rids for _ in range(2)]
+        for (hook, layer), rid, row in zip(sites, groups, data):
+            sent.setdefault((rid, layer), []).append(row)
+        g.add(groups, sites, np.arange(len(groups)), np.arange(1, len(groups) + 1), np.full(len(groups), k), data,
+              arena_rows=64)
+
+    for k in range(3):
+        step(["a", "b"], k)
+    mine = g.flush("a")
+    assert sorted((b.request_id, b.layer) for b in mine) == [("a", 0), ("a", 1)]
+    assert g.nbytes == 3 * 2 * 4 * d  # b's rows stay gathered
+    first = {(b.request_id, b.layer): b"".join(bytes(c) for c in b.chunks()) for b in mine}
+    for k in range(3, 5):
+        step(["b"], k)
+    rest = g.flush()
+    assert sorted((b.request_id, b.layer) for b in rest) == [("b", 0), ("b", 1)]
+    for b in mine + rest:
+        assert b"".join(bytes(c) for c in b.chunks()) == np.stack(sent[(b.request_id, b.layer)]).tobytes()
+        assert b.positions.tolist() == list(range(len(sent[(b.request_id, b.layer)])))
+    assert all(b"".join(bytes(c) for c in b.chunks()) == first[(b.request_id, b.layer)] for b in mine)
+    assert g.pool.allocated == 1  # one arena held both flushes
+    del mine, rest, b
+    for k in range(5, 200):  # many arenas' worth of steps, each flushed and written (dropped) before the next fills
+        step(["c"], k)
+        blocks = g.flush()
+        del blocks
+    assert g.pool.allocated == 1  # the written arena came back each time
+
+
+def test_without_syncfs_a_publication_does_not_wait_for_its_writers_later_work(tmp_path, monkeypatch):
+    """``fsync: false``: a request's end hands its writer its own rows only, and the prepared request is published
+    at once, not held back (up to ``BATCH_S``) while its writer has other requests' rows queued: nothing is shared
+    by waiting without a ``syncfs``."""
+    gates = {"a": threading.Event(), "b": threading.Event()}
+    real_append = fsmod._Writer.append
+
+    def append(self, root, block, dtype):
+        gates[block.request_id].wait(60)
+        real_append(self, root, block, dtype)
+
+    monkeypatch.setattr(fsmod._Writer, "append", append)
+    monkeypatch.setattr(fsmod, "BATCH_S", 600.0)
+    fs = FilesystemConsumer("fs", root=str(tmp_path), threads=1, fsync=False)
+    fs.on_rows("a", 0, "post_mlp", np.arange(4), _rows(4), {})
+    fs.on_rows("b", 0, "post_mlp", np.arange(4), _rows(4, seed=1), {})
+    fut = fs.on_request_finished("a", {"prompt_len": 4})  # queued: a's rows, a's publication
+    assert fs._gather.nbytes == _rows(4).nbytes  # b's rows stay gathered
+    fs._flush()  # then b's rows, whose write is held
+    gates["a"].set()
+    assert fut.result(timeout=30) is None and _status(tmp_path, "a")["status"] == "complete"
+    assert not (tmp_path / "default" / "b").exists()  # b's write still held
+    gates["b"].set()
+    _published(fs.on_request_finished("b", {"prompt_len": 4}))
+    np.testing.assert_array_equal(load_request(str(tmp_path), "b")[(0, "post_mlp")][1], _rows(4, seed=1))
+    fs.close()

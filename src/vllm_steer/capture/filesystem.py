@@ -21,11 +21,12 @@ directory with it is done. ``status`` is ``"complete"``; ``"partial"`` when rows
 ``error`` when a write failed (disk full, ...): that request's ``.tmp`` files are removed and nothing
 of it is published, and the writers go on with the next requests (written again once space returns).
 
-A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``); when
-they reach ``FLUSH_BYTES`` per open file (at most a quarter of ``max_queued_mb``), and at a request's end,
-they are regrouped per file and each file's block goes to its writer thread, which writes it with one
-``os.writev`` of views of the gather arena (one per run of consecutive rows: no gather copy), so a decode step
-costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
+A step's rows arrive in one call (``on_packet``) and are gathered as they came (``capture.fs_gather``, in pooled
+arenas reused as the writers finish with them: no fresh pages a step); when they reach ``FLUSH_BYTES`` per open file
+(at most a quarter of ``max_queued_mb``) they are regrouped per file, and at a request's end its own rows are (the
+others' stay gathered, so a finish does not cut every file's block short); each file's block goes to its writer
+thread, which writes it with one ``os.writev`` of views of the gather arena (one per run of consecutive rows: no
+gather copy), so a decode step costs O(1) Python here, not a call per (request, site). Writes for a request go to thread
 ``hash(request_id) % threads`` (so a file's order is kept; ``threads`` 4 by default, as the GPU benches ran; their
 writes release the GIL), each thread keeps an LRU of open
 ``.bin.tmp`` descriptors (``max_open``; default: from the process's file limit, up to 1024).
@@ -48,10 +49,11 @@ Publication protocol (a writer thread, per batch of the requests it finished tog
 
 So nothing is renamed to its final name before its bytes (the record's too) are durable, and a request
 directory with ``request.json`` is complete; readers never see a partial shard (a killed process leaves only
-``.tmp`` files). A batch is what the writer's queue holds: prepared requests are committed as soon as the
-queue is empty, ``BATCH_REQUESTS`` are waiting, or the oldest has waited ``BATCH_S`` behind other work, so a
+``.tmp`` files). With ``syncfs`` a batch is what the writer's queue holds: prepared requests are committed as soon
+as the queue is empty, ``BATCH_REQUESTS`` are waiting, or the oldest has waited ``BATCH_S`` behind other work, so a
 lone request is synced at once and a busy writer pays one sync for many requests (each request's 2 files a
-site plus its record were each fsynced before). A failed ``syncfs`` cannot say whose bytes were lost: every
+site plus its record were each fsynced before); otherwise (``fsync: false`` or ``"files"``: no sync to share) each
+request is committed as soon as it is prepared. A failed ``syncfs`` cannot say whose bytes were lost: every
 request of its batch is published as ``failed``. A failed rename fails only its request. With ``fsync: false``
 files are still published by rename when complete, so readers on this host see whole files as before, but a
 machine crash may lose the last ones; the disk's sync rate no longer bounds the requests (a response waits for
@@ -540,7 +542,8 @@ class FilesystemConsumer(BaseConsumer):
         self._budget = _Budget(int(float(max_queued_mb) * 2**20))  # params may come as strings ("name:key=val")
         self.max_wait_s = float(max_wait_s)
         self._dropped: dict[str, dict[str, list[int]]] = {}  # request -> rows this consumer dropped
-        self._gather = StepGather(self._budget.limit // 4)  # rows not yet handed to a writer
+        # rows not yet handed to a writer; its arenas: as many as the queue bound holds, and the one being filled
+        self._gather = StepGather(self._budget.limit // 4, self._budget.limit + self._budget.limit // 4)
         self._gathering = threading.RLock()  # the lane's thread only, as the contract says; a lock all the same
         self._dtype = ""  # the files' dtype (the model's)
         self._pending_publishes = 0
@@ -603,16 +606,21 @@ class FilesystemConsumer(BaseConsumer):
                 return
         self._dtype = dtype or str(rows.dtype)
         g = self._gather
-        if not g.fits(len(rows)):
+        if not g.fits(rows):
             self._flush()
         g.add(packet.request_ids, packet.sites, packet.starts, packet.ends, packet.positions, rows,
-              arena_rows=-(-self._flush_bytes() // max(1, rows[0].nbytes)) if len(rows) else 0)
+              arena_rows=-(-self._arena_bytes() // max(1, rows[0].nbytes)) if len(rows) else 0)
         if g.nbytes >= self._flush_bytes():
             self._flush()
 
     def _flush_bytes(self) -> int:
         """Gathered bytes that make a flush: FLUSH_BYTES per open file, at most a quarter of the limit."""
         return min(self._budget.limit // 4, FLUSH_BYTES * max(1, self._gather.active_files()))
+
+    def _arena_bytes(self) -> int:
+        """A new arena's size: two flushes (a request's prompt arriving mid-arena seldom forces an early one),
+        at most a quarter of the limit."""
+        return min(self._budget.limit // 4, 2 * self._flush_bytes())  # BufferPool rounds it up to a power of two
 
     def _drop(self, packet: RowPacket) -> None:
         self._count("dropped_writes")
@@ -622,10 +630,11 @@ class FilesystemConsumer(BaseConsumer):
                 self._dropped.setdefault(rid, {}).setdefault(f"{hook}.{layer}", []).extend(
                     packet.positions[a:b].tolist())
 
-    def _flush(self) -> None:
-        """Every gathered row to its file's writer: one block per file, one queue item per writer."""
+    def _flush(self, request_id: str | None = None) -> None:
+        """Every gathered row (or only ``request_id``'s) to its file's writer: one block per file, one queue
+        item per writer."""
         per_queue: dict[int, list[Block]] = {}
-        for block in self._gather.flush():
+        for block in self._gather.flush(request_id):
             per_queue.setdefault(self._queue_index(block.request_id), []).append(block)
         for k, blocks in per_queue.items():
             self._queues[k].put(("append", blocks, self._dtype, sum(b.nbytes for b in blocks)))
@@ -635,7 +644,7 @@ class FilesystemConsumer(BaseConsumer):
         ``request.json`` is written (None when the request will not be published, or when it asked ``"wait":
         false``: its response does not wait for the files, which are published all the same)."""
         with self._gathering:
-            self._flush()  # its last rows (and the others' gathered ones) go before its publication
+            self._flush(request_id)  # its last rows go before its publication (the others' stay gathered)
             self._gather.files.forget(request_id)
         with self._lock:
             mine = self._dropped.pop(request_id, {})
@@ -657,8 +666,9 @@ class FilesystemConsumer(BaseConsumer):
         return done if (meta.get("params") or {}).get("wait", True) else None
 
     def _run(self, q: queue.Queue, writer: _Writer) -> None:
-        """The writer thread: appends as they come; publications prepared, then committed in batches (when the
-        queue is empty, ``BATCH_REQUESTS`` are waiting or the oldest has waited ``BATCH_S``)."""
+        """The writer thread: appends as they come; publications prepared, then committed: at once without
+        ``syncfs`` (nothing to share), else in batches (when the queue is empty, ``BATCH_REQUESTS`` are waiting
+        or the oldest has waited ``BATCH_S``)."""
         batch: list[_Prepared] = []
         while True:
             if batch:
@@ -678,15 +688,10 @@ class FilesystemConsumer(BaseConsumer):
             if item == "commit":
                 continue
             if item[0] == "append":
-                try:
-                    for b in item[1]:
-                        writer.append(self.root, b, item[2])
-                except Exception as e:  # a bug, not a disk fault: still only these requests fail
-                    logger.exception("vllm-steer: filesystem capture writer")
-                    for rid in {b.request_id for b in item[1]}:
-                        writer.fail(rid, e)
-                finally:
-                    self._budget.give(item[3])
+                nbytes = item[3]
+                self._append(writer, item)
+                item = None  # no view of the arena outlives its write (the pool reuses the arena), then its room
+                self._budget.give(nbytes)
                 continue
             item = (*item, time.monotonic())  # [6]: when it was prepared
             try:
@@ -695,6 +700,19 @@ class FilesystemConsumer(BaseConsumer):
                 logger.exception("vllm-steer: filesystem capture writer")
                 writer.fail(item[1], e)
                 batch.append(writer.prepare(item[2], item[1], item[3], item))  # request.json says failed
+            if writer.sync != "syncfs":
+                self._commit(writer, batch)
+                batch = []
+
+    def _append(self, writer: _Writer, item: tuple) -> None:
+        _, blocks, dtype, _ = item
+        try:
+            for b in blocks:
+                writer.append(self.root, b, dtype)
+        except Exception as e:  # a bug, not a disk fault: still only these requests fail
+            logger.exception("vllm-steer: filesystem capture writer")
+            for rid in {b.request_id for b in blocks}:
+                writer.fail(rid, e)
 
     def _commit(self, writer: _Writer, batch: list[_Prepared]) -> None:
         try:
