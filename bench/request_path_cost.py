@@ -33,7 +33,7 @@ from blake3 import blake3
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_steer.client import pack
-from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload, payload_of
+from vllm_steer.core.payload import payload_of
 from vllm_steer.frontend.module_registration import module_from_json, prepare
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepare import SteeringFrontend
@@ -180,8 +180,8 @@ def main() -> None:
                             torch.bfloat16, device)
     row = iter(range(10**9))
 
-    def write(raw: bytes) -> None:
-        steering = decode_payload(raw)
+    def write(params: SamplingParams) -> None:
+        steering = payload_of(params)
         for key in steering.keys:
             if key in steering.configs:
                 tables.write_row(1 + next(row) % 63, steering.configs[key])
@@ -210,8 +210,8 @@ def main() -> None:
         t_trip = _median_ms(lambda: transport(extra), args.repeat)
         params = transport(extra)
         t_core = _median_ms(lambda: payload_of(params).keys, args.repeat) if extra else 0.0
-        raw = (params.extra_args or {}).get(PAYLOAD_KEY)
-        t_write = _median_ms(lambda: write(raw), args.repeat) if raw and decode_payload(raw).configs else 0.0
+        steering = payload_of(params)
+        t_write = _median_ms(lambda: write(params), args.repeat) if steering is not None and steering.configs else 0.0
         if device.type == "cuda":
             torch.cuda.synchronize()
         wave = [body] * 16

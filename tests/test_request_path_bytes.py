@@ -19,7 +19,7 @@ from tests.asgi_drive import completion_scope, post, reply_ok
 from vllm_steer.client import pack
 from vllm_steer.core import bf16
 from vllm_steer.core.layout import raw_rows, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY, payload_from_extra
 from vllm_steer.server import base64_lift, request_body
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
@@ -115,9 +115,10 @@ def test_raw_rows_equal_the_float32_path_on_every_dtype():
         assert got == expected.get("post_mlp") if isinstance(expected, dict) else got == expected, (trial, dtype)
 
 
-def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
-    """(prefill key, engine payload bytes) of one request through the real middleware and ``process_inputs``'
-    preparation (what vLLM's handler does in between: parse the body it gets, ``to_sampling_params``)."""
+def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes, list]:
+    """(prefill key, engine payload bytes, the rows beside it) of one request through the real middleware and
+    ``process_inputs``' preparation (what vLLM's handler does in between: parse the body it gets,
+    ``to_sampling_params``)."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     from vllm_steer.frontend.prepare import _prepared
@@ -131,7 +132,7 @@ def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
         message = await receive()
         params = CompletionRequest.model_validate(json.loads(message["body"])).to_sampling_params(8, {})
         ready = _prepared(fe, params.extra_args, "req-0")
-        seen["out"] = ready.prefill_key, ready.extra_args[PAYLOAD_KEY]
+        seen["out"] = ready.prefill_key, ready.extra_args[PAYLOAD_KEY], [bytes(r) for r in ready.extra_args[ROWS_KEY]]
         await reply_ok(send)
 
     asyncio.run(post(request_body.SteeringRequestMiddleware(handler), completion_scope(fe, body, msgpack), body))
@@ -163,7 +164,8 @@ def test_a_1mb_json_request_has_the_key_and_payload_of_the_same_vectors_as_msgpa
     monkeypatch.setattr(base64_lift, "MIN_CHARS", 1 << 40)  # the plain parse: base64 text to the front end
     plain = _engine_payload(fe, as_json, False)
     assert lifted == plain == binary and lifted[0] is not None
-    payload = decode_payload(lifted[1])
+    assert [len(r) for r in lifted[2]] == [2 * 4096 * (31 if h == "post_mlp" else 32) for h in HOOKS]
+    payload = payload_from_extra({PAYLOAD_KEY: lifted[1], ROWS_KEY: lifted[2]})
     rows = payload.configs[payload.prefill]
     for h in HOOKS:
         values = bf16.from_bits(bf16.to_bits(vectors[h])).reshape(32, 4096)
