@@ -177,10 +177,13 @@ def test_a_1mb_json_request_has_the_key_and_payload_of_the_same_vectors_as_msgpa
         assert not (np.frombuffer(raw, np.uint16) == 0x8000).any()  # no -0.0 left
 
 
-def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(monkeypatch):
-    """A 1 MB JSON body whose base64 blocks lift away and whose vectors are packed in the model's dtype is prepared
-    on the event loop (no pool hop); float32 vectors for a bf16 model (converted value by value) are prepared in the
-    pool, and a body past INLINE_LIFTED_BYTES is read there whole; either way the same vectors get the same payload."""
+@pytest.mark.parametrize("form", ["json", "msgpack"])
+def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(monkeypatch, form):
+    """A 1 MB body whose vectors are packed in the model's dtype and whose rest is small (JSON: once its base64 blocks
+    lift away; msgpack: outside its steering fields) is prepared on the event loop (no pool hop); float32 vectors for
+    a bf16 model (converted value by value) are prepared in the pool, as is a msgpack body whose rest (a long prompt)
+    is not small, and a body past INLINE_LIFTED_BYTES is read there whole; either way the same vectors get the same
+    payload."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm_steer.frontend.prepare import SteeringFrontend
@@ -201,18 +204,28 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
     vectors = {h: rng.standard_normal((32, 4096), dtype=np.float32) for h in HOOKS}
     base = {"model": "m", "prompt": [1] * 16, "max_tokens": 4}
 
-    def body(dtype: str, layers: int) -> bytes:
-        return json.dumps({**base, "steering_vectors": {h: pack(v[:layers], list(range(layers)), dtype)
-                                                        for h, v in vectors.items()}}).encode()
+    msgpack = form == "msgpack"
+
+    def body(dtype: str, layers: int, prompt: list = base["prompt"]) -> bytes:
+        tier = {h: pack(v[:layers], list(range(layers)), dtype, binary=msgpack) for h, v in vectors.items()}
+        obj = {**base, "prompt": prompt, "steering_vectors": tier}
+        return msgspec.msgpack.encode(obj) if msgpack else json.dumps(obj).encode()
 
     bf16_body, f32_body = body("bfloat16", 32), body("float32", 16)
-    assert request_body.INLINE_BYTES < 1_000_000 < len(bf16_body) <= request_body.INLINE_LIFTED_BYTES
-    assert 1_000_000 < len(f32_body) <= request_body.INLINE_LIFTED_BYTES
-    on_loop = _engine_payload(fe, bf16_body, False)
+    least = 750_000 if msgpack else 1_000_000  # 768 KiB of rows, as bins or as base64
+    assert request_body.INLINE_BYTES < least < len(bf16_body) <= request_body.INLINE_LIFTED_BYTES
+    assert least < len(f32_body) <= request_body.INLINE_LIFTED_BYTES
+    on_loop = _engine_payload(fe, bf16_body, msgpack)
     assert hops == []
-    _engine_payload(fe, f32_body, False)
+    _engine_payload(fe, f32_body, msgpack)
     assert hops == ["_prepare_fields"]
+    if msgpack:  # a long prompt beside the vectors: decoded in the pool, not on the loop
+        long = body("bfloat16", 32, list(range(request_body.INLINE_BYTES)))
+        assert len(long) <= request_body.INLINE_LIFTED_BYTES
+        assert _engine_payload(fe, long, msgpack) == on_loop
+        assert hops == ["_prepare_fields", "_prepare"]
+        hops.pop()
     monkeypatch.setattr(request_body, "INLINE_LIFTED_BYTES", len(bf16_body) - 1)
-    assert _engine_payload(fe, bf16_body, False) == on_loop and on_loop[0] is not None
+    assert _engine_payload(fe, bf16_body, msgpack) == on_loop and on_loop[0] is not None
     assert hops == ["_prepare_fields", "_prepare"]
     executor.shutdown()
