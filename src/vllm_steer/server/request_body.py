@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY
 from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend import path_trace
@@ -42,7 +43,9 @@ logger = logging.getLogger("vllm.steer")
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
-_MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS + (TOKEN_FIELD,))
+_RESERVED = (TOKEN_FIELD, PAYLOAD_KEY, ROWS_KEY)  # keys only vllm-steer writes into extra_args
+# each marker is one scan of a body without steering: '"vllm_steer' stands for every reserved key (their prefix)
+_MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS) + (b'"vllm_steer',)
 _MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear either way
 _SAE_MARKER = b"sae"
 _JSON_DECODER = msgspec.json.Decoder()
@@ -92,8 +95,9 @@ def _fields(body: bytes, msgpack: bool, lifted: Any = _NOT_TRIED) -> tuple[dict 
     if obj is None:
         return None, {}
     xargs = obj.get("vllm_xargs")
-    if TOKEN_FIELD in obj or (isinstance(xargs, dict) and TOKEN_FIELD in xargs):
-        raise SteeringSpecError(TOKEN_FIELD, "is reserved for vllm-steer's engine payload")
+    for key in _RESERVED:
+        if key in obj or (isinstance(xargs, dict) and key in xargs):
+            raise SteeringSpecError(key, "is reserved for vllm-steer's engine payload")
     field_names.check(obj)  # a misspelled steering field is a 400, not a silent 200 unsteered
     return obj, steering_fields(obj)
 
