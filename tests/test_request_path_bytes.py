@@ -229,3 +229,64 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
     assert _engine_payload(fe, bf16_body, msgpack) == on_loop and on_loop[0] is not None
     assert hops == ["_prepare_fields", "_prepare"]
     executor.shutdown()
+
+
+def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypatch):
+    """A client sending the same vectors with every request: the second body's base64 texts are found decoded
+    (``base64_lift.TEXTS``) and their rows checked and hashed (``layout.CHECKED``): no base64 decode, no row check,
+    no BLAKE3 of the rows, the same key and payload. A block that differs in one byte between equal ends is decoded,
+    checked and keyed anew; msgpack bins equal to checked rows are compared, not checked; a block refused by the
+    check is refused every time; the memory is bounded."""
+    from vllm_steer.core import layout
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    monkeypatch.setattr(base64_lift, "TEXTS", base64_lift._Texts())
+    monkeypatch.setattr(layout, "CHECKED", layout._Checked())
+    calls = {"b64decode": 0, "raw_rows": 0, "rows_digest": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(base64_lift, "pybase64", SimpleNamespace(b64decode=counted("b64decode", base64_lift.pybase64.b64decode)))
+    for name in ("raw_rows", "rows_digest"):
+        monkeypatch.setattr(layout, name, counted(name, getattr(layout, name)))
+    mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=32),
+                         get_hidden_size=lambda: 4096)
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
+    rng = np.random.default_rng(13)
+    vectors = {h: rng.standard_normal((32, 4096), dtype=np.float32) for h in HOOKS}
+    base = {"model": "m", "prompt": [1] * 16, "max_tokens": 4}
+
+    def body(vecs: dict, msgpack: bool = False) -> bytes:
+        tier = {h: pack(v, list(range(32)), "bfloat16", binary=msgpack) for h, v in vecs.items()}
+        return (msgspec.msgpack.encode if msgpack else lambda o: json.dumps(o).encode())({**base, "steering_vectors": tier})
+
+    first = _engine_payload(fe, body(vectors), False)
+    assert calls == {"b64decode": 3, "raw_rows": 3, "rows_digest": 3}
+    assert _engine_payload(fe, body(vectors), False) == first  # a new body object with the same texts
+    assert calls == {"b64decode": 3, "raw_rows": 3, "rows_digest": 3}
+    changed = {**vectors, "post_attn": vectors["post_attn"].copy()}
+    changed["post_attn"][16, 100] += 1.0  # the middle of its text: same length and ends
+    other = _engine_payload(fe, body(changed), False)
+    assert calls == {"b64decode": 4, "raw_rows": 4, "rows_digest": 4} and other[0] != first[0]
+    plain = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
+    monkeypatch.setattr(layout, "CHECKED", layout._Checked())  # the reference: nothing remembered
+    assert _engine_payload(plain, body(changed), False) == other
+    assert calls["raw_rows"] == 7 and calls["rows_digest"] == 7
+    assert _engine_payload(plain, body(vectors, msgpack=True), True) == first  # post_attn's bins differ from changed's
+    assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8
+    assert _engine_payload(plain, body(vectors, msgpack=True), True) == first  # equal bins: compared, not checked
+    assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8 and calls["b64decode"] == 4
+    nan = bf16.to_bits(np.full((2, 8), np.nan, np.float32)).tobytes()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            layout.checked_rows(nan, [0, 1], "bfloat16", 8)
+    assert calls["raw_rows"] == 10
+    monkeypatch.setattr(layout, "CHECKED_BYTES", 3 * 2 * 32 * 4096)  # room for three blocks of 256 KiB
+    for seed in range(4):
+        block = bf16.to_bits(np.random.default_rng(seed).standard_normal((32, 4096), dtype=np.float32)).tobytes()
+        layout.checked_rows(block, list(range(32)), "bfloat16", 4096)
+    assert len(layout.CHECKED._entries) == 3 and layout.CHECKED._bytes <= layout.CHECKED_BYTES

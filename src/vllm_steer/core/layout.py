@@ -6,10 +6,15 @@ domain-separated BLAKE3 hash of exactly those bytes, each hook's rows hashed on 
 (BLAKE3: a vLLM dependency, ~3x SHA-256 here),
 so equal rows share a key, a table row and prefix-cache salt, however they were sent (floats,
 packed in any dtype, a named module). A packed request already in the model dtype is keyed and
-shipped as it came: no float32 round trip (``raw_rows``).
+shipped as it came: no float32 round trip (``raw_rows``). Clients often send the same vectors with every
+request: ``checked_rows`` answers a block whose bytes it checked and hashed lately from memory (one comparison of
+the bytes instead of the checks and BLAKE3).
 """
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
 
 import numpy as np
 from blake3 import blake3
@@ -124,15 +129,71 @@ class KeyHasher:
         self._h = blake3(_DOMAIN + dtype_name.encode() + b"\0")
         self._any = False
 
-    def add(self, hook: str, ids: tuple[int, ...], raw: bytes) -> None:
+    def add(self, hook: str, ids: tuple[int, ...], raw: bytes, digest: bytes | None = None) -> None:
+        """``digest``: ``rows_digest(raw)`` when the caller has it already (``checked_rows``)."""
         # the rows' own digest, not the rows after the hook's header: BLAKE3 hashes its widest (16 chunks at once
         # with AVX-512) from the start of its input, and ramps up again after every unaligned header (~20% slower)
-        self._h.update(hook.encode() + b"\0" + np.asarray(ids, dtype="<i4").tobytes() + blake3(raw).digest())
+        self._h.update(hook.encode() + b"\0" + np.asarray(ids, dtype="<i4").tobytes() + (digest or rows_digest(raw)))
         self._any = True
 
     def key(self) -> str | None:
         """Hex key; None when nothing was added (unsteered)."""
         return self._h.hexdigest()[:32] if self._any else None
+
+
+def rows_digest(raw: bytes) -> bytes:
+    """What ``KeyHasher.add`` folds into the key for one hook's rows."""
+    return blake3(raw).digest()
+
+
+CHECKED_BYTES = 64 * 1024 * 1024  # the blocks ``checked_rows`` remembers, at most (their bytes, least recent out)
+_PROBE = 32  # bytes at each end of a block that, with its length, find a remembered block to compare
+
+
+class _Checked:
+    """Blocks lately checked and hashed: (length, head, tail, layers, dtype, hidden) -> (the block, its rows, their
+    digest). A block counts as the same only if its bytes are (the very object, as ``server.base64_lift`` hands back
+    for a base64 text it decoded before, or equal bytes: one memcmp)."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, tuple[bytes, tuple | None, bytes | None]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, raw: bytes) -> tuple | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+        if hit is None or not (hit[0] is raw or hit[0] == raw):
+            return None
+        return hit[1], hit[2]
+
+    def put(self, key: tuple, raw: bytes, rows: tuple | None, digest: bytes | None) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._bytes += len(raw) - (len(old[0]) if old is not None else 0)
+            self._entries[key] = (raw, rows, digest)
+            while self._bytes > CHECKED_BYTES and self._entries:
+                self._bytes -= len(self._entries.popitem(last=False)[1][0])
+
+
+CHECKED = _Checked()
+
+
+def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
+                 hidden: int) -> tuple[tuple[tuple[int, ...], bytes] | None, bytes | None]:
+    """(``raw_rows`` of the block, ``rows_digest`` of those rows; None, None: no row left), from memory when the
+    same bytes came lately with the same layers (``_Checked``). ValueError as ``raw_rows`` (never remembered)."""
+    key = (len(raw), raw[:_PROBE], raw[-_PROBE:], tuple(layers), dtype_name, hidden)
+    hit = CHECKED.get(key, raw)
+    if hit is not None:
+        return hit
+    rows = raw_rows(raw, layers, dtype_name, hidden) if layers else None
+    digest = rows_digest(rows[1]) if rows is not None else None
+    if isinstance(raw, bytes):  # immutable: its bytes cannot change under the entry
+        CHECKED.put(key, raw, rows, digest)
+    return rows, digest
 
 
 def layout_key(layout: Layout, dtype_name: str) -> str | None:

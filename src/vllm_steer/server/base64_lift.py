@@ -9,6 +9,10 @@ into the decoded body, the raw bytes where a placeholder stands for a packed vec
 anywhere else in the steering fields; a placeholder outside them (a key that merely ends in ``"data``, say)
 makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
 parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
+
+Clients often send the same vectors with every request: a text equal to one decoded lately (the same length and
+ends, then one comparison of the bytes) gives back the bytes object decoded then (``_Texts``), which
+``core.layout.checked_rows`` then knows by identity: the same block is decoded, checked and hashed once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import binascii
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import pybase64
@@ -26,6 +32,43 @@ MIN_CHARS = 16 * 1024  # a shorter string costs less to parse than to lift
 _PREFIX = f"vllm-steer-lifted-{secrets.token_hex(8)}-"  # drawn once per process: no body holds it by chance
 _KEY = b'"data"'
 _COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*"')
+
+
+TEXT_BYTES = 64 * 1024 * 1024  # the bodies ``_Texts`` keeps for their decoded texts, at most (least recent out)
+_PROBE = 32  # characters at each end of a text that, with its length, find a remembered one to compare
+
+
+class _Texts:
+    """Base64 texts decoded lately: (length, head, tail) -> (the body holding the text, its start, the decoded bytes).
+    The body is kept, not a copy of the text: a miss costs no copy."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, tuple[bytes, int, bytes]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, body: bytes, start: int, end: int) -> tuple[tuple, bytes | None]:
+        key = (end - start, body[start:start + _PROBE], body[end - _PROBE:end])
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+        if hit is None:
+            return key, None
+        held, at, raw = hit
+        same = held is body and at == start or body.startswith(memoryview(held)[at:at + end - start], start)
+        return key, raw if same else None
+
+    def put(self, key: tuple, body: bytes, start: int, raw: bytes) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._bytes += len(body) - (len(old[0]) if old is not None else 0)
+            self._entries[key] = (body, start, raw)
+            while self._bytes > TEXT_BYTES and self._entries:
+                self._bytes -= len(self._entries.popitem(last=False)[1][0])
+
+
+TEXTS = _Texts()
 
 
 class Lifted:
@@ -57,10 +100,15 @@ def lift(body: bytes) -> tuple[bytes, Lifted] | None:
         if end < 0:
             break
         if end - start >= MIN_CHARS:  # an escape (a backslash) fails the validation: left as it is
-            try:
-                raw = pybase64.b64decode(view[start:end], validate=True)
-            except (binascii.Error, ValueError):
-                raw = None  # left as text: the front end reports it
+            key, raw = TEXTS.get(body, start, end)
+            if raw is None:
+                try:
+                    raw = pybase64.b64decode(view[start:end], validate=True)
+                except (binascii.Error, ValueError):
+                    raw = None  # left as text: the front end reports it
+                else:
+                    if type(body) is bytes:  # immutable: the text cannot change under the entry
+                        TEXTS.put(key, body, start, raw)
             if raw is not None:
                 placeholder = f"{_PREFIX}{len(lifted.strings)}"
                 lifted.strings[placeholder] = (raw, start, end)
