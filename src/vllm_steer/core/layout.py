@@ -146,7 +146,7 @@ def rows_digest(raw: bytes) -> bytes:
     return blake3(raw).digest()
 
 
-CHECKED_BYTES = 64 * 1024 * 1024  # the blocks ``checked_rows`` remembers, at most (their bytes, least recent out)
+CHECKED_BYTES = 64 * 1024 * 1024  # the blocks ``checked_rows`` remembers, at most (their bytes and rows, least recent out)
 _PROBE = 32  # bytes at each end of a block that, with its length, find a remembered block to compare
 
 
@@ -172,10 +172,15 @@ class _Checked:
     def put(self, key: tuple, raw: bytes, rows: tuple | None, digest: bytes | None) -> None:
         with self._lock:
             old = self._entries.pop(key, None)
-            self._bytes += len(raw) - (len(old[0]) if old is not None else 0)
+            self._bytes += _held(raw, rows) - (_held(*old[:2]) if old is not None else 0)
             self._entries[key] = (raw, rows, digest)
             while self._bytes > CHECKED_BYTES and self._entries:
-                self._bytes -= len(self._entries.popitem(last=False)[1][0])
+                self._bytes -= _held(*self._entries.popitem(last=False)[1][:2])
+
+
+def _held(raw: bytes, rows: tuple | None) -> int:
+    """Bytes an entry keeps: the block, and its rows where they are another object (reordered, -0.0 folded)."""
+    return len(raw) + (len(rows[1]) if rows is not None and rows[1] is not raw else 0)
 
 
 CHECKED = _Checked()
