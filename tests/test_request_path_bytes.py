@@ -232,9 +232,9 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
 
 
 def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypatch):
-    """A client sending the same vectors with every request: the second body's base64 texts are found decoded
-    (``base64_lift.TEXTS``) and their rows checked and hashed (``layout.CHECKED``): no base64 decode, no row check,
-    no BLAKE3 of the rows, the same key and payload. A block that differs in one byte between equal ends is decoded,
+    """A client sending the same vectors with every request: the second body's blocks are found checked and hashed
+    (``layout.CHECKED``: no row check, no BLAKE3 of the rows), from the third on its base64 texts are found decoded
+    too (``base64_lift.TEXTS``: no base64 decode); the same key and payload each time. A block that differs in one byte between equal ends is decoded,
     checked and keyed anew; msgpack bins equal to checked rows are compared, not checked; a block refused by the
     check is refused every time; the memory is bounded."""
     from vllm_steer.core import layout
@@ -267,11 +267,13 @@ def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypa
     first = _engine_payload(fe, body(vectors), False)
     assert calls == {"b64decode": 3, "raw_rows": 3, "rows_digest": 3}
     assert _engine_payload(fe, body(vectors), False) == first  # a new body object with the same texts
-    assert calls == {"b64decode": 3, "raw_rows": 3, "rows_digest": 3}
+    assert calls == {"b64decode": 6, "raw_rows": 3, "rows_digest": 3}
+    assert _engine_payload(fe, body(vectors), False) == first
+    assert calls == {"b64decode": 6, "raw_rows": 3, "rows_digest": 3}
     changed = {**vectors, "post_attn": vectors["post_attn"].copy()}
     changed["post_attn"][16, 100] += 1.0  # the middle of its text: same length and ends
     other = _engine_payload(fe, body(changed), False)
-    assert calls == {"b64decode": 4, "raw_rows": 4, "rows_digest": 4} and other[0] != first[0]
+    assert calls == {"b64decode": 7, "raw_rows": 4, "rows_digest": 4} and other[0] != first[0]
     plain = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
     monkeypatch.setattr(layout, "CHECKED", layout._Checked())  # the reference: nothing remembered
     assert _engine_payload(plain, body(changed), False) == other
@@ -279,7 +281,7 @@ def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypa
     assert _engine_payload(plain, body(vectors, msgpack=True), True) == first  # post_attn's bins differ from changed's
     assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8
     assert _engine_payload(plain, body(vectors, msgpack=True), True) == first  # equal bins: compared, not checked
-    assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8 and calls["b64decode"] == 4
+    assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8 and calls["b64decode"] == 8
     nan = bf16.to_bits(np.full((2, 8), np.nan, np.float32)).tobytes()
     for _ in range(2):
         with pytest.raises(ValueError, match="NaN or Inf"):
