@@ -232,16 +232,21 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
 
 
 def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypatch):
-    """A client sending the same vectors with every request: the second body's blocks are found checked and hashed
-    (``layout.CHECKED``: no row check, no BLAKE3 of the rows), from the third on its base64 texts are found decoded
-    too (``base64_lift.TEXTS``: no base64 decode); the same key and payload each time. A block that differs in one byte between equal ends is decoded,
-    checked and keyed anew; msgpack bins equal to checked rows are compared, not checked; a block refused by the
-    check is refused every time; the memory is bounded."""
+    """A client sending the same vectors with every request: the first two times a block is decoded, checked and
+    hashed (the first time nothing of it is kept: new vectors cost no memory), from the third on its base64 text is
+    found decoded (``base64_lift.TEXTS``) and the bytes found checked and hashed (``layout.CHECKED``): no base64
+    decode, no row check, no BLAKE3; the same key and payload each time. A block that differs in one byte between
+    equal ends is decoded, checked and keyed anew; msgpack bins equal to checked rows are compared, not checked; a
+    block refused by the check is refused every time; the memory is bounded."""
     from vllm_steer.core import layout
+    from vllm_steer.core.recent_blocks import Recent
     from vllm_steer.frontend.prepare import SteeringFrontend
 
-    monkeypatch.setattr(base64_lift, "TEXTS", base64_lift._Texts())
-    monkeypatch.setattr(layout, "CHECKED", layout._Checked())
+    def fresh_memory():
+        monkeypatch.setattr(base64_lift, "TEXTS", Recent(64 << 20))
+        monkeypatch.setattr(layout, "CHECKED", Recent(64 << 20))
+
+    fresh_memory()
     calls = {"b64decode": 0, "raw_rows": 0, "rows_digest": 0}
 
     def counted(name, fn):
@@ -265,30 +270,30 @@ def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypa
         return (msgspec.msgpack.encode if msgpack else lambda o: json.dumps(o).encode())({**base, "steering_vectors": tier})
 
     first = _engine_payload(fe, body(vectors), False)
-    assert calls == {"b64decode": 3, "raw_rows": 3, "rows_digest": 3}
-    assert _engine_payload(fe, body(vectors), False) == first  # a new body object with the same texts
-    assert calls == {"b64decode": 6, "raw_rows": 3, "rows_digest": 3}
-    assert _engine_payload(fe, body(vectors), False) == first
-    assert calls == {"b64decode": 6, "raw_rows": 3, "rows_digest": 3}
+    seen = []
+    for _ in range(3):  # new body objects with the same texts
+        assert _engine_payload(fe, body(vectors), False) == first
+        seen.append(dict(calls))
+    assert seen == [{"b64decode": 6, "raw_rows": 6, "rows_digest": 6}] * 3
     changed = {**vectors, "post_attn": vectors["post_attn"].copy()}
     changed["post_attn"][16, 100] += 1.0  # the middle of its text: same length and ends
     other = _engine_payload(fe, body(changed), False)
-    assert calls == {"b64decode": 7, "raw_rows": 4, "rows_digest": 4} and other[0] != first[0]
-    plain = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
-    monkeypatch.setattr(layout, "CHECKED", layout._Checked())  # the reference: nothing remembered
-    assert _engine_payload(plain, body(changed), False) == other
-    assert calls["raw_rows"] == 7 and calls["rows_digest"] == 7
-    assert _engine_payload(plain, body(vectors, msgpack=True), True) == first  # post_attn's bins differ from changed's
-    assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8
-    assert _engine_payload(plain, body(vectors, msgpack=True), True) == first  # equal bins: compared, not checked
-    assert calls["raw_rows"] == 8 and calls["rows_digest"] == 8 and calls["b64decode"] == 8
+    assert calls == {"b64decode": 7, "raw_rows": 7, "rows_digest": 7} and other[0] != first[0]
+    fresh_memory()  # the reference: nothing remembered
+    assert _engine_payload(fe, body(changed), False) == other
+    assert _engine_payload(fe, body(vectors, msgpack=True), True) == first
+    assert calls["raw_rows"] == 13  # its keys came before (changed's): kept now
+    for _ in range(2):  # equal bins: compared, not checked
+        assert _engine_payload(fe, body(vectors, msgpack=True), True) == first
+    assert calls["raw_rows"] == 13 and calls["rows_digest"] == 13
     nan = bf16.to_bits(np.full((2, 8), np.nan, np.float32)).tobytes()
-    for _ in range(2):
+    for _ in range(3):
         with pytest.raises(ValueError, match="NaN or Inf"):
             layout.checked_rows(nan, [0, 1], "bfloat16", 8)
-    assert calls["raw_rows"] == 10
-    monkeypatch.setattr(layout, "CHECKED_BYTES", 3 * 2 * 32 * 4096)  # room for three blocks of 256 KiB
+    assert calls["raw_rows"] == 16
+    monkeypatch.setattr(layout, "CHECKED", Recent(3 * 2 * 32 * 4096))  # room for three blocks of 256 KiB
     for seed in range(4):
         block = bf16.to_bits(np.random.default_rng(seed).standard_normal((32, 4096), dtype=np.float32)).tobytes()
-        layout.checked_rows(block, list(range(32)), "bfloat16", 4096)
-    assert len(layout.CHECKED._entries) == 3 and layout.CHECKED._bytes <= layout.CHECKED_BYTES
+        for _ in range(2):
+            layout.checked_rows(block, list(range(32)), "bfloat16", 4096)
+    assert len(layout.CHECKED) == 3 and layout.CHECKED.held_bytes == 3 * 2 * 32 * 4096

@@ -7,20 +7,19 @@ domain-separated BLAKE3 hash of exactly those bytes, each hook's rows hashed on 
 so equal rows share a key, a table row and prefix-cache salt, however they were sent (floats,
 packed in any dtype, a named module). A packed request already in the model dtype is keyed and
 shipped as it came: no float32 round trip (``raw_rows``). Clients often send the same vectors with every
-request: ``checked_rows`` answers a block whose bytes it checked and hashed lately from memory (one comparison of
-the bytes instead of the checks and BLAKE3).
+request: ``checked_rows`` answers a block whose bytes it checked and hashed lately (twice) from memory: one
+comparison of the bytes, or none for the very object ``server.base64_lift`` decoded before, instead of the checks
+and BLAKE3.
 """
 
 from __future__ import annotations
-
-import threading
-from collections import OrderedDict
 
 import numpy as np
 from blake3 import blake3
 
 from vllm_steer.core import bf16
 from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.recent_blocks import PROBE, Recent
 from vllm_steer.core.vectors import Vectors, stack_rows
 
 _DOMAIN = b"vllm-steer-config-v4\0"
@@ -146,36 +145,7 @@ def rows_digest(raw: bytes) -> bytes:
     return blake3(raw).digest()
 
 
-CHECKED_BYTES = 64 * 1024 * 1024  # the blocks ``checked_rows`` remembers, at most (their bytes and rows, least recent out)
-_PROBE = 32  # bytes at each end of a block that, with its length, find a remembered block to compare
-
-
-class _Checked:
-    """Blocks lately checked and hashed: (length, head, tail, layers, dtype, hidden) -> (the block, its rows, their
-    digest). A block counts as the same only if its bytes are (the very object, as ``server.base64_lift`` hands back
-    for a base64 text it decoded before, or equal bytes: one memcmp)."""
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[tuple, tuple[bytes, tuple | None, bytes | None]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, raw: bytes) -> tuple | None:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-        if hit is None or not (hit[0] is raw or hit[0] == raw):
-            return None
-        return hit[1], hit[2]
-
-    def put(self, key: tuple, raw: bytes, rows: tuple | None, digest: bytes | None) -> None:
-        with self._lock:
-            old = self._entries.pop(key, None)
-            self._bytes += _held(raw, rows) - (_held(*old[:2]) if old is not None else 0)
-            self._entries[key] = (raw, rows, digest)
-            while self._bytes > CHECKED_BYTES and self._entries:
-                self._bytes -= _held(*self._entries.popitem(last=False)[1][:2])
+CHECKED = Recent(64 * 1024 * 1024)  # fingerprint, layers, dtype, hidden -> (block, rows, digest): core.recent_blocks
 
 
 def _held(raw: bytes, rows: tuple | None) -> int:
@@ -183,21 +153,18 @@ def _held(raw: bytes, rows: tuple | None) -> int:
     return len(raw) + (len(rows[1]) if rows is not None and rows[1] is not raw else 0)
 
 
-CHECKED = _Checked()
-
-
 def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
                  hidden: int) -> tuple[tuple[tuple[int, ...], bytes] | None, bytes | None]:
     """(``raw_rows`` of the block, ``rows_digest`` of those rows; None, None: no row left), from memory when the
-    same bytes came lately with the same layers (``_Checked``). ValueError as ``raw_rows`` (never remembered)."""
-    key = (len(raw), raw[:_PROBE], raw[-_PROBE:], tuple(layers), dtype_name, hidden)
-    hit = CHECKED.get(key, raw)
-    if hit is not None:
-        return hit
+    same bytes came lately with the same layers (``CHECKED``). ValueError as ``raw_rows`` (never remembered)."""
+    key = (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), dtype_name, hidden)
+    known = CHECKED.get(key)
+    if known is not None and (known[0] is raw or known[0] == raw):  # the very block (base64_lift's), or equal bytes
+        return known[1], known[2]
     rows = raw_rows(raw, layers, dtype_name, hidden) if layers else None
     digest = rows_digest(rows[1]) if rows is not None else None
     if isinstance(raw, bytes):  # immutable: its bytes cannot change under the entry
-        CHECKED.put(key, raw, rows, digest)
+        CHECKED.put(key, lambda: ((raw, rows, digest), _held(raw, rows)))
     return rows, digest
 
 

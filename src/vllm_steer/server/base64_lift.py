@@ -10,9 +10,10 @@ anywhere else in the steering fields; a placeholder outside them (a key that mer
 makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
 parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
 
-Clients often send the same vectors with every request: a text equal to one decoded lately (the same length and
-ends, then one comparison of the bytes) gives back the bytes object decoded then (``_Texts``, bounded), which
-``core.layout.checked_rows`` then knows by identity: the same block is decoded, checked and hashed once.
+Clients often send the same vectors with every request: a text equal to one decoded lately (``TEXTS``: the same
+length and ends, then one comparison with a copy of the text, kept from its second time on) gives back the bytes
+object decoded then, which ``core.layout.checked_rows`` then knows by identity: a block sent again and again is
+decoded, checked and hashed twice, not every time. Nothing else of a request (its prompt) is kept.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from __future__ import annotations
 import binascii
 import re
 import secrets
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import pybase64
 
+from vllm_steer.core.recent_blocks import PROBE, Recent
 from vllm_steer.core.vectors import REQUEST_FIELDS, TIER_FIELDS
 
 MIN_CHARS = 16 * 1024  # a shorter string costs less to parse than to lift
@@ -34,43 +34,7 @@ _KEY = b'"data"'
 _COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*"')
 
 
-TEXT_BYTES = 64 * 1024 * 1024  # the texts ``_Texts`` keeps with their decoded bytes, at most (least recent out)
-_PROBE = 32  # characters at each end of a text that, with its length, find a remembered one to compare
-
-
-class _Texts:
-    """Base64 texts decoded lately: (length, head, tail) -> (the text, its decoded bytes). The text is copied out of
-    its body once it came twice (its decoded bytes equal): a request with new vectors costs no copy, and nothing else
-    of a request (its prompt) outlives it here."""
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[tuple, tuple[bytes, bytes]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, body: bytes, start: int, end: int) -> tuple[tuple, bytes | None]:
-        key = (end - start, body[start:start + _PROBE], body[end - _PROBE:end])
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-        return key, hit[1] if hit is not None and hit[0] and body.startswith(hit[0], start) else None
-
-    def put(self, key: tuple, body: bytes, start: int, end: int, raw: bytes) -> None:
-        """Remember ``raw``, decoded from ``body[start:end]`` (a miss of ``get``)."""
-        with self._lock:
-            old = self._entries.get(key)
-        text = body[start:end] if old is not None and not old[0] and old[1] == raw else b""  # the second time
-        with self._lock:
-            old = self._entries.pop(key, None)
-            self._bytes += len(text) + len(raw) - (len(old[0]) + len(old[1]) if old is not None else 0)
-            self._entries[key] = (text, raw)
-            while self._bytes > TEXT_BYTES and self._entries:
-                text, raw = self._entries.popitem(last=False)[1]
-                self._bytes -= len(text) + len(raw)
-
-
-TEXTS = _Texts()
+TEXTS = Recent(64 * 1024 * 1024)  # (length, head, tail) -> (the text, its decoded bytes): core.recent_blocks
 
 
 class Lifted:
@@ -102,14 +66,16 @@ def lift(body: bytes) -> tuple[bytes, Lifted] | None:
         if end < 0:
             break
         if end - start >= MIN_CHARS:  # an escape (a backslash) fails the validation: left as it is
-            key, raw = TEXTS.get(body, start, end)
+            key = (end - start, body[start:start + PROBE], body[end - PROBE:end])
+            known = TEXTS.get(key)
+            raw = known[1] if known is not None and body.startswith(known[0], start) else None
             if raw is None:
                 try:
                     raw = pybase64.b64decode(view[start:end], validate=True)
                 except (binascii.Error, ValueError):
                     raw = None  # left as text: the front end reports it
                 else:
-                    TEXTS.put(key, body, start, end, raw)
+                    TEXTS.put(key, lambda: ((body[start:end], raw), 2 * len(raw) + end - start))
             if raw is not None:
                 placeholder = f"{_PREFIX}{len(lifted.strings)}"
                 lifted.strings[placeholder] = (raw, start, end)
