@@ -6,7 +6,9 @@ write (payload decoded, rows written; CUDA if any), a wave of 16 in the 4-thread
 process's whole share (``_api_process``: the real middleware and a handler doing vLLM's part: CPU, wall, a wave of
 16), and the content-bound floor of a packed body (``_floor``: base64 decode of its blocks, one BLAKE3 over the
 rows, one copy of them); forms: packed bf16 / float32, float lists, a module reference, and an unsteered body
-(stock's share).
+(stock's share). Every form sends the same body again and again (the same vectors with every request, which the
+front end decodes, checks and hashes once); "new vectors each request" sends packed bf16 JSON of vectors never
+sent before (its API-process columns only: the other columns are its first body's).
     python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
 """
 
@@ -23,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -33,7 +36,7 @@ from blake3 import blake3
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from vllm_steer.client import pack
-from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload, payload_of
+from vllm_steer.core.payload import payload_of
 from vllm_steer.frontend.module_registration import module_from_json, prepare
 from vllm_steer.frontend.module_store import STORE
 from vllm_steer.frontend.prepare import SteeringFrontend
@@ -106,12 +109,25 @@ def _floor(body: bytes, msgpack: bool, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _api_process(fe, body: bytes, msgpack: bool, repeat: int) -> tuple[float, float, float]:
+def _fresh_bodies(layers: int, hidden: int) -> Callable[[], bytes]:
+    """Packed bf16 JSON bodies of vectors never sent before, one per call (made outside the timed part)."""
+    rng, ids = np.random.default_rng(1), list(range(layers))
+    base = {"model": "m", "prompt": [1] * 256, "max_tokens": 128, "stream": True}
+
+    def make() -> bytes:
+        vecs = {h: pack(rng.standard_normal((layers, hidden), dtype=np.float32) * 0.05, ids, "bfloat16") for h in HOOKS}
+        return json.dumps({**base, "steering_vectors": vecs}).encode()
+
+    return make
+
+
+def _api_process(fe, body: bytes, msgpack: bool, repeat: int,
+                 fresh: Callable[[], bytes] | None = None) -> tuple[float, float, float]:
     """The API process's whole share of one request, through the real request middleware and a handler doing
     what vLLM's does with the body it gets (FastAPI's JSON parse, the pydantic request, ``to_sampling_params``,
     ``process_inputs``' preparation and clone, the msgpack encode for the engine core): (CPU ms of the
     process, all threads, per request one by one; wall ms per request one by one; wall ms of a wave of 16
-    sent at once)."""
+    sent at once). ``fresh``: a new body for each request instead of ``body`` again."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     from vllm_steer.frontend.prepare import _ALL_FIELDS, _prepared
@@ -139,22 +155,27 @@ def _api_process(fe, body: bytes, msgpack: bool, repeat: int) -> tuple[float, fl
     middleware = request_body.SteeringRequestMiddleware(vllm_handler)
     scope = completion_scope(fe, body, msgpack)
 
-    async def one() -> None:
-        await post(middleware, scope, body)
+    def next_body() -> bytes:
+        return fresh() if fresh is not None else body
+
+    async def one(sent: bytes) -> None:
+        await post(middleware, scope, sent)
 
     async def run() -> tuple[float, float, float]:
         for _ in range(3):
-            await one()
+            await one(next_body())
         cpu, wall = [], []
         for _ in range(repeat):
+            sent = next_body()
             c0, t0 = time.process_time(), time.perf_counter()
-            await one()
+            await one(sent)
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - t0)
         waves = []
         for _ in range(max(3, repeat // 5)):
+            sent = [next_body() for _ in range(16)]
             t0 = time.perf_counter()
-            await asyncio.gather(*(one() for _ in range(16)))
+            await asyncio.gather(*(one(b) for b in sent))
             waves.append(time.perf_counter() - t0)
         return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3, statistics.median(waves) * 1e3
 
@@ -180,8 +201,8 @@ def main() -> None:
                             torch.bfloat16, device)
     row = iter(range(10**9))
 
-    def write(raw: bytes) -> None:
-        steering = decode_payload(raw)
+    def write(params: SamplingParams) -> None:
+        steering = payload_of(params)
         for key in steering.keys:
             if key in steering.configs:
                 tables.write_row(1 + next(row) % 63, steering.configs[key])
@@ -202,7 +223,11 @@ def main() -> None:
           "| wave of 16: one by one | wave of 16: pool of 4 | API process: CPU | API process: wall "
           "| API process: wave of 16 | floor |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items():
+    forms = {name: (body, msgpack, None) for name, (body, msgpack) in _bodies(args.layers, args.hidden, rng).items()}
+    fresh = _fresh_bodies(args.layers, args.hidden)
+    forms = {**dict(list(forms.items())[:2]), "packed bfloat16, JSON, new vectors each request": (fresh(), False, fresh),
+             **dict(list(forms.items())[2:])}
+    for name, (body, msgpack, new_body) in forms.items():
         fields = request_body.steering_fields(dict(request_body._decode(body, msgpack)))
         t_dec = _median_ms(lambda: request_body._decode(body, msgpack), args.repeat)
         t_prep = _median_ms(lambda: prepare_one(fields), args.repeat)
@@ -210,15 +235,15 @@ def main() -> None:
         t_trip = _median_ms(lambda: transport(extra), args.repeat)
         params = transport(extra)
         t_core = _median_ms(lambda: payload_of(params).keys, args.repeat) if extra else 0.0
-        raw = (params.extra_args or {}).get(PAYLOAD_KEY)
-        t_write = _median_ms(lambda: write(raw), args.repeat) if raw and decode_payload(raw).configs else 0.0
+        steering = payload_of(params)
+        t_write = _median_ms(lambda: write(params), args.repeat) if steering is not None and steering.configs else 0.0
         if device.type == "cuda":
             torch.cuda.synchronize()
         wave = [body] * 16
         t_serial = _median_ms(lambda: [request_body._prepare(fe, b, msgpack) for b in wave], max(3, args.repeat // 5))
         t_pool = _median_ms(lambda: list(pool.map(lambda b: request_body._prepare(fe, b, msgpack), wave)),
                             max(3, args.repeat // 5))
-        api_cpu, api_wall, api_wave = _api_process(fe, body, msgpack, args.repeat)
+        api_cpu, api_wall, api_wave = _api_process(fe, body, msgpack, args.repeat, new_body)
         floor = _floor(body, msgpack, args.repeat)
         results.append({"request": name, "body_bytes": len(body), "decode_ms": t_dec, "prepare_ms": t_prep,
                         "to_engine_ms": t_trip, "engine_core_read_ms": t_core, "engine_write_ms": t_write,

@@ -12,8 +12,8 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from vllm_steer.core.payload import (PAYLOAD_KEY, ModuleRef, PayloadError, SteerPayload, decode_payload,
-                                     encode_payload, payload_of, request_payload)
+from vllm_steer.core.payload import (PAYLOAD_KEY, ROWS_KEY, SIDE_BYTES, ModuleRef, PayloadError, SteerPayload,
+                                     decode_payload, encode_payload, encode_split, payload_of, request_payload)
 from vllm_steer.core.rpc import (ENGINE_CORE, METHODS, WORKER, ForgetModules, RegisterModule, RpcArgsError, call_args,
                                  methods_of, parse_args)
 
@@ -49,6 +49,28 @@ def test_every_field_round_trips_through_vllms_own_transport():
     assert got.module.layers == (1, 3) and got.stop_when == (0.25, 2, True) and got.condition["kd"][6] == 2
     assert np.frombuffer(got.projections["kd"][0][2], np.float32).tolist() == [1.0] * 8
     assert got.capture_rows == (30, 31, 2)
+
+
+def test_large_rows_travel_beside_the_payload_uncopied_and_arrive_as_sent():
+    """Rows of SIDE_BYTES or more leave the payload bytes for extra_args[ROWS_KEY] as the very objects the front end
+    made (vLLM's encode is their one copy); small ones stay inside; a missing or short side list is refused."""
+    rng = np.random.default_rng(0)
+    big, other = rng.bytes(SIDE_BYTES), rng.bytes(2 * SIDE_BYTES)
+    payload = SteerPayload(prefill="kp", decode="kd", configs={
+        "kp": {"pre_attn": ((0, 1), big), "post_mlp": ((1, 3), ROWS)}, "kd": {"post_mlp": ((2,), other)}})
+    raw, side = encode_split(payload)
+    assert side[0] is big and side[1] is other and len(side) == 2 and len(raw) < len(ROWS) + 200
+    assert encode_split(SteerPayload("k", "k", {"k": {"post_mlp": ((1, 3), ROWS)}})) == \
+        (encode_payload(SteerPayload("k", "k", {"k": {"post_mlp": ((1, 3), ROWS)}})), None)
+    params = SamplingParams(max_tokens=4, extra_args={PAYLOAD_KEY: raw, ROWS_KEY: side}).clone()
+    arrived = MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
+    got = payload_of(arrived)
+    assert got == payload and bytes(got.configs["kd"]["post_mlp"][1]) == other
+    for extra, words in (({PAYLOAD_KEY: raw}, "NoneType, not their list"),
+                         ({PAYLOAD_KEY: raw, ROWS_KEY: side[:1]}, "row block 1 of kd.post_mlp is not in"),
+                         ({PAYLOAD_KEY: raw, ROWS_KEY: [big, 5]}, "row block 1 of kd.post_mlp is not in")):
+        with pytest.raises(PayloadError, match=words):
+            payload_of(SimpleNamespace(extra_args=extra))
 
 
 def test_unset_fields_cost_nothing_and_read_as_their_defaults():

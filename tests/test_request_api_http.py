@@ -248,6 +248,7 @@ STREAM_BAD = [
     ({"vllm_xargs": {"capture": json.dumps({"fs": {"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}})}},
      "vllm_xargs.capture"),
     ({"vllm_steer_prepared": "0123"}, "vllm_steer_prepared"),
+    ({"vllm_xargs": {"vllm_steer_rows": "0123"}}, "vllm_steer_rows"),  # where a payload's large rows travel
 ]
 
 

@@ -19,7 +19,7 @@ from tests.asgi_drive import completion_scope, post, reply_ok
 from vllm_steer.client import pack
 from vllm_steer.core import bf16
 from vllm_steer.core.layout import raw_rows, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, decode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY, payload_from_extra
 from vllm_steer.server import base64_lift, request_body
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
@@ -115,9 +115,10 @@ def test_raw_rows_equal_the_float32_path_on_every_dtype():
         assert got == expected.get("post_mlp") if isinstance(expected, dict) else got == expected, (trial, dtype)
 
 
-def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
-    """(prefill key, engine payload bytes) of one request through the real middleware and ``process_inputs``'
-    preparation (what vLLM's handler does in between: parse the body it gets, ``to_sampling_params``)."""
+def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes, list]:
+    """(prefill key, engine payload bytes, the rows beside it) of one request through the real middleware and
+    ``process_inputs``' preparation (what vLLM's handler does in between: parse the body it gets,
+    ``to_sampling_params``)."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     from vllm_steer.frontend.prepare import _prepared
@@ -131,7 +132,7 @@ def _engine_payload(fe, body: bytes, msgpack: bool) -> tuple[str, bytes]:
         message = await receive()
         params = CompletionRequest.model_validate(json.loads(message["body"])).to_sampling_params(8, {})
         ready = _prepared(fe, params.extra_args, "req-0")
-        seen["out"] = ready.prefill_key, ready.extra_args[PAYLOAD_KEY]
+        seen["out"] = ready.prefill_key, ready.extra_args[PAYLOAD_KEY], [bytes(r) for r in ready.extra_args[ROWS_KEY]]
         await reply_ok(send)
 
     asyncio.run(post(request_body.SteeringRequestMiddleware(handler), completion_scope(fe, body, msgpack), body))
@@ -163,7 +164,8 @@ def test_a_1mb_json_request_has_the_key_and_payload_of_the_same_vectors_as_msgpa
     monkeypatch.setattr(base64_lift, "MIN_CHARS", 1 << 40)  # the plain parse: base64 text to the front end
     plain = _engine_payload(fe, as_json, False)
     assert lifted == plain == binary and lifted[0] is not None
-    payload = decode_payload(lifted[1])
+    assert [len(r) for r in lifted[2]] == [2 * 4096 * (31 if h == "post_mlp" else 32) for h in HOOKS]
+    payload = payload_from_extra({PAYLOAD_KEY: lifted[1], ROWS_KEY: lifted[2]})
     rows = payload.configs[payload.prefill]
     for h in HOOKS:
         values = bf16.from_bits(bf16.to_bits(vectors[h])).reshape(32, 4096)
@@ -175,10 +177,13 @@ def test_a_1mb_json_request_has_the_key_and_payload_of_the_same_vectors_as_msgpa
         assert not (np.frombuffer(raw, np.uint16) == 0x8000).any()  # no -0.0 left
 
 
-def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(monkeypatch):
-    """A 1 MB JSON body whose base64 blocks lift away and whose vectors are packed in the model's dtype is prepared
-    on the event loop (no pool hop); float32 vectors for a bf16 model (converted value by value) are prepared in the
-    pool, and a body past INLINE_LIFTED_BYTES is read there whole; either way the same vectors get the same payload."""
+@pytest.mark.parametrize("form", ["json", "msgpack"])
+def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(monkeypatch, form):
+    """A 1 MB body whose vectors are packed in the model's dtype and whose rest is small (JSON: once its base64 blocks
+    lift away; msgpack: outside its steering fields) is prepared on the event loop (no pool hop); float32 vectors for
+    a bf16 model (converted value by value) are prepared in the pool, as is a msgpack body whose rest (a long prompt)
+    is not small, and a body past INLINE_LIFTED_BYTES is read there whole; either way the same vectors get the same
+    payload."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vllm_steer.frontend.prepare import SteeringFrontend
@@ -199,18 +204,96 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
     vectors = {h: rng.standard_normal((32, 4096), dtype=np.float32) for h in HOOKS}
     base = {"model": "m", "prompt": [1] * 16, "max_tokens": 4}
 
-    def body(dtype: str, layers: int) -> bytes:
-        return json.dumps({**base, "steering_vectors": {h: pack(v[:layers], list(range(layers)), dtype)
-                                                        for h, v in vectors.items()}}).encode()
+    msgpack = form == "msgpack"
+
+    def body(dtype: str, layers: int, prompt: list = base["prompt"]) -> bytes:
+        tier = {h: pack(v[:layers], list(range(layers)), dtype, binary=msgpack) for h, v in vectors.items()}
+        obj = {**base, "prompt": prompt, "steering_vectors": tier}
+        return msgspec.msgpack.encode(obj) if msgpack else json.dumps(obj).encode()
 
     bf16_body, f32_body = body("bfloat16", 32), body("float32", 16)
-    assert request_body.INLINE_BYTES < 1_000_000 < len(bf16_body) <= request_body.INLINE_LIFTED_BYTES
-    assert 1_000_000 < len(f32_body) <= request_body.INLINE_LIFTED_BYTES
-    on_loop = _engine_payload(fe, bf16_body, False)
+    least = 750_000 if msgpack else 1_000_000  # 768 KiB of rows, as bins or as base64
+    assert request_body.INLINE_BYTES < least < len(bf16_body) <= request_body.INLINE_LIFTED_BYTES
+    assert least < len(f32_body) <= request_body.INLINE_LIFTED_BYTES
+    on_loop = _engine_payload(fe, bf16_body, msgpack)
     assert hops == []
-    _engine_payload(fe, f32_body, False)
+    _engine_payload(fe, f32_body, msgpack)
     assert hops == ["_prepare_fields"]
+    if msgpack:  # a long prompt beside the vectors: decoded in the pool, not on the loop
+        long = body("bfloat16", 32, list(range(request_body.INLINE_BYTES)))
+        assert len(long) <= request_body.INLINE_LIFTED_BYTES
+        assert _engine_payload(fe, long, msgpack) == on_loop
+        assert hops == ["_prepare_fields", "_prepare"]
+        hops.pop()
     monkeypatch.setattr(request_body, "INLINE_LIFTED_BYTES", len(bf16_body) - 1)
-    assert _engine_payload(fe, bf16_body, False) == on_loop and on_loop[0] is not None
+    assert _engine_payload(fe, bf16_body, msgpack) == on_loop and on_loop[0] is not None
     assert hops == ["_prepare_fields", "_prepare"]
     executor.shutdown()
+
+
+def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypatch):
+    """A client sending the same vectors with every request: the first two times a block is decoded, checked and
+    hashed (the first time nothing of it is kept: new vectors cost no memory), from the third on its base64 text is
+    found decoded (``base64_lift.TEXTS``) and the bytes found checked and hashed (``layout.CHECKED``): no base64
+    decode, no row check, no BLAKE3; the same key and payload each time. A block that differs in one byte between
+    equal ends is decoded, checked and keyed anew; msgpack bins equal to checked rows are compared, not checked; a
+    block refused by the check is refused every time; the memory is bounded."""
+    from vllm_steer.core import layout
+    from vllm_steer.core.recent_blocks import Recent
+    from vllm_steer.frontend.prepare import SteeringFrontend
+
+    def fresh_memory():
+        monkeypatch.setattr(base64_lift, "TEXTS", Recent(64 << 20))
+        monkeypatch.setattr(layout, "CHECKED", Recent(64 << 20))
+
+    fresh_memory()
+    calls = {"b64decode": 0, "raw_rows": 0, "rows_digest": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(base64_lift, "pybase64", SimpleNamespace(b64decode=counted("b64decode", base64_lift.pybase64.b64decode)))
+    for name in ("raw_rows", "rows_digest"):
+        monkeypatch.setattr(layout, name, counted(name, getattr(layout, name)))
+    mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=32),
+                         get_hidden_size=lambda: 4096)
+    fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {}}))
+    rng = np.random.default_rng(13)
+    vectors = {h: rng.standard_normal((32, 4096), dtype=np.float32) for h in HOOKS}
+    base = {"model": "m", "prompt": [1] * 16, "max_tokens": 4}
+
+    def body(vecs: dict, msgpack: bool = False) -> bytes:
+        tier = {h: pack(v, list(range(32)), "bfloat16", binary=msgpack) for h, v in vecs.items()}
+        return (msgspec.msgpack.encode if msgpack else lambda o: json.dumps(o).encode())({**base, "steering_vectors": tier})
+
+    first = _engine_payload(fe, body(vectors), False)
+    seen = []
+    for _ in range(3):  # new body objects with the same texts
+        assert _engine_payload(fe, body(vectors), False) == first
+        seen.append(dict(calls))
+    assert seen == [{"b64decode": 6, "raw_rows": 6, "rows_digest": 6}] * 3
+    changed = {**vectors, "post_attn": vectors["post_attn"].copy()}
+    changed["post_attn"][16, 100] += 1.0  # the middle of its text: same length and ends
+    other = _engine_payload(fe, body(changed), False)
+    assert calls == {"b64decode": 7, "raw_rows": 7, "rows_digest": 7} and other[0] != first[0]
+    fresh_memory()  # the reference: nothing remembered
+    assert _engine_payload(fe, body(changed), False) == other
+    assert _engine_payload(fe, body(vectors, msgpack=True), True) == first
+    assert calls["raw_rows"] == 13  # its keys came before (changed's): kept now
+    for _ in range(2):  # equal bins: compared, not checked
+        assert _engine_payload(fe, body(vectors, msgpack=True), True) == first
+    assert calls["raw_rows"] == 13 and calls["rows_digest"] == 13
+    nan = bf16.to_bits(np.full((2, 8), np.nan, np.float32)).tobytes()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            layout.checked_rows(nan, [0, 1], "bfloat16", 8)
+    assert calls["raw_rows"] == 16
+    monkeypatch.setattr(layout, "CHECKED", Recent(3 * 2 * 32 * 4096))  # room for three blocks of 256 KiB
+    for seed in range(4):
+        block = bf16.to_bits(np.random.default_rng(seed).standard_normal((32, 4096), dtype=np.float32)).tobytes()
+        for _ in range(2):
+            layout.checked_rows(block, list(range(32)), "bfloat16", 4096)
+    assert len(layout.CHECKED) == 3 and layout.CHECKED.held_bytes == 3 * 2 * 32 * 4096

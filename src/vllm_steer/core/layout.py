@@ -6,7 +6,10 @@ domain-separated BLAKE3 hash of exactly those bytes, each hook's rows hashed on 
 (BLAKE3: a vLLM dependency, ~3x SHA-256 here),
 so equal rows share a key, a table row and prefix-cache salt, however they were sent (floats,
 packed in any dtype, a named module). A packed request already in the model dtype is keyed and
-shipped as it came: no float32 round trip (``raw_rows``).
+shipped as it came: no float32 round trip (``raw_rows``). Clients often send the same vectors with every
+request: ``checked_rows`` answers a block whose bytes it checked and hashed lately (twice) from memory: one
+comparison of the bytes, or none for the very object ``server.base64_lift`` decoded before, instead of the checks
+and BLAKE3.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from blake3 import blake3
 
 from vllm_steer.core import bf16
 from vllm_steer.core.hooks import HOOK_NAMES
+from vllm_steer.core.recent_blocks import PROBE, Recent
 from vllm_steer.core.vectors import Vectors, stack_rows
 
 _DOMAIN = b"vllm-steer-config-v4\0"
@@ -124,15 +128,44 @@ class KeyHasher:
         self._h = blake3(_DOMAIN + dtype_name.encode() + b"\0")
         self._any = False
 
-    def add(self, hook: str, ids: tuple[int, ...], raw: bytes) -> None:
+    def add(self, hook: str, ids: tuple[int, ...], raw: bytes, digest: bytes | None = None) -> None:
+        """``digest``: ``rows_digest(raw)`` when the caller has it already (``checked_rows``)."""
         # the rows' own digest, not the rows after the hook's header: BLAKE3 hashes its widest (16 chunks at once
         # with AVX-512) from the start of its input, and ramps up again after every unaligned header (~20% slower)
-        self._h.update(hook.encode() + b"\0" + np.asarray(ids, dtype="<i4").tobytes() + blake3(raw).digest())
+        self._h.update(hook.encode() + b"\0" + np.asarray(ids, dtype="<i4").tobytes() + (digest or rows_digest(raw)))
         self._any = True
 
     def key(self) -> str | None:
         """Hex key; None when nothing was added (unsteered)."""
         return self._h.hexdigest()[:32] if self._any else None
+
+
+def rows_digest(raw: bytes) -> bytes:
+    """What ``KeyHasher.add`` folds into the key for one hook's rows."""
+    return blake3(raw).digest()
+
+
+CHECKED = Recent(64 * 1024 * 1024)  # fingerprint, layers, dtype, hidden -> (block, rows, digest): core.recent_blocks
+
+
+def _held(raw: bytes, rows: tuple | None) -> int:
+    """Bytes an entry keeps: the block, and its rows where they are another object (reordered, -0.0 folded)."""
+    return len(raw) + (len(rows[1]) if rows is not None and rows[1] is not raw else 0)
+
+
+def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
+                 hidden: int) -> tuple[tuple[tuple[int, ...], bytes] | None, bytes | None]:
+    """(``raw_rows`` of the block, ``rows_digest`` of those rows; None, None: no row left), from memory when the
+    same bytes came lately with the same layers (``CHECKED``). ValueError as ``raw_rows`` (never remembered)."""
+    key = (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), dtype_name, hidden)
+    known = CHECKED.get(key)
+    if known is not None and (known[0] is raw or known[0] == raw):  # the very block (base64_lift's), or equal bytes
+        return known[1], known[2]
+    rows = raw_rows(raw, layers, dtype_name, hidden) if layers else None
+    digest = rows_digest(rows[1]) if rows is not None else None
+    if isinstance(raw, bytes):  # immutable: its bytes cannot change under the entry
+        CHECKED.put(key, lambda: ((raw, rows, digest), _held(raw, rows)))
+    return rows, digest
 
 
 def layout_key(layout: Layout, dtype_name: str) -> str | None:

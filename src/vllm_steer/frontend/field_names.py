@@ -25,7 +25,7 @@ import re
 from functools import lru_cache
 
 from vllm_steer.core.errors import SteeringSpecError
-from vllm_steer.core.payload import PAYLOAD_KEY
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.prepared import TOKEN_FIELD
 
@@ -84,7 +84,7 @@ def looks_like_steering(key: str) -> bool:
 @lru_cache(maxsize=4096)
 def near_miss(key: str) -> str | None:
     """The steering field ``key`` was probably meant to be, or None when it is not steering-like."""
-    if key in _FIELDS or key in (TOKEN_FIELD, PAYLOAD_KEY) or len(key) > 64 or not looks_like_steering(key):
+    if key in _FIELDS or key in (TOKEN_FIELD, PAYLOAD_KEY, ROWS_KEY) or len(key) > 64 or not looks_like_steering(key):
         return None
     if key in declared_by_vllm():
         return None

@@ -22,7 +22,7 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
 from vllm_steer.core.layout import layout_key, table_layout
-from vllm_steer.core.payload import PAYLOAD_KEY, ModuleRef, SteerPayload, dtype_name
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY, ModuleRef, SteerPayload, dtype_name
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
 from vllm_steer.core.sae_rows import SaeWire, sae_config_key
 from vllm_steer.core.vectors import (CAPTURE_FIELD, CONDITION_FIELD, MODULE_FIELD, PROJECTION_FIELDS,
@@ -40,7 +40,7 @@ from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.site_norms import normed_tiers, server_norms
 from vllm_steer.frontend.spec import ModelShape, packed_fast_tier, parse_packed_fast, parse_spec
 
-_ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY, TOKEN_FIELD)
+_ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY, ROWS_KEY, TOKEN_FIELD)
 _PHASES = {"steering_vectors": (True, True), "prefill_steering_vectors": (True, False),
            "decode_steering_vectors": (False, True)}
 
@@ -87,7 +87,7 @@ class SteeringFrontend:
 
     def resolve(self, extra_args: dict[str, Any]) -> tuple[SteerPayload | None, str | None, str | None]:
         """(payload or None, prefill key, decode key) for a request's extra_args."""
-        for reserved in (PAYLOAD_KEY, TOKEN_FIELD):
+        for reserved in (PAYLOAD_KEY, ROWS_KEY, TOKEN_FIELD):
             if reserved in extra_args:
                 raise SteeringSpecError(reserved, "is reserved for vllm-steer's engine payload")
         fields = {k: extra_args[k] for k in REQUEST_FIELDS if k in extra_args}
@@ -135,7 +135,7 @@ class SteeringFrontend:
     def cheap(self, fields: dict[str, Any], lifted: bool = False) -> bool:
         """Whether resolving ``fields`` is light work (server.request_body then prepares a small body on the
         event loop): everything but a named module whose rows would be built (no cached payload, inline
-        vectors on top, or a condition, whose rows travel). ``lifted``: the body's large base64 blocks came
+        vectors on top, or a condition, whose rows travel). ``lifted``: the body was large and its blocks came
         decoded (up to a few MB of them): light only on the packed fast path (bytes in, bytes out)."""
         if lifted and packed_fast_tier(fields, self.shape) is None:
             return False

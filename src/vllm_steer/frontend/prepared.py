@@ -17,11 +17,12 @@ from typing import Any, Callable, NamedTuple
 
 from msgspec.structs import replace
 
-from vllm_steer.core.payload import PAYLOAD_KEY, SteerPayload, encode_payload
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY, SteerPayload, encode_split
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend.sae_registry import REGISTRY
 
 TOKEN_FIELD = "vllm_steer_prepared"
+_OURS = frozenset((*REQUEST_FIELDS, TOKEN_FIELD, ROWS_KEY))  # what ``for_request`` never passes on from the caller
 
 
 class Prepared(NamedTuple):
@@ -82,12 +83,14 @@ def for_request(prepared: Prepared, extra_args: dict, request_id: str,
     request's id in a capturing payload (one HTTP request may become several engine requests;
     vLLM suffixes the id later, and consumers report both) with where its results go (``reply()``:
     this process's capture inbox, asked only for a capturing request), and the payload encoded once:
-    the bytes the engine core and the workers decode."""
-    merged = {k: v for k, v in extra_args.items() if k != TOKEN_FIELD and k not in REQUEST_FIELDS}
+    the bytes the engine core and the workers decode, its large rows beside it (``core.payload.encode_split``)."""
+    merged = {k: v for k, v in extra_args.items() if k not in _OURS}
     merged.update(prepared.extra_args or {})
     payload = prepared.payload
     if payload is not None:
         if payload.capture is not None:
             payload = replace(payload, external_id=request_id, capture_reply=reply() if reply is not None else None)
-        merged[PAYLOAD_KEY] = encode_payload(payload)
+        merged[PAYLOAD_KEY], side = encode_split(payload)
+        if side is not None:
+            merged[ROWS_KEY] = side
     return Prepared(payload, merged or None, prepared.prefill_key, prepared.decode_key, prepared.report)

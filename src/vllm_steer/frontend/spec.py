@@ -27,7 +27,7 @@ from vllm_steer.core import bf16
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
-from vllm_steer.core.layout import KeyHasher, Layout, itemsize, raw_rows
+from vllm_steer.core.layout import KeyHasher, Layout, checked_rows, itemsize
 from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.site_norms import Norms, normed
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
@@ -287,12 +287,12 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
         _, layers, raw = _packed_raw(f, hooks[hook], shape)
         total += len(raw)
         try:
-            rows = raw_rows(raw, layers, dtype_name, shape.hidden_size) if layers else None
+            rows, digest = checked_rows(raw, layers, dtype_name, shape.hidden_size)
         except ValueError as e:
             raise SteeringSpecError(f"{f}.data", str(e)) from None
         if rows is not None:
             layout[hook] = rows
-            hasher.add(hook, *rows)
+            hasher.add(hook, *rows, digest)
     if total > shape.max_bytes:
         raise SteeringTooLarge(tier, f"{total} bytes of vectors exceeds the server's cap of {shape.max_bytes}")
     return tier, layout, hasher.key()

@@ -22,7 +22,7 @@ from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.layout import Layout
-from vllm_steer.core.payload import PAYLOAD_KEY, SteerPayload, decode_payload, dtype_name
+from vllm_steer.core.payload import SteerPayload, dtype_name, payload_from_extra
 from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
@@ -125,8 +125,7 @@ class SteeringRuntime:
     # ---- control plane: requests come and go -------------------------------------------
     def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int = 0) -> tuple[int, int]:
         """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row)."""
-        raw = (extra_args or {}).get(PAYLOAD_KEY)
-        steering = decode_payload(raw) if raw is not None else None  # the scheduler refused any that do not decode
+        steering = payload_from_extra(extra_args)  # the scheduler refused any that do not decode
         if self.capture is not None:
             meta = {"external_id": steering.external_id, "capture_reply": steering.capture_reply} \
                 if steering is not None else {}

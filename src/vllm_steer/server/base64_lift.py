@@ -9,6 +9,11 @@ into the decoded body, the raw bytes where a placeholder stands for a packed vec
 anywhere else in the steering fields; a placeholder outside them (a key that merely ends in ``"data``, say)
 makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
 parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
+
+Clients often send the same vectors with every request: a text equal to one decoded lately (``TEXTS``: the same
+length and ends, then one comparison with a copy of the text, kept from its second time on) gives back the bytes
+object decoded then, which ``core.layout.checked_rows`` then knows by identity: a block sent again and again is
+decoded, checked and hashed twice, not every time. Nothing else of a request (its prompt) is kept.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from typing import Any
 
 import pybase64
 
+from vllm_steer.core.recent_blocks import PROBE, Recent
 from vllm_steer.core.vectors import REQUEST_FIELDS, TIER_FIELDS
 
 MIN_CHARS = 16 * 1024  # a shorter string costs less to parse than to lift
 _PREFIX = f"vllm-steer-lifted-{secrets.token_hex(8)}-"  # drawn once per process: no body holds it by chance
 _KEY = b'"data"'
 _COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*"')
+
+
+TEXTS = Recent(64 * 1024 * 1024)  # (length, head, tail) -> (the text, its decoded bytes): core.recent_blocks
 
 
 class Lifted:
@@ -57,10 +66,16 @@ def lift(body: bytes) -> tuple[bytes, Lifted] | None:
         if end < 0:
             break
         if end - start >= MIN_CHARS:  # an escape (a backslash) fails the validation: left as it is
-            try:
-                raw = pybase64.b64decode(view[start:end], validate=True)
-            except (binascii.Error, ValueError):
-                raw = None  # left as text: the front end reports it
+            key = (end - start, body[start:start + PROBE], body[end - PROBE:end])
+            known = TEXTS.get(key)
+            raw = known[1] if known is not None and body.startswith(known[0], start) else None
+            if raw is None:
+                try:
+                    raw = pybase64.b64decode(view[start:end], validate=True)
+                except (binascii.Error, ValueError):
+                    raw = None  # left as text: the front end reports it
+                else:
+                    TEXTS.put(key, lambda: ((body[start:end], raw), 2 * len(raw) + end - start))
             if raw is not None:
                 placeholder = f"{_PREFIX}{len(lifted.strings)}"
                 lifted.strings[placeholder] = (raw, start, end)

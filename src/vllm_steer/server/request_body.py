@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from vllm_steer.core.errors import SteeringSpecError
+from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY
 from vllm_steer.server.metrics import PREPARE_SECONDS, count_rejected, count_request
 from vllm_steer.core.vectors import REQUEST_FIELDS
 from vllm_steer.frontend import path_trace
@@ -42,14 +43,20 @@ logger = logging.getLogger("vllm.steer")
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
-_MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS + (TOKEN_FIELD,))
+_RESERVED = (TOKEN_FIELD, PAYLOAD_KEY, ROWS_KEY)  # keys only vllm-steer writes into extra_args
+# each marker is one scan of a body without steering: '"vllm_steer' stands for every reserved key (their prefix)
+_MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS) + (b'"vllm_steer',)
 _MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear either way
 _SAE_MARKER = b"sae"
 _JSON_DECODER = msgspec.json.Decoder()
 INLINE_BYTES = 64 * 1024  # bodies up to this size may be prepared on the event loop (``_prepare_request``)
-INLINE_LIFTED_BYTES = 2 * 1024 * 1024  # ... and JSON bodies up to this size that shrink to INLINE_BYTES once lifted
+# ... and bodies up to this size that shrink to INLINE_BYTES without their vectors (JSON: once lifted; msgpack: outside
+# the top-level steering fields, whose packed blocks are bins already)
+INLINE_LIFTED_BYTES = 2 * 1024 * 1024
 _NOT_TRIED = object()  # ``_decode``'s ``lifted``: the lift is still to be tried
 _MSGPACK_DECODER = msgspec.msgpack.Decoder()
+# a msgpack body's top level, each value left undecoded (a bin is skipped by its length: ~1 us for 1 MB of vectors)
+_MSGPACK_TOP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
 
 def _decode(body: bytes, msgpack: bool, lifted: Any = _NOT_TRIED) -> dict | None:
@@ -88,8 +95,9 @@ def _fields(body: bytes, msgpack: bool, lifted: Any = _NOT_TRIED) -> tuple[dict 
     if obj is None:
         return None, {}
     xargs = obj.get("vllm_xargs")
-    if TOKEN_FIELD in obj or (isinstance(xargs, dict) and TOKEN_FIELD in xargs):
-        raise SteeringSpecError(TOKEN_FIELD, "is reserved for vllm-steer's engine payload")
+    for key in _RESERVED:
+        if key in obj or (isinstance(xargs, dict) and key in xargs):
+            raise SteeringSpecError(key, "is reserved for vllm-steer's engine payload")
     field_names.check(obj)  # a misspelled steering field is a 400, not a silent 200 unsteered
     return obj, steering_fields(obj)
 
@@ -115,23 +123,40 @@ def _prepare(frontend: Any, body: bytes, msgpack: bool, trace: Any = None,
     return obj, _prepare_fields(frontend, fields, trace)
 
 
+def _msgpack_rest(body: bytes) -> int | None:
+    """The bytes of a msgpack body outside its top-level steering fields (None: not a map with string keys)."""
+    try:
+        top = _MSGPACK_TOP.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return sum(len(v) for k, v in top.items() if k not in REQUEST_FIELDS)
+
+
 async def _prepare_request(frontend: Any, body: bytes, msgpack: bool, trace: Any) -> tuple[dict | None, Any]:
     """``_prepare``, on the event loop where that is cheaper than a hop to the pool and back: a small
-    body (or a JSON body up to INLINE_LIFTED_BYTES that is small once its base64 blocks are lifted) whose
-    fields the front end resolves without heavy work (``SteeringFrontend.cheap``). Each hop waits for the
-    GIL twice behind whatever the loop and the other threads run (up to the 5 ms switch interval each
-    time) and costs ~0.2 ms of CPU; a module reference costs ~20 us to prepare, a 1 MB packed body ~0.5 ms."""
+    body (or a body up to INLINE_LIFTED_BYTES that is small without its vectors: a JSON body once its base64
+    blocks are lifted, a msgpack body outside its top-level steering fields) whose fields the front end resolves
+    without heavy work (``SteeringFrontend.cheap``). Each hop waits for the GIL twice behind whatever the loop and
+    the other threads run (up to the 5 ms switch interval each time) and costs ~0.2 ms of CPU; a module reference
+    costs ~20 us to prepare, a 1 MB packed body ~0.5 ms."""
     loop = asyncio.get_running_loop()
     lifted = _NOT_TRIED
-    if len(body) > INLINE_BYTES:
-        if not msgpack and len(body) <= INLINE_LIFTED_BYTES:
-            lifted = base64_lift.lift(body)
-        if lifted is _NOT_TRIED or lifted is None or len(lifted[0]) > INLINE_BYTES:
+    large = len(body) > INLINE_BYTES
+    if large:
+        small_rest = False
+        if len(body) <= INLINE_LIFTED_BYTES:
+            if msgpack:
+                rest = _msgpack_rest(body)
+                small_rest = rest is not None and rest <= INLINE_BYTES
+            else:
+                lifted = base64_lift.lift(body)
+                small_rest = lifted is not None and len(lifted[0]) <= INLINE_BYTES
+        if not small_rest:
             return await loop.run_in_executor(pool(), _prepare, frontend, body, msgpack, trace, lifted)
     obj, fields = _fields(body, msgpack, lifted)
     if obj is None or not fields:
         return (obj if msgpack else None), None
-    if frontend is not None and not frontend.cheap(fields, lifted=lifted is not _NOT_TRIED):
+    if frontend is not None and not frontend.cheap(fields, lifted=large):
         return obj, await loop.run_in_executor(pool(), _prepare_fields, frontend, fields, trace)
     return obj, _prepare_fields(frontend, fields, trace)
 
