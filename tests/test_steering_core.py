@@ -344,18 +344,28 @@ def test_decode_steered_reply_blocks_are_not_reused_by_an_unsteered_follow_up(ph
 # blocks only: at ~26 generated tokens each needs a second block, so requests are preempted and later resumed
 # by recomputation whatever the length past that. 48 (not 100: the test took ~130 s of CI) keeps every
 # request past its first block well before its end, so preemption, recomputation and the capture of each
-# position once are exercised as before, at half the decode steps.
+# position once are exercised as before, at half the decode steps. The unpreempted references run four at a time
+# (two blocks each: the 9 blocks hold them), not one by one.
 PREEMPT_TOKENS = 48
+
+
+def preemptions_seen(llm) -> int:
+    """An engine_job call: the preemptions the worker has seen so far."""
+    return llm.collective_rpc("vllm_steer_status")[0]["preemptions_seen"]
+
+
+SEEN = {"llm_call": "tests.test_steering_core:preemptions_seen"}
 
 
 def test_preempted_requests_resume_with_their_own_steering_and_capture_each_position_once(
         core_run, smollm2_path, prompt_ids, probe_plugin, tmp_path):
     """A KV cache too small for the batch forces preemption; every request (unsteered, vectors, a
-    named module, an SAE clamp) still produces what it produces alone, so its steering survived
+    named module, an SAE clamp) still produces what it produces unpreempted (in batches of four, which
+    the cache holds: the worker sees no preemption while they run), so its steering survived
     preemption and resumption. Every request also captures every position at 4 sites: a preempted
     request recomputes its prompt and generated tokens, yet each position is delivered once, and
-    its rows equal those of the same request alone (no preemption). A driver consumer (the example
-    probe, one instance on the first rank) returns the same per-request result as alone."""
+    its rows equal those of the same request unpreempted. A driver consumer (the example probe, one
+    instance on the first rank) returns the same per-request result as unpreempted."""
     spec = {"layers": [3, 17], "hooks": ["pre_attn", "post_mlp"], "positions": "all"}
     probe = {"layers": [17], "hooks": ["post_mlp"], "positions": "all"}
     cap = {"fs": spec, "probe": probe}
@@ -374,17 +384,18 @@ def test_preempted_requests_resume_with_their_own_steering_and_capture_each_posi
         "llm_kwargs": {**_engine(max_configs=8, block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False,
                                  additional_config={"steer": steer}), "max_model_len": 256},
         "calls": [_register("pm", "post_attn", 11, 600),
-                  {"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}]
-        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in reqs],
+                  {"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}, SEEN]
+        + [{"prompts": [_prompt(prompt_ids)] * 4, "params": reqs[i:i + 4]} for i in range(0, len(reqs), 4)] + [SEEN],
         "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
     out = run_job(job, tmp_path)
     (worker,) = out["rpc_after"]["vllm_steer_status"]
-    assert worker["preemptions_seen"] > 0
+    seen_together, seen_after = out["calls"][2], out["calls"][-1]
+    assert seen_together > 0 and seen_after == seen_together == worker["preemptions_seen"]
     # preempted requests recomputed positions they had captured: those were not planned again
     assert worker["capture"]["recomputed_positions"] > 0
     assert worker["capture"]["dropped_rows"] == worker["capture"]["dropped_packets"] == 0
-    together, alone = out["calls"][1], [c[0] for c in out["calls"][2:]]
+    together, alone = out["calls"][1], [r for c in out["calls"][3:-1] for r in c]
     n = len(prompt_ids) + PREEMPT_TOKENS - 1  # prompt + generated tokens fed back
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t["token_ids"] == a["token_ids"], f"request {i}"
