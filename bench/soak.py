@@ -1,6 +1,7 @@
 """Soak: N minutes of mixed traffic (plain, inline vectors, module churn, SAE clamps, aborted capture streams, bad
 inputs that must be 400s) against one vllm-steer server, then the checks: memory flat within a band, rows back to
-zero, nothing unfinished, no unexpected status. CI runs 2 minutes of it (tests/test_soak.py).
+zero, nothing unfinished, no unexpected status. CI runs half a minute of it (tests/test_soak.py). Each client
+thread sends every kind once first (so a short run drives them all), then draws kinds at random.
     python bench/soak.py --base http://127.0.0.1:8000 --model MODEL --hidden 576 --minutes 20 --out soak.json
 """
 
@@ -69,6 +70,9 @@ def _metrics(client: httpx.Client, base: str) -> dict[str, float]:
     return {name: float(value) for name, _, value in lines if name.startswith("vllm_steer_")}
 
 
+KINDS = 7  # plain, inline, module churn, SAE clamps, capture-abort, bad NaN, bad hook
+
+
 class _Traffic:
     """One client thread's loop: pick a kind, send it, count the answer."""
 
@@ -76,6 +80,7 @@ class _Traffic:
         self.cfg, self.report, self.deadline, self.lock, self.seed = cfg, report, deadline, lock, seed
         self.rng = np.random.default_rng(seed)
         self.client = httpx.Client(timeout=120)
+        self.sent = 0  # requests picked so far: the first KINDS go through every kind in turn
 
     def vec(self, seed: int) -> list[float]:
         return (np.random.default_rng(seed).standard_normal(self.cfg.hidden) * 2).astype(np.float32).tolist()
@@ -107,7 +112,8 @@ class _Traffic:
             self.count(kind, r.status_code, ok, r.text)
 
     def one(self) -> None:
-        kind = self.rng.integers(0, 7)
+        kind = (self.seed + self.sent) % KINDS if self.sent < KINDS else self.rng.integers(0, KINDS)
+        self.sent += 1
         layer = int(self.rng.choice((1, 3, 5)))
         if kind == 0:
             self.post("plain", (200,), **self.body())

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from tests.engine_job import run_job
-from tests.server import openai_server
 
 
 def test_llm_multiprocess_worker_runs_the_general_plugin(tiny_model, tmp_path):
@@ -26,32 +24,34 @@ def test_llm_multiprocess_worker_runs_the_general_plugin(tiny_model, tmp_path):
 
 
 def test_plugin_loaded_with_steering_off_installs_nothing(tiny_model, tmp_path):
+    """One engine without a steer block: its worker installs nothing, and a steered request is refused."""
+    prompt = {"prompt": "hello"}
     job = {"model": tiny_model("llama"),
            "llm_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
                           "distributed_executor_backend": "uni"},
            "rpc": ["vllm_steer_status"],
-           "calls": [{"prompts": ["hello"], "params": [{"max_tokens": 2, "temperature": 0.0,
-                      "extra_args": {"steering_vectors": {"post_mlp": {"0": [0.0]}}}}]}]}
-    with pytest.raises(RuntimeError, match="steering is disabled on this server"):
-        run_job(job, tmp_path)
-    job.pop("calls")
-    (worker,) = run_job(job, tmp_path)["rpc"]["vllm_steer_status"]
+           "calls": [{"llm_call": "tests.engine_job:generate_error",
+                      "kwargs": {"extra": {"steering_vectors": {"post_mlp": {"0": [0.0]}}}, "prompt": prompt}}]}
+    res = run_job(job, tmp_path)
+    (worker,) = res["rpc"]["vllm_steer_status"]
     assert worker["steering"] is False
+    refused = res["calls"][0]
+    assert "steering is disabled on this server" in refused.get("message", ""), refused
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with openai_server(tiny_model("llama"), "--enforce-eager", "--additional-config", '{"steer": {"max_configs": 8}}', log=log) as (base, proc):
-        yield base, proc
+def test_openai_server_mounts_router_and_worker_runs_plugin(api_server):
+    """The shared server (SmolLM2: 30 layers, every hook): the router answers with the config, and the one
+    worker, in its own process, has a steered norm per hook and layer."""
+    import psutil
 
-
-def test_openai_server_mounts_router_and_worker_runs_plugin(tiny_server):
-    base, proc = tiny_server
+    base = api_server[0]
     r = httpx.get(f"{base}/v1/steering", timeout=30)
     assert r.status_code == 200
     body = r.json()
-    assert body["enabled"] is True and body["config"]["max_configs"] == 8
+    assert body["enabled"] is True and body["config"]["max_configs"] == 16
     (worker,) = body["workers"]
-    assert worker["steering"] is True and worker["ops"] == 6
-    assert worker["pid"] != proc.pid
+    assert worker["steering"] is True and worker["ops"] == 90  # 30 layers x 3 hooks
+    port = httpx.URL(base).port
+    (server_pid,) = {c.pid for c in psutil.net_connections(kind="tcp")
+                     if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+    assert worker["pid"] != server_pid

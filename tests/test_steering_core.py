@@ -1,5 +1,5 @@
-"""Steering core on real SmolLM2-135M (float32, CPU lane): oracle, mixed batch, capacity, phases,
-isolation under pressure (4 x max_configs distinct configs at once, vectors, named modules and SAE
+"""Steering core on real SmolLM2-135M (float32, CPU lane): oracle, mixed batch, phases and the prefix cache (these
+on one engine), isolation under pressure (4 x max_configs distinct configs at once, vectors, named modules and SAE
 clamps; preemption), capture of preempted requests and capture pool exhaustion; ``LLM`` outputs say what was
 applied (``RequestOutput.steering``, the HTTP field)."""
 
@@ -50,7 +50,8 @@ def _engine(max_configs: int, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def core_run(smollm2_path, prompt_ids, tmp_path_factory):
-    """One engine: the oracle batch, then a mixed batch of 8 configs + 2 unsteered, then each alone."""
+    """One engine: the oracle batch, then a mixed batch of 8 configs + 2 unsteered, then each alone, the misspelled
+    keys, the preloaded module, then the phase tests' calls."""
     oracle = [params()] + [
         params(steering_vectors=floats(h, LAYER, vector(HIDDEN, i, SCALE))) for i, h in enumerate(HOOKS)
     ]
@@ -61,23 +62,28 @@ def core_run(smollm2_path, prompt_ids, tmp_path_factory):
     d = tmp_path_factory.mktemp("core")
     preloaded = d / "pre.json"  # oracle[3]'s vector as a start-up module of the LLM's config
     preloaded.write_text(json.dumps({"name": "pre", "steering_vectors": floats(HOOKS[2], LAYER, vector(HIDDEN, 2, SCALE))}))
+    calls = [
+        {"prompts": [_prompt(prompt_ids)] * len(oracle), "params": oracle},
+        {"prompts": [_prompt(prompt_ids)] * len(mixed), "params": mixed},
+    ] + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in mixed] + [
+        {"llm_call": "tests.engine_job:generate_error", "kwargs": {"extra": extra, "prompt": _prompt(prompt_ids)}}
+        for extra in MISSPELLED] + [{"prompts": [_prompt(prompt_ids)], "params": [params(steering_module={"name": "pre"})]}]
+    # the phase tests' calls on the same engine (32-token blocks, prefix caching): their prompt shares no block
+    # with the calls above, so what they find cached is their own
+    phase, n_long, follow_ups = _phase_calls(smollm2_path)
+    first_phase = len(calls)
+    calls += phase + [{"prompts": [{"continue_call": first_phase + len(phase) - 1}], "params": [p]} for p in follow_ups]
     job = {
         "model": smollm2_path,
-        "llm_kwargs": _engine(max_configs=10, additional_config={"steer": {"max_configs": 10,
-                                                                             "modules": {"pre": str(preloaded)}}}),
-        "calls": [
-            {"prompts": [_prompt(prompt_ids)] * len(oracle), "params": oracle},
-            {"prompts": [_prompt(prompt_ids)] * len(mixed), "params": mixed},
-        ]
-        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in mixed]
-        + [{"llm_call": "tests.engine_job:generate_error", "kwargs": {"extra": extra, "prompt": _prompt(prompt_ids)}}
-           for extra in MISSPELLED]
-        + [{"prompts": [_prompt(prompt_ids)], "params": [params(steering_module={"name": "pre"})]}],
+        "llm_kwargs": _engine(max_configs=10, block_size=32, enable_prefix_caching=True,
+                              additional_config={"steer": {"max_configs": 10, "modules": {"pre": str(preloaded)}}}),
+        "calls": calls,
     }
     res = run_job(job, d)
     alone = res["calls"][2 : 2 + len(mixed)]
     return {"oracle": res["calls"][0], "mixed": res["calls"][1], "alone": [c[0] for c in alone], "mixed_params": mixed,
-            "misspelled": res["calls"][2 + len(mixed):-1], "preloaded": res["calls"][-1][0]}
+            "misspelled": res["calls"][2 + len(mixed):first_phase - 1], "preloaded": res["calls"][first_phase - 1][0],
+            "phase": ([c[0] for c in res["calls"][first_phase:]], n_long)}
 
 
 # offline extra_args: a near-miss of a steering field is refused (vLLM would ignore it); other keys pass
@@ -283,8 +289,9 @@ def test_a_full_capture_pool_chunks_prefills_and_drops_decode_rows_never_tokens(
 LONG_PROMPT = "Once upon a time there was a little robot who wanted to learn how to write stories. " * 6
 
 
-@pytest.fixture(scope="module")
-def phase_run(smollm2_path, tmp_path_factory):
+def _phase_calls(smollm2_path) -> tuple[list[dict], int, list[dict]]:
+    """core_run's calls for the phase tests (a prompt of its own, several full blocks long): prompt logprobs under
+    decode / prefill steering, prefix cache sharing, a decode-steered reply continued with and without the cache."""
     _, tok = hf_oracle.load(smollm2_path)
     ids = tok(LONG_PROMPT)["input_ids"]
     vec = vector(HIDDEN, 7, SCALE)
@@ -297,15 +304,12 @@ def phase_run(smollm2_path, tmp_path_factory):
     # multi-turn: a decode-steered reply (70 tokens: two full blocks past the prompt), then its
     # conversation continued unsteered, reading the cache and not
     turn = [params(70, **dec), params(16), {**params(16), "skip_reading_prefix_cache": True}]
-    calls = [{"prompts": [_prompt(ids)], "params": [p]} for p in order + turn[:1]]
-    calls += [{"prompts": [{"continue_call": len(order)}], "params": [p]} for p in turn[1:]]
-    job = {
-        "model": smollm2_path,
-        "llm_kwargs": _engine(max_configs=8, block_size=32, enable_prefix_caching=True),
-        "calls": calls,
-    }
-    res = run_job(job, tmp_path_factory.mktemp("phase"))
-    return [c[0] for c in res["calls"]], len(ids)
+    return [{"prompts": [_prompt(ids)], "params": [p]} for p in order + turn[:1]], len(ids), turn[1:]
+
+
+@pytest.fixture(scope="module")
+def phase_run(core_run):
+    return core_run["phase"]
 
 
 def test_decode_only_steering_leaves_prompt_logprobs_and_first_token_unchanged(phase_run):
@@ -344,18 +348,28 @@ def test_decode_steered_reply_blocks_are_not_reused_by_an_unsteered_follow_up(ph
 # blocks only: at ~26 generated tokens each needs a second block, so requests are preempted and later resumed
 # by recomputation whatever the length past that. 48 (not 100: the test took ~130 s of CI) keeps every
 # request past its first block well before its end, so preemption, recomputation and the capture of each
-# position once are exercised as before, at half the decode steps.
+# position once are exercised as before, at half the decode steps. The unpreempted references run four at a time
+# (two blocks each: the 9 blocks hold them), not one by one.
 PREEMPT_TOKENS = 48
+
+
+def preemptions_seen(llm) -> int:
+    """An engine_job call: the preemptions the worker has seen so far."""
+    return llm.collective_rpc("vllm_steer_status")[0]["preemptions_seen"]
+
+
+SEEN = {"llm_call": "tests.test_steering_core:preemptions_seen"}
 
 
 def test_preempted_requests_resume_with_their_own_steering_and_capture_each_position_once(
         core_run, smollm2_path, prompt_ids, probe_plugin, tmp_path):
     """A KV cache too small for the batch forces preemption; every request (unsteered, vectors, a
-    named module, an SAE clamp) still produces what it produces alone, so its steering survived
+    named module, an SAE clamp) still produces what it produces unpreempted (in batches of four, which
+    the cache holds: the worker sees no preemption while they run), so its steering survived
     preemption and resumption. Every request also captures every position at 4 sites: a preempted
     request recomputes its prompt and generated tokens, yet each position is delivered once, and
-    its rows equal those of the same request alone (no preemption). A driver consumer (the example
-    probe, one instance on the first rank) returns the same per-request result as alone."""
+    its rows equal those of the same request unpreempted. A driver consumer (the example probe, one
+    instance on the first rank) returns the same per-request result as unpreempted."""
     spec = {"layers": [3, 17], "hooks": ["pre_attn", "post_mlp"], "positions": "all"}
     probe = {"layers": [17], "hooks": ["post_mlp"], "positions": "all"}
     cap = {"fs": spec, "probe": probe}
@@ -374,17 +388,18 @@ def test_preempted_requests_resume_with_their_own_steering_and_capture_each_posi
         "llm_kwargs": {**_engine(max_configs=8, block_size=32, num_gpu_blocks_override=9, enable_prefix_caching=False,
                                  additional_config={"steer": steer}), "max_model_len": 256},
         "calls": [_register("pm", "post_attn", 11, 600),
-                  {"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}]
-        + [{"prompts": [_prompt(prompt_ids)], "params": [p]} for p in reqs],
+                  {"prompts": [_prompt(prompt_ids)] * len(reqs), "params": reqs}, SEEN]
+        + [{"prompts": [_prompt(prompt_ids)] * 4, "params": reqs[i:i + 4]} for i in range(0, len(reqs), 4)] + [SEEN],
         "rpc_after": ["vllm_steer_status"], "collect_capture": True,
     }
     out = run_job(job, tmp_path)
     (worker,) = out["rpc_after"]["vllm_steer_status"]
-    assert worker["preemptions_seen"] > 0
+    seen_together, seen_after = out["calls"][2], out["calls"][-1]
+    assert seen_together > 0 and seen_after == seen_together == worker["preemptions_seen"]
     # preempted requests recomputed positions they had captured: those were not planned again
     assert worker["capture"]["recomputed_positions"] > 0
     assert worker["capture"]["dropped_rows"] == worker["capture"]["dropped_packets"] == 0
-    together, alone = out["calls"][1], [c[0] for c in out["calls"][2:]]
+    together, alone = out["calls"][1], [r for c in out["calls"][3:-1] for r in c]
     n = len(prompt_ids) + PREEMPT_TOKENS - 1  # prompt + generated tokens fed back
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t["token_ids"] == a["token_ids"], f"request {i}"
