@@ -8,13 +8,14 @@
 #   poll [SECONDS]                     wait (at most SECONDS, default 0) while any lane runs, then print each log's
 #                                      tail and pack every log and result into $OUT/lanes.tgz (a call brings back
 #                                      only a few files: one archive comes back whole)
-# A lane on GPU k gets CUDA_VISIBLE_DEVICES=GPU, TMPDIR=/tmp/lanes/NAME/tmp, PORT_BASE=8100+100*GPU, OUT=/tmp/lanes/NAME/out.
+# A lane on GPU k gets CUDA_VISIBLE_DEVICES=k, TMPDIR=/tmp/lanes/NAME/tmp, PORT_BASE=8100+100*k, OUT=/tmp/lanes/NAME/out.
 set -uo pipefail
 L=${LANES_DIR:-/tmp/lanes}  # LANES_DIR: tests put the lanes elsewhere
+ended() { tail -1 "$1" | grep -q "lane done"; }  # a lane's log whose steps have all run
 case "${1:-}" in
   start)
     gpu=${2:?gpu} name=${3:?name} steps=${4:?steps}
-    if [ -e "$L/$name.log" ] && ! tail -1 "$L/$name.log" | grep -q "lane done"; then
+    if [ -e "$L/$name.log" ] && ! ended "$L/$name.log"; then
       echo "lane $name is still running" >&2; exit 2
     fi
     mkdir -p "$L/$name/tmp" "$L/$name/out"
@@ -34,7 +35,7 @@ case "${1:-}" in
     ;;
   poll)
     end=$((SECONDS + ${2:-0}))
-    running() { for f in "$L"/*.log; do [ -e "$f" ] && ! tail -1 "$f" | grep -q "lane done" && return 0; done; return 1; }
+    running() { for f in "$L"/*.log; do [ -e "$f" ] && ! ended "$f" && return 0; done; return 1; }
     while [ $SECONDS -lt $end ] && running; do sleep 2; done
     for f in "$L"/*.log; do
       echo "##### $(basename "$f" .log)"; grep -v "Deprecat\|warnings.warn\|INFO\|WARNING" "$f" | tail -"${TAIL:-25}"

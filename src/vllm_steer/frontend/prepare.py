@@ -132,12 +132,12 @@ class SteeringFrontend:
         return self._module_cache.get((ref.name, module.version if module else None, ref.scale, ref.norm,
                                        ref.layers, ref.hooks))
 
-    def cheap(self, fields: dict[str, Any], lifted: bool = False) -> bool:
+    def cheap(self, fields: dict[str, Any], large: bool = False) -> bool:
         """Whether resolving ``fields`` is light work (server.request_body then prepares a small body on the
         event loop): everything but a named module whose rows would be built (no cached payload, inline
-        vectors on top, or a condition, whose rows travel). ``lifted``: the body was large and its blocks came
+        vectors on top, or a condition, whose rows travel). ``large``: the body was large and its blocks came
         decoded (up to a few MB of them): light only on the packed fast path (bytes in, bytes out)."""
-        if lifted and packed_fast_tier(fields, self.shape) is None:
+        if large and packed_fast_tier(fields, self.shape) is None:
             return False
         ref = fields.get(MODULE_FIELD)
         if ref is None:

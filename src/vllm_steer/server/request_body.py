@@ -156,7 +156,7 @@ async def _prepare_request(frontend: Any, body: bytes, msgpack: bool, trace: Any
     obj, fields = _fields(body, msgpack, lifted)
     if obj is None or not fields:
         return (obj if msgpack else None), None
-    if frontend is not None and not frontend.cheap(fields, lifted=large):
+    if frontend is not None and not frontend.cheap(fields, large=large):
         return obj, await loop.run_in_executor(pool(), _prepare_fields, frontend, fields, trace)
     return obj, _prepare_fields(frontend, fields, trace)
 
