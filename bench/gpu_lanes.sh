@@ -14,6 +14,8 @@ L=${LANES_DIR:-/tmp/lanes}  # LANES_DIR: tests put the lanes elsewhere
 ended() { tail -1 "$1" | grep -q "lane done"; }  # a lane's log whose steps have all run
 case "${1:-}" in
   start)
+    # the device tool ends the calling command's process group when the call returns: a lane runs in its own session
+    [ -z "${LANES_SESSION:-}" ] && exec env LANES_SESSION=1 setsid -w bash "$0" "$@"
     gpu=${2:?gpu} name=${3:?name} steps=${4:?steps}
     if [ -e "$L/$name.log" ] && ! ended "$L/$name.log"; then
       echo "lane $name is still running" >&2; exit 2

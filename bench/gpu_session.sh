@@ -129,9 +129,12 @@ case "${1:-}" in
     rm -f /tmp/dd_probe; df -h /tmp | tail -1
     ;;
   idle)  # host µs per eager launch of our norm vs vLLM's, then the idle cost with every process profiled (counts of
-         # our functions per request / step); needs the A/B suite's model directory (any ab-start made it)
+         # our functions per request / step); the A/B suite's 8b model directory, under this lane's TMPDIR
     timeout -k 20 120 python3 bench/launch_cost.py --out "$OUT/launch.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20
-    timeout -k 20 560 python3 bench/idle_cost.py --gpu --model /tmp/vllm_steer_ab/model-8b-bfloat16 --load-format dummy \
+    M=$(python3 -c 'import sys, tempfile; from pathlib import Path; sys.path.insert(0, "bench")
+from abkit.servers import SHAPES, write_model_dir
+print(write_model_dir(Path(tempfile.gettempdir()) / "vllm_steer_ab" / "model-8b-bfloat16", SHAPES["8b"], "bfloat16"))')
+    timeout -k 20 560 python3 bench/idle_cost.py --gpu --model "$M" --load-format dummy \
       --gpu-mem "${GPU_MEM:-0.3}" --arms "${IDLE_ARMS:-stock,steer_capture}" --concurrency 32 --requests 256 \
       --max-tokens 64 --profile --out "$OUT/idle_profile.json" 2>&1 | tail -60
     ;;
