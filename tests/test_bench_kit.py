@@ -298,7 +298,8 @@ def test_offline_pairs_modules_load_as_start_up_modules_and_trials_pair_by_numbe
 def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
     """bench/gpu_lanes.sh with a stand-in gpu_session.sh: each step sees its lane's GPU, TMPDIR, port base, OUT and
     only its own variables; a lane still running is not started twice; a lane started again goes on in its folder;
-    poll waits for every lane and packs logs and results (not the lanes' TMPDIRs) into one archive."""
+    poll waits for every lane and packs logs and results (not the lanes' TMPDIRs) into one archive; a lane outlives
+    the process group that started it."""
     import subprocess
     import tarfile
 
@@ -332,3 +333,15 @@ def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
         names = {n.lstrip("./") for n in tar.getnames()}
     assert {"a.log", "b.log", "a/out/steps.txt", "b/out/steps.txt"} <= names
     assert not any(n.endswith("model.bin") for n in names)
+    # the device tool ends the starting command's process group when its call returns: the lane lives on
+    import os
+    import signal
+    starter = subprocess.Popen(["bash", "bench/gpu_lanes.sh", "start", "1", "c", "slow; plain"], cwd=repo, env=env,
+                               stdout=subprocess.DEVNULL, start_new_session=True)
+    assert starter.wait(timeout=60) == 0
+    try:
+        os.killpg(starter.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    assert lanes_sh("poll", "30").returncode == 0
+    assert [ln.split()[0] for ln in (lanes / "c" / "out" / "steps.txt").read_text().splitlines()] == ["slow", "plain"]
