@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The steps of one GPU session, from the repo root on the GPU machine (bench/RESULTS.md logs them). Before: the
-# bundle parts in /tmp/gb, .whl/ the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy and the test-only wheels
-# (bench/tools_wheels.sh), .whl/peer/ hotwire-vllm. Several steps at once, one GPU each: bench/gpu_lanes.sh.
-#   install    bundle + plugin + py-spy into /tmp/site
+# bundle parts in /tmp/gb, .whl/ the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy, the test-only wheels
+# and loguru (bench/tools_wheels.sh), .whl/peer/ hotwire-vllm. Several steps at once, one GPU each: bench/gpu_lanes.sh.
+#   install    bundle + plugin + .whl/tools into /tmp/site
 #   kernels    tests/gpu and kernels_bench;   cost   request_path_cost and the table-write test
 #   checks     tests/gpu_e2e (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them

@@ -6,12 +6,18 @@
 #   kernels  tilelang (vLLM's mHC kernels; vLLM 0.26 pins 0.1.9) + z3-solver, ml-dtypes, torch-c-dlpack-ext;
 #            the CuTe DSL (nvidia-cutlass-dsl 4.6.0: base, core, the cu13 libraries; not the cu12 ones, which its
 #            metadata asks for but which a CUDA 13 driver does not load) + nvidia-cuda-nvdisasm and quack-kernels
-#            (the compressor of a head-512 compressed layer); cloudpickle, einops, protobuf where the image lacks them;
+#            (`quack.compile_utils`: V4's three CuTe DSL ops, e.g. the compressor of a head-512 compressed layer);
+#            cloudpickle, einops, protobuf where the image lacks them;
+#            quack-kernels 0.6.1: vLLM 0.26.0's METADATA asks `nvidia-cutlass-dsl[cu13]==4.6.0`, `quack-kernels>=0.4.0`;
+#            0.6.1 is the newest quack that pins DSL 4.6.0 exactly (what a fresh install resolved when 0.26.0 shipped,
+#            vllm#47571; vLLM's main pinned 0.6.1 until vllm#51566 moved both to 0.6.4 / DSL 4.6.2). 0.4.0 (s28's
+#            GPU run) and 0.4.1 do not import with DSL 4.6.0 (`from cutlass.base_dsl import Arch`, `cute.core.ThrMma`)
 #            apache-tvm-ffi 0.1.10 (vLLM's pin: TileLang 0.1.9 does not import with the vLLM bundle's 0.1.15)
 #   nvcc     nvidia-cuda-nvcc / -crt / nvvm / -cccl 13.0 (torch's cuda-toolkit 13.0.2): TileLang and DeepGEMM compile
 #            their kernels at runtime; used only where the image has no nvcc (`bash bench/gpu_session.sh v4` looks)
 # On the device: each part `mkdir -p /tmp/gv && cp .gpuvK/* /tmp/gv/`, then `bash bench/gpu_session.sh v4`.
-# V4_NVCC=0 leaves the nvcc parts out (when a probe found nvcc on the machine).
+# V4_NVCC=0 leaves the nvcc parts out (when a probe found nvcc on the machine; s28's image had /usr/local/cuda/bin/nvcc
+# and g++).
 set -euo pipefail
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -22,7 +28,7 @@ get() {  # exact versions, no dependency resolution (the image and the vLLM bund
 }
 get "$tmp/kernels" tilelang==0.1.9 z3-solver==4.15.4.0 ml-dtypes==0.6.0 torch-c-dlpack-ext==0.1.5 \
   nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 nvidia-cutlass-dsl-libs-core==4.6.0 \
-  nvidia-cutlass-dsl-libs-cu13==4.6.0 nvidia-cuda-nvdisasm==13.5.37 quack-kernels==0.4.0 \
+  nvidia-cutlass-dsl-libs-cu13==4.6.0 nvidia-cuda-nvdisasm==13.5.37 quack-kernels==0.6.1 \
   cloudpickle==3.1.3 einops==0.8.2 protobuf==6.33.6 apache-tvm-ffi==0.1.10
 [ "${V4_NVCC:-1}" = 1 ] && get "$tmp/nvcc" nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
   nvidia-cuda-cccl==13.0.85
