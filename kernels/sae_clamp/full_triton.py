@@ -28,7 +28,9 @@ data-dependent shape: CUDA graphs replay them with rows changed after capture): 
      (``_finish``: + ``b_dec - s`` for RECONSTRUCT rows), else
    - ``_reduce``: the splits' partial sums added in split order, then ``_finish``.
 
-Tiles and splits are fixed by N (``_TILES``; no autotuning). The per-launch roofline is in README.md.
+Tiles and splits are fixed by N (``_TILES``; no autotuning). The per-launch roofline is in README.md. ``Tuning``:
+the encoder's and the TopK search's launch variants that ``bench/sae_kernel_bench.py --topk-sweep`` times (issue 39;
+README "Third pass"); its defaults are the launches above.
 
 TopK ties: every feature whose pre equals the k-th largest is kept (torch.topk keeps exactly k); with float
 activations a tie at the boundary is a measure-zero event.
