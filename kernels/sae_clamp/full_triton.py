@@ -204,8 +204,8 @@ def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, B
     for u in tl.static_range(UNROLL):
         o_k = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
-        w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w, W_T)
         if HILO:
+            w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w, W_T)
             p_hl, stride_hl, stride_plane = hl
             p_a = p_hl + o_m[:, None].to(tl.int64) * stride_hl + o_k[None, :]
             m_a = m_m[:, None] & m_k[None, :]
@@ -214,7 +214,8 @@ def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, B
                 t = _dot(tl.load(p_a + stride_plane, mask=m_a, other=0.0), w, t, UPCAST)
             acc += _dot(tl.load(p_a, mask=m_a, other=0.0), w, t, UPCAST)
         else:
-            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)  # issued before W_enc's tile, as it always was
+            w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w, W_T)
             acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
     return acc
 
