@@ -253,6 +253,15 @@ def _sweep_rows(dev, ns: list[int]) -> list[dict]:
             print(f"| {n} | {name} | {'ok' if off == 0 else f'{off} of {n} tokens off'} | {row['us']} "
                   f"| {row['encode_us']} | {row['select_us']} | {round(sum(rest.values()), 2)} ({rest_s}) "
                   f"| {row['encode_bound_us']} | {row['site_bound_us']} |", flush=True)
+    for n in ns:  # the pick: among variants whose edit matched the default's
+        ok = [r for r in rows if r["n"] == n and r.get("tokens_off") == 0]
+        base = next((r for r in ok if r["variant"] == "default"), None)
+        if ok and base:
+            site, enc = min(ok, key=lambda r: r["us"]), min(ok, key=lambda r: r["encode_us"])
+            # _encode alone: hilo's _hilo, atomic's memset and a split's sum (in _select) are in the site's time only
+            print(f"N {n}: fastest site {site['variant']} {site['us']} µs (default {base['us']}); fastest _encode "
+                  f"alone {enc['variant']} {enc['encode_us']} µs (default {base['encode_us']}, "
+                  f"bound {base['encode_bound_us']})")
     return rows
 
 
