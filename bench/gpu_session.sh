@@ -9,6 +9,8 @@
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start;
 #              transcoders: SERVERS=stock,sae,transcoder ab-start, ARMS=stock,sae_delta_n16,transcoder_idle,transcoder_n16)
+#   topk       the full SAE kernels' launch variants (bench/sae_kernel_bench.py --topk-sweep: encoder tiles, K split,
+#              pipelining, W_enc layout, radix TopK search) at N 16, 1, 64, each beside W_enc's bound (~3 min on an H200)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
 #   proj       the projection kernel tests (interpreted and GPU), then project_n16 (16 requests each ablating one
 #              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj
@@ -90,6 +92,10 @@ case "${1:-}" in
     timeout -k 20 150 python3 bench/sae_kernel_bench.py --out "$OUT/sae_kernel.json" 2>&1 | tail -60
     timeout -k 20 300 "${KEPT[@]}" --tag sae --trials "${TRIALS:-4}" --long-arms "" --deadline-s 280 \
       --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
+    ;;
+  topk)
+    timeout -k 20 300 python3 bench/sae_kernel_bench.py --topk-sweep --out "$OUT/topk_sweep.json" 2>&1 \
+      | tee "$OUT/topk_sweep.log" | tail -90
     ;;
   cond)
     timeout -k 20 120 "${PT[@]}" tests/gpu/test_cond_norm_gpu.py 2>&1 | tail -6

@@ -5,7 +5,11 @@ every token its own row of 3; prefill-like from N 512, 16 prompts of N / 16 toke
 (the torch reference) by d_sae; full packs on the tensor-core path (``op.triton_path``: TopK k 64 delta with 16 clamp
 sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read, the tensor-core
 flops, the larger of the two bounds, and each launch's GPU time (torch.profiler).
-Usage: python3 bench/sae_kernel_bench.py [--out FILE.json] [--full-only]"""
+``--topk-sweep`` (alone): the full kernels' launch variants (``full_triton.Tuning``: the encoder's tiles, K split,
+pipelining, W_enc read along K; the TopK search by radix digits) on one TopK k 64 delta site (16 clamp sets, d_sae
+16384, D 4096) at N 1, 16, 64: each variant's edit checked against the default's, then the site's µs (CUDA graph),
+each launch's GPU µs (torch.profiler) and the bounds beside them (W_enc's read; the site's bytes).
+Usage: python3 bench/sae_kernel_bench.py [--out FILE.json] [--full-only | --topk-sweep [--sweep-n 16,1,64]]"""
 
 from __future__ import annotations
 
@@ -162,6 +166,105 @@ def _full_rows(dev, w) -> list[dict]:
     return rows
 
 
+# (name, Tuning keywords, W_enc read along K): the encoder's candidates for the N 16 bound (issue 39), then the TopK
+# search's; "default" is the engine's launch. N <= 64 share one tile (16 tokens x 64 features, 64-deep K tiles, 4 warps;
+# two K tiles a step under 528 programs: N 1 and 16, one at N 64)
+ENCODE_VARIANTS = [
+    ("default", {}, False),
+    ("hilo", dict(hilo=True), False),
+    ("hilo unroll 1", dict(hilo=True, unroll=1), False),
+    ("hilo stages 4", dict(hilo=True, stages=4), False),
+    ("hilo block_f 32", dict(hilo=True, block_f=32), False),
+    ("hilo split_k 2", dict(hilo=True, split_k=2), False),
+    ("prefetch", dict(prefetch=True, unroll=1), False),
+    ("split_k 2", dict(split_k=2), False),
+    ("split_k 4", dict(split_k=4), False),
+    ("split_k 4 atomic", dict(split_k=4, atomic=True), False),
+    ("split_k 2 block_f 32", dict(split_k=2, block_f=32), False),
+    ("block_f 32", dict(block_f=32), False),
+    ("unroll 1", dict(unroll=1), False),
+    ("unroll 4", dict(unroll=4), False),
+    ("block_k 128 unroll 1", dict(block_k=128, unroll=1), False),
+    ("stages 4", dict(stages=4), False),
+    ("stages 5 unroll 1", dict(stages=5, unroll=1), False),
+    ("tl.range stages 4", dict(loop_stages=4), False),
+    ("warps 2", dict(warps=2), False),
+    ("W_enc^T", {}, True),
+    ("W_enc^T block_k 128 unroll 1", dict(block_k=128, unroll=1), True),
+    ("W_enc^T block_f 32 block_k 128 unroll 1", dict(block_f=32, block_k=128, unroll=1), True),
+    ("W_enc^T hilo block_k 128 unroll 1", dict(hilo=True, block_k=128, unroll=1), True),
+]
+# radix 11 (2048 bins) spills 4.5 KB at d_sae 16384 (ptxas, sm_90): not swept
+SELECT_VARIANTS = [("radix 8", dict(radix=8), False), ("hilo split_k 2 radix 8", dict(hilo=True, split_k=2, radix=8),
+                                                       False)]
+
+
+def _hbm_bytes_per_us() -> float:
+    return 4.8e6 if "H200" in torch.cuda.get_device_name() else HBM_BYTES_PER_US
+
+
+def _sweep_rows(dev, ns: list[int]) -> list[dict]:
+    """Each variant per N: its edit against the default's (tokens off by more than rtol / atol 1e-3 of the edit's
+    scale: a TopK boundary flip of a clamped feature can move one), the site's µs from a CUDA graph, each launch's GPU
+    µs, and the bounds: W_enc's read (the encoder's), and the site's (W_enc + the clampable features' W_dec rows +
+    the stream, pre and edit: ``_full_bytes``). Rows print as they come (a timeout keeps what ran)."""
+    from vllm_steer.kernels.sae_clamp.full_triton import Tuning, site_edit
+
+    bw = _hbm_bytes_per_us()
+    pack = _full_pack(FULL_K, 1, dev)
+    pack_t = pack[:8] + [pack[8].T.contiguous().T] + pack[9:]
+    enc_bound = D * FULL_F * 2 / bw
+    print(f"device {torch.cuda.get_device_name()}, HBM {bw / 1e6:.2f} TB/s; W_enc's read {enc_bound:.1f} µs\n"
+          "| N | variant | check | site µs | _encode µs | _select µs | rest µs (launches) | encode bound µs "
+          "| site bound µs |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    rows = []
+    for n in ns:
+        g = torch.Generator(device="cpu").manual_seed(n)
+        x = torch.randn(n, D, generator=g).to(dev, torch.bfloat16)
+        res = torch.randn(n, D, generator=g).to(dev, torch.bfloat16)
+        index = torch.arange(n + 1, device=dev, dtype=torch.int32) % FULL_SETS + 1
+        want = site_edit(x, res, index, pack, FULL_K)
+        scale = float(want.abs().max())
+        for name, kw, wt in ENCODE_VARIANTS + SELECT_VARIANTS:
+            t, p = Tuning(**kw), pack_t if wt else pack
+
+            def call(t=t, p=p):
+                return site_edit(x, res, index, p, FULL_K, tuning=t)
+
+            try:
+                got = call()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile or launch is a result
+                print(f"| {n} | {name} | {type(e).__name__}: {str(e)[:120]} | | | | | | |", flush=True)
+                rows.append({"n": n, "variant": name, "error": f"{type(e).__name__}: {e}"[:500]})
+                continue
+            off = int((~torch.isclose(got, want, rtol=1e-3, atol=1e-3 * scale).all(-1)).sum())
+            us = _time(call, iters=100)
+            launches = _per_launch(call)
+            enc = sum(v for k, v in launches.items() if k.startswith("_encode"))
+            sel = sum(v for k, v in launches.items() if k.startswith("_select"))
+            rest = {k: v for k, v in launches.items() if not k.startswith(("_encode", "_select"))}
+            site_bound = _full_bytes(n, pack, n, False) / bw
+            row = {"n": n, "variant": name, "tokens_off": off, "us": round(us, 2), "encode_us": round(enc, 2),
+                   "select_us": round(sel, 2), "rest": rest, "encode_bound_us": round(enc_bound, 2),
+                   "site_bound_us": round(site_bound, 2)}
+            rows.append(row)
+            rest_s = " ".join(f"{k} {v}" for k, v in rest.items())
+            print(f"| {n} | {name} | {'ok' if off == 0 else f'{off} of {n} tokens off'} | {row['us']} "
+                  f"| {row['encode_us']} | {row['select_us']} | {round(sum(rest.values()), 2)} ({rest_s}) "
+                  f"| {row['encode_bound_us']} | {row['site_bound_us']} |", flush=True)
+    for n in ns:  # the pick: among variants whose edit matched the default's
+        ok = [r for r in rows if r["n"] == n and r.get("tokens_off") == 0]
+        base = next((r for r in ok if r["variant"] == "default"), None)
+        if ok and base:
+            site, enc = min(ok, key=lambda r: r["us"]), min(ok, key=lambda r: r["encode_us"])
+            # _encode alone: hilo's _hilo, atomic's memset and a split's sum (in _select) are in the site's time only
+            print(f"N {n}: fastest site {site['variant']} {site['us']} µs (default {base['us']}); fastest _encode "
+                  f"alone {enc['variant']} {enc['encode_us']} µs (default {base['encode_us']}, "
+                  f"bound {base['encode_bound_us']})")
+    return rows
+
+
 def _tile_sizes(n: int, x, res, w, index, pack) -> list[dict]:
     """The tiled clamps with tiles of 16, 32 and 64 tokens (``tiled_triton.tile_tokens`` overridden), and with the
     default tiles in IEEE float32 dots (FMA units) instead of ``PRECISION``'s."""
@@ -184,7 +287,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--full-only", action="store_true")
+    ap.add_argument("--topk-sweep", action="store_true")
+    ap.add_argument("--sweep-n", default="16,1,64")
     args = ap.parse_args()
+    if args.topk_sweep:
+        rows = _sweep_rows(torch.device("cuda"), [int(v) for v in args.sweep_n.split(",")])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "D": D, "d_sae": FULL_F, "k": FULL_K,
+                           "rows": rows}, f, indent=1)
+        return
     from vllm_steer.kernels.steered_rms_norm import triton as kernel
 
     kernel.TILED = True  # the tiled prefill clamps (VLLM_STEER_SAE_TILED: off by default until their GPU tests pass)

@@ -58,8 +58,9 @@ def _empty(hook: Any) -> bool:
 
 
 class CachedLauncher:
-    """``launcher(grid, args, constexprs, num_warps)``: ``args`` are the kernel's leading (runtime)
-    parameters in order, ``constexprs`` its trailing constexpr values in order."""
+    """``launcher(grid, args, constexprs, num_warps, num_stages=None)``: ``args`` are the kernel's leading (runtime)
+    parameters in order, ``constexprs`` its trailing constexpr values in order; ``num_stages`` None: Triton's
+    default."""
 
     direct = knobs is not None  # class-wide: one Triton per process
 
@@ -68,8 +69,9 @@ class CachedLauncher:
         self.names = fn.arg_names
         self.cache: dict[tuple, Any] = {}
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int) -> None:
-        key = (_key(args), constexprs, num_warps)
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
+                 num_stages: int | None = None) -> None:
+        key = (_key(args), constexprs, num_warps, num_stages)
         kernel = self.cache.get(key) if CachedLauncher.direct else None
         if kernel is not None:
             try:
@@ -80,7 +82,8 @@ class CachedLauncher:
                 self.cache.clear()
                 logger.warning("vllm-steer: direct Triton launches are off (%s: %s)", type(e).__name__, e)
         named = dict(zip(self.names[len(args):], constexprs))
-        kernel = self.fn[grid](*args, **named, num_warps=num_warps)
+        stages = {} if num_stages is None else {"num_stages": num_stages}
+        kernel = self.fn[grid](*args, **named, num_warps=num_warps, **stages)
         if CachedLauncher.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
             self.cache[key] = kernel.result() if hasattr(kernel, "result") else kernel
 

@@ -26,16 +26,16 @@ def _stream(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, D, generator=g) * 3, torch.randn(n, D, generator=g)
 
 
-def _moved(x, r, index, pack, topk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kernel's stream after the site, the reference's, which tokens are on)."""
-    from vllm_steer.kernels.sae_clamp.full_triton import site_edit
+def _moved(x, r, index, pack, topk, tuning=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kernel's stream after the site, the reference's, which tokens are on); ``tuning``: a launch variant."""
+    from vllm_steer.kernels.sae_clamp.full_triton import DEFAULT, site_edit
     from vllm_steer.kernels.sae_clamp.packed import apply_site_naive
 
     n = x.shape[0]
     s = x + r
     rows = index[:n].long()
     on = pack[0][rows] != 0
-    edit = site_edit(x, r, index, pack, topk)
+    edit = site_edit(x, r, index, pack, topk, tuning=tuning or DEFAULT)
     return (s + edit)[on], apply_site_naive(s, rows, pack, topk)[on], on
 
 
