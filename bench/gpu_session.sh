@@ -7,6 +7,7 @@
 #   checks     tests/gpu_e2e (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
+#              (GRAPH_NS: its request counts, default 4,16: n16 profiles per_request_n16 / project_n16 beside idle)
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start;
 #              transcoders: SERVERS=stock,sae,transcoder ab-start, ARMS=stock,sae_delta_n16,transcoder_idle,transcoder_n16)
 #   topk       the full SAE kernels' launch variants (bench/sae_kernel_bench.py --topk-sweep: encoder tiles, K split,

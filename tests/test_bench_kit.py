@@ -44,7 +44,7 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
         ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts[0], "dur": dur, "args": {"correlation": corr}})
 
     for corr, n, steer_names in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"]), (20, 5, ["vs_capture_rows"]),
-                                 (30, 7, [])):
+                                 (30, 7, ["_steered_norm_kernel"])):
         x("cudaGraphLaunch", "cuda_runtime", corr, 1.0)
         for i in range(n - len(steer_names)):
             x(f"gemm_{i}", "kernel", corr)
@@ -63,12 +63,35 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
     r = parse_trace(p)
     want = {"kernels": 19, "graph_launches": 3, "kernels_per_launch_hist": {"5": 2, "7": 1},
             "kernels_per_step": 5, "graph_kernels": 17, "eager_kernels": 2, "eager_kernel_us": 12.0,
-            "steer_kernels": 3, "steer_kernel_us": 18.0, "steer_kernels_in_graphs": 2, "steer_kernels_eager": 1,
-            "steer_kernels_per_step": 1, "kernel_us": 50.0, "graph_kernel_us": 38.0}
+            "steer_kernels": 4, "steer_kernel_us": 22.0, "steer_kernels_in_graphs": 3, "steer_kernels_eager": 1,
+            "steer_kernels_per_step": 1, "kernel_us": 52.0, "graph_kernel_us": 40.0,
+            # the forward (the 7-kernel launch): 6 kernels of 2 µs and our norm's 4
+            "forward_kernels": 7, "step_kernel_us_median": 16.0, "step_steer_us_median": 4.0}
     assert {k: r[k] for k in want} == want
     # no graph launches at all (eager server): every kernel is eager, no per-step count
     r2 = analyze_events([e for e in ev if not e["name"].startswith("cudaGraph")])
     assert (r2["graph_launches"], r2["kernels_per_step"], r2["eager_kernels"]) == (0, None, 19), r2
+    assert r2["step_steer_us_median"] is None
+
+
+def test_the_graph_phase_profiles_the_ab_arms_at_their_concurrency(ctx):
+    """The n16 rows send what the A/B's per_request_n16 / project_n16 send: 16 requests, each its own config (issue
+    38's gap at the A/B's batch); the n4 rows keep 4."""
+    from abkit import runner
+
+    rows = {label: (kind, n) for label, _s, kind, n in runner.GRAPH_PLAN}
+    assert rows["steer / per_request_n16"] == ("per_request", 16) and rows["steer_proj / project_n16"] == ("project", 16)
+    assert rows["steer_proj / project_n4"] == ("project", 4)
+    assert runner.GRAPH_NS == (4, 16)
+    for label, kind, n, field in (("steer_proj / project_n16", "project", 16, "steering_projections"),
+                                  ("steer / per_request_n16", "per_request", 16, "steering_vectors"),
+                                  ("steer_proj / project_n4", "project", 4, "steering_projections")):
+        bodies = [json.loads(b) for b in runner.graph_bodies(label, kind, n, ctx | {"prompt_len": 8}, 16, 2)]
+        assert len(bodies) == n and all(b["max_tokens"] == 16 for b in bodies)
+        assert len({json.dumps(b[field], sort_keys=True) for b in bodies}) == n
+    plain = [json.loads(b) for b in runner.graph_bodies("stock / unsteered n16", "plain", 16, ctx | {"prompt_len": 8},
+                                                        16, 1)]
+    assert len(plain) == 16 and not any("steering_vectors" in b or "steering_projections" in b for b in plain)
 
 
 def test_single_site_arms_send_what_each_plugin_reads(ctx):

@@ -16,7 +16,8 @@ METRICS = [("throughput", "tok/s"), ("ttft_median_ms", "ms"), ("ttft_p99_ms", "m
            ("tpot_p99_ms", "ms"), ("e2el_median_ms", "ms"), ("e2el_p99_ms", "ms")]
 GRAPH_COLUMNS = ("kernels", "kernel_us", "graph_launches", "kernels_per_launch_hist", "kernels_per_step",
                  "eager_kernels", "eager_kernel_us", "steer_kernels", "steer_kernels_in_graphs",
-                 "steer_kernels_per_step", "steer_kernel_us", "status_ops")
+                 "steer_kernels_per_step", "steer_kernel_us", "step_kernel_us_median", "step_steer_us_median",
+                 "status_ops")
 STAR = " **\\***"
 
 
@@ -189,10 +190,11 @@ def graph_table(phases: dict, lines: list[str]) -> None:
                      "name contains steer / apply_steering / capture_rows)\n")
         table(lines, "server / requests | kernels | all kernels GPU µs | cudaGraphLaunch calls | kernels per launch "
                      "(value×launches) | kernels per step (mode) | eager kernels | eager GPU µs | steer kernels "
-                     "| steer kernels in graphs | steer kernels per step | steer GPU µs | /v1/steering ops")
+                     "| steer kernels in graphs | steer kernels per step | steer GPU µs | forward GPU µs per step (median) "
+                     "| steer GPU µs per step (median) | /v1/steering ops")
         for label, e in phases[ph].items():
             if "error" in e:
-                lines.append(f"| {label} | error: {fmt_cell(e['error'][:100])} |" + " |" * 11)
+                lines.append(f"| {label} | error: {fmt_cell(e['error'][:100])} |" + " |" * (len(GRAPH_COLUMNS) - 1))
                 continue
             cells = [_hist(e.get(k)) if k.endswith("_hist") else fmt_cell(e.get(k)) for k in GRAPH_COLUMNS]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")

@@ -19,14 +19,22 @@ from pathlib import Path
 from .arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
 from .servers import CAPTURE_FS_DIR, CAPTURE_FS_NOSYNC_DIR, EXTRACT_DIR, T0, log, server_unavailable
 
-GRAPH_PLAN = [  # (label, server, kind of traffic)
-    ("stock / unsteered", "stock", "plain"), ("disabled / unsteered", "disabled", "plain"),
-    ("steer / unsteered (enabled_idle)", "steer", "plain"), ("steer / per_request_n4", "steer", "per_request"),
-    ("sae / unsteered (sae_idle)", "sae", "plain"), ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain"),
-    ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain"), ("steer_cond / cond_n4", "steer_cond", "cond"),
-    ("steer_proj / unsteered (project_idle)", "steer_proj", "plain"), ("steer_proj / project_n4", "steer_proj", "project"),
-    ("steer_capture / unsteered (capture_idle)", "steer_capture", "plain"),
-    ("steer_capture / capturing (capture_gen)", "steer_capture", "capture")]
+GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config for a steered kind)
+    ("stock / unsteered", "stock", "plain", 4), ("disabled / unsteered", "disabled", "plain", 4),
+    ("steer / unsteered (enabled_idle)", "steer", "plain", 4), ("steer / per_request_n4", "steer", "per_request", 4),
+    ("sae / unsteered (sae_idle)", "sae", "plain", 4), ("sae_full / unsteered (sae_full_idle)", "sae_full", "plain", 4),
+    ("steer_cond / unsteered (cond_idle)", "steer_cond", "plain", 4), ("steer_cond / cond_n4", "steer_cond", "cond", 4),
+    ("steer_proj / unsteered (project_idle)", "steer_proj", "plain", 4),
+    ("steer_proj / project_n4", "steer_proj", "project", 4),
+    ("steer_capture / unsteered (capture_idle)", "steer_capture", "plain", 4),
+    ("steer_capture / capturing (capture_gen)", "steer_capture", "capture", 4),
+    # the A/B's concurrency (issue 38: project_n16 vs per_request_n16), each beside its idle server at the same batch
+    ("stock / unsteered n16", "stock", "plain", 16), ("steer / unsteered n16 (enabled_idle)", "steer", "plain", 16),
+    ("steer / per_request_n16", "steer", "per_request", 16),
+    ("steer_proj / unsteered n16 (project_idle)", "steer_proj", "plain", 16),
+    ("steer_proj / project_n16", "steer_proj", "project", 16)]
+# the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
+GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
 
 
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, object]:
@@ -312,22 +320,27 @@ def run_matrix(pool, phase: str, runs: list[tuple[str, str, dict]], trials: int,
             save()
 
 
+def graph_bodies(label: str, kind: str, n: int, ctx: dict, max_tokens: int, k: int) -> list[bytes]:
+    """The ``k``-th load of a graph row (1: the warm-up, 2: the profiled one): ``n`` requests, a steered kind's each
+    with its own config (``n_configs`` = n: per_request_n16 / project_n16 as the A/B arms send them)."""
+    p, v = (("graph", label), ("graph", label, "v")) if k == 1 else (("graph", label, k), ("graph", label, f"v{k}"))
+    return build_bodies(make_prompts(n, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of(*p)),
+                        arm_fields({"kind": kind, "n_configs": n}, n, seed_of(*v), ctx), max_tokens)
+
+
 def graph_phase(pool, ctx: dict, results: dict, save) -> None:
     from tests.gpu_e2e.trace_kernels import newest_trace, parse_trace
 
     res = results.setdefault("graph", {})
-    n, mt = int(os.environ.get("GRAPH_REQUESTS", "4")), 16
-    for label, sname, kind in [p for p in GRAPH_PLAN if p[1] in ctx["graph_servers"]]:
+    mt = 16
+    for label, sname, kind, n in [p for p in GRAPH_PLAN if p[1] in ctx["graph_servers"] and p[3] in GRAPH_NS]:
         if why := server_unavailable(sname, ctx["args"]):
             log(f"[graph] skipping {label}: {why}")
             continue
         try:
             server = pool.get(sname)
             before = set(server.prof_dir.rglob("*.json*"))
-            warm, profiled = (build_bodies(make_prompts(n, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of(*p)),
-                                           arm_fields({"kind": kind, "n_configs": 4}, n, seed_of(*v), ctx), mt)
-                              for p, v in ((("graph", label), ("graph", label, "v")),
-                                           (("graph", label, 2), ("graph", label, "v2"))))
+            warm, profiled = (graph_bodies(label, kind, n, ctx, mt, k) for k in (1, 2))
             run_load(server, warm, n)  # rows resident, nothing new compiled in the window
             st, _ = http_json("POST", server.base + "/start_profile", timeout=120)
             if st != 200:

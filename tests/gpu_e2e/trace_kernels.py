@@ -59,6 +59,7 @@ def analyze_events(events: list) -> dict:
     biggest = max(per_launch, default=None)
     modal = [by_corr.get(_corr(e), []) for e, n in zip(launches, per_launch) if n == biggest]
     step_us = sorted(sum(float(k.get("dur", 0)) for k in ks) for ks in modal)
+    steer_step_us = sorted(sum(float(k.get("dur", 0)) for k in ks if is_steer_kernel(k.get("name", ""))) for ks in modal)
     per_name: dict[str, float] = {}
     for ks in modal:
         for k in ks:
@@ -86,6 +87,8 @@ def analyze_events(events: list) -> dict:
         "step_kernel_us_median": round(step_us[len(step_us) // 2], 1) if step_us else None,
         "step_kernel_us_mean": round(sum(step_us) / len(step_us), 1) if step_us else None,
         "step_launches": len(step_us),
+        # our kernels' GPU time in one forward (the same launches): the norms' own cost per decode step
+        "step_steer_us_median": round(steer_step_us[len(steer_step_us) // 2], 1) if steer_step_us else None,
         "step_top_kernels_us": sorted(((round(v, 2), k) for k, v in per_name.items()), reverse=True)[:20],
         "graph_kernels": len(in_graph),
         "graph_kernel_us": _us(in_graph),
