@@ -68,6 +68,16 @@ def _add_row(b_s, vec, i_row, o_d, m_d, w):
 
 
 @triton.jit
+def _row_of(vec, i_row, o_d, m_d):
+    """(on, table[i_row] as float32): ``on`` when the table is active and the token steered; the row is loaded
+    masked by ``on`` (zeros otherwise), with no branch, so the load is in flight beside every other."""
+    p_table, p_flag, stride_t = vec
+    on = (tl.load(p_flag) != 0) & (i_row != 0)
+    b_t = tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d & on, other=0.0).to(tl.float32)
+    return on, b_t
+
+
+@triton.jit
 def _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d):
     """The gate of row ``i_row``'s condition from the stream b_s: sigmoid(sharpness * (s . probe -
     threshold)), or the step s . probe > threshold for a hard condition (naive.probe_gate)."""
@@ -87,9 +97,7 @@ def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_pr
     whose condition gates its vectors, 1 for any other (then the plain add, bit for bit). Branch-free but
     for the probe: the table row is loaded as soon as the row is known, in parallel with the row's probe
     site, so the add waits on no more loads than the plain kernel's."""
-    p_table, p_flag, stride_t = vec
-    on = (tl.load(p_flag) != 0) & (i_row != 0)
-    b_t = tl.load(p_table + i_row.to(tl.int64) * stride_t + o_d, mask=m_d & on, other=0.0).to(tl.float32)
+    on, b_t = _row_of(vec, i_row, o_d, m_d)
     if (i_gsite & _SITE_MASK) == i_site:
         g = _probe_gate(b_s, i_row, p_probe, p_cparams, stride_probe, o_d, m_d)
         tl.store(p_gate_t, g)
@@ -99,13 +107,12 @@ def _add_gated_row(b_s, vec, i_row, o_d, m_d, g, i_gsite, i_site, p_gate_t, p_pr
 
 
 @triton.jit
-def _project(b_s, i_row, proj, o_d, m_d):
-    """b_s after row ``i_row``'s directional projections, one after another (naive.project_naive):
-    ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v``. ``proj``: (count [R] int32, dirs [R, K, D] fp32,
-    bounds [R, K, 2] fp32, K, dirs' row stride, dirs' direction stride). The count, the first direction and
-    its bounds are loaded together (none waits on the count), and not at all for row 0 (unsteered tokens) nor at
-    a site marked idle (``count[0] < 0``: no live row projects here, ``runtime/projection_tables.py``; the mark is
-    loaded with the token's row, so the loads wait on nothing more than before)."""
+def _proj_first(i_row, proj, o_d, m_d):
+    """(n, v, lo, hi) of row ``i_row`` at a slot: its live count, first direction (float32) and bounds, loaded
+    together (none waits on the count), and not at all for row 0 (unsteered tokens) nor at a site marked idle
+    (``count[0] < 0``: no live row projects here, ``runtime/projection_tables.py``; the mark is loaded with the
+    token's row, so the loads wait on nothing more than before): then n = 0. ``proj``: (count [R] int32,
+    dirs [R, K, D] (float32, or the model's dtype), bounds [R, K, 2] fp32, K, dirs' row stride, direction stride)."""
     p_count, p_dirs, p_bounds, K, stride_row, stride_k = proj
     i_r = i_row.to(tl.int64)
     live = (i_row != 0) & (tl.load(p_count) >= 0)
@@ -113,6 +120,16 @@ def _project(b_s, i_row, proj, o_d, m_d):
     b_v = tl.load(p_dirs + i_r * stride_row + o_d, mask=m_d & live, other=0.0).to(tl.float32)
     lo = tl.load(p_bounds + i_r * K * 2, mask=live, other=0.0)
     hi = tl.load(p_bounds + i_r * K * 2 + 1, mask=live, other=0.0)
+    return n, b_v, lo, hi
+
+
+@triton.jit
+def _project_from(b_s, i_row, proj, o_d, m_d, first):
+    """b_s after row ``i_row``'s directional projections, one after another (naive.project_naive):
+    ``p = s . v``, ``s += (clamp(p, lo, hi) - p) * v``, the first direction's loads given (``_proj_first``)."""
+    n, b_v, lo, hi = first
+    p_count, p_dirs, p_bounds, K, stride_row, stride_k = proj
+    i_r = i_row.to(tl.int64)
     if n > 0:
         p = tl.sum(b_s * b_v, axis=0)
         b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
@@ -123,6 +140,35 @@ def _project(b_s, i_row, proj, o_d, m_d):
             hi = tl.load(p_bounds + (i_r * K + k) * 2 + 1)
             b_s += (tl.minimum(tl.maximum(p, lo), hi) - p) * b_v
     return b_s
+
+
+@triton.jit
+def _project(b_s, i_row, proj, o_d, m_d):
+    """b_s after row ``i_row``'s directional projections (``_proj_first``'s loads, then ``_project_from``)."""
+    return _project_from(b_s, i_row, proj, o_d, m_d, _proj_first(i_row, proj, o_d, m_d))
+
+
+@triton.jit
+def _sum6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5
+
+
+@triton.jit
+def _project_analytic(b_s0, b_v, lo, hi, b_u):
+    """(s', |s'|^2) for s' = s0 + (clamp(p, lo, hi) - p) v + u, p = s0 . v: one direction, then the vectors ``u``
+    added after it, with the sum of squares the norm needs derived from one reduction (six dot products at once,
+    none waiting on another) instead of a second pass over s':
+    |s'|^2 = |s0|^2 + 2 d p + d^2 |v|^2 + 2 s0.u + 2 d v.u + |u|^2, d = clamp(p) - p. Where the terms cancel
+    (|s'|^2 under 1/16 of the terms' size: a stream nearly along an ablated v, or a vector undoing the stream) the
+    float32 rounding of the terms would dominate: there the sum is taken over s' itself (README, "Projections")."""
+    p, ss0, su, vv, vu, uu = tl.reduce((b_s0 * b_v, b_s0 * b_s0, b_s0 * b_u, b_v * b_v, b_v * b_u, b_u * b_u), 0,
+                                       _sum6)
+    d = tl.minimum(tl.maximum(p, lo), hi) - p
+    b_s = b_s0 + d * b_v + b_u
+    ss = ss0 + 2.0 * d * p + d * d * vv + 2.0 * su + 2.0 * d * vu + uu
+    if ss * 16.0 < ss0 + d * d * vv + uu:
+        ss = tl.sum(b_s * b_s, axis=0)
+    return b_s, ss
 
 
 @triton.jit
@@ -256,7 +302,13 @@ def _add_edit(b_s, i_t, i_row, full, o_d, m_d, w):
 def _normalized(b_s, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
     """vLLM's RMSNorm of the float32 stream ``b_s`` (``naive._normalize``), before the cast to the output's dtype:
     also ``full_triton``'s gather of a full transcoder's input, so both compute it alike."""
-    b_var = tl.sum(b_s * b_s, axis=0) / D
+    return _normalized_ss(b_s, tl.sum(b_s * b_s, axis=0), b_w, eps, weight_offset, D, OFFSET_WEIGHT)
+
+
+@triton.jit
+def _normalized_ss(b_s, ss, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
+    """``_normalized`` with the stream's sum of squares ``ss`` given (``_project_analytic``'s)."""
+    b_var = ss / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
     if OFFSET_WEIGHT:
         b_o = b_n * (b_w.to(tl.float32) + weight_offset)
@@ -314,6 +366,8 @@ def _steered_norm_kernel(
     FULL_A: tl.constexpr = False,  # slot A's SAE is a full pack: its edit is added where its clamps would be
     FULL_B: tl.constexpr = False,
     FULL_TC: tl.constexpr = False,  # a full transcoder pack's edit, added to the residual after the norm
+    EARLY: tl.constexpr = False,  # plain sites (no SAE, condition): every slot's loads before the first branch
+    ANALYTIC: tl.constexpr = False,  # EARLY, and a token's one direction + later adds take _project_analytic
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -365,6 +419,60 @@ def _steered_norm_kernel(
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
+    elif (EARLY or ANALYTIC) and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or COND) and (
+            HAS_A or HAS_B or CAP_B or PROJ_A or PROJ_B):
+        # the variants (VLLM_STEER_NORM_EARLY / VLLM_STEER_PROJ_ANALYTIC): both slots' vector rows, counts, first
+        # directions and bounds issued at once, before any branch (the plain path below waits on slot A's
+        # projection branch before it asks for A's row, on A's flag before B's mark...)
+        i_row = tl.load(p_index + i_t)
+        b_ta = tl.zeros_like(b_s)
+        b_tb = tl.zeros_like(b_s)
+        if HAS_A:
+            on_a, b_ta = _row_of(vec_a, i_row, o_d, m_d)
+        if HAS_B:
+            on_b, b_tb = _row_of(vec_b, i_row, o_d, m_d)
+        if PROJ_A:
+            first_a = _proj_first(i_row, proj_a, o_d, m_d)
+        if PROJ_B:
+            first_b = _proj_first(i_row, proj_b, o_d, m_d)
+        if ANALYTIC and (PROJ_A or PROJ_B) and not CAP_B:
+            if PROJ_A and PROJ_B:
+                one = first_a[0] + first_b[0] == 1
+            elif PROJ_A:
+                one = first_a[0] == 1
+            else:
+                one = first_b[0] == 1
+            if one:  # one direction in all (slot A's: then A's and B's rows; or slot B's: then B's row)
+                if PROJ_A and PROJ_B:
+                    at_a = first_a[0] > 0
+                    b_s, ss = _project_analytic(tl.where(at_a, b_s, b_s + b_ta), tl.where(at_a, first_a[1], first_b[1]),
+                                                tl.where(at_a, first_a[2], first_b[2]),
+                                                tl.where(at_a, first_a[3], first_b[3]), tl.where(at_a, b_ta + b_tb, b_tb))
+                elif PROJ_A:
+                    b_s, ss = _project_analytic(b_s, first_a[1], first_a[2], first_a[3], b_ta + b_tb)
+                else:
+                    b_s, ss = _project_analytic(b_s + b_ta, first_b[1], first_b[2], first_b[3], b_tb)
+            else:  # none (row 0, an idle site) or several: one after another, as the plain path
+                if PROJ_A:
+                    b_s = _project_from(b_s, i_row, proj_a, o_d, m_d, first_a)
+                if HAS_A:
+                    b_s = tl.where(on_a, b_s + b_ta, b_s)
+                if PROJ_B:
+                    b_s = _project_from(b_s, i_row, proj_b, o_d, m_d, first_b)
+                if HAS_B:
+                    b_s = tl.where(on_b, b_s + b_tb, b_s)
+                ss = tl.sum(b_s * b_s, axis=0)
+        else:
+            if PROJ_A:
+                b_s = _project_from(b_s, i_row, proj_a, o_d, m_d, first_a)
+            if HAS_A:
+                b_s = tl.where(on_a, b_s + b_ta, b_s)
+            if CAP_B:
+                _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
+            if PROJ_B:
+                b_s = _project_from(b_s, i_row, proj_b, o_d, m_d, first_b)
+            if HAS_B:
+                b_s = tl.where(on_b, b_s + b_tb, b_s)
     elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC or FULL_A or FULL_B or FULL_TC:
         i_row = tl.load(p_index + i_t)
         # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
@@ -404,7 +512,10 @@ def _steered_norm_kernel(
     m_w = m_d & go
     if not (TC or FULL_TC):
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
-    b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
+    if ANALYTIC and (PROJ_A or PROJ_B) and not (CAP_B or SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or COND):
+        b_o = _normalized_ss(b_s, ss, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
+    else:
+        b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
     if TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
         tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_d & (tl.program_id(1) == 0))
     else:
@@ -497,6 +608,14 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
     return bufs
 
 
+# Variants of the plain sites' path for issue 38 (projections' cost), each read once at import, off until a GPU
+# bench (bench/kernels_bench.py's *_early / *_analytic rows) says otherwise; the launcher's ``early`` / ``analytic``
+# arguments override them per call. VLLM_STEER_NORM_EARLY=1: at sites without SAE or conditions, every vector row,
+# projection count, first direction and bounds of both slots is loaded before the first branch. VLLM_STEER_PROJ_ANALYTIC=1
+# (implies it): a token with one direction in all at the site takes _project_analytic (one reduction for the
+# projection and the norm's sum of squares).
+EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "0") == "1"
+ANALYTIC = os.environ.get("VLLM_STEER_PROJ_ANALYTIC", "0") == "1"
 _KERNEL = CachedLauncher(_steered_norm_kernel)
 
 
@@ -524,6 +643,8 @@ def steered_norm_triton(
     full_a: Sequence[torch.Tensor] = (),  # a full SAE pack's move at slot A: (edit [N, D] fp32, mode [R] int32), ()
     full_b: Sequence[torch.Tensor] = (),
     full_tc: Sequence[torch.Tensor] = (),  # a full transcoder pack's edit: (edit [N, D] fp32, mode [R] int32), ()
+    early: bool | None = None,  # the EARLY variant (None: VLLM_STEER_NORM_EARLY)
+    analytic: bool | None = None,  # the ANALYTIC variant (None: VLLM_STEER_PROJ_ANALYTIC)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -571,6 +692,7 @@ def steered_norm_triton(
             residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
             va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc)
     flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
-             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb), bool(ftc))
+             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb), bool(ftc),
+             EARLY if early is None else early, ANALYTIC if analytic is None else analytic)
     _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

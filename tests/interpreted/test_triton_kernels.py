@@ -11,7 +11,8 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED, steered_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import (PROJ_GATED, SAE_GATED, VECTORS_UNGATED, _normalize,
+                                                       steered_norm_naive)
 from tests.sae_packs import IDLE_ROWS, clamp_pack, full_pack, token_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -695,3 +696,122 @@ def test_full_transcoder_matches_reference(interpreted, monkeypatch, variant):
     err = (got[1].float() - (without[1].float() + delta)).abs()
     ulps = 2.0 ** -7 * (got[1].float().abs() + without[1].float().abs()) if dtype != torch.float32 else 0.0
     assert bool((err <= ulps + _FULL_TOL["atol"]).all()), float((err - ulps).max())
+
+
+def _one_direction_tables(d: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple[tuple, tuple]:
+    """Slot A's and slot B's projections with K = 1 (a ``max_projections`` 1 server's input norm): row 0 none, row 1
+    ablates at A, row 2 at B, row 3 at both, row 4 caps at A into [-0.5, 0.5], row 5 none (a stale direction, count
+    0); directions stored in ``dtype`` (float32, or the model's: ``runtime.projection_tables.DIRS_DTYPE``)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for at in ((1, 3, 4), (2, 3)):
+        dirs = torch.randn(6, 1, d, generator=g)
+        dirs = (dirs / dirs.norm(dim=-1, keepdim=True)).to(dtype)
+        count = torch.tensor([1 if r in at else 0 for r in range(6)], dtype=torch.int32)
+        count[0] = 0
+        bounds = torch.zeros(6, 1, 2)
+        bounds[4, 0] = torch.tensor([-0.5, 0.5])
+        out.append((count, dirs, bounds))
+    return out[0], out[1]
+
+
+_VARIANTS = {"early": dict(early=True), "analytic": dict(analytic=True)}
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("slots", ["ab", "a", "b"])
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_triton_projection_variants_match_reference(interpreted, variant, slots, dtype_name):
+    """The issue-38 variants (``EARLY``: every slot's loads before the first branch; ``ANALYTIC``: one direction and
+    the adds after it in one reduction, the norm's sum of squares derived) give the reference's outputs for tokens
+    projecting at A, at B, at both (the sequential path), capped, of row 0 and of a stale row, with directions in
+    float32 and in bf16; row 0's tokens and a site marked idle are the kernel without projections, bit for bit; and
+    a token's stream after an ablation at its last slot has no component along the direction."""
+    kernel, _ = interpreted
+    dtype = DTYPES[dtype_name]
+    n, d = 14, 80
+    x, r, (ta, tb), _ = _case(n, d, dtype, seed=120)
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(121)) * 0.5 + 1.0).to(dtype)
+    index = (torch.arange(n + 5) % 6).to(torch.int32)
+    pa, pb = _one_direction_tables(d, seed=122)
+    proj = {"proj_a": pa} if slots == "a" else {"proj_b": pb} if slots == "b" else {"proj_a": pa, "proj_b": pb}
+    vec = ((ta, _on()), (tb, _on()))
+    opt = _VARIANTS[variant]
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, **opt)
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **proj)
+    tol = _SAE_TOL[dtype] if dtype == torch.float32 else _TOL[dtype]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec)
+    rows = index[:n]
+    for a, b in zip(got, plain):
+        assert torch.equal(a[rows == 0], b[rows == 0]) and torch.equal(a[rows == 5], b[rows == 5])
+    idle = {k: (torch.cat([torch.tensor([-1], dtype=torch.int32), c[1:]]), *rest) for k, (c, *rest) in proj.items()}
+    assert all(torch.equal(a, b) for a, b in
+               zip(kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **idle, **opt), plain))
+    # bf16 directions (variant b): the same kernel reads them, the reference upcasts them alike
+    pa16, pb16 = _one_direction_tables(d, seed=122, dtype=torch.bfloat16)
+    proj16 = {k: {"proj_a": pa16, "proj_b": pb16}[k] for k in proj}
+    got16 = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj16, **opt)
+    want16 = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **proj16)
+    for a, b in zip(got16, want16):
+        torch.testing.assert_close(a, b, **tol)
+    if slots == "b" and dtype == torch.float32:  # only B, no vector after it: nothing left along B's direction
+        zb = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_b=(torch.zeros_like(tb), _on()), proj_b=pb,
+                                        **opt)[1]
+        along = zb[rows == 2] @ pb[1][2, 0]
+        torch.testing.assert_close(along, torch.zeros_like(along), rtol=0, atol=1e-5)
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["along", "undone"])
+def test_triton_analytic_projection_survives_cancellation(interpreted, case, dtype_name):
+    """The analytic sum of squares where its terms cancel: a stream almost along the ablated direction (what is left
+    is 1e-8 of |s|^2), or a vector added after the ablation that takes back almost all of the stream. There the
+    derived sum alone is float32 rounding noise (checked here: off by far more than the tolerance, or negative), so
+    the kernel sums the stream itself: the output is the RMSNorm of the residual it wrote, and the residual the
+    reference's, in float32 and bf16. (The output itself is ill-conditioned there: the plain kernel's differs from
+    the reference's by ~1e-3 in float32, so it is compared through the residual.)"""
+    kernel, _ = interpreted
+    dtype = DTYPES[dtype_name]
+    n, d = 6, 80
+    g = torch.Generator().manual_seed(130)
+    v = torch.randn(d, generator=g)
+    v = v / v.norm()
+    s = 100.0 * v + torch.randn(n, d, generator=g) * 1e-3  # |s|^2 = 1e4, left after the ablation ~1e-4
+    x = (s * 0.5).to(dtype)
+    r = (s - x.float()).to(dtype)
+    index = torch.tensor([1] * n + [0] * 5, dtype=torch.int32)
+    dirs = torch.stack([torch.zeros(d), v])[:, None]
+    table = torch.zeros(2, d, dtype=dtype)
+    if case == "undone":  # ablated along a random direction, then a vector takes back all but 1e-2 of each entry
+        u = torch.randn(d, generator=torch.Generator().manual_seed(131))
+        dirs = torch.stack([torch.zeros(d), u / u.norm()])[:, None]
+        sx = (x.float() + r.float())[0]
+        table[1] = (-(sx - (sx @ dirs[1, 0]) * dirs[1, 0]) + torch.randn(d, generator=g) * 1e-2).to(dtype)
+    proj = (torch.tensor([0, 1], dtype=torch.int32), dirs, torch.zeros(2, 1, 2))
+    vec = {"vec_a": (table, _on())}
+    w = torch.ones(d, dtype=dtype)
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, proj_a=proj, analytic=True)
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **vec, proj_a=proj)
+    assert torch.isfinite(got[0]).all()
+    own = _normalize(got[1].float() if dtype == torch.float32 else _stream(x, r, table, proj, n), w, 1e-5, 0.0, dtype)
+    torch.testing.assert_close(got[0], own, **(_SAE_TOL[dtype] if dtype == torch.float32 else _TOL[dtype]))
+    torch.testing.assert_close(got[1], want[1], **(dict(rtol=1e-4, atol=5e-5) if dtype == torch.float32
+                                                   else _TOL[dtype]))
+    # the derived sum alone, as the kernel forms it (float32): useless here, which is why the kernel falls back
+    s0 = (x.float() + r.float())[:n]
+    vv, p = dirs[1, 0], s0 @ dirs[1, 0]
+    ua = table[1].float()
+    derived = (s0 * s0).sum(-1) - 2 * p * p + p * p * (vv @ vv) + 2 * (s0 @ ua) - 2 * p * (vv @ ua) + ua @ ua
+    true = ((s0 - p[:, None] * vv + ua) ** 2).sum(-1)
+    assert ((derived - true).abs() > 0.05 * true).any()
+
+
+def _stream(x, r, table, proj, n):
+    """The float32 stream after the ablation and the add (the bf16 case's residual is rounded when stored)."""
+    s0 = (x.float() + r.float())[:n]
+    v = proj[1][1, 0]
+    return s0 - (s0 @ v)[:, None] * v + table[1].float()
