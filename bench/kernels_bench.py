@@ -12,6 +12,13 @@ every slot, no projection tables: per_request_n16), ``step_proj_idle`` (projecti
 project_idle), ``step_proj_live`` (each row ablating its direction at every post_mlp site, the other sites marked
 idle: project_n16) and ``step_proj_unmarked`` (the same with no site marked idle, every slot reading its token's
 direction: project_n16 before the idle marks).
+Issue 38's variants, each beside its default row (its error against the reference checked first): ``*_early``
+(``kernels/steered_rms_norm/triton.py`` EARLY: every slot's scalar and row loads before the first branch),
+``*_analytic`` (ANALYTIC: one direction and the adds after it in one reduction, the norm's sum of squares derived)
+and ``*_bf16`` (``runtime.projection_tables`` DIRS "model": bf16 directions), per launch (steered_idle_early,
+steered_all_early, proj_row0_early, proj_all_early, proj_all_analytic, proj_all_bf16, proj_all_bf16_analytic) and per
+step (step_steered_early, step_proj_idle_early / _analytic, step_proj_live_early / _analytic / _bf16 /
+_bf16_analytic).
     python3 bench/kernels_bench.py --out $OUT/kernels.json
 """
 
@@ -88,6 +95,7 @@ def main() -> int:
             err_vllm = max(float((p.float() - c.float()).abs().max()) for p, c in zip(plain, (cx, cr)))
             xs, rs = x.clone(), r.clone()
             idx_l = steered[:n].long()
+            variant_err: dict[str, float] = {}
             cases = {
                 "vllm_c": lambda: torch.ops._C.fused_add_rms_norm(xs, rs, w, EPS),
                 "inductor_native": lambda: native(x, r, w, EPS),
@@ -116,6 +124,23 @@ def main() -> int:
             proj = (count, dirs, bounds)
             cases["proj_row0"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, on), (tb, on), proj_a=proj)
             cases["proj_all"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, steered, (ta, on), (tb, on), proj_a=proj)
+            # issue 38's variants (kernels/steered_rms_norm/triton.py EARLY / ANALYTIC, runtime.projection_tables DIRS):
+            # each beside its default row above, its error against the reference checked first
+            proj16 = (count, dirs.to(torch.bfloat16), bounds)
+            for label, kw in (("steered_idle_early", dict(index=zero, flag=off, early=True)),
+                              ("steered_all_early", dict(index=steered, flag=on, early=True)),
+                              ("proj_row0_early", dict(index=zero, flag=on, proj_a=proj, early=True)),
+                              ("proj_all_early", dict(index=steered, flag=on, proj_a=proj, early=True)),
+                              ("proj_all_analytic", dict(index=steered, flag=on, proj_a=proj, analytic=True)),
+                              ("proj_all_bf16", dict(index=steered, flag=on, proj_a=proj16)),
+                              ("proj_all_bf16_analytic", dict(index=steered, flag=on, proj_a=proj16, analytic=True))):
+                kw = dict(kw)
+                idx, flag = kw.pop("index"), kw.pop("flag")
+                cases[label] = (lambda idx=idx, flag=flag, kw=kw: steered_norm_triton(
+                    x, r, w, EPS, 0.0, idx, (ta, flag), (tb, flag), **kw))
+                ref = {k: v for k, v in kw.items() if k.startswith("proj")}
+                variant_err[label] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(
+                    cases[label](), steered_norm_naive(x, r, w, EPS, 0.0, idx, (ta, flag), (tb, flag), **ref)))
             none = torch.full((max(n, 8192),), -1, dtype=torch.int32, device="cuda")
             every = torch.arange(max(n, 8192), dtype=torch.int32, device="cuda")
             pool = torch.empty(2 * max(n, 8192), d, dtype=torch.bfloat16, device="cuda")
@@ -129,7 +154,7 @@ def main() -> int:
                 us = timed(fn)
                 rec = {"N": n, "D": d, "impl": impl, "us": round(us, 3),
                        "GBps": round(4 * n * d * 2 / (us * 1e-6) / 1e9, 1),
-                       "max_abs_err_vs_ref": err, "max_abs_err_unsteered_vs_vllm_c": err_vllm}
+                       "max_abs_err_vs_ref": variant_err.get(impl, err), "max_abs_err_unsteered_vs_vllm_c": err_vllm}
                 rows.append(rec)
                 print(f"N={n:5d} D={d:5d} {impl:24s} {us:8.2f} us  {rec['GBps']:8.1f} GB/s", flush=True)
     for n in [int(v) for v in args.step_ns.split(",") if v]:
@@ -168,21 +193,23 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
     tables = {s: (torch.randn(R, d, device=dev, generator=g) * 0.05).to(torch.bfloat16) for s in sites}
     on, off = (torch.full((1,), v, dtype=torch.uint8, device=dev) for v in (1, 0))
     proj = ProjectionTables(sites, R, 1, d, dev)
+    proj16 = ProjectionTables(sites, R, 1, d, dev, torch.bfloat16)  # the DIRS=model variant's tables
     rng = np.random.default_rng(n)
     for row in range(1, n + 1):
         v = rng.standard_normal(d).astype(np.float32)
         v = (v / np.linalg.norm(v)).astype(np.float32)
-        proj.write_row(row, [("post_mlp", l, v.tobytes(), np.zeros(2, np.float32).tobytes()) for l in range(layers)])
+        for t in (proj, proj16):
+            t.write_row(row, [("post_mlp", l, v.tobytes(), np.zeros(2, np.float32).tobytes()) for l in range(layers)])
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device=dev)
 
-    def step(flag, with_proj: bool):
+    def step(flag, with_proj: bool, tabs=proj, **variant):
         def run():
             flush.zero_()
             for a, b in norms:
                 vec_b = (tables[b], flag) if b is not None else ()
-                pa = proj.descs[a] if with_proj else ()
-                pb = proj.descs[b] if with_proj and b is not None else ()
-                steered_norm_triton(x, r, w, EPS, 0.0, index, (tables[a], flag), vec_b, proj_a=pa, proj_b=pb)
+                pa = tabs.descs[a] if with_proj else ()
+                pb = tabs.descs[b] if with_proj and b is not None else ()
+                steered_norm_triton(x, r, w, EPS, 0.0, index, (tables[a], flag), vec_b, proj_a=pa, proj_b=pb, **variant)
         return run
 
     def timed(fn) -> float:
@@ -201,21 +228,37 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
               f"each)", flush=True)
 
     record("step_steered", step(on, False))
+    record("step_steered_early", step(on, False, early=True))
     record("step_proj_idle", step(off, True))  # no row live: every site marked idle
+    record("step_proj_idle_early", step(off, True, early=True))
+    record("step_proj_idle_analytic", step(off, True, analytic=True))
     for row in range(1, n + 1):
         proj.set_live(row, True)
+        proj16.set_live(row, True)
     torch.cuda.synchronize()
     a, b = norms[1]  # a check: post_mlp 0 (projected) + pre_attn 1 (idle) at one input norm, as the reference
-    got = steered_norm_triton(x, r, w, EPS, 0.0, index, (tables[a], off), (tables[b], off), proj_a=proj.descs[a],
-                              proj_b=proj.descs[b])
-    want = steered_norm_naive(x, r, w, EPS, 0.0, index, (tables[a], off), (tables[b], off), proj_a=proj.descs[a],
-                              proj_b=proj.descs[b])
-    err = max(float((p.float() - q.float()).abs().max()) for p, q in zip(got, want))
-    plain = steered_norm_naive(x, r, w, EPS, 0.0, index, (tables[a], off), (tables[b], off))
+    errs = {}
+    for label, tabs, variant in (("step_proj_live", proj, {}), ("step_proj_live_early", proj, dict(early=True)),
+                                 ("step_proj_live_analytic", proj, dict(analytic=True)),
+                                 ("step_proj_live_bf16", proj16, {}),
+                                 ("step_proj_live_bf16_analytic", proj16, dict(analytic=True))):
+        # the vectors on (tables a, b): the analytic variant's one reduction covers the adds after the projection
+        vec = ((tables[a], on), (tables[b], on))
+        got = steered_norm_triton(x, r, w, EPS, 0.0, index, *vec, proj_a=tabs.descs[a], proj_b=tabs.descs[b],
+                                  **variant)
+        want = steered_norm_naive(x, r, w, EPS, 0.0, index, *vec, proj_a=tabs.descs[a], proj_b=tabs.descs[b])
+        errs[label] = max(float((p.float() - q.float()).abs().max()) for p, q in zip(got, want))
+    plain = steered_norm_naive(x, r, w, EPS, 0.0, index, (tables[a], on), (tables[b], on))
     moved = float((got[1].float() - plain[1].float()).abs().max())
-    print(f"N={n:5d} step check (post_mlp projected, pre_attn idle): max abs err vs reference {err:.3g}, "
+    print(f"N={n:5d} step check (post_mlp projected, pre_attn's vectors): max abs err vs reference {errs}, "
           f"moved by the projection {moved:.3g}")
-    record("step_proj_live", step(off, True))
+    for label, tabs, variant in (("step_proj_live", proj, {}), ("step_proj_live_early", proj, dict(early=True)),
+                                 ("step_proj_live_analytic", proj, dict(analytic=True)),
+                                 ("step_proj_live_bf16", proj16, {}),
+                                 ("step_proj_live_bf16_analytic", proj16, dict(analytic=True))):
+        err = errs[label]
+        record(label, step(off, True, tabs, **variant))
+    err = errs["step_proj_live"]
     proj._count[:, 0] = 0  # no site marked idle: every slot reads its token's direction (before the marks)
     record("step_proj_unmarked", step(off, True))
     return out

@@ -80,7 +80,8 @@ def test_the_graph_phase_profiles_the_ab_arms_at_their_concurrency(ctx):
     from abkit import runner
 
     rows = {label: (kind, n) for label, _s, kind, n in runner.GRAPH_PLAN}
-    assert rows["steer / per_request_n16"] == ("per_request", 16) and rows["steer_proj / project_n16"] == ("project", 16)
+    assert rows["steer / per_request_n16"] == ("per_request", 16)
+    assert rows["steer_proj / project_n16"] == ("project", 16)
     assert rows["steer_proj / project_n4"] == ("project", 4)
     assert runner.GRAPH_NS == (4, 16)
     for label, kind, n, field in (("steer_proj / project_n16", "project", 16, "steering_projections"),

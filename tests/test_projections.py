@@ -127,6 +127,29 @@ def test_tables_take_a_rows_projections_and_clear_them_when_the_row_is_reused(fe
     assert tables.descs[("post_mlp", 3)][0].tolist() == [-1, 0, 0, 0]
 
 
+def test_tables_may_hold_the_directions_in_the_models_dtype(fe, monkeypatch):
+    """``VLLM_STEER_PROJ_DIRS=model`` (issue 38's half-bytes variant): the rows land in float32 and are cast on the
+    device; the directions read back are the float32 unit vectors rounded to bf16 (the reference and the kernel read
+    the same values), the bounds and counts as before, every site's view 16-byte aligned (a hidden size of 12: bf16
+    rows padded to 16 elements, not 12); float32 stays the default."""
+    from vllm_steer.runtime import projection_tables
+
+    assert projection_tables.dirs_dtype(torch.bfloat16) == torch.float32  # the default: float32 whatever the model
+    monkeypatch.setattr(projection_tables, "DIRS", "model")
+    assert projection_tables.dirs_dtype(torch.bfloat16) == torch.bfloat16
+    p, pk, _ = fe.resolve({"steering_projections": {"post_mlp.1": [ablate(), cap(1.0, 2.0)], "pre_attn.2": [ablate()]}})
+    sites = {("post_mlp", 1), ("pre_attn", 2), ("post_mlp", 3)}
+    tables = ProjectionTables(sites, 4, 2, D, torch.device("cpu"), torch.bfloat16)
+    tables.write_row(2, p.projections[pk])
+    count, dirs, bounds = tables.descs[("post_mlp", 1)]
+    assert dirs.dtype == torch.bfloat16 and count.tolist() == [-1, 0, 2, 0] and bounds[2].tolist() == [[0, 0], [1, 2]]
+    want = torch.from_numpy(np.stack([UNIT, UNIT])).to(torch.bfloat16)
+    assert torch.equal(dirs[2], want) and not torch.equal(dirs[2].float(), torch.from_numpy(np.stack([UNIT, UNIT])))
+    wide = ProjectionTables(sites, 4, 1, 12, torch.device("cpu"), torch.bfloat16)
+    assert all(t.data_ptr() % 16 == 0 for desc in wide.descs.values() for t in desc)
+    assert wide.descs[("pre_attn", 2)][1].stride(0) == 3 * 16
+
+
 def test_a_site_is_marked_idle_while_no_live_row_projects_there(fe):
     """``count[site, 0]`` is -1 (the kernel reads no direction there) until a live row projects at the site, 0 while
     one does; rows written but not live (cached) leave the marks as they are; a site shared by two live rows stays

@@ -341,7 +341,7 @@ def _steered_norm_kernel(
     #        order of slot A, of slot B), probe stride)
     cap_a,  # CAP_A: (pool [P, D] (written), pool stride, plan [>= N] int32 (-1: none)): slot A is captured
     cap_b,  # CAP_B: the same for slot B
-    proj_a,  # PROJ_A: (count [R] int32, dirs [R, K, D] fp32, bounds [R, K, 2] fp32, K, dirs' strides (row, k))
+    proj_a,  # PROJ_A: (count [R] int32, dirs [R, K, D] fp32 / model dtype, bounds [R, K, 2] fp32, K, dirs strides)
     proj_b,  # PROJ_B: the same for slot B
     tc,  # TC: a transcoder's clamp-only pack, as sae_a: encodes the normalized output, moves the residual only
     full_a,  # FULL_A: (edit [N, D] fp32, mode [R] int32, edit stride): a full SAE pack's move at slot A
@@ -445,9 +445,11 @@ def _steered_norm_kernel(
             if one:  # one direction in all (slot A's: then A's and B's rows; or slot B's: then B's row)
                 if PROJ_A and PROJ_B:
                     at_a = first_a[0] > 0
-                    b_s, ss = _project_analytic(tl.where(at_a, b_s, b_s + b_ta), tl.where(at_a, first_a[1], first_b[1]),
+                    b_s, ss = _project_analytic(tl.where(at_a, b_s, b_s + b_ta),
+                                                tl.where(at_a, first_a[1], first_b[1]),
                                                 tl.where(at_a, first_a[2], first_b[2]),
-                                                tl.where(at_a, first_a[3], first_b[3]), tl.where(at_a, b_ta + b_tb, b_tb))
+                                                tl.where(at_a, first_a[3], first_b[3]),
+                                                tl.where(at_a, b_ta + b_tb, b_tb))
                 elif PROJ_A:
                     b_s, ss = _project_analytic(b_s, first_a[1], first_a[2], first_a[3], b_ta + b_tb)
                 else:
@@ -610,10 +612,12 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
 
 # Variants of the plain sites' path for issue 38 (projections' cost), each read once at import, off until a GPU
 # bench (bench/kernels_bench.py's *_early / *_analytic rows) says otherwise; the launcher's ``early`` / ``analytic``
-# arguments override them per call. VLLM_STEER_NORM_EARLY=1: at sites without SAE or conditions, every vector row,
-# projection count, first direction and bounds of both slots is loaded before the first branch. VLLM_STEER_PROJ_ANALYTIC=1
-# (implies it): a token with one direction in all at the site takes _project_analytic (one reduction for the
-# projection and the norm's sum of squares).
+# arguments override them per call. VLLM_STEER_NORM_EARLY=1: at sites without SAE or conditions, every vector
+# row, projection count, first direction and bounds of both slots is loaded before the first branch (the default
+# path waits on slot A's mark, then A's flag and B's mark, then B's flag: a dependent round of loads more than
+# the kernel without projections, README "Projections"). VLLM_STEER_PROJ_ANALYTIC=1 (implies it): a token with
+# one direction in all at the site takes _project_analytic (one reduction for the projection and the norm's sum
+# of squares).
 EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "0") == "1"
 ANALYTIC = os.environ.get("VLLM_STEER_PROJ_ANALYTIC", "0") == "1"
 _KERNEL = CachedLauncher(_steered_norm_kernel)

@@ -59,7 +59,8 @@ def analyze_events(events: list) -> dict:
     biggest = max(per_launch, default=None)
     modal = [by_corr.get(_corr(e), []) for e, n in zip(launches, per_launch) if n == biggest]
     step_us = sorted(sum(float(k.get("dur", 0)) for k in ks) for ks in modal)
-    steer_step_us = sorted(sum(float(k.get("dur", 0)) for k in ks if is_steer_kernel(k.get("name", ""))) for ks in modal)
+    steer_step_us = sorted(sum(float(k.get("dur", 0)) for k in ks if is_steer_kernel(k.get("name", "")))
+                           for ks in modal)
     per_name: dict[str, float] = {}
     for ks in modal:
         for k in ks:

@@ -719,22 +719,24 @@ _VARIANTS = {"early": dict(early=True), "analytic": dict(analytic=True)}
 
 
 @_INTERPRETER_INDEX
+@pytest.mark.parametrize("dirs_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", ["ab", "a", "b"])
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
-def test_triton_projection_variants_match_reference(interpreted, variant, slots, dtype_name):
+def test_triton_projection_variants_match_reference(interpreted, variant, slots, dtype_name, dirs_name):
     """The issue-38 variants (``EARLY``: every slot's loads before the first branch; ``ANALYTIC``: one direction and
     the adds after it in one reduction, the norm's sum of squares derived) give the reference's outputs for tokens
     projecting at A, at B, at both (the sequential path), capped, of row 0 and of a stale row, with directions in
-    float32 and in bf16; row 0's tokens and a site marked idle are the kernel without projections, bit for bit; and
-    a token's stream after an ablation at its last slot has no component along the direction."""
+    float32 and in bf16 (``runtime.projection_tables.DIRS`` "model"); row 0's tokens and a site marked idle are the
+    kernel without projections, bit for bit; and a token's stream after an ablation at its last slot has no
+    component along the direction (bf16 directions: only their rounding's)."""
     kernel, _ = interpreted
     dtype = DTYPES[dtype_name]
     n, d = 14, 80
     x, r, (ta, tb), _ = _case(n, d, dtype, seed=120)
     w = (torch.randn(d, generator=torch.Generator().manual_seed(121)) * 0.5 + 1.0).to(dtype)
     index = (torch.arange(n + 5) % 6).to(torch.int32)
-    pa, pb = _one_direction_tables(d, seed=122)
+    pa, pb = _one_direction_tables(d, seed=122, dtype=DTYPES[dirs_name])
     proj = {"proj_a": pa} if slots == "a" else {"proj_b": pb} if slots == "b" else {"proj_a": pa, "proj_b": pb}
     vec = ((ta, _on()), (tb, _on()))
     opt = _VARIANTS[variant]
@@ -750,18 +752,15 @@ def test_triton_projection_variants_match_reference(interpreted, variant, slots,
     idle = {k: (torch.cat([torch.tensor([-1], dtype=torch.int32), c[1:]]), *rest) for k, (c, *rest) in proj.items()}
     assert all(torch.equal(a, b) for a, b in
                zip(kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **idle, **opt), plain))
-    # bf16 directions (variant b): the same kernel reads them, the reference upcasts them alike
-    pa16, pb16 = _one_direction_tables(d, seed=122, dtype=torch.bfloat16)
-    proj16 = {k: {"proj_a": pa16, "proj_b": pb16}[k] for k in proj}
-    got16 = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj16, **opt)
-    want16 = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **proj16)
-    for a, b in zip(got16, want16):
-        torch.testing.assert_close(a, b, **tol)
     if slots == "b" and dtype == torch.float32:  # only B, no vector after it: nothing left along B's direction
         zb = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_b=(torch.zeros_like(tb), _on()), proj_b=pb,
                                         **opt)[1]
-        along = zb[rows == 2] @ pb[1][2, 0]
-        torch.testing.assert_close(along, torch.zeros_like(along), rtol=0, atol=1e-5)
+        v = _one_direction_tables(d, seed=122)[1][1][2, 0]  # the float32 unit direction (bf16's rounded from it)
+        along, before = zb[rows == 2] @ v, (x + r)[:n][rows == 2] @ v
+        # bf16 directions: what is left is the rounding's (|w|^2 != 1, the angle to v): 1e-3 of the component at
+        # D 80 (the engine's D 4096: the angle's ~1e-3 alone), not the component itself
+        limit = 1e-5 if dirs_name == "float32" else 4e-3 * float(before.abs().max())
+        assert float(along.abs().max()) <= limit and float(before.abs().min()) > 0.1
 
 
 @_INTERPRETER_INDEX

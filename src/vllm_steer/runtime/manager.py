@@ -32,7 +32,7 @@ from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.pinned_ring import PinnedRing
-from vllm_steer.runtime.projection_tables import ProjectionTables
+from vllm_steer.runtime.projection_tables import ProjectionTables, dirs_dtype
 from vllm_steer.runtime.rows import RowAllocator
 from vllm_steer.runtime.sae_tables import SaeTables
 from vllm_steer.runtime.slot_rows import SlotRows
@@ -96,7 +96,8 @@ class SteeringRuntime:
         self.conditions = (ConditionTables(cfg.max_configs, hidden_size, max_num_tokens, device)
                            if cfg.conditions else None)
         self.stops = StopWatch(self.conditions.gate, max_num_reqs) if self.conditions is not None else None
-        self.projections = (ProjectionTables(set(flat), cfg.max_configs, cfg.max_projections, hidden_size, device)
+        self.projections = (ProjectionTables(set(flat), cfg.max_configs, cfg.max_projections, hidden_size, device,
+                                             dirs_dtype(dtype))
                             if cfg.max_projections > 0 else None)
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae,
                                         self.conditions, self.projections)

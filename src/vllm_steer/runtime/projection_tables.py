@@ -1,7 +1,10 @@
 """Device buffers of directional projections (``steer.max_projections`` = K > 0), allocated once, updated in place.
 
 Per hooked site of this rank: ``count`` [R] int32 (the row's live directions there; 0: none, what row 0 and
-every row without projections at the site hold), ``dirs`` [R, K, D] float32 (unit directions) and ``bounds``
+every row without projections at the site hold), ``dirs`` [R, K, D] (unit directions, float32; in the model's dtype
+with ``VLLM_STEER_PROJ_DIRS=model`` (``DIRS``): half the bytes a projecting token reads, an issue-38 variant off
+until a GPU bench says otherwise; the directions are then rounded, so an ablation leaves ~1e-3 of the component)
+and ``bounds``
 [R, K, 2] float32 (lo, hi: ablation is 0, 0), the steered norm's ``proj`` descriptor for the slot the site
 is folded into (``kernels/steered_rms_norm``). Rows share the numbering of the steering tables: a config key
 owns one row for its vectors, clamps and projections. A row is written with the config that takes it, and a
@@ -23,24 +26,40 @@ staged in a pinned ring as the rows are.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 Site = tuple[str, int]
+# the directions' dtype: "float32" (default), "model" (the model's dtype) or "bfloat16" (whatever the model's: how
+# the CPU lane's float32 engines check the rounding against transformers' oracle), read once at import
+DIRS = os.environ.get("VLLM_STEER_PROJ_DIRS", "float32")
+
+
+def dirs_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the direction tables are stored in (``DIRS``)."""
+    return {"model": model_dtype, "bfloat16": torch.bfloat16}.get(DIRS, torch.float32)
 
 
 class ProjectionTables:
-    def __init__(self, sites: set[Site], num_rows: int, k: int, hidden: int, device: torch.device) -> None:
+    def __init__(self, sites: set[Site], num_rows: int, k: int, hidden: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.k = k
         self.hidden = hidden
         self.sites = sorted(sites)
         self._index = {site: i for i, site in enumerate(self.sites)}  # site -> its place in a row
-        n, r_pad, d_pad = max(1, len(self.sites)), -(-num_rows // 4) * 4, -(-hidden // 4) * 4
+        per16 = 16 // torch.empty((), dtype=dtype).element_size()  # elements in 16 bytes
+        n, r_pad, d_pad = max(1, len(self.sites)), -(-num_rows // 4) * 4, -(-hidden // per16) * per16
         # one allocation per kind, a row's sites side by side where a row is written (one copy), each site's
         # view 16-byte aligned (padded rows and hidden size): the views are what the norms read
-        self._dirs = torch.zeros(num_rows, n, k, d_pad, dtype=torch.float32, device=device)  # row-major: one copy
+        self._dirs = torch.zeros(num_rows, n, k, d_pad, dtype=dtype, device=device)  # row-major: one copy
+        # another dtype: the row lands in float32 on the device, then is cast there (a host-side cast would copy
+        # from pageable memory, which waits for the forward in flight)
+        self._dirs_f32 = (torch.zeros(n, k, d_pad, dtype=torch.float32, device=device) if dtype != torch.float32
+                          else None)
         self._bounds = torch.zeros(n, r_pad, k, 2, dtype=torch.float32, device=device)
         self._count = torch.zeros(n, r_pad, dtype=torch.int32, device=device)
         self._count[:, 0] = -1  # every site idle: no live row projects anywhere yet
@@ -60,7 +79,7 @@ class ProjectionTables:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self._dirs, self._bounds, self._count))
+        return sum(t.nbytes for t in (self._dirs, self._bounds, self._count, self._dirs_f32) if t is not None)
 
     def write_row(self, row: int, entries: list | None) -> int:
         """Give ``row`` the projections ``entries`` (``frontend.projection_spec`` wire form; sites of other
@@ -88,7 +107,11 @@ class ProjectionTables:
                 dirs_host[i, :n, : self.hidden] = np.frombuffer(dirs, dtype=np.float32).reshape(n, self.hidden)
                 bounds_host[i, :n] = np.frombuffer(bounds, dtype=np.float32).reshape(n, 2)
                 count_host[i] = n
-            land_dirs(self._dirs[row])
+            if self._dirs_f32 is None:
+                land_dirs(self._dirs[row])
+            else:
+                land_dirs(self._dirs_f32)
+                self._dirs[row].copy_(self._dirs_f32)
             land_bounds(self._bounds[:, row])
             self._projecting.add(row)
         else:
