@@ -65,7 +65,7 @@ case "${1:-}" in
   kernels)
     [ -n "${KERNEL_TESTS-tests/gpu}" ] && timeout -k 20 300 "${PT[@]}" ${KERNEL_TESTS-tests/gpu} \
       --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15
-    timeout -k 20 240 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -70
+    timeout -k 20 330 python3 bench/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -90
     ;;
   cost)
     timeout -k 20 120 "${PT[@]}" tests/gpu/test_tables_gpu.py 2>&1 | tail -4

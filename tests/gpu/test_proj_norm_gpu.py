@@ -144,3 +144,42 @@ def test_a_site_marked_idle_projects_nothing_and_its_mark_follows_live_rows_unde
     tables.set_live(2, False)
     graph.replay()
     assert all(torch.equal(a, b) for a, b in zip(out["y"], plain))
+
+
+def _one_direction(d: int, seed: int, at: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """K = 1 tables (a ``max_projections`` 1 server's slot): rows in ``at`` ablate one unit direction (row 4 caps
+    into [-0.5, 0.5]), the others none; directions stored in ``dtype``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dirs = torch.randn(R, 1, d, generator=g, device="cuda")
+    dirs = (dirs / dirs.norm(dim=-1, keepdim=True)).to(dtype)
+    bounds = torch.zeros(R, 1, 2, device="cuda")
+    bounds[4, 0, 0], bounds[4, 0, 1] = -0.5, 0.5
+    count = torch.tensor([1 if r in at else 0 for r in range(R)], dtype=torch.int32, device="cuda")
+    return [count, dirs, bounds]
+
+
+@pytest.mark.parametrize("dirs_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["early", "analytic"])
+@pytest.mark.parametrize("n", [7, 16, 256])
+@pytest.mark.parametrize("d", [4096, 4099])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_issue38_variants_match_reference(variant, dirs_name, n, d, dtype_name):
+    """The EARLY / ANALYTIC variants (``kernels/steered_rms_norm/triton.py``), with float32 or bf16 directions
+    (``runtime.projection_tables.DIRS``): tokens projecting at A (rows 1, 3 with B too, 4 capped), at B (row 2), none
+    (0, 5) as the reference; unprojected tokens are the kernel without projections, bit for bit."""
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator(device="cuda").manual_seed(n * 11 + d)
+    x, r, w, ta, tb = norm_inputs(g, n, d, dtype, R)
+    index = torch.arange(n + 11, device="cuda", dtype=torch.int32) % R
+    one = torch.ones(1, dtype=torch.uint8, device="cuda")
+    vec = ([ta, one], [tb, one])
+    pa, pb = (_one_direction(d, seed, at, DTYPES[dirs_name]) for seed, at in ((7, (1, 3, 4)), (8, (2, 3))))
+    got = _op(x, r, w, EPS, 0.0, index, *vec, proj_a=pa, proj_b=pb, **{variant: True})
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, *vec, proj_a=pa, proj_b=pb)
+    tol = {k: max(v, 3e-5) for k, v in TOL[dtype].items()}  # float32: the six-way reduction sums in another order
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    plain = _op(x, r, w, EPS, 0.0, index, *vec)
+    rows = index[:n]
+    unprojected = (rows == 0) | (rows == 5)
+    assert all(torch.equal(a[unprojected], b[unprojected]) for a, b in zip(got, plain))

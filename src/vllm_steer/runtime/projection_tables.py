@@ -34,14 +34,15 @@ import torch
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 Site = tuple[str, int]
-# the directions' dtype: "float32" (default), "model" (the model's dtype) or "bfloat16" (whatever the model's: how
-# the CPU lane's float32 engines check the rounding against transformers' oracle), read once at import
+# the directions' dtype, read once at import: "float32" (default), "model" (the model's dtype), "bfloat16" or
+# "float16" (whatever the model's: a unit vector's entries are within fp16's range, with 8x bf16's precision; how
+# the CPU lane's float32 engines check the rounding against transformers' oracle)
 DIRS = os.environ.get("VLLM_STEER_PROJ_DIRS", "float32")
 
 
 def dirs_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the direction tables are stored in (``DIRS``)."""
-    return {"model": model_dtype, "bfloat16": torch.bfloat16}.get(DIRS, torch.float32)
+    return {"model": model_dtype, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(DIRS, torch.float32)
 
 
 class ProjectionTables:
