@@ -369,3 +369,32 @@ def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
         pass
     assert lanes_sh("poll", "30").returncode == 0
     assert [ln.split()[0] for ln in (lanes / "c" / "out" / "steps.txt").read_text().splitlines()] == ["slow", "plain"]
+
+
+def test_the_early_variant_servers_are_their_twins_with_the_kernel_flag(tmp_path):
+    """Issue 38's A/B of the EARLY kernel variant: steer_early / steer_proj_early start as steer / steer_proj (same
+    steer block, own ports) with VLLM_STEER_NORM_EARLY=1 in their environment (the twins without it), and each
+    *_early arm sends its twin's traffic, compared with it (project_n16_early with per_request_n16_early)."""
+    from types import SimpleNamespace
+
+    from abkit.servers import PORT_OFFSETS, STEER_SERVERS, Pool, Server
+
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000)
+    pool = Pool(args, tmp_path, tmp_path)
+    envs = {}
+    for name in ("steer", "steer_proj", "steer_early", "steer_proj_early"):
+        s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
+        pool.prepare(s)
+        envs[name] = (s.env().get("VLLM_STEER_NORM_EARLY"), s.command()[s.command().index("--additional-config") + 1])
+    assert envs["steer_early"] == ("1", envs["steer"][1]) and envs["steer"][0] is None
+    assert envs["steer_proj_early"] == ("1", envs["steer_proj"][1]) and envs["steer_proj"][0] is None
+    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS) and STEER_SERVERS["steer_early"] == STEER_SERVERS["steer"]
+    for arm, twin, ref in (("per_request_n16_early", "per_request_n16", "per_request_n16"),
+                           ("project_n16_early", "project_n16", "per_request_n16_early"),
+                           ("enabled_idle_early", "enabled_idle", "enabled_idle"),
+                           ("project_idle_early", "project_idle", "project_idle")):
+        a, b = ARMS[arm], ARMS[twin]
+        assert (a["kind"], a.get("n_configs"), a["server"], a["ref"]) == \
+            (b["kind"], b.get("n_configs"), b["server"] + "_early", ref)
