@@ -183,3 +183,32 @@ def test_issue38_variants_match_reference(variant, dirs_name, n, d, dtype_name):
     rows = index[:n]
     unprojected = (rows == 0) | (rows == 5)
     assert all(torch.equal(a[unprojected], b[unprojected]) for a, b in zip(got, plain))
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_analytic_variant_sums_the_stream_where_its_terms_cancel(dtype_name):
+    """A stream almost along its ablated direction (what is left: 1e-8 of |s|^2): the derived sum of squares would
+    be float32 noise, so the ANALYTIC kernel sums the stream itself: its output is the RMSNorm of the residual it
+    wrote (``naive._normalize``), that residual the reference's (tests/interpreted has the vector-undoes-it case)."""
+    from vllm_steer.kernels.steered_rms_norm.naive import _normalize
+
+    dtype, d, n = DTYPES[dtype_name], 4096, 16
+    g = torch.Generator(device="cuda").manual_seed(9)
+    v = torch.randn(d, generator=g, device="cuda")
+    v = v / v.norm()
+    s = 100.0 * v + torch.randn(n, d, generator=g, device="cuda") * 1e-4
+    x = (s * 0.5).to(dtype)
+    r = (s - x.float()).to(dtype)
+    index = torch.ones(n, dtype=torch.int32, device="cuda")
+    proj = [torch.tensor([0, 1], dtype=torch.int32, device="cuda"), torch.stack([torch.zeros_like(v), v])[:, None],
+            torch.zeros(2, 1, 2, device="cuda")]
+    w = torch.ones(d, dtype=dtype, device="cuda")
+    got = _op(x, r, w, EPS, 0.0, index, proj_a=proj, analytic=True)
+    want = steered_norm_naive(x, r, w, EPS, 0.0, index, proj_a=proj)
+    s0 = x.float() + r.float()
+    stream = s0 - (s0 @ v)[:, None] * v
+    assert torch.isfinite(got[0]).all()
+    own = _normalize(got[1].float() if dtype == torch.float32 else stream, w, EPS, 0.0, dtype)
+    torch.testing.assert_close(got[0], own, **{k: max(v_, 3e-5) for k, v_ in TOL[dtype].items()})
+    torch.testing.assert_close(got[1], want[1], **(dict(rtol=1e-4, atol=5e-5) if dtype == torch.float32
+                                                   else TOL[dtype]))
