@@ -104,7 +104,7 @@ case "${1:-}" in
       --arms "${ARMS:-stock,per_request_n16,cond_idle,cond_off_n16,cond_n16}" 2>&1 | tail -40
     ;;
   proj)
-    timeout -k 20 120 "${PT[@]}" tests/gpu/test_proj_norm_gpu.py 2>&1 | tail -6
+    timeout -k 20 240 "${PT[@]}" tests/gpu/test_proj_norm_gpu.py 2>&1 | tail -6
     timeout -k 20 420 "${KEPT[@]}" --tag proj --trials "${TRIALS:-5}" --long-arms "" --deadline-s 400 \
       --arms "${ARMS:-stock,per_request_n16,project_idle,project_n16,enabled_idle}" 2>&1 | tail -40
     ;;

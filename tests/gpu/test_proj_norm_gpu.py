@@ -160,9 +160,9 @@ def _one_direction(d: int, seed: int, at: tuple[int, ...], dtype: torch.dtype) -
 
 @pytest.mark.parametrize("dirs_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["early", "analytic"])
-@pytest.mark.parametrize("n", [7, 16, 256])
+@pytest.mark.parametrize("n", [7, 256])
 @pytest.mark.parametrize("d", [4096, 4099])
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])  # float16 takes bf16's path (16 compiles in all)
 def test_issue38_variants_match_reference(variant, dirs_name, n, d, dtype_name):
     """The EARLY / ANALYTIC variants (``kernels/steered_rms_norm/triton.py``), with float32 or bf16 directions
     (``runtime.projection_tables.DIRS``): tokens projecting at A (rows 1, 3 with B too, 4 capped), at B (row 2), none
