@@ -94,7 +94,7 @@ class _Request:
     specs: dict[int, CaptureSpec]  # consumer bit -> spec
     meta: dict[str, Any] = field(default_factory=dict)
     planned_upto: int = 0  # positions below it were planned (captured or dropped) once already
-    ends_at: int | None = None  # every spec's last wanted position is below it (None: wants generated tokens)
+    ends_at: int | None = None  # every position it can still want is below it (None: unbounded generated tokens)
     plan: RequestPlan | None = None  # what it captures on this rank, compiled when it is added
     dropped: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     """(hook, layer) -> [(positions, consumer masks)] of rows that were wanted and not delivered."""
@@ -118,8 +118,11 @@ RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publis
 _EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
 
 
-def _ends_at(specs, prompt_len: int) -> int | None:
-    """The position every spec's wanted positions are below (None: some spec wants generated tokens)."""
+def _ends_at(specs, prompt_len: int, max_tokens: int | None = None) -> int | None:
+    """The position every spec's wanted positions are below (None: some spec wants generated tokens of a
+    request without ``max_tokens``). Generated tokens are fed back up to position ``prompt_len + max_tokens - 2``:
+    the last sampled token is never computed, so a request that runs to ``max_tokens`` has had every position
+    planned in the step that samples its last token."""
     end = 0
     for spec in specs:
         mode = spec.positions
@@ -127,8 +130,10 @@ def _ends_at(specs, prompt_len: int) -> int | None:
             end = max(end, prompt_len)
         elif isinstance(mode, tuple):
             end = max(end, max(mode, default=-1) + 1)
-        else:
+        elif max_tokens is None:
             return None
+        else:
+            end = max(end, prompt_len + max(max_tokens, 1) - 1)
     return end
 
 
@@ -193,7 +198,7 @@ class CaptureRuntime:
         self._results_lock = threading.Lock()
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # recently finished engine ids (bounded)
-        self._bounded: set[str] = set()  # requests whose specs want no generated token past some position
+        self._bounded: set[str] = set()  # requests whose wanted positions end somewhere (ends_at)
         self._complete: list[str] = []  # of those, the ones this step's plan completed
         self._pusher = ResultPusher()
         self._copy_done: Any = None
@@ -220,7 +225,10 @@ class CaptureRuntime:
         return out
 
     # ---- control plane -----------------------------------------------------------------
-    def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None) -> None:
+    def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None,
+                    max_tokens: int | None = None) -> None:
+        """Register a request's captures (``max_tokens``: its sampling cap, which bounds the positions it can
+        feed: its capture then ends with the step that samples its last token, ``_ends_at``)."""
         if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
             return
         specs = dict(self.global_specs)
@@ -243,7 +251,7 @@ class CaptureRuntime:
                 self._reserve(new)
             self._requests[request_id] = new
             self._finished.pop(request_id, None)
-            new.ends_at = _ends_at(specs.values(), prompt_len)
+            new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
             if new.ends_at is not None:
                 self._bounded.add(request_id)
 
@@ -405,9 +413,11 @@ class CaptureRuntime:
 
     def after_forward(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here), then end the
-        requests whose capture this step completed (a prompt-only capture ends with its prefill, not one or
-        two engine steps after the request's last token: what a 1-token request waits for). Nothing planned this
-        step (no request captures): nothing to do."""
+        requests whose capture this step completed: a prompt-only capture ends with its prefill, and one that
+        wants generated tokens with the step that samples its ``max_tokens``-th token, not one or two engine
+        steps after the request's last token (the finished id reaches the runner with a later step: under async
+        scheduling two). The response waits for those results; a request that stops earlier (EOS, a stop
+        string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do."""
         if self._pending is not None or self._red_step is not None:
             self._hand_off()
         if self._complete:

@@ -29,7 +29,8 @@ def _steered_model_state_class(base: type) -> type:
         sp = new_req_data.sampling_params
         rt = self._steer_runtime
         prompt_len = len(new_req_data.prompt_token_ids or ())
-        rows = rt.add_request(new_req_data.req_id, sp.extra_args if sp is not None else None, prompt_len)
+        rows = rt.add_request(new_req_data.req_id, sp.extra_args if sp is not None else None, prompt_len,
+                              getattr(sp, "max_tokens", None))
         self._steer_slots.set(req_index, rows, prompt_len)
         self._steer_slot_of[new_req_data.req_id] = req_index
 
