@@ -4,7 +4,7 @@ requests each capturing post_mlp of 3 layers at generated positions with the rea
 ``last``, in its own process), 96 sites, pool 4096 rows. Times, per wave of 16 (host, on CPU tensors unless CUDA):
 ``add_request`` of the 16 (spec parse, plan compile, reduce slots), their prefill step (256 tokens each: nothing
 planned), the first decode step (a new batch: the full plan path), a steady decode step (last step's cells again),
-and the end: ``finish_request`` of the 16 in the step thread, then the wait until every driver result is pushed
+and the end: ``finish_requests`` of the 16 in the step thread (as a runner calls it), then the wait until every driver result is pushed
 (notifier thread -> consumers' process -> reader thread -> ``_send``: what the response's last chunk waits for
 once the runner hears of the end), first and last of the 16, with when the notifier sent each finish notice and
 when the reader thread had each answer.
@@ -89,7 +89,8 @@ def main() -> None:
         for k in range(1, 4):
             timed("steady decode step", lambda k=k: step(1, PROMPT + k))
         t0 = time.perf_counter()
-        timed("finish_request x16 (step thread)", lambda: [rt.finish_request(r) for r in ids])
+        end = getattr(rt, "finish_requests", None)  # the runners' call (one per step); older trees: one per request
+        timed("finish x16 (step thread)", (lambda: end(ids)) if end else (lambda: [rt.finish_request(r) for r in ids]))
         assert done.wait(30), f"{len(sent)} of {N} results pushed"
         for what, times in (("finish notice sent", notices), ("answer read back", answers)):
             rows.setdefault(f"end -> first {what}", []).append((min(times[r] for r in ids) - t0) * 1e3)

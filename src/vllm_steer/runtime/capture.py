@@ -116,6 +116,7 @@ MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
 MAX_TRACKED_COPIES = 8  # pool copies to the host whose rows a later step checks before overwriting them
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
+_NO_SLOTS = np.zeros(0, np.int64)
 _EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
 
 
@@ -293,45 +294,83 @@ class CaptureRuntime:
         plan.red_slot, plan.red_mask = table, int(np.bitwise_or.reduce([w[0] for w in wanted]))
         self._count("reduced_requests")
 
-    def _collect_reduced(self, req: _Request) -> dict[int, tuple]:
-        """A finished request's slots, gathered (one device op) and freed: bit -> (rows [n, D] float32 on the
-        device, [(layer, hook, count, last position, mean)]) for the sites that reduced anything."""
+    def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
+        """A finished request's slots: (the used ones as (bit, slot, site, mean), every slot it held); it holds
+        none after this (``region.release`` them once their gather is enqueued)."""
         plan, region = req.plan, self._reduce
         if not plan.red_mask or region is None:
-            return {}
+            return [], _NO_SLOTS
         picks = []  # (bit, slot, site, mean)
         for bit, mean, row in zip(plan.red_bits, plan.red_mean, plan.red_slot):
             for col in np.flatnonzero(row >= 0).tolist():
                 picks.append((bit, int(row[col]), self._planner.sites[col], mean))
-        all_slots = np.array([p[1] for p in picks], np.int64)
         plan.red_mask = 0
-        used = [p for p in picks if region.count[p[1]] > 0]
-        out: dict[int, tuple] = {}
-        if used:
-            slots = np.array([p[1] for p in used], np.int64)
-            rows = region.gather(slots, np.array([p[3] for p in used], bool))
-            at = 0
-            for bit in plan.red_bits:
-                mine = [p for p in used if p[0] == bit]
-                if mine:
-                    out[bit] = (rows[at : at + len(mine)], [(p[2][1], p[2][0], int(region.count[p[1]]),
-                                                            int(region.last[p[1]]), p[3]) for p in mine])
-                    at += len(mine)
-        region.release(all_slots)
-        return out
+        return [p for p in picks if region.count[p[1]] > 0], np.array([p[1] for p in picks], np.int64)
 
     def finish_request(self, request_id: str, early: bool = False) -> None:
-        """The request's end (``early``: every position its specs want was planned, before the engine ends
-        it): its consumers hear of it, its driver results go to the submitter once they have."""
-        req = self._requests.pop(request_id, None)
-        self._bounded.discard(request_id)
-        if req is None or request_id in self._finished:
-            if req is not None:
-                self._collect_reduced(req)  # its slots are free again
-            return
-        self._finished[request_id] = _EARLY if early else None
-        while len(self._finished) > RECENTLY_FINISHED_MAX:
-            self._finished.popitem(last=False)
+        self.finish_requests([request_id], early)
+
+    def finish_requests(self, request_ids: list[str], early: bool = False) -> None:
+        """The requests' ends (``early``: every position their specs want was planned, before the engine ends
+        them): their consumers hear of them, their driver results go to the submitter once they have. The
+        device-reduced rows of all of them are gathered in one device op and copied to the consumers' ring in one
+        copy (a wave of requests ending together costs a step a few launches, not a few per request)."""
+        ends, free = [], []
+        for request_id in request_ids:
+            req = self._requests.pop(request_id, None)
+            self._bounded.discard(request_id)
+            if req is None:
+                continue
+            if request_id in self._finished:
+                free.append(self._reduced_picks(req)[1])  # its slots are free again
+                continue
+            self._finished[request_id] = _EARLY if early else None
+            while len(self._finished) > RECENTLY_FINISHED_MAX:
+                self._finished.popitem(last=False)
+            ends.append((request_id, req, self._begin_finish(request_id, req)))
+        picked = []
+        for _, req, _ in ends:
+            used, slots = self._reduced_picks(req)
+            picked.append(used)
+            free.append(slots)
+        block = event = None
+        region = self._reduce
+        flat = [p for used in picked for p in used]
+        if flat and self._host is not None and not self._host.dead:
+            rows = region.gather(np.array([p[1] for p in flat], np.int64), np.array([p[3] for p in flat], bool))
+            staged = self._host.stage_reduced(rows, self._copy_stream)
+            if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
+                self._count("ring_full")
+            else:
+                event, block = staged
+        at = 0
+        for (request_id, req, (key, meta, bits)), used in zip(ends, picked):
+            parts: dict[int, tuple] = {}
+            for bit in req.plan.red_bits:
+                mine = [p for p in used if p[0] == bit]
+                if mine:
+                    items = [(p[2][1], p[2][0], int(region.count[p[1]]), int(region.last[p[1]]), p[3]) for p in mine]
+                    parts[bit] = (block, at, len(mine), items) if block is not None else ("lost", sum(i[2] for i in items))
+                    at += len(mine)
+            for b in bits:
+                lane = self._lanes[b]
+                if lane.finish_slots.acquire(blocking=False):
+                    self._host.finish(lane, request_id, key, meta, req, parts.get(b), event)
+                    continue
+                self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
+                self._finished_by(key, b, lane.instance, {
+                    "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
+                                                   "undelivered): this request's capture was not delivered to it"})
+        if block is not None:
+            self._host.release_reduced(block)  # its notices hold it now
+        if region is not None:
+            for slots in free:
+                if len(slots):
+                    region.release(slots)
+
+    def _begin_finish(self, request_id: str, req: _Request) -> tuple[str, dict, list[int]]:
+        """Count a finished request's lanes in its key's results (sent now if none is left): (key, finish meta,
+        the bits of the lanes that hear of its end)."""
         key = req.meta.get("external_id") or request_id  # results go by the id callers know
         reply = req.meta.get("capture_reply")
         meta = {k: v for k, v in req.meta.items() if k != "capture_reply"}
@@ -350,16 +389,7 @@ class CaptureRuntime:
             done = None if f.left else self._finishing.pop(key)
         if done is not None:
             self._send(key, done.reply, done.requests, done.results)
-        reduced = self._collect_reduced(req)
-        for b in bits:
-            lane = self._lanes[b]
-            if lane.finish_slots.acquire(blocking=False):
-                self._host.finish(lane, request_id, key, meta, req, reduced.get(b), self._copy_stream)
-                continue
-            self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
-            self._finished_by(key, b, lane.instance, {
-                "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
-                                               "undelivered): this request's capture was not delivered to it"})
+        return key, meta, bits
 
     def _finished_by(self, key: str, bit: int, instance: str, out: Any) -> None:
         """A lane handled a finish packet (dispatch thread): the last one sends the results."""
@@ -423,8 +453,7 @@ class CaptureRuntime:
             self._hand_off()
         if self._complete:
             done, self._complete = self._complete, []
-            for rid in done:
-                self.finish_request(rid, early=True)
+            self.finish_requests(done, early=True)
 
     def _hand_off(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).
@@ -502,6 +531,5 @@ class CaptureRuntime:
         wanted = set(request_ids)
         ended = [rid for rid, req in list(self._requests.items())
                  if rid in wanted or req.meta.get("external_id") in wanted]
-        for rid in ended:
-            self.finish_request(rid)
+        self.finish_requests(ended)
         return len(ended)

@@ -207,10 +207,11 @@ class SteeringRuntime:
         else:
             live.capture_live = False
 
-    def finish_request(self, req_id: str) -> None:
-        """The request is done (not merely preempted): its captures can be published."""
-        if self.capture is not None:
-            self.capture.finish_request(req_id)
+    def finish_requests(self, req_ids: list[str]) -> None:
+        """The requests are done (not merely preempted): their captures can be published (together: one gather
+        and one copy for their device-reduced rows)."""
+        if self.capture is not None and req_ids:
+            self.capture.finish_requests(list(req_ids))
 
     # ---- named modules ----------------------------------------------------------------
     def register_module(self, name: str, version: int, tiers: dict) -> list[str]:

@@ -46,7 +46,7 @@ def patch_v1_runner() -> None:
             return orig_update(self, scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             rt.remove_request(req_id)
-            rt.finish_request(req_id)
+        rt.finish_requests(scheduler_output.finished_req_ids)
         rt.preemptions_seen += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         result = orig_update(self, scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:

@@ -96,9 +96,8 @@ def patch_v2_runner() -> None:
 
     def finish_requests(self, scheduler_output):
         rt = getattr(self, "steer_runtime", None)
-        if rt is not None:
-            for req_id in scheduler_output.finished_req_ids:  # finished, not merely preempted
-                rt.finish_request(req_id)
+        if rt is not None:  # finished, not merely preempted
+            rt.finish_requests(scheduler_output.finished_req_ids)
         return orig_finish(self, scheduler_output)
 
     GPUModelRunner.finish_requests = finish_requests
