@@ -69,17 +69,41 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
                                                                    "hooks": ["pre_attn", "post_mlp"], "chat": chat}}
               for chat in (False, True)]
            + [{"prompts": [{"prompt_token_ids": i} for i in mixed_ids], "params": [params(5, capture=c) for c in MIXED]},
-              {"llm_call": "tests.test_capture:worker_status"}],
+              {"llm_call": "tests.test_capture:worker_status"},
+              {"llm_call": "tests.test_capture:generated_capture_then_publish", "kwargs": {"ids": ids}}],
            "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
-    res["rpc_after"] = {"vllm_steer_status": res["calls"][-5]}
-    res["mixed"] = (mixed_ids, res["calls"][-2], res["calls"][-1])
-    return root, ids, [c[0] for c in res["calls"][:-5]], res, len(long_ids)
+    res["rpc_after"] = {"vllm_steer_status": res["calls"][-6]}
+    res["mixed"] = (mixed_ids, res["calls"][-3], res["calls"][-2])
+    return root, ids, [c[0] for c in res["calls"][:-6]], res, len(long_ids)
 
 
 def worker_status(llm) -> list:
     """The workers' ``vllm_steer_status`` (an engine_job llm_call, before the extraction calls)."""
     return llm.collective_rpc("vllm_steer_status")
+
+
+GENERATED = {"layers": [4, 12], "hooks": ["post_mlp"], "positions": "all_generated"}
+GENERATED_MAX_TOKENS = 4
+
+
+def generated_capture_then_publish(llm, ids: list[int]) -> dict:
+    """A request capturing generated positions, run to ``max_tokens`` (an engine_job llm_call): how many
+    requests the workers still had to end when ``collect``'s publish came (the in-process engine is not
+    stepped after its last output, so a capture the runner only ends on hearing of the request's end waits
+    for it), and the result."""
+    from vllm import SamplingParams
+
+    from vllm_steer.capture.collect import PUBLISH, collect
+    from vllm_steer.core.rpc import CapturePublish, call_args
+
+    capture = {"activations": {**GENERATED, "reduce": "last"}, "fs": GENERATED}
+    outs = llm.generate([{"prompt_token_ids": ids}], [SamplingParams(**params(GENERATED_MAX_TOKENS, capture=capture))],
+                        use_tqdm=False)
+    ended = llm.collective_rpc(PUBLISH, args=call_args(CapturePublish([o.request_id for o in outs])))
+    collect(llm, outs)
+    return {"ended_by_publish": ended, "request_id": outs[0].request_id, "capture": outs[0].capture,
+            "tokens": list(outs[0].outputs[0].token_ids)}
 
 
 @torch.no_grad()
@@ -187,7 +211,7 @@ def test_collect_returns_at_the_timeout_with_an_error_for_a_slow_driver(capture_
 def test_extraction_on_the_in_process_llm_matches_transformers(capture_run, smollm2_path, chat):
     """``extract(llm, ...)``: the mean difference of the last tokens' residuals, as transformers computes
     it on the same texts (chat: the model's template; a pair with a prompt continues the answer)."""
-    got = capture_run[3]["calls"][-3 if chat else -4]
+    got = capture_run[3]["calls"][-4 if chat else -5]
     ref = hf_oracle.mean_diff_of_last_tokens(smollm2_path, EXTRACT_PAIRS, chat, EXTRACT_LAYERS)
     for site, r in ref.items():
         hook, layer = site.split(".")
@@ -221,3 +245,24 @@ def test_device_reduced_last_and_mean_equal_the_per_step_rows_and_transformers(c
     (worker,) = status
     cap = worker["capture"]
     assert cap["reduced_requests"] >= 4 and cap["reduce_fallbacks"] == 0  # + extraction's texts
+
+
+def test_a_generated_capture_ends_with_its_last_token_not_with_the_publish(capture_run, smollm2_path):
+    """A request capturing generated positions that runs to ``max_tokens`` is ended by the worker in the step that
+    samples its last token: ``collect``'s publish after ``generate`` finds nothing left to end (before, the runner
+    heard of the end one step later, which an in-process engine never runs). Its result and files hold every fed
+    generated position (prompt .. prompt + max_tokens - 2), as transformers computes them."""
+    root, ids, _, res, _ = capture_run
+    got = res["calls"][-1]
+    assert got["ended_by_publish"] == [0]
+    n = GENERATED_MAX_TOKENS - 1  # the last sampled token is never fed
+    full = ids + got["tokens"][:n]
+    ref = hf_streams(smollm2_path, full)
+    result = got["capture"]["activations"]
+    assert result["count"] == [n, n] and result["dropped_rows"] == 0
+    files = load_request(str(root), got["request_id"])
+    for layer in GENERATED["layers"]:
+        positions, rows = files[(layer, "post_mlp")]
+        np.testing.assert_array_equal(positions, np.arange(len(ids), len(ids) + n))
+        np.testing.assert_allclose(rows, ref[(layer, "post_mlp")][len(ids):], rtol=1e-4, atol=2e-3)
+        np.testing.assert_allclose(decode_result(result)[f"post_mlp.{layer}"], rows[-1], rtol=1e-5, atol=1e-5)

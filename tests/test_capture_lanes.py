@@ -86,12 +86,12 @@ def _collect(rt, ids: list[str], timeout: float = 30.0) -> dict:
 
 
 def _step(rt, rows: dict[str, tuple[int, int]], fill) -> None:
-    """One step: request id -> (first position, tokens); the pool's row r holds ``fill(r)``."""
+    """One step: request id -> (first position, tokens); the step's row r (pool row ``base + r``) holds ``fill(r)``."""
     ids = list(rows)
     rt.plan_step(ids, np.array([rows[i][1] for i in ids]), np.array([rows[i][0] for i in ids]))
-    pool = rt.buffers.pool
+    pool, base = rt.buffers.pool, rt._pending.base if rt._pending is not None else 0
     for r in range(rt._rows_used):
-        pool[r] = fill(r)
+        pool[base + r] = fill(r)
     rt.after_forward()
 
 

@@ -55,15 +55,25 @@ def _runtime(monkeypatch, sites, max_rows, max_tokens):
 
 class Reference:
     """The plan as a plain loop per request, per token, per spec and per site (rows: requests in
-    batch order, then sites in plan order, then tokens)."""
+    batch order, then sites in plan order, then tokens; a step's first row follows the last placed step's
+    rows, or is 0 when they do not fit before ``max_rows``; a step planned as last step's cells keeps its rows)."""
 
     def __init__(self, sites, width, max_rows):
         self.site_index = {s: i for i, s in enumerate(sites)}
         self.width, self.max_rows = width, max_rows
         self.planned_upto: dict[str, int] = {}
         self.dropped: dict[str, list] = {}
+        self.next_base = self.base = 0
 
-    def step(self, reqs, req_ids, num_scheduled, num_computed):
+    def step(self, reqs, req_ids, num_scheduled, num_computed, reused=False):
+        plan, entries, rows, recomputed, dropped = self._step(reqs, req_ids, num_scheduled, num_computed)
+        if not reused and rows:
+            self.base = self.next_base if self.next_base + rows <= self.max_rows else 0
+            self.next_base = self.base + rows
+        plan[plan >= 0] += self.base
+        return plan, entries, rows, recomputed, dropped
+
+    def _step(self, reqs, req_ids, num_scheduled, num_computed):
         plan = np.full((len(self.site_index), self.width), -1, dtype=np.int32)
         entries, row, offset, recomputed, dropped = [], 0, 0, 0, 0
         for rid, n, first in zip(req_ids, num_scheduled.tolist(), num_computed.tolist()):
@@ -159,11 +169,11 @@ def test_random_batches_match_the_reference(monkeypatch, seed):
             budget -= n
         req_ids.append("not-capturing"), scheduled.append(3), computed.append(5)  # a request capture never heard of
         scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
-        before = dict(rt.stats)
+        before, reused = dict(rt.stats), rt._planner.reused
         rt.plan_step(req_ids, scheduled, computed)
         want_plan, want_entries, want_rows, want_recomputed, want_dropped = ref.step(
             {r: (live[r]["prompt_len"], live[r]["specs"]) for r in live if live[r]["specs"]},
-            req_ids, scheduled, computed)
+            req_ids, scheduled, computed, rt._planner.reused > reused)
         assert np.array_equal(rt.buffers.plan.numpy(), want_plan), f"step {step}"
         got = [(rid, layer, hook, pos.tolist(), row0, masks.tolist()) for rid, layer, hook, pos, row0, masks in
                (rt._pending.entries() if rt._pending is not None else ())]
@@ -255,3 +265,62 @@ class SimpleRuntime:
 
     def __init__(self, capture) -> None:
         self.capture = capture
+
+
+def test_a_step_waits_only_for_the_copies_of_the_pool_rows_it_overwrites(monkeypatch):
+    """The pool's step rows are a ring: each copy to the host (on the copy stream, an event) is of the rows its step
+    wrote, and a later step's forward waits for a copy (``wait_event`` on the compute stream) only when it writes
+    some of those rows: the next prefill step goes on beside the last step's copy (on a GPU a prefill step's copy
+    is ~5 ms); a step that wraps to row 0 waits for the newest copy of rows it overwrites (and so the older ones);
+    a steady decode step (last step's cells and rows again) waits for last step's copy. Each copy reads exactly
+    the rows its step's forward wrote. Fake events and streams stand in for CUDA's (``_copy_into``'s order)."""
+    from vllm_steer.runtime import capture_lanes
+
+    rt = _runtime(monkeypatch, [("post_mlp", l) for l in range(NUM_LAYERS)], 16, 16)
+    copies, waits = [], []
+
+    class Event:
+        def __init__(self, rows):
+            self.rows = rows.clone()
+
+        def synchronize(self):
+            pass
+
+    def copy_into(dst, rows, stream):
+        dst.copy_(rows)
+        copies.append(Event(rows))
+        return copies[-1]
+
+    class ComputeStream:
+        def wait_event(self, event):
+            waits[-1] = copies.index(event)
+
+    monkeypatch.setattr(capture_lanes, "_copy_into", copy_into)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: ComputeStream())
+    rt._copy_stream = object()  # a GPU runtime's: plan_step checks the copies
+    spec = {"layers": [0, 1], "hooks": ["post_mlp"], "positions": "all"}
+
+    def step(req_ids, scheduled, computed):
+        waits.append(None)
+        scheduled, computed = np.array(scheduled), np.array(computed)
+        rt.plan_step(req_ids, scheduled, computed)
+        plan = rt.buffers.plan.numpy()
+        written = sorted(int(r) for r in plan[plan >= 0])
+        value = 100.0 * len(waits)
+        for r in written:  # what the forward's capture op stores: this step's value in each planned row
+            rt.buffers.pool[r] = value + r
+        base = rt._pending.base
+        rt.after_forward()
+        assert written == list(range(base, base + len(written)))
+        assert torch.equal(copies[-1].rows[:, 0], value + torch.arange(base, base + len(written), dtype=torch.float32))
+        return base
+
+    rt.add_request("x", {"a": spec}, prompt_len=3)
+    assert step(["x"], [3], [0]) == 0  # 6 rows: 0..5, copy 0
+    assert step(["x"], [1], [3]) == 6 and waits[-1] is None  # rows 6..7 beside copy 0 (it waited for copy 0 before)
+    rt.add_request("y", {"a": spec}, prompt_len=5)
+    assert step(["x", "y"], [1, 5], [4, 0]) == 0  # 12 rows do not fit after row 8: rows 0..11
+    assert waits[-1] == 1  # the newest copy of rows it overwrites (rows 6..7); copy 0 ran before it
+    assert step(["x", "y"], [1, 1], [5, 5]) == 12 and waits[-1] is None  # rows 12..15: nobody's copy
+    assert step(["x", "y"], [1, 1], [6, 6]) == 12 and waits[-1] == 3  # steady decode: last step's rows again
+    assert rt._planner.reused == 1

@@ -106,6 +106,7 @@ def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, redu
         rt.plan_step(req_ids, scheduled, computed)
         _forward(rt, req_ids, scheduled, computed)
         rt.after_forward()
+        ended = []  # the step's ends, handed over together as a runner does (one gather, one copy)
         for rid, n, first in zip(req_ids, scheduled.tolist(), computed.tolist()):
             st = live[rid]
             seen[rid].update(range(first, first + n))
@@ -113,12 +114,12 @@ def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, redu
             if st["computed"] >= st["total"]:
                 st["total"] += 1
                 if st["total"] - st["prompt_len"] > rng.randint(3, 30 if steady else 10) or step == 49:
-                    rt.finish_request(rid)
+                    ended.append(rid)
                     want[rid] = st
                     del live[rid]
-    for rid in list(live):
-        rt.finish_request(rid)
-        want[rid] = live.pop(rid)
+        rt.finish_requests(ended)
+    rt.finish_requests(list(live))
+    want.update(live)
     assert rt.stats["dropped_rows"] == 0
     if reduce_rows < 100:
         assert rt.stats["reduce_fallbacks"] > 0 and rt.stats["reduced_requests"] > 0
@@ -218,3 +219,95 @@ def test_a_prompt_only_capture_ends_with_its_prefill(monkeypatch, runtimes):
     time.sleep(0.3)
     assert sorted(sends) == ["r1", "r2", "r3"]  # each sent once
     assert rt._reduce.free == 2048 and not rt._requests and not rt._bounded
+
+
+def test_a_generated_capture_ends_with_the_step_that_samples_its_last_token(monkeypatch, runtimes):
+    """A request capturing generated tokens with ``max_tokens`` M feeds positions up to prompt + M - 2 (its M-th
+    token is sampled, never computed): the step that plans that position ends its capture and sends its result,
+    before the engine's end reaches the runner (one or two steps later, the response waiting for it); the result
+    is every generated position's; the engine's later end sends nothing more. A request that stops early (EOS)
+    and one without ``max_tokens`` end with the engine's end."""
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    rt, got = _runtime(monkeypatch, runtimes, sites, 2048)
+    sends: list[str] = []
+    record = rt._send
+    rt._send = lambda key, *rest: (sends.append(key), record(key, *rest))
+    spec = {"layers": [1], "hooks": ["post_mlp"], "positions": "all_generated"}
+    prompt, max_tokens = 4, 3  # positions 4 and 5 are fed (tokens 1 and 2); token 3 ends the request
+    rt.add_request("r1", {"activations": {**spec, "reduce": "last"}, "act2": {**spec, "reduce": "mean"}}, prompt,
+                   max_tokens=max_tokens)
+    rt.add_request("r2", {"activations": {**spec, "reduce": "last"}}, prompt, max_tokens=8)  # stops at EOS
+    rt.add_request("r3", {"activations": {**spec, "reduce": "last"}}, prompt)  # no cap known
+
+    def step(req_ids, scheduled, computed):
+        scheduled, computed = np.array(scheduled, np.int32), np.array(computed, np.int32)
+        rt.plan_step(req_ids, scheduled, computed)
+        _forward(rt, req_ids, scheduled, computed)
+        rt.after_forward()
+
+    def sent(rid, within=10.0):
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and rid not in got:
+            time.sleep(0.02)
+        return rid in got
+
+    ids = ["r1", "r2", "r3"]
+    step(ids, [4, 4, 4], [0, 0, 0])  # the prefills (token 1 sampled)
+    step(ids, [1, 1, 1], [4, 4, 4])  # position 4 (token 2 sampled)
+    assert not sent("r1", 0.3)
+    step(ids, [1, 1, 1], [5, 5, 5])  # position 5: r1 samples its 3rd and last token in this step
+    assert sent("r1") and not sent("r2", 0.3) and not sent("r3", 0.01)
+    s = sites.index(("post_mlp", 1))
+    last, mean = decode_result(got["r1"]["activations"]), decode_result(got["r1"]["act2"])
+    np.testing.assert_allclose(last["post_mlp.1"], stream("r1", 5, s), rtol=1e-6)
+    np.testing.assert_allclose(mean["post_mlp.1"], (stream("r1", 4, s) + stream("r1", 5, s)) / 2, rtol=1e-5, atol=1e-6)
+    assert got["r1"]["activations"]["count"] == [2] and got["r1"]["act2"]["count"] == [2]
+    time.sleep(0.3)
+    r1_sends = sends.count("r1")  # one message per driver lane or one for both
+    step(["r2", "r3"], [1, 1], [6, 6])  # r2 samples EOS here (the runtime cannot know)
+    rt.finish_request("r1"), rt.finish_request("r2")  # the engine's ends: r1's changes nothing
+    assert sent("r2") and got["r2"]["activations"]["count"] == [3]
+    rt.finish_request("r3")
+    assert sent("r3")
+    time.sleep(0.3)
+    assert sends.count("r1") == r1_sends and sends.count("r2") == sends.count("r3") == 1
+    assert rt._reduce.free == 2048 and not rt._requests and not rt._bounded
+    assert not rt._host.ring._live  # each end's reduced rows left the ring once its notices were read
+
+
+def test_ends_handed_over_together_share_one_copy_or_lose_it_together(monkeypatch, runtimes):
+    """Requests ended in one call (a runner's step) have their reduced rows gathered and copied to the consumers'
+    ring once, each finish notice reading its part (results as when ended one by one); when the ring has no room
+    the reductions are lost, counted once (``ring_full``), the slots freed and each request still ended (its
+    consumer got no rows: ``activations`` returns nothing)."""
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    rt, got = _runtime(monkeypatch, runtimes, sites, 2048)
+    spec = {"layers": [0, 2], "hooks": ["post_mlp"], "positions": "all"}
+    staged = []
+    real = rt._host.stage_reduced
+    monkeypatch.setattr(rt._host, "stage_reduced", lambda rows, stream: staged.append(len(rows)) or real(rows, stream))
+
+    def run(ids, reduce):
+        for rid in ids:
+            rt.add_request(rid, {"activations": {**spec, "reduce": reduce}}, 3)
+        for n, first in ((3, 0), (1, 3)):
+            scheduled, computed = np.full(len(ids), n, np.int32), np.full(len(ids), first, np.int32)
+            rt.plan_step(ids, scheduled, computed)
+            _forward(rt, ids, scheduled, computed)
+            rt.after_forward()
+        rt.finish_requests(ids)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(r in got for r in ids):
+            time.sleep(0.02)
+
+    run(["r1", "r2", "r3"], "last")
+    assert staged == [6]  # 3 requests x 2 sites: one copy
+    for rid in ("r1", "r2", "r3"):
+        vectors = decode_result(got[rid]["activations"])
+        for layer in (0, 2):
+            np.testing.assert_allclose(vectors[f"post_mlp.{layer}"], stream(rid, 3, sites.index(("post_mlp", layer))))
+    assert not rt._host.ring._live
+    monkeypatch.setattr(rt._host, "stage_reduced", lambda rows, stream: None)  # the ring is full
+    run(["r4", "r5"], "mean")
+    assert rt.stats["ring_full"] == 1 and rt._reduce.free == 2048
+    assert got["r4"] == got["r5"] == {}  # final messages without a result

@@ -94,7 +94,7 @@ class _Request:
     specs: dict[int, CaptureSpec]  # consumer bit -> spec
     meta: dict[str, Any] = field(default_factory=dict)
     planned_upto: int = 0  # positions below it were planned (captured or dropped) once already
-    ends_at: int | None = None  # every spec's last wanted position is below it (None: wants generated tokens)
+    ends_at: int | None = None  # every position it can still want is below it (None: unbounded generated tokens)
     plan: RequestPlan | None = None  # what it captures on this rank, compiled when it is added
     dropped: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     """(hook, layer) -> [(positions, consumer masks)] of rows that were wanted and not delivered."""
@@ -113,13 +113,18 @@ class _Request:
 
 
 MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
+MAX_TRACKED_COPIES = 8  # pool copies to the host whose rows a later step checks before overwriting them
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
+_NO_SLOTS = np.zeros(0, np.int64)
 _EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
 
 
-def _ends_at(specs, prompt_len: int) -> int | None:
-    """The position every spec's wanted positions are below (None: some spec wants generated tokens)."""
+def _ends_at(specs, prompt_len: int, max_tokens: int | None = None) -> int | None:
+    """The position every spec's wanted positions are below (None: some spec wants generated tokens of a
+    request without ``max_tokens``). Generated tokens are fed back up to position ``prompt_len + max_tokens - 2``:
+    the last sampled token is never computed, so a request that runs to ``max_tokens`` has had every position
+    planned in the step that samples its last token."""
     end = 0
     for spec in specs:
         mode = spec.positions
@@ -127,8 +132,10 @@ def _ends_at(specs, prompt_len: int) -> int | None:
             end = max(end, prompt_len)
         elif isinstance(mode, tuple):
             end = max(end, max(mode, default=-1) + 1)
-        else:
+        elif max_tokens is None:
             return None
+        else:
+            end = max(end, prompt_len + max(max_tokens, 1) - 1)
     return end
 
 
@@ -193,10 +200,10 @@ class CaptureRuntime:
         self._results_lock = threading.Lock()
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # recently finished engine ids (bounded)
-        self._bounded: set[str] = set()  # requests whose specs want no generated token past some position
+        self._bounded: set[str] = set()  # requests whose wanted positions end somewhere (ends_at)
         self._complete: list[str] = []  # of those, the ones this step's plan completed
         self._pusher = ResultPusher()
-        self._copy_done: Any = None
+        self._copies: list[tuple[int, int, Any]] = []  # (first row, end, event) of pool copies still maybe running
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def close(self) -> None:
@@ -220,7 +227,10 @@ class CaptureRuntime:
         return out
 
     # ---- control plane -----------------------------------------------------------------
-    def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None) -> None:
+    def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None,
+                    max_tokens: int | None = None) -> None:
+        """Register a request's captures (``max_tokens``: its sampling cap, which bounds the positions it can
+        feed: its capture then ends with the step that samples its last token, ``_ends_at``)."""
         if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
             return
         specs = dict(self.global_specs)
@@ -243,7 +253,7 @@ class CaptureRuntime:
                 self._reserve(new)
             self._requests[request_id] = new
             self._finished.pop(request_id, None)
-            new.ends_at = _ends_at(specs.values(), prompt_len)
+            new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
             if new.ends_at is not None:
                 self._bounded.add(request_id)
 
@@ -284,45 +294,83 @@ class CaptureRuntime:
         plan.red_slot, plan.red_mask = table, int(np.bitwise_or.reduce([w[0] for w in wanted]))
         self._count("reduced_requests")
 
-    def _collect_reduced(self, req: _Request) -> dict[int, tuple]:
-        """A finished request's slots, gathered (one device op) and freed: bit -> (rows [n, D] float32 on the
-        device, [(layer, hook, count, last position, mean)]) for the sites that reduced anything."""
+    def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
+        """A finished request's slots: (the used ones as (bit, slot, site, mean), every slot it held); it holds
+        none after this (``region.release`` them once their gather is enqueued)."""
         plan, region = req.plan, self._reduce
         if not plan.red_mask or region is None:
-            return {}
+            return [], _NO_SLOTS
         picks = []  # (bit, slot, site, mean)
         for bit, mean, row in zip(plan.red_bits, plan.red_mean, plan.red_slot):
             for col in np.flatnonzero(row >= 0).tolist():
                 picks.append((bit, int(row[col]), self._planner.sites[col], mean))
-        all_slots = np.array([p[1] for p in picks], np.int64)
         plan.red_mask = 0
-        used = [p for p in picks if region.count[p[1]] > 0]
-        out: dict[int, tuple] = {}
-        if used:
-            slots = np.array([p[1] for p in used], np.int64)
-            rows = region.gather(slots, np.array([p[3] for p in used], bool))
-            at = 0
-            for bit in plan.red_bits:
-                mine = [p for p in used if p[0] == bit]
-                if mine:
-                    out[bit] = (rows[at : at + len(mine)], [(p[2][1], p[2][0], int(region.count[p[1]]),
-                                                            int(region.last[p[1]]), p[3]) for p in mine])
-                    at += len(mine)
-        region.release(all_slots)
-        return out
+        return [p for p in picks if region.count[p[1]] > 0], np.array([p[1] for p in picks], np.int64)
 
     def finish_request(self, request_id: str, early: bool = False) -> None:
-        """The request's end (``early``: every position its specs want was planned, before the engine ends
-        it): its consumers hear of it, its driver results go to the submitter once they have."""
-        req = self._requests.pop(request_id, None)
-        self._bounded.discard(request_id)
-        if req is None or request_id in self._finished:
-            if req is not None:
-                self._collect_reduced(req)  # its slots are free again
-            return
-        self._finished[request_id] = _EARLY if early else None
-        while len(self._finished) > RECENTLY_FINISHED_MAX:
-            self._finished.popitem(last=False)
+        self.finish_requests([request_id], early)
+
+    def finish_requests(self, request_ids: list[str], early: bool = False) -> None:
+        """The requests' ends (``early``: every position their specs want was planned, before the engine ends
+        them): their consumers hear of them, their driver results go to the submitter once they have. The
+        device-reduced rows of all of them are gathered in one device op and copied to the consumers' ring in one
+        copy (a wave of requests ending together costs a step a few launches, not a few per request)."""
+        ends, free = [], []
+        for request_id in request_ids:
+            req = self._requests.pop(request_id, None)
+            self._bounded.discard(request_id)
+            if req is None:
+                continue
+            if request_id in self._finished:
+                free.append(self._reduced_picks(req)[1])  # its slots are free again
+                continue
+            self._finished[request_id] = _EARLY if early else None
+            while len(self._finished) > RECENTLY_FINISHED_MAX:
+                self._finished.popitem(last=False)
+            ends.append((request_id, req, self._begin_finish(request_id, req)))
+        picked = []
+        for _, req, _ in ends:
+            used, slots = self._reduced_picks(req)
+            picked.append(used)
+            free.append(slots)
+        block = event = None
+        region = self._reduce
+        flat = [p for used in picked for p in used]
+        if flat and self._host is not None and not self._host.dead:
+            rows = region.gather(np.array([p[1] for p in flat], np.int64), np.array([p[3] for p in flat], bool))
+            staged = self._host.stage_reduced(rows, self._copy_stream)
+            if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
+                self._count("ring_full")
+            else:
+                event, block = staged
+        at = 0
+        for (request_id, req, (key, meta, bits)), used in zip(ends, picked):
+            parts: dict[int, tuple] = {}
+            for bit in req.plan.red_bits:
+                mine = [p for p in used if p[0] == bit]
+                if mine:
+                    items = [(p[2][1], p[2][0], int(region.count[p[1]]), int(region.last[p[1]]), p[3]) for p in mine]
+                    parts[bit] = (block, at, len(mine), items) if block is not None else ("lost", sum(i[2] for i in items))
+                    at += len(mine)
+            for b in bits:
+                lane = self._lanes[b]
+                if lane.finish_slots.acquire(blocking=False):
+                    self._host.finish(lane, request_id, key, meta, req, parts.get(b), event)
+                    continue
+                self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
+                self._finished_by(key, b, lane.instance, {
+                    "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
+                                                   "undelivered): this request's capture was not delivered to it"})
+        if block is not None:
+            self._host.release_reduced(block)  # its notices hold it now
+        if region is not None:
+            for slots in free:
+                if len(slots):
+                    region.release(slots)
+
+    def _begin_finish(self, request_id: str, req: _Request) -> tuple[str, dict, list[int]]:
+        """Count a finished request's lanes in its key's results (sent now if none is left): (key, finish meta,
+        the bits of the lanes that hear of its end)."""
         key = req.meta.get("external_id") or request_id  # results go by the id callers know
         reply = req.meta.get("capture_reply")
         meta = {k: v for k, v in req.meta.items() if k != "capture_reply"}
@@ -341,16 +389,7 @@ class CaptureRuntime:
             done = None if f.left else self._finishing.pop(key)
         if done is not None:
             self._send(key, done.reply, done.requests, done.results)
-        reduced = self._collect_reduced(req)
-        for b in bits:
-            lane = self._lanes[b]
-            if lane.finish_slots.acquire(blocking=False):
-                self._host.finish(lane, request_id, key, meta, req, reduced.get(b), self._copy_stream)
-                continue
-            self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
-            self._finished_by(key, b, lane.instance, {
-                "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
-                                               "undelivered): this request's capture was not delivered to it"})
+        return key, meta, bits
 
     def _finished_by(self, key: str, bit: int, instance: str, out: Any) -> None:
         """A lane handled a finish packet (dispatch thread): the last one sends the results."""
@@ -395,8 +434,8 @@ class CaptureRuntime:
             self.stats["recomputed_positions"] += step.recomputed
         if step.dropped_rows:
             self.stats["dropped_rows"] += step.dropped_rows
-        if self.buffers.plan.is_cuda:
-            self.before_forward()
+        if self._copy_stream is not None:
+            self.before_forward(step.base, step.base + step.pool_rows)
         self._pending, self._rows_used = (step if step.request_ids else None), step.rows
         red = self._red_step = step.reduce
         if red is not None:
@@ -405,22 +444,23 @@ class CaptureRuntime:
 
     def after_forward(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here), then end the
-        requests whose capture this step completed (a prompt-only capture ends with its prefill, not one or
-        two engine steps after the request's last token: what a 1-token request waits for). Nothing planned this
-        step (no request captures): nothing to do."""
+        requests whose capture this step completed: a prompt-only capture ends with its prefill, and one that
+        wants generated tokens with the step that samples its ``max_tokens``-th token, not one or two engine
+        steps after the request's last token (the finished id reaches the runner with a later step: under async
+        scheduling two). The response waits for those results; a request that stops earlier (EOS, a stop
+        string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do."""
         if self._pending is not None or self._red_step is not None:
             self._hand_off()
         if self._complete:
             done, self._complete = self._complete, []
-            for rid in done:
-                self.finish_request(rid, early=True)
+            self.finish_requests(done, early=True)
 
     def _hand_off(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).
 
         The used pool rows are copied into the host's shared ring (on a GPU on a side stream that
-        waits for the forward; the next step's compute waits for the copy before its capture op
-        overwrites the pool); the host's notifier thread waits for the copy before telling it. Device-reduced
+        waits for the forward; a later step's compute waits for the copy only if its capture op overwrites
+        those rows: ``before_forward``); the host's notifier thread waits for the copy before telling it. Device-reduced
         consumers' rows are added / copied into their slots first (``runtime.capture_reduce``)."""
         red = self._red_step
         if red is not None:
@@ -446,8 +486,8 @@ class CaptureRuntime:
         if not lanes:
             self._pending = None
             return
-        n = self._rows_used
-        sent = host.send_rows(self.buffers.pool[:n], step.wire(), lanes, self._copy_stream)
+        n, base = self._rows_used, step.base
+        sent = host.send_rows(self.buffers.pool[base : base + n], step.wire(), lanes, self._copy_stream)
         if sent is None:  # the ring is full (the host is behind): drop for every lane, never wait
             self._count("ring_full")
             for lane in lanes:
@@ -457,7 +497,10 @@ class CaptureRuntime:
         else:
             self._count("rows", n)
             if sent is not True:
-                self._copy_done = sent
+                self._copies.append((base, base + n, sent))
+                if len(self._copies) > MAX_TRACKED_COPIES:  # the two oldest as one: waiting on the newer covers both
+                    (a0, a1, _), (b0, b1, ev) = self._copies[:2]
+                    self._copies[:2] = [(min(a0, b0), max(a1, b1), ev)]
         self._pending = None
 
     def _drop_pending(self, bit: int) -> None:
@@ -468,11 +511,17 @@ class CaptureRuntime:
             if req is not None and mine.any():
                 req.drop(hook, layer, positions[mine], masks[mine] & bit)
 
-    def before_forward(self) -> None:
-        """The forward may overwrite the pool only once the last copy out of it is done (GPU-side wait)."""
-        if self._copy_done is not None:
-            torch.cuda.current_stream().wait_event(self._copy_done)
-            self._copy_done = None
+    def before_forward(self, lo: int, hi: int) -> None:
+        """The forward writes pool rows ``lo .. hi`` (this step's): it waits (on the device) for the newest copy
+        to the host that reads any of them, and so for every older copy too (one copy stream runs them in order);
+        copies of other rows go on beside it. With the pool a ring (``CapturePlanner._place``) that is the copy of a
+        step that many steps back, not the last step's: a prefill step's ~5 ms D2H of 268 MB (8192 tokens x 4
+        sites x 8 KB) overlaps the next forward instead of delaying it."""
+        copies = self._copies
+        hit = next((i for i in range(len(copies) - 1, -1, -1) if copies[i][0] < hi and lo < copies[i][1]), None)
+        if hit is not None and lo < hi:
+            torch.cuda.current_stream().wait_event(copies[hit][2])
+            del copies[: hit + 1]
 
     # ---- results ----------------------------------------------------------------------
     def publish(self, request_ids: list[str]) -> int:
@@ -482,6 +531,5 @@ class CaptureRuntime:
         wanted = set(request_ids)
         ended = [rid for rid, req in list(self._requests.items())
                  if rid in wanted or req.meta.get("external_id") in wanted]
-        for rid in ended:
-            self.finish_request(rid)
+        self.finish_requests(ended)
         return len(ended)

@@ -87,6 +87,27 @@ class RowRing:
                 self._live.popleft()
 
 
+class _Reduced:
+    """Ring rows holding a batch of finished requests' device-reduced rows (``CaptureHost.stage_reduced``): freed
+    when the step thread and every finish notice reading them let go."""
+
+    def __init__(self, ring: RowRing, packet_id: int, start: int, n_ring: int, n: int) -> None:
+        self.ring, self.packet_id, self.start, self.n_ring, self.n = ring, packet_id, start, n_ring, n
+        self._refs = 1  # the step thread's, until its notices are queued
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.ring.free(self.packet_id)
+
+
 class CaptureHost:
     """The consumers' process of one worker, fed through the ring and a pipe."""
 
@@ -158,10 +179,10 @@ class CaptureHost:
         return event if event is not None else True
 
     def finish(self, lane: Lane, request_id: str, key: str, meta: dict, req: Any, reduced: tuple | None = None,
-               copy_stream: Any = None) -> None:
-        """Queue a finish notice for ``lane`` (its finish slot taken); ``reduced``: the request's
-        device-reduced rows for this consumer (float32 ``[n, D]`` on the device, and per row ``(layer,
-        hook, count, last position, mean)``), copied into the ring and read back by the notifier."""
+               event: Any = None) -> None:
+        """Queue a finish notice for ``lane`` (its finish slot taken); ``reduced``: the request's device-reduced
+        rows for this consumer: ``(block, first row, n, items)`` of a ``stage_reduced`` block (``event``: its copy's;
+        per row ``(layer, hook, count, last position, mean)``), or ``("lost", rows)`` when the ring had no room."""
         with self._lock:
             dead = self.dead
             if not dead:
@@ -170,20 +191,15 @@ class CaptureHost:
             lane.finish_slots.release()
             self.rt._finished_by(key, lane.bit, lane.instance, self._died_result())
             return
-        event, red = None, None
-        if reduced is not None:
-            rows, items = reduced
-            staged = self._stage_float32(rows, copy_stream)
-            if staged is None:  # the ring is full: this consumer's reduction is lost, said in its meta
-                self.rt._count("ring_full")
-                red = ("lost", sum(item[2] for item in items))
-            else:
-                event, packet_id, start, n_ring = staged
-                red = ("ring", packet_id, start, n_ring, items)
-        self._notify.put((event, ("finish", lane.bit, request_id, key, meta, req, red)))
+        if reduced is not None and reduced[0] != "lost":
+            reduced[0].hold()
+        self._notify.put((event if reduced is not None and reduced[0] != "lost" else None,
+                          ("finish", lane.bit, request_id, key, meta, req, reduced)))
 
-    def _stage_float32(self, rows: torch.Tensor, copy_stream: Any) -> tuple | None:
-        """Copy float32 rows into the ring (a model-dtype ring holds a float32 row in 4 / itemsize ring rows)."""
+    def stage_reduced(self, rows: torch.Tensor, copy_stream: Any) -> tuple[Any, "_Reduced"] | None:
+        """Copy finished requests' float32 reduced rows ``[n, D]`` into the ring (a model-dtype ring holds a float32
+        row in 4 / itemsize ring rows): (the copy's event, the block their finish notices read), or None when the
+        ring is full. The caller holds the block until its notices are queued (``release_reduced``)."""
         n, hidden = rows.shape
         per = 4 // self.rows.element_size()
         packet_id = self._next_id
@@ -192,16 +208,21 @@ class CaptureHost:
         if start is None:
             return None
         event = _copy_into(self.rows[start : start + n * per].view(torch.float32).view(n, hidden), rows, copy_stream)
-        return event, packet_id, start, n * per
+        return event, _Reduced(self.ring, packet_id, start, n * per, n)
+
+    def release_reduced(self, block: "_Reduced") -> None:
+        block.release()
 
     def _read_reduced(self, red: tuple) -> tuple[list, int]:
-        """(the reduced rows as numpy, with their items; rows lost) once the copy is done; frees the ring rows."""
+        """(the reduced rows as numpy, with their items; rows lost) once the copy is done; the last notice of a
+        block frees its ring rows."""
         if red[0] == "lost":
             return [], red[1]
-        _, packet_id, start, n_ring, items = red
-        block = self.rows[start : start + n_ring].view(torch.float32).view(len(items), -1).numpy().copy()
-        self.ring.free(packet_id)
-        return [(*item, row) for item, row in zip(items, block)], 0
+        block, first, n, items = red
+        rows = self.rows[block.start : block.start + block.n_ring].view(torch.float32).view(block.n, -1)
+        data = rows[first : first + n].numpy().copy()
+        block.release()
+        return [(*item, row) for item, row in zip(items, data)], 0
 
     # ---- threads -----------------------------------------------------------------------------
     def _notifier(self) -> None:

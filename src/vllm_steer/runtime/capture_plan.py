@@ -10,7 +10,9 @@ Per step (``CapturePlanner.plan``), numpy over the capturing requests of the bat
 (positions already planned once are skipped: the preemption rule, ``planned_upto``), each token's
 class, the masks gathered from the requests' tables, and the captured (request, site, token) cells
 in request (batch) order, then site, then token. They take pool rows in that order; past
-``max_rows`` the rest is dropped and recorded on the request (``req.drop``). Python runs once per
+``max_rows`` the rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a
+ring: a step's rows start where the last planned step's ended, or at row 0 when they do not fit before
+``max_rows`` (``_place``), so the next step's forward does not overwrite rows still being copied to the host. Python runs once per
 capturing request and once per (request, site) group, never per token or per site of the table. A
 step with last step's shape (the same requests in the same order, token counts, position classes and
 batch slots, no explicit positions, nothing dropped) reuses its cells: only the positions move.
@@ -84,7 +86,7 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
 class StepPlan:
     """This step's kept cells grouped by (request, site): group g is request ``request_ids[g]`` at
     ``sites[g]`` (hook, layer), cells ``starts[g]:ends[g]`` of ``positions``/``masks``; cell i is
-    pool row i."""
+    pool row ``base + i``."""
 
     request_ids: list[str]
     sites: list[tuple[str, int]]
@@ -98,6 +100,7 @@ class StepPlan:
     planned: int = 0  # plan cells set this step (rows for consumers plus tokens reduced straight into a slot)
     reduce: ReduceStep | None = None
     pool_rows: int = 0  # step rows of the pool in use: the consumers' cells plus mean-reduced tokens' own rows
+    base: int = 0  # pool row of cell 0: the step's rows are ``base .. base + pool_rows`` (the pool is a ring)
 
     def wire(self) -> tuple:
         """The groups as the consumers' process receives them: a few lists and two arrays, whatever the
@@ -147,6 +150,7 @@ class _Same:
     rows: np.ndarray  # the plan rows of ``flat``
     reduce: ReduceStep | None  # with last_pos as token indices (the positions move)
     pool_rows: int = 0
+    base: int = 0
 
 
 _NONE = np.zeros(0, np.int64)
@@ -172,6 +176,7 @@ class CapturePlanner:
         self._last = np.zeros(0, np.int64)  # flat plan cells set by the last upload
         self._last_rows = np.zeros(0, np.int64)  # and their rows
         self._same: _Same | None = None
+        self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
         self.upload_bytes = 0
@@ -232,7 +237,7 @@ class CapturePlanner:
                 red = ReduceStep(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
                                  red.acct_counts, red.last_slots, pos[red.last_pos])
             return StepPlan(same.request_ids, same.sites, same.starts, same.ends, pos[same.t], same.masks,
-                            len(same.t), 0, recomputed, len(same.flat), red, same.pool_rows)
+                            len(same.t), 0, recomputed, len(same.flat), red, same.pool_rows, same.base)
         self._same = None
         plans = [r.plan for r in reqs]
         union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
@@ -275,15 +280,33 @@ class CapturePlanner:
         if red is not None:
             flat, rows, red_step, red_same, red_dropped, fresh = self._place_reduced(red, flat, rows, kept, union, tok,
                                                                                      pos, reqs)
+        base = self._place(kept + fresh)
+        if base:
+            rows = self._shift(rows, base)
+            for r in {id(x): x for x in (red_step, red_same) if x is not None}.values():
+                r.mean_src, r.copy_src = self._shift(r.mean_src, base), self._shift(r.copy_src, base)
         self._upload(flat, rows)
         step = StepPlan([req_ids[i] for i in batch_of], [sites[i] for i in col_of.tolist()], heads.tolist(),
                         ends.tolist(), cell_pos[:kept], cell_masks[:kept], kept, len(t) - kept + red_dropped,
-                        recomputed, len(flat), red_step, kept + fresh)
+                        recomputed, len(flat), red_step, kept + fresh, base)
         if kept == len(t) and not red_dropped and not any(p.explicit for p in plans):  # the next step may be the same
             cell_masks.flags.writeable = False  # shared by the steps that reuse it
             self._same = _Same(list(map(id, reqs)), reqs, count, klass, tok, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks, rows, red_same, step.pool_rows)
+                               step.ends, cell_masks, rows, red_same, step.pool_rows, base)
         return step
+
+    def _place(self, n: int) -> int:
+        """Where a newly planned step's ``n`` rows start: right after the last placed step's, or at 0 when they do
+        not fit before ``max_rows``. Consecutive steps thus use different rows while the pool holds several, so a
+        step's forward need not wait for the copy of the last step's rows to the host (``CaptureRuntime``
+        waits only for the copies of the rows it overwrites)."""
+        base = self._next_base if self._next_base + n <= self.max_rows else 0
+        self._next_base = base + n
+        return base
+
+    def _shift(self, rows: np.ndarray, base: int) -> np.ndarray:
+        """Step rows (below ``max_rows``) moved to start at ``base``; reduce slots' rows stay."""
+        return np.where(rows < self.max_rows, rows + base, rows)
 
     def _take_reduced(self, plans: list[RequestPlan], starts: np.ndarray, count: np.ndarray, masks: np.ndarray,
                       union: np.ndarray) -> dict[str, np.ndarray] | None:

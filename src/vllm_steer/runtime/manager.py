@@ -124,13 +124,16 @@ class SteeringRuntime:
         return bool(self._held) or self._index_extent > 0
 
     # ---- control plane: requests come and go -------------------------------------------
-    def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int = 0) -> tuple[int, int]:
-        """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row)."""
+    def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int = 0,
+                    max_tokens: int | None = None) -> tuple[int, int]:
+        """Acquire (and if needed write) the rows of a request; returns (prefill row, decode row).
+        ``max_tokens``: the request's sampling cap (its capture ends with its last token's step)."""
         steering = payload_from_extra(extra_args)  # the scheduler refused any that do not decode
         if self.capture is not None:
             meta = {"external_id": steering.external_id, "capture_reply": steering.capture_reply} \
                 if steering is not None else {}
-            self.capture.add_request(req_id, steering.capture if steering is not None else None, prompt_len, meta)
+            self.capture.add_request(req_id, steering.capture if steering is not None else None, prompt_len, meta,
+                                     max_tokens)
         if steering is None or not steering.steered:
             return (0, 0)
         if req_id in self._held:  # re-added (streaming input): drop the old state first
@@ -205,10 +208,11 @@ class SteeringRuntime:
         else:
             live.capture_live = False
 
-    def finish_request(self, req_id: str) -> None:
-        """The request is done (not merely preempted): its captures can be published."""
-        if self.capture is not None:
-            self.capture.finish_request(req_id)
+    def finish_requests(self, req_ids: list[str]) -> None:
+        """The requests are done (not merely preempted): their captures can be published (together: one gather
+        and one copy for their device-reduced rows)."""
+        if self.capture is not None and req_ids:
+            self.capture.finish_requests(list(req_ids))
 
     # ---- named modules ----------------------------------------------------------------
     def register_module(self, name: str, version: int, tiers: dict) -> list[str]:

@@ -46,12 +46,13 @@ def patch_v1_runner() -> None:
             return orig_update(self, scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             rt.remove_request(req_id)
-            rt.finish_request(req_id)
+        rt.finish_requests(scheduler_output.finished_req_ids)
         rt.preemptions_seen += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         result = orig_update(self, scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             sp = new_req.sampling_params
-            rt.add_request(new_req.req_id, sp.extra_args if sp is not None else None, len(new_req.prompt_token_ids or ()))
+            rt.add_request(new_req.req_id, sp.extra_args if sp is not None else None, len(new_req.prompt_token_ids or ()),
+                           getattr(sp, "max_tokens", None))
         return result
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):

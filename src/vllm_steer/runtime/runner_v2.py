@@ -29,7 +29,8 @@ def _steered_model_state_class(base: type) -> type:
         sp = new_req_data.sampling_params
         rt = self._steer_runtime
         prompt_len = len(new_req_data.prompt_token_ids or ())
-        rows = rt.add_request(new_req_data.req_id, sp.extra_args if sp is not None else None, prompt_len)
+        rows = rt.add_request(new_req_data.req_id, sp.extra_args if sp is not None else None, prompt_len,
+                              getattr(sp, "max_tokens", None))
         self._steer_slots.set(req_index, rows, prompt_len)
         self._steer_slot_of[new_req_data.req_id] = req_index
 
@@ -95,9 +96,8 @@ def patch_v2_runner() -> None:
 
     def finish_requests(self, scheduler_output):
         rt = getattr(self, "steer_runtime", None)
-        if rt is not None:
-            for req_id in scheduler_output.finished_req_ids:  # finished, not merely preempted
-                rt.finish_request(req_id)
+        if rt is not None:  # finished, not merely preempted
+            rt.finish_requests(scheduler_output.finished_req_ids)
         return orig_finish(self, scheduler_output)
 
     GPUModelRunner.finish_requests = finish_requests
