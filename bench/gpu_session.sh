@@ -219,8 +219,10 @@ PY
       ${FLAGS[@]+"${FLAGS[@]}"} 2>&1 | tail -90
     ;;
   offline)
+    # the three engines start in ~3-4 min (s28: not done 4 min in); trials stop at the deadline with a summary
     timeout -k 20 590 python3 bench/offline_pairs.py --shape 1b --trials "${TRIALS:-40}" --gpu-mem "${GPU_MEM:-0.12}" \
-      --out "$OUT/offline_pairs_1b.json" 2>&1 | grep -v "INFO\|WARNING\|Deprecat\|warnings.warn" | tail -60
+      --deadline-s "${DEADLINE_S:-300}" --out "$OUT/offline_pairs_1b.json" 2>&1 | tee "$OUT/offline.log" \
+      | grep -v "INFO\|WARNING\|Deprecat\|warnings.warn" | tail -60
     ;;
   *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline" >&2
      exit 2 ;;

@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.12, help="each engine's --gpu-memory-utilization")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (the CPU dry run uses it)")
     ap.add_argument("--seed", type=int, default=0, help="the trials' arm order")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="start no trial after this many seconds of trials (0: all); the summary still prints")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -187,7 +189,11 @@ def main() -> None:
     trials = []
     try:
         _start(engines, base, steer, fields, ctx)
+        t_start = time.monotonic()
         for i in range(args.trials):
+            if args.deadline_s and trials and time.monotonic() - t_start > args.deadline_s:
+                print(f"[offline_pairs] deadline: {len(trials)} of {args.trials} trials", flush=True)
+                break
             order = list(args.arms)
             rng.shuffle(order)
             trial = {}
@@ -202,6 +208,8 @@ def main() -> None:
             print(f"[offline_pairs] trial {i + 1}/{args.trials}: " + ", ".join(
                 f"{a} {(trial[a]['gen'] - trial[a]['prefill']) / (args.max_tokens - 1) * 1e3:.3f} ms/step"
                 for a in args.arms), flush=True)
+            if args.out:  # every trial so far, so a run cut short still leaves its data
+                Path(args.out).write_text(json.dumps({"args": vars(args), "partial": True, "trials": trials}))
     finally:
         for e in engines.values():
             if "proc" in e and e["proc"].is_alive():
