@@ -4,7 +4,7 @@
 # and loguru (bench/tools_wheels.sh), .whl/peer/ hotwire-vllm. Several steps at once, one GPU each: bench/gpu_lanes.sh.
 #   install    bundle + plugin + .whl/tools into /tmp/site
 #   kernels    tests/gpu and kernels_bench;   cost   request_path_cost and the table-write test
-#   checks     tests/gpu_e2e (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
+#   checks     tests/gpu_e2e, or the files CHECKS names (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
 #              (GRAPH_NS: its request counts, default 4,16: n16 profiles per_request_n16 / project_n16 beside idle)
@@ -72,7 +72,7 @@ case "${1:-}" in
     timeout -k 20 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
     ;;
   checks)
-    VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" tests/gpu_e2e --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
+    VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" ${CHECKS:-tests/gpu_e2e} --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
     ;;
   ab-start)
     timeout -k 20 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --reuse-servers --keep-servers \
