@@ -61,6 +61,26 @@ def _forward(rt, req_ids, scheduled, computed) -> None:
         tok += n
 
 
+def _stepper(rt):
+    """One engine step of ``rt``: plan, forward (``_forward``), after_forward."""
+    def step(req_ids, scheduled, computed):
+        scheduled, computed = np.array(scheduled, np.int32), np.array(computed, np.int32)
+        rt.plan_step(req_ids, scheduled, computed)
+        _forward(rt, req_ids, scheduled, computed)
+        rt.after_forward()
+    return step
+
+
+def _arrival(got: dict):
+    """``sent(rid, within)``: whether ``rid``'s result reaches ``got`` within the seconds given."""
+    def sent(rid, within=10.0):
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and rid not in got:
+            time.sleep(0.02)
+        return rid in got
+    return sent
+
+
 @pytest.mark.parametrize("seed,reduce_rows", [(0, 2048), (1, 2048), (2, 14), (3, 8)])
 def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, reduce_rows):
     rng = random.Random(seed)
@@ -189,17 +209,7 @@ def test_a_prompt_only_capture_ends_with_its_prefill(monkeypatch, runtimes):
     rt.add_request("r2", {"activations": {**spec, "positions": [0, 2]}}, 6)
     rt.add_request("r3", {"activations": {**spec, "positions": "all"}}, 6)
 
-    def step(req_ids, scheduled, computed):
-        scheduled, computed = np.array(scheduled, np.int32), np.array(computed, np.int32)
-        rt.plan_step(req_ids, scheduled, computed)
-        _forward(rt, req_ids, scheduled, computed)
-        rt.after_forward()
-
-    def sent(rid, within=10.0):
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline and rid not in got:
-            time.sleep(0.02)
-        return rid in got
+    step, sent = _stepper(rt), _arrival(got)
 
     step(["r1", "r2", "r3"], [4, 2, 4], [0, 0, 0])  # r2's positions 0..1: its position 2 is still to come
     assert not sent("r1", 0.5) and not sent("r2", 0.01)
@@ -239,17 +249,7 @@ def test_a_generated_capture_ends_with_the_step_that_samples_its_last_token(monk
     rt.add_request("r2", {"activations": {**spec, "reduce": "last"}}, prompt, max_tokens=8)  # stops at EOS
     rt.add_request("r3", {"activations": {**spec, "reduce": "last"}}, prompt)  # no cap known
 
-    def step(req_ids, scheduled, computed):
-        scheduled, computed = np.array(scheduled, np.int32), np.array(computed, np.int32)
-        rt.plan_step(req_ids, scheduled, computed)
-        _forward(rt, req_ids, scheduled, computed)
-        rt.after_forward()
-
-    def sent(rid, within=10.0):
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline and rid not in got:
-            time.sleep(0.02)
-        return rid in got
+    step, sent = _stepper(rt), _arrival(got)
 
     ids = ["r1", "r2", "r3"]
     step(ids, [4, 4, 4], [0, 0, 0])  # the prefills (token 1 sampled)
