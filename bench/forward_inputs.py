@@ -6,13 +6,18 @@ test Llama grown to ``--layers`` layers (``hf_overrides``, dummy weights: only t
 stock (no plugin) or steer (``additional_config.steer``: every hook at every layer). It counts the Dynamo graph's
 inputs (placeholders: ours are the ``vs_`` buffers of the steered norms), splits that graph as vLLM's piecewise
 backend does on a GPU (``compilation.backends.split_graph`` at the attention ops present) and counts each
-piece's inputs; then it times each forward call of the compiled model: the pregraph bytecode (Dynamo's code
-that gathers the graph's inputs from the module tree: timed through ``torch._dynamo.utils``'
-``record_pregraph_bytecode_enter/exit``, which the transformed code calls around it), the compiled graph's call
-(AOT wrapper + Inductor's ``call``, kernels included) and the whole wrapper call. ``--ab`` runs the arms
-interleaved in fresh processes and prints medians per arm.
+piece's inputs; then it times each forward call of the compiled model (the decorated inner model's
+``__call__``): the whole call, the pregraph bytecode in it (Dynamo's code that loads the graph's inputs from the
+module tree, timed through ``torch._dynamo.utils.record_pregraph_bytecode_enter/exit``, which the transformed code
+calls around it), the rest (the compiled graph: AOT wrapper, Inductor's ``call``, kernels) and the AOT function's
+guard check (on only in a process that compiled; vLLM turns it off for a graph loaded from its cache).
+``--repeat N`` runs one decode step N more times back to back (less noise than the engine loop); ``--cheap-op``
+makes the steered norm's CPU reference one add (on the CPU it is most of a steered forward). ``--ab`` runs the
+arms (``--arms stock,steer,steer=DIR``: DIR another tree's ``src/``) interleaved in fresh processes, one engine at
+a time, one OpenMP thread, and prints medians per arm.
 
-    python bench/forward_inputs.py --ab --rounds 2 [--layers 32 --prompt 128 --gen 64 --out FILE]
+    python bench/forward_inputs.py --ab --rounds 3 --repeat 300 --cheap-op \
+        --arms stock,steer=BASE/src,steer=$PWD/src [--layers 32 --prompt 128 --gen 64 --out FILE]
 """
 
 from __future__ import annotations
@@ -107,7 +112,30 @@ def _input_counts(gm) -> dict:
         pieces.append({"piece": item.submod_name, "splitting_op": item.is_splitting_graph, "inputs": len(ph),
                        "ours": sum(_ours(n) for n in ph)})
     return {"inputs": len(names), "ours": sum(map(_ours, names)), "ours_by_kind": kinds, "split_at": ops,
-            "pieces": pieces}
+            "pieces": pieces, "distinct_pieces": _distinct_or_none(items)}
+
+
+def _distinct_or_none(items):
+    try:
+        return _distinct(items)
+    except Exception as e:  # a count, not worth a lost arm
+        return repr(e)
+
+
+def _distinct(items) -> int:
+    """How many of the pieces between splitting ops differ once their placeholders are renamed (as Inductor's
+    cache key does, ``normalize_placeholder_names``): on a GPU, the pieces Inductor compiles cold; the rest hit its
+    cache."""
+    codes = set()
+    for item in items:
+        if item.is_splitting_graph:
+            continue
+        gm = _copy(item.graph)
+        for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+            node.name = node.target = f"p{i}"
+        gm.recompile()
+        codes.add(gm.code)
+    return len(codes)
 
 
 def _time_calls(model) -> None:
@@ -154,7 +182,7 @@ def _cheap_op() -> None:
         s = x if residual is None else x + residual
         return s, s.clone()
 
-    op._impl = cheap
+    op.steered_norm_naive = cheap  # what the registered op calls for a CPU tensor
 
 
 def run_arm(a) -> dict:
@@ -234,7 +262,8 @@ def ab(a) -> None:
         c = next((r["counts"] for r in rows if r["counts"]), None)
         if c is None:  # every round loaded the compiled graph from the cache: run with an empty --cache to count
             continue
-        print(arm, "inputs", c["inputs"], "ours", c["ours"], c["ours_by_kind"], "split at", c["split_at"])
+        print(arm, "inputs", c["inputs"], "ours", c["ours"], c["ours_by_kind"], "split at", c["split_at"],
+              "distinct pieces", c.get("distinct_pieces"))
         print("   pieces (inputs/ours):", " ".join(f"{p['inputs']}/{p['ours']}" for p in c["pieces"]
                                                   if not p["splitting_op"]))
     if a.out:
