@@ -258,7 +258,7 @@ def ab(a) -> None:
         rows = [r for r in results if r["arm"] == arm]
         for what in ("prefill", "decode", "repeat"):
             print(arm, what, {k: round(statistics.median(r[what][k] for r in rows), 1)
-                              for k in ("call_us", "pregraph_us", "rest_us") if r[what].get(k) is not None})
+                              for k in ("call_us", "pregraph_us", "rest_us") if rows[0][what].get(k) is not None})
         c = next((r["counts"] for r in rows if r["counts"]), None)
         if c is None:  # every round loaded the compiled graph from the cache: run with an empty --cache to count
             continue
