@@ -319,11 +319,16 @@ def test_offline_pairs_modules_load_as_start_up_modules_and_trials_pair_by_numbe
     assert [round(x, 6) for x in out["site_named16"]["decode_step_ms_vs_stock"]["pct"]] == [10.0, 5.0]
 
 
+def _lane_ended(log) -> bool:
+    """A lane log whose last line says its steps all ran."""
+    return log.read_text().splitlines()[-1].endswith("lane done")
+
+
 def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
     """bench/gpu_lanes.sh with a stand-in gpu_session.sh: each step sees its lane's GPU, TMPDIR, port base, OUT and
     only its own variables; a lane still running is not started twice; a lane started again goes on in its folder;
     poll waits for every lane and packs logs and results (not the lanes' TMPDIRs) into one archive; a lane outlives
-    the process group that started it."""
+    the process group that started it; a lane whose process died is reported lost at once and can start again."""
     import subprocess
     import tarfile
 
@@ -369,6 +374,16 @@ def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
         pass
     assert lanes_sh("poll", "30").returncode == 0
     assert [ln.split()[0] for ln in (lanes / "c" / "out" / "steps.txt").read_text().splitlines()] == ["slow", "plain"]
+    # a lane whose process died before its log ended is reported lost at once (not waited for) and may start again
+    assert lanes_sh("start", "3", "d", "slow; plain").returncode == 0
+    os.kill(int((lanes / "d.pid").read_text()), signal.SIGKILL)
+    import time
+    t0 = time.monotonic()
+    lost = lanes_sh("poll", "30")
+    assert time.monotonic() - t0 < 15 and "##### d (LOST" in lost.stdout and "##### a (ended)" in lost.stdout
+    assert lanes_sh("start", "3", "d", "plain").returncode == 0
+    assert lanes_sh("poll", "30").returncode == 0
+    assert "lane lost: started again" in (lanes / "d.log").read_text() and _lane_ended(lanes / "d.log")
 
 
 def test_the_early_variant_servers_are_their_twins_with_the_kernel_flag(tmp_path):
