@@ -321,21 +321,17 @@ class CaptureRuntime:
             self._bounded.discard(request_id)
             if req is None:
                 continue
+            used, slots = self._reduced_picks(req)
+            free.append(slots)  # its slots are free again once their gather is enqueued
             if request_id in self._finished:
-                free.append(self._reduced_picks(req)[1])  # its slots are free again
                 continue
             self._finished[request_id] = _EARLY if early else None
             while len(self._finished) > RECENTLY_FINISHED_MAX:
                 self._finished.popitem(last=False)
-            ends.append((request_id, req, self._begin_finish(request_id, req)))
-        picked = []
-        for _, req, _ in ends:
-            used, slots = self._reduced_picks(req)
-            picked.append(used)
-            free.append(slots)
+            ends.append((request_id, req, self._begin_finish(request_id, req), used))
         block = event = None
         region = self._reduce
-        flat = [p for used in picked for p in used]
+        flat = [p for *_, used in ends for p in used]
         if flat and self._host is not None and not self._host.dead:
             rows = region.gather(np.array([p[1] for p in flat], np.int64), np.array([p[3] for p in flat], bool))
             staged = self._host.stage_reduced(rows, self._copy_stream)
@@ -344,7 +340,7 @@ class CaptureRuntime:
             else:
                 event, block = staged
         at = 0
-        for (request_id, req, (key, meta, bits)), used in zip(ends, picked):
+        for request_id, req, (key, meta, bits), used in ends:
             parts: dict[int, tuple] = {}
             for bit in req.plan.red_bits:
                 mine = [p for p in used if p[0] == bit]
@@ -362,7 +358,7 @@ class CaptureRuntime:
                     "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
                                                    "undelivered): this request's capture was not delivered to it"})
         if block is not None:
-            self._host.release_reduced(block)  # its notices hold it now
+            block.release()  # its notices hold it now
         if region is not None:
             for slots in free:
                 if len(slots):

@@ -191,15 +191,15 @@ class CaptureHost:
             lane.finish_slots.release()
             self.rt._finished_by(key, lane.bit, lane.instance, self._died_result())
             return
-        if reduced is not None and reduced[0] != "lost":
+        staged = reduced is not None and reduced[0] != "lost"
+        if staged:
             reduced[0].hold()
-        self._notify.put((event if reduced is not None and reduced[0] != "lost" else None,
-                          ("finish", lane.bit, request_id, key, meta, req, reduced)))
+        self._notify.put((event if staged else None, ("finish", lane.bit, request_id, key, meta, req, reduced)))
 
     def stage_reduced(self, rows: torch.Tensor, copy_stream: Any) -> tuple[Any, "_Reduced"] | None:
         """Copy finished requests' float32 reduced rows ``[n, D]`` into the ring (a model-dtype ring holds a float32
         row in 4 / itemsize ring rows): (the copy's event, the block their finish notices read), or None when the
-        ring is full. The caller holds the block until its notices are queued (``release_reduced``)."""
+        ring is full. The caller holds the block until its notices are queued (then ``_Reduced.release``)."""
         n, hidden = rows.shape
         per = 4 // self.rows.element_size()
         packet_id = self._next_id
@@ -209,9 +209,6 @@ class CaptureHost:
             return None
         event = _copy_into(self.rows[start : start + n * per].view(torch.float32).view(n, hidden), rows, copy_stream)
         return event, _Reduced(self.ring, packet_id, start, n * per, n)
-
-    def release_reduced(self, block: "_Reduced") -> None:
-        block.release()
 
     def _read_reduced(self, red: tuple) -> tuple[list, int]:
         """(the reduced rows as numpy, with their items; rows lost) once the copy is done; the last notice of a
