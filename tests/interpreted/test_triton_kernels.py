@@ -814,3 +814,20 @@ def _stream(x, r, table, proj, n):
     s0 = (x.float() + r.float())[:n]
     v = proj[1][1, 0]
     return s0 - (s0 @ v)[:, None] * v + table[1].float()
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_triton_variants_without_projections_are_the_plain_kernel(interpreted, variant):
+    """A site with vectors and no projections under EARLY / ANALYTIC (what every non-projecting norm of such a server
+    runs: ``kernels_bench``'s ``steered_*_early`` rows) is the default kernel bit for bit; launched here so
+    tests/test_kernels_compile.py compiles that specialization for sm_90 too (the projection cases do not reach it)."""
+    kernel, _ = interpreted
+    n, d = 14, 80
+    x, r, (ta, tb), _ = _case(n, d, torch.bfloat16, seed=140)
+    w = (torch.randn(d, generator=torch.Generator().manual_seed(141)) * 0.5 + 1.0).to(torch.bfloat16)
+    index = (torch.arange(n + 5) % 6).to(torch.int32)
+    vec = ((ta, _on()), (tb, _on()))
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **_VARIANTS[variant])
+    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec)
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
