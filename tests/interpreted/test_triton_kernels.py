@@ -701,14 +701,13 @@ def test_full_transcoder_matches_reference(interpreted, monkeypatch, variant):
 def _one_direction_tables(d: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple[tuple, tuple]:
     """Slot A's and slot B's projections with K = 1 (a ``max_projections`` 1 server's input norm): row 0 none, row 1
     ablates at A, row 2 at B, row 3 at both, row 4 caps at A into [-0.5, 0.5], row 5 none (a stale direction, count
-    0); directions stored in ``dtype`` (float32, or the model's: ``runtime.projection_tables.DIRS_DTYPE``)."""
+    0); directions stored in ``dtype`` (float32, or the model's: ``runtime.projection_tables.dirs_dtype``)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for at in ((1, 3, 4), (2, 3)):
         dirs = torch.randn(6, 1, d, generator=g)
         dirs = (dirs / dirs.norm(dim=-1, keepdim=True)).to(dtype)
         count = torch.tensor([1 if r in at else 0 for r in range(6)], dtype=torch.int32)
-        count[0] = 0
         bounds = torch.zeros(6, 1, 2)
         bounds[4, 0] = torch.tensor([-0.5, 0.5])
         out.append((count, dirs, bounds))

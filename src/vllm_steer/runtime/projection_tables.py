@@ -4,9 +4,8 @@ Per hooked site of this rank: ``count`` [R] int32 (the row's live directions the
 every row without projections at the site hold), ``dirs`` [R, K, D] (unit directions, float32; in the model's dtype
 with ``VLLM_STEER_PROJ_DIRS=model`` (``DIRS``): half the bytes a projecting token reads, an issue-38 variant off
 until a GPU bench says otherwise; the directions are then rounded, so an ablation leaves ~1e-3 of the component)
-and ``bounds``
-[R, K, 2] float32 (lo, hi: ablation is 0, 0), the steered norm's ``proj`` descriptor for the slot the site
-is folded into (``kernels/steered_rms_norm``). Rows share the numbering of the steering tables: a config key
+and ``bounds`` [R, K, 2] float32 (lo, hi: ablation is 0, 0), the steered norm's ``proj`` descriptor for the slot
+the site is folded into (``kernels/steered_rms_norm``). Rows share the numbering of the steering tables: a config key
 owns one row for its vectors, clamps and projections. A row is written with the config that takes it, and a
 reused row's sites are all rewritten (count 0 where it has none). Every view handed to the model is 16-byte aligned
 (NOTES: Inductor copies misaligned inputs).
