@@ -34,6 +34,7 @@ SHAPES = {  # Llama-3-8B (GQA 8 kv heads); Llama-3.2-1B-like; CPU dry runs (vLLM
     "tiny": dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=2048),
 }
 STEER_BLOCK = {"steer": {"max_configs": 272}}
+PROJ_BLOCK = {"steer": {"max_configs": 272, "max_projections": 1}}  # one direction per site and row
 STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  # ablations: one steered norm (every patch on); every site with 4 table rows; post_mlp sites only
                  "steer_one": {"steer": {"max_configs": 272, "hooks": ["post_mlp"], "layers": [0]}},
@@ -41,11 +42,11 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_mlp": {"steer": {"max_configs": 272, "hooks": ["post_mlp"]}},
                  "steer_cond": {"steer": {"max_configs": 272, "conditions": True}},  # conditional steering
                  # directional projections: one direction per site and row (steer.max_projections)
-                 "steer_proj": {"steer": {"max_configs": 272, "max_projections": 1}},
+                 "steer_proj": PROJ_BLOCK,
                  # capture: the activations driver consumer enabled (a capture op before every steered norm)
                  "steer_capture": {"steer": {"max_configs": 272, "capture": ["activations"]}},
                  # issue 38's EARLY variant (SERVER_ENV): steer and steer_proj with every slot's loads up front
-                 "steer_early": STEER_BLOCK, "steer_proj_early": {"steer": {"max_configs": 272, "max_projections": 1}}}
+                 "steer_early": STEER_BLOCK, "steer_proj_early": PROJ_BLOCK}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
