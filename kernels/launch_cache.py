@@ -12,6 +12,10 @@ Launch hooks: Triton >= 3.5 keeps them in ``HookChain`` objects that its launche
 launch, empty or not, after building a launch-metadata dict; while both chains are empty they are
 passed as ``None`` (nothing to call, no metadata), otherwise (a profiler's hooks) as Triton passes them.
 
+Trailing constexprs a caller leaves out take their defaults here, as Triton's binding does: the compiled launcher
+takes every parameter (s29: ``full_triton._encode``'s seven defaulted tuning constexprs, left out on the engine's
+path, turned the direct path off for the whole process at a full SAE pack's first launch).
+
 Any failure of the direct call (a Triton whose launcher has another signature) turns the direct
 path off for the process and launches through Triton from then on. Under the interpreter
 (``TRITON_INTERPRET=1``) nothing is cached.
@@ -19,6 +23,7 @@ path off for the process and launches through Triton from then on. Under the int
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -67,10 +72,13 @@ class CachedLauncher:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self.names = fn.arg_names
+        self.defaults = tuple(p.default for p in getattr(fn, "params", ()))  # inspect._empty: none
         self.cache: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
                  num_stages: int | None = None) -> None:
+        if (given := len(args) + len(constexprs)) < len(self.names):
+            constexprs += self._defaults_from(given)
         key = (_key(args), constexprs, num_warps, num_stages)
         kernel = self.cache.get(key) if CachedLauncher.direct else None
         if kernel is not None:
@@ -86,6 +94,12 @@ class CachedLauncher:
         kernel = self.fn[grid](*args, **named, num_warps=num_warps, **stages)
         if CachedLauncher.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
             self.cache[key] = kernel.result() if hasattr(kernel, "result") else kernel
+
+    def _defaults_from(self, given: int) -> tuple:
+        tail = self.defaults[given:]
+        if len(tail) != len(self.names) - given or inspect.Parameter.empty in tail:
+            raise TypeError(f"{self.fn}: {len(self.names) - given} parameters missing, not all with defaults")
+        return tail
 
     @staticmethod
     def _run(kernel: Any, grid: tuple[int, ...], all_args: tuple) -> None:

@@ -4,6 +4,7 @@ calls go through Triton, which launch the cached kernel, with which arguments, a
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +29,9 @@ class FakeCompiled:
 
 
 class FakeJit:
-    arg_names = ["p_x", "stride", "eps", "D", "FLAG"]
+    arg_names = ["p_x", "stride", "eps", "D", "FLAG", "TUNE", "MODE"]
+    params = [SimpleNamespace(default=inspect.Parameter.empty)] * 5 + [SimpleNamespace(default=False),
+                                                                       SimpleNamespace(default=2)]
 
     def __init__(self, fail_direct: bool = False) -> None:
         self.log: list = []
@@ -59,8 +62,26 @@ def test_second_call_launches_the_cached_kernel_with_every_argument():
     launch((5,), (x, 64, 1e-5), (64, True), 8)
     launch((7, 2), (x, 64, 2e-5), (64, True), 8)
     assert [e[0] for e in jit.log] == ["triton", "direct"]
-    assert jit.log[0][3] == {"D": 64, "FLAG": True} and jit.log[0][4] == 8
-    assert jit.log[1] == ("direct", (7, 2, 1), 1234, (x, 64, 2e-5, 64, True))
+    assert jit.log[0][3] == {"D": 64, "FLAG": True, "TUNE": False, "MODE": 2} and jit.log[0][4] == 8
+    assert jit.log[1] == ("direct", (7, 2, 1), 1234, (x, 64, 2e-5, 64, True, False, 2))
+
+
+def test_left_out_constexprs_take_their_defaults_and_share_the_explicit_call_s_kernel():
+    """The compiled launcher takes every parameter: defaulted trailing constexprs the caller leaves out are passed
+    (s29: ``full_triton._encode`` on the engine's path turned the direct path off for the process)."""
+    jit = FakeJit()
+    launch = CachedLauncher(jit)
+    x = torch.zeros(64)
+    launch((1,), (x, 64, 1e-5), (64, True, False), 8)
+    launch((1,), (x, 64, 1e-5), (64, True, False, 2), 8)
+    launch((1,), (x, 64, 1e-5), (64, True, True), 8)
+    assert [e[0] for e in jit.log] == ["triton", "direct", "triton"] and CachedLauncher.direct
+    assert jit.log[1][3] == (x, 64, 1e-5, 64, True, False, 2) and jit.log[2][3]["MODE"] == 2
+
+
+def test_a_missing_parameter_without_a_default_is_refused():
+    with pytest.raises(TypeError, match="3 parameters missing"):
+        CachedLauncher(FakeJit())((1,), (torch.zeros(64), 64, 1e-5), (64,), 8)
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "stride_not_16", "stride_one", "constexpr", "warps"])

@@ -265,6 +265,21 @@ def test_topk_selects_the_reference_features():
     torch.testing.assert_close(seen["coef"][:n][keep], want[keep], rtol=1e-4, atol=1e-4)
 
 
+def test_full_pack_launches_keep_the_direct_launch_path():
+    """Every full-pack kernel launched twice on the engine's path (default tuning) goes through the cached direct
+    launch: s29's GPU run found ``_encode``'s defaulted constexprs turning it off for the whole process."""
+    from vllm_steer.kernels.launch_cache import CachedLauncher
+    from vllm_steer.kernels.sae_clamp import full_triton
+
+    pack = full_pack(4096, 16384, 64, seed=5, topk=64, device="cuda", modes=(0, 2, 2, 2, 2, 2))
+    x = torch.randn(16, 4096, device="cuda")
+    index = torch.ones(16, dtype=torch.int32, device="cuda")
+    first = full_triton.site_edit(x, None, index, pack, 64).clone()
+    assert CachedLauncher.direct
+    torch.testing.assert_close(full_triton.site_edit(x, None, index, pack, 64), first, rtol=0, atol=0)
+    assert CachedLauncher.direct and all(launch.cache for launch in (full_triton._ENCODE, full_triton._SELECT))
+
+
 def test_full_slots_in_a_cuda_graph_follow_rows_changed_after_capture():
     n, d, f, dtype = 24, 4096, 16384, torch.bfloat16
     x, r, w, index, a = _case(n, d, f, dtype, "ab", 64, seed=11)
