@@ -175,9 +175,10 @@ print(write_model_dir(Path(tempfile.gettempdir()) / "vllm_steer_ab" / "model-8b-
       # --no-deps: the list is bench/v4_bundle.sh's (not nvidia-cutlass-dsl's cu12 libraries, not cuda-python)
       python3 -m pip install -q --no-deps --no-index --no-compile --prefix "$P" "${W[@]}" || exit 6
       # vLLM 0.26 pins tilelang 0.1.9 with apache-tvm-ffi 0.1.10: 0.1.9 does not import with the vLLM bundle's 0.1.15
-      # ("Type 'ffi.Tensor' already has a registered class"), so 0.1.10 goes before it, for this step only
+      # ("Type 'ffi.Tensor' already has a registered class"), so 0.1.10 goes before it, for this step only, with
+      # xgrammar 0.2.7 (the bundle's 0.2.8 calls tvm-ffi >= 0.1.11: every engine failed at start in s29)
       python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/v4-tvm \
-        /tmp/vw/kernels/apache_tvm_ffi-*.whl || exit 6
+        /tmp/vw/kernels/apache_tvm_ffi-*.whl /tmp/vw/kernels/xgrammar-*.whl || exit 6
     fi
     S=$(site)  # pip's --prefix layout (lib/python3.12/site-packages for the ray step; Debian's may differ)
     # the CuTe DSL's .pth (which puts dsl_packages on sys.path) runs only in site directories, not on PYTHONPATH

@@ -12,7 +12,9 @@
 #            0.6.1 is the newest quack that pins DSL 4.6.0 exactly (what a fresh install resolved when 0.26.0 shipped,
 #            vllm#47571; vLLM's main pinned 0.6.1 until vllm#51566 moved both to 0.6.4 / DSL 4.6.2). 0.4.0 (s28's
 #            GPU run) and 0.4.1 do not import with DSL 4.6.0 (`from cutlass.base_dsl import Arch`, `cute.core.ThrMma`)
-#            apache-tvm-ffi 0.1.10 (vLLM's pin: TileLang 0.1.9 does not import with the vLLM bundle's 0.1.15)
+#            apache-tvm-ffi 0.1.10 (vLLM's pin: TileLang 0.1.9 does not import with the vLLM bundle's 0.1.15) and
+#            xgrammar 0.2.7 beside it (the bundle's 0.2.8 needs tvm-ffi >= 0.1.11: `load_lib_module(extra_lib_paths=)`,
+#            every engine of the s29 GPU run failed on it; 0.2.7 asks >= 0.1.10, vLLM 0.26 >= 0.2.1)
 #   nvcc     nvidia-cuda-nvcc / -crt / nvvm / -cccl 13.0 (torch's cuda-toolkit 13.0.2): TileLang and DeepGEMM compile
 #            their kernels at runtime; used only where the image has no nvcc (`bash bench/gpu_session.sh v4` looks)
 # On the device: each part `mkdir -p /tmp/gv && cp .gpuvK/* /tmp/gv/`, then `bash bench/gpu_session.sh v4`.
@@ -29,7 +31,8 @@ get() {  # exact versions, no dependency resolution (the image and the vLLM bund
 get "$tmp/kernels" tilelang==0.1.9 z3-solver==4.15.4.0 ml-dtypes==0.6.0 torch-c-dlpack-ext==0.1.5 \
   nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 nvidia-cutlass-dsl-libs-core==4.6.0 \
   nvidia-cutlass-dsl-libs-cu13==4.6.0 nvidia-cuda-nvdisasm==13.5.37 quack-kernels==0.6.1 \
-  cloudpickle==3.1.3 einops==0.8.2 protobuf==6.33.6 apache-tvm-ffi==0.1.10
+  cloudpickle==3.1.3 einops==0.8.2 protobuf==6.33.6 apache-tvm-ffi==0.1.10 \
+  xgrammar==0.2.7
 [ "${V4_NVCC:-1}" = 1 ] && get "$tmp/nvcc" nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
   nvidia-cuda-cccl==13.0.85
 rm -rf .gpuv*
