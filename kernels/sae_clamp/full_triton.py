@@ -576,6 +576,9 @@ def _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o
 _TILES = ((64, (16, 64, 64, 4)), (512, (64, 128, 64, 4)), (None, (128, 128, 64, 8)))
 _PROGRAMS = 528  # programs the decoder aims at (4 per SM of an H100's 132): splits over d_sae fill the GPU at decode
 _SPLIT_MAX = 16
+# the encoder's warps at the 16-token tile (N <= 64): s29's H100 sweep (bench/results/2026-11-28-s29, topk_sweep) timed
+# the TopK site at N 1 / 16 / 64: 74.5 / 81.3 / 179.8 µs with 4 warps, 71.1 / 77.6 / 126.2 with 2 (W_enc's read 40 µs)
+_ENC_WARPS_SMALL = 2
 _ENC_UNROLL = 2  # K tiles a step of the encoder's loop when its grid is under _PROGRAMS (N 16: 256 programs)
 _SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
 _REDUCE_D = 64  # _reduce's columns a program: 64 programs a 16-token tile at D 4096 (256 gave 16: latency-bound)
@@ -665,7 +668,8 @@ def site_edit(
     s = torch.empty(1 if direct else rn, d, dtype=torch.float32, device=dev)  # gathered streams
     bm, bn, bk, warps = _tiles(n, x.element_size() > 2)
     t = tuning
-    e_bn, e_bk, e_warps = t.block_f or bn, t.block_k or bk, t.warps or warps
+    e_bn, e_bk = t.block_f or bn, t.block_k or bk
+    e_warps = t.warps or (_ENC_WARPS_SMALL if bm == _TILES[0][1][0] else warps)
     m_tiles, e_tiles = triton.cdiv(rn, bm), triton.cdiv(f_all, e_bn)
     unroll = t.unroll or (_ENC_UNROLL if m_tiles * e_tiles * t.split_k < _PROGRAMS else 1)
     k_split = triton.cdiv(triton.cdiv(d, t.split_k), e_bk * unroll) * e_bk * unroll
