@@ -78,7 +78,7 @@ class CachedLauncher:
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
                  num_stages: int | None = None) -> None:
         if (given := len(args) + len(constexprs)) < len(self.names):
-            constexprs += self._defaults_from(given)
+            constexprs += self._defaults_from(given)  # () where unknown: Triton's own path fills them
         key = (_key(args), constexprs, num_warps, num_stages)
         kernel = self.cache.get(key) if CachedLauncher.direct else None
         if kernel is not None:
@@ -96,10 +96,10 @@ class CachedLauncher:
             self.cache[key] = kernel.result() if hasattr(kernel, "result") else kernel
 
     def _defaults_from(self, given: int) -> tuple:
+        """The defaults of the parameters after the first ``given``; () unless every one has one (the interpreter's
+        function keeps no ``params``: nothing is cached there, and Triton's binding fills them)."""
         tail = self.defaults[given:]
-        if len(tail) != len(self.names) - given or inspect.Parameter.empty in tail:
-            raise TypeError(f"{self.fn}: {len(self.names) - given} parameters missing, not all with defaults")
-        return tail
+        return tail if len(tail) == len(self.names) - given and inspect.Parameter.empty not in tail else ()
 
     @staticmethod
     def _run(kernel: Any, grid: tuple[int, ...], all_args: tuple) -> None:

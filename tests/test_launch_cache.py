@@ -79,9 +79,14 @@ def test_left_out_constexprs_take_their_defaults_and_share_the_explicit_call_s_k
     assert jit.log[1][3] == (x, 64, 1e-5, 64, True, False, 2) and jit.log[2][3]["MODE"] == 2
 
 
-def test_a_missing_parameter_without_a_default_is_refused():
-    with pytest.raises(TypeError, match="3 parameters missing"):
-        CachedLauncher(FakeJit())((1,), (torch.zeros(64), 64, 1e-5), (64,), 8)
+def test_parameters_without_known_defaults_are_left_to_triton():
+    """A function whose parameters' defaults are unknown (the interpreter's keeps no ``params``) or missing: the call
+    goes to Triton's binding with what was given."""
+    jit = FakeJit()
+    del_params = type("NoParams", (FakeJit,), {"params": property(lambda self: ())})()
+    for fn in (jit, del_params):
+        CachedLauncher(fn)((1,), (torch.zeros(64), 64, 1e-5), (64,), 8)
+        assert fn.log[-1][0] == "triton" and fn.log[-1][3] == {"D": 64}
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "stride_not_16", "stride_one", "constexpr", "warps"])
