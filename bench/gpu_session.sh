@@ -15,7 +15,9 @@
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
 #   proj       the projection kernel tests (interpreted and GPU), then project_n16 (16 requests each ablating one
 #              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj
-#              ab-start)
+#              ab-start); the late kernel path beside the default EARLY (VLLM_STEER_NORM_EARLY=0): SERVERS and
+#              GRAPH_SERVERS add steer_late,steer_proj_late, ARMS add enabled_idle_late,per_request_n16_late,
+#              project_idle_late,project_n16_late
 #   capture    capture idle, capturing (activations) and writing every layer to disk vs stock (first:
 #              GPU_MEM=0.3 SERVERS=stock,steer_capture,steer_capture_fs ab-start; then
 #              GRAPH_SERVERS=stock,steer_capture graph counts the capture kernels per decode step)

@@ -12,13 +12,12 @@ every slot, no projection tables: per_request_n16), ``step_proj_idle`` (projecti
 project_idle), ``step_proj_live`` (each row ablating its direction at every post_mlp site, the other sites marked
 idle: project_n16) and ``step_proj_unmarked`` (the same with no site marked idle, every slot reading its token's
 direction: project_n16 before the idle marks).
-Issue 38's variants, each beside its default row (its error against the reference checked first): ``*_early``
-(``kernels/steered_rms_norm/triton.py`` EARLY: every slot's scalar and row loads before the first branch),
-``*_analytic`` (ANALYTIC: one direction and the adds after it in one reduction, the norm's sum of squares derived)
-and ``*_bf16`` (``runtime.projection_tables`` DIRS "model": bf16 directions), per launch at D 4096, N 16 and 64
-(steered_idle_early, steered_all_early, proj_row0_early, proj_all_early, proj_all_analytic, proj_all_bf16,
-proj_all_bf16_analytic) and per step (step_steered_early, step_proj_idle_early / _analytic, step_proj_live_early /
-_analytic / _bf16 / _bf16_analytic).
+The steered norm's default is EARLY (``kernels/steered_rms_norm/triton.py``: every slot's scalar and row loads
+before the first branch); ``*_late`` rows time the late path (``early=False``, VLLM_STEER_NORM_EARLY=0) beside the
+default's, and ``*_bf16`` rows ``runtime.projection_tables`` DIRS "model" (bf16 directions), each checked against the
+reference first: per launch at D 4096, N 16 and 64 (steered_idle_late, steered_all_late, proj_row0_late,
+proj_all_late, proj_all_bf16) and per step (step_idle / _late: vector tables allocated, nothing steered, no
+projection tables, as enabled_idle; step_steered_late, step_proj_idle_late, step_proj_live_late / _bf16).
     python3 bench/kernels_bench.py --out $OUT/kernels.json
 """
 
@@ -124,18 +123,17 @@ def main() -> int:
             proj = (count, dirs, bounds)
             cases["proj_row0"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, zero, (ta, on), (tb, on), proj_a=proj)
             cases["proj_all"] = lambda: steered_norm_triton(x, r, w, EPS, 0.0, steered, (ta, on), (tb, on), proj_a=proj)
-            # issue 38's variants (kernels/steered_rms_norm/triton.py EARLY / ANALYTIC, runtime.projection_tables DIRS):
-            # each beside its default row above, its error against the reference checked first; at the A/B's sizes
-            # only (D 4096, N 16 and 64: the step stays inside gpu_session.sh's timeout)
+            # the late path (kernels/steered_rms_norm/triton.py, early=False) and bf16 directions
+            # (runtime.projection_tables DIRS): each beside its default row above, its error against the reference
+            # checked first; at the A/B's sizes only (D 4096, N 16 and 64: the step stays inside gpu_session.sh's
+            # timeout)
             proj16 = (count, dirs.to(torch.bfloat16), bounds)
             variants = () if (d, n) not in ((4096, 16), (4096, 64)) else (
-                ("steered_idle_early", dict(index=zero, flag=off, early=True)),
-                ("steered_all_early", dict(index=steered, flag=on, early=True)),
-                ("proj_row0_early", dict(index=zero, flag=on, proj_a=proj, early=True)),
-                ("proj_all_early", dict(index=steered, flag=on, proj_a=proj, early=True)),
-                ("proj_all_analytic", dict(index=steered, flag=on, proj_a=proj, analytic=True)),
-                ("proj_all_bf16", dict(index=steered, flag=on, proj_a=proj16)),
-                ("proj_all_bf16_analytic", dict(index=steered, flag=on, proj_a=proj16, analytic=True)))
+                ("steered_idle_late", dict(index=zero, flag=off, early=False)),
+                ("steered_all_late", dict(index=steered, flag=on, early=False)),
+                ("proj_row0_late", dict(index=zero, flag=on, proj_a=proj, early=False)),
+                ("proj_all_late", dict(index=steered, flag=on, proj_a=proj, early=False)),
+                ("proj_all_bf16", dict(index=steered, flag=on, proj_a=proj16)))
             for label, kw in variants:
                 kw = dict(kw)
                 idx, flag = kw.pop("index"), kw.pop("flag")
@@ -196,7 +194,7 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
     tables = {s: (torch.randn(R, d, device=dev, generator=g) * 0.05).to(torch.bfloat16) for s in sites}
     on, off = (torch.full((1,), v, dtype=torch.uint8, device=dev) for v in (1, 0))
     proj = ProjectionTables(sites, R, 1, d, dev)
-    proj16 = ProjectionTables(sites, R, 1, d, dev, torch.bfloat16)  # the DIRS=model variant's tables
+    proj16 = ProjectionTables(sites, R, 1, d, dev, torch.bfloat16)  # DIRS=model's tables
     rng = np.random.default_rng(n)
     for row in range(1, n + 1):
         v = rng.standard_normal(d).astype(np.float32)
@@ -205,14 +203,16 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
             t.write_row(row, [("post_mlp", l, v.tobytes(), np.zeros(2, np.float32).tobytes()) for l in range(layers)])
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device=dev)
 
-    def step(flag, with_proj: bool, tabs=proj, **variant):
+    zero = torch.zeros_like(index)
+
+    def step(flag, with_proj: bool, tabs=proj, rows=index, **variant):
         def run():
             flush.zero_()
             for a, b in norms:
                 vec_b = (tables[b], flag) if b is not None else ()
                 pa = tabs.descs[a] if with_proj else ()
                 pb = tabs.descs[b] if with_proj and b is not None else ()
-                steered_norm_triton(x, r, w, EPS, 0.0, index, (tables[a], flag), vec_b, proj_a=pa, proj_b=pb, **variant)
+                steered_norm_triton(x, r, w, EPS, 0.0, rows, (tables[a], flag), vec_b, proj_a=pa, proj_b=pb, **variant)
         return run
 
     def timed(fn) -> float:
@@ -230,22 +230,24 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
         print(f"N={n:5d} D={d:5d} {label:24s} {us:8.2f} us/step ({len(norms)} launches, {us / len(norms):.2f} us "
               f"each)", flush=True)
 
+    # nothing steered, no projection tables (enabled_idle: every token's row 0, every table's flag off), both paths
+    # in one process: the server graph's enabled_idle read 141.9 µs late, 162.1 early (s29, different GPUs)
+    record("step_idle", step(off, False, rows=zero))
+    record("step_idle_late", step(off, False, rows=zero, early=False))
     record("step_steered", step(on, False))
-    record("step_steered_early", step(on, False, early=True))
+    record("step_steered_late", step(on, False, early=False))
     record("step_proj_idle", step(off, True))  # no row live: every site marked idle
-    record("step_proj_idle_early", step(off, True, early=True))
-    record("step_proj_idle_analytic", step(off, True, analytic=True))
+    record("step_proj_idle_late", step(off, True, early=False))
     for row in range(1, n + 1):
         proj.set_live(row, True)
         proj16.set_live(row, True)
     torch.cuda.synchronize()
     a, b = norms[1]  # a check: post_mlp 0 (projected) + pre_attn 1 (idle) at one input norm, as the reference
     errs = {}
-    for label, tabs, variant in (("step_proj_live", proj, {}), ("step_proj_live_early", proj, dict(early=True)),
-                                 ("step_proj_live_analytic", proj, dict(analytic=True)),
-                                 ("step_proj_live_bf16", proj16, {}),
-                                 ("step_proj_live_bf16_analytic", proj16, dict(analytic=True))):
-        # the vectors on (tables a, b): the analytic variant's one reduction covers the adds after the projection
+    live = (("step_proj_live", proj, {}), ("step_proj_live_late", proj, dict(early=False)),
+            ("step_proj_live_bf16", proj16, {}))
+    for label, tabs, variant in live:
+        # the vectors on (tables a, b): the check covers the adds around the projection
         vec = ((tables[a], on), (tables[b], on))
         got = steered_norm_triton(x, r, w, EPS, 0.0, index, *vec, proj_a=tabs.descs[a], proj_b=tabs.descs[b],
                                   **variant)
@@ -255,10 +257,7 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
     moved = float((got[1].float() - plain[1].float()).abs().max())
     print(f"N={n:5d} step check (post_mlp projected, pre_attn's vectors): max abs err vs reference {errs}, "
           f"moved by the projection {moved:.3g}")
-    for label, tabs, variant in (("step_proj_live", proj, {}), ("step_proj_live_early", proj, dict(early=True)),
-                                 ("step_proj_live_analytic", proj, dict(analytic=True)),
-                                 ("step_proj_live_bf16", proj16, {}),
-                                 ("step_proj_live_bf16_analytic", proj16, dict(analytic=True))):
+    for label, tabs, variant in live:
         err = errs[label]
         record(label, step(off, True, tabs, **variant))
     err = errs["step_proj_live"]

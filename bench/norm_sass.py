@@ -2,9 +2,10 @@
 """The steered norm's compiled code for an H100 (sm_90), on the CPU: each named configuration compiled by Triton's
 ptxas with ``tests/interpreted/compile_sm90.py``'s stand-in driver (nothing launched), its PTX, SASS (Triton's
 nvdisasm) and TTGIR written under --out, and its skeleton printed: the global loads, branches and barriers in
-program order, so the dependent rounds of small loads a launch waits on can be counted (issue 38: the default
-projection kernel waits on one round more than the kernel without projections; README "Projection variants").
-    PYTHONPATH=src:. .venv/bin/python bench/norm_sass.py --out /tmp/norm_sass steered proj proj_early
+program order, so the dependent rounds of small loads a launch waits on can be counted (issue 38: the late
+projection kernel waits on one round more than the kernel without projections, EARLY, the default, on one round;
+README "EARLY loads").
+    PYTHONPATH=src:. .venv/bin/python bench/norm_sass.py --out /tmp/norm_sass steered proj proj_late
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-CASES = ("steered", "steered_early", "proj", "proj_early", "proj_analytic")
+CASES = ("steered", "steered_late", "proj", "proj_late")
 
 
 def main() -> int:
@@ -39,8 +40,8 @@ def main() -> int:
     on, index = torch.ones(1, dtype=torch.uint8), torch.zeros(n, dtype=torch.int32)
     proj = (torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, 1, d), torch.zeros(rows, 1, 2))
     both = dict(proj_a=proj, proj_b=proj)
-    configs = {"steered": {}, "steered_early": dict(early=True), "proj": both, "proj_early": dict(both, early=True),
-               "proj_analytic": dict(both, analytic=True)}
+    configs = {"steered": dict(early=True), "steered_late": dict(early=False), "proj": dict(both, early=True),
+               "proj_late": dict(both, early=False)}
     for name in args.cases:
         fn = kernel._steered_norm_kernel
         seen = {id(c) for cache in fn.device_caches.values() for c in cache[0].values()}

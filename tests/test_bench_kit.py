@@ -386,12 +386,14 @@ def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
     assert "lane lost: started again" in (lanes / "d.log").read_text() and _lane_ended(lanes / "d.log")
 
 
-def test_the_early_variant_servers_are_their_twins_with_the_kernel_flag(tmp_path):
-    """Issue 38's A/B of the EARLY kernel variant: steer_early / steer_proj_early start as steer / steer_proj (same
-    steer block, own ports) with VLLM_STEER_NORM_EARLY=1 in their environment (the twins without it), and each
-    *_early arm sends its twin's traffic, compared with it (project_n16_early with per_request_n16_early)."""
+def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path):
+    """Issue 38's A/B of the steered norm's late path against its default, EARLY: steer_late / steer_proj_late start
+    as steer / steer_proj (same steer block, own ports) with VLLM_STEER_NORM_EARLY=0 in their environment (the twins
+    without it: EARLY), each *_late arm sends its twin's traffic, compared with it (project_n16_late with
+    per_request_n16_late), and the graph phase profiles both servers at n16."""
     from types import SimpleNamespace
 
+    from abkit.runner import GRAPH_PLAN
     from abkit.servers import PORT_OFFSETS, STEER_SERVERS, Pool, Server
 
     args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
@@ -399,17 +401,21 @@ def test_the_early_variant_servers_are_their_twins_with_the_kernel_flag(tmp_path
                            peer_wheel=None, reuse_servers=False, port_base=9000)
     pool = Pool(args, tmp_path, tmp_path)
     envs = {}
-    for name in ("steer", "steer_proj", "steer_early", "steer_proj_early"):
+    for name in ("steer", "steer_proj", "steer_late", "steer_proj_late"):
         s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
         pool.prepare(s)
         envs[name] = (s.env().get("VLLM_STEER_NORM_EARLY"), s.command()[s.command().index("--additional-config") + 1])
-    assert envs["steer_early"] == ("1", envs["steer"][1]) and envs["steer"][0] is None
-    assert envs["steer_proj_early"] == ("1", envs["steer_proj"][1]) and envs["steer_proj"][0] is None
-    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS) and STEER_SERVERS["steer_early"] == STEER_SERVERS["steer"]
-    for arm, twin, ref in (("per_request_n16_early", "per_request_n16", "per_request_n16"),
-                           ("project_n16_early", "project_n16", "per_request_n16_early"),
-                           ("enabled_idle_early", "enabled_idle", "enabled_idle"),
-                           ("project_idle_early", "project_idle", "project_idle")):
+    assert envs["steer_late"] == ("0", envs["steer"][1]) and envs["steer"][0] is None
+    assert envs["steer_proj_late"] == ("0", envs["steer_proj"][1]) and envs["steer_proj"][0] is None
+    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
+    assert STEER_SERVERS["steer_late"] == STEER_SERVERS["steer"]
+    for arm, twin, ref in (("per_request_n16_late", "per_request_n16", "per_request_n16"),
+                           ("project_n16_late", "project_n16", "per_request_n16_late"),
+                           ("enabled_idle_late", "enabled_idle", "enabled_idle"),
+                           ("project_idle_late", "project_idle", "project_idle")):
         a, b = ARMS[arm], ARMS[twin]
         assert (a["kind"], a.get("n_configs"), a["server"], a["ref"]) == \
-            (b["kind"], b.get("n_configs"), b["server"] + "_early", ref)
+            (b["kind"], b.get("n_configs"), b["server"] + "_late", ref)
+    graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
+    assert {("steer_late", "plain"), ("steer_late", "per_request"), ("steer_proj_late", "plain"),
+            ("steer_proj_late", "project")} <= graphed

@@ -72,13 +72,13 @@ ARMS = {
     # direction at every layer's post_mlp (compare with per_request_n16 on the steer server, same run)
     "project_idle": dict(server="steer_proj", kind="plain"),
     "project_n16": dict(server="steer_proj", kind="project", n_configs=16),
-    # the same on servers running the EARLY kernel variant (issue 38; VLLM_STEER_NORM_EARLY=1), interleaved with the
-    # default ones in one run: per_request_n16_early against per_request_n16, project_n16_early against
-    # per_request_n16_early (the target's pair under the variant)
-    "enabled_idle_early": dict(server="steer_early", kind="plain", ref="enabled_idle"),
-    "per_request_n16_early": dict(server="steer_early", kind="per_request", n_configs=16, ref="per_request_n16"),
-    "project_idle_early": dict(server="steer_proj_early", kind="plain", ref="project_idle"),
-    "project_n16_early": dict(server="steer_proj_early", kind="project", n_configs=16, ref="per_request_n16_early"),
+    # the same on servers running the late kernel path (issue 38; VLLM_STEER_NORM_EARLY=0, the default before
+    # EARLY), interleaved with the default ones in one run: per_request_n16_late against per_request_n16,
+    # project_n16_late against per_request_n16_late (the target's pair on the late path)
+    "enabled_idle_late": dict(server="steer_late", kind="plain", ref="enabled_idle"),
+    "per_request_n16_late": dict(server="steer_late", kind="per_request", n_configs=16, ref="per_request_n16"),
+    "project_idle_late": dict(server="steer_proj_late", kind="plain", ref="project_idle"),
+    "project_n16_late": dict(server="steer_proj_late", kind="project", n_configs=16, ref="per_request_n16_late"),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),

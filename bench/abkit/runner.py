@@ -33,11 +33,11 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("steer / per_request_n16", "steer", "per_request", 16),
     ("steer_proj / unsteered n16 (project_idle)", "steer_proj", "plain", 16),
     ("steer_proj / project_n16", "steer_proj", "project", 16),
-    # the same under the EARLY kernel variant (servers steer_early / steer_proj_early: VLLM_STEER_NORM_EARLY=1)
-    ("steer_early / unsteered n16 (enabled_idle_early)", "steer_early", "plain", 16),
-    ("steer_early / per_request_n16_early", "steer_early", "per_request", 16),
-    ("steer_proj_early / unsteered n16 (project_idle_early)", "steer_proj_early", "plain", 16),
-    ("steer_proj_early / project_n16_early", "steer_proj_early", "project", 16)]
+    # the same on the late kernel path (servers steer_late / steer_proj_late: VLLM_STEER_NORM_EARLY=0)
+    ("steer_late / unsteered n16 (enabled_idle_late)", "steer_late", "plain", 16),
+    ("steer_late / per_request_n16_late", "steer_late", "per_request", 16),
+    ("steer_proj_late / unsteered n16 (project_idle_late)", "steer_proj_late", "plain", 16),
+    ("steer_proj_late / project_n16_late", "steer_proj_late", "project", 16)]
 # the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
 GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
 

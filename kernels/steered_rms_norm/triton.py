@@ -149,29 +149,6 @@ def _project(b_s, i_row, proj, o_d, m_d):
 
 
 @triton.jit
-def _sum6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5
-
-
-@triton.jit
-def _project_analytic(b_s0, b_v, lo, hi, b_u):
-    """(s', |s'|^2) for s' = s0 + (clamp(p, lo, hi) - p) v + u, p = s0 . v: one direction, then the vectors ``u``
-    added after it, with the sum of squares the norm needs derived from one reduction (six dot products at once,
-    none waiting on another) instead of a second pass over s':
-    |s'|^2 = |s0|^2 + 2 d p + d^2 |v|^2 + 2 s0.u + 2 d v.u + |u|^2, d = clamp(p) - p. Where the terms cancel
-    (|s'|^2 under 1/16 of the terms' size: a stream nearly along an ablated v, or a vector undoing the stream) the
-    float32 rounding of the terms would dominate: there the sum is taken over s' itself (README, "Projections")."""
-    p, ss0, su, vv, vu, uu = tl.reduce((b_s0 * b_v, b_s0 * b_s0, b_s0 * b_u, b_v * b_v, b_v * b_u, b_u * b_u), 0,
-                                       _sum6)
-    d = tl.minimum(tl.maximum(p, lo), hi) - p
-    b_s = b_s0 + d * b_v + b_u
-    ss = ss0 + 2.0 * d * p + d * d * vv + 2.0 * su + 2.0 * d * vu + uu
-    if ss * 16.0 < ss0 + d * d * vv + uu:
-        ss = tl.sum(b_s * b_s, axis=0)
-    return b_s, ss
-
-
-@triton.jit
 def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g, COND: tl.constexpr = True):
     """``_project``, or for a row whose condition gates its projections ``s + g * (projected(s) - s)``
     (COND False: a site without conditions, ``gated`` and ``g`` unused: ``_project`` alone)."""
@@ -302,13 +279,7 @@ def _add_edit(b_s, i_t, i_row, full, o_d, m_d, w):
 def _normalized(b_s, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
     """vLLM's RMSNorm of the float32 stream ``b_s`` (``naive._normalize``), before the cast to the output's dtype:
     also ``full_triton``'s gather of a full transcoder's input, so both compute it alike."""
-    return _normalized_ss(b_s, tl.sum(b_s * b_s, axis=0), b_w, eps, weight_offset, D, OFFSET_WEIGHT)
-
-
-@triton.jit
-def _normalized_ss(b_s, ss, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
-    """``_normalized`` with the stream's sum of squares ``ss`` given (``_project_analytic``'s)."""
-    b_var = ss / D
+    b_var = tl.sum(b_s * b_s, axis=0) / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
     if OFFSET_WEIGHT:
         b_o = b_n * (b_w.to(tl.float32) + weight_offset)
@@ -367,7 +338,6 @@ def _steered_norm_kernel(
     FULL_B: tl.constexpr = False,
     FULL_TC: tl.constexpr = False,  # a full transcoder pack's edit, added to the residual after the norm
     EARLY: tl.constexpr = False,  # plain sites (no SAE, condition): every slot's loads before the first branch
-    ANALYTIC: tl.constexpr = False,  # EARLY, and a token's one direction + later adds take _project_analytic
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -419,11 +389,11 @@ def _steered_norm_kernel(
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
-    elif (EARLY or ANALYTIC) and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or COND) and (
+    elif EARLY and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or COND) and (
             HAS_A or HAS_B or CAP_B or PROJ_A or PROJ_B):
-        # the variants (VLLM_STEER_NORM_EARLY / VLLM_STEER_PROJ_ANALYTIC): both slots' vector rows, counts, first
-        # directions and bounds issued at once, before any branch (the plain path below waits on slot A's
-        # projection branch before it asks for A's row, on A's flag before B's mark...)
+        # EARLY (VLLM_STEER_NORM_EARLY, on by default): both slots' vector rows, counts, first directions and
+        # bounds issued at once, before any branch (the late path below waits on slot A's projection branch before
+        # it asks for A's row, on A's flag before B's mark...)
         i_row = tl.load(p_index + i_t)
         b_ta = tl.zeros_like(b_s)
         b_tb = tl.zeros_like(b_s)
@@ -435,46 +405,16 @@ def _steered_norm_kernel(
             first_a = _proj_first(i_row, proj_a, o_d, m_d)
         if PROJ_B:
             first_b = _proj_first(i_row, proj_b, o_d, m_d)
-        if ANALYTIC and (PROJ_A or PROJ_B) and not CAP_B:
-            if PROJ_A and PROJ_B:
-                one = first_a[0] + first_b[0] == 1
-            elif PROJ_A:
-                one = first_a[0] == 1
-            else:
-                one = first_b[0] == 1
-            if one:  # one direction in all (slot A's: then A's and B's rows; or slot B's: then B's row)
-                if PROJ_A and PROJ_B:
-                    at_a = first_a[0] > 0
-                    b_s, ss = _project_analytic(tl.where(at_a, b_s, b_s + b_ta),
-                                                tl.where(at_a, first_a[1], first_b[1]),
-                                                tl.where(at_a, first_a[2], first_b[2]),
-                                                tl.where(at_a, first_a[3], first_b[3]),
-                                                tl.where(at_a, b_ta + b_tb, b_tb))
-                elif PROJ_A:
-                    b_s, ss = _project_analytic(b_s, first_a[1], first_a[2], first_a[3], b_ta + b_tb)
-                else:
-                    b_s, ss = _project_analytic(b_s + b_ta, first_b[1], first_b[2], first_b[3], b_tb)
-            else:  # none (row 0, an idle site) or several: one after another, as the plain path
-                if PROJ_A:
-                    b_s = _project_from(b_s, i_row, proj_a, o_d, m_d, first_a)
-                if HAS_A:
-                    b_s = tl.where(on_a, b_s + b_ta, b_s)
-                if PROJ_B:
-                    b_s = _project_from(b_s, i_row, proj_b, o_d, m_d, first_b)
-                if HAS_B:
-                    b_s = tl.where(on_b, b_s + b_tb, b_s)
-                ss = tl.sum(b_s * b_s, axis=0)
-        else:
-            if PROJ_A:
-                b_s = _project_from(b_s, i_row, proj_a, o_d, m_d, first_a)
-            if HAS_A:
-                b_s = tl.where(on_a, b_s + b_ta, b_s)
-            if CAP_B:
-                _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
-            if PROJ_B:
-                b_s = _project_from(b_s, i_row, proj_b, o_d, m_d, first_b)
-            if HAS_B:
-                b_s = tl.where(on_b, b_s + b_tb, b_s)
+        if PROJ_A:
+            b_s = _project_from(b_s, i_row, proj_a, o_d, m_d, first_a)
+        if HAS_A:
+            b_s = tl.where(on_a, b_s + b_ta, b_s)
+        if CAP_B:
+            _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
+        if PROJ_B:
+            b_s = _project_from(b_s, i_row, proj_b, o_d, m_d, first_b)
+        if HAS_B:
+            b_s = tl.where(on_b, b_s + b_tb, b_s)
     elif HAS_A or HAS_B or SAE_A or SAE_B or CAP_B or PROJ_A or PROJ_B or TC or FULL_A or FULL_B or FULL_TC:
         i_row = tl.load(p_index + i_t)
         # an SAE norm of a server with conditions reads the gate (no probe is here: refused)
@@ -514,10 +454,7 @@ def _steered_norm_kernel(
     m_w = m_d & go
     if not (TC or FULL_TC):
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
-    if ANALYTIC and (PROJ_A or PROJ_B) and not (CAP_B or SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or COND):
-        b_o = _normalized_ss(b_s, ss, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
-    else:
-        b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
+    b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
     if TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
         tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_d & (tl.program_id(1) == 0))
     else:
@@ -610,16 +547,13 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
     return bufs
 
 
-# Variants of the plain sites' path for issue 38 (projections' cost), each read once at import, off until a GPU
-# bench (bench/kernels_bench.py's *_early / *_analytic rows) says otherwise; the launcher's ``early`` / ``analytic``
-# arguments override them per call. VLLM_STEER_NORM_EARLY=1: at sites without SAE or conditions, every vector
-# row, projection count, first direction and bounds of both slots is loaded before the first branch (the default
-# path waits on slot A's mark, then A's flag and B's mark, then B's flag: a dependent round of loads more than
-# the kernel without projections, README "Projections"). VLLM_STEER_PROJ_ANALYTIC=1 (implies it): a token with
-# one direction in all at the site takes _project_analytic (one reduction for the projection and the norm's sum
-# of squares).
-EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "0") == "1"
-ANALYTIC = os.environ.get("VLLM_STEER_PROJ_ANALYTIC", "0") == "1"
+# EARLY (issue 38, read once at import; the launcher's ``early`` overrides it per call): at sites without SAE or
+# conditions, every vector row, projection count, first direction and bounds of both slots is loaded before the
+# first branch (the late path waits on slot A's mark, then A's flag and B's mark, then B's flag: a dependent round
+# of loads more than the kernel without projections, README "EARLY loads"). On by default since s29's H100 bench
+# (bench/kernels_bench.py, the default rows against ``*_late``: 64 launches a step, steered 191.6 -> 168.2 µs at
+# N16, projections idle 161.9 -> 153.8); VLLM_STEER_NORM_EARLY=0 takes the late path, for A/B runs.
+EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "1") != "0"
 _KERNEL = CachedLauncher(_steered_norm_kernel)
 
 
@@ -647,8 +581,7 @@ def steered_norm_triton(
     full_a: Sequence[torch.Tensor] = (),  # a full SAE pack's move at slot A: (edit [N, D] fp32, mode [R] int32), ()
     full_b: Sequence[torch.Tensor] = (),
     full_tc: Sequence[torch.Tensor] = (),  # a full transcoder pack's edit: (edit [N, D] fp32, mode [R] int32), ()
-    early: bool | None = None,  # the EARLY variant (None: VLLM_STEER_NORM_EARLY)
-    analytic: bool | None = None,  # the ANALYTIC variant (None: VLLM_STEER_PROJ_ANALYTIC)
+    early: bool | None = None,  # every slot's loads before the first branch (None: VLLM_STEER_NORM_EARLY; False: late)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -697,6 +630,6 @@ def steered_norm_triton(
             va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc)
     flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
              split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb), bool(ftc),
-             EARLY if early is None else early, ANALYTIC if analytic is None else analytic)
+             EARLY if early is None else early)
     _KERNEL((n, split), args, flags, _num_warps(block_d))
     return out, res_out

@@ -11,8 +11,7 @@ import torch
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
-from vllm_steer.kernels.steered_rms_norm.naive import (PROJ_GATED, SAE_GATED, VECTORS_UNGATED, _normalize,
-                                                       steered_norm_naive)
+from vllm_steer.kernels.steered_rms_norm.naive import PROJ_GATED, SAE_GATED, VECTORS_UNGATED, steered_norm_naive
 from tests.sae_packs import IDLE_ROWS, clamp_pack, full_pack, token_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -376,12 +375,12 @@ def test_capture_rows_triton_matches_reference(interpreted):
 
 @_INTERPRETER_INDEX
 @pytest.mark.parametrize("captured", ["a", "b", "ab"])
-@pytest.mark.parametrize("variant", ["plain", "cond", "sae", "sae-split", "cond-sae"])
+@pytest.mark.parametrize("variant", ["plain", "plain-late", "cond", "sae", "sae-split", "cond-sae"])
 def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
-    """The steered norm with capture folded in (every variant: plain, conditional, SAE serial and split,
-    both): outputs, the new residual, the gate and every pool row as the reference; slot B's row is the
-    stream after slot A's clamps and gated rows; unplanned tokens and unplanned pool rows are untouched;
-    the outputs equal the same norm without capture."""
+    """The steered norm with capture folded in (every variant: plain (EARLY, the default, and the late path),
+    conditional, SAE serial and split, both): outputs, the new residual, the gate and every pool row as the
+    reference; slot B's row is the stream after slot A's clamps and gated rows; unplanned tokens and unplanned pool
+    rows are untouched; the outputs equal the same norm without capture."""
     norm, _ = interpreted
     n, d = 12, 80
     x, r, (ta, tb), _ = _case(n, d, torch.float32, seed=60)
@@ -409,6 +408,7 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
             plan[[1 + k, 4, 6 + k, 9, 11]] = torch.tensor([0, 2, 4, 6, 8], dtype=torch.int32) + k
         plans[slot] = plan if slot in captured else None
     split = 3 if variant == "sae-split" else 1
+    early = variant != "plain-late"
 
     def gated() -> dict:  # the condition with a fresh copy of the gate buffer (each call writes it)
         return {} if cond is None else {"cond": cond, "gate": gate0.clone()}
@@ -418,7 +418,7 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
         pool = torch.full((11, d), float("nan"))
         feats = dict(**vec, sae_a=pa, sae_b=pb, **gated(), pool=pool, plan_a=plans["a"], plan_b=plans["b"])
         if who == "triton":
-            got = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **feats, split=split)
+            got = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **feats, split=split, early=early)
         else:
             got = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **feats)
         runs[who] = (got, pool, feats.get("gate"))
@@ -433,10 +433,11 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
     # slot A's row is the pristine stream; without SAE A or a gate, slot B's is pristine + A's row
     if plans["a"] is not None:
         torch.testing.assert_close(pool_t[2], x[4] + r[4], rtol=1e-6, atol=1e-6)
-    if plans["b"] is not None and variant == "plain":
+    if plans["b"] is not None and variant.startswith("plain"):
         torch.testing.assert_close(pool_t[3], x[4] + r[4] + ta[index[4].long()], rtol=1e-6, atol=1e-6)
     # the same norm without capture: the same outputs (split is 1 but for sae-split; no SAE: pa, pb empty)
-    alone = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, **gated(), split=split)
+    alone = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, **gated(), split=split,
+                                     early=early)
     assert torch.equal(alone[0], got_t[0]) and torch.equal(alone[1], got_t[1])
 
 
@@ -714,21 +715,17 @@ def _one_direction_tables(d: int, seed: int, dtype: torch.dtype = torch.float32)
     return out[0], out[1]
 
 
-_VARIANTS = {"early": dict(early=True), "analytic": dict(analytic=True)}
-
-
 @_INTERPRETER_INDEX
 @pytest.mark.parametrize("dirs_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", ["ab", "a", "b"])
-@pytest.mark.parametrize("variant", sorted(_VARIANTS))
-def test_triton_projection_variants_match_reference(interpreted, variant, slots, dtype_name, dirs_name):
-    """The issue-38 variants (``EARLY``: every slot's loads before the first branch; ``ANALYTIC``: one direction and
-    the adds after it in one reduction, the norm's sum of squares derived) give the reference's outputs for tokens
-    projecting at A, at B, at both (the sequential path), capped, of row 0 and of a stale row, with directions in
-    float32 and in bf16 (``runtime.projection_tables.DIRS`` "model"); row 0's tokens and a site marked idle are the
-    kernel without projections, bit for bit; and a token's stream after an ablation at its last slot has no
-    component along the direction (bf16 directions: only their rounding's)."""
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_triton_projection_paths_match_reference(interpreted, early, slots, dtype_name, dirs_name):
+    """Both plain-site paths (``EARLY``, the default: every slot's loads before the first branch; ``early=False``: the
+    late path) give the reference's outputs for tokens projecting at A, at B, at both, capped, of row 0 and of a stale
+    row, with directions in float32 and in bf16 (``runtime.projection_tables.DIRS`` "model"); row 0's tokens, a stale
+    row's and a site marked idle are the late kernel without projections, bit for bit; and a token's stream after an
+    ablation at its last slot has no component along the direction (bf16 directions: only their rounding's)."""
     kernel, _ = interpreted
     dtype = DTYPES[dtype_name]
     n, d = 14, 80
@@ -738,22 +735,21 @@ def test_triton_projection_variants_match_reference(interpreted, variant, slots,
     pa, pb = _one_direction_tables(d, seed=122, dtype=DTYPES[dirs_name])
     proj = {"proj_a": pa} if slots == "a" else {"proj_b": pb} if slots == "b" else {"proj_a": pa, "proj_b": pb}
     vec = ((ta, _on()), (tb, _on()))
-    opt = _VARIANTS[variant]
-    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, **opt)
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, early=early)
     want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **proj)
     tol = _SAE_TOL[dtype] if dtype == torch.float32 else _TOL[dtype]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
-    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec)
+    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, early=False)
     rows = index[:n]
     for a, b in zip(got, plain):
         assert torch.equal(a[rows == 0], b[rows == 0]) and torch.equal(a[rows == 5], b[rows == 5])
     idle = {k: (torch.cat([torch.tensor([-1], dtype=torch.int32), c[1:]]), *rest) for k, (c, *rest) in proj.items()}
     assert all(torch.equal(a, b) for a, b in
-               zip(kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **idle, **opt), plain))
+               zip(kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **idle, early=early), plain))
     if slots == "b" and dtype == torch.float32:  # only B, no vector after it: nothing left along B's direction
         zb = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_b=(torch.zeros_like(tb), _on()), proj_b=pb,
-                                        **opt)[1]
+                                        early=early)[1]
         v = _one_direction_tables(d, seed=122)[1][1][2, 0]  # the float32 unit direction (bf16's rounded from it)
         along, before = zb[rows == 2] @ v, (x + r)[:n][rows == 2] @ v
         # bf16 directions: what is left is the rounding's (|w|^2 != 1, the angle to v): 1e-3 of the component at
@@ -763,70 +759,17 @@ def test_triton_projection_variants_match_reference(interpreted, variant, slots,
 
 
 @_INTERPRETER_INDEX
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", ["along", "undone"])
-def test_triton_analytic_projection_survives_cancellation(interpreted, case, dtype_name):
-    """The analytic sum of squares where its terms cancel: a stream almost along the ablated direction (what is left
-    is 1e-8 of |s|^2), or a vector added after the ablation that takes back almost all of the stream. There the
-    derived sum alone is float32 rounding noise (checked here: off by far more than the tolerance, or negative), so
-    the kernel sums the stream itself: the output is the RMSNorm of the residual it wrote, and the residual the
-    reference's, in float32 and bf16. (The output itself is ill-conditioned there: the plain kernel's differs from
-    the reference's by ~1e-3 in float32, so it is compared through the residual.)"""
-    kernel, _ = interpreted
-    dtype = DTYPES[dtype_name]
-    n, d = 6, 80
-    g = torch.Generator().manual_seed(130)
-    v = torch.randn(d, generator=g)
-    v = v / v.norm()
-    s = 100.0 * v + torch.randn(n, d, generator=g) * 1e-3  # |s|^2 = 1e4, left after the ablation ~1e-4
-    x = (s * 0.5).to(dtype)
-    r = (s - x.float()).to(dtype)
-    index = torch.tensor([1] * n + [0] * 5, dtype=torch.int32)
-    dirs = torch.stack([torch.zeros(d), v])[:, None]
-    table = torch.zeros(2, d, dtype=dtype)
-    if case == "undone":  # ablated along a random direction, then a vector takes back all but 1e-2 of each entry
-        u = torch.randn(d, generator=torch.Generator().manual_seed(131))
-        dirs = torch.stack([torch.zeros(d), u / u.norm()])[:, None]
-        sx = (x.float() + r.float())[0]
-        table[1] = (-(sx - (sx @ dirs[1, 0]) * dirs[1, 0]) + torch.randn(d, generator=g) * 1e-2).to(dtype)
-    proj = (torch.tensor([0, 1], dtype=torch.int32), dirs, torch.zeros(2, 1, 2))
-    vec = {"vec_a": (table, _on())}
-    w = torch.ones(d, dtype=dtype)
-    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, proj_a=proj, analytic=True)
-    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **vec, proj_a=proj)
-    assert torch.isfinite(got[0]).all()
-    own = _normalize(got[1].float() if dtype == torch.float32 else _stream(x, r, table, proj, n), w, 1e-5, 0.0, dtype)
-    torch.testing.assert_close(got[0], own, **(_SAE_TOL[dtype] if dtype == torch.float32 else _TOL[dtype]))
-    torch.testing.assert_close(got[1], want[1], **(dict(rtol=1e-4, atol=5e-5) if dtype == torch.float32
-                                                   else _TOL[dtype]))
-    # the derived sum alone, as the kernel forms it (float32): useless here, which is why the kernel falls back
-    s0 = (x.float() + r.float())[:n]
-    vv, p = dirs[1, 0], s0 @ dirs[1, 0]
-    ua = table[1].float()
-    derived = (s0 * s0).sum(-1) - 2 * p * p + p * p * (vv @ vv) + 2 * (s0 @ ua) - 2 * p * (vv @ ua) + ua @ ua
-    true = ((s0 - p[:, None] * vv + ua) ** 2).sum(-1)
-    assert ((derived - true).abs() > 0.05 * true).any()
-
-
-def _stream(x, r, table, proj, n):
-    """The float32 stream after the ablation and the add (the bf16 case's residual is rounded when stored)."""
-    s0 = (x.float() + r.float())[:n]
-    v = proj[1][1, 0]
-    return s0 - (s0 @ v)[:, None] * v + table[1].float()
-
-
-@_INTERPRETER_INDEX
-@pytest.mark.parametrize("variant", sorted(_VARIANTS))
-def test_triton_variants_without_projections_are_the_plain_kernel(interpreted, variant):
-    """A site with vectors and no projections under EARLY / ANALYTIC (what every non-projecting norm of such a server
-    runs: ``kernels_bench``'s ``steered_*_early`` rows) is the default kernel bit for bit; launched here so
-    tests/test_kernels_compile.py compiles that specialization for sm_90 too (the projection cases do not reach it)."""
+def test_triton_early_without_projections_is_the_late_kernel(interpreted):
+    """A site with vectors and no projections (what every non-projecting norm runs: ``kernels_bench``'s ``steered_*``
+    rows against ``steered_*_late``): EARLY (the default) is the late kernel bit for bit; launched here so
+    tests/test_kernels_compile.py compiles both specializations for sm_90 too (the projection cases do not reach
+    them)."""
     kernel, _ = interpreted
     n, d = 14, 80
     x, r, (ta, tb), _ = _case(n, d, torch.bfloat16, seed=140)
     w = (torch.randn(d, generator=torch.Generator().manual_seed(141)) * 0.5 + 1.0).to(torch.bfloat16)
     index = (torch.arange(n + 5) % 6).to(torch.int32)
     vec = ((ta, _on()), (tb, _on()))
-    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **_VARIANTS[variant])
-    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec)
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, early=True)
+    plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, early=False)
     assert all(torch.equal(a, b) for a, b in zip(got, plain))
