@@ -113,8 +113,10 @@ def _eager_trace() -> list[dict]:
             x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 700, 150, stream=20, bytes=1 << 20, correlation=6),
             x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 50, 40, stream=7, bytes=4096, correlation=7),
             x("Memset (Device)", "gpu_memset", 305, 10, stream=7, bytes=64, correlation=8),
-            x(pre, "gpu_user_annotation", 90, 320), x(pre, "gpu_user_annotation", 490, 270),
-            x(dec, "gpu_user_annotation", 790, 210),
+            x(pre, "gpu_user_annotation", 90, 320, **{"External id": 11}),
+            x(pre, "gpu_user_annotation", 490, 270, **{"External id": 12}),
+            x(pre, "gpu_user_annotation", 650, 50, stream=20, **{"External id": 12}),  # the same step, stream 20
+            x(dec, "gpu_user_annotation", 790, 210, **{"External id": 13}),
             x(pre, "user_annotation", 0, 200), x(pre, "user_annotation", 300, 400), x(dec, "user_annotation", 720, 100),
             x("cudaStreamWaitEvent", "cuda_runtime", 10, 3), x("cudaStreamWaitEvent", "cuda_runtime", 20, 5, tid=9),
             x("cudaEventSynchronize", "cuda_runtime", 30, 40, tid=9),

@@ -241,9 +241,9 @@ def prefill_table(phases: dict, lines: list[str]) -> None:
             done = (f"files {e['files_complete']}/{e['files_expected']}" if "files_complete" in e
                     else f"{e.get('captured')} captured" if e.get("captured") else "—")
             cells = [f"{e.get('requests')} ({e.get('request_errors')})", done, fmt_cell(e.get("prompt_throughput")),
-                     f"{tl.get('prefill_steps')} ({tl.get('steps')})", fmt_cell(tl.get("window_us")),
+                     f"{fmt_cell(tl.get('prefill_steps'))} ({fmt_cell(tl.get('steps'))})", fmt_cell(tl.get("window_us")),
                      fmt_cell(tl.get("busy_us")), f"{fmt_cell(tl.get('idle_us'))} ({fmt_cell(tl.get('idle_pct'))}%)",
-                     f"{tl.get('gaps_over_50us')} / {fmt_cell(tl.get('gaps_over_50us_us'))}",
+                     f"{fmt_cell(tl.get('gaps_over_50us'))} / {fmt_cell(tl.get('gaps_over_50us_us'))}",
                      fmt_cell(tl.get("busy_us_per_prefill_step")), fmt_cell(tl.get("idle_us_per_prefill_step")),
                      fmt_cell(tl.get("prefill_step_gpu_us_median")),
                      f"{fmt_cell(tl.get('between_steps_us_median'))} / {fmt_cell(tl.get('between_steps_us_total'))}",

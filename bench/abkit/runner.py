@@ -417,7 +417,14 @@ def graph_phase(pool, ctx: dict, results: dict, save) -> None:
             out, wall = run_load(server, profiled, row["concurrency"])
             http_json("POST", server.base + "/stop_profile", timeout=300)
             path = newest_trace(server.prof_dir, before)
-            rec = parse_trace(path)
+            for attempt in range(4):  # a large trace may still be being written (a torn gzip / JSON)
+                try:
+                    rec = parse_trace(path)
+                    break
+                except (EOFError, OSError, ValueError):
+                    if attempt == 3:
+                        raise
+                    time.sleep(5.0)
             rec["trace_bytes"] = path.stat().st_size
             rec["requests_steered"] = sum(1 for r in out if r.get("steering"))
             if arm is not None:  # the load under the profiler: what it ran, and that it did what the arm asks

@@ -86,9 +86,21 @@ def _median(xs: list[float]) -> float | None:
 
 def _steps_and_calls(ev: list[dict]) -> dict:
     """vLLM's per-step annotation on the host thread and its projection on the GPU, and the CUDA runtime calls."""
-    host_steps, gpu_steps = ([e for e in ev if e.get("cat") == cat and STEP_RE.fullmatch(str(e.get("name", "")))]
+    host_steps, gpu_parts = ([e for e in ev if e.get("cat") == cat and STEP_RE.fullmatch(str(e.get("name", "")))]
                              for cat in ("user_annotation", "gpu_user_annotation"))
-    gpu_steps.sort(key=lambda e: float(e["ts"]))
+    # a step's GPU projection comes once per stream its work ran on: one span per host annotation (External id)
+    spans: dict = {}
+    for e in gpu_parts:
+        key = (e.get("args") or {}).get("External id")
+        a, b = _span(e)
+        if key is None or key not in spans:
+            spans[key if key is not None else id(e)] = {"name": e["name"], "ts": a, "dur": b - a}
+        else:
+            s = spans[key]
+            end = max(s["ts"] + s["dur"], b)
+            s["ts"] = min(s["ts"], a)
+            s["dur"] = end - s["ts"]
+    gpu_steps = sorted(spans.values(), key=lambda e: e["ts"])
     prefill = [e for e in gpu_steps if int(STEP_RE.fullmatch(e["name"]).group(2)) > 0]
     host_prefill = [e for e in host_steps if int(STEP_RE.fullmatch(e["name"]).group(2)) > 0]
     between = [float(b["ts"]) - (float(a["ts"]) + float(a.get("dur", 0))) for a, b in zip(gpu_steps, gpu_steps[1:])]
