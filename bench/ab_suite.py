@@ -4,7 +4,8 @@ server (CPU: ``python -m vllm_steer.launcher serve``) with an async streaming cl
 arms: abkit/arms.py. Phases (``--phases``, run in order): ``ab`` (--arms at concurrency 16; --long-arms again at
 --long-max-tokens, labels ``<arm>@mt256``; the 256-wide load), ``start`` (start --servers, e.g. with --keep-servers),
 ``stop`` (stop --servers among the adopted ones, to free GPU memory for others),
-``graph`` (torch.profiler on --graph-servers: kernels per CUDA-graph launch), ``host`` (py-spy on the processes of
+``graph`` (torch.profiler on --graph-servers: kernels per CUDA-graph launch; GRAPH_LOADS=prefill: the prefill arms'
+load instead, the GPU's busy / idle time per step, abkit/runner.py), ``host`` (py-spy on the processes of
 --host-arms' servers under their load: host CPU per engine step, abkit/host_profile.py). Results: JSON and markdown under $OUT;
 ``--report FILE...`` merges JSONs into one report; ``--numbers`` rewrites bench/NUMBERS.md.
     python3 bench/ab_suite.py --shape 8b --phases ab --keep-servers     (GPU: bench/gpu_session.sh, RESULTS.md)

@@ -7,7 +7,8 @@
 #   checks     tests/gpu_e2e, or the files CHECKS names (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
-#              (GRAPH_NS: its request counts, default 4,16: n16 profiles per_request_n16 / project_n16 beside idle)
+#              (GRAPH_NS: its request counts, default 4,16: n16 profiles per_request_n16 / project_n16 beside idle;
+#              GRAPH_LOADS: its rows, decode (default), prefill (prefill-prof's), or decode,prefill)
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start;
 #              transcoders: SERVERS=stock,sae,transcoder ab-start, ARMS=stock,sae_delta_n16,transcoder_idle,transcoder_n16)
 #   topk       the full SAE kernels' launch variants (bench/sae_kernel_bench.py --topk-sweep: encoder tiles, K split,
@@ -24,6 +25,10 @@
 #   prefill    prefill capture (4 layers, prompt 512, 1 token, 256 requests at c32) to files / to memory vs stock
 #              and vLLM's extract_hidden_states (after capture: SERVERS=steer_capture stop, then this starts
 #              extract_hs; it needs stock and steer_capture_fs kept)
+#   prefill-prof  issue 37: the graph phase's prefill rows alone (GRAPH_LOADS=prefill graph): stock, capture to files
+#              (nowait) and to memory, extract_hs, each under the prefill arms' load (prompt 512, max_tokens 1, c32,
+#              GRAPH_PREFILL_REQUESTS=128) in torch.profiler: GPU busy / idle between steps, copies, host syncs
+#              (first: GPU_MEM=0.3 SERVERS=stock,steer_capture_fs,extract_hs ab-start; stops them at the end)
 #   gates      the GPU tests that gate a default or a claim (tiled prefill clamps, full-pack kernels served, transcoders,
 #              projections, DeepSeek-V4), then the disk's own fsynced write rate; for a second GPU beside the A/B
 #              servers: CUDA_VISIBLE_DEVICES=1 nohup setsid bash bench/gpu_session.sh gates > $OUT/gates.log &
@@ -90,6 +95,10 @@ case "${1:-}" in
   graph)
     timeout -k 20 590 "${AB[@]}" --phases graph --reuse-servers --tag graph \
       --graph-servers "${GRAPH_SERVERS:-stock,disabled,steer}" 2>&1 | tail -40
+    ;;
+  prefill-prof)
+    GRAPH_LOADS=prefill timeout -k 20 590 "${AB[@]}" --phases graph --reuse-servers --tag prefill_prof \
+      --graph-servers "${GRAPH_SERVERS:-stock,steer_capture_fs,extract_hs}" 2>&1 | tail -40
     ;;
   sae)
     timeout -k 20 120 "${PT[@]}" tests/gpu/test_sae_norm_gpu.py 2>&1 | tail -6
@@ -228,6 +237,6 @@ PY
       --deadline-s "${DEADLINE_S:-300}" --out "$OUT/offline_pairs_1b.json" 2>&1 | tee "$OUT/offline.log" \
       | grep -v "INFO\|WARNING\|Deprecat\|warnings.warn" | tail -60
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline" >&2
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|prefill-prof|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline" >&2
      exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """The A/B kit's pieces that need no GPU (bench/abkit): the trace parser of the graph phase and of the
-decode-graph check (tests/gpu_e2e/trace_kernels.py) on a synthetic trace, the single-site arms' request fields
+decode-graph check (tests/gpu_e2e/trace_kernels.py) on synthetic traces (graph launches; an eager timeline with
+gaps and copies), the graph phase's prefill rows, the single-site arms' request fields
 and packed vectors, the paired statistics, and (with the peer wheel in .whl/peer/) the hotwire server's set-up
 and its vector files read back by hotwire's own loader, and bench/gpu_lanes.sh's lanes (with a stand-in session
 script). The GPU run of the suite is bench/gpu_session.sh."""
@@ -93,6 +94,116 @@ def test_the_graph_phase_profiles_the_ab_arms_at_their_concurrency(ctx):
     plain = [json.loads(b) for b in runner.graph_bodies("stock / unsteered n16", "plain", 16, ctx | {"prompt_len": 8},
                                                         16, 1)]
     assert len(plain) == 16 and not any("steering_vectors" in b or "steering_projections" in b for b in plain)
+
+
+def _eager_trace() -> list[dict]:
+    """Four compute kernels on stream 7 (gaps 20, 100, 100 µs), our capture kernel on stream 20 covering 50 µs of
+    the last gap, a DtoH copy half under kernels, an HtoD before them, a memset in the 20 µs gap, vLLM's step
+    annotations (2 prefill steps, 1 decode step) on the host and the GPU, and the host's runtime calls."""
+    def x(name, cat, ts, dur, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": args.pop("tid", 5),
+                "args": args}
+
+    pre, dec = "execute_context_16(8192)_generation_0(0)", "execute_context_0(0)_generation_4(4)"
+    return [x("sm90_gemm_bf16", "kernel", 100, 200, stream=7, correlation=1),
+            x("flash_fwd_kernel", "kernel", 320, 80, stream=7, correlation=2),
+            x("sm90_gemm_bf16", "kernel", 500, 200, stream=7, correlation=3),
+            x("_capture_rows_kernel", "kernel", 650, 100, stream=20, correlation=4),
+            x("triton_red_fused_rms_norm", "kernel", 800, 200, stream=7, correlation=5),
+            x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 700, 150, stream=20, bytes=1 << 20, correlation=6),
+            x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 50, 40, stream=7, bytes=4096, correlation=7),
+            x("Memset (Device)", "gpu_memset", 305, 10, stream=7, bytes=64, correlation=8),
+            x(pre, "gpu_user_annotation", 90, 320, **{"External id": 11}),
+            x(pre, "gpu_user_annotation", 490, 270, **{"External id": 12}),
+            x(pre, "gpu_user_annotation", 650, 50, stream=20, **{"External id": 12}),  # the same step, stream 20
+            x(dec, "gpu_user_annotation", 790, 210, **{"External id": 13}),
+            x(pre, "user_annotation", 0, 200), x(pre, "user_annotation", 300, 400), x(dec, "user_annotation", 720, 100),
+            x("cudaStreamWaitEvent", "cuda_runtime", 10, 3), x("cudaStreamWaitEvent", "cuda_runtime", 20, 5, tid=9),
+            x("cudaEventSynchronize", "cuda_runtime", 30, 40, tid=9),
+            x("cudaMemcpyAsync_v3020", "cuda_runtime", 80, 7, tid=9),
+            *(x("cudaLaunchKernel", "cuda_runtime", 90 + i, 1) for i in range(5)),
+            {"ph": "f", "name": "ac2g", "cat": "ac2g", "ts": 90, "id": 1}]  # flow events are ignored
+
+
+def test_the_timeline_says_how_long_the_gpu_waited_and_what_the_copies_overlapped(tmp_path):
+    """Busy is the union of kernel intervals on every stream, idle the window's rest; only gaps > 50 µs count; a
+    copy's time under kernels is its overlap with that union; steps come from vLLM's execute_context annotation."""
+    tl = analyze_events(_eager_trace())["timeline"]
+    # union: [100,300] [320,400] [500,750] [800,1000] -> 730 µs busy in a 900 µs window; gaps 20, 100, 50
+    assert (tl["window_us"], tl["busy_us"], tl["idle_us"], tl["idle_pct"]) == (900.0, 730.0, 170.0, 18.89)
+    assert (tl["gaps_over_50us"], tl["gaps_over_50us_us"], tl["gap_max_us"]) == (1, 100.0, 100.0)
+    assert tl["kernel_streams"] == {"7": [4, 680.0], "20": [1, 100.0]}
+    # the DtoH [700, 850]: [700, 750] under our kernel, [800, 850] under the norm
+    assert tl["copies"]["DtoH"] == {"n": 1, "us": 150.0, "bytes": 1 << 20, "under_kernels_us": 100.0,
+                                    "streams": ["20"]}
+    assert (tl["copies"]["HtoD"]["under_kernels_us"], tl["copies"]["memset"]["under_kernels_us"]) == (0.0, 0.0)
+    assert (tl["steps"], tl["prefill_steps"], tl["prefill_tokens"]) == (3, 2, 16384)
+    # prefill steps' GPU spans 320 and 270; between steps 490 - 410 = 80 and 790 - 760 = 30
+    assert (tl["prefill_step_gpu_us_median"], tl["between_steps_us_median"], tl["between_steps_us_total"]) == \
+        (295.0, 55.0, 110.0)
+    assert (tl["host_step_us_median"], tl["host_prefill_step_us_median"], tl["busy_us_per_prefill_step"],
+            tl["idle_us_per_prefill_step"]) == (200.0, 300.0, 365.0, 85.0)
+    assert tl["runtime_calls"] == {"cudaStreamWaitEvent": [2, 8.0], "cudaEventSynchronize": [1, 40.0],
+                                   "cudaMemcpyAsync": [1, 7.0]}
+    assert tl["runtime_by_tid"][0] == [52.0, 3, "9"]  # the thread that waited
+    # a CPU server's trace (no kernels): the host steps alone
+    cpu = analyze_events([e for e in _eager_trace() if e["cat"] == "user_annotation"])["timeline"]
+    assert "window_us" not in cpu and (cpu["host_prefill_steps"], cpu["host_step_us_median"]) == (2, 200.0)
+    # the report's prefill table shows the row
+    from abkit.report import report
+
+    rec = {**analyze_events(_eager_trace()), "load": "prefill", "requests": 128, "request_errors": 0,
+           "prompt_throughput": 40000.0, "trace_bytes": 3_000_000}
+    res = tmp_path / "ab_prefill_prof.json"
+    res.write_text(json.dumps({"phases": {"graph": {"stock / prefill": rec}}}))
+    row = next(line for line in report([str(res)], None).splitlines() if line.startswith("| stock / prefill | 128"))
+    assert "| 2 (3) | 900.0 | 730.0 | 170.0 (18.89%) | 1 / 100.0 |" in row, row
+    assert "| 1 / 150 µs / 1 MB / 67% under kernels |" in row and "| 2 / 8 | 1 / 40 | — | 1 / 7 |" in row, row
+
+
+def test_the_prefill_graph_rows_send_what_the_prefill_arms_send(ctx, monkeypatch, tmp_path):
+    """GRAPH_LOADS=prefill profiles stock, capture to files (nowait) and to memory, and extract_hs, each with its
+    arm's prompt length, max_tokens 1 and capture fields, enough requests for >= 4 prefill steps of 8192 tokens;
+    extract_hs is a graph server (on CUDA) started with the profiler like the others."""
+    from types import SimpleNamespace
+
+    import ab_suite
+    from abkit import runner
+    from abkit.arms import PREFILL_LOAD
+    from abkit.servers import EXTRACT_SERVER, Server
+
+    assert runner.GRAPH_LOADS == ("decode",)  # a plain graph run profiles what it did before
+    monkeypatch.setattr(runner, "GRAPH_LOADS", ("prefill",))
+    c = ctx | {"prompt_len": 8, "graph_servers": ["stock", "steer_capture_fs", "extract_hs"],
+               "args": SimpleNamespace(dry_run_cpu=False)}
+    rows = {r["label"]: r for r in runner.graph_rows(c)}
+    assert {label: (r["server"], r["arm"], r["concurrency"]) for label, r in rows.items()} == {
+        "stock / prefill": ("stock", "prefill_stock", 32),
+        "steer_capture_fs / prefill capture files (nowait)": ("steer_capture_fs", "prefill_capture_fs_nowait", 32),
+        "steer_capture_fs / prefill capture mem": ("steer_capture_fs", "prefill_capture_mem", 32),
+        "extract_hs / prefill extract": ("extract_hs", "prefill_extract_hs", 32)}
+    assert runner.GRAPH_PREFILL_REQUESTS * PREFILL_LOAD["prompt_len"] >= 4 * 8192
+    layers = [0, 1]  # capture_layers(4 layers) on the tiny shape
+    want = {"prefill_stock": None, "prefill_extract_hs": None,
+            "prefill_capture_fs_nowait": {"filesystem": {"layers": layers, "hooks": ["post_mlp"],
+                                                         "positions": "all_prompt", "wait": False}},
+            "prefill_capture_mem": {"activations": {"layers": layers, "hooks": ["post_mlp"], "positions": "all_prompt",
+                                                    "reduce": "mean"}}}
+    for label, r in rows.items():
+        warm, profiled = ([json.loads(b) for b in bs] for bs in r["bodies"]())
+        assert (len(warm), len(profiled)) == (32, runner.GRAPH_PREFILL_REQUESTS)
+        for b in warm + profiled:
+            assert (len(b["prompt"]), b["max_tokens"], b.get("capture")) == (512, 1, want[r["arm"]]), label
+            assert not {"steering_vectors", "steering_projections"} & set(b)
+        assert [b["prompt"] for b in warm] != [b["prompt"] for b in profiled[:32]]  # the warm-up is other prompts
+    # only the servers named: no extract_hs row without it
+    only_stock = runner.graph_rows(c | {"graph_servers": ["stock"]})
+    assert [r["label"] for r in only_stock] == ["stock / prefill"]
+    args = ab_suite.parse_args(["--workdir", str(tmp_path), "--graph-servers", "stock,steer_capture_fs,extract_hs"])
+    assert server_unavailable(EXTRACT_SERVER, args) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32}))
+    cmd = Server(EXTRACT_SERVER, 8117, args, tmp_path, tmp_path).command()
+    assert "--speculative-config" in cmd and json.loads(cmd[cmd.index("--profiler-config") + 1])["profiler"] == "torch"
 
 
 def test_single_site_arms_send_what_each_plugin_reads(ctx):

@@ -1,5 +1,6 @@
 """Statistics over trials (mean / SEM, deltas, paired per-trial deltas) and the markdown report of result JSONs:
-per ab phase the arms and their deltas against the reference arm (reference_label); the graph phase's kernels."""
+per ab phase the arms and their deltas against the reference arm (reference_label); the graph phase's kernels, and
+its prefill rows' GPU timeline (busy / idle, copies, steps, host syncs: issue 37)."""
 
 from __future__ import annotations
 
@@ -200,6 +201,62 @@ def graph_table(phases: dict, lines: list[str]) -> None:
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def _copies(tl: dict, direction: str) -> str:
+    c = (tl.get("copies") or {}).get(direction)
+    if not c:
+        return "—"
+    under = 100 * c["under_kernels_us"] / c["us"] if c["us"] else 0.0
+    return f"{c['n']} / {c['us']:.0f} µs / {c['bytes'] / 1e6:.0f} MB / {under:.0f}% under kernels"
+
+
+def _calls(tl: dict, name: str) -> str:
+    n, us = (tl.get("runtime_calls") or {}).get(name, (0, 0.0))
+    return f"{n} / {us:.0f}" if n else "—"
+
+
+def prefill_table(phases: dict, lines: list[str]) -> None:
+    """One row per graph-phase prefill row: is the GPU idle between our prefill steps, or busier within them?"""
+    for ph in sorted(ph for ph in phases if ph.split("#")[0] == "graph"):
+        rows = {label: e for label, e in phases[ph].items() if e.get("load") == "prefill" or
+                ("error" in e and "prefill" in label)}
+        if not rows:
+            continue
+        lines.append(f"\n#### Phase `{ph}`, prefill rows (the prefill arms' load under torch.profiler; window: first "
+                     "kernel start to last kernel end; busy: union of kernel intervals, every stream; gaps: idle "
+                     "stretches > 50 µs; between steps: one step's last kernel to the next's first, from vLLM's "
+                     "execute_context annotation; copies: n / GPU µs / MB / share of their time under a kernel; "
+                     "host calls: n / µs)\n")
+        table(lines, "server / load | requests (errors) | captured / files complete | prompt tok/s | prefill steps (all) | window µs | busy µs "
+                     "| idle µs (%) | gaps > 50 µs (n / µs) | busy µs per prefill step | idle µs per prefill step "
+                     "| prefill step GPU µs (median) | between steps µs (median / total) "
+                     "| host prefill step µs (median) | DtoH | HtoD | DtoD | memset | our kernels (n / µs) "
+                     "| cudaStreamWaitEvent | cudaEventSynchronize | cudaStreamSynchronize | cudaMemcpyAsync "
+                     "| kernel streams (n, µs) | top 8 kernels (µs) | trace MB")
+        for label, e in rows.items():
+            if "error" in e:
+                lines.append(f"| {label} | error: {fmt_cell(e['error'][:100])} |" + " |" * 24)
+                continue
+            tl = e.get("timeline") or {}
+            top = ", ".join(f"{k[:40]} {v:.0f}" for v, k in (e.get("top_kernels_us") or [])[:8])
+            done = (f"files {e['files_complete']}/{e['files_expected']}" if "files_complete" in e
+                    else f"{e.get('captured')} captured" if e.get("captured") else "—")
+            cells = [f"{e.get('requests')} ({e.get('request_errors')})", done, fmt_cell(e.get("prompt_throughput")),
+                     f"{fmt_cell(tl.get('prefill_steps'))} ({fmt_cell(tl.get('steps'))})", fmt_cell(tl.get("window_us")),
+                     fmt_cell(tl.get("busy_us")), f"{fmt_cell(tl.get('idle_us'))} ({fmt_cell(tl.get('idle_pct'))}%)",
+                     f"{fmt_cell(tl.get('gaps_over_50us'))} / {fmt_cell(tl.get('gaps_over_50us_us'))}",
+                     fmt_cell(tl.get("busy_us_per_prefill_step")), fmt_cell(tl.get("idle_us_per_prefill_step")),
+                     fmt_cell(tl.get("prefill_step_gpu_us_median")),
+                     f"{fmt_cell(tl.get('between_steps_us_median'))} / {fmt_cell(tl.get('between_steps_us_total'))}",
+                     fmt_cell(tl.get("host_prefill_step_us_median")),
+                     *(_copies(tl, d) for d in ("DtoH", "HtoD", "DtoD", "memset")),
+                     f"{e.get('steer_kernels')} / {fmt_cell(e.get('steer_kernel_us'))}",
+                     *(_calls(tl, c) for c in ("cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize",
+                                               "cudaMemcpyAsync")),
+                     fmt_cell(tl.get("kernel_streams")), fmt_cell(top) if top else "—",
+                     f"{e['trace_bytes'] / 1e6:.1f}" if e.get("trace_bytes") else "—"]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def host_table(phases: dict, lines: list[str]) -> None:
     for ph in sorted(ph for ph in phases if ph.split("#")[0] == "host"):
         lines.append(f"\n#### Phase `{ph}` (py-spy: host CPU ms per engine step under the arm's load)\n")
@@ -224,6 +281,7 @@ def report(paths: list[str], md_path: str | None) -> str:
         lines.append("\nThe suite stopped on an error:\n\n```\n" + phases["error"][-1500:] + "\n```")
     ab_tables(phases, lines)
     graph_table(phases, lines)
+    prefill_table(phases, lines)
     host_table(phases, lines)
     text = "\n".join(lines) + "\n"
     if md_path:

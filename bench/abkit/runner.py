@@ -1,11 +1,13 @@
 """Running arms: the streaming client (TTFT: first event with choices; E2EL: last event; TPOT: (E2EL - TTFT) /
 (tokens - 1)), the warm-up steering check, interleaved trials (record ``trial`` k pairs with the reference's k),
-and the ``graph`` phase (torch.profiler around a few requests per server, read by tests/gpu_e2e/trace_kernels.py)."""
+and the ``graph`` phase (torch.profiler around a few requests per server, read by tests/gpu_e2e/trace_kernels.py;
+GRAPH_LOADS picks its rows: ``decode`` GRAPH_PLAN, ``prefill`` PREFILL_GRAPH_PLAN, the prefill arms' load)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import math
 import os
@@ -16,7 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .arms import ARMS, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts, seed_of
+from .arms import (ARMS, PREFILL_LOAD, arm_fields, arm_modules, build_bodies, expects_steering_field, make_prompts,
+                   seed_of)
 from .servers import CAPTURE_FS_DIR, CAPTURE_FS_NOSYNC_DIR, EXTRACT_DIR, T0, log, server_unavailable
 
 GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config for a steered kind)
@@ -40,6 +43,16 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("steer_proj_late / project_n16_late", "steer_proj_late", "project", 16)]
 # the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
 GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
+# issue 37 (prefill capture ~4% behind stock, vLLM's extract_hidden_states ~0): (label, arm) profiled under the arm's
+# own load (PREFILL_LOAD: prompt 512, max_tokens 1, concurrency 32), GRAPH_PREFILL_REQUESTS requests (128: 64k
+# prompt tokens, >= 8 prefill steps of 8192 tokens) after a warm-up wave of one concurrency's worth
+PREFILL_GRAPH_PLAN = [("stock / prefill", "prefill_stock"),
+                      ("steer_capture_fs / prefill capture files (nowait)", "prefill_capture_fs_nowait"),
+                      ("steer_capture_fs / prefill capture mem", "prefill_capture_mem"),
+                      ("extract_hs / prefill extract", "prefill_extract_hs")]
+GRAPH_PREFILL_REQUESTS = int(os.environ.get("GRAPH_PREFILL_REQUESTS", "128"))
+# which rows the graph phase profiles: decode (GRAPH_PLAN, the default), prefill (PREFILL_GRAPH_PLAN), or both
+GRAPH_LOADS = tuple(v for v in os.environ.get("GRAPH_LOADS", "decode").split(",") if v)
 
 
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, object]:
@@ -333,27 +346,98 @@ def graph_bodies(label: str, kind: str, n: int, ctx: dict, max_tokens: int, k: i
                         arm_fields({"kind": kind, "n_configs": n}, n, seed_of(*v), ctx), max_tokens)
 
 
+def prefill_graph_load(ctx: dict) -> dict:
+    """The prefill rows' load: PREFILL_LOAD with GRAPH_PREFILL_REQUESTS requests (a CPU dry run: its own tiny one)."""
+    if getattr(ctx.get("args"), "dry_run_cpu", False):
+        return {"prompt_len": ctx["prompt_len"], "max_tokens": 1, "requests": 4, "concurrency": 2}
+    return {**PREFILL_LOAD, "requests": GRAPH_PREFILL_REQUESTS}
+
+
+def prefill_graph_bodies(label: str, arm_name: str, n: int, ctx: dict, k: int) -> list[bytes]:
+    """The ``k``-th load of a prefill row (1: the warm-up, 2: the profiled one): ``n`` requests as arm ``arm_name``
+    sends them (its prompt length, max_tokens 1, its capture fields)."""
+    arm, load = ARMS[arm_name], prefill_graph_load(ctx)
+    prompts = make_prompts(n, load["prompt_len"], ctx["shape"]["vocab"], seed_of("graph", label, k))
+    return build_bodies(prompts, arm_fields(arm, n, seed_of("graph", label, f"v{k}"), ctx), load["max_tokens"],
+                        arm.get("wire", "json"))
+
+
+def _decode_bodies(label: str, kind: str, n: int, ctx: dict) -> list[list[bytes]]:
+    return [graph_bodies(label, kind, n, ctx, 16, k) for k in (1, 2)]
+
+
+def _prefill_bodies(label: str, arm: str, ctx: dict) -> list[list[bytes]]:
+    load = prefill_graph_load(ctx)
+    return [prefill_graph_bodies(label, arm, n, ctx, k) for n, k in ((load["concurrency"], 1), (load["requests"], 2))]
+
+
+def graph_rows(ctx: dict) -> list[dict]:
+    """The graph phase's rows (GRAPH_LOADS) on --graph-servers: label, server, arm (prefill rows), concurrency, and
+    ``bodies``, which makes the warm-up and the profiled bodies (when the row runs: decode rows' configs are large)."""
+    rows = []
+    if "decode" in GRAPH_LOADS:
+        for label, sname, kind, n in [p for p in GRAPH_PLAN if p[1] in ctx["graph_servers"] and p[3] in GRAPH_NS]:
+            rows.append({"label": label, "server": sname, "arm": None, "concurrency": n,
+                         "bodies": functools.partial(_decode_bodies, label, kind, n, ctx)})
+    if "prefill" in GRAPH_LOADS:
+        load = prefill_graph_load(ctx)
+        for label, arm in PREFILL_GRAPH_PLAN:
+            if ARMS[arm]["server"] in ctx["graph_servers"]:
+                rows.append({"label": label, "server": ARMS[arm]["server"], "arm": arm, "load": "prefill",
+                             "concurrency": load["concurrency"],
+                             "bodies": functools.partial(_prefill_bodies, label, arm, ctx)})
+    return rows
+
+
 def graph_phase(pool, ctx: dict, results: dict, save) -> None:
     from tests.gpu_e2e.trace_kernels import newest_trace, parse_trace
 
     res = results.setdefault("graph", {})
-    mt = 16
-    for label, sname, kind, n in [p for p in GRAPH_PLAN if p[1] in ctx["graph_servers"] and p[3] in GRAPH_NS]:
+    for row in graph_rows(ctx):
+        label, sname, arm = row["label"], row["server"], row["arm"]
         if why := server_unavailable(sname, ctx["args"]):
             log(f"[graph] skipping {label}: {why}")
             continue
         try:
             server = pool.get(sname)
             before = set(server.prof_dir.rglob("*.json*"))
-            warm, profiled = (graph_bodies(label, kind, n, ctx, mt, k) for k in (1, 2))
-            run_load(server, warm, n)  # rows resident, nothing new compiled in the window
+            warm, profiled = row["bodies"]()
+            files = written_files(ARMS[arm], ctx) if arm else None
+            if files is not None:
+                shutil.rmtree(files, ignore_errors=True)
+            run_load(server, warm, row["concurrency"])  # rows resident, nothing new compiled in the window
+            if files is not None:  # the warm-up's files (published behind its responses) written, then gone
+                files_written(files, ARMS[arm]["kind"], len(warm), wall=1.0, wait_s=60)
+                shutil.rmtree(files, ignore_errors=True)
+            counted = arm is not None and ARMS[arm]["kind"] in ("capture", "capture_fs")
+            counters = capture_counters(server) if counted else {}
             st, _ = http_json("POST", server.base + "/start_profile", timeout=120)
             if st != 200:
                 raise RuntimeError(f"/start_profile -> {st}")
-            out, _wall = run_load(server, profiled, n)
+            out, wall = run_load(server, profiled, row["concurrency"])
             http_json("POST", server.base + "/stop_profile", timeout=300)
-            rec = parse_trace(newest_trace(server.prof_dir, before))
+            path = newest_trace(server.prof_dir, before)
+            for attempt in range(4):  # a large trace may still be being written (a torn gzip / JSON)
+                try:
+                    rec = parse_trace(path)
+                    break
+                except (EOFError, OSError, ValueError):
+                    if attempt == 3:
+                        raise
+                    time.sleep(5.0)
+            rec["trace_bytes"] = path.stat().st_size
             rec["requests_steered"] = sum(1 for r in out if r.get("steering"))
+            if arm is not None:  # the load under the profiler: what it ran, and that it did what the arm asks
+                ok = [r for r in out if "error" not in r]
+                rec.update(load=row.get("load"), arm=arm, requests=len(out), request_errors=len(out) - len(ok),
+                           errors=[r["error"] for r in out if "error" in r][:2], wall_s=round(wall, 3),
+                           captured=sum(1 for r in ok if r.get("captured")),
+                           prompt_throughput=round(sum(r.get("prompt_tokens") or 0 for r in ok) / wall, 1))
+                if files is not None:
+                    rec.update(files_written(files, ARMS[arm]["kind"], len(out), wall))
+                    shutil.rmtree(files, ignore_errors=True)
+                if counted:
+                    rec["capture_counters"] = counter_delta(counters, capture_counters(server))
             rec["status_http"], status = http_json("GET", server.base + "/v1/steering")
             if rec["status_http"] == 200 and isinstance(status, dict):
                 rec["status_ops"] = (status.get("workers") or [{}])[0].get("ops")
@@ -361,8 +445,11 @@ def graph_phase(pool, ctx: dict, results: dict, save) -> None:
             else:
                 rec["status_ops"] = f"HTTP {rec['status_http']}"
             res[label] = rec
+            tl = rec["timeline"]
             log(f"[graph] {label}: kernels per launch {rec['kernels_per_launch_hist']}, eager kernels "
-                f"{rec['eager_kernels']}, steer kernels per step {rec['steer_kernels_per_step']} (more: the report)")
+                f"{rec['eager_kernels']}, steer kernels per step {rec['steer_kernels_per_step']}; GPU window "
+                f"{tl.get('window_us')} µs, idle {tl.get('idle_pct')}%, prefill steps {tl.get('prefill_steps')}, "
+                f"trace {rec['trace_bytes'] / 1e6:.1f} MB (more: the report)")
         except Exception as e:  # noqa: BLE001
             res[label] = {"error": f"{type(e).__name__}: {e}"[:1500]}
             log(f"[graph] {label}: error {e}")

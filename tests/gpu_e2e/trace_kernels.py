@@ -6,19 +6,34 @@ Kernels are grouped by ``args.correlation``: a ``cudaGraphLaunch`` runtime event
 correlation id as every kernel it launched, so each launch's kernel count is known. With decode as
 one FULL CUDA graph, the launch with the most kernels is a forward pass (``forward_kernels``); the most
 common count is ``kernels_per_step``. Kernels whose correlation id is no graph launch's ran eagerly.
-tests/test_bench_kit.py checks the parser on a synthetic trace.
+
+``timeline`` (issue 37: why prefill capture costs ~4%) says whether the GPU waits between steps or works more:
+the window (first kernel start to last kernel end), the busy time (union of every kernel interval, all
+streams: an 8192-token prefill step runs no CUDA graph, so every kernel of it is eager), the idle gaps, the
+copies and sets (``gpu_memcpy`` / ``gpu_memset``: by direction, bytes, and how much of their time runs under a
+kernel), the steps (vLLM's ``execute_context_N(T)_generation_M(G)`` annotation, on the host and its GPU
+projection), and the host's CUDA runtime calls (a thread blocked in a sync shows there).
+tests/test_bench_kit.py checks the parser on synthetic traces.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
+import re
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
 
 STEER_KERNEL_PATTERNS = ("steer", "apply_steering", "capture_rows")  # case-insensitive substrings
 GRAPH_LAUNCH_NAMES = ("cudaGraphLaunch", "cuGraphLaunch")  # runtime / driver API (+ "_v10000" suffixes)
+GAP_US = 50.0  # an idle gap longer than this between kernels is counted
+# host calls whose time says a thread waited on the device or queued copies (runtime names, "_v..." suffix stripped)
+SYNC_CALLS = ("cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cudaMemcpyAsync", "cudaMemcpy", "cudaEventRecord", "cudaEventQuery")
+STEP_RE = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 
 
 def is_steer_kernel(name: str) -> bool:
@@ -32,6 +47,136 @@ def _corr(e: dict):
 
 def _us(evs) -> float:
     return round(sum(float(e.get("dur", 0)) for e in evs), 1)
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals, sorted and disjoint."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(a: float, b: float, merged: list[tuple[float, float]], starts: list[float]) -> float:
+    """How much of ``[a, b]`` the disjoint sorted intervals ``merged`` (``starts``: their starts) cover."""
+    i, out = max(0, bisect.bisect_right(starts, a) - 1), 0.0
+    while i < len(merged) and merged[i][0] < b:
+        out += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+        i += 1
+    return out
+
+
+def _span(e: dict) -> tuple[float, float]:
+    t = float(e["ts"])
+    return t, t + float(e.get("dur", 0))
+
+
+def _direction(name: str, cat: str) -> str:
+    if cat == "gpu_memset":
+        return "memset"
+    return next((d for d in ("DtoH", "HtoD", "DtoD", "PtoP", "HtoH") if d in name), "other")
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def _steps_and_calls(ev: list[dict]) -> dict:
+    """vLLM's per-step annotation on the host thread and its projection on the GPU, and the CUDA runtime calls."""
+    host_steps, gpu_parts = ([e for e in ev if e.get("cat") == cat and STEP_RE.fullmatch(str(e.get("name", "")))]
+                             for cat in ("user_annotation", "gpu_user_annotation"))
+    # a step's GPU projection comes once per stream its work ran on: one span per host annotation (External id)
+    spans: dict = {}
+    for e in gpu_parts:
+        key = (e.get("args") or {}).get("External id")
+        a, b = _span(e)
+        if key is None or key not in spans:
+            spans[key if key is not None else id(e)] = {"name": e["name"], "ts": a, "dur": b - a}
+        else:
+            s = spans[key]
+            end = max(s["ts"] + s["dur"], b)
+            s["ts"] = min(s["ts"], a)
+            s["dur"] = end - s["ts"]
+    gpu_steps = sorted(spans.values(), key=lambda e: e["ts"])
+    prefill = [e for e in gpu_steps if int(STEP_RE.fullmatch(e["name"]).group(2)) > 0]
+    host_prefill = [e for e in host_steps if int(STEP_RE.fullmatch(e["name"]).group(2)) > 0]
+    between = [float(b["ts"]) - (float(a["ts"]) + float(a.get("dur", 0))) for a, b in zip(gpu_steps, gpu_steps[1:])]
+    runtime: dict[str, list] = {}
+    by_tid: dict[str, list] = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            for key, into in ((re.sub(r"_v\d+$", "", str(e.get("name", ""))), runtime), (str(e.get("tid")), by_tid)):
+                r = into.setdefault(key, [0, 0.0])
+                r[0] += 1
+                r[1] += float(e.get("dur", 0))
+    return {
+        "steps": len(gpu_steps),
+        "prefill_steps": len(prefill),
+        "prefill_tokens": sum(int(STEP_RE.fullmatch(e["name"]).group(2)) for e in prefill),
+        "step_gpu_us_median": _median([float(e.get("dur", 0)) for e in gpu_steps]),
+        "prefill_step_gpu_us_median": _median([float(e.get("dur", 0)) for e in prefill]),
+        # from one step's last kernel to the next step's first: the GPU waiting for the host between steps
+        "between_steps_us_median": _median(between),
+        "between_steps_us_total": round(sum(between), 1),
+        "host_steps": len(host_steps),
+        "host_prefill_steps": len(host_prefill),
+        "host_step_us_median": _median([float(e.get("dur", 0)) for e in host_steps]),
+        "host_prefill_step_us_median": _median([float(e.get("dur", 0)) for e in host_prefill]),
+        "runtime_calls": {k: [runtime[k][0], round(runtime[k][1], 1)] for k in SYNC_CALLS if k in runtime},
+        "top_runtime_us": sorted(((round(v[1], 1), v[0], k) for k, v in runtime.items()), reverse=True)[:10],
+        "runtime_by_tid": sorted(([round(v[1], 1), v[0], k] for k, v in by_tid.items()), reverse=True)[:6],
+    }
+
+
+def timeline(ev: list[dict]) -> dict:
+    """GPU busy vs idle over the kernels' window, copies and sets, steps, and the host's runtime calls
+    (``ev``: the trace's complete events; a trace without kernels, a CPU server's, has the steps alone)."""
+    out = _steps_and_calls(ev)
+    kern = [e for e in ev if e.get("cat") == "kernel"]
+    if not kern:
+        return out
+    busy = _merge([_span(e) for e in kern])
+    starts = [a for a, _b in busy]
+    t0, t1 = busy[0][0], busy[-1][1]
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    long_gaps = [g for g in gaps if g > GAP_US]
+    busy_us = sum(b - a for a, b in busy)
+    streams: dict[str, list] = {}
+    for e in kern:
+        s = streams.setdefault(str((e.get("args") or {}).get("stream")), [0, 0.0])
+        s[0] += 1
+        s[1] += float(e.get("dur", 0))
+    copies: dict[str, dict] = {}
+    for e in ev:
+        if e.get("cat") in ("gpu_memcpy", "gpu_memset"):
+            c = copies.setdefault(_direction(str(e.get("name", "")), e["cat"]),
+                                  {"n": 0, "us": 0.0, "bytes": 0, "under_kernels_us": 0.0, "streams": set()})
+            a, b = _span(e)
+            c["n"] += 1
+            c["us"] += b - a
+            c["bytes"] += int((e.get("args") or {}).get("bytes") or 0)
+            c["under_kernels_us"] += _covered(a, b, busy, starts)
+            c["streams"].add(str((e.get("args") or {}).get("stream")))
+    for c in copies.values():
+        c.update(us=round(c["us"], 1), under_kernels_us=round(c["under_kernels_us"], 1), streams=sorted(c["streams"]))
+    n_pre = out["prefill_steps"]
+    return {
+        "window_us": round(t1 - t0, 1),
+        "busy_us": round(busy_us, 1),
+        "idle_us": round(t1 - t0 - busy_us, 1),
+        "idle_pct": round(100 * (t1 - t0 - busy_us) / (t1 - t0), 2) if t1 > t0 else 0.0,
+        "gaps_over_50us": len(long_gaps),
+        "gaps_over_50us_us": round(sum(long_gaps), 1),
+        "gap_max_us": round(max(gaps, default=0.0), 1),
+        "busy_us_per_prefill_step": round(busy_us / n_pre, 1) if n_pre else None,
+        "idle_us_per_prefill_step": round((t1 - t0 - busy_us) / n_pre, 1) if n_pre else None,
+        "kernel_streams": {k: [v[0], round(v[1], 1)] for k, v in sorted(streams.items(), key=lambda kv: -kv[1][1])},
+        "copies": copies,
+        **out,
+    }
 
 
 def analyze_events(events: list) -> dict:
@@ -107,6 +252,7 @@ def analyze_events(events: list) -> dict:
         "top_kernels_us": sorted(((round(v, 1), k) for k, v in top.items()), reverse=True)[:12],
         "gpu_span_us": round(span, 1),
         "top_host_us": sorted(((round(v[1], 1), v[0], k) for k, v in host.items()), reverse=True)[:60],
+        "timeline": timeline(ev),
     }
 
 
