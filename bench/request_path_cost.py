@@ -75,6 +75,13 @@ def _bodies(layers: int, hidden: int, rng: np.random.Generator) -> dict[str, tup
         cond = {"site": "pre_attn.1", "probe": value}
         body = {"prompt": [1] * 256, "steering_vectors": gated, "steering_condition": cond}
         out[f"packed bfloat16 + condition, probe {form}, JSON"] = (json.dumps(body).encode(), False)
+    # projections (steer.max_projections 1) as the A/B's project_n16 sends them: one float32 unit direction,
+    # ablated at post_mlp of every layer (each layer its own base64 copy)
+    v = rng.standard_normal(hidden).astype(np.float32)
+    op = {"direction": {"dtype": "float32", "data": base64.b64encode((v / np.linalg.norm(v)).tobytes()).decode()},
+          "mode": "ablate"}
+    body = {"prompt": [1] * 256, "steering_projections": {"post_mlp": {str(l): [op] for l in ids}}}
+    out["projections, 32 sites float32, JSON"] = (json.dumps(body).encode(), False)
     return out
 
 
@@ -191,7 +198,8 @@ def main() -> None:
     mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=args.layers),
                          get_hidden_size=lambda: args.hidden)
     fe = SteeringFrontend(SimpleNamespace(model_config=mc, additional_config={"steer": {"max_configs": 272,
-                                                                                               "conditions": True}}))
+                                                                                               "conditions": True,
+                                                                                               "max_projections": 1}}))
     rng = np.random.default_rng(0)
     mod = {h: pack(rng.standard_normal((args.layers, args.hidden), dtype=np.float32) * 0.05,
                    list(range(args.layers)), "bfloat16") for h in HOOKS}

@@ -297,3 +297,17 @@ def test_the_same_vectors_again_are_not_decoded_checked_or_hashed_again(monkeypa
         for _ in range(2):
             layout.checked_rows(block, list(range(32)), "bfloat16", 4096)
     assert len(layout.CHECKED) == 3 and layout.CHECKED.held_bytes == 3 * 2 * 32 * 4096
+
+
+@pytest.mark.parametrize("key", ["steering_vectors", "decode_steering_vectors", "steering_module", "capture", "sae",
+                                 "steering_condition", "steering_projections", "prefill_steering_projections",
+                                 "vllm_steer_token"])
+def test_the_steering_markers_find_every_field_key_in_one_pass(key):
+    """``request_body._MARKERS``: any steering field's key (quoted, as JSON writes keys) or a ``"vllm_steer``
+    key anywhere in a body, after a large prompt too; a body naming none, or only a longer key, is not marked (it
+    passes through to vLLM untouched)."""
+    big = json.dumps({"prompt": "x" * 200_000, "pad": _b64(300_000)})[:-1]
+    assert request_body._MARKERS.search(f'{big}, "{key}": 1}}'.encode())
+    assert not request_body._MARKERS.search(f'{big}, "{key}x": 1, "note": "{key} in a text"}}'.encode()) or \
+        key == "vllm_steer_token"  # any "vllm_steer... key is ours
+    assert not request_body._MARKERS.search(f'{big}}}'.encode())

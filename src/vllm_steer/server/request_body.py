@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -45,7 +46,10 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
 _RESERVED = (TOKEN_FIELD, PAYLOAD_KEY, ROWS_KEY)  # keys only vllm-steer writes into extra_args
 # each marker is one scan of a body without steering: '"vllm_steer' stands for every reserved key (their prefix)
-_MARKERS = tuple(f'"{k}"'.encode() for k in REQUEST_FIELDS) + (b'"vllm_steer',)
+# a steering field's key (or a "vllm_steer..." one) anywhere in the raw body, found in one pass: `any(marker in body)`
+# over the eleven markers scanned a body without the first one eleven times (a 700 KB projection request: 1.7 ms
+# of the API process's 2.9, s29)
+_MARKERS = re.compile(b'"(?:' + b"|".join(re.escape(k.encode()) for k in REQUEST_FIELDS) + b')"|"vllm_steer')
 _MODULE_MARKER = b"steering_module"  # JSON or msgpack: the key's bytes appear either way
 _SAE_MARKER = b"sae"
 _JSON_DECODER = msgspec.json.Decoder()
@@ -233,7 +237,7 @@ class SteeringRequestMiddleware:
                                          "(steer.max_body_bytes)", "body")
             return
         msgpack = headers.get(b"content-type", b"").split(b";")[0].strip() in MSGPACK_TYPES
-        if gone or not (msgpack or any(m in body for m in _MARKERS) or field_names.suspect(body)):
+        if gone or not (msgpack or _MARKERS.search(body) or field_names.suspect(body)):
             await self.app(scope, _replay(body, receive), send)
             return
         trace = path_trace.Trace() if path_trace.ON else None
