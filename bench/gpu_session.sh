@@ -11,8 +11,8 @@
 #              GRAPH_LOADS: its rows, decode (default), prefill (prefill-prof's), or decode,prefill)
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start;
 #              transcoders: SERVERS=stock,sae,transcoder ab-start, ARMS=stock,sae_delta_n16,transcoder_idle,transcoder_n16)
-#   topk       the full SAE kernels' launch variants (bench/sae_kernel_bench.py --topk-sweep: encoder tiles, K split,
-#              pipelining, W_enc layout, radix TopK search) at N 16, 1, 64, each beside W_enc's bound (~3 min on an H200)
+#   topk       the full SAE encoder's launch variants (bench/sae_kernel_bench.py --topk-sweep: tiles, warps, K split,
+#              stages, hi / lo planes) at N 16, 1, 64, each beside W_enc's bound (~3 min on an H200)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
 #   proj       the projection kernel tests (interpreted and GPU), then project_n16 (16 requests each ablating one
 #              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj

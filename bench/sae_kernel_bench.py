@@ -5,10 +5,10 @@ every token its own row of 3; prefill-like from N 512, 16 prompts of N / 16 toke
 (the torch reference) by d_sae; full packs on the tensor-core path (``op.triton_path``: TopK k 64 delta with 16 clamp
 sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read, the tensor-core
 flops, the larger of the two bounds, and each launch's GPU time (torch.profiler).
-``--topk-sweep`` (alone): the full kernels' launch variants (``full_triton.Tuning``: the encoder's tiles, K split,
-pipelining, W_enc read along K; the TopK search by radix digits) on one TopK k 64 delta site (16 clamp sets, d_sae
-16384, D 4096) at N 1, 16, 64: each variant's edit checked against the default's, then the site's µs (CUDA graph),
-each launch's GPU µs (torch.profiler) and the bounds beside them (W_enc's read; the site's bytes).
+``--topk-sweep`` (alone): the full encoder's launch variants (``full_triton.Tuning``: tiles, warps, K split,
+stages, the stream's hi / lo planes) on one TopK k 64 delta site (16 clamp sets, d_sae 16384, D 4096) at N 1, 16,
+64: each variant's edit checked against the default's, then the site's µs (CUDA graph), each launch's GPU µs
+(torch.profiler) and the bounds beside them (W_enc's read; the site's bytes).
 Usage: python3 bench/sae_kernel_bench.py [--out FILE.json] [--full-only | --topk-sweep [--sweep-n 16,1,64]]"""
 
 from __future__ import annotations
@@ -166,25 +166,23 @@ def _full_rows(dev, w) -> list[dict]:
     return rows
 
 
-# (name, Tuning keywords, W_enc read along K): the encoder's candidates for the N 16 bound (issue 39), then the TopK
-# search's; "default" is the engine's launch. N <= 64 share one tile (16 tokens x 64 features, 64-deep K tiles, 2 warps
-# since s29; two K tiles a step under 528 programs: N 1 and 16, one at N 64). s29's sweep (H100) dropped what lost
-# everywhere: block_f 32, split_k 4, prefetch, unroll 4, W_enc^T, radix 8 (the search 2x slower)
+# (name, Tuning keywords): the encoder's candidates for the N 16 bound (issue 39); "default" is the engine's launch.
+# N <= 64 share one tile (16 tokens x 64 features, 64-deep K tiles, 2 warps since s29; two K tiles a step under 528
+# programs: N 1 and 16, one at N 64). s29's sweep (H100) dropped what lost everywhere: block_f 32, split_k 4, unroll 4
 ENCODE_VARIANTS = [
-    ("default", {}, False),
-    ("warps 4", dict(warps=4), False),
-    ("warps 1", dict(warps=1), False),
-    ("hilo", dict(hilo=True), False),
-    ("hilo unroll 1", dict(hilo=True, unroll=1), False),
-    ("hilo stages 4", dict(hilo=True, stages=4), False),
-    ("hilo split_k 2", dict(hilo=True, split_k=2), False),
-    ("split_k 2", dict(split_k=2), False),
-    ("unroll 1", dict(unroll=1), False),
-    ("block_k 128 unroll 1", dict(block_k=128, unroll=1), False),
-    ("stages 5 unroll 1", dict(stages=5, unroll=1), False),
-    ("hilo stages 5 unroll 1", dict(hilo=True, stages=5, unroll=1), False),
+    ("default", {}),
+    ("warps 4", dict(warps=4)),
+    ("warps 1", dict(warps=1)),
+    ("hilo", dict(hilo=True)),
+    ("hilo unroll 1", dict(hilo=True, unroll=1)),
+    ("hilo stages 4", dict(hilo=True, stages=4)),
+    ("hilo split_k 2", dict(hilo=True, split_k=2)),
+    ("split_k 2", dict(split_k=2)),
+    ("unroll 1", dict(unroll=1)),
+    ("block_k 128 unroll 1", dict(block_k=128, unroll=1)),
+    ("stages 5 unroll 1", dict(stages=5, unroll=1)),
+    ("hilo stages 5 unroll 1", dict(hilo=True, stages=5, unroll=1)),
 ]
-SELECT_VARIANTS = [("radix 8", dict(radix=8), False)]  # until the radix search goes (it lost by 2x)
 
 
 def _hbm_bytes_per_us() -> float:
@@ -200,7 +198,6 @@ def _sweep_rows(dev, ns: list[int]) -> list[dict]:
 
     bw = _hbm_bytes_per_us()
     pack = _full_pack(FULL_K, 1, dev)
-    pack_t = pack[:8] + [pack[8].T.contiguous().T] + pack[9:]
     enc_bound = D * FULL_F * 2 / bw
     print(f"device {torch.cuda.get_device_name()}, HBM {bw / 1e6:.2f} TB/s; W_enc's read {enc_bound:.1f} µs\n"
           "| N | variant | check | site µs | _encode µs | _select µs | rest µs (launches) | encode bound µs "
@@ -213,11 +210,11 @@ def _sweep_rows(dev, ns: list[int]) -> list[dict]:
         index = torch.arange(n + 1, device=dev, dtype=torch.int32) % FULL_SETS + 1
         want = site_edit(x, res, index, pack, FULL_K)
         scale = float(want.abs().max())
-        for name, kw, wt in ENCODE_VARIANTS + SELECT_VARIANTS:
-            t, p = Tuning(**kw), pack_t if wt else pack
+        for name, kw in ENCODE_VARIANTS:
+            t = Tuning(**kw)
 
-            def call(t=t, p=p):
-                return site_edit(x, res, index, p, FULL_K, tuning=t)
+            def call(t=t):
+                return site_edit(x, res, index, pack, FULL_K, tuning=t)
 
             try:
                 got = call()
@@ -246,7 +243,7 @@ def _sweep_rows(dev, ns: list[int]) -> list[dict]:
         base = next((r for r in ok if r["variant"] == "default"), None)
         if ok and base:
             site, enc = min(ok, key=lambda r: r["us"]), min(ok, key=lambda r: r["encode_us"])
-            # _encode alone: hilo's _hilo, atomic's memset and a split's sum (in _select) are in the site's time only
+            # _encode alone: hilo's _hilo and a split's sum (in _select) are in the site's time only
             print(f"N {n}: fastest site {site['variant']} {site['us']} µs (default {base['us']}); fastest _encode "
                   f"alone {enc['variant']} {enc['encode_us']} µs (default {base['encode_us']}, "
                   f"bound {base['encode_bound_us']})")

@@ -29,8 +29,8 @@ data-dependent shape: CUDA graphs replay them with rows changed after capture): 
    - ``_reduce``: the splits' partial sums added in split order, then ``_finish``.
 
 Tiles and splits are fixed by N (``_TILES``; no autotuning). The per-launch roofline is in README.md. ``Tuning``:
-the encoder's and the TopK search's launch variants that ``bench/sae_kernel_bench.py --topk-sweep`` times (issue 39;
-README "Third pass"); its defaults are the launches above.
+the encoder's launch variants that ``bench/sae_kernel_bench.py --topk-sweep`` times (issue 39; README "Third pass");
+its defaults are the launches above.
 
 TopK ties: every feature whose pre equals the k-th largest is kept (torch.topk keeps exactly k); with float
 activations a tie at the boundary is a measure-zero event.
@@ -184,28 +184,23 @@ def _hilo(src, p_count, p_hl, r0, stride_hl, stride_plane, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w, W_T: tl.constexpr):
-    """W_enc[o_k, o_f] ([BLOCK_K, BLOCK_F]); W_T: from a [D, F] view of a [F, D] copy, read along K."""
-    if W_T:
-        return tl.load(p_wenc + o_f[None, :].to(tl.int64) * stride_w + o_k[:, None], mask=m_k[:, None] & m_f[None, :],
-                       other=0.0)
-    else:
-        return tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :], mask=m_k[:, None] & m_f[None, :],
-                       other=0.0)
+def _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w):
+    """W_enc[o_k, o_f] ([BLOCK_K, BLOCK_F])."""
+    return tl.load(p_wenc + o_k[:, None].to(tl.int64) * stride_w + o_f[None, :], mask=m_k[:, None] & m_f[None, :],
+                   other=0.0)
 
 
 @triton.jit
 def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
-                 DIRECT: tl.constexpr, HAS_RES: tl.constexpr, UNROLL: tl.constexpr, W_T: tl.constexpr,
-                 HILO: tl.constexpr):
+                 DIRECT: tl.constexpr, HAS_RES: tl.constexpr, UNROLL: tl.constexpr, HILO: tl.constexpr):
     """acc + the UNROLL K tiles from k0, each its own ``_tile_dot`` added in K order. HILO: the stream's hi / lo
     planes (``_hilo``) read as they are, multiplied in ``_tile_dot``'s order (lo first): the same sums."""
     for u in tl.static_range(UNROLL):
         o_k = k0 + u * BLOCK_K + tl.arange(0, BLOCK_K)
         m_k = o_k < k_hi
         if HILO:
-            w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w, W_T)
+            w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w)
             p_hl, stride_hl, stride_plane = hl
             p_a = p_hl + o_m[:, None].to(tl.int64) * stride_hl + o_k[None, :]
             m_a = m_m[:, None] & m_k[None, :]
@@ -215,7 +210,7 @@ def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, B
             acc += _dot(tl.load(p_a, mask=m_a, other=0.0), w, t, UPCAST)
         else:
             a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)  # issued before W_enc's tile, as it always was
-            w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w, W_T)
+            w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w)
             acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
     return acc
 
@@ -223,30 +218,11 @@ def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, B
 @triton.jit
 def _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, k_hi, stride_w, BLOCK_M: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
-                 DIRECT: tl.constexpr, HAS_RES: tl.constexpr, UNROLL: tl.constexpr, W_T: tl.constexpr,
-                 LOOP_STAGES: tl.constexpr, HILO: tl.constexpr, PREFETCH: tl.constexpr):
-    """acc + S[o_m, k_lo:k_hi] @ W_enc[k_lo:k_hi, o_f], K tile by K tile in order. PREFETCH (UNROLL 1): the next
-    tile's stream is loaded before this tile's product (registers, double-buffered by hand: the stream's loads are
-    not dot operands as loaded, so Triton's pipeliner leaves them in the iteration that uses them). LOOP_STAGES:
-    a ``tl.range`` with that many stages."""
-    if PREFETCH:
-        o_k = k_lo + tl.arange(0, BLOCK_K)
-        a = _stream(src, o_m, m_m, o_k, o_k < k_hi, DIRECT, HAS_RES)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            o_n = o_k + BLOCK_K
-            a_next = _stream(src, o_m, m_m, o_n, o_n < k_hi, DIRECT, HAS_RES)
-            w = _w_tile(p_wenc, o_k, o_k < k_hi, o_f, m_f, stride_w, W_T)
-            acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
-            a = a_next
-    elif LOOP_STAGES == 0:
-        for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
-            acc = _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M, BLOCK_F,
-                               BLOCK_K, PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, W_T, HILO)
-    else:
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K * UNROLL, num_stages=LOOP_STAGES):
-            acc = _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M, BLOCK_F,
-                               BLOCK_K, PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, W_T, HILO)
+                 DIRECT: tl.constexpr, HAS_RES: tl.constexpr, UNROLL: tl.constexpr, HILO: tl.constexpr):
+    """acc + S[o_m, k_lo:k_hi] @ W_enc[k_lo:k_hi, o_f], K tile by K tile in order."""
+    for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
+        acc = _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M, BLOCK_F, BLOCK_K,
+                           PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, HILO)
     return acc
 
 
@@ -254,19 +230,17 @@ def _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, k_hi, stride_w,
 def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, stride_split, hl,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr, UNROLL: tl.constexpr, W_T: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
-            K_SPLIT: tl.constexpr = 0, ATOMIC: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 0,
-            HILO: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+            HAS_RES: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr = 1, K_SPLIT: tl.constexpr = 0,
+            HILO: tl.constexpr = False):
     """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per tile of BLOCK_M listed
     tokens x BLOCK_F features (token tiles on grid axis 0, launched first: the tiles sharing W_enc's columns run
     together, so W_enc leaves HBM about once per round). A tile past the count returns at once. UNROLL K tiles a
     loop step (a small grid: twice the W_enc bytes in flight a program), each still its own ``_tile_dot`` added in
     K order: the same arithmetic as one a step.
 
-    Variants (``Tuning``; the defaults are the engine's): W_T (W_enc read from a K-contiguous copy), LOOP_STAGES,
-    HILO, PREFETCH (``_encode_loop``), SPLIT_K (grid axis 2: split s sums K in [s K_SPLIT, (s + 1) K_SPLIT); its
-    partial goes to ``pre + s stride_split`` and ``_select`` adds the splits in order and the bias, or ATOMIC: added
-    into a zeroed pre, split 0 with the bias). ``hl``: (hi / lo planes, row stride, plane stride) for HILO."""
+    Variants (``Tuning``; the defaults are the engine's): HILO (``_encode_step``), SPLIT_K (grid axis 2: split s sums
+    K in [s K_SPLIT, (s + 1) K_SPLIT); its partial goes to ``pre + s stride_split`` and ``_select`` adds the splits in
+    order and the bias). ``hl``: (hi / lo planes, row stride, plane stride) for HILO."""
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
     if m0 < n:
@@ -277,7 +251,7 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, st
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
         if SPLIT_K == 1:
             acc = _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, 0, D, stride_w, BLOCK_M, BLOCK_F, BLOCK_K,
-                               PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, W_T, LOOP_STAGES, HILO, PREFETCH)
+                               PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, HILO)
             b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
             tl.store(p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :], acc + b_bias[None, :],
                      mask=m_m[:, None] & m_f[None, :])
@@ -285,15 +259,9 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, st
             i_s = tl.program_id(2)
             k_lo = i_s * K_SPLIT
             acc = _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, tl.minimum(k_lo + K_SPLIT, D),
-                               stride_w, BLOCK_M, BLOCK_F, BLOCK_K, PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, W_T,
-                               LOOP_STAGES, HILO, PREFETCH)
+                               stride_w, BLOCK_M, BLOCK_F, BLOCK_K, PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, HILO)
             p_out = p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :]
-            m_out = m_m[:, None] & m_f[None, :]
-            if ATOMIC:
-                b_bias = tl.load(p_benc + o_f, mask=m_f & (i_s == 0), other=0.0)
-                tl.atomic_add(p_out, acc + b_bias[None, :], mask=m_out, sem="relaxed")
-            else:
-                tl.store(p_out + i_s.to(tl.int64) * stride_split, acc, mask=m_out)
+            tl.store(p_out + i_s.to(tl.int64) * stride_split, acc, mask=m_m[:, None] & m_f[None, :])
 
 
 @triton.jit
@@ -324,43 +292,10 @@ def _search_step(thr_key, b, cnt, K):
 
 
 @triton.jit
-def _radix_threshold(b_key, K, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """The K-th largest of the keys ``b_key`` (``_key``; -1: no feature) as the bitwise search finds it, by digits of
-    BITS bits from bit 30 (a radix select): per pass one histogram of the digit over the keys whose higher bits equal
-    the prefix found so far; the digit is the largest whose bucket and those above hold at least the K still needed.
-    Done once the keys at or above the prefix's bucket are exactly K (no lower bit can change which reach it), else
-    after the last digit (the K-th key itself; ties kept). ceil(31 / BITS) passes at most (8 bits: 4, with
-    continuous activations ~2-3); F < K: 0 (every key reaches it)."""
-    keys = tl.reshape(b_key, (BLOCK,), can_reorder=True)
-    valid = keys >= 0
-    o_b = tl.arange(0, 1 << BITS)
-    need = tl.zeros((), dtype=tl.int32) + K
-    prefix = tl.zeros((), dtype=tl.int32)
-    thr = tl.zeros((), dtype=tl.int32)
-    live = tl.full((), 1, tl.int32)
-    hi = tl.full((), 31, tl.int32)
-    for _ in tl.static_range((31 + BITS - 1) // BITS):
-        lo = tl.maximum(hi - BITS, 0)
-        if live != 0:
-            # keys under the prefix: bits [hi, 31) equal it (the first pass: every key, whose bit 31 is 0)
-            digit = (keys >> lo) & ((1 << (hi - lo)) - 1)
-            h = tl.histogram(digit, 1 << BITS, mask=valid & ((keys >> hi) == prefix))
-            above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in the buckets above each
-            b = tl.max(tl.where(above + h >= need, o_b, -1), axis=0)
-            h_b = tl.sum(tl.where(o_b == b, h, 0), axis=0)
-            need -= tl.sum(tl.where(o_b == b, above, 0), axis=0)
-            prefix = (prefix << (hi - lo)) | tl.maximum(b, 0)
-            thr = tl.where(b >= 0, prefix << lo, 0)
-            live = ((b >= 0) & (need != h_b)).to(tl.int32)
-        hi = lo
-    return thr
-
-
-@triton.jit
 def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
             stride_pre, stride_code, stride_value, stride_cv, F, C, K, p_benc, stride_split,
             TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-            GROUPS: tl.constexpr, SPLIT: tl.constexpr = 1, RADIX: tl.constexpr = 0):
+            GROUPS: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients: RECONSTRUCT
     rows' written over pre (f with clamped features f'); a DELTA row's coefficients (f' - f at the clamped features)
     go to ``cv`` only (``_decode`` multiplies them with the clampable features' W_dec rows and reads no DELTA row's
@@ -373,9 +308,8 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
     and one > hi dropped without counting; only the bits that split [lo, hi] cost a pass over the row (with
     continuous activations ~10 of the 31).
 
-    Variants (``Tuning``): SPLIT (``_encode`` split over K): pre is the first of SPLIT partial sums ``stride_split``
-    apart; they are added in split order with b_enc and written to pre before anything reads it. RADIX (SINGLE):
-    the K-th largest key by ``_radix_threshold`` (digits of RADIX bits) instead of the bitwise search."""
+    SPLIT (``Tuning.split_k``: ``_encode`` split over K): pre is the first of SPLIT partial sums ``stride_split``
+    apart; they are added in split order with b_enc and written to pre before anything reads it."""
     j = tl.program_id(0)
     if r0 + j < tl.load(p_count):
         p_row = p_pre + j.to(tl.int64) * stride_pre
@@ -407,9 +341,7 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
         thr_key = tl.zeros((), dtype=tl.int32)
         if TOPK:  # the largest key T with #(key >= T) >= K: the K-th largest
             b = tl.full((), 30, tl.int32)
-            if SINGLE and RADIX > 0:
-                thr_key = _radix_threshold(b_key, K, BLOCK, RADIX)
-            elif SINGLE:
+            if SINGLE:
                 hi = tl.max(tl.max(b_key, axis=1), axis=0)
                 g_max = tl.max(b_key, axis=1)  # a group past F: -1
                 lo = tl.min(tl.where(g_max >= 0, g_max, hi), axis=0)
@@ -604,29 +536,22 @@ def _splits(rn: int, d: int, f: int, c: int, bm: int, bd: int, bf: int) -> tuple
 
 @dataclass(frozen=True)
 class Tuning:
-    """The encoder's and the TopK search's launch variants, for ``bench/sae_kernel_bench.py --topk-sweep`` (issue
-    39: TopK k 64 at N 16 is bound by W_enc's read); the defaults (0 / 1 / False) are the engine's choices. W_enc's
-    layout is the tensor's own: a [D, F] view of a [F, D] copy (``w.T.contiguous().T``) is read along K (``W_T``).
+    """The encoder's launch variants, for ``bench/sae_kernel_bench.py --topk-sweep`` (issue 39: TopK k 64 at N 16 is
+    bound by W_enc's read); the defaults (0 / 1 / False) are the engine's choices.
 
     block_f / block_k / warps: the encoder's tile and warps (0: ``_tiles``'); unroll: K tiles a loop step (0:
     ``_ENC_UNROLL`` under ``_PROGRAMS`` programs, else 1); split_k: the encoder's K split over that many programs
-    (float32 partial sums, added by ``_select`` in split order, or ``atomic``: into a zeroed pre); stages: the
-    encoder launch's ``num_stages`` (0: Triton's default); loop_stages: its K loop a ``tl.range`` of that many
-    stages; hilo: the stream split into hi / lo planes once (``_hilo``, one launch more), read by the encoder as
-    dot operands; prefetch (unroll 1): the next K tile's stream loaded before this tile's product; radix: the TopK
-    search by digits of that many bits (``_radix_threshold``; 0: the bitwise search)."""
+    (float32 partial sums, added by ``_select`` in split order); stages: the encoder launch's ``num_stages`` (0:
+    Triton's default); hilo: the stream split into hi / lo planes once (``_hilo``, one launch more), read by the
+    encoder as dot operands."""
 
     block_f: int = 0
     block_k: int = 0
     warps: int = 0
     unroll: int = 0
     split_k: int = 1
-    atomic: bool = False
     stages: int = 0
-    loop_stages: int = 0
     hilo: bool = False
-    prefetch: bool = False
-    radix: int = 0
 
 
 DEFAULT = Tuning()
@@ -652,8 +577,7 @@ def site_edit(
     mode, code, value = pack[0], pack[1], pack[2]
     feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
     f_all, c = w_enc.shape[1], code.shape[1]
-    w_t = w_enc.stride(0) == 1 and w_enc.stride(1) != 1  # a view of a [F, D] copy: read along K
-    assert (w_t or w_enc.stride(-1) == 1) and w_dec.stride(-1) == 1 and code.stride(-1) == 1 and value.stride(-1) == 1
+    assert w_enc.stride(-1) == 1 and w_dec.stride(-1) == 1 and code.stride(-1) == 1 and value.stride(-1) == 1
     dev = x.device
     edit = torch.empty(n, d, dtype=torch.float32, device=dev)
     if n == 0:
@@ -674,10 +598,9 @@ def site_edit(
     unroll = t.unroll or (_ENC_UNROLL if m_tiles * e_tiles * t.split_k < _PROGRAMS else 1)
     k_split = triton.cdiv(triton.cdiv(d, t.split_k), e_bk * unroll) * e_bk * unroll
     split_k = triton.cdiv(d, k_split)  # 1 unless tuned
-    # split over K: [split_k, rn, F] partial sums (pre the first), summed by _select; atomic: one, zeroed per round
-    pre_all = torch.empty(1 if t.atomic else split_k, rn, f_all, dtype=torch.float32, device=dev)
+    # split over K: [split_k, rn, F] partial sums (pre the first), summed by _select
+    pre_all = torch.empty(split_k, rn, f_all, dtype=torch.float32, device=dev)
     pre = pre_all[0]
-    assert not t.prefetch or unroll == 1, "prefetch: one K tile a step"
     hl = torch.empty(2, rn, d, dtype=w_enc.dtype, device=dev) if t.hilo else pre
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
     split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk)
@@ -697,22 +620,20 @@ def site_edit(
                     _num_warps(block_d) if norm else 4 if block_d <= 1024 else 8)
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)
-        if t.atomic and split_k > 1:
-            pre.zero_()
         enc_flags = (d, bm, e_bn, e_bk, *flags, unroll)
-        if t != DEFAULT or w_t:
-            enc_flags += (w_t, split_k, k_split, t.atomic, t.loop_stages, t.hilo, t.prefetch)
+        if t != DEFAULT:
+            enc_flags += (split_k, k_split, t.hilo)
         if t.hilo:
             _HILO((rn, triton.cdiv(d, 1024)), (src, count, hl, r0, hl.stride(1), hl.stride(0)),
                   (d, 1024, ROUND, direct, residual is not None), 4)
-        _ENCODE((m_tiles, e_tiles, split_k), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(1 if w_t else 0),
+        _ENCODE((m_tiles, e_tiles, split_k), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0),
                                               pre.stride(0), f_all, pre_all.stride(0),
                                               (hl, hl.stride(-2), hl.stride(0) if t.hilo else 0)),
                 enc_flags, e_warps, t.stages or None)
         sel_flags = (topk > 0, single, block_sel, min(triton.next_power_of_2(max(c, 1)), _SELECT_C),
                      min(_GROUPS, block_sel))
         if t != DEFAULT:
-            sel_flags += (1 if t.atomic else split_k, t.radix)
+            sel_flags += (split_k,)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk, b_enc, pre_all.stride(0)),
                 sel_flags, 16 if block_sel >= 8192 else 8)
