@@ -13,7 +13,7 @@ launch, empty or not, after building a launch-metadata dict; while both chains a
 passed as ``None`` (nothing to call, no metadata), otherwise (a profiler's hooks) as Triton passes them.
 
 Trailing constexprs a caller leaves out take their defaults here, as Triton's binding does: the compiled launcher
-takes every parameter (s29: ``full_triton._encode``'s seven defaulted tuning constexprs, left out on the engine's
+takes every parameter (s29: ``full_triton._encode``'s defaulted tuning constexprs, left out on the engine's
 path, turned the direct path off for the whole process at a full SAE pack's first launch).
 
 Any failure of the direct call (a Triton whose launcher has another signature) turns the direct
