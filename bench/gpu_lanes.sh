@@ -2,7 +2,7 @@
 # Several GPU lanes at once on one multi-GPU machine: each lane is a background chain of bench/gpu_session.sh steps
 # pinned to one GPU, with its own TMPDIR (A/B state file, model, caches), ports and results folder, so the A/B suites
 # of different lanes never adopt each other's servers. Run from the repo root on the GPU machine, after `install`.
-#   start GPU NAME 'STEP; STEP; ...'   a lane: each STEP is `[VAR=value ...] step` of gpu_session.sh, run in order;
+#   start GPU NAME 'STEP; STEP; ...'   a lane (GPU: one index, or a list "2,3" for a TP lane): each STEP is `[VAR=value ...] step` of gpu_session.sh, run in order;
 #                                      a NAME started again (its steps ended, or it was lost) goes on in its folder, so
 #                                      its A/B suite adopts the servers its earlier steps kept
 #   poll [SECONDS]                     wait (at most SECONDS, default 0) while any lane runs, then print each lane's
@@ -26,7 +26,8 @@ case "${1:-}" in
     [ -e "$L/$name.log" ] && ! ended "$L/$name.log" && echo "=== $(date +%T) lane lost: started again" >> "$L/$name.log"
     mkdir -p "$L/$name/tmp" "$L/$name/out"
     (
-      export CUDA_VISIBLE_DEVICES=$gpu TMPDIR=$L/$name/tmp PORT_BASE=$((8100 + 100 * gpu)) OUT=$L/$name/out
+      # GPU may list several ("2,3": a TP=2 lane): the port base is its first's
+      export CUDA_VISIBLE_DEVICES=$gpu TMPDIR=$L/$name/tmp PORT_BASE=$((8100 + 100 * ${gpu%%,*})) OUT=$L/$name/out
       IFS=';' read -ra list <<< "$steps"
       for s in "${list[@]}"; do
         read -ra w <<< "$s"

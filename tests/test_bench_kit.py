@@ -464,8 +464,10 @@ def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
     assert (lanes / "a" / "out" / "steps.txt").read_text().splitlines() == [
         f"slow gpu=2 port=8300 tmp={lanes}/a/tmp x=1", f"plain gpu=2 port=8300 tmp={lanes}/a/tmp x="]
     assert (lanes / "b" / "out" / "steps.txt").read_text() == f"bad gpu=0 port=8100 tmp={lanes}/b/tmp x=\n"
+    assert lanes_sh("start", "2,3", "tp", "plain").returncode == 0  # a TP lane: the port base is its first GPU's
     assert lanes_sh("start", "2", "a", "X=2 plain").returncode == 0
     assert lanes_sh("poll", "30").returncode == 0
+    assert (lanes / "tp" / "out" / "steps.txt").read_text() == f"plain gpu=2,3 port=8300 tmp={lanes}/tp/tmp x=\n"
     last = (lanes / "a" / "out" / "steps.txt").read_text().splitlines()[-1]
     assert last == f"plain gpu=2 port=8300 tmp={lanes}/a/tmp x=2"
     assert (lanes / "a.log").read_text().count("lane done") == 2
