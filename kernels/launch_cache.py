@@ -72,13 +72,17 @@ class CachedLauncher:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self.names = fn.arg_names
-        self.defaults = tuple(p.default for p in getattr(fn, "params", ()))  # inspect._empty: none
+        defaults = tuple(p.default for p in getattr(fn, "params", ()))  # inspect.Parameter.empty: none
+        # per count of parameters given: the defaults of the rest, where every one has one (the interpreter's
+        # function keeps no ``params``: nothing is cached there, and Triton's binding fills them)
+        self.tails = {given: defaults[given:] for given in range(len(self.names))
+                      if len(defaults) == len(self.names) and inspect.Parameter.empty not in defaults[given:]}
         self.cache: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
                  num_stages: int | None = None) -> None:
         if (given := len(args) + len(constexprs)) < len(self.names):
-            constexprs += self._defaults_from(given)  # () where unknown: Triton's own path fills them
+            constexprs += self.tails.get(given, ())  # () where unknown: Triton's own path fills them
         key = (_key(args), constexprs, num_warps, num_stages)
         kernel = self.cache.get(key) if CachedLauncher.direct else None
         if kernel is not None:
@@ -94,12 +98,6 @@ class CachedLauncher:
         kernel = self.fn[grid](*args, **named, num_warps=num_warps, **stages)
         if CachedLauncher.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
             self.cache[key] = kernel.result() if hasattr(kernel, "result") else kernel
-
-    def _defaults_from(self, given: int) -> tuple:
-        """The defaults of the parameters after the first ``given``; () unless every one has one (the interpreter's
-        function keeps no ``params``: nothing is cached there, and Triton's binding fills them)."""
-        tail = self.defaults[given:]
-        return tail if len(tail) == len(self.names) - given and inspect.Parameter.empty not in tail else ()
 
     @staticmethod
     def _run(kernel: Any, grid: tuple[int, ...], all_args: tuple) -> None:
