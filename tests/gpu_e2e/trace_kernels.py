@@ -49,6 +49,13 @@ def _us(evs) -> float:
     return round(sum(float(e.get("dur", 0)) for e in evs), 1)
 
 
+def _tally(into: dict, key: str, e: dict) -> None:
+    """Count event ``e`` and add its duration under ``key``: ``into[key] = [count, µs]``."""
+    r = into.setdefault(key, [0, 0.0])
+    r[0] += 1
+    r[1] += float(e.get("dur", 0))
+
+
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of ``(start, end)`` intervals, sorted and disjoint."""
     out: list[list[float]] = []
@@ -108,10 +115,8 @@ def _steps_and_calls(ev: list[dict]) -> dict:
     by_tid: dict[str, list] = {}
     for e in ev:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            for key, into in ((re.sub(r"_v\d+$", "", str(e.get("name", ""))), runtime), (str(e.get("tid")), by_tid)):
-                r = into.setdefault(key, [0, 0.0])
-                r[0] += 1
-                r[1] += float(e.get("dur", 0))
+            _tally(runtime, re.sub(r"_v\d+$", "", str(e.get("name", ""))), e)
+            _tally(by_tid, str(e.get("tid")), e)
     return {
         "steps": len(gpu_steps),
         "prefill_steps": len(prefill),
@@ -146,9 +151,7 @@ def timeline(ev: list[dict]) -> dict:
     busy_us = sum(b - a for a, b in busy)
     streams: dict[str, list] = {}
     for e in kern:
-        s = streams.setdefault(str((e.get("args") or {}).get("stream")), [0, 0.0])
-        s[0] += 1
-        s[1] += float(e.get("dur", 0))
+        _tally(streams, str((e.get("args") or {}).get("stream")), e)
     copies: dict[str, dict] = {}
     for e in ev:
         if e.get("cat") in ("gpu_memcpy", "gpu_memset"):
@@ -217,9 +220,7 @@ def analyze_events(events: list) -> dict:
     host: dict[str, list] = {}
     for e in ev:
         if e.get("cat") in ("user_annotation", "python_function", "cpu_op"):
-            h = host.setdefault(f"{e.get('cat')}:{e.get('name', '')[:70]}", [0, 0.0])
-            h[0] += 1
-            h[1] += float(e.get("dur", 0))
+            _tally(host, f"{e.get('cat')}:{e.get('name', '')[:70]}", e)
     span = 0.0
     if kern:
         span = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kern) - min(float(e["ts"]) for e in kern)
