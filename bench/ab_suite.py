@@ -174,7 +174,7 @@ def main() -> int:
     ctx = {"shape": shape, "std": args.std, "pack_dtype": args.dtype, "prompt_len": args.prompt_len,
            "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide,
            "graph_servers": _names(args.graph_servers), "args": args, "site_layer": meta["site_layer"],
-           "workdir": workdir}
+           "workdir": workdir, "out": out}
     log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}"
         f"{'; quantization ' + args.quantization if args.quantization else ''}; results -> {out_json}")
     if not args.peer_wheel:

@@ -132,6 +132,12 @@ def test_the_timeline_says_how_long_the_gpu_waited_and_what_the_copies_overlappe
     # union: [100,300] [320,400] [500,750] [800,1000] -> 730 µs busy in a 900 µs window; gaps 20, 100, 50
     assert (tl["window_us"], tl["busy_us"], tl["idle_us"], tl["idle_pct"]) == (900.0, 730.0, 170.0, 18.89)
     assert (tl["gaps_over_50us"], tl["gaps_over_50us_us"], tl["gap_max_us"]) == (1, 100.0, 100.0)
+    # the long gap [400, 500] ends where the second GEMM starts, between the two prefill steps' GPU spans
+    assert (tl["gaps_before"], tl["gaps_inside_steps"]) == ([[100.0, 1, "sm90_gemm_bf16"]], [0, 0.0])
+    step = {"ph": "X", "name": "execute_context_1(512)_generation_0(0)", "cat": "gpu_user_annotation", "ts": 0,
+            "dur": 300, "pid": 1, "tid": 5, "args": {"External id": 1}}
+    two = [{**step, "name": n, "cat": "kernel", "ts": ts, "dur": 10} for n, ts in (("a", 0), ("b", 200))]
+    assert analyze_events([step, *two])["timeline"]["gaps_inside_steps"] == [1, 190.0]  # the host fell behind
     assert tl["kernel_streams"] == {"7": [4, 680.0], "20": [1, 100.0]}
     # the DtoH [700, 850]: [700, 750] under our kernel, [800, 850] under the norm
     assert tl["copies"]["DtoH"] == {"n": 1, "us": 150.0, "bytes": 1 << 20, "under_kernels_us": 100.0,
@@ -157,7 +163,7 @@ def test_the_timeline_says_how_long_the_gpu_waited_and_what_the_copies_overlappe
     res = tmp_path / "ab_prefill_prof.json"
     res.write_text(json.dumps({"phases": {"graph": {"stock / prefill": rec}}}))
     row = next(line for line in report([str(res)], None).splitlines() if line.startswith("| stock / prefill | 128"))
-    assert "| 2 (3) | 900.0 | 730.0 | 170.0 (18.89%) | 1 / 100.0 |" in row, row
+    assert "| 2 (3) | 900.0 | 730.0 | 170.0 (18.89%) | 1 / 100.0 | 0 / 0 | sm90_gemm_bf16 100 (1) |" in row, row
     assert "| 1 / 150 µs / 1 MB / 67% under kernels |" in row and "| 2 / 8 | 1 / 40 | — | 1 / 7 |" in row, row
 
 

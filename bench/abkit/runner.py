@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import time
@@ -426,6 +427,9 @@ def graph_phase(pool, ctx: dict, results: dict, save) -> None:
                         raise
                     time.sleep(5.0)
             rec["trace_bytes"] = path.stat().st_size
+            if row.get("load") == "prefill":  # small (~1 MB): comes back with the results, for a look off the GPU
+                shutil.copy(path, ctx["out"] / (re.sub(r"[^A-Za-z0-9_.-]+", "_", f"trace_{label}") + "".join(
+                    path.suffixes[-2:])))
             rec["requests_steered"] = sum(1 for r in out if r.get("steering"))
             if arm is not None:  # the load under the profiler: what it ran, and that it did what the arm asks
                 ok = [r for r in out if "error" not in r]

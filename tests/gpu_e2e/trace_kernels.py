@@ -148,6 +148,21 @@ def timeline(ev: list[dict]) -> dict:
     t0, t1 = busy[0][0], busy[-1][1]
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
     long_gaps = [g for g in gaps if g > GAP_US]
+    # what the GPU waited to start after each long gap, and inside or between steps (a long gap inside a step: the
+    # host fell behind mid-step, e.g. after a sync; between steps: the host's step boundary)
+    first_at = {}
+    for e in sorted(kern, key=lambda e: float(e["ts"]), reverse=True):
+        first_at[float(e["ts"])] = str(e.get("name", ""))[:60]
+    step_spans = sorted(_span(e) for e in ev if e.get("cat") == "gpu_user_annotation"
+                        and STEP_RE.fullmatch(str(e.get("name", ""))))
+    after: dict[str, list] = {}
+    inside = [0, 0.0]
+    for (_a0, a1), (b0, _b1), g in zip(busy, busy[1:], gaps):
+        if g > GAP_US:
+            _tally(after, first_at.get(b0, "?"), {"dur": g})
+            if any(s0 <= a1 and b0 <= s1 for s0, s1 in step_spans):
+                inside[0] += 1
+                inside[1] += g
     busy_us = sum(b - a for a, b in busy)
     streams: dict[str, list] = {}
     for e in kern:
@@ -174,6 +189,8 @@ def timeline(ev: list[dict]) -> dict:
         "gaps_over_50us": len(long_gaps),
         "gaps_over_50us_us": round(sum(long_gaps), 1),
         "gap_max_us": round(max(gaps, default=0.0), 1),
+        "gaps_inside_steps": [inside[0], round(inside[1], 1)],  # long gaps within one step's GPU span: n, µs
+        "gaps_before": sorted(([round(v[1], 1), v[0], k] for k, v in after.items()), reverse=True)[:8],
         "busy_us_per_prefill_step": round(busy_us / n_pre, 1) if n_pre else None,
         "idle_us_per_prefill_step": round((t1 - t0 - busy_us) / n_pre, 1) if n_pre else None,
         "kernel_streams": {k: [v[0], round(v[1], 1)] for k, v in sorted(streams.items(), key=lambda kv: -kv[1][1])},
