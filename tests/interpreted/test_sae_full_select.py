@@ -46,8 +46,15 @@ def _moved(x, r, index, pack, topk, tuning=None) -> tuple[torch.Tensor, torch.Te
 _CASES = [(200, 8, "few_positive"), (256, 100, "k_over_groups"), (4096, 8, "bounded")]
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["in_registers", "chunked"])
 @pytest.mark.parametrize("f,k,case", _CASES, ids=[c for _, _, c in _CASES])
-def test_topk_search_edge_cases_match_reference(f, k, case):
+def test_topk_search_edge_cases_match_reference(f, k, case, chunked, monkeypatch):
+    """``chunked``: d_sae above ``_SELECT_MAX`` (lowered to 64 here), the row read in chunks once per search step."""
+    if chunked:
+        from vllm_steer.kernels.sae_clamp import full_triton
+
+        monkeypatch.setattr(full_triton, "_SELECT_MAX", 64)
+        monkeypatch.setattr(full_triton, "_SELECT_CHUNK", 64)
     pack = full_pack(D, f, 24, seed=11, topk=k)
     if case == "few_positive":
         pack[9] = torch.full((f,), -50.0).index_put((torch.tensor([3, 70, 150]),), torch.tensor(2.0))
