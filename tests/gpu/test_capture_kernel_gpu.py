@@ -80,3 +80,27 @@ def test_capture_in_the_norm_matches_naive(n, d, variant):
     assert not torch.isnan(pools[0][:n]).any()
     alone = steered_norm_triton(x, r, w, 1e-5, 0.0, index, **vec, sae_a=pa, sae_b=pb, **gated())  # no capture
     assert torch.equal(alone[0], outs[0][0]) and torch.equal(alone[1], outs[0][1])
+
+
+@pytest.mark.parametrize("rows,slots", [(64, 64), (32768, 128)], ids=["decode", "prefill"])
+def test_capture_reduce_segment_add_matches_per_slot_sums(rows, slots):
+    """The mean consumers' per-step add (``ReduceRegion.apply`` -> the Triton segmented sum) at a decode step's shape
+    (one row a slot) and a prefill step's (256 rows a slot, sources shuffled), against float64 per-slot sums."""
+    import numpy as np
+
+    from vllm_steer.runtime.capture_reduce import ReduceRegion
+
+    d = 4096
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    pool = torch.randn(rows + slots, d, device="cuda", generator=g).to(torch.bfloat16)
+    region = ReduceRegion(slots, rows, pool, rows)
+    slot_ids = region.alloc(slots)
+    src = np.random.default_rng(rows).permutation(rows).astype(np.int64)
+    dst = np.repeat(slot_ids, rows // slots)
+    empty = np.zeros(0, np.int64)
+    region.apply(src, dst, empty, empty)
+    region.apply(src, dst, empty, empty)  # the same pairs: nothing staged again, added twice
+    assert region.index_uploads == 1
+    want = torch.zeros(slots + 1, d, dtype=torch.float64, device="cuda")
+    want.index_add_(0, torch.as_tensor(dst, device="cuda"), 2 * pool[torch.as_tensor(src, device="cuda")].double())
+    torch.testing.assert_close(region.acc.double(), want, rtol=1e-5, atol=1e-3)

@@ -374,6 +374,28 @@ def test_capture_rows_triton_matches_reference(interpreted):
 
 
 @_INTERPRETER_INDEX
+def test_capture_reduce_segment_add_matches_per_slot_sums(interpreted):
+    """Segments of 1, 6 and 3 rows (not multiples of the kernel's 4-row step), sources out of order, D 40 under a
+    64-wide block: each named slot gains its rows' float32 sum, the rows no segment names keep their values."""
+    from vllm_steer.kernels.capture_reduce.naive import segment_add_naive
+    from vllm_steer.kernels.capture_reduce.triton import segment_add_triton
+
+    pool = _case(12, 40, torch.bfloat16, seed=13)[0]
+    src = torch.tensor([7, 0, 11, 3, 3, 9, 1, 5, 2, 10, -1, -1])  # past off[n_seg]: never read
+    slot, off = torch.tensor([4, 0, 2, 99]), torch.tensor([0, 1, 7, 10, 12])
+    acc = torch.randn(6, 40)
+    got, naive = acc.clone(), acc.clone()
+    segment_add_triton(got, pool, src, slot, off, 3)
+    segment_add_naive(naive, pool, src, slot, off, 3)
+    want = acc.clone()
+    for s, a, b in ((4, 0, 1), (0, 1, 7), (2, 7, 10)):
+        want[s] += pool[src[a:b]].float().sum(0)
+    torch.testing.assert_close(got, want, **_SAE_TOL[torch.float32])
+    torch.testing.assert_close(naive, want, **_SAE_TOL[torch.float32])
+    assert torch.equal(got[[1, 3, 5]], acc[[1, 3, 5]])
+
+
+@_INTERPRETER_INDEX
 @pytest.mark.parametrize("captured", ["a", "b", "ab"])
 @pytest.mark.parametrize("variant", ["plain", "plain-late", "cond", "sae", "sae-split", "cond-sae"])
 def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):

@@ -7,8 +7,9 @@ life (``steer.capture_reduce_rows`` slots in all). Slot ``j`` is:
 - ``last``: pool row ``base + j`` (the pool's tail, model dtype). The plan maps the request's last
   selected token of a step at that site straight to it, so the norm's store overwrites it: no launch,
   no copy. (A token another consumer also wants keeps its step row and is copied there after the forward.)
-- ``mean``: ``acc[j]`` (float32). Selected tokens take step rows as before; after the forward one
-  ``index_add_`` adds them (one ``index_copy_`` does the ``last`` copies). No per-step copy to the host.
+- ``mean``: ``acc[j]`` (float32). Selected tokens take step rows as before; after the forward one launch adds
+  each slot's rows of the step to it (``kernels/capture_reduce``: a segmented sum, the pairs sorted by slot on the
+  host; one ``index_copy_`` does the ``last`` copies). No per-step copy to the host.
 
 Per step the planner (``runtime.capture_plan``) says which (step row -> slot) pairs to add or copy;
 their indices reach the device with one pinned-ring copy when they changed (none in steady decode).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_steer.kernels.capture_reduce import segment_add
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 MODES = ("last", "mean")
@@ -41,11 +43,13 @@ class ReduceRegion:
         self._free = list(range(rows - 1, -1, -1))
         self.count = np.zeros(rows, np.int64)  # rows reduced into each slot
         self.last = np.full(rows, -1, np.int64)  # the highest position reduced into each slot
-        self._ring = PinnedRing((max(4 * max_pairs, 2 * rows),), torch.int64, device) if rows else None
-        self._idx = torch.empty(4 * max_pairs, dtype=torch.int64, device=device)  # this step's pairs
+        # this step's pairs as _idx holds them: mean sources sorted by slot, each slot's segment (slot, offsets),
+        # copy sources, copy targets (<= 3 * pairs + 1 + 2 * pairs)
+        self._ring = PinnedRing((max(5 * max_pairs + 1, 2 * rows),), torch.int64, device) if rows else None
+        self._idx = torch.empty(5 * max_pairs + 1, dtype=torch.int64, device=device)
         self._gidx = torch.empty(2 * rows, dtype=torch.int64, device=device)  # a finish's gather
-        self._pairs = np.zeros(0, np.int64)  # what _idx holds (mean src, mean slot, copy src, copy dst)
-        self._n_mean = self._n_copy = 0
+        self._pairs = np.zeros(0, np.int64)  # the pairs _idx was staged from (mean src, mean slot, copy src, dst)
+        self._n_seg = 0
         self.index_uploads = 0
 
     @property
@@ -76,17 +80,20 @@ class ReduceRegion:
             return
         pairs = np.concatenate((mean_src, mean_slot, copy_src, copy_dst))
         if not np.array_equal(pairs, self._pairs):
+            order = np.argsort(mean_slot, kind="stable")
+            by_slot = mean_slot[order]
+            starts = np.flatnonzero(np.r_[True, by_slot[1:] != by_slot[:-1]]) if n_mean else by_slot
+            staged = np.concatenate((mean_src[order], by_slot[starts], starts, [n_mean], copy_src, copy_dst))
             host, land = self._ring.stage()
-            host[: len(pairs)] = pairs
-            land(self._idx[: len(pairs)])
-            self._pairs = pairs
+            host[: len(staged)] = staged
+            land(self._idx[: len(staged)])
+            self._pairs, self._n_seg = pairs, len(starts)
             self.index_uploads += 1
-        idx = self._idx
+        idx, n_seg = self._idx, self._n_seg
         if n_mean:
-            src = self.pool.index_select(0, idx[:n_mean]).float()
-            self.acc.index_add_(0, idx[n_mean : 2 * n_mean], src)
+            segment_add(self.acc, self.pool, idx, idx[n_mean:], idx[n_mean + n_seg:], n_seg)
         if n_copy:
-            at = 2 * n_mean
+            at = n_mean + 2 * n_seg + 1
             self.pool.index_copy_(0, idx[at + n_copy : at + 2 * n_copy],
                                   self.pool.index_select(0, idx[at : at + n_copy]))
 
