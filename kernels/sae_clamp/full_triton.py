@@ -4,7 +4,7 @@ row is on and for no other; the steered norm adds ``w * edit[t]`` where the slot
 ``FULL_B`` in ``../steered_rms_norm/triton.py``). ``site_edit`` launches it.
 
 Launches per full slot and step, each a few µs and nothing more when no token's row is on (no host sync, no
-data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 or 5 at slot A, 5 or 6 at slot B.
+data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 at slot A, 5 at slot B.
 
 1. ``_compact`` (one program): the ids of the on tokens (row != 0, mode != 0) in order, and their count. The
    count is the only write of an idle step.
@@ -25,8 +25,8 @@ data-dependent shape: CUDA graphs replay them with rows changed after capture): 
      no branch in the K loop either way, so its loads pipeline) plus DELTA rows'
      ``(f' - f) @ W_dec[feats]`` over the clampable features' W_dec rows gathered by id (a delta-only step reads
      C rows of W_dec, not d_sae); both on tensor cores (``_tile_dot``); one split writes the edit itself
-     (``_finish``: + ``b_dec - s`` for RECONSTRUCT rows), else
-   - ``_reduce``: the splits' partial sums added in split order, then ``_finish``.
+     (``_finish``: + ``b_dec - s`` for RECONSTRUCT rows), else each split stores its partial sum and the tile's
+     last program to arrive adds them in split order, then ``_finish`` (s30: was a fifth launch, ``_reduce``).
 
 Tiles and splits are fixed by N (``_TILES``; no autotuning). The per-launch roofline is in README.md. ``Tuning``:
 the encoder's launch variants that ``bench/sae_kernel_bench.py --topk-sweep`` times (issue 39; README "Third pass");
@@ -459,16 +459,19 @@ def _decode_span(acc, p_c, stride_c, rows, lo, hi, p_w, stride_w, p_feat, o_m, o
 @triton.jit
 def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out, r0,
             stride_coef, stride_w, stride_out, stride_split, F, F_SPLIT, p_cv, p_feat, stride_cv, C, C_SPLIT,
+            p_part, stride_part, p_arrived,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-            HAS_RES: tl.constexpr, FINISH: tl.constexpr, SKIP: tl.constexpr):
+            HAS_RES: tl.constexpr, SPLIT: tl.constexpr, SKIP: tl.constexpr):
     """A tile of BLOCK_M listed tokens x BLOCK_D columns, split s = program_id(2) of the features: RECONSTRUCT rows'
     ``coef @ W_dec`` over features [s F_SPLIT, (s + 1) F_SPLIT) (only if the tile has such a row; a W_dec tile
     whose coefficients are all 0 for the tile's tokens is not read), plus DELTA rows' ``cv @ W_dec[feat]`` over
     clamped features [s C_SPLIT, (s + 1) C_SPLIT): the clampable features' rows of W_dec, gathered by feature id
     (``dec`` holds the same values in float32: the pack derives it from the rounded W_dec), on tensor cores as
-    RECONSTRUCT's. FINISH (one split): the edit itself (``_finish``), else split s's partial sum (``out``
-    [splits, ROUND, D], summed in order by ``_reduce``)."""
+    RECONSTRUCT's. One split: the edit itself (``_finish``). SPLIT > 1: split s's partial sum to ``part``
+    [SPLIT, ROUND, D]; the tile's programs count themselves in ``arrived`` (one int32 a tile, 0 between launches)
+    and the last to arrive adds the SPLIT partials in split order (the same sum whichever is last), finishes the
+    edit and sets the count back to 0 (the steered norm's split SAE walk does the same)."""
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
     if m0 < n:
@@ -489,33 +492,22 @@ def _decode(p_coef, src, p_tok, p_count, p_index, p_mode, p_wdec, p_bdec, p_out,
             c_lo = tl.program_id(2) * C_SPLIT
             acc = _decode_span(acc, p_cv, stride_cv, delta, c_lo, tl.minimum(C, c_lo + C_SPLIT), p_wdec, stride_w,
                                p_feat, o_m, o_d, m_d, BLOCK_F, True, SKIP, PRECISE, UPCAST, BLOCK_M, BLOCK_D)
-        if FINISH:
+        if SPLIT == 1:
             _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_out, r0, stride_out, o_m, m_m, o_d, m_d, DIRECT,
                     HAS_RES)
         else:
-            p_part = p_out + tl.program_id(2).to(tl.int64) * stride_split
-            tl.store(p_part + o_m[:, None].to(tl.int64) * stride_out + o_d[None, :], acc,
-                     mask=m_m[:, None] & m_d[None, :])
-
-
-@triton.jit
-def _reduce(p_part, src, p_tok, p_count, p_index, p_mode, p_bdec, p_edit, r0, stride_part, stride_split, stride_edit,
-            SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-            ROUND_N: tl.constexpr, DIRECT: tl.constexpr, HAS_RES: tl.constexpr):
-    """The edit of a tile of listed tokens x columns from ``_decode``'s SPLIT partial sums, added in split order
-    (the same sum at every launch), then ``_finish``."""
-    m0 = tl.program_id(0) * BLOCK_M
-    n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
-    if m0 < n:
-        o_m = m0 + tl.arange(0, BLOCK_M)
-        m_m = o_m < n
-        o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        m_d = o_d < D
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for i in tl.static_range(SPLIT):
-            acc += tl.load(p_part + i * stride_split + o_m[:, None].to(tl.int64) * stride_part + o_d[None, :],
-                           mask=m_m[:, None] & m_d[None, :], other=0.0)
-        _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_edit, r0, stride_edit, o_m, m_m, o_d, m_d, DIRECT, HAS_RES)
+            p_tile = p_part + o_m[:, None].to(tl.int64) * stride_part + o_d[None, :]
+            m_t = m_m[:, None] & m_d[None, :]
+            tl.store(p_tile + tl.program_id(2).to(tl.int64) * stride_split, acc, mask=m_t)
+            tl.debug_barrier()  # every thread's part is stored before the count says so
+            p_mine = p_arrived + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(p_mine, 1, sem="acq_rel") == SPLIT - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+                for i in tl.static_range(SPLIT):
+                    acc += tl.load(p_tile + i * stride_split, mask=m_t, other=0.0, cache_modifier=".cg")
+                _finish(acc, src, p_tok, p_index, p_mode, p_bdec, p_out, r0, stride_out, o_m, m_m, o_d, m_d, DIRECT,
+                        HAS_RES)
+                tl.atomic_xchg(p_mine, 0)  # ready for the next launch (graph replays included)
 
 
 @triton.jit
@@ -542,7 +534,7 @@ _SPLIT_MAX = 16
 _ENC_WARPS_SMALL = 2
 _ENC_UNROLL = 2  # K tiles a step of the encoder's loop when its grid is under _PROGRAMS (N 16: 256 programs)
 _SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
-_REDUCE_D = 64  # _reduce's columns a program: 64 programs a 16-token tile at D 4096 (256 gave 16: latency-bound)
+_ARRIVED = 1 << 16  # decoder tiles a launch can count in (``_arrived``): 64 token tiles x 1024 column tiles
 
 
 def _tiles(n: int, wide: bool = False) -> tuple[int, int, int, int]:
@@ -667,18 +659,28 @@ def site_edit(
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk, b_enc, pre_all.stride(0)),
                 sel_flags, 16 if block_sel >= 8192 else 8)
-        out_stride = part.stride(1) if split > 1 else edit.stride(0)
-        _DECODE((m_tiles, triton.cdiv(d, bn), split),
-                (pre, src, tok, count, index, mode, w_dec, b_dec, part, r0, pre.stride(0), w_dec.stride(0), out_stride,
-                 part.stride(0) if split > 1 else 0, f_all, f_split, cv, feats, cv.stride(0), c, c_split),
-                (d, bm, bk, bn, *flags, split == 1, rn <= _SKIP_TOKENS), warps)
-        if split > 1:
-            _REDUCE((triton.cdiv(rn, 16), triton.cdiv(d, _REDUCE_D)),
-                    (part, src, tok, count, index, mode, b_dec, edit, r0, part.stride(1), part.stride(0),
-                     edit.stride(0)), (split, d, 16, _REDUCE_D, ROUND, direct, residual is not None), 4)
+        d_tiles = triton.cdiv(d, bn)
+        assert m_tiles * d_tiles <= _ARRIVED, (m_tiles, d_tiles)
+        _DECODE((m_tiles, d_tiles, split),
+                (pre, src, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0), w_dec.stride(0),
+                 edit.stride(0), part.stride(0) if split > 1 else 0, f_all, f_split, cv, feats, cv.stride(0), c,
+                 c_split, part, part.stride(1) if split > 1 else 0, _arrived(dev)),
+                (d, bm, bk, bn, *flags, split, rn <= _SKIP_TOKENS), warps)
     return edit
 
 
+_ARRIVED_BY_DEVICE: dict = {}
+
+
+def _arrived(device: torch.device) -> torch.Tensor:
+    """The decoder's per-tile arrival counts on ``device`` (zeros between launches: the last program of a tile resets
+    its own), allocated once, at the first call (vLLM's warm-up runs eagerly before it captures graphs)."""
+    t = _ARRIVED_BY_DEVICE.get(device)
+    if t is None:
+        t = _ARRIVED_BY_DEVICE[device] = torch.zeros(_ARRIVED, dtype=torch.int32, device=device)
+    return t
+
+
 # launched without Triton's per-call binding (steps above the CUDA-graph sizes launch from Python: ../launch_cache.py)
-_COMPACT, _GATHER, _HILO, _ENCODE, _SELECT, _DECODE, _REDUCE = (
-    CachedLauncher(k) for k in (_compact, _gather, _hilo, _encode, _select, _decode, _reduce))
+_COMPACT, _GATHER, _HILO, _ENCODE, _SELECT, _DECODE = (
+    CachedLauncher(k) for k in (_compact, _gather, _hilo, _encode, _select, _decode))
