@@ -21,7 +21,8 @@ import torch
 _POST_ATTN_MODULE = {"gemma2": "post_attention_layernorm", "gemma3": "post_attention_layernorm",
                      "glm4": "post_self_attn_layernorm", "olmo2": "post_attention_layernorm",
                      "olmo3": "post_attention_layernorm",
-                     "exaone4": "post_attention_layernorm", "gemma4": "post_attention_layernorm"}
+                     "exaone4": "post_attention_layernorm", "gemma4": "post_attention_layernorm",
+                     "gemma4_moe": "post_attention_layernorm"}
 _BRANCH_SCALE = {"granite": "residual_multiplier", "granitemoe": "residual_multiplier"}  # config attribute
 
 
