@@ -136,8 +136,15 @@ def test_the_timeline_says_how_long_the_gpu_waited_and_what_the_copies_overlappe
     assert (tl["gaps_before"], tl["gaps_inside_steps"]) == ([[100.0, 1, "sm90_gemm_bf16"]], [0, 0.0])
     step = {"ph": "X", "name": "execute_context_1(512)_generation_0(0)", "cat": "gpu_user_annotation", "ts": 0,
             "dur": 300, "pid": 1, "tid": 5, "args": {"External id": 1}}
-    two = [{**step, "name": n, "cat": "kernel", "ts": ts, "dur": 10} for n, ts in (("a", 0), ("b", 200))]
-    assert analyze_events([step, *two])["timeline"]["gaps_inside_steps"] == [1, 190.0]  # the host fell behind
+    assert tl["gaps_launched_late"] == [0, 0.0]  # no launch call names the GEMM after the gap
+    two = [{**step, "name": n, "cat": "kernel", "ts": ts, "dur": 10, "args": {"correlation": c}}
+           for n, ts, c in (("a", 0, 1), ("b", 200, 2))]
+    # b's launch ended 13 µs before it ran (late: the GPU waited for it); its thread made no call for 189 µs before
+    calls = [{**step, "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": ts, "dur": d, "tid": 7,
+              "args": {"correlation": c}} for ts, d, c in ((-5, 1, 1), (185, 2, 2))]
+    late = analyze_events([step, *two, *calls])["timeline"]
+    assert late["gaps_inside_steps"] == [1, 190.0]  # the host fell behind mid-step
+    assert (late["gaps_launched_late"], late["host_silence_before_late_us_median"]) == ([1, 190.0], 189.0)
     assert tl["kernel_streams"] == {"7": [4, 680.0], "20": [1, 100.0]}
     # the DtoH [700, 850]: [700, 750] under our kernel, [800, 850] under the norm
     assert tl["copies"]["DtoH"] == {"n": 1, "us": 150.0, "bytes": 1 << 20, "under_kernels_us": 100.0,
@@ -163,7 +170,7 @@ def test_the_timeline_says_how_long_the_gpu_waited_and_what_the_copies_overlappe
     res = tmp_path / "ab_prefill_prof.json"
     res.write_text(json.dumps({"phases": {"graph": {"stock / prefill": rec}}}))
     row = next(line for line in report([str(res)], None).splitlines() if line.startswith("| stock / prefill | 128"))
-    assert "| 2 (3) | 900.0 | 730.0 | 170.0 (18.89%) | 1 / 100.0 | 0 / 0 | sm90_gemm_bf16 100 (1) |" in row, row
+    assert "| 2 (3) | 900.0 | 730.0 | 170.0 (18.89%) | 1 / 100.0 | 0 / 0 | sm90_gemm_bf16 100 (1) | 0 / 0 (—) |" in row, row
     assert "| 1 / 150 µs / 1 MB / 67% under kernels |" in row and "| 2 / 8 | 1 / 40 | — | 1 / 7 |" in row, row
 
 

@@ -228,14 +228,15 @@ def prefill_table(phases: dict, lines: list[str]) -> None:
                      "host calls: n / µs)\n")
         table(lines, "server / load | requests (errors) | captured / files complete | prompt tok/s | prefill steps (all) | window µs | busy µs "
                      "| idle µs (%) | gaps > 50 µs (n / µs) | of them inside a step (n / µs) "
-                     "| kernels the GPU waited for after them (µs, n) | busy µs per prefill step | idle µs per prefill step "
+                     "| kernels the GPU waited for after them (µs, n) | of them launched late (n / µs; host "
+                     "thread silent before, median µs) | busy µs per prefill step | idle µs per prefill step "
                      "| prefill step GPU µs (median) | between steps µs (median / total) "
                      "| host prefill step µs (median) | DtoH | HtoD | DtoD | memset | our kernels (n / µs) "
                      "| cudaStreamWaitEvent | cudaEventSynchronize | cudaStreamSynchronize | cudaMemcpyAsync "
                      "| kernel streams (n, µs) | top 8 kernels (µs) | trace MB")
         for label, e in rows.items():
             if "error" in e:
-                lines.append(f"| {label} | error: {fmt_cell(e['error'][:100])} |" + " |" * 26)
+                lines.append(f"| {label} | error: {fmt_cell(e['error'][:100])} |" + " |" * 27)
                 continue
             tl = e.get("timeline") or {}
             top = ", ".join(f"{k[:40]} {v:.0f}" for v, k in (e.get("top_kernels_us") or [])[:8])
@@ -247,6 +248,9 @@ def prefill_table(phases: dict, lines: list[str]) -> None:
                      f"{fmt_cell(tl.get('gaps_over_50us'))} / {fmt_cell(tl.get('gaps_over_50us_us'))}",
                      " / ".join(fmt_cell(v) for v in tl.get("gaps_inside_steps") or ()) or "—",
                      ", ".join(f"{k[:40]} {us:.0f} ({n})" for us, n, k in (tl.get("gaps_before") or [])[:4]) or "—",
+                     (" / ".join(fmt_cell(v) for v in tl["gaps_launched_late"])
+                      + f" ({fmt_cell(tl.get('host_silence_before_late_us_median'))})") if "gaps_launched_late" in tl
+                     else "—",
                      fmt_cell(tl.get("busy_us_per_prefill_step")), fmt_cell(tl.get("idle_us_per_prefill_step")),
                      fmt_cell(tl.get("prefill_step_gpu_us_median")),
                      f"{fmt_cell(tl.get('between_steps_us_median'))} / {fmt_cell(tl.get('between_steps_us_total'))}",

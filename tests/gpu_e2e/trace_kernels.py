@@ -30,6 +30,7 @@ from pathlib import Path
 STEER_KERNEL_PATTERNS = ("steer", "apply_steering", "capture_rows")  # case-insensitive substrings
 GRAPH_LAUNCH_NAMES = ("cudaGraphLaunch", "cuGraphLaunch")  # runtime / driver API (+ "_v10000" suffixes)
 GAP_US = 50.0  # an idle gap longer than this between kernels is counted
+LATE_US = 20.0  # a kernel launched less than this before it ran: the GPU was waiting for its launch
 # host calls whose time says a thread waited on the device or queued copies (runtime names, "_v..." suffix stripped)
 SYNC_CALLS = ("cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
               "cudaMemcpyAsync", "cudaMemcpy", "cudaEventRecord", "cudaEventQuery")
@@ -136,6 +137,47 @@ def _steps_and_calls(ev: list[dict]) -> dict:
     }
 
 
+def _gap_causes(ev: list[dict], kern: list[dict], busy: list, gaps: list[float]) -> dict:
+    """Why the GPU idled > GAP_US: which kernel it waited to start (``gaps_before``: [µs, n, name]), whether the gap
+    lies inside one step's GPU span (the host fell behind mid-step) or between steps, and whether the host launched
+    that kernel late (its launch call ended < LATE_US before the kernel started: the GPU waited for the host, not
+    for a dependency), with how long the launching thread had made no CUDA call before it (Python work or the GIL)."""
+    first_at: dict[float, dict] = {}
+    for e in sorted(kern, key=lambda e: float(e["ts"]), reverse=True):
+        first_at[float(e["ts"])] = e
+    step_spans = sorted(_span(e) for e in ev if e.get("cat") == "gpu_user_annotation"
+                        and STEP_RE.fullmatch(str(e.get("name", ""))))
+    calls = sorted((e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: float(e["ts"]))
+    launch = {_corr(e): e for e in calls if _corr(e) is not None}
+    prev_end: dict = {}  # the end of each runtime call's predecessor on its thread
+    last: dict = {}
+    for e in calls:
+        prev_end[id(e)] = last.get(e.get("tid"))
+        last[e.get("tid")] = _span(e)[1]
+    after: dict[str, list] = {}
+    inside, late, silence = [0, 0.0], [0, 0.0], []
+    for (_a0, a1), (b0, _b1), g in zip(busy, busy[1:], gaps):
+        if g <= GAP_US:
+            continue
+        k = first_at.get(b0, {})
+        _tally(after, str(k.get("name", "?"))[:60], {"dur": g})
+        if any(s0 <= a1 and b0 <= s1 for s0, s1 in step_spans):
+            inside[0] += 1
+            inside[1] += g
+        call = launch.get(_corr(k))
+        if call is not None and b0 - _span(call)[1] < LATE_US:
+            late[0] += 1
+            late[1] += g
+            if prev_end.get(id(call)) is not None:
+                silence.append(float(call["ts"]) - prev_end[id(call)])
+    return {
+        "gaps_inside_steps": [inside[0], round(inside[1], 1)],  # long gaps within one step's GPU span: n, µs
+        "gaps_before": sorted(([round(v[1], 1), v[0], k] for k, v in after.items()), reverse=True)[:8],
+        "gaps_launched_late": [late[0], round(late[1], 1)],  # the next kernel's launch came < LATE_US before it ran
+        "host_silence_before_late_us_median": _median(silence),
+    }
+
+
 def timeline(ev: list[dict]) -> dict:
     """GPU busy vs idle over the kernels' window, copies and sets, steps, and the host's runtime calls
     (``ev``: the trace's complete events; a trace without kernels, a CPU server's, has the steps alone)."""
@@ -148,21 +190,7 @@ def timeline(ev: list[dict]) -> dict:
     t0, t1 = busy[0][0], busy[-1][1]
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
     long_gaps = [g for g in gaps if g > GAP_US]
-    # what the GPU waited to start after each long gap, and inside or between steps (a long gap inside a step: the
-    # host fell behind mid-step, e.g. after a sync; between steps: the host's step boundary)
-    first_at = {}
-    for e in sorted(kern, key=lambda e: float(e["ts"]), reverse=True):
-        first_at[float(e["ts"])] = str(e.get("name", ""))[:60]
-    step_spans = sorted(_span(e) for e in ev if e.get("cat") == "gpu_user_annotation"
-                        and STEP_RE.fullmatch(str(e.get("name", ""))))
-    after: dict[str, list] = {}
-    inside = [0, 0.0]
-    for (_a0, a1), (b0, _b1), g in zip(busy, busy[1:], gaps):
-        if g > GAP_US:
-            _tally(after, first_at.get(b0, "?"), {"dur": g})
-            if any(s0 <= a1 and b0 <= s1 for s0, s1 in step_spans):
-                inside[0] += 1
-                inside[1] += g
+    causes = _gap_causes(ev, kern, busy, gaps)
     busy_us = sum(b - a for a, b in busy)
     streams: dict[str, list] = {}
     for e in kern:
@@ -189,8 +217,7 @@ def timeline(ev: list[dict]) -> dict:
         "gaps_over_50us": len(long_gaps),
         "gaps_over_50us_us": round(sum(long_gaps), 1),
         "gap_max_us": round(max(gaps, default=0.0), 1),
-        "gaps_inside_steps": [inside[0], round(inside[1], 1)],  # long gaps within one step's GPU span: n, µs
-        "gaps_before": sorted(([round(v[1], 1), v[0], k] for k, v in after.items()), reverse=True)[:8],
+        **causes,
         "busy_us_per_prefill_step": round(busy_us / n_pre, 1) if n_pre else None,
         "idle_us_per_prefill_step": round((t1 - t0 - busy_us) / n_pre, 1) if n_pre else None,
         "kernel_streams": {k: [v[0], round(v[1], 1)] for k, v in sorted(streams.items(), key=lambda kv: -kv[1][1])},
