@@ -59,8 +59,9 @@ LAYERS = (0, 1)
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
 SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
-# embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 2.9 (post_mlp.0), measured
-# on 12 arbitrary tokens teacher-forced on CPU (s25: the reference copy, indexer 64 x 128, o_lora_rank 128)
+# embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 4.6 (post_mlp.0), measured
+# on CPU teacher-forced on its own 12 greedy steered tokens (s30: the reference copy, norms spread; s25's 2.9 was on
+# arbitrary tokens, norms all ones)
 LOGPROB_TOL = 0.3  # unmeasured (module docstring)
 TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
