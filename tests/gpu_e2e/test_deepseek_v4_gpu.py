@@ -7,12 +7,15 @@ indexer at DeepSeek's 64 heads of 128: vLLM's indexer compressor takes only head
 or 64 heads), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
 expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels), hidden 256. Saved in
 bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
-``compress_ratios`` / ``num_hash_layers`` in config.json (vLLM reads those; transformers folds them into its layer
-types), except each attention's ``wo_a`` (8 groups of 128 rows), in DeepSeek's block FP8 with every other linear layer
-listed as unquantized: vLLM's CUDA V4 attention projects its output with DeepGEMM's FP8 einsum on wo_a's block scales
+``compress_ratios`` / ``num_hash_layers`` / ``topk_method`` in config.json (vLLM reads those; transformers folds the
+first two into its layer types) and norm weights not all ones (a norm loaded as another would show), except each
+attention's ``wo_a`` (8 groups of 128 rows), in DeepSeek's block FP8 with every other linear layer listed as
+unquantized: vLLM's CUDA V4 attention projects its output with DeepGEMM's FP8 einsum on wo_a's block scales
 (``nvidia/ops/o_proj.py``), so a bfloat16 wo_a cannot run. transformers reads a copy (``reference_path``) whose wo_a is
 that FP8 weight dequantized, exactly (power-of-two block scales). vLLM serves it with its fp8 KV cache (``fp8_ds_mla``:
-its V4 attention takes no other), compiled with CUDA graphs.
+its V4 attention takes no other), compiled with CUDA graphs. On CPU, tests/test_hyper_connections.py loads the
+checkpoint with vLLM's own ``load_weights`` (s30's GPU: KeyError 'layers.0.attn.norm.weight') and the reference copy
+with transformers.
 
 What a vector means (docs/models.md, Hyper-connections): it is added to the merged stream a sublayer's RMSNorm reads,
 pre_attn.L at layer L's attention norm, post_attn.L at its MoE norm, post_mlp.L at layer L+1's attention norm (the
@@ -35,6 +38,7 @@ tests/gpu_e2e/test_deepseek_v4_gpu.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -55,28 +59,63 @@ LAYERS = (0, 1)
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
 SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
 SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
-# embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 2.9 (post_mlp.0), measured
-# on 12 arbitrary tokens teacher-forced on CPU (s25: the reference copy, indexer 64 x 128, o_lora_rank 128)
+# embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 4.6 (post_mlp.0), measured
+# on CPU teacher-forced on its own 12 greedy steered tokens (s30: the reference copy, norms spread; s25's 2.9 was on
+# arbitrary tokens, norms all ones)
 LOGPROB_TOL = 0.3  # unmeasured (module docstring)
 TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
 STEPS = 12
 HIDDEN, STREAMS = 256, 4
-MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN = 2.0, 0.125, 4.0
+MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN, NORM_SPREAD = 2.0, 0.125, 4.0, 0.1
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
-# DeepSeek's tensor names from transformers' (its save keeps the model. prefix and these two)
-_ORIGINAL_NAMES = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_", "hc_head_"))
+# DeepSeek's tensor names (vLLM's loader's) from transformers' save, which reverses its load's renames but keeps the
+# model. prefix and these two, and names the attention's kv_norm `norm` like the compressors' (its load maps both
+# `.norm.` to `.kv_norm.`; DeepSeek's attention has `kv_norm`: vLLM's KeyError 'layers.0.attn.norm.weight' in s30)
+_ORIGINAL_NAMES = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_", "hc_head_"),
+                   (r"\.attn\.norm\.", ".attn.kv_norm."))
 
 
 def build_checkpoint(path: Path):
-    """The tiny random DeepSeek-V4 (module docstring), + the offline test tokenizer."""
-    import transformers
+    """The tiny random DeepSeek-V4 (module docstring) at ``path`` with the offline test tokenizer, its transformers
+    copy at ``reference_path(path)``; returns (the tokenizer, the bfloat16 transformers model saved)."""
     from safetensors.torch import load_file, save_file
 
     os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
     from tests.fixtures.models import tokenizer as fixture_tokenizer
 
     tok = fixture_tokenizer()
+    model = _tiny_model(tok)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    weights = load_file(str(path / "model.safetensors"))
+    renamed = {}
+    for name, t in weights.items():
+        for pattern, new in _ORIGINAL_NAMES:
+            name = re.sub(pattern, new, name)
+        renamed[name] = t
+    engine, exact = v4_fp8.fp8_wo_a(renamed)
+    ref = reference_path(path)
+    shutil.copytree(path, ref)
+    save_file(exact, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    save_file(engine, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):  # vLLM's config rejects
+        config.pop(key, None)  # transformers' mlp_layer_types ("moe" is not "sparse" / "dense")
+    # what vLLM reads and transformers does not save (it folds these into layer types and partial_rotary_factor);
+    # noaux_tc: vLLM's gate has the e_score_correction_bias (DeepSeek's ffn.gate.bias) only then, transformers' router
+    # always (zeros; with every expert routed it changes no choice)
+    config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64, topk_method="noaux_tc")
+    # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
+    config.update(expert_dtype="fp8", quantization_config=v4_fp8.quantization_config(len(LAYERS), indexed=(1,)))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return tok, model
+
+
+def _tiny_model(tok):
+    """transformers' DeepseekV4ForCausalLM of the module docstring, random (seeded), in bfloat16."""
+    import transformers
+
     cfg = transformers.DeepseekV4Config(
         vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
         num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
@@ -98,37 +137,28 @@ def build_checkpoint(path: Path):
                 p.mul_(ATTN_OUT_GAIN)
             elif name == "lm_head.weight":  # logits that are not flat: vectors move them, ties are rare
                 p.mul_(HEAD_GAIN)
+            elif name.endswith("norm.weight"):  # not all ones: a norm loaded as another one shows
+                p.add_(NORM_SPREAD * torch.randn_like(p))
     model = model.to(torch.bfloat16)  # the weights vLLM runs, exactly
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    weights = load_file(str(path / "model.safetensors"))
-    renamed = {}
-    for name, t in weights.items():
-        for pattern, new in _ORIGINAL_NAMES:
-            name = re.sub(pattern, new, name)
-        renamed[name] = t
-    engine, exact = v4_fp8.fp8_wo_a(renamed)
-    ref = reference_path(path)
-    shutil.copytree(path, ref)
-    save_file(exact, str(ref / "model.safetensors"), metadata={"format": "pt"})
-    save_file(engine, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):  # vLLM's config rejects
-        config.pop(key, None)  # transformers' mlp_layer_types ("moe" is not "sparse" / "dense")
-    # what vLLM reads and transformers does not save (it folds these into layer types and partial_rotary_factor)
-    config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64)
-    # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
-    config.update(expert_dtype="fp8", quantization_config=v4_fp8.quantization_config(len(LAYERS), indexed=(1,)))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return tok
+    return model
 
 
 def reference_path(path: Path) -> Path:
     """transformers' copy of the checkpoint: wo_a dequantized (exactly) to bfloat16, no quantization config
     (``v4_fp8``)."""
     return path.with_name(path.name + "-reference")
+
+
+@functools.lru_cache(maxsize=1)
+def load_reference(path: str):
+    """transformers' model of the reference copy, in float32: through its own DeepseekV4ForCausalLM, not the Auto
+    classes, which after vLLM's ModelConfig in this process (the engine's) read config.json with vLLM's
+    DeepseekV4Config and reject its ``mlp_layer_types`` ("moe")."""
+    import transformers
+
+    return transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _nvcc() -> str | None:
@@ -202,7 +232,7 @@ def _engine_run(tmp_path_factory) -> dict:
     from vllm import LLM
 
     path = tmp_path_factory.mktemp("deepseek_v4") / "deepseek-v4-random"
-    tok = build_checkpoint(path)
+    tok, _ = build_checkpoint(path)
     ids = tok(PROMPT)["input_ids"]
     cases = ec.site_cases(SITES, HIDDEN, SCALE, seed=44)
     kw = dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=256, max_num_seqs=16,
@@ -241,9 +271,9 @@ def _norm_hooks(model, steer: dict) -> list:
 @torch.no_grad()
 def _reference(run, k: int, steer: dict | None) -> dict:
     """transformers (float32, ``steer``'s vectors by hooks) teacher-forced on request k's prompt + vLLM's tokens."""
-    from tests.hf_oracle import load, teacher_forced
+    from tests.hf_oracle import teacher_forced
 
-    model, _ = load(run["reference"])
+    model = load_reference(run["reference"])
     handles = _norm_hooks(model, steer or {})
     try:
         return teacher_forced(model, run["ids"], run["got"][k]["tokens"])
