@@ -4,10 +4,12 @@ row is on and for no other; the steered norm adds ``w * edit[t]`` where the slot
 ``FULL_B`` in ``../steered_rms_norm/triton.py``). ``site_edit`` launches it.
 
 Launches per full slot and step, each a few µs and nothing more when no token's row is on (no host sync, no
-data-dependent shape: CUDA graphs replay them with rows changed after capture): 4 at slot A, 5 at slot B.
+data-dependent shape: CUDA graphs replay them with rows changed after capture): 3 at slot A (up to ``_COMPACT_N``
+tokens, else 4), 5 at slot B.
 
 1. ``_compact`` (one program): the ids of the on tokens (row != 0, mode != 0) in order, and their count. The
-   count is the only write of an idle step.
+   count is the only write of an idle step. At slot A with up to ``_COMPACT_N`` tokens every ``_encode`` program
+   lists them itself instead (``_compact_tile``), and its first stores the list (s30: one launch fewer).
 2. per round of ``ROUND`` listed tokens (``ceil(N / ROUND)`` rounds, fixed by N; a tile past the count exits):
    - ``_gather`` (slot B only): the slot's float32 stream of each listed token: x + residual plus slot A's
      features (clamp-only walk or full edit, projections, vectors, with the gate's weights), as the norm has it;
@@ -102,6 +104,27 @@ def _compact(p_index, p_mode, p_tok, p_count, N, BLOCK: tl.constexpr):
     tl.store(p_count, base)
 
 
+_COMPACT_N = 256  # tokens ``_encode`` lists itself (one chunk a program); more: the ``_compact`` launch
+
+
+@triton.jit
+def _compact_tile(p_index, p_mode, p_tok, p_count, N, m0, BLOCK_M: tl.constexpr, STORE):
+    """(the count of on tokens t < N, the ids of those listed m0 .. m0 + BLOCK_M - 1): ``_compact`` for one encoder
+    program, N <= 256 (one chunk); STORE (one program of the launch): also writes tok[0:count] and the count."""
+    o_t = tl.arange(0, 256)
+    m_t = o_t < N
+    row = tl.load(p_index + o_t, mask=m_t, other=0)
+    on = (tl.load(p_mode + row, mask=m_t & (row != 0), other=0) != 0).to(tl.int32)
+    pos = tl.cumsum(on, axis=0) - 1
+    hit = (on[None, :] != 0) & (pos[None, :] == (m0 + tl.arange(0, BLOCK_M))[:, None])
+    i_t = tl.sum(tl.where(hit, o_t[None, :], 0), axis=1).to(tl.int64)
+    count = tl.sum(on, axis=0)
+    if STORE:
+        tl.store(p_tok + pos, o_t.to(tl.int32), mask=on != 0)
+        tl.store(p_count, count)
+    return count, i_t
+
+
 @triton.jit
 def _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, proj_a, full_a, cond, o_d, m_d,
                  HAS_RES: tl.constexpr, PRE_VEC: tl.constexpr, PRE_SAE: tl.constexpr, PRE_PROJ: tl.constexpr,
@@ -153,10 +176,18 @@ def _stream(src, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr
     """The float32 stream of listed rows ``o_m`` (of this round), columns ``o_k``: DIRECT (slot A, nothing before
     it) x[t] + residual[t] of their tokens, else the gathered S rows. ``src``: (S, S stride, x, residual, x stride,
     residual stride, tok + r0)."""
+    i_t = tl.zeros_like(o_m).to(tl.int64)
+    if DIRECT:
+        i_t = tl.load(src[6] + o_m, mask=m_m, other=0).to(tl.int64)
+    return _stream_at(src, i_t, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+
+
+@triton.jit
+def _stream_at(src, i_t, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr):
+    """``_stream`` with the listed rows' token ids ``i_t`` given (DIRECT reads x and residual at them)."""
     p_s, stride_s, p_x, p_res, stride_x, stride_res, p_tok = src
     m = m_m[:, None] & m_k[None, :]
     if DIRECT:
-        i_t = tl.load(p_tok + o_m, mask=m_m, other=0).to(tl.int64)
         a = tl.load(p_x + i_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
             a += tl.load(p_res + i_t[:, None] * stride_res + o_k[None, :], mask=m, other=0.0).to(tl.float32)
@@ -191,7 +222,7 @@ def _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w):
 
 
 @triton.jit
-def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M: tl.constexpr,
+def _encode_step(acc, src, i_t, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
                  DIRECT: tl.constexpr, HAS_RES: tl.constexpr, UNROLL: tl.constexpr, HILO: tl.constexpr):
     """acc + the UNROLL K tiles from k0, each its own ``_tile_dot`` added in K order. HILO: the stream's hi / lo
@@ -209,29 +240,29 @@ def _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, B
                 t = _dot(tl.load(p_a + stride_plane, mask=m_a, other=0.0), w, t, UPCAST)
             acc += _dot(tl.load(p_a, mask=m_a, other=0.0), w, t, UPCAST)
         else:
-            a = _stream(src, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)  # issued before W_enc's tile, as it always was
+            a = _stream_at(src, i_t, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)  # issued before W_enc's tile
             w = _w_tile(p_wenc, o_k, m_k, o_f, m_f, stride_w)
             acc += _tile_dot(a, w, PRECISE, UPCAST, BLOCK_M, BLOCK_F)
     return acc
 
 
 @triton.jit
-def _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, k_hi, stride_w, BLOCK_M: tl.constexpr,
+def _encode_loop(acc, src, i_t, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, k_hi, stride_w, BLOCK_M: tl.constexpr,
                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr,
                  DIRECT: tl.constexpr, HAS_RES: tl.constexpr, UNROLL: tl.constexpr, HILO: tl.constexpr):
     """acc + S[o_m, k_lo:k_hi] @ W_enc[k_lo:k_hi, o_f], K tile by K tile in order."""
     for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
-        acc = _encode_step(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M, BLOCK_F, BLOCK_K,
+        acc = _encode_step(acc, src, i_t, hl, p_wenc, o_m, m_m, o_f, m_f, k0, k_hi, stride_w, BLOCK_M, BLOCK_F, BLOCK_K,
                            PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, HILO)
     return acc
 
 
 @triton.jit
-def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, stride_split, hl,
+def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, stride_split, hl, p_index, p_mode, N,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
             ROUND_N: tl.constexpr, PRECISE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
             HAS_RES: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr = 1, K_SPLIT: tl.constexpr = 0,
-            HILO: tl.constexpr = False):
+            HILO: tl.constexpr = False, COMPACT: tl.constexpr = False):
     """pre[j, f] = S[j] . W_enc[:, f] + b_enc[f] for the round's listed tokens; a program per tile of BLOCK_M listed
     tokens x BLOCK_F features (token tiles on grid axis 0, launched first: the tiles sharing W_enc's columns run
     together, so W_enc leaves HBM about once per round). A tile past the count returns at once. UNROLL K tiles a
@@ -240,17 +271,30 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, st
 
     Variants (``Tuning``; the defaults are the engine's): HILO (``_encode_step``), SPLIT_K (grid axis 2: split s sums
     K in [s K_SPLIT, (s + 1) K_SPLIT); its partial goes to ``pre + s stride_split`` and ``_select`` adds the splits in
-    order and the bias). ``hl``: (hi / lo planes, row stride, plane stride) for HILO."""
+    order and the bias). ``hl``: (hi / lo planes, row stride, plane stride) for HILO.
+
+    COMPACT (slot A, one round of at most ``_COMPACT_N`` tokens, default tuning): no ``_compact`` launch before it;
+    every program lists the on tokens of index[0:N] itself (``_compact_tile``) and the first stores the list and the
+    count for the kernels after it: one launch fewer a site, idle or not."""
     m0 = tl.program_id(0) * BLOCK_M
-    n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
+    if COMPACT:
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
+        n, i_t = _compact_tile(p_index, p_mode, src[6], p_count, N, m0, BLOCK_M, first)
+        n = tl.minimum(n, ROUND_N)
+    else:
+        n = tl.minimum(tl.load(p_count) - r0, ROUND_N)
     if m0 < n:
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_m = o_m < n
+        if not COMPACT:
+            i_t = tl.zeros((BLOCK_M,), dtype=tl.int64)
+            if DIRECT:
+                i_t = tl.load(src[6] + o_m, mask=m_m, other=0).to(tl.int64)
         o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         m_f = o_f < F
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
         if SPLIT_K == 1:
-            acc = _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, 0, D, stride_w, BLOCK_M, BLOCK_F, BLOCK_K,
+            acc = _encode_loop(acc, src, i_t, hl, p_wenc, o_m, m_m, o_f, m_f, 0, D, stride_w, BLOCK_M, BLOCK_F, BLOCK_K,
                                PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, HILO)
             b_bias = tl.load(p_benc + o_f, mask=m_f, other=0.0)
             tl.store(p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :], acc + b_bias[None, :],
@@ -258,7 +302,7 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, st
         else:
             i_s = tl.program_id(2)
             k_lo = i_s * K_SPLIT
-            acc = _encode_loop(acc, src, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, tl.minimum(k_lo + K_SPLIT, D),
+            acc = _encode_loop(acc, src, i_t, hl, p_wenc, o_m, m_m, o_f, m_f, k_lo, tl.minimum(k_lo + K_SPLIT, D),
                                stride_w, BLOCK_M, BLOCK_F, BLOCK_K, PRECISE, UPCAST, DIRECT, HAS_RES, UNROLL, HILO)
             p_out = p_pre + o_m[:, None].to(tl.int64) * stride_pre + o_f[None, :]
             tl.store(p_out + i_s.to(tl.int64) * stride_split, acc, mask=m_m[:, None] & m_f[None, :])
@@ -627,7 +671,10 @@ def site_edit(
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
     split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk)
     part = torch.empty(split, rn, d, dtype=torch.float32, device=dev) if split > 1 else edit
-    _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
+    # slot A's one round of few tokens: the encoder lists the on tokens itself (COMPACT), else a _compact launch
+    fused = direct and n <= _COMPACT_N and t == DEFAULT
+    if not fused:
+        _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
     block_d = triton.next_power_of_2(d)
     single = f_all <= _SELECT_MAX
     block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
@@ -643,14 +690,14 @@ def site_edit(
         src = (s, s.stride(0), x, res, x.stride(0), res_stride, tok[r0:])
         flags = (ROUND, precise, _UPCAST, direct, residual is not None)
         enc_flags = (d, bm, e_bn, e_bk, *flags, unroll)
-        if t != DEFAULT:
-            enc_flags += (split_k, k_split, t.hilo)
+        if t != DEFAULT or fused:
+            enc_flags += (split_k, k_split, t.hilo, fused)
         if t.hilo:
             _HILO((rn, triton.cdiv(d, 1024)), (src, count, hl, r0, hl.stride(1), hl.stride(0)),
                   (d, 1024, ROUND, direct, residual is not None), 4)
         _ENCODE((m_tiles, e_tiles, split_k), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0),
                                               pre.stride(0), f_all, pre_all.stride(0),
-                                              (hl, hl.stride(-2), hl.stride(0) if t.hilo else 0)),
+                                              (hl, hl.stride(-2), hl.stride(0) if t.hilo else 0), index, mode, n),
                 enc_flags, e_warps, t.stages or None)
         sel_flags = (topk > 0, single, block_sel, min(triton.next_power_of_2(max(c, 1)), _SELECT_C),
                      min(_GROUPS, block_sel))

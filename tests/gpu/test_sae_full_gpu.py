@@ -312,9 +312,10 @@ def test_full_slots_in_a_cuda_graph_follow_rows_changed_after_capture():
 
 
 def test_an_idle_step_launches_only_the_early_exit_kernels():
-    """Every row OFF: per full slot _compact, (slot B: _gather), _encode, _select, _decode (N 64 splits the decoder over
-    d_sae; its last program a tile adds the splits: no _reduce launch since s30; each returns at once), then the
-    norm; no GEMM, no copy, no other kernel."""
+    """Every row OFF: slot A _encode (it lists the on tokens itself up to 256 tokens: no _compact since s30), _select,
+    _decode (N 64 splits the decoder over d_sae; its last program a tile adds the splits: no _reduce since s30);
+    slot B _compact, _gather, _encode, _select, _decode; each returns at once; then the norm; no GEMM, no copy, no
+    other kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     n, d, f = 64, 4096, 16384
@@ -331,4 +332,5 @@ def test_an_idle_step_launches_only_the_early_exit_kernels():
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     counts = {k: sum(n.startswith(k) for n in names) for k in known}
     # slot A's GEMMs read x + residual themselves (no _gather); slot B gathers the stream after slot A's features
-    assert len(names) == 10 and counts == {**dict.fromkeys(known[:5], 2), "_gather": 1, "_steered_norm_kernel": 1}, names
+    assert len(names) == 9 and counts == {**dict.fromkeys(known[:5], 2), "_compact": 1, "_gather": 1,
+                                          "_steered_norm_kernel": 1}, names
