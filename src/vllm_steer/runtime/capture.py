@@ -300,15 +300,12 @@ class CaptureRuntime:
         plan, region = req.plan, self._reduce
         if not plan.red_mask or region is None:
             return [], _NO_SLOTS
-        picks, held, sites = [], [], self._planner.sites  # picks: (bit, slot, site, mean)
+        picks = []  # (bit, slot, site, mean)
         for bit, mean, row in zip(plan.red_bits, plan.red_mean, plan.red_slot):
-            cols = np.flatnonzero(row >= 0)
-            slots = row[cols]
-            held.append(slots)
-            used = region.count[slots] > 0
-            picks += [(bit, slot, sites[col], mean) for slot, col in zip(slots[used].tolist(), cols[used].tolist())]
+            for col in np.flatnonzero(row >= 0).tolist():
+                picks.append((bit, int(row[col]), self._planner.sites[col], mean))
         plan.red_mask = 0
-        return picks, np.concatenate(held).astype(np.int64) if held else _NO_SLOTS
+        return [p for p in picks if region.count[p[1]] > 0], np.array([p[1] for p in picks], np.int64)
 
     def finish_request(self, request_id: str, early: bool = False) -> None:
         self.finish_requests([request_id], early)
@@ -348,9 +345,7 @@ class CaptureRuntime:
             for bit in req.plan.red_bits:
                 mine = [p for p in used if p[0] == bit]
                 if mine:
-                    slots = [p[1] for p in mine]
-                    items = [(p[2][1], p[2][0], n, last, p[3]) for p, n, last in
-                             zip(mine, region.count[slots].tolist(), region.last[slots].tolist())]
+                    items = [(p[2][1], p[2][0], int(region.count[p[1]]), int(region.last[p[1]]), p[3]) for p in mine]
                     parts[bit] = (block, at, len(mine), items) if block is not None else ("lost", sum(i[2] for i in items))
                     at += len(mine)
             for b in bits:
