@@ -136,7 +136,8 @@ def _profile(pool, arm_name: str, spy: str, args, ctx: dict, rawdir: Path) -> di
         out = rawdir / f"{arm_name}_{role}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [spy, "record", "--pid", str(pid), "--duration", str(args.host_duration), "--rate", str(args.host_rate),
-               "--format", "raw", "--threads", "--nonblocking", "--output", str(out)] + (["--gil"] if args.host_gil else [])
+               "--format", "raw", "--threads", "--nonblocking", "--output", str(out)]
+        cmd += ["--gil"] if args.host_gil else []
         spies[role] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT), out)
     time.sleep(1.5)  # py-spy attaches
     steps0 = steps_of(server.base)
