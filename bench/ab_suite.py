@@ -84,6 +84,8 @@ def parse_args(argv=None):
     ap.add_argument("--host-arms", default="stock,capture_gen_n16", help="arms whose load the host phase samples")
     ap.add_argument("--host-duration", type=int, default=120, help="py-spy's --duration cap (s)")
     ap.add_argument("--host-rate", type=int, default=100, help="py-spy samples per second")
+    ap.add_argument("--host-gil", action="store_true",
+                    help="py-spy --gil: only samples of the thread holding the GIL (who holds it, per thread and step)")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md)")

@@ -34,7 +34,8 @@
 #              servers: CUDA_VISIBLE_DEVICES=1 nohup setsid bash bench/gpu_session.sh gates > $OUT/gates.log &
 #   idle       launch_cost, then idle_cost --profile (stock vs IDLE_ARMS' steer arm, its own servers, GPU_MEM each)
 #   stop       stop the kept servers named in SERVERS
-#   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load
+#   host       py-spy on the kept servers of HOST_ARMS (default stock,capture_gen_n16) under their load (an arm's own
+#              load if it has one: the prefill arms'); HOST_GIL=1: py-spy --gil (who holds the GIL, per thread and step)
 #   ray        the e2e tests with vLLM's Ray executor at TP=2 (first: bench/ray_bundle.sh parts into /tmp/gr)
 #   v4         the DeepSeek-V4 oracle with TileLang, the CuTe DSL and (where the image has none) nvcc from
 #              bench/v4_bundle.sh's parts in /tmp/gv, installed into /tmp/v4-prefix (after install)
@@ -129,7 +130,8 @@ case "${1:-}" in
       --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_fs_nowait,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
     ;;
   host)
-    timeout -k 20 400 "${KEPT[@]}" --phases host --tag host --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" 2>&1 | tail -20
+    timeout -k 20 400 "${KEPT[@]}" --phases host --tag "host${HOST_GIL:+_gil}" --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" \
+      ${HOST_GIL:+--host-gil} 2>&1 | tail -20
     ;;
   gates)
     for t in tests/gpu/test_sae_norm_gpu.py tests/gpu/test_sae_full_gpu.py tests/gpu/test_transcoder_gpu.py \

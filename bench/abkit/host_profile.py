@@ -4,6 +4,10 @@ with py-spy (issue 37: "a profile of the worker and engine core per step").
 For each arm of --host-arms: a warm-up load, then ``py-spy record --format raw --threads --nonblocking`` on the API
 server (the server's pid) and on every descendant whose command line names vLLM's engine core or a worker (with
 one GPU the model runner runs inside the engine core) while the timed load runs, stopped with SIGINT when it ends.
+An arm with a ``load`` of its own (the prefill arms: prompt 512, max_tokens 1, c32) runs that load. ``--host-gil``
+adds py-spy's ``--gil``: only the thread holding the GIL is sampled, so the per-thread numbers say who holds it per
+step (the engine core's main thread against the capture lane's notifier / reader and vLLM's own threads); the main
+thread's active ms without it minus with it is its time running without the GIL (C calls that release it).
 Steps are the change of ``vllm:iteration_tokens_total_count`` (one observation per engine step) over the load.
 py-spy's raw output is collapsed stacks (``frame;frame;... count``, idle samples dropped, a thread's frame first),
 so samples / rate is active CPU: reported per step and per thread (the runner's main thread apart from capture
@@ -117,10 +121,12 @@ def summarize(raw: str, rate: float, steps: float | None) -> dict:
 def _profile(pool, arm_name: str, spy: str, args, ctx: dict, rawdir: Path) -> dict:
     arm = ARMS[arm_name]
     server = pool.get(arm["server"])
-    n, conc, mt = args.requests, args.concurrency, args.max_tokens
+    load = arm.get("load") or {}
+    n, conc = load.get("requests", args.requests), load.get("concurrency", args.concurrency)
+    mt, prompt_len = load.get("max_tokens", args.max_tokens), load.get("prompt_len", ctx["prompt_len"])
 
     def bodies(k: int, tokens: int, tag: str) -> list[bytes]:
-        return build_bodies(make_prompts(k, ctx["prompt_len"], ctx["shape"]["vocab"], seed_of("host", arm_name, tag)),
+        return build_bodies(make_prompts(k, prompt_len, ctx["shape"]["vocab"], seed_of("host", arm_name, tag)),
                             arm_fields(arm, k, seed_of("host", arm_name, tag, "v"), ctx), tokens)
 
     run_load(server, bodies(min(n, conc), min(mt, 8), "warm"), conc)
@@ -131,6 +137,7 @@ def _profile(pool, arm_name: str, spy: str, args, ctx: dict, rawdir: Path) -> di
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [spy, "record", "--pid", str(pid), "--duration", str(args.host_duration), "--rate", str(args.host_rate),
                "--format", "raw", "--threads", "--nonblocking", "--output", str(out)]
+        cmd += ["--gil"] if args.host_gil else []
         spies[role] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT), out)
     time.sleep(1.5)  # py-spy attaches
     steps0 = steps_of(server.base)
@@ -138,7 +145,7 @@ def _profile(pool, arm_name: str, spy: str, args, ctx: dict, rawdir: Path) -> di
     time.sleep(1.0)  # the front end records the last steps
     steps1 = steps_of(server.base)
     steps = steps1 - steps0 if steps0 is not None and steps1 is not None else None
-    rec = {"arm": arm_name, "server": arm["server"], "steps": steps, "processes": {},
+    rec = {"arm": arm_name, "server": arm["server"], "steps": steps, "gil_only": bool(args.host_gil), "processes": {},
            "trial": {k: v for k, v in summarize_trial(res, wall, False).items() if k != "per_request"}}
     for role, (proc, out) in spies.items():
         if proc.poll() is None:

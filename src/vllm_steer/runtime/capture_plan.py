@@ -174,6 +174,7 @@ class CapturePlanner:
         self._ring = PinnedRing((words,), torch.int64, plan.device)
         self._staging = torch.empty(words, dtype=torch.int64, device=plan.device)
         self._last = np.zeros(0, np.int64)  # flat plan cells set by the last upload
+        self._mark = np.zeros(plan.numel(), bool)  # scratch: this upload's cells (all False between uploads)
         self._last_rows = np.zeros(0, np.int64)  # and their rows
         self._same: _Same | None = None
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
@@ -409,7 +410,15 @@ class CapturePlanner:
             rows = np.arange(len(flat), dtype=np.int64)
         if np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows):
             return  # the same cells take the same rows: nothing changes on the device
-        resets = np.setdiff1d(self._last, flat, assume_unique=True)
+        # last upload's cells this one does not set, through a mark per plan cell: O(cells), no sort (``setdiff1d``
+        # sorted both: 0.25-0.7 ms a 8192-token x 4-site prefill step on the CPU box, the mark 0.07)
+        if len(flat):
+            mark = self._mark
+            mark[flat] = True
+            resets = self._last[~mark[self._last]]
+            mark[flat] = False
+        else:  # nothing planned: every cell of the last upload goes back to -1
+            resets = self._last
         m = len(flat) + len(resets)
         host, land = self._ring.stage()
         host[: len(flat)] = flat
