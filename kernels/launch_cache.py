@@ -40,21 +40,26 @@ _I32 = (-(2 ** 31), 2 ** 31 - 1)
 
 
 def _key(args: tuple) -> tuple:
-    """What Triton specializes the runtime arguments on: (dtype, 16-byte aligned) per tensor (inline:
-    tensors are most of the arguments, and this runs on every launch), a tuple argument (a feature's
-    descriptor) element by element, ``_spec`` for the rest."""
-    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
-                  (_key(a) if a else a) if isinstance(a, tuple) else _spec(a) for a in args])
-
-
-def _spec(v: Any) -> Any:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int):
-        return (v == 1, v % 16 == 0, _I32[0] <= v <= _I32[1])
-    if isinstance(v, float):
-        return float
-    return v
+    """What Triton specializes the runtime arguments on: (dtype, 16-byte aligned) per tensor, a tuple argument (a
+    feature's descriptor) element by element, (== 1, % 16 == 0, 32-bit) per int, the type of a float, anything else
+    as it is. Dispatched on the exact type first (it runs on every launch: 4.4 µs for the steered norm's 26 arguments
+    on the CPU box, 7.7 with an isinstance chain; s30); a tensor subclass (a Parameter) falls to the isinstance."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is tuple:
+            out.append(_key(a) if a else a)
+        elif t is bool:
+            out.append(a)
+        elif t is int:
+            out.append((a == 1, a % 16 == 0, _I32[0] <= a <= _I32[1]))
+        elif t is float:
+            out.append(float)
+        elif isinstance(a, torch.Tensor):
+            out.append((a.dtype, not a.data_ptr() & 15))
+        else:
+            out.append(a)
+    return tuple(out)
 
 
 def _empty(hook: Any) -> bool:

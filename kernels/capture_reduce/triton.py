@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.host_math import cdiv, next_power_of_2
+
 _BLOCK_D = 1024
 _UNROLL = 4  # rows loaded a loop step: loads in flight per thread
 
@@ -32,7 +34,7 @@ def segment_add_triton(acc: torch.Tensor, pool: torch.Tensor, src: torch.Tensor,
     if n_seg == 0:
         return
     d = pool.shape[1]
-    block_d = min(_BLOCK_D, triton.next_power_of_2(d))
-    _segment_add_kernel[(n_seg, triton.cdiv(d, block_d))](
+    block_d = min(_BLOCK_D, next_power_of_2(d))
+    _segment_add_kernel[(n_seg, cdiv(d, block_d))](
         acc, pool, src, slot, off, acc.stride(0), pool.stride(0), D=d, BLOCK_D=block_d, UNROLL=_UNROLL,
         num_warps=4 if block_d >= 512 else 2)

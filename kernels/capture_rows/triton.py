@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.host_math import cdiv, next_power_of_2
+
 
 @triton.jit
 def _capture_rows_kernel(
@@ -30,7 +32,7 @@ def capture_rows_triton(pool: torch.Tensor, a: torch.Tensor, plan: torch.Tensor)
     n, d = a.shape
     if n == 0:
         return
-    block_d = min(1024, triton.next_power_of_2(d))
-    grid = (n, triton.cdiv(d, block_d))
+    block_d = min(1024, next_power_of_2(d))
+    grid = (n, cdiv(d, block_d))
     _capture_rows_kernel[grid](pool, a, plan, D=d, stride_pool=pool.stride(0), stride_a=a.stride(0),
                                BLOCK_D=block_d, num_warps=4 if block_d >= 512 else 2)

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.host_math import cdiv, next_power_of_2
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
 from vllm_steer.kernels.steered_rms_norm.triton import (_add_edit, _add_row, _gate_weights, _normalized, _num_warps,
@@ -592,11 +593,11 @@ def _splits(rn: int, d: int, f: int, c: int, bm: int, bd: int, bf: int) -> tuple
     """(splits, features per split, clamped features per split) of the decoder for rounds of ``rn`` listed tokens:
     enough programs to fill the GPU (``_PROGRAMS``), at most ``_SPLIT_MAX``, each split a multiple of BLOCK_F
     features (of d_sae, and of the ``c`` clampable ones)."""
-    tiles = triton.cdiv(rn, bm) * triton.cdiv(d, bd)
-    split = max(1, min(_SPLIT_MAX, _PROGRAMS // tiles, triton.cdiv(f, bf)))
-    per = triton.cdiv(triton.cdiv(f, split), bf) * bf
-    split = triton.cdiv(f, per)
-    return split, per, triton.cdiv(triton.cdiv(c, split), bf) * bf
+    tiles = cdiv(rn, bm) * cdiv(d, bd)
+    split = max(1, min(_SPLIT_MAX, _PROGRAMS // tiles, cdiv(f, bf)))
+    per = cdiv(cdiv(f, split), bf) * bf
+    split = cdiv(f, per)
+    return split, per, cdiv(cdiv(c, split), bf) * bf
 
 
 @dataclass(frozen=True)
@@ -660,10 +661,10 @@ def site_edit(
     t = tuning
     e_bn, e_bk = t.block_f or bn, t.block_k or bk
     e_warps = t.warps or (_ENC_WARPS_SMALL if bm == _TILES[0][1][0] else warps)
-    m_tiles, e_tiles = triton.cdiv(rn, bm), triton.cdiv(f_all, e_bn)
+    m_tiles, e_tiles = cdiv(rn, bm), cdiv(f_all, e_bn)
     unroll = t.unroll or (_ENC_UNROLL if m_tiles * e_tiles * t.split_k < _PROGRAMS else 1)
-    k_split = triton.cdiv(triton.cdiv(d, t.split_k), e_bk * unroll) * e_bk * unroll
-    split_k = triton.cdiv(d, k_split)  # 1 unless tuned
+    k_split = cdiv(cdiv(d, t.split_k), e_bk * unroll) * e_bk * unroll
+    split_k = cdiv(d, k_split)  # 1 unless tuned
     # split over K: [split_k, rn, F] partial sums (pre the first), summed by _select
     pre_all = torch.empty(split_k, rn, f_all, dtype=torch.float32, device=dev)
     pre = pre_all[0]
@@ -675,9 +676,9 @@ def site_edit(
     fused = direct and n <= _COMPACT_N and t == DEFAULT
     if not fused:
         _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     single = f_all <= _SELECT_MAX
-    block_sel = triton.next_power_of_2(f_all) if single else _SELECT_CHUNK
+    block_sel = next_power_of_2(f_all) if single else _SELECT_CHUNK
     res = residual if residual is not None else x
     res_stride = residual.stride(0) if residual is not None else 0
     for r0 in range(0, n, ROUND):
@@ -693,20 +694,20 @@ def site_edit(
         if t != DEFAULT or fused:
             enc_flags += (split_k, k_split, t.hilo, fused)
         if t.hilo:
-            _HILO((rn, triton.cdiv(d, 1024)), (src, count, hl, r0, hl.stride(1), hl.stride(0)),
+            _HILO((rn, cdiv(d, 1024)), (src, count, hl, r0, hl.stride(1), hl.stride(0)),
                   (d, 1024, ROUND, direct, residual is not None), 4)
         _ENCODE((m_tiles, e_tiles, split_k), (src, count, w_enc, b_enc, pre, r0, w_enc.stride(0),
                                               pre.stride(0), f_all, pre_all.stride(0),
                                               (hl, hl.stride(-2), hl.stride(0) if t.hilo else 0), index, mode, n),
                 enc_flags, e_warps, t.stages or None)
-        sel_flags = (topk > 0, single, block_sel, min(triton.next_power_of_2(max(c, 1)), _SELECT_C),
+        sel_flags = (topk > 0, single, block_sel, min(next_power_of_2(max(c, 1)), _SELECT_C),
                      min(_GROUPS, block_sel))
         if t != DEFAULT:
             sel_flags += (split_k,)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk, b_enc, pre_all.stride(0)),
                 sel_flags, 16 if block_sel >= 8192 else 8)
-        d_tiles = triton.cdiv(d, bn)
+        d_tiles = cdiv(d, bn)
         assert m_tiles * d_tiles <= _ARRIVED, (m_tiles, d_tiles)
         _DECODE((m_tiles, d_tiles, split),
                 (pre, src, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0), w_dec.stride(0),

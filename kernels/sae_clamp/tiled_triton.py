@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.host_math import cdiv, next_power_of_2
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.full_triton import _slot_stream
 from vllm_steer.kernels.steered_rms_norm.triton import _proj_desc
@@ -47,7 +48,7 @@ BK = 32
 def tile_tokens(n: int) -> int:
     """Tokens a tile (T) for a step of ``n`` tokens: about 64 tiles per step (one wave on an H100's 132 SMs with
     the runs' partial tiles), at least 16 (``tl.dot``'s smallest M), at most 64."""
-    return min(64, max(16, triton.next_power_of_2(triton.cdiv(n, 64))))
+    return min(64, max(16, next_power_of_2(cdiv(n, 64))))
 
 
 @triton.jit
@@ -163,7 +164,7 @@ def slot_edit(src: torch.Tensor, residual: torch.Tensor | None, index: torch.Ten
         return edit
     res = residual if residual is not None else src
     t = tile_tokens(n)
-    _TILE((triton.cdiv(n, t), t),
+    _TILE((cdiv(n, t), t),
           (src, res, index, mode, code, value, enc, dec, bias, thr, edit, n, code.shape[1], src.stride(0),
            res.stride(0), code.stride(0), value.stride(0), enc.stride(0), dec.stride(0), edit.stride(0)),
           (d, t, CB, BK, residual is not None, PRECISION), 4 if t <= 16 else 8)
@@ -188,7 +189,7 @@ def tiled_slots(x: torch.Tensor, residual: torch.Tensor | None, index: torch.Ten
         src, res = x, residual
         if pre["vec"] or pre["proj"] or pre["full"]:  # else slot B's stream is x + residual (the gate: read only)
             src, res = torch.empty(n, d, dtype=torch.float32, device=x.device), None
-            block_d = triton.next_power_of_2(d)
+            block_d = next_power_of_2(d)
             _GATHER_ON((n,), (x, residual if residual is not None else x, index, sae_b[0], src, x.stride(0),
                               residual.stride(0) if residual is not None else 0, src.stride(0), pre["vec"], (),
                               pre["proj"], pre["full"], pre["cond"]),

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.host_math import next_power_of_2
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 from vllm_steer.kernels.steered_rms_norm import naive
@@ -595,7 +596,7 @@ def steered_norm_triton(
         return out, res_out
     if d > MAX_HIDDEN:
         raise ValueError(f"steered_rms_norm supports hidden sizes up to {MAX_HIDDEN}, got {d}")
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     # every launch of a step above the graph sizes runs this from Python: features off cost a test each
     va = (vec_a[0], vec_a[1], vec_a[0].stride(0)) if vec_a else ()
     vb = (vec_b[0], vec_b[1], vec_b[0].stride(0)) if vec_b else ()
