@@ -106,13 +106,15 @@ def _compact(p_index, p_mode, p_tok, p_count, N, BLOCK: tl.constexpr):
 
 
 _COMPACT_N = 256  # tokens ``_encode`` lists itself (one chunk a program); more: the ``_compact`` launch
+_COMPACT_T = tl.constexpr(_COMPACT_N)
 
 
 @triton.jit
 def _compact_tile(p_index, p_mode, p_tok, p_count, N, m0, BLOCK_M: tl.constexpr, STORE):
     """(the count of on tokens t < N, the ids of those listed m0 .. m0 + BLOCK_M - 1): ``_compact`` for one encoder
-    program, N <= 256 (one chunk); STORE (one program of the launch): also writes tok[0:count] and the count."""
-    o_t = tl.arange(0, 256)
+    program, N <= ``_COMPACT_N`` (one chunk); STORE (one program of the launch): also writes tok[0:count] and the
+    count."""
+    o_t = tl.arange(0, _COMPACT_T)
     m_t = o_t < N
     row = tl.load(p_index + o_t, mask=m_t, other=0)
     on = (tl.load(p_mode + row, mask=m_t & (row != 0), other=0) != 0).to(tl.int32)
