@@ -10,6 +10,7 @@ rows, one copy of them); forms: packed bf16 / float32, float lists, a module ref
 front end decodes, checks and hashes once); "new vectors each request" sends packed bf16 JSON of vectors never
 sent before (its API-process columns only: the other columns are its first body's).
     python3 bench/request_path_cost.py [--layers 32 --hidden 4096 --repeat 30 --out FILE.json]
+``--ablate ROUNDS`` instead measures what the new-vectors row's content work costs in place (``_ablate``).
 """
 
 from __future__ import annotations
@@ -189,11 +190,56 @@ def _api_process(fe, body: bytes, msgpack: bool, repeat: int,
     return asyncio.run(run())
 
 
+def _ablate(fe, layers: int, hidden: int, rounds: int, repeat: int) -> dict[str, list[float]]:
+    """API-process CPU ms of the new-vectors row with its content work stubbed out stage by stage (BLAKE3: a
+    constant digest; the row checks: rows taken unchecked; base64: zeros of the decoded length, so with the checks
+    off only), in one process, interleaved in rounds (between processes this box's noise is ~10%); the same body
+    again for reference."""
+    from vllm_steer.core import layout
+    from vllm_steer.server import base64_lift
+
+    real = layout.rows_digest, layout.raw_rows, base64_lift.pybase64
+    zeros: dict[int, bytes] = {}
+
+    def decoded_zeros(text, validate=True):
+        n = len(text) // 4 * 3 - bytes(text[-2:]).count(b"=")
+        return zeros.setdefault(n, bytes(n))
+
+    stubs = {"BLAKE3": ("rows_digest", lambda raw: bytes(32)),
+             "row checks": ("raw_rows", lambda raw, ids, dtype, d: (tuple(ids), raw)),
+             "base64": ("pybase64", SimpleNamespace(b64decode=decoded_zeros))}
+    cases = {"new vectors": (), "BLAKE3 off": ("BLAKE3",), "row checks off": ("row checks",),
+             "both off": ("BLAKE3", "row checks"), "both and base64 off": ("BLAKE3", "row checks", "base64")}
+    fresh = _fresh_bodies(layers, hidden)
+    body = fresh()
+    out: dict[str, list[float]] = {}
+    try:
+        for r in range(rounds):
+            for name in list(cases) if r % 2 == 0 else list(cases)[::-1]:
+                layout.rows_digest, layout.raw_rows, base64_lift.pybase64 = real
+                for stage in cases[name]:
+                    attr, stub = stubs[stage]
+                    setattr(base64_lift if attr == "pybase64" else layout, attr, stub)
+                out.setdefault(name, []).append(_api_process(fe, body, False, repeat, fresh)[0])
+            layout.rows_digest, layout.raw_rows, base64_lift.pybase64 = real
+            out.setdefault("same body again", []).append(_api_process(fe, body, False, repeat)[0])
+    finally:
+        layout.rows_digest, layout.raw_rows, base64_lift.pybase64 = real
+    print(f"new vectors' API-process CPU, content stages stubbed, {rounds} rounds of {repeat} (ms, median [min-max]; "
+          "change: median of per-round differences)")
+    print("| case | API process: CPU | change |\n| --- | --- | --- |")
+    for name, ms in out.items():
+        delta = statistics.median(a - b for a, b in zip(ms, out["new vectors"]))
+        print(f"| {name} | {statistics.median(ms):.3f} [{min(ms):.3f}-{max(ms):.3f}] | {delta:+.3f} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for flag, default in (("--layers", 32), ("--hidden", 4096), ("--repeat", 30)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out")
+    ap.add_argument("--ablate", type=int, default=0, metavar="ROUNDS")
     args = ap.parse_args()
     mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=args.layers),
                          get_hidden_size=lambda: args.hidden)
@@ -224,6 +270,13 @@ def main() -> None:
         """What vLLM does with the params between the API process and the engine core's scheduler."""
         return decoder.decode(encoder.encode(SamplingParams(max_tokens=8, extra_args=extra).clone()))
 
+    if args.ablate:
+        ablation = _ablate(fe, args.layers, args.hidden, args.ablate, args.repeat)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"layers": args.layers, "hidden": args.hidden, "cpu": _cpu_name(), "ablation": ablation},
+                          fh, indent=1)
+        return
     pool, results = ThreadPoolExecutor(4), []
     print(f"per request, {args.layers} layers x {args.hidden} x {len(HOOKS)} hooks, model bf16, tables on {device}, "
           f"median of {args.repeat} (ms)")

@@ -84,6 +84,25 @@ def test_what_is_not_a_tier_block_parses_as_before(case):
     assert not any(isinstance(v.get("data"), bytes) for v in got["steering_vectors"].values())
 
 
+@pytest.mark.parametrize("case", ["as long", "shorter, a quote where the last ended", "longer", "invalid base64"])
+def test_a_block_is_lifted_whatever_the_last_blocks_length(monkeypatch, case):
+    """The closing quote is first looked for where the last lifted string's length puts it (``_hinted``): a string
+    of another length, or a quote of the next string standing there, lifts as without the hint."""
+    hint = 3 * base64_lift.MIN_CHARS
+    monkeypatch.setattr(base64_lift, "_LAST", [hint])
+    data = {"as long": _b64(hint // 4 * 3), "longer": _b64(hint), "invalid base64": _b64(hint // 4 * 3)[:-1] + "*",
+            "shorter, a quote where the last ended": _b64(2 * base64_lift.MIN_CHARS - 2)}[case]  # unpadded
+    head = '{"prompt": "p", "steering_vectors": {"post_mlp": {"data": "'
+    rest = '", "note": "'  # a string whose closing quote stands ``hint`` characters after the block's start
+    body = (head + data + rest + "n" * max(hint - len(data) - len(rest), 0) + '"}}}').encode()
+    if case.startswith("shorter"):
+        assert body[len(head) + hint:len(head) + hint + 1] == b'"'
+    got = request_body._decode(body, False)
+    assert _as_text(got) == json.loads(body)
+    block = got["steering_vectors"]["post_mlp"]["data"]
+    assert block == (data if case == "invalid base64" else base64.b64decode(data))
+
+
 def test_raw_rows_equal_the_float32_path_on_every_dtype():
     """Rows sent in the model's dtype are checked and keyed on their bits; the result equals ``table_layout``
     of the same values (zero rows dropped, -0.0 as 0.0, sorted layers) and NaN / Inf are refused."""

@@ -9,6 +9,9 @@ into the decoded body, the raw bytes where a placeholder stands for a packed vec
 anywhere else in the steering fields; a placeholder outside them (a key that merely ends in ``"data``, say)
 makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
 parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
+A string's closing quote is first looked for where the last lifted string's length puts it (a request's blocks,
+and the next request's, are mostly as long): the quote there and valid base64 before it (which holds no quote)
+prove it, and the text is not scanned for its end.
 
 Clients often send the same vectors with every request: a text equal to one decoded lately (``TEXTS``: the same
 length and ends, then one comparison with a copy of the text, kept from its second time on) gives back the bytes
@@ -62,30 +65,54 @@ def lift(body: bytes) -> tuple[bytes, Lifted] | None:
             at = body.find(_KEY, at + len(_KEY))
             continue
         start = colon.end()
-        end = body.find(b'"', start)
+        end, raw = _hinted(body, view, start)
         if end < 0:
-            break
-        if end - start >= MIN_CHARS:  # an escape (a backslash) fails the validation: left as it is
-            key = (end - start, body[start:start + PROBE], body[end - PROBE:end])
-            known = TEXTS.get(key)
-            raw = known[1] if known is not None and body.startswith(known[0], start) else None
-            if raw is None:
-                try:
-                    raw = pybase64.b64decode(view[start:end], validate=True)
-                except (binascii.Error, ValueError):
-                    raw = None  # left as text: the front end reports it
-                else:
-                    TEXTS.put(key, lambda: ((body[start:end], raw), 2 * len(raw) + end - start))
-            if raw is not None:
-                placeholder = f"{_PREFIX}{len(lifted.strings)}"
-                lifted.strings[placeholder] = (raw, start, end)
-                pieces += (body[done:start], placeholder.encode())
-                done = end
+            end = body.find(b'"', start)
+            if end < 0:
+                break
+            # an escape (a backslash) fails the validation: left as it is
+            raw = _decoded(body, view, start, end) if end - start >= MIN_CHARS else None
+        if raw is not None:
+            placeholder = f"{_PREFIX}{len(lifted.strings)}"
+            lifted.strings[placeholder] = (raw, start, end)
+            pieces += (body[done:start], placeholder.encode())
+            done = end
         at = body.find(_KEY, end + 1)
     if not lifted.strings:
         return None
     pieces.append(body[done:])
     return b"".join(pieces), lifted
+
+
+# the length of the last string lifted: a request's blocks are often all as long, and so are the next request's
+_LAST = [0]
+
+
+def _hinted(body: bytes, view: memoryview, start: int) -> tuple[int, bytes | None]:
+    """(end, decoded bytes) of the string at ``start`` when it is as long as the last one lifted, else (-1, None):
+    its closing quote found without scanning the text for it (a 1 MB body: -0.07 ms, s30). Sound whatever the hint:
+    a quote stands where the last string's did, and the text before it is valid base64, which holds no quote."""
+    end = start + _LAST[0]
+    if _LAST[0] < MIN_CHARS or body[end:end + 1] != b'"':
+        return -1, None
+    raw = _decoded(body, view, start, end)
+    return (end, raw) if raw is not None else (-1, None)
+
+
+def _decoded(body: bytes, view: memoryview, start: int, end: int) -> bytes | None:
+    """The base64 text ``body[start:end]`` decoded (from ``TEXTS`` when it came lately), None when it is not valid
+    base64."""
+    key = (end - start, body[start:start + PROBE], body[end - PROBE:end])
+    known = TEXTS.get(key)
+    raw = known[1] if known is not None and body.startswith(known[0], start) else None
+    if raw is None:
+        try:
+            raw = pybase64.b64decode(view[start:end], validate=True)
+        except (binascii.Error, ValueError):
+            return None  # left as text: the front end reports it
+        TEXTS.put(key, lambda: ((body[start:end], raw), 2 * len(raw) + end - start))
+    _LAST[0] = end - start
+    return raw
 
 
 def restore(obj: dict, lifted: Lifted) -> bool:
