@@ -91,10 +91,13 @@ class _Reduced:
     """Ring rows holding a batch of finished requests' device-reduced rows (``CaptureHost.stage_reduced``): freed
     when the step thread and every finish notice reading them let go."""
 
-    def __init__(self, ring: RowRing, packet_id: int, start: int, n_ring: int, n: int) -> None:
+    def __init__(self, ring: RowRing, packet_id: int, start: int, n_ring: int, n: int, source: Any = None) -> None:
         self.ring, self.packet_id, self.start, self.n_ring, self.n = ring, packet_id, start, n_ring, n
         self._refs = 1  # the step thread's, until its notices are queued
         self._lock = threading.Lock()
+        # the device rows being copied (``_copy_into(..., keep=True)``): alive until the notices that waited on the
+        # copy let go, instead of ``record_stream``, whose event every later allocation of the step would poll
+        self.source = source
 
     def hold(self) -> None:
         with self._lock:
@@ -105,6 +108,7 @@ class _Reduced:
             self._refs -= 1
             last = self._refs == 0
         if last:
+            self.source = None
             self.ring.free(self.packet_id)
 
 
@@ -207,8 +211,9 @@ class CaptureHost:
         start = self.ring.alloc(packet_id, n * per)
         if start is None:
             return None
-        event = _copy_into(self.rows[start : start + n * per].view(torch.float32).view(n, hidden), rows, copy_stream)
-        return event, _Reduced(self.ring, packet_id, start, n * per, n)
+        event = _copy_into(self.rows[start : start + n * per].view(torch.float32).view(n, hidden), rows, copy_stream,
+                           keep=True)
+        return event, _Reduced(self.ring, packet_id, start, n * per, n, rows)
 
     def _read_reduced(self, red: tuple) -> tuple[list, int]:
         """(the reduced rows as numpy, with their items; rows lost) once the copy is done; the last notice of a
@@ -331,9 +336,11 @@ class CaptureHost:
             self.proc.wait()
 
 
-def _copy_into(dst: torch.Tensor, rows: torch.Tensor, copy_stream: Any) -> Any:
+def _copy_into(dst: torch.Tensor, rows: torch.Tensor, copy_stream: Any, keep: bool = False) -> Any:
     """Copy ``rows`` into ring rows ``dst``: on a GPU, on ``copy_stream`` after the work queued so far on the
-    current stream (the forward that wrote them), returning the copy's event; on the CPU at once (None)."""
+    current stream (the forward that wrote them), returning the copy's event; on the CPU at once (None). ``keep``:
+    the caller holds ``rows`` until the event (a gathered tensor), else ``record_stream`` keeps its memory from
+    the step's stream until the copy (a view of the persistent pool: never freed, no event to poll)."""
     if not rows.is_cuda:
         dst.copy_(rows)
         return None
@@ -341,7 +348,8 @@ def _copy_into(dst: torch.Tensor, rows: torch.Tensor, copy_stream: Any) -> Any:
     ready.record()
     with torch.cuda.stream(copy_stream):
         copy_stream.wait_event(ready)
-        rows.record_stream(copy_stream)  # a gathered tensor is freed on the step's stream: not before the copy
+        if not keep:
+            rows.record_stream(copy_stream)
         dst.copy_(rows, non_blocking=True)
         event = torch.cuda.Event(blocking=True)  # the notifier sleeps on it instead of spinning a core
         event.record(copy_stream)
