@@ -276,7 +276,7 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, st
     K in [s K_SPLIT, (s + 1) K_SPLIT); its partial goes to ``pre + s stride_split`` and ``_select`` adds the splits in
     order and the bias). ``hl``: (hi / lo planes, row stride, plane stride) for HILO.
 
-    COMPACT (slot A, one round of at most ``_COMPACT_N`` tokens, default tuning): no ``_compact`` launch before it;
+    COMPACT (slot A, one round of at most ``_COMPACT_N`` tokens, not HILO): no ``_compact`` launch before it;
     every program lists the on tokens of index[0:N] itself (``_compact_tile``) and the first stores the list and the
     count for the kernels after it: one launch fewer a site, idle or not."""
     m0 = tl.program_id(0) * BLOCK_M
@@ -675,7 +675,8 @@ def site_edit(
     split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk)
     part = torch.empty(split, rn, d, dtype=torch.float32, device=dev) if split > 1 else edit
     # slot A's one round of few tokens: the encoder lists the on tokens itself (COMPACT), else a _compact launch
-    fused = direct and n <= _COMPACT_N and t == DEFAULT
+    # (HILO's split launch before the encoder reads the list)
+    fused = direct and n <= _COMPACT_N and not t.hilo
     if not fused:
         _COMPACT((1,), (index, mode, tok, count, n), (1024,), 4)
     block_d = next_power_of_2(d)
