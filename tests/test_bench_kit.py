@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -145,6 +146,15 @@ def test_the_timeline_says_how_long_the_gpu_waited_and_what_the_copies_overlappe
     late = analyze_events([step, *two, *calls])["timeline"]
     assert late["gaps_inside_steps"] == [1, 190.0]  # the host fell behind mid-step
     assert (late["gaps_launched_late"], late["host_silence_before_late_us_median"]) == ([1, 190.0], 189.0)
+    # bench/trace_gaps.py lists the same gap from the trace file, with the launching thread's call before it
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": [step, *two, *calls]}, f)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_gaps.py"), str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["10.0", "µs", "gap", "190.0", "µs", "in", "step", "a", "->", "b", "lag", "13.0", "µs",
+                           "LATE,", "thread", "7", "before:", "cudaLaunchKernel", "(189.0", "µs", "ago,", "1.0",
+                           "µs)"], out
     assert tl["kernel_streams"] == {"7": [4, 680.0], "20": [1, 100.0]}
     # the DtoH [700, 850]: [700, 750] under our kernel, [800, 850] under the norm
     assert tl["copies"]["DtoH"] == {"n": 1, "us": 150.0, "bytes": 1 << 20, "under_kernels_us": 100.0,
