@@ -13,7 +13,6 @@ did instead: a sync, an H2D copy, or nothing for a while: Python or the GIL).
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import json
 import sys
@@ -21,46 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.gpu_e2e.trace_kernels import GAP_US, LATE_US, STEP_RE, _corr, _merge, _span  # noqa: E402
+from tests.gpu_e2e.trace_kernels import _merge, _span, gap_records  # noqa: E402
 
 
 def gaps(events: list, top: int, calls_before: int) -> list[dict]:
-    """The ``top`` longest gaps > GAP_US between the union of kernel intervals, longest first."""
+    """The ``top`` longest gaps of ``gap_records``, longest first."""
     ev = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
-    kern = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    kern = [e for e in ev if e.get("cat") == "kernel"]
     if not kern:
         return []
-    busy = _merge([_span(e) for e in kern])
-    t0 = busy[0][0]
-    starts = [float(e["ts"]) for e in kern]
-    ends = sorted((_span(e)[1], i) for i, e in enumerate(kern))
-    end_ts = [t for t, _ in ends]
-    steps = [_span(e) for e in ev
-             if e.get("cat") == "gpu_user_annotation" and STEP_RE.fullmatch(str(e.get("name", "")))]
-    calls = sorted((e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: float(e["ts"]))
-    launch = {_corr(e): e for e in calls if _corr(e) is not None}
-    by_tid: dict = {}
-    for e in calls:
-        by_tid.setdefault(e.get("tid"), []).append(e)
-    out = []
-    for (_a0, a1), (b0, _b1) in zip(busy, busy[1:]):
-        if b0 - a1 <= GAP_US:
-            continue
-        before = kern[ends[bisect.bisect_right(end_ts, a1) - 1][1]]
-        after = kern[bisect.bisect_left(starts, b0)]
-        rec = {"at_us": round(a1 - t0, 1), "gap_us": round(b0 - a1, 1), "before": str(before.get("name"))[:50],
-               "after": str(after.get("name"))[:50], "in_step": any(s0 <= a1 and b0 <= s1 for s0, s1 in steps)}
-        call = launch.get(_corr(after))
-        if call is not None:
-            rec["launch_lag_us"] = round(b0 - _span(call)[1], 1)
-            rec["late"] = rec["launch_lag_us"] < LATE_US
-            mine = by_tid.get(call.get("tid"), [])
-            i = mine.index(call)
-            rec["thread"] = call.get("tid")
-            rec["calls_before"] = [(str(c.get("name"))[:28], round(float(call["ts"]) - _span(c)[1], 1),
-                                    round(float(c.get("dur", 0)), 1)) for c in mine[max(0, i - calls_before):i]]
-        out.append(rec)
-    return sorted(out, key=lambda r: -r["gap_us"])[:top]
+    records = gap_records(ev, kern, _merge([_span(e) for e in kern]), calls_before)
+    return sorted(records, key=lambda r: -r["gap_us"])[:top]
 
 
 def main() -> None:

@@ -137,44 +137,61 @@ def _steps_and_calls(ev: list[dict]) -> dict:
     }
 
 
-def _gap_causes(ev: list[dict], kern: list[dict], busy: list, gaps: list[float]) -> dict:
-    """Why the GPU idled > GAP_US: which kernel it waited to start (``gaps_before``: [µs, n, name]), whether the gap
-    lies inside one step's GPU span (the host fell behind mid-step) or between steps, and whether the host launched
-    that kernel late (its launch call ended < LATE_US before the kernel started: the GPU waited for the host, not
-    for a dependency), with how long the launching thread had made no CUDA call before it (Python work or the GIL)."""
+def gap_records(ev: list[dict], kern: list[dict], busy: list, calls_before: int = 1) -> list[dict]:
+    """Each idle stretch > GAP_US between the kernels' busy intervals ``busy`` (``_merge`` of ``kern``'s spans), in
+    time order: where it starts and how long it is (µs), the kernel before it and the one the GPU waited to start
+    after it, whether it lies inside one step's GPU span (the host fell behind mid-step) or between steps, and, when
+    the trace has that kernel's launch call: its launch lag (the call's end to the kernel's start; < LATE_US: the GPU
+    waited for the host, not for a dependency), the launching thread and its ``calls_before`` calls before the launch
+    ((name, µs before the launch, duration); the last one's gap: how long the thread made no CUDA call before it)."""
     first_at: dict[float, dict] = {}
     for e in sorted(kern, key=lambda e: float(e["ts"]), reverse=True):
         first_at[float(e["ts"])] = e
+    last_to_end: dict[float, dict] = {}
+    for e in sorted(kern, key=lambda e: _span(e)[1]):
+        last_to_end[_span(e)[1]] = e
     step_spans = sorted(_span(e) for e in ev if e.get("cat") == "gpu_user_annotation"
                         and STEP_RE.fullmatch(str(e.get("name", ""))))
     calls = sorted((e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: float(e["ts"]))
     launch = {_corr(e): e for e in calls if _corr(e) is not None}
-    prev_end: dict = {}  # the end of each runtime call's predecessor on its thread
-    last: dict = {}
+    by_tid: dict = {}
+    at_in_thread: dict[int, int] = {}
     for e in calls:
-        prev_end[id(e)] = last.get(e.get("tid"))
-        last[e.get("tid")] = _span(e)[1]
-    after: dict[str, list] = {}
-    inside, late, silence = [0, 0.0], [0, 0.0], []
-    for (_a0, a1), (b0, _b1), g in zip(busy, busy[1:], gaps):
-        if g <= GAP_US:
+        mine = by_tid.setdefault(e.get("tid"), [])
+        at_in_thread[id(e)] = len(mine)
+        mine.append(e)
+    out = []
+    for (_a0, a1), (b0, _b1) in zip(busy, busy[1:]):
+        if b0 - a1 <= GAP_US:
             continue
         k = first_at.get(b0, {})
-        _tally(after, str(k.get("name", "?"))[:60], {"dur": g})
-        if any(s0 <= a1 and b0 <= s1 for s0, s1 in step_spans):
-            inside[0] += 1
-            inside[1] += g
+        rec = {"at_us": round(a1 - busy[0][0], 1), "gap_us": round(b0 - a1, 1),
+               "before": str(last_to_end.get(a1, {}).get("name", "?"))[:60], "after": str(k.get("name", "?"))[:60],
+               "in_step": any(s0 <= a1 and b0 <= s1 for s0, s1 in step_spans)}
         call = launch.get(_corr(k))
-        if call is not None and b0 - _span(call)[1] < LATE_US:
-            late[0] += 1
-            late[1] += g
-            if prev_end.get(id(call)) is not None:
-                silence.append(float(call["ts"]) - prev_end[id(call)])
+        if call is not None:
+            i = at_in_thread[id(call)]
+            rec.update(launch_lag_us=round(b0 - _span(call)[1], 1), thread=call.get("tid"), calls_before=[
+                (str(c.get("name"))[:28], round(float(call["ts"]) - _span(c)[1], 1), round(float(c.get("dur", 0)), 1))
+                for c in by_tid[call.get("tid")][max(0, i - calls_before):i]])
+            rec["late"] = rec["launch_lag_us"] < LATE_US
+        out.append(rec)
+    return out
+
+
+def _gap_causes(records: list[dict]) -> dict:
+    """``gap_records`` summed: the kernels the GPU waited to start (``gaps_before``: [µs, n, name]), the gaps inside
+    steps, the gaps whose next kernel was launched late and the launching threads' median silence before those."""
+    after: dict[str, list] = {}
+    for r in records:
+        _tally(after, r["after"], {"dur": r["gap_us"]})
+    inside = [r["gap_us"] for r in records if r["in_step"]]
+    late = [r for r in records if r.get("late")]
     return {
-        "gaps_inside_steps": [inside[0], round(inside[1], 1)],  # long gaps within one step's GPU span: n, µs
+        "gaps_inside_steps": [len(inside), round(sum(inside), 1)],  # long gaps within one step's GPU span: n, µs
         "gaps_before": sorted(([round(v[1], 1), v[0], k] for k, v in after.items()), reverse=True)[:8],
-        "gaps_launched_late": [late[0], round(late[1], 1)],  # the next kernel's launch came < LATE_US before it ran
-        "host_silence_before_late_us_median": _median(silence),
+        "gaps_launched_late": [len(late), round(sum(r["gap_us"] for r in late), 1)],  # launched < LATE_US before
+        "host_silence_before_late_us_median": _median([r["calls_before"][-1][1] for r in late if r["calls_before"]]),
     }
 
 
@@ -190,7 +207,7 @@ def timeline(ev: list[dict]) -> dict:
     t0, t1 = busy[0][0], busy[-1][1]
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
     long_gaps = [g for g in gaps if g > GAP_US]
-    causes = _gap_causes(ev, kern, busy, gaps)
+    causes = _gap_causes(gap_records(ev, kern, busy))
     busy_us = sum(b - a for a, b in busy)
     streams: dict[str, list] = {}
     for e in kern:
