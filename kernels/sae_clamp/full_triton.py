@@ -179,10 +179,16 @@ def _stream(src, o_m, m_m, o_k, m_k, DIRECT: tl.constexpr, HAS_RES: tl.constexpr
     """The float32 stream of listed rows ``o_m`` (of this round), columns ``o_k``: DIRECT (slot A, nothing before
     it) x[t] + residual[t] of their tokens, else the gathered S rows. ``src``: (S, S stride, x, residual, x stride,
     residual stride, tok + r0)."""
+    return _stream_at(src, _listed_tokens(src, o_m, m_m, DIRECT), o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+
+
+@triton.jit
+def _listed_tokens(src, o_m, m_m, DIRECT: tl.constexpr):
+    """The token ids of listed rows ``o_m`` (int64) for DIRECT, whose stream is read at them; zeros otherwise."""
     i_t = tl.zeros_like(o_m).to(tl.int64)
     if DIRECT:
         i_t = tl.load(src[6] + o_m, mask=m_m, other=0).to(tl.int64)
-    return _stream_at(src, i_t, o_m, m_m, o_k, m_k, DIRECT, HAS_RES)
+    return i_t
 
 
 @triton.jit
@@ -290,9 +296,7 @@ def _encode(src, p_count, p_wenc, p_benc, p_pre, r0, stride_w, stride_pre, F, st
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_m = o_m < n
         if not COMPACT:
-            i_t = tl.zeros((BLOCK_M,), dtype=tl.int64)
-            if DIRECT:
-                i_t = tl.load(src[6] + o_m, mask=m_m, other=0).to(tl.int64)
+            i_t = _listed_tokens(src, o_m, m_m, DIRECT)
         o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         m_f = o_f < F
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
