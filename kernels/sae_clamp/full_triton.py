@@ -585,7 +585,7 @@ _SPLIT_MAX = 16
 _ENC_WARPS_SMALL = 2
 _ENC_UNROLL = 2  # K tiles a step of the encoder's loop when its grid is under _PROGRAMS (N 16: 256 programs)
 _SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
-_ARRIVED = 1 << 16  # decoder tiles a launch can count in (``_arrived``): 64 token tiles x 1024 column tiles
+_ARRIVED = 1 << 16  # decoder tiles a launch can count in (``arrival_counts``): 64 token tiles x 1024 column tiles
 
 
 def _tiles(n: int, wide: bool = False) -> tuple[int, int, int, int]:
@@ -595,12 +595,13 @@ def _tiles(n: int, wide: bool = False) -> tuple[int, int, int, int]:
     return _TILES[1][1] if wide and t[0] > _TILES[1][1][0] else t
 
 
-def _splits(rn: int, d: int, f: int, c: int, bm: int, bd: int, bf: int) -> tuple[int, int, int]:
+def _splits(rn: int, d: int, f: int, c: int, bm: int, bd: int, bf: int,
+            most: int = _SPLIT_MAX) -> tuple[int, int, int]:
     """(splits, features per split, clamped features per split) of the decoder for rounds of ``rn`` listed tokens:
-    enough programs to fill the GPU (``_PROGRAMS``), at most ``_SPLIT_MAX``, each split a multiple of BLOCK_F
-    features (of d_sae, and of the ``c`` clampable ones)."""
+    enough programs to fill the GPU (``_PROGRAMS``), at most ``most``, each split a multiple of BLOCK_F features (of
+    d_sae, and of the ``c`` clampable ones)."""
     tiles = cdiv(rn, bm) * cdiv(d, bd)
-    split = max(1, min(_SPLIT_MAX, _PROGRAMS // tiles, cdiv(f, bf)))
+    split = max(1, min(most, _PROGRAMS // tiles, cdiv(f, bf)))
     per = cdiv(cdiv(f, split), bf) * bf
     split = cdiv(f, per)
     return split, per, cdiv(cdiv(c, split), bf) * bf
@@ -676,7 +677,9 @@ def site_edit(
     pre = pre_all[0]
     hl = torch.empty(2, rn, d, dtype=w_enc.dtype, device=dev) if t.hilo else pre
     cv = torch.empty(rn, max(c, 1), dtype=torch.float32, device=dev)
-    split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk)
+    # the splits' arrival counts (None while a graph is captured before they were made): else one split
+    arrived = arrival_counts(dev)
+    split, f_split, c_split = _splits(rn, d, f_all, c, bm, bn, bk, _SPLIT_MAX if arrived is not None else 1)
     part = torch.empty(split, rn, d, dtype=torch.float32, device=dev) if split > 1 else edit
     # slot A's one round of few tokens: the encoder lists the on tokens itself (COMPACT), else a _compact launch
     # (HILO's split launch before the encoder reads the list)
@@ -719,7 +722,7 @@ def site_edit(
         _DECODE((m_tiles, d_tiles, split),
                 (pre, src, tok, count, index, mode, w_dec, b_dec, edit, r0, pre.stride(0), w_dec.stride(0),
                  edit.stride(0), part.stride(0) if split > 1 else 0, f_all, f_split, cv, feats, cv.stride(0), c,
-                 c_split, part, part.stride(1) if split > 1 else 0, _arrived(dev)),
+                 c_split, part, part.stride(1) if split > 1 else 0, arrived if split > 1 else count),
                 (d, bm, bk, bn, *flags, split, rn <= _SKIP_TOKENS), warps)
     return edit
 
@@ -727,11 +730,16 @@ def site_edit(
 _ARRIVED_BY_DEVICE: dict = {}
 
 
-def _arrived(device: torch.device) -> torch.Tensor:
+def arrival_counts(device: torch.device) -> torch.Tensor | None:
     """The decoder's per-tile arrival counts on ``device`` (zeros between launches: the last program of a tile resets
-    its own), allocated once, at the first call (vLLM's warm-up runs eagerly before it captures graphs)."""
+    its own), made on first use outside a CUDA-graph capture (``runtime.sae_tables`` makes them when it stages a
+    pack, as the norm's ``split_buffers``); None while capturing before that (the decoder then runs unsplit)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     t = _ARRIVED_BY_DEVICE.get(device)
     if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         t = _ARRIVED_BY_DEVICE[device] = torch.zeros(_ARRIVED, dtype=torch.int32, device=device)
     return t
 

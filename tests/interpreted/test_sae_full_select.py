@@ -66,7 +66,10 @@ def test_topk_search_edge_cases_match_reference(f, k, case, chunked, monkeypatch
     got, want, on = _moved(x, r, index, pack, k)
     assert on.any()
     torch.testing.assert_close(got, want, **TOL)
+    from vllm_steer.kernels.sae_clamp.full_triton import arrival_counts
     from vllm_steer.kernels.sae_clamp.packed import _full_features
+
+    assert not arrival_counts(x.device).any()  # the split decoder's last program a tile set its count back to 0
 
     pre = (x + r) @ pack[8].float() + pack[9]
     if case == "few_positive":  # not vacuous: some of the 3 features are on, fewer than k

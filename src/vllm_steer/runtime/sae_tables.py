@@ -138,10 +138,12 @@ class SaeTables:
         self._written: dict[int, list[tuple[bool, Site]]] = {}  # row -> (transcoder?, site) whose tables it set
         self._device = device
         self._code_ring = self._value_ring = None  # sized for every pack at the first write (_stage)
-        if (self.packs or self.tc_packs) and device.type == "cuda":  # the split walk's buffers, before graph capture
+        if (self.packs or self.tc_packs) and device.type == "cuda":  # the split walks' buffers, before graph capture
+            from vllm_steer.kernels.sae_clamp.full_triton import arrival_counts
             from vllm_steer.kernels.steered_rms_norm.triton import split_buffers
 
             split_buffers(device, hidden)
+            arrival_counts(device)
 
     def _site_pack(self, site: Site, tc: bool, regions: list[Region], catalog: dict[str, SaeEntry], weights: dict,
                    hidden: int, num_rows: int, device: torch.device) -> list[torch.Tensor]:
