@@ -21,8 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-
 from vllm_steer.runtime.capture_reduce import ReduceRegion  # noqa: E402
 
 
