@@ -335,36 +335,11 @@ def _act(v, thr_key, thr, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _candidates(thr_key, b):
-    """The three thresholds of one step of the K-th largest key's search, two bits (b, b - 1) at a time:
-    thr | lo bit, thr | hi bit, thr | both (at b = 0 only the hi bit: the first is thr itself, the last the second)."""
-    low = tl.where(b >= 1, 1 << tl.maximum(b - 1, 0), 0)
-    c2 = thr_key | (1 << b)
-    return thr_key | low, c2, c2 | low
-
-
-@triton.jit
-def _count3(b_key, c1, c2, c3):
-    """#(key >= c) for the three candidates in one reduction: 21-bit fields of an int64
-    (d_sae < 2^21: ``site_edit`` checks)."""
-    packed = ((b_key >= c1).to(tl.int64) + ((b_key >= c2).to(tl.int64) << 21)
-              + ((b_key >= c3).to(tl.int64) << 42))
-    return packed
-
-
-@triton.jit
-def _unpack3(total):
-    m = (1 << 21) - 1
-    return (total & m).to(tl.int32), ((total >> 21) & m).to(tl.int32), ((total >> 42) & m).to(tl.int32)
-
-
-@triton.jit
-def _search_step(thr_key, b, c1, c2, c3, n1, n2, n3, K):
-    """One step (bits b, b - 1) of the K-th largest key's search: the largest candidate at least K keys reach (counts
-    n1 <= ... as c1 < c2 < c3); done (b = -1) when exactly K reach it, as no lower bit can change which keys do."""
-    thr_key_new = tl.where(n3 >= K, c3, tl.where(n2 >= K, c2, tl.where(n1 >= K, c1, thr_key)))
-    n = tl.where(n3 >= K, n3, tl.where(n2 >= K, n2, tl.where(n1 >= K, n1, -1)))
-    return thr_key_new, tl.where(n == K, -1, b - 2)
+def _search_step(thr_key, b, cnt, K):
+    """One bit of the K-th largest key's search: keep bit b if at least K keys reach ``thr_key | 1 << b`` (their
+    count ``cnt``); done (b = -1) when exactly K do, as no lower bit can change which keys reach the threshold."""
+    thr_key = tl.where(cnt >= K, thr_key | (1 << b), thr_key)
+    return thr_key, tl.where(cnt == K, -1, b - 1)
 
 
 @triton.jit
@@ -378,12 +353,13 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
     pre). ``cv``: the clamped features' coefficients, staged while pre is still whole. SINGLE: F <= BLOCK, the row
     in registers (as GROUPS groups of BLOCK / GROUPS features).
 
-    TopK: the K-th largest key T (``_key``: relu's order, int32), two bits a step from bit 30 (the sign bit of every
-    key is 0; three candidates counted in one reduction, ``_count3``), stopping once exactly K keys reach the
-    threshold. SINGLE: T lies in [lo, hi], hi the largest key and lo the smallest of the groups' largest (K or more
-    groups: K distinct keys reach it), so a candidate <= lo is kept and one > hi dropped without counting; only the
-    steps whose candidates split [lo, hi] cost a pass over the row (d_sae 16384, k 64, Gaussian activations: 6.0
-    passes on average, 10.3 one bit a step; s30, a numpy model of both searches).
+    TopK: the K-th largest key T (``_key``: relu's order, int32), bit by bit from bit 30 (the sign bit of every key
+    is 0), stopping once exactly K keys reach the threshold. SINGLE: T lies in [lo, hi], hi the largest key and lo
+    the smallest of the groups' largest (K or more groups: K distinct keys reach it), so a candidate <= lo is kept
+    and one > hi dropped without counting; only the bits that split [lo, hi] cost a pass over the row (with
+    continuous activations ~10 of the 31). One int32 count a pass: the passes are latency-bound, so two bits a step
+    (three counts in one int64 reduction, 6.0 passes instead of 10.3 on a numpy model) was slower on an H200 (s31,
+    ``_select`` 16.3 -> 22.3 µs at N 16).
 
     SPLIT (``Tuning.split_k``: ``_encode`` split over K): pre is the first of SPLIT partial sums ``stride_split``
     apart; they are added in split order with b_enc and written to pre before anything reads it."""
@@ -424,24 +400,21 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
                 lo = tl.min(tl.where(g_max >= 0, g_max, hi), axis=0)
                 lo = tl.where(tl.sum((g_max >= 0).to(tl.int32), axis=0) >= K, lo, 0)
                 while b >= 0:
-                    c1, c2, c3 = _candidates(thr_key, b)
-                    # a candidate <= lo is reached by >= K keys (K + 1: not exactly K), one > hi by none
-                    n1 = tl.where(c1 <= lo, K + 1, 0)
-                    n2 = tl.where(c2 <= lo, K + 1, 0)
-                    n3 = tl.where(c3 <= lo, K + 1, 0)
-                    if ((c1 > lo) & (c1 <= hi)) | ((c2 > lo) & (c2 <= hi)) | ((c3 > lo) & (c3 <= hi)):
-                        n1, n2, n3 = _unpack3(tl.sum(tl.sum(_count3(b_key, c1, c2, c3), axis=1), axis=0))
-                    thr_key, b = _search_step(thr_key, b, c1, c2, c3, n1, n2, n3, K)
+                    cand = thr_key | (1 << b)
+                    cnt = tl.where(cand <= lo, K + 1, 0)  # <= lo: reached by >= K keys (K + 1: not exactly K)
+                    if cand > lo:
+                        if cand <= hi:
+                            cnt = tl.sum(tl.sum((b_key >= cand).to(tl.int32), axis=1), axis=0)
+                    thr_key, b = _search_step(thr_key, b, cnt, K)
             else:
                 o_1 = tl.arange(0, BLOCK)
                 while b >= 0:
-                    c1, c2, c3 = _candidates(thr_key, b)
-                    total = tl.zeros((), dtype=tl.int64)
+                    cand = thr_key | (1 << b)
+                    cnt = 0
                     for f0 in range(0, F, BLOCK):
                         v = tl.load(p_row + f0 + o_1, mask=f0 + o_1 < F, other=0.0)
-                        total += tl.sum(_count3(tl.where(f0 + o_1 < F, _key(v), -1), c1, c2, c3), axis=0)
-                    n1, n2, n3 = _unpack3(total)
-                    thr_key, b = _search_step(thr_key, b, c1, c2, c3, n1, n2, n3, K)
+                        cnt += tl.sum(((_key(v) >= cand) & (f0 + o_1 < F)).to(tl.int32), axis=0)
+                    thr_key, b = _search_step(thr_key, b, cnt, K)
         o_c = tl.arange(0, BLOCK_C)
         for c0 in range(0, C, BLOCK_C):  # the row's clamped features, from pre as it is
             m_c = c0 + o_c < C
@@ -651,7 +624,6 @@ def site_edit(
     feats, w_enc, b_enc, thr_f, w_dec, b_dec = pack[7], pack[8], pack[9], pack[10], pack[11], pack[12]
     f_all, c = w_enc.shape[1], code.shape[1]
     assert w_enc.stride(-1) == 1 and w_dec.stride(-1) == 1 and code.stride(-1) == 1 and value.stride(-1) == 1
-    assert f_all < 1 << 21, f"d_sae {f_all}: TopK's counts are 21-bit fields (_count3)"
     dev = x.device
     edit = torch.empty(n, d, dtype=torch.float32, device=dev)
     if n == 0:
