@@ -6,7 +6,8 @@ every token its own row of 3; prefill-like from N 512, 16 prompts of N / 16 toke
 sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read, the tensor-core
 flops, the larger of the two bounds, and each launch's GPU time (torch.profiler).
 ``--topk-sweep`` (alone): the full encoder's launch variants (``full_triton.Tuning``: tiles, warps, K split,
-stages, the stream's hi / lo planes) on one TopK k 64 delta site (16 clamp sets, d_sae 16384, D 4096) at N 1, 16,
+stages, the stream's hi / lo planes; TopK's search begun by histogram rounds, ``_select``'s warps) on one TopK k 64
+delta site (16 clamp sets, d_sae 16384, D 4096) at N 1, 16,
 64: each variant's edit checked against the default's, then the site's µs (CUDA graph), each launch's GPU µs
 (torch.profiler) and the bounds beside them (W_enc's read; the site's bytes).
 Usage: python3 bench/sae_kernel_bench.py [--out FILE.json] [--full-only | --topk-sweep [--sweep-n 16,1,64]]"""
@@ -166,7 +167,8 @@ def _full_rows(dev, w) -> list[dict]:
     return rows
 
 
-# (name, Tuning keywords): the encoder's candidates for the N 16 bound (issue 39); "default" is the engine's launch.
+# (name, Tuning keywords): the encoder's and _select's candidates for the N 16 bound (issue 39); "default" is the
+# engine's launch.
 # N <= 64 share one tile (16 tokens x 64 features, 64-deep K tiles, 2 warps since s29; two K tiles a step under 528
 # programs: N 1 and 16, one at N 64). s29's sweep (H100) dropped what lost everywhere: block_f 32, split_k 4, unroll 4
 ENCODE_VARIANTS = [
@@ -182,6 +184,13 @@ ENCODE_VARIANTS = [
     ("block_k 128 unroll 1", dict(block_k=128, unroll=1)),
     ("stages 5 unroll 1", dict(stages=5, unroll=1)),
     ("hilo stages 5 unroll 1", dict(hilo=True, stages=5, unroll=1)),
+    # _select (s31): TopK's search begun by histogram rounds of 2^bits bins (a numpy model, d_sae 16384, k 64: one
+    # bit a pass 10.3 counted passes; 32 bins x 2 rounds 1.9 rounds + 3.0 passes, 64 x 2 1.9 + 2.3, 256 x 1 1 + 4.3:
+    # bench/topk_search_passes.py), and its warps
+    ("select bucket 32 x2", dict(select_bits=5, select_rounds=2)),
+    ("select bucket 64 x2", dict(select_bits=6, select_rounds=2)),
+    ("select bucket 256", dict(select_bits=8)),
+    ("select warps 8", dict(select_warps=8)),
 ]
 
 
@@ -244,9 +253,11 @@ def _sweep_rows(dev, ns: list[int]) -> list[dict]:
         if ok and base:
             site, enc = min(ok, key=lambda r: r["us"]), min(ok, key=lambda r: r["encode_us"])
             # _encode alone: hilo's _hilo and a split's sum (in _select) are in the site's time only
+            sel = min(ok, key=lambda r: r["select_us"])
             print(f"N {n}: fastest site {site['variant']} {site['us']} µs (default {base['us']}); fastest _encode "
                   f"alone {enc['variant']} {enc['encode_us']} µs (default {base['encode_us']}, "
-                  f"bound {base['encode_bound_us']})")
+                  f"bound {base['encode_bound_us']}); fastest _select {sel['variant']} {sel['select_us']} µs "
+                  f"(default {base['select_us']})")
     return rows
 
 
