@@ -12,7 +12,8 @@
 #   sae        SAE kernel tests and sae_kernel_bench, then the SAE arms (first: SERVERS=stock,sae,sae_serial ab-start;
 #              transcoders: SERVERS=stock,sae,transcoder ab-start, ARMS=stock,sae_delta_n16,transcoder_idle,transcoder_n16)
 #   topk       the full SAE encoder's launch variants (bench/sae_kernel_bench.py --topk-sweep: tiles, warps, K split,
-#              stages, hi / lo planes) at N 16, 1, 64, each beside W_enc's bound (~3 min on an H200)
+#              stages, hi / lo planes; _select's histogram rounds and warps) at N 16, 1, 64, each beside W_enc's
+#              bound (~3 min on an H200 for 12 variants in s31; 16 now)
 #   cond       the cond-norm test, then cond vs per-request steering (first: SERVERS=stock,steer,steer_cond ab-start)
 #   proj       the projection kernel tests (interpreted and GPU), then project_n16 (16 requests each ablating one
 #              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj
@@ -108,7 +109,7 @@ case "${1:-}" in
       --arms "${ARMS:-stock,sae_idle,sae_serial_idle,sae_delta_n16,sae_serial_delta_n16}" 2>&1 | tail -40
     ;;
   topk)
-    timeout -k 20 300 python3 bench/sae_kernel_bench.py --topk-sweep --out "$OUT/topk_sweep.json" 2>&1 \
+    timeout -k 20 420 python3 bench/sae_kernel_bench.py --topk-sweep --out "$OUT/topk_sweep.json" 2>&1 \
       | tee "$OUT/topk_sweep.log" | tail -90
     ;;
   cond)

@@ -47,7 +47,8 @@ _CASES = [(200, 8, "few_positive"), (256, 100, "k_over_groups"), (4096, 8, "boun
 
 
 # (id, d_sae above _SELECT_MAX, Tuning keywords): "bucket": the search begun by two histogram rounds of 32 bins
-_SEARCHES = [("in_registers", False, {}), ("chunked", True, {}), ("bucket", False, dict(select_bits=5, select_rounds=2))]
+_SEARCHES = [("in_registers", False, {}), ("chunked", True, {}),
+             ("bucket", False, dict(select_bits=5, select_rounds=2))]
 
 
 @pytest.mark.parametrize("search,chunked,kw", _SEARCHES, ids=[s[0] for s in _SEARCHES])

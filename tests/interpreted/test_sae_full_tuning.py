@@ -1,7 +1,7 @@
-"""The full SAE encoder's launch variants (``kernels/sae_clamp/full_triton.Tuning``: tiles, K split, stages, the
-stream's hi / lo planes, TopK's histogram rounds), which ``bench/sae_kernel_bench.py --topk-sweep`` times on a GPU, against the plain-torch
-pack reference under Triton's interpreter (run in a subprocess by ``tests/test_steered_norm.py``;
-``tests/test_kernels_compile.py`` compiles each for sm_90)."""
+"""The full SAE kernels' launch variants (``kernels/sae_clamp/full_triton.Tuning``: tiles, K split, stages, the
+stream's hi / lo planes, TopK's histogram rounds), which ``bench/sae_kernel_bench.py --topk-sweep`` times on a GPU,
+against the plain-torch pack reference under Triton's interpreter (run in a subprocess by
+``tests/test_steered_norm.py``; ``tests/test_kernels_compile.py`` compiles each for sm_90)."""
 
 from __future__ import annotations
 
