@@ -225,7 +225,11 @@ print("tilelang", tilelang.__version__, "CUDA_HOME", tilelang.env.CUDA_HOME, "| 
 PY
     VLLM_PLUGINS=steer timeout -k 20 540 "${PT[@]}" -rs tests/gpu_e2e/test_deepseek_v4_gpu.py \
       --junitxml="$OUT/gpu_e2e_v4.xml" > /tmp/v4_e2e.log 2>&1
-    grep -v "Deprecat\|warnings.warn" /tmp/v4_e2e.log | grep "passed\|failed\|skipped\|SKIPPED\|Error\|^E " | tail -30
+    gzip -c /tmp/v4_e2e.log > "$OUT/v4_e2e.log.gz"
+    # a stock engine's failure: its last frames (the skip reason names the deepest one, file:line: source)
+    grep "^v4 stock failure| " /tmp/v4_e2e.log | tail -40
+    grep -v "Deprecat\|warnings.warn\|^v4 stock failure| " /tmp/v4_e2e.log |
+      grep "passed\|failed\|skipped\|SKIPPED\|Error\|^E " | tail -30
     ;;
   small)
     SITE=stock,hotwire_idle,hotwire_ids16,hotwire_ids16_tiny,enabled_idle,site_named16,site_inline16

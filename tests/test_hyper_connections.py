@@ -440,3 +440,27 @@ def test_the_gpu_oracles_reference_copy_loads_in_transformers_as_the_model_saved
     ids = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected(ids).logits)
+
+
+def _bare_assert(heads: int) -> None:
+    assert heads % 64 == 0
+
+
+def test_a_stock_engines_failure_is_named_by_the_frame_of_its_root_cause():
+    """The GPU oracle's skip reason when even a stock engine fails (s31: a bare "AssertionError"): the deepest frame of
+    the innermost exception of the chain, file:line and source, and vLLM's deepest frame when that one is elsewhere."""
+    from tests.gpu_e2e.test_deepseek_v4_gpu import failure_where
+
+    scope = {"check": _bare_assert}
+    # a vLLM file calling a library's check (a kernel wrapper's assert), under site-packages as installed
+    exec(compile("def build(heads):\n    check(heads)\n", "/venv/lib/site-packages/vllm/fake_model.py", "exec"), scope)
+    try:
+        try:
+            scope["build"](32)
+        except AssertionError as inner:
+            raise RuntimeError("engine core initialization failed") from inner
+    except RuntimeError as e:
+        where, frames = failure_where(e, frames=3)
+    line = inspect.getsourcelines(_bare_assert)[1] + 1
+    assert where == (f"{__file__}:{line}: assert heads % 64 == 0 (vLLM's last frame: vllm/fake_model.py:2: )")
+    assert "engine core initialization failed" in frames and "assert heads % 64 == 0" in frames

@@ -38,11 +38,13 @@ tests/gpu_e2e/test_deepseek_v4_gpu.py``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import re
 import shutil
+import sys
 import traceback
 from pathlib import Path
 
@@ -195,8 +197,9 @@ def _cannot_build() -> str | None:
     return None if ok else f"no sparse FlashMLA: {why}"
 
 
-def _stock_problem(kw: dict) -> str | None:
-    """Why vLLM cannot build this checkpoint without steering (None: it can, so a steered failure is ours)."""
+def _stock_problem(kw: dict, say) -> str | None:
+    """Why vLLM cannot build this checkpoint without steering (None: it can, so a steered failure is ours): the error
+    and where it was raised (``failure_where``); its last frames go to ``say`` (the log)."""
     from vllm import LLM
 
     ec.free_memory()
@@ -204,23 +207,68 @@ def _stock_problem(kw: dict) -> str | None:
         llm = LLM(**{k: v for k, v in kw.items() if k != "additional_config"})
     except Exception as e:  # noqa: BLE001 - any failure of the stock engine is the answer
         tail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        return tail[:400]
+        where, frames = failure_where(e)
+        say("".join(f"v4 stock failure| {line}\n" for line in frames.splitlines()))
+        return f"{tail[:300]} at {where}"
     ec.shutdown(llm)
     return None
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package on (``vllm/...``), not the machine's site-packages path."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.rsplit(marker, 1)[1]
+    return filename
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    return f"{_short(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+def failure_where(e: BaseException, frames: int = 12) -> tuple[str, str]:
+    """(where ``e`` was raised: ``file:line: source`` of the deepest frame of its root cause, the innermost exception
+    of its ``__cause__`` / ``__context__`` chain, and of vLLM's deepest frame there when that one is elsewhere (a
+    kernel library, torch); the last ``frames`` frames of each exception of the chain). A bare ``assert`` says
+    nothing but its frame: s31's GPU skip read only "AssertionError"."""
+    root, seen = e, {id(e)}
+    while (nxt := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None \
+            and id(nxt) not in seen:
+        seen.add(id(nxt))
+        root = nxt
+    stack = traceback.extract_tb(root.__traceback__)
+    where = f"{type(root).__name__} (no frames)" if not stack else _frame(stack[-1])
+    ours = [f for f in stack if "/vllm/" in f.filename]
+    if ours and ours[-1] is not stack[-1]:
+        where += f" (vLLM's last frame: {_frame(ours[-1])})"
+    return where, "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-frames))
 
 
 _FAILED: list[str] = []
 
 
+def _to_log(request):
+    """A writer to the session's stderr past pytest's capture: a skipped test's captured output is never shown, and
+    the frames of a stock failure are what a GPU session's log must name."""
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+
+    def say(text: str) -> None:
+        with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    return say
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, request):
     """The checkpoint, the prompt, the cases, and vLLM's greedy tokens + logprobs for every case (one batch)."""
     if (why := _cannot_build()) is not None:
         pytest.skip(f"this GPU's vLLM cannot build DeepseekV4ForCausalLM: {why}")
     if _FAILED:
         pytest.fail(f"the engine run failed (see the first test's error): {_FAILED[0]}")
     try:
-        return _engine_run(tmp_path_factory)
+        return _engine_run(tmp_path_factory, _to_log(request))
     except pytest.skip.Exception:
         raise
     except Exception as e:
@@ -228,7 +276,7 @@ def run(tmp_path_factory):
         raise
 
 
-def _engine_run(tmp_path_factory) -> dict:
+def _engine_run(tmp_path_factory, say) -> dict:
     from vllm import LLM
 
     path = tmp_path_factory.mktemp("deepseek_v4") / "deepseek-v4-random"
@@ -242,7 +290,7 @@ def _engine_run(tmp_path_factory) -> dict:
     try:
         llm = LLM(**kw)
     except Exception:
-        if (why := _stock_problem(kw)) is not None:
+        if (why := _stock_problem(kw, say)) is not None:
             pytest.skip(f"this GPU's vLLM cannot build the tiny DeepseekV4ForCausalLM (without steering either): "
                         f"{why}")
         raise  # vLLM builds it without steering: the steered engine's failure is ours
