@@ -346,11 +346,13 @@ def oracle_checkpoint(tmp_path_factory):
 @contextlib.contextmanager
 def _vllm_v4_on_cpu(v4, path, tmp_path, monkeypatch):
     """vLLM 0.26's own DeepseekV4ForCausalLM for the checkpoint at ``path``, built on CPU (TP 1 over gloo) with the
-    CUDA-only parts of its constructor stubbed: streams, events, FlashMLA's FP8 einsum recipe (a device query).
-    Enough for its load_weights; nothing runs."""
+    CUDA-only parts of its constructor stubbed: streams, events, FlashMLA's FP8 einsum recipe (a device query); in
+    the model's dtype as vLLM's loader builds it (``set_default_torch_dtype``: what every tensor not given a dtype
+    gets, e.g. a RoPE cache). Enough for its load_weights; nothing runs."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.models.deepseek_v4.nvidia import flashmla
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     class NoCuda:
         def __init__(self, *args, **kwargs):
@@ -366,7 +368,9 @@ def _vllm_v4_on_cpu(v4, path, tmp_path, monkeypatch):
                                                     distributed_init_method=f"file://{tmp_path / 'dist-init'}")
         try:
             parallel_state.initialize_model_parallel(1, 1)
-            yield v4.DeepseekV4ForCausalLM(vllm_config=config)
+            with set_default_torch_dtype(torch.bfloat16):
+                model = v4.DeepseekV4ForCausalLM(vllm_config=config)
+            yield model
         finally:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()
@@ -417,6 +421,41 @@ def test_every_tensor_of_the_gpu_oracles_checkpoint_loads_into_vllms_v4_model(v4
     # the two norms of one size in the compressed layer differ: one loaded as the other would show
     assert not torch.equal(theirs["model.layers.1.self_attn.kv_norm.weight"],
                            theirs["model.layers.1.self_attn.compressor.kv_norm.weight"])
+
+
+class _Launched(Exception):
+    """The kernel launch after a wrapper's checks (the checks passed)."""
+
+
+def test_the_gpu_oracles_v4_attention_has_the_float32_rope_its_output_projection_asserts(v4, oracle_checkpoint,
+                                                                                        tmp_path, monkeypatch):
+    """s31's GPU: even a stock engine died of a bare AssertionError. vLLM builds a "default" RoPE's cos/sin cache in
+    the model's bfloat16 and keeps V4's float32 only for a scaled RoPE (DeepseekV4ScalingRotaryEmbedding), and the
+    attention's output projection asserts float32 (``fused_inv_rope_fp8_quant``). The oracle's checkpoint has YaRN at
+    factor 1: vLLM's own projection gets past its checks with each attention's cache, and that cache holds
+    transformers' cos and sin (plain RoPE: the sliding layer's theta, the compressed layer's compress_rope_theta)."""
+    import transformers
+    from vllm.models.deepseek_v4.common.ops.fused_inv_rope_fp8_quant import fused_inv_rope_fp8_quant
+
+    def launched(*args, **kwargs):
+        raise _Launched
+
+    monkeypatch.setattr(torch.ops.vllm, "fused_inv_rope_fp8_quant_kernel", launched, raising=False)
+    path, ref, _ = oracle_checkpoint
+    rope = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RotaryEmbedding(
+        transformers.DeepseekV4Config.from_pretrained(ref))
+    positions = torch.arange(256)
+    with _vllm_v4_on_cpu(v4, path, tmp_path, monkeypatch) as model:
+        for layer, kind in zip(model.model.layers, ("main", "compress")):  # the sliding layer, the compressed one
+            attn = layer.attn
+            cache = attn.rotary_emb.cos_sin_cache
+            o = torch.zeros(positions.shape[0], attn.n_local_heads, attn.head_dim, dtype=torch.bfloat16)
+            with pytest.raises(_Launched):
+                fused_inv_rope_fp8_quant(o, positions, cache, n_groups=attn.n_local_groups,
+                                         heads_per_group=attn.n_local_heads // attn.n_local_groups,
+                                         nope_dim=attn.nope_head_dim, rope_dim=attn.rope_head_dim)
+            cos, sin = rope(torch.zeros(1), positions[None], layer_type=kind)  # float32 (x gives the dtype)
+            torch.testing.assert_close(cache[positions], torch.cat([cos[0], sin[0]], dim=-1), rtol=0, atol=1e-5)
 
 
 def test_the_gpu_oracles_reference_copy_loads_in_transformers_as_the_model_saved(oracle_checkpoint):

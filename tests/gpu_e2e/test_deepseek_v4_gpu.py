@@ -5,8 +5,21 @@ merges the streams with ``attn_hc`` / ``ffn_hc`` and normalizes the merged strea
 ``post_attention_layernorm``): 2 layers, a sliding-window one and a compressed-sparse one (compress ratio 4, the
 indexer at DeepSeek's 64 heads of 128: vLLM's indexer compressor takes only head 128, DeepGEMM's MQA logits 16, 32
 or 64 heads), both MoE (4 routed experts, all routed: no discrete expert choice for bfloat16 rounding to flip; a shared
-expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels), hidden 256. Saved in
-bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
+expert), DeepSeek's attention head sizes (64 heads of 512, rope 64: FlashMLA's sparse kernels). Sizes vLLM 0.26's CUDA
+kernels need, smaller than DeepSeek-V4-Flash only where they allow (s31, read in vLLM 0.26.0's source):
+- hidden 2048 (Flash 4096): the mHC post+pre TileLang kernel of a decode step of at most 16 tokens
+  (``mhc_fused_tilelang``, ``kernels/mhc/tilelang.py`` small-FMA branch) splits the hidden size in 8 (under 8
+  tokens) or 4 and runs ``(hidden / splits) // 256`` iterations per thread: the hidden size must be a multiple of
+  2048 (at most 4096) or a part is silently skipped (hidden 256: none of it is computed; no assert).
+- sliding window 128 and ``index_topk`` 512 (Flash's own): FlashMLA's sparse decode asserts
+  ``topk % B_TOPK == 0`` for the window's indices and ``extra_topk % B_TOPK == 0`` for the indexer's (B_TOPK 64 at
+  64 heads, 128 at 128), and the indexer's top-k kernels special-case 512 / 1024 / 2048. The 21-token prompt and 12
+  steps (33 tokens) then attend to all of their tokens in both layers: neither the window nor the top-k bites (the
+  window did at 16); a prompt over 128 tokens would make the window bite again.
+- a YaRN ``rope_scaling`` at factor 1 in config.json (below, ``build_checkpoint``): plain RoPE in float32.
+- ``moe_intermediate_size`` 128: vLLM pads the shared expert's intermediate size to whole 128-blocks under a block-FP8
+  config (``DeepseekV4MLP``); ``o_lora_rank`` 128 = one FP8 block of wo_a.
+Saved in bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
 ``compress_ratios`` / ``num_hash_layers`` / ``topk_method`` in config.json (vLLM reads those; transformers folds the
 first two into its layer types) and norm weights not all ones (a norm loaded as another would show), except each
 attention's ``wo_a`` (8 groups of 128 rows), in DeepSeek's block FP8 with every other linear layer listed as
@@ -63,13 +76,17 @@ SITES = [(h, layer) for layer in LAYERS for h in HOOKS]
 SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 each); the merged streams' is 0.17 (the
 # embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 4.6 (post_mlp.0), measured
 # on CPU teacher-forced on its own 12 greedy steered tokens (s30: the reference copy, norms spread; s25's 2.9 was on
-# arbitrary tokens, norms all ones)
+# arbitrary tokens, norms all ones; s31 at hidden 2048 with FAN_IN_SCALE: 9.6 (post_mlp.1), 12-23 at the others)
 LOGPROB_TOL = 0.3  # unmeasured (module docstring)
 TIE = LOGPROB_TOL
 EFFECT = 5 * LOGPROB_TOL
 STEPS = 12
-HIDDEN, STREAMS = 256, 4
+HIDDEN, STREAMS = 2048, 4
 MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN, NORM_SPREAD = 2.0, 0.125, 4.0, 0.1
+# the gains and SCALE were set at hidden 256 (s30); every weight that reads the streams (merged: hidden, all four:
+# hc_mult * hidden) is scaled to that fan-in, so each output keeps s30's size at hidden 2048 (unscaled, the MoE's
+# output grows ~8x and layer 1's attention-input vectors move the logprobs by 0.1-0.2, under EFFECT)
+FAN_IN_SCALE = (256 / HIDDEN) ** 0.5
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
 # DeepSeek's tensor names (vLLM's loader's) from transformers' save, which reverses its load's renames but keeps the
 # model. prefix and these two, and names the attention's kv_norm `norm` like the compressors' (its load maps both
@@ -108,6 +125,12 @@ def build_checkpoint(path: Path):
     # noaux_tc: vLLM's gate has the e_score_correction_bias (DeepSeek's ffn.gate.bias) only then, transformers' router
     # always (zeros; with every expert routed it changes no choice)
     config.update(compress_ratios=[0, 4], num_hash_layers=0, qk_rope_head_dim=64, topk_method="noaux_tc")
+    # DeepSeek's YaRN key at factor 1 (plain RoPE, transformers' "default" for both its rope types, to 4e-6): vLLM
+    # gives V4 its float32 cos/sin cache (DeepseekV4ScalingRotaryEmbedding) only for a scaled RoPE; a "default" one is
+    # built in the model's bfloat16 and trips the attention output's `assert cos_sin_cache.dtype == torch.float32`
+    # (fused_inv_rope_fp8_quant.py:189, s31's bare AssertionError)
+    config.update(rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512,
+                                "beta_fast": 32, "beta_slow": 1})
     # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
     config.update(expert_dtype="fp8", quantization_config=v4_fp8.quantization_config(len(LAYERS), indexed=(1,)))
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -122,7 +145,7 @@ def _tiny_model(tok):
         vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=128, num_hidden_layers=len(LAYERS),
         num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=64, qk_rope_head_dim=64,
         n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=v4_fp8.BLOCK,
-        index_n_heads=64, index_head_dim=128, index_topk=16, sliding_window=16, hc_mult=STREAMS,
+        index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=STREAMS,
         layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
         num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -133,6 +156,8 @@ def _tiny_model(tok):
     # embedding, the MoE's ~10% of the streams, the logprobs all ~ -log(vocab))
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if p.dim() > 1 and p.shape[-1] in (HIDDEN, STREAMS * HIDDEN) and name != "model.embed_tokens.weight":
+                p.mul_(FAN_IN_SCALE)
             if ".mlp." in name and "down_proj" in name:
                 p.mul_(MOE_OUT_GAIN)
             elif "o_b_proj" in name:
