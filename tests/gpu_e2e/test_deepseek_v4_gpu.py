@@ -17,6 +17,7 @@ kernels need, smaller than DeepSeek-V4-Flash only where they allow (s31, read in
   steps (33 tokens) then attend to all of their tokens in both layers: neither the window nor the top-k bites (the
   window did at 16); a prompt over 128 tokens would make the window bite again.
 - a YaRN ``rope_scaling`` at factor 1 in config.json (below, ``build_checkpoint``): plain RoPE in float32.
+- ``max_model_len`` 2048 (``MAX_LEN``): the indexer's top-k rows (max_model_len / 4) as wide as ``index_topk``.
 - ``moe_intermediate_size`` 128: vLLM pads the shared expert's intermediate size to whole 128-blocks under a block-FP8
   config (``DeepseekV4MLP``); ``o_lora_rank`` 128 = one FP8 block of wo_a.
 Saved in bfloat16 under DeepSeek's own tensor names (what vLLM's loader maps; transformers maps them back on load) with
@@ -87,6 +88,9 @@ MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN, NORM_SPREAD = 2.0, 0.125, 4.0, 0.1
 # hc_mult * hidden) is scaled to that fan-in, so each output keeps s30's size at hidden 2048 (unscaled, the MoE's
 # output grows ~8x and layer 1's attention-input vectors move the logprobs by 0.1-0.2, under EFFECT)
 FAN_IN_SCALE = (256 / HIDDEN) ** 0.5
+# the engine's max_model_len and the model's max positions: the indexer's logits rows are max_model_len / 4 wide, here
+# index_topk (512) as in a real deployment (no assert found against narrower rows; a case no real deployment runs)
+MAX_LEN = 2048
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
 # DeepSeek's tensor names (vLLM's loader's) from transformers' save, which reverses its load's renames but keeps the
 # model. prefix and these two, and names the attention's kv_norm `norm` like the compressors' (its load maps both
@@ -129,7 +133,7 @@ def build_checkpoint(path: Path):
     # gives V4 its float32 cos/sin cache (DeepseekV4ScalingRotaryEmbedding) only for a scaled RoPE; a "default" one is
     # built in the model's bfloat16 and trips the attention output's `assert cos_sin_cache.dtype == torch.float32`
     # (fused_inv_rope_fp8_quant.py:189, s31's bare AssertionError)
-    config.update(rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512,
+    config.update(rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": MAX_LEN,
                                 "beta_fast": 32, "beta_slow": 1})
     # wo_a in DeepSeek's block FP8 (float32 scales: expert_dtype fp8), every other linear layer unquantized
     config.update(expert_dtype="fp8", quantization_config=v4_fp8.quantization_config(len(LAYERS), indexed=(1,)))
@@ -147,7 +151,7 @@ def _tiny_model(tok):
         n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, o_groups=8, o_lora_rank=v4_fp8.BLOCK,
         index_n_heads=64, index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=STREAMS,
         layer_types=["sliding_attention", "compressed_sparse_attention"], mlp_layer_types=["moe", "moe"],
-        num_nextn_predict_layers=0, max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
+        num_nextn_predict_layers=0, max_position_embeddings=MAX_LEN, initializer_range=0.08, rms_norm_eps=1e-6,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False, architectures=["DeepseekV4ForCausalLM"])
     torch.manual_seed(ec.SEED)
@@ -308,7 +312,7 @@ def _engine_run(tmp_path_factory, say) -> dict:
     tok, _ = build_checkpoint(path)
     ids = tok(PROMPT)["input_ids"]
     cases = ec.site_cases(SITES, HIDDEN, SCALE, seed=44)
-    kw = dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=256, max_num_seqs=16,
+    kw = dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=MAX_LEN, max_num_seqs=16,
               gpu_memory_utilization=0.3, additional_config={"steer": {"max_configs": 16}},
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its errors' own text
