@@ -97,14 +97,20 @@ class CachedLauncher:
                 launch(grid, args + constexprs)
                 return
             except (TypeError, AttributeError) as e:  # a launcher of another signature: use Triton's path
-                CachedLauncher.direct = False
-                self.cache.clear()
-                logger.warning("vllm-steer: direct Triton launches are off (%s: %s)", type(e).__name__, e)
+                self._off(e)
         named = dict(zip(self.names[len(args):], constexprs))
         stages = {} if num_stages is None else {"num_stages": num_stages}
         kernel = self.fn[grid](*args, **named, num_warps=num_warps, **stages)
         if CachedLauncher.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
-            self.cache[key] = _direct(kernel.result() if hasattr(kernel, "result") else kernel)
+            try:
+                self.cache[key] = _direct(kernel.result() if hasattr(kernel, "result") else kernel)
+            except (TypeError, AttributeError) as e:  # a compiled kernel of another shape
+                self._off(e)
+
+    def _off(self, e: Exception) -> None:
+        CachedLauncher.direct = False
+        self.cache.clear()
+        logger.warning("vllm-steer: direct Triton launches are off (%s: %s)", type(e).__name__, e)
 
 
 def _device_getter(get_current_device: Any) -> Any:

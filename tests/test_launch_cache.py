@@ -264,3 +264,25 @@ def test_steered_norm_reuses_its_kernel_for_fresh_tensors_of_the_same_layout(nor
         launch(*args, **kw)
     assert [kind for kind, _ in log] == ["triton", "triton"] + ["direct"] * 4
     assert all(ok for kind, ok in log if kind == "direct")
+
+
+def test_a_compiled_kernel_without_a_launcher_turns_the_direct_path_off():
+    """A kernel whose launcher cannot be looked up when it is cached (a driver without one: the sm_90 compile-only
+    plugin's) leaves the call to Triton from then on, as a failed direct launch does."""
+    class NoLauncher(FakeCompiled):
+        @property
+        def run(self):
+            raise AttributeError("no launcher_cls")
+
+    class Jit(FakeJit):
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, **constexprs):
+                self.log.append(("triton", grid))
+                return NoLauncher(self.log)
+            return launch
+
+    jit = Jit()
+    launch = CachedLauncher(jit)
+    for _ in range(2):
+        launch((1,), (torch.zeros(64), 64, 1e-5), (64, True), 8)
+    assert [e[0] for e in jit.log] == ["triton", "triton"] and CachedLauncher.direct is False and not launch.cache
