@@ -7,7 +7,10 @@ and specializes every argument and looks its cache up on each call: measured on 
 ~2 µs per norm at decode sizes. ``CachedLauncher`` keys the compiled kernel on what Triton
 specializes on (each tensor's dtype and 16-byte alignment, each int's value 1 / multiple of 16 /
 32-bit range, the constexprs and ``num_warps``), lets Triton compile and launch on a miss, and on a
-hit calls the compiled kernel's launcher directly, as Triton's own ``run`` does after its lookup.
+hit calls the compiled kernel's launcher directly, as Triton's own ``run`` does after its lookup. A caller that
+knows its arguments' layout passes its own flat key (``spec``: the steered norm's wrapper) instead of ``spec_of``'s
+walk over every argument; what does not change between launches of a compiled kernel (its C launcher, function,
+metadata, the driver's device and stream getters) is looked up once, when it is cached (``_direct``).
 Launch hooks: Triton >= 3.5 keeps them in ``HookChain`` objects that its launcher calls on every
 launch, empty or not, after building a launch-metadata dict; while both chains are empty they are
 passed as ``None`` (nothing to call, no metadata), otherwise (a profiler's hooks) as Triton passes them.
@@ -39,16 +42,17 @@ logger = logging.getLogger("vllm.steer")
 _I32 = (-(2 ** 31), 2 ** 31 - 1)
 
 
-def _key(args: tuple) -> tuple:
+def spec_of(args: tuple) -> tuple:
     """What Triton specializes the runtime arguments on: (dtype, 16-byte aligned) per tensor, a tuple argument (a
     feature's descriptor) element by element, (== 1, % 16 == 0, 32-bit) per int, the type of a float, anything else
-    as it is. Dispatched on the exact type first (it runs on every launch: 4.4 µs for the steered norm's 26 arguments
-    on the CPU box, 7.7 with an isinstance chain; s30); a tensor subclass (a Parameter) falls to the isinstance."""
+    as it is. Dispatched on the exact type first (4.4 µs for the steered norm's 26 arguments on the CPU box, 7.7 with
+    an isinstance chain; s30; the steered norm now passes its own ``spec``); a tensor subclass (a Parameter) falls to
+    the isinstance."""
     out = []
     for a in args:
         t = type(a)
         if t is tuple:
-            out.append(_key(a) if a else a)
+            out.append(spec_of(a) if a else a)
         elif t is bool:
             out.append(a)
         elif t is int:
@@ -60,11 +64,6 @@ def _key(args: tuple) -> tuple:
         else:
             out.append(a)
     return tuple(out)
-
-
-def _empty(hook: Any) -> bool:
-    """No launch hook: ``None`` (Triton < 3.5) or an empty ``HookChain``."""
-    return hook is None or getattr(hook, "calls", None) == []
 
 
 class CachedLauncher:
@@ -85,33 +84,73 @@ class CachedLauncher:
         self.cache: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
-                 num_stages: int | None = None) -> None:
+                 num_stages: int | None = None, spec: tuple | None = None) -> None:
+        """``spec``: the caller's own key of the runtime arguments' specialization, in place of ``spec_of(args)``
+        (None: ``spec_of``): it must differ wherever ``spec_of(args)`` would (a dtype, a pointer's 16-byte alignment, an
+        int's class); a finer one (raw int values) only costs a pass through Triton per new value."""
         if (given := len(args) + len(constexprs)) < len(self.names):
             constexprs += self.tails.get(given, ())  # () where unknown: Triton's own path fills them
-        key = (_key(args), constexprs, num_warps, num_stages)
-        kernel = self.cache.get(key) if CachedLauncher.direct else None
-        if kernel is not None:
+        key = (spec_of(args) if spec is None else spec, constexprs, num_warps, num_stages)
+        launch = self.cache.get(key) if CachedLauncher.direct else None
+        if launch is not None:
             try:
-                self._run(kernel, grid, args + constexprs)
+                launch(grid, args + constexprs)
                 return
             except (TypeError, AttributeError) as e:  # a launcher of another signature: use Triton's path
-                CachedLauncher.direct = False
-                self.cache.clear()
-                logger.warning("vllm-steer: direct Triton launches are off (%s: %s)", type(e).__name__, e)
+                self._off(e)
         named = dict(zip(self.names[len(args):], constexprs))
         stages = {} if num_stages is None else {"num_stages": num_stages}
         kernel = self.fn[grid](*args, **named, num_warps=num_warps, **stages)
         if CachedLauncher.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
-            self.cache[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            try:
+                self.cache[key] = _direct(kernel.result() if hasattr(kernel, "result") else kernel)
+            except (TypeError, AttributeError) as e:  # a compiled kernel of another shape
+                self._off(e)
 
-    @staticmethod
-    def _run(kernel: Any, grid: tuple[int, ...], all_args: tuple) -> None:
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if _empty(enter) and _empty(leave):
+    def _off(self, e: Exception) -> None:
+        CachedLauncher.direct = False
+        self.cache.clear()
+        logger.warning("vllm-steer: direct Triton launches are off (%s: %s)", type(e).__name__, e)
+
+
+def _device_getter(get_current_device: Any) -> Any:
+    """Triton's CUDA driver asks ``torch.cuda.current_device`` (a Python function with a lazy-init check, ~1 µs on
+    the GPU host) on every launch; once a kernel has launched CUDA is initialized, and its C getter says the same."""
+    if get_current_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+        return torch._C._cuda_getDevice
+    return get_current_device
+
+
+def _direct(kernel: Any) -> Any:
+    """``launch(grid, all_args)`` of a compiled kernel, as Triton's ``run`` does after its lookup, with what does not
+    change between launches looked up once: the launcher, the function, its metadata, the driver's device and stream
+    getters. Triton's ``CudaLauncher.__call__`` allocates its scratch and calls its C ``launch``; with no scratch
+    (the steered norm's kernels) its C ``launch`` is called directly, one Python frame less."""
+    run = kernel.run
+    function, packed = kernel.function, kernel.packed_metadata
+    active = driver.active
+    device, stream_of = _device_getter(active.get_current_device), active.get_current_stream
+    c_launch = getattr(run, "launch", None)
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        c_launch = None  # scratch to allocate: through CudaLauncher.__call__
+    else:
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+    hooks = knobs.runtime
+
+    def launch(grid: tuple[int, ...], all_args: tuple) -> None:
+        stream = stream_of(device())
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        # no hook: None (Triton < 3.5) or a HookChain with no calls
+        if (enter is None or not getattr(enter, "calls", True)) and (
+                leave is None or not getattr(leave, "calls", True)):
             enter = leave = meta = None
         else:
             meta = kernel.launch_metadata(grid, stream, *all_args)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *all_args)
+        if c_launch is None:
+            run(grid[0], g1, g2, stream, function, packed, meta, enter, leave, *all_args)
+        else:
+            c_launch(grid[0], g1, g2, stream, function, coop, pdl, None, None, packed, meta, enter, leave, *all_args)
+
+    return launch

@@ -186,3 +186,29 @@ def test_a_capturing_norm_copies_nothing_on_cpu_while_the_runtime_says_nobody_ca
     plan[1] = 2
     run(plan, idle)
     assert torch.equal(pool[2], (x[1] + r[1]).float()) and not pool[[0, 1, 3]].any()
+
+
+@pytest.mark.parametrize("tables, captured", [("ab", "ab"), ("a", ""), ("", "b")])
+def test_plain_op_is_the_full_op_on_cpu(monkeypatch, tables, captured):
+    """``steered_norm_plain`` (what a site with vectors and capture only calls: a slot's table and flag, None for
+    none) gives the full op's outputs and pool rows."""
+    from vllm_steer.kernels.capture_rows import live
+
+    op.register()
+    monkeypatch.setattr(live, "capture_live", True)
+    n, d = 6, 32
+    x, r, (ta, tb), index = _case(n, d, torch.float32, seed=40)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(41))
+    plans = {slot: None for slot in "ab"}
+    for k, slot in enumerate(captured):
+        plans[slot] = torch.full((n + 5,), -1, dtype=torch.int32)
+        plans[slot][[1 + k, 4]] = torch.tensor([0, 2], dtype=torch.int32) + k
+    pools = [torch.zeros(4, d) if captured else None for _ in range(2)]
+    vec = {slot: [t, _on()] if slot in tables else [] for slot, t in (("a", ta), ("b", tb))}
+    got = torch.ops.vllm_steer.steered_norm_plain(x, r, w, 1e-5, 0.0, index, *(vec["a"] or [None, None]),
+                                                  *(vec["b"] or [None, None]), plans["a"], plans["b"], pools[0])
+    want = torch.ops.vllm_steer.steered_norm(x, r, w, 1e-5, 0.0, index, vec["a"], vec["b"], [], [], 0, 0, [], None,
+                                             plans["a"], plans["b"], pools[1], [], [], [])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if captured:
+        assert torch.equal(pools[0], pools[1]) and pools[0].any()

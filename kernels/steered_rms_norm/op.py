@@ -1,5 +1,5 @@
 """Registers ``torch.ops.vllm_steer.steered_norm``: the one steered norm op (mutates ``gate`` and ``pool``
-when given).
+when given), and ``steered_norm_plain``, the same op for a plain site (vectors and capture only).
 
 Opaque to Inductor (so zero tables are never folded away), it takes the place of vLLM's fused
 add + RMSNorm at hooked norms: the steering costs no launch of its own. Each feature crosses the schema
@@ -11,6 +11,12 @@ mutated ``pool`` (``Tensor?``), ``proj_a`` / ``proj_b`` (``Tensor[]``: live coun
 tensor list) and its TopK k ``topk_tc`` (``int``, default 0: last, so callers without a TopK transcoder omit it).
 An empty list or None turns the feature off; which features a norm has is
 fixed at install, so every traced call has the same arguments, all of them graph inputs (buffers).
+
+``steered_norm_plain`` (x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a,
+plan_b, pool: a slot's table and flag None where it has none; mutates ``pool``) is what the norms without SAE packs,
+conditions, projections or a transcoder call: the dispatcher converts every argument of a call, from Python and back,
+and a call of the full schema (20 arguments, 8 tensor lists) costs twice one of these 13 (CPU box: no-op ops,
+7.9 vs 3.2 µs), on every eager launch (a prefill step above the graph sizes: 64 at the 8b shape).
 
 CUDA tensors run the Triton kernel (one launch); a slot whose SAE pack is full (TopK, or a site that allows
 reconstruct) first gets its on tokens' edit from the tensor-core kernels of ``kernels/sae_clamp/full_triton.py``
@@ -87,6 +93,50 @@ def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sa
                         plan_a, plan_b, pool, proj_a, proj_b, tc=tc, full_a=full_a, full_b=full_b, full_tc=full_tc)
 
 
+def plain_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    plan_a: torch.Tensor | None,
+    plan_b: torch.Tensor | None,
+    pool: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_norm_plain`` where the platform is CUDA (and under Triton's interpreter, in tests): the norm's one
+    launch (a slot's table and flag None: the slot has no vectors)."""
+    global _triton_norm
+    if _triton_norm is None:
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
+    return _triton_norm(x, residual, weight, eps, weight_offset, index, () if table_a is None else (table_a, flag_a),
+                        () if table_b is None else (table_b, flag_b), (), (), (), None, plan_a, plan_b, pool)
+
+
+def _plain_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    plan_a: torch.Tensor | None,
+    plan_b: torch.Tensor | None,
+    pool: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_norm_plain`` on other platforms: the full op's ``_impl`` with the other features off."""
+    return _impl(x, residual, weight, eps, weight_offset, index, [] if table_a is None else [table_a, flag_a],
+                 [] if table_b is None else [table_b, flag_b], [], [], 0, 0, [], None, plan_a, plan_b, pool, [], [], [])
+
+
 def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """The shapes (compile tracing): the output and the new residual, like ``x``."""
     return torch.empty_like(x), torch.empty_like(x)
@@ -102,4 +152,8 @@ def register() -> None:
     # the gate buffer is written at a row's probe site and read by the later norms of the same forward pass;
     # the capture pool is written at captured slots
     direct_register_custom_op("steered_norm", _impl, mutates_args=["gate", "pool"], fake_impl=_fake, target_lib=LIB)
+    from vllm.platforms import current_platform
+
+    plain = plain_triton if current_platform.dispatch_key == "CUDA" else _plain_reference
+    direct_register_custom_op("steered_norm_plain", plain, mutates_args=["pool"], fake_impl=_fake, target_lib=LIB)
     _registered = True

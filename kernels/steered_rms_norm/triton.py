@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from vllm_steer.kernels.host_math import next_power_of_2
-from vllm_steer.kernels.launch_cache import CachedLauncher
+from vllm_steer.kernels.launch_cache import CachedLauncher, spec_of
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
 from vllm_steer.kernels.steered_rms_norm import naive
 
@@ -594,45 +594,91 @@ def steered_norm_triton(
     res_out = torch.empty_like(x)
     if n == 0:
         return out, res_out
+    shape = _SHAPES.get(d) or _shape(d)
+    # Every launch of a step above the graph sizes runs this from Python (64 a step at the 8b shape): features off
+    # cost a test each, and the launcher's key (``spec``) is built here, flat, beside the arguments (``spec_of``
+    # walks every argument, recursively: ~4 µs a call on the CPU box): the dtype of every tensor, the raw ints, the
+    # OR of the tensors' addresses (all 16-byte aligned, or ``spec_of`` decides); out and res_out, fresh, are aligned
+    # and like x. The rarer features' descriptors are keyed by ``spec_of``, as one element.
+    res = x if residual is None else residual
+    stride_o = out.stride(0)
+    args = (x, res, weight, out, res_out, index, x.stride(0), 0 if residual is None else res.stride(0), stride_o,
+            stride_o, eps, weight_offset)
+    ptrs = x.data_ptr() | res.data_ptr() | weight.data_ptr() | index.data_ptr()
+    spec = (x.dtype, res.dtype, weight.dtype, index.dtype, args[6], args[7], stride_o, type(eps), type(weight_offset))
+    va = vb = ca = cb = ()
+    has_a = has_b = cap_a = cap_b = False
+    if vec_a:
+        table, flag = vec_a[0], vec_a[1]
+        va, has_a = (table, flag, table.stride(0)), True
+        ptrs |= table.data_ptr() | flag.data_ptr()
+        spec += (table.dtype, flag.dtype, va[2])
+    if vec_b:
+        table, flag = vec_b[0], vec_b[1]
+        vb, has_b = (table, flag, table.stride(0)), True
+        ptrs |= table.data_ptr() | flag.data_ptr()
+        spec += (table.dtype, flag.dtype, vb[2])
+    if pool is not None:
+        assert pool.stride(-1) == 1 and pool.shape[-1] == d
+        stride_p = pool.stride(0)
+        ptrs |= pool.data_ptr()
+        spec += (pool.dtype, stride_p)
+        if plan_a is not None:
+            ca, cap_a = (pool, stride_p, plan_a), True
+            ptrs |= plan_a.data_ptr()
+            spec += (plan_a.dtype,)
+        if plan_b is not None:
+            cb, cap_b = (pool, stride_p, plan_b), True
+            ptrs |= plan_b.data_ptr()
+            spec += (plan_b.dtype,)
+    if sae_a or sae_b or tc or cond or proj_a or proj_b or full_a or full_b or full_tc:
+        sa = sb = bufs = cond_desc = pa = pb = ()
+        if (sae_a or sae_b) and (tiled_of(n) if tiled is None else tiled):  # prefill: the edits first (FULL_A / B)
+            _sae_desc(sae_a, d), _sae_desc(sae_b, d)  # clamp-only packs only, as below
+            from vllm_steer.kernels.sae_clamp.tiled_triton import tiled_slots
+
+            sae_a, full_a, sae_b, full_b = tiled_slots(x, residual, index, vec_a, sae_a, sae_b, cond, gate, proj_a,
+                                                       full_a)
+        if sae_a or sae_b or tc:
+            sa, sb = _sae_desc(sae_a, d), _sae_desc(sae_b, d)
+            split = split_of(n) if split is None else split
+            bufs = (split_buffers(x.device, d) or ()) if split > 1 else ()
+            if not bufs:
+                split = 1
+        else:
+            split = 1
+        if cond:
+            cond_site, cond_params, probe, site_ids = cond
+            assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
+            cond_desc = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
+        if proj_a or proj_b:
+            pa, pb = _proj_desc(proj_a, d), _proj_desc(proj_b, d)
+        tcd = _sae_desc(tc, d) if tc else ()
+        fa = (full_a[0], full_a[1], full_a[0].stride(0)) if full_a else ()
+        fb = (full_b[0], full_b[1], full_b[0].stride(0)) if full_b else ()
+        ftc = (full_tc[0], full_tc[1], full_tc[0].stride(0)) if full_tc else ()
+        spec += (spec_of((sa, sb, bufs, cond_desc, pa, pb, tcd, fa, fb, ftc)),)
+        args += (va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc)
+        flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, bool(sa), bool(sb),
+                            32, split, bool(cond_desc), cap_a, cap_b, bool(pa), bool(pb), bool(tcd), bool(fa),
+                            bool(fb), bool(ftc), EARLY if early is None else early)
+    else:  # vectors and capture only (the other descriptors empty, their flags off)
+        args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), ())
+        flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, False, False, 32, 1,
+                            False, cap_a, cap_b, False, False, False, False, False, False,
+                            EARLY if early is None else early)
+        split = 1
+    _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec)
+    return out, res_out
+
+
+_SHAPES: dict[int, tuple] = {}
+
+
+def _shape(d: int) -> tuple:
+    """((D,), BLOCK_D, num_warps) of hidden size ``d``, computed once per size."""
     if d > MAX_HIDDEN:
         raise ValueError(f"steered_rms_norm supports hidden sizes up to {MAX_HIDDEN}, got {d}")
     block_d = next_power_of_2(d)
-    # every launch of a step above the graph sizes runs this from Python: features off cost a test each
-    va = (vec_a[0], vec_a[1], vec_a[0].stride(0)) if vec_a else ()
-    vb = (vec_b[0], vec_b[1], vec_b[0].stride(0)) if vec_b else ()
-    sa = sb = bufs = cond_desc = ca = cb = pa = pb = ()
-    if (sae_a or sae_b) and (tiled_of(n) if tiled is None else tiled):  # prefill: the edits first (FULL_A / B)
-        _sae_desc(sae_a, d), _sae_desc(sae_b, d)  # clamp-only packs only, as below
-        from vllm_steer.kernels.sae_clamp.tiled_triton import tiled_slots
-
-        sae_a, full_a, sae_b, full_b = tiled_slots(x, residual, index, vec_a, sae_a, sae_b, cond, gate, proj_a, full_a)
-    if sae_a or sae_b or tc:
-        sa, sb = _sae_desc(sae_a, d), _sae_desc(sae_b, d)
-        split = split_of(n) if split is None else split
-        bufs = (split_buffers(x.device, d) or ()) if split > 1 else ()
-        if not bufs:
-            split = 1
-    else:
-        split = 1
-    if cond:
-        cond_site, cond_params, probe, site_ids = cond
-        assert probe.stride(-1) == 1 and cond_params.is_contiguous() and probe.shape[-1] == d
-        cond_desc = (cond_site, cond_params, probe, gate, site_ids, probe.stride(0))
-    if pool is not None:
-        assert pool.stride(-1) == 1 and pool.shape[-1] == d
-        ca = (pool, pool.stride(0), plan_a) if plan_a is not None else ()
-        cb = (pool, pool.stride(0), plan_b) if plan_b is not None else ()
-    if proj_a or proj_b:
-        pa, pb = _proj_desc(proj_a, d), _proj_desc(proj_b, d)
-    tcd = _sae_desc(tc, d) if tc else ()
-    fa = (full_a[0], full_a[1], full_a[0].stride(0)) if full_a else ()
-    fb = (full_b[0], full_b[1], full_b[0].stride(0)) if full_b else ()
-    ftc = (full_tc[0], full_tc[1], full_tc[0].stride(0)) if full_tc else ()
-    args = (x, residual if residual is not None else x, weight, out, res_out, index, x.stride(0),
-            residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0), eps, weight_offset,
-            va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc)
-    flags = (d, residual is not None, weight_offset != 0.0, block_d, bool(va), bool(vb), bool(sa), bool(sb), 32,
-             split, bool(cond_desc), bool(ca), bool(cb), bool(pa), bool(pb), bool(tcd), bool(fa), bool(fb), bool(ftc),
-             EARLY if early is None else early)
-    _KERNEL((n, split), args, flags, _num_warps(block_d))
-    return out, res_out
+    shape = _SHAPES[d] = ((d,), block_d, _num_warps(block_d))
+    return shape

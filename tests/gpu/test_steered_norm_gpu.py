@@ -102,8 +102,42 @@ def test_cached_launch_keeps_each_specialization_apart():
             else:
                 assert torch.equal(out, first[(n, d, shift)][0]) and torch.equal(res, first[(n, d, shift)][1])
     keys = list(tri._KERNEL.cache)
-    aligned = {k[0][0][1] for k in keys}  # x's alignment bit over the cached kernels
+    # every address 16-byte aligned: the wrapper's own flat key (x's dtype first); else spec_of's (x's alignment bit)
+    aligned = {isinstance(k[0][0], torch.dtype) or k[0][0][1] for k in keys}
     assert aligned == {True, False} and CachedLauncher.direct
+
+
+@pytest.mark.parametrize("slots, captured", [("ab", "ab"), ("a", ""), ("b", "a")])
+def test_plain_op_equals_the_full_op_on_cuda(slots, captured):
+    """``steered_norm_plain`` (a site with vectors and capture only: 13 arguments, no lists) launches the same
+    kernel as ``steered_norm``: outputs, new residual and pool rows equal bit for bit, eager and in a CUDA graph."""
+    op.register()
+    n, d = 24, 4096
+    x, r, w, ta, tb, index = _case(n, d, torch.bfloat16, seed=21)
+    tables = {s: (t, _flag(1)) if s in slots else (None, None) for s, t in (("a", ta), ("b", tb))}
+    plans = {s: None for s in "ab"}
+    for k, s in enumerate(captured):
+        plans[s] = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+        plans[s][[1, 5 + k, 20]] = torch.tensor([0, 2, 4], dtype=torch.int32, device="cuda") + k
+    pools = [torch.zeros(6, d, dtype=torch.bfloat16, device="cuda") if captured else None for _ in range(3)]
+
+    def plain(pool):
+        return torch.ops.vllm_steer.steered_norm_plain(x, r, w, EPS, 0.0, index, *tables["a"], *tables["b"],
+                                                       plans["a"], plans["b"], pool)
+
+    full = torch.ops.vllm_steer.steered_norm(x, r, w, EPS, 0.0, index, [t for t in tables["a"] if t is not None],
+                                             [t for t in tables["b"] if t is not None], [], [], 0, 0, [], None,
+                                             plans["a"], plans["b"], pools[0], [], [], [])
+    eager = plain(pools[1])
+    plain(pools[2])  # compiled outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = plain(pools[2])
+    graph.replay()
+    for got in (eager, replayed):
+        assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
+    if captured:
+        assert torch.equal(pools[1], pools[0]) and torch.equal(pools[2], pools[0]) and pools[0].any()
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])

@@ -795,3 +795,33 @@ def test_triton_early_without_projections_is_the_late_kernel(interpreted):
     got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, early=True)
     plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, early=False)
     assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+@_INTERPRETER_INDEX
+@pytest.mark.parametrize("tables, captured, residual", [("ab", "ab", True), ("a", "b", True), ("b", "", False),
+                                                        ("", "a", True)])
+def test_plain_op_kernel_matches_reference(interpreted, tables, captured, residual):
+    """``steered_norm_plain``'s CUDA impl (``op.plain_triton``: a slot's table and flag, None for none; the plans and
+    pool) against the reference with the same features: outputs, new residual and every pool row."""
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    n, d = 9, 80
+    x, r, (ta, tb), index = _case(n, d, torch.float32, seed=70)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(71)) * 0.5
+    r = r if residual else None
+    plans = {slot: None for slot in "ab"}
+    for k, slot in enumerate(captured):
+        plans[slot] = torch.full((n + 5,), -1, dtype=torch.int32)
+        plans[slot][[1, 4 + k, 8]] = torch.tensor([0, 2, 4], dtype=torch.int32) + k
+    pools = [torch.full((6, d), float("nan")) if captured else None for _ in range(2)]
+    tab = {slot: (t, _on()) if slot in tables else (None, None) for slot, t in (("a", ta), ("b", tb))}
+    got = op.plain_triton(x, r, w, 1e-5, 0.0, index, *tab["a"], *tab["b"], plans["a"], plans["b"], pools[0])
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **_vecs(tables or "none", ta, tb), plan_a=plans["a"],
+                              plan_b=plans["b"], pool=pools[1])
+    for g, h in zip(got, want):
+        torch.testing.assert_close(g, h, **_TOL[torch.float32])
+    if captured:
+        torch.testing.assert_close(pools[0], pools[1], equal_nan=True, **_TOL[torch.float32])
+        written = sorted({j + k for j in (0, 2, 4) for k in range(len(captured))})
+        assert not torch.isnan(pools[0][written]).any()
+        assert torch.isnan(pools[0][[i for i in range(6) if i not in written]]).all()

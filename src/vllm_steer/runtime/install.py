@@ -179,7 +179,16 @@ def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
 
 
 def _steered(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normalized output, steered stream) of ``x + residual`` by ``steered_norm`` with this norm's features."""
+    """(normalized output, steered stream) of ``x + residual`` by ``steered_norm`` with this norm's features
+    (``steered_norm_plain``, the op of fewer arguments, where they are vectors and capture only)."""
+    if self._vs_plain:
+        a, b, capture = self._vs_has_a, self._vs_has_b, self._vs_capture
+        return torch.ops.vllm_steer.steered_norm_plain(
+            x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index,
+            self.vs_a_table if a else None, self.vs_a_flag if a else None,
+            self.vs_b_table if b else None, self.vs_b_flag if b else None,
+            self.vs_a_plan if "a" in capture else None, self.vs_b_plan if "b" in capture else None,
+            self.vs_pool if capture else None)
     cond = self._vs_cond
     return torch.ops.vllm_steer.steered_norm(
         x, residual, self.weight, self._vs_eps, self._vs_offset, self.vs_index,
@@ -215,7 +224,8 @@ def steered_norm_class(base: type, has_a: bool, has_b: bool, capture: tuple[str,
         attrs = {"forward": _forward, "_vs_base": base, "_vs_has_a": has_a, "_vs_has_b": has_b,
                  "_vs_capture": capture, "_vs_eps": eps, "_vs_offset": offset,
                  "_vs_sae": sae if any(sae) else (), "_vs_topk": topk, "_vs_cond": cond, "_vs_proj": proj,
-                 "_vs_tc": tc, "_vs_tc_topk": tc_topk, "_vs_mode": mode}
+                 "_vs_tc": tc, "_vs_tc_topk": tc_topk, "_vs_mode": mode,
+                 "_vs_plain": not (any(sae) or cond or proj or tc)}
         cls = type(f"Steered{base.__name__}", (base,), attrs)
         _STEERED_CLASSES[key] = cls
     return cls
