@@ -113,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and not args.cpu_copy:
-        capture_lanes._copy_into = lambda dst, rows, stream: None  # a GPU's copy is on the copy stream, not here
+        capture_lanes._copy_into = lambda dst, rows, stream, keep=False: None  # a GPU's copy is on the copy stream, not here
     root = tempfile.mkdtemp(prefix="prefill_host_")
     fs = {"name": "filesystem", "params": {"root": root, "threads": 4, "fsync": False}}
     cfg = SteerConfig.model_validate({"capture": ["activations", fs], "capture_max_rows": MAX_ROWS})

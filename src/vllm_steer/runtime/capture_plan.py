@@ -137,10 +137,11 @@ class _Same:
 
     reqs: list[int]  # id() of each request, in order (alive: ``held`` keeps them)
     held: list
-    count: np.ndarray
-    klass: np.ndarray
-    tok: np.ndarray
-    t: np.ndarray
+    count: np.ndarray  # per request: tokens planned, the first one's batch token, its class ranges' ends
+    tok0: np.ndarray
+    e0: np.ndarray
+    e1: np.ndarray
+    t: np.ndarray  # each cell's token among the step's planned tokens
     flat: np.ndarray
     request_ids: list[str]
     sites: list[tuple[str, int]]
@@ -154,6 +155,11 @@ class _Same:
 
 
 _NONE = np.zeros(0, np.int64)
+
+
+def _expand(first: np.ndarray, count: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``first[k] + i`` for i < ``count[k]`` of each k (``starts``: count's exclusive cumsum), concatenated."""
+    return np.arange(int(starts[-1] + count[-1]), dtype=np.int64) + np.repeat(first - starts, count)
 _EMPTY = StepPlan([], [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, 0)
 
 
@@ -168,16 +174,17 @@ class CapturePlanner:
         self.max_rows = max_rows
         self.reduce_base = reduce_base  # pool row of reduce slot 0 (``runtime.capture_reduce``)
         self.max_pairs = max_pairs  # reduce pairs (adds + copies) one step may hold
-        # one upload: int64 flat indices (sets, then resets), then their int32 values packed in pairs
-        cap = 2 * (max_rows + reduce_rows)
+        # one upload: int64 flat indices, then their int32 values packed in pairs (the staged indices stay until the
+        # next upload, which resets their cells first)
+        cap = max_rows + reduce_rows  # a step's cells: consumer and fresh mean rows, then cells straight to slots
         words = cap + (cap + 1) // 2
         self._ring = PinnedRing((words,), torch.int64, plan.device)
         self._staging = torch.empty(words, dtype=torch.int64, device=plan.device)
         self._last = np.zeros(0, np.int64)  # flat plan cells set by the last upload
-        self._mark = np.zeros(plan.numel(), bool)  # scratch: this upload's cells (all False between uploads)
         self._last_rows = np.zeros(0, np.int64)  # and their rows
         self._same: _Same | None = None
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
+        self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
         self.upload_bytes = 0
@@ -217,20 +224,15 @@ class CapturePlanner:
         reqs = [reqs[k] for k in lv.tolist()]
         count, skip, first = n[lv] - skip[lv], skip[lv], first[lv]
         starts = np.cumsum(count) - count
-        total = int(starts[-1] + count[-1])
         prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
-        if total == len(reqs):  # one token each (decode)
-            owner = np.arange(total)
-            pos, tok = first + skip, offsets[idx[lv]] + skip
-        else:
-            owner = np.repeat(np.arange(len(reqs)), count)
-            local = np.arange(total) - starts[owner] + skip[owner]
-            pos, tok, prompt = first[owner] + local, offsets[idx[lv]][owner] + local, prompt[owner]
-        klass = (pos >= prompt - 1).astype(np.int64) + (pos >= prompt)
+        pos0, tok0 = first + skip, offsets[idx[lv]] + skip  # each request's first token to plan
+        # its tokens' position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it, [e1, count) generated
+        e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
-                and np.array_equal(same.klass, klass) and np.array_equal(same.tok, tok)):
+                and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):
             # the cells of last step (steady decode of a stable batch): only the positions moved
+            pos = pos0 if len(count) == int(starts[-1] + count[-1]) else _expand(pos0, count, starts)
             self._upload(same.flat, same.rows)
             self.reused += 1
             red = same.reduce
@@ -241,6 +243,20 @@ class CapturePlanner:
                             len(same.t), 0, recomputed, len(same.flat), red, same.pool_rows, same.base)
         self._same = None
         plans = [r.plan for r in reqs]
+        shape = (count, tok0, e0, e1)
+        if self.ranges and not any(p.explicit for p in plans) and all(len(p.red_bits) <= 1 for p in plans):
+            step = self._plan_ranges(reqs, plans, req_ids, idx[lv], starts, pos0, tok0, e0, e1, recomputed, shape)
+            if step is not None:
+                return step
+        total = int(starts[-1] + count[-1])
+        if total == len(reqs):  # one token each (decode)
+            owner = np.arange(total)
+            pos, tok = pos0, tok0
+        else:
+            owner = np.repeat(np.arange(len(reqs)), count)
+            local = np.arange(total) - starts[owner]
+            pos, tok, prompt = pos0[owner] + local, tok0[owner] + local, prompt[owner]
+        klass = (pos >= prompt - 1).astype(np.int64) + (pos >= prompt)
         union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
         tables = np.stack([p.table for p in plans])[:, :, union]  # [R, 3, S']
         masks = tables[owner, klass]  # [tokens, S']
@@ -266,12 +282,8 @@ class CapturePlanner:
         owner_of, col_of = np.divmod(key[heads], len(union))
         col_of = union[col_of]
         if kept < len(t):  # the pool is full: drop (never wait), count, and tell the consumer
-            for g in np.flatnonzero(ends > kept).tolist():
-                cut = max(int(heads[g]), kept)
-                hook, layer = self.sites[int(col_of[g])]
-                reqs[int(owner_of[g])].drop(hook, layer, cell_pos[cut : ends[g]], cell_masks[cut : ends[g]])
-            whole = heads < kept
-            heads, ends, owner_of, col_of = heads[whole], np.minimum(ends[whole], kept), owner_of[whole], col_of[whole]
+            heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of, cell_pos,
+                                                            cell_masks)
         sites = self.sites
         batch_of = idx[lv][owner_of].tolist()
         flat = union[c[:kept]] * self.width + tok[t[:kept]]
@@ -292,9 +304,173 @@ class CapturePlanner:
                         recomputed, len(flat), red_step, kept + fresh, base)
         if kept == len(t) and not red_dropped and not any(p.explicit for p in plans):  # the next step may be the same
             cell_masks.flags.writeable = False  # shared by the steps that reuse it
-            self._same = _Same(list(map(id, reqs)), reqs, count, klass, tok, t, flat, step.request_ids, step.sites, step.starts,
+            self._same = _Same(list(map(id, reqs)), reqs, *shape, t, flat, step.request_ids, step.sites, step.starts,
                                step.ends, cell_masks, rows, red_same, step.pool_rows, base)
         return step
+
+    def _drop_tail(self, reqs: list, kept: int, heads: np.ndarray, ends: np.ndarray, owner_of: np.ndarray,
+                   col_of: np.ndarray, cell_pos: np.ndarray, cell_masks: np.ndarray) -> tuple:
+        """Cells past ``kept`` are dropped (recorded on their requests); the groups cut to the kept cells."""
+        for g in np.flatnonzero(ends > kept).tolist():
+            cut = max(int(heads[g]), kept)
+            hook, layer = self.sites[int(col_of[g])]
+            reqs[int(owner_of[g])].drop(hook, layer, cell_pos[cut : ends[g]], cell_masks[cut : ends[g]])
+        whole = heads < kept
+        return heads[whole], np.minimum(ends[whole], kept), owner_of[whole], col_of[whole]
+
+    def _plan_ranges(self, reqs: list, plans: list[RequestPlan], req_ids: list[str], batch: np.ndarray,
+                     starts: np.ndarray, pos0: np.ndarray, tok0: np.ndarray, e0: np.ndarray, e1: np.ndarray,
+                     recomputed: int, shape: tuple) -> StepPlan | None:
+        """``plan``'s cells from per-request ranges, for a step without explicit positions and with at most one
+        device-reduced consumer per request (None when that step may overflow the pool with one: ``plan`` then).
+
+        A position mode selects a run of the position classes (all, all_prompt, last_prompt, all_generated), and a
+        request's classes are consecutive token ranges, so a (request, site) group's cells are one token range made
+        of at most three runs of one mask each: Python and the small arrays go per request and per (request, site),
+        the per-cell arrays are built by a few ``repeat`` / ``arange`` (no sort, no search, no per-token mask table).
+        The cells, rows, masks and reduce pairs are ``plan``'s general path's (its order within a step's fresh rows
+        aside: any one row per cell)."""
+        n_req = len(plans)
+        count = shape[0]
+        union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
+        n_col = len(union)
+        tables = np.stack([p.table for p in plans])[:, :, union]  # [R, 3, S']
+        red_mask = np.fromiter((p.red_mask for p in plans), np.int64, n_req)
+        kept_bits = tables & ~red_mask[:, None, None]  # the bits whose cells take consumer rows
+        seg_a = np.stack((np.zeros(n_req, np.int64), e0, e1), axis=1)  # [R, 3]: each class's first local token
+        seg_n = np.stack((e0, e1 - e0, count - e1), axis=1)  # [R, 3]: its tokens
+        for m in (kept_bits, tables & red_mask[:, None, None]):  # a mode with a gap between its classes: no ranges
+            if ((m[:, 0] != 0) & (m[:, 1] == 0) & (m[:, 2] != 0) & (seg_n[:, 1:2] > 0)).any():
+                return None
+        run_n = np.where(kept_bits.transpose(0, 2, 1) != 0, seg_n[:, None, :], 0)  # [R, S', 3] cells per class
+        group_n = run_n.sum(axis=2).ravel()  # [R * S']
+        groups = np.flatnonzero(group_n)  # (request, site) order: the cells' order
+        g_len = group_n[groups]
+        heads = np.cumsum(g_len) - g_len
+        total = int(heads[-1] + g_len[-1]) if len(groups) else 0
+        owner_of, g_col = np.divmod(groups, n_col)
+        runs = np.flatnonzero(run_n.ravel())  # (request, site, class) order
+        r_len = run_n.ravel()[runs]
+        r_req, r_rest = np.divmod(runs, 3 * n_col)
+        r_col, r_cls = np.divmod(r_rest, 3)
+        r_cell = np.cumsum(r_len) - r_len
+        # cell i of a run is the request's planned token seg_a + i: its index among the step's planned tokens
+        t = np.arange(total, dtype=np.int64) - np.repeat(r_cell - seg_a[r_req, r_cls] - starts[r_req], r_len)
+        cell_masks = np.repeat(kept_bits[r_req, r_cls, r_col], r_len)
+        cell_pos = t + np.repeat(pos0[r_req] - starts[r_req], r_len)
+        flat = t + np.repeat(union[r_col] * self.width + tok0[r_req] - starts[r_req], r_len)
+        # each group's first local token (its first class with cells)
+        g_a = seg_a[owner_of, np.argmax(run_n.reshape(-1, 3)[groups] > 0, axis=1)]
+        red = None
+        if red_mask.any():
+            red = self._reduce_ranges(plans, red_mask, tables, seg_a, seg_n, union, heads, g_len, g_a, groups,
+                                      total, n_col, starts, pos0, tok0)
+            if red is None:
+                return None
+            if not len(red[4]) and not len(red[10]):  # nothing of theirs this step
+                red = None
+        kept = min(total, self.max_rows)
+        dropped = total - kept
+        ends = heads + g_len
+        col_of = union[g_col]
+        if kept < total:
+            heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of, cell_pos,
+                                                            cell_masks)
+            t, flat, cell_pos, cell_masks = t[:kept], flat[:kept], cell_pos[:kept], cell_masks[:kept]
+        fresh = len(red[0]) if red is not None else 0
+        if not kept and not fresh and red is None:
+            self._upload(np.zeros(0, np.int64))
+            return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, dropped, recomputed)
+        base = self._place(kept + fresh)
+        rows = np.arange(base, base + kept, dtype=np.int64)
+        red_step = red_same = None
+        if red is not None:
+            f_flat, f_rows, d_flat, d_rows, mean_src, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_t = red
+            flat = np.concatenate((flat, f_flat, d_flat))
+            rows = np.concatenate((rows, f_rows + base, d_rows))
+            mean_src, copy_src = mean_src + base, copy_src + base
+            red_step = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot,
+                                  _expand(pos0, count, starts)[l_t] if len(l_t) else _NONE)
+            red_same = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_t)
+        self._upload(flat, rows)
+        sites = self.sites
+        step = StepPlan([req_ids[i] for i in batch[owner_of].tolist()], [sites[i] for i in col_of.tolist()],
+                        heads.tolist(), ends.tolist(), cell_pos, cell_masks, kept, dropped, recomputed, len(flat),
+                        red_step, kept + fresh, base)
+        if not dropped:  # the next step may be the same
+            cell_masks.flags.writeable = False  # shared by the steps that reuse it
+            self._same = _Same(list(map(id, reqs)), reqs, *shape, t, flat, step.request_ids, step.sites, step.starts,
+                               step.ends, cell_masks, rows, red_same, step.pool_rows, base)
+        return step
+
+    def _reduce_ranges(self, plans: list[RequestPlan], red_mask: np.ndarray, tables: np.ndarray, seg_a: np.ndarray,
+                       seg_n: np.ndarray, union: np.ndarray, heads: np.ndarray, g_len: np.ndarray, g_a: np.ndarray,
+                       groups: np.ndarray, total: int, n_col: int, starts: np.ndarray, pos0: np.ndarray,
+                       tok0: np.ndarray) -> tuple | None:
+        """``_plan_ranges``' device-reduced consumers (one per request): per (request, site) the token range its
+        bit selects. Mean: the part inside the site's consumer cells adds their rows, the rest (at most a run
+        before and one after) takes fresh step rows after them. Last: its range's last token, a copy from its
+        consumer row or planned straight to the slot. Step rows (relative to the step's base): fresh cells'
+        flat indices and rows, last cells planned straight to slots, the pairs, the accounting, the last slots and
+        their tokens (among the step's planned tokens). None when the step's rows or pairs could overflow."""
+        width, group_of = self.width, np.full(len(plans) * n_col, -1, np.int64)
+        group_of[groups] = np.arange(len(groups))
+        heads, g_len, g_a = np.append(heads, 0), np.append(g_len, 0), np.append(g_a, 0)  # group -1: no cells
+        rk = np.flatnonzero(red_mask)  # the requests reduced here, each by one consumer (its bit is red_mask)
+        slot = np.stack([plans[k].red_slot[0] for k in rk.tolist()])[:, union]  # [Rr, S']
+        hit_n = np.where((tables[rk] & red_mask[rk, None, None]) != 0, seg_n[rk][:, :, None], 0)  # [Rr, 3, S']
+        n_hit = hit_n.sum(axis=1)
+        first_cls = np.argmax(hit_n > 0, axis=1)  # [Rr, S']
+        rr, cs = np.nonzero(n_hit)  # (request, site) order
+        k = rk[rr]
+        a = seg_a[k, first_cls[rr, cs]]  # the local tokens [a, b) its bit selects at the site
+        b = a + n_hit[rr, cs]
+        sl = slot[rr, cs]
+        is_mean = np.fromiter((plans[i].red_mean[0] for i in rk.tolist()), bool, len(rk))[rr]
+        n_mean = int((b - a)[is_mean].sum())
+        if total + n_mean > self.max_rows or n_mean > self.max_pairs:
+            return None  # may not all fit: the general path drops what does not
+        f_flat = f_rows = mean_src = mean_slot = acct_s = acct_n = _NONE
+        if is_mean.any():
+            mk, mc, ma, mb, ms = k[is_mean], cs[is_mean], a[is_mean], b[is_mean], sl[is_mean]
+            g = group_of[mk * n_col + mc]
+            ga = g_a[g]
+            oa, ob = np.clip(ga, ma, mb), np.clip(ga + g_len[g], ma, mb)  # the part inside the consumer cells
+            ob = np.maximum(oa, ob)
+            none = np.full(len(mk), -1)
+            # each site's pieces before, inside and after its consumer cells (-1: fresh rows): its rows in token order
+            pieces = ((mk, mc, ma, oa, none, ms), (mk, mc, oa, ob, heads[g] + oa - ga, ms), (mk, mc, ob, mb, none, ms))
+            pc = np.stack([np.stack(x, axis=1) for x in pieces], axis=1).reshape(-1, 6)
+            pc = pc[pc[:, 3] > pc[:, 2]]
+            pk, pcol, pa, pb, src, pslot = pc.T
+            n = pb - pa
+            fresh = src < 0
+            f_n = np.where(fresh, n, 0)
+            src = np.where(fresh, total + np.cumsum(f_n) - f_n, src)  # fresh pieces' rows follow the consumer cells
+            cell = np.cumsum(n) - n
+            mean_src = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(src - cell, n)
+            mean_slot = np.repeat(pslot, n)
+            fn, fsrc = n[fresh], src[fresh]
+            f_cell = np.cumsum(fn) - fn
+            f_rows = np.arange(int(fn.sum()), dtype=np.int64) + np.repeat(fsrc - f_cell, fn)
+            f_flat = f_rows + np.repeat(union[pcol[fresh]] * width + tok0[pk[fresh]] + pa[fresh] - fsrc, fn)
+            acct_s, acct_n = ms, mb - ma
+        d_flat = d_rows = copy_src = copy_dst = l_slot = l_t = gs = gn = _NONE
+        if not is_mean.all():
+            last = ~is_mean
+            lk, lc, la, lb, l_slot = k[last], cs[last], a[last], b[last], sl[last]
+            lt = lb - 1
+            g = group_of[lk * n_col + lc]
+            ga = g_a[g]
+            inside = (lt >= ga) & (lt < ga + g_len[g])
+            target = self.reduce_base + l_slot
+            copy_src, copy_dst = (heads[g] + lt - ga)[inside], target[inside]
+            d_flat = (union[lc] * width + tok0[lk] + lt)[~inside]
+            d_rows = target[~inside]
+            l_t = starts[lk] + lt
+            gs, gn = l_slot, lb - la
+        return (f_flat, f_rows, d_flat, d_rows, mean_src, mean_slot, copy_src, copy_dst, np.concatenate((acct_s, gs)),
+                np.concatenate((acct_n, gn)), l_slot, l_t)
 
     def _place(self, n: int) -> int:
         """Where a newly planned step's ``n`` rows start: right after the last placed step's, or at 0 when they do
@@ -410,26 +586,19 @@ class CapturePlanner:
             rows = np.arange(len(flat), dtype=np.int64)
         if np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows):
             return  # the same cells take the same rows: nothing changes on the device
-        # last upload's cells this one does not set, through a mark per plan cell: O(cells), no sort (``setdiff1d``
-        # sorted both: 0.25-0.7 ms a 8192-token x 4-site prefill step on the CPU box, the mark 0.07)
-        if len(flat):
-            mark = self._mark
-            mark[flat] = True
-            resets = self._last[~mark[self._last]]
-            mark[flat] = False
-        else:  # nothing planned: every cell of the last upload goes back to -1
-            resets = self._last
-        m = len(flat) + len(resets)
-        host, land = self._ring.stage()
-        host[: len(flat)] = flat
-        host[len(flat) : m] = resets
-        values = host[m : m + (m + 1) // 2].view(np.int32)
-        values[: len(flat)] = rows
-        values[len(flat) : m] = -1
-        words = m + (m + 1) // 2
-        staged = self._staging[:words]
-        land(staged)
-        self.device_plan.view(-1).index_copy_(0, staged[:m], staged[m:].view(torch.int32)[:m])
+        plan = self.device_plan.view(-1)
+        if len(self._last):  # last upload's cells back to -1 first, from its indices still on the device: no host work
+            plan.index_fill_(0, self._staging[: len(self._last)], -1)
+        m = len(flat)
+        if m:
+            host, land = self._ring.stage()
+            host[:m] = flat
+            values = host[m : m + (m + 1) // 2].view(np.int32)
+            values[:m] = rows
+            words = m + (m + 1) // 2
+            staged = self._staging[:words]
+            land(staged)
+            plan.index_copy_(0, staged[:m], staged[m:].view(torch.int32)[:m])
+            self.upload_bytes += 8 * words
         self._last, self._last_rows = flat, rows
         self.uploads += 1
-        self.upload_bytes += 8 * words

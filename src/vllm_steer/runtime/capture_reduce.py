@@ -9,7 +9,8 @@ life (``steer.capture_reduce_rows`` slots in all). Slot ``j`` is:
   no copy. (A token another consumer also wants keeps its step row and is copied there after the forward.)
 - ``mean``: ``acc[j]`` (float32). Selected tokens take step rows as before; after the forward one launch adds
   each slot's rows of the step to it (``kernels/capture_reduce``: a segmented sum, the pairs sorted by slot on the
-  host; one ``index_copy_`` does the ``last`` copies). No per-step copy to the host.
+  host only when a slot's pairs are not one run already; one ``index_copy_`` does the ``last`` copies). No per-step
+  copy to the host.
 
 Per step the planner (``runtime.capture_plan``) says which (step row -> slot) pairs to add or copy;
 their indices reach the device with one pinned-ring copy when they changed (none in steady decode).
@@ -80,10 +81,13 @@ class ReduceRegion:
             return
         pairs = np.concatenate((mean_src, mean_slot, copy_src, copy_dst))
         if not np.array_equal(pairs, self._pairs):
-            order = np.argsort(mean_slot, kind="stable")
-            by_slot = mean_slot[order]
-            starts = np.flatnonzero(np.r_[True, by_slot[1:] != by_slot[:-1]]) if n_mean else by_slot
-            staged = np.concatenate((mean_src[order], by_slot[starts], starts, [n_mean], copy_src, copy_dst))
+            starts = np.flatnonzero(np.r_[True, mean_slot[1:] != mean_slot[:-1]]) if n_mean else mean_slot
+            src, by_slot = mean_src, mean_slot
+            if len(np.unique(mean_slot[starts])) < len(starts):  # a slot in several runs: sort the pairs by slot
+                order = np.argsort(mean_slot, kind="stable")
+                src, by_slot = mean_src[order], mean_slot[order]
+                starts = np.flatnonzero(np.r_[True, by_slot[1:] != by_slot[:-1]])
+            staged = np.concatenate((src, by_slot[starts], starts, [n_mean], copy_src, copy_dst))
             host, land = self._ring.stage()
             host[: len(staged)] = staged
             land(self._idx[: len(staged)])
