@@ -461,7 +461,7 @@ class CaptureRuntime:
         red = self._red_step
         if red is not None:
             self._red_step = None
-            self._reduce.apply(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst)
+            self._reduce.apply(red.mean_src, red.mean_len, red.mean_slot, red.copy_src, red.copy_dst)
         step = self._pending
         if step is None:
             return

@@ -118,10 +118,12 @@ class StepPlan:
 @dataclass
 class ReduceStep:
     """This step's work for device-reduced consumers (``runtime.capture_reduce.ReduceRegion``): after the
-    forward ``acc[mean_slot] += pool[mean_src]`` and ``pool[copy_dst] = pool[copy_src]``; on the host each
-    ``acct_slots`` slot counts ``acct_counts`` more rows and each ``last_slots`` slot now holds ``last_pos``."""
+    forward ``acc[mean_slot[i]] += pool[mean_src[i] + j]`` for j < ``mean_len[i]`` (runs of rows) and
+    ``pool[copy_dst] = pool[copy_src]``; on the host each ``acct_slots`` slot counts ``acct_counts`` more rows and
+    each ``last_slots`` slot now holds ``last_pos``."""
 
     mean_src: np.ndarray
+    mean_len: np.ndarray
     mean_slot: np.ndarray
     copy_src: np.ndarray
     copy_dst: np.ndarray
@@ -152,6 +154,7 @@ class _Same:
     reduce: ReduceStep | None  # with last_pos as token indices (the positions move)
     pool_rows: int = 0
     base: int = 0
+    lens: np.ndarray | None = None  # cells of each run of ``flat`` / ``rows`` (None: one each)
 
 
 _NONE = np.zeros(0, np.int64)
@@ -174,14 +177,15 @@ class CapturePlanner:
         self.max_rows = max_rows
         self.reduce_base = reduce_base  # pool row of reduce slot 0 (``runtime.capture_reduce``)
         self.max_pairs = max_pairs  # reduce pairs (adds + copies) one step may hold
-        # one upload: int64 flat indices, then their int32 values packed in pairs (the staged indices stay until the
-        # next upload, which resets their cells first)
+        # one upload: runs of plan cells (first cell, first row, cells: int64), expanded on the device into
+        # ``_cells`` (kept until the next upload resets them) and their rows
         cap = max_rows + reduce_rows  # a step's cells: consumer and fresh mean rows, then cells straight to slots
-        words = cap + (cap + 1) // 2
-        self._ring = PinnedRing((words,), torch.int64, plan.device)
-        self._staging = torch.empty(words, dtype=torch.int64, device=plan.device)
-        self._last = np.zeros(0, np.int64)  # flat plan cells set by the last upload
-        self._last_rows = np.zeros(0, np.int64)  # and their rows
+        self._ring = PinnedRing((3 * cap,), torch.int64, plan.device)
+        self._staging = torch.empty(3 * cap, dtype=torch.int64, device=plan.device)
+        self._cells = torch.empty(cap, dtype=torch.int64, device=plan.device)
+        self._iota = torch.arange(cap, dtype=torch.int64, device=plan.device)
+        self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
+        self._last_cells = 0  # its cells
         self._same: _Same | None = None
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
         self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
@@ -192,7 +196,7 @@ class CapturePlanner:
     @property
     def dirty(self) -> bool:
         """Whether the device plan holds cells of an earlier step (a later step must clear them)."""
-        return bool(len(self._last))
+        return bool(self._last_cells)
 
     def plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
              num_computed: np.ndarray) -> StepPlan:
@@ -233,14 +237,15 @@ class CapturePlanner:
                 and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):
             # the cells of last step (steady decode of a stable batch): only the positions moved
             pos = pos0 if len(count) == int(starts[-1] + count[-1]) else _expand(pos0, count, starts)
-            self._upload(same.flat, same.rows)
+            self._upload(same.flat, same.rows, same.lens)
             self.reused += 1
             red = same.reduce
             if red is not None:
-                red = ReduceStep(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
+                red = ReduceStep(red.mean_src, red.mean_len, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
                                  red.acct_counts, red.last_slots, pos[red.last_pos])
             return StepPlan(same.request_ids, same.sites, same.starts, same.ends, pos[same.t], same.masks,
-                            len(same.t), 0, recomputed, len(same.flat), red, same.pool_rows, same.base)
+                            len(same.t), 0, recomputed, len(same.flat) if same.lens is None else int(same.lens.sum()),
+                            red, same.pool_rows, same.base)
         self._same = None
         plans = [r.plan for r in reqs]
         shape = (count, tok0, e0, e1)
@@ -358,16 +363,16 @@ class CapturePlanner:
         t = np.arange(total, dtype=np.int64) - np.repeat(r_cell - seg_a[r_req, r_cls] - starts[r_req], r_len)
         cell_masks = np.repeat(kept_bits[r_req, r_cls, r_col], r_len)
         cell_pos = t + np.repeat(pos0[r_req] - starts[r_req], r_len)
-        flat = t + np.repeat(union[r_col] * self.width + tok0[r_req] - starts[r_req], r_len)
-        # each group's first local token (its first class with cells)
+        # each group's first local token (its first class with cells) and its first plan cell: a group is one run
         g_a = seg_a[owner_of, np.argmax(run_n.reshape(-1, 3)[groups] > 0, axis=1)]
+        g_flat = union[g_col] * self.width + tok0[owner_of] + g_a
         red = None
         if red_mask.any():
             red = self._reduce_ranges(plans, red_mask, tables, seg_a, seg_n, union, heads, g_len, g_a, groups,
                                       total, n_col, starts, pos0, tok0)
             if red is None:
                 return None
-            if not len(red[4]) and not len(red[10]):  # nothing of theirs this step
+            if not len(red[5]) and not len(red[12]):  # nothing of theirs this step
                 red = None
         kept = min(total, self.max_rows)
         dropped = total - kept
@@ -376,31 +381,33 @@ class CapturePlanner:
         if kept < total:
             heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of, cell_pos,
                                                             cell_masks)
-            t, flat, cell_pos, cell_masks = t[:kept], flat[:kept], cell_pos[:kept], cell_masks[:kept]
-        fresh = len(red[0]) if red is not None else 0
+            t, cell_pos, cell_masks = t[:kept], cell_pos[:kept], cell_masks[:kept]
+        fresh = int(red[2].sum()) if red is not None else 0
         if not kept and not fresh and red is None:
-            self._upload(np.zeros(0, np.int64))
+            self._upload(_NONE)
             return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, dropped, recomputed)
         base = self._place(kept + fresh)
-        rows = np.arange(base, base + kept, dtype=np.int64)
+        flat, rows, lens = g_flat[: len(heads)], heads + base, ends - heads  # the plan's runs: the groups' cells
         red_step = red_same = None
         if red is not None:
-            f_flat, f_rows, d_flat, d_rows, mean_src, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_t = red
+            (f_flat, f_rows, f_len, d_flat, d_rows, mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n,
+             l_slot, l_t) = red
             flat = np.concatenate((flat, f_flat, d_flat))
             rows = np.concatenate((rows, f_rows + base, d_rows))
+            lens = np.concatenate((lens, f_len, np.ones(len(d_flat), np.int64)))
             mean_src, copy_src = mean_src + base, copy_src + base
-            red_step = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot,
+            red_step = ReduceStep(mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot,
                                   _expand(pos0, count, starts)[l_t] if len(l_t) else _NONE)
-            red_same = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_t)
-        self._upload(flat, rows)
+            red_same = ReduceStep(mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_t)
+        self._upload(flat, rows, lens)
         sites = self.sites
         step = StepPlan([req_ids[i] for i in batch[owner_of].tolist()], [sites[i] for i in col_of.tolist()],
-                        heads.tolist(), ends.tolist(), cell_pos, cell_masks, kept, dropped, recomputed, len(flat),
-                        red_step, kept + fresh, base)
+                        heads.tolist(), ends.tolist(), cell_pos, cell_masks, kept, dropped, recomputed,
+                        int(lens.sum()), red_step, kept + fresh, base)
         if not dropped:  # the next step may be the same
             cell_masks.flags.writeable = False  # shared by the steps that reuse it
             self._same = _Same(list(map(id, reqs)), reqs, *shape, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks, rows, red_same, step.pool_rows, base)
+                               step.ends, cell_masks, rows, red_same, step.pool_rows, base, lens)
         return step
 
     def _reduce_ranges(self, plans: list[RequestPlan], red_mask: np.ndarray, tables: np.ndarray, seg_a: np.ndarray,
@@ -430,7 +437,7 @@ class CapturePlanner:
         n_mean = int((b - a)[is_mean].sum())
         if total + n_mean > self.max_rows or n_mean > self.max_pairs:
             return None  # may not all fit: the general path drops what does not
-        f_flat = f_rows = mean_src = mean_slot = acct_s = acct_n = _NONE
+        f_flat = f_rows = f_len = mean_src = mean_len = mean_slot = acct_s = acct_n = _NONE
         if is_mean.any():
             mk, mc, ma, mb, ms = k[is_mean], cs[is_mean], a[is_mean], b[is_mean], sl[is_mean]
             g = group_of[mk * n_col + mc]
@@ -438,22 +445,17 @@ class CapturePlanner:
             oa, ob = np.clip(ga, ma, mb), np.clip(ga + g_len[g], ma, mb)  # the part inside the consumer cells
             ob = np.maximum(oa, ob)
             none = np.full(len(mk), -1)
-            # each site's pieces before, inside and after its consumer cells (-1: fresh rows): its rows in token order
+            # each site's runs before, inside and after its consumer cells (-1: fresh rows): its rows in token order
             pieces = ((mk, mc, ma, oa, none, ms), (mk, mc, oa, ob, heads[g] + oa - ga, ms), (mk, mc, ob, mb, none, ms))
             pc = np.stack([np.stack(x, axis=1) for x in pieces], axis=1).reshape(-1, 6)
             pc = pc[pc[:, 3] > pc[:, 2]]
-            pk, pcol, pa, pb, src, pslot = pc.T
-            n = pb - pa
+            pk, pcol, pa, pb, src, mean_slot = pc.T
+            mean_len = pb - pa
             fresh = src < 0
-            f_n = np.where(fresh, n, 0)
-            src = np.where(fresh, total + np.cumsum(f_n) - f_n, src)  # fresh pieces' rows follow the consumer cells
-            cell = np.cumsum(n) - n
-            mean_src = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(src - cell, n)
-            mean_slot = np.repeat(pslot, n)
-            fn, fsrc = n[fresh], src[fresh]
-            f_cell = np.cumsum(fn) - fn
-            f_rows = np.arange(int(fn.sum()), dtype=np.int64) + np.repeat(fsrc - f_cell, fn)
-            f_flat = f_rows + np.repeat(union[pcol[fresh]] * width + tok0[pk[fresh]] + pa[fresh] - fsrc, fn)
+            f_n = np.where(fresh, mean_len, 0)
+            mean_src = np.where(fresh, total + np.cumsum(f_n) - f_n, src)  # fresh runs' rows follow the consumer cells
+            f_rows, f_len = mean_src[fresh], mean_len[fresh]
+            f_flat = union[pcol[fresh]] * width + tok0[pk[fresh]] + pa[fresh]
             acct_s, acct_n = ms, mb - ma
         d_flat = d_rows = copy_src = copy_dst = l_slot = l_t = gs = gn = _NONE
         if not is_mean.all():
@@ -469,8 +471,8 @@ class CapturePlanner:
             d_rows = target[~inside]
             l_t = starts[lk] + lt
             gs, gn = l_slot, lb - la
-        return (f_flat, f_rows, d_flat, d_rows, mean_src, mean_slot, copy_src, copy_dst, np.concatenate((acct_s, gs)),
-                np.concatenate((acct_n, gn)), l_slot, l_t)
+        return (f_flat, f_rows, f_len, d_flat, d_rows, mean_src, mean_len, mean_slot, copy_src, copy_dst,
+                np.concatenate((acct_s, gs)), np.concatenate((acct_n, gn)), l_slot, l_t)
 
     def _place(self, n: int) -> int:
         """Where a newly planned step's ``n`` rows start: right after the last placed step's, or at 0 when they do
@@ -574,31 +576,47 @@ class CapturePlanner:
             copy = src != target
             copy_src, copy_dst = src[copy], target[copy]
         last_slots, last_tok = red["ls"], red["lt"]
-        step = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, np.concatenate((m_slots, red["gs"])),
+        ones = np.ones(len(mean_src), np.int64)
+        step = ReduceStep(mean_src, ones, mean_slot, copy_src, copy_dst, np.concatenate((m_slots, red["gs"])),
                           np.concatenate((m_counts, red["gn"])), last_slots, pos[last_tok])
-        same = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, step.acct_slots, step.acct_counts, last_slots,
+        same = ReduceStep(mean_src, ones, mean_slot, copy_src, copy_dst, step.acct_slots, step.acct_counts, last_slots,
                           last_tok)
         return flat, rows, step, same, dropped, room
 
-    def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None) -> None:
-        """Make the device plan hold ``rows[i]`` (default i) at cell ``flat[i]`` and -1 at last step's other cells."""
+    def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None, lens: np.ndarray | None = None) -> None:
+        """Make the device plan hold ``rows[i] + j`` at cell ``flat[i] + j`` for j < ``lens[i]`` (runs; default one
+        cell each, ``rows`` default i) and -1 at last upload's other cells: 3 words a run go up, the device expands
+        runs into cells."""
         if rows is None:
             rows = np.arange(len(flat), dtype=np.int64)
-        if np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows):
+        if lens is None:
+            lens = np.ones(len(flat), np.int64)
+        if (np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows)
+                and np.array_equal(lens, self._last_lens)):
             return  # the same cells take the same rows: nothing changes on the device
         plan = self.device_plan.view(-1)
-        if len(self._last):  # last upload's cells back to -1 first, from its indices still on the device: no host work
-            plan.index_fill_(0, self._staging[: len(self._last)], -1)
-        m = len(flat)
+        if self._last_cells:  # last upload's cells back to -1 first, from their indices kept on the device
+            plan.index_fill_(0, self._cells[: self._last_cells], -1)
+        n = len(flat)
+        m = int(lens.sum()) if n else 0
         if m:
             host, land = self._ring.stage()
-            host[:m] = flat
-            values = host[m : m + (m + 1) // 2].view(np.int32)
-            values[:m] = rows
-            words = m + (m + 1) // 2
-            staged = self._staging[:words]
-            land(staged)
-            plan.index_copy_(0, staged[:m], staged[m:].view(torch.int32)[:m])
-            self.upload_bytes += 8 * words
-        self._last, self._last_rows = flat, rows
+            if m == n:  # one cell a run (decode, the general path): the cells themselves
+                host[:n], host[n : 2 * n] = flat, rows
+            else:
+                first = np.cumsum(lens) - lens
+                host[:n], host[n : 2 * n], host[2 * n : 3 * n] = flat - first, rows - first, lens
+            staged = self._staging[: 3 * n]
+            land(staged[: 2 * n if m == n else 3 * n])
+            cells, values = self._cells[:m], staged[n : 2 * n]
+            if m == n:
+                cells.copy_(staged[:n])
+            else:  # run i's cells and rows: its first ones + 0, 1, ...
+                both = torch.repeat_interleave(staged[: 2 * n].view(2, n), staged[2 * n :], dim=1, output_size=m)
+                iota = self._iota[:m]
+                torch.add(both[0], iota, out=cells)
+                values = both[1] + iota
+            plan.index_copy_(0, cells, values.to(torch.int32))
+            self.upload_bytes += 8 * (2 * n if m == n else 3 * n)
+        self._last, self._last_rows, self._last_lens, self._last_cells = flat, rows, lens, m
         self.uploads += 1
