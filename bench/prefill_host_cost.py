@@ -16,8 +16,10 @@ wall and thread CPU time of the main thread (wall - CPU: waiting, for the GIL or
 the worker's other threads (notifier, reader) and of the consumers' process, from ``/proc``. On the CPU the ring
 copy would run on the main thread (on a GPU it is a D2H on the copy stream): ``--cpu-copy`` keeps it, the default
 leaves it out so the numbers are the host work a GPU step has. ``--hidden`` sizes rows (the main thread's work does
-not depend on it without the copy; the consumers' process writes the rows). ``--baseline DIR``: also an older
-``runtime/capture.py`` + ``capture_plan.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
+not depend on it without the copy; the consumers' process writes the rows). The CPU runs the device ops (the
+plan's upload, the mean reduce) inline: their time is in the phases (``OMP_NUM_THREADS=1`` on the shared box, where
+two OMP threads made each op ~100x slower). ``--baseline DIR``: also an older ``runtime/capture.py`` +
+``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
 step of each arm run on both, interleaved, in this process. ``--device cuda`` (a GPU host): the runtime on the GPU,
 the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread waits for.
 
@@ -84,18 +86,21 @@ def _cpu_of(pid: int) -> float:
 
 
 def _load_baseline(folder: str):
-    """An older ``runtime/capture.py`` built on its own ``capture_plan.py``: the CaptureRuntime class."""
-    saved = sys.modules.get("vllm_steer.runtime.capture_plan")
+    """An older ``runtime/capture.py`` built on its own ``capture_plan.py`` and ``capture_reduce.py``: the
+    CaptureRuntime class."""
+    names = ("capture_plan", "capture_reduce", "capture")
+    saved = {n: sys.modules.get(f"vllm_steer.runtime.{n}") for n in names}
     mods = {}
     try:
-        for name in ("capture_plan", "capture"):
+        for name in names:
             spec = importlib.util.spec_from_file_location(f"baseline_{name}", os.path.join(folder, f"{name}.py"))
             mod = mods[name] = importlib.util.module_from_spec(spec)
             sys.modules[f"baseline_{name}"] = mod
-            sys.modules["vllm_steer.runtime.capture_plan"] = mods["capture_plan"]  # what its capture.py imports
+            sys.modules[f"vllm_steer.runtime.{name}"] = mod  # what the next ones import
             spec.loader.exec_module(mod)
     finally:
-        sys.modules["vllm_steer.runtime.capture_plan"] = saved
+        for name, mod in saved.items():
+            sys.modules[f"vllm_steer.runtime.{name}"] = mod
     return mods["capture"]
 
 

@@ -123,14 +123,18 @@ def _random_spec(rng, n_explicit_max, explicit=True):
     return raw
 
 
+@pytest.mark.parametrize("ranges", [True, False], ids=["ranges", "general"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_batches_match_the_reference(monkeypatch, seed):
+def test_random_batches_match_the_reference(monkeypatch, seed, ranges):
+    """Steps without explicit positions are planned from ranges (``ranges``) or by the general path: both
+    equal the reference."""
     rng = random.Random(seed)
     all_sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
     # this rank hooks a subset (another stage holds the rest): specs naming those are skipped here
     sites = all_sites if seed % 2 else [s for s in all_sites if s[1] < 3]
     max_rows, max_tokens = rng.choice([12, 40, 4096]), 64
     rt = _runtime(monkeypatch, sites, max_rows, max_tokens)
+    rt._planner.ranges = ranges
     ref = Reference(sites, rt.buffers.plan.shape[1], max_rows)
     live: dict[str, dict] = {}  # rid -> prompt_len, computed, generated, specs (the reference's copy)
     next_id = 0
@@ -191,6 +195,7 @@ def test_random_batches_match_the_reference(monkeypatch, seed):
                     del live[rid]
     if steady:
         assert rt._planner.reused > 0  # the steps planned as last step's cells were checked above
+        assert (rt._planner.ranged > 0) == ranges
     for rid, parts in ref.dropped.items():  # the drops each request recorded, per site and consumer
         req = rt._requests.get(rid)
         if req is None:

@@ -189,6 +189,7 @@ class CapturePlanner:
         self._same: _Same | None = None
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
         self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
+        self.ranged = 0  # steps planned so
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
         self.upload_bytes = 0
@@ -252,6 +253,7 @@ class CapturePlanner:
         if self.ranges and not any(p.explicit for p in plans) and all(len(p.red_bits) <= 1 for p in plans):
             step = self._plan_ranges(reqs, plans, req_ids, idx[lv], starts, pos0, tok0, e0, e1, recomputed, shape)
             if step is not None:
+                self.ranged += 1
                 return step
         total = int(starts[-1] + count[-1])
         if total == len(reqs):  # one token each (decode)
