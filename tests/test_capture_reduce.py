@@ -349,7 +349,7 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                                    if same_sites else _random_spec(rng, 30, False))
             for rt in pair:
                 rt.add_request(rid, capture, prompt_len)
-            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len}
+            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len, "capture": capture, "seen": set()}
         if not live:
             continue
         req_ids, scheduled, computed, budget = [], [], [], 256
@@ -389,6 +389,19 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
         assert np.array_equal(ra.count, rb.count) and np.array_equal(ra.last, rb.last), step
         for rid, n, first in zip(req_ids, scheduled.tolist(), computed.tolist()):
             st = live[rid]
+            st["seen"].update(range(first, first + n))
+            req = fast._requests.get(rid)  # a capture that ended with its last wanted position has left
+            plan = req.plan if req is not None else None
+            if plan is not None and plan.red_mask:  # each slot counted every selected position it was not dropped
+                bit = plan.red_bits[0]  # at (the pool overflowed), a last slot holds the highest
+                raw = st["capture"][fast.consumers[bit][0]]
+                sel = {p for p in st["seen"] if MODES[raw["positions"]](p, st["prompt_len"])}
+                for col in np.flatnonzero(plan.red_slot[0] >= 0).tolist():
+                    slot = int(plan.red_slot[0][col])
+                    lost = {p for ps, ms in req.dropped.get(sites[col], []) for p in ps[(ms & bit) != 0].tolist()}
+                    kept = sel - lost
+                    last = max(kept, default=-1) if raw["reduce"] == "last" else -1
+                    assert (ra.count[slot], ra.last[slot]) == (len(kept), last), (step, rid)
             st["computed"] = first + n
             if st["computed"] >= st["total"]:
                 st["total"] += 1

@@ -184,6 +184,9 @@ class CaptureRuntime:
         self._host = CaptureHost(self, hosted, RING_STEPS * cfg.capture_max_rows, hidden, dtype, device,
                                  MAX_QUEUED_ROW_PACKETS, MAX_QUEUED_FINISHES) if hosted else None
         self._lanes: dict[int, Lane] = self._host.lanes if self._host else {}
+        # bit -> class of the consumers hosted here that may reduce on the device
+        self._reducers = {bit: cls for bit, (_, cls) in self.consumers.items() if bit in self._lanes
+                          and reduces_on_device(cls)}
         for bit, raw in (self._host.global_specs if self._host else {}).items():
             spec = parse_capture_spec(self.consumers[bit][0], raw, num_layers, self.hooks) if raw else None
             if spec is not None and self._runs_here(bit, spec):
@@ -269,15 +272,11 @@ class CaptureRuntime:
         """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank);
         too few free: they get rows step by step instead (``reduce_fallbacks``)."""
         wanted = []
-        for bit, spec in req.specs.items():
-            entry = self.consumers.get(bit)
-            mode = (entry[1].device_reduce(spec.params)
-                    if entry is not None and bit in self._lanes and reduces_on_device(entry[1]) else None)
-            if mode not in MODES:
-                continue
-            cols = np.unique([self.buffers.site_index[s] for s in spec.sites if s in self.buffers.site_index])
-            if len(cols):
-                wanted.append((bit, mode == "mean", cols.astype(np.int64)))
+        for bit, cols in req.plan.bit_cols.items():  # the consumers with a site here
+            cls = self._reducers.get(bit)
+            mode = cls.device_reduce(req.specs[bit].params) if cls is not None else None
+            if mode in MODES:
+                wanted.append((bit, mode == "mean", cols))
         if not wanted:
             return
         slots = self._reduce.alloc(sum(len(c) for _, _, c in wanted))
@@ -291,7 +290,7 @@ class CaptureRuntime:
             at += len(cols)
         plan = req.plan
         plan.red_bits, plan.red_mean = tuple(w[0] for w in wanted), tuple(w[1] for w in wanted)
-        plan.red_slot, plan.red_mask = table, int(np.bitwise_or.reduce([w[0] for w in wanted]))
+        plan.red_slot, plan.red_mask = table, sum(w[0] for w in wanted)  # distinct bits
         self._count("reduced_requests")
 
     def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
@@ -469,7 +468,7 @@ class CaptureRuntime:
         if host is None or host.dead:  # capture disabled: the finishes answer consumer_died
             self._pending = None
             return
-        wanted = int(np.bitwise_or.reduce(step.masks))
+        wanted = int(np.bitwise_or.reduce(step.run_mask))
         lanes = []
         for bit, lane in self._lanes.items():
             if not wanted & bit:

@@ -34,13 +34,14 @@ decode of a stable batch) or idle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_steer.capture.spec import POSITION_CLASSES
+from vllm_steer.runtime.capture_host import cells_of_runs
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 
@@ -53,6 +54,7 @@ class RequestPlan:
     explicit: list[tuple[int, np.ndarray, np.ndarray]]  # (bit, sorted positions, site columns)
     cols: np.ndarray  # [n_sites] bool: sites any of its specs captures here
     captures: bool  # any site here at all
+    bit_cols: dict[int, np.ndarray]  # consumer bit -> the site columns its spec captures here (unique)
     # consumers reduced on the device (``runtime.capture_reduce``), set once their slots are held:
     red_bits: tuple[int, ...] = ()
     red_mean: tuple[bool, ...] = ()
@@ -65,11 +67,12 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
     (hooked by another rank) are skipped."""
     n = len(site_index)
     table = np.zeros((3, n), dtype=np.int64)
-    explicit = []
+    explicit, bit_cols = [], {}
     for bit, spec in specs.items():
-        cols = np.array([site_index[s] for s in spec.sites if s in site_index], dtype=np.int64)
+        cols = np.array([site_index[s] for s in spec.sites if s in site_index], dtype=np.int64)  # sites are unique
         if not len(cols):
             continue
+        bit_cols[bit] = cols
         classes = POSITION_CLASSES.get(spec.positions) if isinstance(spec.positions, str) else None
         if classes is None:
             explicit.append((bit, np.unique(np.asarray(spec.positions, dtype=np.int64)), cols))
@@ -79,21 +82,23 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
     cols = table.any(axis=0)
     for _, _, c in explicit:
         cols[c] = True
-    return RequestPlan(table, explicit, cols, bool(cols.any()))
+    return RequestPlan(table, explicit, cols, bool(cols.any()), bit_cols)
 
 
 @dataclass
 class StepPlan:
     """This step's kept cells grouped by (request, site): group g is request ``request_ids[g]`` at
-    ``sites[g]`` (hook, layer), cells ``starts[g]:ends[g]`` of ``positions``/``masks``; cell i is
-    pool row ``base + i``."""
+    ``sites[g]`` (hook, layer), cells ``starts[g]:ends[g]``; cell i is pool row ``base + i``. The cells'
+    positions and consumer masks are runs (run i: ``run_len[i]`` cells at positions ``run_pos[i]``, +1, ...,
+    all with mask ``run_mask[i]``), expanded where they are read (``cells``: the consumers' process, a drop)."""
 
     request_ids: list[str]
     sites: list[tuple[str, int]]
     starts: list[int]
     ends: list[int]
-    positions: np.ndarray
-    masks: np.ndarray
+    run_len: np.ndarray
+    run_pos: np.ndarray
+    run_mask: np.ndarray
     rows: int
     dropped_rows: int
     recomputed: int
@@ -102,15 +107,21 @@ class StepPlan:
     pool_rows: int = 0  # step rows of the pool in use: the consumers' cells plus mean-reduced tokens' own rows
     base: int = 0  # pool row of cell 0: the step's rows are ``base .. base + pool_rows`` (the pool is a ring)
 
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each cell's position and consumer mask (expanded once)."""
+        got = self.__dict__.get("_cells")
+        if got is None:
+            got = self.__dict__["_cells"] = cells_of_runs(self.run_len, self.run_pos, self.run_mask)
+        return got
+
     def wire(self) -> tuple:
-        """The groups as the consumers' process receives them: a few lists and two arrays, whatever the
-        count of (request, site) groups (``runtime.capture_host``: one pickle of columns, not one tuple of
-        arrays per group)."""
-        return self.request_ids, self.sites, self.starts, self.ends, self.positions, self.masks
+        """The groups as the consumers' process receives them: a few lists and the runs' three arrays, whatever
+        the count of (request, site) groups or cells (``runtime.capture_host`` expands the runs there)."""
+        return self.request_ids, self.sites, self.starts, self.ends, self.run_len, self.run_pos, self.run_mask
 
     def entries(self):
         """(request id, layer, hook, positions, first row, masks) per group, in pool-row order."""
-        pos, masks = self.positions, self.masks
+        pos, masks = self.cells()
         for rid, (hook, layer), a, b in zip(self.request_ids, self.sites, self.starts, self.ends):
             yield rid, layer, hook, pos[a:b], a, masks[a:b]
 
@@ -143,27 +154,19 @@ class _Same:
     tok0: np.ndarray
     e0: np.ndarray
     e1: np.ndarray
-    t: np.ndarray  # each cell's token among the step's planned tokens
-    flat: np.ndarray
-    request_ids: list[str]
-    sites: list[tuple[str, int]]
-    starts: list[int]
-    ends: list[int]
-    masks: np.ndarray
-    rows: np.ndarray  # the plan rows of ``flat``
-    reduce: ReduceStep | None  # with last_pos as token indices (the positions move)
-    pool_rows: int = 0
-    base: int = 0
-    lens: np.ndarray | None = None  # cells of each run of ``flat`` / ``rows`` (None: one each)
+    pos0: np.ndarray  # and the first one's position (a step of the same shape moves each request's positions)
+    step: StepPlan  # its runs' positions and reduce's last positions as they were
+    run_req: np.ndarray  # each run's request
+    last_req: np.ndarray  # each last slot's request
+    flat: np.ndarray  # the device plan's runs: first cell, first row, cells (None: one each)
+    rows: np.ndarray
+    lens: np.ndarray | None
 
 
 _NONE = np.zeros(0, np.int64)
 
 
-def _expand(first: np.ndarray, count: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``first[k] + i`` for i < ``count[k]`` of each k (``starts``: count's exclusive cumsum), concatenated."""
-    return np.arange(int(starts[-1] + count[-1]), dtype=np.int64) + np.repeat(first - starts, count)
-_EMPTY = StepPlan([], [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, 0)
+_EMPTY = StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, 0)
 
 
 class CapturePlanner:
@@ -225,7 +228,7 @@ class CapturePlanner:
         if not len(lv):
             self._same = None
             self._upload(np.zeros(0, np.int64))
-            return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, 0, recomputed)
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
         reqs = [reqs[k] for k in lv.tolist()]
         count, skip, first = n[lv] - skip[lv], skip[lv], first[lv]
         starts = np.cumsum(count) - count
@@ -236,17 +239,17 @@ class CapturePlanner:
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
                 and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):
-            # the cells of last step (steady decode of a stable batch): only the positions moved
-            pos = pos0 if len(count) == int(starts[-1] + count[-1]) else _expand(pos0, count, starts)
+            # the cells of last step (steady decode of a stable batch): only the positions moved, by as much as
+            # their request's first one
             self._upload(same.flat, same.rows, same.lens)
             self.reused += 1
-            red = same.reduce
+            moved, last = pos0 - same.pos0, same.step
+            red = last.reduce
             if red is not None:
-                red = ReduceStep(red.mean_src, red.mean_len, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
-                                 red.acct_counts, red.last_slots, pos[red.last_pos])
-            return StepPlan(same.request_ids, same.sites, same.starts, same.ends, pos[same.t], same.masks,
-                            len(same.t), 0, recomputed, len(same.flat) if same.lens is None else int(same.lens.sum()),
-                            red, same.pool_rows, same.base)
+                red = replace(red, last_pos=red.last_pos + moved[same.last_req])
+            same.pos0, same.step = pos0, replace(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed,
+                                                 reduce=red)
+            return same.step
         self._same = None
         plans = [r.plan for r in reqs]
         shape = (count, tok0, e0, e1)
@@ -277,7 +280,7 @@ class CapturePlanner:
         t, c = np.nonzero(masks)
         if not len(t) and red is None:
             self._upload(np.zeros(0, np.int64))
-            return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, 0, recomputed)
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
         key = owner[t] * len(union) + c
         order = np.argsort(key, kind="stable")  # request, then site, then token (nonzero is token-major)
         t, c, key = t[order], c[order], key[order]
@@ -295,24 +298,25 @@ class CapturePlanner:
         batch_of = idx[lv][owner_of].tolist()
         flat = union[c[:kept]] * self.width + tok[t[:kept]]
         rows = np.arange(kept, dtype=np.int64)
-        red_step = red_same = None
+        red_step, last_req = None, _NONE
         red_dropped = fresh = 0
         if red is not None:
-            flat, rows, red_step, red_same, red_dropped, fresh = self._place_reduced(red, flat, rows, kept, union, tok,
+            flat, rows, red_step, last_tok, red_dropped, fresh = self._place_reduced(red, flat, rows, kept, union, tok,
                                                                                      pos, reqs)
+            last_req = owner[last_tok]
         base = self._place(kept + fresh)
         if base:
             rows = self._shift(rows, base)
-            for r in {id(x): x for x in (red_step, red_same) if x is not None}.values():
-                r.mean_src, r.copy_src = self._shift(r.mean_src, base), self._shift(r.copy_src, base)
+            if red_step is not None:
+                red_step.mean_src, red_step.copy_src = self._shift(red_step.mean_src, base), self._shift(red_step.copy_src,
+                                                                                                          base)
         self._upload(flat, rows)
         step = StepPlan([req_ids[i] for i in batch_of], [sites[i] for i in col_of.tolist()], heads.tolist(),
-                        ends.tolist(), cell_pos[:kept], cell_masks[:kept], kept, len(t) - kept + red_dropped,
-                        recomputed, len(flat), red_step, kept + fresh, base)
+                        ends.tolist(), np.ones(kept, np.int64), cell_pos[:kept], cell_masks[:kept], kept,
+                        len(t) - kept + red_dropped, recomputed, len(flat), red_step, kept + fresh, base)
+        step.__dict__["_cells"] = (step.run_pos, step.run_mask)  # a cell a run
         if kept == len(t) and not red_dropped and not any(p.explicit for p in plans):  # the next step may be the same
-            cell_masks.flags.writeable = False  # shared by the steps that reuse it
-            self._same = _Same(list(map(id, reqs)), reqs, *shape, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks, rows, red_same, step.pool_rows, base)
+            self._same = _Same(list(map(id, reqs)), reqs, *shape, pos0, step, owner[t], last_req, flat, rows, None)
         return step
 
     def _drop_tail(self, reqs: list, kept: int, heads: np.ndarray, ends: np.ndarray, owner_of: np.ndarray,
@@ -360,11 +364,8 @@ class CapturePlanner:
         r_len = run_n.ravel()[runs]
         r_req, r_rest = np.divmod(runs, 3 * n_col)
         r_col, r_cls = np.divmod(r_rest, 3)
-        r_cell = np.cumsum(r_len) - r_len
-        # cell i of a run is the request's planned token seg_a + i: its index among the step's planned tokens
-        t = np.arange(total, dtype=np.int64) - np.repeat(r_cell - seg_a[r_req, r_cls] - starts[r_req], r_len)
-        cell_masks = np.repeat(kept_bits[r_req, r_cls, r_col], r_len)
-        cell_pos = t + np.repeat(pos0[r_req] - starts[r_req], r_len)
+        r_pos = pos0[r_req] + seg_a[r_req, r_cls]
+        r_mask = kept_bits[r_req, r_cls, r_col]
         # each group's first local token (its first class with cells) and its first plan cell: a group is one run
         g_a = seg_a[owner_of, np.argmax(run_n.reshape(-1, 3)[groups] > 0, axis=1)]
         g_flat = union[g_col] * self.width + tok0[owner_of] + g_a
@@ -381,35 +382,34 @@ class CapturePlanner:
         ends = heads + g_len
         col_of = union[g_col]
         if kept < total:
-            heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of, cell_pos,
-                                                            cell_masks)
-            t, cell_pos, cell_masks = t[:kept], cell_pos[:kept], cell_masks[:kept]
+            heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of,
+                                                            *cells_of_runs(r_len, r_pos, r_mask))
+            r_cell = np.cumsum(r_len) - r_len
+            whole = r_cell < kept
+            r_req, r_pos, r_mask = r_req[whole], r_pos[whole], r_mask[whole]
+            r_len = np.minimum(r_len[whole], kept - r_cell[whole])
         fresh = int(red[2].sum()) if red is not None else 0
         if not kept and not fresh and red is None:
             self._upload(_NONE)
-            return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, dropped, recomputed)
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, dropped, recomputed)
         base = self._place(kept + fresh)
         flat, rows, lens = g_flat[: len(heads)], heads + base, ends - heads  # the plan's runs: the groups' cells
-        red_step = red_same = None
+        red_step, last_req = None, _NONE
         if red is not None:
             (f_flat, f_rows, f_len, d_flat, d_rows, mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n,
-             l_slot, l_t) = red
+             l_slot, last_req, l_pos) = red
             flat = np.concatenate((flat, f_flat, d_flat))
             rows = np.concatenate((rows, f_rows + base, d_rows))
             lens = np.concatenate((lens, f_len, np.ones(len(d_flat), np.int64)))
             mean_src, copy_src = mean_src + base, copy_src + base
-            red_step = ReduceStep(mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot,
-                                  _expand(pos0, count, starts)[l_t] if len(l_t) else _NONE)
-            red_same = ReduceStep(mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_t)
+            red_step = ReduceStep(mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_pos)
         self._upload(flat, rows, lens)
         sites = self.sites
         step = StepPlan([req_ids[i] for i in batch[owner_of].tolist()], [sites[i] for i in col_of.tolist()],
-                        heads.tolist(), ends.tolist(), cell_pos, cell_masks, kept, dropped, recomputed,
+                        heads.tolist(), ends.tolist(), r_len, r_pos, r_mask, kept, dropped, recomputed,
                         int(lens.sum()), red_step, kept + fresh, base)
         if not dropped:  # the next step may be the same
-            cell_masks.flags.writeable = False  # shared by the steps that reuse it
-            self._same = _Same(list(map(id, reqs)), reqs, *shape, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks, rows, red_same, step.pool_rows, base, lens)
+            self._same = _Same(list(map(id, reqs)), reqs, *shape, pos0, step, r_req, last_req, flat, rows, lens)
         return step
 
     def _reduce_ranges(self, plans: list[RequestPlan], red_mask: np.ndarray, tables: np.ndarray, seg_a: np.ndarray,
@@ -459,7 +459,7 @@ class CapturePlanner:
             f_rows, f_len = mean_src[fresh], mean_len[fresh]
             f_flat = union[pcol[fresh]] * width + tok0[pk[fresh]] + pa[fresh]
             acct_s, acct_n = ms, mb - ma
-        d_flat = d_rows = copy_src = copy_dst = l_slot = l_t = gs = gn = _NONE
+        d_flat = d_rows = copy_src = copy_dst = l_slot = lk = l_pos = gs = gn = _NONE
         if not is_mean.all():
             last = ~is_mean
             lk, lc, la, lb, l_slot = k[last], cs[last], a[last], b[last], sl[last]
@@ -471,10 +471,10 @@ class CapturePlanner:
             copy_src, copy_dst = (heads[g] + lt - ga)[inside], target[inside]
             d_flat = (union[lc] * width + tok0[lk] + lt)[~inside]
             d_rows = target[~inside]
-            l_t = starts[lk] + lt
+            l_pos = pos0[lk] + lt
             gs, gn = l_slot, lb - la
         return (f_flat, f_rows, f_len, d_flat, d_rows, mean_src, mean_len, mean_slot, copy_src, copy_dst,
-                np.concatenate((acct_s, gs)), np.concatenate((acct_n, gn)), l_slot, l_t)
+                np.concatenate((acct_s, gs)), np.concatenate((acct_n, gn)), l_slot, lk, l_pos)
 
     def _place(self, n: int) -> int:
         """Where a newly planned step's ``n`` rows start: right after the last placed step's, or at 0 when they do
@@ -578,12 +578,10 @@ class CapturePlanner:
             copy = src != target
             copy_src, copy_dst = src[copy], target[copy]
         last_slots, last_tok = red["ls"], red["lt"]
-        ones = np.ones(len(mean_src), np.int64)
-        step = ReduceStep(mean_src, ones, mean_slot, copy_src, copy_dst, np.concatenate((m_slots, red["gs"])),
-                          np.concatenate((m_counts, red["gn"])), last_slots, pos[last_tok])
-        same = ReduceStep(mean_src, ones, mean_slot, copy_src, copy_dst, step.acct_slots, step.acct_counts, last_slots,
-                          last_tok)
-        return flat, rows, step, same, dropped, room
+        step = ReduceStep(mean_src, np.ones(len(mean_src), np.int64), mean_slot, copy_src, copy_dst,
+                          np.concatenate((m_slots, red["gs"])), np.concatenate((m_counts, red["gn"])), last_slots,
+                          pos[last_tok])
+        return flat, rows, step, last_tok, dropped, room
 
     def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None, lens: np.ndarray | None = None) -> None:
         """Make the device plan hold ``rows[i] + j`` at cell ``flat[i] + j`` for j < ``lens[i]`` (runs; default one

@@ -64,7 +64,8 @@ class ReduceRegion:
         """``n`` slots (their counts reset), or None when fewer are free."""
         if n > len(self._free):
             return None
-        slots = np.array([self._free.pop() for _ in range(n)], np.int64)
+        slots = np.array(self._free[: -n - 1 : -1] if n else (), np.int64)  # the last n, last first (as pop)
+        del self._free[len(self._free) - n :]
         self.count[slots] = 0
         self.last[slots] = -1
         return slots
