@@ -349,7 +349,8 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                                    if same_sites else _random_spec(rng, 30, False))
             for rt in pair:
                 rt.add_request(rid, capture, prompt_len)
-            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len, "capture": capture, "seen": set()}
+            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len, "capture": capture,
+                         "seen": set()}
         if not live:
             continue
         req_ids, scheduled, computed, budget = [], [], [], 256

@@ -6,30 +6,36 @@ consumer bitmask each of this rank's sites wants (``[3, n_sites]``; the position
 ``all``/``all_prompt``/``last_prompt``/``all_generated`` depend on nothing else), plus the few
 specs with explicit positions. Sites other ranks hook are left out there.
 
-Per step (``CapturePlanner.plan``), numpy over the capturing requests of the batch only: their tokens
-(positions already planned once are skipped: the preemption rule, ``planned_upto``), each token's
-class, the masks gathered from the requests' tables, and the captured (request, site, token) cells
-in request (batch) order, then site, then token. They take pool rows in that order; past
-``max_rows`` the rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a
-ring: a step's rows start where the last planned step's ended, or at row 0 when they do not fit before
-``max_rows`` (``_place``), so the next step's forward does not overwrite rows still being copied to the host. Python runs once per
-capturing request and once per (request, site) group, never per token or per site of the table. A
-step with last step's shape (the same requests in the same order, token counts, position classes and
-batch slots, no explicit positions, nothing dropped) reuses its cells: only the positions move.
+Per step (``CapturePlanner.plan``), over the capturing requests of the batch only (positions already
+planned once are skipped: the preemption rule, ``planned_upto``), the captured (request, site, token) cells
+in request (batch) order, then site, then token. They take pool rows in that order; past ``max_rows`` the
+rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a ring: a step's rows
+start where the last planned step's ended, or at row 0 when they do not fit before ``max_rows``
+(``_place``), so the next step's forward does not overwrite rows still being copied to the host.
+
+Most steps are planned from ranges (``_plan_ranges``: no explicit positions, at most one device-reduced
+consumer a request, s31): a request's tokens fall in its position classes as three consecutive ranges and
+every position mode selects consecutive classes, so each (request, site) group is one range of tokens and
+pool rows, made of at most three runs of one consumer mask. Numpy runs over requests and (request, site)
+groups only; nothing is built per cell on the main thread: the step's cells go to the device plan, the
+reduce and the consumers' process as runs, each expanded where it is used. Other steps take the general path
+(per-token masks from the requests' tables, their explicit positions, ``nonzero`` and a sort), as before. A
+step with last step's shape (the same requests in the same order, token counts, position classes and batch
+slots, no explicit positions, nothing dropped) reuses its runs: only the positions move.
 
 Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
-``red_bits``, ``red_slot``) leave the cells first (``_take_reduced``): a ``last`` consumer keeps only its
-last selected token per site, planned straight to its slot's pool row (or, when that token already has
-a row, a copy from it after the forward); a ``mean`` consumer's tokens share the other consumers' rows
-or take new step rows after them, and become (row -> slot) adds after the forward. Neither reaches the
-entries: nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
+``red_bits``, ``red_slot``) leave the cells first: a ``last`` consumer keeps only its last selected token per
+site, planned straight to its slot's pool row (or, when that token already has a row, a copy from it after
+the forward); a ``mean`` consumer's tokens share the other consumers' rows or take new step rows after them,
+and become (rows -> slot) adds after the forward, as runs of consecutive rows. Neither reaches the entries:
+nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
 
-The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step sends only its
-cells (flat index, row) and the resets of last step's cells it does not set again, in one copy from
-a persistent pinned ring into a persistent device staging buffer, then one ``index_copy_`` into the
-plan (both on the current stream, before the forward, outside any graph): two device ops (the copy
-and the ``index_copy_``) a step whose plan changed, none when it is the same as last step's (steady
-decode of a stable batch) or idle.
+The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step whose plan changed
+resets last upload's cells (``index_fill_`` from their indices, kept on the device), then sends its runs
+(first cell, first row, cells: 3 words each) in one copy from a persistent pinned ring into a persistent
+device staging buffer, expands them there (``repeat_interleave``) and ``index_copy_``s the rows into the
+plan (on the current stream, before the forward, outside any graph): a handful of device ops a step whose
+plan changed, none when it is the same as last step's (steady decode of a stable batch) or idle.
 """
 
 from __future__ import annotations
@@ -234,7 +240,8 @@ class CapturePlanner:
         starts = np.cumsum(count) - count
         prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
         pos0, tok0 = first + skip, offsets[idx[lv]] + skip  # each request's first token to plan
-        # its tokens' position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it, [e1, count) generated
+        # its tokens' position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it,
+        # [e1, count) generated
         e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
@@ -247,8 +254,8 @@ class CapturePlanner:
             red = last.reduce
             if red is not None:
                 red = replace(red, last_pos=red.last_pos + moved[same.last_req])
-            same.pos0, same.step = pos0, replace(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed,
-                                                 reduce=red)
+            same.pos0 = pos0
+            same.step = replace(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed, reduce=red)
             return same.step
         self._same = None
         plans = [r.plan for r in reqs]
@@ -308,8 +315,8 @@ class CapturePlanner:
         if base:
             rows = self._shift(rows, base)
             if red_step is not None:
-                red_step.mean_src, red_step.copy_src = self._shift(red_step.mean_src, base), self._shift(red_step.copy_src,
-                                                                                                          base)
+                red_step.mean_src = self._shift(red_step.mean_src, base)
+                red_step.copy_src = self._shift(red_step.copy_src, base)
         self._upload(flat, rows)
         step = StepPlan([req_ids[i] for i in batch_of], [sites[i] for i in col_of.tolist()], heads.tolist(),
                         ends.tolist(), np.ones(kept, np.int64), cell_pos[:kept], cell_masks[:kept], kept,
