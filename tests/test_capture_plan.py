@@ -263,6 +263,15 @@ def test_plain_requests_plan_and_hand_off_nothing(monkeypatch):
     SteeringRuntime.plan_capture(host, ["x"], np.array([3]), np.array([0]))
     rt.after_forward()
     assert calls == ["plan_step", "_hand_off"] and live.capture_live is True
+    rt.finish_request("x")
+    # a prompt-only capture ends with its prefill: the plan is cleared after that forward, the next step is idle
+    rt.add_request("y", {"a": {**spec, "positions": "all_prompt"}}, prompt_len=3, max_tokens=1)
+    SteeringRuntime.plan_capture(host, ["y"], np.array([3]), np.array([0]))
+    assert (rt.buffers.plan.numpy() >= 0).sum() == 3
+    rt.after_forward()
+    assert not rt._requests and not rt.active and (rt.buffers.plan.numpy() == -1).all()
+    SteeringRuntime.plan_capture(host, ["p"], np.array([3]), np.array([0]))
+    assert calls == ["plan_step", "_hand_off"] * 2
 
 
 class SimpleRuntime:

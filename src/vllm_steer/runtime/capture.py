@@ -443,12 +443,16 @@ class CaptureRuntime:
         wants generated tokens with the step that samples its ``max_tokens``-th token, not one or two engine
         steps after the request's last token (the finished id reaches the runner with a later step: under async
         scheduling two). The response waits for those results; a request that stops earlier (EOS, a stop
-        string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do."""
+        string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do.
+        When that left no request capturing, the device plan is cleared now (after the forward, on its stream), so a
+        next step without captures is idle (``active`` False: no ``plan_step``)."""
         if self._pending is not None or self._red_step is not None:
             self._hand_off()
         if self._complete:
             done, self._complete = self._complete, []
             self.finish_requests(done, early=True)
+            if not self._requests:
+                self._planner.clear()
 
     def _hand_off(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).

@@ -208,6 +208,11 @@ class CapturePlanner:
         """Whether the device plan holds cells of an earlier step (a later step must clear them)."""
         return bool(self._last_cells)
 
+    def clear(self) -> None:
+        """Every cell of the device plan back to -1 (no request captures any more)."""
+        self._same = None
+        self._upload(_NONE)
+
     def plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
              num_computed: np.ndarray) -> StepPlan:
         """Plan a step (``requests``: id -> request with ``plan``, ``prompt_len``, ``planned_upto``,
