@@ -52,7 +52,7 @@ class ReduceRegion:
         self._src = torch.empty(max_pairs, dtype=torch.int64, device=device)  # the runs' rows, expanded on the device
         self._iota = torch.arange(max_pairs, dtype=torch.int64, device=device)
         self._gidx = torch.empty(2 * rows, dtype=torch.int64, device=device)  # a finish's gather
-        self._pairs = np.zeros(0, np.int64)  # the pairs _idx was staged from (mean src, mean slot, copy src, dst)
+        self._pairs = np.zeros(0, np.int64)  # what _idx was staged from (counts, mean runs, copies)
         self._n_runs = self._n_seg = 0
         self.index_uploads = 0
 
@@ -86,7 +86,7 @@ class ReduceRegion:
         n_mean = int(mean_len.sum()) if n_runs else 0
         if not n_mean and not n_copy:
             return
-        pairs = np.concatenate((mean_src, mean_len, mean_slot, copy_src, copy_dst))
+        pairs = np.concatenate(([n_runs, n_copy], mean_src, mean_len, mean_slot, copy_src, copy_dst))
         if not np.array_equal(pairs, self._pairs):
             src, lens, slots = mean_src, mean_len, mean_slot
             heads = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if n_runs else slots
