@@ -16,10 +16,14 @@ wall and thread CPU time of the main thread (wall - CPU: waiting, for the GIL or
 the worker's other threads (notifier, reader) and of the consumers' process, from ``/proc``. On the CPU the ring
 copy would run on the main thread (on a GPU it is a D2H on the copy stream): ``--cpu-copy`` keeps it, the default
 leaves it out so the numbers are the host work a GPU step has. ``--hidden`` sizes rows (the main thread's work does
-not depend on it without the copy; the consumers' process writes the rows). ``--baseline DIR``: also an older
-``runtime/capture.py`` + ``capture_plan.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
-step of each arm run on both, interleaved, in this process. ``--device cuda`` (a GPU host): the runtime on the GPU,
-the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread waits for.
+not depend on it without the copy; the consumers' process writes the rows). The CPU runs the device ops (the
+plan's upload, the mean reduce) inline: their time is in the phases (``OMP_NUM_THREADS=1`` on the shared box, where
+two OMP threads made each op ~100x slower); ``--launch-us 6`` counts each torch op of the main thread as 6 us
+(a GPU launch) instead and leaves the segmented add out: the host work a GPU step has. ``--baseline DIR``: also an
+older ``runtime/capture.py`` + ``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder,
+e.g. from ``git archive``), each step of each arm run on both, interleaved, in this process. ``--device cuda`` (a
+GPU host): the runtime on the GPU, the ring copy on its copy stream as in the engine, the GPU time a
+``torch.cuda._sleep`` the main thread waits for.
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--steps 40 --hidden 256 --baseline DIR --out FILE.json]
 """
@@ -56,6 +60,40 @@ def _python_work(n: int) -> int:
     return acc
 
 
+_OPS_S = [0.0]  # CPU seconds the main thread spent running torch ops, less their launch cost (--launch-us)
+
+
+def _thread_time() -> float:
+    return time.thread_time() - _OPS_S[0]
+
+
+def _count_launches(launch_us: float) -> None:
+    """On the CPU the device ops (the plan's upload, the reduce) run inline on the main thread: count each torch
+    op the main thread calls as ``launch_us`` (a GPU launch's host cost) instead of its CPU time, and leave the
+    segmented add out, so the main thread's numbers are the host work a GPU step has."""
+    main = threading.get_ident()
+
+    def wrap(f):
+        def op(*a, **k):
+            if threading.get_ident() != main:
+                return f(*a, **k)
+            t0 = time.thread_time()
+            out = f(*a, **k)
+            _OPS_S[0] += time.thread_time() - t0 - launch_us * 1e-6
+            return out
+        return op
+
+    from vllm_steer.kernels import capture_reduce as kernel
+    from vllm_steer.runtime import capture_reduce
+
+    kernel.segment_add = capture_reduce.segment_add = wrap(lambda *a, **k: None)
+    for name in ("index_fill_", "index_copy_", "index_select", "copy_", "to", "float", "__add__", "fill_",
+                 "index_add_"):
+        setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+    for name in ("repeat_interleave", "add", "where"):
+        setattr(torch, name, wrap(getattr(torch, name)))
+
+
 def _calibrate(ms: float) -> int:
     n = 100_000
     t0 = time.thread_time()
@@ -84,18 +122,25 @@ def _cpu_of(pid: int) -> float:
 
 
 def _load_baseline(folder: str):
-    """An older ``runtime/capture.py`` built on its own ``capture_plan.py``: the CaptureRuntime class."""
-    saved = sys.modules.get("vllm_steer.runtime.capture_plan")
+    """An older ``runtime/capture.py`` built on its own ``capture_plan.py`` and ``capture_reduce.py``: the
+    CaptureRuntime class."""
+    names = ("capture_plan", "capture_reduce", "capture")
+    saved = {n: sys.modules.get(f"vllm_steer.runtime.{n}") for n in names}
     mods = {}
     try:
-        for name in ("capture_plan", "capture"):
+        for name in names:
             spec = importlib.util.spec_from_file_location(f"baseline_{name}", os.path.join(folder, f"{name}.py"))
             mod = mods[name] = importlib.util.module_from_spec(spec)
             sys.modules[f"baseline_{name}"] = mod
-            sys.modules["vllm_steer.runtime.capture_plan"] = mods["capture_plan"]  # what its capture.py imports
+            sys.modules[f"vllm_steer.runtime.{name}"] = mod  # what the next ones import
             spec.loader.exec_module(mod)
     finally:
-        sys.modules["vllm_steer.runtime.capture_plan"] = saved
+        for name, mod in saved.items():
+            sys.modules[f"vllm_steer.runtime.{name}"] = mod
+    step = mods["capture_plan"].StepPlan
+    if "run_len" not in step.__dataclass_fields__:  # before s31 the wire sent cells, the consumers' process now runs
+        cells = step.wire
+        step.wire = lambda self: (*cells(self)[:4], np.ones(len(self.positions), np.int64), *cells(self)[4:])
     return mods["capture"]
 
 
@@ -109,11 +154,15 @@ def main() -> None:
     ap.add_argument("--cpu-copy", action="store_true")
     ap.add_argument("--baseline")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--launch-us", type=float, help="CPU: a torch op of the main thread costs this, not its run")
     ap.add_argument("--out")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and not args.cpu_copy:
-        capture_lanes._copy_into = lambda dst, rows, stream: None  # a GPU's copy is on the copy stream, not here
+        # a GPU's copy is on the copy stream, not here
+        capture_lanes._copy_into = lambda dst, rows, stream, keep=False: None
+    if args.launch_us is not None:
+        _count_launches(args.launch_us)
     root = tempfile.mkdtemp(prefix="prefill_host_")
     fs = {"name": "filesystem", "params": {"root": root, "threads": 4, "fsync": False}}
     cfg = SteerConfig.model_validate({"capture": ["activations", fs], "capture_max_rows": MAX_ROWS})
@@ -149,11 +198,11 @@ def main() -> None:
                 ids = [f"{v}{arm}{k}r{i}" for i in range(N)]
                 others0 = {t: x for t, (_, x) in _thread_cpu(me).items() if t != main_tid}
                 host0 = _cpu_of(host_pid)
-                wall0, cpu0 = time.perf_counter(), time.thread_time()
+                wall0, cpu0 = time.perf_counter(), _thread_time()
                 marks = []
 
                 def mark(name: str) -> None:
-                    marks.append((name, time.perf_counter(), time.thread_time()))
+                    marks.append((name, time.perf_counter(), _thread_time()))
 
                 if specs[arm] is not None:
                     for r in ids:

@@ -123,14 +123,18 @@ def _random_spec(rng, n_explicit_max, explicit=True):
     return raw
 
 
+@pytest.mark.parametrize("ranges", [True, False], ids=["ranges", "general"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_batches_match_the_reference(monkeypatch, seed):
+def test_random_batches_match_the_reference(monkeypatch, seed, ranges):
+    """Steps without explicit positions are planned from ranges (``ranges``) or by the general path: both
+    equal the reference."""
     rng = random.Random(seed)
     all_sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
     # this rank hooks a subset (another stage holds the rest): specs naming those are skipped here
     sites = all_sites if seed % 2 else [s for s in all_sites if s[1] < 3]
     max_rows, max_tokens = rng.choice([12, 40, 4096]), 64
     rt = _runtime(monkeypatch, sites, max_rows, max_tokens)
+    rt._planner.ranges = ranges
     ref = Reference(sites, rt.buffers.plan.shape[1], max_rows)
     live: dict[str, dict] = {}  # rid -> prompt_len, computed, generated, specs (the reference's copy)
     next_id = 0
@@ -191,6 +195,7 @@ def test_random_batches_match_the_reference(monkeypatch, seed):
                     del live[rid]
     if steady:
         assert rt._planner.reused > 0  # the steps planned as last step's cells were checked above
+        assert (rt._planner.ranged > 0) == ranges
     for rid, parts in ref.dropped.items():  # the drops each request recorded, per site and consumer
         req = rt._requests.get(rid)
         if req is None:
@@ -258,6 +263,15 @@ def test_plain_requests_plan_and_hand_off_nothing(monkeypatch):
     SteeringRuntime.plan_capture(host, ["x"], np.array([3]), np.array([0]))
     rt.after_forward()
     assert calls == ["plan_step", "_hand_off"] and live.capture_live is True
+    rt.finish_request("x")
+    # a prompt-only capture ends with its prefill: the plan is cleared after that forward, the next step is idle
+    rt.add_request("y", {"a": {**spec, "positions": "all_prompt"}}, prompt_len=3, max_tokens=1)
+    SteeringRuntime.plan_capture(host, ["y"], np.array([3]), np.array([0]))
+    assert (rt.buffers.plan.numpy() >= 0).sum() == 3
+    rt.after_forward()
+    assert not rt._requests and not rt.active and (rt.buffers.plan.numpy() == -1).all()
+    SteeringRuntime.plan_capture(host, ["p"], np.array([3]), np.array([0]))
+    assert calls == ["plan_step", "_hand_off"] * 2
 
 
 class SimpleRuntime:

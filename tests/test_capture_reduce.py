@@ -38,12 +38,12 @@ def runtimes():
         rt.close()
 
 
-def _runtime(monkeypatch, runtimes, sites, reduce_rows):
+def _runtime(monkeypatch, runtimes, sites, reduce_rows, max_tokens=64):
     classes = {"activations": ActivationStats, "sink": Sink}
     monkeypatch.setattr(capture_mod, "consumer_class", lambda name: classes[name])
     cfg = SteerConfig.model_validate({"capture": ["sink", "activations", {"name": "activations", "instance": "act2"}],
                                       "capture_reduce_rows": reduce_rows, "hooks": list(HOOKS)})
-    rt = capture_mod.CaptureRuntime(cfg, sites, NUM_LAYERS, 64, HIDDEN, torch.float32, torch.device("cpu"))
+    rt = capture_mod.CaptureRuntime(cfg, sites, NUM_LAYERS, max_tokens, HIDDEN, torch.float32, torch.device("cpu"))
     runtimes.append(rt)
     got: dict[str, dict] = {}
     rt._send = lambda key, reply, requests, results: got.setdefault(key, {}).update(results)
@@ -311,3 +311,103 @@ def test_ends_handed_over_together_share_one_copy_or_lose_it_together(monkeypatc
     run(["r4", "r5"], "mean")
     assert rt.stats["ring_full"] == 1 and rt._reduce.free == 2048
     assert got["r4"] == got["r5"] == {}  # final messages without a result
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
+    """``CapturePlanner._plan_ranges`` (a step without explicit positions, one device-reduced consumer a request)
+    against ``plan``'s general path on the same random request mixes: prefill chunks long and short, decode, a
+    per-step consumer's cells inside, around or apart from a reduced consumer's, a pool that overflows. Each step:
+    the same entries, rows, drops and base; the same device plan, fresh mean rows aside (any row for each such
+    cell); after the simulated forward the same pool rows handed off, the same mean sums, last rows, counts and
+    last positions."""
+    rng = random.Random(seed)
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    max_rows = (200, 4096)[seed % 2]
+    pair = []
+    for ranges in (True, False):
+        rt, _ = _runtime(monkeypatch, runtimes, sites, 2048, max_tokens=256)
+        rt._planner.ranges = ranges
+        rt._planner.max_rows = max_rows
+        pair.append(rt)
+    fast, slow = pair
+    live: dict[str, dict] = {}
+    next_id = 0
+    for step in range(40):
+        while len(live) < 8 and rng.random() < 0.5:
+            rid, prompt_len = f"r{next_id}", rng.randint(1, 60)
+            next_id += 1
+            capture = {}
+            if rng.random() < 0.8:
+                capture[rng.choice(["activations", "act2"])] = {**_random_spec(rng, 30, False),
+                                                                 "reduce": rng.choice(["last", "mean"])}
+            if rng.random() < 0.6:
+                red = next(iter(capture.values()), None)
+                same_sites = red is not None and rng.random() < 0.5
+                capture["sink"] = ({**{k: v for k, v in red.items() if k not in ("reduce", "positions")},
+                                    "positions": rng.choice(["all", "all_prompt", "all_generated", "last_prompt"])}
+                                   if same_sites else _random_spec(rng, 30, False))
+            for rt in pair:
+                rt.add_request(rid, capture, prompt_len)
+            live[rid] = {"prompt_len": prompt_len, "computed": 0, "total": prompt_len, "capture": capture,
+                         "seen": set()}
+        if not live:
+            continue
+        req_ids, scheduled, computed, budget = [], [], [], 256
+        for rid in live:
+            st = live[rid]
+            left = st["total"] - st["computed"]
+            n = min(left, rng.randint(1, 64), budget) if left > 1 else 1
+            if n <= 0 or budget <= 0:
+                continue
+            req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
+            budget -= n
+        scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
+        for rt in pair:
+            rt.plan_step(req_ids, scheduled, computed)
+        a, b = fast._pending, slow._pending
+        assert (a is None) == (b is None), step
+        if a is not None:
+            assert list(a.entries()).__repr__() == list(b.entries()).__repr__(), step
+            assert (a.rows, a.dropped_rows, a.base) == (b.rows, b.dropped_rows, b.base), step
+        assert (fast._rows_used, fast.stats["dropped_rows"]) == (slow._rows_used, slow.stats["dropped_rows"]), step
+        pa, pb = fast.buffers.plan.numpy(), slow.buffers.plan.numpy()
+        lo, slots = (a.base + a.rows if a is not None else 0), fast._planner.reduce_base
+        fresh_a, fresh_b = (pa >= lo) & (pa < slots), (pb >= lo) & (pb < slots)  # fresh mean rows: any order
+        assert np.array_equal(np.where(fresh_a, -2, pa), np.where(fresh_b, -2, pb)), step
+        for rt in pair:
+            _forward(rt, req_ids, scheduled, computed)
+        if a is not None:
+            n = a.rows
+            assert torch.equal(fast.buffers.pool[a.base : a.base + n], slow.buffers.pool[b.base : b.base + n])
+        for rt in pair:
+            red, rt._red_step, rt._pending = rt._red_step, None, None
+            if red is not None:  # the hand-off's reduce (its rows to the consumers are compared above)
+                rt._reduce.apply(red.mean_src, red.mean_len, red.mean_slot, red.copy_src, red.copy_dst)
+        ra, rb = fast._reduce, slow._reduce
+        torch.testing.assert_close(ra.acc, rb.acc, rtol=1e-6, atol=1e-6)
+        assert torch.equal(fast.buffers.pool[slots:], slow.buffers.pool[slots:]), step  # the last slots
+        assert np.array_equal(ra.count, rb.count) and np.array_equal(ra.last, rb.last), step
+        for rid, n, first in zip(req_ids, scheduled.tolist(), computed.tolist()):
+            st = live[rid]
+            st["seen"].update(range(first, first + n))
+            req = fast._requests.get(rid)  # a capture that ended with its last wanted position has left
+            plan = req.plan if req is not None else None
+            if plan is not None and plan.red_mask:  # each slot counted every selected position it was not dropped
+                bit = plan.red_bits[0]  # at (the pool overflowed), a last slot holds the highest
+                raw = st["capture"][fast.consumers[bit][0]]
+                sel = {p for p in st["seen"] if MODES[raw["positions"]](p, st["prompt_len"])}
+                for col in np.flatnonzero(plan.red_slot[0] >= 0).tolist():
+                    slot = int(plan.red_slot[0][col])
+                    lost = {p for ps, ms in req.dropped.get(sites[col], []) for p in ps[(ms & bit) != 0].tolist()}
+                    kept = sel - lost
+                    last = max(kept, default=-1) if raw["reduce"] == "last" else -1
+                    assert (ra.count[slot], ra.last[slot]) == (len(kept), last), (step, rid)
+            st["computed"] = first + n
+            if st["computed"] >= st["total"]:
+                st["total"] += 1
+                if st["total"] - st["prompt_len"] > rng.randint(2, 12):
+                    for rt in pair:
+                        rt.finish_requests([rid])
+                    del live[rid]
+    assert fast._planner.ranged > 10 and slow._planner.ranged == 0

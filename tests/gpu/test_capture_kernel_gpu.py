@@ -82,10 +82,12 @@ def test_capture_in_the_norm_matches_naive(n, d, variant):
     assert torch.equal(alone[0], outs[0][0]) and torch.equal(alone[1], outs[0][1])
 
 
-@pytest.mark.parametrize("rows,slots", [(64, 64), (32768, 128)], ids=["decode", "prefill"])
-def test_capture_reduce_segment_add_matches_per_slot_sums(rows, slots):
+@pytest.mark.parametrize("rows,slots,runs", [(64, 64, False), (32768, 128, False), (32768, 128, True)],
+                         ids=["decode", "prefill", "prefill-runs"])
+def test_capture_reduce_segment_add_matches_per_slot_sums(rows, slots, runs):
     """The mean consumers' per-step add (``ReduceRegion.apply`` -> the Triton segmented sum) at a decode step's shape
-    (one row a slot) and a prefill step's (256 rows a slot, sources shuffled), against float64 per-slot sums."""
+    (one row a slot) and a prefill step's (256 rows a slot: sources shuffled one by one, or as a ranged plan gives
+    them, runs of consecutive rows expanded on the device), against float64 per-slot sums."""
     import numpy as np
 
     from vllm_steer.runtime.capture_reduce import ReduceRegion
@@ -95,11 +97,18 @@ def test_capture_reduce_segment_add_matches_per_slot_sums(rows, slots):
     pool = torch.randn(rows + slots, d, device="cuda", generator=g).to(torch.bfloat16)
     region = ReduceRegion(slots, rows, pool, rows)
     slot_ids = region.alloc(slots)
+    per = rows // slots
     src = np.random.default_rng(rows).permutation(rows).astype(np.int64)
-    dst = np.repeat(slot_ids, rows // slots)
+    dst = np.repeat(slot_ids, per)
     empty = np.zeros(0, np.int64)
-    region.apply(src, dst, empty, empty)
-    region.apply(src, dst, empty, empty)  # the same pairs: nothing staged again, added twice
+    if runs:  # slot i's rows: a run of ``per`` rows starting at a shuffled multiple of ``per``
+        first = np.random.default_rng(1).permutation(slots).astype(np.int64) * per
+        src = (first[:, None] + np.arange(per)).ravel()
+        args = (first, np.full(slots, per, np.int64), slot_ids, empty, empty)
+    else:
+        args = (src, np.ones(rows, np.int64), dst, empty, empty)
+    region.apply(*args)
+    region.apply(*args)  # the same pairs: nothing staged again, added twice
     assert region.index_uploads == 1
     want = torch.zeros(slots + 1, d, dtype=torch.float64, device="cuda")
     want.index_add_(0, torch.as_tensor(dst, device="cuda"), 2 * pool[torch.as_tensor(src, device="cuda")].double())

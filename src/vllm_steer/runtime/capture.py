@@ -184,6 +184,9 @@ class CaptureRuntime:
         self._host = CaptureHost(self, hosted, RING_STEPS * cfg.capture_max_rows, hidden, dtype, device,
                                  MAX_QUEUED_ROW_PACKETS, MAX_QUEUED_FINISHES) if hosted else None
         self._lanes: dict[int, Lane] = self._host.lanes if self._host else {}
+        # bit -> class of the consumers hosted here that may reduce on the device
+        self._reducers = {bit: cls for bit, (_, cls) in self.consumers.items() if bit in self._lanes
+                          and reduces_on_device(cls)}
         for bit, raw in (self._host.global_specs if self._host else {}).items():
             spec = parse_capture_spec(self.consumers[bit][0], raw, num_layers, self.hooks) if raw else None
             if spec is not None and self._runs_here(bit, spec):
@@ -269,15 +272,11 @@ class CaptureRuntime:
         """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank);
         too few free: they get rows step by step instead (``reduce_fallbacks``)."""
         wanted = []
-        for bit, spec in req.specs.items():
-            entry = self.consumers.get(bit)
-            mode = (entry[1].device_reduce(spec.params)
-                    if entry is not None and bit in self._lanes and reduces_on_device(entry[1]) else None)
-            if mode not in MODES:
-                continue
-            cols = np.unique([self.buffers.site_index[s] for s in spec.sites if s in self.buffers.site_index])
-            if len(cols):
-                wanted.append((bit, mode == "mean", cols.astype(np.int64)))
+        for bit, cols in req.plan.bit_cols.items():  # the consumers with a site here
+            cls = self._reducers.get(bit)
+            mode = cls.device_reduce(req.specs[bit].params) if cls is not None else None
+            if mode in MODES:
+                wanted.append((bit, mode == "mean", cols))
         if not wanted:
             return
         slots = self._reduce.alloc(sum(len(c) for _, _, c in wanted))
@@ -291,7 +290,7 @@ class CaptureRuntime:
             at += len(cols)
         plan = req.plan
         plan.red_bits, plan.red_mean = tuple(w[0] for w in wanted), tuple(w[1] for w in wanted)
-        plan.red_slot, plan.red_mask = table, int(np.bitwise_or.reduce([w[0] for w in wanted]))
+        plan.red_slot, plan.red_mask = table, sum(w[0] for w in wanted)  # distinct bits
         self._count("reduced_requests")
 
     def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
@@ -444,12 +443,16 @@ class CaptureRuntime:
         wants generated tokens with the step that samples its ``max_tokens``-th token, not one or two engine
         steps after the request's last token (the finished id reaches the runner with a later step: under async
         scheduling two). The response waits for those results; a request that stops earlier (EOS, a stop
-        string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do."""
+        string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do.
+        When that left no request capturing, the device plan is cleared now (after the forward, on its stream), so a
+        next step without captures is idle (``active`` False: no ``plan_step``)."""
         if self._pending is not None or self._red_step is not None:
             self._hand_off()
         if self._complete:
             done, self._complete = self._complete, []
             self.finish_requests(done, early=True)
+            if not self._requests:
+                self._planner.clear()
 
     def _hand_off(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).
@@ -461,7 +464,7 @@ class CaptureRuntime:
         red = self._red_step
         if red is not None:
             self._red_step = None
-            self._reduce.apply(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst)
+            self._reduce.apply(red.mean_src, red.mean_len, red.mean_slot, red.copy_src, red.copy_dst)
         step = self._pending
         if step is None:
             return
@@ -469,7 +472,7 @@ class CaptureRuntime:
         if host is None or host.dead:  # capture disabled: the finishes answer consumer_died
             self._pending = None
             return
-        wanted = int(np.bitwise_or.reduce(step.masks))
+        wanted = int(np.bitwise_or.reduce(step.run_mask))
         lanes = []
         for bit, lane in self._lanes.items():
             if not wanted & bit:

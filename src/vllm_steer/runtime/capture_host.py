@@ -7,8 +7,8 @@ plugin's pure Python) takes the worker's GIL.
 
 Wire (pickled ``multiprocessing.connection`` messages):
 - in: ``("init", {...})`` once, then ``("rows", packet_id, ring_row0, n, groups, bits)`` (``groups``: request
-  ids, (hook, layer) sites, first and end cells per (request, site), positions and consumer masks per cell:
-  ``runtime.capture_plan.StepPlan.wire``) and
+  ids, (hook, layer) sites, first and end cells per (request, site), and the cells' positions and consumer masks
+  as runs, expanded here (``cells_of_runs``): ``runtime.capture_plan.StepPlan.wire``) and
   ``("finish", request_id, key, {bit: meta}, bits)``;
 - out: ``("ready", {bit: global_spec})`` or ``("failed", message)``, then ``("done", packet_id, bit)``
   (a lane is done with a packet: its ring rows may be reused once every lane is), ``("finished", key,
@@ -68,6 +68,16 @@ def _load(path: str) -> type:
     return obj
 
 
+def cells_of_runs(run_len: np.ndarray, run_pos: np.ndarray, run_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each cell's position and consumer mask from runs (run i: ``run_len[i]`` cells at positions ``run_pos[i]``,
+    +1, ..., each with mask ``run_mask[i]``)."""
+    n = int(run_len.sum()) if len(run_len) else 0
+    if n == len(run_len):  # a cell a run
+        return run_pos, run_mask
+    first = np.cumsum(run_len) - run_len
+    return np.arange(n, dtype=np.int64) + np.repeat(run_pos - first, run_len), np.repeat(run_mask, run_len)
+
+
 def ring_view(fd: int, rows: int, hidden: int, dtype: str) -> np.ndarray:
     """The ring as numpy ``[rows, hidden]`` (bfloat16 as its raw uint16 bits)."""
     np_dtype = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -88,7 +98,8 @@ class _Packet:
 
     def __init__(self, ring: np.ndarray, dtype: str, row0: int, n: int, groups: tuple) -> None:
         self.ring, self.dtype, self.row0, self.n = ring, dtype, row0, n
-        self.request_ids, self.sites, self.starts, self.ends, self.positions, self.masks = groups
+        self.request_ids, self.sites, self.starts, self.ends, *runs = groups
+        self.positions, self.masks = cells_of_runs(*runs)
         self._lock = threading.Lock()
         self._data: np.ndarray | None = None
 

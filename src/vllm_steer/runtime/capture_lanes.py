@@ -167,7 +167,7 @@ class CaptureHost:
     # ---- the step thread ---------------------------------------------------------------------
     def send_rows(self, rows: torch.Tensor, groups: tuple, lanes: list[Lane], copy_stream: Any) -> Any:
         """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken); ``groups``:
-        ``StepPlan.wire()`` (request ids, sites, starts, ends, positions, masks: columns, so the notifier's
+        ``StepPlan.wire()`` (request ids, sites, starts, ends, the cells' runs: columns, so the notifier's
         pickle does not grow by one tuple of arrays per (request, site)).
         Returns the copy's event (GPU), True (CPU), or None when the ring is full (nothing queued)."""
         n = rows.shape[0]

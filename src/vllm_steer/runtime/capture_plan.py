@@ -6,41 +6,48 @@ consumer bitmask each of this rank's sites wants (``[3, n_sites]``; the position
 ``all``/``all_prompt``/``last_prompt``/``all_generated`` depend on nothing else), plus the few
 specs with explicit positions. Sites other ranks hook are left out there.
 
-Per step (``CapturePlanner.plan``), numpy over the capturing requests of the batch only: their tokens
-(positions already planned once are skipped: the preemption rule, ``planned_upto``), each token's
-class, the masks gathered from the requests' tables, and the captured (request, site, token) cells
-in request (batch) order, then site, then token. They take pool rows in that order; past
-``max_rows`` the rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a
-ring: a step's rows start where the last planned step's ended, or at row 0 when they do not fit before
-``max_rows`` (``_place``), so the next step's forward does not overwrite rows still being copied to the host. Python runs once per
-capturing request and once per (request, site) group, never per token or per site of the table. A
-step with last step's shape (the same requests in the same order, token counts, position classes and
-batch slots, no explicit positions, nothing dropped) reuses its cells: only the positions move.
+Per step (``CapturePlanner.plan``), over the capturing requests of the batch only (positions already
+planned once are skipped: the preemption rule, ``planned_upto``), the captured (request, site, token) cells
+in request (batch) order, then site, then token. They take pool rows in that order; past ``max_rows`` the
+rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a ring: a step's rows
+start where the last planned step's ended, or at row 0 when they do not fit before ``max_rows``
+(``_place``), so the next step's forward does not overwrite rows still being copied to the host.
+
+Most steps are planned from ranges (``_plan_ranges``: no explicit positions, at most one device-reduced
+consumer a request, s31): a request's tokens fall in its position classes as three consecutive ranges and
+every position mode selects consecutive classes, so each (request, site) group is one range of tokens and
+pool rows, made of at most three runs of one consumer mask. Numpy runs over requests and (request, site)
+groups only; nothing is built per cell on the main thread: the step's cells go to the device plan, the
+reduce and the consumers' process as runs, each expanded where it is used. Other steps take the general path
+(per-token masks from the requests' tables, their explicit positions, ``nonzero`` and a sort), as before. A
+step with last step's shape (the same requests in the same order, token counts, position classes and batch
+slots, no explicit positions, nothing dropped) reuses its runs: only the positions move.
 
 Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
-``red_bits``, ``red_slot``) leave the cells first (``_take_reduced``): a ``last`` consumer keeps only its
-last selected token per site, planned straight to its slot's pool row (or, when that token already has
-a row, a copy from it after the forward); a ``mean`` consumer's tokens share the other consumers' rows
-or take new step rows after them, and become (row -> slot) adds after the forward. Neither reaches the
-entries: nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
+``red_bits``, ``red_slot``) leave the cells first: a ``last`` consumer keeps only its last selected token per
+site, planned straight to its slot's pool row (or, when that token already has a row, a copy from it after
+the forward); a ``mean`` consumer's tokens share the other consumers' rows or take new step rows after them,
+and become (rows -> slot) adds after the forward, as runs of consecutive rows. Neither reaches the entries:
+nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
 
-The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step sends only its
-cells (flat index, row) and the resets of last step's cells it does not set again, in one copy from
-a persistent pinned ring into a persistent device staging buffer, then one ``index_copy_`` into the
-plan (both on the current stream, before the forward, outside any graph): two device ops (the copy
-and the ``index_copy_``) a step whose plan changed, none when it is the same as last step's (steady
-decode of a stable batch) or idle.
+The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step whose plan changed
+resets last upload's cells (``index_fill_`` from their indices, kept on the device), then sends its runs
+(first cell, first row, cells: 3 words each) in one copy from a persistent pinned ring into a persistent
+device staging buffer, expands them there (``repeat_interleave``) and ``index_copy_``s the rows into the
+plan (on the current stream, before the forward, outside any graph): a handful of device ops a step whose
+plan changed, none when it is the same as last step's (steady decode of a stable batch) or idle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_steer.capture.spec import POSITION_CLASSES
+from vllm_steer.runtime.capture_host import cells_of_runs
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
 
@@ -53,6 +60,7 @@ class RequestPlan:
     explicit: list[tuple[int, np.ndarray, np.ndarray]]  # (bit, sorted positions, site columns)
     cols: np.ndarray  # [n_sites] bool: sites any of its specs captures here
     captures: bool  # any site here at all
+    bit_cols: dict[int, np.ndarray]  # consumer bit -> the site columns its spec captures here (unique)
     # consumers reduced on the device (``runtime.capture_reduce``), set once their slots are held:
     red_bits: tuple[int, ...] = ()
     red_mean: tuple[bool, ...] = ()
@@ -65,11 +73,12 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
     (hooked by another rank) are skipped."""
     n = len(site_index)
     table = np.zeros((3, n), dtype=np.int64)
-    explicit = []
+    explicit, bit_cols = [], {}
     for bit, spec in specs.items():
-        cols = np.array([site_index[s] for s in spec.sites if s in site_index], dtype=np.int64)
+        cols = np.array([site_index[s] for s in spec.sites if s in site_index], dtype=np.int64)  # sites are unique
         if not len(cols):
             continue
+        bit_cols[bit] = cols
         classes = POSITION_CLASSES.get(spec.positions) if isinstance(spec.positions, str) else None
         if classes is None:
             explicit.append((bit, np.unique(np.asarray(spec.positions, dtype=np.int64)), cols))
@@ -79,21 +88,23 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
     cols = table.any(axis=0)
     for _, _, c in explicit:
         cols[c] = True
-    return RequestPlan(table, explicit, cols, bool(cols.any()))
+    return RequestPlan(table, explicit, cols, bool(cols.any()), bit_cols)
 
 
 @dataclass
 class StepPlan:
     """This step's kept cells grouped by (request, site): group g is request ``request_ids[g]`` at
-    ``sites[g]`` (hook, layer), cells ``starts[g]:ends[g]`` of ``positions``/``masks``; cell i is
-    pool row ``base + i``."""
+    ``sites[g]`` (hook, layer), cells ``starts[g]:ends[g]``; cell i is pool row ``base + i``. The cells'
+    positions and consumer masks are runs (run i: ``run_len[i]`` cells at positions ``run_pos[i]``, +1, ...,
+    all with mask ``run_mask[i]``), expanded where they are read (``cells``: the consumers' process, a drop)."""
 
     request_ids: list[str]
     sites: list[tuple[str, int]]
     starts: list[int]
     ends: list[int]
-    positions: np.ndarray
-    masks: np.ndarray
+    run_len: np.ndarray
+    run_pos: np.ndarray
+    run_mask: np.ndarray
     rows: int
     dropped_rows: int
     recomputed: int
@@ -102,15 +113,21 @@ class StepPlan:
     pool_rows: int = 0  # step rows of the pool in use: the consumers' cells plus mean-reduced tokens' own rows
     base: int = 0  # pool row of cell 0: the step's rows are ``base .. base + pool_rows`` (the pool is a ring)
 
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each cell's position and consumer mask (expanded once)."""
+        got = self.__dict__.get("_cells")
+        if got is None:
+            got = self.__dict__["_cells"] = cells_of_runs(self.run_len, self.run_pos, self.run_mask)
+        return got
+
     def wire(self) -> tuple:
-        """The groups as the consumers' process receives them: a few lists and two arrays, whatever the
-        count of (request, site) groups (``runtime.capture_host``: one pickle of columns, not one tuple of
-        arrays per group)."""
-        return self.request_ids, self.sites, self.starts, self.ends, self.positions, self.masks
+        """The groups as the consumers' process receives them: a few lists and the runs' three arrays, whatever
+        the count of (request, site) groups or cells (``runtime.capture_host`` expands the runs there)."""
+        return self.request_ids, self.sites, self.starts, self.ends, self.run_len, self.run_pos, self.run_mask
 
     def entries(self):
         """(request id, layer, hook, positions, first row, masks) per group, in pool-row order."""
-        pos, masks = self.positions, self.masks
+        pos, masks = self.cells()
         for rid, (hook, layer), a, b in zip(self.request_ids, self.sites, self.starts, self.ends):
             yield rid, layer, hook, pos[a:b], a, masks[a:b]
 
@@ -118,10 +135,12 @@ class StepPlan:
 @dataclass
 class ReduceStep:
     """This step's work for device-reduced consumers (``runtime.capture_reduce.ReduceRegion``): after the
-    forward ``acc[mean_slot] += pool[mean_src]`` and ``pool[copy_dst] = pool[copy_src]``; on the host each
-    ``acct_slots`` slot counts ``acct_counts`` more rows and each ``last_slots`` slot now holds ``last_pos``."""
+    forward ``acc[mean_slot[i]] += pool[mean_src[i] + j]`` for j < ``mean_len[i]`` (runs of rows) and
+    ``pool[copy_dst] = pool[copy_src]``; on the host each ``acct_slots`` slot counts ``acct_counts`` more rows and
+    each ``last_slots`` slot now holds ``last_pos``."""
 
     mean_src: np.ndarray
+    mean_len: np.ndarray
     mean_slot: np.ndarray
     copy_src: np.ndarray
     copy_dst: np.ndarray
@@ -137,24 +156,23 @@ class _Same:
 
     reqs: list[int]  # id() of each request, in order (alive: ``held`` keeps them)
     held: list
-    count: np.ndarray
-    klass: np.ndarray
-    tok: np.ndarray
-    t: np.ndarray
-    flat: np.ndarray
-    request_ids: list[str]
-    sites: list[tuple[str, int]]
-    starts: list[int]
-    ends: list[int]
-    masks: np.ndarray
-    rows: np.ndarray  # the plan rows of ``flat``
-    reduce: ReduceStep | None  # with last_pos as token indices (the positions move)
-    pool_rows: int = 0
-    base: int = 0
+    count: np.ndarray  # per request: tokens planned, the first one's batch token, its class ranges' ends
+    tok0: np.ndarray
+    e0: np.ndarray
+    e1: np.ndarray
+    pos0: np.ndarray  # and the first one's position (a step of the same shape moves each request's positions)
+    step: StepPlan  # its runs' positions and reduce's last positions as they were
+    run_req: np.ndarray  # each run's request
+    last_req: np.ndarray  # each last slot's request
+    flat: np.ndarray  # the device plan's runs: first cell, first row, cells (None: one each)
+    rows: np.ndarray
+    lens: np.ndarray | None
 
 
 _NONE = np.zeros(0, np.int64)
-_EMPTY = StepPlan([], [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, 0)
+
+
+_EMPTY = StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, 0)
 
 
 class CapturePlanner:
@@ -168,16 +186,19 @@ class CapturePlanner:
         self.max_rows = max_rows
         self.reduce_base = reduce_base  # pool row of reduce slot 0 (``runtime.capture_reduce``)
         self.max_pairs = max_pairs  # reduce pairs (adds + copies) one step may hold
-        # one upload: int64 flat indices (sets, then resets), then their int32 values packed in pairs
-        cap = 2 * (max_rows + reduce_rows)
-        words = cap + (cap + 1) // 2
-        self._ring = PinnedRing((words,), torch.int64, plan.device)
-        self._staging = torch.empty(words, dtype=torch.int64, device=plan.device)
-        self._last = np.zeros(0, np.int64)  # flat plan cells set by the last upload
-        self._mark = np.zeros(plan.numel(), bool)  # scratch: this upload's cells (all False between uploads)
-        self._last_rows = np.zeros(0, np.int64)  # and their rows
+        # one upload: runs of plan cells (first cell, first row, cells: int64), expanded on the device into
+        # ``_cells`` (kept until the next upload resets them) and their rows
+        cap = max_rows + reduce_rows  # a step's cells: consumer and fresh mean rows, then cells straight to slots
+        self._ring = PinnedRing((3 * cap,), torch.int64, plan.device)
+        self._staging = torch.empty(3 * cap, dtype=torch.int64, device=plan.device)
+        self._cells = torch.empty(cap, dtype=torch.int64, device=plan.device)
+        self._iota = torch.arange(cap, dtype=torch.int64, device=plan.device)
+        self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
+        self._last_cells = 0  # its cells
         self._same: _Same | None = None
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
+        self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
+        self.ranged = 0  # steps planned so
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
         self.upload_bytes = 0
@@ -185,7 +206,12 @@ class CapturePlanner:
     @property
     def dirty(self) -> bool:
         """Whether the device plan holds cells of an earlier step (a later step must clear them)."""
-        return bool(len(self._last))
+        return bool(self._last_cells)
+
+    def clear(self) -> None:
+        """Every cell of the device plan back to -1 (no request captures any more)."""
+        self._same = None
+        self._upload(_NONE)
 
     def plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
              num_computed: np.ndarray) -> StepPlan:
@@ -213,34 +239,46 @@ class CapturePlanner:
         if not len(lv):
             self._same = None
             self._upload(np.zeros(0, np.int64))
-            return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, 0, recomputed)
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
         reqs = [reqs[k] for k in lv.tolist()]
         count, skip, first = n[lv] - skip[lv], skip[lv], first[lv]
         starts = np.cumsum(count) - count
-        total = int(starts[-1] + count[-1])
         prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
-        if total == len(reqs):  # one token each (decode)
-            owner = np.arange(total)
-            pos, tok = first + skip, offsets[idx[lv]] + skip
-        else:
-            owner = np.repeat(np.arange(len(reqs)), count)
-            local = np.arange(total) - starts[owner] + skip[owner]
-            pos, tok, prompt = first[owner] + local, offsets[idx[lv]][owner] + local, prompt[owner]
-        klass = (pos >= prompt - 1).astype(np.int64) + (pos >= prompt)
+        pos0, tok0 = first + skip, offsets[idx[lv]] + skip  # each request's first token to plan
+        # its tokens' position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it,
+        # [e1, count) generated
+        e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
-                and np.array_equal(same.klass, klass) and np.array_equal(same.tok, tok)):
-            # the cells of last step (steady decode of a stable batch): only the positions moved
-            self._upload(same.flat, same.rows)
+                and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):
+            # the cells of last step (steady decode of a stable batch): only the positions moved, by as much as
+            # their request's first one
+            self._upload(same.flat, same.rows, same.lens)
             self.reused += 1
-            red = same.reduce
+            moved, last = pos0 - same.pos0, same.step
+            red = last.reduce
             if red is not None:
-                red = ReduceStep(red.mean_src, red.mean_slot, red.copy_src, red.copy_dst, red.acct_slots,
-                                 red.acct_counts, red.last_slots, pos[red.last_pos])
-            return StepPlan(same.request_ids, same.sites, same.starts, same.ends, pos[same.t], same.masks,
-                            len(same.t), 0, recomputed, len(same.flat), red, same.pool_rows, same.base)
+                red = replace(red, last_pos=red.last_pos + moved[same.last_req])
+            same.pos0 = pos0
+            same.step = replace(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed, reduce=red)
+            return same.step
         self._same = None
         plans = [r.plan for r in reqs]
+        shape = (count, tok0, e0, e1)
+        if self.ranges and not any(p.explicit for p in plans) and all(len(p.red_bits) <= 1 for p in plans):
+            step = self._plan_ranges(reqs, plans, req_ids, idx[lv], starts, pos0, tok0, e0, e1, recomputed, shape)
+            if step is not None:
+                self.ranged += 1
+                return step
+        total = int(starts[-1] + count[-1])
+        if total == len(reqs):  # one token each (decode)
+            owner = np.arange(total)
+            pos, tok = pos0, tok0
+        else:
+            owner = np.repeat(np.arange(len(reqs)), count)
+            local = np.arange(total) - starts[owner]
+            pos, tok, prompt = pos0[owner] + local, tok0[owner] + local, prompt[owner]
+        klass = (pos >= prompt - 1).astype(np.int64) + (pos >= prompt)
         union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
         tables = np.stack([p.table for p in plans])[:, :, union]  # [R, 3, S']
         masks = tables[owner, klass]  # [tokens, S']
@@ -254,7 +292,7 @@ class CapturePlanner:
         t, c = np.nonzero(masks)
         if not len(t) and red is None:
             self._upload(np.zeros(0, np.int64))
-            return StepPlan([], [], [], [], _EMPTY.positions, _EMPTY.masks, 0, 0, recomputed)
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
         key = owner[t] * len(union) + c
         order = np.argsort(key, kind="stable")  # request, then site, then token (nonzero is token-major)
         t, c, key = t[order], c[order], key[order]
@@ -266,35 +304,189 @@ class CapturePlanner:
         owner_of, col_of = np.divmod(key[heads], len(union))
         col_of = union[col_of]
         if kept < len(t):  # the pool is full: drop (never wait), count, and tell the consumer
-            for g in np.flatnonzero(ends > kept).tolist():
-                cut = max(int(heads[g]), kept)
-                hook, layer = self.sites[int(col_of[g])]
-                reqs[int(owner_of[g])].drop(hook, layer, cell_pos[cut : ends[g]], cell_masks[cut : ends[g]])
-            whole = heads < kept
-            heads, ends, owner_of, col_of = heads[whole], np.minimum(ends[whole], kept), owner_of[whole], col_of[whole]
+            heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of, cell_pos,
+                                                            cell_masks)
         sites = self.sites
         batch_of = idx[lv][owner_of].tolist()
         flat = union[c[:kept]] * self.width + tok[t[:kept]]
         rows = np.arange(kept, dtype=np.int64)
-        red_step = red_same = None
+        red_step, last_req = None, _NONE
         red_dropped = fresh = 0
         if red is not None:
-            flat, rows, red_step, red_same, red_dropped, fresh = self._place_reduced(red, flat, rows, kept, union, tok,
+            flat, rows, red_step, last_tok, red_dropped, fresh = self._place_reduced(red, flat, rows, kept, union, tok,
                                                                                      pos, reqs)
+            last_req = owner[last_tok]
         base = self._place(kept + fresh)
         if base:
             rows = self._shift(rows, base)
-            for r in {id(x): x for x in (red_step, red_same) if x is not None}.values():
-                r.mean_src, r.copy_src = self._shift(r.mean_src, base), self._shift(r.copy_src, base)
+            if red_step is not None:
+                red_step.mean_src = self._shift(red_step.mean_src, base)
+                red_step.copy_src = self._shift(red_step.copy_src, base)
         self._upload(flat, rows)
         step = StepPlan([req_ids[i] for i in batch_of], [sites[i] for i in col_of.tolist()], heads.tolist(),
-                        ends.tolist(), cell_pos[:kept], cell_masks[:kept], kept, len(t) - kept + red_dropped,
-                        recomputed, len(flat), red_step, kept + fresh, base)
+                        ends.tolist(), np.ones(kept, np.int64), cell_pos[:kept], cell_masks[:kept], kept,
+                        len(t) - kept + red_dropped, recomputed, len(flat), red_step, kept + fresh, base)
+        step.__dict__["_cells"] = (step.run_pos, step.run_mask)  # a cell a run
         if kept == len(t) and not red_dropped and not any(p.explicit for p in plans):  # the next step may be the same
-            cell_masks.flags.writeable = False  # shared by the steps that reuse it
-            self._same = _Same(list(map(id, reqs)), reqs, count, klass, tok, t, flat, step.request_ids, step.sites, step.starts,
-                               step.ends, cell_masks, rows, red_same, step.pool_rows, base)
+            self._same = _Same(list(map(id, reqs)), reqs, *shape, pos0, step, owner[t], last_req, flat, rows, None)
         return step
+
+    def _drop_tail(self, reqs: list, kept: int, heads: np.ndarray, ends: np.ndarray, owner_of: np.ndarray,
+                   col_of: np.ndarray, cell_pos: np.ndarray, cell_masks: np.ndarray) -> tuple:
+        """Cells past ``kept`` are dropped (recorded on their requests); the groups cut to the kept cells."""
+        for g in np.flatnonzero(ends > kept).tolist():
+            cut = max(int(heads[g]), kept)
+            hook, layer = self.sites[int(col_of[g])]
+            reqs[int(owner_of[g])].drop(hook, layer, cell_pos[cut : ends[g]], cell_masks[cut : ends[g]])
+        whole = heads < kept
+        return heads[whole], np.minimum(ends[whole], kept), owner_of[whole], col_of[whole]
+
+    def _plan_ranges(self, reqs: list, plans: list[RequestPlan], req_ids: list[str], batch: np.ndarray,
+                     starts: np.ndarray, pos0: np.ndarray, tok0: np.ndarray, e0: np.ndarray, e1: np.ndarray,
+                     recomputed: int, shape: tuple) -> StepPlan | None:
+        """``plan``'s cells from per-request ranges, for a step without explicit positions and with at most one
+        device-reduced consumer per request (None when that step may overflow the pool with one: ``plan`` then).
+
+        A position mode selects a run of the position classes (all, all_prompt, last_prompt, all_generated), and a
+        request's classes are consecutive token ranges, so a (request, site) group's cells are one token range made
+        of at most three runs of one mask each: Python and the small arrays go per request and per (request, site),
+        the per-cell arrays are built by a few ``repeat`` / ``arange`` (no sort, no search, no per-token mask table).
+        The cells, rows, masks and reduce pairs are ``plan``'s general path's (its order within a step's fresh rows
+        aside: any one row per cell)."""
+        n_req = len(plans)
+        count = shape[0]
+        union = np.flatnonzero(np.logical_or.reduce([p.cols for p in plans]))
+        n_col = len(union)
+        tables = np.stack([p.table for p in plans])[:, :, union]  # [R, 3, S']
+        red_mask = np.fromiter((p.red_mask for p in plans), np.int64, n_req)
+        kept_bits = tables & ~red_mask[:, None, None]  # the bits whose cells take consumer rows
+        seg_a = np.stack((np.zeros(n_req, np.int64), e0, e1), axis=1)  # [R, 3]: each class's first local token
+        seg_n = np.stack((e0, e1 - e0, count - e1), axis=1)  # [R, 3]: its tokens
+        for m in (kept_bits, tables & red_mask[:, None, None]):  # a mode with a gap between its classes: no ranges
+            if ((m[:, 0] != 0) & (m[:, 1] == 0) & (m[:, 2] != 0) & (seg_n[:, 1:2] > 0)).any():
+                return None
+        run_n = np.where(kept_bits.transpose(0, 2, 1) != 0, seg_n[:, None, :], 0)  # [R, S', 3] cells per class
+        group_n = run_n.sum(axis=2).ravel()  # [R * S']
+        groups = np.flatnonzero(group_n)  # (request, site) order: the cells' order
+        g_len = group_n[groups]
+        heads = np.cumsum(g_len) - g_len
+        total = int(heads[-1] + g_len[-1]) if len(groups) else 0
+        owner_of, g_col = np.divmod(groups, n_col)
+        runs = np.flatnonzero(run_n.ravel())  # (request, site, class) order
+        r_len = run_n.ravel()[runs]
+        r_req, r_rest = np.divmod(runs, 3 * n_col)
+        r_col, r_cls = np.divmod(r_rest, 3)
+        r_pos = pos0[r_req] + seg_a[r_req, r_cls]
+        r_mask = kept_bits[r_req, r_cls, r_col]
+        # each group's first local token (its first class with cells) and its first plan cell: a group is one run
+        g_a = seg_a[owner_of, np.argmax(run_n.reshape(-1, 3)[groups] > 0, axis=1)]
+        g_flat = union[g_col] * self.width + tok0[owner_of] + g_a
+        red = None
+        if red_mask.any():
+            red = self._reduce_ranges(plans, red_mask, tables, seg_a, seg_n, union, heads, g_len, g_a, groups,
+                                      total, n_col, starts, pos0, tok0)
+            if red is None:
+                return None
+            if not len(red[5]) and not len(red[12]):  # nothing of theirs this step
+                red = None
+        kept = min(total, self.max_rows)
+        dropped = total - kept
+        ends = heads + g_len
+        col_of = union[g_col]
+        if kept < total:
+            heads, ends, owner_of, col_of = self._drop_tail(reqs, kept, heads, ends, owner_of, col_of,
+                                                            *cells_of_runs(r_len, r_pos, r_mask))
+            r_cell = np.cumsum(r_len) - r_len
+            whole = r_cell < kept
+            r_req, r_pos, r_mask = r_req[whole], r_pos[whole], r_mask[whole]
+            r_len = np.minimum(r_len[whole], kept - r_cell[whole])
+        fresh = int(red[2].sum()) if red is not None else 0
+        if not kept and not fresh and red is None:
+            self._upload(_NONE)
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, dropped, recomputed)
+        base = self._place(kept + fresh)
+        flat, rows, lens = g_flat[: len(heads)], heads + base, ends - heads  # the plan's runs: the groups' cells
+        red_step, last_req = None, _NONE
+        if red is not None:
+            (f_flat, f_rows, f_len, d_flat, d_rows, mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n,
+             l_slot, last_req, l_pos) = red
+            flat = np.concatenate((flat, f_flat, d_flat))
+            rows = np.concatenate((rows, f_rows + base, d_rows))
+            lens = np.concatenate((lens, f_len, np.ones(len(d_flat), np.int64)))
+            mean_src, copy_src = mean_src + base, copy_src + base
+            red_step = ReduceStep(mean_src, mean_len, mean_slot, copy_src, copy_dst, acct_s, acct_n, l_slot, l_pos)
+        self._upload(flat, rows, lens)
+        sites = self.sites
+        step = StepPlan([req_ids[i] for i in batch[owner_of].tolist()], [sites[i] for i in col_of.tolist()],
+                        heads.tolist(), ends.tolist(), r_len, r_pos, r_mask, kept, dropped, recomputed,
+                        int(lens.sum()), red_step, kept + fresh, base)
+        if not dropped:  # the next step may be the same
+            self._same = _Same(list(map(id, reqs)), reqs, *shape, pos0, step, r_req, last_req, flat, rows, lens)
+        return step
+
+    def _reduce_ranges(self, plans: list[RequestPlan], red_mask: np.ndarray, tables: np.ndarray, seg_a: np.ndarray,
+                       seg_n: np.ndarray, union: np.ndarray, heads: np.ndarray, g_len: np.ndarray, g_a: np.ndarray,
+                       groups: np.ndarray, total: int, n_col: int, starts: np.ndarray, pos0: np.ndarray,
+                       tok0: np.ndarray) -> tuple | None:
+        """``_plan_ranges``' device-reduced consumers (one per request): per (request, site) the token range its
+        bit selects. Mean: the part inside the site's consumer cells adds their rows, the rest (at most a run
+        before and one after) takes fresh step rows after them. Last: its range's last token, a copy from its
+        consumer row or planned straight to the slot. Step rows (relative to the step's base): fresh cells'
+        flat indices and rows, last cells planned straight to slots, the pairs, the accounting, the last slots and
+        their tokens (among the step's planned tokens). None when the step's rows or pairs could overflow."""
+        width, group_of = self.width, np.full(len(plans) * n_col, -1, np.int64)
+        group_of[groups] = np.arange(len(groups))
+        heads, g_len, g_a = np.append(heads, 0), np.append(g_len, 0), np.append(g_a, 0)  # group -1: no cells
+        rk = np.flatnonzero(red_mask)  # the requests reduced here, each by one consumer (its bit is red_mask)
+        slot = np.stack([plans[k].red_slot[0] for k in rk.tolist()])[:, union]  # [Rr, S']
+        hit_n = np.where((tables[rk] & red_mask[rk, None, None]) != 0, seg_n[rk][:, :, None], 0)  # [Rr, 3, S']
+        n_hit = hit_n.sum(axis=1)
+        first_cls = np.argmax(hit_n > 0, axis=1)  # [Rr, S']
+        rr, cs = np.nonzero(n_hit)  # (request, site) order
+        k = rk[rr]
+        a = seg_a[k, first_cls[rr, cs]]  # the local tokens [a, b) its bit selects at the site
+        b = a + n_hit[rr, cs]
+        sl = slot[rr, cs]
+        is_mean = np.fromiter((plans[i].red_mean[0] for i in rk.tolist()), bool, len(rk))[rr]
+        n_mean = int((b - a)[is_mean].sum())
+        if total + n_mean > self.max_rows or n_mean > self.max_pairs:
+            return None  # may not all fit: the general path drops what does not
+        f_flat = f_rows = f_len = mean_src = mean_len = mean_slot = acct_s = acct_n = _NONE
+        if is_mean.any():
+            mk, mc, ma, mb, ms = k[is_mean], cs[is_mean], a[is_mean], b[is_mean], sl[is_mean]
+            g = group_of[mk * n_col + mc]
+            ga = g_a[g]
+            oa, ob = np.clip(ga, ma, mb), np.clip(ga + g_len[g], ma, mb)  # the part inside the consumer cells
+            ob = np.maximum(oa, ob)
+            none = np.full(len(mk), -1)
+            # each site's runs before, inside and after its consumer cells (-1: fresh rows): its rows in token order
+            pieces = ((mk, mc, ma, oa, none, ms), (mk, mc, oa, ob, heads[g] + oa - ga, ms), (mk, mc, ob, mb, none, ms))
+            pc = np.stack([np.stack(x, axis=1) for x in pieces], axis=1).reshape(-1, 6)
+            pc = pc[pc[:, 3] > pc[:, 2]]
+            pk, pcol, pa, pb, src, mean_slot = pc.T
+            mean_len = pb - pa
+            fresh = src < 0
+            f_n = np.where(fresh, mean_len, 0)
+            mean_src = np.where(fresh, total + np.cumsum(f_n) - f_n, src)  # fresh runs' rows follow the consumer cells
+            f_rows, f_len = mean_src[fresh], mean_len[fresh]
+            f_flat = union[pcol[fresh]] * width + tok0[pk[fresh]] + pa[fresh]
+            acct_s, acct_n = ms, mb - ma
+        d_flat = d_rows = copy_src = copy_dst = l_slot = lk = l_pos = gs = gn = _NONE
+        if not is_mean.all():
+            last = ~is_mean
+            lk, lc, la, lb, l_slot = k[last], cs[last], a[last], b[last], sl[last]
+            lt = lb - 1
+            g = group_of[lk * n_col + lc]
+            ga = g_a[g]
+            inside = (lt >= ga) & (lt < ga + g_len[g])
+            target = self.reduce_base + l_slot
+            copy_src, copy_dst = (heads[g] + lt - ga)[inside], target[inside]
+            d_flat = (union[lc] * width + tok0[lk] + lt)[~inside]
+            d_rows = target[~inside]
+            l_pos = pos0[lk] + lt
+            gs, gn = l_slot, lb - la
+        return (f_flat, f_rows, f_len, d_flat, d_rows, mean_src, mean_len, mean_slot, copy_src, copy_dst,
+                np.concatenate((acct_s, gs)), np.concatenate((acct_n, gn)), l_slot, lk, l_pos)
 
     def _place(self, n: int) -> int:
         """Where a newly planned step's ``n`` rows start: right after the last placed step's, or at 0 when they do
@@ -398,38 +590,45 @@ class CapturePlanner:
             copy = src != target
             copy_src, copy_dst = src[copy], target[copy]
         last_slots, last_tok = red["ls"], red["lt"]
-        step = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, np.concatenate((m_slots, red["gs"])),
-                          np.concatenate((m_counts, red["gn"])), last_slots, pos[last_tok])
-        same = ReduceStep(mean_src, mean_slot, copy_src, copy_dst, step.acct_slots, step.acct_counts, last_slots,
-                          last_tok)
-        return flat, rows, step, same, dropped, room
+        step = ReduceStep(mean_src, np.ones(len(mean_src), np.int64), mean_slot, copy_src, copy_dst,
+                          np.concatenate((m_slots, red["gs"])), np.concatenate((m_counts, red["gn"])), last_slots,
+                          pos[last_tok])
+        return flat, rows, step, last_tok, dropped, room
 
-    def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None) -> None:
-        """Make the device plan hold ``rows[i]`` (default i) at cell ``flat[i]`` and -1 at last step's other cells."""
+    def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None, lens: np.ndarray | None = None) -> None:
+        """Make the device plan hold ``rows[i] + j`` at cell ``flat[i] + j`` for j < ``lens[i]`` (runs; default one
+        cell each, ``rows`` default i) and -1 at last upload's other cells: 3 words a run go up, the device expands
+        runs into cells."""
         if rows is None:
             rows = np.arange(len(flat), dtype=np.int64)
-        if np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows):
+        if lens is None:
+            lens = np.ones(len(flat), np.int64)
+        if (np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows)
+                and np.array_equal(lens, self._last_lens)):
             return  # the same cells take the same rows: nothing changes on the device
-        # last upload's cells this one does not set, through a mark per plan cell: O(cells), no sort (``setdiff1d``
-        # sorted both: 0.25-0.7 ms a 8192-token x 4-site prefill step on the CPU box, the mark 0.07)
-        if len(flat):
-            mark = self._mark
-            mark[flat] = True
-            resets = self._last[~mark[self._last]]
-            mark[flat] = False
-        else:  # nothing planned: every cell of the last upload goes back to -1
-            resets = self._last
-        m = len(flat) + len(resets)
-        host, land = self._ring.stage()
-        host[: len(flat)] = flat
-        host[len(flat) : m] = resets
-        values = host[m : m + (m + 1) // 2].view(np.int32)
-        values[: len(flat)] = rows
-        values[len(flat) : m] = -1
-        words = m + (m + 1) // 2
-        staged = self._staging[:words]
-        land(staged)
-        self.device_plan.view(-1).index_copy_(0, staged[:m], staged[m:].view(torch.int32)[:m])
-        self._last, self._last_rows = flat, rows
+        plan = self.device_plan.view(-1)
+        if self._last_cells:  # last upload's cells back to -1 first, from their indices kept on the device
+            plan.index_fill_(0, self._cells[: self._last_cells], -1)
+        n = len(flat)
+        m = int(lens.sum()) if n else 0
+        if m:
+            host, land = self._ring.stage()
+            if m == n:  # one cell a run (decode, the general path): the cells themselves
+                host[:n], host[n : 2 * n] = flat, rows
+            else:
+                first = np.cumsum(lens) - lens
+                host[:n], host[n : 2 * n], host[2 * n : 3 * n] = flat - first, rows - first, lens
+            staged = self._staging[: 3 * n]
+            land(staged[: 2 * n if m == n else 3 * n])
+            cells, values = self._cells[:m], staged[n : 2 * n]
+            if m == n:
+                cells.copy_(staged[:n])
+            else:  # run i's cells and rows: its first ones + 0, 1, ...
+                both = torch.repeat_interleave(staged[: 2 * n].view(2, n), staged[2 * n :], dim=1, output_size=m)
+                iota = self._iota[:m]
+                torch.add(both[0], iota, out=cells)
+                values = both[1] + iota
+            plan.index_copy_(0, cells, values.to(torch.int32))
+            self.upload_bytes += 8 * (2 * n if m == n else 3 * n)
+        self._last, self._last_rows, self._last_lens, self._last_cells = flat, rows, lens, m
         self.uploads += 1
-        self.upload_bytes += 8 * words

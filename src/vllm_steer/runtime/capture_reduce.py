@@ -8,11 +8,13 @@ life (``steer.capture_reduce_rows`` slots in all). Slot ``j`` is:
   selected token of a step at that site straight to it, so the norm's store overwrites it: no launch,
   no copy. (A token another consumer also wants keeps its step row and is copied there after the forward.)
 - ``mean``: ``acc[j]`` (float32). Selected tokens take step rows as before; after the forward one launch adds
-  each slot's rows of the step to it (``kernels/capture_reduce``: a segmented sum, the pairs sorted by slot on the
-  host; one ``index_copy_`` does the ``last`` copies). No per-step copy to the host.
+  each slot's rows of the step to it (``kernels/capture_reduce``: a segmented sum). The planner gives the rows as
+  runs of consecutive rows per slot (a prefill chunk's site: one to three runs), sorted by slot on the host only
+  when a slot's runs are apart; the device expands them into row indices (``repeat_interleave``); one
+  ``index_copy_`` does the ``last`` copies. No per-step copy to the host.
 
-Per step the planner (``runtime.capture_plan``) says which (step row -> slot) pairs to add or copy;
-their indices reach the device with one pinned-ring copy when they changed (none in steady decode).
+Per step the planner (``runtime.capture_plan``) says which (step rows -> slot) runs to add or copy;
+they reach the device with one pinned-ring copy when they changed (none in steady decode).
 The host keeps each slot's count and last position (numpy, vectorized): nothing is read back.
 At the request's finish its slots are gathered (one ``index_select``, float32) and copied to the
 consumers' ring; the slots are free again at once (the gathered copy is the consumers').
@@ -43,13 +45,15 @@ class ReduceRegion:
         self._free = list(range(rows - 1, -1, -1))
         self.count = np.zeros(rows, np.int64)  # rows reduced into each slot
         self.last = np.full(rows, -1, np.int64)  # the highest position reduced into each slot
-        # this step's pairs as _idx holds them: mean sources sorted by slot, each slot's segment (slot, offsets),
-        # copy sources, copy targets (<= 3 * pairs + 1 + 2 * pairs)
-        self._ring = PinnedRing((max(5 * max_pairs + 1, 2 * rows),), torch.int64, device) if rows else None
-        self._idx = torch.empty(5 * max_pairs + 1, dtype=torch.int64, device=device)
+        # this step's pairs as _idx holds them: runs of mean sources by slot (first row - first cell, rows), each
+        # slot's segment (slot, first cell), the cells, copy sources, copy targets (<= 4 * pairs + 1 + 2 * pairs)
+        self._ring = PinnedRing((max(6 * max_pairs + 1, 2 * rows),), torch.int64, device) if rows else None
+        self._idx = torch.empty(6 * max_pairs + 1, dtype=torch.int64, device=device)
+        self._src = torch.empty(max_pairs, dtype=torch.int64, device=device)  # the runs' rows, expanded on the device
+        self._iota = torch.arange(max_pairs, dtype=torch.int64, device=device)
         self._gidx = torch.empty(2 * rows, dtype=torch.int64, device=device)  # a finish's gather
-        self._pairs = np.zeros(0, np.int64)  # the pairs _idx was staged from (mean src, mean slot, copy src, dst)
-        self._n_seg = 0
+        self._pairs = np.zeros(0, np.int64)  # what _idx was staged from (counts, mean runs, copies)
+        self._n_runs = self._n_seg = 0
         self.index_uploads = 0
 
     @property
@@ -60,7 +64,8 @@ class ReduceRegion:
         """``n`` slots (their counts reset), or None when fewer are free."""
         if n > len(self._free):
             return None
-        slots = np.array([self._free.pop() for _ in range(n)], np.int64)
+        slots = np.array(self._free[: -n - 1 : -1] if n else (), np.int64)  # the last n, last first (as pop)
+        del self._free[len(self._free) - n :]
         self.count[slots] = 0
         self.last[slots] = -1
         return slots
@@ -72,28 +77,39 @@ class ReduceRegion:
         if len(last_slots):
             self.last[last_slots] = last_pos
 
-    def apply(self, mean_src: np.ndarray, mean_slot: np.ndarray, copy_src: np.ndarray, copy_dst: np.ndarray) -> None:
-        """After the forward: ``acc[mean_slot] += pool[mean_src]``, ``pool[copy_dst] = pool[copy_src]``
-        (outside any graph; the indices go up only when they changed)."""
-        n_mean, n_copy = len(mean_src), len(copy_src)
+    def apply(self, mean_src: np.ndarray, mean_len: np.ndarray, mean_slot: np.ndarray, copy_src: np.ndarray,
+              copy_dst: np.ndarray) -> None:
+        """After the forward: ``acc[mean_slot[i]] += pool[mean_src[i] + j]`` for j < ``mean_len[i]`` (runs of
+        consecutive rows), ``pool[copy_dst] = pool[copy_src]`` (outside any graph; the runs go up only when they
+        changed, and the device expands them into the rows' indices)."""
+        n_runs, n_copy = len(mean_src), len(copy_src)
+        n_mean = int(mean_len.sum()) if n_runs else 0
         if not n_mean and not n_copy:
             return
-        pairs = np.concatenate((mean_src, mean_slot, copy_src, copy_dst))
+        pairs = np.concatenate(([n_runs, n_copy], mean_src, mean_len, mean_slot, copy_src, copy_dst))
         if not np.array_equal(pairs, self._pairs):
-            order = np.argsort(mean_slot, kind="stable")
-            by_slot = mean_slot[order]
-            starts = np.flatnonzero(np.r_[True, by_slot[1:] != by_slot[:-1]]) if n_mean else by_slot
-            staged = np.concatenate((mean_src[order], by_slot[starts], starts, [n_mean], copy_src, copy_dst))
+            src, lens, slots = mean_src, mean_len, mean_slot
+            heads = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if n_runs else slots
+            if len(np.unique(slots[heads])) < len(heads):  # a slot in runs apart: sort the runs by slot
+                order = np.argsort(slots, kind="stable")
+                src, lens, slots = src[order], lens[order], slots[order]
+                heads = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+            cell = np.cumsum(lens) - lens
+            staged = np.concatenate((src - cell, lens, slots[heads], cell[heads], [n_mean], copy_src, copy_dst))
             host, land = self._ring.stage()
             host[: len(staged)] = staged
             land(self._idx[: len(staged)])
-            self._pairs, self._n_seg = pairs, len(starts)
+            if n_mean:  # each run's rows: its first row + 0, 1, ...
+                idx = self._idx
+                torch.add(torch.repeat_interleave(idx[:n_runs], idx[n_runs : 2 * n_runs], output_size=n_mean),
+                          self._iota[:n_mean], out=self._src[:n_mean])
+            self._pairs, self._n_runs, self._n_seg = pairs, n_runs, len(heads)
             self.index_uploads += 1
-        idx, n_seg = self._idx, self._n_seg
+        idx, at, n_seg = self._idx, 2 * self._n_runs, self._n_seg
         if n_mean:
-            segment_add(self.acc, self.pool, idx, idx[n_mean:], idx[n_mean + n_seg:], n_seg)
+            segment_add(self.acc, self.pool, self._src, idx[at:], idx[at + n_seg :], n_seg)
         if n_copy:
-            at = n_mean + 2 * n_seg + 1
+            at += 2 * n_seg + 1
             self.pool.index_copy_(0, idx[at + n_copy : at + 2 * n_copy],
                                   self.pool.index_select(0, idx[at : at + n_copy]))
 
