@@ -177,11 +177,9 @@ def _fused_slots(b_s, i_row, vec_a, vec_b, proj_a, proj_b, cap_b, i_pb, o_d, m_d
     lo_b = 0.0
     hi_b = 0.0
     if PROJ_A:
-        first_a = _proj_first(i_row, proj_a, o_d, m_d)
-        n_a, b_va, lo_a, hi_a = first_a
+        n_a, b_va, lo_a, hi_a = _proj_first(i_row, proj_a, o_d, m_d)
     if PROJ_B:
-        first_b = _proj_first(i_row, proj_b, o_d, m_d)
-        n_b, b_vb, lo_b, hi_b = first_b
+        n_b, b_vb, lo_b, hi_b = _proj_first(i_row, proj_b, o_d, m_d)
     at_a = n_a > 0
     b_at_b = b_s0  # the stream as slot B gets it, without A's projection
     if HAS_A:
@@ -207,16 +205,18 @@ def _fused_slots(b_s, i_row, vec_a, vec_b, proj_a, proj_b, cap_b, i_pb, o_d, m_d
     if HAS_B:
         b_s = tl.where(on_b, b_s + b_tb, b_s)
     ss = ww + 2.0 * k * wv + k * k * vv
-    if (n_a + n_b > 1) | (ss * 16.0 < ww + k * k * vv):  # rare: redo serially (capture stored above is unchanged)
+    if (n_a + n_b > 1) | (ss * 16.0 < ww + k * k * vv):
+        # rare: redo serially, the directions loaded again (held across the reduction, both slots' rows spilled a
+        # register at D 4096: sm_90 SASS, bench/norm_sass.py proj_fused)
         b_s = b_s0
         if PROJ_A:
-            b_s = _project_from(b_s, i_row, proj_a, o_d, m_d, first_a)
+            b_s = _project(b_s, i_row, proj_a, o_d, m_d)
         if HAS_A:
             b_s = tl.where(on_a, b_s + b_ta, b_s)
         if CAP_B:  # A's every direction (the store above had its first only): this store comes later, it stays
             _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
         if PROJ_B:
-            b_s = _project_from(b_s, i_row, proj_b, o_d, m_d, first_b)
+            b_s = _project(b_s, i_row, proj_b, o_d, m_d)
         if HAS_B:
             b_s = tl.where(on_b, b_s + b_tb, b_s)
         ss = tl.sum(b_s * b_s, axis=0)
