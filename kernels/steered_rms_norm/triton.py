@@ -145,6 +145,7 @@ def _project_from(b_s, i_row, proj, o_d, m_d, first):
 
 @triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The combine of ``_fused_slots``' 4-operand sum."""
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
@@ -158,7 +159,7 @@ def _fused_slots(b_s, i_row, vec_a, vec_b, proj_a, proj_b, cap_b, i_pb, o_d, m_d
     sum of squares is ``w.w + 2 k w.v + k^2 v.v``. The stream itself is added up in the serial path's order (bit for
     bit the same for a token that does not project). A token with two or more live directions, or whose projection
     removes most of the stream (the sum of squares below 1/16 of its terms: cancellation), is redone serially from
-    s0 (``_project_from``, then a plain reduction): a branch after the reduction, which waits on nothing more."""
+    s0 (``_project``, then a plain reduction): a branch after the reduction, which waits on nothing more."""
     b_s0 = b_s
     b_ta = tl.zeros_like(b_s)
     b_tb = tl.zeros_like(b_s)
@@ -184,13 +185,13 @@ def _fused_slots(b_s, i_row, vec_a, vec_b, proj_a, proj_b, cap_b, i_pb, o_d, m_d
     b_at_b = b_s0  # the stream as slot B gets it, without A's projection
     if HAS_A:
         b_at_b = tl.where(on_a, b_s0 + b_ta, b_s0)
-    b_w = b_at_b  # the stream without projections
+    b_plain = b_at_b  # the stream without projections
     if HAS_B:
-        b_w = tl.where(on_b, b_at_b + b_tb, b_at_b)
+        b_plain = tl.where(on_b, b_at_b + b_tb, b_at_b)
     b_v = tl.where(at_a, b_va, b_vb)
     b_at = tl.where(at_a, b_s0, b_at_b)
     # [BLOCK_D] x 4 -> 4 scalars: one reduction (one round through shared memory), not two one after another
-    ww, p, wv, vv = tl.reduce((b_w * b_w, b_at * b_v, b_w * b_v, b_v * b_v), 0, _add4)
+    ww, p, wv, vv = tl.reduce((b_plain * b_plain, b_at * b_v, b_plain * b_v, b_v * b_v), 0, _add4)
     lo = tl.where(at_a, lo_a, lo_b)
     hi = tl.where(at_a, hi_a, hi_b)
     k = tl.where(n_a + n_b > 0, tl.minimum(tl.maximum(p, lo), hi) - p, 0.0)
