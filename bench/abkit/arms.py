@@ -79,6 +79,10 @@ ARMS = {
     "per_request_n16_late": dict(server="steer_late", kind="per_request", n_configs=16, ref="per_request_n16"),
     "project_idle_late": dict(server="steer_proj_late", kind="plain", ref="project_idle"),
     "project_n16_late": dict(server="steer_proj_late", kind="project", n_configs=16, ref="per_request_n16_late"),
+    # the PROJ_FUSED variant (server steer_proj_fused: VLLM_STEER_PROJ_FUSED=1), against the target's reference
+    # (project_n16_fused - per_request_n16 <= +0.5 pp TPOT) and its idle twin against project_idle
+    "project_idle_fused": dict(server="steer_proj_fused", kind="plain", ref="project_idle"),
+    "project_n16_fused": dict(server="steer_proj_fused", kind="project", n_configs=16, ref="per_request_n16"),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),
