@@ -6,7 +6,7 @@ every token its own row of 3; prefill-like from N 512, 16 prompts of N / 16 toke
 sets, JumpReLU reconstruct, idle) per site at 16 and 2048 tokens, with the bytes they must read, the tensor-core
 flops, the larger of the two bounds, and each launch's GPU time (torch.profiler).
 ``--topk-sweep`` (alone): the full encoder's launch variants (``full_triton.Tuning``: tiles, warps, K split,
-stages, the stream's hi / lo planes; TopK's search begun by histogram rounds, ``_select``'s warps) on one TopK k 64
+stages, the stream's hi / lo planes, ``_select``'s warps) on one TopK k 64
 delta site (16 clamp sets, d_sae 16384, D 4096) at N 1, 16,
 64: each variant's edit checked against the default's, then the site's µs (CUDA graph), each launch's GPU µs
 (torch.profiler) and the bounds beside them (W_enc's read; the site's bytes).
@@ -184,13 +184,8 @@ ENCODE_VARIANTS = [
     ("block_k 128 unroll 1", dict(block_k=128, unroll=1)),
     ("stages 5 unroll 1", dict(stages=5, unroll=1)),
     ("hilo stages 5 unroll 1", dict(hilo=True, stages=5, unroll=1)),
-    # _select (s31): TopK's search begun by histogram rounds of 2^bits bins (a numpy model, d_sae 16384, k 64: one
-    # bit a pass 10.3 counted passes; 32 bins x 2 rounds 1.9 rounds + 3.0 passes, 64 x 2 1.9 + 2.3, 256 x 1 1 + 4.3:
-    # bench/topk_search_passes.py), and its warps
-    ("select bucket 32 x2", dict(select_bits=5, select_rounds=2)),
-    ("select bucket 64 x2", dict(select_bits=6, select_rounds=2)),
-    ("select bucket 256", dict(select_bits=8)),
-    ("select warps 8", dict(select_warps=8)),
+    # _select's warps: 8 the default since s31's H200 sweep (16 until then from d_sae 8192: timed once more)
+    ("select warps 16", dict(select_warps=16)),
 ]
 
 

@@ -343,46 +343,10 @@ def _search_step(thr_key, b, cnt, K):
 
 
 @triton.jit
-def _bucket_rounds(b_key, lo, hi, K, BLOCK: tl.constexpr, BITS: tl.constexpr, ROUNDS: tl.constexpr):
-    """``Tuning.select_bits`` (SINGLE only; untimed on a GPU): the K-th largest key's search begun with ROUNDS
-    histogram passes, each fixing the next BITS bits in one pass over the row (``tl.histogram``: a ballot per bit of
-    the bin, no reduction a bin) and one suffix scan of the 2^BITS bins, instead of one count a bit. Returns (thr_key,
-    b): the bits above b fixed (b = -1: exactly K keys reach thr_key, done), for the one-bit search to go on from.
-
-    The bits above the highest bit where lo and hi differ are theirs (T lies in [lo, hi]). A round's bins are the
-    keys with the prefix fixed so far (none above it: hi is the largest key; ``above``: those of higher buckets of
-    the rounds before); the bucket is the highest whose suffix count reaches K. Counts pack in 15 bits (d_sae <=
-    2^14 in registers)."""
-    tl.static_assert(BLOCK <= 1 << 14)
-    key = tl.reshape(b_key, (BLOCK,), can_reorder=True)  # a histogram takes one axis; its order does not matter
-    o_h = tl.arange(0, 1 << BITS)
-    # p: the lowest fixed bit, the bit length of lo ^ hi (float32's exponent: at most one too high when it rounds
-    # up, which fixes one bit fewer); hi's bits from p up
-    x = (lo ^ hi).to(tl.float32).to(tl.int32, bitcast=True)
-    p = tl.minimum(tl.maximum((x >> 23) - 126, 0), 31)
-    thr_key = hi >> p << p
-    b = p - 1
-    above = tl.zeros((), dtype=tl.int32)
-    for _ in tl.static_range(ROUNDS):
-        if b >= 0:
-            shift = tl.maximum(p - BITS, 0)
-            # key -1 (past F): -1 >> p != thr_key >> p >= 0, outside
-            h = tl.histogram((key >> shift) & ((1 << (p - shift)) - 1), 1 << BITS, mask=(key >> p) == (thr_key >> p))
-            ge = above + tl.cumsum(h, axis=0, reverse=True)  # keys >= the bucket's lowest key
-            # the highest bucket >= K reach, whether exactly K do, and how many are in the buckets above it: one max
-            best = tl.max(tl.where(ge >= K, (o_h << 16) | ((ge == K).to(tl.int32) << 15) | (ge - h), 0), axis=0)
-            thr_key = thr_key | ((best >> 16) << shift)
-            above = best & 0x7FFF
-            p = shift
-            b = tl.where(((best >> 15) & 1) == 1, -1, shift - 1)
-    return thr_key, b
-
-
-@triton.jit
 def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
             stride_pre, stride_code, stride_value, stride_cv, F, C, K, p_benc, stride_split,
             TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-            GROUPS: tl.constexpr, SPLIT: tl.constexpr = 1, SEL_BITS: tl.constexpr = 0, SEL_ROUNDS: tl.constexpr = 1):
+            GROUPS: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Listed token r0 + j: its activations from pre, its row's clamps, and the decode coefficients: RECONSTRUCT
     rows' written over pre (f with clamped features f'); a DELTA row's coefficients (f' - f at the clamped features)
     go to ``cv`` only (``_decode`` multiplies them with the clampable features' W_dec rows and reads no DELTA row's
@@ -396,8 +360,6 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
     continuous activations ~10 of the 31). One int32 count a pass: the passes are latency-bound, so two bits a step
     (three counts in one int64 reduction, 6.0 passes instead of 10.3 on a numpy model) was slower on an H200 (s31,
     ``_select`` 16.3 -> 22.3 µs at N 16).
-
-    SEL_BITS (``Tuning.select_bits``, SINGLE): ``_bucket_rounds`` fixes the first bits of the search.
 
     SPLIT (``Tuning.split_k``: ``_encode`` split over K): pre is the first of SPLIT partial sums ``stride_split``
     apart; they are added in split order with b_enc and written to pre before anything reads it."""
@@ -437,8 +399,6 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
                 g_max = tl.max(b_key, axis=1)  # a group past F: -1
                 lo = tl.min(tl.where(g_max >= 0, g_max, hi), axis=0)
                 lo = tl.where(tl.sum((g_max >= 0).to(tl.int32), axis=0) >= K, lo, 0)
-                if SEL_BITS > 0:
-                    thr_key, b = _bucket_rounds(b_key, lo, hi, K, BLOCK, SEL_BITS, SEL_ROUNDS)
                 while b >= 0:
                     cand = thr_key | (1 << b)
                     cnt = tl.where(cand <= lo, K + 1, 0)  # <= lo: reached by >= K keys (K + 1: not exactly K)
@@ -596,6 +556,10 @@ _SPLIT_MAX = 16
 # the encoder's warps at the 16-token tile (N <= 64): s29's H100 sweep (bench/results/2026-11-28-s29, topk_sweep) timed
 # the TopK site at N 1 / 16 / 64: 74.5 / 81.3 / 179.8 µs with 4 warps, 71.1 / 77.6 / 126.2 with 2 (W_enc's read 40 µs)
 _ENC_WARPS_SMALL = 2
+# _select's warps at every d_sae: s31's H200 sweep (bench/results/2026-11-28-s31/fin, topk_sweep; d_sae 16384, k 64)
+# timed _select at N 1 / 16 / 64: 10.69 / 16.36 / 16.68 µs with 16 warps (the choice from d_sae 8192 until s31),
+# 9.61 / 14.84 / 15.02 with 8
+_SELECT_WARPS = 8
 _ENC_UNROLL = 2  # K tiles a step of the encoder's loop when its grid is under _PROGRAMS (N 16: 256 programs)
 _SKIP_TOKENS = 4  # rounds of up to this many tokens: the decoder skips W_dec tiles whose coefficients are all 0
 _ARRIVED = 1 << 16  # decoder tiles a launch can count in (``arrival_counts``): 64 token tiles x 1024 column tiles
@@ -629,9 +593,7 @@ class Tuning:
     ``_ENC_UNROLL`` under ``_PROGRAMS`` programs, else 1); split_k: the encoder's K split over that many programs
     (float32 partial sums, added by ``_select`` in split order); stages: the encoder launch's ``num_stages`` (0:
     Triton's default); hilo: the stream split into hi / lo planes once (``_hilo``, one launch more), read by the
-    encoder as dot operands; select_bits / select_rounds (d_sae <= ``_SELECT_MAX``): TopK's search begins with that
-    many histogram passes of 2^select_bits bins (``_bucket_rounds``), 0: one bit a pass throughout; select_warps:
-    ``_select``'s warps (0: 16 for d_sae past 8192 in registers, else 8)."""
+    encoder as dot operands; select_warps: ``_select``'s warps (0: ``_SELECT_WARPS``)."""
 
     block_f: int = 0
     block_k: int = 0
@@ -640,8 +602,6 @@ class Tuning:
     split_k: int = 1
     stages: int = 0
     hilo: bool = False
-    select_bits: int = 0
-    select_rounds: int = 1
     select_warps: int = 0
 
 
@@ -730,10 +690,10 @@ def site_edit(
         sel_flags = (topk > 0, single, block_sel, min(next_power_of_2(max(c, 1)), _SELECT_C),
                      min(_GROUPS, block_sel))
         if t != DEFAULT:
-            sel_flags += (split_k, t.select_bits, t.select_rounds)
+            sel_flags += (split_k,)
         _SELECT((rn,), (pre, tok, count, index, mode, code, value, feats, thr_f, cv, r0, pre.stride(0), code.stride(0),
                         value.stride(0), cv.stride(0), f_all, c, topk, b_enc, pre_all.stride(0)),
-                sel_flags, t.select_warps or (16 if block_sel >= 8192 else 8))
+                sel_flags, t.select_warps or _SELECT_WARPS)
         d_tiles = cdiv(d, bn)
         assert m_tiles * d_tiles <= _ARRIVED, (m_tiles, d_tiles)
         _DECODE((m_tiles, d_tiles, split),

@@ -46,18 +46,10 @@ def _moved(x, r, index, pack, topk, tuning=None) -> tuple[torch.Tensor, torch.Te
 _CASES = [(200, 8, "few_positive"), (256, 100, "k_over_groups"), (4096, 8, "bounded")]
 
 
-# (id, d_sae above _SELECT_MAX, Tuning keywords): "bucket": the search begun by two histogram rounds of 32 bins
-_SEARCHES = [("in_registers", False, {}), ("chunked", True, {}),
-             ("bucket", False, dict(select_bits=5, select_rounds=2))]
-
-
-@pytest.mark.parametrize("search,chunked,kw", _SEARCHES, ids=[s[0] for s in _SEARCHES])
+@pytest.mark.parametrize("chunked", [False, True], ids=["in_registers", "chunked"])
 @pytest.mark.parametrize("f,k,case", _CASES, ids=[c for _, _, c in _CASES])
-def test_topk_search_edge_cases_match_reference(f, k, case, search, chunked, kw, monkeypatch):
-    """``chunked``: d_sae above ``_SELECT_MAX`` (lowered to 64 here), the row read in chunks once per search step;
-    ``bucket``: ``Tuning.select_bits`` (``_bucket_rounds``)."""
-    from vllm_steer.kernels.sae_clamp.full_triton import Tuning
-
+def test_topk_search_edge_cases_match_reference(f, k, case, chunked, monkeypatch):
+    """``chunked``: d_sae above ``_SELECT_MAX`` (lowered to 64 here), the row read in chunks once per search step."""
     if chunked:
         from vllm_steer.kernels.sae_clamp import full_triton
 
@@ -71,7 +63,7 @@ def test_topk_search_edge_cases_match_reference(f, k, case, search, chunked, kw,
     pack[5] = pack[9][pack[7]]
     x, r = _stream(13, seed=12)
     index = token_rows(13)
-    got, want, on = _moved(x, r, index, pack, k, Tuning(**kw))
+    got, want, on = _moved(x, r, index, pack, k)
     assert on.any()
     torch.testing.assert_close(got, want, **TOL)
     from vllm_steer.kernels.sae_clamp.full_triton import arrival_counts

@@ -1,5 +1,5 @@
 """The full SAE kernels' launch variants (``kernels/sae_clamp/full_triton.Tuning``: tiles, K split, stages, the
-stream's hi / lo planes, TopK's histogram rounds), which ``bench/sae_kernel_bench.py --topk-sweep`` times on a GPU,
+stream's hi / lo planes, ``_select``'s warps), which ``bench/sae_kernel_bench.py --topk-sweep`` times on a GPU,
 against the plain-torch pack reference under Triton's interpreter (run in a subprocess by
 ``tests/test_steered_norm.py``; ``tests/test_kernels_compile.py`` compiles each for sm_90)."""
 
@@ -38,8 +38,7 @@ _VARIANTS = [
     ("split2", dict(split_k=2)),
     ("split3", dict(split_k=3, block_k=32, unroll=1)),
     ("hilo_split2", dict(hilo=True, split_k=2)),
-    ("bucket6", dict(select_bits=6)),
-    ("bucket8x2", dict(select_bits=8, select_rounds=2)),
+    ("select_warps16", dict(select_warps=16)),
 ]
 
 
