@@ -3,20 +3,19 @@ both tables of one norm at once); compiled == eager; a graph compiled with steer
 reused once steering is on. Gemma-2's job (its norm gains made random: the fixture's are 0, a gain of 1) also
 serves a Gemma Scope-style transcoder (sae-lens ``jumprelu_transcoder``, hook ``blocks.1.ln2.hook_normalized``):
 its encoder must read what Gemma Scope trained on, the MLP's input just after the pre-MLP RMSNorm with the norm's
-gain folded away (``_gemma_scope_edits``)."""
+gain folded away (``tests/gemma_scope_input.py``)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-import torch
 
 from tests import hf_oracle
 from tests.engine_job import run_job
-from tests.sae_writers import random_transcoder, write_sae_lens_transcoder
+from tests.gemma_scope_input import GS_CLAMPS, GS_LAYER, GS_TC, gemma_scope_refs, with_norm_gains
+from tests.sae_writers import write_sae_lens_transcoder
 from tests.steering_cases import params, vector
 
 HOOKS = ("pre_attn", "post_attn", "post_mlp")
@@ -48,80 +47,12 @@ def _oracle_vectors(case: dict, d: int) -> dict:
     return {h: {l: vector(d, s, 4.0) for l, s in ls.items()} for h, ls in case.items()}
 
 
-# Gemma Scope's transcoders (google/gemma-scope-2b-pt-transcoders README, "Transcoder Input/Output Clarification",
-# quoting arXiv:2408.05147v2 p. 18): "We fold the pre-MLP RMS norm gain parameters ... into the MLP input matrices
-# ... and then train the transcoder on input activations just after the pre-MLP RMSNorm, to reconstruct the MLP
-# sublayer's output". So the input is transformers' pre_feedforward_layernorm without its gain (1 + weight):
-# Gemma2RMSNorm._norm of its input, which is TransformerLens' ``ln2.hook_normalized`` (its RMSNorm hooks x / scale
-# before ``* w``), the hook sae-lens names; the output, the MLP block's addition to the stream, is
-# post_feedforward_layernorm's output (sae-lens' ``hook_mlp_out``).
-GS_LAYER, GS_F = 1, 64
-GS_TC = random_transcoder(128, GS_F, "jumprelu", seed=51)
-GS_TC.w_dec[:] *= 10  # edits that move this tiny model's logprobs well past the tolerance
-GS_CLAMPS = [{"feature": j, "kind": "scale", "value": 0.0 if j % 2 else 3.0} for j in range(GS_F)]
-GAIN_STD = 0.5
-
-
-def _with_norm_gains(path, out) -> str:
-    """A copy of the checkpoint ``path`` whose RMSNorm weights are random (N(0, GAIN_STD): Gemma's gain 1 + w)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(path, out)
-    (file,) = out.glob("*.safetensors")
-    tensors = load_file(file)
-    g = torch.Generator().manual_seed(52)
-    for name, t in tensors.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.randn(t.shape, generator=g) * GAIN_STD
-    save_file(tensors, file, metadata={"format": "pt"})
-    return str(out)
-
-
-def _gemma_scope_edits(model, gain_free: bool = True) -> list:
-    """Hooks on transformers' Gemma-2 layer GS_LAYER adding the clamps' edit to the MLP block's output
-    (post_feedforward_layernorm's): ``(f' - f) @ W_dec``, f = JumpReLU(u @ W_enc + b_enc) of u, the stream
-    entering pre_feedforward_layernorm normalized by its own ``_norm`` (``gain_free``: Gemma Scope's input) or
-    that norm's output (gain included: what a hook on the MLP's input reads)."""
-    block = model.model.layers[GS_LAYER]
-    w = {k: torch.from_numpy(v) for k, v in (("enc", GS_TC.w_enc), ("b", GS_TC.b_enc), ("dec", GS_TC.w_dec),
-                                            ("thr", GS_TC.threshold))}
-    scale = torch.tensor([c["value"] for c in GS_CLAMPS])
-    seen = {}
-
-    def pre_norm(module, args, output):
-        seen["u"] = module._norm(args[0].float()) if gain_free else output.float()
-
-    def post_norm(module, args, output):
-        z = seen["u"] @ w["enc"] + w["b"]
-        f = torch.where(z > w["thr"], z, torch.zeros_like(z))
-        return output + ((f * scale - f) @ w["dec"]).to(output.dtype)
-
-    return [block.pre_feedforward_layernorm.register_forward_hook(pre_norm),
-            block.post_feedforward_layernorm.register_forward_hook(post_norm)]
-
-
-def _gemma_scope_refs(got: dict, path: str, ids: list[int]) -> dict:
-    """Transformers teacher-forced on the engine's tokens with the transcoder's edit from each input (gain-free:
-    Gemma Scope's; gain included) and the engine's largest logprob distance to each."""
-    model, _ = hf_oracle.load(path)
-    refs = {}
-    for gain_free in (True, False):
-        handles = _gemma_scope_edits(model, gain_free)
-        try:
-            refs[gain_free] = hf_oracle.teacher_forced(model, ids, got["token_ids"])
-        finally:
-            for h in handles:
-                h.remove()
-    refs["gap"] = {k: float(np.abs(got["logprobs"] - refs[k]["logprobs"]).max()) for k in (True, False)}
-    return refs
-
-
 def _family_run(family: str, path: str, tmp_path) -> tuple[str, list[int], int, list[dict]]:
     """One engine of ``family`` (Gemma-2: norm gains random, the Gemma Scope transcoder loaded) serving the plain
     request, one per SITE_CASES and (Gemma-2) one clamping the transcoder: (path, prompt ids, hidden, outputs)."""
     steer = {"max_configs": 8}
     if family == "gemma2":
-        path = _with_norm_gains(path, tmp_path / "gemma2-gains")
+        path = with_norm_gains(path, tmp_path / "gemma2-gains")
         tc = write_sae_lens_transcoder(str(tmp_path / "gst"), GS_TC, GS_LAYER,
                                        hook_name=f"blocks.{GS_LAYER}.ln2.hook_normalized")
         steer["sae"] = {"gst": {"path": tc}}
@@ -159,7 +90,7 @@ def test_gemma_scope_oracle_tells_the_norm_gain_apart(gemma2_run):
     """The transcoder's edit from Gemma Scope's input and from the gain-included one move transformers' logprobs of
     the engine's tokens apart (so the next test can tell which one the engine encodes), and the clamps move them."""
     path, ids, _, got = gemma2_run
-    refs = _gemma_scope_refs(got[-1], path, ids)
+    refs = gemma_scope_refs(got[-1], path, ids)
     assert np.abs(refs[True]["logprobs"] - refs[False]["logprobs"]).max() > 0.05, refs["gap"]
     assert got[-1]["token_ids"] != got[0]["token_ids"]
 
@@ -169,9 +100,9 @@ def test_gemma_scope_oracle_tells_the_norm_gain_apart(gemma2_run):
                    "away (the engine matches the gain-included oracle to 5e-7, this one's logprobs by 0.17)")
 def test_gemma_scope_transcoder_encodes_the_pre_mlp_norm_without_its_gain(gemma2_run):
     """Served Gemma-2 (gains random): the Gemma Scope-hooked transcoder's clamps give transformers' greedy tokens
-    and logprobs with the edit encoded from Gemma Scope's input (``_gemma_scope_edits``)."""
+    and logprobs with the edit encoded from Gemma Scope's input (``gemma_scope_input.gemma_scope_edits``)."""
     path, ids, _, got = gemma2_run
-    refs = _gemma_scope_refs(got[-1], path, ids)
+    refs = gemma_scope_refs(got[-1], path, ids)
     ref = refs[True]
     off = np.flatnonzero(ref["trail"] > 0)
     assert off.size == 0, (f"token {off[0]} trails transformers' argmax (Gemma Scope's input) by "
