@@ -3,7 +3,8 @@
 # bundle parts in /tmp/gb, .whl/ the plugin wheel (bench/build_wheel.sh), .whl/tools/ py-spy, the test-only wheels
 # and loguru (bench/tools_wheels.sh), .whl/peer/ hotwire-vllm. Several steps at once, one GPU each: bench/gpu_lanes.sh.
 #   install    bundle + plugin + .whl/tools into /tmp/site
-#   kernels    tests/gpu and kernels_bench;   cost   request_path_cost, the table-write test, capture_reduce_cost
+#   kernels    tests/gpu and kernels_bench;   cost   request_path_cost, the table-write test, capture_reduce_cost,
+#              launch_cost (the eager launch's host µs)
 #   checks     tests/gpu_e2e, or the files CHECKS names (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
@@ -82,6 +83,7 @@ case "${1:-}" in
     timeout -k 20 120 "${PT[@]}" tests/gpu/test_tables_gpu.py 2>&1 | tail -4
     timeout -k 20 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
     timeout -k 20 120 python3 bench/capture_reduce_cost.py --out "$OUT/capture_reduce_cost.json" 2>&1 | tail -3
+    timeout -k 20 120 python3 bench/launch_cost.py --ns 16,8192 --out "$OUT/launch_cost.json" 2>&1 | tail -16
     ;;
   checks)
     VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" ${CHECKS:-tests/gpu_e2e} --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
