@@ -156,8 +156,14 @@ def plain_fp8(
     """``steered_norm_plain_fp8``: ``steered_norm_plain`` whose output is quantized for the FP8 linear after it
     (naive.quant_fp8_naive: ``quant_scale`` [1] float32 static per-tensor, None dynamic per-token); returns (fp8
     output, scale, new residual), the scale [N, 1] when dynamic and empty when static (the caller keeps its own).
-    Put in place of ``steered_norm_plain`` + vLLM's native quant by ``runtime.fp8_fusion``. Prototype: the
-    reference on every device (the Triton kernel's FP8 output is not written yet)."""
+    Put in place of ``steered_norm_plain`` + vLLM's native quant by ``runtime.fp8_fusion``. CUDA: the norm's one
+    launch with its QUANT mode (interpreter-tested only); other devices: the reference."""
+    if x.is_cuda:
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_fp8_triton
+
+        return steered_norm_fp8_triton(x, residual, weight, eps, weight_offset, index,
+                                       () if table_a is None else (table_a, flag_a),
+                                       () if table_b is None else (table_b, flag_b), plan_a, plan_b, pool, quant_scale)
     out, stream = _plain_reference(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b,
                                    plan_a, plan_b, pool)
     q, scale = quant_fp8_naive(out, quant_scale)
