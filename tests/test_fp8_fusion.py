@@ -122,3 +122,39 @@ def test_norm_output_read_elsewhere_is_left_unfused(vllm_quant):
     _compile(model, rec)(*_inputs(2))
     assert rec.pass_.matched == 0
     assert any("steered_norm_plain.default" in t for t in rec.targets)
+
+
+def test_opt_in_puts_the_pass_where_vllms_backend_takes_it(monkeypatch):
+    """VLLM_STEER_FP8_NORM_QUANT=1 with steering on: an InductorPass under post_grad_custom_post_pass, deep-copyable
+    (VllmBackend copies the config when the model is built) and hashed by its uuid; off, or steering off: nothing.
+    The variable is part of the compile-cache key."""
+    import copy
+
+    from vllm.compilation.passes.inductor_pass import InductorPass
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CompilationMode
+
+    from vllm_steer.core.engine_config import data_plane_digest
+    from vllm_steer.runtime import fp8_fusion
+
+    monkeypatch.delenv(fp8_fusion.ENV, raising=False)
+    off_digest = data_plane_digest()
+    steered = VllmConfig(additional_config={"steer": {"max_configs": 4}})
+    assert not fp8_fusion.register_in(steered)
+    assert fp8_fusion.PASS_KEY not in steered.compilation_config.inductor_compile_config
+
+    monkeypatch.setenv(fp8_fusion.ENV, "1")
+    assert data_plane_digest() != off_digest
+    plain = VllmConfig()
+    plain.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    assert not fp8_fusion.register_in(plain)
+    assert fp8_fusion.PASS_KEY not in plain.compilation_config.inductor_compile_config
+    assert steered.compilation_config.mode != CompilationMode.VLLM_COMPILE  # the CPU platform's: no post-grad passes
+    assert not fp8_fusion.register_in(steered)
+    steered.compilation_config.mode = CompilationMode.VLLM_COMPILE  # a GPU engine's default
+    assert fp8_fusion.register_in(steered)
+    held = steered.compilation_config.inductor_compile_config[fp8_fusion.PASS_KEY]
+    assert isinstance(held, InductorPass) and isinstance(held, fp8_fusion.SteeredNormQuantPass)
+    assert isinstance(copy.deepcopy(held), InductorPass)
+    steered.compilation_config.compute_hash()  # hashed through uuid(), not refused as a callable
+    assert fp8_fusion.register_in(steered)  # again: already there

@@ -9,17 +9,32 @@ slot) finds that quant by vLLM's own native form (traced from ``QuantFP8.forward
 ``MatcherQuantFP8`` does) where it reads only a steered norm's output, and puts ``steered_norm_plain_fp8`` (the same
 norm writing the fp8 output and its scale) in place of both.
 
+Opt-in (``VLLM_STEER_FP8_NORM_QUANT=1``, part of the compile-cache key through ``core.engine_config``):
+``register_in`` puts the pass into the compilation config before the model is built (``runtime.runner_v1`` /
+``runner_v2``'s ``load_model``), because vLLM's backend copies ``inductor_compile_config`` when the model is
+constructed (compilation/backends.py:868), before our install. Not the default until a GPU run shows the kernels a
+step equal to stock's and the TPOT back.
+
 Block-FP8 checkpoints (``weight_block_size``: vLLM turns ``+quant_fp8`` on and its own ``RMSNormQuantFusionPass``
 fuses into ``_C.rms_norm_per_block_quant``) are not matched here: their quant is a ``_C`` op.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
+import os
 
 import torch
 
 STATIC, DYNAMIC = "static_per_tensor", "dynamic_per_token"
+ENV = "VLLM_STEER_FP8_NORM_QUANT"
+PASS_KEY = "post_grad_custom_post_pass"
+logger = logging.getLogger("vllm.steer")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0") == "1"
 
 
 def _quant_patterns():
@@ -131,15 +146,16 @@ def _downstream(node: torch.fx.Node, depth: int = 12):
 
 
 class SteeredNormQuantPass:
-    """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache), for
-    ``CompilationConfig.inductor_compile_config["post_grad_custom_post_pass"]``, which vLLM 0.26 runs after its own
-    fusion passes and before its IR lowering (compilation/backends.py, passes/pass_manager.py)."""
+    """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache)."""
 
     def __init__(self) -> None:
         self.matched = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.matched += fuse_steered_norm_quant(graph)
+        found = fuse_steered_norm_quant(graph)
+        self.matched += found
+        if found:
+            logger.info("vllm-steer: %d steered norms write FP8 for their linear (%s)", found, ENV)
 
     def uuid(self) -> str:
         import hashlib
@@ -147,3 +163,34 @@ class SteeredNormQuantPass:
         import sys
 
         return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
+
+
+def vllm_pass() -> SteeredNormQuantPass:
+    """The pass as vLLM's ``InductorPass`` (what ``VllmBackend.configure_post_pass`` accepts under ``PASS_KEY``)."""
+    from vllm.compilation.passes.inductor_pass import InductorPass
+
+    cls = type("SteeredNormQuantInductorPass", (SteeredNormQuantPass, InductorPass), {})
+    return cls()
+
+
+def register_in(vllm_config) -> bool:
+    """With ``ENV`` set, steering on and Inductor compiling: put the pass under ``PASS_KEY`` of the compilation
+    config (a user's own pass there is kept: ours is left out, said once). Returns whether it is there."""
+    from vllm.config.compilation import CompilationMode
+
+    from vllm_steer.core.config import steer_config_of
+
+    cc = vllm_config.compilation_config
+    if not enabled() or steer_config_of(vllm_config) is None:
+        return False
+    if cc.mode != CompilationMode.VLLM_COMPILE or cc.backend not in ("inductor", ""):
+        return False
+    held = cc.inductor_compile_config.get(PASS_KEY)
+    if held is None:
+        cc.inductor_compile_config[PASS_KEY] = vllm_pass()
+        return True
+    if not isinstance(held, SteeredNormQuantPass):
+        logger.warning("vllm-steer: %s is set but %s already holds %r: FP8 norm + quant stays unfused", ENV, PASS_KEY,
+                       held)
+        return False
+    return True
