@@ -37,7 +37,17 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
+_PATTERNS: list = []
+
+
 def _quant_patterns():
+    """Traced once per process (every compiled piece asks): ``_trace_patterns``."""
+    if not _PATTERNS:
+        _PATTERNS.extend(_trace_patterns())
+    return _PATTERNS
+
+
+def _trace_patterns():
     """[(mode, pattern)]: vLLM's native FP8 quant of a [T, D] bfloat16 / float16 input, static per-tensor (the
     input scale a graph input) and dynamic per-token, as Inductor's pattern matcher sees them post-grad."""
     import torch._inductor.pattern_matcher as pm
