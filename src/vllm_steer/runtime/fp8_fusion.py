@@ -88,7 +88,6 @@ def _steered_output(node: torch.fx.Node):
 def fuse_steered_norm_quant(graph: torch.fx.Graph) -> int:
     """Rewrite every ``steered_norm_plain`` -> native FP8 quant in ``graph`` into ``steered_norm_plain_fp8``;
     returns how many. A norm whose output anything else reads (a MoE router, a second consumer) stays as it is."""
-    import torch._inductor.pattern_matcher as pm
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     fused = 0
@@ -132,8 +131,6 @@ def _position(node: torch.fx.Node) -> int:
 
 def _match_at(pattern, node: torch.fx.Node):
     """The match of ``pattern`` whose input ``out`` is ``node`` (one of its quant consumers), else None."""
-    import torch._inductor.pattern_matcher as pm
-
     for user in node.users:
         for start in _downstream(user):
             m = pattern.match(start)
