@@ -565,3 +565,31 @@ def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path
     graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
     assert {("steer_late", "plain"), ("steer_late", "per_request"), ("steer_proj_late", "plain"),
             ("steer_proj_late", "project"), ("steer_proj_fused", "plain"), ("steer_proj_fused", "project")} <= graphed
+
+
+def test_the_fp8_give_back_server_is_steer_with_the_pass_on(tmp_path):
+    """Issue 43: steer_fp8q starts as steer (same steer block, own port) with VLLM_STEER_FP8_NORM_QUANT=1 (steer
+    without it), its arms send steer's traffic compared with steer's, and the graph phase profiles it at n16."""
+    from types import SimpleNamespace
+
+    from abkit.runner import GRAPH_PLAN
+    from abkit.servers import PORT_OFFSETS, Pool, Server
+
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000)
+    pool = Pool(args, tmp_path, tmp_path)
+    envs = {}
+    for name in ("steer", "steer_fp8q"):
+        s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
+        pool.prepare(s)
+        envs[name] = (s.env().get("VLLM_STEER_FP8_NORM_QUANT"),
+                      s.command()[s.command().index("--additional-config") + 1])
+    assert envs["steer_fp8q"] == ("1", envs["steer"][1]) and envs["steer"][0] is None
+    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
+    for arm, twin in (("enabled_idle_fp8q", "enabled_idle"), ("per_request_n16_fp8q", "per_request_n16")):
+        a, b = ARMS[arm], ARMS[twin]
+        assert (a["kind"], a.get("n_configs"), a["server"], a["ref"]) == \
+            (b["kind"], b.get("n_configs"), "steer_fp8q", twin)
+    graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
+    assert {("steer_fp8q", "plain"), ("steer_fp8q", "per_request")} <= graphed

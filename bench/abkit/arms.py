@@ -83,6 +83,10 @@ ARMS = {
     # (project_n16_fused - per_request_n16 <= +0.5 pp TPOT) and its idle twin against project_idle
     "project_idle_fused": dict(server="steer_proj_fused", kind="plain", ref="project_idle"),
     "project_n16_fused": dict(server="steer_proj_fused", kind="project", n_configs=16, ref="per_request_n16"),
+    # issue 43 (QUANT=fp8): the same traffic on steer_fp8q (VLLM_STEER_FP8_NORM_QUANT=1: the norm + FP8 quant fused
+    # back), against its twin on steer
+    "enabled_idle_fp8q": dict(server="steer_fp8q", kind="plain", ref="enabled_idle"),
+    "per_request_n16_fp8q": dict(server="steer_fp8q", kind="per_request", n_configs=16, ref="per_request_n16"),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),

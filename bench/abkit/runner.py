@@ -44,7 +44,10 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("steer_proj_late / project_n16_late", "steer_proj_late", "project", 16),
     # the PROJ_FUSED variant (server steer_proj_fused: VLLM_STEER_PROJ_FUSED=1)
     ("steer_proj_fused / unsteered n16 (project_idle_fused)", "steer_proj_fused", "plain", 16),
-    ("steer_proj_fused / project_n16_fused", "steer_proj_fused", "project", 16)]
+    ("steer_proj_fused / project_n16_fused", "steer_proj_fused", "project", 16),
+    # issue 43 (QUANT=fp8): steer with the norm + FP8 quant fused back (VLLM_STEER_FP8_NORM_QUANT=1)
+    ("steer_fp8q / unsteered n16 (enabled_idle_fp8q)", "steer_fp8q", "plain", 16),
+    ("steer_fp8q / per_request_n16_fp8q", "steer_fp8q", "per_request", 16)]
 # the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
 GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
 # issue 37 (prefill capture ~4% behind stock, vLLM's extract_hidden_states ~0): (label, arm) profiled under the arm's

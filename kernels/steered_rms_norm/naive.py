@@ -174,3 +174,19 @@ def _staged(
     if gating:
         gate[:n] = g
     return s
+
+
+# float8_e4m3fn's range and vLLM's smallest dynamic scale (vllm/model_executor/layers/quantization/input_quant_fp8.py)
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def quant_fp8_naive(out: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 output, scale) of the norm's output ``out`` [N, D] as vLLM's ``QuantFP8.forward_native`` computes them
+    for the FP8 linear after the norm: ``scale`` [1] float32 given (static per-tensor) is returned as is; None
+    (dynamic per-token): ``max(|row|) / 448`` per row, at least ``FP8_MIN_SCALE``, [N, 1] float32. The value
+    quantized is ``out`` in its own dtype (the norm's rounded output), times the scale's float32 reciprocal."""
+    if scale is None:
+        scale = (out.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (out.float() * scale.float().reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale

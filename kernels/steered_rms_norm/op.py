@@ -35,7 +35,7 @@ import torch
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.library import LIB
 from vllm_steer.kernels.sae_clamp.packed import N_FULL
-from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import quant_fp8_naive, steered_norm_naive
 
 _registered = False
 # The full-pack kernels (kernels/sae_clamp/full_triton.py): on since the twenty-fifth session, when the served-engine
@@ -137,6 +137,46 @@ def _plain_reference(
                  [] if table_b is None else [table_b, flag_b], [], [], 0, 0, [], None, plan_a, plan_b, pool, [], [], [])
 
 
+def plain_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    plan_a: torch.Tensor | None,
+    plan_b: torch.Tensor | None,
+    pool: torch.Tensor | None,
+    quant_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``steered_norm_plain_fp8``: ``steered_norm_plain`` whose output is quantized for the FP8 linear after it
+    (naive.quant_fp8_naive: ``quant_scale`` [1] float32 static per-tensor, None dynamic per-token); returns (fp8
+    output, scale, new residual), the scale [N, 1] when dynamic and empty when static (the caller keeps its own).
+    Put in place of ``steered_norm_plain`` + vLLM's native quant by ``runtime.fp8_fusion``. CUDA: the norm's one
+    launch with its QUANT mode (interpreter-tested only); other devices: the reference."""
+    if x.is_cuda:
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_fp8_triton
+
+        return steered_norm_fp8_triton(x, residual, weight, eps, weight_offset, index,
+                                       () if table_a is None else (table_a, flag_a),
+                                       () if table_b is None else (table_b, flag_b), plan_a, plan_b, pool, quant_scale)
+    out, stream = _plain_reference(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b,
+                                   plan_a, plan_b, pool)
+    q, scale = quant_fp8_naive(out, quant_scale)
+    return q, scale if quant_scale is None else scale.new_empty(0), stream
+
+
+def _fake_fp8(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shapes of ``steered_norm_plain_fp8``: fp8 output, scale ([N, 1]; empty when static), new residual."""
+    scale_shape = (x.shape[0], 1) if args[-1] is None else (0,)
+    return (torch.empty_like(x, dtype=torch.float8_e4m3fn), x.new_empty(scale_shape, dtype=torch.float32),
+            torch.empty_like(x))
+
+
 def _fake(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """The shapes (compile tracing): the output and the new residual, like ``x``."""
     return torch.empty_like(x), torch.empty_like(x)
@@ -156,4 +196,6 @@ def register() -> None:
 
     plain = plain_triton if current_platform.dispatch_key == "CUDA" else _plain_reference
     direct_register_custom_op("steered_norm_plain", plain, mutates_args=["pool"], fake_impl=_fake, target_lib=LIB)
+    direct_register_custom_op("steered_norm_plain_fp8", plain_fp8, mutates_args=["pool"], fake_impl=_fake_fp8,
+                              target_lib=LIB)
     _registered = True

@@ -56,6 +56,8 @@ _SITE_MASK = tl.constexpr(naive.SITE_MASK)
 _VECTORS_UNGATED = tl.constexpr(naive.VECTORS_UNGATED)
 _SAE_GATED = tl.constexpr(naive.SAE_GATED)
 _PROJ_GATED = tl.constexpr(naive.PROJ_GATED)
+_FP8_MAX = tl.constexpr(naive.FP8_MAX)
+_FP8_MIN_SCALE = tl.constexpr(naive.FP8_MIN_SCALE)
 
 
 @triton.jit
@@ -378,6 +380,20 @@ def _normalized_ss(b_s, ss, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEI
 
 
 @triton.jit
+def _quant_fp8(b_y, i_t, quant, o_d, m_d, QUANT: tl.constexpr):
+    """Store the row ``b_y`` [BLOCK_D] fp32 as FP8 (``naive.quant_fp8_naive``): QUANT 1 by the given scale, 2 by
+    ``max(|row|) / FP8_MAX`` (at least FP8_MIN_SCALE), stored per token."""
+    p_q, stride_q, p_scale = quant
+    if QUANT == 2:
+        b_scale = tl.maximum(tl.max(tl.where(m_d, tl.abs(b_y), 0.0), axis=0) / _FP8_MAX, _FP8_MIN_SCALE)
+        tl.store(p_scale + i_t, b_scale)
+    else:
+        b_scale = tl.load(p_scale)
+    b_q = tl.clamp(b_y * (1.0 / b_scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(p_q + i_t * stride_q + o_d, b_q.to(p_q.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
 def _steered_norm_kernel(
     p_x,  # [N, D]
     p_res,  # [N, D] (ignored unless HAS_RES)
@@ -406,6 +422,7 @@ def _steered_norm_kernel(
     full_a,  # FULL_A: (edit [N, D] fp32, mode [R] int32, edit stride): a full SAE pack's move at slot A
     full_b,  # FULL_B: the same for slot B
     full_tc,  # FULL_TC: the same for a full transcoder pack (its edit of the MLP's output, added to the residual)
+    quant,  # QUANT: (q [N, D] fp8 (written), q stride, scale: [1] fp32 read (static) / [N] fp32 written (dynamic))
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -427,6 +444,8 @@ def _steered_norm_kernel(
     FULL_TC: tl.constexpr = False,  # a full transcoder pack's edit, added to the residual after the norm
     EARLY: tl.constexpr = False,  # plain sites (no SAE, condition): every slot's loads before the first branch
     PROJ_FUSED: tl.constexpr = False,  # with EARLY at a projecting plain site: one reduction (``_fused_slots``)
+    QUANT: tl.constexpr = 0,  # the output goes out in FP8 for the linear after the norm, instead of in the model
+    # dtype: 1 static per-tensor (scale given), 2 dynamic per-token (naive.quant_fp8_naive); plain sites only
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -558,7 +577,9 @@ def _steered_norm_kernel(
         b_o = _normalized_ss(b_s, ss, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
     else:
         b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
-    if TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
+    if QUANT != 0:  # vLLM's QuantFP8 of the output as rounded to the model dtype: what its own linear would read
+        _quant_fp8(b_o.to(tl.float32), i_t, quant, o_d, m_w, QUANT)
+    elif TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
         tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_d & (tl.program_id(1) == 0))
     else:
         tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_w)
@@ -691,12 +712,13 @@ def steered_norm_triton(
     full_tc: Sequence[torch.Tensor] = (),  # a full transcoder pack's edit: (edit [N, D] fp32, mode [R] int32), ()
     early: bool | None = None,  # every slot's loads before the first branch (None: VLLM_STEER_NORM_EARLY; False: late)
     proj_fused: bool | None = None,  # with early: one reduction at a projecting site (None: VLLM_STEER_PROJ_FUSED)
+    quant: tuple = (),  # steered_norm_fp8_triton's (q [N, D] fp8, scale, QUANT): the output as FP8 into q, not out
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
     nothing it does not read)."""
     n, d = x.shape
-    out = torch.empty_like(x)
+    out = x if quant else torch.empty_like(x)  # FP8 out: the kernel writes q, never out
     res_out = torch.empty_like(x)
     if n == 0:
         return out, res_out
@@ -763,20 +785,44 @@ def steered_norm_triton(
         fa = (full_a[0], full_a[1], full_a[0].stride(0)) if full_a else ()
         fb = (full_b[0], full_b[1], full_b[0].stride(0)) if full_b else ()
         ftc = (full_tc[0], full_tc[1], full_tc[0].stride(0)) if full_tc else ()
+        assert not quant, "FP8 output: plain sites only (vectors, capture)"
         spec += (spec_of((sa, sb, bufs, cond_desc, pa, pb, tcd, fa, fb, ftc)),)
-        args += (va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc)
+        args += (va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc, ())
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, bool(sa), bool(sb),
                             32, split, bool(cond_desc), cap_a, cap_b, bool(pa), bool(pb), bool(tcd), bool(fa),
                             bool(fb), bool(ftc), EARLY if early is None else early,
                             bool(pa or pb) and (PROJ_FUSED if proj_fused is None else proj_fused))
     else:  # vectors and capture only (the other descriptors empty, their flags off)
-        args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), ())
+        qd = ()
+        if quant:
+            q, scale, mode = quant
+            qd = (q, q.stride(0), scale)
+            ptrs |= q.data_ptr() | scale.data_ptr()
+            spec += (q.dtype, qd[1], scale.dtype)
+        args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), (), qd)
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, False, False, 32, 1,
                             False, cap_a, cap_b, False, False, False, False, False, False,
-                            EARLY if early is None else early, False)
+                            EARLY if early is None else early, False) + ((quant[2],) if quant else ())
         split = 1
     _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec)
     return out, res_out
+
+
+def steered_norm_fp8_triton(x, residual, weight, eps, weight_offset, index, vec_a=(), vec_b=(), plan_a=None,
+                            plan_b=None, pool=None, quant_scale: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A plain site's steered norm whose output goes out as FP8 (``naive.quant_fp8_naive``; the op
+    ``steered_norm_plain_fp8``): (q [N, D] float8_e4m3fn, scale [N, 1] float32 when dynamic (``quant_scale`` None) or
+    empty when static, new residual)."""
+    n = x.shape[0]
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if quant_scale is None:
+        scale, mode, ret = torch.empty((n, 1), dtype=torch.float32, device=x.device), 2, None
+    else:
+        scale, mode, ret = quant_scale, 1, torch.empty(0, dtype=torch.float32, device=x.device)
+    _, res_out = steered_norm_triton(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, plan_a=plan_a,
+                                     plan_b=plan_b, pool=pool, quant=(q, scale, mode))
+    return q, scale if ret is None else ret, res_out
 
 
 _SHAPES: dict[int, tuple] = {}

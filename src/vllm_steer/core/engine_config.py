@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
 from vllm_steer.core.config import SteerConfigError, parse_steer_config, steer_config_of
@@ -22,10 +23,12 @@ def _package_dir(name: str) -> Path:
 
 
 def data_plane_digest() -> str:
-    """Hash of everything that shapes the compiled graph: the worker runtime and the kernels."""
+    """Hash of everything that shapes the compiled graph: the worker runtime, the kernels, and the opt-in FP8
+    norm + quant pass (``runtime.fp8_fusion``, by its environment variable)."""
     from vllm_steer import __version__
 
     h = hashlib.sha256(__version__.encode())
+    h.update(os.environ.get("VLLM_STEER_FP8_NORM_QUANT", "0").encode())
     for pkg in ("vllm_steer.runtime", "vllm_steer.kernels"):
         root = _package_dir(pkg)
         for f in sorted(root.rglob("*.py")):

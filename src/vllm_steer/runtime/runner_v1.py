@@ -14,6 +14,7 @@ The V1 runner is vLLM 0.26's runner on CPU (V2 needs Triton on a GPU) and on GPU
 
 from __future__ import annotations
 
+from vllm_steer.runtime import fp8_fusion
 from vllm_steer.runtime.manager import build_runtime, with_after_forward, with_stops
 
 
@@ -23,6 +24,7 @@ def _patch_load_model(cls: type) -> None:
         return
 
     def load_model(self, *args, **kwargs):
+        fp8_fusion.register_in(self.vllm_config)  # before the model (and its compile backend) is built
         original(self, *args, **kwargs)
         build_runtime(self)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_steer.runtime import fp8_fusion
 from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward, with_stops
 from vllm_steer.runtime.slot_rows import SlotRows
 
@@ -87,6 +88,7 @@ def patch_v2_runner() -> None:
     original = GPUModelRunner.load_model
 
     def load_model(self, *args, **kwargs):
+        fp8_fusion.register_in(self.vllm_config)  # before the model (and its compile backend) is built
         original(self, *args, **kwargs)
         attach_runtime(self)
 

@@ -1,0 +1,203 @@
+"""Gives FP8 models back the norm + quant fusion a steered norm takes from them (prototype, off by default).
+
+Stock vLLM 0.26-0.32 on CUDA, FP8 linears whose input is quantized per tensor (static) or per token (dynamic, what
+``--quantization fp8`` gives on Hopper): the norm (``vllm_ir.fused_add_rms_norm``, lowered to plain aten) and the
+linear's ``QuantFP8.forward_native`` are both plain aten ops to Inductor, which writes them as one kernel. Our
+``steered_norm_plain`` is opaque, so the quant after it becomes a kernel of its own: one more launch per steered
+norm that feeds an FP8 linear. ``SteeredNormQuantPass`` (a post-grad pass, vLLM's ``post_grad_custom_post_pass``
+slot) finds that quant by vLLM's own native form (traced from ``QuantFP8.forward_native``, as vLLM's
+``MatcherQuantFP8`` does) where it reads only a steered norm's output, and puts ``steered_norm_plain_fp8`` (the same
+norm writing the fp8 output and its scale) in place of both.
+
+Opt-in (``VLLM_STEER_FP8_NORM_QUANT=1``, part of the compile-cache key through ``core.engine_config``):
+``register_in`` puts the pass into the compilation config before the model is built (``runtime.runner_v1`` /
+``runner_v2``'s ``load_model``), because vLLM's backend copies ``inductor_compile_config`` when the model is
+constructed (compilation/backends.py:868), before our install. Not the default until a GPU run shows the kernels a
+step equal to stock's and the TPOT back.
+
+Block-FP8 checkpoints (``weight_block_size``: vLLM turns ``+quant_fp8`` on and its own ``RMSNormQuantFusionPass``
+fuses into ``_C.rms_norm_per_block_quant``) are not matched here: their quant is a ``_C`` op.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+
+import torch
+
+STATIC, DYNAMIC = "static_per_tensor", "dynamic_per_token"
+ENV = "VLLM_STEER_FP8_NORM_QUANT"
+PASS_KEY = "post_grad_custom_post_pass"
+logger = logging.getLogger("vllm.steer")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0") == "1"
+
+
+_PATTERNS: list = []
+
+
+def _quant_patterns():
+    """Traced once per process (every compiled piece asks): ``_trace_patterns``."""
+    if not _PATTERNS:
+        _PATTERNS.extend(_trace_patterns())
+    return _PATTERNS
+
+
+def _trace_patterns():
+    """[(mode, pattern)]: vLLM's native FP8 quant of a [T, D] bfloat16 / float16 input, static per-tensor (the
+    input scale a graph input) and dynamic per-token, as Inductor's pattern matcher sees them post-grad."""
+    import torch._inductor.pattern_matcher as pm
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    static_q = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=False)
+    dynamic_q = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN, compile_native=False)
+
+    def static_fn(out, scale):
+        return static_q.forward_native(out, scale)[0]
+
+    def dynamic_fn(out):
+        return dynamic_q.forward_native(out)
+
+    found = []
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(5, 16, dtype=dtype)
+        scale = torch.empty(1, dtype=torch.float32)
+        found.append((DYNAMIC, pm.gen_pattern(dynamic_fn, [out], pm.fwd_only)))
+        found.append((STATIC, pm.gen_pattern(static_fn, [out, scale], pm.fwd_only)))
+    return found  # dynamic first: the static pattern is the dynamic one's tail (its "scale" the computed one)
+
+
+def _steered_output(node: torch.fx.Node):
+    """The ``auto_functionalized`` call of ``steered_norm_plain`` whose output 0 ``node`` is, else None."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
+        return None
+    call = node.args[0]
+    if (isinstance(call, torch.fx.Node) and call.target is auto_functionalized
+            and call.args[0] is torch.ops.vllm_steer.steered_norm_plain.default):
+        return call
+    return None
+
+
+def fuse_steered_norm_quant(graph: torch.fx.Graph) -> int:
+    """Rewrite every ``steered_norm_plain`` -> native FP8 quant in ``graph`` into ``steered_norm_plain_fp8``;
+    returns how many. A norm whose output anything else reads (a MoE router, a second consumer) stays as it is."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    fused = 0
+    patterns = _quant_patterns()
+    for node in list(graph.nodes):
+        call = _steered_output(node)
+        if call is None:
+            continue
+        for mode, pattern in patterns:
+            match = _match_at(pattern, node)
+            if match is None:
+                continue
+            inner = set(match.nodes)
+            if any(u not in inner for u in node.users):
+                continue  # another reader of the norm's output, or only part of a quant matched
+            scale = match.kwargs.get("scale") if mode == STATIC else None
+            outs = match.output_nodes()
+            with graph.inserting_before(outs[0] if len(outs) == 1 else min(outs, key=_position)):
+                new = graph.call_function(auto_functionalized, (torch.ops.vllm_steer.steered_norm_plain_fp8.default,),
+                                          {**call.kwargs, "quant_scale": scale})
+                q = graph.call_function(operator.getitem, (new, 0))
+                new_scale = graph.call_function(operator.getitem, (new, 1))
+                stream = graph.call_function(operator.getitem, (new, 2))
+                pool = graph.call_function(operator.getitem, (new, 3))
+            outs[0].replace_all_uses_with(q)
+            if mode == DYNAMIC:
+                outs[1].replace_all_uses_with(new_scale)
+            for user in list(call.users):
+                if user.target is operator.getitem and user.args[1] in (1, 2):
+                    user.replace_all_uses_with(stream if user.args[1] == 1 else pool)
+            fused += 1
+            break
+    if fused:
+        graph.eliminate_dead_code()
+    return fused
+
+
+def _position(node: torch.fx.Node) -> int:
+    return list(node.graph.nodes).index(node)
+
+
+def _match_at(pattern, node: torch.fx.Node):
+    """The match of ``pattern`` whose input ``out`` is ``node`` (one of its quant consumers), else None."""
+    for user in node.users:
+        for start in _downstream(user):
+            m = pattern.match(start)
+            if m and m.kwargs.get("out") is node:
+                return m
+    return None
+
+
+def _downstream(node: torch.fx.Node, depth: int = 12):
+    """Nodes reachable from ``node`` within ``depth`` steps (a quant's outputs sit a few ops below its input)."""
+    seen, frontier = [], [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n not in seen:
+                seen.append(n)
+                nxt.extend(n.users)
+        frontier = nxt
+    return seen
+
+
+class SteeredNormQuantPass:
+    """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache)."""
+
+    def __init__(self) -> None:
+        self.matched = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        found = fuse_steered_norm_quant(graph)
+        self.matched += found
+        if found:
+            logger.info("vllm-steer: %d steered norms write FP8 for their linear (%s)", found, ENV)
+
+    def uuid(self) -> str:
+        import hashlib
+        import inspect
+        import sys
+
+        return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
+
+
+def vllm_pass() -> SteeredNormQuantPass:
+    """The pass as vLLM's ``InductorPass`` (what ``VllmBackend.configure_post_pass`` accepts under ``PASS_KEY``)."""
+    from vllm.compilation.passes.inductor_pass import InductorPass
+
+    cls = type("SteeredNormQuantInductorPass", (SteeredNormQuantPass, InductorPass), {})
+    return cls()
+
+
+def register_in(vllm_config) -> bool:
+    """With ``ENV`` set, steering on and Inductor compiling: put the pass under ``PASS_KEY`` of the compilation
+    config (a user's own pass there is kept: ours is left out, said once). Returns whether it is there."""
+    from vllm.config.compilation import CompilationMode
+
+    from vllm_steer.core.config import steer_config_of
+
+    cc = vllm_config.compilation_config
+    if not enabled() or steer_config_of(vllm_config) is None:
+        return False
+    if cc.mode != CompilationMode.VLLM_COMPILE or cc.backend not in ("inductor", ""):
+        return False
+    held = cc.inductor_compile_config.get(PASS_KEY)
+    if held is None:
+        cc.inductor_compile_config[PASS_KEY] = vllm_pass()
+        return True
+    if not isinstance(held, SteeredNormQuantPass):
+        logger.warning("vllm-steer: %s is set but %s already holds %r: FP8 norm + quant stays unfused", ENV, PASS_KEY,
+                       held)
+        return False
+    return True

@@ -1,0 +1,160 @@
+"""The FP8 norm + quant give-back (runtime.fp8_fusion), on CPU without an engine: Inductor compiles a steered norm
+followed by vLLM's own ``QuantFP8`` (native, as stock runs it under Inductor); the pass must replace both by
+``steered_norm_plain_fp8``, whose fp8 output and scale equal vLLM's quant of the unfused norm bit for bit, and must
+leave a norm whose output something else reads alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_steer.kernels.steered_rms_norm import op
+from vllm_steer.kernels.steered_rms_norm.naive import quant_fp8_naive
+from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
+
+D, N, R = 64, 7, 4
+
+
+@pytest.fixture(scope="module")
+def vllm_quant():
+    """vLLM's QuantFP8 as a compiled stock engine runs it (custom ops off: ``forward_native``)."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    op.register()
+    ctx = set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["none"])))
+    ctx.__enter__()
+
+    def make(static: bool):
+        q = QuantFP8(static=static, group_shape=GroupShape.PER_TENSOR if static else GroupShape.PER_TOKEN)
+        assert q._forward_method.__name__ == "forward_native"
+        return q
+
+    yield make
+    ctx.__exit__(None, None, None)
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, res = (torch.randn(N, D, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
+    w = (torch.randn(D, generator=g) * 0.5 + 1).to(torch.bfloat16)
+    table = torch.randn(R, D, generator=g).to(torch.bfloat16)
+    table[0] = 0
+    index = torch.tensor([0, 1, 2, 3, 1, 0, 2], dtype=torch.int32)
+    flag = torch.ones(1, dtype=torch.uint8)
+    return x, res, w, index, table, flag
+
+
+def _compile(fn, custom_pass):
+    """``fn`` compiled by Inductor with ``custom_pass`` as its post-grad pass and auto_functionalized v1 (as vLLM
+    sets it); the config patch is held while it runs, where compiling happens."""
+    import torch._inductor.config as ic
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(*args):
+        with ic.patch(post_grad_custom_post_pass=custom_pass, enable_auto_functionalized_v2=False,
+                      fx_graph_cache=False):
+            return compiled(*args)
+
+    return run
+
+
+class _Recorder:
+    """Runs the pass (or not) and keeps the post-grad graph's op targets."""
+
+    def __init__(self, fuse: bool):
+        self.pass_, self.targets = (SteeredNormQuantPass() if fuse else None), []
+
+    def __call__(self, graph):
+        if self.pass_ is not None:
+            self.pass_(graph)
+        self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+                        for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self):
+        return f"recorder-{self.pass_ is not None}"
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static_per_tensor", "dynamic_per_token"])
+def test_steered_norm_then_vllm_quant_becomes_one_fp8_norm(vllm_quant, static):
+    quant = vllm_quant(static)
+    scale = torch.tensor([0.031], dtype=torch.float32)
+
+    def model(x, res, w, index, table, flag, scale):
+        out, stream = torch.ops.vllm_steer.steered_norm_plain(x, res, w, 1e-6, 0.0, index, table, flag,
+                                                              None, None, None, None, None)
+        q, s = quant(out, scale if static else None)
+        return q, s, stream
+
+    args = (*_inputs(1), scale)
+    rec = _Recorder(fuse=True)
+    q, s, stream = _compile(model, rec)(*args)
+    assert rec.pass_.matched == 1, rec.targets
+    assert any("steered_norm_plain_fp8" in t for t in rec.targets)
+    assert not any("steered_norm_plain.default" in t for t in rec.targets)
+    assert not any(t.startswith("aten.clamp") or "convert_element_type" in t for t in rec.targets), rec.targets
+
+    ref_out, ref_stream = torch.ops.vllm_steer.steered_norm_plain(*args[:6][:3], 1e-6, 0.0, *args[3:6],
+                                                                  None, None, None, None, None)
+    ref_q, ref_s = quant(ref_out, scale if static else None)  # vLLM's own quant, eager
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(s, ref_s)
+    assert torch.equal(stream, ref_stream)
+    assert torch.equal(quant_fp8_naive(ref_out, scale if static else None)[0].view(torch.uint8),
+                       ref_q.view(torch.uint8))
+
+
+def test_norm_output_read_elsewhere_is_left_unfused(vllm_quant):
+    quant = vllm_quant(False)
+
+    def model(x, res, w, index, table, flag):
+        out, stream = torch.ops.vllm_steer.steered_norm_plain(x, res, w, 1e-6, 0.0, index, table, flag,
+                                                              None, None, None, None, None)
+        q, s = quant(out)
+        return q, s, stream, out.float().sum(-1)  # a second reader (a MoE router's logits, say)
+
+    rec = _Recorder(fuse=True)
+    _compile(model, rec)(*_inputs(2))
+    assert rec.pass_.matched == 0
+    assert any("steered_norm_plain.default" in t for t in rec.targets)
+
+
+def test_opt_in_puts_the_pass_where_vllms_backend_takes_it(monkeypatch):
+    """VLLM_STEER_FP8_NORM_QUANT=1 with steering on: an InductorPass under post_grad_custom_post_pass, deep-copyable
+    (VllmBackend copies the config when the model is built) and hashed by its uuid; off, or steering off: nothing.
+    The variable is part of the compile-cache key."""
+    import copy
+
+    from vllm.compilation.passes.inductor_pass import InductorPass
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CompilationMode
+
+    from vllm_steer.core.engine_config import data_plane_digest
+    from vllm_steer.runtime import fp8_fusion
+
+    monkeypatch.delenv(fp8_fusion.ENV, raising=False)
+    off_digest = data_plane_digest()
+    steered = VllmConfig(additional_config={"steer": {"max_configs": 4}})
+    assert not fp8_fusion.register_in(steered)
+    assert fp8_fusion.PASS_KEY not in steered.compilation_config.inductor_compile_config
+
+    monkeypatch.setenv(fp8_fusion.ENV, "1")
+    assert data_plane_digest() != off_digest
+    plain = VllmConfig()
+    plain.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    assert not fp8_fusion.register_in(plain)
+    assert fp8_fusion.PASS_KEY not in plain.compilation_config.inductor_compile_config
+    assert steered.compilation_config.mode != CompilationMode.VLLM_COMPILE  # the CPU platform's: no post-grad passes
+    assert not fp8_fusion.register_in(steered)
+    steered.compilation_config.mode = CompilationMode.VLLM_COMPILE  # a GPU engine's default
+    assert fp8_fusion.register_in(steered)
+    held = steered.compilation_config.inductor_compile_config[fp8_fusion.PASS_KEY]
+    assert isinstance(held, InductorPass) and isinstance(held, fp8_fusion.SteeredNormQuantPass)
+    assert isinstance(copy.deepcopy(held), InductorPass)
+    steered.compilation_config.compute_hash()  # hashed through uuid(), not refused as a callable
+    assert fp8_fusion.register_in(steered)  # again: already there
