@@ -62,7 +62,8 @@ _LENS_TRANSCODERS = {"transcoder": "relu", "skip_transcoder": "relu", "jumprelu_
 # the hook names sae-lens gives a transcoder's input (the MLP's input: layer L's pre-MLP norm output) and output
 # (what the MLP block adds to the residual stream, after Gemma's post-MLP norm too)
 # (blocks.L.hook_mlp_in is TransformerLens' stream before that norm: sae-lens gives it to Gemma Scope 2's transcoders,
-# whose hf_hook_name, read first, says the norm's output)
+# whose hf_hook_name, read first, says the norm's output). blocks.L.mlp.hook_in (TransformerLens 3's bridge, circuit-
+# tracer's ReplacementMLP) is the MLP module's input, after ln2 and its gain; ln2.hook_normalized is before the gain.
 _TC_IN = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(?:ln2\.hook_normalized|mlp\.hook_in)"
                     r"|model\.layers\.(0|[1-9][0-9]*)\.(?:mlp|mlp\.input|post_attention_layernorm\.output"
                     r"|pre_feedforward_layernorm\.output)")

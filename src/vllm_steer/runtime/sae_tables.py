@@ -37,14 +37,16 @@ def _no_gains(site: Site) -> None:
     return None
 
 
-def gain_folded(w: SaeWeights, gain: np.ndarray | None, name: str, site: Site, path: str | None = None) -> SaeWeights:
-    """``w`` as it encodes the output y of the site's norm (gain ``gain`` g, per dimension). A "gain_free" SAE reads
-    y / g: e = (y / g) W_enc + b = y (diag(1/g) W_enc) + b, folded in float32 before any bfloat16 rounding (a
-    b_dec input subtraction goes into b_enc first, with the unfolded W_enc). Other SAEs are returned as they are.
+def gain_folded(w: SaeWeights, gains: Gains, name: str, site: Site, path: str | None = None) -> SaeWeights:
+    """``w`` as it encodes the output y of the site's norm, whose gain is g = ``gains(site)`` (asked only for a
+    gain-free SAE: a copy from the device). A "gain_free" SAE reads y / g: e = (y / g) W_enc + b = y (diag(1/g) W_enc)
+    + b, folded in float32 before any bfloat16 rounding (a b_dec input subtraction goes into b_enc first, with the
+    unfolded W_enc). Other SAEs are returned as they are.
     SaeFileError (key ``input``, naming the SAE and the site) when the norm has no gain or one of |g| < GAIN_MIN."""
     if w.meta.input != "gain_free":
         return w
     where = f"SAE {name!r} at {site[0]}.{site[1]} reads the norm's output without its gain"
+    gain = gains(site)
     if gain is None:
         raise SaeFileError(path, "input", f"{where}, but no norm with a gain makes that site's stream here")
     g = np.asarray(gain, dtype=np.float32).reshape(-1)
@@ -165,7 +167,7 @@ class SaeTables:
             for name in names:
                 if name not in weights:
                     c = catalog[name].config
-                    weights[name] = {where: gain_folded(w, gains(where), name, where, c.path) if where in sites
+                    weights[name] = {where: gain_folded(w, gains, name, where, c.path) if where in sites
                                      else w for where, w in load_sae(c.path, c.format, c.site).items()}
             (self.tc_packs if tc else self.packs)[site] = self._site_pack(site, tc, regions, catalog, weights, hidden,
                                                                           num_rows, device)
@@ -259,7 +261,7 @@ class SaeTables:
         weights = load_sae(path, format, site, self.runtime_files)
         feats = np.asarray(features, dtype=np.int64)
         # (runtime transcoders are refused by sae_catalog.runtime_entry; the fold keeps this path right if that goes)
-        folded = {s: gain_folded(weights[s], self._gains(s), os.path.basename(os.path.normpath(path)), s, path) for s in mine}
+        folded = {s: gain_folded(weights[s], self._gains, os.path.basename(os.path.normpath(path)), s, path) for s in mine}
         for s in mine:
             w, pack, n = folded[s], self.packs[s], len(feats)
             if self.slots[s].full:
