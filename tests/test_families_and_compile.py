@@ -95,9 +95,6 @@ def test_gemma_scope_oracle_tells_the_norm_gain_apart(gemma2_run):
     assert got[-1]["token_ids"] != got[0]["token_ids"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 (s31): a transcoder hooked at ln2.hook_normalized is encoded from "
-                   "the pre-MLP norm's output, gain (1 + w) included; Gemma Scope trained on it with the gain folded "
-                   "away (the engine matches the gain-included oracle to 5e-7, this one's logprobs by 0.17)")
 def test_gemma_scope_transcoder_encodes_the_pre_mlp_norm_without_its_gain(gemma2_run):
     """Served Gemma-2 (gains random): the Gemma Scope-hooked transcoder's clamps give transformers' greedy tokens
     and logprobs with the edit encoded from Gemma Scope's input (``gemma_scope_input.gemma_scope_edits``)."""

@@ -75,8 +75,9 @@ REQUESTS = {  # name -> (steering fields, the oracle's edits as [(sae, site, mod
                           [("gs", ("post_mlp", 14), "delta", BIG)], None),
 }
 # Transcoders (sae-lens files; their site is post_attn.L, the norm that makes layer L's MLP input): "tc" a ReLU
-# transcoder of layer 8 (hook blocks.8.mlp.hook_in), "tcs" a JumpReLU skip transcoder of layer 10 (Gemma Scope's
-# hook name blocks.10.ln2.hook_normalized). A request clamps one like an SAE; the oracle edits the MLP's output.
+# transcoder of layer 8 (hook blocks.8.mlp.hook_in: the MLP's input), "tcs" a JumpReLU skip transcoder of layer 10
+# (Gemma Scope's hook name blocks.10.ln2.hook_normalized: the pre-MLP norm's output without its gain). A request
+# clamps one like an SAE; the oracle edits the MLP's output.
 TCS = {"tc": (8, random_transcoder(HIDDEN, F, "relu", seed=31), False),
        "tcs": (10, random_transcoder(HIDDEN, F, "jumprelu", seed=32), True)}
 TC_CLAMPS = [{"feature": 2, "kind": "set", "value": 30.0}, {"feature": 11, "kind": "add", "value": 25.0},
@@ -413,10 +414,11 @@ def _clamped(f: torch.Tensor, clamps: list) -> torch.Tensor:
     return f_new
 
 
-def _transcoder_hook(path: str, weights, clamps: list):
-    """A forward hook on layer L's MLP: ``out + dec(f') - dec(f)``, ``f`` encoded from the MLP's input by
-    sae-lens' own transcoder when sae-lens imports, else by the file's weights in plain torch (relu, or
-    jumprelu: relu(pre) * (pre > threshold), as sae-lens)."""
+def _transcoder_hook(path: str, weights, clamps: list, gain: torch.Tensor | None = None):
+    """A forward hook on layer L's MLP: ``out + dec(f') - dec(f)``, ``f`` encoded from the MLP's input (divided by
+    ``gain``, the pre-MLP norm's weight, for a transcoder of ``ln2.hook_normalized``: TransformerLens hooks the
+    norm before its weight) by sae-lens' own transcoder when sae-lens imports, else by the file's weights in plain
+    torch (relu, or jumprelu: relu(pre) * (pre > threshold), as sae-lens)."""
     try:
         from sae_lens import SAE
     except ImportError:
@@ -437,7 +439,7 @@ def _transcoder_hook(path: str, weights, clamps: list):
             return f @ w_dec + b_dec
 
     def hook(module, args, output):
-        f = encode(args[0])
+        f = encode(args[0] if gain is None else args[0] / gain)
         return output + (decode(_clamped(f, clamps)) - decode(f))
 
     return hook
@@ -448,14 +450,17 @@ def test_transcoder_clamps_equal_transformers_with_the_mlp_output_edited(run, sm
     """A transcoder-clamped request (beside plain, SAE and vector requests in one batch) equals transformers with
     a forward hook on layer L's MLP adding dec(f') - dec(f), f encoded from the MLP's input (sparsify's TopK
     transcoders: by sparsify's own encode / decode, a skip transcoder's W_skip x included on both sides); after a
-    vector at post_attn.L (the transcoder reads the steered stream's norm) and before a residual SAE at post_mlp.L."""
+    vector at post_attn.L (the transcoder reads the steered stream's norm) and before a residual SAE at post_mlp.L.
+    "tcs" (hook ``blocks.10.ln2.hook_normalized``) is fed the MLP's input divided by transformers' norm weight."""
     _, tc_edits, stream_edits, vectors = TC_REQUESTS[name]
     model, _ = hf_oracle.load(smollm2_path)
 
     def hook(tc: str, clamps: list):
         if tc in SP_TCS:
             return sparsify_transcoder_hook(str(run["dir"] / tc / f"layers.{TC_LAYER[tc]}.mlp"), clamps)
-        return _transcoder_hook(str(run["dir"] / tc), TCS[tc][1], clamps)
+        layer, _, skip = TCS[tc]
+        gain = model.model.layers[layer].post_attention_layernorm.weight.detach() if skip else None
+        return _transcoder_hook(str(run["dir"] / tc), TCS[tc][1], clamps, gain)
 
     handles = [model.model.layers[TC_LAYER[tc]].mlp.register_forward_hook(hook(tc, clamps)) for tc, clamps in tc_edits]
     hf_edits = [(site[0], site[1], sae_edit(SAES[sae][site], mode, clamps)) for sae, site, mode, clamps in stream_edits]

@@ -302,19 +302,24 @@ def test_sae_lens_transcoders_load_at_their_layers_post_attn_site(tmp_path, acti
     _same(got, w)
 
 
-@pytest.mark.parametrize("fields, site", [
-    ({"hook_name": "blocks.7.ln2.hook_normalized"}, ("post_attn", 7)),  # Gemma Scope (Gemma 2)
+@pytest.mark.parametrize("fields, site, input", [
+    # Gemma Scope (Gemma 2): TransformerLens' RMSNorm hooks x / scale before * w, the norm's output without its gain
+    ({"hook_name": "blocks.7.ln2.hook_normalized"}, ("post_attn", 7), "gain_free"),
     ({"hook_name": "blocks.7.hook_mlp_in", "hf_hook_name": "model.layers.7.pre_feedforward_layernorm.output"},
-     ("post_attn", 7)),  # Gemma Scope 2: the HF hook says what the TL name does not
-    ({"hook_name": "blocks.2.mlp.hook_in"}, ("post_attn", 2)),  # mwhanna's
-    ({"hook_name": "model.layers.5.mlp"}, ("post_attn", 5)),
+     ("post_attn", 7), "site"),  # Gemma Scope 2: the HF hook says what the TL name does not (the output, gain in)
+    # the HF name, read first, wins over a TL name without the gain
+    ({"hook_name": "blocks.7.ln2.hook_normalized", "hf_hook_name": "model.layers.7.mlp"}, ("post_attn", 7), "site"),
+    ({"hook_name": "blocks.2.mlp.hook_in"}, ("post_attn", 2), "site"),  # mwhanna's: the MLP's input, gain in
+    ({"hook_name": "model.layers.5.mlp"}, ("post_attn", 5), "site"),
 ])
-def test_sae_lens_transcoder_sites_from_hook_names(tmp_path, fields, site):
+def test_sae_lens_transcoder_sites_from_hook_names(tmp_path, fields, site, input):
     d = write_sae_lens_transcoder(str(tmp_path / "t"), random_transcoder(D, F), 0)
     cfg = json.load(open(os.path.join(d, "cfg.json")))
     cfg["metadata"].update(fields, hook_name_out=f"blocks.{site[1]}.hook_mlp_out")
     write_json(os.path.join(d, "cfg.json"), cfg)
-    assert list(read_sae_meta(d)) == [site]
+    meta = read_sae_meta(d)
+    assert list(meta) == [site] and meta[site].input == input
+    assert load_sae(d)[site].meta.input == input
 
 
 @pytest.mark.parametrize("change, key, match", [

@@ -220,3 +220,68 @@ def test_transcoder_reference_and_its_engine_pack_edit_the_mlp_output_by_the_for
     assert tables.packs[site][0][1:].tolist() == [DELTA] * 4  # the residual SAE's rows are its own
     tables.write_row(1, [])
     assert int(tables.tc_packs[site][0][1]) == OFF and int(tables.packs[site][0][1]) == OFF
+
+
+def _gain_free_tables(tmp_path, hook_name: str, gain: np.ndarray):
+    """A JumpReLU transcoder of layer 1 named by ``hook_name``, staged at start-up by the worker's tables with the
+    pre-MLP norm's ``gain``: (weights as written, tables, the site)."""
+    from vllm_steer.core.config import SaeModuleConfig
+    from vllm_steer.core.sae_catalog import SaeEntry
+    from vllm_steer.core.sae_files import read_sae_meta
+    from vllm_steer.core.sae_paths import runtime_access
+    from vllm_steer.runtime.sae_tables import SaeTables
+    from tests.sae_writers import random_transcoder, write_sae_lens_transcoder
+
+    site = ("post_attn", 1)
+    w = random_transcoder(D, F, "jumprelu", seed=6)
+    path = write_sae_lens_transcoder(str(tmp_path / "tc"), w, 1, hook_name=hook_name)
+    entry = SaeEntry("gs", SaeModuleConfig(path=path), read_sae_meta(path), tuple(range(F)),
+                     {i: i for i in range(F)}, "gs")
+    gains = {site: gain}.get
+    return w, SaeTables({"gs": entry}, {}, {site}, 5, D, torch.device("cpu"), runtime_access(None, 1), gains), site
+
+
+def test_a_transcoder_of_ln2_hook_normalized_is_staged_with_the_norm_gain_folded_into_w_enc(tmp_path):
+    """TransformerLens' ``ln2.hook_normalized`` is the pre-MLP norm's output before its gain g: the staged W_enc is
+    diag(1/g) W_enc (float32), so the pack's edit of the norm's output y is the reference's edit encoded from y / g
+    with the file's weights; ``mlp.hook_in`` (the MLP's input, gain included) is staged as written."""
+    from vllm_steer.core.sae_rows import wire_entry
+    from vllm_steer.kernels.sae_clamp.naive import transcoder_clamp_naive
+    from vllm_steer.kernels.sae_clamp.packed import clamp_delta_naive
+
+    gain = np.random.default_rng(13).normal(1.0, 0.5, size=D).astype(np.float32)
+    w, tables, site = _gain_free_tables(tmp_path, "blocks.1.ln2.hook_normalized", gain)
+    assert tables.tc_packs[site][3].numpy().T.tolist() == (w.w_enc / gain[:, None]).tolist()
+    np.testing.assert_array_equal(tables.tc_packs[site][5].numpy(), w.b_enc)
+    mode, kind, value, only = _tables(5, 14)
+    mode[2] = DELTA
+    for r in range(1, 5):
+        feats = np.nonzero(kind[r])[0].astype(np.int32)
+        tables.write_row(r, [wire_entry("gs", *site, int(mode[r]), feats, kind[r, feats].astype(np.int32),
+                                        value[r, feats])] if mode[r] else [])
+    u = np.random.default_rng(15).normal(0, 1, size=(9, D)).astype(np.float32)  # what Gemma Scope encodes
+    y = u * gain  # the norm's output, what the kernels read
+    index = torch.tensor([0, 1, 2, 3, 4, 1, 2, 3, 4])
+    tc = Sae(*(torch.from_numpy(a) for a in (w.w_enc, w.b_enc, w.w_dec, w.b_dec)), JUMPRELU,
+             torch.from_numpy(w.threshold))
+    want = transcoder_clamp_naive(torch.from_numpy(u), index.int(), tc, *(torch.from_numpy(a) for a in
+                                                                          (mode, kind, value, np.zeros_like(only))))
+    got = clamp_delta_naive(torch.from_numpy(y), index, tables.tc_packs[site])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert want.abs().max() > 0.1
+    w, tables, site = _gain_free_tables(tmp_path / "in", "blocks.1.mlp.hook_in", gain)
+    assert tables.tc_packs[site][3].numpy().T.tolist() == w.w_enc.tolist()
+
+
+def test_a_gain_free_transcoder_over_a_near_zero_gain_is_refused_naming_it_and_its_hook(tmp_path):
+    """|g| < 1e-6 anywhere (or no norm gain at the site): the worker refuses the SAE, naming it and its site, rather
+    than divide by ~0."""
+    from vllm_steer.core.sae_files import SaeFileError
+
+    gain = np.ones(D, dtype=np.float32)
+    gain[5] = 4e-7
+    with pytest.raises(SaeFileError, match=r"/tc: input: SAE 'gs' at post_attn\.1 reads the norm's "
+                                           r"output without its gain; the norm's gain is 4e-07 at dimension 5"):
+        _gain_free_tables(tmp_path, "blocks.1.ln2.hook_normalized", gain)
+    with pytest.raises(SaeFileError, match=r"SAE 'gs' at post_attn\.1 .* no norm with a gain"):
+        _gain_free_tables(tmp_path / "none", "blocks.1.ln2.hook_normalized", None)

@@ -3,7 +3,7 @@ clamp walk encodes the transcoder at post_attn.L): the tiny Gemma-2 of the fixtu
 JumpReLU transcoder hooked as sae-lens names Gemma Scope's (``blocks.1.ln2.hook_normalized``), against transformers
 with the clamps' edit encoded from Gemma Scope's input, the pre-MLP RMSNorm's output without its gain (source and
 oracle: ``tests/gemma_scope_input.py``). The CPU lane runs the same check in the Gemma-2 job of
-``tests/test_families_and_compile.py``. Strict xfail until the encoder reads the gain-free input (NOTES issue 39).
+``tests/test_families_and_compile.py`` (the worker folds the norm's gain into W_enc: ``runtime.sae_tables.gain_folded``).
 Run: ``CHECKS=tests/gpu_e2e/test_gemma_scope_input_gpu.py bash bench/gpu_session.sh checks``."""
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ def test_the_clamps_move_the_served_tokens_and_the_oracles_differ(run):
     assert np.abs(refs[True]["logprobs"] - refs[False]["logprobs"]).max() > 5 * LOGPROB_TOL, refs["gap"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 (s31): a transcoder hooked at ln2.hook_normalized is encoded from "
-                   "the pre-MLP norm's output, gain included; Gemma Scope trained on it without the gain")
 def test_served_gemma_scope_transcoder_encodes_the_pre_mlp_norm_without_its_gain(run):
     refs = _refs(run)
     ec.check_forced(run["clamped"], refs[True], None, LOGPROB_TOL, LOGPROB_TOL, 0.0)

@@ -4,7 +4,10 @@ dictionary_learning trainer folders and our ``manifest.json``.
 sae-lens transcoders (``transcoder``, ``skip_transcoder`` and their ``jumprelu_`` kinds) load from sae-lens
 directories as SAEs whose meta says ``transcoder``: they encode layer L's MLP input (no b_dec subtracted) and
 decode its output (``d_out`` = ``d_in``); their site is ``post_attn.L``, the norm that makes that input. W_skip
-is checked, never read: a clamp's edit, ``dec(f') - dec(f)``, does not involve it (nor b_dec).
+is checked, never read: a clamp's edit, ``dec(f') - dec(f)``, does not involve it (nor b_dec). One hooked at
+TransformerLens' ``blocks.L.ln2.hook_normalized`` (Gemma Scope's) reads that norm's output without its gain (TL's
+RMSNorm hooks ``x / scale`` before ``* w``): its meta says ``input="gain_free"``, and the worker folds the norm's
+gain into W_enc (``runtime.sae_tables``). ``blocks.L.mlp.hook_in`` and the HF names read the norm's output as it is.
 
 This module owns reading those formats into float32 numpy arrays (numpy, json, zipfile; no torch),
 with every array, shape, dtype and activation checked. ``read_sae_meta`` reads headers only (the API
@@ -39,6 +42,7 @@ from vllm_steer.core.site_names import SITE_FORMS, parse_site_name
 
 SITE_HOOKS: tuple[str, ...] = HOOK_NAMES  # ("pre_attn", "post_attn", "post_mlp")
 ACTIVATIONS = ("relu", "jumprelu", "topk")
+INPUTS = ("site", "gain_free")
 FORMATS = ("gemma_scope", "sae_lens", "manifest", "sparsify", "dictionary_learning")
 
 MANIFEST_FORMAT = "vllm-steer-sae"
@@ -58,10 +62,12 @@ _LENS_TRANSCODERS = {"transcoder": "relu", "skip_transcoder": "relu", "jumprelu_
 # the hook names sae-lens gives a transcoder's input (the MLP's input: layer L's pre-MLP norm output) and output
 # (what the MLP block adds to the residual stream, after Gemma's post-MLP norm too)
 # (blocks.L.hook_mlp_in is TransformerLens' stream before that norm: sae-lens gives it to Gemma Scope 2's transcoders,
-# whose hf_hook_name, read first, says the norm's output)
+# whose hf_hook_name, read first, says the norm's output). blocks.L.mlp.hook_in (TransformerLens 3's bridge, circuit-
+# tracer's ReplacementMLP) is the MLP module's input, after ln2 and its gain; ln2.hook_normalized is before the gain.
 _TC_IN = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(?:ln2\.hook_normalized|mlp\.hook_in)"
                     r"|model\.layers\.(0|[1-9][0-9]*)\.(?:mlp|mlp\.input|post_attention_layernorm\.output"
                     r"|pre_feedforward_layernorm\.output)")
+_GAIN_FREE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.ln2\.hook_normalized")  # TL hooks x / scale, before * w
 _TC_OUT = re.compile(r"blocks\.(0|[1-9][0-9]*)\.hook_mlp_out")
 _MANIFEST_KEYS = {"format", "version", "activation", "k", "b_dec_in", "sites"}
 
@@ -91,6 +97,8 @@ class SaeMeta:
     dtype: str  # stored weight dtype: "float32" | "float16" | "bfloat16"
     b_dec_in: bool  # subtract b_dec from the input before encoding (sae-lens apply_b_dec_to_input)
     transcoder: bool = False  # reads layer L's MLP input, writes its output; its site is post_attn.L (the norm)
+    input: str = "site"  # one of INPUTS: "site" the site's stream as hooked (a transcoder: its norm's output),
+    # "gain_free" that norm's output divided by its gain (TransformerLens' ln2.hook_normalized)
 
 
 @dataclass(frozen=True)
@@ -512,10 +520,11 @@ def _tc_layer(pattern: re.Pattern, value: Any) -> int | None:
     return None if m is None else int(next(g for g in m.groups() if g is not None))
 
 
-def _lens_transcoder(cfg_path: str, cfg: dict[str, Any], arch: str, d_in: int | None) -> Site | None:
-    """A transcoder's checks (sae-lens saes/transcoder.py) and its site, post_attn.L: the norm whose output is
+def _lens_transcoder(cfg_path: str, cfg: dict[str, Any], arch: str, d_in: int | None) -> tuple[Site | None, str]:
+    """A transcoder's checks (sae-lens saes/transcoder.py), its site, post_attn.L: the norm whose output is
     layer L's MLP input (its ``hf_hook_name``, else ``hook_name``; None when neither names one), whose output
-    ``hook_name_out`` must be that layer's ``hook_mlp_out`` (what the MLP block adds to the stream)."""
+    ``hook_name_out`` must be that layer's ``hook_mlp_out`` (what the MLP block adds to the stream), and its input
+    (``SaeMeta.input``: "gain_free" when the name read is ``blocks.L.ln2.hook_normalized``)."""
     if _bool_field(cfg_path, "apply_b_dec_to_input", cfg.get("apply_b_dec_to_input", False)):
         raise SaeFileError(cfg_path, "apply_b_dec_to_input", "true is not supported for a transcoder (b_dec is "
                                                               "the output's bias; sae-lens refuses it too)")
@@ -536,7 +545,8 @@ def _lens_transcoder(cfg_path: str, cfg: dict[str, Any], arch: str, d_in: int | 
     if out is not None and (out_layer is None or (layer is not None and out_layer != layer)):
         raise SaeFileError(cfg_path, out_field, f"{_shown(out)}: a transcoder must write the MLP output of the layer "
                                                 f"it reads (blocks.{layer if layer is not None else 'L'}.hook_mlp_out)")
-    return None if layer is None else ("post_attn", layer)
+    gain_free = isinstance(name, str) and _GAIN_FREE.fullmatch(name) is not None
+    return (None if layer is None else ("post_attn", layer)), ("gain_free" if gain_free else "site")
 
 
 def _lens_refusals(cfg_path: str, cfg: dict[str, Any], hook_name: Any) -> None:
@@ -591,7 +601,7 @@ def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _P
     transcoder = arch in _LENS_TRANSCODERS
     b_dec_in = not transcoder and _bool_field(cfg_path, "apply_b_dec_to_input", cfg.get("apply_b_dec_to_input", True))
     d_in = _int_field(cfg_path, "d_in", cfg["d_in"]) if "d_in" in cfg else None  # None: _lens_dims says it is missing
-    tc_site = _lens_transcoder(cfg_path, cfg, arch, d_in) if transcoder else None
+    tc_site, tc_input = _lens_transcoder(cfg_path, cfg, arch, d_in) if transcoder else (None, "site")
     fold = activation == "topk" and _bool_field(cfg_path, "rescale_acts_by_decoder_norm",
                                                 cfg.get("rescale_acts_by_decoder_norm", False))
     if not _present(file):
@@ -608,7 +618,7 @@ def _lens_plans(path: str, site: str | None, files: FileAccess) -> dict[Site, _P
     if activation == "topk":
         _check_k(cfg_path, k_field, k, f)
     meta = SaeMeta(d_model=d, d_sae=f, activation=activation, k=k, dtype=shapes["W_enc"][1], b_dec_in=b_dec_in,
-                   transcoder=transcoder)
+                   transcoder=transcoder, input=tc_input)
     if transcoder:
         where = _site_arg(cfg_path, site, tc_site,
                           f"hook_name {_shown(hook_name)} does not name the MLP input of a layer")

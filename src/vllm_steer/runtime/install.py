@@ -25,7 +25,9 @@ kernel no longer normalizes; the steered norm returns the normalized output (not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -150,6 +152,21 @@ def _norm_params(norm: nn.Module) -> tuple[float, float]:
             raise UnsupportedModelError(f"vllm-steer cannot steer through {norm!r} (no weight or a partial variance)")
         return float(norm.variance_epsilon), 0.0
     raise UnsupportedModelError(f"vllm-steer expects vLLM's RMSNorm or GemmaRMSNorm, found {type(norm).__name__}")
+
+
+def site_gains(sites: list[NormSite]) -> Callable[[Site], np.ndarray | None]:
+    """A site -> the gain of the norm whose output it is (slot A's norm; float32 ``weight + offset``: Gemma's
+    ``1 + w``), read from the device when asked (start-up, a runtime registration), None for a site without one."""
+    norms = {s.a: s.norm for s in sites if s.a is not None and not isinstance(s.norm, StreamInput)}
+
+    def gain(site: Site) -> np.ndarray | None:
+        norm = norms.get(site)
+        if norm is None:
+            return None
+        _, offset = _norm_params(norm)
+        return (norm.weight.detach().float() + offset).cpu().numpy()
+
+    return gain
 
 
 def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

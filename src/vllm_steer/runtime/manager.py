@@ -29,7 +29,7 @@ from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.step_index.op import step_index
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.condition_tables import ConditionTables
-from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers
+from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers, site_gains
 from vllm_steer.runtime.modules import WorkerModules
 from vllm_steer.runtime.pinned_ring import PinnedRing
 from vllm_steer.runtime.projection_tables import ProjectionTables, dirs_dtype
@@ -91,7 +91,7 @@ class SteeringRuntime:
         catalog = sae_catalog(cfg, hidden_size, num_decoder_layers(model))
         slots = slot_sites(cfg, num_decoder_layers(model))
         self.sae = (SaeTables(catalog, slots, set(flat), cfg.max_configs, hidden_size, device,
-                              runtime_access(cfg.sae_root, cfg.max_sae_bytes))
+                              runtime_access(cfg.sae_root, cfg.max_sae_bytes), site_gains(sites))
                     if catalog or slots else None)
         self.conditions = (ConditionTables(cfg.max_configs, hidden_size, max_num_tokens, device)
                            if cfg.conditions else None)

@@ -7,21 +7,59 @@ share the numbering of the steering tables: a config key owns one row for its ve
 alike, so the row gate, the index and preemption need nothing new. A full pack (TopK, or a site that allows
 reconstruct) keeps W_enc / W_dec in bfloat16 (the tensor-core kernels' operands, kernels/sae_clamp/full_triton.py).
 A transcoder's packs (``tc_packs``, by its post_attn.L site; ``tc_topk`` its k) have either layout (full: a TopK
-transcoder, sparsify's, alone at its site); the norm of post_attn.L applies them to its output's delta."""
+transcoder, sparsify's, alone at its site); the norm of post_attn.L applies them to its output's delta. A transcoder
+that reads that norm's output without its gain (``SaeMeta.input == "gain_free"``: Gemma Scope's
+``ln2.hook_normalized``) is staged with the norm's gain g folded into W_enc (``gain_folded``): the kernels encode the
+norm's output y, and (y / g) W_enc = y (diag(1/g) W_enc)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
+from typing import Callable
 
 import numpy as np
 import torch
 
 from vllm_steer.core.sae_catalog import Region, SaeEntry, Site, Slot, site_regions
-from vllm_steer.core.sae_files import SaeWeights, load_sae
+from vllm_steer.core.sae_files import SaeFileError, SaeWeights, load_sae
 from vllm_steer.core.sae_paths import FileAccess
 from vllm_steer.core.sae_rows import SaeWire, unpack_entry
 from vllm_steer.runtime.pinned_ring import PinnedRing
+
+GAIN_MIN = 1e-6  # a norm gain below this in magnitude cannot be divided out of a gain-free SAE's input
+
+Gains = Callable[[Site], "np.ndarray | None"]  # a site -> the gain of the norm whose output is its SAE's input
+
+
+def _no_gains(site: Site) -> None:
+    return None
+
+
+def gain_folded(w: SaeWeights, gains: Gains, name: str, site: Site, path: str | None = None) -> SaeWeights:
+    """``w`` as it encodes the output y of the site's norm, whose gain is g = ``gains(site)`` (asked only for a
+    gain-free SAE: a copy from the device). A "gain_free" SAE reads y / g: e = (y / g) W_enc + b = y (diag(1/g) W_enc)
+    + b, folded in float32 before any bfloat16 rounding (a b_dec input subtraction goes into b_enc first, with the
+    unfolded W_enc). Other SAEs are returned as they are.
+    SaeFileError (key ``input``, naming the SAE and the site) when the norm has no gain or one of |g| < GAIN_MIN."""
+    if w.meta.input != "gain_free":
+        return w
+    where = f"SAE {name!r} at {site[0]}.{site[1]} reads the norm's output without its gain"
+    gain = gains(site)
+    if gain is None:
+        raise SaeFileError(path, "input", f"{where}, but no norm with a gain makes that site's stream here")
+    g = np.asarray(gain, dtype=np.float32).reshape(-1)
+    small = np.flatnonzero(np.abs(g) < GAIN_MIN)
+    if small.size:
+        raise SaeFileError(path, "input", f"{where}; the norm's gain is {float(g[small[0]]):.3g} at dimension "
+                                          f"{int(small[0])} ({small.size} of {g.size} under {GAIN_MIN:g} in "
+                                          "magnitude): it cannot be divided out")
+    b_enc = _folded_bias(w)
+    meta = dataclasses.replace(w.meta, b_dec_in=False)
+    return dataclasses.replace(w, meta=meta, w_enc=(w.w_enc.astype(np.float32) / g[:, None]).astype(np.float32),
+                               b_enc=b_enc)
+
 
 def _tensor(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
@@ -104,12 +142,15 @@ def _reserved(capacity: int, hidden: int) -> list[np.ndarray]:
 
 class SaeTables:
     def __init__(self, catalog: dict[str, SaeEntry], slots: dict[Site, Slot], sites: set[Site], num_rows: int,
-                 hidden: int, device: torch.device, runtime_files: FileAccess) -> None:
+                 hidden: int, device: torch.device, runtime_files: FileAccess, gains: Gains = _no_gains) -> None:
         """Load the SAEs of ``sites`` (this rank's hooked sites) and stage their packs, one per site and kind
         (``site_regions``: the clamp-only SAEs of a site one after the other, then the region the ``slots``
         reserve there, in clampable features, for a runtime SAE, whose files are read only as ``runtime_files``
-        allows (steer.sae_root, steer.max_sae_bytes))."""
+        allows (steer.sae_root, steer.max_sae_bytes)). ``gains``: the gain of the norm a site's SAEs read (its
+        output's), folded into a gain-free SAE's W_enc (``gain_folded``; the norm's weight is replicated under TP:
+        every rank folds)."""
         self.runtime_files = runtime_files
+        self._gains = gains
         self.packs: dict[Site, list[torch.Tensor]] = {}
         self.tc_packs: dict[Site, list[torch.Tensor]] = {}  # transcoders: at post_attn.L, layer L's MLP
         self._tc_names = {name for name, e in catalog.items() if e.transcoder}
@@ -126,7 +167,8 @@ class SaeTables:
             for name in names:
                 if name not in weights:
                     c = catalog[name].config
-                    weights[name] = load_sae(c.path, c.format, c.site)
+                    weights[name] = {where: gain_folded(w, gains, name, where, c.path) if where in sites
+                                     else w for where, w in load_sae(c.path, c.format, c.site).items()}
             (self.tc_packs if tc else self.packs)[site] = self._site_pack(site, tc, regions, catalog, weights, hidden,
                                                                           num_rows, device)
             self._offset[(tc, site)] = {r.name: r.offset for r in regions if r.name is not None}
@@ -218,8 +260,10 @@ class SaeTables:
             return []
         weights = load_sae(path, format, site, self.runtime_files)
         feats = np.asarray(features, dtype=np.int64)
+        # (runtime transcoders are refused by sae_catalog.runtime_entry; the fold keeps this path right if that goes)
+        folded = {s: gain_folded(weights[s], self._gains, os.path.basename(os.path.normpath(path)), s, path) for s in mine}
         for s in mine:
-            w, pack, n = weights[s], self.packs[s], len(feats)
+            w, pack, n = folded[s], self.packs[s], len(feats)
             if self.slots[s].full:
                 w = dataclasses.replace(w, w_enc=_bf16(w.w_enc), w_dec=_bf16(w.w_dec))
                 f = w.meta.d_sae
