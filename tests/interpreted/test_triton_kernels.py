@@ -894,8 +894,9 @@ def test_triton_fp8_output_matches_reference(interpreted, vllm_norm, dtype_name,
     q, s, stream = norm.steered_norm_fp8_triton(x, r, m.weight.data, 1e-5, offset, index, **vec, quant_scale=scale)
     out, want_stream = steered_norm_naive(x, r, m.weight.data, 1e-5, offset, index, **vec)
     quant = QuantFP8(static=static, group_shape=GroupShape.PER_TENSOR if static else GroupShape.PER_TOKEN)
-    assert quant._forward_method.__name__ == "forward_native"  # the vllm_norm fixture's config: Inductor's ops
-    want_q, want_s = quant(out, scale)
+    # the native path by name: what a compiled stock engine runs (Inductor's ops); which method `quant(...)` dispatches
+    # to depends on the vLLM config current when QuantFP8 is built (forward_cpu in a CI process)
+    want_q, want_s = quant.forward_native(out, scale)
     torch.testing.assert_close(stream, want_stream, **_TOL[dtype])
     assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape
     if static:
