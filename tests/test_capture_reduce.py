@@ -71,6 +71,24 @@ def _stepper(rt):
     return step
 
 
+def _schedule(live: dict, ids: list, rng, budget: int, chunk: int, preempt: float = 0.0):
+    """One random step over ``ids`` of ``live``: each request schedules up to ``chunk`` tokens within ``budget``
+    (one when a single token is left); with ``preempt`` > 0 a request that computed something first recomputes from
+    0 or half of it with that probability. Returns (req_ids, scheduled int32, computed int32)."""
+    req_ids, scheduled, computed = [], [], []
+    for rid in ids:
+        st = live[rid]
+        if preempt and rng.random() < preempt and st["computed"]:  # preempted: recomputes
+            st["computed"] = rng.choice([0, st["computed"] // 2])
+        left = st["total"] - st["computed"]
+        n = min(left, rng.randint(1, chunk), budget) if left > 1 else 1
+        if n <= 0 or budget <= 0:
+            continue
+        req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
+        budget -= n
+    return req_ids, np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
+
+
 def _arrival(got: dict):
     """``sent(rid, within)``: whether ``rid``'s result reaches ``got`` within the seconds given."""
     def sent(rid, within=10.0):
@@ -111,18 +129,7 @@ def test_device_reduction_equals_the_reference(monkeypatch, runtimes, seed, redu
         ids = list(live)
         if not steady:
             rng.shuffle(ids)
-        req_ids, scheduled, computed, budget = [], [], [], 48
-        for rid in ids:
-            st = live[rid]
-            if rng.random() < (0.01 if steady else 0.08) and st["computed"]:  # preempted: recomputes
-                st["computed"] = rng.choice([0, st["computed"] // 2])
-            left = st["total"] - st["computed"]
-            n = min(left, rng.randint(1, 16), budget) if left > 1 else 1
-            if n <= 0 or budget <= 0:
-                continue
-            req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
-            budget -= n
-        scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
+        req_ids, scheduled, computed = _schedule(live, ids, rng, 48, 16, 0.01 if steady else 0.08)
         rt.plan_step(req_ids, scheduled, computed)
         _forward(rt, req_ids, scheduled, computed)
         rt.after_forward()
@@ -353,16 +360,7 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                          "seen": set()}
         if not live:
             continue
-        req_ids, scheduled, computed, budget = [], [], [], 256
-        for rid in live:
-            st = live[rid]
-            left = st["total"] - st["computed"]
-            n = min(left, rng.randint(1, 64), budget) if left > 1 else 1
-            if n <= 0 or budget <= 0:
-                continue
-            req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
-            budget -= n
-        scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
+        req_ids, scheduled, computed = _schedule(live, list(live), rng, 256, 64)
         for rt in pair:
             rt.plan_step(req_ids, scheduled, computed)
         a, b = fast._pending, slow._pending
