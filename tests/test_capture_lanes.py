@@ -195,6 +195,7 @@ def test_a_full_ring_drops_the_step_for_its_consumers_and_names_the_positions(ma
     _step(rt, {"x": (0, 10)}, lambda r: r)  # 10 rows: fit
     _step(rt, {"x": (10, 10)}, lambda r: r)  # 10 more: 6 left, dropped
     assert rt.stats["ring_full"] == 1 and rt.stats["dropped_packets"] == 1 and rt.stats["rows"] == 10
+    assert rt.stats["lost_rows"] == 10
     rt.finish_request("x")
     release.touch()
     assert _collect(rt, ["hold", "x"])["x"]["stuck"] == {"seen": "x", "dropped_rows": 10}  # positions 10..19

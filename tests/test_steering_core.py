@@ -283,7 +283,9 @@ def test_a_full_capture_pool_chunks_prefills_and_drops_decode_rows_never_tokens(
         assert meta["dropped_rows"] == 3 * len(wanted) - delivered
         dropped += meta["dropped_rows"]
     stats = pressure_run["worker"]["capture"]
-    assert dropped == stats["dropped_rows"] > 0 and stats["consumer_errors"] == 0
+    # rows the pool could not hold, plus (a slow machine) packets the consumers' process was too far behind for
+    assert dropped == stats["dropped_rows"] + stats["lost_rows"] and stats["dropped_rows"] > 0
+    assert stats["consumer_errors"] == 0
 
 
 LONG_PROMPT = "Once upon a time there was a little robot who wanted to learn how to write stories. " * 6

@@ -34,7 +34,7 @@ def worker_values(workers: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
               "row_upload_bytes": sum(w.get("row_upload_bytes", 0) for w in steered),
               "row_evictions": max(w.get("row_evictions", 0) for w in steered),
               "preemptions": max(w.get("preemptions_seen", 0) for w in steered)}
-    for k in ("rows", "dropped_rows", "dropped_packets", "dropped_finishes", "consumer_errors", "ring_full",
+    for k in ("rows", "dropped_rows", "dropped_packets", "lost_rows", "dropped_finishes", "consumer_errors", "ring_full",
               "consumer_host_deaths", "write_errors", "dropped_writes", "failed_requests", "result_push_failed",
               "reduced_requests", "reduce_fallbacks"):
         totals[f"capture_{k}"] = sum(c.get(k, 0) for c in caps)

@@ -41,7 +41,8 @@ Exhaustion policy: never block the step, drop and count, tell the consumer. A st
 rows than the pool holds (``steer.capture_max_rows``) keeps the first rows in batch order and
 drops the rest (``stats["dropped_rows"]``); a rows packet that finds 256 packets still undelivered
 in a consumer's lane, or no room in the shared ring (``stats["ring_full"]``), is dropped for that
-consumer (``stats["dropped_packets"]``, once per lane). Either way the positions are recorded per request, site
+consumer (``stats["dropped_packets"]``, once per lane; its rows, once per consumer that wanted them:
+``stats["lost_rows"]``). Either way the positions are recorded per request, site
 and consumer, and the request's finish meta names them (``dropped``, ``dropped_rows``; see
 ``vllm_steer.capture.consumer``). A finish packet that finds ``MAX_QUEUED_FINISHES`` still undelivered in
 a lane (its consumer is stuck: a hung call holds the lane) is not queued: the consumer never hears of
@@ -165,7 +166,7 @@ class CaptureRuntime:
         self.consumers: dict[int, tuple[str, type]] = {}  # bit -> (instance, class): instances live in the host
         self.bit_of: dict[str, int] = {}
         self.global_specs: dict[int, CaptureSpec] = {}
-        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "dropped_finishes": 0,
+        self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "lost_rows": 0, "dropped_finishes": 0,
                       "consumer_errors": 0, "recomputed_positions": 0, "ring_full": 0, "consumer_host_deaths": 0,
                       "results_sent": 0, "result_push_failed": 0, "publish_calls": 0,
                       "reduced_requests": 0, "reduce_fallbacks": 0}
@@ -336,6 +337,7 @@ class CaptureRuntime:
             staged = self._host.stage_reduced(rows, self._copy_stream)
             if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
                 self._count("ring_full")
+                self._count("lost_rows", len(flat))
             else:
                 event, block = staged
         at = 0
@@ -503,12 +505,15 @@ class CaptureRuntime:
         self._pending = None
 
     def _drop_pending(self, bit: int) -> None:
-        """This step's rows are not delivered to consumer ``bit``: record them for its finish meta."""
+        """This step's rows are not delivered to consumer ``bit``: record them for its finish meta, count them."""
+        lost = 0
         for rid, layer, hook, positions, _, masks in self._pending.entries():
             req = self._requests.get(rid)
             mine = (masks & bit) != 0
+            lost += int(mine.sum())
             if req is not None and mine.any():
                 req.drop(hook, layer, positions[mine], masks[mine] & bit)
+        self._count("lost_rows", lost)
 
     def before_forward(self, lo: int, hi: int) -> None:
         """The forward writes pool rows ``lo .. hi`` (this step's): it waits (on the device) for the newest copy

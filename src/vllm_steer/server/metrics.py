@@ -28,6 +28,7 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
   touched hook its whole ``[layers, hidden]`` row; per touched SAE site its code, value and mode
   words), summed over workers.
 - ``vllm_steer_capture_rows_total``, ``..._capture_dropped_rows_total``, ``..._capture_dropped_packets_total``,
+  ``..._capture_lost_rows_total`` (those packets' rows, once per consumer that wanted them),
   ``..._capture_dropped_finishes_total``, ``..._capture_consumer_errors_total``,
   ``..._capture_ring_full_total``, ``..._capture_consumer_host_deaths_total``,
   ``..._capture_result_push_failed_total`` counters: residual rows captured, rows dropped (step pool full),
@@ -110,6 +111,9 @@ ENGINE_COUNTERS = {
                                     "Residual rows not captured because the step's pool was full"),
     "capture_dropped_packets": Counter("vllm_steer_capture_dropped_packets",
                                        "Captured packets dropped because the consumers' queue was full"),
+    "capture_lost_rows": Counter("vllm_steer_capture_lost_rows",
+                                 "Captured rows a consumer did not get because their packet was dropped (its queue or "
+                                 "the shared ring full), counted once per consumer that wanted them"),
     "capture_dropped_finishes": Counter("vllm_steer_capture_dropped_finishes",
                                         "Finished requests not handed to a stuck capture consumer (its queue full)"),
     "capture_consumer_errors": Counter("vllm_steer_capture_consumer_errors", "Capture consumer calls that raised"),
