@@ -66,10 +66,11 @@ def build_checkpoint(path: Path, vocab: int | str | None = None):
     ``vocab``: SHAPE's (None), or ``"tokenizer"``: the tokenizer's size (a server that detokenizes needs it)."""
     import transformers
 
-    os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
+    from tests.fixtures.models import cache_default
     from tests.fixtures.models import tokenizer as fixture_tokenizer
 
-    tok = fixture_tokenizer()
+    with cache_default(path.parent / "fixture-cache"):
+        tok = fixture_tokenizer()
     s = SHAPE
     cfg = transformers.LlamaConfig(
         vocab_size=len(tok) if vocab == "tokenizer" else (vocab or s.vocab), hidden_size=s.hidden,

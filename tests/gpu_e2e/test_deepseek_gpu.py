@@ -59,10 +59,11 @@ def build_checkpoint(path: Path):
     """The tiny random DeepSeek-V3 (module docstring), saved in bfloat16, + the offline test tokenizer."""
     import transformers
 
-    os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
+    from tests.fixtures.models import cache_default
     from tests.fixtures.models import tokenizer as fixture_tokenizer
 
-    tok = fixture_tokenizer()
+    with cache_default(path.parent / "fixture-cache"):
+        tok = fixture_tokenizer()
     cfg = transformers.DeepseekV3Config(
         vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=128,
         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,

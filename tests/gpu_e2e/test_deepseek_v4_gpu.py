@@ -104,10 +104,11 @@ def build_checkpoint(path: Path):
     copy at ``reference_path(path)``; returns (the tokenizer, the bfloat16 transformers model saved)."""
     from safetensors.torch import load_file, save_file
 
-    os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(path.parent / "fixture-cache"))
+    from tests.fixtures.models import cache_default
     from tests.fixtures.models import tokenizer as fixture_tokenizer
 
-    tok = fixture_tokenizer()
+    with cache_default(path.parent / "fixture-cache"):
+        tok = fixture_tokenizer()
     model = _tiny_model(tok)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)

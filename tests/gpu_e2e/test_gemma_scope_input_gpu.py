@@ -8,7 +8,6 @@ Run: ``CHECKS=tests/gpu_e2e/test_gemma_scope_input_gpu.py bash bench/gpu_session
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -27,10 +26,10 @@ LOGPROB_TOL = 1e-3 if ec.CPU else 0.05  # as test_sae_full_engine_gpu: TF32 GEMM
 @ec.one_engine_run
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("gemma_scope")
-    os.environ.setdefault("VLLM_STEER_TEST_CACHE", str(d / "fixture-cache"))
-    from tests.fixtures.models import tiny_model
+    from tests.fixtures.models import cache_default, tiny_model
 
-    path = with_norm_gains(tiny_model("gemma2"), d / "gemma2-gains")
+    with cache_default(d / "fixture-cache"):
+        path = with_norm_gains(tiny_model("gemma2"), d / "gemma2-gains")
     tc = write_sae_lens_transcoder(str(d / "gst"), GS_TC, GS_LAYER, hook_name=f"blocks.{GS_LAYER}.ln2.hook_normalized")
     from transformers import AutoTokenizer
 
