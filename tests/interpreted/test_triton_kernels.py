@@ -943,11 +943,11 @@ def _fp8_near(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("layout", ["row", "col", "tma"])
 @pytest.mark.parametrize("d,group", [(384, 128), (320, 64)], ids=["D384-G128", "D320-G64"])
 def test_triton_fp8_group_output_matches_vllm_group_quant(interpreted, vllm_norm, d, group, layout, ue8m0):
-    """QUANT 3 (block-FP8 linears: a scale per token and group of columns, written in the layout the linear reads) equals
-    vLLM's own group quant (``QuantFP8._quantize_group_native``, the plain-torch form of ``_C.per_token_group_fp8_quant``)
-    of the same kernel's unquantized output: scales bit for bit, codes bit for bit but where the interpreter's e4m3
-    cast drops a carry (see above); dequantized, the steered rows are the reference norm's output within fp8's step.
-    D not a power of two: a masked group past D, whose scales must not be written (NaN-poisoned buffer)."""
+    """QUANT 3 (block-FP8 linears: a scale per token and group of columns, written in the layout the linear reads)
+    equals vLLM's own group quant (``QuantFP8._quantize_group_native``, the plain-torch form of
+    ``_C.per_token_group_fp8_quant``) of the same kernel's unquantized output: scales bit for bit, codes bit for bit
+    through the interpreter's own e4m3 cast; dequantized, the steered rows are the reference norm's output within
+    fp8's step. D not a power of two: a masked group past D, whose scales must not be written (NaN-poisoned)."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
