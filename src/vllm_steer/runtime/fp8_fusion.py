@@ -15,18 +15,18 @@ Opt-in (``VLLM_STEER_FP8_NORM_QUANT=1``, part of the compile-cache key through `
 constructed (compilation/backends.py:868), before our install. Not the default until a GPU run shows the kernels a
 step equal to stock's and the TPOT back.
 
-Block-FP8 checkpoints (``weight_block_size``: vLLM turns ``+quant_fp8`` on, so the linear's input goes through the CUDA
-op ``_C.per_token_group_fp8_quant`` under ``auto_functionalized``, writing fp8 codes and a scale per token and group
-of 128 columns into buffers the graph allocates in the layout the linear reads; stock's ``RMSNormQuantFusionPass``
-fuses its own norm into ``_C.rms_norm_per_block_quant``): the same pass finds that op where it reads only a steered
-norm's output and puts ``steered_norm_plain_fp8`` with the graph's scale buffer (mutated, its strides kept), the group
-size, ``eps`` and ``scale_ue8m0`` in its place: the op's numbers, not the fused op's (which drops UE8M0 and clamps
-the scale at 1 / (448 * 512) instead of the max at ``eps``). Which block-FP8 linears have that op in the graph depends
-on the kernel vLLM picks (0.26-0.32): on an sm90 GPU with FlashInfer usable (nvcc or flashinfer-cubin), a dense
-linear takes the bfloat16 input into ``vllm.dynamic_flashinfer_deepgemm_blockscale_gemm`` and quantizes inside it
-(no quant in the graph: stock fuses nothing either); DeepGEMM (FlashInfer off), CUTLASS (DeepGEMM off) and Triton
-linears quantize in the graph; DeepGEMM on Blackwell calls ``per_token_group_fp8_quant_packed`` (not matched, by
-stock's pass either).
+Block-FP8 checkpoints (``weight_block_size``): vLLM turns ``+quant_fp8`` on, so a linear's input goes through the CUDA
+op ``_C.per_token_group_fp8_quant`` (``fp8_utils.per_token_group_quant_fp8`` calls it; ``auto_functionalized`` in the
+graph), which writes fp8 codes and a scale per token and group of 128 columns into buffers the graph allocates in
+the layout the linear reads; stock's ``RMSNormQuantFusionPass`` fuses its own norm with it into
+``_C.rms_norm_per_block_quant``. The same pass finds that op where it reads only a steered norm's output and puts
+``steered_norm_plain_fp8`` in its place with the graph's scale buffer (mutated, its strides kept), the group size,
+``eps`` and ``scale_ue8m0``: the op's numbers, not the fused op's (which drops UE8M0 and clamps the scale at
+1 / (448 * 512) instead of the max at ``eps``). Which linears have that op in the graph depends on the kernel vLLM
+picks (0.26-0.32): on an sm90 GPU with FlashInfer usable (nvcc or flashinfer-cubin) a dense block-FP8 linear takes the
+bfloat16 input into ``vllm.dynamic_flashinfer_deepgemm_blockscale_gemm`` and quantizes inside it (nothing in the graph:
+stock fuses nothing either); DeepGEMM (FlashInfer off), CUTLASS (DeepGEMM off) and Triton linears quantize in the
+graph; DeepGEMM on Blackwell calls ``per_token_group_fp8_quant_packed`` (matched by neither pass).
 """
 
 from __future__ import annotations
@@ -175,6 +175,8 @@ def _group_quant_of(node: torch.fx.Node, group_ops: tuple):
     if quant.target is not auto_functionalized or quant.args[0] not in group_ops:
         return None
     kw = quant.kwargs
+    if not {"output_s", "eps", "scale_ue8m0"} <= kw.keys():
+        return None  # another schema than 0.26-0.32's: left unfused
     if kw.get("input") not in (node, readers[0]) or kw.get("fp8_max") != FP8_MAX or kw.get("fp8_min") != -FP8_MAX:
         return None
     group, d = kw.get("group_size"), _hidden(node)
