@@ -37,8 +37,8 @@ from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, usable_arms  # noqa: E402
 from abkit.host_profile import host_phase  # noqa: E402
 from abkit.report import report  # noqa: E402
 from abkit.runner import disk_write_bound, graph_phase, run_matrix  # noqa: E402
-from abkit.servers import (ROOT, SHAPES, STATE_FILE, STEER_SERVERS, T0, Pool, log, server_unavailable,  # noqa: E402
-                           site_layer, write_model_dir)
+from abkit.servers import (BLOCK_FP8, ROOT, SHAPES, STATE_FILE, STEER_SERVERS, T0, Pool, log,  # noqa: E402
+                           server_unavailable, site_layer, write_model_dir)
 
 PHASES = ("ab", "start", "stop", "graph", "host")
 DRY_RUN = dict(shape="tiny", launcher="cpu", enforce_eager=True, trials=2, requests=4, concurrency=2, max_tokens=6,
@@ -72,7 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every server")
     ap.add_argument("--quantization", default=None,
                     help="--quantization of every server (e.g. fp8: the dummy weights quantized at load; issue 43's "
-                         "FP8 cost: stock FP8 vs steer FP8)")
+                         "FP8 cost: stock FP8 vs steer FP8; fp8_block: a block-FP8 checkpoint's config, 128 x 128 "
+                         "weight blocks, activations per token and group of 128)")
     ap.add_argument("--api-servers", type=int, default=4, help="--api-server-count of the *_multi servers")
     ap.add_argument("--cache-root", default=str(Path(tempfile.gettempdir()) / "vllm_steer_ab_cache"))
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "vllm_steer_ab"))
@@ -171,7 +172,9 @@ def main() -> int:
         tmp.write_text(json.dumps({"meta": meta, "phases": results}, default=str))
         os.replace(tmp, out_json)
 
-    model_dir = write_model_dir(workdir / f"model-{args.shape}-{args.dtype}", shape, args.dtype)
+    block = args.quantization == BLOCK_FP8
+    model_dir = write_model_dir(workdir / f"model-{args.shape}-{args.dtype}{'-fp8block' if block else ''}", shape,
+                                args.dtype, block_fp8=block)
     meta["model_dir"] = str(model_dir)
     ctx = {"shape": shape, "std": args.std, "pack_dtype": args.dtype, "prompt_len": args.prompt_len,
            "deadline_s": args.deadline_s, "reserve_s": args.reserve_s, "modules_done": set(), "wide": args.wide,

@@ -50,7 +50,9 @@
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; KERNEL_TESTS= (empty) makes `kernels` the bench alone;
 # PORT_BASE moves a second suite's ports (a suite beside another also needs its own TMPDIR: bench/gpu_lanes.sh);
 # TP sets every A/B server's --tensor-parallel-size, QUANT its
-# --quantization (fp8: issue 43's FP8 cost; stop the bf16 servers first, kept servers do not record
+# --quantization (fp8: issue 43's FP8 cost; fp8_block: a block-FP8 checkpoint's config, whose linears quantize in the
+# graph only off FlashInfer's sm90 GEMM: with VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0 (DeepGEMM) or also
+# VLLM_USE_DEEP_GEMM=0 (CUTLASS); stop the bf16 servers first, kept servers do not record
 # it). A later run starts with python3 -c 'import vllm' || exit 3
 # Every step's commands run under `timeout -k 20`: a process stuck in a CUDA call does not run Python's SIGTERM handler
 # (the twenty-seventh's kernels_bench outlived its `timeout 240` by 15 minutes), so SIGKILL follows.

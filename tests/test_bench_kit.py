@@ -238,16 +238,27 @@ def test_single_site_arms_send_what_each_plugin_reads(ctx):
 
 
 def test_every_server_gets_the_quantization_asked_for(tmp_path):
-    """``--quantization fp8`` (issue 43's FP8 cost) reaches stock's and steer's command lines alike; unset, neither."""
+    """``--quantization fp8`` (issue 43's FP8 cost) reaches stock's and steer's command lines alike; unset, neither;
+    ``fp8_block``: ``fp8`` there, and the model's config declares block-FP8 weights as vLLM reads them (its
+    Fp8Config: 128 x 128 blocks, dynamic activations), the bf16 model's config left as it was."""
     import ab_suite
-    from abkit.servers import Server
+    from abkit.servers import SHAPES, Server, write_model_dir
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    for flag, want in (([], None), (["--quantization", "fp8"], "fp8")):
+    for flag, want in (([], None), (["--quantization", "fp8"], "fp8"), (["--quantization", "fp8_block"], "fp8")):
         args = ab_suite.parse_args(["--workdir", str(tmp_path), *flag])
         for name in ("stock", "steer"):
             cmd = Server(name, 8100, args, tmp_path / "model", tmp_path).command()
             got = cmd[cmd.index("--quantization") + 1] if "--quantization" in cmd else None
             assert got == want, (name, flag, cmd)
+    for block in (False, True):
+        cfg = json.loads((write_model_dir(tmp_path / f"m{block}", SHAPES["tiny"], "bfloat16", block_fp8=block)
+                          / "config.json").read_text())
+        assert ("quantization_config" in cfg) == block
+        if block:
+            fp8 = Fp8Config.from_config(cfg["quantization_config"])
+            assert fp8.weight_block_size == [128, 128] and fp8.is_checkpoint_fp8_serialized
+            assert fp8.activation_scheme == "dynamic"
 
 
 def test_paired_deltas_pair_trials_by_number():

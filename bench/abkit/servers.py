@@ -84,8 +84,16 @@ SAE_NAME, D_SAE, CLAMPABLE, CLAMPED = "ab_sae", 16384, 256, 64
 SAE_FEATURES = list(range(0, D_SAE, D_SAE // CLAMPABLE))[:CLAMPABLE]
 
 
-def write_model_dir(path: Path, shape: dict, dtype: str) -> Path:
-    """config.json (LlamaForCausalLM) + a word-level tokenizer covering the whole vocab (offline)."""
+# --quantization fp8_block: the config declares block-FP8 weights as DeepSeek's / Qwen3's FP8 checkpoints do (128 x 128
+# weight blocks, activations quantized per token and group of 128 at run time; the dummy weights are fp8 with their
+# scales), and the servers get --quantization fp8
+BLOCK_FP8 = "fp8_block"
+BLOCK_FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def write_model_dir(path: Path, shape: dict, dtype: str, block_fp8: bool = False) -> Path:
+    """config.json (LlamaForCausalLM; ``block_fp8``: with BLOCK_FP8_CONFIG) + a word-level tokenizer covering the
+    whole vocab (offline)."""
     if (path / ".complete").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
@@ -99,7 +107,7 @@ def write_model_dir(path: Path, shape: dict, dtype: str) -> Path:
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos,
         "torch_dtype": dtype,
-    }
+    } | ({"quantization_config": BLOCK_FP8_CONFIG} if block_fp8 else {})
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -254,7 +262,8 @@ class Server:
                 "dummy", "--dtype", a.dtype, "--seed", "0", "--max-model-len", str(a.max_model_len),
                 "--max-num-seqs", str(a.max_num_seqs), "--disable-uvicorn-access-log"]
         cmd += ["--tensor-parallel-size", str(a.tp)] if getattr(a, "tp", 1) > 1 else []
-        cmd += ["--quantization", a.quantization] if getattr(a, "quantization", None) else []
+        quant = getattr(a, "quantization", None)
+        cmd += ["--quantization", "fp8" if quant == BLOCK_FP8 else quant] if quant else []
         cmd += ["--gpu-memory-utilization", str(a.gpu_mem)] if a.launcher != "cpu" else []
         cmd += ["--enforce-eager"] if a.enforce_eager else []
         if self.name in STEER_SERVERS:

@@ -190,3 +190,20 @@ def quant_fp8_naive(out: torch.Tensor, scale: torch.Tensor | None) -> tuple[torc
         scale = (out.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     q = (out.float() * scale.float().reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
+
+
+def quant_fp8_group_naive(out: torch.Tensor, group: int, eps: float = 1e-10,
+                          ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 output, scales [N, D // group] float32) of the norm's output ``out`` [N, D] as vLLM's CUDA op
+    ``_C.per_token_group_fp8_quant`` computes them for a block-FP8 linear (csrc/quantization/w8a8/fp8/
+    per_token_group_quant.cu): per token and group of ``group`` columns, ``scale = max(max|group|, eps) / 448``,
+    rounded up to a power of two when ``ue8m0``; ``q = clamp(out / scale, ±448)``, a true division. vLLM's native
+    ``QuantFP8._quantize_group_native`` differs only where a group's max is below 1/512 (it clamps the scale at
+    ``FP8_MIN_SCALE`` instead of the max at ``eps``). The caller writes the scales in the layout its linear reads."""
+    n, d = out.shape
+    y = out.float().view(n, d // group, group)
+    scale = y.abs().amax(dim=-1, keepdim=True).clamp(min=eps) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale.clamp(min=1e-10))))
+    q = (y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(n, d), scale.view(n, d // group)

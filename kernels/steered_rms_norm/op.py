@@ -35,7 +35,7 @@ import torch
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.library import LIB
 from vllm_steer.kernels.sae_clamp.packed import N_FULL
-from vllm_steer.kernels.steered_rms_norm.naive import quant_fp8_naive, steered_norm_naive
+from vllm_steer.kernels.steered_rms_norm.naive import quant_fp8_group_naive, quant_fp8_naive, steered_norm_naive
 
 _registered = False
 # The full-pack kernels (kernels/sae_clamp/full_triton.py): on since the twenty-fifth session, when the served-engine
@@ -152,27 +152,42 @@ def plain_fp8(
     plan_b: torch.Tensor | None,
     pool: torch.Tensor | None,
     quant_scale: torch.Tensor | None,
+    group_scale: torch.Tensor | None = None,
+    group_size: int = 0,
+    group_eps: float = 1e-10,
+    ue8m0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``steered_norm_plain_fp8``: ``steered_norm_plain`` whose output is quantized for the FP8 linear after it
     (naive.quant_fp8_naive: ``quant_scale`` [1] float32 static per-tensor, None dynamic per-token); returns (fp8
     output, scale, new residual), the scale [N, 1] when dynamic and empty when static (the caller keeps its own).
-    Put in place of ``steered_norm_plain`` + vLLM's native quant by ``runtime.fp8_fusion``. CUDA: the norm's one
+    ``group_scale`` [N, D // group_size] float32 given (mutated; any strides): per token and group of ``group_size``
+    columns for a block-FP8 linear (naive.quant_fp8_group_naive, vLLM's ``_C.per_token_group_fp8_quant`` with its
+    ``eps`` and ``scale_ue8m0``), the scales written into it in its layout, the returned scale empty.
+    Put in place of ``steered_norm_plain`` + vLLM's quant by ``runtime.fp8_fusion``. CUDA: the norm's one
     launch with its QUANT mode (interpreter-tested only); other devices: the reference."""
     if x.is_cuda:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_fp8_triton
 
         return steered_norm_fp8_triton(x, residual, weight, eps, weight_offset, index,
                                        () if table_a is None else (table_a, flag_a),
-                                       () if table_b is None else (table_b, flag_b), plan_a, plan_b, pool, quant_scale)
+                                       () if table_b is None else (table_b, flag_b), plan_a, plan_b, pool, quant_scale,
+                                       group_scale, group_size, group_eps, ue8m0)
     out, stream = _plain_reference(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b,
                                    plan_a, plan_b, pool)
+    if group_scale is not None:
+        q, scales = quant_fp8_group_naive(out, group_size, group_eps, ue8m0)
+        group_scale.copy_(scales)
+        return q, scales.new_empty(0), stream
     q, scale = quant_fp8_naive(out, quant_scale)
     return q, scale if quant_scale is None else scale.new_empty(0), stream
 
 
-def _fake_fp8(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The shapes of ``steered_norm_plain_fp8``: fp8 output, scale ([N, 1]; empty when static), new residual."""
-    scale_shape = (x.shape[0], 1) if args[-1] is None else (0,)
+def _fake_fp8(x: torch.Tensor, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a,
+              plan_b, pool, quant_scale, group_scale=None, group_size=0, group_eps=1e-10, ue8m0=False,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shapes of ``steered_norm_plain_fp8``: fp8 output, scale ([N, 1] dynamic; empty when static or per group),
+    new residual."""
+    scale_shape = (x.shape[0], 1) if quant_scale is None and group_scale is None else (0,)
     return (torch.empty_like(x, dtype=torch.float8_e4m3fn), x.new_empty(scale_shape, dtype=torch.float32),
             torch.empty_like(x))
 
@@ -196,6 +211,6 @@ def register() -> None:
 
     plain = plain_triton if current_platform.dispatch_key == "CUDA" else _plain_reference
     direct_register_custom_op("steered_norm_plain", plain, mutates_args=["pool"], fake_impl=_fake, target_lib=LIB)
-    direct_register_custom_op("steered_norm_plain_fp8", plain_fp8, mutates_args=["pool"], fake_impl=_fake_fp8,
-                              target_lib=LIB)
+    direct_register_custom_op("steered_norm_plain_fp8", plain_fp8, mutates_args=["pool", "group_scale"],
+                              fake_impl=_fake_fp8, target_lib=LIB)
     _registered = True

@@ -394,6 +394,33 @@ def _quant_fp8(b_y, i_t, quant, o_d, m_d, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _quant_fp8_group(b_y, i_t, quant, D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                     UE8M0: tl.constexpr):
+    """QUANT 3: store the row ``b_y`` [BLOCK_D] fp32 as FP8 with a scale per group of GROUP columns
+    (``naive.quant_fp8_group_naive``, vLLM's ``_C.per_token_group_fp8_quant``): ``max(max|group|, eps) / FP8_MAX``
+    (UE8M0: rounded up to a power of two, as the op's register path does it, on the bits), the quotient a true
+    division; scale [t, g] written through the given strides (row-major, column-major or TMA-aligned: the layout the
+    linear reads). Lanes past D are whole groups (D % GROUP == 0): nothing of theirs is stored. Plain sites only,
+    where every program finishes its token."""
+    p_q, stride_q, p_scale, stride_st, stride_sg, eps = quant
+    b_y2 = tl.reshape(b_y, (BLOCK_D // GROUP, GROUP))  # [NG, GROUP]
+    b_amax = tl.maximum(tl.max(tl.abs(b_y2), axis=1), eps)  # [NG]
+    b_scale = tl.math.div_rn(b_amax, tl.full(b_amax.shape, _FP8_MAX, tl.float32))
+    if UE8M0:  # the exponent bumped where the mantissa is not zero, the mantissa cleared
+        b_bits = tl.maximum(b_scale, 1e-10).to(tl.uint32, bitcast=True)
+        b_bits = ((b_bits >> 23) + ((b_bits & 0x7FFFFF) != 0).to(tl.uint32)) << 23
+        b_scale = b_bits.to(tl.float32, bitcast=True)
+    o_g = tl.arange(0, BLOCK_D // GROUP)
+    o_c = tl.arange(0, GROUP)
+    m_g = o_g * GROUP < D
+    tl.store(p_scale + i_t * stride_st + o_g * stride_sg, b_scale, mask=m_g)
+    b_q = tl.clamp(tl.math.div_rn(b_y2, tl.broadcast_to(b_scale[:, None], (BLOCK_D // GROUP, GROUP))),
+                   -_FP8_MAX, _FP8_MAX)
+    o_2 = o_g[:, None] * GROUP + o_c[None, :]  # [NG, GROUP]
+    tl.store(p_q + i_t * stride_q + o_2, b_q.to(p_q.dtype.element_ty), mask=o_2 < D)
+
+
+@triton.jit
 def _steered_norm_kernel(
     p_x,  # [N, D]
     p_res,  # [N, D] (ignored unless HAS_RES)
@@ -422,7 +449,8 @@ def _steered_norm_kernel(
     full_a,  # FULL_A: (edit [N, D] fp32, mode [R] int32, edit stride): a full SAE pack's move at slot A
     full_b,  # FULL_B: the same for slot B
     full_tc,  # FULL_TC: the same for a full transcoder pack (its edit of the MLP's output, added to the residual)
-    quant,  # QUANT: (q [N, D] fp8 (written), q stride, scale: [1] fp32 read (static) / [N] fp32 written (dynamic))
+    quant,  # QUANT: (q [N, D] fp8 (written), q stride, scale: [1] fp32 read (static) / [N] fp32 written (dynamic));
+    #         QUANT 3: (q, q stride, scale [N, D // GROUP] fp32 (written), its token / group strides, eps)
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -445,7 +473,10 @@ def _steered_norm_kernel(
     EARLY: tl.constexpr = False,  # plain sites (no SAE, condition): every slot's loads before the first branch
     PROJ_FUSED: tl.constexpr = False,  # with EARLY at a projecting plain site: one reduction (``_fused_slots``)
     QUANT: tl.constexpr = 0,  # the output goes out in FP8 for the linear after the norm, instead of in the model
-    # dtype: 1 static per-tensor (scale given), 2 dynamic per-token (naive.quant_fp8_naive); plain sites only
+    # dtype: 1 static per-tensor (scale given), 2 dynamic per-token (naive.quant_fp8_naive), 3 per token and group
+    # of GROUP columns (naive.quant_fp8_group_naive, a block-FP8 linear's input); plain sites only
+    GROUP: tl.constexpr = 0,  # QUANT 3: columns per scale (a power of two dividing D)
+    UE8M0: tl.constexpr = False,  # QUANT 3: scales rounded up to powers of two (DeepGEMM's UE8M0 on Hopper)
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -577,7 +608,9 @@ def _steered_norm_kernel(
         b_o = _normalized_ss(b_s, ss, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
     else:
         b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
-    if QUANT != 0:  # vLLM's QuantFP8 of the output as rounded to the model dtype: what its own linear would read
+    if QUANT == 3:  # vLLM's group quant of the output as rounded to the model dtype: what its block-FP8 linear reads
+        _quant_fp8_group(b_o.to(tl.float32), i_t, quant, D, BLOCK_D, GROUP, UE8M0)
+    elif QUANT != 0:  # vLLM's QuantFP8 of the output as rounded to the model dtype: what its own linear would read
         _quant_fp8(b_o.to(tl.float32), i_t, quant, o_d, m_w, QUANT)
     elif TC and SPLIT > 1 and not (SAE_A or SAE_B):  # every program has the output: the first stores it
         tl.store(p_out + i_t * stride_out + o_d, b_o, mask=m_d & (tl.program_id(1) == 0))
@@ -712,7 +745,8 @@ def steered_norm_triton(
     full_tc: Sequence[torch.Tensor] = (),  # a full transcoder pack's edit: (edit [N, D] fp32, mode [R] int32), ()
     early: bool | None = None,  # every slot's loads before the first branch (None: VLLM_STEER_NORM_EARLY; False: late)
     proj_fused: bool | None = None,  # with early: one reduction at a projecting site (None: VLLM_STEER_PROJ_FUSED)
-    quant: tuple = (),  # steered_norm_fp8_triton's (q [N, D] fp8, scale, QUANT): the output as FP8 into q, not out
+    quant: tuple = (),  # steered_norm_fp8_triton's (q [N, D] fp8, scale, QUANT[, GROUP, eps, UE8M0]): the output as FP8
+    # into q, not out
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -793,16 +827,23 @@ def steered_norm_triton(
                             bool(fb), bool(ftc), EARLY if early is None else early,
                             bool(pa or pb) and (PROJ_FUSED if proj_fused is None else proj_fused))
     else:  # vectors and capture only (the other descriptors empty, their flags off)
-        qd = ()
+        qd = qflags = ()
         if quant:
-            q, scale, mode = quant
+            q, scale, mode = quant[:3]
             qd = (q, q.stride(0), scale)
             ptrs |= q.data_ptr() | scale.data_ptr()
             spec += (q.dtype, qd[1], scale.dtype)
+            qflags = (mode,)
+            if mode == 3:  # (.., group, eps, ue8m0): the scales' strides change with N (TMA-aligned): keyed by class
+                group, quant_eps, ue8m0 = quant[3:]
+                st, sg = scale.stride()
+                qd += (st, sg, quant_eps)
+                spec += (st == 1, st % 16 == 0, sg == 1, sg % 16 == 0)
+                qflags = (mode, group, ue8m0)
         args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), (), qd)
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, False, False, 32, 1,
                             False, cap_a, cap_b, False, False, False, False, False, False,
-                            EARLY if early is None else early, False) + ((quant[2],) if quant else ())
+                            EARLY if early is None else early, False) + qflags
         split = 1
     _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec)
     return out, res_out
@@ -810,12 +851,25 @@ def steered_norm_triton(
 
 def steered_norm_fp8_triton(x, residual, weight, eps, weight_offset, index, vec_a=(), vec_b=(), plan_a=None,
                             plan_b=None, pool=None, quant_scale: torch.Tensor | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            group_scale: torch.Tensor | None = None, group_size: int = 0, group_eps: float = 1e-10,
+                            ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A plain site's steered norm whose output goes out as FP8 (``naive.quant_fp8_naive``; the op
     ``steered_norm_plain_fp8``): (q [N, D] float8_e4m3fn, scale [N, 1] float32 when dynamic (``quant_scale`` None) or
-    empty when static, new residual)."""
+    empty when static, new residual). ``group_scale`` [N, D // group_size] float32 given (any strides: the layout the
+    block-FP8 linear reads): per token and group instead (``naive.quant_fp8_group_naive``), the scales written into
+    it; the returned scale is empty."""
     n = x.shape[0]
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if group_scale is not None:
+        d = x.shape[1]
+        if group_size <= 0 or group_size & (group_size - 1) or d % group_size or group_scale.shape != (
+                n, d // group_size):
+            raise ValueError(f"group quant: group_size {group_size} must be a power of two dividing {d}, scales "
+                             f"[{n}, {d // max(group_size, 1)}], got {tuple(group_scale.shape)}")
+        _, res_out = steered_norm_triton(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, plan_a=plan_a,
+                                         plan_b=plan_b, pool=pool,
+                                         quant=(q, group_scale, 3, group_size, float(group_eps), bool(ue8m0)))
+        return q, torch.empty(0, dtype=torch.float32, device=x.device), res_out
     if quant_scale is None:
         scale, mode, ret = torch.empty((n, 1), dtype=torch.float32, device=x.device), 2, None
     else:

@@ -237,6 +237,9 @@ USES: tuple[Use, ...] = (
         "the opt-in pass subclasses it (what VllmBackend.configure_post_pass accepts)"),
     Use("vllm.model_executor.layers.quantization.input_quant_fp8:QuantFP8", "forward_native", "method",
         "vllm_steer.runtime.fp8_fusion", "the opt-in pass matches the quant it traces (what a compiled stock engine runs)"),
+    Use("vllm.model_executor.layers.quantization.utils.fp8_utils", "per_token_group_quant_fp8", "attribute",
+        "vllm_steer.runtime.fp8_fusion", "block-FP8 linears' input quant: it calls the _C op the opt-in pass replaces "
+        "(matched by its kwarg names; a renamed one is left unfused)"),
     *_attrs("vllm.v1.worker.gpu.input_batch:InputBatch",
             "idx_mapping query_start_loc positions num_reqs num_tokens_after_padding", "vllm_steer.runtime.runner_v2",
             "the step_index kernel reads them (slots, request boundaries, positions, padding)"),

