@@ -37,7 +37,8 @@ def ctx() -> dict:
 
 
 def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
-    """3 graph launches (5, 5 and 7 kernels), 2 eager kernels, steering kernels by name."""
+    """3 graph launches (5, 5 and 7 kernels), 2 eager kernels, steering kernels by name, the forward's all-reduce
+    kernels by name (FlashInfer's fused one and NCCL's; the smaller launch's custom all-reduce is no forward's)."""
     ev: list[dict] = []
     ts = [0.0]
 
@@ -45,11 +46,14 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
         ts[0] += 3.0
         ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts[0], "dur": dur, "args": {"correlation": corr}})
 
-    for corr, n, steer_names in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"]), (20, 5, ["vs_capture_rows"]),
-                                 (30, 7, ["_steered_norm_kernel"])):
+    fused, nccl = "allreduce_fusion_kernel_oneshot_lamport<__nv_bfloat16, 2>", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    for corr, n, steer_names, comm in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"], ["cross_device_reduce_1stage"]),
+                                       (20, 5, ["vs_capture_rows"], []), (30, 7, ["_steered_norm_kernel"], [fused, nccl])):
         x("cudaGraphLaunch", "cuda_runtime", corr, 1.0)
-        for i in range(n - len(steer_names)):
+        for i in range(n - len(steer_names) - len(comm)):
             x(f"gemm_{i}", "kernel", corr)
+        for c in comm:
+            x(c, "kernel", corr)
         for s in steer_names:
             x(s, "kernel", corr, 4.0)
     x("cudaLaunchKernel", "cuda_runtime", 40, 1.0)
@@ -68,12 +72,13 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
             "steer_kernels": 4, "steer_kernel_us": 22.0, "steer_kernels_in_graphs": 3, "steer_kernels_eager": 1,
             "steer_kernels_per_step": 1, "kernel_us": 52.0, "graph_kernel_us": 40.0,
             # the forward (the 7-kernel launch): 6 kernels of 2 µs and our norm's 4
-            "forward_kernels": 7, "step_kernel_us_median": 16.0, "step_steer_us_median": 4.0}
+            "forward_kernels": 7, "step_kernel_us_median": 16.0, "step_steer_us_median": 4.0,
+            "step_comm_kernels": {fused: 1.0, nccl: 1.0}}
     assert {k: r[k] for k in want} == want
     # no graph launches at all (eager server): every kernel is eager, no per-step count
     r2 = analyze_events([e for e in ev if not e["name"].startswith("cudaGraph")])
     assert (r2["graph_launches"], r2["kernels_per_step"], r2["eager_kernels"]) == (0, None, 19), r2
-    assert r2["step_steer_us_median"] is None
+    assert r2["step_steer_us_median"] is None and r2["step_comm_kernels"] == {}
 
 
 def test_the_graph_phase_profiles_the_ab_arms_at_their_concurrency(ctx):
@@ -593,3 +598,43 @@ def test_the_fp8_give_back_server_is_steer_with_the_pass_on(tmp_path):
             (b["kind"], b.get("n_configs"), "steer_fp8q", twin)
     graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
     assert {("steer_fp8q", "plain"), ("steer_fp8q", "per_request")} <= graphed
+
+
+def test_the_unfused_stock_turns_off_only_the_allreduce_fusion_and_no_server_may_use_multicast(tmp_path, monkeypatch):
+    """Issue 40 (arfuse): stock_nofuse is stock (no plugin, same flags) with ``pass_config.fuse_allreduce_rms`` off,
+    its arm is compared with stock and the graph phase profiles it; every server runs FlashInfer's all-reduce on its
+    IPC backend with multicast off, even where the caller's environment asks for vLLM's multicast default."""
+    from types import SimpleNamespace
+
+    from abkit.runner import GRAPH_PLAN
+    from abkit.servers import PORT_OFFSETS, Pool, Server
+
+    monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "mnnvl")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=2, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000)
+    pool = Pool(args, tmp_path, tmp_path)
+    got = {}
+    for name in ("stock", "stock_nofuse", "steer"):
+        s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
+        pool.prepare(s)
+        got[name] = (s.command(), s.env())
+    (stock, stock_env), (nofuse, nofuse_env) = got["stock"], got["stock_nofuse"]
+    at = nofuse.index("--compilation-config")
+    assert json.loads(nofuse[at + 1]) == {"pass_config": {"fuse_allreduce_rms": False}}
+    assert nofuse[:at] + nofuse[at + 2:] == [a if a != str(pool.ports["stock"]) else str(pool.ports["stock_nofuse"])
+                                             for a in stock]
+    assert "--compilation-config" not in stock and "--compilation-config" not in got["steer"][0]
+    assert nofuse_env["VLLM_PLUGINS"] == stock_env["VLLM_PLUGINS"] == "none"
+    for cmd, env in got.values():
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+        assert {k: env[k] for k in ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "NCCL_NVLS_ENABLE",
+                                    "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")} == \
+            {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0",
+             "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
+    assert (ARMS["stock_nofuse"]["server"], ARMS["stock_nofuse"]["kind"], ARMS["stock_nofuse"]["ref"]) == \
+        ("stock_nofuse", "plain", "stock")
+    assert {(server, n) for _, server, kind, n in GRAPH_PLAN if kind == "plain"} >= {("stock_nofuse", 4),
+                                                                                        ("stock_nofuse", 16)}
