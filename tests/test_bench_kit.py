@@ -638,3 +638,47 @@ def test_the_unfused_stock_turns_off_only_the_allreduce_fusion_and_no_server_may
         ("stock_nofuse", "plain", "stock")
     assert {(server, n) for _, server, kind, n in GRAPH_PLAN if kind == "plain"} >= {("stock_nofuse", 4),
                                                                                         ("stock_nofuse", 16)}
+
+
+def test_arfuse_logs_reports_each_servers_fusion_lines_and_compiled_ops(tmp_path):
+    """bench/gpu_session.sh arfuse-logs on server logs holding vLLM 0.26's own fusion lines (read from its source, so
+    a reworded line fails here, not on the GPU): per server the config's setting, the backend / workspace lines and
+    the fused / steered ops in the compile cache its log names; each log comes back gzipped."""
+    import importlib.util
+
+    fi_src = importlib.util.find_spec("vllm.distributed.device_communicators.flashinfer_all_reduce").origin
+    pass_src = importlib.util.find_spec("vllm.compilation.passes.fusion.allreduce_rms_fusion").origin
+    backend, workspace = "Using flashinfer allreduce backend: ", "Initialized FlashInfer Allreduce norm fusion workspace "
+    disabled = "AllReduce fusion pass is disabled."
+    assert backend in open(fi_src).read() and workspace in open(fi_src).read() and disabled in open(pass_src).read()
+    logs, out = tmp_path / "vllm_steer_ab" / "logs", tmp_path / "out"
+    logs.mkdir(parents=True)
+    for name, fused, ops in (("stock", True, "torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default(x)\n" * 3),
+                             ("steer", True, "torch.ops.vllm_steer.steered_norm_plain.default(x)\n" * 2),
+                             ("stock_nofuse", False, "")):
+        cache = tmp_path / "cache" / name / "rank_0_0" / "backbone"
+        cache.mkdir(parents=True)
+        (cache / "artifact").write_text(ops)
+        lines = [f"(EngineCore pid=1) INFO 11-28 [core.py:117] Initializing a V1 LLM engine (v0.26.0) with config: "
+                 f"compilation_config={{'mode': 3, 'pass_config': {{'fuse_allreduce_rms': {fused}}}}}",
+                 f"(Worker_TP0 pid=2) INFO 11-28 [backends.py:1095] Using cache directory: {cache} for vLLM's "
+                 f"torch.compile"]
+        if fused:
+            lines += [f"(Worker_TP{r} pid=3) INFO 11-28 [flashinfer_all_reduce.py:104] {backend}trtllm" for r in (0, 1)]
+            lines.append(f"(Worker_TP0 pid=2) INFO 11-28 [flashinfer_all_reduce.py:170] {workspace}with backend=trtllm")
+        else:
+            lines.append(f"(Worker_TP0 pid=2) WARNING 11-28 [allreduce_rms_fusion.py:1126] {disabled}")
+        (logs / f"{name}.log").write_text("\n".join(lines) + "\n")
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "OUT": str(out), "SERVERS": "stock,steer,stock_nofuse,gone"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "arfuse-logs"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    text = proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    per = dict(part.split("\n", 1) for part in text.split("== ")[1:])
+    assert "1 fuse_allreduce_rms': True" in per["stock"] and "2 INFO" in per["stock"] and "backend: trtllm" in per["stock"]
+    assert "fused all-reduce ops 3, steered norm ops 0" in per["stock"]
+    assert "fused all-reduce ops 0, steered norm ops 2" in per["steer"]
+    assert "fuse_allreduce_rms': False" in per["stock_nofuse"] and disabled in per["stock_nofuse"]
+    assert per["gone: no log at " + str(logs / "gone.log")] == ""
+    assert sorted(p.name for p in out.iterdir()) == ["server_steer.log.gz", "server_stock.log.gz",
+                                                      "server_stock_nofuse.log.gz"]
