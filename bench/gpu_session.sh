@@ -90,8 +90,7 @@ FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
 [ "${REUSE:-0}" = 1 ] && FLAGS+=(--reuse-servers)
 fi_env() {  # FlashInfer importable (fi-install) and nvcc on PATH: vLLM's has_flashinfer() needs both, FlashInfer's JIT too
-  python3 -c 'import sys; sys.path.insert(0, "/tmp/fi-site"); import flashinfer' 2> /dev/null \
-    || { echo "no FlashInfer in /tmp/fi-site: run fi-install (after the .gpufK calls)"; exit 6; }
+  [ -d /tmp/fi-site/flashinfer ] || { echo "no FlashInfer in /tmp/fi-site: run fi-install (after the .gpufK calls)"; exit 6; }
   export PYTHONPATH=/tmp/site:/tmp/fi-site
   command -v nvcc > /dev/null || export PATH=/usr/local/cuda/bin:$PATH
   command -v nvcc > /dev/null || { echo "no nvcc: vLLM's has_flashinfer() is False without it"; exit 7; }
