@@ -1,13 +1,15 @@
 """What steered norms take from vLLM's all-reduce + RMSNorm fusion, said once at install (issue 40).
 
-vLLM 0.26+ on CUDA at TP >= 2 (Hopper or Blackwell, FlashInfer installed, as every pip-installed vLLM has it) turns
-``pass_config.fuse_allreduce_rms`` on at its default optimization level: ``AllReduceFusionPass`` rewrites each
+vLLM 0.26+ on CUDA at TP >= 2 (Hopper or Blackwell; FlashInfer, which vLLM 0.26 requires, usable: nvcc on PATH or
+flashinfer-cubin) turns ``pass_config.fuse_allreduce_rms`` on at its default optimization level (-O2):
+``AllReduceFusionPass`` rewrites each
 ``all_reduce -> fused_add_rms_norm`` (and ``-> rms_norm``) into one FlashInfer kernel (all-reduce, residual add and
 norm) for batches up to its max_token_num. A steered norm is our op, not vLLM's norm, so the pattern does not match
 there: vLLM's all-reduce and our norm run as two kernels in every step, steered or not, where stock runs one. Norms
 nobody steers keep the fusion. Only norms whose input comes straight from an all-reduce were fused in stock: the
 ``fused`` and ``post_add`` layouts of ``runtime.families`` (an ``in_place`` norm reads a scaled sum, a ``hyper`` one
-the mHC kernel's output). The cost is measured by bench/gpu_session.sh's arfuse steps.
+the mHC kernel's output). The count follows the setting: where FlashInfer cannot make its workspace, vLLM disables the
+pass itself and says so in its log. The cost is measured by bench/gpu_session.sh's arfuse steps.
 """
 
 from __future__ import annotations
