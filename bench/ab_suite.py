@@ -87,6 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--host-gil", action="store_true",
                     help="py-spy --gil: only samples of the thread holding the GIL (who holds it, per thread and step)")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
+    ap.add_argument("--debug-loggers", default="",
+                    help="vLLM loggers (comma-separated) the servers started here log at DEBUG, the rest as vLLM does")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md)")
     ap.add_argument("--md")

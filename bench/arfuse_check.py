@@ -82,7 +82,8 @@ def main() -> int:
     cap = current_platform.get_device_capability()
     print(f"flashinfer {flashinfer.__version__} ({os.path.dirname(flashinfer.__file__)}); vLLM has_flashinfer "
           f"{has_flashinfer()}, has_flashinfer_comm {has_flashinfer_comm()}, allreduce_fusion "
-          f"{hasattr(fc, 'allreduce_fusion')}; VLLM_FLASHINFER_ALLREDUCE_BACKEND {envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND}; "
+          f"{hasattr(fc, 'allreduce_fusion')}; VLLM_FLASHINFER_ALLREDUCE_BACKEND "
+          f"{envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND}; "
           f"capability {cap}; GPUs {torch.cuda.device_count()}", flush=True)
     if not has_flashinfer() or envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND != "trtllm":
         print("FAILED: vLLM would not fuse (has_flashinfer: FlashInfer importable and nvcc on PATH), or would use "

@@ -60,7 +60,8 @@
 #              pass_config.fuse_allreduce_rms off) and keep them (TP=2 8b: ~2.5 min each, s19 145-152 s, so three take
 #              two calls: the second adopts those still starting)
 #     arfuse-logs   each kept server's fusion lines (config, backend, workspace, pass disabled / failed, multicast, our
-#              warning) and the fused / steered ops in its compiled code; the logs into $OUT (seconds)
+#              warning; arfuse-start logs the pass at DEBUG: patterns replaced per process) and the fused / steered ops
+#              in its compiled code; the logs into $OUT (seconds)
 #     arfuse-graph  the graph phase on GRAPH_SERVERS (default stock,stock_nofuse,steer; GRAPH_NS default 16), servers kept:
 #              kernels and all-reduce kernels per decode step (~2 min)
 #     arfuse-ab     TRIALS=6 A/B (ARMS default stock,stock_nofuse,enabled_idle,per_request_n16; no long arms: ~3 min);
@@ -298,7 +299,9 @@ PY
     ;;
   arfuse-start)
     fi_env
+    # the fusion pass's "Replaced N patterns" and FlashInfer's workspace line are DEBUG: those two loggers only
     timeout -k 20 590 "${AB[@]}" --phases start --servers "$ARF_SERVERS" --reuse-servers --keep-servers --tag arfuse_start \
+      --debug-loggers vllm.compilation.passes.fusion.allreduce_rms_fusion,vllm.distributed.device_communicators.flashinfer_all_reduce \
       2>&1 | tail -12
     ;;
   arfuse-logs)
@@ -311,6 +314,11 @@ PY
       # vLLM 0.26's own lines (flashinfer_all_reduce.py, allreduce_rms_fusion.py) and ours (runtime/allreduce_fusion.py)
       grep -E "flashinfer allreduce backend|FlashInfer Allreduce norm|FlashInfer All Reduce|AllReduce fusion pass|allreduce fusion|mnnvl|ulticast|all-reduce \+ RMSNorm" \
         "$f" | sed -E 's/^.*(INFO|WARNING|ERROR|DEBUG)/\1/' | sort | uniq -c | head -20
+      # the pass's count per compiled graph (a piece and its compile range), summed per process
+      grep -E "Replaced [0-9]+ patterns" "$f" | awk '{k = "process"; if (match($0, /\(Worker[A-Za-z_0-9]*/))
+        k = substr($0, RSTART + 1, RLENGTH - 1); if (match($0, /Replaced [0-9]+/)) { n[k] += substr($0, RSTART + 9,
+        RLENGTH - 9); c[k]++ } } END { for (k in n) printf "  %s: %d all-reduce + norm patterns replaced in %d compiled" \
+        " graphs\n", k, n[k], c[k] }' | sort
       for d in $(grep -o "Using cache directory: [^ ]*" "$f" | awk '{print $4}' | sort -u); do
         echo "  $d: fused all-reduce ops $(grep -rao flashinfer_trtllm_fused_allreduce_norm "$d" | wc -l)," \
           "steered norm ops $(grep -raoE 'vllm_steer[._]steered_norm[a-z0-9_]*' "$d" | wc -l) (in every compiled file;" \

@@ -52,7 +52,7 @@ def test_the_warning_names_the_loss_once_per_stage(gpu_tp2_config, caplog):
     from vllm_steer.runtime.allreduce_fusion import warn_lost
 
     modes = ["fused"] * 65
-    with caplog.at_level(logging.WARNING, logger="vllm_steer"):
+    with caplog.at_level(logging.WARNING, logger="vllm.steer"):
         assert warn_lost(gpu_tp2_config, modes, tp_rank=1) == 65
         assert not caplog.records
         assert warn_lost(gpu_tp2_config, modes, tp_rank=0) == 65

@@ -46,9 +46,11 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
         ts[0] += 3.0
         ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts[0], "dur": dur, "args": {"correlation": corr}})
 
-    fused, nccl = "allreduce_fusion_kernel_oneshot_lamport<__nv_bfloat16, 2>", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
-    for corr, n, steer_names, comm in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"], ["cross_device_reduce_1stage"]),
-                                       (20, 5, ["vs_capture_rows"], []), (30, 7, ["_steered_norm_kernel"], [fused, nccl])):
+    fused = "allreduce_fusion_kernel_oneshot_lamport<__nv_bfloat16, 2>"
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    for corr, n, steer_names, comm in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"], ["cross_device_reduce"]),
+                                       (20, 5, ["vs_capture_rows"], []),
+                                       (30, 7, ["_steered_norm_kernel"], [fused, nccl])):
         x("cudaGraphLaunch", "cuda_runtime", corr, 1.0)
         for i in range(n - len(steer_names) - len(comm)):
             x(f"gemm_{i}", "kernel", corr)
@@ -648,9 +650,11 @@ def test_arfuse_logs_reports_each_servers_fusion_lines_and_compiled_ops(tmp_path
 
     fi_src = importlib.util.find_spec("vllm.distributed.device_communicators.flashinfer_all_reduce").origin
     pass_src = importlib.util.find_spec("vllm.compilation.passes.fusion.allreduce_rms_fusion").origin
-    backend, workspace = "Using flashinfer allreduce backend: ", "Initialized FlashInfer Allreduce norm fusion workspace "
+    backend = "Using flashinfer allreduce backend: "
+    workspace = "Initialized FlashInfer Allreduce norm fusion workspace "
     disabled = "AllReduce fusion pass is disabled."
     assert backend in open(fi_src).read() and workspace in open(fi_src).read() and disabled in open(pass_src).read()
+    assert 'logger.debug("Replaced %s patterns", self.matched_count)' in open(pass_src).read()
     logs, out = tmp_path / "vllm_steer_ab" / "logs", tmp_path / "out"
     logs.mkdir(parents=True)
     for name, fused, ops in (("stock", True, "torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default(x)\n" * 3),
@@ -665,20 +669,55 @@ def test_arfuse_logs_reports_each_servers_fusion_lines_and_compiled_ops(tmp_path
                  f"torch.compile"]
         if fused:
             lines += [f"(Worker_TP{r} pid=3) INFO 11-28 [flashinfer_all_reduce.py:104] {backend}trtllm" for r in (0, 1)]
+            lines += [f"(Worker_TP{r} pid=3) DEBUG 11-28 [allreduce_rms_fusion.py:1137] Replaced {n} patterns"
+                      for r in (0, 1) for n in ((64, 1) if name == "stock" else (0,))]
             lines.append(f"(Worker_TP0 pid=2) INFO 11-28 [flashinfer_all_reduce.py:170] {workspace}with backend=trtllm")
         else:
             lines.append(f"(Worker_TP0 pid=2) WARNING 11-28 [allreduce_rms_fusion.py:1126] {disabled}")
         (logs / f"{name}.log").write_text("\n".join(lines) + "\n")
-    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "OUT": str(out), "SERVERS": "stock,steer,stock_nofuse,gone"}
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "OUT": str(out),
+           "SERVERS": "stock,steer,stock_nofuse,gone"}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "arfuse-logs"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     text = proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr
     per = dict(part.split("\n", 1) for part in text.split("== ")[1:])
-    assert "1 fuse_allreduce_rms': True" in per["stock"] and "2 INFO" in per["stock"] and "backend: trtllm" in per["stock"]
+    assert "1 fuse_allreduce_rms': True" in per["stock"] and "backend: trtllm" in per["stock"]
+    assert "2 INFO" in per["stock"]  # one line a rank
     assert "fused all-reduce ops 3, steered norm ops 0" in per["stock"]
+    assert "Worker_TP0: 65 all-reduce + norm patterns replaced in 2 compiled graphs" in per["stock"]
+    assert "Worker_TP1: 0 all-reduce + norm patterns replaced in 1 compiled graphs" in per["steer"]
     assert "fused all-reduce ops 0, steered norm ops 2" in per["steer"]
     assert "fuse_allreduce_rms': False" in per["stock_nofuse"] and disabled in per["stock_nofuse"]
     assert per["gone: no log at " + str(logs / "gone.log")] == ""
     assert sorted(p.name for p in out.iterdir()) == ["server_steer.log.gz", "server_stock.log.gz",
                                                       "server_stock_nofuse.log.gz"]
+
+
+def test_debug_loggers_log_their_debug_lines_and_leave_the_rest_of_vllm_at_info(tmp_path):
+    """``--debug-loggers``: vLLM, configured from the file every server gets (VLLM_LOGGING_CONFIG_PATH), logs the named
+    logger's DEBUG lines (the fusion pass's "Replaced N patterns") and keeps every other vLLM logger at INFO."""
+    from types import SimpleNamespace
+
+    from abkit.servers import Pool, Server
+
+    name = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=2, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000, debug_loggers=name)
+    pool = Pool(args, tmp_path, tmp_path)
+    s = Server("stock", pool.ports["stock"], args, tmp_path, tmp_path)
+    pool.prepare(s)
+    code = ("from vllm.logger import init_logger\n"
+            f"init_logger({name!r}).debug('Replaced %s patterns', 64)\n"
+            "other = init_logger('vllm.config.vllm')\n"
+            "other.debug('a debug line of another logger')\nother.info('an info line')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**s.env(), "VLLM_LOGGING_STREAM": "ext://sys.stdout"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "DEBUG" in proc.stdout and "Replaced 64 patterns" in proc.stdout and "an info line" in proc.stdout
+    assert "a debug line of another logger" not in proc.stdout
+    plain = Server("stock", pool.ports["stock"], SimpleNamespace(**{**vars(args), "debug_loggers": ""}), tmp_path,
+                   tmp_path)
+    Pool(plain.args, tmp_path, tmp_path).prepare(plain)
+    assert "VLLM_LOGGING_CONFIG_PATH" not in plain.env()

@@ -7,8 +7,9 @@ Each server is its own process group; all stay alive together so trials of diffe
   steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
              without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
-  stock_nofuse   stock with vLLM's all-reduce + RMSNorm fusion off (pass_config.fuse_allreduce_rms): at TP >= 2 with
-             FlashInfer (the arfuse steps) stock runs each norm fused with the all-reduce before it; a steered norm is not
+  stock_nofuse   stock with vLLM's all-reduce + RMSNorm fusion off (pass_config.fuse_allreduce_rms): at TP >= 2
+             with FlashInfer (the arfuse steps) stock runs each norm fused with the all-reduce before it; a steered norm
+             never is (runtime/allreduce_fusion.py)
 --keep-servers leaves them running and writes STATE_FILE; --reuse-servers adopts them. Every server runs with
 SAFE_ENV: FlashInfer's all-reduce on its IPC backend (trtllm), never the NVSwitch-multicast one (mnnvl, vLLM 0.26's
 default), and multicast off in NCCL, PyTorch and NVSHMEM: the lent machines forbid multicast (KINDS.md)."""
@@ -120,6 +121,24 @@ def write_model_dir(path: Path, shape: dict, dtype: str) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="t0",
                             pad_token="</s>", model_max_length=8192).save_pretrained(path)
     (path / ".complete").touch()
+    return path
+
+
+def debug_logging_config(path: Path, debug_loggers: list[str]) -> Path:
+    """vLLM's default logging config (plain formatter) with ``debug_loggers`` at DEBUG and every other logger as
+    vLLM logs it, written to ``path`` for VLLM_LOGGING_CONFIG_PATH: a pass's once-per-compile debug lines (the
+    arfuse steps: how many all-reduce + norm patterns vLLM's fusion pass replaced) without a whole DEBUG log."""
+    import copy
+
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    cfg = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    handler = cfg["handlers"]["vllm"]
+    handler.update(level="DEBUG", formatter="vllm")  # the "vllm" logger's own level keeps the rest at INFO
+    for name in debug_loggers:  # children of "vllm": their records reach its handler whatever its logger's level
+        cfg["loggers"][name] = {"level": "DEBUG"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=1))
     return path
 
 
@@ -400,6 +419,9 @@ class Pool:
 
     def prepare(self, s: Server) -> None:
         s.extra_env.update(SERVER_ENV.get(s.name, {}))
+        if debug := [n for n in getattr(self.args, "debug_loggers", "").split(",") if n]:
+            path = debug_logging_config(self.workdir / "logging_debug.json", debug)
+            s.extra_env["VLLM_LOGGING_CONFIG_PATH"] = str(path)
         if s.name != PEER_SERVER:
             return
         import torch

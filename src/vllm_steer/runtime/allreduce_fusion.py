@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_steer")
+logger = logging.getLogger("vllm.steer")  # vLLM's handler: the engine log shows it
 
 FUSED_LAYOUTS = ("fused", "post_add")  # the norms whose input vLLM's pattern sees as an all-reduce's output
 
