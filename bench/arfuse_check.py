@@ -6,6 +6,7 @@ all-reduce + residual add + RMSNorm (the kernel vLLM's AllReduceFusionPass puts 
 fused_add_rms_norm) on the workspace vLLM creates (trtllm backend: CUDA IPC through PyTorch symmetric memory, multicast
 off), against NCCL's all-reduce and the same add + norm in float32 torch.
     bash bench/gpu_session.sh arfuse-check     (GPU machine, after install and fi-install)
+    python3 bench/arfuse_check.py --jit-only DONE   (the JIT build alone; touches DONE when the module loads)
 Refuses to create a workspace unless every multicast switch is off (KINDS.md: multicast can take the host's GPUs out
 of service for a day)."""
 
@@ -64,7 +65,7 @@ def rank_main(rank: int, world: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     t0 = time.time()
     if bad := unsafe():
         print("refusing: multicast not ruled out:", ", ".join(bad))
@@ -92,6 +93,9 @@ def main() -> int:
     t = time.time()
     gen_trtllm_comm_module().build_and_load()  # what the workspace's first use does in every rank
     print(f"trtllm_comm JIT module ready in {time.time() - t:.0f} s (cache {jit_env.FLASHINFER_JIT_DIR})", flush=True)
+    if argv[:1] == ["--jit-only"]:
+        open(argv[1], "w").close()
+        return 0
     if torch.cuda.device_count() < 2:
         print("one GPU: no fused all-reduce check")
         return 0
@@ -120,7 +124,7 @@ def main() -> int:
 if __name__ == "__main__":
     code = 1
     try:
-        code = main()
+        code = main(sys.argv[1:])
     except BaseException:  # noqa: BLE001
         import traceback
 
