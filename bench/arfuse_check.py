@@ -91,8 +91,18 @@ def main(argv: list[str]) -> int:
               "another backend")
         return 9
     t = time.time()
-    gen_trtllm_comm_module().build_and_load()  # what the workspace's first use does in every rank
-    print(f"trtllm_comm JIT module ready in {time.time() - t:.0f} s (cache {jit_env.FLASHINFER_JIT_DIR})", flush=True)
+    spec = gen_trtllm_comm_module()
+    how = f"prebuilt ({spec.aot_path})" if spec.is_aot else f"built by FlashInfer's JIT ({jit_env.FLASHINFER_JIT_DIR})"
+    try:
+        spec.build_and_load()  # what the workspace's first use does in every rank
+    except Exception as e:  # noqa: BLE001 - a prebuilt module that does not load here is compiled instead
+        if not spec.is_aot:
+            raise
+        print(f"the prebuilt {spec.aot_path} does not load ({type(e).__name__}: {e}): moved aside, compiling it")
+        spec.aot_path.rename(spec.aot_path.with_name(spec.aot_path.name + ".bad"))
+        how = f"built by FlashInfer's JIT ({jit_env.FLASHINFER_JIT_DIR}; the prebuilt one did not load)"
+        spec.build_and_load()
+    print(f"trtllm_comm module ready in {time.time() - t:.0f} s: {how}", flush=True)
     if argv[:1] == ["--jit-only"]:
         open(argv[1], "w").close()
         return 0

@@ -13,6 +13,9 @@
 # import with cudnn, cutlass, cuda.tile, mpi4py and tabulate blocked loads and builds the trtllm_comm spec):
 #   nvidia-cudnn-frontend (cuDNN attention / GEMM backends), nvidia-cutlass-dsl (CuTe DSL kernels: FP4 norms,
 #   Blackwell MoE / GEMM; the V4 parts carry 4.6.0), cuda-tile (cuTile GEMMs), einops, tabulate, click (its CLI).
+# With the trtllm_comm module prebuilt here (bench/flashinfer_aot.sh: $FI_AOT_CACHE/trtllm_comm.so, sm_90a), the part
+# carries it as aot/trtllm_comm/trtllm_comm.so, which fi-install puts where FlashInfer loads it without its JIT
+# (flashinfer/data/aot/): minutes of nvcc on the GPU machine saved; without it arfuse-check compiles it there.
 # On the device, after `bash bench/gpu_session.sh install`: each part `mkdir -p /tmp/gf && cp .gpufK/* /tmp/gf/`, then
 # `bash bench/gpu_session.sh fi-install` (into /tmp/fi-site, which only the arfuse steps put on PYTHONPATH).
 set -euo pipefail
@@ -20,9 +23,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py --platform any \
   -d "$tmp/w" "flashinfer-python==${FLASHINFER_VERSION:-0.6.14}"
+aot=${FI_AOT_CACHE:-/tmp/vllm-steer-fi-aot}/trtllm_comm.so
+if [ -f "$aot" ]; then mkdir -p "$tmp/w/aot/trtllm_comm" && cp "$aot" "$tmp/w/aot/trtllm_comm/"; fi
 tar -C "$tmp/w" -cf "$tmp/fi.tar" .
 rm -rf .gpuf[0-9]*
 (cd "$tmp" && split -b "${PART_MB:-44}M" -d -a 2 fi.tar fipart.)
 i=0
 for part in "$tmp"/fipart.*; do mkdir -p ".gpuf$i" && mv "$part" ".gpuf$i/"; i=$((i + 1)); done
-echo "flashinfer: $(ls "$tmp/w"), $(du -sh "$tmp/fi.tar" | cut -f1), in .gpuf0 .. .gpuf$((i - 1))"
+pre="no prebuilt trtllm_comm: arfuse-check compiles it"
+[ -f "$aot" ] && pre="trtllm_comm prebuilt"
+echo "flashinfer: $(ls "$tmp/w"/*.whl | xargs -n1 basename) ($pre), $(du -sh "$tmp/fi.tar" | cut -f1)," \
+  "in .gpuf0 .. .gpuf$((i - 1))"

@@ -53,10 +53,11 @@
 #              all-reduce + RMSNorm fusion (FlashInfer; on by default at TP >= 2 on Hopper / Blackwell); the fusion's
 #              all-reduce is pinned to FlashInfer's IPC backend (trtllm; vLLM's default, mnnvl, uses NVSwitch multicast,
 #              which the lent machines forbid): one device call each, in order (s32's estimates, H200 x2, not yet run):
-#     arfuse-check  has_flashinfer(), the backend, the trtllm_comm JIT module built into FLASHINFER_WORKSPACE_BASE (shared
-#              by every server: built once, then loaded; its build outlives the call: if the call ends first, call
-#              arfuse-check again), the fused kernel on 2 GPUs vs NCCL + float32 torch (bench/arfuse_check.py; nvcc
-#              ~3-10 min once (3 files in parallel, estimated from the CPU box), then ~30 s)
+#     arfuse-check  has_flashinfer(), the backend, the trtllm_comm module: prebuilt (bench/flashinfer_aot.sh, in the
+#              FlashInfer part) or else built once by FlashInfer's JIT into FLASHINFER_WORKSPACE_BASE, which every
+#              server's ranks share (nvcc, 3 sources in parallel: ~3-4 min estimated; the build outlives the call: if
+#              the call ends first, call arfuse-check again), then the fused kernel on 2 GPUs vs NCCL + float32 torch
+#              (bench/arfuse_check.py; ~30 s with the prebuilt module)
 #     arfuse-start  start SERVERS (default stock,stock_nofuse,steer; stock_nofuse: stock with
 #              pass_config.fuse_allreduce_rms off) and keep them (TP=2 8b: ~2.5 min each, s19 145-152 s, so three take
 #              two calls: the second adopts those still starting)
@@ -288,7 +289,10 @@ PY
       rm -rf /tmp/fw && mkdir -p /tmp/fw && cat $(ls /tmp/gf/fipart.* | sort -V) | tar -C /tmp/fw -xf - || exit 6
       # --no-deps: what FlashInfer imports is on the image or in the vLLM bundle (bench/flashinfer_bundle.sh says which)
       python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/fi-site /tmp/fw/*.whl || exit 6
+      # bench/flashinfer_aot.sh's prebuilt trtllm_comm (sm_90a): FlashInfer loads data/aot/<name>/<name>.so without JIT
+      [ -f /tmp/fw/aot/trtllm_comm/trtllm_comm.so ] && cp -r /tmp/fw/aot /tmp/fi-site/flashinfer/data/
     fi
+    ls /tmp/fi-site/flashinfer/data/aot/*/*.so 2> /dev/null || echo "no prebuilt trtllm_comm: arfuse-check compiles it"
     fi_env
     python3 -c 'import flashinfer, flashinfer.comm; print("flashinfer", flashinfer.__version__, flashinfer.__file__)' || exit 6
     ;;
@@ -296,8 +300,9 @@ PY
     fi_env
     echo "nvcc $(command -v nvcc) ($(nvcc --version | tail -1)); ninja $(command -v ninja); CUDA_HOME $CUDA_HOME"
     nvidia-smi topo -m 2>&1 | head -6
-    # trtllm_comm is minutes of nvcc (3 files; s32's CPU box: 4.6 CPU-min for the first): built by a process in a
-    # session of its own, which neither this call's end nor a timeout kills; a call that finds it running waits on it
+    # without the prebuilt module trtllm_comm is minutes of nvcc (s32's CPU box, a share of 2 busy cores: 193, 477 and
+    # 182 s for its 3 sources): loaded or built by a process in a session of its own, which neither this call's end
+    # nor a timeout kills; a call that finds it running waits on it
     J=$FLASHINFER_WORKSPACE_BASE
     mkdir -p "$J"
     if [ ! -e "$J/jit.done" ] && ! { [ -e "$J/jit.pid" ] && kill -0 "$(cat "$J/jit.pid")" 2> /dev/null; }; then
