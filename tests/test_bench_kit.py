@@ -721,3 +721,18 @@ def test_debug_loggers_log_their_debug_lines_and_leave_the_rest_of_vllm_at_info(
                    tmp_path)
     Pool(plain.args, tmp_path, tmp_path).prepare(plain)
     assert "VLLM_LOGGING_CONFIG_PATH" not in plain.env()
+
+
+def test_the_arfuse_check_refuses_to_run_unless_multicast_is_ruled_out():
+    """bench/arfuse_check.py creates FlashInfer all-reduce workspaces on the lent GPUs: with vLLM's own default
+    backend (mnnvl: NVSwitch multicast) or any multicast switch not off it exits 8 naming each, before importing
+    anything that could touch a GPU."""
+    base = {"PATH": "/usr/bin:/bin", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    for key, bad in (("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "mnnvl"), ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", None),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0"), ("NCCL_NVLS_ENABLE", None)):
+        env = {k: v for k, v in {**base, key: bad}.items() if v is not None}
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "arfuse_check.py")], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 8, (key, bad, proc.stdout, proc.stderr[-1000:])
+        assert proc.stdout.startswith("refusing: multicast not ruled out") and f"{key}={bad!r}" in proc.stdout
