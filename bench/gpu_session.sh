@@ -52,7 +52,9 @@
 #   arfuse-*   issue 40: TP=2 (TP; both GPUs of nvidia-h200-x2) against stock as production runs it, with vLLM's
 #              all-reduce + RMSNorm fusion (FlashInfer; on by default at TP >= 2 on Hopper / Blackwell); the fusion's
 #              all-reduce is pinned to FlashInfer's IPC backend (trtllm; vLLM's default, mnnvl, uses NVSwitch multicast,
-#              which the lent machines forbid): one device call each, in order (s32's estimates, H200 x2, not yet run):
+#              which the lent machines forbid); in order, one device call each or all in one lane (bench/gpu_lanes.sh
+#              start 0,1 arf 'arfuse-check; arfuse-check; arfuse-start; arfuse-start; arfuse-logs; arfuse-graph;
+#              arfuse-ab; SERVERS=stock,stock_nofuse,steer stop'); s32's estimates for 2 x H200, not yet run:
 #     arfuse-check  has_flashinfer(), the backend, the trtllm_comm module: prebuilt (bench/flashinfer_aot.sh, in the
 #              FlashInfer part) or else built once by FlashInfer's JIT into FLASHINFER_WORKSPACE_BASE, which every
 #              server's ranks share (nvcc, 3 sources in parallel: ~3-4 min estimated; the build outlives the call: if
