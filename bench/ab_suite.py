@@ -37,7 +37,7 @@ from abkit.arms import AB_ARMS, ARMS, LONG_ARMS, usable_arms  # noqa: E402
 from abkit.host_profile import host_phase  # noqa: E402
 from abkit.report import report  # noqa: E402
 from abkit.runner import disk_write_bound, graph_phase, run_matrix  # noqa: E402
-from abkit.servers import (BLOCK_FP8, ROOT, SHAPES, STATE_FILE, STEER_SERVERS, T0, Pool, log,  # noqa: E402
+from abkit.servers import (BLOCK_FP8, ROOT, SAFE_ENV, SHAPES, STATE_FILE, STEER_SERVERS, T0, Pool, log,  # noqa: E402
                            server_unavailable, site_layer, write_model_dir)
 
 PHASES = ("ab", "start", "stop", "graph", "host")
@@ -88,6 +88,8 @@ def parse_args(argv=None):
     ap.add_argument("--host-gil", action="store_true",
                     help="py-spy --gil: only samples of the thread holding the GIL (who holds it, per thread and step)")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip trials that would end after this")
+    ap.add_argument("--debug-loggers", default="",
+                    help="vLLM loggers (comma-separated) the servers started here log at DEBUG, the rest as vLLM does")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--report", nargs="+", help="merge result JSONs into markdown (--md)")
     ap.add_argument("--md")
@@ -127,8 +129,13 @@ def ab_runs(args, pool) -> list[tuple[str, str, dict]]:
                    for a in long_arms]
 
 
-def versions() -> dict:  # vllm, vllm_steer, torch and the GPU, for the results' meta
+def versions() -> dict:  # vllm, vllm_steer, torch, FlashInfer (None: stock cannot fuse the TP all-reduce) and the GPU
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
     out = {}
+    with contextlib.suppress(PackageNotFoundError):  # by its metadata: importing it would not change the answer
+        out["flashinfer"] = version("flashinfer-python") if find_spec("flashinfer") else None
     for name in ("vllm", "vllm_steer"):
         try:
             mod = importlib.import_module(name)
@@ -182,6 +189,9 @@ def main() -> int:
            "workdir": workdir, "out": out}
     log(f"phases {phases}; shape {args.shape} {shape}; dtype {args.dtype}"
         f"{'; quantization ' + args.quantization if args.quantization else ''}; results -> {out_json}")
+    if meta.get("flashinfer"):
+        log(f"FlashInfer {meta['flashinfer']} importable: at --tp >= 2 stock fuses each all-reduce with its RMSNorm "
+            f"(stock_nofuse does not); every server: {SAFE_ENV}")
     if not args.peer_wheel:
         log("no --peer-wheel: hotwire and its arms are skipped")
     pool = Pool(args, model_dir, workdir)

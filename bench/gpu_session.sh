@@ -47,6 +47,29 @@
 #              KEEP=1 keeps the servers, REUSE=1 adopts kept ones (1b servers only)
 #   offline    1b shape, engine side only (bench/offline_pairs.py): two stock LLMs (the method's spread) and a steer LLM,
 #              enabled_idle / site_named16 / site_inline16, TRIALS (default 40) shuffled trials of one fixed batch
+#   fi-install FlashInfer (bench/flashinfer_bundle.sh's parts in /tmp/gf) into /tmp/fi-site, after install; only the
+#              arfuse steps put it on PYTHONPATH (in /tmp/site it would turn vLLM's fusion on in every TP step's stock)
+#   arfuse-*   issue 40: TP=2 (TP; both GPUs of nvidia-h200-x2) against stock as production runs it, with vLLM's
+#              all-reduce + RMSNorm fusion (FlashInfer; on by default at TP >= 2 on Hopper / Blackwell); the fusion's
+#              all-reduce is pinned to FlashInfer's IPC backend (trtllm; vLLM's default, mnnvl, uses NVSwitch multicast,
+#              which the lent machines forbid); in order, one device call each or all in one lane (bench/gpu_lanes.sh
+#              start 0,1 arf 'arfuse-check; arfuse-check; arfuse-start; arfuse-start; arfuse-logs; arfuse-graph;
+#              arfuse-ab; SERVERS=stock,stock_nofuse,steer stop'); s32's estimates for 2 x H200, not yet run:
+#     arfuse-check  has_flashinfer(), the backend, the trtllm_comm module: prebuilt (bench/flashinfer_aot.sh, in the
+#              FlashInfer part) or else built once by FlashInfer's JIT into FLASHINFER_WORKSPACE_BASE, which every
+#              server's ranks share (nvcc, 3 sources in parallel: ~3-4 min estimated; the build outlives the call: if
+#              the call ends first, call arfuse-check again), then the fused kernel on 2 GPUs vs NCCL + float32 torch
+#              (bench/arfuse_check.py; ~30 s with the prebuilt module)
+#     arfuse-start  start SERVERS (default stock,stock_nofuse,steer; stock_nofuse: stock with
+#              pass_config.fuse_allreduce_rms off) and keep them (TP=2 8b: ~2.5 min each, s19 145-152 s, so three take
+#              two calls: the second adopts those still starting)
+#     arfuse-logs   each kept server's fusion lines (config, backend, workspace, pass disabled / failed, multicast, our
+#              warning; arfuse-start logs the pass at DEBUG: patterns replaced per process) and the fused / steered ops
+#              in its compiled code; the logs into $OUT (seconds)
+#     arfuse-graph  the graph phase on GRAPH_SERVERS (default stock,stock_nofuse,steer; GRAPH_NS default 16), servers kept:
+#              kernels and all-reduce kernels per decode step (~2 min)
+#     arfuse-ab     TRIALS=6 A/B (ARMS default stock,stock_nofuse,enabled_idle,per_request_n16; no long arms: ~3 min);
+#              then `SERVERS=stock,stock_nofuse,steer stop`
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; KERNEL_TESTS= (empty) makes `kernels` the bench alone;
 # PORT_BASE moves a second suite's ports (a suite beside another also needs its own TMPDIR: bench/gpu_lanes.sh);
 # TP sets every A/B server's --tensor-parallel-size, QUANT its
@@ -59,7 +82,13 @@
 set -uo pipefail
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
+# multicast stays off in every step and every process it starts (KINDS.md: it can take a lent host's GPUs out of service
+# for a day): the machine sets the last three; FlashInfer's all-reduce (vLLM's fusion, once FlashInfer is importable)
+# defaults to mnnvl (NVSwitch multicast) in vLLM 0.26: trtllm is CUDA IPC through PyTorch symmetric memory
+export VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache  # FlashInfer's JIT cache, one for the check and every server's ranks
 mkdir -p "${OUT:=/tmp/out}"
+case "${1:-}" in arfuse-*) TP=${TP:-2} ;; esac  # before AB: every arfuse server is TP=2 unless TP says otherwise
 PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
 AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"}
     ${PORT_BASE:+--port-base "$PORT_BASE"})
@@ -67,6 +96,14 @@ KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)
 [ "${REUSE:-0}" = 1 ] && FLAGS+=(--reuse-servers)
+fi_env() {  # FlashInfer importable (fi-install) and nvcc on PATH: vLLM's has_flashinfer() needs both, FlashInfer's JIT too
+  [ -d /tmp/fi-site/flashinfer ] || { echo "no FlashInfer in /tmp/fi-site: run fi-install (after the .gpufK calls)"; exit 6; }
+  export PYTHONPATH=/tmp/site:/tmp/fi-site
+  command -v nvcc > /dev/null || export PATH=/usr/local/cuda/bin:$PATH
+  command -v nvcc > /dev/null || { echo "no nvcc: vLLM's has_flashinfer() is False without it"; exit 7; }
+  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+}
+ARF_SERVERS=${SERVERS:-stock,stock_nofuse,steer}
 case "${1:-}" in
   install)
     bash /tmp/gb/install.sh || exit 4
@@ -250,6 +287,78 @@ PY
       --deadline-s "${DEADLINE_S:-300}" --out "$OUT/offline_pairs_1b.json" 2>&1 | tee "$OUT/offline.log" \
       | grep -v "INFO\|WARNING\|Deprecat\|warnings.warn" | tail -60
     ;;
-  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|prefill-prof|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline" >&2
+  fi-install)  # after install and the .gpufK calls (bench/flashinfer_bundle.sh: each `mkdir -p /tmp/gf && cp .gpufK/* /tmp/gf/`)
+    python3 -c 'import vllm' || exit 3
+    if [ ! -d /tmp/fi-site/flashinfer ]; then
+      rm -rf /tmp/fw && mkdir -p /tmp/fw && cat $(ls /tmp/gf/fipart.* | sort -V) | tar -C /tmp/fw -xf - || exit 6
+      # --no-deps: what FlashInfer imports is on the image or in the vLLM bundle (bench/flashinfer_bundle.sh says which)
+      python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/fi-site /tmp/fw/*.whl || exit 6
+      # bench/flashinfer_aot.sh's prebuilt trtllm_comm (sm_90a): FlashInfer loads data/aot/<name>/<name>.so without JIT
+      [ -f /tmp/fw/aot/trtllm_comm/trtllm_comm.so ] && cp -r /tmp/fw/aot /tmp/fi-site/flashinfer/data/
+    fi
+    ls /tmp/fi-site/flashinfer/data/aot/*/*.so 2> /dev/null || echo "no prebuilt trtllm_comm: arfuse-check compiles it"
+    fi_env
+    python3 -c 'import flashinfer, flashinfer.comm; print("flashinfer", flashinfer.__version__, flashinfer.__file__)' || exit 6
+    ;;
+  arfuse-check)
+    fi_env
+    echo "nvcc $(command -v nvcc) ($(nvcc --version | tail -1)); ninja $(command -v ninja); CUDA_HOME $CUDA_HOME"
+    nvidia-smi topo -m 2>&1 | head -6
+    # without the prebuilt module trtllm_comm is minutes of nvcc (s32's CPU box, a share of 2 busy cores: 193, 477 and
+    # 182 s for its 3 sources): loaded or built by a process in a session of its own, which neither this call's end
+    # nor a timeout kills; a call that finds it running waits on it
+    J=$FLASHINFER_WORKSPACE_BASE
+    mkdir -p "$J"
+    if [ ! -e "$J/jit.done" ] && ! { [ -e "$J/jit.pid" ] && kill -0 "$(cat "$J/jit.pid")" 2> /dev/null; }; then
+      setsid nohup python3 bench/arfuse_check.py --jit-only "$J/jit.done" > "$J/jit.log" 2>&1 < /dev/null &
+      echo $! > "$J/jit.pid"
+    fi
+    end=$((SECONDS + ${JIT_WAIT_S:-480}))
+    while [ ! -e "$J/jit.done" ] && [ $SECONDS -lt $end ] && kill -0 "$(cat "$J/jit.pid")" 2> /dev/null; do sleep 2; done
+    grep -v "Deprecat\|warnings.warn" "$J/jit.log" | tail -4
+    [ -e "$J/jit.done" ] || { echo "trtllm_comm not built yet (or failed: jit.log above): call arfuse-check again"; exit 11; }
+    timeout -k 20 300 python3 bench/arfuse_check.py 2>&1 | grep -v "Deprecat\|warnings.warn" | tail -25
+    ;;
+  arfuse-start)
+    fi_env
+    # the fusion pass's "Replaced N patterns" and FlashInfer's workspace line are DEBUG: those two loggers only
+    timeout -k 20 590 "${AB[@]}" --phases start --servers "$ARF_SERVERS" --reuse-servers --keep-servers --tag arfuse_start \
+      --debug-loggers vllm.compilation.passes.fusion.allreduce_rms_fusion,vllm.distributed.device_communicators.flashinfer_all_reduce \
+      2>&1 | tail -12
+    ;;
+  arfuse-logs)
+    L=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/vllm_steer_ab/logs  # ab_suite's --workdir default
+    for s in ${ARF_SERVERS//,/ }; do
+      f=$L/$s.log
+      [ -f "$f" ] || { echo "== $s: no log at $f"; continue; }
+      echo "== $s"
+      grep -o "fuse_allreduce_rms': [A-Za-z]*" "$f" | sort | uniq -c
+      # vLLM 0.26's own lines (flashinfer_all_reduce.py, allreduce_rms_fusion.py) and ours (runtime/allreduce_fusion.py)
+      grep -E "flashinfer allreduce backend|FlashInfer Allreduce norm|FlashInfer All Reduce|AllReduce fusion pass|allreduce fusion|mnnvl|ulticast|all-reduce \+ RMSNorm" \
+        "$f" | sed -E 's/^.*(INFO|WARNING|ERROR|DEBUG)/\1/' | sort | uniq -c | head -20
+      # the pass's count per compiled graph (a piece and its compile range), summed per process
+      grep -E "Replaced [0-9]+ patterns" "$f" | awk '{k = "process"; if (match($0, /\(Worker[A-Za-z_0-9]*/))
+        k = substr($0, RSTART + 1, RLENGTH - 1); if (match($0, /Replaced [0-9]+/)) { n[k] += substr($0, RSTART + 9,
+        RLENGTH - 9); c[k]++ } } END { for (k in n) printf "  %s: %d all-reduce + norm patterns replaced in %d compiled" \
+        " graphs\n", k, n[k], c[k] }' | sort
+      for d in $(grep -o "Using cache directory: [^ ]*" "$f" | awk '{print $4}' | sort -u); do
+        echo "  $d: fused all-reduce ops $(grep -rao flashinfer_trtllm_fused_allreduce_norm "$d" | wc -l)," \
+          "steered norm ops $(grep -raoE 'vllm_steer[._]steered_norm[a-z0-9_]*' "$d" | wc -l) (in every compiled file;" \
+          "0 and 0: artifacts not greppable, the graph phase's all-reduce kernels count instead)"
+      done
+      gzip -c "$f" > "$OUT/server_$s.log.gz"
+    done
+    ;;
+  arfuse-graph)
+    fi_env
+    GRAPH_NS=${GRAPH_NS:-16} timeout -k 20 590 "${AB[@]}" --phases graph --reuse-servers --keep-servers --tag arfuse_graph \
+      --graph-servers "${GRAPH_SERVERS:-stock,stock_nofuse,steer}" 2>&1 | grep -v "Deprecat\|warnings.warn" | tail -30
+    ;;
+  arfuse-ab)
+    fi_env
+    timeout -k 20 590 "${KEPT[@]}" --tag arfuse_ab --trials "${TRIALS:-6}" --long-arms "${LONG_ARMS-}" --deadline-s 560 \
+      --arms "${ARMS:-stock,stock_nofuse,enabled_idle,per_request_n16}" 2>&1 | tail -40
+    ;;
+  *) echo "usage: bash bench/gpu_session.sh install|kernels|cost|checks|ab-start|ab|graph|prefill-prof|sae|cond|proj|capture|prefill|gates|idle|stop|host|ray|v4|small|offline|fi-install|arfuse-check|arfuse-start|arfuse-logs|arfuse-graph|arfuse-ab" >&2
      exit 2 ;;
 esac

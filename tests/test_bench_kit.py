@@ -37,7 +37,8 @@ def ctx() -> dict:
 
 
 def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
-    """3 graph launches (5, 5 and 7 kernels), 2 eager kernels, steering kernels by name."""
+    """3 graph launches (5, 5 and 7 kernels), 2 eager kernels, steering kernels by name, the forward's all-reduce
+    kernels by name (FlashInfer's fused one and NCCL's; the smaller launch's custom all-reduce is no forward's)."""
     ev: list[dict] = []
     ts = [0.0]
 
@@ -45,11 +46,16 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
         ts[0] += 3.0
         ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts[0], "dur": dur, "args": {"correlation": corr}})
 
-    for corr, n, steer_names in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"]), (20, 5, ["vs_capture_rows"]),
-                                 (30, 7, ["_steered_norm_kernel"])):
+    fused = "allreduce_fusion_kernel_oneshot_lamport<__nv_bfloat16, 2>"
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    for corr, n, steer_names, comm in ((10, 5, ["triton_red_fused_add_rms_norm_Steer_0"], ["cross_device_reduce"]),
+                                       (20, 5, ["vs_capture_rows"], []),
+                                       (30, 7, ["_steered_norm_kernel"], [fused, nccl])):
         x("cudaGraphLaunch", "cuda_runtime", corr, 1.0)
-        for i in range(n - len(steer_names)):
+        for i in range(n - len(steer_names) - len(comm)):
             x(f"gemm_{i}", "kernel", corr)
+        for c in comm:
+            x(c, "kernel", corr)
         for s in steer_names:
             x(s, "kernel", corr, 4.0)
     x("cudaLaunchKernel", "cuda_runtime", 40, 1.0)
@@ -68,12 +74,13 @@ def test_the_trace_parser_counts_kernels_per_graph_launch(tmp_path):
             "steer_kernels": 4, "steer_kernel_us": 22.0, "steer_kernels_in_graphs": 3, "steer_kernels_eager": 1,
             "steer_kernels_per_step": 1, "kernel_us": 52.0, "graph_kernel_us": 40.0,
             # the forward (the 7-kernel launch): 6 kernels of 2 µs and our norm's 4
-            "forward_kernels": 7, "step_kernel_us_median": 16.0, "step_steer_us_median": 4.0}
+            "forward_kernels": 7, "step_kernel_us_median": 16.0, "step_steer_us_median": 4.0,
+            "step_comm_kernels": {fused: 1.0, nccl: 1.0}}
     assert {k: r[k] for k in want} == want
     # no graph launches at all (eager server): every kernel is eager, no per-step count
     r2 = analyze_events([e for e in ev if not e["name"].startswith("cudaGraph")])
     assert (r2["graph_launches"], r2["kernels_per_step"], r2["eager_kernels"]) == (0, None, 19), r2
-    assert r2["step_steer_us_median"] is None
+    assert r2["step_steer_us_median"] is None and r2["step_comm_kernels"] == {}
 
 
 def test_the_graph_phase_profiles_the_ab_arms_at_their_concurrency(ctx):
@@ -604,3 +611,139 @@ def test_the_fp8_give_back_server_is_steer_with_the_pass_on(tmp_path):
             (b["kind"], b.get("n_configs"), "steer_fp8q", twin)
     graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
     assert {("steer_fp8q", "plain"), ("steer_fp8q", "per_request")} <= graphed
+
+
+def test_the_unfused_stock_turns_off_only_the_allreduce_fusion_and_no_server_may_use_multicast(tmp_path, monkeypatch):
+    """Issue 40 (arfuse): stock_nofuse is stock (no plugin, same flags) with ``pass_config.fuse_allreduce_rms`` off,
+    its arm is compared with stock and the graph phase profiles it; every server runs FlashInfer's all-reduce on its
+    IPC backend with multicast off, even where the caller's environment asks for vLLM's multicast default."""
+    from types import SimpleNamespace
+
+    from abkit.runner import GRAPH_PLAN
+    from abkit.servers import PORT_OFFSETS, Pool, Server
+
+    monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "mnnvl")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=2, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000)
+    pool = Pool(args, tmp_path, tmp_path)
+    got = {}
+    for name in ("stock", "stock_nofuse", "steer"):
+        s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
+        pool.prepare(s)
+        got[name] = (s.command(), s.env())
+    (stock, stock_env), (nofuse, nofuse_env) = got["stock"], got["stock_nofuse"]
+    at = nofuse.index("--compilation-config")
+    assert json.loads(nofuse[at + 1]) == {"pass_config": {"fuse_allreduce_rms": False}}
+    assert nofuse[:at] + nofuse[at + 2:] == [a if a != str(pool.ports["stock"]) else str(pool.ports["stock_nofuse"])
+                                             for a in stock]
+    assert "--compilation-config" not in stock and "--compilation-config" not in got["steer"][0]
+    assert nofuse_env["VLLM_PLUGINS"] == stock_env["VLLM_PLUGINS"] == "none"
+    for cmd, env in got.values():
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+        assert {k: env[k] for k in ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "NCCL_NVLS_ENABLE",
+                                    "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")} == \
+            {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0",
+             "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
+    assert (ARMS["stock_nofuse"]["server"], ARMS["stock_nofuse"]["kind"], ARMS["stock_nofuse"]["ref"]) == \
+        ("stock_nofuse", "plain", "stock")
+    assert {(server, n) for _, server, kind, n in GRAPH_PLAN if kind == "plain"} >= {("stock_nofuse", 4),
+                                                                                        ("stock_nofuse", 16)}
+
+
+def test_arfuse_logs_reports_each_servers_fusion_lines_and_compiled_ops(tmp_path):
+    """bench/gpu_session.sh arfuse-logs on server logs holding vLLM 0.26's own fusion lines (read from its source, so
+    a reworded line fails here, not on the GPU): per server the config's setting, the backend / workspace lines and
+    the fused / steered ops in the compile cache its log names; each log comes back gzipped."""
+    import importlib.util
+
+    fi_src = importlib.util.find_spec("vllm.distributed.device_communicators.flashinfer_all_reduce").origin
+    pass_src = importlib.util.find_spec("vllm.compilation.passes.fusion.allreduce_rms_fusion").origin
+    backend = "Using flashinfer allreduce backend: "
+    workspace = "Initialized FlashInfer Allreduce norm fusion workspace "
+    disabled = "AllReduce fusion pass is disabled."
+    assert backend in open(fi_src).read() and workspace in open(fi_src).read() and disabled in open(pass_src).read()
+    assert 'logger.debug("Replaced %s patterns", self.matched_count)' in open(pass_src).read()
+    logs, out = tmp_path / "vllm_steer_ab" / "logs", tmp_path / "out"
+    logs.mkdir(parents=True)
+    for name, fused, ops in (("stock", True, "torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default(x)\n" * 3),
+                             ("steer", True, "torch.ops.vllm_steer.steered_norm_plain.default(x)\n" * 2),
+                             ("stock_nofuse", False, "")):
+        cache = tmp_path / "cache" / name / "rank_0_0" / "backbone"
+        cache.mkdir(parents=True)
+        (cache / "artifact").write_text(ops)
+        lines = [f"(EngineCore pid=1) INFO 11-28 [core.py:117] Initializing a V1 LLM engine (v0.26.0) with config: "
+                 f"compilation_config={{'mode': 3, 'pass_config': {{'fuse_allreduce_rms': {fused}}}}}",
+                 f"(Worker_TP0 pid=2) INFO 11-28 [backends.py:1095] Using cache directory: {cache} for vLLM's "
+                 f"torch.compile"]
+        if fused:
+            lines += [f"(Worker_TP{r} pid=3) INFO 11-28 [flashinfer_all_reduce.py:104] {backend}trtllm" for r in (0, 1)]
+            lines += [f"(Worker_TP{r} pid=3) DEBUG 11-28 [allreduce_rms_fusion.py:1137] Replaced {n} patterns"
+                      for r in (0, 1) for n in ((64, 1) if name == "stock" else (0,))]
+            lines.append(f"(Worker_TP0 pid=2) INFO 11-28 [flashinfer_all_reduce.py:170] {workspace}with backend=trtllm")
+        else:
+            lines.append(f"(Worker_TP0 pid=2) WARNING 11-28 [allreduce_rms_fusion.py:1126] {disabled}")
+        (logs / f"{name}.log").write_text("\n".join(lines) + "\n")
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "OUT": str(out),
+           "SERVERS": "stock,steer,stock_nofuse,gone"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "arfuse-logs"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    text = proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    per = dict(part.split("\n", 1) for part in text.split("== ")[1:])
+    assert "1 fuse_allreduce_rms': True" in per["stock"] and "backend: trtllm" in per["stock"]
+    assert "2 INFO" in per["stock"]  # one line a rank
+    assert "fused all-reduce ops 3, steered norm ops 0" in per["stock"]
+    assert "Worker_TP0: 65 all-reduce + norm patterns replaced in 2 compiled graphs" in per["stock"]
+    assert "Worker_TP1: 0 all-reduce + norm patterns replaced in 1 compiled graphs" in per["steer"]
+    assert "fused all-reduce ops 0, steered norm ops 2" in per["steer"]
+    assert "fuse_allreduce_rms': False" in per["stock_nofuse"] and disabled in per["stock_nofuse"]
+    assert per["gone: no log at " + str(logs / "gone.log")] == ""
+    assert sorted(p.name for p in out.iterdir()) == ["server_steer.log.gz", "server_stock.log.gz",
+                                                      "server_stock_nofuse.log.gz"]
+
+
+def test_debug_loggers_log_their_debug_lines_and_leave_the_rest_of_vllm_at_info(tmp_path):
+    """``--debug-loggers``: vLLM, configured from the file every server gets (VLLM_LOGGING_CONFIG_PATH), logs the named
+    logger's DEBUG lines (the fusion pass's "Replaced N patterns") and keeps every other vLLM logger at INFO."""
+    from types import SimpleNamespace
+
+    from abkit.servers import Pool, Server
+
+    name = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=2, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000, debug_loggers=name)
+    pool = Pool(args, tmp_path, tmp_path)
+    s = Server("stock", pool.ports["stock"], args, tmp_path, tmp_path)
+    pool.prepare(s)
+    code = ("from vllm.logger import init_logger\n"
+            f"init_logger({name!r}).debug('Replaced %s patterns', 64)\n"
+            "other = init_logger('vllm.config.vllm')\n"
+            "other.debug('a debug line of another logger')\nother.info('an info line')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**s.env(), "VLLM_LOGGING_STREAM": "ext://sys.stdout"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "DEBUG" in proc.stdout and "Replaced 64 patterns" in proc.stdout and "an info line" in proc.stdout
+    assert "a debug line of another logger" not in proc.stdout
+    plain = Server("stock", pool.ports["stock"], SimpleNamespace(**{**vars(args), "debug_loggers": ""}), tmp_path,
+                   tmp_path)
+    Pool(plain.args, tmp_path, tmp_path).prepare(plain)
+    assert "VLLM_LOGGING_CONFIG_PATH" not in plain.env()
+
+
+def test_the_arfuse_check_refuses_to_run_unless_multicast_is_ruled_out():
+    """bench/arfuse_check.py creates FlashInfer all-reduce workspaces on the lent GPUs: with vLLM's own default
+    backend (mnnvl: NVSwitch multicast) or any multicast switch not off it exits 8 naming each, before importing
+    anything that could touch a GPU."""
+    base = {"PATH": "/usr/bin:/bin", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    for key, bad in (("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "mnnvl"), ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", None),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0"), ("NCCL_NVLS_ENABLE", None)):
+        env = {k: v for k, v in {**base, key: bad}.items() if v is not None}
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "arfuse_check.py")], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 8, (key, bad, proc.stdout, proc.stderr[-1000:])
+        assert proc.stdout.startswith("refusing: multicast not ruled out") and f"{key}={bad!r}" in proc.stdout

@@ -87,6 +87,9 @@ ARMS = {
     # back), against its twin on steer
     "enabled_idle_fp8q": dict(server="steer_fp8q", kind="plain", ref="enabled_idle"),
     "per_request_n16_fp8q": dict(server="steer_fp8q", kind="per_request", n_configs=16, ref="per_request_n16"),
+    # issue 40 (the arfuse steps, TP=2 with FlashInfer): stock with vLLM's all-reduce + RMSNorm fusion off, against
+    # the fused default (what a steered norm gives up: enabled_idle - stock_nofuse is our own cost beside it)
+    "stock_nofuse": dict(server="stock_nofuse", kind="plain", ref="stock"),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),

@@ -47,7 +47,10 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("steer_proj_fused / project_n16_fused", "steer_proj_fused", "project", 16),
     # issue 43 (QUANT=fp8): steer with the norm + FP8 quant fused back (VLLM_STEER_FP8_NORM_QUANT=1)
     ("steer_fp8q / unsteered n16 (enabled_idle_fp8q)", "steer_fp8q", "plain", 16),
-    ("steer_fp8q / per_request_n16_fp8q", "steer_fp8q", "per_request", 16)]
+    ("steer_fp8q / per_request_n16_fp8q", "steer_fp8q", "per_request", 16),
+    # issue 40 (arfuse, TP=2 with FlashInfer): stock without vLLM's all-reduce + RMSNorm fusion, beside stock and steer
+    ("stock_nofuse / unsteered", "stock_nofuse", "plain", 4),
+    ("stock_nofuse / unsteered n16", "stock_nofuse", "plain", 16)]
 # the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
 GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
 # issue 37 (prefill capture ~4% behind stock, vLLM's extract_hidden_states ~0): (label, arm) profiled under the arm's
@@ -456,8 +459,10 @@ def graph_phase(pool, ctx: dict, results: dict, save) -> None:
                 rec["status_ops"] = f"HTTP {rec['status_http']}"
             res[label] = rec
             tl = rec["timeline"]
+            comm = rec.get("step_comm_kernels")
             log(f"[graph] {label}: kernels per launch {rec['kernels_per_launch_hist']}, eager kernels "
-                f"{rec['eager_kernels']}, steer kernels per step {rec['steer_kernels_per_step']}; GPU window "
+                f"{rec['eager_kernels']}, steer kernels per step {rec['steer_kernels_per_step']}"
+                f"{'; all-reduce kernels per step ' + str(comm) if comm else ''}; GPU window "
                 f"{tl.get('window_us')} µs, idle {tl.get('idle_pct')}%, prefill steps {tl.get('prefill_steps')}, "
                 f"trace {rec['trace_bytes'] / 1e6:.1f} MB (more: the report)")
         except Exception as e:  # noqa: BLE001

@@ -7,7 +7,12 @@ Each server is its own process group; all stay alive together so trials of diffe
   steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
              without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);   extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
---keep-servers leaves them running and writes STATE_FILE; --reuse-servers adopts them."""
+  stock_nofuse   stock with vLLM's all-reduce + RMSNorm fusion off (pass_config.fuse_allreduce_rms): at TP >= 2
+             with FlashInfer (the arfuse steps) stock runs each norm fused with the all-reduce before it; a steered norm
+             never is (runtime/allreduce_fusion.py)
+--keep-servers leaves them running and writes STATE_FILE; --reuse-servers adopts them. Every server runs with
+SAFE_ENV: FlashInfer's all-reduce on its IPC backend (trtllm), never the NVSwitch-multicast one (mnnvl, vLLM 0.26's
+default), and multicast off in NCCL, PyTorch and NVSHMEM: the lent machines forbid multicast (KINDS.md)."""
 
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
                 "steer_proj": 18, "transcoder": 19, "sae_topk": 20, "steer_late": 21, "steer_proj_late": 22,
-                "steer_proj_fused": 23, "steer_fp8q": 24}
+                "steer_proj_fused": 23, "steer_fp8q": 24, "stock_nofuse": 25}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)
@@ -72,6 +77,12 @@ SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}, "steer_late": {"V
               "steer_proj_late": {"VLLM_STEER_NORM_EARLY": "0"}, "steer_proj_fused": {"VLLM_STEER_PROJ_FUSED": "1"},
               "steer_fp8q": {"VLLM_STEER_FP8_NORM_QUANT": "1"},
               "sae": {"VLLM_STEER_SAE_TILED": "1"}}  # the tiled prefill clamps (off by default: sae_serial is the A/B)
+# stock with vLLM's all-reduce + RMSNorm fusion off (issue 40): the arfuse A/B's unfused stock, beside the fused default
+NOFUSE_SERVER, NOFUSE_CONFIG = "stock_nofuse", {"pass_config": {"fuse_allreduce_rms": False}}
+# every server, whatever the caller's environment: vLLM 0.26 picks FlashInfer's mnnvl all-reduce (NVSwitch multicast)
+# by default once FlashInfer is importable; multicast can take a lent host's GPUs out of service for a day
+SAFE_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PEER_SERVER = "hotwire"  # runs the plugin of --peer-wheel from its own site folder
 PEER_SITE, PEER_DIST = "hotwire_site", "hotwire_vllm"
 MULTI_SUFFIX = "_multi"  # servers (and their arms) with several API server processes
@@ -118,6 +129,24 @@ def write_model_dir(path: Path, shape: dict, dtype: str, block_fp8: bool = False
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="t0",
                             pad_token="</s>", model_max_length=8192).save_pretrained(path)
     (path / ".complete").touch()
+    return path
+
+
+def debug_logging_config(path: Path, debug_loggers: list[str]) -> Path:
+    """vLLM's default logging config (plain formatter) with ``debug_loggers`` at DEBUG and every other logger as
+    vLLM logs it, written to ``path`` for VLLM_LOGGING_CONFIG_PATH: a pass's once-per-compile debug lines (the
+    arfuse steps: how many all-reduce + norm patterns vLLM's fusion pass replaced) without a whole DEBUG log."""
+    import copy
+
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    cfg = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    handler = cfg["handlers"]["vllm"]
+    handler.update(level="DEBUG", formatter="vllm")  # the "vllm" logger's own level keeps the rest at INFO
+    for name in debug_loggers:  # children of "vllm": their records reach its handler whatever its logger's level
+        cfg["loggers"][name] = {"level": "DEBUG"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=1))
     return path
 
 
@@ -270,6 +299,8 @@ class Server:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
         elif self.name == CAPTURE_FS_SERVER:
             cmd += ["--additional-config", json.dumps(capture_fs_block(self.log_path.parents[1]))]
+        elif self.name == NOFUSE_SERVER:
+            cmd += ["--compilation-config", json.dumps(NOFUSE_CONFIG)]
         elif self.name == EXTRACT_SERVER:
             layers = json.loads((self.model_dir / "config.json").read_text())["num_hidden_layers"]
             cmd += extract_hs_args(self.log_path.parents[1], layers)
@@ -289,7 +320,8 @@ class Server:
         plain = self.name.startswith("stock") or self.name == EXTRACT_SERVER
         e = {**os.environ, "VLLM_PLUGINS": "none" if plain else "hotwire" if peer else "steer",
              "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_CACHE_ROOT": self.args.cache_root + ("-hotwire" if peer else ""),
-             **self.extra_env, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+             **self.extra_env, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+             **SAFE_ENV}
         if self.args.launcher == "cpu":  # defaults the environment may override
             e = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **e}
         return e
@@ -396,6 +428,9 @@ class Pool:
 
     def prepare(self, s: Server) -> None:
         s.extra_env.update(SERVER_ENV.get(s.name, {}))
+        if debug := [n for n in getattr(self.args, "debug_loggers", "").split(",") if n]:
+            path = debug_logging_config(self.workdir / "logging_debug.json", debug)
+            s.extra_env["VLLM_LOGGING_CONFIG_PATH"] = str(path)
         if s.name != PEER_SERVER:
             return
         import torch

@@ -28,6 +28,9 @@ from collections import Counter
 from pathlib import Path
 
 STEER_KERNEL_PATTERNS = ("steer", "apply_steering", "capture_rows")  # case-insensitive substrings
+# all-reduce kernels (TP): NCCL's, vLLM's custom (cross_device_reduce), PyTorch symmetric memory's, FlashInfer's fused
+# all-reduce + residual add + RMSNorm (allreduce_fusion_kernel_*: issue 40's fused stock)
+COMM_KERNEL_PATTERNS = ("allreduce", "all_reduce", "cross_device_reduce", "nccl")
 GRAPH_LAUNCH_NAMES = ("cudaGraphLaunch", "cuGraphLaunch")  # runtime / driver API (+ "_v10000" suffixes)
 GAP_US = 50.0  # an idle gap longer than this between kernels is counted
 LATE_US = 20.0  # a kernel launched less than this before it ran: the GPU was waiting for its launch
@@ -40,6 +43,11 @@ STEP_RE = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)"
 def is_steer_kernel(name: str) -> bool:
     n = name.lower()
     return any(p in n for p in STEER_KERNEL_PATTERNS)
+
+
+def is_comm_kernel(name: str) -> bool:
+    n = name.lower()
+    return any(p in n for p in COMM_KERNEL_PATTERNS)
 
 
 def _corr(e: dict):
@@ -274,6 +282,8 @@ def analyze_events(events: list) -> dict:
     for ks in modal:
         for k in ks:
             per_name[k["name"][:80]] = per_name.get(k["name"][:80], 0.0) + float(k.get("dur", 0)) / len(modal)
+    # all-reduce kernels in one forward, by name (per launch of the biggest count): which all-reduce ran, fused or not
+    comm = Counter(k["name"][:80] for ks in modal for k in ks if is_comm_kernel(k.get("name", "")))
     eager_names = Counter(e.get("name", "")[:80] for e in eager)
     top: dict[str, float] = {}
     for e in kern:
@@ -298,6 +308,7 @@ def analyze_events(events: list) -> dict:
         # our kernels' GPU time in one forward (the same launches): the norms' own cost per decode step
         "step_steer_us_median": round(steer_step_us[len(steer_step_us) // 2], 1) if steer_step_us else None,
         "step_top_kernels_us": sorted(((round(v, 2), k) for k, v in per_name.items()), reverse=True)[:20],
+        "step_comm_kernels": {k: round(v / len(modal), 2) for k, v in comm.most_common(6)} if modal else {},
         "graph_kernels": len(in_graph),
         "graph_kernel_us": _us(in_graph),
         "eager_kernels": len(eager),

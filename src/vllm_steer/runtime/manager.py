@@ -27,6 +27,7 @@ from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.step_index.op import step_index
+from vllm_steer.runtime import allreduce_fusion
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers, site_gains
@@ -102,6 +103,7 @@ class SteeringRuntime:
         self.num_ops = install_steering(sites, self.tables, self.capture.buffers if self.capture else None, self.sae,
                                         self.conditions, self.projections)
         self.steered_norms = [s.name for s in sites]
+        self.norm_modes = [s.mode for s in sites]  # runtime.families' layout of each (runtime.allreduce_fusion reads it)
         self._held: dict[str, _Held] = {}
         self.peak_live_configs = 0  # most configs live at once since start (capacity is strict)
         self.preemptions_seen = 0  # requests the scheduler preempted (their steering must survive)
@@ -316,6 +318,7 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
         device=runner.device,
         max_num_reqs=runner.vllm_config.scheduler_config.max_num_seqs,
     )
+    allreduce_fusion.warn_lost(runner.vllm_config, runtime.norm_modes, _capture_ranks()[0])
     runner.steer_runtime = runtime
     runner.steer_capture = runtime.capture
     runner.steer_stops = runtime.stops
