@@ -40,7 +40,7 @@ from vllm_steer.runtime.slot_rows import SlotRows
 from vllm_steer.runtime.stop_watch import StopWatch
 from vllm_steer.runtime.tables import SteeringTables
 
-logger = logging.getLogger("vllm_steer")
+logger = logging.getLogger("vllm.steer")
 
 
 @dataclass
