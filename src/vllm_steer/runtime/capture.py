@@ -52,6 +52,7 @@ that request, a driver consumer's result is ``{"error": "dropped", ...}`` at onc
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
@@ -117,6 +118,7 @@ MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
 MAX_TRACKED_COPIES = 8  # pool copies to the host whose rows a later step checks before overwriting them
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
+COMPILED_MAX = 64  # distinct capture fields whose compiled specs and plan are kept (``_compile``)
 _NO_SLOTS = np.zeros(0, np.int64)
 _EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
 
@@ -193,6 +195,7 @@ class CaptureRuntime:
             if spec is not None and self._runs_here(bit, spec):
                 self.global_specs[bit] = spec
         self._requests: dict[str, _Request] = {}
+        self._compiled: dict[str, tuple | None] = {}  # repr of a capture field -> _compile's answer
         max_pairs = 2 * cfg.capture_max_rows + reduce_rows
         self._reduce = (ReduceRegion(reduce_rows, cfg.capture_max_rows, self.buffers.pool, max_pairs)
                         if reduce_rows else None)
@@ -206,6 +209,7 @@ class CaptureRuntime:
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # recently finished engine ids (bounded)
         self._bounded: set[str] = set()  # requests whose wanted positions end somewhere (ends_at)
         self._complete: list[str] = []  # of those, the ones this step's plan completed
+        self._ends_in = 0  # steps (each advancing every request of the batch by one) until one of them completes
         self._pusher = ResultPusher()
         self._copies: list[tuple[int, int, Any]] = []  # (first row, end, event) of pool copies still maybe running
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -237,6 +241,33 @@ class CaptureRuntime:
         feed: its capture then ends with the step that samples its last token, ``_ends_at``)."""
         if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
             return
+        got = self._compile(capture)
+        if got is None:
+            return
+        specs, template, wanted = got
+        new = _Request(prompt_len, specs, meta or {}, plan=copy.copy(template))
+        old = self._requests.get(request_id)
+        if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
+            new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
+            for f in ("red_bits", "red_mean", "red_slot", "red_mask"):  # and its slots stay its own
+                setattr(new.plan, f, getattr(old.plan, f))
+        elif wanted is not None and self._reduce is not None:
+            self._reserve(new, wanted)
+        self._requests[request_id] = new
+        self._finished.pop(request_id, None)
+        new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
+        if new.ends_at is not None:
+            self._bounded.add(request_id)
+
+    def _compile(self, capture: dict | None) -> tuple | None:
+        """A capture field's specs (consumer bit -> ``CaptureSpec`` of the consumers here), its ``RequestPlan``
+        (a template: each request copies it) and its device-reduced consumers' slot layout (``_reserve``), or None
+        when nothing is captured here. Cached per distinct field (by ``repr``, ``COMPILED_MAX`` of them): 16 requests
+        with one spec parse and compile it once (~40 us a request before)."""
+        key = repr(capture)
+        got = self._compiled.get(key, self)
+        if got is not self:
+            return got
         specs = dict(self.global_specs)
         for instance, raw in (capture or {}).items():
             bit = self.bit_of.get(instance)
@@ -246,20 +277,25 @@ class CaptureRuntime:
                     specs[bit] = spec
                 else:  # its own spec replaces a global one, also where it has no site
                     specs.pop(bit, None)
+        got = None
         if specs:
-            new = _Request(prompt_len, specs, meta or {}, plan=compile_request(specs, self.buffers.site_index))
-            old = self._requests.get(request_id)
-            if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
-                new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
-                for f in ("red_bits", "red_mean", "red_slot", "red_mask"):  # and its slots stay its own
-                    setattr(new.plan, f, getattr(old.plan, f))
-            elif self._reduce is not None:
-                self._reserve(new)
-            self._requests[request_id] = new
-            self._finished.pop(request_id, None)
-            new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
-            if new.ends_at is not None:
-                self._bounded.add(request_id)
+            plan = compile_request(specs, self.buffers.site_index)
+            wanted = []
+            for bit, cols in plan.bit_cols.items():  # the consumers with a site here
+                cls = self._reducers.get(bit)
+                mode = cls.device_reduce(specs[bit].params) if cls is not None else None
+                if mode in MODES:
+                    wanted.append((bit, mode == "mean", cols))
+            layout = None
+            if wanted:  # slot i of a request goes to table[rows[i], cols[i]] (consumer, site column)
+                rows = np.repeat(np.arange(len(wanted)), [len(c) for _, _, c in wanted])
+                layout = (tuple(w[0] for w in wanted), tuple(w[1] for w in wanted), rows,
+                          np.concatenate([c for _, _, c in wanted]), sum(w[0] for w in wanted))  # distinct bits
+            got = (specs, plan, layout)
+        if len(self._compiled) >= COMPILED_MAX:
+            del self._compiled[next(iter(self._compiled))]
+        self._compiled[key] = got
+        return got
 
     def _runs_here(self, bit: int, spec: CaptureSpec) -> bool:
         """Whether consumer ``bit`` hears of a request with ``spec`` on this stage: a worker consumer
@@ -269,29 +305,18 @@ class CaptureRuntime:
             return True
         return any(site in self.buffers.site_index for site in spec.sites)
 
-    def _reserve(self, req: _Request) -> None:
-        """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank);
-        too few free: they get rows step by step instead (``reduce_fallbacks``)."""
-        wanted = []
-        for bit, cols in req.plan.bit_cols.items():  # the consumers with a site here
-            cls = self._reducers.get(bit)
-            mode = cls.device_reduce(req.specs[bit].params) if cls is not None else None
-            if mode in MODES:
-                wanted.append((bit, mode == "mean", cols))
-        if not wanted:
-            return
-        slots = self._reduce.alloc(sum(len(c) for _, _, c in wanted))
+    def _reserve(self, req: _Request, layout: tuple) -> None:
+        """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank;
+        ``layout``: ``_compile``'s); too few free: they get rows step by step instead (``reduce_fallbacks``)."""
+        bits, means, rows, cols, mask = layout
+        slots = self._reduce.alloc(len(rows))
         if slots is None:
             self._count("reduce_fallbacks")
             return
-        table = np.full((len(wanted), len(self.buffers.site_index)), -1, np.int64)
-        at = 0
-        for i, (_, _, cols) in enumerate(wanted):
-            table[i, cols] = slots[at : at + len(cols)]
-            at += len(cols)
+        table = np.full((len(bits), len(self.buffers.site_index)), -1, np.int64)
+        table[rows, cols] = slots
         plan = req.plan
-        plan.red_bits, plan.red_mean = tuple(w[0] for w in wanted), tuple(w[1] for w in wanted)
-        plan.red_slot, plan.red_mask = table, sum(w[0] for w in wanted)  # distinct bits
+        plan.red_bits, plan.red_mean, plan.red_slot, plan.red_mask = bits, means, table, mask
         self._count("reduced_requests")
 
     def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
@@ -422,11 +447,16 @@ class CaptureRuntime:
     # ---- data plane: plan before the forward, hand off after it --------------------------
     def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
         """Before the forward: this step's pool rows and the device plan (``runtime.capture_plan``)."""
-        step = self._planner.plan(self._requests, req_ids, num_scheduled, num_computed)
+        planner = self._planner
+        step = planner.plan(self._requests, req_ids, num_scheduled, num_computed)
         if self._bounded:  # ended once the step's forward is handed off (after_forward)
-            reqs = self._requests
-            self._complete = [rid for rid in req_ids if rid in self._bounded
-                              and reqs[rid].planned_upto >= reqs[rid].ends_at]
+            if planner.advanced and self._ends_in > 1:  # every request one position further: none ends yet
+                self._ends_in -= 1
+            else:
+                reqs, bounded = self._requests, self._bounded
+                left = {rid: reqs[rid].ends_at - reqs[rid].planned_upto for rid in req_ids if rid in bounded}
+                self._complete = [rid for rid, n in left.items() if n <= 0]
+                self._ends_in = min(left.values(), default=0)
         if step.recomputed:
             self.stats["recomputed_positions"] += step.recomputed
         if step.dropped_rows:
@@ -434,9 +464,12 @@ class CaptureRuntime:
         if self._copy_stream is not None:
             self.before_forward(step.base, step.base + step.pool_rows)
         self._pending, self._rows_used = (step if step.request_ids else None), step.rows
-        red = self._red_step = step.reduce
+        red = step.reduce
         if red is not None:
             self._reduce.account(red.acct_slots, red.acct_counts, red.last_slots, red.last_pos)
+            if not len(red.mean_src) and not len(red.copy_src):  # nothing to add or copy after the forward
+                red = None
+        self._red_step = red
         live.capture_live = step.planned > 0
 
     def after_forward(self) -> None:
