@@ -323,7 +323,7 @@ def test_ends_handed_over_together_share_one_copy_or_lose_it_together(monkeypatc
 @pytest.mark.parametrize("seed", range(4))
 def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
     """``CapturePlanner._plan_ranges`` (a step without explicit positions, one device-reduced consumer a request)
-    against ``plan``'s general path on the same random request mixes: prefill chunks long and short, decode, a
+    (and steady decode steps by ``_advance``) against ``plan``'s general path on the same random request mixes: prefill chunks long and short, decode, a
     per-step consumer's cells inside, around or apart from a reduced consumer's, a pool that overflows. Each step:
     the same entries, rows, drops and base; the same device plan, fresh mean rows aside (any row for each such
     cell); after the simulated forward the same pool rows handed off, the same mean sums, last rows, counts and
@@ -334,7 +334,7 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
     pair = []
     for ranges in (True, False):
         rt, _ = _runtime(monkeypatch, runtimes, sites, 2048, max_tokens=256)
-        rt._planner.ranges = ranges
+        rt._planner.ranges = rt._planner.advance = ranges  # the general path plans every step in full
         rt._planner.max_rows = max_rows
         pair.append(rt)
     fast, slow = pair
@@ -409,3 +409,4 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                         rt.finish_requests([rid])
                     del live[rid]
     assert fast._planner.ranged > 10 and slow._planner.ranged == 0
+    assert fast._planner.advanced_steps > 0 and slow._planner.advanced_steps == 0

@@ -258,6 +258,7 @@ class CaptureRuntime:
         new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
         if new.ends_at is not None:
             self._bounded.add(request_id)
+        self._planner.forget_steady()
 
     def _compile(self, capture: dict | None) -> tuple | None:
         """A capture field's specs (consumer bit -> ``CaptureSpec`` of the consumers here), its ``RequestPlan``
@@ -346,6 +347,7 @@ class CaptureRuntime:
             self._bounded.discard(request_id)
             if req is None:
                 continue
+            self._planner.forget_steady()
             used, slots = self._reduced_picks(req)
             free.append(slots)  # its slots are free again once their gather is enqueued
             if request_id in self._finished:

@@ -151,6 +151,28 @@ class ReduceStep:
 
 
 @dataclass
+class _Steady:
+    """A decode step whose successor may be planned by ``CapturePlanner._advance``: the batch (``ids``), the
+    ``num_computed`` the next step must have (each request one token further), the requests whose mark moves."""
+
+    ids: list[str]
+    next: np.ndarray
+    reqs: list
+    same: _Same
+
+
+def _with(obj: Any, **fields: Any) -> Any:
+    """A copy of a plan dataclass with ``fields`` changed (``dataclasses.replace`` without its per-field
+    ``__init__``: ~1 us instead of ~7); ``StepPlan``'s cached ``_cells`` is not carried over."""
+    new = object.__new__(type(obj))
+    d = dict(obj.__dict__)
+    d.pop("_cells", None)
+    d.update(fields)
+    new.__dict__ = d
+    return new
+
+
+@dataclass
 class _Same:
     """The last step's batch shape and its cells, for a step with the same shape (steady decode)."""
 
@@ -196,8 +218,13 @@ class CapturePlanner:
         self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
         self._last_cells = 0  # its cells
         self._same: _Same | None = None
+        self._steady: _Steady | None = None  # set after a decode step whose successor may be _advance'd
+        self._hits: list = []  # the last planned step's requests (of the batch, captured or not)
+        self.advanced = False  # the last step was planned by _advance
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
         self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
+        self.advance = True  # plan steady decode steps by _advance (tests turn it off)
+        self.advanced_steps = 0  # steps planned so
         self.ranged = 0  # steps planned so
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
@@ -210,15 +237,59 @@ class CapturePlanner:
 
     def clear(self) -> None:
         """Every cell of the device plan back to -1 (no request captures any more)."""
-        self._same = None
+        self._same = self._steady = None
         self._upload(_NONE)
+
+    def forget_steady(self) -> None:
+        """The capturing requests changed (added, ended): the next step is planned in full."""
+        self._steady = None
 
     def plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
              num_computed: np.ndarray) -> StepPlan:
         """Plan a step (``requests``: id -> request with ``plan``, ``prompt_len``, ``planned_upto``,
-        ``drop``) and upload what changed in the device plan."""
+        ``drop``) and upload what changed in the device plan.
+
+        Steady decode (the same batch as last step, each request one token further, every capturing one at a
+        generated position, last step's plan reusable, no request added or ended since: ``forget_steady``) is
+        ``_advance``: its cells are last step's, each position one further, found without looking at the requests."""
+        n = len(req_ids)
+        num_scheduled, num_computed = np.asarray(num_scheduled), np.asarray(num_computed)
+        st = self._steady
+        if st is not None and self.advance and st.same is self._same and req_ids == st.ids:
+            if (num_scheduled[:n] == 1).all() and (num_computed[:n] == st.next).all():
+                return self._advance(st)
+        self._steady = None
+        self.advanced = False
+        step = self._plan(requests, req_ids, num_scheduled, num_computed)
+        same = self._same
+        if (same is not None and not step.recomputed and not same.e1.any() and n
+                and (num_scheduled[:n] == 1).all()):  # one generated token each: the next step may advance
+            self._steady = _Steady(list(req_ids), np.asarray(num_computed[:n], np.int64) + 1, self._hits, same)
+        return step
+
+    def _advance(self, st: _Steady) -> StepPlan:
+        """Last step's plan, every position one further (what ``_plan``'s reuse of ``_Same`` gives such a step:
+        the device plan is unchanged, nothing is uploaded)."""
+        self.advanced = True
+        for r in st.reqs:
+            r.planned_upto += 1
+        st.next = st.next + 1
+        same = st.same
+        last = same.step
+        red = last.reduce
+        if red is not None:
+            red = _with(red, last_pos=red.last_pos + 1)
+        same.pos0 = same.pos0 + 1
+        same.step = _with(last, run_pos=last.run_pos + 1, recomputed=0, reduce=red)
+        self.reused += 1
+        self.advanced_steps += 1
+        return same.step
+
+    def _plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
+              num_computed: np.ndarray) -> StepPlan:
         got = list(map(requests.get, req_ids))
         hits = [i for i, r in enumerate(got) if r is not None]
+        self._hits = [got[i] for i in hits]
         if not hits:
             self._same = None
             self._upload(np.zeros(0, np.int64))
