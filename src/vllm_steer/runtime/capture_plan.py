@@ -40,7 +40,7 @@ plan changed, none when it is the same as last step's (steady decode of a stable
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ class RequestPlan:
     cols: np.ndarray  # [n_sites] bool: sites any of its specs captures here
     captures: bool  # any site here at all
     bit_cols: dict[int, np.ndarray]  # consumer bit -> the site columns its spec captures here (unique)
+    classes: int = 7  # bit c: a site here wants position class c (explicit positions: every class)
     # consumers reduced on the device (``runtime.capture_reduce``), set once their slots are held:
     red_bits: tuple[int, ...] = ()
     red_mean: tuple[bool, ...] = ()
@@ -88,7 +89,8 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
     cols = table.any(axis=0)
     for _, _, c in explicit:
         cols[c] = True
-    return RequestPlan(table, explicit, cols, bool(cols.any()), bit_cols)
+    classes = 7 if explicit else int(np.dot(table.any(axis=1), (1, 2, 4)))
+    return RequestPlan(table, explicit, cols, bool(cols.any()), bit_cols, classes if cols.any() else 0)
 
 
 @dataclass
@@ -305,20 +307,22 @@ class CapturePlanner:
         for r, u in zip(reqs, np.where(n > 0, np.maximum(upto, first + n), upto).tolist()):
             r.planned_upto = u
         recomputed = int(skip.sum())
-        # only requests with something to plan here: tokens left and a site on this rank
-        lv = np.flatnonzero((n > skip) & np.fromiter((r.plan.captures for r in reqs), bool, len(reqs)))
+        count, pos0 = n - skip, first + skip  # each request's tokens to plan, the first one's position
+        prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
+        # their position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it, [e1, count) generated
+        e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
+        # only requests with something to plan here: tokens in a class some site of this rank wants (explicit
+        # positions: any class); e.g. none in the prefill of requests capturing generated tokens only
+        want = np.fromiter((r.plan.classes for r in reqs), np.int64, len(reqs))
+        lv = np.flatnonzero(((want & 1 != 0) & (e0 > 0)) | ((want & 2 != 0) & (e1 > e0)) | ((want & 4 != 0) & (count > e1)))
         if not len(lv):
             self._same = None
             self._upload(np.zeros(0, np.int64))
             return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
         reqs = [reqs[k] for k in lv.tolist()]
-        count, skip, first = n[lv] - skip[lv], skip[lv], first[lv]
+        count, pos0, prompt, e0, e1 = count[lv], pos0[lv], prompt[lv], e0[lv], e1[lv]
         starts = np.cumsum(count) - count
-        prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
-        pos0, tok0 = first + skip, offsets[idx[lv]] + skip  # each request's first token to plan
-        # its tokens' position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it,
-        # [e1, count) generated
-        e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
+        tok0 = offsets[idx[lv]] + skip[lv]  # each request's first token to plan
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
                 and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):
@@ -329,9 +333,9 @@ class CapturePlanner:
             moved, last = pos0 - same.pos0, same.step
             red = last.reduce
             if red is not None:
-                red = replace(red, last_pos=red.last_pos + moved[same.last_req])
+                red = _with(red, last_pos=red.last_pos + moved[same.last_req])
             same.pos0 = pos0
-            same.step = replace(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed, reduce=red)
+            same.step = _with(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed, reduce=red)
             return same.step
         self._same = None
         plans = [r.plan for r in reqs]
