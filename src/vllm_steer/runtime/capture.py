@@ -119,7 +119,6 @@ MAX_TRACKED_COPIES = 8  # pool copies to the host whose rows a later step checks
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
 COMPILED_MAX = 64  # distinct capture fields whose compiled specs and plan are kept (``_compile``)
-_NO_SLOTS = np.zeros(0, np.int64)
 _EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
 
 
@@ -140,6 +139,21 @@ def _ends_at(specs, prompt_len: int, max_tokens: int | None = None) -> int | Non
         else:
             end = max(end, prompt_len + max(max_tokens, 1) - 1)
     return end
+
+
+@dataclass(frozen=True)
+class _SlotLayout:
+    """How a capture field's device-reduced consumers hold accumulator slots (``_compile``): slot i of a request's
+    ``red_slots`` is consumer ``bits[rows[i]]``'s at site column ``cols[i]`` (consumer-major, columns ascending)."""
+
+    bits: tuple[int, ...]
+    means: tuple[bool, ...]
+    mask: int  # the OR of bits
+    rows: np.ndarray
+    cols: np.ndarray
+    spans: tuple[tuple[int, int, int, bool], ...]  # per consumer: (bit, its first slot, end, mean)
+    sites: tuple[tuple[str, int], ...]  # per slot: (hook, layer)
+    mean: np.ndarray  # per slot: bool
 
 
 @dataclass
@@ -248,8 +262,8 @@ class CaptureRuntime:
         new = _Request(prompt_len, specs, meta or {}, plan=copy.copy(template))
         old = self._requests.get(request_id)
         if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
-            new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
-            for f in ("red_bits", "red_mean", "red_slot", "red_mask"):  # and its slots stay its own
+            new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned, and its slots
+            for f in ("red_bits", "red_mean", "red_slot", "red_mask", "red_slots", "red_layout"):  # stay its own
                 setattr(new.plan, f, getattr(old.plan, f))
         elif wanted is not None and self._reduce is not None:
             self._reserve(new, wanted)
@@ -288,10 +302,15 @@ class CaptureRuntime:
                 if mode in MODES:
                     wanted.append((bit, mode == "mean", cols))
             layout = None
-            if wanted:  # slot i of a request goes to table[rows[i], cols[i]] (consumer, site column)
-                rows = np.repeat(np.arange(len(wanted)), [len(c) for _, _, c in wanted])
-                layout = (tuple(w[0] for w in wanted), tuple(w[1] for w in wanted), rows,
-                          np.concatenate([c for _, _, c in wanted]), sum(w[0] for w in wanted))  # distinct bits
+            if wanted:
+                lens = [len(c) for _, _, c in wanted]
+                ends = np.cumsum(lens).tolist()
+                cols = np.concatenate([np.sort(c) for _, _, c in wanted])
+                rows = np.repeat(np.arange(len(wanted)), lens)
+                means = tuple(w[1] for w in wanted)
+                layout = _SlotLayout(tuple(w[0] for w in wanted), means, sum(w[0] for w in wanted), rows, cols,
+                                     tuple((w[0], e - n, e, w[1]) for w, n, e in zip(wanted, lens, ends)),
+                                     tuple(self._planner.sites[c] for c in cols.tolist()), np.array(means)[rows])
             got = (specs, plan, layout)
         if len(self._compiled) >= COMPILED_MAX:
             del self._compiled[next(iter(self._compiled))]
@@ -306,32 +325,19 @@ class CaptureRuntime:
             return True
         return any(site in self.buffers.site_index for site in spec.sites)
 
-    def _reserve(self, req: _Request, layout: tuple) -> None:
+    def _reserve(self, req: _Request, layout: _SlotLayout) -> None:
         """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank;
         ``layout``: ``_compile``'s); too few free: they get rows step by step instead (``reduce_fallbacks``)."""
-        bits, means, rows, cols, mask = layout
-        slots = self._reduce.alloc(len(rows))
+        slots = self._reduce.alloc(len(layout.rows))
         if slots is None:
             self._count("reduce_fallbacks")
             return
-        table = np.full((len(bits), len(self.buffers.site_index)), -1, np.int64)
-        table[rows, cols] = slots
+        table = np.full((len(layout.bits), len(self.buffers.site_index)), -1, np.int64)
+        table[layout.rows, layout.cols] = slots
         plan = req.plan
-        plan.red_bits, plan.red_mean, plan.red_slot, plan.red_mask = bits, means, table, mask
+        plan.red_bits, plan.red_mean, plan.red_slot, plan.red_mask = layout.bits, layout.means, table, layout.mask
+        plan.red_slots, plan.red_layout = slots, layout
         self._count("reduced_requests")
-
-    def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
-        """A finished request's slots: (the used ones as (bit, slot, site, mean), every slot it held); it holds
-        none after this (``region.release`` them once their gather is enqueued)."""
-        plan, region = req.plan, self._reduce
-        if not plan.red_mask or region is None:
-            return [], _NO_SLOTS
-        picks = []  # (bit, slot, site, mean)
-        for bit, mean, row in zip(plan.red_bits, plan.red_mean, plan.red_slot):
-            for col in np.flatnonzero(row >= 0).tolist():
-                picks.append((bit, int(row[col]), self._planner.sites[col], mean))
-        plan.red_mask = 0
-        return [p for p in picks if region.count[p[1]] > 0], np.array([p[1] for p in picks], np.int64)
 
     def finish_request(self, request_id: str, early: bool = False) -> None:
         self.finish_requests([request_id], early)
@@ -348,49 +354,75 @@ class CaptureRuntime:
             if req is None:
                 continue
             self._planner.forget_steady()
-            used, slots = self._reduced_picks(req)
-            free.append(slots)  # its slots are free again once their gather is enqueued
+            plan = req.plan
+            held = plan.red_slots if plan.red_mask and self._reduce is not None else None
+            plan.red_mask = 0  # it holds none after this: they are free again once their gather is enqueued
+            if held is not None:
+                free.append(held)
             if request_id in self._finished:
                 continue
             self._finished[request_id] = _EARLY if early else None
             while len(self._finished) > RECENTLY_FINISHED_MAX:
                 self._finished.popitem(last=False)
-            ends.append((request_id, req, self._begin_finish(request_id, req), used))
-        block = event = None
+            ends.append((request_id, req, self._begin_finish(request_id, req), held))
         region = self._reduce
-        flat = [p for *_, used in ends for p in used]
-        if flat and self._host is not None and not self._host.dead:
-            rows = region.gather(np.array([p[1] for p in flat], np.int64), np.array([p[3] for p in flat], bool))
-            staged = self._host.stage_reduced(rows, self._copy_stream)
-            if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
-                self._count("ring_full")
-                self._count("lost_rows", len(flat))
-            else:
-                event, block = staged
-        at = 0
-        for request_id, req, (key, meta, bits), used in ends:
-            parts: dict[int, tuple] = {}
-            for bit in req.plan.red_bits:
-                mine = [p for p in used if p[0] == bit]
-                if mine:
-                    items = [(p[2][1], p[2][0], int(region.count[p[1]]), int(region.last[p[1]]), p[3]) for p in mine]
-                    parts[bit] = (block, at, len(mine), items) if block is not None else ("lost", sum(i[2] for i in items))
-                    at += len(mine)
+        reduced = [(k, held) for k, (*_, held) in enumerate(ends) if held is not None]
+        parts_of: dict[int, dict[int, tuple]] = {}  # end -> bit -> its reduced rows (``CaptureHost.finish``)
+        block = event = None
+        if reduced:  # the slots counted anything: one gather, one copy for all the ends (``_reduced_parts``)
+            slots = np.concatenate([held for _, held in reduced])
+            counts, lasts = region.count[slots], region.last[slots]
+            used = counts > 0
+            n_used = int(used.sum())
+            if n_used and self._host is not None and not self._host.dead:
+                mean = np.concatenate([ends[k][1].plan.red_layout.mean for k, _ in reduced])
+                rows = region.gather(slots[used], mean[used])
+                staged = self._host.stage_reduced(rows, self._copy_stream)
+                if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
+                    self._count("ring_full")
+                    self._count("lost_rows", n_used)
+                else:
+                    event, block = staged
+            if n_used:
+                parts_of = self._reduced_parts(ends, reduced, counts.tolist(), lasts.tolist(), block)
+        notices = []
+        for k, (request_id, req, (key, meta, bits), _) in enumerate(ends):
+            parts = parts_of.get(k, {})
             for b in bits:
                 lane = self._lanes[b]
                 if lane.finish_slots.acquire(blocking=False):
-                    self._host.finish(lane, request_id, key, meta, req, parts.get(b), event)
+                    notices.append((lane, request_id, key, meta, req, parts.get(b)))
                     continue
                 self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
                 self._finished_by(key, b, lane.instance, {
                     "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
                                                    "undelivered): this request's capture was not delivered to it"})
+        if notices:
+            self._host.finish(notices, event)
         if block is not None:
             block.release()  # its notices hold it now
-        if region is not None:
-            for slots in free:
-                if len(slots):
-                    region.release(slots)
+        for held in free:
+            region.release(held)
+
+    @staticmethod
+    def _reduced_parts(ends: list, reduced: list, counts: list, lasts: list, block: Any) -> dict[int, dict[int, tuple]]:
+        """Per end and consumer bit, its slots that counted rows: ``(block, first gathered row, n, items)`` with per
+        row ``(layer, hook, count, last position, mean)`` (the gather took the counted slots in ``reduced`` order), or
+        ``("lost", rows)`` when they reached no ring block."""
+        out: dict[int, dict[int, tuple]] = {}
+        at = base = 0
+        for k, held in reduced:
+            layout, parts = ends[k][1].plan.red_layout, {}
+            for bit, lo, hi, mean in layout.spans:
+                items = [(site[1], site[0], c, last, mean) for site, c, last in
+                         zip(layout.sites[lo:hi], counts[base + lo : base + hi], lasts[base + lo : base + hi]) if c > 0]
+                if items:
+                    parts[bit] = (block, at, len(items), items) if block is not None else ("lost", sum(i[2] for i in items))
+                    at += len(items)
+            base += len(held)
+            if parts:
+                out[k] = parts
+        return out
 
     def _begin_finish(self, request_id: str, req: _Request) -> tuple[str, dict, list[int]]:
         """Count a finished request's lanes in its key's results (sent now if none is left): (key, finish meta,

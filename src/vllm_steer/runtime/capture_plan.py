@@ -67,6 +67,8 @@ class RequestPlan:
     red_mean: tuple[bool, ...] = ()
     red_slot: np.ndarray | None = None  # [len(red_bits), n_sites] int64: slot per site, -1 none
     red_mask: int = 0  # the OR of red_bits
+    red_slots: np.ndarray | None = None  # the slots held, in ``red_layout`` order (``runtime.capture._SlotLayout``)
+    red_layout: Any = None
 
 
 def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int]) -> RequestPlan:

@@ -131,4 +131,4 @@ class ReduceRegion:
         return out
 
     def release(self, slots: np.ndarray) -> None:
-        self._free.extend(int(s) for s in slots[::-1])
+        self._free.extend(slots[::-1].tolist())
