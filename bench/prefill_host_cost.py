@@ -31,9 +31,9 @@ work does not depend on it without the copy; the consumers' process writes the r
 (the plan's upload, the reduce) inline: their time is in the phases (``OMP_NUM_THREADS=1`` on the shared box, where
 two OMP threads made each op ~100x slower); ``--launch-us 6`` counts each torch op of the main thread as 6 us (a GPU
 launch) instead, leaves the segmented add out (the host work a GPU step has) and adds each phase's count of those
-ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capture_plan.py`` +
-``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each step of each arm run on
-both, interleaved, in this process. ``--device cuda`` (a GPU host): the runtime on the GPU, the ring copy on its
+ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capture_lanes.py`` +
+``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
+step of each arm run on both, interleaved, in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime on the GPU, the ring copy on its
 copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread waits for.
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
@@ -136,9 +136,9 @@ def _cpu_of(pid: int) -> float:
 
 
 def _load_baseline(folder: str):
-    """An older ``runtime/capture.py`` built on its own ``capture_plan.py`` and ``capture_reduce.py``: the
-    CaptureRuntime class."""
-    names = ("capture_plan", "capture_reduce", "capture")
+    """An older ``runtime/capture.py`` built on its own ``capture_lanes.py``, ``capture_plan.py`` and
+    ``capture_reduce.py``: the capture module (its ``capture_lanes`` as ``_lanes``)."""
+    names = ("capture_lanes", "capture_plan", "capture_reduce", "capture")
     saved = {n: sys.modules.get(f"vllm_steer.runtime.{n}") for n in names}
     mods = {}
     try:
@@ -155,6 +155,7 @@ def _load_baseline(folder: str):
     if "run_len" not in step.__dataclass_fields__:  # before s31 the wire sent cells, the consumers' process now runs
         cells = step.wire
         step.wire = lambda self: (*cells(self)[:4], np.ones(len(self.positions), np.int64), *cells(self)[4:])
+    mods["capture"]._lanes = mods["capture_lanes"]
     return mods["capture"]
 
 
@@ -221,9 +222,6 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, dec if decode else pre)
     device = torch.device(args.device)
-    if device.type == "cpu" and not args.cpu_copy:
-        # a GPU's copy is on the copy stream, not here
-        capture_lanes._copy_into = lambda dst, rows, stream, keep=False: None
     if args.launch_us is not None:
         _count_launches(args.launch_us)
     root = tempfile.mkdtemp(prefix="prefill_host_")
@@ -244,6 +242,9 @@ def main() -> None:
     versions = {"new": capture_mod}
     if args.baseline:
         versions = {"base": _load_baseline(args.baseline), **versions}
+    if device.type == "cpu" and not args.cpu_copy:  # a GPU's copy is on the copy stream, not here
+        for lanes in [capture_lanes] + [m._lanes for m in versions.values() if hasattr(m, "_lanes")]:
+            lanes._copy_into = lambda dst, rows, stream, keep=False: None
     arms = args.arms.split(",")
     # prefill: an arm's requests end within their step, so arms share a runtime per version; decode: one per column
     # (another arm's requests running beside them would change every step's batch)

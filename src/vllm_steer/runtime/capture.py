@@ -52,7 +52,6 @@ that request, a driver consumer's result is ``{"error": "dropped", ...}`` at onc
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections import OrderedDict
@@ -259,7 +258,9 @@ class CaptureRuntime:
         if got is None:
             return
         specs, template, wanted = got
-        new = _Request(prompt_len, specs, meta or {}, plan=copy.copy(template))
+        plan = object.__new__(RequestPlan)  # the template's fields (its arrays are never written), its own slots
+        plan.__dict__ = dict(template.__dict__)
+        new = _Request(prompt_len, specs, meta or {}, plan=plan)
         old = self._requests.get(request_id)
         if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
             new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned, and its slots
@@ -401,8 +402,8 @@ class CaptureRuntime:
             self._host.finish(notices, event)
         if block is not None:
             block.release()  # its notices hold it now
-        for held in free:
-            region.release(held)
+        if free:
+            region.release(np.concatenate(free))
 
     @staticmethod
     def _reduced_parts(ends: list, reduced: list, counts: list, lasts: list, block: Any) -> dict[int, dict[int, tuple]]:

@@ -315,16 +315,17 @@ class CapturePlanner:
         e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
         # only requests with something to plan here: tokens in a class some site of this rank wants (explicit
         # positions: any class); e.g. none in the prefill of requests capturing generated tokens only
-        want = np.fromiter((r.plan.classes for r in reqs), np.int64, len(reqs))
-        lv = np.flatnonzero(((want & 1 != 0) & (e0 > 0)) | ((want & 2 != 0) & (e1 > e0)) | ((want & 4 != 0) & (count > e1)))
+        has = (e0 > 0) + 2 * (e1 > e0) + 4 * (count > e1)  # bit c: tokens in class c
+        lv = np.flatnonzero(has & np.fromiter((r.plan.classes for r in reqs), np.int64, len(reqs)))
         if not len(lv):
             self._same = None
             self._upload(np.zeros(0, np.int64))
             return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
-        reqs = [reqs[k] for k in lv.tolist()]
-        count, pos0, prompt, e0, e1 = count[lv], pos0[lv], prompt[lv], e0[lv], e1[lv]
+        tok0 = offsets[idx] + skip  # each request's first token to plan
+        if len(lv) < len(reqs):
+            reqs = [reqs[k] for k in lv.tolist()]
+            count, pos0, tok0, prompt, e0, e1 = count[lv], pos0[lv], tok0[lv], prompt[lv], e0[lv], e1[lv]
         starts = np.cumsum(count) - count
-        tok0 = offsets[idx[lv]] + skip[lv]  # each request's first token to plan
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
                 and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):

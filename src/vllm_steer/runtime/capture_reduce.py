@@ -61,13 +61,11 @@ class ReduceRegion:
         return len(self._free)
 
     def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` slots (their counts reset), or None when fewer are free."""
+        """``n`` slots (a free slot's count is 0, its last position -1), or None when fewer are free."""
         if n > len(self._free):
             return None
         slots = np.array(self._free[: -n - 1 : -1] if n else (), np.int64)  # the last n, last first (as pop)
         del self._free[len(self._free) - n :]
-        self.count[slots] = 0
-        self.last[slots] = -1
         return slots
 
     def account(self, slots: np.ndarray, counts: np.ndarray, last_slots: np.ndarray, last_pos: np.ndarray) -> None:
@@ -131,4 +129,7 @@ class ReduceRegion:
         return out
 
     def release(self, slots: np.ndarray) -> None:
+        """The slots are free again (their counts reset here: one op for all of a step's ends)."""
+        self.count[slots] = 0
+        self.last[slots] = -1
         self._free.extend(slots[::-1].tolist())
