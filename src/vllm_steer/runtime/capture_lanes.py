@@ -5,7 +5,8 @@ consumer does competes with the model runner for the GIL. Per step, ``send_rows`
 rows into a ring of shared memory (a memfd both processes map; on a GPU it is registered as pinned
 memory and the copy is a non-blocking D2H on the capture stream) and queues the packet's entries
 for the notifier thread, which waits for the copy's event (the GIL released) and writes them to
-the host's command pipe. The reader thread takes the host's answers: a lane done with a packet frees
+the host's command pipe (a step's finish notices reach it as one item, ``finish``, and the host as one
+message each). The reader thread takes the host's answers: a lane done with a packet frees
 its slot (and, for the last lane, the packet's ring rows), a finished request goes to
 ``CaptureRuntime._finished_by`` exactly as the in-process lanes did.
 

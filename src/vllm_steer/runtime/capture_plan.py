@@ -1,13 +1,14 @@
 """Capture planning: which batch tokens go to which pool rows this step, and the plan's upload.
 
-Per request, once when it is added (``compile_request``): for the three position classes a
-request's token can be in (before the last prompt token, the last prompt token, generated), the
-consumer bitmask each of this rank's sites wants (``[3, n_sites]``; the position modes
-``all``/``all_prompt``/``last_prompt``/``all_generated`` depend on nothing else), plus the few
-specs with explicit positions. Sites other ranks hook are left out there.
+Per distinct capture field, once (``compile_request``; the runtime copies the result for each request
+with that field): for the three position classes a request's token can be in (before the last prompt token,
+the last prompt token, generated), the consumer bitmask each of this rank's sites wants (``[3, n_sites]``;
+the position modes ``all``/``all_prompt``/``last_prompt``/``all_generated`` depend on nothing else), plus the
+few specs with explicit positions. Sites other ranks hook are left out there.
 
-Per step (``CapturePlanner.plan``), over the capturing requests of the batch only (positions already
-planned once are skipped: the preemption rule, ``planned_upto``), the captured (request, site, token) cells
+Per step (``CapturePlanner.plan``), over the capturing requests of the batch that have tokens in a position
+class they want (a prefill capturing generated tokens only plans nothing; positions already planned once are
+skipped: the preemption rule, ``planned_upto``), the captured (request, site, token) cells
 in request (batch) order, then site, then token. They take pool rows in that order; past ``max_rows`` the
 rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a ring: a step's rows
 start where the last planned step's ended, or at row 0 when they do not fit before ``max_rows``
@@ -21,7 +22,10 @@ groups only; nothing is built per cell on the main thread: the step's cells go t
 reduce and the consumers' process as runs, each expanded where it is used. Other steps take the general path
 (per-token masks from the requests' tables, their explicit positions, ``nonzero`` and a sort), as before. A
 step with last step's shape (the same requests in the same order, token counts, position classes and batch
-slots, no explicit positions, nothing dropped) reuses its runs: only the positions move.
+slots, no explicit positions, nothing dropped) reuses its runs: only the positions move. Steady decode (the
+batch of last step, one generated token each, each request one position further, none added or ended since:
+``forget_steady``) is found from the batch's ids and token counts alone and advanced (``_advance``): a few small
+array ops a step, whatever the requests.
 
 Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
 ``red_bits``, ``red_slot``) leave the cells first: a ``last`` consumer keeps only its last selected token per
