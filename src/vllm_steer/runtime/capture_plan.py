@@ -281,14 +281,15 @@ class CapturePlanner:
         self.advanced = True
         for r in st.reqs:
             r.planned_upto += 1
-        st.next = st.next + 1
+        st.next += 1  # its own arrays: moved in place (the step's arrays are new: a hand-off may still hold the old)
         same = st.same
+        same.pos0 += 1
         last = same.step
         red = last.reduce
         if red is not None:
             red = _with(red, last_pos=red.last_pos + 1)
-        same.pos0 = same.pos0 + 1
-        same.step = _with(last, run_pos=last.run_pos + 1, recomputed=0, reduce=red)
+        same.step = _with(last, run_pos=last.run_pos + 1 if len(last.run_pos) else last.run_pos, recomputed=0,
+                          reduce=red)
         self.reused += 1
         self.advanced_steps += 1
         return same.step
