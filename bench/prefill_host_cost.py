@@ -1,31 +1,43 @@
 #!/usr/bin/env python3
-"""The engine core's main thread during a capturing prefill step (issue 37's prefill gap), no engine.
+"""The engine core's main thread during capturing steps (issue 37's prefill gap and capture_gen_n16), no engine.
 
-The prefill arms' load as the GPU's runner sees it: each step 16 fresh requests of 512 prompt tokens (8192 tokens,
-one step each: ``max_tokens`` 1), capturing post_mlp of 4 layers at every prompt position, through the real
-``CaptureRuntime`` (the ``steer_capture_fs`` server's consumers: activations, filesystem with 4 writer threads, in
-the consumers' own process; ``capture_max_rows`` 131072). Arms, interleaved step by step in one process:
-``none`` (the same requests without capture: the step's capture calls return at once), ``files`` (the filesystem
-consumer, no fsync) and ``mem`` (activations, reduce mean: reduced on the device, nothing copied per step).
+``--load prefill`` (default): the prefill arms' load as the GPU's runner sees it: each step 16 fresh requests of 512
+prompt tokens (8192 tokens, one step each: ``max_tokens`` 1), capturing post_mlp of 4 layers at every prompt position,
+through the real ``CaptureRuntime`` (the ``steer_capture_fs`` server's consumers: activations, filesystem with 4
+writer threads, in the consumers' own process; ``capture_max_rows`` 131072). Arms: ``none`` (the same requests
+without capture: the step's capture calls return at once), ``files`` (the filesystem consumer, no fsync) and ``mem``
+(activations, reduce mean: reduced on the device, nothing copied per step).
 
-A step on the main thread: ``add_request`` x16 (the runner's ``_update_states``), ``plan_step``, vLLM's own host
-work for the step (a fixed pure-Python loop of ``--host-ms`` alone: what it costs under the arm shows the GIL
-taken from it), ``after_forward`` (hand-off and, all_prompt ending with the prompt, the 16 ends), then the GPU time
-(``--gpu-ms`` of sleep, GIL released: the main thread waiting on the step's output). Per arm and phase: the median
-wall and thread CPU time of the main thread (wall - CPU: waiting, for the GIL or a core); per step, the CPU time of
-the worker's other threads (notifier, reader) and of the consumers' process, from ``/proc``. On the CPU the ring
-copy would run on the main thread (on a GPU it is a D2H on the copy stream): ``--cpu-copy`` keeps it, the default
-leaves it out so the numbers are the host work a GPU step has. ``--hidden`` sizes rows (the main thread's work does
-not depend on it without the copy; the consumers' process writes the rows). The CPU runs the device ops (the
-plan's upload, the mean reduce) inline: their time is in the phases (``OMP_NUM_THREADS=1`` on the shared box, where
-two OMP threads made each op ~100x slower); ``--launch-us 6`` counts each torch op of the main thread as 6 us
-(a GPU launch) instead and leaves the segmented add out: the host work a GPU step has. ``--baseline DIR``: also an
-older ``runtime/capture.py`` + ``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder,
-e.g. from ``git archive``), each step of each arm run on both, interleaved, in this process. ``--device cuda`` (a
-GPU host): the runtime on the GPU, the ring copy on its copy stream as in the engine, the GPU time a
-``torch.cuda._sleep`` the main thread waits for.
+``--load decode``: capture_gen_n16's load (the ``steer_capture`` server: activations, default pool and slots): 16
+slots, each running one request at a time (prompt ``--prompt`` 256, ``max_tokens`` ``--gen`` 128, as the A/B's c16
+client); a request's first step is its whole prompt, then one token a step; the step that samples its last token
+ends it, and its slot's next request arrives in the next step (the engine's end reaches the runner then too).
+``--arrivals wave`` (the A/B's closed loop: the 16 start together, end together, and their successors share one
+prefill) or ``staggered`` (one request ends every ``gen / 16`` steps; its successor's prompt rides a decode step).
+Arms: ``none`` (requests without capture: capture_idle) and ``gen`` (activations at post_mlp of L/4, L/2, 3L/4,
+all generated positions, reduce ``last``: reduced on the device).
 
-    PYTHONPATH=src:. python bench/prefill_host_cost.py [--steps 40 --hidden 256 --baseline DIR --out FILE.json]
+A step on the main thread, in the runner's order: the engine's ends of the last step (``finish_requests``), the
+new requests' ``add_request`` (the runner's ``_update_states``), ``plan_step``, vLLM's own host work for the step (a
+fixed pure-Python loop of ``--host-ms`` alone: what it costs under the arm shows the GIL taken from it),
+``after_forward`` (hand-off and the ends of requests whose capture the step completed), then the GPU time
+(``--gpu-ms`` of sleep, GIL released: the main thread waiting on the step's output). Per arm and phase: the main
+thread's wall and thread CPU time (wall - CPU: waiting, for the GIL or a core), median per step (``--stat``; the
+decode load's default is the mean: its costly steps are the rare ones where requests come and go); per step, the
+CPU time of the worker's other threads (notifier, reader) and of the consumers' process, from ``/proc``. On the CPU
+the ring copy would run on the main thread (on a GPU it is a D2H on the copy stream): ``--cpu-copy`` keeps it, the
+default leaves it out so the numbers are the host work a GPU step has. ``--hidden`` sizes rows (the main thread's
+work does not depend on it without the copy; the consumers' process writes the rows). The CPU runs the device ops
+(the plan's upload, the reduce) inline: their time is in the phases (``OMP_NUM_THREADS=1`` on the shared box, where
+two OMP threads made each op ~100x slower); ``--launch-us 6`` counts each torch op of the main thread as 6 us (a GPU
+launch) instead, leaves the segmented add out (the host work a GPU step has) and adds each phase's count of those
+ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capture_lanes.py`` +
+``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
+step of each arm run on both, interleaved, in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime on the GPU, the ring copy on its
+copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread waits for.
+
+    PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
+        --out FILE.json]
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ def _python_work(n: int) -> int:
 
 
 _OPS_S = [0.0]  # CPU seconds the main thread spent running torch ops, less their launch cost (--launch-us)
+_OPS_N = [0]  # torch ops the main thread called (--launch-us)
 
 
 def _thread_time() -> float:
@@ -80,6 +93,7 @@ def _count_launches(launch_us: float) -> None:
             t0 = time.thread_time()
             out = f(*a, **k)
             _OPS_S[0] += time.thread_time() - t0 - launch_us * 1e-6
+            _OPS_N[0] += 1
             return out
         return op
 
@@ -87,10 +101,10 @@ def _count_launches(launch_us: float) -> None:
     from vllm_steer.runtime import capture_reduce
 
     kernel.segment_add = capture_reduce.segment_add = wrap(lambda *a, **k: None)
-    for name in ("index_fill_", "index_copy_", "index_select", "copy_", "to", "float", "__add__", "fill_",
-                 "index_add_"):
+    for name in ("index_fill_", "index_copy_", "index_select", "copy_", "to", "float", "__add__", "__ne__", "fill_",
+                 "index_add_", "index_put_", "scatter_", "clone", "zero_"):
         setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
-    for name in ("repeat_interleave", "add", "where"):
+    for name in ("repeat_interleave", "add", "where", "cat", "stack"):
         setattr(torch, name, wrap(getattr(torch, name)))
 
 
@@ -122,9 +136,9 @@ def _cpu_of(pid: int) -> float:
 
 
 def _load_baseline(folder: str):
-    """An older ``runtime/capture.py`` built on its own ``capture_plan.py`` and ``capture_reduce.py``: the
-    CaptureRuntime class."""
-    names = ("capture_plan", "capture_reduce", "capture")
+    """An older ``runtime/capture.py`` built on its own ``capture_lanes.py``, ``capture_plan.py`` and
+    ``capture_reduce.py``: the capture module (its ``capture_lanes`` as ``_lanes``)."""
+    names = ("capture_lanes", "capture_plan", "capture_reduce", "capture")
     saved = {n: sys.modules.get(f"vllm_steer.runtime.{n}") for n in names}
     mods = {}
     try:
@@ -141,45 +155,108 @@ def _load_baseline(folder: str):
     if "run_len" not in step.__dataclass_fields__:  # before s31 the wire sent cells, the consumers' process now runs
         cells = step.wire
         step.wire = lambda self: (*cells(self)[:4], np.ones(len(self.positions), np.int64), *cells(self)[4:])
+    mods["capture"]._lanes = mods["capture_lanes"]
     return mods["capture"]
+
+
+def _prefill_schedule(args):
+    """Each step: 16 fresh requests of ``PROMPT`` tokens, one step each (the last step's end with it)."""
+    last: list[int] = []
+    for k in range(10**9):
+        ids = [k * N + i for i in range(N)]
+        yield last, [(r, PROMPT, 1) for r in ids], ids, np.full(N, PROMPT, np.int32), np.zeros(N, np.int32)
+        last = ids
+
+
+def _decode_schedule(args):
+    """16 slots running a request each: its prompt in its first step, then a token a step; the step sampling its
+    ``gen``-th token is its last, its end and its slot's next request come with the next step. ``wave``: every slot
+    starts at step 0; ``staggered``: slot i at step ``i * gen // 16``."""
+    slots: list[list[int] | None] = [None] * N  # [request, tokens computed]
+    start = [0 if args.arrivals == "wave" else i * args.gen // N for i in range(N)]
+    ended: list[int] = []
+    nxt = 0
+    for k in range(10**9):
+        new = []
+        for i in range(N):
+            if slots[i] is None and k >= start[i]:
+                slots[i] = [nxt, 0]
+                new.append((nxt, args.prompt, args.gen))
+                nxt += 1
+        live = [s for s in slots if s is not None]
+        ids = [s[0] for s in live]
+        computed = np.array([s[1] for s in live], np.int32)
+        scheduled = np.where(computed == 0, args.prompt, 1).astype(np.int32)
+        yield ended, new, ids, scheduled, computed
+        ended = []
+        for i, s in enumerate(slots):
+            if s is None:
+                continue
+            s[1] += args.prompt if s[1] == 0 else 1
+            if s[1] >= args.prompt + args.gen - 1:  # this step sampled its gen-th token
+                ended.append(s[0])
+                slots[i] = None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40, help="steps per arm (after 3 warm-up rounds)")
+    ap.add_argument("--load", choices=("prefill", "decode"), default="prefill")
+    ap.add_argument("--steps", type=int, help="steps per column, measured (default: prefill 40, decode 512)")
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--host-ms", type=float, default=30.0)
-    ap.add_argument("--gpu-ms", type=float, default=100.0)
-    ap.add_argument("--arms", default="none,files,mem")
+    ap.add_argument("--host-ms", type=float, help="default: prefill 30, decode 2")
+    ap.add_argument("--gpu-ms", type=float, help="default: prefill 100, decode 12")
+    ap.add_argument("--arms", help="default: prefill none,files,mem; decode none,gen")
+    ap.add_argument("--prompt", type=int, default=256, help="decode: prompt tokens")
+    ap.add_argument("--gen", type=int, default=128, help="decode: max_tokens")
+    ap.add_argument("--arrivals", choices=("wave", "staggered"), default="wave")
+    ap.add_argument("--stat", choices=("median", "mean"), help="default: prefill median, decode mean")
     ap.add_argument("--cpu-copy", action="store_true")
     ap.add_argument("--baseline")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--launch-us", type=float, help="CPU: a torch op of the main thread costs this, not its run")
     ap.add_argument("--out")
     args = ap.parse_args()
+    decode = args.load == "decode"
+    for name, pre, dec in (("steps", 40, 512), ("host_ms", 30.0, 2.0), ("gpu_ms", 100.0, 12.0),
+                           ("arms", "none,files,mem", "none,gen"), ("stat", "median", "mean")):
+        if getattr(args, name) is None:
+            setattr(args, name, dec if decode else pre)
     device = torch.device(args.device)
-    if device.type == "cpu" and not args.cpu_copy:
-        # a GPU's copy is on the copy stream, not here
-        capture_lanes._copy_into = lambda dst, rows, stream, keep=False: None
     if args.launch_us is not None:
         _count_launches(args.launch_us)
     root = tempfile.mkdtemp(prefix="prefill_host_")
-    fs = {"name": "filesystem", "params": {"root": root, "threads": 4, "fsync": False}}
-    cfg = SteerConfig.model_validate({"capture": ["activations", fs], "capture_max_rows": MAX_ROWS})
+    if decode:  # the steer_capture server
+        cfg = SteerConfig.model_validate({"capture": ["activations"]})
+        spec = {"layers": [LAYERS // 4, LAYERS // 2, 3 * LAYERS // 4], "hooks": ["post_mlp"],
+                "positions": "all_generated"}
+        specs = {"none": None, "gen": {"activations": {**spec, "reduce": "last"}},
+                 "gen_mean": {"activations": {**spec, "reduce": "mean"}}}
+        schedule, warm = _decode_schedule, args.gen + 3  # every slot running, one wave ended
+    else:
+        fs = {"name": "filesystem", "params": {"root": root, "threads": 4, "fsync": False}}
+        cfg = SteerConfig.model_validate({"capture": ["activations", fs], "capture_max_rows": MAX_ROWS})
+        base = {"layers": CAP_LAYERS, "hooks": ["post_mlp"], "positions": "all_prompt"}
+        specs = {"none": None, "files": {"filesystem": base}, "mem": {"activations": {**base, "reduce": "mean"}}}
+        schedule, warm = _prefill_schedule, 3
     sites = [(h, l) for h in HOOKS for l in range(LAYERS)]
     versions = {"new": capture_mod}
     if args.baseline:
         versions = {"base": _load_baseline(args.baseline), **versions}
+    if device.type == "cpu" and not args.cpu_copy:  # a GPU's copy is on the copy stream, not here
+        for lanes in [capture_lanes] + [m._lanes for m in versions.values() if hasattr(m, "_lanes")]:
+            lanes._copy_into = lambda dst, rows, stream, keep=False: None
+    arms = args.arms.split(",")
+    # prefill: an arm's requests end within their step, so arms share a runtime per version; decode: one per column
+    # (another arm's requests running beside them would change every step's batch)
     rts = {v: m.CaptureRuntime(cfg, sites, LAYERS, WIDTH, args.hidden, torch.bfloat16, device)
            for v, m in versions.items()}
-    base = {"layers": CAP_LAYERS, "hooks": ["post_mlp"], "positions": "all_prompt"}
-    specs = {"none": None, "files": {"filesystem": base}, "mem": {"activations": {**base, "reduce": "mean"}}}
-    arms = args.arms.split(",")
+    rts = {f"{a}/{v}": (rts[v] if not decode else
+                        versions[v].CaptureRuntime(cfg, sites, LAYERS, WIDTH, args.hidden, torch.bfloat16, device))
+           for a in arms for v in versions}
     loop_n = _calibrate(args.host_ms)
     me, main_tid = os.getpid(), threading.get_native_id()
     cols = [f"{a}/{v}" for a in arms for v in versions]
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in cols}
-    scheduled, computed = np.full(N, PROMPT, np.int32), np.zeros(N, np.int32)
     gpu_cycles = 0
     if device.type == "cuda":  # cycles of torch.cuda._sleep for --gpu-ms
         t0 = torch.cuda.Event(enable_timing=True)
@@ -190,24 +267,32 @@ def main() -> None:
         t1.synchronize()
         gpu_cycles = int(10**7 * args.gpu_ms / t0.elapsed_time(t1))
 
-    for k in range(args.steps + 3):
+    steps = schedule(args)
+    for k in range(args.steps + warm):
+        ended, new, live, scheduled, computed = next(steps)
         for arm in arms:
-            for v, rt in rts.items():
+            for v in versions:
                 col = f"{arm}/{v}"
+                rt = rts[col]
                 host_pid = rt._host.proc.pid
-                ids = [f"{v}{arm}{k}r{i}" for i in range(N)]
+                name_of = f"{v}{arm}r{{}}".format
+                ids = list(map(name_of, live))
                 others0 = {t: x for t, (_, x) in _thread_cpu(me).items() if t != main_tid}
                 host0 = _cpu_of(host_pid)
-                wall0, cpu0 = time.perf_counter(), _thread_time()
+                wall0, cpu0, ops0 = time.perf_counter(), _thread_time(), _OPS_N[0]
                 marks = []
 
                 def mark(name: str) -> None:
-                    marks.append((name, time.perf_counter(), _thread_time()))
+                    marks.append((name, time.perf_counter(), _thread_time(), _OPS_N[0]))
 
-                if specs[arm] is not None:
-                    for r in ids:
-                        rt.add_request(r, specs[arm], PROMPT, {"external_id": r, "capture_reply": None}, 1)
-                mark("add x16")
+                rt.finish_requests(list(map(name_of, ended)))  # the engine's ends (already ended early: nothing)
+                mark("finish (engine)")
+                if specs[arm] is not None or decode:
+                    for r, prompt, max_tokens in new:
+                        rid = name_of(r)
+                        rt.add_request(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": None},
+                                       max_tokens)
+                mark(f"add x{len(new)}" if not decode else "add")
                 if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
                     rt.plan_step(ids, scheduled, computed)
                 mark("plan_step")
@@ -224,38 +309,46 @@ def main() -> None:
                 else:
                     time.sleep(args.gpu_ms / 1e3)
                 mark("gpu wait")
-                rt.finish_requests(ids)  # the engine's ends, a step later (already ended early: nothing to do)
-                mark("finish (engine)")
-                if k < 3:
+                if k < warm:
                     continue
-                prev_w, prev_c = wall0, cpu0
-                for name, w, c in marks:
+                prev_w, prev_c, prev_n = wall0, cpu0, ops0
+                for name, w, c, n in marks:
                     rows[col].setdefault(f"{name} wall", []).append((w - prev_w) * 1e3)
                     rows[col].setdefault(f"{name} cpu", []).append((c - prev_c) * 1e3)
-                    prev_w, prev_c = w, c
-                waited = next(w - p[1] for p, (n, w, _) in zip([("", wall0, cpu0)] + marks, marks) if n == "gpu wait")
+                    if args.launch_us is not None and name not in ("vllm host work", "gpu wait"):
+                        rows[col].setdefault(f"{name} ops", []).append(n - prev_n)
+                    prev_w, prev_c, prev_n = w, c, n
+                waited = next(w - p[1] for p, (n, w, *_) in zip([("", wall0)] + marks, marks) if n == "gpu wait")
                 rows[col].setdefault("main thread wall (no gpu wait)", []).append(
                     (marks[-1][1] - wall0 - waited) * 1e3)
                 rows[col].setdefault("main thread cpu", []).append((marks[-1][2] - cpu0) * 1e3)
+                rows[col].setdefault("capture cpu (main thread)", []).append(
+                    (marks[-1][2] - cpu0 - sum(m[2] - p[2] for p, m in zip([("", wall0, cpu0)] + marks, marks)
+                                               if m[0] in ("vllm host work", "gpu wait"))) * 1e3)
+                if args.launch_us is not None:
+                    rows[col].setdefault("ops", []).append(marks[-1][3] - ops0)
                 others1 = {t: x for t, (_, x) in _thread_cpu(me).items() if t != main_tid}
                 rows[col].setdefault("other worker threads cpu", []).append(
                     sum(x - others0.get(t, 0.0) for t, x in others1.items()) * 1e3)
                 rows[col].setdefault("consumers' process cpu", []).append((_cpu_of(host_pid) - host0) * 1e3)
-    for rt in rts.values():
+    for rt in set(rts.values()):
         rt.close()
-    out = {c: {k: round(statistics.median(v), 3) for k, v in r.items()} for c, r in rows.items()}
+    reduce = statistics.median if args.stat == "median" else statistics.fmean
+    out = {c: {k: round(reduce(v), 4) for k, v in r.items()} for c, r in rows.items()}
     names = list(out[cols[0]].keys())
-    print(f"median ms per step ({args.steps} steps per column, interleaved; {N} x {PROMPT} tokens, 4 sites, hidden "
-          f"{args.hidden}, {device}, host work {args.host_ms} ms, gpu {args.gpu_ms} ms, "
-          f"copy {'on' if args.cpu_copy or device.type == 'cuda' else 'off'})")
+    shape = (f"{N} slots, prompt {args.prompt} + {args.gen} tokens, {args.arrivals}" if decode
+             else f"{N} x {PROMPT} tokens, 4 sites")
+    print(f"{args.stat} per step ({args.steps} steps per column, interleaved; {shape}, hidden {args.hidden}, {device}, "
+          f"host work {args.host_ms} ms, gpu {args.gpu_ms} ms, copy {'on' if args.cpu_copy or device.type == 'cuda' else 'off'}"
+          f"{f', a torch op {args.launch_us} us' if args.launch_us is not None else ''}; ms, ops: count)")
     print(f"  {'':32s}" + "".join(f"{c:>12s}" for c in cols))
     for name in names:
         print(f"  {name:32s}" + "".join(f"{out[c][name]:12.3f}" for c in cols))
-    for v, rt in rts.items():
-        print(f"stats {v}:", {k: x for k, x in rt.status().items() if x})
+    for col, rt in rts.items():
+        print(f"stats {col}:", {k: x for k, x in rt.status().items() if x})
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"args": vars(args), "median_ms": out}, fh, indent=1)
+            json.dump({"args": vars(args), args.stat + "_ms": out}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,8 @@ def test_random_batches_match_the_reference(monkeypatch, seed, ranges):
                 continue
             req_ids.append(rid), scheduled.append(n), computed.append(st["computed"])
             budget -= n
-        req_ids.append("not-capturing"), scheduled.append(3), computed.append(5)  # a request capture never heard of
+        # a request capture never heard of (steady: decoding too, so steps of decoding requests may advance)
+        req_ids.append("not-capturing"), scheduled.append(1 if steady else 3), computed.append(step if steady else 5)
         scheduled, computed = np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32)
         before, reused = dict(rt.stats), rt._planner.reused
         rt.plan_step(req_ids, scheduled, computed)
@@ -195,6 +196,7 @@ def test_random_batches_match_the_reference(monkeypatch, seed, ranges):
                     del live[rid]
     if steady:
         assert rt._planner.reused > 0  # the steps planned as last step's cells were checked above
+        assert rt._planner.advanced_steps > 0  # and those planned without looking at the requests (_advance)
         assert (rt._planner.ranged > 0) == ranges
     for rid, parts in ref.dropped.items():  # the drops each request recorded, per site and consumer
         req = rt._requests.get(rid)

@@ -201,6 +201,45 @@ def _fallbacks_reach_the_metrics(status: dict) -> None:
     assert REGISTRY.get_sample_value("vllm_steer_capture_reduce_fallbacks_total") == before + status["reduce_fallbacks"]
 
 
+def test_requests_with_one_capture_field_compile_it_once_and_hold_their_own_slots(monkeypatch, runtimes):
+    """``add_request`` parses and compiles a capture field once (``CaptureRuntime._compile``): requests sharing it
+    share nothing they write (their slots, their plan's slot fields), each result is its own stream's last rows,
+    and an end frees exactly the ender's slots."""
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    rt, got = _runtime(monkeypatch, runtimes, sites, 2048)
+    parsed = []
+    parse = capture_mod.parse_capture_spec
+    monkeypatch.setattr(capture_mod, "parse_capture_spec", lambda *a: (parsed.append(a[0]), parse(*a))[1])
+    capture = {"activations": {"layers": [0, 2], "hooks": ["post_mlp", "pre_attn"], "positions": "all_generated",
+                               "reduce": "last"}}
+    ids = ["r1", "r2", "r3"]
+    for rid in ids:
+        rt.add_request(rid, {k: dict(v) for k, v in capture.items()}, 3)  # equal fields, not the same object
+    assert parsed == ["activations"]
+    plans = [rt._requests[rid].plan for rid in ids]
+    held = [set(p.red_slots.tolist()) for p in plans]
+    assert [len(h) for h in held] == [4, 4, 4] and len(set.union(*held)) == 12 and rt._reduce.free == 2048 - 12
+    for p in plans:  # each table names its own slots at the spec's site columns
+        cols = sorted(sites.index((h, l)) for h in ("pre_attn", "post_mlp") for l in (0, 2))
+        assert np.flatnonzero(p.red_slot[0] >= 0).tolist() == cols and set(p.red_slot[0][cols].tolist()) == set(
+            p.red_slots.tolist())
+    step, sent = _stepper(rt), _arrival(got)
+    step(ids, [3, 3, 3], [0, 0, 0])
+    for k in range(3):
+        step(ids, [1, 1, 1], [3 + k] * 3)
+    rt.finish_requests(["r2"])
+    assert sent("r2") and rt._reduce.free == 2048 - 8
+    assert all(set(rt._requests[rid].plan.red_slots.tolist()) == h for rid, h in (("r1", held[0]), ("r3", held[2])))
+    rt.finish_requests(["r1", "r3"])
+    assert sent("r1") and sent("r3") and rt._reduce.free == 2048
+    for rid in ids:  # position 5 (the last fed) of each request's own stream, at every site
+        vectors = decode_result(got[rid]["activations"])
+        for h in ("pre_attn", "post_mlp"):
+            for l in (0, 2):
+                np.testing.assert_allclose(vectors[f"{h}.{l}"], stream(rid, 5, sites.index((h, l))), rtol=1e-6)
+        assert got[rid]["activations"]["count"][0] == 3
+
+
 def test_a_prompt_only_capture_ends_with_its_prefill(monkeypatch, runtimes):
     """A request whose specs want only prompt positions (or explicit ones) is ended by the step that plans its
     last wanted position, before the engine ends it: its result is sent then (a 1-token request does not wait
@@ -323,7 +362,7 @@ def test_ends_handed_over_together_share_one_copy_or_lose_it_together(monkeypatc
 @pytest.mark.parametrize("seed", range(4))
 def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
     """``CapturePlanner._plan_ranges`` (a step without explicit positions, one device-reduced consumer a request)
-    against ``plan``'s general path on the same random request mixes: prefill chunks long and short, decode, a
+    (and steady decode steps by ``_advance``) against ``plan``'s general path on the same random request mixes: prefill chunks long and short, decode, a
     per-step consumer's cells inside, around or apart from a reduced consumer's, a pool that overflows. Each step:
     the same entries, rows, drops and base; the same device plan, fresh mean rows aside (any row for each such
     cell); after the simulated forward the same pool rows handed off, the same mean sums, last rows, counts and
@@ -334,7 +373,7 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
     pair = []
     for ranges in (True, False):
         rt, _ = _runtime(monkeypatch, runtimes, sites, 2048, max_tokens=256)
-        rt._planner.ranges = ranges
+        rt._planner.ranges = rt._planner.advance = ranges  # the general path plans every step in full
         rt._planner.max_rows = max_rows
         pair.append(rt)
     fast, slow = pair
@@ -409,3 +448,4 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                         rt.finish_requests([rid])
                     del live[rid]
     assert fast._planner.ranged > 10 and slow._planner.ranged == 0
+    assert fast._planner.advanced_steps > 0 and slow._planner.advanced_steps == 0

@@ -117,7 +117,7 @@ MAX_QUEUED_ROW_PACKETS = 256  # per consumer lane
 MAX_TRACKED_COPIES = 8  # pool copies to the host whose rows a later step checks before overwriting them
 MAX_QUEUED_FINISHES = 4096  # per consumer lane: past it the consumer is stuck, its finishes are dropped
 RECENTLY_FINISHED_MAX = 4096  # engine ids remembered as finished (a late publish or re-add is ignored)
-_NO_SLOTS = np.zeros(0, np.int64)
+COMPILED_MAX = 64  # distinct capture fields whose compiled specs and plan are kept (``_compile``)
 _EARLY = "early"  # a finished id's mark: its capture ended before the engine ended it (a re-add is ignored)
 
 
@@ -138,6 +138,21 @@ def _ends_at(specs, prompt_len: int, max_tokens: int | None = None) -> int | Non
         else:
             end = max(end, prompt_len + max(max_tokens, 1) - 1)
     return end
+
+
+@dataclass(frozen=True)
+class _SlotLayout:
+    """How a capture field's device-reduced consumers hold accumulator slots (``_compile``): slot i of a request's
+    ``red_slots`` is consumer ``bits[rows[i]]``'s at site column ``cols[i]`` (consumer-major, columns ascending)."""
+
+    bits: tuple[int, ...]
+    means: tuple[bool, ...]
+    mask: int  # the OR of bits
+    rows: np.ndarray
+    cols: np.ndarray
+    spans: tuple[tuple[int, int, int, bool], ...]  # per consumer: (bit, its first slot, end, mean)
+    sites: tuple[tuple[str, int], ...]  # per slot: (hook, layer)
+    mean: np.ndarray  # per slot: bool
 
 
 @dataclass
@@ -193,6 +208,7 @@ class CaptureRuntime:
             if spec is not None and self._runs_here(bit, spec):
                 self.global_specs[bit] = spec
         self._requests: dict[str, _Request] = {}
+        self._compiled: dict[str, tuple | None] = {}  # repr of a capture field -> _compile's answer
         max_pairs = 2 * cfg.capture_max_rows + reduce_rows
         self._reduce = (ReduceRegion(reduce_rows, cfg.capture_max_rows, self.buffers.pool, max_pairs)
                         if reduce_rows else None)
@@ -206,6 +222,7 @@ class CaptureRuntime:
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # recently finished engine ids (bounded)
         self._bounded: set[str] = set()  # requests whose wanted positions end somewhere (ends_at)
         self._complete: list[str] = []  # of those, the ones this step's plan completed
+        self._ends_in = 0  # steps (each advancing every request of the batch by one) until one of them completes
         self._pusher = ResultPusher()
         self._copies: list[tuple[int, int, Any]] = []  # (first row, end, event) of pool copies still maybe running
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -237,6 +254,36 @@ class CaptureRuntime:
         feed: its capture then ends with the step that samples its last token, ``_ends_at``)."""
         if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
             return
+        got = self._compile(capture)
+        if got is None:
+            return
+        specs, template, wanted = got
+        plan = object.__new__(RequestPlan)  # the template's fields (its arrays are never written), its own slots
+        plan.__dict__ = dict(template.__dict__)
+        new = _Request(prompt_len, specs, meta or {}, plan=plan)
+        old = self._requests.get(request_id)
+        if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
+            new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned, and its slots
+            for f in ("red_bits", "red_mean", "red_slot", "red_mask", "red_slots", "red_layout"):  # stay its own
+                setattr(new.plan, f, getattr(old.plan, f))
+        elif wanted is not None and self._reduce is not None:
+            self._reserve(new, wanted)
+        self._requests[request_id] = new
+        self._finished.pop(request_id, None)
+        new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
+        if new.ends_at is not None:
+            self._bounded.add(request_id)
+        self._planner.forget_steady()
+
+    def _compile(self, capture: dict | None) -> tuple | None:
+        """A capture field's specs (consumer bit -> ``CaptureSpec`` of the consumers here), its ``RequestPlan``
+        (a template: each request copies it) and its device-reduced consumers' slot layout (``_reserve``), or None
+        when nothing is captured here. Cached per distinct field (by ``repr``, ``COMPILED_MAX`` of them): 16 requests
+        with one spec parse and compile it once (~40 us a request before)."""
+        key = repr(capture)
+        got = self._compiled.get(key, self)
+        if got is not self:
+            return got
         specs = dict(self.global_specs)
         for instance, raw in (capture or {}).items():
             bit = self.bit_of.get(instance)
@@ -246,20 +293,30 @@ class CaptureRuntime:
                     specs[bit] = spec
                 else:  # its own spec replaces a global one, also where it has no site
                     specs.pop(bit, None)
+        got = None
         if specs:
-            new = _Request(prompt_len, specs, meta or {}, plan=compile_request(specs, self.buffers.site_index))
-            old = self._requests.get(request_id)
-            if old is not None:  # added again (the V2 runner re-adds a resumed request): what was
-                new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned
-                for f in ("red_bits", "red_mean", "red_slot", "red_mask"):  # and its slots stay its own
-                    setattr(new.plan, f, getattr(old.plan, f))
-            elif self._reduce is not None:
-                self._reserve(new)
-            self._requests[request_id] = new
-            self._finished.pop(request_id, None)
-            new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
-            if new.ends_at is not None:
-                self._bounded.add(request_id)
+            plan = compile_request(specs, self.buffers.site_index)
+            wanted = []
+            for bit, cols in plan.bit_cols.items():  # the consumers with a site here
+                cls = self._reducers.get(bit)
+                mode = cls.device_reduce(specs[bit].params) if cls is not None else None
+                if mode in MODES:
+                    wanted.append((bit, mode == "mean", cols))
+            layout = None
+            if wanted:
+                lens = [len(c) for _, _, c in wanted]
+                ends = np.cumsum(lens).tolist()
+                cols = np.concatenate([np.sort(c) for _, _, c in wanted])
+                rows = np.repeat(np.arange(len(wanted)), lens)
+                means = tuple(w[1] for w in wanted)
+                layout = _SlotLayout(tuple(w[0] for w in wanted), means, sum(w[0] for w in wanted), rows, cols,
+                                     tuple((w[0], e - n, e, w[1]) for w, n, e in zip(wanted, lens, ends)),
+                                     tuple(self._planner.sites[c] for c in cols.tolist()), np.array(means)[rows])
+            got = (specs, plan, layout)
+        if len(self._compiled) >= COMPILED_MAX:
+            del self._compiled[next(iter(self._compiled))]
+        self._compiled[key] = got
+        return got
 
     def _runs_here(self, bit: int, spec: CaptureSpec) -> bool:
         """Whether consumer ``bit`` hears of a request with ``spec`` on this stage: a worker consumer
@@ -269,43 +326,19 @@ class CaptureRuntime:
             return True
         return any(site in self.buffers.site_index for site in spec.sites)
 
-    def _reserve(self, req: _Request) -> None:
-        """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank);
-        too few free: they get rows step by step instead (``reduce_fallbacks``)."""
-        wanted = []
-        for bit, cols in req.plan.bit_cols.items():  # the consumers with a site here
-            cls = self._reducers.get(bit)
-            mode = cls.device_reduce(req.specs[bit].params) if cls is not None else None
-            if mode in MODES:
-                wanted.append((bit, mode == "mean", cols))
-        if not wanted:
-            return
-        slots = self._reduce.alloc(sum(len(c) for _, _, c in wanted))
+    def _reserve(self, req: _Request, layout: _SlotLayout) -> None:
+        """Hold accumulator slots for the request's device-reduced consumers (one per site on this rank;
+        ``layout``: ``_compile``'s); too few free: they get rows step by step instead (``reduce_fallbacks``)."""
+        slots = self._reduce.alloc(len(layout.rows))
         if slots is None:
             self._count("reduce_fallbacks")
             return
-        table = np.full((len(wanted), len(self.buffers.site_index)), -1, np.int64)
-        at = 0
-        for i, (_, _, cols) in enumerate(wanted):
-            table[i, cols] = slots[at : at + len(cols)]
-            at += len(cols)
+        table = np.full((len(layout.bits), len(self.buffers.site_index)), -1, np.int64)
+        table[layout.rows, layout.cols] = slots
         plan = req.plan
-        plan.red_bits, plan.red_mean = tuple(w[0] for w in wanted), tuple(w[1] for w in wanted)
-        plan.red_slot, plan.red_mask = table, sum(w[0] for w in wanted)  # distinct bits
+        plan.red_bits, plan.red_mean, plan.red_slot, plan.red_mask = layout.bits, layout.means, table, layout.mask
+        plan.red_slots, plan.red_layout = slots, layout
         self._count("reduced_requests")
-
-    def _reduced_picks(self, req: _Request) -> tuple[list, np.ndarray]:
-        """A finished request's slots: (the used ones as (bit, slot, site, mean), every slot it held); it holds
-        none after this (``region.release`` them once their gather is enqueued)."""
-        plan, region = req.plan, self._reduce
-        if not plan.red_mask or region is None:
-            return [], _NO_SLOTS
-        picks = []  # (bit, slot, site, mean)
-        for bit, mean, row in zip(plan.red_bits, plan.red_mean, plan.red_slot):
-            for col in np.flatnonzero(row >= 0).tolist():
-                picks.append((bit, int(row[col]), self._planner.sites[col], mean))
-        plan.red_mask = 0
-        return [p for p in picks if region.count[p[1]] > 0], np.array([p[1] for p in picks], np.int64)
 
     def finish_request(self, request_id: str, early: bool = False) -> None:
         self.finish_requests([request_id], early)
@@ -321,49 +354,76 @@ class CaptureRuntime:
             self._bounded.discard(request_id)
             if req is None:
                 continue
-            used, slots = self._reduced_picks(req)
-            free.append(slots)  # its slots are free again once their gather is enqueued
+            self._planner.forget_steady()
+            plan = req.plan
+            held = plan.red_slots if plan.red_mask and self._reduce is not None else None
+            plan.red_mask = 0  # it holds none after this: they are free again once their gather is enqueued
+            if held is not None:
+                free.append(held)
             if request_id in self._finished:
                 continue
             self._finished[request_id] = _EARLY if early else None
             while len(self._finished) > RECENTLY_FINISHED_MAX:
                 self._finished.popitem(last=False)
-            ends.append((request_id, req, self._begin_finish(request_id, req), used))
-        block = event = None
+            ends.append((request_id, req, self._begin_finish(request_id, req), held))
         region = self._reduce
-        flat = [p for *_, used in ends for p in used]
-        if flat and self._host is not None and not self._host.dead:
-            rows = region.gather(np.array([p[1] for p in flat], np.int64), np.array([p[3] for p in flat], bool))
-            staged = self._host.stage_reduced(rows, self._copy_stream)
-            if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
-                self._count("ring_full")
-                self._count("lost_rows", len(flat))
-            else:
-                event, block = staged
-        at = 0
-        for request_id, req, (key, meta, bits), used in ends:
-            parts: dict[int, tuple] = {}
-            for bit in req.plan.red_bits:
-                mine = [p for p in used if p[0] == bit]
-                if mine:
-                    items = [(p[2][1], p[2][0], int(region.count[p[1]]), int(region.last[p[1]]), p[3]) for p in mine]
-                    parts[bit] = (block, at, len(mine), items) if block is not None else ("lost", sum(i[2] for i in items))
-                    at += len(mine)
+        reduced = [(k, held) for k, (*_, held) in enumerate(ends) if held is not None]
+        parts_of: dict[int, dict[int, tuple]] = {}  # end -> bit -> its reduced rows (``CaptureHost.finish``)
+        block = event = None
+        if reduced:  # the slots counted anything: one gather, one copy for all the ends (``_reduced_parts``)
+            slots = np.concatenate([held for _, held in reduced])
+            counts, lasts = region.count[slots], region.last[slots]
+            used = counts > 0
+            n_used = int(used.sum())
+            if n_used and self._host is not None and not self._host.dead:
+                mean = np.concatenate([ends[k][1].plan.red_layout.mean for k, _ in reduced])
+                rows = region.gather(slots[used], mean[used])
+                staged = self._host.stage_reduced(rows, self._copy_stream)
+                if staged is None:  # the ring is full: these reductions are lost, said in each consumer's meta
+                    self._count("ring_full")
+                    self._count("lost_rows", n_used)
+                else:
+                    event, block = staged
+            if n_used:
+                parts_of = self._reduced_parts(ends, reduced, counts.tolist(), lasts.tolist(), block)
+        notices = []
+        for k, (request_id, req, (key, meta, bits), _) in enumerate(ends):
+            parts = parts_of.get(k, {})
             for b in bits:
                 lane = self._lanes[b]
                 if lane.finish_slots.acquire(blocking=False):
-                    self._host.finish(lane, request_id, key, meta, req, parts.get(b), event)
+                    notices.append((lane, request_id, key, meta, req, parts.get(b)))
                     continue
                 self._count("dropped_finishes")  # the lane is stuck: this request's end is not queued
                 self._finished_by(key, b, lane.instance, {
                     "error": "dropped", "message": f"the consumer is stuck ({MAX_QUEUED_FINISHES} finished requests "
                                                    "undelivered): this request's capture was not delivered to it"})
+        if notices:
+            self._host.finish(notices, event)
         if block is not None:
             block.release()  # its notices hold it now
-        if region is not None:
-            for slots in free:
-                if len(slots):
-                    region.release(slots)
+        if free:
+            region.release(np.concatenate(free))
+
+    @staticmethod
+    def _reduced_parts(ends: list, reduced: list, counts: list, lasts: list, block: Any) -> dict[int, dict[int, tuple]]:
+        """Per end and consumer bit, its slots that counted rows: ``(block, first gathered row, n, items)`` with per
+        row ``(layer, hook, count, last position, mean)`` (the gather took the counted slots in ``reduced`` order), or
+        ``("lost", rows)`` when they reached no ring block."""
+        out: dict[int, dict[int, tuple]] = {}
+        at = base = 0
+        for k, held in reduced:
+            layout, parts = ends[k][1].plan.red_layout, {}
+            for bit, lo, hi, mean in layout.spans:
+                items = [(site[1], site[0], c, last, mean) for site, c, last in
+                         zip(layout.sites[lo:hi], counts[base + lo : base + hi], lasts[base + lo : base + hi]) if c > 0]
+                if items:
+                    parts[bit] = (block, at, len(items), items) if block is not None else ("lost", sum(i[2] for i in items))
+                    at += len(items)
+            base += len(held)
+            if parts:
+                out[k] = parts
+        return out
 
     def _begin_finish(self, request_id: str, req: _Request) -> tuple[str, dict, list[int]]:
         """Count a finished request's lanes in its key's results (sent now if none is left): (key, finish meta,
@@ -422,11 +482,16 @@ class CaptureRuntime:
     # ---- data plane: plan before the forward, hand off after it --------------------------
     def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
         """Before the forward: this step's pool rows and the device plan (``runtime.capture_plan``)."""
-        step = self._planner.plan(self._requests, req_ids, num_scheduled, num_computed)
+        planner = self._planner
+        step = planner.plan(self._requests, req_ids, num_scheduled, num_computed)
         if self._bounded:  # ended once the step's forward is handed off (after_forward)
-            reqs = self._requests
-            self._complete = [rid for rid in req_ids if rid in self._bounded
-                              and reqs[rid].planned_upto >= reqs[rid].ends_at]
+            if planner.advanced and self._ends_in > 1:  # every request one position further: none ends yet
+                self._ends_in -= 1
+            else:
+                reqs, bounded = self._requests, self._bounded
+                left = {rid: reqs[rid].ends_at - reqs[rid].planned_upto for rid in req_ids if rid in bounded}
+                self._complete = [rid for rid, n in left.items() if n <= 0]
+                self._ends_in = min(left.values(), default=0)
         if step.recomputed:
             self.stats["recomputed_positions"] += step.recomputed
         if step.dropped_rows:
@@ -434,9 +499,12 @@ class CaptureRuntime:
         if self._copy_stream is not None:
             self.before_forward(step.base, step.base + step.pool_rows)
         self._pending, self._rows_used = (step if step.request_ids else None), step.rows
-        red = self._red_step = step.reduce
+        red = step.reduce
         if red is not None:
             self._reduce.account(red.acct_slots, red.acct_counts, red.last_slots, red.last_pos)
+            if not len(red.mean_src) and not len(red.copy_src):  # nothing to add or copy after the forward
+                red = None
+        self._red_step = red
         live.capture_live = step.planned > 0
 
     def after_forward(self) -> None:

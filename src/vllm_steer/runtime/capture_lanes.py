@@ -5,7 +5,8 @@ consumer does competes with the model runner for the GIL. Per step, ``send_rows`
 rows into a ring of shared memory (a memfd both processes map; on a GPU it is registered as pinned
 memory and the copy is a non-blocking D2H on the capture stream) and queues the packet's entries
 for the notifier thread, which waits for the copy's event (the GIL released) and writes them to
-the host's command pipe. The reader thread takes the host's answers: a lane done with a packet frees
+the host's command pipe (a step's finish notices reach it as one item, ``finish``, and the host as one
+message each). The reader thread takes the host's answers: a lane done with a packet frees
 its slot (and, for the last lane, the packet's ring rows), a finished request goes to
 ``CaptureRuntime._finished_by`` exactly as the in-process lanes did.
 
@@ -182,23 +183,28 @@ class CaptureHost:
         self._notify.put((event, ("rows", packet_id, start, n, groups, [lane.bit for lane in lanes])))
         return event if event is not None else True
 
-    def finish(self, lane: Lane, request_id: str, key: str, meta: dict, req: Any, reduced: tuple | None = None,
-               event: Any = None) -> None:
-        """Queue a finish notice for ``lane`` (its finish slot taken); ``reduced``: the request's device-reduced
-        rows for this consumer: ``(block, first row, n, items)`` of a ``stage_reduced`` block (``event``: its copy's;
-        per row ``(layer, hook, count, last position, mean)``), or ``("lost", rows)`` when the ring had no room."""
+    def finish(self, notices: list[tuple], event: Any = None) -> None:
+        """Queue finish notices, one per (request, lane) as ``(lane, request id, key, meta, request, reduced)`` (each
+        lane's finish slot taken), in one item for the notifier (one wake-up a step, not one a request); ``reduced``:
+        the request's device-reduced rows for that consumer: ``(block, first row, n, items)`` of a ``stage_reduced``
+        block (``event``: its copy's; per row ``(layer, hook, count, last position, mean)``), ``("lost", rows)``
+        when the ring had no room, or None."""
         with self._lock:
             dead = self.dead
             if not dead:
-                lane.outstanding[key] = lane.outstanding.get(key, 0) + 1
+                for lane, _, key, *_ in notices:
+                    lane.outstanding[key] = lane.outstanding.get(key, 0) + 1
         if dead:
-            lane.finish_slots.release()
-            self.rt._finished_by(key, lane.bit, lane.instance, self._died_result())
+            for lane, _, key, *_ in notices:
+                lane.finish_slots.release()
+                self.rt._finished_by(key, lane.bit, lane.instance, self._died_result())
             return
-        staged = reduced is not None and reduced[0] != "lost"
-        if staged:
-            reduced[0].hold()
-        self._notify.put((event if staged else None, ("finish", lane.bit, request_id, key, meta, req, reduced)))
+        staged = False
+        for *_, reduced in notices:
+            if reduced is not None and reduced[0] != "lost":
+                reduced[0].hold()
+                staged = True
+        self._notify.put((event if staged else None, ("finish", [(lane.bit, *rest) for lane, *rest in notices])))
 
     def stage_reduced(self, rows: torch.Tensor, copy_stream: Any) -> tuple[Any, "_Reduced"] | None:
         """Copy finished requests' float32 reduced rows ``[n, D]`` into the ring (a model-dtype ring holds a float32
@@ -233,25 +239,29 @@ class CaptureHost:
             if msg is None:  # closing: what was queued before went out
                 self._cmd.close()
                 return
-            if self.dead:
-                continue
-            try:
-                if event is not None:
-                    event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
-                if msg[0] == "finish":
-                    _, bit, request_id, key, meta, req, red = msg
-                    dropped = req.dropped_for(bit) if req.dropped else {}
-                    spec = req.specs.get(bit)
-                    reduced, lost = self._read_reduced(red) if red is not None else ([], 0)
-                    msg = ("finish", request_id, key, {bit: {
-                        **meta, "params": dict(spec.params) if spec is not None else {},
-                        "dropped": dropped, "dropped_rows": sum(map(len, dropped.values())) + lost,
-                        **({"reduced": reduced} if reduced else {})}})
-                self._cmd.send(msg)
-            except (OSError, ValueError) as exc:
-                self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")
-            except Exception:
-                logger.exception("vllm-steer: capture notice failed")
+            # a step's finish notices come as one item; each goes to the host as its own message
+            for notice in (msg[1] if msg[0] == "finish" else (None,)):
+                if self.dead:
+                    break
+                try:
+                    if event is not None:
+                        event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
+                        event = None
+                    self._cmd.send(msg if notice is None else self._finish_message(*notice))
+                except (OSError, ValueError) as exc:
+                    self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")
+                except Exception:
+                    logger.exception("vllm-steer: capture notice failed")
+
+    def _finish_message(self, bit: int, request_id: str, key: str, meta: dict, req: Any, red: tuple | None) -> tuple:
+        """A finish notice as the host reads it (its reduced rows read here: their copy is done)."""
+        dropped = req.dropped_for(bit) if req.dropped else {}
+        spec = req.specs.get(bit)
+        reduced, lost = self._read_reduced(red) if red is not None else ([], 0)
+        return ("finish", request_id, key, {bit: {
+            **meta, "params": dict(spec.params) if spec is not None else {},
+            "dropped": dropped, "dropped_rows": sum(map(len, dropped.values())) + lost,
+            **({"reduced": reduced} if reduced else {})}})
 
     def _reader(self) -> None:
         while True:

@@ -1,13 +1,14 @@
 """Capture planning: which batch tokens go to which pool rows this step, and the plan's upload.
 
-Per request, once when it is added (``compile_request``): for the three position classes a
-request's token can be in (before the last prompt token, the last prompt token, generated), the
-consumer bitmask each of this rank's sites wants (``[3, n_sites]``; the position modes
-``all``/``all_prompt``/``last_prompt``/``all_generated`` depend on nothing else), plus the few
-specs with explicit positions. Sites other ranks hook are left out there.
+Per distinct capture field, once (``compile_request``; the runtime copies the result for each request
+with that field): for the three position classes a request's token can be in (before the last prompt token,
+the last prompt token, generated), the consumer bitmask each of this rank's sites wants (``[3, n_sites]``;
+the position modes ``all``/``all_prompt``/``last_prompt``/``all_generated`` depend on nothing else), plus the
+few specs with explicit positions. Sites other ranks hook are left out there.
 
-Per step (``CapturePlanner.plan``), over the capturing requests of the batch only (positions already
-planned once are skipped: the preemption rule, ``planned_upto``), the captured (request, site, token) cells
+Per step (``CapturePlanner.plan``), over the capturing requests of the batch that have tokens in a position
+class they want (a prefill capturing generated tokens only plans nothing; positions already planned once are
+skipped: the preemption rule, ``planned_upto``), the captured (request, site, token) cells
 in request (batch) order, then site, then token. They take pool rows in that order; past ``max_rows`` the
 rest is dropped and recorded on the request (``req.drop``). The pool's step rows are a ring: a step's rows
 start where the last planned step's ended, or at row 0 when they do not fit before ``max_rows``
@@ -21,7 +22,10 @@ groups only; nothing is built per cell on the main thread: the step's cells go t
 reduce and the consumers' process as runs, each expanded where it is used. Other steps take the general path
 (per-token masks from the requests' tables, their explicit positions, ``nonzero`` and a sort), as before. A
 step with last step's shape (the same requests in the same order, token counts, position classes and batch
-slots, no explicit positions, nothing dropped) reuses its runs: only the positions move.
+slots, no explicit positions, nothing dropped) reuses its runs: only the positions move. Steady decode (the
+batch of last step, one generated token each, each request one position further, none added or ended since:
+``forget_steady``) is found from the batch's ids and token counts alone and advanced (``_advance``): a few small
+array ops a step, whatever the requests.
 
 Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
 ``red_bits``, ``red_slot``) leave the cells first: a ``last`` consumer keeps only its last selected token per
@@ -40,7 +44,7 @@ plan changed, none when it is the same as last step's (steady decode of a stable
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,11 +65,14 @@ class RequestPlan:
     cols: np.ndarray  # [n_sites] bool: sites any of its specs captures here
     captures: bool  # any site here at all
     bit_cols: dict[int, np.ndarray]  # consumer bit -> the site columns its spec captures here (unique)
+    classes: int = 7  # bit c: a site here wants position class c (explicit positions: every class)
     # consumers reduced on the device (``runtime.capture_reduce``), set once their slots are held:
     red_bits: tuple[int, ...] = ()
     red_mean: tuple[bool, ...] = ()
     red_slot: np.ndarray | None = None  # [len(red_bits), n_sites] int64: slot per site, -1 none
     red_mask: int = 0  # the OR of red_bits
+    red_slots: np.ndarray | None = None  # the slots held, in ``red_layout`` order (``runtime.capture._SlotLayout``)
+    red_layout: Any = None
 
 
 def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int]) -> RequestPlan:
@@ -88,7 +95,8 @@ def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int
     cols = table.any(axis=0)
     for _, _, c in explicit:
         cols[c] = True
-    return RequestPlan(table, explicit, cols, bool(cols.any()), bit_cols)
+    classes = 7 if explicit else int(np.dot(table.any(axis=1), (1, 2, 4)))
+    return RequestPlan(table, explicit, cols, bool(cols.any()), bit_cols, classes if cols.any() else 0)
 
 
 @dataclass
@@ -151,6 +159,28 @@ class ReduceStep:
 
 
 @dataclass
+class _Steady:
+    """A decode step whose successor may be planned by ``CapturePlanner._advance``: the batch (``ids``), the
+    ``num_computed`` the next step must have (each request one token further), the requests whose mark moves."""
+
+    ids: list[str]
+    next: np.ndarray
+    reqs: list
+    same: _Same
+
+
+def _with(obj: Any, **fields: Any) -> Any:
+    """A copy of a plan dataclass with ``fields`` changed (``dataclasses.replace`` without its per-field
+    ``__init__``: ~1 us instead of ~7); ``StepPlan``'s cached ``_cells`` is not carried over."""
+    new = object.__new__(type(obj))
+    d = dict(obj.__dict__)
+    d.pop("_cells", None)
+    d.update(fields)
+    new.__dict__ = d
+    return new
+
+
+@dataclass
 class _Same:
     """The last step's batch shape and its cells, for a step with the same shape (steady decode)."""
 
@@ -196,8 +226,13 @@ class CapturePlanner:
         self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
         self._last_cells = 0  # its cells
         self._same: _Same | None = None
+        self._steady: _Steady | None = None  # set after a decode step whose successor may be _advance'd
+        self._hits: list = []  # the last planned step's requests (of the batch, captured or not)
+        self.advanced = False  # the last step was planned by _advance
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
         self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
+        self.advance = True  # plan steady decode steps by _advance (tests turn it off)
+        self.advanced_steps = 0  # steps planned so
         self.ranged = 0  # steps planned so
         self.reused = 0  # steps planned as the same cells as the last one
         self.uploads = 0  # steps whose plan changed (each: one H2D copy + one index_copy_)
@@ -210,15 +245,60 @@ class CapturePlanner:
 
     def clear(self) -> None:
         """Every cell of the device plan back to -1 (no request captures any more)."""
-        self._same = None
+        self._same = self._steady = None
         self._upload(_NONE)
+
+    def forget_steady(self) -> None:
+        """The capturing requests changed (added, ended): the next step is planned in full."""
+        self._steady = None
 
     def plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
              num_computed: np.ndarray) -> StepPlan:
         """Plan a step (``requests``: id -> request with ``plan``, ``prompt_len``, ``planned_upto``,
-        ``drop``) and upload what changed in the device plan."""
+        ``drop``) and upload what changed in the device plan.
+
+        Steady decode (the same batch as last step, each request one token further, every capturing one at a
+        generated position, last step's plan reusable, no request added or ended since: ``forget_steady``) is
+        ``_advance``: its cells are last step's, each position one further, found without looking at the requests."""
+        n = len(req_ids)
+        num_scheduled, num_computed = np.asarray(num_scheduled), np.asarray(num_computed)
+        st = self._steady
+        if st is not None and self.advance and st.same is self._same and req_ids == st.ids:
+            if (num_scheduled[:n] == 1).all() and (num_computed[:n] == st.next).all():
+                return self._advance(st)
+        self._steady = None
+        self.advanced = False
+        step = self._plan(requests, req_ids, num_scheduled, num_computed)
+        same = self._same
+        if (same is not None and not step.recomputed and not same.e1.any() and n
+                and (num_scheduled[:n] == 1).all()):  # one generated token each: the next step may advance
+            self._steady = _Steady(list(req_ids), np.asarray(num_computed[:n], np.int64) + 1, self._hits, same)
+        return step
+
+    def _advance(self, st: _Steady) -> StepPlan:
+        """Last step's plan, every position one further (what ``_plan``'s reuse of ``_Same`` gives such a step:
+        the device plan is unchanged, nothing is uploaded)."""
+        self.advanced = True
+        for r in st.reqs:
+            r.planned_upto += 1
+        st.next += 1  # its own arrays: moved in place (the step's arrays are new: a hand-off may still hold the old)
+        same = st.same
+        same.pos0 += 1
+        last = same.step
+        red = last.reduce
+        if red is not None:
+            red = _with(red, last_pos=red.last_pos + 1)
+        same.step = _with(last, run_pos=last.run_pos + 1 if len(last.run_pos) else last.run_pos, recomputed=0,
+                          reduce=red)
+        self.reused += 1
+        self.advanced_steps += 1
+        return same.step
+
+    def _plan(self, requests: dict[str, Any], req_ids: list[str], num_scheduled: np.ndarray,
+              num_computed: np.ndarray) -> StepPlan:
         got = list(map(requests.get, req_ids))
         hits = [i for i, r in enumerate(got) if r is not None]
+        self._hits = [got[i] for i in hits]
         if not hits:
             self._same = None
             self._upload(np.zeros(0, np.int64))
@@ -234,20 +314,23 @@ class CapturePlanner:
         for r, u in zip(reqs, np.where(n > 0, np.maximum(upto, first + n), upto).tolist()):
             r.planned_upto = u
         recomputed = int(skip.sum())
-        # only requests with something to plan here: tokens left and a site on this rank
-        lv = np.flatnonzero((n > skip) & np.fromiter((r.plan.captures for r in reqs), bool, len(reqs)))
+        count, pos0 = n - skip, first + skip  # each request's tokens to plan, the first one's position
+        prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
+        # their position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it, [e1, count) generated
+        e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
+        # only requests with something to plan here: tokens in a class some site of this rank wants (explicit
+        # positions: any class); e.g. none in the prefill of requests capturing generated tokens only
+        has = (e0 > 0) + 2 * (e1 > e0) + 4 * (count > e1)  # bit c: tokens in class c
+        lv = np.flatnonzero(has & np.fromiter((r.plan.classes for r in reqs), np.int64, len(reqs)))
         if not len(lv):
             self._same = None
             self._upload(np.zeros(0, np.int64))
             return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
-        reqs = [reqs[k] for k in lv.tolist()]
-        count, skip, first = n[lv] - skip[lv], skip[lv], first[lv]
+        tok0 = offsets[idx] + skip  # each request's first token to plan
+        if len(lv) < len(reqs):
+            reqs = [reqs[k] for k in lv.tolist()]
+            count, pos0, tok0, prompt, e0, e1 = count[lv], pos0[lv], tok0[lv], prompt[lv], e0[lv], e1[lv]
         starts = np.cumsum(count) - count
-        prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, len(reqs))
-        pos0, tok0 = first + skip, offsets[idx[lv]] + skip  # each request's first token to plan
-        # its tokens' position classes as ranges: [0, e0) before the last prompt token, [e0, e1) it,
-        # [e1, count) generated
-        e0, e1 = np.clip(prompt - 1 - pos0, 0, count), np.clip(prompt - pos0, 0, count)
         same = self._same
         if (same is not None and same.reqs == list(map(id, reqs)) and np.array_equal(same.count, count)
                 and np.array_equal(same.tok0, tok0) and np.array_equal(same.e0, e0) and np.array_equal(same.e1, e1)):
@@ -258,9 +341,9 @@ class CapturePlanner:
             moved, last = pos0 - same.pos0, same.step
             red = last.reduce
             if red is not None:
-                red = replace(red, last_pos=red.last_pos + moved[same.last_req])
+                red = _with(red, last_pos=red.last_pos + moved[same.last_req])
             same.pos0 = pos0
-            same.step = replace(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed, reduce=red)
+            same.step = _with(last, run_pos=last.run_pos + moved[same.run_req], recomputed=recomputed, reduce=red)
             return same.step
         self._same = None
         plans = [r.plan for r in reqs]

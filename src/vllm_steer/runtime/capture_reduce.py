@@ -15,7 +15,8 @@ life (``steer.capture_reduce_rows`` slots in all). Slot ``j`` is:
 
 Per step the planner (``runtime.capture_plan``) says which (step rows -> slot) runs to add or copy;
 they reach the device with one pinned-ring copy when they changed (none in steady decode).
-The host keeps each slot's count and last position (numpy, vectorized): nothing is read back.
+The host keeps each slot's count and last position (numpy, vectorized; steady decode's repeats are added in
+when read): nothing is read back.
 At the request's finish its slots are gathered (one ``index_select``, float32) and copied to the
 consumers' ring; the slots are free again at once (the gathered copy is the consumers').
 
@@ -43,8 +44,12 @@ class ReduceRegion:
         device = pool.device
         self.acc = torch.zeros(rows + 1, pool.shape[1], dtype=torch.float32, device=device)  # + a scratch row
         self._free = list(range(rows - 1, -1, -1))
-        self.count = np.zeros(rows, np.int64)  # rows reduced into each slot
-        self.last = np.full(rows, -1, np.int64)  # the highest position reduced into each slot
+        self._count = np.zeros(rows, np.int64)  # rows reduced into each slot (``count``)
+        self._last = np.full(rows, -1, np.int64)  # the highest position reduced into each slot (``last``)
+        # steps accounted but not yet added in: ``account``'s last arrays (the same objects each steady decode step)
+        # and how many times they repeat, with the newest last positions
+        self._held_acct: tuple | None = None
+        self._reps = 0
         # this step's pairs as _idx holds them: runs of mean sources by slot (first row - first cell, rows), each
         # slot's segment (slot, first cell), the cells, copy sources, copy targets (<= 4 * pairs + 1 + 2 * pairs)
         self._ring = PinnedRing((max(6 * max_pairs + 1, 2 * rows),), torch.int64, device) if rows else None
@@ -61,21 +66,46 @@ class ReduceRegion:
         return len(self._free)
 
     def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` slots (their counts reset), or None when fewer are free."""
+        """``n`` slots (a free slot's count is 0, its last position -1), or None when fewer are free."""
         if n > len(self._free):
             return None
         slots = np.array(self._free[: -n - 1 : -1] if n else (), np.int64)  # the last n, last first (as pop)
         del self._free[len(self._free) - n :]
-        self.count[slots] = 0
-        self.last[slots] = -1
         return slots
 
+    @property
+    def count(self) -> np.ndarray:
+        """Rows reduced into each slot (read-only: ``account`` and ``release`` change it)."""
+        self._flush()
+        return self._count
+
+    @property
+    def last(self) -> np.ndarray:
+        """The highest position reduced into each slot (-1: none)."""
+        self._flush()
+        return self._last
+
     def account(self, slots: np.ndarray, counts: np.ndarray, last_slots: np.ndarray, last_pos: np.ndarray) -> None:
-        """A step reduced ``counts`` rows into ``slots``; ``last_pos``: the position now held by ``last_slots``."""
+        """A step reduced ``counts`` rows into ``slots``; ``last_pos``: the position now held by ``last_slots``.
+        A step that names the very arrays of the last one (steady decode) is only counted: added in once read."""
+        held = self._held_acct
+        if held is not None and held[0] is slots and held[1] is counts and held[2] is last_slots:
+            self._reps += 1
+            self._held_acct = (slots, counts, last_slots, last_pos)
+            return
+        self._flush()
+        self._held_acct, self._reps = (slots, counts, last_slots, last_pos), 1
+
+    def _flush(self) -> None:
+        held = self._held_acct
+        if held is None:
+            return
+        slots, counts, last_slots, last_pos = held
+        self._held_acct = None
         if len(slots):
-            self.count[slots] += counts  # a step names each slot once (np.add.at not needed)
+            self._count[slots] += counts * self._reps  # a step names each slot once (np.add.at not needed)
         if len(last_slots):
-            self.last[last_slots] = last_pos
+            self._last[last_slots] = last_pos
 
     def apply(self, mean_src: np.ndarray, mean_len: np.ndarray, mean_slot: np.ndarray, copy_src: np.ndarray,
               copy_dst: np.ndarray) -> None:
@@ -131,4 +161,8 @@ class ReduceRegion:
         return out
 
     def release(self, slots: np.ndarray) -> None:
-        self._free.extend(int(s) for s in slots[::-1])
+        """The slots are free again (their counts reset here: one op for all of a step's ends)."""
+        self._flush()
+        self._count[slots] = 0
+        self._last[slots] = -1
+        self._free.extend(slots[::-1].tolist())
