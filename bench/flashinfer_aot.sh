@@ -11,7 +11,7 @@
 # a share of its 2 busy cores: 193, 477 and 182 s for the 3 sources, 9 MB; it loads here through tvm_ffi (no GPU).
 #   FI_PYTHON=/work/main/.venv/bin/python bash bench/flashinfer_aot.sh     (writes $FI_AOT_CACHE/trtllm_comm.so)
 set -euo pipefail
-cache=${FI_AOT_CACHE:-/tmp/vllm-steer-fi-aot}
+cache=${FI_AOT_CACHE:-$HOME/.cache/vllm-steer-fi-aot}
 py=${FI_PYTHON:-$(git rev-parse --show-toplevel)/.venv/bin/python}
 version=${FLASHINFER_VERSION:-0.6.14}
 mkdir -p "$cache"

@@ -23,7 +23,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py --platform any \
   -d "$tmp/w" "flashinfer-python==${FLASHINFER_VERSION:-0.6.14}"
-aot=${FI_AOT_CACHE:-/tmp/vllm-steer-fi-aot}/trtllm_comm.so
+aot=${FI_AOT_CACHE:-$HOME/.cache/vllm-steer-fi-aot}/trtllm_comm.so
 if [ -f "$aot" ]; then mkdir -p "$tmp/w/aot/trtllm_comm" && cp "$aot" "$tmp/w/aot/trtllm_comm/"; fi
 tar -C "$tmp/w" -cf "$tmp/fi.tar" .
 rm -rf .gpuf[0-9]*
