@@ -198,6 +198,7 @@ def test_random_batches_match_the_reference(monkeypatch, seed, ranges):
         assert rt._planner.reused > 0  # the steps planned as last step's cells were checked above
         assert rt._planner.advanced_steps > 0  # and those planned without looking at the requests (_advance)
         assert (rt._planner.ranged > 0) == ranges
+        assert (rt._planner.decoded > 0) == ranges  # decode batches that changed, from per-request pieces
     for rid, parts in ref.dropped.items():  # the drops each request recorded, per site and consumer
         req = rt._requests.get(rid)
         if req is None:

@@ -366,14 +366,20 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
     per-step consumer's cells inside, around or apart from a reduced consumer's, a pool that overflows. Each step:
     the same entries, rows, drops and base; the same device plan, fresh mean rows aside (any row for each such
     cell); after the simulated forward the same pool rows handed off, the same mean sums, last rows, counts and
-    last positions."""
+    last positions.
+
+    Seeds 0 and 1 plan decode steps whose batch changed (ends, arrivals, a new order, a preempted request's first
+    new token) from per-request pieces (``_plan_decode``; their batches are reordered and preempted now and then),
+    seeds 2 and 3 from ranges."""
     rng = random.Random(seed)
     sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
     max_rows = (200, 4096)[seed % 2]
+    pieces = seed < 2
     pair = []
     for ranges in (True, False):
         rt, _ = _runtime(monkeypatch, runtimes, sites, 2048, max_tokens=256)
         rt._planner.ranges = rt._planner.advance = ranges  # the general path plans every step in full
+        rt._planner.pieces = pieces
         rt._planner.max_rows = max_rows
         pair.append(rt)
     fast, slow = pair
@@ -399,7 +405,10 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                          "seen": set()}
         if not live:
             continue
-        req_ids, scheduled, computed = _schedule(live, list(live), rng, 256, 64)
+        ids = list(live)
+        if pieces and rng.random() < 0.05:  # the batch in a new order
+            rng.shuffle(ids)
+        req_ids, scheduled, computed = _schedule(live, ids, rng, 256, 64, preempt=0.01 if pieces else 0.0)
         for rt in pair:
             rt.plan_step(req_ids, scheduled, computed)
         a, b = fast._pending, slow._pending
@@ -448,4 +457,5 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
                         rt.finish_requests([rid])
                     del live[rid]
     assert fast._planner.ranged > 10 and slow._planner.ranged == 0
+    assert (fast._planner.decoded > 0) == pieces and slow._planner.decoded == 0
     assert fast._planner.advanced_steps > 0 and slow._planner.advanced_steps == 0

@@ -73,6 +73,7 @@ class RequestPlan:
     red_mask: int = 0  # the OR of red_bits
     red_slots: np.ndarray | None = None  # the slots held, in ``red_layout`` order (``runtime.capture._SlotLayout``)
     red_layout: Any = None
+    decode: tuple | None = None  # ``CapturePlanner._piece``: its cells at a generated position (set on first use)
 
 
 def compile_request(specs: dict[int, Any], site_index: dict[tuple[str, int], int]) -> RequestPlan:
@@ -231,6 +232,8 @@ class CapturePlanner:
         self.advanced = False  # the last step was planned by _advance
         self._next_base = 0  # where the next step's rows start unless they do not fit before the pool's end
         self.ranges = True  # plan steps without explicit positions from ranges (``_plan_ranges``; tests turn it off)
+        self.pieces = True  # plan decode steps from per-request pieces (``_plan_decode``; tests turn it off)
+        self.decoded = 0  # steps planned so
         self.advance = True  # plan steady decode steps by _advance (tests turn it off)
         self.advanced_steps = 0  # steps planned so
         self.ranged = 0  # steps planned so
@@ -349,6 +352,11 @@ class CapturePlanner:
         plans = [r.plan for r in reqs]
         shape = (count, tok0, e0, e1)
         if self.ranges and not any(p.explicit for p in plans) and all(len(p.red_bits) <= 1 for p in plans):
+            if self.pieces and int(count.sum()) == len(count) and not e1.any():  # one generated token each
+                step = self._plan_decode(reqs, plans, req_ids, idx[lv], pos0, tok0, recomputed, shape)
+                if step is not None:
+                    self.decoded += 1
+                    return step
             step = self._plan_ranges(reqs, plans, req_ids, idx[lv], starts, pos0, tok0, e0, e1, recomputed, shape)
             if step is not None:
                 self.ranged += 1
@@ -505,6 +513,87 @@ class CapturePlanner:
                         int(lens.sum()), red_step, kept + fresh, base)
         if not dropped:  # the next step may be the same
             self._same = _Same(list(map(id, reqs)), reqs, *shape, pos0, step, r_req, last_req, flat, rows, lens)
+        return step
+
+    def _piece(self, plan: RequestPlan) -> tuple:
+        """A request's cells at a generated position, relative to its batch token (``_plan_decode``): its consumer
+        cells' site columns (ascending) and masks ``[2, n]``, their sites, and its device-reduced consumer's sites
+        ``[m, 4]``: column, slot, index of the consumer cell at that column (-1 none), mean (1) or last (0).
+        Fixed while the request lives (its slots are held before it is first planned); kept on its plan."""
+        want = plan.table[2]
+        cells = np.flatnonzero(want & ~plan.red_mask)
+        own = np.stack((cells, want[cells] & ~plan.red_mask))
+        red = np.zeros((0, 4), np.int64)
+        if plan.red_mask:
+            rc = np.flatnonzero(want & plan.red_mask)
+            at = np.full(len(rc), -1, np.int64)
+            if len(cells):
+                i = np.minimum(np.searchsorted(cells, rc), len(cells) - 1)
+                at = np.where(cells[i] == rc, i, -1)
+            red = np.stack((rc, plan.red_slot[0][rc], at, np.full(len(rc), int(plan.red_mean[0]))), axis=1)
+        sites = self.sites
+        plan.decode = got = (own, [sites[c] for c in cells.tolist()], red)
+        return got
+
+    def _plan_decode(self, reqs: list, plans: list[RequestPlan], req_ids: list[str], batch: np.ndarray,
+                     pos0: np.ndarray, tok0: np.ndarray, recomputed: int, shape: tuple) -> StepPlan | None:
+        """``_plan_ranges``' step when every request has one token, at a generated position (a decode batch that
+        changed: a request ended, arrived, moved or came back): the requests' pieces (``_piece``, built once each)
+        concatenated, shifted to their batch tokens and positions; no per-site or per-class work. The same cells,
+        rows, masks, reduce pairs and order as ``_plan_ranges``. None when the pool or the pairs could overflow
+        (the ranged or general path then drops what does not fit)."""
+        pieces = [p.decode or self._piece(p) for p in plans]
+        n_k = np.fromiter((x[0].shape[1] for x in pieces), np.int64, len(pieces))
+        own = np.concatenate([x[0] for x in pieces], axis=1)
+        total = own.shape[1]
+        red = np.concatenate([x[2] for x in pieces]) if any(len(x[2]) for x in pieces) else None
+        n_mean = int(red[:, 3].sum()) if red is not None else 0
+        if total + n_mean > self.max_rows or n_mean > self.max_pairs:
+            return None
+        r_req = np.repeat(np.arange(len(pieces)), n_k)
+        heads = np.arange(total, dtype=np.int64)
+        if red is None and not total:
+            self._upload(_NONE)
+            self._same = None
+            return StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, recomputed)
+        width = self.width
+        flat, rows, lens = own[0] * width + tok0[r_req], heads, np.ones(total, np.int64)
+        red_step, last_req, fresh = None, _NONE, 0
+        if red is not None:
+            k = np.repeat(np.arange(len(pieces)), np.fromiter((len(x[2]) for x in pieces), np.int64, len(pieces)))
+            first = np.cumsum(n_k) - n_k  # each request's first consumer cell
+            col, slot, at, mean = red.T
+            inside = at >= 0
+            src = first[k] + at  # the consumer cell's row where there is one
+            cell = col * width + tok0[k]
+            is_mean = mean != 0
+            m_in, m_slot, m_src, m_cell = inside[is_mean], slot[is_mean], src[is_mean], cell[is_mean]
+            fresh = int((~m_in).sum())
+            mean_src = m_src.copy()
+            mean_src[~m_in] = total + np.arange(fresh)  # fresh rows follow the consumer cells, in order
+            f_flat, f_rows = m_cell[~m_in], mean_src[~m_in]
+            last = ~is_mean
+            l_in, l_slot, l_src, l_cell, last_req = inside[last], slot[last], src[last], cell[last], k[last]
+            target = self.reduce_base + l_slot
+            d_flat, d_rows = l_cell[~l_in], target[~l_in]
+            flat = np.concatenate((flat, f_flat, d_flat))
+            rows = np.concatenate((rows, f_rows, d_rows))
+            lens = np.ones(len(flat), np.int64)
+        base = self._place(total + fresh)
+        if red is not None:
+            rows[: total + fresh] += base  # step rows; last slots' rows stay
+            red_step = ReduceStep(mean_src + base, np.ones(len(m_slot), np.int64), m_slot, l_src[l_in] + base, target[l_in],
+                                  np.concatenate((m_slot, l_slot)), np.ones(len(m_slot) + len(l_slot), np.int64),
+                                  l_slot, pos0[last_req])
+        elif base:
+            rows = rows + base
+        self._upload(flat, rows, lens)
+        rids = [req_ids[i] for i in batch.tolist()]
+        step = StepPlan([rid for rid, n in zip(rids, n_k.tolist()) for _ in range(n)],
+                        [s for x in pieces for s in x[1]], heads.tolist(), list(range(1, total + 1)),
+                        np.ones(total, np.int64), pos0[r_req], own[1], total, 0, recomputed, len(flat), red_step,
+                        total + fresh, base)
+        self._same = _Same(list(map(id, reqs)), reqs, *shape, pos0, step, r_req, last_req, flat, rows, lens)
         return step
 
     def _reduce_ranges(self, plans: list[RequestPlan], red_mask: np.ndarray, tables: np.ndarray, seg_a: np.ndarray,
