@@ -25,7 +25,9 @@ step with last step's shape (the same requests in the same order, token counts, 
 slots, no explicit positions, nothing dropped) reuses its runs: only the positions move. Steady decode (the
 batch of last step, one generated token each, each request one position further, none added or ended since:
 ``forget_steady``) is found from the batch's ids and token counts alone and advanced (``_advance``): a few small
-array ops a step, whatever the requests.
+array ops a step, whatever the requests. A decode step whose batch changed (an end, an arrival's first token, a new
+order) is each request's piece (``_piece``: its cells at a generated position, built once, kept on its plan)
+concatenated and shifted to its batch token (``_plan_decode``): no per-site or per-class work.
 
 Consumers reduced on the device (``runtime.capture_reduce``; a request's slots are on its plan:
 ``red_bits``, ``red_slot``) leave the cells first: a ``last`` consumer keeps only its last selected token per
