@@ -33,8 +33,10 @@ two OMP threads made each op ~100x slower); ``--launch-us 6`` counts each torch 
 launch) instead, leaves the segmented add out (the host work a GPU step has) and adds each phase's count of those
 ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capture_lanes.py`` +
 ``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
-step of each arm run on both, interleaved, in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime on the GPU, the ring copy on its
-copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread waits for.
+step of each arm run on both, interleaved, each version first in turn (the first of a step cost ~1.5x more for the same
+code), in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime
+on the GPU, the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread
+waits for.
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
         --out FILE.json]
@@ -268,10 +270,12 @@ def main() -> None:
         gpu_cycles = int(10**7 * args.gpu_ms / t0.elapsed_time(t1))
 
     steps = schedule(args)
+    order = list(versions)
     for k in range(args.steps + warm):
         ended, new, live, scheduled, computed = next(steps)
+        turn = order[k % len(order):] + order[: k % len(order)]  # each version first in turn: the first costs more
         for arm in arms:
-            for v in versions:
+            for v in turn:
                 col = f"{arm}/{v}"
                 rt = rts[col]
                 host_pid = rt._host.proc.pid
