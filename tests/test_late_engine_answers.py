@@ -39,6 +39,7 @@ def test_metrics_ask_again_when_a_question_goes_unanswered(monkeypatch):
         assert len(stuck.calls) == 1  # one question at a time ...
         await asyncio.sleep(1.05)
         await fetcher.refresh(live)  # ... until it is STALE_S old: asked again
+        await asyncio.wait_for(asyncio.shield(fetcher.task), 10)  # its answer lands (past WAIT_S on a loaded box)
         return fetcher
 
     fetcher = asyncio.run(main())
