@@ -257,7 +257,7 @@ class CaptureRuntime:
         got = self._compile(capture)
         if got is None:
             return
-        specs, template, wanted = got
+        specs, template, layout = got
         plan = object.__new__(RequestPlan)  # the template's fields (its arrays are never written), its own slots
         plan.__dict__ = dict(template.__dict__)
         new = _Request(prompt_len, specs, meta or {}, plan=plan)
@@ -266,8 +266,8 @@ class CaptureRuntime:
             new.planned_upto, new.dropped = old.planned_upto, old.dropped  # planned stays planned, and its slots
             for f in ("red_bits", "red_mean", "red_slot", "red_mask", "red_slots", "red_layout"):  # stay its own
                 setattr(new.plan, f, getattr(old.plan, f))
-        elif wanted is not None and self._reduce is not None:
-            self._reserve(new, wanted)
+        elif layout is not None and self._reduce is not None:
+            self._reserve(new, layout)
         self._requests[request_id] = new
         self._finished.pop(request_id, None)
         new.ends_at = _ends_at(specs.values(), prompt_len, max_tokens)
