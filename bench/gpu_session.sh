@@ -5,7 +5,9 @@
 #   install    bundle + plugin + .whl/tools into /tmp/site
 #   kernels    tests/gpu and kernels_bench;   cost   request_path_cost, the table-write test, capture_reduce_cost,
 #              launch_cost (the eager launch's host µs)
-#   checks     tests/gpu_e2e, or the files CHECKS names (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes)
+#   checks     tests/gpu_e2e, or the files CHECKS names (VLLM_STEER_E2E_TP / VLLM_STEER_E2E_PP set the parallel sizes);
+#              an engine test needs its GPU free of kept A/B servers (stop them first: s33's Gemma Scope engine did not
+#              start beside three); the whole log in $OUT/checks.log.gz
 #   ab-start   start the A/B servers (SERVERS, default stock,disabled,steer) and keep them
 #   ab         the A/B arms on the kept servers;   graph   the graph phase (GRAPH_SERVERS), then stop the servers
 #              (GRAPH_NS: its request counts, default 4,16: n16 profiles per_request_n16 / project_n16 beside idle;
@@ -125,7 +127,12 @@ case "${1:-}" in
     timeout -k 20 120 python3 bench/launch_cost.py --ns 16,8192 --out "$OUT/launch_cost.json" 2>&1 | tail -16
     ;;
   checks)
-    VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" ${CHECKS:-tests/gpu_e2e} --junitxml="$OUT/gpu_e2e.xml" 2>&1 | tail -25
+    # the whole log comes back (an engine's root cause sits far above pytest's last 25 lines: s33's Gemma Scope start)
+    VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" ${CHECKS:-tests/gpu_e2e} --junitxml="$OUT/gpu_e2e.xml" 2>&1 \
+      | tee "$OUT/checks.log" | tail -25
+    rc=$?
+    gzip -f "$OUT/checks.log"
+    (exit $rc)
     ;;
   ab-start)
     timeout -k 20 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --reuse-servers --keep-servers \

@@ -76,6 +76,9 @@ class _Recorder:
     def __call__(self, graph):
         if self.pass_ is not None:
             self.pass_(graph)
+        # Inductor's later passes read each node's example value (s33's H200: KeyError 'val' on the linear after it)
+        assert all("val" in n.meta for n in graph.nodes if n.op == "call_function"), [
+            n.format_node() for n in graph.nodes if n.op == "call_function" and "val" not in n.meta]
         self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
                         for n in graph.nodes if n.op == "call_function"]
 
@@ -111,6 +114,48 @@ def test_steered_norm_then_vllm_quant_becomes_one_fp8_norm(vllm_quant, static):
     assert torch.equal(stream, ref_stream)
     assert torch.equal(quant_fp8_naive(ref_out, scale if static else None)[0].view(torch.uint8),
                        ref_q.view(torch.uint8))
+
+
+_CONSUMER: list = []
+
+
+def _fp8_consumer():
+    """``torch.ops.vllm_steer_test.fp8_rows_into(q, s, out)``: a stand-in for the FP8 linear after the norm that, as
+    vLLM's scaled-mm ops do, writes into a buffer: Inductor functionalizes it, and decomposing that reads the example
+    values of its inputs (the pass's fp8 output among them)."""
+    if not _CONSUMER:
+        lib = torch.library.Library("vllm_steer_test", "FRAGMENT")
+        lib.define("fp8_rows_into(Tensor q, Tensor s, Tensor(a!) out) -> ()")
+        def rows_into(q, s, out):
+            out.copy_((q.float() * s).sum(-1))
+
+        lib.impl("fp8_rows_into", rows_into, "CPU")
+        torch.library.register_fake("vllm_steer_test::fp8_rows_into", lambda q, s, out: None, lib=lib)
+        _CONSUMER.append(lib)
+    return torch.ops.vllm_steer_test.fp8_rows_into
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static_per_tensor", "dynamic_per_token"])
+def test_the_fp8_norm_feeds_a_linear_that_writes_into_a_buffer(vllm_quant, static):
+    """The pass's outputs carry example values: a mutating reader of the fp8 output compiles (Inductor decomposes its
+    functionalized call from them) and reads the same codes as after the unfused norm."""
+    quant, consume = vllm_quant(static), _fp8_consumer()
+    scale = torch.tensor([0.031], dtype=torch.float32)
+
+    def model(x, res, w, index, table, flag, scale):
+        out, stream = torch.ops.vllm_steer.steered_norm_plain(x, res, w, 1e-6, 0.0, index, table, flag,
+                                                              None, None, None, None, None)
+        q, s = quant(out, scale if static else None)
+        rows = torch.empty(out.shape[0], dtype=torch.float32)
+        consume(q, s, rows)
+        return rows, stream
+
+    args = (*_inputs(5), scale)
+    rec = _Recorder(fuse=True)
+    rows, stream = _compile(model, rec)(*args)
+    assert rec.pass_.matched == 1, rec.targets
+    want_rows, want_stream = model(*args)
+    assert torch.equal(rows, want_rows) and torch.equal(stream, want_stream)
 
 
 def test_norm_output_read_elsewhere_is_left_unfused(vllm_quant):
@@ -160,8 +205,21 @@ def test_opt_in_puts_the_pass_where_vllms_backend_takes_it(monkeypatch):
     held = steered.compilation_config.inductor_compile_config[fp8_fusion.PASS_KEY]
     assert isinstance(held, InductorPass) and isinstance(held, fp8_fusion.SteeredNormQuantPass)
     assert isinstance(copy.deepcopy(held), InductorPass)
+    assert copy.deepcopy(held).config_ref() is steered  # not a copy of the engine's config (and its model's weights)
     steered.compilation_config.compute_hash()  # hashed through uuid(), not refused as a callable
     assert fp8_fusion.register_in(steered)  # again: already there
+
+    # Inductor runs the pass outside vLLM's current config (s33's H200): the pass traces vLLM's QuantFP8 under its own
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "_current_vllm_config", None)
+    monkeypatch.setattr(fp8_fusion, "_PATTERNS", [])
+    vllm_config_module.get_cached_compilation_config.cache_clear()  # CustomOp reads the config through this cache
+    with pytest.raises(AssertionError, match="config is not set"):
+        fp8_fusion.SteeredNormQuantPass()(torch.fx.Graph())
+    held(torch.fx.Graph())
+    vllm_config_module.get_cached_compilation_config.cache_clear()  # not the steered config's for later tests
+    assert len(fp8_fusion._PATTERNS) == 4 and vllm_config_module._current_vllm_config is None
 
 
 _STAND_IN: list = []

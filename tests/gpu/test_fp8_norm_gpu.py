@@ -91,7 +91,7 @@ def test_pass_on_cuda_gives_the_same_bits(quant):
         with ic.patch(post_grad_custom_post_pass=custom, enable_auto_functionalized_v2=False, fx_graph_cache=False):
             results.append(torch.compile(model, fullgraph=True)(*args))
         if custom is not None:
-            assert custom.matched == 1
+            assert custom.calls >= 1 and custom.matched == custom.calls, (custom.calls, custom.matched)
     (q0, s0, st0), (q1, s1, st1) = results
     assert torch.equal(st0, st1) and torch.equal(s0, s1)
     assert (q0.view(torch.uint8) == q1.view(torch.uint8)).float().mean() > 0.999
@@ -139,7 +139,8 @@ def test_group_fp8_output_equals_the_norm_then_vllms_group_quant(quant, n, layou
 
 def test_group_pass_on_cuda_gives_the_same_bits(quant):
     """The pass on the real ``_C.per_token_group_fp8_quant`` (DeepGEMM's layout: TMA-aligned, UE8M0), the token count
-    dynamic: matched once, the compiled model's codes and scales the unfused compiled model's."""
+    dynamic: matched once in each graph compiled (s33's H200 compiled two: DeepGEMM's TMA-aligned stride guards the
+    token count), the compiled model's codes and scales the unfused compiled model's."""
     import torch._inductor.config as ic
 
     from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
@@ -150,8 +151,15 @@ def test_group_pass_on_cuda_gives_the_same_bits(quant):
         q, s = _group_reference(out.view(-1, out.shape[-1]), "deepgemm")
         return q, s, stream
 
+    class Counted(SteeredNormQuantPass):
+        calls = 0
+
+        def __call__(self, graph):
+            self.calls += 1
+            super().__call__(graph)
+
     results = {}
-    for custom in (None, SteeredNormQuantPass()):
+    for custom in (None, Counted()):
         torch._dynamo.reset()
         with ic.patch(post_grad_custom_post_pass=custom, enable_auto_functionalized_v2=False, fx_graph_cache=False):
             compiled = torch.compile(model, fullgraph=True)
@@ -161,7 +169,7 @@ def test_group_pass_on_cuda_gives_the_same_bits(quant):
                     torch._dynamo.mark_dynamic(a, 0)
                 results[custom is None, n] = compiled(*args)
         if custom is not None:
-            assert custom.matched == 1
+            assert custom.calls >= 1 and custom.matched == custom.calls, (custom.calls, custom.matched)
     for n in (37, 16):
         (q0, s0, st0), (q1, s1, st1) = results[True, n], results[False, n]
         assert torch.equal(st0, st1)

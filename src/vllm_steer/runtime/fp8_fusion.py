@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import weakref
 import os
 
 import torch
@@ -136,10 +137,7 @@ def fuse_steered_norm_quant(graph: torch.fx.Graph, group_ops: tuple | None = Non
             with graph.inserting_before(outs[0] if len(outs) == 1 else min(outs, key=_position)):
                 new = graph.call_function(auto_functionalized, (torch.ops.vllm_steer.steered_norm_plain_fp8.default,),
                                           {**call.kwargs, "quant_scale": scale, **_NO_GROUP})
-                q = graph.call_function(operator.getitem, (new, 0))
-                new_scale = graph.call_function(operator.getitem, (new, 1))
-                stream = graph.call_function(operator.getitem, (new, 2))
-                pool = graph.call_function(operator.getitem, (new, 3))
+                q, new_scale, stream, pool = _outputs(graph, new, (0, 1, 2, 3)).values()
             outs[0].replace_all_uses_with(q)
             if mode == DYNAMIC:
                 outs[1].replace_all_uses_with(new_scale)
@@ -213,13 +211,39 @@ def _replace_group(graph: torch.fx.Graph, call: torch.fx.Node, quant: torch.fx.N
                                   {**call.kwargs, "quant_scale": None, "group_scale": kw["output_s"],
                                    "group_size": kw["group_size"], "group_eps": float(kw["eps"]),
                                    "ue8m0": bool(kw["scale_ue8m0"])})
-        outs = {i: graph.call_function(operator.getitem, (new, i)) for i in (0, 2, 3, 4)}
+        outs = _outputs(graph, new, (0, 2, 3, 4))
     for user in list(quant.users):
         user.replace_all_uses_with(outs[0] if user.args[1] == 1 else outs[4])
     for user in list(call.users):
         if user.target is operator.getitem and user.args[1] in (1, 2):
             user.replace_all_uses_with(outs[2] if user.args[1] == 1 else outs[3])
     return True
+
+
+def _outputs(graph: torch.fx.Graph, call: torch.fx.Node, indices: tuple) -> dict:
+    """``call``'s outputs ``indices`` as getitem nodes (inserted where the graph inserts now), ``call`` and each with
+    its example value (``meta["val"]``, the op run on its inputs' fake values): Inductor's later passes read them (s33,
+    H200: ``decompose_auto_functionalized`` raised ``KeyError: 'val'`` on the linear that reads the fp8 output)."""
+    from torch._guards import detect_fake_mode
+
+    def fake(a):
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    kwargs = {k: fake(v) for k, v in call.kwargs.items()}
+    with detect_fake_mode([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) or _no_mode():
+        val = call.target(*call.args, **kwargs)
+    call.meta["val"] = val
+    items = {}
+    for i in indices:
+        items[i] = graph.call_function(operator.getitem, (call, i))
+        items[i].meta["val"] = val[i]
+    return items
+
+
+def _no_mode():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _position(node: torch.fx.Node) -> int:
@@ -252,12 +276,16 @@ def _downstream(node: torch.fx.Node, depth: int = 12):
 class SteeredNormQuantPass:
     """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache)."""
 
-    def __init__(self, group_ops: tuple = ()) -> None:
+    def __init__(self, group_ops: tuple = (), vllm_config=None) -> None:
         self.matched = 0
         self.extra_group_ops = tuple(group_ops)  # a test's stand-in for vLLM's ``_C`` group quant
+        # set while tracing (vLLM's QuantFP8, a CustomOp, wants a current config); a weak reference: vLLM deep-copies
+        # the compilation config, and a strong one would copy the engine's config and its model's parameters with it
+        self.config_ref = None if vllm_config is None else weakref.ref(vllm_config)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        found = fuse_steered_norm_quant(graph, group_quant_ops(self.extra_group_ops))
+        with _current_config(None if self.config_ref is None else self.config_ref()):
+            found = fuse_steered_norm_quant(graph, group_quant_ops(self.extra_group_ops))
         self.matched += found
         if found:
             logger.info("vllm-steer: %d steered norms write FP8 for their linear (%s)", found, ENV)
@@ -270,12 +298,24 @@ class SteeredNormQuantPass:
         return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
 
 
-def vllm_pass() -> SteeredNormQuantPass:
+def _current_config(vllm_config):
+    """Inductor runs post-grad passes outside vLLM's ``set_current_vllm_config`` (s33, H200: the engine died building
+    QuantFP8 in ``_trace_patterns``): the pass sets the engine's own config around itself."""
+    import contextlib
+
+    if vllm_config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
+
+
+def vllm_pass(vllm_config=None) -> SteeredNormQuantPass:
     """The pass as vLLM's ``InductorPass`` (what ``VllmBackend.configure_post_pass`` accepts under ``PASS_KEY``)."""
     from vllm.compilation.passes.inductor_pass import InductorPass
 
     cls = type("SteeredNormQuantInductorPass", (SteeredNormQuantPass, InductorPass), {})
-    return cls()
+    return cls(vllm_config=vllm_config)
 
 
 def register_in(vllm_config) -> bool:
@@ -292,7 +332,7 @@ def register_in(vllm_config) -> bool:
         return False
     held = cc.inductor_compile_config.get(PASS_KEY)
     if held is None:
-        cc.inductor_compile_config[PASS_KEY] = vllm_pass()
+        cc.inductor_compile_config[PASS_KEY] = vllm_pass(vllm_config)
         return True
     if not isinstance(held, SteeredNormQuantPass):
         logger.warning("vllm-steer: %s is set but %s already holds %r: FP8 norm + quant stays unfused", ENV, PASS_KEY,
