@@ -341,3 +341,25 @@ def test_a_step_waits_only_for_the_copies_of_the_pool_rows_it_overwrites(monkeyp
     assert step(["x", "y"], [1, 1], [5, 5]) == 12 and waits[-1] is None  # rows 12..15: nobody's copy
     assert step(["x", "y"], [1, 1], [6, 6]) == 12 and waits[-1] == 3  # steady decode: last step's rows again
     assert rt._planner.reused == 1
+
+
+def test_compiled_capture_fields_are_kept_up_to_a_bound_oldest_first(monkeypatch):
+    """``_compile`` keeps each distinct capture field's specs and plan once (the second request with the same field
+    reuses them) and at most ``COMPILED_MAX`` fields: the oldest goes first, and a request bringing it back is
+    compiled again, to the same plan."""
+    monkeypatch.setattr(capture_mod, "COMPILED_MAX", 3)
+    rt = _runtime(monkeypatch, [(h, l) for l in range(NUM_LAYERS) for h in HOOKS], 64, 16)
+    fields = [{"a": {"layers": [layer], "hooks": ["post_mlp"], "positions": "all"}} for layer in range(4)]
+    first = rt._compile(fields[0])
+    assert rt._compile(dict(fields[0])) is first  # the same field (another dict): compiled once
+    for k, field in enumerate(fields):
+        rt.add_request(f"r{k}", field, prompt_len=3)
+    assert len(rt._compiled) == 3 and repr(fields[0]) not in rt._compiled
+    assert [repr(f) for f in fields[1:]] == list(rt._compiled)
+    again = rt._compile(fields[0])
+    assert again is not first and repr(fields[0]) in rt._compiled and repr(fields[1]) not in rt._compiled
+    assert again[0].keys() == first[0].keys() and again[1].__dict__.keys() == first[1].__dict__.keys()
+    assert all(np.array_equal(np.asarray(again[1].__dict__[k]), np.asarray(first[1].__dict__[k]))
+               for k, v in first[1].__dict__.items() if isinstance(v, np.ndarray))
+    rt.add_request("s", fields[0], prompt_len=3)  # served from the recompiled entry: its plan is the template's copy
+    assert rt._requests["s"].plan.__dict__.keys() == again[1].__dict__.keys()
