@@ -330,3 +330,67 @@ def test_the_steering_markers_find_every_field_key_in_one_pass(key):
     assert not request_body._MARKERS.search(f'{big}, "{key}x": 1, "note": "{key} in a text"}}'.encode()) or \
         key == "vllm_steer_token"  # any "vllm_steer... key is ours
     assert not request_body._MARKERS.search(f'{big}}}'.encode())
+
+
+def test_packed_blocks_in_another_dtype_take_the_fast_path_and_equal_the_float32_path():
+    """Packed vectors in another dtype than the model's (float32 for a bfloat16 model, the numpy default; float16;
+    bfloat16 for a float16 model) go straight to table layout (``spec.parse_packed_fast``) with the layout and key
+    the general float32 path gives the same request: zero rows dropped, layers sorted, -0.0 as 0.0, rounded to
+    the model dtype, values that overflow it or NaN / Inf left to the general path, which refuses them naming the
+    field. The same block again is not converted again (``layout.CHECKED``)."""
+    from vllm_steer.core import layout
+    from vllm_steer.core.layout import layout_key
+    from vllm_steer.core.vectors import effective_phases
+    from vllm_steer.frontend.spec import ModelShape, SteeringSpecError, parse_packed_fast, parse_spec
+
+    rng, pick = np.random.default_rng(21), random.Random(21)
+    converted = {"calls": 0}
+    real = layout.to_dtype_bytes
+
+    def counting(*a):
+        converted["calls"] += 1
+        return real(*a)
+
+    layout.to_dtype_bytes = counting
+    checked = 0
+    try:
+        for trial in range(300):
+            model, d = pick.choice(["bfloat16", "float16"]), pick.choice([4, 16])
+            shape = ModelShape(num_layers=12, hidden_size=d, hooks=HOOKS, layers=None, max_bytes=1 << 20, dtype=model)
+            tier = pick.choice(["steering_vectors", "prefill_steering_vectors", "decode_steering_vectors"])
+            fields = {tier: {}}
+            for hook in pick.sample(HOOKS, pick.randint(1, 3)):
+                src = pick.choice(["float32", "float16", "bfloat16"])
+                n = pick.randint(1, 5)
+                values = (rng.standard_normal((n, d)) * pick.choice([1.0, 1e-3, 1e-41, 7e4, 3.3e38])).astype(np.float32)
+                for _ in range(pick.randint(0, 3)):
+                    values[pick.randrange(n), pick.choice([pick.randrange(d), slice(None)])] = pick.choice(
+                        [0.0, -0.0, np.inf, np.nan, -1e-45])
+                fields[tier][hook] = pack(values, pick.sample(range(12), n), src)
+            try:
+                fast = parse_packed_fast(fields, shape)
+            except SteeringSpecError:  # a block in the model's dtype is refused on the fast path itself
+                fast = "refused"
+            try:
+                spec = parse_spec(fields, shape)
+                prefill, decode = effective_phases(spec.tiers)
+                general = {"prefill": table_layout(prefill, model), "decode": table_layout(decode, model)}
+            except (SteeringSpecError, ValueError):
+                general = "refused"
+            if general == "refused":
+                assert fast is None or fast == "refused", trial
+                continue
+            assert fast is not None, trial
+            got_tier, got_layout, got_key = fast
+            phase = {"steering_vectors": "prefill", "prefill_steering_vectors": "prefill",
+                     "decode_steering_vectors": "decode"}[got_tier]
+            assert got_layout == general[phase], trial
+            assert got_key == layout_key(general[phase], model), trial
+            assert parse_packed_fast(fields, shape) == fast  # the same blocks again: now remembered
+            before = converted["calls"]
+            assert parse_packed_fast(fields, shape) == fast and converted["calls"] == before  # not converted again
+            if any(f["dtype"] != model for f in fields[tier].values()):
+                checked += 1
+    finally:
+        layout.to_dtype_bytes = real
+    assert checked > 30  # trials that converted a block and were not refused

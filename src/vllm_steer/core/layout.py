@@ -9,10 +9,13 @@ packed in any dtype, a named module). A packed request already in the model dtyp
 shipped as it came: no float32 round trip (``raw_rows``). Clients often send the same vectors with every
 request: ``checked_rows`` answers a block whose bytes it checked and hashed lately (twice) from memory: one
 comparison of the bytes, or none for the very object ``server.base64_lift`` decoded before, instead of the checks
-and BLAKE3.
+and BLAKE3. A packed block in another dtype (float32 vectors for a bfloat16 model) is rounded as the float32 path
+rounds it and remembered the same way (``converted_rows``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 from blake3 import blake3
@@ -164,6 +167,36 @@ def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
     rows = raw_rows(raw, layers, dtype_name, hidden) if layers else None
     digest = rows_digest(rows[1]) if rows is not None else None
     if isinstance(raw, bytes):  # immutable: its bytes cannot change under the entry
+        CHECKED.put(key, lambda: ((raw, rows, digest), _held(raw, rows)))
+    return rows, digest
+
+
+def converted_rows(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int,
+                   decode: Callable[[], np.ndarray]) -> tuple[tuple[tuple[int, ...], bytes] | None, bytes | None]:
+    """A packed block in another dtype than the model's (float32 vectors for a bfloat16 model, say) -> what the
+    general path makes of it: ``table_layout`` of its nonzero rows (sorted layers, -0.0 as 0.0, rounded to
+    ``dtype_name``) and their ``rows_digest`` (None, None: no row left); from ``CHECKED`` when the same bytes came
+    lately in the same dtype with the same layers. ``decode()``: the block as float32 ``[n, hidden]``. ValueError on
+    NaN or Inf, sent or once rounded (never remembered)."""
+    key = (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), src_dtype, dtype_name, hidden)
+    known = CHECKED.get(key)
+    if known is not None and (known[0] is raw or known[0] == raw):
+        return known[1], known[2]
+    values = decode()
+    if not np.isfinite(values).all():
+        raise ValueError("contains NaN or Inf")
+    keep = values.any(axis=1).tolist()
+    ids = sorted(layer for layer, k in zip(layers, keep) if k)
+    rows = digest = None
+    if ids:
+        at = {layer: i for i, layer in enumerate(layers)}
+        picked = values[[at[layer] for layer in ids]]
+        if (picked == _ZERO).any():
+            picked = picked + _ZERO
+        out = to_dtype_bytes(picked, dtype_name)
+        check_representable(out, dtype_name)
+        rows, digest = (tuple(ids), out), rows_digest(out)
+    if isinstance(raw, bytes):
         CHECKED.put(key, lambda: ((raw, rows, digest), _held(raw, rows)))
     return rows, digest
 

@@ -27,7 +27,7 @@ from vllm_steer.core import bf16
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
-from vllm_steer.core.layout import KeyHasher, Layout, checked_rows, itemsize
+from vllm_steer.core.layout import KeyHasher, Layout, checked_rows, converted_rows, itemsize
 from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.site_norms import Norms, normed
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
@@ -254,26 +254,28 @@ def decode_packed(field: str, obj: dict, shape: ModelShape) -> PackedLayers:
     return PackedLayers(arr, layers)
 
 
-def packed_fast_tier(fields: dict[str, Any], shape: ModelShape) -> str | None:
+def packed_fast_tier(fields: dict[str, Any], shape: ModelShape, convert: bool = False) -> str | None:
     """The tier field of a request ``parse_packed_fast`` takes (None: the general path): one tier, every hook
-    packed in the model's dtype, no scales, no norm, no module."""
+    packed in the model's dtype (``convert``: in any packed dtype, rounded to the model's), no scales, no norm, no
+    module."""
     if fields.get(MODULE_FIELD) is not None:
         return None
     present = [t for t in TIER_FIELDS if fields.get(t) is not None]
     if len(present) != 1 or not isinstance(fields[present[0]], dict):
         return None
-    if not all(h in HOOK_NAMES and isinstance(v, dict) and "data" in v and v.get("dtype") == shape.dtype
+    if not all(h in HOOK_NAMES and isinstance(v, dict) and "data" in v
+               and (v.get("dtype") == shape.dtype or (convert and v.get("dtype") in _PACKED_DTYPES))
                and v.get("scales") is None and "norm" not in v for h, v in fields[present[0]].items()):
         return None
     return present[0]
 
 
 def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, Layout, str | None] | None:
-    """The common per-request case, straight to table layout without float32: one tier, every
-    hook packed in the model's dtype, no scales, no module. Returns (tier field, layout, its
-    ``layout_key``, each hook hashed as soon as its rows are checked), or None when the request
-    needs the general path (which then reports any error)."""
-    tier = packed_fast_tier(fields, shape)
+    """The common per-request case, straight to table layout: one tier, every hook packed (in the model's dtype:
+    without float32; in another: rounded as the float32 path rounds it, ``converted_rows``), no scales, no module.
+    Returns (tier field, layout, its ``layout_key``, each hook hashed as soon as its rows are checked), or None when
+    the request needs the general path (which then reports any error)."""
+    tier = packed_fast_tier(fields, shape, convert=True)
     if tier is None:
         return None
     dtype_name = shape.dtype
@@ -284,12 +286,20 @@ def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, L
     for hook in sorted(hooks, key=HOOK_NAMES.index):
         f = f"{tier}.{hook}"
         check_hook(f, hook, shape)
-        _, layers, raw = _packed_raw(f, hooks[hook], shape)
+        src, layers, raw = _packed_raw(f, hooks[hook], shape)
         total += len(raw)
-        try:
-            rows, digest = checked_rows(raw, layers, dtype_name, shape.hidden_size)
-        except ValueError as e:
-            raise SteeringSpecError(f"{f}.data", str(e)) from None
+        if src != dtype_name:  # rounded to the model dtype as the float32 path rounds it, remembered as checked rows
+            n, d = len(layers), shape.hidden_size
+            try:
+                rows, digest = converted_rows(raw, layers, src, dtype_name, d,
+                                              lambda: _packed_rows(src, raw, n, d).astype(np.float32, copy=False))
+            except ValueError:
+                return None  # the general path refuses it, naming its field as it always has
+        else:
+            try:
+                rows, digest = checked_rows(raw, layers, dtype_name, shape.hidden_size)
+            except ValueError as e:
+                raise SteeringSpecError(f"{f}.data", str(e)) from None
         if rows is not None:
             layout[hook] = rows
             hasher.add(hook, *rows, digest)
