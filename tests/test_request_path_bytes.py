@@ -202,10 +202,15 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
     lift away; msgpack: outside its steering fields) is prepared on the event loop (no pool hop); float32 vectors for
     a bf16 model (converted value by value) are prepared in the pool, as is a msgpack body whose rest (a long prompt)
     is not small, and a body past INLINE_LIFTED_BYTES is read there whole; either way the same vectors get the same
-    payload."""
+    payload. The same float32 vectors a third time (their conversion remembered) are prepared on the loop too."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from vllm_steer.core import layout
+    from vllm_steer.core.recent_blocks import Recent
     from vllm_steer.frontend.prepare import SteeringFrontend
+
+    monkeypatch.setattr(layout, "CHECKED", Recent(64 << 20))  # nothing remembered from other tests
+    monkeypatch.setattr(base64_lift, "TEXTS", Recent(64 << 20))
 
     mc = SimpleNamespace(dtype=torch.bfloat16, hf_text_config=SimpleNamespace(num_hidden_layers=32),
                          get_hidden_size=lambda: 4096)
@@ -236,17 +241,22 @@ def test_a_lifted_body_on_the_packed_fast_path_is_prepared_on_the_event_loop(mon
     assert least < len(f32_body) <= request_body.INLINE_LIFTED_BYTES
     on_loop = _engine_payload(fe, bf16_body, msgpack)
     assert hops == []
-    _engine_payload(fe, f32_body, msgpack)
+    f32_payload = _engine_payload(fe, f32_body, msgpack)
     assert hops == ["_prepare_fields"]
+    assert _engine_payload(fe, f32_body, msgpack) == f32_payload  # converted again, and now remembered
+    assert hops == ["_prepare_fields"] * 2
+    assert _engine_payload(fe, f32_body, msgpack) == f32_payload  # the same float32 vectors again: on the loop
+    assert hops == ["_prepare_fields"] * 2
+    hops.clear()
     if msgpack:  # a long prompt beside the vectors: decoded in the pool, not on the loop
         long = body("bfloat16", 32, list(range(request_body.INLINE_BYTES)))
         assert len(long) <= request_body.INLINE_LIFTED_BYTES
         assert _engine_payload(fe, long, msgpack) == on_loop
-        assert hops == ["_prepare_fields", "_prepare"]
+        assert hops == ["_prepare"]
         hops.pop()
     monkeypatch.setattr(request_body, "INLINE_LIFTED_BYTES", len(bf16_body) - 1)
     assert _engine_payload(fe, bf16_body, msgpack) == on_loop and on_loop[0] is not None
-    assert hops == ["_prepare_fields", "_prepare"]
+    assert hops == ["_prepare"]
     executor.shutdown()
 
 

@@ -171,6 +171,16 @@ def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
     return rows, digest
 
 
+def _converted_key(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int) -> tuple:
+    return (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), src_dtype, dtype_name, hidden)
+
+
+def converted_known(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int) -> bool:
+    """Whether ``converted_rows`` of this block would come from memory (no conversion: light work)."""
+    known = CHECKED.get(_converted_key(raw, layers, src_dtype, dtype_name, hidden))
+    return known is not None and (known[0] is raw or known[0] == raw)
+
+
 def converted_rows(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int,
                    decode: Callable[[], np.ndarray]) -> tuple[tuple[tuple[int, ...], bytes] | None, bytes | None]:
     """A packed block in another dtype than the model's (float32 vectors for a bfloat16 model, say) -> what the
@@ -178,7 +188,7 @@ def converted_rows(raw: bytes, layers: list[int], src_dtype: str, dtype_name: st
     ``dtype_name``) and their ``rows_digest`` (None, None: no row left); from ``CHECKED`` when the same bytes came
     lately in the same dtype with the same layers. ``decode()``: the block as float32 ``[n, hidden]``. ValueError on
     NaN or Inf, sent or once rounded (never remembered)."""
-    key = (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), src_dtype, dtype_name, hidden)
+    key = _converted_key(raw, layers, src_dtype, dtype_name, hidden)
     known = CHECKED.get(key)
     if known is not None and (known[0] is raw or known[0] == raw):
         return known[1], known[2]

@@ -38,7 +38,7 @@ from vllm_steer.frontend.prepared import PREPARED, TOKEN_FIELD, Prepared, for_re
 from vllm_steer.frontend.sae_registry import REGISTRY as SAE_REGISTRY, SAE_SYNC
 from vllm_steer.frontend.sae_spec import parse_sae
 from vllm_steer.frontend.site_norms import normed_tiers, server_norms
-from vllm_steer.frontend.spec import ModelShape, packed_fast_tier, parse_packed_fast, parse_spec
+from vllm_steer.frontend.spec import ModelShape, packed_fast_light, parse_packed_fast, parse_spec
 
 _ALL_FIELDS = REQUEST_FIELDS + (PAYLOAD_KEY, ROWS_KEY, TOKEN_FIELD)
 _PHASES = {"steering_vectors": (True, True), "prefill_steering_vectors": (True, False),
@@ -136,8 +136,9 @@ class SteeringFrontend:
         """Whether resolving ``fields`` is light work (server.request_body then prepares a small body on the
         event loop): everything but a named module whose rows would be built (no cached payload, inline
         vectors on top, or a condition, whose rows travel). ``large``: the body was large and its blocks came
-        decoded (up to a few MB of them): light only on the packed fast path (bytes in, bytes out)."""
-        if large and packed_fast_tier(fields, self.shape) is None:
+        decoded (up to a few MB of them): light only on the packed fast path with nothing to convert (bytes in,
+        bytes out; float32 blocks whose conversion is remembered)."""
+        if large and not packed_fast_light(fields, self.shape):
             return False
         ref = fields.get(MODULE_FIELD)
         if ref is None:

@@ -27,7 +27,7 @@ from vllm_steer.core import bf16
 from vllm_steer.core.errors import SteeringSpecError, SteeringTooLarge
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layer_selection import parse_layers
-from vllm_steer.core.layout import KeyHasher, Layout, checked_rows, converted_rows, itemsize
+from vllm_steer.core.layout import KeyHasher, Layout, checked_rows, converted_known, converted_rows, itemsize
 from vllm_steer.core.site_names import parse_site_name
 from vllm_steer.core.site_norms import Norms, normed
 from vllm_steer.core.vectors import MODULE_FIELD, TIER_FIELDS, PackedLayers, Vectors
@@ -268,6 +268,23 @@ def packed_fast_tier(fields: dict[str, Any], shape: ModelShape, convert: bool = 
                and v.get("scales") is None and "norm" not in v for h, v in fields[present[0]].items()):
         return None
     return present[0]
+
+
+def packed_fast_light(fields: dict[str, Any], shape: ModelShape) -> bool:
+    """Whether ``parse_packed_fast`` takes the request and converts nothing: every block in the model's dtype, or
+    in another whose conversion is remembered (the same float32 vectors with every request): light work, which
+    ``SteeringFrontend.cheap`` lets the event loop do."""
+    tier = packed_fast_tier(fields, shape, convert=True)
+    if tier is None:
+        return False
+    for obj in fields[tier].values():
+        if obj["dtype"] == shape.dtype:
+            continue
+        data, layers = obj["data"], obj.get("layer_indices")
+        if not isinstance(data, bytes) or not isinstance(layers, list) or not converted_known(
+                data, layers, obj["dtype"], shape.dtype, shape.hidden_size):
+            return False
+    return True
 
 
 def parse_packed_fast(fields: dict[str, Any], shape: ModelShape) -> tuple[str, Layout, str | None] | None:
