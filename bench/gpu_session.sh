@@ -127,6 +127,11 @@ case "${1:-}" in
     timeout -k 20 120 python3 bench/launch_cost.py --ns 16,8192 --out "$OUT/launch_cost.json" 2>&1 | tail -16
     ;;
   checks)
+    # an engine test asks for 0.3 of its GPU: say so at once where kept servers leave less (s33's Gemma Scope start)
+    nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} --query-gpu=index,memory.used,memory.total \
+      --format=csv,noheader,nounits 2>/dev/null \
+      | awk -F', ' '$2 > 0.65 * $3 {printf "WARNING: GPU %s has %d of %d MiB in use (kept A/B servers?): an engine test"\
+          " needs 0.3 of it free; stop them first (SERVERS=... stop)\n", $1, $2, $3}'
     # the whole log comes back (an engine's root cause sits far above pytest's last 25 lines: s33's Gemma Scope start)
     VLLM_PLUGINS=steer timeout -k 20 560 "${PT[@]}" ${CHECKS:-tests/gpu_e2e} --junitxml="$OUT/gpu_e2e.xml" 2>&1 \
       | tee "$OUT/checks.log" | tail -25
