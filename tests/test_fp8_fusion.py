@@ -126,6 +126,7 @@ def _fp8_consumer():
     if not _CONSUMER:
         lib = torch.library.Library("vllm_steer_test", "FRAGMENT")
         lib.define("fp8_rows_into(Tensor q, Tensor s, Tensor(a!) out) -> ()")
+
         def rows_into(q, s, out):
             out.copy_((q.float() * s).sum(-1))
 

@@ -77,13 +77,17 @@ def table_layout(vectors: Vectors, dtype_name: str) -> Layout:
         if not layers:
             continue
         ids = sorted(layers)
-        rows = stack_rows(layers, ids)
-        if (rows == _ZERO).any():  # + 0.0 folds -0.0 into 0.0, so equal values give equal bytes
-            rows = rows + _ZERO
-        raw = to_dtype_bytes(rows, dtype_name)
-        check_representable(raw, dtype_name)
-        out[hook] = (tuple(ids), raw)
+        out[hook] = (tuple(ids), _rows_bytes(stack_rows(layers, ids), dtype_name))
     return out
+
+
+def _rows_bytes(rows: np.ndarray, dtype_name: str) -> bytes:
+    """float32 rows -> their bytes in ``dtype_name``, -0.0 as 0.0; ValueError as ``check_representable``."""
+    if (rows == _ZERO).any():  # + 0.0 folds -0.0 into 0.0, so equal values give equal bytes
+        rows = rows + _ZERO
+    raw = to_dtype_bytes(rows, dtype_name)
+    check_representable(raw, dtype_name)
+    return raw
 
 
 def raw_rows(raw: bytes, layers: list[int], dtype_name: str, hidden: int) -> tuple[tuple[int, ...], bytes] | None:
@@ -161,8 +165,8 @@ def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
     """(``raw_rows`` of the block, ``rows_digest`` of those rows; None, None: no row left), from memory when the
     same bytes came lately with the same layers (``CHECKED``). ValueError as ``raw_rows`` (never remembered)."""
     key = (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), dtype_name, hidden)
-    known = CHECKED.get(key)
-    if known is not None and (known[0] is raw or known[0] == raw):  # the very block (base64_lift's), or equal bytes
+    known = _remembered(key, raw)
+    if known is not None:
         return known[1], known[2]
     rows = raw_rows(raw, layers, dtype_name, hidden) if layers else None
     digest = rows_digest(rows[1]) if rows is not None else None
@@ -171,14 +175,19 @@ def checked_rows(raw: bytes, layers: list[int], dtype_name: str,
     return rows, digest
 
 
+def _remembered(key: tuple, raw: bytes) -> tuple | None:
+    """``CHECKED``'s entry for ``key`` if it holds these very bytes (base64_lift's block, or equal bytes), else None."""
+    known = CHECKED.get(key)
+    return known if known is not None and (known[0] is raw or known[0] == raw) else None
+
+
 def _converted_key(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int) -> tuple:
     return (len(raw), raw[:PROBE], raw[-PROBE:], tuple(layers), src_dtype, dtype_name, hidden)
 
 
 def converted_known(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int) -> bool:
     """Whether ``converted_rows`` of this block would come from memory (no conversion: light work)."""
-    known = CHECKED.get(_converted_key(raw, layers, src_dtype, dtype_name, hidden))
-    return known is not None and (known[0] is raw or known[0] == raw)
+    return _remembered(_converted_key(raw, layers, src_dtype, dtype_name, hidden), raw) is not None
 
 
 def converted_rows(raw: bytes, layers: list[int], src_dtype: str, dtype_name: str, hidden: int,
@@ -189,8 +198,8 @@ def converted_rows(raw: bytes, layers: list[int], src_dtype: str, dtype_name: st
     lately in the same dtype with the same layers. ``decode()``: the block as float32 ``[n, hidden]``. ValueError on
     NaN or Inf, sent or once rounded (never remembered)."""
     key = _converted_key(raw, layers, src_dtype, dtype_name, hidden)
-    known = CHECKED.get(key)
-    if known is not None and (known[0] is raw or known[0] == raw):
+    known = _remembered(key, raw)
+    if known is not None:
         return known[1], known[2]
     values = decode()
     if not np.isfinite(values).all():
@@ -200,11 +209,7 @@ def converted_rows(raw: bytes, layers: list[int], src_dtype: str, dtype_name: st
     rows = digest = None
     if ids:
         at = {layer: i for i, layer in enumerate(layers)}
-        picked = values[[at[layer] for layer in ids]]
-        if (picked == _ZERO).any():
-            picked = picked + _ZERO
-        out = to_dtype_bytes(picked, dtype_name)
-        check_representable(out, dtype_name)
+        out = _rows_bytes(values[[at[layer] for layer in ids]], dtype_name)  # table_layout's rows of these values
         rows, digest = (tuple(ids), out), rows_digest(out)
     if isinstance(raw, bytes):
         CHECKED.put(key, lambda: ((raw, rows, digest), _held(raw, rows)))

@@ -31,10 +31,11 @@ graph; DeepGEMM on Blackwell calls ``per_token_group_fp8_quant_packed`` (matched
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
-import weakref
 import os
+import weakref
 
 import torch
 
@@ -230,7 +231,7 @@ def _outputs(graph: torch.fx.Graph, call: torch.fx.Node, indices: tuple) -> dict
         return a.meta["val"] if isinstance(a, torch.fx.Node) else a
 
     kwargs = {k: fake(v) for k, v in call.kwargs.items()}
-    with detect_fake_mode([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) or _no_mode():
+    with detect_fake_mode([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) or contextlib.nullcontext():
         val = call.target(*call.args, **kwargs)
     call.meta["val"] = val
     items = {}
@@ -238,12 +239,6 @@ def _outputs(graph: torch.fx.Graph, call: torch.fx.Node, indices: tuple) -> dict
         items[i] = graph.call_function(operator.getitem, (call, i))
         items[i].meta["val"] = val[i]
     return items
-
-
-def _no_mode():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _position(node: torch.fx.Node) -> int:
@@ -301,8 +296,6 @@ class SteeredNormQuantPass:
 def _current_config(vllm_config):
     """Inductor runs post-grad passes outside vLLM's ``set_current_vllm_config`` (s33, H200: the engine died building
     QuantFP8 in ``_trace_patterns``): the pass sets the engine's own config around itself."""
-    import contextlib
-
     if vllm_config is None:
         return contextlib.nullcontext()
     from vllm.config import set_current_vllm_config
