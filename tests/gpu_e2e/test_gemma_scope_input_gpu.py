@@ -54,7 +54,9 @@ def _refs(run) -> dict:
 def test_the_clamps_move_the_served_tokens_and_the_oracles_differ(run):
     refs = _refs(run)
     assert run["clamped"]["tokens"] != run["plain"]["tokens"]
-    assert np.abs(refs[True]["logprobs"] - refs[False]["logprobs"]).max() > 5 * LOGPROB_TOL, refs["gap"]
+    # the oracle check discriminates: the engine is outside the tolerance of the oracle with the gain, and far closer
+    # to the gainless one (s34's H200: 0.0003 vs 0.082; the GPU's tolerance is TF32's, so no fixed multiple of it)
+    assert refs["gap"][False] > max(LOGPROB_TOL, 5 * refs["gap"][True]), refs["gap"]
 
 
 def test_served_gemma_scope_transcoder_encodes_the_pre_mlp_norm_without_its_gain(run):

@@ -272,7 +272,8 @@ class SteeredNormQuantPass:
     """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache)."""
 
     def __init__(self, group_ops: tuple = (), vllm_config=None) -> None:
-        self.matched = 0
+        self.calls = 0  # graphs this pass ran on
+        self.matched = 0  # steered norms it fused, over those graphs
         self.extra_group_ops = tuple(group_ops)  # a test's stand-in for vLLM's ``_C`` group quant
         # set while tracing (vLLM's QuantFP8, a CustomOp, wants a current config); a weak reference: vLLM deep-copies
         # the compilation config, and a strong one would copy the engine's config and its model's parameters with it
@@ -281,6 +282,7 @@ class SteeredNormQuantPass:
     def __call__(self, graph: torch.fx.Graph) -> None:
         with _current_config(None if self.config_ref is None else self.config_ref()):
             found = fuse_steered_norm_quant(graph, group_quant_ops(self.extra_group_ops))
+        self.calls += 1
         self.matched += found
         if found:
             logger.info("vllm-steer: %d steered norms write FP8 for their linear (%s)", found, ENV)
