@@ -22,9 +22,7 @@
 #              direction at every layer's post_mlp) vs per_request_n16 and stock (first: SERVERS=stock,steer,steer_proj
 #              ab-start); the late kernel path beside the default EARLY (VLLM_STEER_NORM_EARLY=0): SERVERS and
 #              GRAPH_SERVERS add steer_late,steer_proj_late, ARMS add enabled_idle_late,per_request_n16_late,
-#              project_idle_late,project_n16_late; the PROJ_FUSED variant (VLLM_STEER_PROJ_FUSED=1, one reduction at a
-#              projecting norm): SERVERS and GRAPH_SERVERS add steer_proj_fused, ARMS add project_n16_fused (against
-#              per_request_n16) and project_idle_fused (against project_idle)
+#              project_idle_late,project_n16_late
 #   capture    capture idle, capturing (activations) and writing every layer to disk vs stock (first:
 #              GPU_MEM=0.3 SERVERS=stock,steer_capture,steer_capture_fs ab-start; then
 #              GRAPH_SERVERS=stock,steer_capture graph counts the capture kernels per decode step)

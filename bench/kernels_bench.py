@@ -14,13 +14,11 @@ idle: project_n16) and ``step_proj_unmarked`` (the same with no site marked idle
 direction: project_n16 before the idle marks).
 The steered norm's default is EARLY (``kernels/steered_rms_norm/triton.py``: every slot's scalar and row loads
 before the first branch); ``*_late`` rows time the late path (``early=False``, VLLM_STEER_NORM_EARLY=0) beside the
-default's, ``*_bf16`` rows ``runtime.projection_tables`` DIRS "model" (bf16 directions) and ``*_fused`` rows the
-PROJ_FUSED variant (``proj_fused=True``, VLLM_STEER_PROJ_FUSED=1: the projection's dot product and the norm's sum of
-squares in one reduction), each checked against the reference first: per launch at D 4096, N 16 and 64
-(steered_idle_late, steered_all_late, proj_row0_late, proj_all_late, proj_all_bf16, proj_row0_fused, proj_all_fused,
-proj_all_fused_bf16) and per step (step_idle / _late: vector tables allocated, nothing steered, no projection tables,
-as enabled_idle; step_steered_late, step_proj_idle_late / _fused, step_proj_live_late / _bf16 / _fused /
-_fused_bf16). step_proj_live is project_n16's shape on the ``steer_proj`` server: 64 launches, 32 of them projecting
+default's, and ``*_bf16`` rows ``runtime.projection_tables`` DIRS "model" (bf16 directions), each checked against the
+reference first: per launch at D 4096, N 16 and 64 (steered_idle_late, steered_all_late, proj_row0_late,
+proj_all_late, proj_all_bf16) and per step (step_idle / _late: vector tables allocated, nothing steered, no
+projection tables, as enabled_idle; step_steered_late, step_proj_idle_late, step_proj_live_late / _bf16).
+step_proj_live is project_n16's shape on the ``steer_proj`` server: 64 launches, 32 of them projecting
 at slot A (post_mlp L = the input norm of L + 1, the final norm), K 1, float32 directions, vector flags off (a
 projection-only config writes no vector row), 16 tokens each its own row; step_steered is per_request_n16's.
     python3 bench/kernels_bench.py --out $OUT/kernels.json
@@ -138,10 +136,7 @@ def main() -> int:
                 ("steered_all_late", dict(index=steered, flag=on, early=False)),
                 ("proj_row0_late", dict(index=zero, flag=on, proj_a=proj, early=False)),
                 ("proj_all_late", dict(index=steered, flag=on, proj_a=proj, early=False)),
-                ("proj_all_bf16", dict(index=steered, flag=on, proj_a=proj16)),
-                ("proj_row0_fused", dict(index=zero, flag=on, proj_a=proj, proj_fused=True)),
-                ("proj_all_fused", dict(index=steered, flag=on, proj_a=proj, proj_fused=True)),
-                ("proj_all_fused_bf16", dict(index=steered, flag=on, proj_a=proj16, proj_fused=True)))
+                ("proj_all_bf16", dict(index=steered, flag=on, proj_a=proj16)))
             for label, kw in variants:
                 kw = dict(kw)
                 idx, flag = kw.pop("index"), kw.pop("flag")
@@ -246,7 +241,6 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
     record("step_steered_late", step(on, False, early=False))
     record("step_proj_idle", step(off, True))  # no row live: every site marked idle
     record("step_proj_idle_late", step(off, True, early=False))
-    record("step_proj_idle_fused", step(off, True, proj_fused=True))
     for row in range(1, n + 1):
         proj.set_live(row, True)
         proj16.set_live(row, True)
@@ -254,8 +248,7 @@ def step_rows(n: int, d: int, layers: int, device: str = "cuda") -> list[dict]:
     a, b = norms[1]  # a check: post_mlp 0 (projected) + pre_attn 1 (idle) at one input norm, as the reference
     errs = {}
     live = (("step_proj_live", proj, {}), ("step_proj_live_late", proj, dict(early=False)),
-            ("step_proj_live_bf16", proj16, {}), ("step_proj_live_fused", proj, dict(proj_fused=True)),
-            ("step_proj_live_fused_bf16", proj16, dict(proj_fused=True)))
+            ("step_proj_live_bf16", proj16, {}))
     for label, tabs, variant in live:
         # the vectors on (tables a, b): the check covers the adds around the projection
         vec = ((tables[a], on), (tables[b], on))

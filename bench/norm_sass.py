@@ -4,7 +4,7 @@ ptxas with ``tests/interpreted/compile_sm90.py``'s stand-in driver (nothing laun
 nvdisasm) and TTGIR written under --out, and its skeleton printed: the global loads, branches and barriers in
 program order, so the dependent rounds of small loads a launch waits on can be counted (issue 38: the late
 projection kernel waits on one round more than the kernel without projections, EARLY, the default, on one round;
-README "EARLY loads"), and the barriers a projecting launch passes (``proj_fused``: README "Fused projection").
+README "EARLY loads").
     PYTHONPATH=src:. .venv/bin/python bench/norm_sass.py --out /tmp/norm_sass steered proj proj_late
 """
 
@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-CASES = ("steered", "steered_late", "proj", "proj_late", "proj_fused")
+CASES = ("steered", "steered_late", "proj", "proj_late")
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
     proj = (torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, 1, d), torch.zeros(rows, 1, 2))
     both = dict(proj_a=proj, proj_b=proj)
     configs = {"steered": dict(early=True), "steered_late": dict(early=False), "proj": dict(both, early=True),
-               "proj_late": dict(both, early=False), "proj_fused": dict(both, early=True, proj_fused=True)}
+               "proj_late": dict(both, early=False)}
     for name in args.cases:
         fn = kernel._steered_norm_kernel
         seen = {id(c) for cache in fn.device_caches.values() for c in cache[0].values()}

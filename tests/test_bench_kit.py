@@ -544,8 +544,7 @@ def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path
     """Issue 38's A/B of the steered norm's late path against its default, EARLY: steer_late / steer_proj_late start
     as steer / steer_proj (same steer block, own ports) with VLLM_STEER_NORM_EARLY=0 in their environment (the twins
     without it: EARLY), each *_late arm sends its twin's traffic, compared with it (project_n16_late with
-    per_request_n16_late), and the graph phase profiles both servers at n16; steer_proj_fused likewise with
-    VLLM_STEER_PROJ_FUSED=1 (arms project_idle_fused / project_n16_fused, the latter against per_request_n16)."""
+    per_request_n16_late), and the graph phase profiles both servers at n16."""
     from types import SimpleNamespace
 
     from abkit.runner import GRAPH_PLAN
@@ -556,16 +555,12 @@ def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path
                            peer_wheel=None, reuse_servers=False, port_base=9000)
     pool = Pool(args, tmp_path, tmp_path)
     envs = {}
-    fused = {}
-    for name in ("steer", "steer_proj", "steer_late", "steer_proj_late", "steer_proj_fused"):
+    for name in ("steer", "steer_proj", "steer_late", "steer_proj_late"):
         s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
         pool.prepare(s)
         envs[name] = (s.env().get("VLLM_STEER_NORM_EARLY"), s.command()[s.command().index("--additional-config") + 1])
-        fused[name] = s.env().get("VLLM_STEER_PROJ_FUSED")
     assert envs["steer_late"] == ("0", envs["steer"][1]) and envs["steer"][0] is None
     assert envs["steer_proj_late"] == ("0", envs["steer_proj"][1]) and envs["steer_proj"][0] is None
-    # the PROJ_FUSED variant: steer_proj's twin with VLLM_STEER_PROJ_FUSED=1 (and EARLY, which it needs)
-    assert envs["steer_proj_fused"] == envs["steer_proj"] and fused == {**dict.fromkeys(fused), "steer_proj_fused": "1"}
     assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
     assert STEER_SERVERS["steer_late"] == STEER_SERVERS["steer"]
     for arm, twin, ref in (("per_request_n16_late", "per_request_n16", "per_request_n16"),
@@ -575,19 +570,15 @@ def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path
         a, b = ARMS[arm], ARMS[twin]
         assert (a["kind"], a.get("n_configs"), a["server"], a["ref"]) == \
             (b["kind"], b.get("n_configs"), b["server"] + "_late", ref)
-    for arm, twin, ref in (("project_n16_fused", "project_n16", "per_request_n16"),
-                           ("project_idle_fused", "project_idle", "project_idle")):
-        a, b = ARMS[arm], ARMS[twin]
-        assert (a["kind"], a.get("n_configs"), a["server"], a["ref"]) == \
-            (b["kind"], b.get("n_configs"), b["server"] + "_fused", ref)
     graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
     assert {("steer_late", "plain"), ("steer_late", "per_request"), ("steer_proj_late", "plain"),
-            ("steer_proj_late", "project"), ("steer_proj_fused", "plain"), ("steer_proj_fused", "project")} <= graphed
+            ("steer_proj_late", "project")} <= graphed
 
 
-def test_the_fp8_give_back_server_is_steer_with_the_pass_on(tmp_path):
-    """Issue 43: steer_fp8q starts as steer (same steer block, own port) with VLLM_STEER_FP8_NORM_QUANT=1 (steer
-    without it), its arms send steer's traffic compared with steer's, and the graph phase profiles it at n16."""
+def test_the_fp8_unfused_server_is_steer_with_the_pass_off(tmp_path):
+    """Issue 43: steer_fp8u starts as steer (same steer block, own port) with VLLM_STEER_FP8_NORM_QUANT=0 (steer
+    without it: the pass on for an FP8 model), its arms send steer's traffic compared with steer's, and the graph
+    phase profiles it at n16."""
     from types import SimpleNamespace
 
     from abkit.runner import GRAPH_PLAN
@@ -598,19 +589,19 @@ def test_the_fp8_give_back_server_is_steer_with_the_pass_on(tmp_path):
                            peer_wheel=None, reuse_servers=False, port_base=9000)
     pool = Pool(args, tmp_path, tmp_path)
     envs = {}
-    for name in ("steer", "steer_fp8q"):
+    for name in ("steer", "steer_fp8u"):
         s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
         pool.prepare(s)
         envs[name] = (s.env().get("VLLM_STEER_FP8_NORM_QUANT"),
                       s.command()[s.command().index("--additional-config") + 1])
-    assert envs["steer_fp8q"] == ("1", envs["steer"][1]) and envs["steer"][0] is None
+    assert envs["steer_fp8u"] == ("0", envs["steer"][1]) and envs["steer"][0] is None
     assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
-    for arm, twin in (("enabled_idle_fp8q", "enabled_idle"), ("per_request_n16_fp8q", "per_request_n16")):
+    for arm, twin in (("enabled_idle_fp8u", "enabled_idle"), ("per_request_n16_fp8u", "per_request_n16")):
         a, b = ARMS[arm], ARMS[twin]
         assert (a["kind"], a.get("n_configs"), a["server"], a["ref"]) == \
-            (b["kind"], b.get("n_configs"), "steer_fp8q", twin)
+            (b["kind"], b.get("n_configs"), "steer_fp8u", twin)
     graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
-    assert {("steer_fp8q", "plain"), ("steer_fp8q", "per_request")} <= graphed
+    assert {("steer_fp8u", "plain"), ("steer_fp8u", "per_request")} <= graphed
 
 
 def test_the_unfused_stock_turns_off_only_the_allreduce_fusion_and_no_server_may_use_multicast(tmp_path, monkeypatch):

@@ -175,10 +175,12 @@ def test_norm_output_read_elsewhere_is_left_unfused(vllm_quant):
 
 
 def test_opt_in_puts_the_pass_where_vllms_backend_takes_it(monkeypatch):
-    """VLLM_STEER_FP8_NORM_QUANT=1 with steering on: an InductorPass under post_grad_custom_post_pass, deep-copyable
-    (VllmBackend copies the config when the model is built) and hashed by its uuid; off, or steering off: nothing.
-    The variable is part of the compile-cache key."""
+    """VLLM_STEER_FP8_NORM_QUANT=1, or unset for a quantized model, with steering on: an InductorPass under
+    post_grad_custom_post_pass, deep-copyable (VllmBackend copies the config when the model is built) and hashed by
+    its uuid; unset for an unquantized model, 0, or steering off: nothing. The variable is part of the compile-cache
+    key."""
     import copy
+    import types
 
     from vllm.compilation.passes.inductor_pass import InductorPass
     from vllm.config import VllmConfig
@@ -190,8 +192,21 @@ def test_opt_in_puts_the_pass_where_vllms_backend_takes_it(monkeypatch):
     monkeypatch.delenv(fp8_fusion.ENV, raising=False)
     off_digest = data_plane_digest()
     steered = VllmConfig(additional_config={"steer": {"max_configs": 4}})
-    assert not fp8_fusion.register_in(steered)
+    cpu_mode = steered.compilation_config.mode
+    steered.compilation_config.mode = CompilationMode.VLLM_COMPILE  # a GPU engine's default
+    assert steered.model_config is None or steered.model_config.quantization is None
+    assert not fp8_fusion.register_in(steered)  # unset, unquantized: the default leaves bf16 models alone
     assert fp8_fusion.PASS_KEY not in steered.compilation_config.inductor_compile_config
+    fp8 = VllmConfig(additional_config={"steer": {"max_configs": 4}})
+    fp8.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    object.__setattr__(fp8, "model_config", types.SimpleNamespace(quantization="fp8"))
+    monkeypatch.setenv(fp8_fusion.ENV, "0")
+    assert not fp8_fusion.register_in(fp8)  # 0: off, even for an FP8 model
+    monkeypatch.delenv(fp8_fusion.ENV)
+    assert fp8_fusion.register_in(fp8)  # unset: on for a quantized model (s34's H200: stock's kernels, TPOT back)
+    assert isinstance(fp8.compilation_config.inductor_compile_config[fp8_fusion.PASS_KEY],
+                      fp8_fusion.SteeredNormQuantPass)
+    steered.compilation_config.mode = cpu_mode
 
     monkeypatch.setenv(fp8_fusion.ENV, "1")
     assert data_plane_digest() != off_digest

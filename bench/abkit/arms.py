@@ -79,14 +79,10 @@ ARMS = {
     "per_request_n16_late": dict(server="steer_late", kind="per_request", n_configs=16, ref="per_request_n16"),
     "project_idle_late": dict(server="steer_proj_late", kind="plain", ref="project_idle"),
     "project_n16_late": dict(server="steer_proj_late", kind="project", n_configs=16, ref="per_request_n16_late"),
-    # the PROJ_FUSED variant (server steer_proj_fused: VLLM_STEER_PROJ_FUSED=1), against the target's reference
-    # (project_n16_fused - per_request_n16 <= +0.5 pp TPOT) and its idle twin against project_idle
-    "project_idle_fused": dict(server="steer_proj_fused", kind="plain", ref="project_idle"),
-    "project_n16_fused": dict(server="steer_proj_fused", kind="project", n_configs=16, ref="per_request_n16"),
-    # issue 43 (QUANT=fp8): the same traffic on steer_fp8q (VLLM_STEER_FP8_NORM_QUANT=1: the norm + FP8 quant fused
-    # back), against its twin on steer
-    "enabled_idle_fp8q": dict(server="steer_fp8q", kind="plain", ref="enabled_idle"),
-    "per_request_n16_fp8q": dict(server="steer_fp8q", kind="per_request", n_configs=16, ref="per_request_n16"),
+    # issue 43 (QUANT=fp8): the same traffic on steer_fp8u (VLLM_STEER_FP8_NORM_QUANT=0: the norm + FP8 quant not
+    # fused back), against its twin on steer (fused back: the default)
+    "enabled_idle_fp8u": dict(server="steer_fp8u", kind="plain", ref="enabled_idle"),
+    "per_request_n16_fp8u": dict(server="steer_fp8u", kind="per_request", n_configs=16, ref="per_request_n16"),
     # issue 40 (the arfuse steps, TP=2 with FlashInfer): stock with vLLM's all-reduce + RMSNorm fusion off, against
     # the fused default (what a steered norm gives up: enabled_idle - stock_nofuse is our own cost beside it)
     "stock_nofuse": dict(server="stock_nofuse", kind="plain", ref="stock"),

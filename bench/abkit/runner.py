@@ -42,12 +42,9 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("steer_late / per_request_n16_late", "steer_late", "per_request", 16),
     ("steer_proj_late / unsteered n16 (project_idle_late)", "steer_proj_late", "plain", 16),
     ("steer_proj_late / project_n16_late", "steer_proj_late", "project", 16),
-    # the PROJ_FUSED variant (server steer_proj_fused: VLLM_STEER_PROJ_FUSED=1)
-    ("steer_proj_fused / unsteered n16 (project_idle_fused)", "steer_proj_fused", "plain", 16),
-    ("steer_proj_fused / project_n16_fused", "steer_proj_fused", "project", 16),
-    # issue 43 (QUANT=fp8): steer with the norm + FP8 quant fused back (VLLM_STEER_FP8_NORM_QUANT=1)
-    ("steer_fp8q / unsteered n16 (enabled_idle_fp8q)", "steer_fp8q", "plain", 16),
-    ("steer_fp8q / per_request_n16_fp8q", "steer_fp8q", "per_request", 16),
+    # issue 43 (QUANT=fp8): steer without the norm + FP8 quant fused back (VLLM_STEER_FP8_NORM_QUANT=0)
+    ("steer_fp8u / unsteered n16 (enabled_idle_fp8u)", "steer_fp8u", "plain", 16),
+    ("steer_fp8u / per_request_n16_fp8u", "steer_fp8u", "per_request", 16),
     # issue 40 (arfuse, TP=2 with FlashInfer): stock without vLLM's all-reduce + RMSNorm fusion, beside stock and steer
     ("stock_nofuse / unsteered", "stock_nofuse", "plain", 4),
     ("stock_nofuse / unsteered n16", "stock_nofuse", "plain", 16)]

@@ -146,87 +146,6 @@ def _project_from(b_s, i_row, proj, o_d, m_d, first):
 
 
 @triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    """The combine of ``_fused_slots``' 4-operand sum."""
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _fused_slots(b_s, i_row, vec_a, vec_b, proj_a, proj_b, cap_b, i_pb, o_d, m_d, HAS_A: tl.constexpr,
-                 HAS_B: tl.constexpr, PROJ_A: tl.constexpr, PROJ_B: tl.constexpr, CAP_B: tl.constexpr):
-    """(stream after both slots, its sum of squares) with ONE block reduction for a token with at most one live
-    direction over the two slots (PROJ_FUSED, README "Fused projection"): over the stream without projections
-    ``w = s0 + A[row] + B[row]`` it sums ``w.w``, ``p = s_at . v`` (s_at: the stream where the direction's slot
-    projects), ``w.v`` and ``v.v`` side by side; the stream is ``w + k v`` with ``k = clamp(p, lo, hi) - p``, so its
-    sum of squares is ``w.w + 2 k w.v + k^2 v.v``. The stream itself is added up in the serial path's order (bit for
-    bit the same for a token that does not project). A token with two or more live directions, or whose projection
-    removes most of the stream (the sum of squares below 1/16 of its terms: cancellation), is redone serially from
-    s0 (``_project``, then a plain reduction): a branch after the reduction, which waits on nothing more."""
-    b_s0 = b_s
-    b_ta = tl.zeros_like(b_s)
-    b_tb = tl.zeros_like(b_s)
-    on_a = False
-    on_b = False
-    if HAS_A:
-        on_a, b_ta = _row_of(vec_a, i_row, o_d, m_d)
-    if HAS_B:
-        on_b, b_tb = _row_of(vec_b, i_row, o_d, m_d)
-    n_a = 0
-    n_b = 0
-    b_va = tl.zeros_like(b_s)
-    b_vb = tl.zeros_like(b_s)
-    lo_a = 0.0
-    hi_a = 0.0
-    lo_b = 0.0
-    hi_b = 0.0
-    if PROJ_A:
-        n_a, b_va, lo_a, hi_a = _proj_first(i_row, proj_a, o_d, m_d)
-    if PROJ_B:
-        n_b, b_vb, lo_b, hi_b = _proj_first(i_row, proj_b, o_d, m_d)
-    at_a = n_a > 0
-    b_at_b = b_s0  # the stream as slot B gets it, without A's projection
-    if HAS_A:
-        b_at_b = tl.where(on_a, b_s0 + b_ta, b_s0)
-    b_plain = b_at_b  # the stream without projections
-    if HAS_B:
-        b_plain = tl.where(on_b, b_at_b + b_tb, b_at_b)
-    b_v = tl.where(at_a, b_va, b_vb)
-    b_at = tl.where(at_a, b_s0, b_at_b)
-    # [BLOCK_D] x 4 -> 4 scalars: one reduction (one round through shared memory), not two one after another
-    ww, p, wv, vv = tl.reduce((b_plain * b_plain, b_at * b_v, b_plain * b_v, b_v * b_v), 0, _add4)
-    lo = tl.where(at_a, lo_a, lo_b)
-    hi = tl.where(at_a, hi_a, hi_b)
-    k = tl.where(n_a + n_b > 0, tl.minimum(tl.maximum(p, lo), hi) - p, 0.0)
-    k_a = tl.where(at_a, k, 0.0)
-    k_b = tl.where(at_a, 0.0, k)
-    b_s = b_s0 + k_a * b_v
-    if HAS_A:
-        b_s = tl.where(on_a, b_s + b_ta, b_s)
-    if CAP_B:
-        _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
-    b_s = b_s + k_b * b_v
-    if HAS_B:
-        b_s = tl.where(on_b, b_s + b_tb, b_s)
-    ss = ww + 2.0 * k * wv + k * k * vv
-    if (n_a + n_b > 1) | (ss * 16.0 < ww + k * k * vv):
-        # rare: redo serially, the directions loaded again (held across the reduction, both slots' rows spilled a
-        # register at D 4096: sm_90 SASS, bench/norm_sass.py proj_fused)
-        b_s = b_s0
-        if PROJ_A:
-            b_s = _project(b_s, i_row, proj_a, o_d, m_d)
-        if HAS_A:
-            b_s = tl.where(on_a, b_s + b_ta, b_s)
-        if CAP_B:  # A's every direction (the store above had its first only): this store comes later, it stays
-            _capture(b_s, i_pb, cap_b, o_d, m_d, tl.program_id(1) == 0)
-        if PROJ_B:
-            b_s = _project(b_s, i_row, proj_b, o_d, m_d)
-        if HAS_B:
-            b_s = tl.where(on_b, b_s + b_tb, b_s)
-        ss = tl.sum(b_s * b_s, axis=0)
-    return b_s, ss
-
-
-@triton.jit
 def _project(b_s, i_row, proj, o_d, m_d):
     """b_s after row ``i_row``'s directional projections (``_proj_first``'s loads, then ``_project_from``)."""
     return _project_from(b_s, i_row, proj, o_d, m_d, _proj_first(i_row, proj, o_d, m_d))
@@ -363,13 +282,7 @@ def _add_edit(b_s, i_t, i_row, full, o_d, m_d, w):
 def _normalized(b_s, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
     """vLLM's RMSNorm of the float32 stream ``b_s`` (``naive._normalize``), before the cast to the output's dtype:
     also ``full_triton``'s gather of a full transcoder's input, so both compute it alike."""
-    return _normalized_ss(b_s, tl.sum(b_s * b_s, axis=0), b_w, eps, weight_offset, D, OFFSET_WEIGHT)
-
-
-@triton.jit
-def _normalized_ss(b_s, ss, b_w, eps, weight_offset, D: tl.constexpr, OFFSET_WEIGHT: tl.constexpr):
-    """``_normalized`` with the stream's sum of squares ``ss`` given (PROJ_FUSED computes it beside the projection)."""
-    b_var = ss / D
+    b_var = tl.sum(b_s * b_s, axis=0) / D
     b_n = b_s * (1.0 / tl.sqrt_rn(b_var + eps))
     if OFFSET_WEIGHT:
         b_o = b_n * (b_w.to(tl.float32) + weight_offset)
@@ -471,7 +384,6 @@ def _steered_norm_kernel(
     FULL_B: tl.constexpr = False,
     FULL_TC: tl.constexpr = False,  # a full transcoder pack's edit, added to the residual after the norm
     EARLY: tl.constexpr = False,  # plain sites (no SAE, condition): every slot's loads before the first branch
-    PROJ_FUSED: tl.constexpr = False,  # with EARLY at a projecting plain site: one reduction (``_fused_slots``)
     QUANT: tl.constexpr = 0,  # the output goes out in FP8 for the linear after the norm, instead of in the model
     # dtype: 1 static per-tensor (scale given), 2 dynamic per-token (naive.quant_fp8_naive), 3 per token and group
     # of GROUP columns (naive.quant_fp8_group_naive, a block-FP8 linear's input); plain sites only
@@ -482,13 +394,11 @@ def _steered_norm_kernel(
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
     clamps (encoded from the output as stored, added to the residual only)."""
     i_t = tl.program_id(0).to(tl.int64)
-    ss = 0.0  # PROJ_FUSED: the stream's sum of squares, computed with its projection
     go = True  # this program writes the token (with SPLIT > 1: the one that finishes it)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     if CAP_A:  # the capture plans first: their loads overlap the stream's
         i_pa = _plan_of(i_t, cap_a)
-    i_pb = -1
     if CAP_B:
         i_pb = _plan_of(i_t, cap_b)
     # Every load the plain path needs is issued here, the weight's too (as Inductor's fused add +
@@ -530,12 +440,6 @@ def _steered_norm_kernel(
                 b_s = _project(b_s, i_row, proj_b, o_d, m_d)
             if HAS_B:
                 b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, 1.0)
-    elif EARLY and PROJ_FUSED and (PROJ_A or PROJ_B) and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or
-                                                             COND):
-        # PROJ_FUSED (VLLM_STEER_PROJ_FUSED=1, an issue-38 variant for the GPU bench): EARLY's loads, then the
-        # projection's dot products and the norm's sum of squares in one reduction instead of two in a row
-        b_s, ss = _fused_slots(b_s, tl.load(p_index + i_t), vec_a, vec_b, proj_a, proj_b, cap_b, i_pb, o_d, m_d,
-                               HAS_A, HAS_B, PROJ_A, PROJ_B, CAP_B)
     elif EARLY and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or COND) and (
             HAS_A or HAS_B or CAP_B or PROJ_A or PROJ_B):
         # EARLY (VLLM_STEER_NORM_EARLY, on by default): both slots' vector rows, counts, first directions and
@@ -603,11 +507,7 @@ def _steered_norm_kernel(
     m_w = m_d & go
     if not (TC or FULL_TC):
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
-    if EARLY and PROJ_FUSED and (PROJ_A or PROJ_B) and not (SAE_A or SAE_B or TC or FULL_A or FULL_B or FULL_TC or
-                                                         COND):
-        b_o = _normalized_ss(b_s, ss, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
-    else:
-        b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
+    b_o = _normalized(b_s, b_w, eps, weight_offset, D, OFFSET_WEIGHT).to(p_out.dtype.element_ty)
     if QUANT == 3:  # vLLM's group quant of the output as rounded to the model dtype: what its block-FP8 linear reads
         _quant_fp8_group(b_o.to(tl.float32), i_t, quant, D, BLOCK_D, GROUP, UE8M0)
     elif QUANT != 0:  # vLLM's QuantFP8 of the output as rounded to the model dtype: what its own linear would read
@@ -711,11 +611,6 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
 # (bench/kernels_bench.py, the default rows against ``*_late``: 64 launches a step, steered 191.6 -> 168.2 µs at
 # N16, projections idle 161.9 -> 153.8); VLLM_STEER_NORM_EARLY=0 takes the late path, for A/B runs.
 EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "1") != "0"
-# PROJ_FUSED (issue 38, read once at import; the launcher's ``proj_fused`` overrides it per call): with EARLY, a plain
-# site with projections takes the projection's dot product and the norm's sum of squares in one reduction
-# (``_fused_slots``, README "Fused projection") instead of two in a row. Off until a GPU bench says otherwise
-# (kernels_bench ``*_fused`` rows, A/B ``project_n16_fused``); VLLM_STEER_PROJ_FUSED=1 turns it on.
-PROJ_FUSED = os.environ.get("VLLM_STEER_PROJ_FUSED", "0") == "1"
 _KERNEL = CachedLauncher(_steered_norm_kernel)
 
 
@@ -744,7 +639,6 @@ def steered_norm_triton(
     full_b: Sequence[torch.Tensor] = (),
     full_tc: Sequence[torch.Tensor] = (),  # a full transcoder pack's edit: (edit [N, D] fp32, mode [R] int32), ()
     early: bool | None = None,  # every slot's loads before the first branch (None: VLLM_STEER_NORM_EARLY; False: late)
-    proj_fused: bool | None = None,  # with early: one reduction at a projecting site (None: VLLM_STEER_PROJ_FUSED)
     quant: tuple = (),  # steered_norm_fp8_triton's (q [N, D] fp8, scale, QUANT[, GROUP, eps, UE8M0]): the output as FP8
     # into q, not out
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -824,8 +718,7 @@ def steered_norm_triton(
         args += (va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc, ())
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, bool(sa), bool(sb),
                             32, split, bool(cond_desc), cap_a, cap_b, bool(pa), bool(pb), bool(tcd), bool(fa),
-                            bool(fb), bool(ftc), EARLY if early is None else early,
-                            bool(pa or pb) and (PROJ_FUSED if proj_fused is None else proj_fused))
+                            bool(fb), bool(ftc), EARLY if early is None else early)
     else:  # vectors and capture only (the other descriptors empty, their flags off)
         qd = qflags = ()
         if quant:
@@ -843,7 +736,7 @@ def steered_norm_triton(
         args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), (), qd)
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, False, False, 32, 1,
                             False, cap_a, cap_b, False, False, False, False, False, False,
-                            EARLY if early is None else early, False) + qflags
+                            EARLY if early is None else early) + qflags
         split = 1
     _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec)
     return out, res_out

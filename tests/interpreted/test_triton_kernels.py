@@ -743,19 +743,14 @@ def _one_direction_tables(d: int, seed: int, dtype: torch.dtype = torch.float32)
 @pytest.mark.parametrize("dirs_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", ["ab", "a", "b"])
-@pytest.mark.parametrize("path", ["early", "late", "fused"])
-def test_triton_projection_paths_match_reference(interpreted, path, slots, dtype_name, dirs_name):
-    """The plain-site paths (``EARLY``, the default: every slot's loads before the first branch; ``early=False``: the
-    late path; ``proj_fused``: EARLY with one reduction, ``_fused_slots``) give the reference's outputs for tokens
-    projecting at A, at B, at both (fused: redone serially), capped, of row 0 and of a stale row, with directions in
-    float32 and in bf16 (``runtime.projection_tables.DIRS`` "model"); row 0's tokens, a stale row's and a site marked
-    idle are the late kernel without projections, bit for bit (fused: the new residual; the output's sum of squares
-    comes from the fused reduction, whose order the interpreter does not keep: within tolerance); and a token's
-    stream after an ablation at its last slot has no component along the direction (bf16 directions: only their
-    rounding's)."""
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_triton_projection_paths_match_reference(interpreted, early, slots, dtype_name, dirs_name):
+    """Both plain-site paths (``EARLY``, the default: every slot's loads before the first branch; ``early=False``: the
+    late path) give the reference's outputs for tokens projecting at A, at B, at both, capped, of row 0 and of a stale
+    row, with directions in float32 and in bf16 (``runtime.projection_tables.DIRS`` "model"); row 0's tokens, a stale
+    row's and a site marked idle are the late kernel without projections, bit for bit; and a token's stream after an
+    ablation at its last slot has no component along the direction (bf16 directions: only their rounding's)."""
     kernel, _ = interpreted
-    early = path != "late"
-    fused = path == "fused"
     dtype = DTYPES[dtype_name]
     n, d = 14, 80
     x, r, (ta, tb), _ = _case(n, d, dtype, seed=120)
@@ -764,71 +759,27 @@ def test_triton_projection_paths_match_reference(interpreted, path, slots, dtype
     pa, pb = _one_direction_tables(d, seed=122, dtype=DTYPES[dirs_name])
     proj = {"proj_a": pa} if slots == "a" else {"proj_b": pb} if slots == "b" else {"proj_a": pa, "proj_b": pb}
     vec = ((ta, _on()), (tb, _on()))
-    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, early=early, proj_fused=fused)
+    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, early=early)
     want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **proj)
     tol = _SAE_TOL[dtype] if dtype == torch.float32 else _TOL[dtype]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
     plain = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, early=False)
     rows = index[:n]
-    same = (lambda a, b: torch.equal(a, b)) if not fused else (
-        lambda a, b: torch.testing.assert_close(a, b, **tol) is None)
-    for k, (a, b) in enumerate(zip(got, plain)):
-        eq = torch.equal if k == 1 else same  # [1]: the new residual
-        assert eq(a[rows == 0], b[rows == 0]) and eq(a[rows == 5], b[rows == 5])
+    for a, b in zip(got, plain):
+        assert torch.equal(a[rows == 0], b[rows == 0]) and torch.equal(a[rows == 5], b[rows == 5])
     idle = {k: (torch.cat([torch.tensor([-1], dtype=torch.int32), c[1:]]), *rest) for k, (c, *rest) in proj.items()}
-    at_idle = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **idle, early=early, proj_fused=fused)
-    assert torch.equal(at_idle[1], plain[1]) and same(at_idle[0], plain[0])
+    assert all(torch.equal(a, b) for a, b in
+               zip(kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **idle, early=early), plain))
     if slots == "b" and dtype == torch.float32:  # only B, no vector after it: nothing left along B's direction
         zb = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, vec_b=(torch.zeros_like(tb), _on()), proj_b=pb,
-                                        early=early, proj_fused=fused)[1]
+                                        early=early)[1]
         v = _one_direction_tables(d, seed=122)[1][1][2, 0]  # the float32 unit direction (bf16's rounded from it)
         along, before = zb[rows == 2] @ v, (x + r)[:n][rows == 2] @ v
         # bf16 directions: what is left is the rounding's (|w|^2 != 1, the angle to v): 1e-3 of the component at
         # D 80 (the engine's D 4096: the angle's ~1e-3 alone), not the component itself
         limit = 1e-5 if dirs_name == "float32" else 4e-3 * float(before.abs().max())
         assert float(along.abs().max()) <= limit and float(before.abs().min()) > 0.1
-
-
-@_INTERPRETER_INDEX
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_triton_fused_projection_matches_reference_where_it_redoes_serially(interpreted, dtype_name):
-    """``proj_fused`` (one reduction for the projection and the norm, ``_fused_slots``) where its one-pass algebra does
-    not hold and the token is redone serially, with slot B captured: K = 2 at slot A (rows 1-3: two live directions,
-    the capture at B after both), an ablated direction that is the token's stream itself (row 4: the stream's sum of
-    squares cancels to ~0, what transformers' oracle in tests/test_sae_engine.py ablates), and one direction a
-    capped token at A (row 5: the one-pass path); outputs, new residual and every pool row as the reference's."""
-    kernel, _ = interpreted
-    dtype = DTYPES[dtype_name]
-    n, d = 12, 80
-    x, r, (ta, tb), _ = _case(n, d, dtype, seed=150)
-    w = (torch.randn(d, generator=torch.Generator().manual_seed(151)) * 0.5 + 1.0).to(dtype)
-    index = (torch.arange(n + 5) % 6).to(torch.int32)
-    count, dirs, bounds = _projections(6, d, 2, seed=152)  # rows 1..4: min(r, 2) live, row 5 stale
-    count[5], bounds[5, 0] = 1, torch.tensor([-0.5, 0.5])
-    count[4], bounds[4] = 1, 0.0  # row 4 ablates
-    s4 = (x.float() + r.float())[4]  # token 4 (row 4): its pristine stream, as the direction
-    dirs[4, 0] = s4 / s4.norm()
-    plan_b = torch.full((n + 5,), -1, dtype=torch.int32)
-    plan_b[:n] = torch.arange(n, dtype=torch.int32)
-    pools = [torch.full((n, d), float("nan"), dtype=dtype) for _ in range(2)]
-    ta = ta.clone()
-    ta[4] = 0  # row 4 adds nothing after its ablation: token 4's stream is left at ~0
-    vec = ((ta, _on()), (torch.zeros_like(tb), _on()))
-    proj = dict(proj_a=(count, dirs, bounds), plan_b=plan_b)
-    got = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, pool=pools[0], early=True,
-                                     proj_fused=True)
-    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, *vec, **proj, pool=pools[1])
-    serial = kernel.steered_norm_triton(x, r, w, 1e-5, 0.0, index, *vec, **proj, pool=pools[1].clone(), early=True)
-    tol = _SAE_TOL[dtype] if dtype == torch.float32 else _TOL[dtype]
-    rest = torch.arange(n) != 4
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a[rest], b[rest], **tol)
-    torch.testing.assert_close(pools[0], pools[1], **tol)
-    # token 4: nothing left of its stream (the one-pass sum of squares would be all rounding): redone, it is the
-    # serial EARLY kernel's, bit for bit
-    assert float(want[1][4].float().norm()) < 1e-3 * float(s4.norm())
-    assert all(torch.equal(a[4], b[4]) for a, b in zip(got, serial))
 
 
 @_INTERPRETER_INDEX

@@ -23,12 +23,13 @@ def _package_dir(name: str) -> Path:
 
 
 def data_plane_digest() -> str:
-    """Hash of everything that shapes the compiled graph: the worker runtime, the kernels, and the opt-in FP8
-    norm + quant pass (``runtime.fp8_fusion``, by its environment variable)."""
+    """Hash of everything that shapes the compiled graph: the worker runtime, the kernels, and the FP8 norm + quant
+    pass's environment variable (``runtime.fp8_fusion``; its default follows the model's quantization, which vLLM's own
+    cache key holds)."""
     from vllm_steer import __version__
 
     h = hashlib.sha256(__version__.encode())
-    h.update(os.environ.get("VLLM_STEER_FP8_NORM_QUANT", "0").encode())
+    h.update(os.environ.get("VLLM_STEER_FP8_NORM_QUANT", "").encode())
     for pkg in ("vllm_steer.runtime", "vllm_steer.kernels"):
         root = _package_dir(pkg)
         for f in sorted(root.rglob("*.py")):
