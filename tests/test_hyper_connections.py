@@ -481,6 +481,44 @@ def test_the_gpu_oracles_reference_copy_loads_in_transformers_as_the_model_saved
         assert torch.equal(model(ids).logits, expected(ids).logits)
 
 
+def test_the_gpu_oracles_reference_streams_are_the_merged_streams_its_norms_read(oracle_checkpoint):
+    """``reference_streams`` (the GPU oracle's reference for capture): every site's rows are the merged stream that
+    transformers' mHC modules hand the site's norm (attn_hc / ffn_hc's collapsed stream, hc_head's output), taken
+    before that site's vector and after an earlier site's at the same norm (post_mlp.0's, then pre_attn.1's)."""
+    from tests.gpu_e2e import test_deepseek_v4_gpu as oracle
+
+    _, ref, _ = oracle_checkpoint
+    model = oracle.load_reference(str(ref))
+    last = len(LAYERS_V4) - 1
+    ids = list(range(3, 20))
+    merged, handles = {}, []
+
+    def keep(key):
+        return lambda m, args, out: merged.__setitem__(key, (out[2] if isinstance(out, tuple) else out)[0].clone())
+
+    for i, layer in enumerate(model.model.layers):
+        handles += [layer.attn_hc.register_forward_hook(keep((i, "pre_attn"))),
+                    layer.ffn_hc.register_forward_hook(keep((i, "post_attn")))]
+    handles.append(model.model.hc_head.register_forward_hook(keep((last, "post_mlp"))))
+    v = 4 * torch.randn(oracle.HIDDEN, generator=torch.Generator().manual_seed(5))
+    try:
+        plain = oracle.reference_streams(model, ids, None)
+        want = dict(merged)
+        steered = oracle.reference_streams(model, ids, {"post_mlp": {0: v.numpy()}})
+    finally:
+        for h in handles:
+            h.remove()
+    want[(0, "post_mlp")] = want[(1, "pre_attn")]
+    assert sorted(plain) == sorted((layer, hook) for hook, layer in oracle.SITES)
+    for key, rows in plain.items():
+        assert rows.shape == (len(ids), oracle.HIDDEN), key
+        assert torch.equal(torch.from_numpy(rows), want[key]), key
+    for key in ((0, "pre_attn"), (0, "post_attn"), (0, "post_mlp")):  # at and before the vector: pristine
+        assert torch.equal(torch.from_numpy(steered[key]), torch.from_numpy(plain[key])), key
+    assert torch.equal(torch.from_numpy(steered[(1, "pre_attn")]), torch.from_numpy(plain[(0, "post_mlp")]) + v)
+    assert not torch.allclose(torch.from_numpy(steered[(1, "post_attn")]), torch.from_numpy(plain[(1, "post_attn")]))
+
+
 def _bare_assert(heads: int) -> None:
     assert heads % 64 == 0
 

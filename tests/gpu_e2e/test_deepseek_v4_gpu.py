@@ -40,7 +40,9 @@ or within ``TIE`` of it, and each steered request's vectors move the reference's
 ``LOGPROB_TOL`` is s33's measurement on an H200 (bfloat16, fp8 KV cache and wo_a's fp8 activations vs float32): the
 unsteered case's error is the engine's own; widen both together if that one fails. ``TIE`` is the same bound: with
 logprobs off by up to 0.77 unsteered, near-tied tokens swap (s34: the unsteered case's token trailed the argmax by
-0.49).
+0.49). Capture reads the same points (a second engine, ``capture_run``, with the consumers on): the unsteered request
+and the one steered at post_attn.0 capture every site at every position they feed, each row the reference's input of that site's norm before that site's vector
+(``reference_streams``; ``ROW_TOL`` / ``MEDIAN_TOL``), the steered one's the unsteered one's at and before its site.
 
 Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no TileLang / nvcc / DeepGEMM / CuTe DSL /
 sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bring them), or the steered engine fails
@@ -95,6 +97,25 @@ FAN_IN_SCALE = (256 / HIDDEN) ** 0.5
 # the engine's max_model_len and the model's max positions: the indexer's logits rows are max_model_len / 4 wide, here
 # index_topk (512) as in a real deployment (no assert found against narrower rows; a case no real deployment runs)
 MAX_LEN = 2048
+# capture (docs/capture.md), in a second engine: the unsteered request and the one steered at STEERED capture every site
+# at every position they feed (the prompt's 21, the first STEPS - 1 generated): rows through the filesystem consumer
+# ("fs"), their mean through the device-reduced ``activations`` consumer (on the RequestOutput)
+STEERED = ("post_attn", 0)  # it and the site before it read the pristine stream, the 4 after it the moved one
+CAPTURED = {"unsteered": len(SITES) + 1, "post_attn.0": SITES.index(STEERED)}  # the request's index in the cases
+_EVERY = {"layers": "all", "hooks": "all", "positions": "all"}
+CAPTURE = {"fs": _EVERY, "activations": {**_EVERY, "reduce": "mean"}}
+# capture vs transformers per row, |vLLM - transformers| / |transformers|: UNMEASURED on a GPU yet. Set from a CPU
+# emulation of the engine's precision (transformers in bfloat16, wo_a's input and attention's KV rounded to FP8 in
+# blocks of 128, vs float32; it moves the logprobs by 0.59-0.70, the H200 by 0.77): worst row 0.31, worst site median
+# 0.10, both post_mlp.1 (bfloat16 alone: 0.037 / 0.019); what a misplaced capture reads instead (the norm's output,
+# one stream or the streams' mean, the next site) is at medians >= 0.53. Tighten from the failure message (every
+# site's worst row, median row and least cosine).
+ROW_TOL, MEDIAN_TOL = 0.6, 0.25
+# the two requests' rows where they saw the same tokens (the prompt), same measure: at and before STEERED the same
+# computation (expected bit for bit; unmeasured), after it moved by the vector (the float32 reference: every row by
+# 0.91 or more)
+SAME_TOL, MOVED = 0.02, 0.3
+MEAN_TOL = 1e-3  # activations' device mean (float32 sums) vs the mean of the same bfloat16 rows, of their max |value|
 PROMPT = "Every morning the robot said hello to the sun and asked it a question about the sky"
 # DeepSeek's tensor names (vLLM's loader's) from transformers' save, which reverses its load's renames but keeps the
 # model. prefix and these two, and names the attention's kv_norm `norm` like the compressors' (its load maps both
@@ -310,6 +331,12 @@ def run(tmp_path_factory, request):
         raise
 
 
+def _engine_kw(path, steer: dict) -> dict:
+    return dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=MAX_LEN,
+                max_num_seqs=16, gpu_memory_utilization=0.3, additional_config={"steer": steer},
+                compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+
+
 def _engine_run(tmp_path_factory, say) -> dict:
     from vllm import LLM
 
@@ -317,9 +344,7 @@ def _engine_run(tmp_path_factory, say) -> dict:
     tok, _ = build_checkpoint(path)
     ids = tok(PROMPT)["input_ids"]
     cases = ec.site_cases(SITES, HIDDEN, SCALE, seed=44)
-    kw = dict(model=str(path), dtype="bfloat16", kv_cache_dtype="fp8", seed=0, max_model_len=MAX_LEN, max_num_seqs=16,
-              gpu_memory_utilization=0.3, additional_config={"steer": {"max_configs": 16}},
-              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    kw = _engine_kw(path, {"max_configs": 16})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its errors' own text
     try:
         llm = LLM(**kw)
@@ -333,21 +358,80 @@ def _engine_run(tmp_path_factory, say) -> dict:
     return {"path": str(path), "reference": str(reference_path(path)), **ec.run_cases(llm, ids, cases, STEPS)}
 
 
+@pytest.fixture(scope="module")
+def capture_run(run):
+    """A second engine on the same checkpoint with the capture consumers on (the steering tests' engine keeps the
+    norms a server without capture runs): the CAPTURED requests, capturing ``CAPTURE``, as ``run`` sends them. Their
+    tokens, rows from the filesystem consumer's files and ``activations`` result (``collect``) under "capture"
+    ({name: {"tokens", "rows", "activations"}}), the workers' status after under "status"."""
+    from vllm import LLM
+
+    from vllm_steer.capture.collect import collect
+    from vllm_steer.capture.filesystem import load_request
+
+    root = Path(run["path"]).parent / "captures"
+    steer = {"max_configs": 16,
+             "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}}, "activations"]}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(**_engine_kw(run["path"], steer))
+    finally:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    try:
+        cases = [run["cases"][k] for k in CAPTURED.values()]
+        params = [ec.sampling(STEPS, ec.as_request_field(c) if c else None, logprobs=True) for c in cases]
+        for p in params:
+            p.extra_args = {**(p.extra_args or {}), "capture": CAPTURE}
+        outs = llm.generate([{"prompt_token_ids": run["ids"]}] * len(cases), params, use_tqdm=False)
+        collect(llm, outs)
+        capture = {name: {"tokens": list(o.outputs[0].token_ids),
+                          "rows": load_request(str(root), o.request_id, sites=len(SITES)),
+                          "activations": o.capture.get("activations")}
+                   for name, o in zip(CAPTURED, outs)}
+        return {"capture": capture, "status": llm.collective_rpc("vllm_steer_status")}
+    finally:
+        ec.shutdown(llm)
+
+
+def _site_norm(model, hook: str, layer: int):
+    """transformers' norm whose input is the site's merged stream (module docstring)."""
+    layers = model.model.layers
+    if hook == "pre_attn":
+        return layers[layer].input_layernorm
+    if hook == "post_attn":
+        return layers[layer].post_attention_layernorm
+    return layers[layer + 1].input_layernorm if layer + 1 < len(layers) else model.model.norm
+
+
 def _norm_hooks(model, steer: dict) -> list:
     """Forward pre-hooks adding each vector to the merged stream a norm reads (module docstring)."""
-    layers, handles = model.model.layers, []
+    handles = []
     for hook, per_layer in steer.items():
         for layer, vec in per_layer.items():
             v = torch.as_tensor(np.asarray(vec), dtype=torch.float32)
-            layer = int(layer)
-            if hook == "pre_attn":
-                norm = layers[layer].input_layernorm
-            elif hook == "post_attn":
-                norm = layers[layer].post_attention_layernorm
-            else:
-                norm = layers[layer + 1].input_layernorm if layer + 1 < len(layers) else model.model.norm
+            norm = _site_norm(model, hook, int(layer))
             handles.append(norm.register_forward_pre_hook(lambda m, args, v=v: (args[0] + v.to(args[0].dtype),)))
     return handles
+
+
+@torch.no_grad()
+def reference_streams(model, ids: list[int], steer: dict | None) -> dict[tuple[int, str], np.ndarray]:
+    """{(layer, hook): float32 [len(ids), hidden]}: each site's merged stream in transformers' ``model`` on ``ids``
+    with ``steer``'s vectors, where capture reads it: the input of the site's norm before that site's vector and after
+    those of earlier sites (post_mlp.L's precedes pre_attn.L+1's at layer L+1's attention norm: SITES' order)."""
+    got, handles = {}, []
+    try:
+        for hook, layer in SITES:
+            handles.append(_site_norm(model, hook, layer).register_forward_pre_hook(
+                lambda m, args, key=(layer, hook): got.__setitem__(key, args[0][0].float().numpy().copy())))
+            vec = (steer or {}).get(hook, {}).get(layer)
+            if vec is not None:
+                handles += _norm_hooks(model, {hook: {layer: vec}})
+        model(torch.tensor([list(ids)]))
+    finally:
+        for h in handles:
+            h.remove()
+    return got
 
 
 @torch.no_grad()
@@ -376,3 +460,77 @@ def test_tokens_and_logprobs_match_transformers(run, k):
     got, steer = run["got"][k], run["cases"][k]
     ref = _reference(run, k, steer)
     ec.check_forced(got, ref, _reference(run, k, None) if steer is not None else None, LOGPROB_TOL, TIE, EFFECT)
+
+
+def _row_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| / |b| per row."""
+    return np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_capture_is_complete_and_the_activations_mean_is_the_rows_mean(run, capture_run):
+    """Both capturing requests: every site at every fed position (the prompt and the generated tokens but the last,
+    never fed), nothing dropped, post_mlp.0 the rows of pre_attn.1 (one point: layer 1's attention norm's input, at
+    which neither request has a vector), and the ``activations`` consumer's device-reduced mean their mean."""
+    from vllm_steer.capture.activations import decode_result
+
+    fed = np.arange(len(run["ids"]) + STEPS - 1)
+    for name in CAPTURED:
+        cap = capture_run["capture"][name]
+        rows = {key: r for key, (_, r) in cap["rows"].items()}
+        assert sorted(rows) == sorted((layer, hook) for hook, layer in SITES), f"{name}: sites {sorted(rows)}"
+        for key, (positions, _) in cap["rows"].items():
+            np.testing.assert_array_equal(positions, fed, err_msg=f"{name} {key}'s positions")
+        assert np.array_equal(rows[(0, "post_mlp")], rows[(1, "pre_attn")]), f"{name}: post_mlp.0 is not pre_attn.1"
+        result = cap["activations"]
+        assert isinstance(result, dict) and "data" in result, f"{name}: activations' result {str(result)[:300]}"
+        assert result["dropped_rows"] == 0 and result["count"] == [len(fed)] * len(SITES), \
+            f"{name}: activations' counts {result['count']}, dropped {result['dropped_rows']}"
+        for site, mean in decode_result(result).items():
+            hook, layer = site.split(".")
+            r = rows[(int(layer), hook)].astype(np.float64)
+            err = float(np.abs(mean - r.mean(axis=0)).max() / np.abs(r).max())
+            assert err < MEAN_TOL, f"{name} {site}: activations' mean off the rows' by {err:.3g} of their max"
+    lost = ("dropped_rows", "dropped_packets", "consumer_errors")
+    stats = {k: sum(w["capture"].get(k, 0) for w in capture_run["status"]) for k in ("rows", *lost)}
+    assert stats["rows"] > 0 and not any(stats[k] for k in lost), f"the workers' capture counters: {stats}"
+
+
+@pytest.mark.parametrize("name", list(CAPTURED))
+def test_captured_sites_are_transformers_merged_streams(run, capture_run, name):
+    """Each site's captured rows (every fed position) against transformers' merged stream at that point, teacher-forced
+    on the request's prompt + vLLM's tokens with its vectors (``reference_streams``): per row |vLLM - transformers| /
+    |transformers| under ``ROW_TOL``, a site's median row under ``MEDIAN_TOL``."""
+    got = capture_run["capture"][name]
+    cap = got["rows"]
+    ref = reference_streams(load_reference(run["reference"]), run["ids"] + got["tokens"], run["cases"][CAPTURED[name]])
+    measured = {}
+    for hook, layer in SITES:
+        positions, rows = cap[(layer, hook)]
+        want = ref[(layer, hook)][positions]
+        err = _row_diff(rows, want)
+        cos = (rows * want).sum(axis=1) / (np.linalg.norm(rows, axis=1) * np.linalg.norm(want, axis=1))
+        measured[f"{hook}.{layer}"] = (round(float(err.max()), 4), round(float(np.median(err)), 4),
+                                       round(float(cos.min()), 5))
+    bad = {s: m for s, m in measured.items() if not (m[0] < ROW_TOL and m[1] < MEDIAN_TOL)}
+    assert not bad, (f"{name}: sites over {ROW_TOL} (worst row) / {MEDIAN_TOL} (median row): {bad}; every site's "
+                     f"(worst row, median row, least cosine): {measured}")
+
+
+def test_a_steered_request_captures_the_pristine_stream_at_its_site(run, capture_run):
+    """Capture reads the stream before steering at its site (docs/capture.md): on the prompt's positions (the same
+    tokens in both requests) the request steered at STEERED captures there and before it the unsteered request's rows
+    (within ``SAME_TOL``), and at every later site a stream its vector moved (every row by more than ``MOVED``)."""
+    plain, steered = (capture_run["capture"][name]["rows"] for name in ("unsteered", "post_attn.0"))
+    n, at = len(run["ids"]), SITES.index(STEERED)
+    same, moved = {}, {}
+    for i, (hook, layer) in enumerate(SITES):
+        (pa, a), (pb, b) = plain[(layer, hook)], steered[(layer, hook)]
+        d = _row_diff(b[pb < n], a[pa < n])
+        if i <= at:
+            same[f"{hook}.{layer}"] = round(float(d.max()), 6)
+        else:
+            moved[f"{hook}.{layer}"] = round(float(d.min()), 4)
+    assert all(v <= SAME_TOL for v in same.values()), \
+        f"sites at and before {STEERED}: the steered capture differs by (worst prompt row) {same} (> {SAME_TOL})"
+    assert all(v > MOVED for v in moved.values()), \
+        f"sites after {STEERED}: the steered capture moved by (least prompt row) {moved} (<= {MOVED})"
