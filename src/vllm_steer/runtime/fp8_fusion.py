@@ -280,15 +280,25 @@ class SteeredNormQuantPass:
     def __init__(self, group_ops: tuple = (), vllm_config=None) -> None:
         self.calls = 0  # graphs this pass ran on
         self.matched = 0  # steered norms it fused, over those graphs
+        self.failed = False  # vLLM's quant did not trace (said once): nothing fused
         self.extra_group_ops = tuple(group_ops)  # a test's stand-in for vLLM's ``_C`` group quant
         # set while tracing (vLLM's QuantFP8, a CustomOp, wants a current config); a weak reference: vLLM deep-copies
         # the compilation config, and a strong one would copy the engine's config and its model's parameters with it
         self.config_ref = None if vllm_config is None else weakref.ref(vllm_config)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        with _current_config(None if self.config_ref is None else self.config_ref()):
-            found = fuse_steered_norm_quant(graph, group_quant_ops(self.extra_group_ops))
         self.calls += 1
+        with _current_config(None if self.config_ref is None else self.config_ref()):
+            try:  # before any change to the graph: on by default, it must never stop a quantized model compiling
+                _quant_patterns()
+            except Exception as exc:  # noqa: BLE001 - vLLM's quant did not trace here: the graph stays as it is
+                if not self.failed:
+                    logger.warning("vllm-steer: the FP8 norm + quant pass is off, vLLM's FP8 quant did not trace "
+                                   "(%s: %s): each steered norm's quant stays a kernel of its own", type(exc).__name__,
+                                   exc)
+                self.failed = True
+                return
+            found = fuse_steered_norm_quant(graph, group_quant_ops(self.extra_group_ops))
         self.matched += found
         if found:
             logger.info("vllm-steer: %d steered norms write FP8 for their linear (%s)", found, ENV)
