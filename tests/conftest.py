@@ -215,11 +215,3 @@ def pytest_terminal_summary(terminalreporter):
                                   "of this process")
         for line in _SLOW_HTTP:
             terminalreporter.write_line(line)
-
-
-def pytest_collection_finish(session):
-    """The interpreted kernel suites start now, beside the session, when their tests were collected
-    (``tests/background_suites.py``)."""
-    from tests.background_suites import start_for
-
-    start_for([item.nodeid for item in session.items])
