@@ -41,8 +41,9 @@ or within ``TIE`` of it, and each steered request's vectors move the reference's
 unsteered case's error is the engine's own; widen both together if that one fails. ``TIE`` is the same bound: with
 logprobs off by up to 0.77 unsteered, near-tied tokens swap (s34: the unsteered case's token trailed the argmax by
 0.49). Capture reads the same points (a second engine, ``capture_run``, with the consumers on): the unsteered request
-and the one steered at post_attn.0 capture every site at every position they feed, each row the reference's input of that site's norm before that site's vector
-(``reference_streams``; ``ROW_TOL`` / ``MEDIAN_TOL``), the steered one's the unsteered one's at and before its site.
+and the one steered at post_attn.0 capture every site at every position they feed, each row the reference's input of
+that site's norm before that site's vector (``reference_streams``; ``ROW_TOL`` / ``MEDIAN_TOL``), the steered one's
+the unsteered one's at and before its site.
 
 Skips, with vLLM's reason, where the GPU's vLLM cannot build the model: no TileLang / nvcc / DeepGEMM / CuTe DSL /
 sparse FlashMLA (``bench/v4_bundle.sh`` and ``bash bench/gpu_session.sh v4`` bring them), or the steered engine fails
@@ -337,6 +338,17 @@ def _engine_kw(path, steer: dict) -> dict:
                 compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
 
 
+@contextlib.contextmanager
+def _engine_in_this_process():
+    """The engine core built meanwhile runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its errors' own
+    text, a stock engine's too (``_stock_problem``)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+
+
 def _engine_run(tmp_path_factory, say) -> dict:
     from vllm import LLM
 
@@ -345,16 +357,14 @@ def _engine_run(tmp_path_factory, say) -> dict:
     ids = tok(PROMPT)["input_ids"]
     cases = ec.site_cases(SITES, HIDDEN, SCALE, seed=44)
     kw = _engine_kw(path, {"max_configs": 16})
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its errors' own text
-    try:
-        llm = LLM(**kw)
-    except Exception:
-        if (why := _stock_problem(kw, say)) is not None:
-            pytest.skip(f"this GPU's vLLM cannot build the tiny DeepseekV4ForCausalLM (without steering either): "
-                        f"{why}")
-        raise  # vLLM builds it without steering: the steered engine's failure is ours
-    finally:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with _engine_in_this_process():
+        try:
+            llm = LLM(**kw)
+        except Exception:
+            if (why := _stock_problem(kw, say)) is not None:
+                pytest.skip(f"this GPU's vLLM cannot build the tiny DeepseekV4ForCausalLM (without steering either): "
+                            f"{why}")
+            raise  # vLLM builds it without steering: the steered engine's failure is ours
     return {"path": str(path), "reference": str(reference_path(path)), **ec.run_cases(llm, ids, cases, STEPS)}
 
 
@@ -372,11 +382,8 @@ def capture_run(run):
     root = Path(run["path"]).parent / "captures"
     steer = {"max_configs": 16,
              "capture": [{"name": "filesystem", "instance": "fs", "params": {"root": str(root)}}, "activations"]}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
+    with _engine_in_this_process():
         llm = LLM(**_engine_kw(run["path"], steer))
-    finally:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     try:
         cases = [run["cases"][k] for k in CAPTURED.values()]
         params = [ec.sampling(STEPS, ec.as_request_field(c) if c else None, logprobs=True) for c in cases]
