@@ -184,7 +184,7 @@ case "${1:-}" in
       --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_fs_nowait,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
     ;;
   host)
-    timeout -k 20 400 "${KEPT[@]}" --phases host --tag "host${HOST_GIL:+_gil}" --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" \
+    timeout -k 20 400 "${KEPT[@]}" --phases host --tag "host${HOST_GIL:+_gil}_$(echo "${HOST_ARMS:-stock,capture_gen_n16}" | tr , _)" --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" \
       ${HOST_GIL:+--host-gil} 2>&1 | tail -20
     ;;
   gates)
