@@ -266,3 +266,29 @@ def test_one_packed_direction_at_many_sites_is_read_once_and_keys_as_if_read_at_
     with pytest.raises(SteeringSpecError) as e:
         fe.resolve({"steering_projections": {"post_attn.2": [zero], "post_mlp.3": [zero]}})
     assert e.value.field == "steering_projections.post_attn.2[0].direction"
+
+
+def test_a_direction_shared_by_sites_is_one_block_and_the_key_still_follows_every_site(fe):
+    """A packed direction ablated at many sites is one bytes block on the wire (copied and hashed once: the key
+    hashes a site's directions as their digest), the common tier alone gives both phases the same entries, and
+    the key still changes with any one site's direction or with which site holds which."""
+    from vllm_steer.frontend.projection_spec import packed
+
+    other = np.roll(DIR, 1)
+    sites = ("post_mlp.1", "post_attn.2", "post_mlp.3")
+    body = {"steering_projections": {s: [{"direction": packed(DIR), "mode": "ablate"}] for s in sites}}
+    p, k, kd = fe.resolve(body)
+    entries = p.projections[k]
+    assert k == kd and len({id(e[2]) for e in entries}) == 1
+    assert fe.resolve({"steering_projections": {s: [ablate()] for s in sites}})[1] == k  # float lists: same key
+    raw = DIR.astype("<f4").tobytes()  # a msgpack bin (or a lifted JSON string: server.base64_lift)
+    p_raw, k_raw, _ = fe.resolve({"steering_projections": {s: [{"direction": {"dtype": "float32", "data": raw},
+                                                                "mode": "ablate"}] for s in sites}})
+    assert k_raw == k and len({id(e[2]) for e in p_raw.projections[k]}) == 1
+    one_moved = {s: [ablate(other if s == "post_attn.2" else DIR)] for s in sites}
+    _, k_moved, _ = fe.resolve({"steering_projections": one_moved})
+    swapped = {s: [ablate(DIR if s == "post_attn.2" else other)] for s in sites}
+    _, k_swapped, _ = fe.resolve({"steering_projections": swapped})
+    assert len({k, k_moved, k_swapped}) == 3
+    p_moved = fe.resolve({"steering_projections": one_moved})[0]
+    np.testing.assert_allclose(_entries(p_moved, k_moved)[0][2], [other / np.linalg.norm(other)], rtol=1e-6)

@@ -38,20 +38,24 @@ def _as_text(obj):
     return base64.b64encode(obj).decode() if isinstance(obj, bytes) else obj
 
 
-def test_tier_data_is_lifted_as_bytes_and_the_rest_equals_the_plain_parse():
+def test_packed_blocks_are_lifted_as_bytes_and_the_rest_equals_the_plain_parse():
     data = {h: _b64(3 * base64_lift.MIN_CHARS, i) for i, h in enumerate(HOOKS)}
     probe = _b64(base64_lift.MIN_CHARS, 7)
     obj = {"model": "m", "prompt": "say \"data\": \"x\"", "max_tokens": 4,
            "steering_vectors": {h: {"dtype": "bfloat16", "shape": [1, 8], "layer_indices": [0], "data": d}
                                 for h, d in data.items()},
            "steering_condition": {"site": "pre_attn.1", "probe": {"dtype": "float32", "data": probe}},
+           "steering_projections": {"post_mlp.1": [{"direction": {"dtype": "float32", "data": probe},
+                                                    "mode": "ablate"}]},
            "vllm_xargs": {"decode_steering_vectors": {"post_mlp": {"data": data["post_mlp"]}}}}
     body = json.dumps(obj, indent=1).encode()  # whitespace around the colons too
     got = request_body._decode(body, False)
     for h in HOOKS:  # the tiers' blocks: raw bytes, as a msgpack body carries them
         assert got["steering_vectors"][h]["data"] == base64.b64decode(data[h])
     assert got["vllm_xargs"]["decode_steering_vectors"]["post_mlp"]["data"] == base64.b64decode(data["post_mlp"])
-    assert got["steering_condition"]["probe"]["data"] == probe  # elsewhere: the original text
+    # any other packed {"dtype", "data"} of the steering fields (a probe, a projection's direction): bytes too
+    assert got["steering_condition"]["probe"]["data"] == base64.b64decode(probe)
+    assert got["steering_projections"]["post_mlp.1"][0]["direction"]["data"] == base64.b64decode(probe)
     assert _as_text(got) == json.loads(body)
 
 

@@ -34,10 +34,11 @@ from vllm_steer.core.vectors import PROJECTION_FIELDS
 from vllm_steer.frontend.spec import (ModelShape, check_hook, check_layer, finite_number, parse_packed_vector,
                                      parse_site_key, parse_vector)
 
-_DOMAIN = b"vllm-steer-projections-v1\0"
+_DOMAIN = b"vllm-steer-projections-v2\0"  # v2: each site's directions enter as their BLAKE3 digest
 MODES = ("ablate", "cap")
 _KEYS = {"ablate": {"direction", "mode"}, "cap": {"direction", "mode", "min", "max"}}
 
+_ABLATE_BOUNDS = np.zeros(2, np.float32).tobytes()  # one ablation's (lo, hi)
 ProjWire = list  # [hook, layer, dirs (float32 bytes [K, D]), bounds (float32 bytes [K, 2]: lo, hi)]
 Site = tuple[str, int]
 
@@ -68,8 +69,11 @@ def parse_projections(fields: dict[str, Any], shape: ModelShape, max_projections
             tiers[i] = {s: (tiers[i][s][0] if s in tiers[i] else "steering_module.name",
                             own.get(s, ("", []))[1] + tiers[i].get(s, ("", []))[1]) for s in set(own) | set(tiers[i])}
     base, pre, dec = tiers
-    return (_phase(base, pre, PROJECTION_FIELDS[1], max_projections),
-            _phase(base, dec, PROJECTION_FIELDS[2], max_projections))
+    blocks: dict = {}  # one site's dirs bytes per distinct op list: a direction at every layer is copied once
+    prefill = _phase(base, pre, PROJECTION_FIELDS[1], max_projections, blocks)
+    if not pre and not dec:  # the common tier alone: both phases are the same entries (one list, compared at once)
+        return prefill, prefill
+    return prefill, _phase(base, dec, PROJECTION_FIELDS[2], max_projections, blocks)
 
 
 def module_projections(fields: dict[str, Any], shape: ModelShape, max_projections: int) -> dict | None:
@@ -115,8 +119,11 @@ def summary(fields: dict | None) -> dict | None:
     return out
 
 
-def _phase(base: Ops, own: Ops, own_field: str, k_max: int) -> list[ProjWire]:
-    """One phase's entries: per site the base tier's ops, then the phase's own, in site order."""
+def _phase(base: Ops, own: Ops, own_field: str, k_max: int, blocks: dict) -> list[ProjWire]:
+    """One phase's entries: per site the base tier's ops, then the phase's own, in site order. ``blocks``: the
+    dirs bytes already built in this request, by the op directions' identities (``_parse_op``'s memo gives one
+    array to a direction given at many sites), so those sites share one bytes object (``projection_key`` hashes
+    it once)."""
     out = []
     for site in sorted(set(base) | set(own), key=lambda s: (HOOK_NAMES.index(s[0]), s[1])):
         ops = base.get(site, ("", []))[1] + own.get(site, ("", []))[1]
@@ -125,9 +132,13 @@ def _phase(base: Ops, own: Ops, own_field: str, k_max: int) -> list[ProjWire]:
             where = f" (with {PROJECTION_FIELDS[0]}'s)" if site in own and site in base else ""
             raise SteeringSpecError(field, f"{len(ops)} directions at {site[0]}.{site[1]}{where}, over this "
                                            f"server's steer.max_projections ({k_max})")
-        dirs = b"".join(v.tobytes() for v, _, _ in ops)  # unit float32 directions (unit_direction)
-        bounds = np.asarray([(lo, hi) for _, lo, hi in ops], dtype=np.float32) + np.float32(0.0)  # -0 as 0
-        out.append([site[0], site[1], dirs, bounds.tobytes()])
+        ids = tuple(id(v) for v, _, _ in ops)  # the arrays live in ``ops`` (and the memo) for the whole request
+        dirs = blocks.get(ids)
+        if dirs is None:
+            dirs = blocks[ids] = b"".join(v.tobytes() for v, _, _ in ops)  # unit float32 directions (unit_direction)
+        bounds = _ABLATE_BOUNDS if len(ops) == 1 and ops[0][1] == ops[0][2] == 0.0 else \
+            (np.asarray([(lo, hi) for _, lo, hi in ops], dtype=np.float32) + np.float32(0.0)).tobytes()  # -0 as 0
+        out.append([site[0], site[1], dirs, bounds])
     return out
 
 
@@ -176,7 +187,9 @@ def _parse_op(field: str, op: Any, shape: ModelShape, memo: dict) -> tuple[np.nd
     if "direction" not in op:
         raise SteeringSpecError(f"{field}.direction", "required")
     raw = op["direction"]
-    key = (raw.get("dtype"), raw["data"]) if isinstance(raw, dict) and isinstance(raw.get("data"), str) else None
+    # str or bytes (a msgpack bin, or a lifted JSON string: ``server.base64_lift``): hashed once per object
+    key = (raw.get("dtype"), raw["data"]) if isinstance(raw, dict) and isinstance(raw.get("data"), (str, bytes)) \
+        else None
     v = memo.get(key) if key is not None else None
     if v is None:
         v = unit_direction(f"{field}.direction", raw, shape)
@@ -214,7 +227,10 @@ def projection_key(key: str | None, entries: list[ProjWire]) -> str | None:
     if not entries:
         return key
     h = blake3(_DOMAIN + (key or "").encode() + b"\0")
+    digests: dict[int, bytes] = {}  # a site's directions by the bytes object's identity (``_phase`` shares them)
     for hook, layer, dirs, bounds in entries:
-        h.update(f"{hook}\0{layer}\0{len(bounds) // 8}\0".encode())
-        h.update(bytes(dirs) + bytes(bounds))
+        d = digests.get(id(dirs))
+        if d is None:
+            d = digests[id(dirs)] = blake3(dirs).digest()
+        h.update(f"{hook}\0{layer}\0{len(bounds) // 8}\0".encode() + d + bytes(bounds))
     return h.hexdigest()[:32]

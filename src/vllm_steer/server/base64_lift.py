@@ -4,9 +4,9 @@ A JSON parse builds a ``str`` of every base64 string (msgspec scans 1 MB of them
 base64 decode itself), only for the front end to decode it once more. ``lift`` finds each ``"data": "..."``
 whose string is long and has no escape, decodes the base64 in place (pybase64, validated, from a view of the
 body), and hands back the body with a short placeholder instead of each such string. ``restore`` then puts,
-into the decoded body, the raw bytes where a placeholder stands for a packed vector block of a tier
-(``{tier: {hook: {"data": ...}}}``, what the msgpack form carries as a bin already) and the original text
-anywhere else in the steering fields; a placeholder outside them (a key that merely ends in ``"data``, say)
+into the decoded body, the raw bytes where a placeholder stands for a packed block (a tier's
+``{tier: {hook: {"data": ...}}}``, or any ``{"dtype", "data"}`` in the steering fields: a projection's direction,
+a probe), what the msgpack form carries as a bin already, and the original text anywhere else in them; a placeholder outside them (a key that merely ends in ``"data``, say)
 makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
 parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
 A string's closing quote is first looked for where the last lifted string's length puts it (a request's blocks,
@@ -148,7 +148,9 @@ def _texts(node: Any, left: dict, lifted: Lifted) -> Any:
         return node
     if isinstance(node, dict):
         for k, v in node.items():
-            if isinstance(v, (str, dict, list)):
+            if k == "data" and "dtype" in node and isinstance(v, str) and v in left:
+                node[k] = left.pop(v)[0]  # a packed block (a projection's direction, a probe): its bytes, as msgpack
+            elif isinstance(v, (str, dict, list)):
                 node[k] = _texts(v, left, lifted)
     elif isinstance(node, list):
         for i, v in enumerate(node):
