@@ -33,6 +33,8 @@
 #              (nowait) and to memory, extract_hs, each under the prefill arms' load (prompt 512, max_tokens 1, c32,
 #              GRAPH_PREFILL_REQUESTS=128) in torch.profiler: GPU busy / idle between steps, copies, host syncs
 #              (first: GPU_MEM=0.3 SERVERS=stock,steer_capture_fs,extract_hs ab-start; stops them at the end)
+#   capture-host  issue 37: bench/prefill_host_cost.py on this host's GPU (prefill arms' shape, then capture_gen_n16's),
+#              with --profile: the capture calls' functions by own time ($OUT/*_host_prof.txt; ~3 min, no server)
 #   gates      the GPU tests that gate a default or a claim (tiled prefill clamps, full-pack kernels served, transcoders,
 #              projections, DeepSeek-V4), then the disk's own fsynced write rate; for a second GPU beside the A/B
 #              servers: CUDA_VISIBLE_DEVICES=1 nohup setsid bash bench/gpu_session.sh gates > $OUT/gates.log &
@@ -124,6 +126,13 @@ case "${1:-}" in
     timeout -k 20 120 python3 bench/capture_reduce_cost.py --out "$OUT/capture_reduce_cost.json" 2>&1 | tail -3
     timeout -k 20 120 python3 bench/launch_cost.py --ns 16,8192 --out "$OUT/launch_cost.json" 2>&1 | tail -16
     ;;
+  capture-host)  # issue 37: the capture runtime's main-thread work at the prefill arms' shape and capture_gen_n16's, on
+    # this GPU's host, with cProfile of the capture calls (where the prefill plan's ms go)
+    timeout -k 20 240 python3 bench/prefill_host_cost.py --device cuda --hidden 4096 --profile "$OUT/prefill_host_prof.txt" \
+      --out "$OUT/prefill_host.json" 2>&1 | tail -28
+    timeout -k 20 240 python3 bench/prefill_host_cost.py --device cuda --load decode --steps 256 \
+      --profile "$OUT/decode_host_prof.txt" --out "$OUT/decode_host.json" 2>&1 | tail -24
+    ;;
   checks)
     # an engine test asks for 0.3 of its GPU: say so at once where kept servers leave less (s33's Gemma Scope start)
     nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} --query-gpu=index,memory.used,memory.total \
@@ -181,7 +190,7 @@ case "${1:-}" in
     ;;
   prefill)
     timeout -k 20 580 "${KEPT[@]}" --tag prefill --trials "${TRIALS:-3}" --long-arms "" --deadline-s 560 \
-      --arms "${ARMS:-prefill_stock,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_fs_nowait,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
+      --arms "${ARMS:-prefill_stock,prefill_capture_idle,prefill_capture_fs,prefill_capture_fs_nosync,prefill_capture_fs_nowait,prefill_capture_mem,prefill_extract_hs}" 2>&1 | tail -40
     ;;
   host)
     timeout -k 20 400 "${KEPT[@]}" --phases host --tag "host${HOST_GIL:+_gil}_$(echo "${HOST_ARMS:-stock,capture_gen_n16}" | tr , _)" --host-arms "${HOST_ARMS:-stock,capture_gen_n16}" \

@@ -36,7 +36,7 @@ ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capt
 step of each arm run on both, interleaved, each version first in turn (the first of a step cost ~1.5x more for the same
 code), in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime
 on the GPU, the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread
-waits for.
+waits for. ``--profile FILE``: cProfile of the capture calls per column (their functions by own time, text).
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
         --out FILE.json]
@@ -45,6 +45,9 @@ waits for.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import importlib.util
 import json
 import os
@@ -217,6 +220,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--launch-us", type=float, help="CPU: a torch op of the main thread costs this, not its run")
     ap.add_argument("--out")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile of the capture calls (not vLLM's stand-in work, not "
+                                                       "the GPU wait) per column, top functions by own time, as text")
     args = ap.parse_args()
     decode = args.load == "decode"
     for name, pre, dec in (("steps", 40, 512), ("host_ms", 30.0, 2.0), ("gpu_ms", 100.0, 12.0),
@@ -269,6 +274,7 @@ def main() -> None:
         t1.synchronize()
         gpu_cycles = int(10**7 * args.gpu_ms / t0.elapsed_time(t1))
 
+    profs = {c: cProfile.Profile() for c in cols} if args.profile else {}
     steps = schedule(args)
     order = list(versions)
     for k in range(args.steps + warm):
@@ -286,9 +292,13 @@ def main() -> None:
                 wall0, cpu0, ops0 = time.perf_counter(), _thread_time(), _OPS_N[0]
                 marks = []
 
+                prof = profs.get(col) if k >= warm else None
+
                 def mark(name: str) -> None:
                     marks.append((name, time.perf_counter(), _thread_time(), _OPS_N[0]))
 
+                if prof is not None:
+                    prof.enable()
                 rt.finish_requests(list(map(name_of, ended)))  # the engine's ends (already ended early: nothing)
                 mark("finish (engine)")
                 if specs[arm] is not None or decode:
@@ -300,11 +310,17 @@ def main() -> None:
                 if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
                     rt.plan_step(ids, scheduled, computed)
                 mark("plan_step")
+                if prof is not None:
+                    prof.disable()
                 _python_work(loop_n)
                 mark("vllm host work")
                 if gpu_cycles:  # the forward: the GPU busy, the step's rows written after it
                     torch.cuda._sleep(gpu_cycles)
+                if prof is not None:
+                    prof.enable()
                 rt.after_forward()
+                if prof is not None:
+                    prof.disable()
                 mark("after_forward")
                 if gpu_cycles:
                     done = torch.cuda.Event()
@@ -353,6 +369,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), args.stat + "_ms": out}, fh, indent=1)
+    if profs:
+        with open(args.profile, "w") as fh:
+            for col, prof in profs.items():
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+                fh.write(f"##### {col}: the capture calls of {args.steps} steps (ms = s x 1000 / steps)\n")
+                fh.write(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ ARMS = {
     # prefill capture against vLLM's own extract_hidden_states (4 layers, prompt 512, 1 token, 256 requests at c32):
     # rows to files (filesystem consumer), rows to host memory only (activations, reduce mean), vLLM's connector
     "prefill_stock": dict(server="stock", kind="plain", load=PREFILL_LOAD, ref="prefill_stock"),
+    # the capture server's prompts capturing nothing: what an enabled server's prefill costs (its steered norms'
+    # eager launches: NOTES "Enabled servers' TTFT") apart from capture's own work
+    "prefill_capture_idle": dict(server="steer_capture_fs", kind="plain", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_capture_fs": dict(server="steer_capture_fs", kind="capture_fs", layers=4, positions="all_prompt",
                                load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_capture_fs_nosync": dict(server="steer_capture_fs", kind="capture_fs", instance="fs_nosync", layers=4,
