@@ -33,6 +33,7 @@
 #              (nowait) and to memory, extract_hs, each under the prefill arms' load (prompt 512, max_tokens 1, c32,
 #              GRAPH_PREFILL_REQUESTS=128) in torch.profiler: GPU busy / idle between steps, copies, host syncs
 #              (first: GPU_MEM=0.3 SERVERS=stock,steer_capture_fs,extract_hs ab-start; stops them at the end)
+#   arnorm     issue 40's give-back C: kernels/allreduce_norm's test and bench on two GPUs (lane GPU "0,1"; ~2 min)
 #   capture-host  issue 37: bench/prefill_host_cost.py on this host's GPU (prefill arms' shape, then capture_gen_n16's),
 #              with --profile: the capture calls' functions by own time ($OUT/*_host_prof.txt; ~3 min, no server)
 #   gates      the GPU tests that gate a default or a claim (tiled prefill clamps, full-pack kernels served, transcoders,
@@ -125,6 +126,10 @@ case "${1:-}" in
     timeout -k 20 240 python3 bench/request_path_cost.py --out "$OUT/request_path_cost.json" 2>&1 | tail -10
     timeout -k 20 120 python3 bench/capture_reduce_cost.py --out "$OUT/capture_reduce_cost.json" 2>&1 | tail -3
     timeout -k 20 120 python3 bench/launch_cost.py --ns 16,8192 --out "$OUT/launch_cost.json" 2>&1 | tail -16
+    ;;
+  arnorm)  # issue 40: the one-shot all-reduce + add + RMSNorm kernel on two GPUs (a lane on "0,1")
+    timeout -k 20 300 "${PT[@]}" tests/gpu/test_allreduce_norm_gpu.py 2>&1 | tail -15
+    timeout -k 20 300 python3 bench/allreduce_norm_bench.py --out "$OUT/allreduce_norm.json" 2>&1 | tail -12
     ;;
   capture-host)  # issue 37: the capture runtime's main-thread work at the prefill arms' shape and capture_gen_n16's, on
     # this GPU's host, with cProfile of the capture calls (where the prefill plan's ms go)

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Issue 40's give-back C, its first measure: the one-shot all-reduce + add + RMSNorm kernel
+(``kernels/allreduce_norm``) against what a steered norm costs under TP today (vLLM's all-reduce, here NCCL's, then the
+norm: ``vllm._custom_ops.fused_add_rms_norm`` stands in for ours, the same bytes) and the all-reduce alone, on two
+GPUs of one node, µs a call at decode and small prefill sizes. Each variant is a CUDA graph of ``--calls`` calls
+(what a decode step replays), timed by events after a warm replay; the median of ``--rounds`` replays.
+
+    python3 bench/allreduce_norm_bench.py [--ns 1,16,64,256,1024 --d 4096 --calls 64 --rounds 20 --out F.json]
+(FlashInfer's fused all-reduce, what stock runs at TP >= 2, is the arfuse steps' measure, bench/arfuse_check.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.gpu.tp_pair import run_pair  # noqa: E402
+
+EPS = 1e-6
+
+
+def _graph_us(fn, calls: int, rounds: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int) -> list[dict]:
+    import torch.distributed as dist
+    from vllm import _custom_ops as ops
+
+    from vllm_steer.kernels.allreduce_norm.triton import ArNormWorkspace, allreduce_add_rms_norm
+
+    dev = torch.device("cuda", rank)
+    ws = ArNormWorkspace(max(ns), d, torch.bfloat16, dev, dist.group.WORLD)
+    rows = []
+    for n in ns:
+        x = torch.randn(n, d, device=dev).to(torch.bfloat16)
+        residual = torch.randn(n, d, device=dev).to(torch.bfloat16)
+        weight = torch.ones(d, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(residual)
+        y = x.clone()
+
+        def fused():
+            allreduce_add_rms_norm(ws, x, residual, weight, EPS, out)
+
+        def nccl_then_norm():
+            dist.all_reduce(y)
+            ops.fused_add_rms_norm(y, residual, weight, EPS)
+
+        def nccl_alone():
+            dist.all_reduce(y)
+
+        row = {"n": n, "d": d}
+        for name, fn in (("fused_one_shot", fused), ("nccl_then_norm", nccl_then_norm), ("nccl_alone", nccl_alone)):
+            dist.barrier()
+            row[name] = round(_graph_us(fn, calls, rounds), 2)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns", default="1,16,64,256,1024")
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    ranks = run_pair(_rank, [int(v) for v in args.ns.split(",")], args.d, args.calls, args.rounds)
+    print("µs a call (CUDA graph of {} calls; rank 0 | rank 1)".format(args.calls))
+    for r0, r1 in zip(*ranks):
+        print(f"N={r0['n']:5d} D={r0['d']}  " + "  ".join(
+            f"{k} {r0[k]:7.2f} | {r1[k]:7.2f}" for k in ("fused_one_shot", "nccl_then_norm", "nccl_alone")))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"args": vars(args), "ranks": ranks}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
