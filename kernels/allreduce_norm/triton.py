@@ -1,18 +1,18 @@
 """One launch per norm across the TP ranks of one node: each rank's partial sum ``x`` (o_proj's or down_proj's
-output before vLLM's all-reduce) is pushed into every rank's symmetric buffer, a per-program barrier over the ranks'
-signal pads (``torch.distributed._symmetric_memory``) says every row arrived, and each rank adds the ranks' rows in
-rank order in float32 (the same bits on every rank), adds the residual and normalizes: vLLM's all-reduce + fused add
-+ RMSNorm in one kernel, as FlashInfer's fused all-reduce does for stock at TP >= 2, so a steered norm can keep
-stock's kernel count under TP (NOTES issue 40, give-back C). A second barrier at the end keeps the next launch's
-pushes off rows a slower rank still reads.
+output before vLLM's all-reduce) is pushed into every rank's symmetric buffer (``torch.distributed._symmetric_memory``),
+and each rank adds the ranks' rows in rank order in float32 (the same bits on every rank), adds the residual and
+normalizes: vLLM's all-reduce + fused add + RMSNorm in one kernel, as FlashInfer's fused all-reduce does for stock at
+TP >= 2, so a steered norm can keep stock's kernel count under TP (NOTES issue 40, give-back C).
 
-Programs: ``min(T, pad slots)``, each walking rows ``pid, pid + G, ...`` (every program is resident: a program waits
-only on the same program of the other ranks). The signal pads are used as in PyTorch's symmetric-memory kernels: a
-0 -> 1 compare-and-swap on the peer's slot (release, system scope) signals, a 1 -> 0 one on one's own slot (acquire)
-waits, so the pads are zero between launches and CUDA graphs replay them as they are.
+No barrier: a Lamport exchange. Every element of the buffers holds negative zero (the sentinel) until a rank pushes a
+row into it (its own negative zeros pushed as positive ones: the sum is the same); a reader spins on its own buffer's
+row until no element is the sentinel, adds it, and writes the sentinel back. Two buffers alternate by launch (the
+epoch, flipped on the device by the launch's last program): a rank can be at most one launch ahead of another (its
+next launch waits for the other's pushes), so a push never lands on a row still unread. CUDA graphs replay it as it is
+(nothing per launch on the host).
 
 Not wired into the engine yet: ``ArNormWorkspace`` and ``allreduce_add_rms_norm`` are the kernel's host side for its
-GPU test and bench (``tests/gpu/test_allreduce_norm_gpu.py``, ``bench/allreduce_norm_bench.py``, two GPUs)."""
+tests and bench (``tests/gpu/test_allreduce_norm_gpu.py``, ``bench/allreduce_norm_bench.py``, two GPUs)."""
 
 from __future__ import annotations
 
@@ -22,72 +22,94 @@ import triton.language as tl
 
 
 @triton.jit
-def _barrier(p_pads, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """``p_pads``: int64 ``[WORLD]``, each rank's signal pad address. Every rank's program ``slot`` has reached this point (and, with the CTA barrier before it, this program's
-    earlier stores are visible to them)."""
-    tl.debug_barrier()
-    for r in tl.static_range(WORLD):
-        peer = tl.load(p_pads + r).to(tl.pointer_type(tl.uint32))
-        while tl.atomic_cas(peer + slot * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    mine = tl.load(p_pads + RANK).to(tl.pointer_type(tl.uint32))
-    for r in tl.static_range(WORLD):
-        while tl.atomic_cas(mine + slot * WORLD + r, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
-    tl.debug_barrier()
+def _bits(v, BITS: tl.constexpr):
+    """``v``'s bits as a signed integer (the sentinel, negative zero, is the sign bit alone: ``_sentinel``)."""
+    if BITS == 16:
+        return v.to(tl.int16, bitcast=True)
+    else:
+        return v.to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _ar_norm_kernel(p_bufs, p_pads, p_x, p_res, p_w, p_out, n_tokens, stride_x, stride_res, stride_out, eps,
+def _sentinel(BITS: tl.constexpr):
+    if BITS == 16:
+        return -32768
+    else:
+        return -2147483648
+
+
+@triton.jit
+def _ar_norm_kernel(p_bufs, p_flags, p_x, p_res, p_w, p_out, n_tokens, stride_x, stride_res, stride_out, eps,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                     MAX_T: tl.constexpr):
+    """``p_bufs``: int64 ``[WORLD]``, each rank's buffer address (``[2, WORLD, MAX_T, D]``, the sentinel where no
+    push is pending); ``p_flags``: int32 ``[2]`` of this rank, the epoch and the launch's arrivals."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
+    dtype = p_x.dtype.element_ty
+    BITS: tl.constexpr = dtype.primitive_bitwidth
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    own = tl.load(p_bufs + RANK).to(tl.pointer_type(p_x.dtype.element_ty))
+    epoch = tl.load(p_flags)
+    base = epoch.to(tl.int64) * (WORLD * MAX_T * D)
+    own = tl.load(p_bufs + RANK).to(tl.pointer_type(dtype))
     w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    sentinel = _sentinel(BITS)
+    zero_bits = _bits(tl.zeros((BLOCK_D,), dtype), BITS)
+    reset = (zero_bits + sentinel).to(zero_bits.dtype).to(dtype, bitcast=True)  # a row of the sentinel
     for t_i in range(pid, n_tokens, grid):
         t = tl.full((), 0, tl.int64) + t_i  # int64 offsets (the interpreter's loop index is a Python int)
         x = tl.load(p_x + t * stride_x + o_d, mask=m_d, other=0.0)
-        for r in tl.static_range(WORLD):  # push: row t of rank RANK's plane in every rank's buffer
-            peer = tl.load(p_bufs + r).to(tl.pointer_type(p_x.dtype.element_ty))
-            tl.store(peer + (RANK * MAX_T + t) * D + o_d, x, mask=m_d)
-        _barrier(p_pads, pid, RANK, WORLD)
+        x = tl.where(x == 0, 0.0, x).to(dtype)  # -0 -> +0: the sentinel is never data
+        for r in tl.static_range(WORLD):  # push: row t of this rank's plane in every rank's buffer
+            peer = tl.load(p_bufs + r).to(tl.pointer_type(dtype))
+            tl.store(peer + base + (RANK * MAX_T + t) * D + o_d, x, mask=m_d)
         s = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order: the same sum on every rank
-            s += tl.load(own + (r * MAX_T + t) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+            p = own + base + (r * MAX_T + t) * D + o_d
+            v = tl.load(p, mask=m_d, other=0.0, volatile=True)
+            while tl.sum(((_bits(v, BITS) == sentinel) & m_d).to(tl.int32), axis=0) > 0:
+                v = tl.load(p, mask=m_d, other=0.0, volatile=True)
+            s += v.to(tl.float32)
+            tl.store(p, reset, mask=m_d)
         p_r = p_res + t * stride_res + o_d
         s += tl.load(p_r, mask=m_d, other=0.0).to(tl.float32)
-        s_low = s.to(p_res.dtype.element_ty)
-        tl.store(p_r, s_low, mask=m_d)
+        tl.store(p_r, s.to(p_res.dtype.element_ty), mask=m_d)
         var = tl.sum(s * s, axis=0) / D
         out = s * tl.math.rsqrt(var + eps) * w
         tl.store(p_out + t * stride_out + o_d, out.to(p_out.dtype.element_ty), mask=m_d)
-        _barrier(p_pads, pid, RANK, WORLD)  # every rank read row t of this launch before a next one pushes
+    tl.debug_barrier()
+    if tl.atomic_add(p_flags + 1, 1, sem="acq_rel", scope="gpu") == grid - 1:  # the launch's last program
+        tl.store(p_flags + 1, 0)
+        tl.store(p_flags, 1 - epoch)
 
 
 class ArNormWorkspace:
-    """The symmetric buffer ``[world, max_tokens, hidden]`` (each rank's plane of every row) and the signal pads of
-    one TP group, made once (a collective: every rank of ``group`` calls it)."""
+    """The symmetric buffers ``[2, world, max_tokens, hidden]`` (two epochs; each rank's plane of every row) of one TP
+    group and this rank's epoch flags, made once (a collective: every rank of ``group`` calls it)."""
 
-    def __init__(self, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device, group) -> None:
+    def __init__(self, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device, group,
+                 programs: int | None = None) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         world = dist.get_world_size(group)
-        self.buf = symm_mem.empty((world, max_tokens, hidden), dtype=dtype, device=device)
+        self.buf = symm_mem.empty((2, world, max_tokens, hidden), dtype=dtype, device=device)
+        self.buf.fill_(-0.0)  # the sentinel everywhere before any rank pushes
         name = group.group_name if hasattr(group, "group_name") else group
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous in older releases
             symm_mem.enable_symm_mem_for_group(name)
         self.handle = symm_mem.rendezvous(self.buf, name)
         self.rank, self.world = self.handle.rank, self.handle.world_size
         self.max_tokens, self.hidden = max_tokens, hidden
-        pad_bytes = getattr(self.handle, "signal_pad_size", 2048)
-        self.programs = max(1, pad_bytes // 4 // self.world)  # a pad slot per (program, rank)
-        # the ranks' buffer and pad addresses as int64 device arrays (the kernel loads rank r's, then casts it)
+        # a program an SM at most: every program of a launch is resident, so each rank's program p waits only on the
+        # other ranks' program p, which runs too (the grids are alike on every rank)
+        self.programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
+        # the ranks' buffer addresses as an int64 device array (the kernel loads rank r's, then casts it)
         self.buf_ptrs = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
-        self.pad_ptrs = torch.tensor(list(self.handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        self.flags = torch.zeros(2, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's sentinels are in place before a first push
 
 
 def allreduce_add_rms_norm(ws: ArNormWorkspace, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -103,7 +125,7 @@ def allreduce_add_rms_norm(ws: ArNormWorkspace, x: torch.Tensor, residual: torch
         return out
     block_d = triton.next_power_of_2(d)
     _ar_norm_kernel[(min(t, ws.programs),)](
-        ws.buf_ptrs, ws.pad_ptrs, x, residual, weight, out, t, x.stride(0),
-        residual.stride(0), out.stride(0), eps, D=d, BLOCK_D=block_d, RANK=ws.rank, WORLD=ws.world,
-        MAX_T=ws.max_tokens, num_warps=4 if block_d <= 2048 else 8 if block_d <= 8192 else 16)
+        ws.buf_ptrs, ws.flags, x, residual, weight, out, t, x.stride(0), residual.stride(0), out.stride(0), eps, D=d,
+        BLOCK_D=block_d, RANK=ws.rank, WORLD=ws.world, MAX_T=ws.max_tokens,
+        num_warps=4 if block_d <= 2048 else 8 if block_d <= 8192 else 16)
     return out

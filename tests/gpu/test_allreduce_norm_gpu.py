@@ -1,6 +1,6 @@
 """The one-shot all-reduce + add + RMSNorm kernel (``kernels/allreduce_norm``) on two GPUs as a TP group: against
 NCCL's all-gather of the partials and the float32 reference, the same bits on both ranks, inside a CUDA graph
-replayed with new inputs, and launched back to back (the signal pads reused with no host work between)."""
+replayed with new inputs, and launched back to back (the two epochs' buffers reused with no host work between)."""
 
 from __future__ import annotations
 
