@@ -133,7 +133,7 @@ case "${1:-}" in
     ;;
   capture-host)  # issue 37: the capture runtime's main-thread work at the prefill arms' shape and capture_gen_n16's, on
     # this GPU's host, with cProfile of the capture calls (where the prefill plan's ms go)
-    timeout -k 20 240 python3 bench/prefill_host_cost.py --device cuda --hidden 4096 --profile "$OUT/prefill_host_prof.txt" \
+    timeout -k 20 240 python3 bench/prefill_host_cost.py --device cuda --profile "$OUT/prefill_host_prof.txt" \
       --out "$OUT/prefill_host.json" 2>&1 | tail -28
     timeout -k 20 240 python3 bench/prefill_host_cost.py --device cuda --load decode --steps 256 \
       --profile "$OUT/decode_host_prof.txt" --out "$OUT/decode_host.json" 2>&1 | tail -24
