@@ -6,7 +6,9 @@ GPUs of one node, µs a call at decode and small prefill sizes. Each variant is 
 (what a decode step replays), timed by events after a warm replay; the median of ``--rounds`` replays.
 
     python3 bench/allreduce_norm_bench.py [--ns 1,16,64,256,1024 --d 4096 --calls 64 --rounds 20 --out F.json]
-(FlashInfer's fused all-reduce, what stock runs at TP >= 2, is the arfuse steps' measure, bench/arfuse_check.py.)
+With FlashInfer importable and every multicast switch off (``bench/arfuse_check.SAFE``; the ``arnorm`` step after
+``fi-install``), also FlashInfer's fused all-reduce + add + RMSNorm on vLLM's workspace (trtllm backend): what stock
+vLLM runs at TP >= 2, the number to match.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int)
 
     dev = torch.device("cuda", rank)
     ws = ArNormWorkspace(max(ns), d, torch.bfloat16, dev, dist.group.WORLD)
+    fi = _flashinfer(world, rank, max(ns), d)
     rows = []
     for n in ns:
         x = torch.randn(n, d, device=dev).to(torch.bfloat16)
@@ -76,11 +79,44 @@ def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int)
 
         row = {"n": n, "d": d}
         variants = [("fused_one_shot", fused), ("nccl_then_norm", nccl_then_norm), ("nccl_alone", nccl_alone)]
-        for name, fn in variants if ops is not None else variants[::2]:
+        if fi is not None:
+            fi_out, fi_res = torch.empty_like(x), torch.empty_like(x)
+
+            def flashinfer_fused():
+                fc, fws = fi
+                fc.allreduce_fusion(input=x, workspace=fws, pattern=fc.AllReduceFusionPattern.kARResidualRMSNorm,
+                                    launch_with_pdl=True, trigger_completion_at_end=True, residual_out=fi_res,
+                                    norm_out=fi_out, residual_in=residual, rms_gamma=weight, rms_eps=EPS,
+                                    fp32_acc=True)
+
+            variants.append(("flashinfer_fused", flashinfer_fused))
+        for name, fn in (v for v in variants if ops is not None or v[0] != "nccl_then_norm"):
             dist.barrier()
             row[name] = round(_graph_us(fn, calls, rounds), 2)
         rows.append(row)
+    if fi is not None:
+        fi[1].destroy()
     return rows
+
+
+def _flashinfer(world: int, rank: int, max_tokens: int, d: int):
+    """(flashinfer.comm, vLLM's fused all-reduce workspace) when FlashInfer imports and every multicast switch is
+    off (arfuse_check.SAFE), else None."""
+    from bench.arfuse_check import unsafe
+
+    if unsafe():
+        return None
+    try:
+        import torch.distributed as dist
+        import flashinfer.comm as fc
+        from flashinfer.comm.mnnvl import TorchDistBackend
+    except ImportError:
+        return None
+    group = dist.group.WORLD
+    ws = fc.create_allreduce_fusion_workspace(backend="trtllm", world_size=world, rank=rank, max_token_num=max_tokens,
+                                              hidden_dim=d, dtype=torch.bfloat16,
+                                              comm_backend=TorchDistBackend(group=group), group=group)
+    return fc, ws
 
 
 def main() -> None:
@@ -95,7 +131,8 @@ def main() -> None:
     print("µs a call (CUDA graph of {} calls; rank 0 | rank 1)".format(args.calls))
     for r0, r1 in zip(*ranks):
         print(f"N={r0['n']:5d} D={r0['d']}  " + "  ".join(
-            f"{k} {r0[k]:7.2f} | {r1[k]:7.2f}" for k in ("fused_one_shot", "nccl_then_norm", "nccl_alone") if k in r0))
+            f"{k} {r0[k]:7.2f} | {r1[k]:7.2f}" for k in ("fused_one_shot", "flashinfer_fused", "nccl_then_norm",
+                                                          "nccl_alone") if k in r0))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), "ranks": ranks}, fh, indent=1)

@@ -127,8 +127,10 @@ case "${1:-}" in
     timeout -k 20 120 python3 bench/capture_reduce_cost.py --out "$OUT/capture_reduce_cost.json" 2>&1 | tail -3
     timeout -k 20 120 python3 bench/launch_cost.py --ns 16,8192 --out "$OUT/launch_cost.json" 2>&1 | tail -16
     ;;
-  arnorm)  # issue 40: the one-shot all-reduce + add + RMSNorm kernel on two GPUs (a lane on "0,1")
+  arnorm)  # issue 40: the one-shot all-reduce + add + RMSNorm kernel on two GPUs (a lane on "0,1"); after fi-install
+    # the bench times FlashInfer's fused kernel beside it (stock's at TP >= 2)
     timeout -k 20 300 "${PT[@]}" tests/gpu/test_allreduce_norm_gpu.py 2>&1 | tail -15
+    [ -d /tmp/fi-site/flashinfer ] && fi_env
     timeout -k 20 300 python3 bench/allreduce_norm_bench.py --out "$OUT/allreduce_norm.json" 2>&1 | tail -12
     ;;
   capture-host)  # issue 37: the capture runtime's main-thread work at the prefill arms' shape and capture_gen_n16's, on

@@ -6,8 +6,9 @@ whose string is long and has no escape, decodes the base64 in place (pybase64, v
 body), and hands back the body with a short placeholder instead of each such string. ``restore`` then puts,
 into the decoded body, the raw bytes where a placeholder stands for a packed block (a tier's
 ``{tier: {hook: {"data": ...}}}``, or any ``{"dtype", "data"}`` in the steering fields: a projection's direction,
-a probe), what the msgpack form carries as a bin already, and the original text anywhere else in them; a placeholder outside them (a key that merely ends in ``"data``, say)
-makes ``restore`` answer False and the caller decode the original body. So the decoded body equals the plain
+a probe), what the msgpack form carries as a bin already, and the original text anywhere else in them; a
+placeholder outside them (a key that merely ends in ``"data``, say) makes ``restore`` answer False and the caller
+decode the original body. So the decoded body equals the plain
 parse but for those bytes, and a string that is not valid base64 stays a string (its error unchanged).
 A string's closing quote is first looked for where the last lifted string's length puts it (a request's blocks,
 and the next request's, are mostly as long): the quote there and valid base64 before it (which holds no quote)
