@@ -123,7 +123,9 @@ def test_numpy_bf16_rounding_matches_torch_and_client_pack_roundtrips():
     vals = np.random.default_rng(1).standard_normal(4096).astype(np.float32) * 1000
     vals[:6] = [0.0, -0.0, 1e-40, 3.0e38, np.inf, -np.inf]
     want = torch.from_numpy(vals).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    np.testing.assert_array_equal(bf16.to_bits(vals), want)
+    np.testing.assert_array_equal(bf16.numpy_to_bits(vals), want)  # the client's path (no torch)
+    np.testing.assert_array_equal(bf16.to_bits(vals), want)  # torch's cast where torch is loaded
+    np.testing.assert_array_equal(bf16.to_bits(vals[:100]), want[:100])  # a small array: numpy's
     got = parse_spec({"steering_vectors": {"post_mlp": pack(vals[8:16][None], [2], "bfloat16")}}, SHAPE)
     np.testing.assert_array_equal(got.tiers["steering_vectors"]["post_mlp"][2], bf16.round_to_bf16(vals[8:16]))
     torch_scaled = (torch.from_numpy(vals[8:16]).to(torch.bfloat16) * torch.tensor(0.3, dtype=torch.bfloat16)).float().numpy()
