@@ -45,6 +45,7 @@ waits for. ``--profile FILE``: cProfile of the capture calls per column (their f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -292,35 +293,30 @@ def main() -> None:
                 wall0, cpu0, ops0 = time.perf_counter(), _thread_time(), _OPS_N[0]
                 marks = []
 
-                prof = profs.get(col) if k >= warm else None
+                # the capture calls profiled (a Profile enables itself as a context), the warm-up steps not
+                capture = profs[col] if profs and k >= warm else contextlib.nullcontext()
 
                 def mark(name: str) -> None:
                     marks.append((name, time.perf_counter(), _thread_time(), _OPS_N[0]))
 
-                if prof is not None:
-                    prof.enable()
-                rt.finish_requests(list(map(name_of, ended)))  # the engine's ends (already ended early: nothing)
-                mark("finish (engine)")
-                if specs[arm] is not None or decode:
-                    for r, prompt, max_tokens in new:
-                        rid = name_of(r)
-                        rt.add_request(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": None},
-                                       max_tokens)
-                mark(f"add x{len(new)}" if not decode else "add")
-                if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
-                    rt.plan_step(ids, scheduled, computed)
-                mark("plan_step")
-                if prof is not None:
-                    prof.disable()
+                with capture:
+                    rt.finish_requests(list(map(name_of, ended)))  # the engine's ends (already ended early: nothing)
+                    mark("finish (engine)")
+                    if specs[arm] is not None or decode:
+                        for r, prompt, max_tokens in new:
+                            rid = name_of(r)
+                            rt.add_request(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": None},
+                                           max_tokens)
+                    mark(f"add x{len(new)}" if not decode else "add")
+                    if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
+                        rt.plan_step(ids, scheduled, computed)
+                    mark("plan_step")
                 _python_work(loop_n)
                 mark("vllm host work")
                 if gpu_cycles:  # the forward: the GPU busy, the step's rows written after it
                     torch.cuda._sleep(gpu_cycles)
-                if prof is not None:
-                    prof.enable()
-                rt.after_forward()
-                if prof is not None:
-                    prof.disable()
+                with capture:
+                    rt.after_forward()
                 mark("after_forward")
                 if gpu_cycles:
                     done = torch.cuda.Event()

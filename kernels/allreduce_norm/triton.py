@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.host_math import next_power_of_2
+from vllm_steer.kernels.steered_rms_norm.triton import _num_warps
+
 
 @triton.jit
 def _bits(v, BITS: tl.constexpr):
@@ -123,9 +126,8 @@ def allreduce_add_rms_norm(ws: ArNormWorkspace, x: torch.Tensor, residual: torch
         out = torch.empty_like(residual)
     if t == 0:
         return out
-    block_d = triton.next_power_of_2(d)
-    _ar_norm_kernel[(min(t, ws.programs),)](
+    block_d = next_power_of_2(d)
+    _ar_norm_kernel[(min(t, ws.programs),)](  # the steered norm's warps: its reduction order, as merged into it next
         ws.buf_ptrs, ws.flags, x, residual, weight, out, t, x.stride(0), residual.stride(0), out.stride(0), eps, D=d,
-        BLOCK_D=block_d, RANK=ws.rank, WORLD=ws.world, MAX_T=ws.max_tokens,
-        num_warps=4 if block_d <= 2048 else 8 if block_d <= 8192 else 16)
+        BLOCK_D=block_d, RANK=ws.rank, WORLD=ws.world, MAX_T=ws.max_tokens, num_warps=_num_warps(block_d))
     return out

@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SAFE_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.arfuse_check import SAFE  # every multicast switch off (and FlashInfer's all-reduce on trtllm)
+from tests.server import free_port
 
 
 def _entry(rank: int, world: int, port: int, out: str, fn, args) -> None:
-    os.environ.update(SAFE_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(SAFE, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     try:
@@ -38,7 +32,7 @@ def _entry(rank: int, world: int, port: int, out: str, fn, args) -> None:
 def run_pair(fn, *args, world: int = 2) -> list:
     """``[fn(0, world, *args), fn(1, world, *args), ...]``, each rank in its own process on its own GPU."""
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_entry, args=(world, _free_port(), out, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, free_port(), out, fn, args), nprocs=world, join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(out, f"rank{rank}.pkl"), "rb") as fh:
