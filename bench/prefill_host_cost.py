@@ -36,7 +36,8 @@ ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capt
 step of each arm run on both, interleaved, each version first in turn (the first of a step cost ~1.5x more for the same
 code), in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime
 on the GPU, the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread
-waits for. ``--profile FILE``: cProfile of the capture calls per column (their functions by own time, text).
+waits for. ``--profile FILE``: cProfile of the capture calls per column (their functions by own time, text);
+``--op-times FILE``: each torch op they call timed on the host (wall) instead, per column (calls, ms a step).
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
         --out FILE.json]
@@ -112,6 +113,42 @@ def _count_launches(launch_us: float) -> None:
         setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
     for name in ("repeat_interleave", "add", "where", "cat", "stack"):
         setattr(torch, name, wrap(getattr(torch, name)))
+
+
+_OP_COL: list = [None]  # the column whose capture calls run now (--op-times), None outside them
+_OP_TIMES: dict = {}  # (column, op) -> [calls, seconds]
+
+
+def _time_ops() -> None:
+    """``--op-times``: each torch op the capture calls make on the main thread (the device ops, the stream and event
+    calls) timed on the host (wall), per column: what a GPU step's launches cost the main thread, op by op."""
+    main = threading.get_ident()
+
+    def wrap(name, f):
+        def op(*a, **k):
+            col = _OP_COL[0]
+            if col is None or threading.get_ident() != main:
+                return f(*a, **k)
+            t0 = time.perf_counter()
+            out = f(*a, **k)
+            acc = _OP_TIMES.setdefault((col, name), [0, 0.0])
+            acc[0] += 1
+            acc[1] += time.perf_counter() - t0
+            return out
+        return op
+
+    for name in ("index_fill_", "index_copy_", "index_select", "copy_", "to", "float", "view", "numpy", "__add__",
+                 "__ne__", "fill_", "index_add_", "index_put_", "scatter_", "clone", "zero_", "record_stream"):
+        setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    for name in ("repeat_interleave", "add", "where", "cat", "stack", "zeros", "empty"):
+        setattr(torch, name, wrap(name, getattr(torch, name)))
+    if torch.cuda.is_available():
+        for name in ("current_stream", "stream"):
+            setattr(torch.cuda, name, wrap(f"cuda.{name}", getattr(torch.cuda, name)))
+        for name in ("record", "query", "synchronize"):
+            setattr(torch.cuda.Event, name, wrap(f"Event.{name}", getattr(torch.cuda.Event, name)))
+        for name in ("wait_event", "wait_stream"):
+            setattr(torch.cuda.Stream, name, wrap(f"Stream.{name}", getattr(torch.cuda.Stream, name)))
 
 
 def _calibrate(ms: float) -> int:
@@ -223,6 +260,8 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--profile", metavar="FILE", help="cProfile of the capture calls (not vLLM's stand-in work, not "
                                                        "the GPU wait) per column, top functions by own time, as text")
+    ap.add_argument("--op-times", metavar="FILE", help="each torch op of the capture calls timed on the host (wall), "
+                                                        "per column: calls and ms a step, as text")
     args = ap.parse_args()
     decode = args.load == "decode"
     for name, pre, dec in (("steps", 40, 512), ("host_ms", 30.0, 2.0), ("gpu_ms", 100.0, 12.0),
@@ -232,6 +271,8 @@ def main() -> None:
     device = torch.device(args.device)
     if args.launch_us is not None:
         _count_launches(args.launch_us)
+    if args.op_times:
+        _time_ops()
     root = tempfile.mkdtemp(prefix="prefill_host_")
     if decode:  # the steer_capture server
         cfg = SteerConfig.model_validate({"capture": ["activations"]})
@@ -295,10 +336,12 @@ def main() -> None:
 
                 # the capture calls profiled (a Profile enables itself as a context), the warm-up steps not
                 capture = profs[col] if profs and k >= warm else contextlib.nullcontext()
+                timed = col if k >= warm else None
 
                 def mark(name: str) -> None:
                     marks.append((name, time.perf_counter(), _thread_time(), _OPS_N[0]))
 
+                _OP_COL[0] = timed
                 with capture:
                     rt.finish_requests(list(map(name_of, ended)))  # the engine's ends (already ended early: nothing)
                     mark("finish (engine)")
@@ -311,12 +354,15 @@ def main() -> None:
                     if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
                         rt.plan_step(ids, scheduled, computed)
                     mark("plan_step")
+                _OP_COL[0] = None
                 _python_work(loop_n)
                 mark("vllm host work")
                 if gpu_cycles:  # the forward: the GPU busy, the step's rows written after it
                     torch.cuda._sleep(gpu_cycles)
+                _OP_COL[0] = timed
                 with capture:
                     rt.after_forward()
+                _OP_COL[0] = None
                 mark("after_forward")
                 if gpu_cycles:
                     done = torch.cuda.Event()
@@ -365,6 +411,15 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), args.stat + "_ms": out}, fh, indent=1)
+    if args.op_times:
+        with open(args.op_times, "w") as fh:
+            fh.write(f"torch ops of the capture calls on the main thread (host wall; {args.steps} steps a column)\n")
+            for col in cols:
+                ops = sorted(((n, c, s) for (cc, n), (c, s) in _OP_TIMES.items() if cc == col), key=lambda x: -x[2])
+                fh.write(f"##### {col}: {sum(s for *_, s in ops) * 1e3 / args.steps:.3f} ms a step in torch ops\n")
+                for n, c, s in ops:
+                    fh.write(f"  {n:24s} {c / args.steps:8.1f} calls a step {s * 1e6 / max(c, 1):9.1f} us a call"
+                             f" {s * 1e3 / args.steps:8.3f} ms a step\n")
     if profs:
         with open(args.profile, "w") as fh:
             for col, prof in profs.items():

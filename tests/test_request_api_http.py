@@ -289,6 +289,29 @@ def test_sse_splice_touches_event_starts_only():
     ]
 
 
+def test_json_body_fields_are_spliced_as_the_parsed_body_would_have_them():
+    """A non-streaming body gets ``steering`` and ``capture`` spliced before its closing brace: the same object
+    as parsing and adding them (vLLM's own text kept byte for byte, non-ASCII and all); numpy scalars in a
+    consumer's result become numbers; an empty object or a non-object body goes through ``json``."""
+    import json
+
+    import numpy as np
+
+    from vllm_steer.server.response_field import with_fields
+
+    applied = {"prefill": "p", "decode": "d"}
+    raw = json.dumps({"id": "c", "choices": [{"text": "h\u00e9 } {", "index": 0}], "usage": None}).encode() + b"\n"
+    capture = {"activations": {"count": [np.int64(3)], "mean": np.float32(0.5), "data": "QUJD"}}
+    out = with_fields(raw, applied, capture)
+    assert out.startswith(raw.rstrip()[:-1])
+    assert json.loads(out) == {**json.loads(raw), "steering": {"prefill": "p", "decode": "d"},
+                               "capture": {"activations": {"count": [3], "mean": 0.5, "data": "QUJD"}}}
+    assert json.loads(with_fields(raw, {}, {"x": 1})) == {**json.loads(raw), "capture": {"x": 1}}
+    assert with_fields(raw, {}, None) == raw  # nothing to add: untouched
+    assert json.loads(with_fields(b"{ }", applied)) == {"steering": {"prefill": "p", "decode": "d"}}
+    assert with_fields(b"[1, 2]", applied) == b"[1, 2]"
+
+
 def test_sae_clamps_through_the_openai_routes(server):
     """The shared server's SAE ("fz", conftest): listed, a clamp steers completions and chat alike
     (the same request twice: the same text), and a request without it is untouched."""

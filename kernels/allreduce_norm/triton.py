@@ -87,6 +87,12 @@ def _ar_norm_kernel(p_bufs, p_flags, p_x, p_res, p_w, p_out, n_tokens, stride_x,
         tl.store(p_flags, 1 - epoch)
 
 
+def _before_211() -> bool:
+    """Whether this torch predates 2.11 (which enables symmetric memory for every group by itself)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) < (2, 11)
+
+
 class ArNormWorkspace:
     """The symmetric buffers ``[2, world, max_tokens, hidden]`` (two epochs; each rank's plane of every row) of one TP
     group and this rank's epoch flags, made once (a collective: every rank of ``group`` calls it)."""
@@ -100,8 +106,8 @@ class ArNormWorkspace:
         self.buf = symm_mem.empty((2, world, max_tokens, hidden), dtype=dtype, device=device)
         self.buf.fill_(-0.0)  # the sentinel everywhere before any rank pushes
         name = group.group_name if hasattr(group, "group_name") else group
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous in older releases
-            symm_mem.enable_symm_mem_for_group(name)
+        if _before_211() and hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous there
+            symm_mem.enable_symm_mem_for_group(name)  # (torch 2.11 deprecates it: a FutureWarning per workspace)
         self.handle = symm_mem.rendezvous(self.buf, name)
         self.rank, self.world = self.handle.rank, self.handle.world_size
         self.max_tokens, self.hidden = max_tokens, hidden

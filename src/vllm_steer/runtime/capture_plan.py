@@ -37,11 +37,11 @@ and become (rows -> slot) adds after the forward, as runs of consecutive rows. N
 nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
 
 The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step whose plan changed
-resets last upload's cells (``index_fill_`` from their indices, kept on the device), then sends its runs
-(first cell, first row, cells: 3 words each) in one copy from a persistent pinned ring into a persistent
-device staging buffer, expands them there (``repeat_interleave``) and ``index_copy_``s the rows into the
-plan (on the current stream, before the forward, outside any graph): a handful of device ops a step whose
-plan changed, none when it is the same as last step's (steady decode of a stable batch) or idle.
+resets last upload's cells (``index_fill_`` from their indices, kept on the device), then sends its cells
+(int64) and their rows (int32), expanded from its runs by numpy straight into a persistent pinned ring buffer,
+in one copy into a persistent device staging buffer and ``index_copy_``s the rows into the plan (on the current
+stream, before the forward, outside any graph): four device ops a step whose plan changed (each ~20-60 us of
+host time on a GPU host, s36), none when it is the same as last step's (steady decode of a stable batch) or idle.
 """
 
 from __future__ import annotations
@@ -205,6 +205,11 @@ class _Same:
 _NONE = np.zeros(0, np.int64)
 
 
+def _staged_words(cells: int) -> int:
+    """int64 words of one upload of ``cells`` cells: the cells (int64), then their rows (int32, two a word)."""
+    return cells + (cells + 1) // 2
+
+
 _EMPTY = StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, 0)
 
 
@@ -219,13 +224,15 @@ class CapturePlanner:
         self.max_rows = max_rows
         self.reduce_base = reduce_base  # pool row of reduce slot 0 (``runtime.capture_reduce``)
         self.max_pairs = max_pairs  # reduce pairs (adds + copies) one step may hold
-        # one upload: runs of plan cells (first cell, first row, cells: int64), expanded on the device into
-        # ``_cells`` (kept until the next upload resets them) and their rows
+        # one upload: the step's cells (int64) and their rows (int32, the plan's dtype) expanded from runs on the
+        # host into one staged block, one copy; the cells stay in ``_staging`` until the next upload resets them
         cap = max_rows + reduce_rows  # a step's cells: consumer and fresh mean rows, then cells straight to slots
-        self._ring = PinnedRing((3 * cap,), torch.int64, plan.device)
-        self._staging = torch.empty(3 * cap, dtype=torch.int64, device=plan.device)
-        self._cells = torch.empty(cap, dtype=torch.int64, device=plan.device)
-        self._iota = torch.arange(cap, dtype=torch.int64, device=plan.device)
+        self._cap = cap
+        self._ring = PinnedRing((_staged_words(cap),), torch.int64, plan.device)
+        self._staging = torch.empty(_staged_words(cap), dtype=torch.int64, device=plan.device)
+        # persistent views (a view or reshape op costs ~20 us of host time on a GPU host: s36's op times)
+        self._staging32 = self._staging.view(torch.int32)
+        self._plan_flat = plan.view(-1)
         self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
         self._last_cells = 0  # its cells
         self._same: _Same | None = None
@@ -771,8 +778,10 @@ class CapturePlanner:
 
     def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None, lens: np.ndarray | None = None) -> None:
         """Make the device plan hold ``rows[i] + j`` at cell ``flat[i] + j`` for j < ``lens[i]`` (runs; default one
-        cell each, ``rows`` default i) and -1 at last upload's other cells: 3 words a run go up, the device expands
-        runs into cells."""
+        cell each, ``rows`` default i) and -1 at last upload's other cells. The runs are expanded on the host into
+        the cells (int64) and their rows (int32) of one pinned block, which goes up in one copy: four device ops a
+        step whose plan changed (reset, copy, event, ``index_copy_``), none when it is the same as last step's.
+        (s36: expanding on the device took five more ops, ``repeat_interleave`` alone ~0.19 ms of host time.)"""
         if rows is None:
             rows = np.arange(len(flat), dtype=np.int64)
         if lens is None:
@@ -780,29 +789,24 @@ class CapturePlanner:
         if (np.array_equal(flat, self._last) and np.array_equal(rows, self._last_rows)
                 and np.array_equal(lens, self._last_lens)):
             return  # the same cells take the same rows: nothing changes on the device
-        plan = self.device_plan.view(-1)
+        plan = self._plan_flat
         if self._last_cells:  # last upload's cells back to -1 first, from their indices kept on the device
-            plan.index_fill_(0, self._cells[: self._last_cells], -1)
+            plan.index_fill_(0, self._staging[: self._last_cells], -1)
         n = len(flat)
         m = int(lens.sum()) if n else 0
         if m:
             host, land = self._ring.stage()
+            words = _staged_words(m)
             if m == n:  # one cell a run (decode, the general path): the cells themselves
-                host[:n], host[n : 2 * n] = flat, rows
-            else:
-                first = np.cumsum(lens) - lens
-                host[:n], host[n : 2 * n], host[2 * n : 3 * n] = flat - first, rows - first, lens
-            staged = self._staging[: 3 * n]
-            land(staged[: 2 * n if m == n else 3 * n])
-            cells, values = self._cells[:m], staged[n : 2 * n]
-            if m == n:
-                cells.copy_(staged[:n])
+                host[:m] = flat
+                host[:words].view(np.int32)[2 * m : 3 * m] = rows
             else:  # run i's cells and rows: its first ones + 0, 1, ...
-                both = torch.repeat_interleave(staged[: 2 * n].view(2, n), staged[2 * n :], dim=1, output_size=m)
-                iota = self._iota[:m]
-                torch.add(both[0], iota, out=cells)
-                values = both[1] + iota
-            plan.index_copy_(0, cells, values.to(torch.int32))
-            self.upload_bytes += 8 * (2 * n if m == n else 3 * n)
+                offset = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+                np.add(np.repeat(flat, lens), offset, out=host[:m])
+                np.add(np.repeat(rows, lens), offset, out=host[:words].view(np.int32)[2 * m : 3 * m],
+                       casting="unsafe")
+            land(self._staging[:words])
+            plan.index_copy_(0, self._staging[:m], self._staging32[2 * m : 3 * m])
+            self.upload_bytes += 8 * words
         self._last, self._last_rows, self._last_lens, self._last_cells = flat, rows, lens, m
         self.uploads += 1

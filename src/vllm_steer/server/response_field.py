@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from vllm_steer.core.refusals import Refusal
 from vllm_steer.server.errors import error_response
 from vllm_steer.capture.collect import DEFAULT_TIMEOUT_S
@@ -31,10 +33,44 @@ from vllm_steer.frontend.applied import close_holder, open_holder, steering_fiel
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+def _enc_hook(obj: Any) -> Any:
+    if hasattr(obj, "item") and hasattr(obj, "dtype"):  # a numpy scalar in a consumer's result
+        return obj.item()
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+_ENCODE = msgspec.json.Encoder(enc_hook=_enc_hook).encode
+
+
 def _inject(obj: Any, applied: dict) -> Any:
     if isinstance(obj, dict) and ("prefill" in applied or "decode" in applied):
         obj["steering"] = _field(applied)
     return obj
+
+
+def _is_object(raw: bytes) -> bool:
+    return raw.lstrip()[:1] == b"{"
+
+
+def with_fields(raw: bytes, applied: dict, capture: Any = None) -> bytes:
+    """vLLM's JSON body with ``"steering"`` (a steered request's) and ``"capture"`` (when not None) added: spliced
+    in before the object's closing brace as bytes (msgspec), not parsed and dumped again (s36: ~130 us a response
+    with an activations result, on the API process's event loop; the splice ~25). A body that is not a non-empty
+    object goes through ``json`` as before."""
+    fields = b""
+    if "prefill" in applied or "decode" in applied:
+        fields += b',"steering":' + _ENCODE(_field(applied))
+    if capture is not None:
+        fields += b',"capture":' + _ENCODE(capture)
+    if not fields:
+        return raw
+    head = raw.rstrip()
+    if _is_object(head) and head.endswith(b"}") and not head[:-1].rstrip().endswith(b"{"):
+        return head[:-1] + fields + b"}"
+    obj = _inject(json.loads(raw), applied)
+    if capture is not None and isinstance(obj, dict):
+        obj["capture"] = capture
+    return json.dumps(obj).encode()
 
 
 def _field(applied: dict) -> dict:
@@ -136,12 +172,12 @@ class SteeringResponseMiddleware:
                 if "refused" in holder and start.get("status", 200) >= 500:
                     await _send_refusal(send, holder["refused"])
                     return
-                obj = _inject(json.loads(b"".join(state["body"])), holder)
+                raw = b"".join(state["body"])
                 ids = holder.get("capture_ids")
-                if ids and isinstance(obj, dict) and start.get("status", 200) == 200:
-                    results = await _capture_results(scope, holder)
-                    obj["capture"] = _capture_field(results, ids)
-                body = json.dumps(obj).encode()
+                capture = None
+                if ids and start.get("status", 200) == 200 and _is_object(raw):
+                    capture = _capture_field(await _capture_results(scope, holder), ids)
+                body = with_fields(raw, holder, capture)
                 headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
                 headers.append((b"content-length", str(len(body)).encode()))
                 await send({**start, "headers": headers})
