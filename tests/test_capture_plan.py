@@ -313,7 +313,7 @@ def test_a_step_waits_only_for_the_copies_of_the_pool_rows_it_overwrites(monkeyp
             waits[-1] = copies.index(event)
 
     monkeypatch.setattr(capture_lanes, "_copy_into", copy_into)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: ComputeStream())
+    monkeypatch.setattr(capture_mod, "current_stream", lambda *a: ComputeStream())
     rt._copy_stream = object()  # a GPU runtime's: plan_step checks the copies
     spec = {"layers": [0, 1], "hooks": ["post_mlp"], "positions": "all"}
 

@@ -397,6 +397,33 @@ def test_capture_reduce_segment_add_matches_per_slot_sums(interpreted):
     assert torch.equal(got[[1, 3, 5]], acc[[1, 3, 5]])
 
 
+def test_plan_runs_write_and_reset_match_reference():
+    """The capture plan's runs (a run of 1, runs longer than the kernel's 512-cell block, a zero-length run, runs out
+    of order, cells in two sites' rows): written, each cell ``rows[i] + j``, by the kernel and the reference alike;
+    then reset to -1 by the same runs; the cells no run names keep their values throughout."""
+    from vllm_steer.kernels.plan_runs.naive import write_runs_naive
+    from vllm_steer.kernels.plan_runs.triton import write_runs_triton
+
+    width = 1300
+    flat = [2 * width + 5, 0, width + 3, 700, 2 * width + 40]
+    rows = [9000, 7, 100, 2000, 5]
+    lens = [1, 600, 1100, 0, 530]
+    runs = torch.tensor(flat + rows + lens + [-1] * 6)  # past 3n: never read
+    start = torch.randint(-1, 50, (3 * width,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    want = start.clone()
+    for f, r, n in zip(flat, rows, lens):
+        want[f : f + n] = torch.arange(r, r + n, dtype=torch.int32)
+    for write in (write_runs_triton, write_runs_naive):
+        plan = start.clone()
+        write(plan, runs, 5)
+        assert torch.equal(plan, want), write.__name__
+        write(plan, runs, 5, reset=True)
+        named = torch.zeros(3 * width, dtype=torch.bool)
+        for f, n in zip(flat, lens):
+            named[f : f + n] = True
+        assert (plan[named] == -1).all() and torch.equal(plan[~named], start[~named]), write.__name__
+
+
 @_INTERPRETER_INDEX
 @pytest.mark.parametrize("captured", ["a", "b", "ab"])
 @pytest.mark.parametrize("variant", ["plain", "plain-late", "cond", "sae", "sae-split", "cond-sae"])

@@ -69,6 +69,7 @@ from vllm_steer.runtime.capture_lanes import RING_STEPS, CaptureHost, Lane
 from vllm_steer.runtime.capture_plan import CapturePlanner, ReduceStep, RequestPlan, StepPlan, compile_request
 from vllm_steer.runtime.capture_reduce import MODES, ReduceRegion
 from vllm_steer.runtime.result_push import ResultPusher
+from vllm_steer.runtime.streams import current_stream
 
 logger = logging.getLogger("vllm.steer.capture")
 
@@ -592,7 +593,7 @@ class CaptureRuntime:
         copies = self._copies
         hit = next((i for i in range(len(copies) - 1, -1, -1) if copies[i][0] < hi and lo < copies[i][1]), None)
         if hit is not None and lo < hi:
-            torch.cuda.current_stream().wait_event(copies[hit][2])
+            current_stream(self.buffers.pool.device).wait_event(copies[hit][2])
             del copies[: hit + 1]
 
     # ---- results ----------------------------------------------------------------------

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from vllm_steer.runtime.streams import current_stream
+
 logger = logging.getLogger("vllm.steer.capture")
 
 RING_STEPS = 4  # the ring holds this many full device pools (steer.capture_max_rows rows each)
@@ -349,12 +351,12 @@ def _copy_into(dst: torch.Tensor, rows: torch.Tensor, copy_stream: Any) -> Any:
     """Copy ``rows`` into ring rows ``dst``: on a GPU, on ``copy_stream`` after the work queued so far on the
     current stream (the forward that wrote them), returning the copy's event; on the CPU at once (None). The caller
     keeps ``rows`` alive until the event (a view of the persistent pool, never freed; a gathered tensor held with its
-    block), so no ``record_stream``. One ``current_stream`` call and ``set_stream`` instead of a stream context: each
-    Python-level stream call costs ~10-30 us of host time on a GPU host (s36's op times)."""
+    block), so no ``record_stream``. The kept current stream (``runtime.streams``) and ``set_stream`` instead of a stream context:
+    each Python-level stream call costs ~10-50 us of host time on a GPU host (s36's op times)."""
     if not rows.is_cuda:
         dst.copy_(rows)
         return None
-    current = torch.cuda.current_stream()
+    current = current_stream(rows.device)
     copy_stream.wait_event(current.record_event())
     torch.cuda.set_stream(copy_stream)
     try:

@@ -37,11 +37,11 @@ and become (rows -> slot) adds after the forward, as runs of consecutive rows. N
 nothing of theirs goes to the host per step. In steady decode they repeat with the cells.
 
 The device plan ``plan[site, token]`` (pool row, -1 none) changes sparsely: a step whose plan changed
-resets last upload's cells (``index_fill_`` from their indices, kept on the device), then sends its cells
-(int64) and their rows (int32), expanded from its runs by numpy straight into a persistent pinned ring buffer,
-in one copy into a persistent device staging buffer and ``index_copy_``s the rows into the plan (on the current
-stream, before the forward, outside any graph): four device ops a step whose plan changed (each ~20-60 us of
-host time on a GPU host, s36), none when it is the same as last step's (steady decode of a stable batch) or idle.
+resets last upload's runs (kept on the device) to -1, then sends its runs (first cell, first row, cells: 3 words
+each) in one copy from a persistent pinned ring into a persistent device staging buffer and writes their cells
+(``kernels/plan_runs``: a program a run; on the current stream, before the forward, outside any graph): a copy, an
+event and two launches a step whose plan changed (each torch op ~20-90 us of host time on a GPU host, s36), none
+when it is the same as last step's (steady decode of a stable batch) or idle.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from vllm_steer.capture.spec import POSITION_CLASSES
+from vllm_steer.kernels.plan_runs import write_runs
 from vllm_steer.runtime.capture_host import cells_of_runs
 from vllm_steer.runtime.pinned_ring import PinnedRing
 
@@ -205,10 +206,6 @@ class _Same:
 _NONE = np.zeros(0, np.int64)
 
 
-def _staged_words(cells: int) -> int:
-    """int64 words of one upload of ``cells`` cells: the cells (int64), then their rows (int32, two a word)."""
-    return cells + (cells + 1) // 2
-
 
 _EMPTY = StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, 0)
 
@@ -224,17 +221,16 @@ class CapturePlanner:
         self.max_rows = max_rows
         self.reduce_base = reduce_base  # pool row of reduce slot 0 (``runtime.capture_reduce``)
         self.max_pairs = max_pairs  # reduce pairs (adds + copies) one step may hold
-        # one upload: the step's cells (int64) and their rows (int32, the plan's dtype) expanded from runs on the
-        # host into one staged block, one copy; the cells stay in ``_staging`` until the next upload resets them
+        # one upload: the step's runs (first cell, first row, cells: int64, 3 words a run) in one copy into
+        # ``_staging``, where they stay until the next upload resets them (``kernels/plan_runs``)
         cap = max_rows + reduce_rows  # a step's cells: consumer and fresh mean rows, then cells straight to slots
-        self._cap = cap
-        self._ring = PinnedRing((_staged_words(cap),), torch.int64, plan.device)
-        self._staging = torch.empty(_staged_words(cap), dtype=torch.int64, device=plan.device)
-        # persistent views (a view or reshape op costs ~20 us of host time on a GPU host: s36's op times)
-        self._staging32 = self._staging.view(torch.int32)
+        self._ring = PinnedRing((3 * cap,), torch.int64, plan.device)
+        self._staging = torch.empty(3 * cap, dtype=torch.int64, device=plan.device)
+        # a persistent flat view (a view op costs ~20 us of host time on a GPU host: s36's op times)
         self._plan_flat = plan.view(-1)
         self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
         self._last_cells = 0  # its cells
+        self._last_runs = 0  # its runs (in ``_staging``)
         self._same: _Same | None = None
         self._steady: _Steady | None = None  # set after a decode step whose successor may be _advance'd
         self._hits: list = []  # the last planned step's requests (of the batch, captured or not)
@@ -778,10 +774,10 @@ class CapturePlanner:
 
     def _upload(self, flat: np.ndarray, rows: np.ndarray | None = None, lens: np.ndarray | None = None) -> None:
         """Make the device plan hold ``rows[i] + j`` at cell ``flat[i] + j`` for j < ``lens[i]`` (runs; default one
-        cell each, ``rows`` default i) and -1 at last upload's other cells. The runs are expanded on the host into
-        the cells (int64) and their rows (int32) of one pinned block, which goes up in one copy: four device ops a
-        step whose plan changed (reset, copy, event, ``index_copy_``), none when it is the same as last step's.
-        (s36: expanding on the device took five more ops, ``repeat_interleave`` alone ~0.19 ms of host time.)"""
+        cell each, ``rows`` default i) and -1 at last upload's other cells: last upload's runs (kept on the device)
+        reset, this one's 3 words a run staged in a pinned ring buffer, copied up once and written
+        (``kernels/plan_runs``): a copy, an event and two launches a step whose plan changed, none when it is the same
+        as last step's. (s36: per-cell uploads took 5-9 device ops and ~0.2 ms of numpy at 32768 cells.)"""
         if rows is None:
             rows = np.arange(len(flat), dtype=np.int64)
         if lens is None:
@@ -790,23 +786,16 @@ class CapturePlanner:
                 and np.array_equal(lens, self._last_lens)):
             return  # the same cells take the same rows: nothing changes on the device
         plan = self._plan_flat
-        if self._last_cells:  # last upload's cells back to -1 first, from their indices kept on the device
-            plan.index_fill_(0, self._staging[: self._last_cells], -1)
+        if self._last_runs:  # last upload's cells back to -1 first (ordered before the copy below: one stream)
+            write_runs(plan, self._staging, self._last_runs, reset=True)
         n = len(flat)
         m = int(lens.sum()) if n else 0
         if m:
             host, land = self._ring.stage()
-            words = _staged_words(m)
-            if m == n:  # one cell a run (decode, the general path): the cells themselves
-                host[:m] = flat
-                host[:words].view(np.int32)[2 * m : 3 * m] = rows
-            else:  # run i's cells and rows: its first ones + 0, 1, ...
-                offset = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-                np.add(np.repeat(flat, lens), offset, out=host[:m])
-                np.add(np.repeat(rows, lens), offset, out=host[:words].view(np.int32)[2 * m : 3 * m],
-                       casting="unsafe")
-            land(self._staging[:words])
-            plan.index_copy_(0, self._staging[:m], self._staging32[2 * m : 3 * m])
-            self.upload_bytes += 8 * words
+            host[:n], host[n : 2 * n], host[2 * n : 3 * n] = flat, rows, lens
+            land(self._staging[: 3 * n])
+            write_runs(plan, self._staging, n)
+            self.upload_bytes += 24 * n
         self._last, self._last_rows, self._last_lens, self._last_cells = flat, rows, lens, m
+        self._last_runs = n if m else 0
         self.uploads += 1

@@ -15,6 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_steer.runtime.streams import current_stream
+
 
 SLOTS = 4  # buffers per ring unless a caller asks for more (a busy ring gives a one-off pinned block)
 
@@ -23,6 +25,7 @@ class PinnedRing:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slots: int = SLOTS) -> None:
         self.shape, self.dtype = shape, dtype
         self.pinned = device.type == "cuda" and torch.cuda.is_available()
+        self.device = device
         self._bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(slots)]
         self._events: list = [None] * slots
         self._cursor = 0
@@ -43,7 +46,7 @@ class PinnedRing:
             dst.copy_(buf[: dst.shape[0]] if at is None else buf[at], non_blocking=self.pinned)
             if self.pinned and i is not None:
                 ev = self._events[i] or torch.cuda.Event()
-                ev.record()
+                ev.record(current_stream(self.device))
                 self._events[i] = ev
 
         return buf.numpy(), land
