@@ -23,4 +23,4 @@ def test_every_kernel_the_interpreted_tests_launch_compiles_for_an_h100(tmp_path
     assert not errors.exists(), errors.read_text()[:6000]
     compiled = set((tmp_path / "compiled.txt").read_text().split())
     assert {"_steered_norm_kernel", "_encode", "_select", "_decode", "_gather", "_tile_clamps", "_capture_rows_kernel",
-            "_step_index_kernel", "_segment_add_kernel", "_ar_norm_kernel"} <= compiled, (compiled, (proc.stdout + proc.stderr)[-3000:])
+            "_step_index_kernel", "_segment_add_kernel", "_ar_norm_kernel", "_write_runs_kernel"} <= compiled, (compiled, (proc.stdout + proc.stderr)[-3000:])

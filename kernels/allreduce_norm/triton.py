@@ -20,25 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.allreduce_norm.lamport import epoch_base, flip_epoch, pull_sum, push_row
 from vllm_steer.kernels.host_math import next_power_of_2
 from vllm_steer.kernels.steered_rms_norm.triton import _num_warps
-
-
-@triton.jit
-def _bits(v, BITS: tl.constexpr):
-    """``v``'s bits as a signed integer (the sentinel, negative zero, is the sign bit alone: ``_sentinel``)."""
-    if BITS == 16:
-        return v.to(tl.int16, bitcast=True)
-    else:
-        return v.to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _sentinel(BITS: tl.constexpr):
-    if BITS == 16:
-        return -32768
-    else:
-        return -2147483648
 
 
 @triton.jit
@@ -49,42 +33,23 @@ def _ar_norm_kernel(p_bufs, p_flags, p_x, p_res, p_w, p_out, n_tokens, stride_x,
     push is pending); ``p_flags``: int32 ``[2]`` of this rank, the epoch and the launch's arrivals."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    dtype = p_x.dtype.element_ty
-    BITS: tl.constexpr = dtype.primitive_bitwidth
+    dtype: tl.constexpr = p_x.dtype.element_ty
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    epoch = tl.load(p_flags)
-    base = epoch.to(tl.int64) * (WORLD * MAX_T * D)
-    own = tl.load(p_bufs + RANK).to(tl.pointer_type(dtype))
+    epoch, base = epoch_base(p_flags, MAX_T, WORLD, D)
     w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    sentinel = _sentinel(BITS)
-    zero_bits = _bits(tl.zeros((BLOCK_D,), dtype), BITS)
-    reset = (zero_bits + sentinel).to(zero_bits.dtype).to(dtype, bitcast=True)  # a row of the sentinel
     for t_i in range(pid, n_tokens, grid):
         t = tl.full((), 0, tl.int64) + t_i  # int64 offsets (the interpreter's loop index is a Python int)
         x = tl.load(p_x + t * stride_x + o_d, mask=m_d, other=0.0)
-        x = tl.where(x == 0, 0.0, x).to(dtype)  # -0 -> +0: the sentinel is never data
-        for r in tl.static_range(WORLD):  # push: row t of this rank's plane in every rank's buffer
-            peer = tl.load(p_bufs + r).to(tl.pointer_type(dtype))
-            tl.store(peer + base + (RANK * MAX_T + t) * D + o_d, x, mask=m_d)
-        s = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order: the same sum on every rank
-            p = own + base + (r * MAX_T + t) * D + o_d
-            v = tl.load(p, mask=m_d, other=0.0, volatile=True)
-            while tl.sum(((_bits(v, BITS) == sentinel) & m_d).to(tl.int32), axis=0) > 0:
-                v = tl.load(p, mask=m_d, other=0.0, volatile=True)
-            s += v.to(tl.float32)
-            tl.store(p, reset, mask=m_d)
+        push_row(p_bufs, x, base, RANK, t, MAX_T, o_d, m_d, WORLD, D)
+        s = pull_sum(p_bufs, base, RANK, t, MAX_T, o_d, m_d, dtype, WORLD, D, BLOCK_D)
         p_r = p_res + t * stride_res + o_d
         s += tl.load(p_r, mask=m_d, other=0.0).to(tl.float32)
         tl.store(p_r, s.to(p_res.dtype.element_ty), mask=m_d)
         var = tl.sum(s * s, axis=0) / D
         out = s * tl.math.rsqrt(var + eps) * w
         tl.store(p_out + t * stride_out + o_d, out.to(p_out.dtype.element_ty), mask=m_d)
-    tl.debug_barrier()
-    if tl.atomic_add(p_flags + 1, 1, sem="acq_rel", scope="gpu") == grid - 1:  # the launch's last program
-        tl.store(p_flags + 1, 0)
-        tl.store(p_flags, 1 - epoch)
+    flip_epoch(p_flags, epoch, grid)
 
 
 def _before_211() -> bool:

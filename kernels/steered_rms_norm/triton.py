@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_steer.kernels.allreduce_norm.lamport import epoch_base, flip_epoch, pull_sum, push_row
 from vllm_steer.kernels.host_math import next_power_of_2
 from vllm_steer.kernels.launch_cache import CachedLauncher, spec_of
 from vllm_steer.kernels.sae_clamp.packed import N_CLAMP_ONLY
@@ -364,6 +365,8 @@ def _steered_norm_kernel(
     full_tc,  # FULL_TC: the same for a full transcoder pack (its edit of the MLP's output, added to the residual)
     quant,  # QUANT: (q [N, D] fp8 (written), q stride, scale: [1] fp32 read (static) / [N] fp32 written (dynamic));
     #         QUANT 3: (q, q stride, scale [N, D // GROUP] fp32 (written), its token / group strides, eps)
+    ar,  # AR: (bufs [AR] int64: each TP rank's symmetric buffer address, flags [2] int32, this rank, the buffers'
+    #      tokens): x is this rank's partial sum, all-reduced inside the launch (kernels/allreduce_norm/lamport.py)
     D: tl.constexpr,
     HAS_RES: tl.constexpr,
     OFFSET_WEIGHT: tl.constexpr,
@@ -389,6 +392,8 @@ def _steered_norm_kernel(
     # of GROUP columns (naive.quant_fp8_group_naive, a block-FP8 linear's input); plain sites only
     GROUP: tl.constexpr = 0,  # QUANT 3: columns per scale (a power of two dividing D)
     UE8M0: tl.constexpr = False,  # QUANT 3: scales rounded up to powers of two (DeepGEMM's UE8M0 on Hopper)
+    AR: tl.constexpr = 0,  # > 0: the TP group's size; x is this rank's partial (vLLM's all-reduce is in the launch:
+    # each token's row pushed to every rank, the ranks' rows summed in rank order in float32; one program a token)
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -404,10 +409,21 @@ def _steered_norm_kernel(
     # Every load the plain path needs is issued here, the weight's too (as Inductor's fused add +
     # RMSNorm does): issued after the reduction, its latency would add to every launch.
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0, eviction_policy="evict_last")
-    b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    if HAS_RES:
-        b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
-                       eviction_policy="evict_first").to(tl.float32)
+    if AR > 0:  # this rank's partial row out to every rank first, the residual's load in flight while the peers' land
+        p_bufs, p_flags, ar_rank, ar_max_t = ar
+        ar_epoch, ar_base = epoch_base(p_flags, ar_max_t, AR, D)
+        push_row(p_bufs, tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0), ar_base, ar_rank, i_t, ar_max_t,
+                 o_d, m_d, AR, D)
+        if HAS_RES:
+            b_r = tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0, eviction_policy="evict_first")
+        b_s = pull_sum(p_bufs, ar_base, ar_rank, i_t, ar_max_t, o_d, m_d, p_x.dtype.element_ty, AR, D, BLOCK_D)
+        if HAS_RES:
+            b_s += b_r.to(tl.float32)
+    else:
+        b_s = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if HAS_RES:
+            b_s += tl.load(p_res + i_t * stride_res + o_d, mask=m_d, other=0.0,
+                           eviction_policy="evict_first").to(tl.float32)
     if CAP_A:  # every program of the token has the pristine stream: the first stores it
         _capture(b_s, i_pa, cap_a, o_d, m_d, tl.program_id(1) == 0)
     # the gate changes only at a probe site, where it is stored
@@ -529,6 +545,8 @@ def _steered_norm_kernel(
     elif FULL_TC:  # the edit was encoded from this output (full_triton's gather): it goes to the residual
         b_s = _add_edit(b_s, i_t, i_row, full_tc, o_d, m_d, w_sae)
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
+    if AR > 0:  # the launch's last program switches the exchange's epoch for the next launch
+        flip_epoch(p_flags, ar_epoch, tl.num_programs(0) * tl.num_programs(1))
 
 
 def _num_warps(block_d: int) -> int:
@@ -641,6 +659,9 @@ def steered_norm_triton(
     early: bool | None = None,  # every slot's loads before the first branch (None: VLLM_STEER_NORM_EARLY; False: late)
     quant: tuple = (),  # steered_norm_fp8_triton's (q [N, D] fp8, scale, QUANT[, GROUP, eps, UE8M0]): the output as FP8
     # into q, not out
+    ar=None,  # an allreduce_norm.ArNormWorkspace: x is this TP rank's partial, all-reduced in the launch (every rank
+    # of the group calls it alike); one program a token (no split SAE walk), no full packs or tiled clamps (they
+    # read x before the launch)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -662,8 +683,16 @@ def steered_norm_triton(
             stride_o, eps, weight_offset)
     ptrs = x.data_ptr() | res.data_ptr() | weight.data_ptr() | index.data_ptr()
     spec = (x.dtype, res.dtype, weight.dtype, index.dtype, args[6], args[7], stride_o, type(eps), type(weight_offset))
-    va = vb = ca = cb = ()
+    va = vb = ca = cb = ard = ()
     has_a = has_b = cap_a = cap_b = False
+    world = 0
+    if ar is not None:
+        if n > ar.max_tokens or x.dtype != ar.buf.dtype or d != ar.hidden or full_a or full_b or full_tc:
+            raise ValueError(f"the all-reduce in the norm takes up to {ar.max_tokens} tokens of [{ar.hidden}] "
+                             f"{ar.buf.dtype} and no full SAE pack, got {n} x {d} {x.dtype}")
+        ard, world, split, tiled = (ar.buf_ptrs, ar.flags, ar.rank, ar.max_tokens), ar.world, 1, False
+        ptrs |= ar.buf_ptrs.data_ptr() | ar.flags.data_ptr()
+        spec += (spec_of(ard), world)
     if vec_a:
         table, flag = vec_a[0], vec_a[1]
         va, has_a = (table, flag, table.stride(0)), True
@@ -715,10 +744,12 @@ def steered_norm_triton(
         ftc = (full_tc[0], full_tc[1], full_tc[0].stride(0)) if full_tc else ()
         assert not quant, "FP8 output: plain sites only (vectors, capture)"
         spec += (spec_of((sa, sb, bufs, cond_desc, pa, pb, tcd, fa, fb, ftc)),)
-        args += (va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc, ())
+        args += (va, vb, sa, sb, bufs, cond_desc, ca, cb, pa, pb, tcd, fa, fb, ftc, (), ard)
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, bool(sa), bool(sb),
                             32, split, bool(cond_desc), cap_a, cap_b, bool(pa), bool(pb), bool(tcd), bool(fa),
                             bool(fb), bool(ftc), EARLY if early is None else early)
+        if world:
+            flags += (0, 0, False, world)
     else:  # vectors and capture only (the other descriptors empty, their flags off)
         qd = qflags = ()
         if quant:
@@ -733,10 +764,12 @@ def steered_norm_triton(
                 qd += (st, sg, quant_eps)
                 spec += (st == 1, st % 16 == 0, sg == 1, sg % 16 == 0)
                 qflags = (mode, group, ue8m0)
-        args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), (), qd)
+        args += (va, vb, (), (), (), (), ca, cb, (), (), (), (), (), (), qd, ard)
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, False, False, 32, 1,
                             False, cap_a, cap_b, False, False, False, False, False, False,
                             EARLY if early is None else early) + qflags
+        if world:
+            flags += (0, 0, False)[len(qflags):] + (world,)
         split = 1
     _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec)
     return out, res_out

@@ -55,3 +55,47 @@ def test_a_group_of_one_normalizes_its_own_partial_and_leaves_the_sentinels_for_
         buf, flags, _ = state
         assert flags.tolist() == [1 - epoch % 2, 0]  # the epoch flipped by the last program, arrivals back to 0
         assert _all_sentinel(buf)  # every row read was reset: the buffers are ready for their next epoch
+
+
+class _GroupOfOne:
+    """An ``ArNormWorkspace`` as a group of one holds it, on host memory (no process group): the steered norm's
+    ``ar`` argument."""
+
+    def __init__(self, dtype: torch.dtype, hidden: int) -> None:
+        self.world, self.rank, self.max_tokens, self.hidden = 1, 0, MAX_T, hidden
+        self.buf = torch.full((2, 1, MAX_T, hidden), -0.0, dtype=dtype)
+        self.buf_ptrs = torch.tensor([self.buf.data_ptr()], dtype=torch.int64)
+        self.flags = torch.zeros(2, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("features", ["vectors", "vectors+capture+projection"])
+def test_the_steered_norm_with_the_all_reduce_inside_equals_it_on_the_reduced_stream(features):
+    """The steered norm's AR feature as a TP group of one, two launches (both epochs): the same residual and output as
+    the same norm given the reduced stream itself (vectors at both slots, with slot A's stream captured and a
+    direction ablated at slot A), every row of the exchange's buffers back to the sentinel, the epoch flipped each
+    launch. (A group of two is compiled for sm_90 here and run on two GPUs by ``tests/gpu``.)"""
+    from tests.test_steered_norm import _case, _on
+    from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
+
+    dtype, d = torch.bfloat16, D
+    ws = _GroupOfOne(dtype, d)
+    if not knobs.runtime.interpret:  # compile_sm90: the group of two compiled too
+        ws.world, ws.buf_ptrs = 2, torch.tensor([ws.buf.data_ptr()] * 2, dtype=torch.int64)
+    for launch, n in enumerate((5, 3)):
+        x, r, (ta, tb), index = _case(n, d, dtype, seed=launch)
+        x[0, :3] = -0.0
+        kw = dict(vec_a=(ta, _on()), vec_b=(tb, _on()))
+        if features != "vectors":
+            pool, plan = torch.zeros(16, d, dtype=dtype), torch.tensor([3, -1, 7, 0, 1][:n], dtype=torch.int32)
+            dirs = torch.nn.functional.normalize(torch.randn(ta.shape[0], 1, d), dim=-1)
+            proj = (torch.ones(ta.shape[0], dtype=torch.int32), dirs, torch.zeros(ta.shape[0], 1, 2))
+            kw |= dict(plan_a=plan, pool=pool, proj_a=proj)
+        want_out, want_res = steered_norm_triton(x, r, torch.ones(d, dtype=dtype), EPS, 0.0, index, **kw)
+        if features != "vectors":
+            want_pool, kw["pool"] = pool.clone(), torch.zeros(16, d, dtype=dtype)
+        out, res = steered_norm_triton(x, r, torch.ones(d, dtype=dtype), EPS, 0.0, index, ar=ws, **kw)
+        assert torch.equal(out, want_out) and torch.equal(res, want_res)
+        if features != "vectors":
+            assert torch.equal(kw["pool"], want_pool)
+        assert ws.flags.tolist() == [1 - launch % 2, 0]
+        assert _all_sentinel(ws.buf)
