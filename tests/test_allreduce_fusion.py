@@ -61,3 +61,92 @@ def test_the_warning_names_the_loss_once_per_stage(gpu_tp2_config, caplog):
     assert rec.levelno == logging.WARNING
     assert "65 of 65 steered norms" in msg and "fuse_allreduce_rms" in msg and "TP 2" in msg
     assert 'docs/operating.md "Parallelism"' in msg
+
+
+_STANDIN: list = []
+
+
+def _standin_all_reduce():
+    """``vllm_steer_test::all_reduce(tensor, group_name)``: vLLM's ``vllm.all_reduce`` schema, as a TP group of two
+    equal partials (``2 * tensor``) without a process group."""
+    import torch
+
+    if not _STANDIN:
+        lib = torch.library.Library("vllm_steer_test_ar", "FRAGMENT")
+        lib.define("all_reduce(Tensor tensor, str group_name) -> Tensor")
+        lib.impl("all_reduce", lambda tensor, group_name: tensor * 2, "CPU")
+        torch.library.register_fake("vllm_steer_test_ar::all_reduce", lambda tensor, group_name: torch.empty_like(tensor),
+                                    lib=lib)
+        _STANDIN.append(lib)
+    return torch.ops.vllm_steer_test_ar.all_reduce
+
+
+@pytest.mark.parametrize("second_reader", [False, True])
+def test_an_all_reduce_into_a_steered_norm_becomes_the_norm_with_the_all_reduce_inside(monkeypatch, second_reader):
+    """Inductor compiles an all-reduce (vLLM's schema) and the steered norm that reads it; the post-grad pass with the
+    all-reduce rewrite on puts ``steered_norm_plain_ar`` of the partial in place of both: the same stream, output
+    and capture as unfused (on the CPU the op all-reduces, then normalizes). An all-reduce read elsewhere too stays."""
+    import torch
+
+    from tests.test_fp8_fusion import _compile, _inputs
+    from vllm_steer.kernels.steered_rms_norm import op
+    from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
+
+    op.register()
+    ar = _standin_all_reduce()
+    monkeypatch.setattr(op, "all_reduce", lambda x, group: ar(x, group))
+
+    def model(x, res, w, index, table, flag, plan, pool):
+        reduced = ar(x, "tp:0")
+        out, stream = torch.ops.vllm_steer.steered_norm_plain(reduced, res, w, 1e-6, 0.0, index, table, flag, None,
+                                                              None, plan, None, pool)
+        return (out, stream, reduced.sum(-1)) if second_reader else (out, stream)
+
+    class Pass(SteeredNormQuantPass):
+        def __call__(self, graph):
+            super().__call__(graph)
+            self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+                            for n in graph.nodes if n.op == "call_function"]
+
+    x, res, w, index, table, flag = _inputs(3)
+    plan = torch.tensor([2, -1, 0, 5, -1, 1, 3], dtype=torch.int32)
+    rec = Pass(fp8=False, all_reduce=True, ar_ops=(ar.default,))
+    pool = torch.zeros(8, x.shape[1], dtype=x.dtype)
+    got = _compile(model, rec)(x, res, w, index, table, flag, plan, pool)
+    want_pool = torch.zeros_like(pool)
+    want = model(x, res, w, index, table, flag, plan, want_pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(pool, want_pool)
+    if second_reader:
+        assert rec.ar_matched == 0 and any("steered_norm_plain.default" in t for t in rec.targets), rec.targets
+    else:
+        assert rec.ar_matched == 1, rec.targets
+        assert any("steered_norm_plain_ar" in t for t in rec.targets), rec.targets
+        assert not any("all_reduce" in t for t in rec.targets), rec.targets
+
+
+def test_the_all_reduce_rewrite_is_opt_in_at_tp_2_compiled(monkeypatch, gpu_tp2_config):
+    """``VLLM_STEER_AR_NORM=1`` at TP >= 2 compiled by Inductor puts the pass in (the FP8 rewrite off for a bf16
+    model), and changes the compile-cache key; unset, TP 1, or no Inductor graph: off."""
+    from vllm.config.compilation import CompilationMode
+
+    from vllm_steer.core.engine_config import data_plane_digest
+    from vllm_steer.runtime import allreduce_fusion, fp8_fusion
+
+    monkeypatch.delenv(allreduce_fusion.ENV, raising=False)
+    monkeypatch.delenv(fp8_fusion.ENV, raising=False)
+    off = data_plane_digest()
+    gpu_tp2_config.additional_config = {"steer": {"max_configs": 4}}
+    assert not allreduce_fusion.enabled(gpu_tp2_config) and not fp8_fusion.register_in(gpu_tp2_config)
+    monkeypatch.setenv(allreduce_fusion.ENV, "1")
+    assert data_plane_digest() != off
+    assert allreduce_fusion.enabled(gpu_tp2_config)
+    gpu_tp2_config.parallel_config.tensor_parallel_size = 1
+    assert not allreduce_fusion.enabled(gpu_tp2_config)
+    gpu_tp2_config.parallel_config.tensor_parallel_size = 2
+    gpu_tp2_config.compilation_config.mode = CompilationMode.NONE
+    assert not allreduce_fusion.enabled(gpu_tp2_config)
+    gpu_tp2_config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    assert fp8_fusion.register_in(gpu_tp2_config)
+    held = gpu_tp2_config.compilation_config.inductor_compile_config[fp8_fusion.PASS_KEY]
+    assert held.all_reduce and not held.fp8
+    assert allreduce_fusion.make_workspace(gpu_tp2_config, __import__("torch").device("cpu"), None, 64) is None

@@ -86,6 +86,9 @@ ARMS = {
     # issue 40 (the arfuse steps, TP=2 with FlashInfer): stock with vLLM's all-reduce + RMSNorm fusion off, against
     # the fused default (what a steered norm gives up: enabled_idle - stock_nofuse is our own cost beside it)
     "stock_nofuse": dict(server="stock_nofuse", kind="plain", ref="stock"),
+    # issue 40's give-back C (steer_arnorm: VLLM_STEER_AR_NORM=1): the all-reduce inside the steered norm at TP >= 2
+    "enabled_idle_arnorm": dict(server="steer_arnorm", kind="plain", ref="stock"),
+    "per_request_n16_arnorm": dict(server="steer_arnorm", kind="per_request", n_configs=16, ref="stock"),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),

@@ -47,7 +47,9 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("steer_fp8u / per_request_n16_fp8u", "steer_fp8u", "per_request", 16),
     # issue 40 (arfuse, TP=2 with FlashInfer): stock without vLLM's all-reduce + RMSNorm fusion, beside stock and steer
     ("stock_nofuse / unsteered", "stock_nofuse", "plain", 4),
-    ("stock_nofuse / unsteered n16", "stock_nofuse", "plain", 16)]
+    ("stock_nofuse / unsteered n16", "stock_nofuse", "plain", 16),
+    ("steer_arnorm / unsteered n16 (enabled_idle_arnorm)", "steer_arnorm", "plain", 16),
+    ("steer_arnorm / per_request_n16_arnorm", "steer_arnorm", "per_request", 16)]
 # the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
 GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
 # issue 37 (prefill capture ~4% behind stock, vLLM's extract_hidden_states ~0): (label, arm) profiled under the arm's

@@ -56,12 +56,15 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  # issue 43's FP8 give-back off (SERVER_ENV: VLLM_STEER_FP8_NORM_QUANT=0, runtime/fp8_fusion.py):
                  # steer (whose norms feeding an FP8 linear write its FP8 input, the default for a quantized model)
                  # with the norm's quant left a kernel of its own, what steer was before s34
-                 "steer_fp8u": STEER_BLOCK}
+                 "steer_fp8u": STEER_BLOCK,
+                 # issue 40's give-back C (SERVER_ENV: VLLM_STEER_AR_NORM=1, runtime/allreduce_fusion.py): at TP >= 2
+                 # the TP all-reduce inside each plain steered norm's launch
+                 "steer_arnorm": STEER_BLOCK}
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
                 "steer_proj": 18, "transcoder": 19, "sae_topk": 20, "steer_late": 21, "steer_proj_late": 22,
-                "steer_fp8u": 24, "stock_nofuse": 25}
+                "steer_fp8u": 24, "stock_nofuse": 25, "steer_arnorm": 26}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)
@@ -73,7 +76,7 @@ SAE_SERVERS = {"sae": {}, "sae_full": {"reconstruct": True}, "sae_serial": {}, "
 TC_SERVER, TC_PREFIX = "transcoder", "ab_tc_"  # steer + a transcoder at each of the 4 SAE layers (sae-lens files)
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}, "steer_late": {"VLLM_STEER_NORM_EARLY": "0"},
               "steer_proj_late": {"VLLM_STEER_NORM_EARLY": "0"},
-              "steer_fp8u": {"VLLM_STEER_FP8_NORM_QUANT": "0"},
+              "steer_fp8u": {"VLLM_STEER_FP8_NORM_QUANT": "0"}, "steer_arnorm": {"VLLM_STEER_AR_NORM": "1"},
               "sae": {"VLLM_STEER_SAE_TILED": "1"}}  # the tiled prefill clamps (off by default: sae_serial is the A/B)
 # stock with vLLM's all-reduce + RMSNorm fusion off (issue 40): the arfuse A/B's unfused stock, beside the fused default
 NOFUSE_SERVER, NOFUSE_CONFIG = "stock_nofuse", {"pass_config": {"fuse_allreduce_rms": False}}

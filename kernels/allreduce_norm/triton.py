@@ -11,8 +11,10 @@ epoch, flipped on the device by the launch's last program): a rank can be at mos
 next launch waits for the other's pushes), so a push never lands on a row still unread. CUDA graphs replay it as it is
 (nothing per launch on the host).
 
-Not wired into the engine yet: ``ArNormWorkspace`` and ``allreduce_add_rms_norm`` are the kernel's host side for its
-tests and bench (``tests/gpu/test_allreduce_norm_gpu.py``, ``bench/allreduce_norm_bench.py``, two GPUs)."""
+``ArNormWorkspace`` is the exchange's host side; ``WORKSPACES`` holds the engine's (``runtime.allreduce_fusion``
+makes one per TP group when ``VLLM_STEER_AR_NORM=1``), which the steered norm's ``AR`` feature uses
+(``steered_norm_plain_ar``); ``allreduce_add_rms_norm`` is this kernel's launch, for its tests and bench
+(``tests/gpu/test_allreduce_norm_gpu.py``, ``bench/allreduce_norm_bench.py``, two GPUs)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def _ar_norm_kernel(p_bufs, p_flags, p_x, p_res, p_w, p_out, n_tokens, stride_x,
         out = s * tl.math.rsqrt(var + eps) * w
         tl.store(p_out + t * stride_out + o_d, out.to(p_out.dtype.element_ty), mask=m_d)
     flip_epoch(p_flags, epoch, grid)
+
+
+WORKSPACES: dict[str, "ArNormWorkspace"] = {}  # this process's, by TP group name (vLLM's ``GroupCoordinator.unique_name``)
 
 
 def _before_211() -> bool:

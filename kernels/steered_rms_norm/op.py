@@ -18,6 +18,9 @@ conditions, projections or a transcoder call: the dispatcher converts every argu
 and a call of the full schema (20 arguments, 8 tensor lists) costs twice one of these 13 (CPU box: no-op ops,
 7.9 vs 3.2 µs), on every eager launch (a prefill step above the graph sizes: 64 at the 8b shape).
 
+``steered_norm_plain_ar`` (the same, then ``group_name``) is ``steered_norm_plain`` of vLLM's TP all-reduce of ``x``,
+the all-reduce inside the launch where the group has a workspace (``runtime.allreduce_fusion``, opt-in).
+
 CUDA tensors run the Triton kernel (one launch); a slot whose SAE pack is full (TopK, or a site that allows
 reconstruct) first gets its on tokens' edit from the tensor-core kernels of ``kernels/sae_clamp/full_triton.py``
 (a few launches that exit at once when no row is on), which the norm adds where the slot's clamps go (a full
@@ -182,6 +185,48 @@ def plain_fp8(
     return q, scale if quant_scale is None else scale.new_empty(0), stream
 
 
+def plain_ar(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+    index: torch.Tensor,
+    table_a: torch.Tensor | None,
+    flag_a: torch.Tensor | None,
+    table_b: torch.Tensor | None,
+    flag_b: torch.Tensor | None,
+    plan_a: torch.Tensor | None,
+    plan_b: torch.Tensor | None,
+    pool: torch.Tensor | None,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_norm_plain_ar``: ``steered_norm_plain`` of vLLM's all-reduce of ``x`` (this TP rank's partial sum)
+    over the group ``group_name``. Put in place of vLLM's ``all_reduce`` + ``steered_norm_plain`` by
+    ``runtime.allreduce_fusion``. CUDA with the group's workspace (``allreduce_norm.triton.WORKSPACES``) and at most
+    its tokens: one launch, the all-reduce inside (the norm's ``AR`` feature); otherwise (no workspace, a bigger
+    batch, another device) vLLM's all-reduce, then ``steered_norm_plain``."""
+    if x.is_cuda:
+        from vllm_steer.kernels.allreduce_norm.triton import WORKSPACES
+
+        ws = WORKSPACES.get(group_name)
+        if ws is not None and x.shape[0] <= ws.max_tokens:
+            from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
+
+            return steered_norm_triton(x, residual, weight, eps, weight_offset, index,
+                                       () if table_a is None else (table_a, flag_a),
+                                       () if table_b is None else (table_b, flag_b), plan_a=plan_a, plan_b=plan_b,
+                                       pool=pool, ar=ws)
+    plain = plain_triton if x.is_cuda else _plain_reference
+    return plain(all_reduce(x, group_name), residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
+                 flag_b, plan_a, plan_b, pool)
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """vLLM's all-reduce of the TP group ``group_name`` (the op the fusion took out of the graph)."""
+    return torch.ops.vllm.all_reduce(x, group_name)
+
+
 def _fake_fp8(x: torch.Tensor, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a,
               plan_b, pool, quant_scale, group_scale=None, group_size=0, group_eps=1e-10, ue8m0=False,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,4 +258,6 @@ def register() -> None:
     direct_register_custom_op("steered_norm_plain", plain, mutates_args=["pool"], fake_impl=_fake, target_lib=LIB)
     direct_register_custom_op("steered_norm_plain_fp8", plain_fp8, mutates_args=["pool", "group_scale"],
                               fake_impl=_fake_fp8, target_lib=LIB)
+    direct_register_custom_op("steered_norm_plain_ar", plain_ar, mutates_args=["pool"], fake_impl=_fake,
+                              target_lib=LIB)
     _registered = True

@@ -274,6 +274,13 @@ USES: tuple[Use, ...] = (
     Use("vllm.distributed.parallel_state", "get_pp_group", "method", "vllm_steer.runtime.manager", "as above"),
     *_attrs("vllm.distributed.parallel_state:GroupCoordinator", "rank_in_group world_size", "vllm_steer.runtime.manager",
             "which TP / PP rank captures, and how many pipeline stages report a capture"),
+    *_attrs("vllm.distributed.parallel_state:GroupCoordinator", "unique_name device_group",
+            "vllm_steer.runtime.allreduce_fusion", "the TP group's workspace (VLLM_STEER_AR_NORM): made over its NCCL "
+            "group, found by the name vLLM's all_reduce op carries"),
+    Use("vllm.distributed.parallel_state", "all_reduce", "method", "vllm_steer.runtime.allreduce_fusion",
+        "the op the rewrite takes out of the graph (vllm.all_reduce; its fallback calls it)", ("tensor", "group_name")),
+    *_attrs(f"{_CFG}.compilation:CompilationConfig", "max_cudagraph_capture_size", "vllm_steer.runtime.allreduce_fusion",
+            "the workspace's tokens (decode batches; a bigger one all-reduces unfused)"),
     Use("vllm.distributed.utils", "get_pp_indices", "method", "vllm_steer.frontend.prepare",
         "each pipeline stage's layers (where a capture site is)", ("num_hidden_layers", "pp_rank", "pp_size")),
     # the model: norms and decoder layers

@@ -23,13 +23,14 @@ def _package_dir(name: str) -> Path:
 
 
 def data_plane_digest() -> str:
-    """Hash of everything that shapes the compiled graph: the worker runtime, the kernels, and the FP8 norm + quant
-    pass's environment variable (``runtime.fp8_fusion``; its default follows the model's quantization, which vLLM's own
-    cache key holds)."""
+    """Hash of everything that shapes the compiled graph: the worker runtime, the kernels, and the post-grad pass's
+    environment variables (``runtime.fp8_fusion``'s, whose default follows the model's quantization, which vLLM's own
+    cache key holds; ``runtime.allreduce_fusion``'s)."""
     from vllm_steer import __version__
 
     h = hashlib.sha256(__version__.encode())
     h.update(os.environ.get("VLLM_STEER_FP8_NORM_QUANT", "").encode())
+    h.update(os.environ.get("VLLM_STEER_AR_NORM", "").encode())  # runtime.allreduce_fusion's rewrite (TP >= 2)
     for pkg in ("vllm_steer.runtime", "vllm_steer.kernels"):
         root = _package_dir(pkg)
         for f in sorted(root.rglob("*.py")):

@@ -10,15 +10,27 @@ nobody steers keep the fusion. Only norms whose input comes straight from an all
 ``fused`` and ``post_add`` layouts of ``runtime.families`` (an ``in_place`` norm reads a scaled sum, a ``hyper`` one
 the mHC kernel's output). The count follows the setting: where FlashInfer cannot make its workspace, vLLM disables the
 pass itself and says so in its log. The cost is measured by bench/gpu_session.sh's arfuse steps.
+
+The give-back (``VLLM_STEER_AR_NORM=1``, off by default until measured on two GPUs): ``make_workspace`` gives each TP
+group a symmetric-memory workspace at install (``kernels/allreduce_norm``: two epochs of ``[TP, max tokens, D]``),
+and ``fuse_allreduce_norms`` (run by ``runtime.fp8_fusion``'s post-grad pass, vLLM's custom-pass slot) rewrites each
+``vllm.all_reduce -> steered_norm_plain`` into ``steered_norm_plain_ar``: one launch, the all-reduce inside the
+steered norm (batches above the workspace's tokens: vLLM's all-reduce, then the norm, inside the op). Norms with
+SAE packs, conditions or projections keep the two kernels for now (``steered_norm``, not matched).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+
+import torch
 
 logger = logging.getLogger("vllm.steer")  # vLLM's handler: the engine log shows it
 
 FUSED_LAYOUTS = ("fused", "post_add")  # the norms whose input vLLM's pattern sees as an all-reduce's output
+ENV = "VLLM_STEER_AR_NORM"
+MAX_TOKENS = 512  # the workspace's tokens: vLLM's default largest CUDA graph (decode); a bigger batch is unfused
 
 
 def lost_fusions(vllm_config, modes: list[str]) -> int:
@@ -44,3 +56,69 @@ def warn_lost(vllm_config, modes: list[str], tp_rank: int) -> int:
             "every step, steered or not; docs/operating.md \"Parallelism\")",
             lost, len(modes), vllm_config.parallel_config.tensor_parallel_size)
     return lost
+
+
+def enabled(vllm_config=None) -> bool:
+    """``ENV`` is "1" and (given a config) it is TP >= 2 compiled by Inductor."""
+    if os.environ.get(ENV, "0") != "1":
+        return False
+    if vllm_config is None:
+        return True
+    from vllm.config.compilation import CompilationMode
+
+    cc = vllm_config.compilation_config
+    return vllm_config.parallel_config.tensor_parallel_size >= 2 and cc.mode == CompilationMode.VLLM_COMPILE
+
+
+def make_workspace(vllm_config, device: torch.device, dtype: torch.dtype, hidden: int):
+    """This TP group's workspace, made at install by every rank of the group alike (a collective), kept in
+    ``allreduce_norm.triton.WORKSPACES`` under the group's name; None where the fusion is off or not on CUDA."""
+    if not enabled(vllm_config) or device.type != "cuda":
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from vllm_steer.kernels.allreduce_norm.triton import WORKSPACES, ArNormWorkspace
+
+    tp = get_tp_group()
+    if tp.unique_name not in WORKSPACES:
+        cap = vllm_config.compilation_config.max_cudagraph_capture_size or MAX_TOKENS
+        WORKSPACES[tp.unique_name] = ArNormWorkspace(min(cap, MAX_TOKENS), hidden, dtype, device, tp.device_group)
+    return WORKSPACES[tp.unique_name]
+
+
+def all_reduce_ops(extra: tuple = ()) -> tuple:
+    """The all-reduce ops the rewrite takes out: vLLM's ``vllm.all_reduce`` (``tensor``, ``group_name``), and ``extra``
+    (a test's stand-in with its schema)."""
+    found = tuple(extra)
+    if hasattr(torch.ops, "vllm") and hasattr(torch.ops.vllm, "all_reduce"):
+        found += (torch.ops.vllm.all_reduce.default,)
+    return found
+
+
+def fuse_allreduce_norms(graph: torch.fx.Graph, ar_ops: tuple | None = None) -> int:
+    """Rewrite every all-reduce whose only reader is a ``steered_norm_plain`` with a residual (its ``x``) into
+    ``steered_norm_plain_ar`` of the all-reduce's input; returns how many."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    ar_ops = all_reduce_ops() if ar_ops is None else ar_ops
+    plain = torch.ops.vllm_steer.steered_norm_plain.default
+    fused = 0
+    for call in list(graph.nodes):
+        if call.op != "call_function" or call.target is not auto_functionalized or call.args[0] is not plain:
+            continue
+        kw = call.kwargs
+        reduced = kw.get("x")
+        if (kw.get("residual") is None or not isinstance(reduced, torch.fx.Node) or reduced.target not in ar_ops
+                or len(reduced.users) != 1):
+            continue
+        partial = reduced.args[0] if reduced.args else reduced.kwargs["tensor"]
+        group = reduced.args[1] if len(reduced.args) > 1 else reduced.kwargs["group_name"]
+        with graph.inserting_before(call):
+            new = graph.call_function(auto_functionalized, (torch.ops.vllm_steer.steered_norm_plain_ar.default,),
+                                      {**kw, "x": partial, "group_name": group})
+        new.meta["val"] = call.meta["val"]  # the same outputs, (out, residual, pool): their example values
+        call.replace_all_uses_with(new)
+        graph.erase_node(call)
+        graph.erase_node(reduced)
+        fused += 1
+    return fused

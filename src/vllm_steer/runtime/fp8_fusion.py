@@ -1,4 +1,5 @@
-"""Gives FP8 models back the norm + quant fusion a steered norm takes from them.
+"""Gives FP8 models back the norm + quant fusion a steered norm takes from them; its post-grad pass also runs
+``runtime.allreduce_fusion``'s all-reduce + steered norm rewrite first where that is on (TP >= 2, opt-in).
 
 Stock vLLM 0.26-0.32 on CUDA, FP8 linears whose input is quantized per tensor (static) or per token (dynamic, what
 ``--quantization fp8`` gives on Hopper): the norm (``vllm_ir.fused_add_rms_norm``, lowered to plain aten) and the
@@ -277,9 +278,14 @@ def _downstream(node: torch.fx.Node, depth: int = 12):
 class SteeredNormQuantPass:
     """``fuse_steered_norm_quant`` as an Inductor custom pass (a callable with ``uuid`` for its code cache)."""
 
-    def __init__(self, group_ops: tuple = (), vllm_config=None) -> None:
+    def __init__(self, group_ops: tuple = (), vllm_config=None, fp8: bool = True, all_reduce: bool = False,
+                 ar_ops: tuple = ()) -> None:
         self.calls = 0  # graphs this pass ran on
         self.matched = 0  # steered norms it fused, over those graphs
+        self.fp8 = fp8  # the norm + quant rewrite (``ENV``)
+        self.all_reduce = all_reduce  # first, runtime.allreduce_fusion's all-reduce + norm rewrite (its ENV)
+        self.ar_ops = tuple(ar_ops)  # a test's stand-in for vLLM's all_reduce
+        self.ar_matched = 0
         self.failed = False  # vLLM's quant did not trace (said once): nothing fused
         self.extra_group_ops = tuple(group_ops)  # a test's stand-in for vLLM's ``_C`` group quant
         # set while tracing (vLLM's QuantFP8, a CustomOp, wants a current config); a weak reference: vLLM deep-copies
@@ -288,6 +294,16 @@ class SteeredNormQuantPass:
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.calls += 1
+        if self.all_reduce:
+            from vllm_steer.runtime import allreduce_fusion
+
+            found = allreduce_fusion.fuse_allreduce_norms(graph, allreduce_fusion.all_reduce_ops(self.ar_ops))
+            self.ar_matched += found
+            if found:
+                logger.info("vllm-steer: %d steered norms all-reduce inside their launch (%s)", found,
+                            allreduce_fusion.ENV)
+        if not self.fp8:
+            return
         with _current_config(None if self.config_ref is None else self.config_ref()):
             try:  # before any change to the graph: on by default, it must never stop a quantized model compiling
                 _quant_patterns()
@@ -308,7 +324,10 @@ class SteeredNormQuantPass:
         import inspect
         import sys
 
-        return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
+        from vllm_steer.runtime import allreduce_fusion
+
+        sources = inspect.getsource(sys.modules[__name__]) + inspect.getsource(allreduce_fusion)
+        return hashlib.sha256(f"{self.fp8}{self.all_reduce}{sources}".encode()).hexdigest()
 
 
 def _current_config(vllm_config):
@@ -321,30 +340,34 @@ def _current_config(vllm_config):
     return set_current_vllm_config(vllm_config)
 
 
-def vllm_pass(vllm_config=None) -> SteeredNormQuantPass:
+def vllm_pass(vllm_config=None, fp8: bool = True, all_reduce: bool = False) -> SteeredNormQuantPass:
     """The pass as vLLM's ``InductorPass`` (what ``VllmBackend.configure_post_pass`` accepts under ``PASS_KEY``)."""
     from vllm.compilation.passes.inductor_pass import InductorPass
 
     cls = type("SteeredNormQuantInductorPass", (SteeredNormQuantPass, InductorPass), {})
-    return cls(vllm_config=vllm_config)
+    return cls(vllm_config=vllm_config, fp8=fp8, all_reduce=all_reduce)
 
 
 def register_in(vllm_config) -> bool:
-    """``enabled`` (a quantized model, or ``ENV`` 1), steering on and Inductor compiling: put the pass under
+    """``enabled`` (a quantized model, or ``ENV`` 1) or ``allreduce_fusion.enabled`` (its opt-in at TP >= 2), steering
+    on and Inductor compiling: put the pass (with the rewrites that are on) under
     ``PASS_KEY`` of the compilation config (a user's own pass there is kept: ours is left out, said once). Returns
     whether it is there."""
     from vllm.config.compilation import CompilationMode
 
     from vllm_steer.core.config import steer_config_of
 
+    from vllm_steer.runtime import allreduce_fusion
+
     cc = vllm_config.compilation_config
-    if not enabled(vllm_config) or steer_config_of(vllm_config) is None:
+    fp8, all_reduce = enabled(vllm_config), allreduce_fusion.enabled(vllm_config)
+    if not (fp8 or all_reduce) or steer_config_of(vllm_config) is None:
         return False
     if cc.mode != CompilationMode.VLLM_COMPILE or cc.backend not in ("inductor", ""):
         return False
     held = cc.inductor_compile_config.get(PASS_KEY)
     if held is None:
-        cc.inductor_compile_config[PASS_KEY] = vllm_pass(vllm_config)
+        cc.inductor_compile_config[PASS_KEY] = vllm_pass(vllm_config, fp8=fp8, all_reduce=all_reduce)
         return True
     if not isinstance(held, SteeredNormQuantPass):
         logger.warning("vllm-steer: the FP8 norm + quant pass (%s) is on but %s already holds %r: it stays unfused",

@@ -319,6 +319,8 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
         max_num_reqs=runner.vllm_config.scheduler_config.max_num_seqs,
     )
     allreduce_fusion.warn_lost(runner.vllm_config, runtime.norm_modes, _capture_ranks()[0])
+    # the all-reduce inside the steered norm (opt-in): every TP rank makes the group's workspace here, alike
+    allreduce_fusion.make_workspace(runner.vllm_config, torch.device(runner.device), mc.dtype, mc.get_hidden_size())
     runner.steer_runtime = runtime
     runner.steer_capture = runtime.capture
     runner.steer_stops = runtime.stops
