@@ -150,3 +150,26 @@ def test_the_all_reduce_rewrite_is_opt_in_at_tp_2_compiled(monkeypatch, gpu_tp2_
     held = gpu_tp2_config.compilation_config.inductor_compile_config[fp8_fusion.PASS_KEY]
     assert held.all_reduce and not held.fp8
     assert allreduce_fusion.make_workspace(gpu_tp2_config, __import__("torch").device("cpu"), None, 64) is None
+
+
+def test_a_workspace_that_cannot_be_made_leaves_the_norms_unfused(monkeypatch, gpu_tp2_config, caplog):
+    """No symmetric memory on this machine (the workspace's constructor raises): one warning naming the variable, no
+    workspace, and the engine starts (the op all-reduces unfused)."""
+    import types
+
+    import torch
+    import vllm.distributed.parallel_state as ps
+
+    from vllm_steer.kernels.allreduce_norm import triton as ar_triton
+    from vllm_steer.runtime import allreduce_fusion
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("symmetric memory is not available")
+
+    monkeypatch.setenv(allreduce_fusion.ENV, "1")
+    monkeypatch.setattr(ps, "get_tp_group", lambda: types.SimpleNamespace(unique_name="tp:test", device_group=None))
+    monkeypatch.setattr(ar_triton, "ArNormWorkspace", refuse)
+    with caplog.at_level(logging.WARNING, logger="vllm.steer"):
+        got = allreduce_fusion.make_workspace(gpu_tp2_config, torch.device("cuda", 0), torch.bfloat16, 64)
+    assert got is None and "tp:test" not in ar_triton.WORKSPACES
+    assert any(allreduce_fusion.ENV in r.getMessage() and "unfused" in r.getMessage() for r in caplog.records)

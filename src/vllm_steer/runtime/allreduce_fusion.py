@@ -82,7 +82,13 @@ def make_workspace(vllm_config, device: torch.device, dtype: torch.dtype, hidden
     tp = get_tp_group()
     if tp.unique_name not in WORKSPACES:
         cap = vllm_config.compilation_config.max_cudagraph_capture_size or MAX_TOKENS
-        WORKSPACES[tp.unique_name] = ArNormWorkspace(min(cap, MAX_TOKENS), hidden, dtype, device, tp.device_group)
+        try:
+            WORKSPACES[tp.unique_name] = ArNormWorkspace(min(cap, MAX_TOKENS), hidden, dtype, device,
+                                                         tp.device_group)
+        except Exception as exc:  # noqa: BLE001 - no symmetric memory here: the op all-reduces unfused, as before
+            logger.warning("vllm-steer: %s=1 but the all-reduce workspace could not be made (%s: %s): steered norms "
+                           "all-reduce unfused", ENV, type(exc).__name__, exc)
+            return None
     return WORKSPACES[tp.unique_name]
 
 
