@@ -4,7 +4,8 @@ ptxas with ``tests/interpreted/compile_sm90.py``'s stand-in driver (nothing laun
 nvdisasm) and TTGIR written under --out, and its skeleton printed: the global loads, branches and barriers in
 program order, so the dependent rounds of small loads a launch waits on can be counted (issue 38: the late
 projection kernel waits on one round more than the kernel without projections, EARLY, the default, on one round;
-README "EARLY loads").
+README "EARLY loads"); ``ar``: the plain site with the TP all-reduce inside (group of two): its pushes, the loads in
+flight and the spin loops in order.
     PYTHONPATH=src:. .venv/bin/python bench/norm_sass.py --out /tmp/norm_sass steered proj proj_late
 """
 
@@ -16,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-CASES = ("steered", "steered_late", "proj", "proj_late")
+CASES = ("steered", "steered_late", "proj", "proj_late", "ar")
 
 
 def main() -> int:
@@ -40,8 +41,11 @@ def main() -> int:
     on, index = torch.ones(1, dtype=torch.uint8), torch.zeros(n, dtype=torch.int32)
     proj = (torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, 1, d), torch.zeros(rows, 1, 2))
     both = dict(proj_a=proj, proj_b=proj)
+    buf = torch.zeros(2, 2, 64, d, dtype=torch.bfloat16)  # a TP group of two's workspace, as the kernel sees it
+    ar = type("Workspace", (), dict(world=2, rank=0, max_tokens=64, hidden=d, buf=buf, flags=torch.zeros(2, dtype=torch.int32),
+                                    buf_ptrs=torch.tensor([buf.data_ptr()] * 2, dtype=torch.int64)))()
     configs = {"steered": dict(early=True), "steered_late": dict(early=False), "proj": dict(both, early=True),
-               "proj_late": dict(both, early=False)}
+               "proj_late": dict(both, early=False), "ar": dict(early=True, ar=ar)}
     for name in args.cases:
         fn = kernel._steered_norm_kernel
         seen = {id(c) for cache in fn.device_caches.values() for c in cache[0].values()}

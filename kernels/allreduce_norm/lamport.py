@@ -41,7 +41,9 @@ def push_row(p_bufs, x, base, rank, t, max_t, o_d, m_d, WORLD: tl.constexpr, D: 
     """Row ``t`` of this rank's partial ``x`` (the buffers' dtype) into this rank's plane of every rank's buffer."""
     x = tl.where(x == 0, 0.0, x).to(x.dtype)  # -0 -> +0: the sentinel is never data
     for r in tl.static_range(WORLD):
-        peer = tl.load(p_bufs + r).to(tl.pointer_type(x.dtype))
+        # the buffers are 16-byte aligned (symmetric memory): said, so the pushes are 128-bit stores, not one store
+        # per element (a loaded pointer's alignment is unknown to the compiler)
+        peer = tl.multiple_of(tl.load(p_bufs + r).to(tl.pointer_type(x.dtype)), 16)
         tl.store(peer + base + (rank * max_t + t) * D + o_d, x, mask=m_d)
 
 
@@ -51,7 +53,7 @@ def pull_sum(p_bufs, base, rank, t, max_t, o_d, m_d, dtype: tl.constexpr, WORLD:
     """Row ``t`` summed over the ranks' planes of this rank's buffer, in rank order in float32, each plane's row
     waited for (no sentinel left) and reset to the sentinel once read."""
     BITS: tl.constexpr = dtype.primitive_bitwidth
-    own = tl.load(p_bufs + rank).to(tl.pointer_type(dtype))
+    own = tl.multiple_of(tl.load(p_bufs + rank).to(tl.pointer_type(dtype)), 16)
     sentinel = _sentinel(BITS)
     zero_bits = _bits(tl.zeros((BLOCK_D,), dtype), BITS)
     reset = (zero_bits + sentinel).to(zero_bits.dtype).to(dtype, bitcast=True)  # a row of the sentinel
