@@ -173,3 +173,67 @@ def test_a_workspace_that_cannot_be_made_leaves_the_norms_unfused(monkeypatch, g
         got = allreduce_fusion.make_workspace(gpu_tp2_config, torch.device("cuda", 0), torch.bfloat16, 64)
     assert got is None and "tp:test" not in ar_triton.WORKSPACES
     assert any(allreduce_fusion.ENV in r.getMessage() and "unfused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_projecting_norm_after_an_all_reduce_becomes_the_full_op_with_the_all_reduce_inside(monkeypatch):
+    """The full op (``steered_norm``: here slot A projecting a direction) after an all-reduce: rewritten into
+    ``steered_norm_ar`` of the partial, the same output and stream as unfused."""
+    import torch
+
+    from tests.test_fp8_fusion import _compile, _inputs
+    from vllm_steer.kernels.steered_rms_norm import op
+    from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
+
+    op.register()
+    ar = _standin_all_reduce()
+    monkeypatch.setattr(op, "all_reduce", lambda x, group: ar(x, group))
+    x, res, w, index, table, flag = _inputs(4)
+    rows, d = table.shape
+    dirs = torch.nn.functional.normalize(torch.randn(rows, 1, d, generator=torch.Generator().manual_seed(1)), dim=-1)
+    proj = [torch.ones(rows, dtype=torch.int32), dirs, torch.zeros(rows, 1, 2)]
+
+    def model(x, res, w, index, table, flag, count, dirs, bounds):
+        out, stream = torch.ops.vllm_steer.steered_norm(ar(x, "tp:0"), res, w, 1e-6, 0.0, index, [table, flag], [],
+                                                        [], [], 0, 0, [], None, None, None, None,
+                                                        [count, dirs, bounds], [], [])
+        return out, stream
+
+    class Pass(SteeredNormQuantPass):
+        def __call__(self, graph):
+            super().__call__(graph)
+            self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+                            for n in graph.nodes if n.op == "call_function"]
+
+    rec = Pass(fp8=False, all_reduce=True, ar_ops=(ar.default,))
+    got = _compile(model, rec)(x, res, w, index, table, flag, *proj)
+    want = model(x, res, w, index, table, flag, *proj)
+    assert rec.ar_matched == 1 and any("steered_norm_ar" in t for t in rec.targets), rec.targets
+    assert not any("all_reduce" in t for t in rec.targets), rec.targets
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_ar_ops_are_their_base_op_of_the_all_reduced_stream_on_the_cpu(monkeypatch):
+    """Each ``_ar`` op's schema is its base op's plus ``group_name``; on the CPU it is the base op of vLLM's all-reduce
+    of ``x`` (here a stand-in), whether the group is named, given by position or left out."""
+    import torch
+
+    from tests.test_fp8_fusion import _inputs
+    from vllm_steer.kernels.steered_rms_norm import op
+
+    op.register()
+    groups = []
+    monkeypatch.setattr(op, "all_reduce", lambda x, group: groups.append(group) or x * 2)
+    ops = torch.ops.vllm_steer
+    for base, fused in ((ops.steered_norm_plain, ops.steered_norm_plain_ar), (ops.steered_norm, ops.steered_norm_ar)):
+        base_args = [a.name for a in base.default._schema.arguments]
+        assert [a.name for a in fused.default._schema.arguments] == base_args + ["group_name"]
+    x, res, w, index, table, flag = _inputs(6)
+    plain = (res, w, 1e-6, 0.0, index, table, flag, None, None, None, None, None)
+    full = (res, w, 1e-6, 0.0, index, [table, flag], [], [], [], 0, 0, [], None, None, None, None, [], [], [])
+    want_plain, want_full = ops.steered_norm_plain(x * 2, *plain), ops.steered_norm(x * 2, *full)
+    for got, want in ((ops.steered_norm_plain_ar(x, *plain, "tp:0"), want_plain),
+                      (ops.steered_norm_plain_ar(x, *plain), want_plain),
+                      (ops.steered_norm_ar(x, *full, 0, group_name="tp:1"), want_full),
+                      (ops.steered_norm_ar(x, *full), want_full)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert groups == ["tp:0", "", "tp:1", ""]

@@ -18,8 +18,9 @@ conditions, projections or a transcoder call: the dispatcher converts every argu
 and a call of the full schema (20 arguments, 8 tensor lists) costs twice one of these 13 (CPU box: no-op ops,
 7.9 vs 3.2 µs), on every eager launch (a prefill step above the graph sizes: 64 at the 8b shape).
 
-``steered_norm_plain_ar`` (the same, then ``group_name``) is ``steered_norm_plain`` of vLLM's TP all-reduce of ``x``,
-the all-reduce inside the launch where the group has a workspace (``runtime.allreduce_fusion``, opt-in).
+``steered_norm_plain_ar`` and ``steered_norm_ar`` (each the same arguments, then ``group_name``) are the two ops of
+vLLM's TP all-reduce of ``x``, the all-reduce inside the launch where the group has a workspace
+(``runtime.allreduce_fusion``, opt-in).
 
 CUDA tensors run the Triton kernel (one launch); a slot whose SAE pack is full (TopK, or a site that allows
 reconstruct) first gets its on tokens' edit from the tensor-core kernels of ``kernels/sae_clamp/full_triton.py``
@@ -31,6 +32,7 @@ the plain-torch reference.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -76,6 +78,59 @@ def _impl(
     args = (x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
             plan_a, plan_b, pool, proj_a, proj_b, tc, topk_tc)
     return triton_path(*args) if x.is_cuda and (FULL_KERNELS or not full) else steered_norm_naive(*args)
+
+
+def _and_group_name(base):
+    """Gives the decorated op function ``base``'s parameters and then ``group_name: str = ""`` (the TP group whose
+    all-reduce is in the op) as its signature, which the op's schema is inferred from: each ``_ar`` op is its base op's
+    schema plus one argument, written once; the function gets every argument positionally, defaults filled."""
+    def wrap(fn):
+        sig = inspect.signature(base)
+        extra = inspect.Parameter("group_name", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="", annotation="str")
+        sig = sig.replace(parameters=[*sig.parameters.values(), extra])
+        n = len(sig.parameters)
+
+        def op(*args, **kwargs):
+            if kwargs or len(args) < n:  # a caller that named arguments or left defaults out
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args = tuple(bound.arguments.values())
+            return fn(*args)
+
+        op.__signature__, op.__name__, op.__doc__ = sig, fn.__name__, fn.__doc__
+        return op
+    return wrap
+
+
+@_and_group_name(_impl)
+def _impl_ar(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_norm_ar``: ``steered_norm`` of vLLM's TP all-reduce of ``x`` (this rank's partial) over
+    ``group_name``, as ``plain_ar`` for the plain op: one launch where the group has a workspace, the batch fits and
+    no slot holds a full SAE pack (its edit is computed from ``x`` before the norm); else the all-reduce, then
+    ``steered_norm``."""
+    *base, group_name = args
+    x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, _, _, cond, gate, plan_a, plan_b, \
+        pool, proj_a, proj_b, tc, _ = base
+    full = len(sae_a) == N_FULL or len(sae_b) == N_FULL or len(tc) == N_FULL
+    ws = _workspace(x, group_name) if not full else None
+    if ws is not None:
+        global _triton_norm
+        if _triton_norm is None:
+            from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
+        return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
+                            plan_a, plan_b, pool, proj_a, proj_b, tc=tc, ar=ws)
+    return _impl(all_reduce(x, group_name), *base[1:])
+
+
+def _workspace(x: torch.Tensor, group_name: str):
+    """The TP group's all-reduce workspace where the fused launch can take ``x`` (CUDA, at most its tokens), else
+    None."""
+    if not x.is_cuda:
+        return None
+    from vllm_steer.kernels.allreduce_norm.triton import WORKSPACES
+
+    ws = WORKSPACES.get(group_name)
+    return ws if ws is not None and x.shape[0] <= ws.max_tokens else None
 
 
 def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
@@ -185,41 +240,25 @@ def plain_fp8(
     return q, scale if quant_scale is None else scale.new_empty(0), stream
 
 
-def plain_ar(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    plan_a: torch.Tensor | None,
-    plan_b: torch.Tensor | None,
-    pool: torch.Tensor | None,
-    group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@_and_group_name(plain_triton)
+def plain_ar(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``steered_norm_plain_ar``: ``steered_norm_plain`` of vLLM's all-reduce of ``x`` (this TP rank's partial sum)
     over the group ``group_name``. Put in place of vLLM's ``all_reduce`` + ``steered_norm_plain`` by
     ``runtime.allreduce_fusion``. CUDA with the group's workspace (``allreduce_norm.triton.WORKSPACES``) and at most
     its tokens: one launch, the all-reduce inside (the norm's ``AR`` feature); otherwise (no workspace, a bigger
     batch, another device) vLLM's all-reduce, then ``steered_norm_plain``."""
-    if x.is_cuda:
-        from vllm_steer.kernels.allreduce_norm.triton import WORKSPACES
+    *base, group_name = args
+    x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a, plan_b, pool = base
+    ws = _workspace(x, group_name)
+    if ws is not None:
+        from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
 
-        ws = WORKSPACES.get(group_name)
-        if ws is not None and x.shape[0] <= ws.max_tokens:
-            from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
-
-            return steered_norm_triton(x, residual, weight, eps, weight_offset, index,
-                                       () if table_a is None else (table_a, flag_a),
-                                       () if table_b is None else (table_b, flag_b), plan_a=plan_a, plan_b=plan_b,
-                                       pool=pool, ar=ws)
+        return steered_norm_triton(x, residual, weight, eps, weight_offset, index,
+                                   () if table_a is None else (table_a, flag_a),
+                                   () if table_b is None else (table_b, flag_b), plan_a=plan_a, plan_b=plan_b,
+                                   pool=pool, ar=ws)
     plain = plain_triton if x.is_cuda else _plain_reference
-    return plain(all_reduce(x, group_name), residual, weight, eps, weight_offset, index, table_a, flag_a, table_b,
-                 flag_b, plan_a, plan_b, pool)
+    return plain(all_reduce(x, group_name), *base[1:])
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -252,6 +291,8 @@ def register() -> None:
     # the gate buffer is written at a row's probe site and read by the later norms of the same forward pass;
     # the capture pool is written at captured slots
     direct_register_custom_op("steered_norm", _impl, mutates_args=["gate", "pool"], fake_impl=_fake, target_lib=LIB)
+    direct_register_custom_op("steered_norm_ar", _impl_ar, mutates_args=["gate", "pool"], fake_impl=_fake,
+                              target_lib=LIB)
     from vllm.platforms import current_platform
 
     plain = plain_triton if current_platform.dispatch_key == "CUDA" else _plain_reference

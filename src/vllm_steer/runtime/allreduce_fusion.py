@@ -15,8 +15,9 @@ The give-back (``VLLM_STEER_AR_NORM=1``, off by default until measured on two GP
 group a symmetric-memory workspace at install (``kernels/allreduce_norm``: two epochs of ``[TP, max tokens, D]``),
 and ``fuse_allreduce_norms`` (run by ``runtime.fp8_fusion``'s post-grad pass, vLLM's custom-pass slot) rewrites each
 ``vllm.all_reduce -> steered_norm_plain`` into ``steered_norm_plain_ar``: one launch, the all-reduce inside the
-steered norm (batches above the workspace's tokens: vLLM's all-reduce, then the norm, inside the op). Norms with
-SAE packs, conditions or projections keep the two kernels for now (``steered_norm``, not matched).
+steered norm (batches above the workspace's tokens: vLLM's all-reduce, then the norm, inside the op); the same for
+``steered_norm`` (SAE clamps, conditions, projections: ``steered_norm_ar``; a full SAE pack's edit reads ``x`` before
+the norm: those norms all-reduce unfused inside the op).
 """
 
 from __future__ import annotations
@@ -102,15 +103,17 @@ def all_reduce_ops(extra: tuple = ()) -> tuple:
 
 
 def fuse_allreduce_norms(graph: torch.fx.Graph, ar_ops: tuple | None = None) -> int:
-    """Rewrite every all-reduce whose only reader is a ``steered_norm_plain`` with a residual (its ``x``) into
-    ``steered_norm_plain_ar`` of the all-reduce's input; returns how many."""
+    """Rewrite every all-reduce whose only reader is a steered norm with a residual (its ``x``) into that norm's
+    ``_ar`` op of the all-reduce's input (``steered_norm_plain_ar`` / ``steered_norm_ar``); returns how many."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     ar_ops = all_reduce_ops() if ar_ops is None else ar_ops
-    plain = torch.ops.vllm_steer.steered_norm_plain.default
+    ops = torch.ops.vllm_steer
+    fused_op = {ops.steered_norm_plain.default: ops.steered_norm_plain_ar.default,
+                ops.steered_norm.default: ops.steered_norm_ar.default}
     fused = 0
     for call in list(graph.nodes):
-        if call.op != "call_function" or call.target is not auto_functionalized or call.args[0] is not plain:
+        if call.op != "call_function" or call.target is not auto_functionalized or call.args[0] not in fused_op:
             continue
         kw = call.kwargs
         reduced = kw.get("x")
@@ -120,9 +123,9 @@ def fuse_allreduce_norms(graph: torch.fx.Graph, ar_ops: tuple | None = None) -> 
         partial = reduced.args[0] if reduced.args else reduced.kwargs["tensor"]
         group = reduced.args[1] if len(reduced.args) > 1 else reduced.kwargs["group_name"]
         with graph.inserting_before(call):
-            new = graph.call_function(auto_functionalized, (torch.ops.vllm_steer.steered_norm_plain_ar.default,),
+            new = graph.call_function(auto_functionalized, (fused_op[call.args[0]],),
                                       {**kw, "x": partial, "group_name": group})
-        new.meta["val"] = call.meta["val"]  # the same outputs, (out, residual, pool): their example values
+        new.meta["val"] = call.meta["val"]  # the same outputs (out, residual, the mutated buffers): their values
         call.replace_all_uses_with(new)
         graph.erase_node(call)
         graph.erase_node(reduced)
