@@ -42,7 +42,8 @@ def main() -> int:
     proj = (torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, 1, d), torch.zeros(rows, 1, 2))
     both = dict(proj_a=proj, proj_b=proj)
     buf = torch.zeros(2, 2, 64, d, dtype=torch.bfloat16)  # a TP group of two's workspace, as the kernel sees it
-    ar = type("Workspace", (), dict(world=2, rank=0, max_tokens=64, hidden=d, buf=buf, flags=torch.zeros(2, dtype=torch.int32),
+    ar = type("Workspace", (), dict(world=2, rank=0, max_tokens=64, hidden=d, buf=buf,
+                                    flags=torch.zeros(2, dtype=torch.int32),
                                     buf_ptrs=torch.tensor([buf.data_ptr()] * 2, dtype=torch.int64)))()
     configs = {"steered": dict(early=True), "steered_late": dict(early=False), "proj": dict(both, early=True),
                "proj_late": dict(both, early=False), "ar": dict(early=True, ar=ar)}

@@ -66,6 +66,20 @@ def test_the_warning_names_the_loss_once_per_stage(gpu_tp2_config, caplog):
 _STANDIN: list = []
 
 
+def _targets_pass(all_reduce_op):
+    """The post-grad pass with the all-reduce rewrite alone (``all_reduce_op`` standing in for vLLM's), keeping the
+    rewritten graph's op targets (``targets``)."""
+    from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
+
+    class Pass(SteeredNormQuantPass):
+        def __call__(self, graph):
+            super().__call__(graph)
+            self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+                            for n in graph.nodes if n.op == "call_function"]
+
+    return Pass(fp8=False, all_reduce=True, ar_ops=(all_reduce_op,))
+
+
 def _standin_all_reduce():
     """``vllm_steer_test::all_reduce(tensor, group_name)``: vLLM's ``vllm.all_reduce`` schema, as a TP group of two
     equal partials (``2 * tensor``) without a process group."""
@@ -75,8 +89,8 @@ def _standin_all_reduce():
         lib = torch.library.Library("vllm_steer_test_ar", "FRAGMENT")
         lib.define("all_reduce(Tensor tensor, str group_name) -> Tensor")
         lib.impl("all_reduce", lambda tensor, group_name: tensor * 2, "CPU")
-        torch.library.register_fake("vllm_steer_test_ar::all_reduce", lambda tensor, group_name: torch.empty_like(tensor),
-                                    lib=lib)
+        torch.library.register_fake("vllm_steer_test_ar::all_reduce",
+                                    lambda tensor, group_name: torch.empty_like(tensor), lib=lib)
         _STANDIN.append(lib)
     return torch.ops.vllm_steer_test_ar.all_reduce
 
@@ -90,8 +104,6 @@ def test_an_all_reduce_into_a_steered_norm_becomes_the_norm_with_the_all_reduce_
 
     from tests.test_fp8_fusion import _compile, _inputs
     from vllm_steer.kernels.steered_rms_norm import op
-    from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
-
     op.register()
     ar = _standin_all_reduce()
     monkeypatch.setattr(op, "all_reduce", lambda x, group: ar(x, group))
@@ -102,15 +114,9 @@ def test_an_all_reduce_into_a_steered_norm_becomes_the_norm_with_the_all_reduce_
                                                               None, plan, None, pool)
         return (out, stream, reduced.sum(-1)) if second_reader else (out, stream)
 
-    class Pass(SteeredNormQuantPass):
-        def __call__(self, graph):
-            super().__call__(graph)
-            self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
-                            for n in graph.nodes if n.op == "call_function"]
-
     x, res, w, index, table, flag = _inputs(3)
     plan = torch.tensor([2, -1, 0, 5, -1, 1, 3], dtype=torch.int32)
-    rec = Pass(fp8=False, all_reduce=True, ar_ops=(ar.default,))
+    rec = _targets_pass(ar.default)
     pool = torch.zeros(8, x.shape[1], dtype=x.dtype)
     got = _compile(model, rec)(x, res, w, index, table, flag, plan, pool)
     want_pool = torch.zeros_like(pool)
@@ -182,8 +188,6 @@ def test_a_projecting_norm_after_an_all_reduce_becomes_the_full_op_with_the_all_
 
     from tests.test_fp8_fusion import _compile, _inputs
     from vllm_steer.kernels.steered_rms_norm import op
-    from vllm_steer.runtime.fp8_fusion import SteeredNormQuantPass
-
     op.register()
     ar = _standin_all_reduce()
     monkeypatch.setattr(op, "all_reduce", lambda x, group: ar(x, group))
@@ -198,13 +202,7 @@ def test_a_projecting_norm_after_an_all_reduce_becomes_the_full_op_with_the_all_
                                                         [count, dirs, bounds], [], [])
         return out, stream
 
-    class Pass(SteeredNormQuantPass):
-        def __call__(self, graph):
-            super().__call__(graph)
-            self.targets = [str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
-                            for n in graph.nodes if n.op == "call_function"]
-
-    rec = Pass(fp8=False, all_reduce=True, ar_ops=(ar.default,))
+    rec = _targets_pass(ar.default)
     got = _compile(model, rec)(x, res, w, index, table, flag, *proj)
     want = model(x, res, w, index, table, flag, *proj)
     assert rec.ar_matched == 1 and any("steered_norm_ar" in t for t in rec.targets), rec.targets

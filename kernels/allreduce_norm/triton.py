@@ -54,7 +54,8 @@ def _ar_norm_kernel(p_bufs, p_flags, p_x, p_res, p_w, p_out, n_tokens, stride_x,
     flip_epoch(p_flags, epoch, grid)
 
 
-WORKSPACES: dict[str, "ArNormWorkspace"] = {}  # this process's, by TP group name (vLLM's ``GroupCoordinator.unique_name``)
+# this process's workspaces, by TP group name (vLLM's ``GroupCoordinator.unique_name``)
+WORKSPACES: dict[str, "ArNormWorkspace"] = {}
 
 
 def _before_211() -> bool:

@@ -109,16 +109,11 @@ def _impl_ar(*args) -> tuple[torch.Tensor, torch.Tensor]:
     no slot holds a full SAE pack (its edit is computed from ``x`` before the norm); else the all-reduce, then
     ``steered_norm``."""
     *base, group_name = args
-    x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, _, _, cond, gate, plan_a, plan_b, \
-        pool, proj_a, proj_b, tc, _ = base
+    x, sae_a, sae_b, tc = base[0], base[8], base[9], base[19]
     full = len(sae_a) == N_FULL or len(sae_b) == N_FULL or len(tc) == N_FULL
     ws = _workspace(x, group_name) if not full else None
     if ws is not None:
-        global _triton_norm
-        if _triton_norm is None:
-            from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
-        return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
-                            plan_a, plan_b, pool, proj_a, proj_b, tc=tc, ar=ws)
+        return triton_path(*base, ar=ws)
     return _impl(all_reduce(x, group_name), *base[1:])
 
 
@@ -134,9 +129,9 @@ def _workspace(x: torch.Tensor, group_name: str):
 
 
 def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
-                plan_a, plan_b, pool, proj_a, proj_b, tc, topk_tc=0) -> tuple[torch.Tensor, torch.Tensor]:
+                plan_a, plan_b, pool, proj_a, proj_b, tc, topk_tc=0, ar=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on CUDA (and under Triton's interpreter, in tests): full SAE slots' (and a full transcoder's) edits
-    first, then the norm's one launch."""
+    first, then the norm's one launch (``ar``: the TP all-reduce inside it, ``steered_norm_ar``; no full packs)."""
     global _triton_norm
     if _triton_norm is None:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
@@ -148,7 +143,8 @@ def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sa
             x, residual, index, vec_a, sae_a, topk_a, sae_b, topk_b, cond, gate, proj_a, tc, topk_tc,
             (weight, eps, weight_offset))
     return _triton_norm(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, cond, gate,
-                        plan_a, plan_b, pool, proj_a, proj_b, tc=tc, full_a=full_a, full_b=full_b, full_tc=full_tc)
+                        plan_a, plan_b, pool, proj_a, proj_b, tc=tc, full_a=full_a, full_b=full_b, full_tc=full_tc,
+                        ar=ar)
 
 
 def plain_triton(
@@ -168,11 +164,18 @@ def plain_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``steered_norm_plain`` where the platform is CUDA (and under Triton's interpreter, in tests): the norm's one
     launch (a slot's table and flag None: the slot has no vectors)."""
+    return _plain_launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a,
+                         plan_b, pool)
+
+
+def _plain_launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a, plan_b,
+                  pool, ar=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain op's one launch (``ar``: the TP all-reduce inside it, ``steered_norm_plain_ar``)."""
     global _triton_norm
     if _triton_norm is None:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
     return _triton_norm(x, residual, weight, eps, weight_offset, index, () if table_a is None else (table_a, flag_a),
-                        () if table_b is None else (table_b, flag_b), (), (), (), None, plan_a, plan_b, pool)
+                        () if table_b is None else (table_b, flag_b), (), (), (), None, plan_a, plan_b, pool, ar=ar)
 
 
 def _plain_reference(
@@ -248,15 +251,10 @@ def plain_ar(*args) -> tuple[torch.Tensor, torch.Tensor]:
     its tokens: one launch, the all-reduce inside (the norm's ``AR`` feature); otherwise (no workspace, a bigger
     batch, another device) vLLM's all-reduce, then ``steered_norm_plain``."""
     *base, group_name = args
-    x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a, plan_b, pool = base
+    x = base[0]
     ws = _workspace(x, group_name)
     if ws is not None:
-        from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
-
-        return steered_norm_triton(x, residual, weight, eps, weight_offset, index,
-                                   () if table_a is None else (table_a, flag_a),
-                                   () if table_b is None else (table_b, flag_b), plan_a=plan_a, plan_b=plan_b,
-                                   pool=pool, ar=ws)
+        return _plain_launch(*base, ar=ws)
     plain = plain_triton if x.is_cuda else _plain_reference
     return plain(all_reduce(x, group_name), *base[1:])
 

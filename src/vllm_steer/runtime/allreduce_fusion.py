@@ -59,12 +59,10 @@ def warn_lost(vllm_config, modes: list[str], tp_rank: int) -> int:
     return lost
 
 
-def enabled(vllm_config=None) -> bool:
-    """``ENV`` is "1" and (given a config) it is TP >= 2 compiled by Inductor."""
+def enabled(vllm_config) -> bool:
+    """``ENV`` is "1" and the engine is TP >= 2 compiled by Inductor."""
     if os.environ.get(ENV, "0") != "1":
         return False
-    if vllm_config is None:
-        return True
     from vllm.config.compilation import CompilationMode
 
     cc = vllm_config.compilation_config

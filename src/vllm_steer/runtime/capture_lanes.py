@@ -351,8 +351,8 @@ def _copy_into(dst: torch.Tensor, rows: torch.Tensor, copy_stream: Any) -> Any:
     """Copy ``rows`` into ring rows ``dst``: on a GPU, on ``copy_stream`` after the work queued so far on the
     current stream (the forward that wrote them), returning the copy's event; on the CPU at once (None). The caller
     keeps ``rows`` alive until the event (a view of the persistent pool, never freed; a gathered tensor held with its
-    block), so no ``record_stream``. The kept current stream (``runtime.streams``) and ``set_stream`` instead of a stream context:
-    each Python-level stream call costs ~10-50 us of host time on a GPU host (s36's op times)."""
+    block), so no ``record_stream``. The kept current stream (``runtime.streams``) and ``set_stream`` instead of a
+    stream context: each Python-level stream call costs ~10-50 us of host time on a GPU host (s36's op times)."""
     if not rows.is_cuda:
         dst.copy_(rows)
         return None

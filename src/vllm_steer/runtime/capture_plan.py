@@ -206,7 +206,6 @@ class _Same:
 _NONE = np.zeros(0, np.int64)
 
 
-
 _EMPTY = StepPlan([], [], [], [], _NONE, _NONE, _NONE, 0, 0, 0)
 
 
@@ -229,8 +228,7 @@ class CapturePlanner:
         # a persistent flat view (a view op costs ~20 us of host time on a GPU host: s36's op times)
         self._plan_flat = plan.view(-1)
         self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
-        self._last_cells = 0  # its cells
-        self._last_runs = 0  # its runs (in ``_staging``)
+        self._last_runs = 0  # its runs with cells (in ``_staging``, reset by the next upload)
         self._same: _Same | None = None
         self._steady: _Steady | None = None  # set after a decode step whose successor may be _advance'd
         self._hits: list = []  # the last planned step's requests (of the batch, captured or not)
@@ -249,7 +247,7 @@ class CapturePlanner:
     @property
     def dirty(self) -> bool:
         """Whether the device plan holds cells of an earlier step (a later step must clear them)."""
-        return bool(self._last_cells)
+        return bool(self._last_runs)
 
     def clear(self) -> None:
         """Every cell of the device plan back to -1 (no request captures any more)."""
@@ -796,6 +794,6 @@ class CapturePlanner:
             land(self._staging[: 3 * n])
             write_runs(plan, self._staging, n)
             self.upload_bytes += 24 * n
-        self._last, self._last_rows, self._last_lens, self._last_cells = flat, rows, lens, m
+        self._last, self._last_rows, self._last_lens = flat, rows, lens
         self._last_runs = n if m else 0
         self.uploads += 1

@@ -41,6 +41,8 @@ import weakref
 
 import torch
 
+from vllm_steer.runtime import allreduce_fusion
+
 STATIC, DYNAMIC = "static_per_tensor", "dynamic_per_token"
 GROUP_OP = "per_token_group_fp8_quant"  # vLLM's ``_C`` op of a block-FP8 linear's input (CUDA builds only)
 ENV = "VLLM_STEER_FP8_NORM_QUANT"
@@ -295,8 +297,6 @@ class SteeredNormQuantPass:
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.calls += 1
         if self.all_reduce:
-            from vllm_steer.runtime import allreduce_fusion
-
             found = allreduce_fusion.fuse_allreduce_norms(graph, allreduce_fusion.all_reduce_ops(self.ar_ops))
             self.ar_matched += found
             if found:
@@ -323,8 +323,6 @@ class SteeredNormQuantPass:
         import hashlib
         import inspect
         import sys
-
-        from vllm_steer.runtime import allreduce_fusion
 
         sources = inspect.getsource(sys.modules[__name__]) + inspect.getsource(allreduce_fusion)
         return hashlib.sha256(f"{self.fp8}{self.all_reduce}{sources}".encode()).hexdigest()
@@ -356,8 +354,6 @@ def register_in(vllm_config) -> bool:
     from vllm.config.compilation import CompilationMode
 
     from vllm_steer.core.config import steer_config_of
-
-    from vllm_steer.runtime import allreduce_fusion
 
     cc = vllm_config.compilation_config
     fp8, all_reduce = enabled(vllm_config), allreduce_fusion.enabled(vllm_config)
