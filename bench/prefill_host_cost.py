@@ -31,7 +31,10 @@ work does not depend on it without the copy; the consumers' process writes the r
 (the plan's upload, the reduce) inline: their time is in the phases (``OMP_NUM_THREADS=1`` on the shared box, where
 two OMP threads made each op ~100x slower); ``--launch-us 6`` counts each torch op of the main thread as 6 us (a GPU
 launch) instead, leaves the segmented add out (the host work a GPU step has) and adds each phase's count of those
-ops (``ops``). ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capture_lanes.py`` +
+ops (``ops``). ``--in-forward``: an eager step as the runner makes it since s37: ``add_later`` and ``defer_step``
+before the forward, the plan made by the forward's first capturing op (phase "plan in the forward", after the GPU
+time is enqueued); "before the forward" is the main thread's capture work before the forward's launch, the GPU idle
+in the prefill arms' closed loop. ``--baseline DIR``: also an older ``runtime/capture.py`` + ``capture_lanes.py`` +
 ``capture_plan.py`` + ``capture_reduce.py`` (a ``src/vllm_steer/runtime`` folder, e.g. from ``git archive``), each
 step of each arm run on both, interleaved, each version first in turn (the first of a step cost ~1.5x more for the same
 code), in this process (the consumers' process is this tree's for both). ``--device cuda`` (a GPU host): the runtime
@@ -64,6 +67,7 @@ import torch
 
 from vllm_steer.core.config import SteerConfig
 from vllm_steer.runtime import capture as capture_mod
+from vllm_steer.kernels.capture_rows import live as capture_live
 from vllm_steer.runtime import capture_lanes
 
 LAYERS, HOOKS, WIDTH, N, PROMPT, MAX_ROWS = 32, ("pre_attn", "post_attn", "post_mlp"), 8192, 16, 512, 131072
@@ -257,6 +261,8 @@ def main() -> None:
     ap.add_argument("--baseline")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--launch-us", type=float, help="CPU: a torch op of the main thread costs this, not its run")
+    ap.add_argument("--in-forward", action="store_true", help="an eager step: requests queued (add_later) and the "
+                    "plan made by the forward's first capturing op (defer_step), where the version has it")
     ap.add_argument("--out")
     ap.add_argument("--profile", metavar="FILE", help="cProfile of the capture calls (not vLLM's stand-in work, not "
                                                        "the GPU wait) per column, top functions by own time, as text")
@@ -345,21 +351,26 @@ def main() -> None:
                 with capture:
                     rt.finish_requests(list(map(name_of, ended)))  # the engine's ends (already ended early: nothing)
                     mark("finish (engine)")
+                    in_forward = args.in_forward and hasattr(rt, "defer_step")
                     if specs[arm] is not None or decode:
+                        add = rt.add_later if in_forward else rt.add_request
                         for r, prompt, max_tokens in new:
                             rid = name_of(r)
-                            rt.add_request(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": None},
-                                           max_tokens)
+                            add(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": None}, max_tokens)
                     mark(f"add x{len(new)}" if not decode else "add")
                     if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
-                        rt.plan_step(ids, scheduled, computed)
+                        (rt.defer_step if in_forward else rt.plan_step)(ids, scheduled, computed)
                     mark("plan_step")
+                rows[col].setdefault("before the forward", []).append((marks[-1][1] - wall0) * 1e3) if timed else None
                 _OP_COL[0] = None
                 _python_work(loop_n)
                 mark("vllm host work")
                 if gpu_cycles:  # the forward: the GPU busy, the step's rows written after it
                     torch.cuda._sleep(gpu_cycles)
                 _OP_COL[0] = timed
+                with capture:
+                    capture_live.ready()  # the forward's first capturing op (--in-forward: the deferred plan, GPU busy)
+                mark("plan in the forward")
                 with capture:
                     rt.after_forward()
                 _OP_COL[0] = None

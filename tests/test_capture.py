@@ -245,6 +245,8 @@ def test_device_reduced_last_and_mean_equal_the_per_step_rows_and_transformers(c
     (worker,) = status
     cap = worker["capture"]
     assert cap["reduced_requests"] >= 4 and cap["reduce_fallbacks"] == 0  # + extraction's texts
+    assert cap["plans_in_forward"] > 0  # the CPU's eager steps were planned by their first capturing op (the values
+    # above, transformers' own, came through that path)
 
 
 def test_a_generated_capture_ends_with_its_last_token_not_with_the_publish(capture_run, smollm2_path):

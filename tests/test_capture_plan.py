@@ -277,6 +277,64 @@ def test_plain_requests_plan_and_hand_off_nothing(monkeypatch):
     assert calls == ["plan_step", "_hand_off"] * 2
 
 
+def test_an_eager_steps_plan_is_made_by_its_first_capturing_op(monkeypatch, caplog):
+    """An eager step (``plan_capture(..., eager=True)``) queues the requests added before it and leaves its plan to
+    the forward: nothing is registered or planned until the first capturing op of the forward at a site a request
+    captures runs (the capture op, here on the CPU; the op at post_mlp.0, which no request captures, does not), whose
+    rows are then the plan's, the same as a step planned before its forward; a forward with no capturing op (a CUDA
+    graph replayed it) gets its plan after it, a warning, and plans before the forward after."""
+    from vllm_steer.kernels.capture_rows import live
+    from vllm_steer.kernels.capture_rows.op import _impl as capture_op
+    from vllm_steer.runtime.manager import SteeringRuntime
+
+    spec = {"layers": [1, 2], "hooks": ["post_mlp"], "positions": "all"}
+    sites = [("post_mlp", l) for l in range(NUM_LAYERS)]
+    pools = []
+    for eager in (False, True):
+        rt = _runtime(monkeypatch, sites, 64, 16)
+        host = SimpleRuntime(rt)
+        rt.add_later("x", {"a": spec}, prompt_len=5)
+        rt.add_later("y", {"b": {**spec, "layers": [2]}}, prompt_len=3)
+        assert rt.active and not rt._requests  # queued until the step's plan
+        SteeringRuntime.plan_capture(host, ["x", "y"], np.array([5, 3]), np.array([0, 0]), eager)
+        assert (not rt._requests) == eager and ((rt.buffers.plan.numpy() >= 0).sum() == 0) == eager
+        assert (live.deferred is not None) == eager and rt.stats["plans_in_forward"] == 0
+        a = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
+        for hook, layer in sites:  # the forward: each site's capture op (the first at a wanted site makes the plan)
+            capture_op(rt.buffers.pool, a + layer, rt.buffers.plan_view(hook, layer))
+            if layer == 0:  # no request captures post_mlp.0: its op leaves the plan to a later one
+                assert (live.deferred is not None) == eager
+        assert live.deferred is None and rt.stats["plans_in_forward"] == int(eager)
+        assert set(rt._requests) == {"x", "y"} and (rt.buffers.plan.numpy() >= 0).sum() == 5 * 2 + 3
+        pools.append(rt.buffers.pool[: rt._rows_used].clone())
+        rt.after_forward()
+    assert pools[0].shape[0] == 13 and torch.equal(pools[0], pools[1])
+    rt.add_later("z", {"a": spec}, prompt_len=2)
+    SteeringRuntime.plan_capture(host, ["z"], np.array([2]), np.array([0]), True)
+    with caplog.at_level("WARNING", logger="vllm.steer.capture"):
+        rt.after_forward()  # no op ran: planned now
+    assert "no capturing op ran" in caplog.text and rt.in_forward is False
+    assert rt.stats["plans_in_forward"] == 1 and rt._requests["z"].planned_upto == 2
+    rt.finish_request("z")
+    rt.add_later("w", {"a": spec}, prompt_len=2)
+    SteeringRuntime.plan_capture(host, ["w"], np.array([2]), np.array([0]), True)
+    assert live.deferred is None and (rt.buffers.plan.numpy() >= 0).sum() == 4  # before the forward from now on
+
+
+def test_the_v2_runner_defers_only_batches_no_cuda_graph_replays():
+    """``graph_max_tokens``: vLLM replays graphs only for captured sizes (at most ``max_cudagraph_capture_size``), so a
+    batch above it runs eagerly; with graphs off (``enforce_eager``: mode NONE) every batch does."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from vllm_steer.runtime.runner_v2 import graph_max_tokens
+
+    for mode, size, want in ((CUDAGraphMode.FULL_AND_PIECEWISE, 512, 512), (CUDAGraphMode.PIECEWISE, 8, 8),
+                             (CUDAGraphMode.NONE, 512, -1), (None, 512, -1), (CUDAGraphMode.PIECEWISE, None, 0)):
+        assert graph_max_tokens(SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=size)) == want
+
+
 class SimpleRuntime:
     """What ``SteeringRuntime.plan_capture`` reads of its runtime."""
 

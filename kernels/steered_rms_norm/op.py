@@ -73,6 +73,8 @@ def _impl(
     topk_tc: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     full = len(sae_a) == N_FULL or len(sae_b) == N_FULL or len(tc) == N_FULL
+    if pool is not None:
+        live.ready(plan_a, plan_b)  # an eager step's capture plan, left to its first capturing op
     if pool is not None and not x.is_cuda and live.may_skip(False):  # CPU: nothing captured this step, plans empty
         plan_a = plan_b = pool = None
     args = (x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sae_a, sae_b, topk_a, topk_b, cond, gate,
@@ -135,6 +137,8 @@ def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sa
     global _triton_norm
     if _triton_norm is None:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
+    if pool is not None:
+        live.ready(plan_a, plan_b)
     full_a = full_b = full_tc = ()
     if len(sae_a) == N_FULL or len(sae_b) == N_FULL or len(tc) == N_FULL:
         from vllm_steer.kernels.sae_clamp.full_slot import full_slots
@@ -174,6 +178,8 @@ def _plain_launch(x, residual, weight, eps, weight_offset, index, table_a, flag_
     global _triton_norm
     if _triton_norm is None:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton as _triton_norm
+    if pool is not None:
+        live.ready(plan_a, plan_b)
     return _triton_norm(x, residual, weight, eps, weight_offset, index, () if table_a is None else (table_a, flag_a),
                         () if table_b is None else (table_b, flag_b), (), (), (), None, plan_a, plan_b, pool, ar=ar)
 
@@ -228,6 +234,9 @@ def plain_fp8(
     launch with its QUANT mode (interpreter-tested only); other devices: the reference."""
     if x.is_cuda:
         from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_fp8_triton
+
+        if pool is not None:
+            live.ready(plan_a, plan_b)
 
         return steered_norm_fp8_triton(x, residual, weight, eps, weight_offset, index,
                                        () if table_a is None else (table_a, flag_a),

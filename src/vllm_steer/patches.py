@@ -281,6 +281,9 @@ USES: tuple[Use, ...] = (
         "the op the rewrite takes out of the graph (vllm.all_reduce; its fallback calls it)", ("tensor", "group_name")),
     *_attrs(f"{_CFG}.compilation:CompilationConfig", "max_cudagraph_capture_size", "vllm_steer.runtime.allreduce_fusion",
             "the workspace's tokens (decode batches; a bigger one all-reduces unfused)"),
+    *_attrs(f"{_CFG}.compilation:CompilationConfig", "cudagraph_mode max_cudagraph_capture_size",
+            "vllm_steer.runtime.runner_v2", "which steps run eagerly (the ops' Python called: capture planned in the "
+            "forward); read wrong, a graph step would be deferred and capture nothing"),
     Use("vllm.distributed.utils", "get_pp_indices", "method", "vllm_steer.frontend.prepare",
         "each pipeline stage's layers (where a capture site is)", ("num_hidden_layers", "pp_rank", "pp_size")),
     # the model: norms and decoder layers

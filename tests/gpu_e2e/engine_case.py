@@ -34,6 +34,9 @@ DEVICE = "cpu" if CPU else "cuda"
 TP = int(os.environ.get("VLLM_STEER_E2E_TP", "1"))
 PP = int(os.environ.get("VLLM_STEER_E2E_PP", "1"))
 BACKEND = os.environ.get("VLLM_STEER_E2E_BACKEND") or None
+# the largest batch a CUDA graph replays (unset: vLLM's default, 128 here): a small one runs the prompts' prefill
+# eagerly, so capture is planned by the forward's first capturing op (runtime.capture.CaptureRuntime.defer_step)
+GRAPH_MAX = int(os.environ.get("VLLM_STEER_E2E_GRAPH_MAX", "0")) or None
 # the e2e modules' pytestmark: CUDA, or the CPU smoke mode
 needs_device = pytest.mark.skipif(not CPU and not torch.cuda.is_available(),
                                   reason="needs CUDA (or VLLM_STEER_E2E_DEVICE=cpu for the CPU smoke run)")
@@ -228,6 +231,8 @@ def make_llm(path: Path, steer: dict | None, mem: float = 0.30):
               gpu_memory_utilization=mem, tensor_parallel_size=TP, pipeline_parallel_size=PP, enforce_eager=CPU)
     if BACKEND is not None:
         kw["distributed_executor_backend"] = BACKEND
+    if GRAPH_MAX is not None and not CPU:
+        kw["compilation_config"] = {"max_cudagraph_capture_size": GRAPH_MAX}
     if steer is not None:
         kw["additional_config"] = {"steer": steer}
     return LLM(**kw)

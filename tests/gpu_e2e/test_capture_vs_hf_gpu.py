@@ -109,6 +109,17 @@ def test_no_capture_errors_or_drops(capture_run):
     assert not bad, f"capture counters over the workers: {stats}"
 
 
+def test_eager_steps_are_planned_in_their_forward_and_graph_steps_before(capture_run):
+    """A prefill above the graph sizes (``VLLM_STEER_E2E_GRAPH_MAX=8``: the four prompts' prefill runs eagerly) is
+    planned by its forward's first capturing op; with vLLM's default sizes every step here replays a graph and none
+    is (the rows above match transformers either way)."""
+    planned_in_forward = sum(w["capture"].get("plans_in_forward", 0) for w in capture_run["after"])
+    if ec.CPU or (ec.GRAPH_MAX is not None and ec.GRAPH_MAX < len(capture_run["ids"])):
+        assert planned_in_forward > 0
+    else:
+        assert planned_in_forward == 0
+
+
 def test_device_reduced_mean_and_last_equal_the_rows_reduced(capture_run):
     from vllm_steer.capture.activations import decode_result
 

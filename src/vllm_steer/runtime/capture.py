@@ -24,6 +24,12 @@ share the id callers know). Nothing is kept here once sent; a send that fails is
 (``stats["result_push_failed"]``). ``publish`` ends requests the runner has not yet heard finished
 (``capture.collect`` on an in-process engine, which is not stepped again after its last output).
 
+When the plan is made: before the forward of a step a CUDA graph replays (no Python runs inside it); in the forward
+of an eager step (a prefill above the graph sizes, CPU), by its first capturing op (``defer_step``,
+``kernels.capture_rows.live``), so the host work runs while the GPU computes the layers before that site: before the
+forward's launch the GPU idles for it (the prefill arms' gap, s36). Requests are registered at the step's plan too
+(``add_request`` queues them), so an eager step's capture work is all inside its forward.
+
 Each position of a request is planned once: a preempted request recomputes its prompt and
 generated tokens from position 0 (or from its cached prefix) when it resumes, and positions below
 the request's mark (``planned_upto``) were planned already, so they are skipped (counted in
@@ -185,7 +191,7 @@ class CaptureRuntime:
         self.stats = {"rows": 0, "dropped_rows": 0, "dropped_packets": 0, "lost_rows": 0, "dropped_finishes": 0,
                       "consumer_errors": 0, "recomputed_positions": 0, "ring_full": 0, "consumer_host_deaths": 0,
                       "results_sent": 0, "result_push_failed": 0, "publish_calls": 0,
-                      "reduced_requests": 0, "reduce_fallbacks": 0}
+                      "reduced_requests": 0, "reduce_fallbacks": 0, "plans_in_forward": 0}
         self._stats_lock = threading.Lock()  # the host's threads count from their threads
         hosted: list[tuple[int, str, type, dict]] = []
         for i, c in enumerate(cfg.capture):
@@ -209,6 +215,14 @@ class CaptureRuntime:
             if spec is not None and self._runs_here(bit, spec):
                 self.global_specs[bit] = spec
         self._requests: dict[str, _Request] = {}
+        self._adds: list[tuple] = []  # add_request's arguments, registered at the next plan (``_register``)
+        self._deferred: tuple | None = None  # an eager step's plan_step arguments, planned in its forward
+        self.in_forward = True  # eager steps are planned in their forward (off once one was not: after_forward)
+        # the site columns a request registered or queued since the plan was last all -1 may capture at (never
+        # shrinks until then: the device plan holds cells only there), and their plan rows for ``live.wanted``
+        self._union = np.zeros(len(sites), dtype=bool)
+        plan = self.buffers.plan
+        self._row_ptr = [plan.data_ptr() + k * plan.stride(0) * plan.element_size() for k in range(len(sites))]
         self._compiled: dict[str, tuple | None] = {}  # repr of a capture field -> _compile's answer
         max_pairs = 2 * cfg.capture_max_rows + reduce_rows
         self._reduce = (ReduceRegion(reduce_rows, cfg.capture_max_rows, self.buffers.pool, max_pairs)
@@ -249,14 +263,47 @@ class CaptureRuntime:
         return out
 
     # ---- control plane -----------------------------------------------------------------
+    def add_later(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None,
+                  max_tokens: int | None = None) -> None:
+        """``add_request`` at the next step's plan (in an eager step's forward) or when ends or results are asked
+        for first (``_register``), whichever comes first: what the runners call. Its capture field is compiled now
+        (cached per field), so the sites it may capture at are known before the forward (``live.wanted``)."""
+        got = self._compile(capture)
+        if got is not None:
+            self._want(got[1].cols)
+            self._adds.append((request_id, got, prompt_len, meta, max_tokens))
+
+    def _register(self) -> None:
+        """Register the queued requests, in order (anything reading ``_requests`` calls this first)."""
+        adds, self._adds = self._adds, []
+        for args in adds:
+            self._add(*args)
+
+    def _want(self, cols: np.ndarray) -> None:
+        """Sites a request may capture at: into the union, and their plan rows into ``live.wanted``."""
+        if (cols & ~self._union).any():
+            self._union |= cols
+            live.wanted = frozenset(self._row_ptr[k] for k in np.flatnonzero(self._union).tolist())
+
+    def _reset_union(self) -> None:
+        """The device plan is all -1 again: the union holds only the queued requests' sites."""
+        self._union[:] = False
+        for _, got, *_ in self._adds:
+            self._union |= got[1].cols
+        live.wanted = frozenset(self._row_ptr[k] for k in np.flatnonzero(self._union).tolist())
+
     def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None,
                     max_tokens: int | None = None) -> None:
         """Register a request's captures (``max_tokens``: its sampling cap, which bounds the positions it can
         feed: its capture then ends with the step that samples its last token, ``_ends_at``)."""
-        if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
-            return
         got = self._compile(capture)
-        if got is None:
+        if got is not None:
+            self._want(got[1].cols)
+            self._add(request_id, got, prompt_len, meta, max_tokens)
+
+    def _add(self, request_id: str, got: tuple, prompt_len: int, meta: dict | None, max_tokens: int | None) -> None:
+        """Register a request whose capture field ``_compile`` gave ``got``."""
+        if self._finished.get(request_id) == _EARLY:  # resumed after its capture ended: nothing more to take
             return
         specs, template, layout = got
         plan = object.__new__(RequestPlan)  # the template's fields (its arrays are never written), its own slots
@@ -349,6 +396,8 @@ class CaptureRuntime:
         them): their consumers hear of them, their driver results go to the submitter once they have. The
         device-reduced rows of all of them are gathered in one device op and copied to the consumers' ring in one
         copy (a wave of requests ending together costs a step a few launches, not a few per request)."""
+        if self._adds:
+            self._register()
         ends, free = [], []
         for request_id in request_ids:
             req = self._requests.pop(request_id, None)
@@ -478,11 +527,30 @@ class CaptureRuntime:
 
     @property
     def active(self) -> bool:
-        return bool(self._requests) or self._planner.dirty
+        return bool(self._requests) or bool(self._adds) or self._planner.dirty
 
-    # ---- data plane: plan before the forward, hand off after it --------------------------
+    # ---- data plane: plan before the forward (or in an eager one), hand off after it ------
+    def defer_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
+        """An eager step (no CUDA graph replays its forward): ``plan_step`` is left to the forward's first capturing
+        op (``live.ready``), or to ``after_forward`` when no op captures on this rank."""
+        if not self.in_forward:
+            live.deferred = None
+            self.plan_step(req_ids, num_scheduled, num_computed)
+            return
+        self._deferred = (req_ids, np.array(num_scheduled), np.array(num_computed))
+        live.deferred = self._plan_in_forward
+
+    def _plan_in_forward(self) -> None:
+        args, self._deferred = self._deferred, None
+        if args is not None:
+            self._count("plans_in_forward")
+            self.plan_step(*args)
+
     def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
-        """Before the forward: this step's pool rows and the device plan (``runtime.capture_plan``)."""
+        """This step's pool rows and the device plan (``runtime.capture_plan``), on the stream its forward runs on,
+        before the first capturing op: before the forward, or inside it (``defer_step``)."""
+        if self._adds:
+            self._register()
         planner = self._planner
         step = planner.plan(self._requests, req_ids, num_scheduled, num_computed)
         if self._bounded:  # ended once the step's forward is handed off (after_forward)
@@ -507,6 +575,8 @@ class CaptureRuntime:
                 red = None
         self._red_step = red
         live.capture_live = step.planned > 0
+        if not self._requests and not planner.dirty and self._union.any():  # the plan is all -1 again
+            self._reset_union()
 
     def after_forward(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here), then end the
@@ -516,7 +586,15 @@ class CaptureRuntime:
         scheduling two). The response waits for those results; a request that stops earlier (EOS, a stop
         string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do.
         When that left no request capturing, the device plan is cleared now (after the forward, on its stream), so a
-        next step without captures is idle (``active`` False: no ``plan_step``)."""
+        next step without captures is idle (``active`` False: no ``plan_step``). A deferred plan no op made (no
+        capturing op on this rank) is made first."""
+        if self._deferred is not None:
+            live.deferred, args, self._deferred = None, self._deferred, None
+            self.plan_step(*args)
+            if self._union.any() and self.in_forward:  # a wanted site here, yet no op of the forward made the plan
+                self.in_forward = False
+                logger.warning("capture: no capturing op ran in an eager step's forward (a CUDA graph replayed it?): "
+                               "its rows were not captured; capture plans are made before the forward from now on")
         if self._pending is not None or self._red_step is not None:
             self._hand_off()
         if self._complete:
@@ -524,6 +602,7 @@ class CaptureRuntime:
             self.finish_requests(done, early=True)
             if not self._requests:
                 self._planner.clear()
+                self._reset_union()
 
     def _hand_off(self) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here).
@@ -601,6 +680,8 @@ class CaptureRuntime:
         """End the given requests (engine or external ids) the runner has not yet heard finished
         (their results are then sent as usual); how many there were. The caller knows they are done."""
         self._count("publish_calls")
+        if self._adds:
+            self._register()
         wanted = set(request_ids)
         ended = [rid for rid, req in list(self._requests.items())
                  if rid in wanted or req.meta.get("external_id") in wanted]

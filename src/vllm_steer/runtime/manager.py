@@ -11,6 +11,7 @@ over the batch and one copy of the index from a pinned ring (``prepare_step``). 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +41,8 @@ from vllm_steer.runtime.slot_rows import SlotRows
 from vllm_steer.runtime.stop_watch import StopWatch
 from vllm_steer.runtime.tables import SteeringTables
 
+# an eager step's capture plan is made by its first capturing op (CaptureRuntime.defer_step); "0": before the forward
+PLAN_IN_FORWARD = os.environ.get("VLLM_STEER_CAPTURE_IN_FORWARD", "1") != "0"
 logger = logging.getLogger("vllm.steer")
 
 
@@ -134,8 +137,8 @@ class SteeringRuntime:
         if self.capture is not None:
             meta = {"external_id": steering.external_id, "capture_reply": steering.capture_reply} \
                 if steering is not None else {}
-            self.capture.add_request(req_id, steering.capture if steering is not None else None, prompt_len, meta,
-                                     max_tokens)
+            self.capture.add_later(req_id, steering.capture if steering is not None else None, prompt_len, meta,
+                                   max_tokens)
         if steering is None or not steering.steered:
             return (0, 0)
         if req_id in self._held:  # re-added (streaming input): drop the old state first
@@ -203,12 +206,20 @@ class SteeringRuntime:
         for key in held.keys:
             self._release(key)
 
-    def plan_capture(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
-        """Before the forward: this step's capture plan (callers check ``capture`` is configured)."""
-        if self.capture.active:
-            self.capture.plan_step(req_ids, num_scheduled, num_computed)
+    def plan_capture(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray,
+                     eager: bool = False) -> None:
+        """Before the forward: this step's capture plan (callers check ``capture`` is configured); ``eager``: no
+        CUDA graph replays the forward, so the plan is left to its first capturing op (``CaptureRuntime.defer_step``;
+        ``VLLM_STEER_CAPTURE_IN_FORWARD=0``: always before)."""
+        capture = self.capture
+        if capture.active:
+            if eager and PLAN_IN_FORWARD:
+                capture.defer_step(req_ids, num_scheduled, num_computed)
+            else:
+                live.deferred = None
+                capture.plan_step(req_ids, num_scheduled, num_computed)
         else:
-            live.capture_live = False
+            live.capture_live, live.deferred = False, None
 
     def finish_requests(self, req_ids: list[str]) -> None:
         """The requests are done (not merely preempted): their captures can be published (together: one gather

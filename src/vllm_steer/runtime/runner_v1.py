@@ -70,7 +70,9 @@ def patch_v1_runner() -> None:
                     batch.num_prompt_tokens[:n],
                 )
             if rt.capture is not None:
-                rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
+                # on a CPU every step is eager: its plan is made by the forward's first capturing op
+                rt.plan_capture(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n],
+                                self.device.type == "cpu")
             if rt.stops is not None and rt.stops.watched:
                 rt.stops.plan(batch.req_ids[:n], num_scheduled_tokens, batch.num_computed_tokens_cpu[:n])
         return orig_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)

@@ -20,6 +20,16 @@ from vllm_steer.runtime.slot_rows import SlotRows
 _STEERED_STATE_CLASSES: dict[type, type] = {}
 
 
+def graph_max_tokens(compilation: Any) -> int:
+    """The most tokens a CUDA graph of this runner replays (-1: none): a batch above it runs eagerly, the ops' Python
+    called (vLLM's ``ModelCudaGraphManager.dispatch`` has graphs only for the captured sizes, all at most
+    ``max_cudagraph_capture_size``)."""
+    mode = compilation.cudagraph_mode
+    if mode is None or mode.name == "NONE":
+        return -1
+    return compilation.max_cudagraph_capture_size or 0
+
+
 def _steered_model_state_class(base: type) -> type:
     cls = _STEERED_STATE_CLASSES.get(base)
     if cls is not None:
@@ -50,7 +60,8 @@ def _steered_model_state_class(base: type) -> type:
                                input_batch.positions, input_batch.num_reqs, input_batch.num_tokens_after_padding)
         if rt.capture is not None:
             rt.plan_capture(input_batch.req_ids, input_batch.num_scheduled_tokens,
-                            input_batch.num_computed_tokens_np)
+                            input_batch.num_computed_tokens_np,
+                            input_batch.num_tokens_after_padding > graph_max_tokens(self._steer_compilation))
         if rt.stops is not None and rt.stops.watched:  # steering_condition.stop_when (runtime.stop_watch)
             rt.stops.plan(input_batch.req_ids, input_batch.num_scheduled_tokens, input_batch.num_computed_tokens_np)
         return base.prepare_inputs(self, input_batch, req_states)
@@ -76,6 +87,7 @@ def attach_runtime(runner: Any) -> SteeringRuntime | None:
     state._steer_runtime = runtime
     state._steer_slots = SlotRows(runner.max_num_reqs, runner.device)
     state._steer_slot_of = {}
+    state._steer_compilation = runner.compilation_config  # its graph sizes are resolved later (initialize_kv_cache)
     runtime.index_on_device_warmup(state._steer_slots)
     return runtime
 
