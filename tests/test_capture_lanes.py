@@ -114,6 +114,38 @@ def test_rows_reach_a_consumer_process_exactly_bf16_included(make_rt):
         assert out["a"]["summing"]["dropped"] == {} and rt.stats["rows"] == 10
 
 
+def test_the_threads_hold_their_work_while_a_step_is_prepared_and_launched(make_rt, monkeypatch):
+    """``CaptureHost.hold``: the notifier and the reader do no Python work for the consumers (no rows packet or finish
+    sent, no answer read, no result pushed) until ``release`` (the GPU's step thread holds them from a step's start to
+    its forward's launch); a hold nobody releases lasts ``GATE_S``."""
+    monkeypatch.setattr(capture_lanes, "GATE_S", 30.0)
+    rt = make_rt(["quick"])
+    host = rt._host
+    rt.add_request("x", {"quick": SPEC}, prompt_len=2)
+    assert rt.hold_threads() is False  # a CPU's forward runs inside its step: never held there
+    rt._copy_stream = object()  # a GPU's: held while a capturing step is prepared
+    assert rt.hold_threads() is True and not host._open.is_set()
+    rt.release_threads()
+    assert host._open.is_set()
+    rt._copy_stream = None
+    rt.finish_request("x")
+    host.hold()
+    rt.add_request("a", {"quick": SPEC}, prompt_len=2)
+    _step(rt, {"a": (0, 2)}, lambda r: 1.0 + r)
+    rt.finish_request("a")
+    time.sleep(0.5)
+    assert host._refs and not rt._pusher.of("a")  # the rows packet unanswered, no result
+    host.release()
+    assert _collect(rt, ["a"])["a"]["quick"] == {"seen": "a", "rows": 0}
+    _wait(lambda: not host._refs, "the rows packet was never answered")
+    monkeypatch.setattr(capture_lanes, "GATE_S", 0.2)
+    host.hold()  # never released: the threads go on after GATE_S
+    rt.add_request("b", {"quick": SPEC}, prompt_len=2)
+    _step(rt, {"b": (0, 2)}, lambda r: 1.0 + r)
+    rt.finish_request("b")
+    assert _collect(rt, ["b"], timeout=10)["b"]["quick"]["seen"] == "b"
+
+
 def test_the_filesystem_consumer_takes_whole_steps_and_writes_what_on_rows_would_get(make_rt, monkeypatch, tmp_path):
     """The filesystem consumer gets each step in one call (``on_packet``, its cells masked out of a packet it
     shares with another consumer) and regroups rows of many steps per file: each file holds exactly the

@@ -116,9 +116,10 @@ ARMS = {
                                 reduce="mean", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_extract_hs": dict(server=EXTRACT_SERVER, kind="extract_hs", load=PREFILL_LOAD, ref="prefill_stock"),
 }
-# the same prefill capture, planned before the forward as before s37 (server steer_capture_fs_pre)
+# the same prefill capture as before s37 (server steer_capture_fs_pre), and with only the threads never held (_nogate)
 for _arm in ("prefill_capture_fs_nowait", "prefill_capture_mem"):
-    ARMS[f"{_arm}_pre"] = {**ARMS[_arm], "server": "steer_capture_fs_pre"}
+    for _suffix in ("pre", "nogate"):
+        ARMS[f"{_arm}_{_suffix}"] = {**ARMS[_arm], "server": f"steer_capture_fs_{_suffix}"}
 for _arm in [a for a, v in ARMS.items() if v["server"] == "steer"]:
     ARMS[f"{_arm}{MULTI_SUFFIX}"] = {**ARMS[_arm], "server": "steer" + MULTI_SUFFIX}
 for _arm in ("stock", "stock_c256"):

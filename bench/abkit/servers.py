@@ -6,7 +6,8 @@ Each server is its own process group; all stay alive together so trials of diffe
   sae / sae_full / sae_serial / sae_topk   an SAE at 4 layers (SAE_SERVERS);   transcoder   a transcoder at each of them;   *_multi   ``--api-server-count`` front ends
   steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
              without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);
-             steer_capture_fs_pre the same with every capture plan made before the forward (as before s37);
+             steer_capture_fs_pre the same as before s37 (capture planned before every forward, its threads never
+             held), steer_capture_fs_nogate only the threads never held;
              extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
   stock_nofuse   stock with vLLM's all-reduce + RMSNorm fusion off (pass_config.fuse_allreduce_rms): at TP >= 2
@@ -66,11 +67,11 @@ PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
                 "steer_proj": 18, "transcoder": 19, "sae_topk": 20, "steer_late": 21, "steer_proj_late": 22,
-                "steer_fp8u": 24, "stock_nofuse": 25, "steer_arnorm": 26, "steer_capture_fs_pre": 27}
+                "steer_fp8u": 24, "stock_nofuse": 25, "steer_arnorm": 26, "steer_capture_fs_pre": 27, "steer_capture_fs_nogate": 28}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
-# steer_capture_fs with every capture plan made before the forward (VLLM_STEER_CAPTURE_IN_FORWARD=0), as before s37:
-# the prefill arms' A/B of planning an eager step in its forward
-CAPTURE_FS_PRE = "steer_capture_fs_pre"
+# steer_capture_fs as before s37: every capture plan made before the forward (VLLM_STEER_CAPTURE_IN_FORWARD=0), the
+# capture threads never held (VLLM_STEER_CAPTURE_GATE=0); _nogate: only the threads never held (the A/B of each)
+CAPTURE_FS_PRE, CAPTURE_FS_NOGATE = "steer_capture_fs_pre", "steer_capture_fs_nogate"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)
 CAPTURE_FS_ROWS = 131072  # a 4096-token prefill step at 32 sites (1 GiB at 8b bf16): the heavy arm drops nothing
@@ -82,7 +83,8 @@ TC_SERVER, TC_PREFIX = "transcoder", "ab_tc_"  # steer + a transcoder at each of
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}, "steer_late": {"VLLM_STEER_NORM_EARLY": "0"},
               "steer_proj_late": {"VLLM_STEER_NORM_EARLY": "0"},
               "steer_fp8u": {"VLLM_STEER_FP8_NORM_QUANT": "0"}, "steer_arnorm": {"VLLM_STEER_AR_NORM": "1"},
-              CAPTURE_FS_PRE: {"VLLM_STEER_CAPTURE_IN_FORWARD": "0"},
+              CAPTURE_FS_PRE: {"VLLM_STEER_CAPTURE_IN_FORWARD": "0", "VLLM_STEER_CAPTURE_GATE": "0"},
+              CAPTURE_FS_NOGATE: {"VLLM_STEER_CAPTURE_GATE": "0"},
               "sae": {"VLLM_STEER_SAE_TILED": "1"}}  # the tiled prefill clamps (off by default: sae_serial is the A/B)
 # stock with vLLM's all-reduce + RMSNorm fusion off (issue 40): the arfuse A/B's unfused stock, beside the fused default
 NOFUSE_SERVER, NOFUSE_CONFIG = "stock_nofuse", {"pass_config": {"fuse_allreduce_rms": False}}
@@ -304,7 +306,7 @@ class Server:
         cmd += ["--enforce-eager"] if a.enforce_eager else []
         if self.name in STEER_SERVERS:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
-        elif self.name in (CAPTURE_FS_SERVER, CAPTURE_FS_PRE):
+        elif self.name in (CAPTURE_FS_SERVER, CAPTURE_FS_PRE, CAPTURE_FS_NOGATE):
             cmd += ["--additional-config", json.dumps(capture_fs_block(self.log_path.parents[1]))]
         elif self.name == NOFUSE_SERVER:
             cmd += ["--compilation-config", json.dumps(NOFUSE_CONFIG)]

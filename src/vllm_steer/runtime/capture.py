@@ -59,6 +59,7 @@ that request, a driver consumer's result is ``{"error": "dropped", ...}`` at onc
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ from vllm_steer.runtime.result_push import ResultPusher
 from vllm_steer.runtime.streams import current_stream
 
 logger = logging.getLogger("vllm.steer.capture")
+# the consumer threads wait while a capturing step is prepared and launched (``hold_threads``); "0": they never do
+GATE = os.environ.get("VLLM_STEER_CAPTURE_GATE", "1") != "0"
 
 
 class CaptureBuffers:
@@ -528,6 +531,20 @@ class CaptureRuntime:
     @property
     def active(self) -> bool:
         return bool(self._requests) or bool(self._adds) or self._planner.dirty
+
+    def hold_threads(self) -> bool:
+        """A step begins: while some request captures, the consumer threads hold their Python work until
+        ``release_threads`` (after its forward's launch and hand-off; ``runtime.capture_lanes.GATE_S`` at most);
+        whether they were held. Not on a CPU, whose forward runs inside the step (the GPU's is only launched there);
+        ``VLLM_STEER_CAPTURE_GATE=0``: never."""
+        host = self._host
+        if host is None or not GATE or self._copy_stream is None or not (self._requests or self._adds):
+            return False
+        host.hold()
+        return True
+
+    def release_threads(self) -> None:
+        self._host.release()
 
     # ---- data plane: plan before the forward (or in an eager one), hand off after it ------
     def defer_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:

@@ -16,6 +16,11 @@ Bounds (never waited for): each consumer has at most ``max_row_packets`` row pac
 ring is dropped for every consumer that wanted it and counted (``stats["ring_full"]`` and, per
 consumer, ``dropped_packets``), named in each request's ``meta["dropped"]``.
 
+Both threads hold their Python work (reading a finish's reduced rows, pickling, unpickling the host's answers, pushing
+results) while the step thread prepares and launches a forward (``hold`` / ``release``, at most ``GATE_S``): their
+wake-ups come with the last step's end, which is when the next step's host work stands between the GPU and its next
+kernels (s37's prefill profile: the GPU idles there, a blocked main thread's time is the GPU's).
+
 If the host dies (a consumer crashed it, or it was killed), the worker logs it once, counts
 ``stats["consumer_host_deaths"]``, answers every request still waiting on its consumers with
 ``{"error": "consumer_died", ...}`` (driver results) and from then on captures nothing for them:
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import pickle
 import queue
 import subprocess
 import sys
@@ -42,6 +48,7 @@ from vllm_steer.runtime.streams import current_stream
 logger = logging.getLogger("vllm.steer.capture")
 
 RING_STEPS = 4  # the ring holds this many full device pools (steer.capture_max_rows rows each)
+GATE_S = 0.05  # the longest the threads hold their work for a step being prepared (a stuck step never stalls them)
 HOST_START_S = 120.0  # the host must have built its consumers by then
 
 
@@ -127,6 +134,8 @@ class CaptureHost:
         self.consumer_stats: dict[int, dict[str, int]] = {}  # bit -> the consumer's own counters (host's last)
         self._closing = False
         self._lock = threading.Lock()
+        self._open = threading.Event()  # clear while the step thread prepares and launches a forward (``hold``)
+        self._open.set()
         self._refs: dict[int, int] = {}  # packet id -> lanes not yet done with it
         self._next_id = 0
         self.ring = RowRing(ring_rows)
@@ -168,6 +177,14 @@ class CaptureHost:
         threading.Thread(target=self._reader, name="vllm-steer-capture-results", daemon=True).start()
 
     # ---- the step thread ---------------------------------------------------------------------
+    def hold(self) -> None:
+        """A step is being prepared: the threads hold their Python work until ``release`` (or ``GATE_S``)."""
+        self._open.clear()
+
+    def release(self) -> None:
+        """The step's forward is launched (the GPU has its work queued): the threads go on."""
+        self._open.set()
+
     def send_rows(self, rows: torch.Tensor, groups: tuple, lanes: list[Lane], copy_stream: Any) -> Any:
         """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken); ``groups``:
         ``StepPlan.wire()`` (request ids, sites, starts, ends, the cells' runs: columns, so the notifier's
@@ -248,6 +265,7 @@ class CaptureHost:
                     if event is not None:
                         event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
                         event = None
+                    self._open.wait(GATE_S)
                     self._cmd.send(msg if notice is None else self._finish_message(*notice))
                 except (OSError, ValueError) as exc:
                     self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")
@@ -267,12 +285,13 @@ class CaptureHost:
     def _reader(self) -> None:
         while True:
             try:
-                msg = self._res.recv()
+                data = self._res.recv_bytes()  # the GIL released while it waits
             except (EOFError, OSError):
                 self._died("it exited")
                 return
+            self._open.wait(GATE_S)
             try:
-                self._answer(msg)
+                self._answer(pickle.loads(data))
             except Exception:
                 logger.exception("vllm-steer: capture host answer %r failed", msg[0])
 

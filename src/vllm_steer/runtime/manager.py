@@ -341,13 +341,21 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
 def with_after_forward(execute_model: Callable) -> Callable:
     """Wrap a runner's ``execute_model`` (V1 or V2): after the forward is enqueued, hand the
     step's captured rows on and copy the gates ``stop_when`` reads (only runners whose runtime
-    captures or watches a request do anything here)."""
+    captures or watches a request do anything here); while a capturing step is prepared and launched the capture
+    threads hold their work (``CaptureRuntime.hold_threads``)."""
 
     def wrapper(self, *args, **kwargs):
-        out = execute_model(self, *args, **kwargs)
         capture = getattr(self, "steer_capture", None)
-        if capture is not None:
-            capture.after_forward()
+        if capture is None:
+            out = execute_model(self, *args, **kwargs)
+        else:
+            held = capture.hold_threads()  # the capture threads wait while this step is prepared and launched
+            try:
+                out = execute_model(self, *args, **kwargs)
+                capture.after_forward()
+            finally:
+                if held:
+                    capture.release_threads()
         stops: StopWatch | None = getattr(self, "steer_stops", None)
         if stops is not None and stops.watched:
             stops.after_forward()
