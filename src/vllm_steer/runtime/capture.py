@@ -224,6 +224,7 @@ class CaptureRuntime:
         # the site columns a request registered or queued since the plan was last all -1 may capture at (never
         # shrinks until then: the device plan holds cells only there), and their plan rows for ``live.wanted``
         self._union = np.zeros(len(sites), dtype=bool)
+        self._unioned: dict[int, np.ndarray] = {}  # the ``cols`` already in it (by id; held: ids stay unique)
         plan = self.buffers.plan
         self._row_ptr = [plan.data_ptr() + k * plan.stride(0) * plan.element_size() for k in range(len(sites))]
         self._compiled: dict[str, tuple | None] = {}  # repr of a capture field -> _compile's answer
@@ -283,7 +284,11 @@ class CaptureRuntime:
             self._add(*args)
 
     def _want(self, cols: np.ndarray) -> None:
-        """Sites a request may capture at: into the union, and their plan rows into ``live.wanted``."""
+        """Sites a request may capture at: into the union, and their plan rows into ``live.wanted`` (once per compiled
+        field: requests sharing one share its ``cols``, kept here so its id stays its own until the reset)."""
+        if id(cols) in self._unioned:
+            return
+        self._unioned[id(cols)] = cols
         if (cols & ~self._union).any():
             self._union |= cols
             live.wanted = frozenset(self._row_ptr[k] for k in np.flatnonzero(self._union).tolist())
@@ -291,8 +296,9 @@ class CaptureRuntime:
     def _reset_union(self) -> None:
         """The device plan is all -1 again: the union holds only the queued requests' sites."""
         self._union[:] = False
+        self._unioned.clear()
         for _, got, *_ in self._adds:
-            self._union |= got[1].cols
+            self._want(got[1].cols)
         live.wanted = frozenset(self._row_ptr[k] for k in np.flatnonzero(self._union).tolist())
 
     def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None,
