@@ -282,14 +282,18 @@ def test_an_eager_steps_plan_is_made_by_its_first_capturing_op(monkeypatch):
     the forward: nothing is registered or planned until the first capturing op of the forward at a site a request
     captures runs (the capture op, here on the CPU; the op at post_mlp.0, which no request captures, does not), whose
     rows are then the plan's, the same as a step planned before its forward; a forward with no capturing op (a CUDA
-    graph replayed it) gets its plan after it, a warning, and plans before the forward after."""
+    graph replayed it) gets its plan after it, a warning, and plans before the forward after. The op at a site
+    no request captures launches nothing (``live.may_skip`` with its plan row)."""
     from vllm_steer.kernels.capture_rows import live
+    from vllm_steer.kernels.capture_rows import op as op_mod
     from vllm_steer.kernels.capture_rows.op import _impl as capture_op
     from vllm_steer.runtime.manager import SteeringRuntime
 
     spec = {"layers": [1, 2], "hooks": ["post_mlp"], "positions": "all"}
     sites = [("post_mlp", l) for l in range(NUM_LAYERS)]
-    pools = []
+    pools, launched = [], []  # the op returns at once at a site no request captures (its plan row is all -1)
+    monkeypatch.setattr(op_mod, "capture_rows", lambda pool, x, plan, real=op_mod.capture_rows: (
+        launched.append(int(x[0, 0])), real(pool, x, plan)))
     for eager in (False, True):
         rt = _runtime(monkeypatch, sites, 64, 16)
         host = SimpleRuntime(rt)
@@ -302,10 +306,12 @@ def test_an_eager_steps_plan_is_made_by_its_first_capturing_op(monkeypatch):
         assert (not rt._requests) == eager and ((rt.buffers.plan.numpy() >= 0).sum() == 0) == eager
         assert (live.deferred is not None) == eager and rt.stats["plans_in_forward"] == 0
         a = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
+        launched.clear()
         for hook, layer in sites:  # the forward: each site's capture op (the first at a wanted site makes the plan)
             capture_op(rt.buffers.pool, a + layer, rt.buffers.plan_view(hook, layer))
             if layer == 0:  # no request captures post_mlp.0: its op leaves the plan to a later one
                 assert (live.deferred is not None) == eager
+        assert launched == [1, 2]
         assert live.deferred is None and rt.stats["plans_in_forward"] == int(eager)
         assert set(rt._requests) == {"x", "y"} and (rt.buffers.plan.numpy() >= 0).sum() == 5 * 2 + 3
         pools.append(rt.buffers.pool[: rt._rows_used].clone())

@@ -16,7 +16,8 @@ import torch
 capture_live = True  # set by the worker runtime before each forward's first capturing op
 deferred = None  # the step's capture plan, made by the first capturing op of an eager forward (``ready``)
 # the plan rows (by ``data_ptr``) a request may capture at: every other site's row holds -1 whatever the step's plan
-wanted: frozenset = frozenset()
+# (None: no capture runtime keeps it here, every row may hold cells)
+wanted: frozenset | None = None
 
 
 def ready(*plans) -> None:
@@ -29,16 +30,18 @@ def ready(*plans) -> None:
     plan = deferred
     if plan is None:
         return
-    if plans and not any(p is not None and p.data_ptr() in wanted for p in plans):
+    if plans and wanted is not None and not any(p is not None and p.data_ptr() in wanted for p in plans):
         return
     deferred = None
     plan()
 
 
-def may_skip(on_cuda: bool) -> bool:
-    """``on_cuda``: the op's tensors are on a GPU (a CPU op is never part of a graph capture). Not
+def may_skip(on_cuda: bool, plan=None) -> bool:
+    """Whether an eager op may return at once: nothing is captured this step, or (``plan``: its plan row) no request
+    captures at its site (the row is all -1: ``wanted`` holds every row a plan cell can be in). ``on_cuda``: the op's
+    tensors are on a GPU (a CPU op is never part of a graph capture). Not
     ``torch.cuda.is_available()``: under vLLM (``PYTORCH_NVML_BASED_CUDA_CHECK=1``) it asks NVML on every call
     while CUDA is not initialized: ~0.15-0.4 ms a call on the CPU lane, once a step."""
-    if capture_live:
+    if capture_live and (plan is None or wanted is None or plan.data_ptr() in wanted):
         return False
     return not (on_cuda and torch.cuda.is_current_stream_capturing())

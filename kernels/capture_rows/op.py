@@ -27,7 +27,7 @@ def capture_rows(pool: torch.Tensor, a: torch.Tensor, plan: torch.Tensor) -> Non
 
 def _impl(pool: torch.Tensor, a: torch.Tensor, plan: torch.Tensor) -> None:
     live.ready(plan)  # an eager step's capture plan, left to its first capturing op
-    if not live.may_skip(a.is_cuda):
+    if not live.may_skip(a.is_cuda, plan):
         capture_rows(pool, a, plan)
 
 

@@ -227,6 +227,7 @@ class CaptureRuntime:
         self._unioned: dict[int, np.ndarray] = {}  # the ``cols`` already in it (by id; held: ids stay unique)
         plan = self.buffers.plan
         self._row_ptr = [plan.data_ptr() + k * plan.stride(0) * plan.element_size() for k in range(len(sites))]
+        live.wanted = frozenset()
         self._compiled: dict[str, tuple | None] = {}  # repr of a capture field -> _compile's answer
         max_pairs = 2 * cfg.capture_max_rows + reduce_rows
         self._reduce = (ReduceRegion(reduce_rows, cfg.capture_max_rows, self.buffers.pool, max_pairs)
@@ -248,6 +249,7 @@ class CaptureRuntime:
 
     def close(self) -> None:
         """Stop the consumers' process (it delivers what was sent, closes its consumers, exits)."""
+        live.wanted = live.deferred = None
         if self._host is not None:
             self._host.close()
 
