@@ -25,10 +25,12 @@ share the id callers know). Nothing is kept here once sent; a send that fails is
 (``capture.collect`` on an in-process engine, which is not stepped again after its last output).
 
 When the plan is made: before the forward of a step a CUDA graph replays (no Python runs inside it); in the forward
-of an eager step (a prefill above the graph sizes, CPU), by its first capturing op (``defer_step``,
-``kernels.capture_rows.live``), so the host work runs while the GPU computes the layers before that site: before the
-forward's launch the GPU idles for it (the prefill arms' gap, s36). Requests are registered at the step's plan too
-(``add_request`` queues them), so an eager step's capture work is all inside its forward.
+of an eager step (a prefill above the graph sizes, CPU), by its first op at a site a request may capture
+(``defer_step``, ``kernels.capture_rows.live``: ``wanted`` holds those sites' plan rows), so the host work runs while
+the GPU computes the layers before that site: before the forward's launch, or in its first layers, the GPU idles for
+it (the prefill arms' gap, s36-s37). The runners' requests are registered at the step's plan too (``add_later``
+queues them), so an eager step's capture work is inside its forward. On a GPU the consumer threads hold their work
+while a capturing step is prepared and launched (``hold_threads``).
 
 Each position of a request is planned once: a preempted request recomputes its prompt and
 generated tokens from position 0 (or from its cached prefix) when it resumes, and positions below
