@@ -330,6 +330,15 @@ def test_an_eager_steps_plan_is_made_by_its_first_capturing_op(monkeypatch):
     rt.add_later("w", {"a": spec}, prompt_len=2)
     SteeringRuntime.plan_capture(host, ["w"], np.array([2]), np.array([0]), True)
     assert live.deferred is None and (rt.buffers.plan.numpy() >= 0).sum() == 4  # before the forward from now on
+    from prometheus_client import REGISTRY
+
+    from vllm_steer.engine.metrics_rpc import worker_values
+    from vllm_steer.server.metrics import apply_engine
+
+    _, totals = worker_values([{"steering": True, "live_configs": 0, "peak_live_configs": 0, "capture": rt.status()}])
+    before = REGISTRY.get_sample_value("vllm_steer_capture_plans_in_forward_total") or 0.0
+    apply_engine({"increments": totals})  # the workers' count on /metrics
+    assert REGISTRY.get_sample_value("vllm_steer_capture_plans_in_forward_total") == before + 1
 
 
 def test_the_v2_runner_defers_only_batches_no_cuda_graph_replays():

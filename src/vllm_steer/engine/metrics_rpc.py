@@ -36,7 +36,7 @@ def worker_values(workers: list[dict]) -> tuple[dict[str, int], dict[str, int]]:
               "preemptions": max(w.get("preemptions_seen", 0) for w in steered)}
     for k in ("rows", "dropped_rows", "dropped_packets", "lost_rows", "dropped_finishes", "consumer_errors", "ring_full",
               "consumer_host_deaths", "write_errors", "dropped_writes", "failed_requests", "result_push_failed",
-              "reduced_requests", "reduce_fallbacks"):
+              "reduced_requests", "reduce_fallbacks", "plans_in_forward"):
         totals[f"capture_{k}"] = sum(c.get(k, 0) for c in caps)
     return gauges, totals
 

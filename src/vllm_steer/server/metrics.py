@@ -38,6 +38,9 @@ Every metric (counters carry the ``_total`` suffix; engine values are engine 0's
 - ``vllm_steer_capture_reduced_requests_total``, ``..._capture_reduce_fallbacks_total`` counters: requests whose
   capture was reduced on the device (``runtime.capture_reduce``), and those that found its rows all held and
   went step by step instead.
+- ``vllm_steer_capture_plans_in_forward_total`` counter: eager steps (prefills above the CUDA graph sizes) whose
+  capture plan was made by their forward's first capturing op (``runtime.capture.CaptureRuntime.defer_step``); it
+  stops growing when a worker went back to planning before the forward (its log says why).
 - ``vllm_steer_capture_write_errors_total``, ``..._capture_dropped_writes_total``, ``..._capture_failed_requests_total``
   counters: consumers' own counts (their ``stats()``; the filesystem consumer's): writes that failed (disk
   full), row packets dropped because the writer queue was full, requests marked failed; summed over workers.
@@ -131,6 +134,8 @@ ENGINE_COUNTERS = {
                                         "Requests whose capture was reduced on the device (steer.capture_reduce_rows)"),
     "capture_reduce_fallbacks": Counter("vllm_steer_capture_reduce_fallbacks",
                                         "Requests sent rows step by step because the device-reduce rows were all held"),
+    "capture_plans_in_forward": Counter("vllm_steer_capture_plans_in_forward",
+                                        "Eager steps whose capture plan was made inside their forward"),
     "capture_result_push_failed": Counter("vllm_steer_capture_result_push_failed",
                                           "Driver capture results a worker could not send to the submitting process"),
     "preemptions": Counter("vllm_steer_preemptions", "Requests the scheduler preempted (steered ones keep their rows)"),
