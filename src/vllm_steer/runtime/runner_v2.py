@@ -6,7 +6,9 @@ ModelState for a subclass that feeds the runtime from ``add_request`` / ``remove
 ``prepare_inputs``. A request's rows go into the per-slot device table (``SlotRows``, by vLLM's
 request slot) when it arrives; each steered step builds the token -> row index on the device from
 vLLM's ``idx_mapping``, ``query_start_loc`` and ``positions`` (``step_index``): no host work per
-step that grows with the batch. The patched targets and why are listed in ``vllm_steer.patches``.
+step that grows with the batch. A capturing step's plan is left to its forward when no CUDA graph replays it
+(``graph_max_tokens``: the batch is above the largest captured size; ``runtime.capture.CaptureRuntime.defer_step``).
+The patched targets and why are listed in ``vllm_steer.patches``.
 """
 
 from __future__ import annotations
