@@ -75,6 +75,7 @@
 #              then `SERVERS=stock,stock_nofuse,steer stop`
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; KERNEL_TESTS= (empty) makes `kernels` the bench alone;
 # PORT_BASE moves a second suite's ports (a suite beside another also needs its own TMPDIR: bench/gpu_lanes.sh);
+# SHAPE (default 8b) the model shape of ab-start / ab / graph / host (1b: issue 41's engine-side numbers);
 # TP sets every A/B server's --tensor-parallel-size, QUANT its
 # --quantization (fp8: issue 43's FP8 cost; fp8_block: a block-FP8 checkpoint's config, whose linears quantize in the
 # graph only off FlashInfer's sm90 GEMM: with VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0 (DeepGEMM) or also
@@ -93,7 +94,7 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache  # FlashInfer's JIT cache, one fo
 mkdir -p "${OUT:=/tmp/out}"
 case "${1:-}" in arfuse-*) TP=${TP:-2} ;; esac  # before AB: every arfuse server is TP=2 unless TP says otherwise
 PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
-AB=(python3 bench/ab_suite.py --shape 8b --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"}
+AB=(python3 bench/ab_suite.py --shape "${SHAPE:-8b}" --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"}
     ${PORT_BASE:+--port-base "$PORT_BASE"})
 KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
