@@ -67,7 +67,8 @@ PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
                 "steer_proj": 18, "transcoder": 19, "sae_topk": 20, "steer_late": 21, "steer_proj_late": 22,
-                "steer_fp8u": 24, "stock_nofuse": 25, "steer_arnorm": 26, "steer_capture_fs_pre": 27, "steer_capture_fs_nogate": 28}
+                "steer_fp8u": 24, "stock_nofuse": 25, "steer_arnorm": 26, "steer_capture_fs_pre": 27,
+                "steer_capture_fs_nogate": 28}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 # steer_capture_fs as before s37: every capture plan made before the forward (VLLM_STEER_CAPTURE_IN_FORWARD=0), the
 # capture threads never held (VLLM_STEER_CAPTURE_GATE=0); _nogate: only the threads never held (the A/B of each)
