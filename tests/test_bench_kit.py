@@ -421,6 +421,29 @@ def test_the_host_profile_splits_py_spy_samples_per_step_by_thread_and_owner():
                                    ("plan (vllm_steer/runtime/capture.py)", 4)]
 
 
+def test_the_host_profile_registers_the_modules_a_named_arm_asks_for_before_its_load(ctx, monkeypatch, tmp_path):
+    """The host phase profiles ``site_named16``'s load with its 16 modules registered first (as the ab phase does;
+    s37's CPU dry run found its requests all refused without them: 0 steps)."""
+    from abkit import host_profile, runner
+
+    calls = []
+    monkeypatch.setattr(runner, "http_json", lambda method, url, body, timeout: calls.append(("module", body["name"]))
+                        or (201, {}))
+    monkeypatch.setattr(host_profile, "run_load", lambda server, bodies, conc: calls.append(("load", len(bodies)))
+                        or ([], 1.0))
+    monkeypatch.setattr(host_profile, "processes", lambda pid: {})
+    monkeypatch.setattr(host_profile, "steps_of", lambda base: 0.0)
+    monkeypatch.setattr(host_profile, "summarize_trial", lambda res, wall, long: {})
+    server = type("S", (), {"name": "steer", "base": "http://x", "pid": 1})()
+    pool = type("P", (), {"get": lambda self, name: server})()
+    args = type("A", (), {"requests": 4, "concurrency": 2, "max_tokens": 3, "host_duration": 1, "host_rate": 10,
+                          "host_gil": False})()
+    ctx = {**ctx, "prompt_len": 8, "modules_done": set()}
+    host_profile._profile(pool, "site_named16", "py-spy", args, ctx, tmp_path)
+    assert [c for c in calls if c[0] == "module"] == [("module", f"ab_site_{i}") for i in range(16)]
+    assert calls[16:] == [("load", 2), ("load", 4)]  # both loads after the registrations
+
+
 def test_the_projection_arm_ablates_one_unit_direction_per_request_at_every_post_mlp(ctx):
     """``project_n16``: 16 distinct configs, each one random unit direction (packed float32) ablated at post_mlp of
     every layer, which the front end accepts on a server with ``max_projections`` 1 (its server's block)."""

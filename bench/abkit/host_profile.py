@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from .arms import ARMS, arm_fields, build_bodies, make_prompts, seed_of
-from .runner import run_load, summarize_trial
+from .runner import ensure_modules, run_load, summarize_trial
 from .servers import log
 
 STEPS = "vllm:iteration_tokens_total_count"
@@ -129,6 +129,7 @@ def _profile(pool, arm_name: str, spy: str, args, ctx: dict, rawdir: Path) -> di
         return build_bodies(make_prompts(k, prompt_len, ctx["shape"]["vocab"], seed_of("host", arm_name, tag)),
                             arm_fields(arm, k, seed_of("host", arm_name, tag, "v"), ctx), tokens)
 
+    ensure_modules(server, arm, ctx)  # the modules a site_named / named arm's requests name (as the ab phase does)
     run_load(server, bodies(min(n, conc), min(mt, 8), "warm"), conc)
     procs = processes(server.pid)
     spies = {}
