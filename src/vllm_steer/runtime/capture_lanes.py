@@ -257,7 +257,9 @@ class CaptureHost:
             if msg is None:  # closing: what was queued before went out
                 self._cmd.close()
                 return
-            # a step's finish notices come as one item; each goes to the host as its own message
+            # a step's finish notices come as one item; each goes to the host as its own message, all of them once the
+            # gate opened for the item (one wait an item: a step's wave of ends is not spread over later steps)
+            gated = False
             for notice in (msg[1] if msg[0] == "finish" else (None,)):
                 if self.dead:
                     break
@@ -265,7 +267,9 @@ class CaptureHost:
                     if event is not None:
                         event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
                         event = None
-                    self._open.wait(GATE_S)
+                    if not gated:
+                        self._open.wait(GATE_S)
+                        gated = True
                     self._cmd.send(msg if notice is None else self._finish_message(*notice))
                 except (OSError, ValueError) as exc:
                     self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")
