@@ -361,7 +361,8 @@ def main() -> None:
                     if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
                         (rt.defer_step if in_forward else rt.plan_step)(ids, scheduled, computed)
                     mark("plan_step")
-                rows[col].setdefault("before the forward", []).append((marks[-1][1] - wall0) * 1e3) if timed else None
+                if timed:
+                    rows[col].setdefault("before the forward", []).append((marks[-1][1] - wall0) * 1e3)
                 _OP_COL[0] = None
                 _python_work(loop_n)
                 mark("vllm host work")

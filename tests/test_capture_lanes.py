@@ -146,6 +146,27 @@ def test_the_threads_hold_their_work_while_a_step_is_prepared_and_launched(make_
     assert _collect(rt, ["b"], timeout=10)["b"]["quick"]["seen"] == "b"
 
 
+def test_an_answer_that_fails_is_logged_and_the_reader_goes_on(make_rt, monkeypatch):
+    """A host answer whose handling raises is logged (naming its kind); the reader thread handles the next ones."""
+    rt = make_rt(["quick"])
+    host, real, failed = rt._host, rt._host._answer, []
+
+    def answer(msg):
+        if msg[0] == "done" and not failed:
+            failed.append(msg)
+            raise RuntimeError("boom")
+        return real(msg)
+
+    monkeypatch.setattr(host, "_answer", answer)
+    logged = []
+    monkeypatch.setattr(capture_lanes.logger, "exception", lambda fmt, *a: logged.append(fmt % a))
+    rt.add_request("a", {"quick": SPEC}, prompt_len=2)
+    _step(rt, {"a": (0, 2)}, lambda r: 1.0 + r)
+    rt.finish_request("a")
+    assert _collect(rt, ["a"])["a"]["quick"] == {"seen": "a", "rows": 0}
+    assert failed and logged == ["vllm-steer: capture host answer 'done' failed"]
+
+
 def test_the_filesystem_consumer_takes_whole_steps_and_writes_what_on_rows_would_get(make_rt, monkeypatch, tmp_path):
     """The filesystem consumer gets each step in one call (``on_packet``, its cells masked out of a packet it
     shares with another consumer) and regroups rows of many steps per file: each file holds exactly the

@@ -330,6 +330,14 @@ def test_an_eager_steps_plan_is_made_by_its_first_capturing_op(monkeypatch):
     rt.add_later("w", {"a": spec}, prompt_len=2)
     SteeringRuntime.plan_capture(host, ["w"], np.array([2]), np.array([0]), True)
     assert live.deferred is None and (rt.buffers.plan.numpy() >= 0).sum() == 4  # before the forward from now on
+    rt.after_forward()
+    rt.in_forward = True  # a forward that raised before its first capturing op: its deferred plan is dropped by the
+    SteeringRuntime.plan_capture(host, ["w"], np.array([1]), np.array([2]), True)  # next step's, never made after it
+    SteeringRuntime.plan_capture(host, ["w"], np.array([1]), np.array([2]), False)
+    recomputed = rt.stats["recomputed_positions"]
+    rt.after_forward()
+    assert live.deferred is None and rt.stats["recomputed_positions"] == recomputed
+    assert rt._requests["w"].planned_upto == 3
     from prometheus_client import REGISTRY
 
     from vllm_steer.engine.metrics_rpc import worker_values

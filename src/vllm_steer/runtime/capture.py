@@ -295,7 +295,7 @@ class CaptureRuntime:
         self._unioned[id(cols)] = cols
         if (cols & ~self._union).any():
             self._union |= cols
-            live.wanted = frozenset(self._row_ptr[k] for k in np.flatnonzero(self._union).tolist())
+            self._publish_wanted()
 
     def _reset_union(self) -> None:
         """The device plan is all -1 again: the union holds only the queued requests' sites."""
@@ -303,6 +303,9 @@ class CaptureRuntime:
         self._unioned.clear()
         for _, got, *_ in self._adds:
             self._want(got[1].cols)
+        self._publish_wanted()
+
+    def _publish_wanted(self) -> None:
         live.wanted = frozenset(self._row_ptr[k] for k in np.flatnonzero(self._union).tolist())
 
     def add_request(self, request_id: str, capture: dict | None, prompt_len: int, meta: dict | None = None,
@@ -561,7 +564,6 @@ class CaptureRuntime:
         """An eager step (no CUDA graph replays its forward): ``plan_step`` is left to the forward's first capturing
         op (``live.ready``), or to ``after_forward`` when no op captures on this rank."""
         if not self.in_forward:
-            live.deferred = None
             self.plan_step(req_ids, num_scheduled, num_computed)
             return
         self._deferred = (req_ids, np.array(num_scheduled), np.array(num_computed))
@@ -575,7 +577,9 @@ class CaptureRuntime:
 
     def plan_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
         """This step's pool rows and the device plan (``runtime.capture_plan``), on the stream its forward runs on,
-        before the first capturing op: before the forward, or inside it (``defer_step``)."""
+        before the first capturing op: before the forward, or inside it (``defer_step``). A deferred plan still pending
+        (its forward raised before any capturing op ran) is dropped: this step's plan replaces it."""
+        self._deferred = live.deferred = None
         if self._adds:
             self._register()
         planner = self._planner

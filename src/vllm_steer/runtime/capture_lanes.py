@@ -294,10 +294,12 @@ class CaptureHost:
                 self._died("it exited")
                 return
             self._open.wait(GATE_S)
+            msg = None
             try:
-                self._answer(pickle.loads(data))
+                msg = pickle.loads(data)
+                self._answer(msg)
             except Exception:
-                logger.exception("vllm-steer: capture host answer %r failed", msg[0])
+                logger.exception("vllm-steer: capture host answer %r failed", msg[0] if msg else data[:40])
 
     def _answer(self, msg: tuple) -> None:
         kind = msg[0]

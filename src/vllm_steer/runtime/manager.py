@@ -216,7 +216,6 @@ class SteeringRuntime:
             if eager and PLAN_IN_FORWARD:
                 capture.defer_step(req_ids, num_scheduled, num_computed)
             else:
-                live.deferred = None
                 capture.plan_step(req_ids, num_scheduled, num_computed)
         else:
             live.capture_live, live.deferred = False, None
