@@ -349,6 +349,21 @@ def test_an_eager_steps_plan_is_made_by_its_first_capturing_op(monkeypatch):
     assert REGISTRY.get_sample_value("vllm_steer_capture_plans_in_forward_total") == before + 1
 
 
+def test_the_wanted_sites_cache_stays_bounded_while_the_union_holds_every_field(monkeypatch):
+    """A server that never idles sees new capture fields without end: the record of fields already in the union keeps
+    at most ``COMPILED_MAX`` (as the compiled fields do), and the union still holds every site asked for."""
+    from vllm_steer.kernels.capture_rows import live
+
+    sites = [("post_mlp", l) for l in range(NUM_LAYERS)]
+    rt = _runtime(monkeypatch, sites, 64, 16)
+    for k in range(3 * capture_mod.COMPILED_MAX):  # each a new field (its positions), the last ones at layer 3
+        layer = 3 if k >= 2 * capture_mod.COMPILED_MAX else k % 3
+        rt.add_later(f"r{k}", {"a": {"layers": [layer], "hooks": ["post_mlp"], "positions": [k]}}, prompt_len=4)
+        assert len(rt._unioned) <= capture_mod.COMPILED_MAX
+    rows = rt.buffers.plan
+    assert live.wanted == {rows[rt.buffers.site_index[s]].data_ptr() for s in sites}
+
+
 def test_the_v2_runner_defers_only_batches_no_cuda_graph_replays():
     """``graph_max_tokens``: vLLM replays graphs only for captured sizes (at most ``max_cudagraph_capture_size``), so a
     batch above it runs eagerly; with graphs off (``enforce_eager``: mode NONE) every batch does."""

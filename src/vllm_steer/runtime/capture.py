@@ -289,9 +289,12 @@ class CaptureRuntime:
 
     def _want(self, cols: np.ndarray) -> None:
         """Sites a request may capture at: into the union, and their plan rows into ``live.wanted`` (once per compiled
-        field: requests sharing one share its ``cols``, kept here so its id stays its own until the reset)."""
+        field: requests sharing one share its ``cols``, kept here so its id stays its own until the reset; at most
+        ``COMPILED_MAX`` kept, as ``_compile`` keeps: a server that never idles sees new fields without bound)."""
         if id(cols) in self._unioned:
             return
+        if len(self._unioned) >= COMPILED_MAX:
+            self._unioned.clear()  # a cache of what the union holds: the union itself stays
         self._unioned[id(cols)] = cols
         if (cols & ~self._union).any():
             self._union |= cols
