@@ -7,7 +7,12 @@ inside one step's GPU span, the launch lag of the kernel after it (its launch ca
 the GPU waited for the host to launch it) and the launching thread's calls just before that launch (what the host
 did instead: a sync, an H2D copy, or nothing for a while: Python or the GIL).
 
-    python3 bench/trace_gaps.py TRACE.json[.gz] [--top 20] [--calls 4]
+``--steps``: each step boundary instead, from the runner's thread: how long its wait for the step's output
+(``cudaEventSynchronize`` over 0.5 ms) outlasted the step's last kernel (the output's D2H copy queued behind another
+D2H: s38's capture copy), the time from that wait's end to the next step's ``execute_context`` (the host's work
+between steps), and the large D2H copies (over 200 µs) running in the 20 ms before the wait ended.
+
+    python3 bench/trace_gaps.py TRACE.json[.gz] [--top 20] [--calls 4] [--steps]
 """
 
 from __future__ import annotations
@@ -33,15 +38,51 @@ def gaps(events: list, top: int, calls_before: int) -> list[dict]:
     return sorted(records, key=lambda r: -r["gap_us"])[:top]
 
 
+def step_bounds(events: list) -> list[dict]:
+    """Per step boundary (see ``--steps``): ``waited_past_gpu_us``, ``host_between_us``, ``d2h_copies_us``, ``next``."""
+    ev = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    kern_ends = sorted(e["ts"] + e["dur"] for e in ev if e.get("cat") == "kernel")
+    steps = sorted((e for e in ev if e.get("cat") == "user_annotation" and e["name"].startswith("execute_context")),
+                   key=lambda e: e["ts"])
+    if not steps or not kern_ends:
+        return []
+    runner = steps[0]["tid"]
+    waits = sorted((e for e in ev if e.get("tid") == runner and e["name"] == "cudaEventSynchronize" and e["dur"] > 500),
+                   key=lambda e: e["ts"])
+    d2h = [e for e in ev if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"] and e["dur"] > 200]
+    out = []
+    for w in waits:
+        end = w["ts"] + w["dur"]
+        nxt = next((s for s in steps if s["ts"] > end), None)
+        last = [t for t in kern_ends if t <= end]
+        if nxt is None or not last:
+            continue
+        out.append({"waited_past_gpu_us": round(end - last[-1], 1), "host_between_us": round(nxt["ts"] - end, 1),
+                    "d2h_copies_us": round(sum(c["dur"] for c in d2h if c["ts"] < end and c["ts"] + c["dur"] > end - 20000), 1),
+                    "next": nxt["name"]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace", type=Path)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--calls", type=int, default=4, help="the launching thread's calls listed before each launch")
+    ap.add_argument("--steps", action="store_true", help="each step boundary instead of the longest gaps")
     args = ap.parse_args()
     opener = gzip.open if args.trace.suffix == ".gz" else open
     with opener(args.trace, "rt") as f:
         events = json.load(f).get("traceEvents", [])
+    if args.steps:
+        rows = step_bounds(events)
+        for r in rows:
+            print(f"waited past the GPU {r['waited_past_gpu_us']:>8} µs  host between steps {r['host_between_us']:>8} µs"
+                  f"  D2H copies {r['d2h_copies_us']:>8} µs  next {r['next']}")
+        if rows:
+            med = sorted(r["waited_past_gpu_us"] for r in rows)[len(rows) // 2]
+            hb = sorted(r["host_between_us"] for r in rows)[len(rows) // 2]
+            print(f"median: waited past the GPU {med} µs, host between steps {hb} µs ({len(rows)} boundaries)")
+        return
     for r in gaps(events, args.top, args.calls):
         host = ""
         if "launch_lag_us" in r:

@@ -761,3 +761,21 @@ def test_the_arfuse_check_refuses_to_run_unless_multicast_is_ruled_out():
                               text=True, timeout=60)
         assert proc.returncode == 8, (key, bad, proc.stdout, proc.stderr[-1000:])
         assert proc.stdout.startswith("refusing: multicast not ruled out") and f"{key}={bad!r}" in proc.stdout
+
+
+def test_trace_gaps_steps_says_how_long_the_output_wait_outlasted_the_gpu_and_the_host_between_steps():
+    """``bench/trace_gaps.py --steps``: per step boundary, the runner's output wait past the step's last kernel (its
+    copy queued behind a large D2H), the host's time from that wait to the next step, the large D2H copies then."""
+    import trace_gaps  # bench/ is on sys.path here
+
+    def x(name, cat, ts, dur, tid=5):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    step = "execute_context_16(8192)_generation_0(0)"
+    events = [x(step, "user_annotation", 0, 50), x("gemm", "kernel", 100, 1000, tid=7),
+              x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 1100, 4000, tid=25),  # a capture copy, 4 ms
+              x("cudaEventSynchronize", "cuda_runtime", 60, 5040),  # ends at 5100: 4000 µs past the gemm's end
+              x("cudaEventSynchronize", "cuda_runtime", 70, 100, tid=9),  # another thread's, and short: not a step's
+              x(step, "user_annotation", 7100, 50), x("gemm", "kernel", 7200, 100, tid=7)]
+    assert trace_gaps.step_bounds(events) == [{"waited_past_gpu_us": 4000.0, "host_between_us": 2000.0,
+                                               "d2h_copies_us": 4000.0, "next": step}]

@@ -114,36 +114,35 @@ def test_rows_reach_a_consumer_process_exactly_bf16_included(make_rt):
         assert out["a"]["summing"]["dropped"] == {} and rt.stats["rows"] == 10
 
 
-def test_the_threads_hold_their_work_while_a_step_is_prepared_and_launched(make_rt, monkeypatch):
-    """``CaptureHost.hold``: the notifier and the reader do no Python work for the consumers (no rows packet or finish
-    sent, no answer read, no result pushed) until ``release`` (the GPU's step thread holds them from a step's start to
-    its forward's launch); a hold nobody releases lasts ``GATE_S``."""
+def test_on_a_gpu_the_notifier_sends_a_steps_packets_once_the_next_step_is_launched(make_rt, monkeypatch):
+    """``CaptureHost.launched``: on a GPU a step's rows packet and finish notices go to the consumers' process (no
+    rows answered, no result pushed) only once the next step's forward is launched (their copies end with the step's
+    GPU work, when the next step's host work holds up the GPU); with no next step, after ``GATE_S``. On a CPU (its
+    forward runs inside the step) and with ``VLLM_STEER_CAPTURE_GATE=0``: at once."""
     monkeypatch.setattr(capture_lanes, "GATE_S", 30.0)
     rt = make_rt(["quick"])
     host = rt._host
-    rt.add_request("x", {"quick": SPEC}, prompt_len=2)
-    assert rt.hold_threads() is False  # a CPU's forward runs inside its step: never held there
-    rt._copy_stream = object()  # a GPU's: held while a capturing step is prepared
-    assert rt.hold_threads() is True and not host._open.is_set()
-    rt.release_threads()
-    assert host._open.is_set()
-    rt._copy_stream = None
-    rt.finish_request("x")
-    host.hold()
+    assert host._tag() == 0  # a CPU's: never waits
+    host._gated = True  # as on a GPU
     rt.add_request("a", {"quick": SPEC}, prompt_len=2)
     _step(rt, {"a": (0, 2)}, lambda r: 1.0 + r)
     rt.finish_request("a")
     time.sleep(0.5)
     assert host._refs and not rt._pusher.of("a")  # the rows packet unanswered, no result
-    host.release()
+    rt.launched()
     assert _collect(rt, ["a"])["a"]["quick"] == {"seen": "a", "rows": 0}
     _wait(lambda: not host._refs, "the rows packet was never answered")
     monkeypatch.setattr(capture_lanes, "GATE_S", 0.2)
-    host.hold()  # never released: the threads go on after GATE_S
     rt.add_request("b", {"quick": SPEC}, prompt_len=2)
     _step(rt, {"b": (0, 2)}, lambda r: 1.0 + r)
-    rt.finish_request("b")
+    rt.finish_request("b")  # no step launched after it: sent after GATE_S
     assert _collect(rt, ["b"], timeout=10)["b"]["quick"]["seen"] == "b"
+    host._gated = False  # VLLM_STEER_CAPTURE_GATE=0
+    monkeypatch.setattr(capture_lanes, "GATE_S", 30.0)
+    rt.add_request("c", {"quick": SPEC}, prompt_len=2)
+    _step(rt, {"c": (0, 2)}, lambda r: 1.0 + r)
+    rt.finish_request("c")
+    assert _collect(rt, ["c"], timeout=10)["c"]["quick"]["seen"] == "c"
 
 
 def test_an_answer_that_fails_is_logged_and_the_reader_goes_on(make_rt, monkeypatch):

@@ -29,8 +29,9 @@ of an eager step (a prefill above the graph sizes, CPU), by its first op at a si
 (``defer_step``, ``kernels.capture_rows.live``: ``wanted`` holds those sites' plan rows), so the host work runs while
 the GPU computes the layers before that site: before the forward's launch, or in its first layers, the GPU idles for
 it (the prefill arms' gap, s36-s37). The runners' requests are registered at the step's plan too (``add_later``
-queues them), so an eager step's capture work is inside its forward. On a GPU the consumer threads hold their work
-while a capturing step is prepared and launched (``hold_threads``).
+queues them), so an eager step's capture work is inside its forward. A step's rows are handed on after the runner's
+sampler (their D2H copy queued behind its output copy: ``runtime.manager.with_after_sample``), and on a GPU the
+notifier sends them once the next step is launched (``launched``, ``runtime.capture_lanes``).
 
 Each position of a request is planned once: a preempted request recomputes its prompt and
 generated tokens from position 0 (or from its cached prefix) when it resumes, and positions below
@@ -81,7 +82,7 @@ from vllm_steer.runtime.result_push import ResultPusher
 from vllm_steer.runtime.streams import current_stream
 
 logger = logging.getLogger("vllm.steer.capture")
-# the consumer threads wait while a capturing step is prepared and launched (``hold_threads``); "0": they never do
+# on a GPU the notifier does a step's Python work once the next step is launched (``capture_lanes``); "0": at once
 GATE = os.environ.get("VLLM_STEER_CAPTURE_GATE", "1") != "0"
 
 
@@ -210,7 +211,7 @@ class CaptureRuntime:
             hosted.append((bit, c.instance_name, cls, dict(c.params)))
         # the consumers run in their own process, fed through a shared-memory ring (runtime.capture_lanes)
         self._host = CaptureHost(self, hosted, RING_STEPS * cfg.capture_max_rows, hidden, dtype, device,
-                                 MAX_QUEUED_ROW_PACKETS, MAX_QUEUED_FINISHES) if hosted else None
+                                 MAX_QUEUED_ROW_PACKETS, MAX_QUEUED_FINISHES, gate=GATE) if hosted else None
         self._lanes: dict[int, Lane] = self._host.lanes if self._host else {}
         # bit -> class of the consumers hosted here that may reduce on the device
         self._reducers = {bit: cls for bit, (_, cls) in self.consumers.items() if bit in self._lanes
@@ -238,6 +239,7 @@ class CaptureRuntime:
         self._planner = CapturePlanner(sites, self.buffers.plan, self.buffers.max_rows, cfg.capture_max_rows,
                                        reduce_rows, max_pairs)
         self._pending: StepPlan | None = None  # this step's groups, handed off after the forward
+        self.sample_due = False  # the runner samples after this forward: hand off then (``manager.with_after_sample``)
         self._rows_used = 0
         self._results_lock = threading.Lock()
         self._finishing: dict[str, _Finishing] = {}  # key (external id or engine id) -> lanes still at it
@@ -548,19 +550,10 @@ class CaptureRuntime:
     def active(self) -> bool:
         return bool(self._requests) or bool(self._adds) or self._planner.dirty
 
-    def hold_threads(self) -> bool:
-        """A step begins: while some request captures, the consumer threads hold their Python work until
-        ``release_threads`` (after its forward's launch and hand-off; ``runtime.capture_lanes.GATE_S`` at most);
-        whether they were held. Not on a CPU, whose forward runs inside the step (the GPU's is only launched there);
-        ``VLLM_STEER_CAPTURE_GATE=0``: never."""
-        host = self._host
-        if host is None or not GATE or self._copy_stream is None or not (self._requests or self._adds):
-            return False
-        host.hold()
-        return True
-
-    def release_threads(self) -> None:
-        self._host.release()
+    def launched(self) -> None:
+        """The runner launched a step's forward: the notifier may go on with the earlier steps' packets."""
+        if self._host is not None:
+            self._host.launched()
 
     # ---- data plane: plan before the forward (or in an eager one), hand off after it ------
     def defer_step(self, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
@@ -612,7 +605,7 @@ class CaptureRuntime:
         if not self._requests and not planner.dirty and self._union.any():  # the plan is all -1 again
             self._reset_union()
 
-    def after_forward(self) -> None:
+    def after_forward(self, after: Any = None) -> None:
         """Hand the rows this step captured to the consumers' process (no device sync here), then end the
         requests whose capture this step completed: a prompt-only capture ends with its prefill, and one that
         wants generated tokens with the step that samples its ``max_tokens``-th token, not one or two engine
@@ -621,7 +614,10 @@ class CaptureRuntime:
         string) is ended by the engine as before. Nothing planned this step (no request captures): nothing to do.
         When that left no request capturing, the device plan is cleared now (after the forward, on its stream), so a
         next step without captures is idle (``active`` False: no ``plan_step``). A deferred plan no op made (no
-        capturing op on this rank) is made first."""
+        capturing op on this rank) is made first. ``after``: an event the copies wait for besides the forward (the
+        runner's own output copy: ``runtime.manager.with_after_sample``)."""
+        if after is not None and self._copy_stream is not None:
+            self._copy_stream.wait_event(after)
         if self._deferred is not None:
             live.deferred, args, self._deferred = None, self._deferred, None
             self.plan_step(*args)

@@ -16,10 +16,12 @@ Bounds (never waited for): each consumer has at most ``max_row_packets`` row pac
 ring is dropped for every consumer that wanted it and counted (``stats["ring_full"]`` and, per
 consumer, ``dropped_packets``), named in each request's ``meta["dropped"]``.
 
-Both threads hold their Python work (reading a finish's reduced rows, pickling, unpickling the host's answers, pushing
-results) while the step thread prepares and launches a forward (``hold`` / ``release``, at most ``GATE_S``): their
-wake-ups come with the last step's end, which is when the next step's host work stands between the GPU and its next
-kernels (s37's prefill profile: the GPU idles there, a blocked main thread's time is the GPU's).
+On a GPU the notifier holds its Python work for a step's packets and finishes (pickling, reading reduced rows,
+writing the pipe) until the next step's forward is launched (``launched``; at most ``GATE_S``): their copies end with
+the step's GPU work, which is when the next step's host work (the engine's update and schedule, the runner's input
+preparation) stands between the GPU and its next kernels: a thread taking the GIL there costs the GPU its time 1:1
+(s38's prefill profile: vLLM's per-request loop ran 4x slower beside them). The host's answers follow the notices,
+so the reader's work falls in the GPU's busy time too.
 
 If the host dies (a consumer crashed it, or it was killed), the worker logs it once, counts
 ``stats["consumer_host_deaths"]``, answers every request still waiting on its consumers with
@@ -48,7 +50,7 @@ from vllm_steer.runtime.streams import current_stream
 logger = logging.getLogger("vllm.steer.capture")
 
 RING_STEPS = 4  # the ring holds this many full device pools (steer.capture_max_rows rows each)
-GATE_S = 0.05  # the longest the threads hold their work for a step being prepared (a stuck step never stalls them)
+GATE_S = 0.01  # the longest the notifier waits for the next launch (an engine with no next step: its last results)
 HOST_START_S = 120.0  # the host must have built its consumers by then
 
 
@@ -126,7 +128,8 @@ class CaptureHost:
     """The consumers' process of one worker, fed through the ring and a pipe."""
 
     def __init__(self, rt: Any, consumers: list[tuple[int, str, type, dict]], ring_rows: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device, max_row_packets: int, max_finishes: int) -> None:
+                 dtype: torch.dtype, device: torch.device, max_row_packets: int, max_finishes: int,
+                 gate: bool = True) -> None:
         self.rt = rt
         self.lanes = {bit: Lane(bit, instance, getattr(cls, "location", None) == "driver", max_row_packets,
                                 max_finishes) for bit, instance, cls, _ in consumers}
@@ -134,8 +137,10 @@ class CaptureHost:
         self.consumer_stats: dict[int, dict[str, int]] = {}  # bit -> the consumer's own counters (host's last)
         self._closing = False
         self._lock = threading.Lock()
-        self._open = threading.Event()  # clear while the step thread prepares and launches a forward (``hold``)
-        self._open.set()
+        # forwards launched (``launched``): a notifier item queued after launch k waits for launch k + 1 (GPU only)
+        self._launches = 0
+        self._launch = threading.Condition()
+        self._gated = device.type == "cuda" and gate
         self._refs: dict[int, int] = {}  # packet id -> lanes not yet done with it
         self._next_id = 0
         self.ring = RowRing(ring_rows)
@@ -177,13 +182,20 @@ class CaptureHost:
         threading.Thread(target=self._reader, name="vllm-steer-capture-results", daemon=True).start()
 
     # ---- the step thread ---------------------------------------------------------------------
-    def hold(self) -> None:
-        """A step is being prepared: the threads hold their Python work until ``release`` (or ``GATE_S``)."""
-        self._open.clear()
+    def launched(self) -> None:
+        """A step's forward is launched (the GPU has its work queued): the notifier goes on with what the steps before
+        it queued."""
+        with self._launch:
+            self._launches += 1
+            self._launch.notify_all()
 
-    def release(self) -> None:
-        """The step's forward is launched (the GPU has its work queued): the threads go on."""
-        self._open.set()
+    def _tag(self) -> int:
+        """A notifier item's launch to wait for: the next one (0: none, on a CPU or with the gate off)."""
+        return self._launches + 1 if self._gated else 0
+
+    def _after_launch(self, tag: int) -> None:
+        with self._launch:
+            self._launch.wait_for(lambda: self._launches >= tag, GATE_S)
 
     def send_rows(self, rows: torch.Tensor, groups: tuple, lanes: list[Lane], copy_stream: Any) -> Any:
         """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken); ``groups``:
@@ -199,7 +211,7 @@ class CaptureHost:
         event = _copy_into(self.rows[start : start + n], rows, copy_stream)
         with self._lock:
             self._refs[packet_id] = len(lanes)
-        self._notify.put((event, ("rows", packet_id, start, n, groups, [lane.bit for lane in lanes])))
+        self._notify.put((event, self._tag(), ("rows", packet_id, start, n, groups, [lane.bit for lane in lanes])))
         return event if event is not None else True
 
     def finish(self, notices: list[tuple], event: Any = None) -> None:
@@ -223,7 +235,8 @@ class CaptureHost:
             if reduced is not None and reduced[0] != "lost":
                 reduced[0].hold()
                 staged = True
-        self._notify.put((event if staged else None, ("finish", [(lane.bit, *rest) for lane, *rest in notices])))
+        self._notify.put((event if staged else None, self._tag(),
+                          ("finish", [(lane.bit, *rest) for lane, *rest in notices])))
 
     def stage_reduced(self, rows: torch.Tensor, copy_stream: Any) -> tuple[Any, "_Reduced"] | None:
         """Copy finished requests' float32 reduced rows ``[n, D]`` into the ring (a model-dtype ring holds a float32
@@ -253,13 +266,12 @@ class CaptureHost:
     # ---- threads -----------------------------------------------------------------------------
     def _notifier(self) -> None:
         while True:
-            event, msg = self._notify.get()
+            event, tag, msg = self._notify.get()
             if msg is None:  # closing: what was queued before went out
                 self._cmd.close()
                 return
             # a step's finish notices come as one item; each goes to the host as its own message, all of them once the
-            # gate opened for the item (one wait an item: a step's wave of ends is not spread over later steps)
-            gated = False
+            # next step is launched (one wait an item: a step's wave of ends is not spread over later steps)
             for notice in (msg[1] if msg[0] == "finish" else (None,)):
                 if self.dead:
                     break
@@ -267,9 +279,9 @@ class CaptureHost:
                     if event is not None:
                         event.synchronize()  # releases the GIL (and sleeps: a blocking-sync event) while the copy runs
                         event = None
-                    if not gated:
-                        self._open.wait(GATE_S)
-                        gated = True
+                    if tag:
+                        self._after_launch(tag)
+                        tag = 0
                     self._cmd.send(msg if notice is None else self._finish_message(*notice))
                 except (OSError, ValueError) as exc:
                     self._died(f"its command pipe failed ({type(exc).__name__}: {exc})")
@@ -293,7 +305,6 @@ class CaptureHost:
             except (EOFError, OSError):
                 self._died("it exited")
                 return
-            self._open.wait(GATE_S)
             msg = None
             try:
                 msg = pickle.loads(data)
@@ -362,7 +373,7 @@ class CaptureHost:
         """Close the command pipe (the host delivers what it has, closes its consumers, exits)."""
         self._closing = True
         if hasattr(self, "_notify"):
-            self._notify.put((None, None))  # the notifier closes the pipe after what is queued
+            self._notify.put((None, 0, None))  # the notifier closes the pipe after what is queued
         else:
             self._cmd.close()
         try:

@@ -338,23 +338,23 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
 
 
 def with_after_forward(execute_model: Callable) -> Callable:
-    """Wrap a runner's ``execute_model`` (V1 or V2): after the forward is enqueued, hand the
-    step's captured rows on and copy the gates ``stop_when`` reads (only runners whose runtime
-    captures or watches a request do anything here); while a capturing step is prepared and launched the capture
-    threads hold their work (``CaptureRuntime.hold_threads``)."""
+    """Wrap a runner's ``execute_model`` (V1 or V2): after the forward is enqueued, copy the gates ``stop_when`` reads
+    and hand the step's captured rows on (only runners whose runtime captures or watches a request do anything here).
+    When the runner samples in its own call (``execute_model`` returned None: ``sample_tokens`` follows) the hand-off
+    waits for it (``with_after_sample``); one still pending when the next step begins is made then."""
 
     def wrapper(self, *args, **kwargs):
         capture = getattr(self, "steer_capture", None)
-        if capture is None:
-            out = execute_model(self, *args, **kwargs)
-        else:
-            held = capture.hold_threads()  # the capture threads wait while this step is prepared and launched
-            try:
-                out = execute_model(self, *args, **kwargs)
+        if capture is not None and capture.sample_due:  # no sample_tokens came after the last step's forward
+            capture.sample_due = False
+            capture.after_forward()
+        out = execute_model(self, *args, **kwargs)
+        if capture is not None:
+            capture.launched()
+            if out is None and not getattr(self, "is_pooling_model", False):  # V2 pools without sample_tokens
+                capture.sample_due = True
+            else:
                 capture.after_forward()
-            finally:
-                if held:
-                    capture.release_threads()
         stops: StopWatch | None = getattr(self, "steer_stops", None)
         if stops is not None and stops.watched:
             stops.after_forward()
@@ -365,11 +365,19 @@ def with_after_forward(execute_model: Callable) -> Callable:
     return wrapper
 
 
-def with_stops(sample_tokens: Callable) -> Callable:
-    """Wrap a runner's ``sample_tokens`` (V1 or V2): the step's ``stop_when`` gates go with its output."""
+def with_after_sample(sample_tokens: Callable) -> Callable:
+    """Wrap a runner's ``sample_tokens`` (V1 or V2): the step's captured rows are handed on now, their D2H copy after
+    the runner's own output copy (its event: V2 ``copy_event``, V1 ``async_copy_ready_event``): one device-to-host
+    copy engine serves both in order, and a step's capture (hundreds of MB in a prefill) queued first held the sampled
+    tokens, so the host's next step, for its whole length (s38's prefill profile: ~4.9 ms a step). The step's
+    ``stop_when`` gates go with its output."""
 
     def wrapper(self, *args, **kwargs):
         out = sample_tokens(self, *args, **kwargs)
+        capture = getattr(self, "steer_capture", None)
+        if capture is not None and capture.sample_due:
+            capture.sample_due = False
+            capture.after_forward(getattr(out, "copy_event", None) or getattr(out, "async_copy_ready_event", None))
         stops: StopWatch | None = getattr(self, "steer_stops", None)
         if stops is not None and stops.pending is not None:
             stops.attach(out)

@@ -7,15 +7,15 @@ The V1 runner is vLLM 0.26's runner on CPU (V2 needs Triton on a GPU) and on GPU
 - ``_update_states``: release rows of finished requests, acquire rows of new ones. Preempted
   requests keep their rows (V1 keeps their state and resumes them as cached requests).
 - ``_prepare_inputs``: write the token -> row index (and the capture plan) in the batch's order.
-- ``execute_model``: after the forward is enqueued, hand captured rows to the dispatch thread and
-  copy the gates ``stop_when`` reads (``runtime.stop_watch``);
-- ``sample_tokens``: those gates go with the step's output.
+- ``execute_model``: after the forward is enqueued, copy the gates ``stop_when`` reads (``runtime.stop_watch``);
+- ``sample_tokens``: hand captured rows to the consumers' process (their copy after the runner's output copy), and
+  those gates go with the step's output.
 """
 
 from __future__ import annotations
 
 from vllm_steer.runtime import fp8_fusion
-from vllm_steer.runtime.manager import build_runtime, with_after_forward, with_stops
+from vllm_steer.runtime.manager import build_runtime, with_after_forward, with_after_sample
 
 
 def _patch_load_model(cls: type) -> None:
@@ -81,4 +81,4 @@ def patch_v1_runner() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = with_after_forward(GPUModelRunner.execute_model)
-    GPUModelRunner.sample_tokens = with_stops(GPUModelRunner.sample_tokens)
+    GPUModelRunner.sample_tokens = with_after_sample(GPUModelRunner.sample_tokens)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_steer.runtime import fp8_fusion
-from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward, with_stops
+from vllm_steer.runtime.manager import SteeringRuntime, build_runtime, with_after_forward, with_after_sample
 from vllm_steer.runtime.slot_rows import SlotRows
 
 _STEERED_STATE_CLASSES: dict[type, type] = {}
@@ -118,4 +118,4 @@ def patch_v2_runner() -> None:
 
     GPUModelRunner.finish_requests = finish_requests
     GPUModelRunner.execute_model = with_after_forward(orig_execute)
-    GPUModelRunner.sample_tokens = with_stops(GPUModelRunner.sample_tokens)
+    GPUModelRunner.sample_tokens = with_after_sample(GPUModelRunner.sample_tokens)
