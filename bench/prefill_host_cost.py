@@ -41,6 +41,8 @@ code), in this process (the consumers' process is this tree's for both). ``--dev
 on the GPU, the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread
 waits for. ``--profile FILE``: cProfile of the capture calls per column (their functions by own time, text);
 ``--op-times FILE``: each torch op they call timed on the host (wall) instead, per column (calls, ms a step).
+``--no-gate``: the notifier sends a step's packets at once, not after the next launch (on a GPU: "vllm host work
+wall" with and without it shows what the notifier's Python takes from the step's host work).
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
         --out FILE.json]
@@ -263,6 +265,8 @@ def main() -> None:
     ap.add_argument("--launch-us", type=float, help="CPU: a torch op of the main thread costs this, not its run")
     ap.add_argument("--in-forward", action="store_true", help="an eager step: requests queued (add_later) and the "
                     "plan made by the forward's first capturing op (defer_step), where the version has it")
+    ap.add_argument("--no-gate", action="store_true", help="the notifier sends at once instead of after the next "
+                    "launch (VLLM_STEER_CAPTURE_GATE=0; the gate acts on a GPU only)")
     ap.add_argument("--out")
     ap.add_argument("--profile", metavar="FILE", help="cProfile of the capture calls (not vLLM's stand-in work, not "
                                                        "the GPU wait) per column, top functions by own time, as text")
@@ -297,6 +301,9 @@ def main() -> None:
     versions = {"new": capture_mod}
     if args.baseline:
         versions = {"base": _load_baseline(args.baseline), **versions}
+    if args.no_gate:
+        for m in versions.values():
+            m.GATE = False
     if device.type == "cpu" and not args.cpu_copy:  # a GPU's copy is on the copy stream, not here
         for lanes in [capture_lanes] + [m._lanes for m in versions.values() if hasattr(m, "_lanes")]:
             lanes._copy_into = lambda dst, rows, stream, keep=False: None
@@ -368,6 +375,8 @@ def main() -> None:
                 mark("vllm host work")
                 if gpu_cycles:  # the forward: the GPU busy, the step's rows written after it
                     torch.cuda._sleep(gpu_cycles)
+                if hasattr(rt, "launched"):
+                    rt.launched()  # the runner's wrapper, the forward launched: the notifier's earlier items go
                 _OP_COL[0] = timed
                 with capture:
                     capture_live.ready()  # the forward's first capturing op (--in-forward: the deferred plan, GPU busy)
