@@ -69,6 +69,11 @@ def parse_args(argv=None):
     ap.add_argument("--wide", type=int, default=256, help="requests = concurrency = configs of the wide load")
     ap.add_argument("--std", type=float, default=0.05, help="std of the steering vectors' entries")
     ap.add_argument("--gpu-mem", type=float, default=0.24, help="gpu_memory_utilization per server")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="every server's KV cache in GiB (vLLM's --kv-cache-memory-bytes: no memory profiling, which "
+                         "another server starting beside it would disturb), and the servers of one ensure() started "
+                         "together: one of each config at once, a server whose config one of them has (its compile "
+                         "cache) once that one is ready")
     ap.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size of every server")
     ap.add_argument("--quantization", default=None,
                     help="--quantization of every server (e.g. fp8: the dummy weights quantized at load; issue 43's "

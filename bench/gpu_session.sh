@@ -76,6 +76,9 @@
 # TRIALS, ARMS, LONG_ARMS, REQUESTS override the defaults; KERNEL_TESTS= (empty) makes `kernels` the bench alone;
 # PORT_BASE moves a second suite's ports (a suite beside another also needs its own TMPDIR: bench/gpu_lanes.sh);
 # SHAPE (default 8b) the model shape of ab-start / ab / graph / host (1b: issue 41's engine-side numbers);
+# KV_GB (GiB, e.g. 6 at 8b): every server's KV cache fixed (--kv-cache-memory-bytes, no memory profiling) and ab-start's
+# servers started together (a config's second server once its first is ready: its compile cache); untried on a GPU
+# before s39: four 8b servers one by one took 380 s of a session's 1800;
 # TP sets every A/B server's --tensor-parallel-size, QUANT its
 # --quantization (fp8: issue 43's FP8 cost; fp8_block: a block-FP8 checkpoint's config, whose linears quantize in the
 # graph only off FlashInfer's sm90 GEMM: with VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0 (DeepGEMM) or also
@@ -95,7 +98,7 @@ mkdir -p "${OUT:=/tmp/out}"
 case "${1:-}" in arfuse-*) TP=${TP:-2} ;; esac  # before AB: every arfuse server is TP=2 unless TP says otherwise
 PT=(python3 -m pytest -q -p no:cacheprovider -rfE)
 AB=(python3 bench/ab_suite.py --shape "${SHAPE:-8b}" --gpu-mem "${GPU_MEM:-0.23}" --tp "${TP:-1}" ${QUANT:+--quantization "$QUANT"}
-    ${PORT_BASE:+--port-base "$PORT_BASE"})
+    ${PORT_BASE:+--port-base "$PORT_BASE"} ${KV_GB:+--kv-cache-gb "$KV_GB"})
 KEPT=("${AB[@]}" --phases ab --reuse-servers --keep-servers)
 FLAGS=()
 [ "${KEEP:-0}" = 1 ] && FLAGS+=(--keep-servers)

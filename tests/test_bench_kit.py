@@ -779,3 +779,48 @@ def test_trace_gaps_steps_says_how_long_the_output_wait_outlasted_the_gpu_and_th
               x(step, "user_annotation", 7100, 50), x("gemm", "kernel", 7200, 100, tid=7)]
     assert trace_gaps.step_bounds(events) == [{"waited_past_gpu_us": 4000.0, "host_between_us": 2000.0,
                                                "d2h_copies_us": 4000.0, "next": step}]
+
+
+def test_with_a_fixed_kv_cache_the_servers_start_together_and_a_config_twin_after_its_first(tmp_path, monkeypatch):
+    """``--kv-cache-gb``: every server gets vLLM's ``--kv-cache-memory-bytes`` (no memory profiling for a server
+    starting beside another to disturb) and ``Pool.ensure`` starts its servers together: a config's first at once,
+    its twins (same compile cache: steer_capture_fs_nogate, only its env differs) once that one is ready; a server that
+    fails does not stop the others, and its error is raised after them."""
+    from types import SimpleNamespace
+
+    from abkit import servers as servers_mod
+    from abkit.servers import Pool, Server, start_waves
+
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=True, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000, kv_cache_gb=6.0, start_timeout=5)
+    monkeypatch.setattr(servers_mod, "STATE_FILE", tmp_path / "state.json")
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))  # extract_hs reads its layers
+    pool = Pool(args, tmp_path, tmp_path)
+    cmd = Server("stock", 9000, args, tmp_path, tmp_path).command()
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(6 * 2**30)
+    names = ["stock", "steer_capture_fs", "steer_capture_fs_nogate", "extract_hs"]
+    assert start_waves(names, pool.config_key) == [["stock", "steer_capture_fs", "extract_hs"],
+                                                   ["steer_capture_fs_nogate"]]
+    log = []
+    monkeypatch.setattr(Server, "start", lambda s: log.append(("start", s.name)))
+    monkeypatch.setattr(Server, "stop", lambda s: log.append(("stop", s.name)))
+
+    def ready(s, timeout):
+        log.append(("ready", s.name))
+        if s.name == "steer_capture_fs":
+            raise RuntimeError("steer_capture_fs exited with 1")
+
+    monkeypatch.setattr(Server, "wait_ready", ready)
+    with pytest.raises(RuntimeError, match="steer_capture_fs exited"):
+        pool.ensure(names)
+    assert log == [("start", "stock"), ("start", "steer_capture_fs"), ("start", "extract_hs"),
+                   ("ready", "stock"), ("ready", "steer_capture_fs"), ("stop", "steer_capture_fs"),
+                   ("ready", "extract_hs"), ("start", "steer_capture_fs_nogate"), ("ready", "steer_capture_fs_nogate")]
+    assert sorted(pool.servers) == ["extract_hs", "steer_capture_fs_nogate", "stock"]
+    assert "steer_capture_fs" in pool.failed
+    args.kv_cache_gb = None  # the default: one after another
+    log.clear()
+    pool2 = Pool(args, tmp_path, tmp_path)
+    pool2.ensure(["stock", "extract_hs"])
+    assert log == [("start", "stock"), ("ready", "stock"), ("start", "extract_hs"), ("ready", "extract_hs")]

@@ -277,6 +277,21 @@ def transcoder_block(workdir: Path, model_dir: Path) -> dict:
     return {"steer": {"max_configs": 272, "sae": sae}}
 
 
+def start_waves(names: list[str], key) -> list[list[str]]:
+    """Servers started together: the first of each ``key`` (its config) in the first wave, each later one of a key in
+    the wave after its predecessor's (started once that one is ready: it reads the compile cache that one wrote
+    instead of writing the same files beside it)."""
+    waves: list[list[str]] = []
+    seen: dict[str, int] = {}
+    for name in names:
+        k = key(name)
+        i = seen[k] = seen[k] + 1 if k in seen else 0
+        while len(waves) <= i:
+            waves.append([])
+        waves[i].append(name)
+    return waves
+
+
 class Server:
     def __init__(self, name: str, port: int, args, model_dir: Path, workdir: Path):
         self.name, self.port, self.args, self.model_dir = name, port, args, model_dir
@@ -304,6 +319,8 @@ class Server:
         quant = getattr(a, "quantization", None)
         cmd += ["--quantization", "fp8" if quant == BLOCK_FP8 else quant] if quant else []
         cmd += ["--gpu-memory-utilization", str(a.gpu_mem)] if a.launcher != "cpu" else []
+        if getattr(a, "kv_cache_gb", None):
+            cmd += ["--kv-cache-memory-bytes", str(int(a.kv_cache_gb * 2**30))]
         cmd += ["--enforce-eager"] if a.enforce_eager else []
         if self.name in STEER_SERVERS:
             cmd += ["--additional-config", json.dumps(STEER_SERVERS[self.name])]
@@ -457,29 +474,74 @@ class Pool:
                            HOTWIRE_SLOTS=str(HOTWIRE_SLOTS))
 
     def ensure(self, names: list[str]) -> None:
-        for name in names:
-            if name in self.servers:
-                continue
-            if name in self.failed:
-                raise RuntimeError(f"server {name} failed earlier in this run: {self.failed[name][:1500]}")
-            s = self.pending.pop(name, None)
-            if s is None and (why := server_unavailable(name, self.args)):
-                raise RuntimeError(why)
-            try:
-                if s is None:
-                    s = Server(name, self.ports[name], self.args, self.model_dir, self.workdir)
-                    self.prepare(s)
-                    s.start()
-                self.servers[name] = s
-                self.save_state()  # a server still starting is adopted by the next --reuse-servers
-                s.wait_ready(self.args.start_timeout)
-            except Exception as e:
-                self.failed[name] = f"{type(e).__name__}: {e}"
-                self.servers.pop(name, None)
-                s.stop()
-                self.save_state()
-                raise
-            self.save_state()
+        """The servers ``names`` started (or adopted) and ready, one after another; with ``--kv-cache-gb`` together
+        (``start_waves``)."""
+        missing = [n for n in names if n not in self.servers]
+        if getattr(self.args, "kv_cache_gb", None) and len(missing) > 1:
+            errors = []  # one that fails does not stop the others: the first error is raised once all were waited for
+            for wave in start_waves(missing, self.config_key):
+                started = []
+                for name in wave:
+                    try:
+                        self._start(name)
+                        started.append(name)
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(e)
+                for name in started:
+                    try:
+                        self._ready(name)
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(e)
+            if errors:
+                raise errors[0]
+            return
+        for name in missing:
+            self._start(name)
+            self._ready(name)
+
+    def config_key(self, name: str) -> str:
+        """What decides a server's compile cache: its command without port and profiler folder, and its env's
+        ``VLLM_PLUGINS`` (two servers with one key compile the same graphs)."""
+        s = Server(name, 0, self.args, self.model_dir, self.workdir)
+        cmd = s.command()
+        for flag in ("--port", "--profiler-config"):
+            if flag in cmd:
+                i = cmd.index(flag)
+                del cmd[i : i + 2]
+        return json.dumps([cmd, s.env()["VLLM_PLUGINS"]])
+
+    def _start(self, name: str) -> None:
+        if name in self.failed:
+            raise RuntimeError(f"server {name} failed earlier in this run: {self.failed[name][:1500]}")
+        s = self.pending.pop(name, None)
+        if s is None and (why := server_unavailable(name, self.args)):
+            raise RuntimeError(why)
+        try:
+            if s is None:
+                s = Server(name, self.ports[name], self.args, self.model_dir, self.workdir)
+                self.prepare(s)
+                s.start()
+            self.servers[name] = s
+            self.save_state()  # a server still starting is adopted by the next --reuse-servers
+        except Exception as e:
+            self._failed(name, s, e)
+            raise
+
+    def _ready(self, name: str) -> None:
+        s = self.servers[name]
+        try:
+            s.wait_ready(self.args.start_timeout)
+        except Exception as e:
+            self._failed(name, s, e)
+            raise
+        self.save_state()
+
+    def _failed(self, name: str, s: "Server | None", e: Exception) -> None:
+        self.failed[name] = f"{type(e).__name__}: {e}"
+        self.servers.pop(name, None)
+        if s is not None:
+            s.stop()
+        self.save_state()
 
     def get(self, name: str) -> Server:
         self.ensure([name])
