@@ -161,6 +161,11 @@ case "${1:-}" in
     timeout -k 20 590 "${AB[@]}" --phases start --servers "${SERVERS:-stock,disabled,steer}" --reuse-servers --keep-servers \
       --tag start 2>&1 \
       | tail -12
+    # where each server's start went (the sessions' largest fixed cost: ~95 s an 8b server in s38)
+    for f in "${TMPDIR:-/tmp}"/vllm_steer_ab/logs/*.log; do
+      [ -e "$f" ] && grep -ho "Model loading took.*\|torch.compile took.*\|Initial profiling/warmup run took.*\|Graph capturing finished in.*\|init engine (profile.*" "$f" \
+        | sed "s|^|$(basename "$f" .log): |" | tail -6
+    done
     ;;
   ab)
     timeout -k 20 590 "${KEPT[@]}" --tag ab --trials "${TRIALS:-5}" --long-arms "${LONG_ARMS:-stock,per_request_n16}" \
