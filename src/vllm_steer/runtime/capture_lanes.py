@@ -140,6 +140,7 @@ class CaptureHost:
         # forwards launched (``launched``): a notifier item queued after launch k waits for launch k + 1 (GPU only)
         self._launches = 0
         self._launch = threading.Condition()
+        self._waiting = False  # the notifier waits for a launch (``_after_launch``)
         self._gated = device.type == "cuda" and gate
         self._refs: dict[int, int] = {}  # packet id -> lanes not yet done with it
         self._next_id = 0
@@ -184,10 +185,12 @@ class CaptureHost:
     # ---- the step thread ---------------------------------------------------------------------
     def launched(self) -> None:
         """A step's forward is launched (the GPU has its work queued): the notifier goes on with what the steps before
-        it queued."""
-        with self._launch:
-            self._launches += 1
-            self._launch.notify_all()
+        it queued. A step with no notifier waiting costs one add (the step thread alone writes the count; a notifier
+        about to wait reads it under the lock after saying so)."""
+        self._launches += 1
+        if self._waiting:
+            with self._launch:
+                self._launch.notify_all()
 
     def _tag(self) -> int:
         """A notifier item's launch to wait for: the next one (0: none, on a CPU or with the gate off)."""
@@ -195,7 +198,11 @@ class CaptureHost:
 
     def _after_launch(self, tag: int) -> None:
         with self._launch:
-            self._launch.wait_for(lambda: self._launches >= tag, GATE_S)
+            self._waiting = True
+            try:
+                self._launch.wait_for(lambda: self._launches >= tag, GATE_S)
+            finally:
+                self._waiting = False
 
     def send_rows(self, rows: torch.Tensor, groups: tuple, lanes: list[Lane], copy_stream: Any) -> Any:
         """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken); ``groups``:
