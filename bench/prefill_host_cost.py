@@ -41,7 +41,8 @@ code), in this process (the consumers' process is this tree's for both). ``--dev
 on the GPU, the ring copy on its copy stream as in the engine, the GPU time a ``torch.cuda._sleep`` the main thread
 waits for. ``--profile FILE``: cProfile of the capture calls per column (their functions by own time, text);
 ``--op-times FILE``: each torch op they call timed on the host (wall) instead, per column (calls, ms a step).
-``--no-gate``: the notifier sends a step's packets at once, not after the next launch (on a GPU: "vllm host work
+``--inbox``: driver results go to an inbox in another process (the API process's in a server; without it the bench's
+requests have no reply address and the reader pushes nothing). ``--no-gate``: the notifier sends a step's packets at once, not after the next launch (on a GPU: "vllm host work
 wall" with and without it shows what the notifier's Python takes from the step's host work).
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
@@ -208,6 +209,19 @@ def _load_baseline(folder: str):
     return mods["capture"]
 
 
+def _inbox():
+    """(an address, the process reading it): a PULL socket draining every result pushed to it, in a process of its own
+    (a served request's inbox is in the API process)."""
+    import subprocess
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='prefill_inbox_')}/inbox"
+    code = ("import sys, zmq; s = zmq.Context().socket(zmq.PULL); s.bind(sys.argv[1]); print('ready', flush=True)\n"
+            "while True: s.recv()")
+    proc = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return address, proc
+
+
 def _prefill_schedule(args):
     """Each step: 16 fresh requests of ``PROMPT`` tokens, one step each (the last step's end with it)."""
     last: list[int] = []
@@ -265,6 +279,8 @@ def main() -> None:
     ap.add_argument("--launch-us", type=float, help="CPU: a torch op of the main thread costs this, not its run")
     ap.add_argument("--in-forward", action="store_true", help="an eager step: requests queued (add_later) and the "
                     "plan made by the forward's first capturing op (defer_step), where the version has it")
+    ap.add_argument("--inbox", action="store_true", help="driver results pushed to an inbox in a process of its own "
+                    "(the API process's), as a served request's are: the reader's push work in the worker")
     ap.add_argument("--no-gate", action="store_true", help="the notifier sends at once instead of after the next "
                     "launch (VLLM_STEER_CAPTURE_GATE=0; the gate acts on a GPU only)")
     ap.add_argument("--out")
@@ -315,6 +331,7 @@ def main() -> None:
     rts = {f"{a}/{v}": (rts[v] if not decode else
                         versions[v].CaptureRuntime(cfg, sites, LAYERS, WIDTH, args.hidden, torch.bfloat16, device))
            for a in arms for v in versions}
+    reply, drainer = _inbox() if args.inbox else (None, None)
     loop_n = _calibrate(args.host_ms)
     me, main_tid = os.getpid(), threading.get_native_id()
     cols = [f"{a}/{v}" for a in arms for v in versions]
@@ -363,7 +380,7 @@ def main() -> None:
                         add = rt.add_later if in_forward else rt.add_request
                         for r, prompt, max_tokens in new:
                             rid = name_of(r)
-                            add(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": None}, max_tokens)
+                            add(rid, specs[arm], prompt, {"external_id": rid, "capture_reply": reply}, max_tokens)
                     mark(f"add x{len(new)}" if not decode else "add")
                     if rt.active:  # the runner's check (SteeringRuntime.plan_capture)
                         (rt.defer_step if in_forward else rt.plan_step)(ids, scheduled, computed)
@@ -416,6 +433,8 @@ def main() -> None:
                 rows[col].setdefault("consumers' process cpu", []).append((_cpu_of(host_pid) - host0) * 1e3)
     for rt in set(rts.values()):
         rt.close()
+    if drainer is not None:
+        drainer.kill()
     reduce = statistics.median if args.stat == "median" else statistics.fmean
     out = {c: {k: round(reduce(v), 4) for k, v in r.items()} for c, r in rows.items()}
     names = list(out[cols[0]].keys())
