@@ -78,7 +78,9 @@
 # SHAPE (default 8b) the model shape of ab-start / ab / graph / host (1b: issue 41's engine-side numbers);
 # KV_GB (GiB, e.g. 6 at 8b): every server's KV cache fixed (--kv-cache-memory-bytes, no memory profiling) and ab-start's
 # servers started together (a config's second server once its first is ready: its compile cache); untried on a GPU
-# before s39: four 8b servers one by one took 380 s of a session's 1800;
+# before s39: four 8b servers one by one took 397 s of a session's 1800. 8b: 128 KiB a token, so the prefill arms
+# (32 x 513 tokens) and c16 want >= 3, the c256 arms (256 x 384) >= 13; GPU_MEM x the GPU must still be free at each
+# server's start;
 # TP sets every A/B server's --tensor-parallel-size, QUANT its
 # --quantization (fp8: issue 43's FP8 cost; fp8_block: a block-FP8 checkpoint's config, whose linears quantize in the
 # graph only off FlashInfer's sm90 GEMM: with VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0 (DeepGEMM) or also
