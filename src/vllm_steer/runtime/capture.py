@@ -615,9 +615,8 @@ class CaptureRuntime:
         When that left no request capturing, the device plan is cleared now (after the forward, on its stream), so a
         next step without captures is idle (``active`` False: no ``plan_step``). A deferred plan no op made (no
         capturing op on this rank) is made first. ``after``: an event the copies wait for besides the forward (the
-        runner's own output copy: ``runtime.manager.with_after_sample``)."""
-        if after is not None and self._copy_stream is not None:
-            self._copy_stream.wait_event(after)
+        runner's own output copy: ``runtime.manager.with_after_sample``), only in a step that copies (an idle
+        capture server's step calls nothing on the device here)."""
         if self._deferred is not None:
             live.deferred, args, self._deferred = None, self._deferred, None
             self.plan_step(*args)
@@ -625,6 +624,8 @@ class CaptureRuntime:
                 self.in_forward = False
                 logger.warning("capture: no capturing op ran in an eager step's forward (a CUDA graph replayed it?): "
                                "its rows were not captured; capture plans are made before the forward from now on")
+        if after is not None and self._copy_stream is not None and (self._pending is not None or self._complete):
+            self._copy_stream.wait_event(after)  # the rows' and the finished requests' reduced rows' copies
         if self._pending is not None or self._red_step is not None:
             self._hand_off()
         if self._complete:
