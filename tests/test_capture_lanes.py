@@ -117,7 +117,8 @@ def test_rows_reach_a_consumer_process_exactly_bf16_included(make_rt):
 def test_on_a_gpu_the_notifier_sends_a_steps_packets_once_the_next_step_is_launched(make_rt, monkeypatch):
     """``CaptureHost.launched``: on a GPU a step's rows packet and finish notices go to the consumers' process (no
     rows answered, no result pushed) only once the next step's forward is launched (their copies end with the step's
-    GPU work, when the next step's host work holds up the GPU); with no next step, after ``GATE_S``. On a CPU (its
+    GPU work, when the next step's host work holds up the GPU), and the host's answers are handled (the packet freed,
+    the result pushed) once a step after their arrival is launched; with no next step, after ``GATE_S``. On a CPU (its
     forward runs inside the step) and with ``VLLM_STEER_CAPTURE_GATE=0``: at once."""
     monkeypatch.setattr(capture_lanes, "GATE_S", 30.0)
     rt = make_rt(["quick"])
@@ -129,6 +130,10 @@ def test_on_a_gpu_the_notifier_sends_a_steps_packets_once_the_next_step_is_launc
     rt.finish_request("a")
     time.sleep(0.5)
     assert host._refs and not rt._pusher.of("a")  # the rows packet unanswered, no result
+    rt.launched()
+    # the host answers at once; the reader handles its answers once the step after that is launched too
+    time.sleep(0.5)
+    assert host._refs and not rt._pusher.of("a") and host._waiting == 1
     rt.launched()
     assert _collect(rt, ["a"])["a"]["quick"] == {"seen": "a", "rows": 0}
     _wait(lambda: not host._refs, "the rows packet was never answered")

@@ -20,8 +20,9 @@ On a GPU the notifier holds its Python work for a step's packets and finishes (p
 writing the pipe) until the next step's forward is launched (``launched``; at most ``GATE_S``): their copies end with
 the step's GPU work, which is when the next step's host work (the engine's update and schedule, the runner's input
 preparation) stands between the GPU and its next kernels: a thread taking the GIL there costs the GPU its time 1:1
-(s38's prefill profile: vLLM's per-request loop ran 4x slower beside them). The host's answers follow the notices,
-so the reader's work falls in the GPU's busy time too.
+(s38's prefill profile: vLLM's per-request loop ran 4x slower beside them). The reader does the same with the host's
+answers (they come whenever the consumers are done, a filesystem consumer's after its writes): those that came
+before the next launch are handled together after it.
 
 If the host dies (a consumer crashed it, or it was killed), the worker logs it once, counts
 ``stats["consumer_host_deaths"]``, answers every request still waiting on its consumers with
@@ -140,7 +141,7 @@ class CaptureHost:
         # forwards launched (``launched``): a notifier item queued after launch k waits for launch k + 1 (GPU only)
         self._launches = 0
         self._launch = threading.Condition()
-        self._waiting = False  # the notifier waits for a launch (``_after_launch``)
+        self._waiting = 0  # threads waiting for a launch (``_after_launch``: the notifier, the reader)
         self._gated = device.type == "cuda" and gate
         self._refs: dict[int, int] = {}  # packet id -> lanes not yet done with it
         self._next_id = 0
@@ -185,7 +186,7 @@ class CaptureHost:
     # ---- the step thread ---------------------------------------------------------------------
     def launched(self) -> None:
         """A step's forward is launched (the GPU has its work queued): the notifier goes on with what the steps before
-        it queued. A step with no notifier waiting costs one add (the step thread alone writes the count; a notifier
+        it queued, the reader with the answers that came meanwhile. A step with no notifier waiting costs one add (the step thread alone writes the count; a notifier
         about to wait reads it under the lock after saying so)."""
         self._launches += 1
         if self._waiting:
@@ -198,11 +199,11 @@ class CaptureHost:
 
     def _after_launch(self, tag: int) -> None:
         with self._launch:
-            self._waiting = True
+            self._waiting += 1
             try:
                 self._launch.wait_for(lambda: self._launches >= tag, GATE_S)
             finally:
-                self._waiting = False
+                self._waiting -= 1
 
     def send_rows(self, rows: torch.Tensor, groups: tuple, lanes: list[Lane], copy_stream: Any) -> Any:
         """Copy ``rows`` into the ring and queue the packet for ``lanes`` (their row slots taken); ``groups``:
@@ -307,17 +308,32 @@ class CaptureHost:
 
     def _reader(self) -> None:
         while True:
+            batch: list[bytes] = []
             try:
-                data = self._res.recv_bytes()  # the GIL released while it waits
+                batch.append(self._res.recv_bytes())  # the GIL released while it waits
+                # on a GPU the answers' Python (unpickling, results pushed) waits for the next launch, as the
+                # notifier's does: answers come whenever the consumers finish (a filesystem consumer's after its
+                # writes), often in the host work between two steps, where the GIL taken costs the GPU its time
+                # 1:1; then every answer that came meanwhile goes in one batch (an idle engine: one GATE_S wait)
+                if self._gated:
+                    self._after_launch(self._launches + 1)
+                while self._res.poll(0):
+                    batch.append(self._res.recv_bytes())
             except (EOFError, OSError):
+                for data in batch:  # what came before the end is still answered
+                    self._handle(data)
                 self._died("it exited")
                 return
-            msg = None
-            try:
-                msg = pickle.loads(data)
-                self._answer(msg)
-            except Exception:
-                logger.exception("vllm-steer: capture host answer %r failed", msg[0] if msg else data[:40])
+            for data in batch:
+                self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        msg = None
+        try:
+            msg = pickle.loads(data)
+            self._answer(msg)
+        except Exception:
+            logger.exception("vllm-steer: capture host answer %r failed", msg[0] if msg else data[:40])
 
     def _answer(self, msg: tuple) -> None:
         kind = msg[0]

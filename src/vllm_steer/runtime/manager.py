@@ -28,7 +28,7 @@ from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.step_index.op import step_index
-from vllm_steer.runtime import allreduce_fusion
+from vllm_steer.runtime import allreduce_fusion, gc_watch
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers, site_gains
@@ -319,6 +319,7 @@ def build_runtime(runner: object) -> SteeringRuntime | None:
     if existing is not None and existing.model is runner.model:
         return existing  # vLLM 0.32+: load_model(model=...) handed the already steered model back
     mc = runner.vllm_config.model_config
+    gc_watch.install()  # VLLM_STEER_GC_WATCH: slow collections logged (a diagnostic, off by default)
     runtime = SteeringRuntime(
         cfg,
         runner.model,
