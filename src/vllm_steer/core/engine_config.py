@@ -4,7 +4,8 @@ compiled graph. Runs in every process that builds or hashes a ``VllmConfig``.
 
 An OpenAI server with the block on but without the ``steer`` endpoint plugin (vLLM loads endpoint
 plugins only when ``VLLM_PLUGINS`` names them) would steer nothing its clients send: it does not
-start, and says to set ``VLLM_PLUGINS=steer``."""
+start, and says to set ``VLLM_PLUGINS=steer``. One that decodes speculatively does not start with a capture consumer
+whose global spec captures every request (``core.speculative``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 from vllm_steer.core.config import SteerConfigError, parse_steer_config, steer_config_of
+from vllm_steer.core.speculative import drafting, refusal
 
 
 def _package_dir(name: str) -> Path:
@@ -63,7 +65,12 @@ def patch_engine_config() -> None:
             raise SteerConfigError(
                 "additional_config.steer is set but the steer endpoint plugin is not loaded, so requests' steering "
                 "fields would be dropped: start the server with VLLM_PLUGINS=steer")
-        return orig_create(self, *args, **kwargs)
+        vllm_config = orig_create(self, *args, **kwargs)
+        how = drafting(vllm_config) if cfg is not None else None
+        every = [c.instance_name for c in cfg.capture if c.params.get("global_spec")] if how else []
+        if every:  # a consumer capturing every request: every request would be refused (core.speculative)
+            raise SteerConfigError(refusal(f"steer.capture {every[0]!r} (a global_spec)", how))
+        return vllm_config
 
     def compute_hash(self, *args, **kwargs) -> str:  # vLLM 0.30+ adds include_version
         base = orig_hash(self, *args, **kwargs)

@@ -21,6 +21,7 @@ from vllm_steer.frontend.capture_rows import row_cost
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
 from vllm_steer.core.hooks import receiving_layer
+from vllm_steer.core.speculative import drafting, refusal
 from vllm_steer.core.layout import layout_key, table_layout
 from vllm_steer.core.payload import PAYLOAD_KEY, ROWS_KEY, ModuleRef, SteerPayload, dtype_name
 from vllm_steer.core.sae_catalog import SaeEntry, sae_catalog, slot_sites
@@ -72,6 +73,7 @@ class SteeringFrontend:
         self.module_shape = dataclasses.replace(self.shape, max_bytes=cfg.max_module_bytes if cfg else 0)
         self.sae_config = sae_catalog(cfg, self.shape.hidden_size, self.shape.num_layers)
         self.sae_slots = slot_sites(cfg, self.shape.num_layers)
+        self.drafting = drafting(vllm_config)  # speculative decoding: capture and stop_when refused (core.speculative)
         pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
         self.pipeline_stages = pp
         self.stage_starts = [0]  # the first decoder layer of each pipeline stage
@@ -218,6 +220,8 @@ class SteeringFrontend:
             raise SteeringSpecError(CONDITION_FIELD, "conditions are not served under pipeline parallelism "
                                                      "(the gate would have to cross stages)")
         wire, phase, stop = parse_condition(raw, self.shape, STORE)
+        if stop is not None and self.drafting:
+            raise SteeringSpecError(f"{CONDITION_FIELD}.stop_when", refusal("stop_when", self.drafting))
         payload, pk, dk = self._vectors(fields, capture, ship_rows=True)
         catalog = self.sae if sae_raw is not None else {}
         clamps = parse_sae(sae_raw, catalog)  # ([], []) without an sae field
@@ -399,6 +403,8 @@ class SteeringFrontend:
             return None
         if not isinstance(raw, dict) or not raw:
             raise SteeringSpecError(CAPTURE_FIELD, "expected {consumer_instance: spec}")
+        if self.drafting:
+            raise SteeringSpecError(CAPTURE_FIELD, refusal("capture", self.drafting))
         configured = {c.instance_name: c for c in self.cfg.capture}
         out, parsed = {}, {}
         self._parsed.specs = parsed
