@@ -5,7 +5,7 @@ nvdisasm) and TTGIR written under --out, and its skeleton printed: the global lo
 program order, so the dependent rounds of small loads a launch waits on can be counted (issue 38: the late
 projection kernel waits on one round more than the kernel without projections, EARLY, the default, on one round;
 README "EARLY loads"); ``ar``: the plain site with the TP all-reduce inside (group of two): its pushes, the loads in
-flight and the spin loops in order.
+flight and the spin loops in order; ``cond`` / ``cond_proj``: a conditions server's site (the gated path).
     PYTHONPATH=src:. .venv/bin/python bench/norm_sass.py --out /tmp/norm_sass steered proj proj_late
 """
 
@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-CASES = ("steered", "steered_late", "proj", "proj_late", "ar")
+CASES = ("steered", "steered_late", "proj", "proj_late", "ar", "cond", "cond_proj")
 
 
 def main() -> int:
@@ -45,8 +45,13 @@ def main() -> int:
     ar = type("Workspace", (), dict(world=2, rank=0, max_tokens=64, hidden=d, buf=buf,
                                     flags=torch.zeros(2, dtype=torch.int32),
                                     buf_ptrs=torch.tensor([buf.data_ptr()] * 2, dtype=torch.int64)))()
+    # a conditions server's site (its gated path: the slots' edits after the gate weights)
+    cond = (torch.full((rows,), -1, dtype=torch.int32), torch.zeros(rows, 4), torch.zeros(rows, d),
+            torch.tensor([20, 21], dtype=torch.int32))
+    gated = dict(cond=cond, gate=torch.zeros(n), early=True)
     configs = {"steered": dict(early=True), "steered_late": dict(early=False), "proj": dict(both, early=True),
-               "proj_late": dict(both, early=False), "ar": dict(early=True, ar=ar)}
+               "proj_late": dict(both, early=False), "ar": dict(early=True, ar=ar), "cond": gated,
+               "cond_proj": dict(gated, **both)}
     for name in args.cases:
         fn = kernel._steered_norm_kernel
         seen = {id(c) for cache in fn.device_caches.values() for c in cache[0].values()}

@@ -51,8 +51,8 @@ import triton.language as tl
 from vllm_steer.kernels.host_math import cdiv, next_power_of_2
 from vllm_steer.kernels.launch_cache import CachedLauncher
 from vllm_steer.kernels.sae_clamp.naive import RECONSTRUCT
-from vllm_steer.kernels.steered_rms_norm.triton import (_add_edit, _add_row, _gate_weights, _normalized, _num_warps,
-                                                         _project_gated, _sae_clamp_row)
+from vllm_steer.kernels.steered_rms_norm.triton import (_gate_weights, _normalized, _num_warps, _sae_clamp_row,
+                                                         _slot_rest)
 
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 ROUND = 1024  # listed tokens per round: bounds the per-round scratch (pre: ROUND x d_sae float32)
@@ -142,12 +142,8 @@ def _slot_stream(p_x, p_res, p_index, i_t, stride_x, stride_res, vec_a, sae_a, p
         w_sae, w_vec, proj_gated, g = _gate_weights(cond, i_row, i_t, COND)  # an SAE norm only reads the gate
         if PRE_SAE:
             b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, 32, w_sae)
-        if PRE_FULL:
-            b_s = _add_edit(b_s, i_t, i_row, full_a, o_d, m_d, w_sae)
-        if PRE_PROJ:
-            b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
-        if PRE_VEC:
-            b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
+        b_s = _slot_rest(b_s, i_t, i_row, full_a, proj_a, vec_a, o_d, m_d, w_sae, w_vec, proj_gated, g, PRE_FULL,
+                         PRE_PROJ, PRE_VEC, COND)
     return b_s
 
 
@@ -343,6 +339,25 @@ def _search_step(thr_key, b, cnt, K):
 
 
 @triton.jit
+def _sum_partials(p_row, p_benc, o, m, stride_split, SPLIT: tl.constexpr):
+    """pre at offsets ``o`` (mask ``m``): its SPLIT partial sums (``stride_split`` apart) added in split order, then
+    b_enc, written over the first; returned."""
+    b_v = tl.load(p_row + o, mask=m, other=0.0)
+    for i_s in tl.static_range(1, SPLIT):
+        b_v += tl.load(p_row + i_s * stride_split + o, mask=m, other=0.0)
+    b_v += tl.load(p_benc + o, mask=m, other=0.0)
+    tl.store(p_row + o, b_v, mask=m)
+    return b_v
+
+
+@triton.jit
+def _activate(p_row, p_thr, o, m, thr_key, TOPK: tl.constexpr):
+    """pre at offsets ``o`` (mask ``m``) replaced by its activations (``_act``)."""
+    b_f = _act(tl.load(p_row + o, mask=m, other=0.0), thr_key, tl.load(p_thr + o, mask=m, other=0.0), TOPK)
+    tl.store(p_row + o, b_f, mask=m)
+
+
+@triton.jit
 def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_thr, p_cv, r0,
             stride_pre, stride_code, stride_value, stride_cv, F, C, K, p_benc, stride_split,
             TOPK: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -369,20 +384,11 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
         o = tl.arange(0, GROUPS)[:, None] * (BLOCK // GROUPS) + tl.arange(0, BLOCK // GROUPS)[None, :]
         if SPLIT > 1:
             if SINGLE:
-                b_v = tl.load(p_row + o, mask=o < F, other=0.0)
-                for i_s in tl.static_range(1, SPLIT):
-                    b_v += tl.load(p_row + i_s * stride_split + o, mask=o < F, other=0.0)
-                b_v += tl.load(p_benc + o, mask=o < F, other=0.0)
-                tl.store(p_row + o, b_v, mask=o < F)
+                b_v = _sum_partials(p_row, p_benc, o, o < F, stride_split, SPLIT)
             else:
                 o_1 = tl.arange(0, BLOCK)
                 for f0 in range(0, F, BLOCK):
-                    m_f = f0 + o_1 < F
-                    b_v = tl.load(p_row + f0 + o_1, mask=m_f, other=0.0)
-                    for i_s in tl.static_range(1, SPLIT):
-                        b_v += tl.load(p_row + i_s * stride_split + f0 + o_1, mask=m_f, other=0.0)
-                    b_v += tl.load(p_benc + f0 + o_1, mask=m_f, other=0.0)
-                    tl.store(p_row + f0 + o_1, b_v, mask=m_f)
+                    _sum_partials(p_row, p_benc, f0 + o_1, f0 + o_1 < F, stride_split, SPLIT)
             tl.debug_barrier()  # the whole row is summed before any program thread reads it back
             if TOPK and SINGLE:
                 b_key = tl.where(o < F, _key(b_v), -1)
@@ -429,20 +435,14 @@ def _select(p_pre, p_tok, p_count, p_index, p_mode, p_code, p_value, p_feat, p_t
             tl.store(p_cv + j.to(tl.int64) * stride_cv + c0 + o_c, tl.where(recon, f_new, f_new - f), mask=m_c)
         if recon:  # a DELTA row's pre is not read again: left as it is
             tl.debug_barrier()  # every clamped feature's pre is read before the coefficients overwrite it
-            if SINGLE:
-                if TOPK:  # relu(pre) of the K largest: the key's own bits
-                    b_f = tl.where(b_key >= thr_key, b_key.to(tl.float32, bitcast=True), 0.0)
-                else:
-                    b_f = _act(tl.load(p_row + o, mask=o < F, other=0.0), thr_key,
-                               tl.load(p_thr + o, mask=o < F, other=0.0), TOPK)
-                tl.store(p_row + o, b_f, mask=o < F)
+            if SINGLE and TOPK:  # relu(pre) of the K largest: the key's own bits
+                tl.store(p_row + o, tl.where(b_key >= thr_key, b_key.to(tl.float32, bitcast=True), 0.0), mask=o < F)
+            elif SINGLE:
+                _activate(p_row, p_thr, o, o < F, thr_key, TOPK)
             else:
                 o_1 = tl.arange(0, BLOCK)
                 for f0 in range(0, F, BLOCK):
-                    m_f = f0 + o_1 < F
-                    v = tl.load(p_row + f0 + o_1, mask=m_f, other=0.0)
-                    b_f = _act(v, thr_key, tl.load(p_thr + f0 + o_1, mask=m_f, other=0.0), TOPK)
-                    tl.store(p_row + f0 + o_1, b_f, mask=m_f)
+                    _activate(p_row, p_thr, f0 + o_1, f0 + o_1 < F, thr_key, TOPK)
             tl.debug_barrier()
             for c0 in range(0, C, BLOCK_C):
                 m_c = c0 + o_c < C

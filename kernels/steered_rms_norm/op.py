@@ -82,14 +82,33 @@ def _impl(
     return triton_path(*args) if x.is_cuda and (FULL_KERNELS or not full) else steered_norm_naive(*args)
 
 
+def _param(name: str, annotation: str, default=inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+def _schema_of(base, *extra: inspect.Parameter, returns: str | None = None) -> inspect.Signature:
+    """``base``'s signature, then the parameters ``extra`` (``returns``: another return annotation)."""
+    sig = inspect.signature(base)
+    return sig.replace(parameters=[*sig.parameters.values(), *extra],
+                       return_annotation=sig.return_annotation if returns is None else returns)
+
+
+def _with_schema(base, *extra: inspect.Parameter, returns: str | None = None):
+    """Gives the decorated function ``_schema_of(base, *extra, returns)`` as its signature (the op schema is inferred
+    from it), itself unchanged: the dispatcher passes every argument positionally, so a function of ``*args`` serves
+    without a wrapper's frame on each eager launch."""
+    def wrap(fn):
+        fn.__signature__ = _schema_of(base, *extra, returns=returns)
+        return fn
+    return wrap
+
+
 def _and_group_name(base):
     """Gives the decorated op function ``base``'s parameters and then ``group_name: str = ""`` (the TP group whose
     all-reduce is in the op) as its signature, which the op's schema is inferred from: each ``_ar`` op is its base op's
     schema plus one argument, written once; the function gets every argument positionally, defaults filled."""
     def wrap(fn):
-        sig = inspect.signature(base)
-        extra = inspect.Parameter("group_name", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="", annotation="str")
-        sig = sig.replace(parameters=[*sig.parameters.values(), extra])
+        sig = _schema_of(base, _param("group_name", "str", ""))
         n = len(sig.parameters)
 
         def op(*args, **kwargs):
@@ -151,25 +170,19 @@ def triton_path(x, residual, weight, eps, weight_offset, index, vec_a, vec_b, sa
                         ar=ar)
 
 
-def plain_triton(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    plan_a: torch.Tensor | None,
-    plan_b: torch.Tensor | None,
-    pool: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _plain_schema(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  weight_offset: float, index: torch.Tensor, table_a: torch.Tensor | None, flag_a: torch.Tensor | None,
+                  table_b: torch.Tensor | None, flag_b: torch.Tensor | None, plan_a: torch.Tensor | None,
+                  plan_b: torch.Tensor | None, pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steered_norm_plain``'s parameters, which its schema is inferred from (a slot's table and flag None where it
+    has none), given to each of its functions (``_with_schema``)."""
+
+
+@_with_schema(_plain_schema)
+def plain_triton(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``steered_norm_plain`` where the platform is CUDA (and under Triton's interpreter, in tests): the norm's one
-    launch (a slot's table and flag None: the slot has no vectors)."""
-    return _plain_launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a,
-                         plan_b, pool)
+    launch."""
+    return _plain_launch(*args)
 
 
 def _plain_launch(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a, plan_b,
@@ -184,46 +197,20 @@ def _plain_launch(x, residual, weight, eps, weight_offset, index, table_a, flag_
                         () if table_b is None else (table_b, flag_b), (), (), (), None, plan_a, plan_b, pool, ar=ar)
 
 
-def _plain_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    plan_a: torch.Tensor | None,
-    plan_b: torch.Tensor | None,
-    pool: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@_with_schema(_plain_schema)
+def _plain_reference(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a, plan_b,
+                     pool) -> tuple[torch.Tensor, torch.Tensor]:
     """``steered_norm_plain`` on other platforms: the full op's ``_impl`` with the other features off."""
     return _impl(x, residual, weight, eps, weight_offset, index, [] if table_a is None else [table_a, flag_a],
                  [] if table_b is None else [table_b, flag_b], [], [], 0, 0, [], None, plan_a, plan_b, pool, [], [], [])
 
 
-def plain_fp8(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    weight_offset: float,
-    index: torch.Tensor,
-    table_a: torch.Tensor | None,
-    flag_a: torch.Tensor | None,
-    table_b: torch.Tensor | None,
-    flag_b: torch.Tensor | None,
-    plan_a: torch.Tensor | None,
-    plan_b: torch.Tensor | None,
-    pool: torch.Tensor | None,
-    quant_scale: torch.Tensor | None,
-    group_scale: torch.Tensor | None = None,
-    group_size: int = 0,
-    group_eps: float = 1e-10,
-    ue8m0: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@_with_schema(_plain_schema, _param("quant_scale", "torch.Tensor | None"),
+              _param("group_scale", "torch.Tensor | None", None), _param("group_size", "int", 0),
+              _param("group_eps", "float", 1e-10), _param("ue8m0", "bool", False),
+              returns="tuple[torch.Tensor, torch.Tensor, torch.Tensor]")
+def plain_fp8(x, residual, weight, eps, weight_offset, index, table_a, flag_a, table_b, flag_b, plan_a, plan_b, pool,
+              quant_scale, group_scale=None, group_size=0, group_eps=1e-10, ue8m0=False):
     """``steered_norm_plain_fp8``: ``steered_norm_plain`` whose output is quantized for the FP8 linear after it
     (naive.quant_fp8_naive: ``quant_scale`` [1] float32 static per-tensor, None dynamic per-token); returns (fp8
     output, scale, new residual), the scale [N, 1] when dynamic and empty when static (the caller keeps its own).

@@ -163,6 +163,20 @@ def _project_gated(b_s, i_row, proj, o_d, m_d, gated, g, COND: tl.constexpr = Tr
 
 
 @triton.jit
+def _slot_rest(b_s, i_t, i_row, full, proj, vec, o_d, m_d, w_sae, w_vec, proj_gated, g, FULL: tl.constexpr,
+               PROJ: tl.constexpr, HAS: tl.constexpr, COND: tl.constexpr):
+    """A slot's edits after its clamps, in the site's order: a full pack's edit, the projections, the vectors (each
+    where its flag is set); the gate weights of ``_gate_weights``."""
+    if FULL:
+        b_s = _add_edit(b_s, i_t, i_row, full, o_d, m_d, w_sae)
+    if PROJ:
+        b_s = _project_gated(b_s, i_row, proj, o_d, m_d, proj_gated, g, COND)
+    if HAS:
+        b_s = _add_row(b_s, vec, i_row, o_d, m_d, w_vec)
+    return b_s
+
+
+@triton.jit
 def _gate_weights(cond, i_row, i_t, COND: tl.constexpr):
     """(w_sae, w_vec, proj_gated, g) of token ``i_t`` (row ``i_row``) at a norm that only reads the gate (no probe
     sits there): the gate ``g`` weighs the row's SAE edit, vectors and projections as its site word's bits say,
@@ -494,12 +508,8 @@ def _steered_norm_kernel(
                                            BLOCK_C, SPLIT, w_sae)
             else:
                 b_s = _sae_clamp_row(b_s, b_s, i_row, sae_a, o_d, m_d, BLOCK_C, w_sae)
-        if FULL_A:
-            b_s = _add_edit(b_s, i_t, i_row, full_a, o_d, m_d, w_sae)
-        if PROJ_A:
-            b_s = _project_gated(b_s, i_row, proj_a, o_d, m_d, proj_gated, g, COND)
-        if HAS_A:
-            b_s = _add_row(b_s, vec_a, i_row, o_d, m_d, w_vec)
+        b_s = _slot_rest(b_s, i_t, i_row, full_a, proj_a, vec_a, o_d, m_d, w_sae, w_vec, proj_gated, g, FULL_A, PROJ_A,
+                         HAS_A, COND)
         if CAP_B:
             if SAE_A and SPLIT > 1:  # only the program that finished A's split walk has the whole stream
                 _capture(b_s, i_pb, cap_b, o_d, m_d, go)
@@ -514,12 +524,8 @@ def _steered_norm_kernel(
                 if SPLIT > 1:  # row 0 for the programs that do not finish the token: they skip B
                     i_row_b = tl.where(go, i_row, 0)
                 b_s = _sae_clamp_row(b_s, b_s, i_row_b, sae_b, o_d, m_d, BLOCK_C, w_sae)
-        if FULL_B:
-            b_s = _add_edit(b_s, i_t, i_row, full_b, o_d, m_d, w_sae)
-        if PROJ_B:
-            b_s = _project_gated(b_s, i_row, proj_b, o_d, m_d, proj_gated, g, COND)
-        if HAS_B:
-            b_s = _add_row(b_s, vec_b, i_row, o_d, m_d, w_vec)
+        b_s = _slot_rest(b_s, i_t, i_row, full_b, proj_b, vec_b, o_d, m_d, w_sae, w_vec, proj_gated, g, FULL_B, PROJ_B,
+                         HAS_B, COND)
     m_w = m_d & go
     if not (TC or FULL_TC):
         tl.store(p_res_out + i_t * stride_res_out + o_d, b_s.to(p_res_out.dtype.element_ty), mask=m_w)
