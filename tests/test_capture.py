@@ -70,12 +70,14 @@ def capture_run(smollm2_path, probe_plugin, tmp_path_factory):
               for chat in (False, True)]
            + [{"prompts": [{"prompt_token_ids": i} for i in mixed_ids], "params": [params(5, capture=c) for c in MIXED]},
               {"llm_call": "tests.test_capture:worker_status"},
-              {"llm_call": "tests.test_capture:generated_capture_then_publish", "kwargs": {"ids": ids}}],
+              {"llm_call": "tests.test_capture:generated_capture_then_publish", "kwargs": {"ids": ids}},
+              {"llm_call": "tests.test_capture:nowait_while_consumers_stopped", "kwargs": {"ids": ids,
+                                                                                          "root": str(root)}}],
            "collect_capture": True}
     res = run_job(job, tmp_path_factory.mktemp("capjob"))
-    res["rpc_after"] = {"vllm_steer_status": res["calls"][-6]}
-    res["mixed"] = (mixed_ids, res["calls"][-3], res["calls"][-2])
-    return root, ids, [c[0] for c in res["calls"][:-6]], res, len(long_ids)
+    res["rpc_after"] = {"vllm_steer_status": res["calls"][-7]}
+    res["mixed"] = (mixed_ids, res["calls"][-4], res["calls"][-3])
+    return root, ids, [c[0] for c in res["calls"][:-7]], res, len(long_ids)
 
 
 def worker_status(llm) -> list:
@@ -104,6 +106,72 @@ def generated_capture_then_publish(llm, ids: list[int]) -> dict:
     collect(llm, outs)
     return {"ended_by_publish": ended, "request_id": outs[0].request_id, "capture": outs[0].capture,
             "tokens": list(outs[0].outputs[0].token_ids)}
+
+
+def _capture_host_pid() -> int:
+    """The consumers' process under this process (the in-process LLM's engine core runs it)."""
+    import os
+
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if b"vllm_steer.runtime.capture_host" not in fh.read():
+                    continue
+            pid = int(entry)
+            while pid > 1 and pid != me:
+                pid = parent(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        if pid == me:
+            return int(entry)
+    raise RuntimeError("no capture host process under this one")
+
+
+NOWAIT = {"layers": [1], "hooks": ["post_mlp"], "positions": "all", "wait": False}
+
+
+def nowait_while_consumers_stopped(llm, ids: list[int], root: str) -> dict:
+    """A request capturing only to the filesystem consumer with ``"wait": false`` while the consumers' process is
+    stopped (SIGSTOP; an engine_job llm_call): ``collect`` (with a 60 s timeout) returns without waiting for it, the
+    files are not there yet, and they are published once it runs again."""
+    import json
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from vllm import SamplingParams
+
+    from vllm_steer.capture.collect import collect
+
+    host = _capture_host_pid()
+    os.kill(host, signal.SIGSTOP)
+    try:
+        outs = llm.generate([{"prompt_token_ids": ids}], [SamplingParams(**params(3, capture={"fs": NOWAIT}))],
+                            use_tqdm=False)
+        t0 = time.monotonic()
+        collect(llm, outs, timeout=60.0)
+        collect_s = time.monotonic() - t0
+        rid = outs[0].request_id
+
+        def published() -> bool:
+            return any(json.loads(p.read_text()).get("external_id") == rid for p in Path(root).rglob("request.json"))
+
+        before = published()
+    finally:
+        os.kill(host, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while not published() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"collect_s": collect_s, "capture": outs[0].capture, "published_while_stopped": before,
+            "published_after": published(), "request_id": rid}
 
 
 @torch.no_grad()
@@ -211,7 +279,7 @@ def test_collect_returns_at_the_timeout_with_an_error_for_a_slow_driver(capture_
 def test_extraction_on_the_in_process_llm_matches_transformers(capture_run, smollm2_path, chat):
     """``extract(llm, ...)``: the mean difference of the last tokens' residuals, as transformers computes
     it on the same texts (chat: the model's template; a pair with a prompt continues the answer)."""
-    got = capture_run[3]["calls"][-4 if chat else -5]
+    got = capture_run[3]["calls"][-5 if chat else -6]
     ref = hf_oracle.mean_diff_of_last_tokens(smollm2_path, EXTRACT_PAIRS, chat, EXTRACT_LAYERS)
     for site, r in ref.items():
         hook, layer = site.split(".")
@@ -255,7 +323,7 @@ def test_a_generated_capture_ends_with_its_last_token_not_with_the_publish(captu
     heard of the end one step later, which an in-process engine never runs). Its result and files hold every fed
     generated position (prompt .. prompt + max_tokens - 2), as transformers computes them."""
     root, ids, _, res, _ = capture_run
-    got = res["calls"][-1]
+    got = res["calls"][-2]
     assert got["ended_by_publish"] == [0]
     n = GENERATED_MAX_TOKENS - 1  # the last sampled token is never fed
     full = ids + got["tokens"][:n]
@@ -268,3 +336,17 @@ def test_a_generated_capture_ends_with_its_last_token_not_with_the_publish(captu
         np.testing.assert_array_equal(positions, np.arange(len(ids), len(ids) + n))
         np.testing.assert_allclose(rows, ref[(layer, "post_mlp")][len(ids):], rtol=1e-4, atol=2e-3)
         np.testing.assert_allclose(decode_result(result)[f"post_mlp.{layer}"], rows[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_response_that_does_not_wait_for_its_files_never_waits_for_the_consumers(capture_run, smollm2_path):
+    """``"wait": false`` to the filesystem consumer alone, the consumers' process stopped: ``collect`` returns at
+    once (it waited for that process's answer, up to its timeout, before), with no capture result; the files are
+    published once the process runs again, holding every position's rows as transformers computes them."""
+    root, ids, _, res, _ = capture_run
+    got = res["calls"][-1]
+    assert got["collect_s"] < 10.0 and got["capture"] == {}, got
+    assert got["published_while_stopped"] is False and got["published_after"] is True
+    positions, rows = load_request(str(root), got["request_id"])[(1, "post_mlp")]
+    np.testing.assert_array_equal(positions, np.arange(len(ids) + 2))  # prompt and the 2 fed generated tokens
+    ref = hf_streams(smollm2_path, ids)
+    np.testing.assert_allclose(rows[: len(ids)], ref[(1, "post_mlp")], rtol=1e-4, atol=2e-3)

@@ -257,6 +257,27 @@ def test_the_front_end_expects_each_driver_instance_from_the_stages_of_its_sites
         "instances": ["act", "probe"], "messages": 3}
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_request_whose_consumers_all_say_not_to_wait_is_complete_at_once_and_gets_no_reply(probe_plugin, pp):
+    """``"wait": false`` to the filesystem consumer (a worker consumer's ``response_waits``): with no driver beside it
+    nothing is expected (complete at once) and its payload carries no reply address (the workers push nothing back);
+    with a driver, or the filesystem consumer's default, the response waits as before."""
+    from vllm_steer.frontend.prepare import _prepared
+
+    fe = _pp_frontend(pp)
+    nowait = {"layers": [0, 3], "hooks": ["pre_attn"], "positions": "all", "wait": False}
+    waits = {k: v for k, v in nowait.items() if k != "wait"}
+
+    def payload(capture):
+        return _prepared(fe, {"capture": capture}, f"req-{pp}").payload
+
+    assert fe.capture_expectation({"fs": nowait}, 2) == {"instances": [], "messages": 0}
+    assert payload({"fs": nowait}).capture_reply is None
+    for capture in ({"fs": waits}, {"fs": nowait, "act": waits}, {"act": waits}):
+        assert fe.capture_expectation(capture, 1)["messages"] >= 1, capture
+        assert payload(capture).capture_reply == inbox_mod.inbox().address, capture
+
+
 def test_each_stage_hears_of_a_request_where_the_front_end_expects_its_messages(probe_plugin):
     """The two ends count stages apart (the worker by the sites its norms hold, written out here per
     stage; the front end by vLLM's layer partition): a driver hears of a request on exactly the stages

@@ -118,6 +118,12 @@ class CaptureConsumer(Protocol):
 
     # Optional, driver consumers under pipeline parallelism (see the module docstring):
     # @classmethod
+    # def response_waits(cls, params: dict[str, Any]) -> bool:
+    #     """Whether a request's response waits for this consumer to be done with the request (a worker
+    #     consumer; default True: e.g. until its files are published). A request whose every consumer says no
+    #     (and that names no driver, whose results the response carries) ends with its last token."""
+
+    # @classmethod
     # def merge(cls, results: list[dict]) -> dict:
     #     """One result from the results of the request's stages (stage order, two or more, none an
     #     error object). Raising makes the request's result ``{"error": "merge_failed", ...}``."""
@@ -151,6 +157,15 @@ class BaseConsumer:
 def mergeable(cls: type) -> bool:
     """Whether a driver consumer class merges per-stage results (defines a ``merge`` classmethod)."""
     return callable(getattr(cls, "merge", None))
+
+
+def response_waits(cls: type, params: dict[str, Any]) -> bool:
+    """Whether a request's response waits for a consumer of class ``cls`` given its per-request ``params``: a
+    driver's always (its result is in the response); a worker's unless its optional ``response_waits`` says no."""
+    if cls.location == "driver":
+        return True
+    own = getattr(cls, "response_waits", None)
+    return True if own is None else bool(own(params))
 
 
 def reduces_on_device(cls: type) -> bool:

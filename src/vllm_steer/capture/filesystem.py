@@ -568,6 +568,11 @@ class FilesystemConsumer(BaseConsumer):
         if not isinstance(params.get("wait", True), bool):
             raise ValueError(f"wait must be true or false, got {params['wait']!r}")
 
+    @classmethod
+    def response_waits(cls, params: dict[str, Any]) -> bool:
+        """``"wait": false``: the response does not wait for the files (nor for this consumer's end of the request)."""
+        return params.get("wait", True) is not False
+
     def _count(self, stat: str, n: int = 1) -> None:
         with self._lock:
             self._counts[stat] += n

@@ -121,5 +121,10 @@ def parse_capture_spec(instance: str, raw: Any, num_layers: int, hooks_enabled: 
         positions = tuple(positions)
     elif positions not in POSITION_MODES:
         raise CaptureSpecError(f"{where}.positions: expected one of {list(POSITION_MODES)} or a list of indices")
-    params = {k: v for k, v in raw.items() if k not in ("layers", "hooks", "sites", "positions")}
-    return CaptureSpec(tuple(sorted(set(sites), key=lambda s: (HOOK_NAMES.index(s[0]), s[1]))), positions, params)
+    return CaptureSpec(tuple(sorted(set(sites), key=lambda s: (HOOK_NAMES.index(s[0]), s[1]))), positions,
+                       spec_params(raw))
+
+
+def spec_params(raw: dict) -> dict:
+    """A spec's consumer-specific keys (what is not where it captures)."""
+    return {k: v for k, v in raw.items() if k not in ("layers", "hooks", "sites", "positions")}

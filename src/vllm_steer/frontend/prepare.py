@@ -15,8 +15,8 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from vllm_steer.capture.consumer import consumer_class, mergeable
-from vllm_steer.capture.spec import CaptureSpec, CaptureSpecError, parse_capture_spec
+from vllm_steer.capture.consumer import consumer_class, mergeable, response_waits
+from vllm_steer.capture.spec import CaptureSpec, CaptureSpecError, parse_capture_spec, spec_params
 from vllm_steer.frontend.capture_rows import row_cost
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.errors import SteeringSpecError
@@ -353,7 +353,7 @@ class SteeringFrontend:
         cached = self.__dict__.get("_consumer_info")
         if cached is None:
             cfgs = self.cfg.capture if self.cfg else ()
-            classes = {c.instance_name: consumer_class(c.name) for c in cfgs}
+            classes = self._classes()
             drivers = {i for i, cls in classes.items() if cls.location == "driver"}
             merge = {i: classes[i].merge for i in drivers if mergeable(classes[i])}
             global_ = {c.instance_name: c.params["global_spec"] for c in cfgs if c.params.get("global_spec")}
@@ -372,6 +372,28 @@ class SteeringFrontend:
         drivers, _, _, global_ = self._consumers()
         return sorted(drivers & (set(capture) | global_))
 
+    def capture_waits(self, capture: dict) -> bool:
+        """Whether a request's response waits for its captures (``consumer.response_waits`` of each consumer it
+        runs, own spec or global): a response naming no driver, whose every worker consumer says no (a filesystem
+        spec's ``"wait": false``), ends with its last token; nothing is pushed back for it (no reply address)."""
+        _, _, global_specs, global_ = self._consumers()
+        classes = self._classes()
+        for instance in set(capture) | global_:
+            raw = capture.get(instance)
+            params = spec_params(raw) if isinstance(raw, dict) else dict(global_specs[instance].params) \
+                if instance in global_specs else {}
+            if response_waits(classes[instance], params):
+                return True
+        return False
+
+    def _classes(self) -> dict[str, type]:
+        """instance -> consumer class, of this server's capture consumers."""
+        cached = self.__dict__.get("_consumer_classes")
+        if cached is None:
+            cached = self._consumer_classes = {c.instance_name: consumer_class(c.name)
+                                               for c in (self.cfg.capture if self.cfg else ())}
+        return cached
+
     def capture_expectation(self, capture: dict, n: int) -> dict:
         """``ResultInbox.expect``'s arguments for a request's captures (``n`` engine requests): its driver
         instances and how many worker messages end it: one per engine request from TP rank 0 of every
@@ -381,6 +403,8 @@ class SteeringFrontend:
         Under pipeline parallelism also each driver instance's stages and the merge of those spanning
         several."""
         n = max(1, n)
+        if not self.capture_waits(capture):  # complete at once: no worker message is awaited (or sent)
+            return {"instances": [], "messages": 0}
         instances = self.driver_instances(capture)
         if self.pipeline_stages == 1:
             return {"instances": instances, "messages": n}
@@ -450,9 +474,7 @@ class SteeringFrontend:
         if not capture and "_global_rows" in self.__dict__:  # only the consumers' global specs: the same each time
             return self._global_rows
         _, _, global_specs, _ = self._consumers()
-        classes = self.__dict__.get("_consumer_classes")
-        if classes is None:
-            classes = self._consumer_classes = {c.instance_name: consumer_class(c.name) for c in self.cfg.capture}
+        classes = self._classes()
         specs = {i: s for i, s in global_specs.items() if i not in capture}  # a request's own spec replaces it
         parsed = getattr(self._parsed, "specs", {})
         for i, raw in capture.items():
@@ -498,7 +520,10 @@ def _prepared(frontend: SteeringFrontend, extra: dict, request_id: str) -> Prepa
     from vllm_steer.capture.inbox import inbox
 
     prepared = PREPARED.get(extra[TOKEN_FIELD]) if TOKEN_FIELD in extra else None
-    out = for_request(prepared or frontend.engine_extra_args(extra), extra, request_id, lambda: inbox().address)
+    prepared = prepared or frontend.engine_extra_args(extra)
+    capture = prepared.payload.capture if prepared.payload is not None else None
+    waits = capture is not None and frontend.capture_waits(capture)  # else the workers push nothing back
+    out = for_request(prepared, extra, request_id, (lambda: inbox().address) if waits else None)
     if SAE_SYNC.enabled and out.payload is not None:  # the last check before the engine core: moved since the last pull?
         SAE_REGISTRY.check_current(out.payload, SAE_SYNC.stale())
     return out
