@@ -12,7 +12,11 @@ did instead: a sync, an H2D copy, or nothing for a while: Python or the GIL).
 D2H: s38's capture copy), the time from that wait's end to the next step's ``execute_context`` (the host's work
 between steps), and the large D2H copies (over 200 µs) running in the 20 ms before the wait ended.
 
-    python3 bench/trace_gaps.py TRACE.json[.gz] [--top 20] [--calls 4] [--steps]
+``--d2h``: each large device-to-host copy (over 1 MB: a capture step's rows) instead, with the GPU's idle time from
+its start to the next kernel (near 0 when the host had the next step queued behind it; the whole host time between
+steps when it had not: s39's files arm, a closed loop's drain) and the kernels just before and after it.
+
+    python3 bench/trace_gaps.py TRACE.json[.gz] [--top 20] [--calls 4] [--steps | --d2h]
 """
 
 from __future__ import annotations
@@ -63,16 +67,38 @@ def step_bounds(events: list) -> list[dict]:
     return out
 
 
+def d2h_copies(events: list, min_bytes: int = 1 << 20) -> list[dict]:
+    """Per large D2H copy (see ``--d2h``): ``mb``, ``copy_us``, ``idle_after_us`` (its start to the next kernel's;
+    None: none), ``before`` / ``after`` (kernel names)."""
+    ev = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    kern = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    out = []
+    for c in sorted((e for e in ev if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]
+                     and (e.get("args") or {}).get("bytes", 0) >= min_bytes), key=lambda e: e["ts"]):
+        before = [k for k in kern if k["ts"] + k["dur"] <= c["ts"] + 5]
+        after = next((k for k in kern if k["ts"] >= c["ts"]), None)
+        out.append({"mb": round(c["args"]["bytes"] / 1e6, 1), "copy_us": round(c["dur"], 1),
+                    "idle_after_us": round(after["ts"] - c["ts"], 1) if after else None,
+                    "before": before[-1]["name"] if before else None, "after": after["name"] if after else None})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace", type=Path)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--calls", type=int, default=4, help="the launching thread's calls listed before each launch")
     ap.add_argument("--steps", action="store_true", help="each step boundary instead of the longest gaps")
+    ap.add_argument("--d2h", action="store_true", help="each large D2H copy instead: the GPU's idle after its start")
     args = ap.parse_args()
     opener = gzip.open if args.trace.suffix == ".gz" else open
     with opener(args.trace, "rt") as f:
         events = json.load(f).get("traceEvents", [])
+    if args.d2h:
+        for r in d2h_copies(events):
+            print(f"D2H {r['mb']:>8} MB {r['copy_us']:>8} µs  GPU idle after its start {r['idle_after_us']} µs  "
+                  f"{str(r['before'])[:40]} -> {str(r['after'])[:40]}")
+        return
     if args.steps:
         rows = step_bounds(events)
         for r in rows:

@@ -781,6 +781,24 @@ def test_trace_gaps_steps_says_how_long_the_output_wait_outlasted_the_gpu_and_th
                                                "d2h_copies_us": 4000.0, "next": step}]
 
 
+def test_trace_gaps_d2h_says_whether_the_next_step_was_queued_behind_each_large_copy():
+    """``bench/trace_gaps.py --d2h``: per D2H copy over 1 MB, the GPU's idle from its start to the next kernel (the
+    next step already queued: ~0; a drain: the host's whole time between steps), the kernels around it."""
+    import trace_gaps  # bench/ is on sys.path here
+
+    def x(name, cat, ts, dur, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 7, "args": args}
+
+    d2h = "Memcpy DtoH (Device -> Pinned)"
+    events = [x("gemm", "kernel", 0, 100), x(d2h, "gpu_memcpy", 100, 4000, bytes=268_000_000),
+              x("_apply_write_kernel", "kernel", 115, 5),  # queued behind it: the host was ahead
+              x("gemm", "kernel", 200, 900), x(d2h, "gpu_memcpy", 1100, 50, bytes=64),  # sampled tokens: not listed
+              x(d2h, "gpu_memcpy", 1150, 4000, bytes=268_000_000), x("_apply_write_kernel", "kernel", 8150, 5)]
+    assert trace_gaps.d2h_copies(events) == [
+        {"mb": 268.0, "copy_us": 4000, "idle_after_us": 15, "before": "gemm", "after": "_apply_write_kernel"},
+        {"mb": 268.0, "copy_us": 4000, "idle_after_us": 7000, "before": "gemm", "after": "_apply_write_kernel"}]
+
+
 def test_with_a_fixed_kv_cache_the_servers_start_together_and_a_config_twin_after_its_first(tmp_path, monkeypatch):
     """``--kv-cache-gb``: every server gets vLLM's ``--kv-cache-memory-bytes`` (no memory profiling for a server
     starting beside another to disturb) and ``Pool.ensure`` starts its servers together: a config's first at once,
