@@ -89,7 +89,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--calls", type=int, default=4, help="the launching thread's calls listed before each launch")
     ap.add_argument("--steps", action="store_true", help="each step boundary instead of the longest gaps")
-    ap.add_argument("--d2h", action="store_true", help="each large D2H copy instead: the GPU's idle after its start")
+    ap.add_argument("--d2h", action="store_true",
+                    help="each large D2H copy instead: the GPU's idle after its start")
     args = ap.parse_args()
     opener = gzip.open if args.trace.suffix == ".gz" else open
     with opener(args.trace, "rt") as f:

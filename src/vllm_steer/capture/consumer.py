@@ -116,13 +116,14 @@ class CaptureConsumer(Protocol):
 
     def close(self) -> None: ...
 
-    # Optional, driver consumers under pipeline parallelism (see the module docstring):
+    # Optional, worker consumers:
     # @classmethod
     # def response_waits(cls, params: dict[str, Any]) -> bool:
-    #     """Whether a request's response waits for this consumer to be done with the request (a worker
-    #     consumer; default True: e.g. until its files are published). A request whose every consumer says no
-    #     (and that names no driver, whose results the response carries) ends with its last token."""
+    #     """Whether a request's response waits for this consumer to be done with the request (default True: e.g.
+    #     until its files are published). A request whose every consumer says no (and that names no driver, whose
+    #     results the response carries) ends with its last token."""
 
+    # Optional, driver consumers under pipeline parallelism (see the module docstring):
     # @classmethod
     # def merge(cls, results: list[dict]) -> dict:
     #     """One result from the results of the request's stages (stage order, two or more, none an

@@ -380,8 +380,10 @@ class SteeringFrontend:
         classes = self._classes()
         for instance in set(capture) | global_:
             raw = capture.get(instance)
-            params = spec_params(raw) if isinstance(raw, dict) else dict(global_specs[instance].params) \
-                if instance in global_specs else {}
+            if isinstance(raw, dict):  # the request's own spec replaces a global one
+                params = spec_params(raw)
+            else:
+                params = dict(global_specs[instance].params) if instance in global_specs else {}
             if response_waits(classes[instance], params):
                 return True
         return False

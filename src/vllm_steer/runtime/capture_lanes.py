@@ -186,8 +186,8 @@ class CaptureHost:
     # ---- the step thread ---------------------------------------------------------------------
     def launched(self) -> None:
         """A step's forward is launched (the GPU has its work queued): the notifier goes on with what the steps before
-        it queued, the reader with the answers that came meanwhile. A step with no notifier waiting costs one add (the step thread alone writes the count; a notifier
-        about to wait reads it under the lock after saying so)."""
+        it queued, the reader with the answers that came meanwhile. A step with no thread waiting costs one add (the
+        step thread alone writes the count; a thread about to wait reads it under the lock after saying so)."""
         self._launches += 1
         if self._waiting:
             with self._launch:
