@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -137,6 +138,13 @@ def test_on_a_gpu_the_notifier_sends_a_steps_packets_once_the_next_step_is_launc
     rt.launched()
     assert _collect(rt, ["a"])["a"]["quick"] == {"seen": "a", "rows": 0}
     _wait(lambda: not host._refs, "the rows packet was never answered")
+    host.step_event = SimpleNamespace(query=lambda: False)  # the GPU still runs the step: answers handled at once
+    rt.add_request("a2", {"quick": SPEC}, prompt_len=2)
+    _step(rt, {"a2": (0, 2)}, lambda r: 1.0 + r)
+    rt.finish_request("a2")
+    rt.launched()  # the notifier's one wait; the reader's answers need no second launch
+    assert _collect(rt, ["a2"], timeout=10)["a2"]["quick"] == {"seen": "a2", "rows": 0}  # GATE_S is 30 s here
+    host.step_event = SimpleNamespace(query=lambda: True)  # the step is done: the reader waits for a launch again
     monkeypatch.setattr(capture_lanes, "GATE_S", 0.2)
     rt.add_request("b", {"quick": SPEC}, prompt_len=2)
     _step(rt, {"b": (0, 2)}, lambda r: 1.0 + r)

@@ -616,7 +616,10 @@ class CaptureRuntime:
         next step without captures is idle (``active`` False: no ``plan_step``). A deferred plan no op made (no
         capturing op on this rank) is made first. ``after``: an event the copies wait for besides the forward (the
         runner's own output copy: ``runtime.manager.with_after_sample``), only in a step that copies (an idle
-        capture server's step calls nothing on the device here)."""
+        capture server's step calls nothing on the device here); kept as the consumers' reader's sign that the GPU
+        still runs the step."""
+        if after is not None and self._host is not None:
+            self._host.step_event = after  # while it is pending the reader answers at once (``capture_lanes``)
         if self._deferred is not None:
             live.deferred, args, self._deferred = None, self._deferred, None
             self.plan_step(*args)

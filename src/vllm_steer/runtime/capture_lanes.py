@@ -21,8 +21,9 @@ writing the pipe) until the next step's forward is launched (``launched``; at mo
 the step's GPU work, which is when the next step's host work (the engine's update and schedule, the runner's input
 preparation) stands between the GPU and its next kernels: a thread taking the GIL there costs the GPU its time 1:1
 (s38's prefill profile: vLLM's per-request loop ran 4x slower beside them). The reader does the same with the host's
-answers (they come whenever the consumers are done, a filesystem consumer's after its writes): those that came
-before the next launch are handled together after it.
+answers (they come whenever the consumers are done, a filesystem consumer's after its writes) that come once a step's
+GPU work is done: those are handled together after the next launch; one that comes while the GPU runs a step is
+handled at once.
 
 If the host dies (a consumer crashed it, or it was killed), the worker logs it once, counts
 ``stats["consumer_host_deaths"]``, answers every request still waiting on its consumers with
@@ -143,6 +144,7 @@ class CaptureHost:
         self._launch = threading.Condition()
         self._waiting = 0  # threads waiting for a launch (``_after_launch``: the notifier, the reader)
         self._gated = device.type == "cuda" and gate
+        self.step_event: Any = None  # the last step's output event (the runner's: ``CaptureRuntime.after_forward``)
         self._refs: dict[int, int] = {}  # packet id -> lanes not yet done with it
         self._next_id = 0
         self.ring = RowRing(ring_rows)
@@ -196,6 +198,11 @@ class CaptureHost:
     def _tag(self) -> int:
         """A notifier item's launch to wait for: the next one (0: none, on a CPU or with the gate off)."""
         return self._launches + 1 if self._gated else 0
+
+    def _gpu_busy(self) -> bool:
+        """Whether the GPU still runs the last step handed on (its output's event, ``step_event``, pending)."""
+        event = self.step_event
+        return event is not None and not event.query()
 
     def _after_launch(self, tag: int) -> None:
         with self._launch:
@@ -311,11 +318,12 @@ class CaptureHost:
             batch: list[bytes] = []
             try:
                 batch.append(self._res.recv_bytes())  # the GIL released while it waits
-                # on a GPU the answers' Python (unpickling, results pushed) waits for the next launch, as the
-                # notifier's does: answers come whenever the consumers finish (a filesystem consumer's after its
-                # writes), often in the host work between two steps, where the GIL taken costs the GPU its time
-                # 1:1; then every answer that came meanwhile goes in one batch (an idle engine: one GATE_S wait)
-                if self._gated:
+                # on a GPU the answers' Python (unpickling, results pushed) is done while the GPU runs a step (its
+                # output's event pending: the step thread launches or waits then); an answer that comes once the
+                # step is done, when the host work between two steps is what the GPU waits for (the GIL taken there
+                # costs the GPU its time 1:1), waits for the next launch, as the notifier's items do; then every
+                # answer that came meanwhile goes in one batch (an idle engine: one GATE_S wait)
+                if self._gated and not self._gpu_busy():
                     self._after_launch(self._launches + 1)
                 while self._res.poll(0):
                     batch.append(self._res.recv_bytes())
