@@ -144,7 +144,15 @@ def test_on_a_gpu_the_notifier_sends_a_steps_packets_once_the_next_step_is_launc
     rt.finish_request("a2")
     rt.launched()  # the notifier's one wait; the reader's answers need no second launch
     assert _collect(rt, ["a2"], timeout=10)["a2"]["quick"] == {"seen": "a2", "rows": 0}  # GATE_S is 30 s here
-    host.step_event = SimpleNamespace(query=lambda: True)  # the step is done: the reader waits for a launch again
+    host.step_event = SimpleNamespace(query=lambda: 1 / 0)  # an event that cannot say: as done, the reader goes on
+    rt.add_request("a3", {"quick": SPEC}, prompt_len=2)
+    _step(rt, {"a3": (0, 2)}, lambda r: 1.0 + r)
+    rt.finish_request("a3")
+    rt.launched()
+    time.sleep(0.5)
+    assert not rt._pusher.of("a3") and host._waiting == 1  # the reader waits for a launch
+    rt.launched()
+    assert _collect(rt, ["a3"], timeout=10)["a3"]["quick"] == {"seen": "a3", "rows": 0}
     monkeypatch.setattr(capture_lanes, "GATE_S", 0.2)
     rt.add_request("b", {"quick": SPEC}, prompt_len=2)
     _step(rt, {"b": (0, 2)}, lambda r: 1.0 + r)

@@ -200,9 +200,13 @@ class CaptureHost:
         return self._launches + 1 if self._gated else 0
 
     def _gpu_busy(self) -> bool:
-        """Whether the GPU still runs the last step handed on (its output's event, ``step_event``, pending)."""
+        """Whether the GPU still runs the last step handed on (its output's event, ``step_event``, pending); False
+        when there is none or it cannot say (the reader then waits for the next launch, as before)."""
         event = self.step_event
-        return event is not None and not event.query()
+        try:
+            return event is not None and not event.query()
+        except Exception:  # never the reader's end: an event of another kind, a device error
+            return False
 
     def _after_launch(self, tag: int) -> None:
         with self._launch:
