@@ -42,8 +42,9 @@ on the GPU, the ring copy on its copy stream as in the engine, the GPU time a ``
 waits for. ``--profile FILE``: cProfile of the capture calls per column (their functions by own time, text);
 ``--op-times FILE``: each torch op they call timed on the host (wall) instead, per column (calls, ms a step).
 ``--inbox``: driver results go to an inbox in another process (the API process's in a server; without it the bench's
-requests have no reply address and the reader pushes nothing). ``--no-gate``: the notifier sends a step's packets at once, not after the next launch (on a GPU: "vllm host work
-wall" with and without it shows what the notifier's Python takes from the step's host work).
+requests have no reply address and the reader pushes nothing). ``--no-gate``: the notifier sends a step's packets
+(and the reader handles answers) at once, not after the next launch (on a GPU: "vllm host work wall" with and without
+it shows what their Python takes from the step's host work).
 
     PYTHONPATH=src:. python bench/prefill_host_cost.py [--load decode --steps 40 --hidden 256 --baseline DIR
         --out FILE.json]
@@ -281,8 +282,8 @@ def main() -> None:
                     "plan made by the forward's first capturing op (defer_step), where the version has it")
     ap.add_argument("--inbox", action="store_true", help="driver results pushed to an inbox in a process of its own "
                     "(the API process's), as a served request's are: the reader's push work in the worker")
-    ap.add_argument("--no-gate", action="store_true", help="the notifier sends at once instead of after the next "
-                    "launch (VLLM_STEER_CAPTURE_GATE=0; the gate acts on a GPU only)")
+    ap.add_argument("--no-gate", action="store_true", help="the notifier and the reader at once instead of after the "
+                    "next launch (VLLM_STEER_CAPTURE_GATE=0; the gate acts on a GPU only)")
     ap.add_argument("--out")
     ap.add_argument("--profile", metavar="FILE", help="cProfile of the capture calls (not vLLM's stand-in work, not "
                                                        "the GPU wait) per column, top functions by own time, as text")

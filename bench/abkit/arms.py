@@ -116,8 +116,8 @@ ARMS = {
                                 reduce="mean", load=PREFILL_LOAD, ref="prefill_stock"),
     "prefill_extract_hs": dict(server=EXTRACT_SERVER, kind="extract_hs", load=PREFILL_LOAD, ref="prefill_stock"),
 }
-# the same prefill capture as before s37 (server steer_capture_fs_pre), and with only the notifier not waiting for the
-# next launch (_nogate)
+# the same prefill capture as before s37 (server steer_capture_fs_pre), and with only the notifier and the reader not
+# waiting for the next launch (_nogate)
 for _arm in ("prefill_capture_fs_nowait", "prefill_capture_mem"):
     for _suffix in ("pre", "nogate"):
         ARMS[f"{_arm}_{_suffix}"] = {**ARMS[_arm], "server": f"steer_capture_fs_{_suffix}"}

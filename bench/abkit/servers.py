@@ -6,8 +6,8 @@ Each server is its own process group; all stay alive together so trials of diffe
   sae / sae_full / sae_serial / sae_topk   an SAE at 4 layers (SAE_SERVERS);   transcoder   a transcoder at each of them;   *_multi   ``--api-server-count`` front ends
   steer_capture_fs   the activations and filesystem consumers (files under <workdir>/capture_fs; fs_nosync, one
              without fsync, under <workdir>/capture_fs_nosync; a pool for a whole prefill step of every layer);
-             steer_capture_fs_pre the same as before s37 (capture planned before every forward, its notifier never
-             waiting for the next launch), steer_capture_fs_nogate only its notifier never waiting;
+             steer_capture_fs_pre the same as before s37 (capture planned before every forward, its notifier and
+             reader never waiting for the next launch), steer_capture_fs_nogate only those two never waiting;
              extract_hs   stock vLLM with its own extract_hidden_states
              speculative method + ExampleHiddenStatesConnector (files under <workdir>/extract_hs)
   stock_nofuse   stock with vLLM's all-reduce + RMSNorm fusion off (pass_config.fuse_allreduce_rms): at TP >= 2
@@ -71,7 +71,7 @@ PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_
                 "steer_capture_fs_nogate": 28}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 # steer_capture_fs as before s37: every capture plan made before the forward (VLLM_STEER_CAPTURE_IN_FORWARD=0), the
-# notifier never waiting for the next launch (VLLM_STEER_CAPTURE_GATE=0); _nogate: only the notifier never waiting
+# notifier and reader never waiting for the next launch (VLLM_STEER_CAPTURE_GATE=0); _nogate: only those never waiting
 CAPTURE_FS_PRE, CAPTURE_FS_NOGATE = "steer_capture_fs_pre", "steer_capture_fs_nogate"
 CAPTURE_FS_DIR, EXTRACT_DIR = "capture_fs", "extract_hs"  # under the workdir: the files the capture arms write
 CAPTURE_FS_NOSYNC_DIR = "capture_fs_nosync"  # the filesystem instance without fsync (fs_nosync)

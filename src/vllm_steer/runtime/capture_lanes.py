@@ -196,7 +196,8 @@ class CaptureHost:
                 self._launch.notify_all()
 
     def _tag(self) -> int:
-        """A notifier item's launch to wait for: the next one (0: none, on a CPU or with the gate off)."""
+        """The launch a notifier item (or an answer the reader got) waits for: the next one (0: none, on a CPU or with
+        the gate off)."""
         return self._launches + 1 if self._gated else 0
 
     def _gpu_busy(self) -> bool:
@@ -327,8 +328,8 @@ class CaptureHost:
                 # step is done, when the host work between two steps is what the GPU waits for (the GIL taken there
                 # costs the GPU its time 1:1), waits for the next launch, as the notifier's items do; then every
                 # answer that came meanwhile goes in one batch (an idle engine: one GATE_S wait)
-                if self._gated and not self._gpu_busy():
-                    self._after_launch(self._launches + 1)
+                if not self._gpu_busy() and (tag := self._tag()):
+                    self._after_launch(tag)
                 while self._res.poll(0):
                     batch.append(self._res.recv_bytes())
             except (EOFError, OSError):
