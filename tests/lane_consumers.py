@@ -78,6 +78,35 @@ class Recording(Summing):
         return {"sites": self.got.pop(request_id, {})}
 
 
+class Slow(Stuck):
+    """A worker consumer taking ``delay`` seconds per ``on_rows`` call, each call a line in the file ``log``
+    (request and positions), and "closed" there when it is closed."""
+
+    location = "worker"
+
+    def __init__(self, instance: str, log: str = "", delay: float = 0.0, **params) -> None:
+        super().__init__(instance)
+        self.log, self.delay = log, float(delay)
+
+    @classmethod
+    def validate_params(cls, params) -> None:
+        return None
+
+    def _write(self, line: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(line + "\n")
+
+    def on_rows(self, request_id, layer, hook, positions, rows, meta) -> None:
+        time.sleep(self.delay)
+        self._write(f"{request_id} {' '.join(str(int(p)) for p in positions)}")
+
+    def on_request_finished(self, request_id, meta) -> None:
+        return None
+
+    def close(self) -> None:
+        self._write("closed")
+
+
 class Burner:
     """A worker consumer whose ``on_rows`` burns CPU in pure Python (holding the GIL of whatever
     process runs it) when ``burn`` is set: the first call burns until the file ``stop`` exists (at most

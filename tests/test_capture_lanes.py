@@ -28,7 +28,7 @@ from vllm_steer.runtime import capture_lanes
 
 CLASSES = {"stuck": lane_consumers.Stuck, "quick": lane_consumers.Quick, "raising": lane_consumers.Raising,
            "summing": lane_consumers.Summing, "burner": lane_consumers.Burner, "counting": lane_consumers.Counting,
-           "recording": lane_consumers.Recording}
+           "recording": lane_consumers.Recording, "slow": lane_consumers.Slow}
 SPEC = {"layers": [0], "hooks": ["post_mlp"], "positions": "all"}
 
 
@@ -341,6 +341,49 @@ def test_the_consumers_process_dies_with_its_worker(tmp_path):
             return True
 
     _wait(gone, f"the consumers' process {host} outlived its worker")
+
+
+def test_a_consumers_process_ignores_ctrl_c_and_delivers_its_queue_after_its_worker_dies(tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group; a worker that dies (here SIGKILL) sends its consumers'
+    process SIGTERM. Neither loses rows already handed over: the host ignores SIGINT, and on SIGTERM delivers
+    every packet it received to its (slow) consumer, closes it, and exits."""
+    log = tmp_path / "slow.log"
+    code = textwrap.dedent(f"""
+        import time, numpy as np, torch
+        from tests import lane_consumers
+        from vllm_steer.core.config import SteerConfig
+        from vllm_steer.runtime import capture as capture_mod
+        capture_mod.consumer_class = {{"slow": lane_consumers.Slow}}.__getitem__
+        cfg = SteerConfig.model_validate({{"capture": [{{"name": "slow", "params": {{"log": {str(log)!r}, "delay": 0.4}}}}]}})
+        rt = capture_mod.CaptureRuntime(cfg, [("post_mlp", 0)], 1, 16, 8, torch.float32, torch.device("cpu"))
+        rt.add_request("a", {{"slow": {SPEC!r}}}, 3, {{"capture_reply": "ipc://inbox"}})
+        for pos in range(3):
+            rt.plan_step(["a"], np.array([1]), np.array([pos]))
+            rt.buffers.pool[rt._pending.base if rt._pending is not None else 0] = float(pos)
+            rt.after_forward()
+        time.sleep(0.5)  # the notifier has written the three packets to the pipe
+        print(rt._host.proc.pid, flush=True)
+        time.sleep(120)
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        host = int(worker.stdout.readline())
+        os.kill(host, signal.SIGINT)
+        time.sleep(0.3)
+        os.kill(host, 0)  # still there (ProcessLookupError otherwise)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{host}/stat") as f:
+                return f.read().split(") ")[1][0] in "ZX"
+        except FileNotFoundError:
+            return True
+
+    _wait(gone, f"the consumers' process {host} outlived its worker by more than its drain")
+    assert log.read_text().splitlines() == ["a 0", "a 1", "a 2", "closed"]
 
 
 def test_a_consumer_burning_cpu_does_not_change_other_requests_inter_token_gaps(smollm2_path, tmp_path):

@@ -19,8 +19,11 @@ Wire (pickled ``multiprocessing.connection`` messages):
 
 Each consumer keeps its own queue and thread here (a slow consumer delays only itself); the worker
 bounds what each may have queued (it never sends more), so the queues here need no bound of their own.
-The host exits when its command pipe closes (the worker closed it or died) and is killed with its
-worker (``PR_SET_PDEATHSIG``): it never outlives the worker. It runs at the lowest CPU priority (``NICE``):
+The host stops reading when its command pipe closes (the worker closed it or died) or on SIGTERM (sent when its
+worker dies, ``PR_SET_PDEATHSIG``, or by a service manager stopping the group); it then delivers what it received
+(at most ``DRAIN_S``), closes its consumers (files flushed, sae-lens windows written) and exits: it outlives its
+worker by that bound only. It ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the rows
+already captured are the worker's to end, not the keyboard's. It runs at the lowest CPU priority (``NICE``):
 on the CPU lane a consumer burning a core slowed the engine's steps 4x at equal priority (its OMP threads
 lost their core), not at nice 19.
 """
@@ -36,6 +39,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -48,12 +52,13 @@ logger = logging.getLogger("vllm.steer.capture")
 
 PR_SET_PDEATHSIG = 1
 NICE = 19  # consumers are background work: on a busy host the engine's threads get the CPU first
+DRAIN_S = 30.0  # once told to stop: how long the lanes may take to deliver what they received, all together
 STATS_S = 1.0  # how often consumers' own counters are read (and sent when they changed)
 
 
 def _die_with_parent(parent: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the pipe's EOF still ends the host
         pass
     if os.getppid() != parent:  # the worker died before the prctl took
@@ -273,12 +278,42 @@ def serve(cmd: Connection, res: Connection) -> None:
     stop = threading.Event()
     threading.Thread(target=_report_stats, args=(consumers, send, stop), name="vllm-steer-capture-stats",
                      daemon=True).start()
-    dtype = init["dtype"]
+    try:
+        _read_commands(cmd, ring, init["dtype"], lanes)
+    except _Stop:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the drain below is bounded: a second SIGTERM cannot cut it
+    stop.set()
+    for lane in lanes.values():  # deliver what was sent, then close the consumers
+        lane.queue.put(None)
+    deadline = time.monotonic() + DRAIN_S
+    for lane in lanes.values():
+        lane.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if lane.thread.is_alive():
+            logger.warning("vllm-steer: capture consumer %s still busy after %.0f s of draining: rows it had not "
+                           "taken are lost", lane.instance, DRAIN_S)
+        try:
+            lane.consumer.close()
+        except Exception:
+            logger.exception("vllm-steer: capture consumer %s raised in close", lane.instance)
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGTERM: stop reading commands, deliver what was received."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Stop
+
+
+def _read_commands(cmd: Connection, ring: Any, dtype: str, lanes: dict[int, _HostLane]) -> None:
+    """Hand each command to its lanes' queues until the pipe closes."""
     while True:
         try:
             msg = cmd.recv()
         except (EOFError, OSError):
-            break
+            return
         if msg[0] == "rows":
             _, packet_id, row0, n, groups, bits = msg
             packet = _Packet(ring, dtype, row0, n, groups)
@@ -288,19 +323,12 @@ def serve(cmd: Connection, res: Connection) -> None:
             _, request_id, key, metas = msg
             for bit, meta in metas.items():
                 lanes[bit].queue.put(("finish", request_id, key, meta))
-    stop.set()
-    for lane in lanes.values():  # deliver what was sent, then close the consumers
-        lane.queue.put(None)
-    for lane in lanes.values():
-        lane.thread.join(timeout=30)
-        try:
-            lane.consumer.close()
-        except Exception:
-            logger.exception("vllm-steer: capture consumer %s raised in close", lane.instance)
 
 
 def main(argv: list[str]) -> int:
     parent, cmd_fd, res_fd = (int(a) for a in argv[1:4])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with_parent(parent)
     os.nice(NICE)  # a consumer burning CPU must not slow the engine's steps (its queues drop, counted, instead)
     logging.basicConfig(level=logging.INFO, format="(capture host pid=%(process)d) %(levelname)s %(message)s")
