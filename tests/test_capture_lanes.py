@@ -361,7 +361,9 @@ def test_a_consumers_process_ignores_ctrl_c_and_delivers_its_queue_after_its_wor
             rt.plan_step(["a"], np.array([1]), np.array([pos]))
             rt.buffers.pool[rt._pending.base if rt._pending is not None else 0] = float(pos)
             rt.after_forward()
-        time.sleep(0.5)  # the notifier has written the three packets to the pipe
+        while not rt._host._notify.empty():  # the notifier took the three packets ...
+            time.sleep(0.01)
+        time.sleep(0.3)  # ... and wrote them to the pipe
         print(rt._host.proc.pid, flush=True)
         time.sleep(120)
     """)

@@ -459,3 +459,39 @@ def test_ranged_planning_equals_the_general_path(monkeypatch, runtimes, seed):
     assert fast._planner.ranged > 10 and slow._planner.ranged == 0
     assert (fast._planner.decoded > 0) == pieces and slow._planner.decoded == 0
     assert fast._planner.advanced_steps > 0 and slow._planner.advanced_steps == 0
+
+
+def test_start_up_launches_each_capture_kernel_on_the_buffers_its_steps_use(monkeypatch, runtimes):
+    """A Triton kernel compiles at its first launch (on a GPU, at the first capturing step: a JIT during inference,
+    an engine error under vLLM's ``--jit-monitor-mode error``). Building the runtime launches ``write_runs`` (both
+    modes) and ``segment_add`` once, writing nothing, on the very buffers the steps then pass (so the same dtypes
+    and alignment: one compiled kernel, ``test_kernels_compile``)."""
+    from vllm_steer.runtime import capture_plan, capture_reduce
+
+    calls = []
+    write_runs, segment_add = capture_plan.write_runs, capture_reduce.segment_add
+    monkeypatch.setattr(capture_plan, "write_runs",
+                        lambda *a, **k: (calls.append(("runs", a, k.get("reset", False))), write_runs(*a, **k))[1])
+    monkeypatch.setattr(capture_reduce, "segment_add", lambda *a: (calls.append(("add", a, None)), segment_add(*a))[1])
+    sites = [(h, l) for h in HOOKS for l in range(NUM_LAYERS)]
+    rt, got = _runtime(monkeypatch, runtimes, sites, reduce_rows=8)
+    warm = list(calls)
+    planner, region = rt._planner, rt._reduce
+    assert sorted((kind, str(reset)) for kind, _, reset in warm) == [("add", "None"), ("runs", "False"), ("runs", "True")]
+    assert torch.equal(rt.buffers.plan, torch.full_like(rt.buffers.plan, -1))  # nothing written
+    assert not region.acc.any()
+    step = _stepper(rt)
+    rt.add_request("r1", {"activations": {"layers": [0, 1], "hooks": ["post_mlp"], "positions": "all",
+                                          "reduce": "mean"}}, 5)
+    step(["r1"], [5], [0])
+    step(["r1"], [1], [5])
+    later = calls[len(warm):]
+    assert {kind for kind, _, _ in later} == {"runs", "add"} and True in {r for k, _, r in later if k == "runs"}
+    for kind, args, _ in later:
+        w = next(a for k, a, _ in warm if k == kind)
+        if kind == "runs":
+            assert args[0] is planner._plan_flat is w[0] and args[1] is planner._staging is w[1]
+        else:  # acc, pool, sources the same tensors; the slots and bounds views of the same index buffer
+            assert all(args[i] is w[i] for i in range(3))
+            assert all(a.untyped_storage().data_ptr() == region._idx.untyped_storage().data_ptr()
+                       and a.dtype == region._idx.dtype for a in (args[3], args[4], w[3], w[4]))

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -86,3 +88,26 @@ def test_pinned_ring_lands_the_filled_prefix_in_order():
         buf[:3] = (k, k + 1, k + 2)
         land(dst[:3])
         assert dst.tolist() == [k, k + 1, k + 2] + [-1] * 5
+
+
+def test_the_start_up_launch_passes_the_tensors_a_v2_step_passes(monkeypatch):
+    """Triton compiles one kernel per argument dtype and alignment: the start-up launch must use what vLLM's V2
+    runner passes each step (its InputBuffers' ``query_start_loc`` and ``positions``, an int32 ``idx_mapping``),
+    or the first steered step compiles another during inference (an engine error under ``--jit-monitor-mode
+    error``; s40's servers logged the warning)."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from vllm_steer.kernels.launch_cache import spec_of
+    from vllm_steer.runtime import manager
+
+    calls = []
+    monkeypatch.setattr(manager, "step_index", lambda *args: calls.append(args))
+    buffers = InputBuffers(max_num_reqs=4, max_num_tokens=16, device=torch.device("cpu"))
+    rt = SimpleNamespace(tables=SimpleNamespace(index=torch.zeros(16, dtype=torch.int32)))
+    slots = SlotRows(4, torch.device("cpu"))
+    manager.SteeringRuntime.index_on_device_warmup(rt, slots, buffers)
+    manager.SteeringRuntime.index_on_device_warmup(rt, slots)  # a runner without input buffers: vLLM 0.26's dtypes
+    batch = InputBatch.make_dummy(3, 7, buffers)  # a step's tensors, as vLLM builds them
+    step = spec_of((batch.idx_mapping, batch.query_start_loc, batch.positions))
+    assert [spec_of(c[1:4]) for c in calls] == [step, step]
+    assert [c[5:] for c in calls] == [(0, 0), (0, 0)]  # no request, no padding: nothing written

@@ -11,7 +11,9 @@ _BLOCK_D = 1024
 _UNROLL = 4  # rows loaded a loop step: loads in flight per thread
 
 
-@triton.jit
+# the index pointers are slices of one buffer at offsets that change with the step (an odd count of segments leaves
+# ``p_off`` 8 bytes off 16): not specialized on, so one compiled kernel serves every step (warmed at start-up)
+@triton.jit(do_not_specialize_on_alignment=["p_src", "p_slot", "p_off"])
 def _segment_add_kernel(p_acc, p_pool, p_src, p_slot, p_off, stride_acc, stride_pool, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
     i_s = tl.program_id(0)

@@ -8,7 +8,7 @@ import triton.language as tl
 _BLOCK = 512
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compiled kernel per RESET for every count of runs (warmed at start-up)
 def _write_runs_kernel(p_plan, p_runs, n, RESET: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     flat = tl.load(p_runs + i)

@@ -2,7 +2,7 @@
 for an H100 (sm_90: Triton's own ptxas, a CUDA driver stood in for) and never launched, so a kernel that would not
 compile on the GPU lane fails here, before a GPU session's time is spent on it. The tests' own asserts then fail
 (nothing ran): only what this plugin writes counts. ``VLLM_STEER_SM90_OUT`` names a folder: ``compiled.txt`` (a
-kernel name per compile call) and ``errors.txt`` (one block per distinct failure, with its traceback).
+kernel name per compile call), ``compiles.txt`` (a kernel name per compile: Triton's cache missed) and ``errors.txt`` (one block per distinct failure, with its traceback).
 
 Run it in a process of its own, without ``TRITON_INTERPRET`` set (Triton decorates its library once, at import):
 the plugin turns the interpreter off and then sets the variable for the tests' skip marks and full_triton's
@@ -69,6 +69,15 @@ def _error(text: str) -> None:
 
 
 JITFunction.run = _compile_only
+
+
+def _count_compile(**kwargs) -> None:
+    """Triton's hook after each compile (a cache miss: vLLM's JIT monitor hooks the same): a kernel name per line."""
+    with open(OUT / "compiles.txt", "a") as f:
+        f.write(getattr(kwargs.get("fn"), "name", "?") + "\n")
+
+
+knobs.runtime.jit_post_compile_hook = _count_compile
 
 
 def pytest_collection_modifyitems(session, config, items):

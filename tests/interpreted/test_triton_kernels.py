@@ -492,6 +492,42 @@ def test_capture_in_the_norm_matches_reference(interpreted, variant, captured):
     assert torch.equal(alone[0], got_t[0]) and torch.equal(alone[1], got_t[1])
 
 
+@_INTERPRETER_INDEX
+def test_capture_kernels_take_one_compile_for_every_step():
+    """``write_runs`` for every count of runs (1, 2, 16, 17: Triton specializes an int on == 1 and % 16 unless told
+    not to) and ``segment_add`` with its index slices at any offset of one buffer, as ``ReduceRegion`` passes them (an
+    odd count of segments leaves ``off`` 8 bytes off 16): one compiled kernel each (per ``RESET``), so the launch at
+    start-up compiles what every step runs and none compiles during inference (``test_kernels_compile`` counts this
+    run's compiles on sm_90). The results match the references."""
+    from vllm_steer.kernels.capture_reduce.naive import segment_add_naive
+    from vllm_steer.kernels.capture_reduce.triton import segment_add_triton
+    from vllm_steer.kernels.plan_runs.naive import write_runs_naive
+    from vllm_steer.kernels.plan_runs.triton import write_runs_triton
+
+    plans = []  # every launch first, the checks after (the sm_90 compile run launches nothing: its checks fail)
+    for n in (1, 2, 16, 17):
+        runs = torch.tensor([3 * i for i in range(n)] + [10 * i for i in range(n)] + [2] * n)  # cells, rows, lengths
+        for reset in (False, True):
+            got = torch.full((3 * n + 4,), 5, dtype=torch.int32)
+            want = got.clone()
+            write_runs_triton(got, runs, n, reset)
+            write_runs_naive(want, runs, n, reset)
+            plans.append((got, want))
+    pool = _case(12, 40, torch.bfloat16, seed=13)[0]
+    src = torch.tensor([7, 0, 11, 3, 3, 9, 1, 5, 2, 10])
+    sums = []
+    for at in range(4):  # the segments' slots, then their bounds, at offset ``at`` of one index buffer
+        idx = torch.tensor([0] * at + [4, 0, 2] + [0, 1, 7, 10])
+        acc = torch.randn(6, 40, generator=torch.Generator().manual_seed(at))
+        got, want = acc.clone(), acc.clone()
+        segment_add_triton(got, pool, src, idx[at:], idx[at + 3 :], 3)
+        segment_add_naive(want, pool, src, idx[at:], idx[at + 3 :], 3)
+        sums.append((got, want))
+    assert all(torch.equal(got, want) for got, want in plans)
+    for got, want in sums:
+        torch.testing.assert_close(got, want, **_SAE_TOL[torch.float32])
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_step_index_kernel_matches_reference(seed):
     import vllm_steer.kernels.step_index.triton as kernel

@@ -280,10 +280,8 @@ def serve(cmd: Connection, res: Connection) -> None:
                      daemon=True).start()
     try:
         _read_commands(cmd, ring, init["dtype"], lanes)
-    except _Stop:
+    except _Stop:  # SIGTERM while reading; once the reading is over, SIGTERM is ignored (the drain is bounded)
         pass
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the drain below is bounded: a second SIGTERM cannot cut it
     stop.set()
     for lane in lanes.values():  # deliver what was sent, then close the consumers
         lane.queue.put(None)
@@ -300,29 +298,38 @@ def serve(cmd: Connection, res: Connection) -> None:
 
 
 class _Stop(Exception):
-    """Raised in the main thread by SIGTERM: stop reading commands, deliver what was received."""
+    """Raised in the main thread by SIGTERM while it reads commands: stop reading, deliver what was received."""
+
+
+_reading = False  # SIGTERM raises _Stop only inside _read_commands (a signal at its return must not cut the drain)
 
 
 def _on_sigterm(signum, frame) -> None:
-    raise _Stop
+    if _reading:
+        raise _Stop
 
 
 def _read_commands(cmd: Connection, ring: Any, dtype: str, lanes: dict[int, _HostLane]) -> None:
-    """Hand each command to its lanes' queues until the pipe closes."""
-    while True:
-        try:
-            msg = cmd.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "rows":
-            _, packet_id, row0, n, groups, bits = msg
-            packet = _Packet(ring, dtype, row0, n, groups)
-            for bit in bits:
-                lanes[bit].queue.put(("rows", packet_id, packet))
-        elif msg[0] == "finish":
-            _, request_id, key, metas = msg
-            for bit, meta in metas.items():
-                lanes[bit].queue.put(("finish", request_id, key, meta))
+    """Hand each command to its lanes' queues until the pipe closes (or SIGTERM: ``_Stop``)."""
+    global _reading
+    _reading = True
+    try:
+        while True:
+            try:
+                msg = cmd.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "rows":
+                _, packet_id, row0, n, groups, bits = msg
+                packet = _Packet(ring, dtype, row0, n, groups)
+                for bit in bits:
+                    lanes[bit].queue.put(("rows", packet_id, packet))
+            elif msg[0] == "finish":
+                _, request_id, key, metas = msg
+                for bit, meta in metas.items():
+                    lanes[bit].queue.put(("finish", request_id, key, meta))
+    finally:
+        _reading = False
 
 
 def main(argv: list[str]) -> int:

@@ -227,6 +227,12 @@ class CapturePlanner:
         self._staging = torch.empty(3 * cap, dtype=torch.int64, device=plan.device)
         # a persistent flat view (a view op costs ~20 us of host time on a GPU host: s36's op times)
         self._plan_flat = plan.view(-1)
+        # launch both kernels now, on the buffers every upload uses (one run of no cells: nothing written), so a GPU
+        # compiles them at start-up, not at the first capturing step (a JIT during inference: an engine error under
+        # vLLM's ``--jit-monitor-mode error``)
+        self._staging[:3].zero_()
+        for reset in (False, True):
+            write_runs(self._plan_flat, self._staging, 1, reset=reset)
         self._last = self._last_rows = self._last_lens = _NONE  # the runs of the last upload
         self._last_runs = 0  # its runs with cells (in ``_staging``, reset by the next upload)
         self._same: _Same | None = None

@@ -60,6 +60,9 @@ class ReduceRegion:
         self._pairs = np.zeros(0, np.int64)  # what _idx was staged from (counts, mean runs, copies)
         self._n_runs = self._n_seg = 0
         self.index_uploads = 0
+        if rows:  # launch the kernel now on the buffers ``apply`` uses (one empty segment: + 0), so a GPU compiles it
+            self._idx[:3].zero_()  # at start-up, not at the first mean (see ``CapturePlanner``)
+            segment_add(self.acc, self.pool, self._src, self._idx, self._idx[1:], 1)
 
     @property
     def free(self) -> int:

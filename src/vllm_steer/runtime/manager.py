@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -293,10 +293,20 @@ class SteeringRuntime:
             self.tables.index[: self._index_extent].zero_()
             self._index_extent = 0
 
-    def index_on_device_warmup(self, slots: SlotRows) -> None:
-        """Compile ``step_index`` at start-up (a launch with no request), not at the first steered step."""
-        one = torch.zeros(1, dtype=torch.int32, device=slots.device.device)
-        step_index(self.tables.index, one, one, one, slots.device, 0, 0)
+    def index_on_device_warmup(self, slots: SlotRows, input_buffers: Any = None) -> None:
+        """Compile ``step_index`` at start-up (a launch with no request: nothing written), not at the first steered
+        step: with the runner's own ``query_start_loc`` and ``positions`` buffers (``input_buffers``; without them
+        vLLM 0.26's dtypes, int32 and int64) and an int32 ``idx_mapping``, the tensors each step passes, so the kernel
+        compiled here is the one the steps launch (Triton compiles one per argument dtype: an int32 ``positions``
+        here compiled another, and the first steered step compiled its own, a JIT during inference that
+        ``--jit-monitor-mode error`` turns into an engine error)."""
+        device = slots.device.device
+        qsl = getattr(input_buffers, "query_start_loc", None)
+        positions = getattr(input_buffers, "positions", None)
+        qsl = qsl[:1] if qsl is not None else torch.zeros(1, dtype=torch.int32, device=device)
+        positions = positions[:1] if positions is not None else torch.zeros(1, dtype=torch.int64, device=device)
+        idx_mapping = torch.zeros(1, dtype=torch.int32, device=device)
+        step_index(self.tables.index, idx_mapping, qsl, positions, slots.device, 0, 0)
 
 
 def _capture_ranks() -> tuple[int, int, int]:

@@ -90,7 +90,7 @@ def attach_runtime(runner: Any) -> SteeringRuntime | None:
     state._steer_slots = SlotRows(runner.max_num_reqs, runner.device)
     state._steer_slot_of = {}
     state._steer_compilation = runner.compilation_config  # its graph sizes are resolved later (initialize_kv_cache)
-    runtime.index_on_device_warmup(state._steer_slots)
+    runtime.index_on_device_warmup(state._steer_slots, getattr(runner, "input_buffers", None))
     return runtime
 
 
