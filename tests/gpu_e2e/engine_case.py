@@ -287,6 +287,7 @@ def worker_probe(self) -> dict:
         "model_state": type(getattr(r, "model_state", None)).__name__,
         "compilation_mode": getattr(cc.mode, "name", str(cc.mode)),
         "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
+        "max_cudagraph_capture_size": getattr(cc, "max_cudagraph_capture_size", None),
         "enforce_eager": bool(r.vllm_config.model_config.enforce_eager),
     }
     try:  # steered norms carry the class attribute ``_vs_base`` (vllm_steer.runtime.install.steered_norm_class)

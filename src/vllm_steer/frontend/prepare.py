@@ -396,16 +396,16 @@ class SteeringFrontend:
                                                for c in (self.cfg.capture if self.cfg else ())}
         return cached
 
-    def capture_expectation(self, capture: dict, n: int) -> dict:
+    def capture_expectation(self, capture: dict, n: int, waits: bool | None = None) -> dict:
         """``ResultInbox.expect``'s arguments for a request's captures (``n`` engine requests): its driver
         instances and how many worker messages end it: one per engine request from TP rank 0 of every
         pipeline stage that holds a consumer of it, which is every stage when a worker consumer
         captures it (own or global spec), else the stages of the driver instances' sites (a driver
         hears of a request only where its sites are: ``runtime.capture.CaptureRuntime._runs_here``).
         Under pipeline parallelism also each driver instance's stages and the merge of those spanning
-        several."""
+        several. ``waits``: ``capture_waits(capture)`` when the caller has it."""
         n = max(1, n)
-        if not self.capture_waits(capture):  # complete at once: no worker message is awaited (or sent)
+        if not (self.capture_waits(capture) if waits is None else waits):  # complete at once: nothing awaited (or sent)
             return {"instances": [], "messages": 0}
         instances = self.driver_instances(capture)
         if self.pipeline_stages == 1:
@@ -589,7 +589,8 @@ def patch_input_processor() -> None:
             if captures:  # driver results come back to this process's inbox, not through the engine
                 box = inbox()
                 box.ttl = max(box.ttl, 2 * frontend.cfg.capture_result_timeout_s)
-                expected = frontend.capture_expectation(capture, getattr(params, "n", 1) or 1)
+                expected = frontend.capture_expectation(capture, getattr(params, "n", 1) or 1,
+                                                        waits=ready.payload.capture_reply is not None)
                 box.expect(request_id, **expected)
             if captures and frontend.needs_whole_prompt(capture):
                 # Cached prompt blocks are never recomputed, so their residuals would be missing.
