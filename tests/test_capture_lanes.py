@@ -61,6 +61,15 @@ def _wait(cond, what, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts: dead, its parent, init, reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
 class Sent:
     """Stands in for the worker's ResultPusher: what would have gone to the submitter."""
 
@@ -333,14 +342,7 @@ def test_the_consumers_process_dies_with_its_worker(tmp_path):
         worker.send_signal(signal.SIGKILL)
         worker.wait()
 
-    def gone() -> bool:
-        try:
-            with open(f"/proc/{host}/stat") as f:
-                return f.read().split(") ")[1][0] in "ZX"  # a zombie: dead, its parent (init) reaps it
-        except FileNotFoundError:
-            return True
-
-    _wait(gone, f"the consumers' process {host} outlived its worker")
+    _wait(lambda: _gone(host), f"the consumers' process {host} outlived its worker")
 
 
 def test_a_consumers_process_ignores_ctrl_c_and_delivers_its_queue_after_its_worker_dies(tmp_path):
@@ -377,14 +379,7 @@ def test_a_consumers_process_ignores_ctrl_c_and_delivers_its_queue_after_its_wor
         worker.send_signal(signal.SIGKILL)
         worker.wait()
 
-    def gone() -> bool:
-        try:
-            with open(f"/proc/{host}/stat") as f:
-                return f.read().split(") ")[1][0] in "ZX"
-        except FileNotFoundError:
-            return True
-
-    _wait(gone, f"the consumers' process {host} outlived its worker by more than its drain")
+    _wait(lambda: _gone(host), f"the consumers' process {host} outlived its worker by more than its drain")
     assert log.read_text().splitlines() == ["a 0", "a 1", "a 2", "closed"]
 
 
