@@ -1,9 +1,9 @@
-"""``runtime.gc_watch``: the opt-in log of slow garbage collections (``VLLM_STEER_GC_WATCH``)."""
+"""``core.gc_watch``: the opt-in log of slow garbage collections (``VLLM_STEER_GC_WATCH``)."""
 
 import gc
 import logging
 
-from vllm_steer.runtime import gc_watch
+from vllm_steer.core import gc_watch
 
 
 def test_slow_collections_are_logged_only_when_asked(monkeypatch, caplog):

@@ -201,11 +201,13 @@ def sae_layers(num_layers: int) -> list[int]:  # the (up to) 4 SAE sites' layers
 
 
 def capture_fs_block(workdir: Path) -> dict:
-    """The steer block of steer_capture_fs: activations (driver) and filesystem (worker, no global spec)."""
+    """The steer block of steer_capture_fs: activations (driver) and filesystem (worker, no global spec); the API
+    process's event loop watched at 0.25 s (`loop_stall_warn_s`: s40's files arm stalled ~0.5 s once, unexplained)."""
     fs = {"name": "filesystem", "params": {"root": str(workdir / CAPTURE_FS_DIR), "threads": 4}}
     nosync = {"name": "filesystem", "instance": "fs_nosync",
               "params": {"root": str(workdir / CAPTURE_FS_NOSYNC_DIR), "threads": 4, "fsync": False}}
-    return {"steer": {"max_configs": 272, "capture": ["activations", fs, nosync], "capture_max_rows": CAPTURE_FS_ROWS}}
+    return {"steer": {"max_configs": 272, "capture": ["activations", fs, nosync], "capture_max_rows": CAPTURE_FS_ROWS,
+                      "loop_stall_warn_s": 0.25}}
 
 
 def extract_hs_args(workdir: Path, num_layers: int) -> list[str]:

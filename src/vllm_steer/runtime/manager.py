@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from vllm_steer.core import gc_watch
 from vllm_steer.core.config import SteerConfig, steer_config_of
 from vllm_steer.core.hooks import HOOK_NAMES
 from vllm_steer.core.layout import layout_key, table_layout
@@ -28,7 +29,7 @@ from vllm_steer.core.sae_catalog import sae_catalog, slot_sites
 from vllm_steer.core.sae_paths import runtime_access
 from vllm_steer.kernels.capture_rows import live
 from vllm_steer.kernels.step_index.op import step_index
-from vllm_steer.runtime import allreduce_fusion, gc_watch
+from vllm_steer.runtime import allreduce_fusion
 from vllm_steer.runtime.capture import CaptureRuntime
 from vllm_steer.runtime.condition_tables import ConditionTables
 from vllm_steer.runtime.install import install_steering, norm_sites, num_decoder_layers, site_gains

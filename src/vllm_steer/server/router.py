@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from vllm_steer import __version__
+from vllm_steer.core import gc_watch
 from vllm_steer.core.compat import rpc_every_engine
 from vllm_steer.core.config import steer_config_of
 from vllm_steer.frontend.prepare import SteeringFrontend
@@ -85,6 +86,7 @@ class SteeringEndpointPlugin:
         if state.steer_config is None:
             return
         state.steer_loop_watch = watch_running_loop(state.steer_config.loop_stall_warn_s)
+        gc_watch.install()  # VLLM_STEER_GC_WATCH: this process's slow collections logged (off by default)
         # Several API processes share the engine core's module and SAE registries (frontend.registry_sync).
         MODULE_SYNC.enabled = SAE_SYNC.enabled = state.steer_api_servers > 1
         # Start-up preload: before the server accepts requests.

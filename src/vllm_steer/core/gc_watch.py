@@ -1,8 +1,10 @@
-"""Opt-in diagnostic: log the worker process's slow garbage collections (``VLLM_STEER_GC_WATCH=<ms>``).
+"""Opt-in diagnostic: log a process's slow garbage collections (``VLLM_STEER_GC_WATCH=<ms>``): the workers' (installed
+with their runtime) and the API process's (the endpoint plugin's start-up).
 
 vLLM freezes the startup heap (``gc.freeze``), so a collection scans only the objects made since; one that runs in the
 engine core's host work between two steps idles the GPU for its whole length (issue 37's prefill profiles show 5-7 ms
-host pauses with no CUDA call at some step boundaries). With the variable set, each collection of at least that many
+host pauses with no CUDA call at some step boundaries); one in the API process stalls every response it serves (s40's
+files arm: one ~0.5 s stall in 22 trials, cause unknown). With the variable set, each collection of at least that many
 ms is logged with its generation and the objects it collected; unset (the default), nothing is installed.
 """
 
