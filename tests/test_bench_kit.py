@@ -24,7 +24,7 @@ if str(ROOT / "bench") not in sys.path:
 
 from abkit.arms import (ARMS, arm_fields, arm_modules, build_bodies, ctx_site, expects_steering_field,  # noqa: E402
                         hotwire_field, module_name, steer_vectors)
-from abkit.report import paired_pct  # noqa: E402
+from abkit.report import METRICS, ab_tables, paired_pct  # noqa: E402
 from abkit.servers import N_SITE, PEER_SERVER, SHAPES, server_unavailable, site_layer  # noqa: E402
 
 PEER_WHEELS = sorted((ROOT / ".whl" / "peer").glob("hotwire_vllm-*.whl"))
@@ -274,6 +274,21 @@ def test_paired_deltas_pair_trials_by_number():
                       {"trial": 2, "throughput": 100.0}]}
     p = paired_pct(arm, ref, "throughput")
     assert p["trials"] == [0, 2] and [round(x, 6) for x in p["pct"]] == [10.0, -10.0] and not p["significant"]
+
+
+def test_prefill_capture_arms_are_compared_with_extract_hidden_states_trial_by_trial():
+    """The prefill report puts each capture arm against vLLM's extract_hidden_states pair by pair (both against the
+    same stock trial): mean and median, so one stalled trial shows as what it is."""
+    def arm(name, tputs):
+        rest = {m: 1.0 for m, _ in METRICS if m != "throughput"}
+        return {"arm": name, "trials": [{"trial": k, "throughput": v, **rest} for k, v in enumerate(tputs)]}
+    phases = {"ab": {"prefill_stock": arm("prefill_stock", [100.0, 100.0, 100.0]),
+                     "prefill_capture_fs_nowait": arm("prefill_capture_fs_nowait", [99.0, 80.0, 101.0]),
+                     "prefill_extract_hs": arm("prefill_extract_hs", [100.0, 100.0, 100.0])}}
+    lines: list[str] = []
+    ab_tables(phases, lines)
+    row = next(line for line in lines if line.startswith("| prefill_capture_fs_nowait | prefill_extract_hs |"))
+    assert row.split(" | ")[2:] == ["3", "-1.0, -20.0, +1.0", "-6.67% ± 6.69", "-1.00% |"]
 
 
 @pytest.mark.skipif(not PEER_WHEELS, reason="needs the peer wheel in .whl/peer/ (not in the repository)")

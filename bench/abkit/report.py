@@ -116,6 +116,26 @@ def table(lines: list[str], header: str) -> None:
     lines += ["| " + header + " |", "| --- " * (header.count(" | ") + 1) + "|"]
 
 
+def head_to_head(arms: dict, pairs: list[tuple[str, dict, str]], lines: list[str]) -> None:
+    """Each arm against a peer's arm of the same reference (vLLM's extract_hidden_states for the prefill capture arms),
+    trial by trial: ``arm_k / peer_k - 1`` of output throughput; the mean, and the median (one stalled trial of either
+    moves the mean by its whole size)."""
+    for peer, e_peer, ref in pairs:
+        if ARMS.get(e_peer["arm"], {}).get("kind") != "extract_hs":
+            continue
+        rivals = [(label, e) for label, e, r in pairs if r == ref and label != peer]
+        if not rivals:
+            continue
+        lines.append(f"\nHead to head against `{peer}` (output tok/s, trial k of the arm / trial k of `{peer}` − 1, in "
+                     "%; mean ± SEM and median over the pairs):\n")
+        table(lines, "arm | vs | pairs | per trial | mean ± SEM | median")
+        for label, e in rivals:
+            p = paired_pct(e, e_peer, "throughput")
+            if p["pct"]:
+                lines.append(f"| {label} | {peer} | {len(p['pct'])} | {', '.join(f'{v:+.1f}' for v in p['pct'])} "
+                             f"| {fmt_pct(p)} | {statistics.median(p['pct']):+.2f}% |")
+
+
 def ab_tables(phases: dict, lines: list[str]) -> None:
     for ph in sorted(ph for ph in phases if ph.split("#")[0] == "ab" and phases[ph]):
         arms = phases[ph]
@@ -153,6 +173,7 @@ def ab_tables(phases: dict, lines: list[str]) -> None:
             cells = [c for p in ps for c in ((", ".join(f"{v:+.1f}" for v in p["pct"]), fmt_pct(p))
                                             if p["pct"] else ("—", "—"))]
             lines.append(f"| {label} | {ref} | {len(ps[0]['trials'])} | " + " | ".join(cells) + " |")
+        head_to_head(arms, pairs, lines)
         written = {label: [t for t in e.get("trials", []) if "bytes_written" in t] for label, e in arms.items()}
         if any(written.values()):
             lines.append("\nCaptured files (mean over trials; GB/s = bytes written / the load's wall time; lag: "
