@@ -20,10 +20,9 @@ On a GPU the notifier holds its Python work for a step's packets and finishes (p
 writing the pipe) until the next step's forward is launched (``launched``; at most ``GATE_S``): their copies end with
 the step's GPU work, which is when the next step's host work (the engine's update and schedule, the runner's input
 preparation) stands between the GPU and its next kernels: a thread taking the GIL there costs the GPU its time 1:1
-(s38's prefill profile: vLLM's per-request loop ran 4x slower beside them). The reader does the same with the host's
-answers (they come whenever the consumers are done, a filesystem consumer's after its writes) that come once a step's
-GPU work is done: those are handled together after the next launch; one that comes while the GPU runs a step is
-handled at once.
+(s38's prefill profile: vLLM's per-request loop ran 4x slower beside them). The reader's answers from the host come
+whenever the consumers are done (a filesystem consumer's after its writes): one that comes while the GPU runs a step
+is handled at once; those that come after the step's GPU work is done wait for the next launch, handled together.
 
 If the host dies (a consumer crashed it, or it was killed), the worker logs it once, counts
 ``stats["consumer_host_deaths"]``, answers every request still waiting on its consumers with
