@@ -236,7 +236,11 @@ def main() -> int:
     finally:
         servers = pool.servers.items()
         meta.update(wheel_versions=pool.wheel_versions(), server_start_s={n: s.start_s for n, s in servers},
-                    server_log_tails={n: s.tail(25) for n, s in servers}, elapsed_s=round(time.time() - T0, 1))
+                    server_log_tails={n: s.tail(25) for n, s in servers}, elapsed_s=round(time.time() - T0, 1),
+                    jit_compiles_in_service={n: s.jit_compiles() for n, s in servers})
+        for n, kernels in meta["jit_compiles_in_service"].items():
+            if kernels:
+                log(f"server {n}: kernels compiled while serving (vLLM's JIT monitor): {', '.join(kernels)}")
         save()
         if args.keep_servers:
             pool.save_state()

@@ -215,3 +215,15 @@ def pytest_terminal_summary(terminalreporter):
                                   "of this process")
         for line in _SLOW_HTTP:
             terminalreporter.write_line(line)
+
+
+def pytest_collection_finish(session):
+    from tests import background_runs
+
+    background_runs.start_owned([item.nodeid for item in session.items])
+
+
+def pytest_sessionfinish(session):
+    from tests import background_runs
+
+    background_runs.stop_all()

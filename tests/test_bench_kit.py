@@ -857,3 +857,21 @@ def test_with_a_fixed_kv_cache_the_servers_start_together_and_a_config_twin_afte
     pool2 = Pool(args, tmp_path, tmp_path)
     pool2.ensure(["stock", "extract_hs"])
     assert log == [("start", "stock"), ("ready", "stock"), ("start", "extract_hs"), ("ready", "extract_hs")]
+
+
+def test_a_server_reports_the_kernels_vllm_saw_compiled_while_serving(tmp_path):
+    """vLLM's JIT monitor warns once a kernel compiled after the warm-up (s38's servers compiled _write_runs_kernel
+    and _segment_add_kernel at their first steps; s40 warms them at start-up): each A/B run's meta lists them."""
+    from abkit.servers import Server
+
+    server = Server("steer_capture_fs", 8100, None, tmp_path / "model", tmp_path)
+    assert server.jit_compiles() == []  # no log yet
+    server.log_path.parent.mkdir(parents=True)
+    server.log_path.write_text(
+        "(EngineCore pid=1) INFO 11-29 [jit_monitor.py:79] Kernel JIT monitor activated; monitored JIT compilations"
+        " during inference will use mode=warn.\n"
+        "(EngineCore pid=1) WARNING 11-29 [jit_monitor.py:135] Triton kernel JIT compilation during inference:"
+        " _write_runs_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.\n"
+        "(EngineCore pid=1) WARNING 11-29 [jit_monitor.py:135] Triton kernel JIT compilation during inference:"
+        " kernel_unified_attention. This causes a latency spike; ...\n")
+    assert server.jit_compiles() == ["_write_runs_kernel", "kernel_unified_attention"]

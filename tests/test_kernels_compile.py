@@ -4,26 +4,19 @@ its Triton (3.6) is the GPU lane's."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-from tests.engine_job import ROOT
+from tests import background_runs
 
 
-def test_every_kernel_the_interpreted_tests_launch_compiles_for_an_h100(tmp_path):
+def test_every_kernel_the_interpreted_tests_launch_compiles_for_an_h100():
     """The same tests, each launch compiled for sm_90 by Triton's ptxas and never run
     (``tests/interpreted/compile_sm90.py``): a kernel change that would not compile on the GPU lane fails here. The
     tests' own asserts fail (nothing ran); the compile errors and the kernels compiled are what count."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"VLLM_STEER_SM90_OUT": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                           "tests.interpreted.compile_sm90", str(ROOT / "tests" / "interpreted")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    _, output, tmp_path = background_runs.result("compile_sm90")  # started with the session
     errors = tmp_path / "errors.txt"
     assert not errors.exists(), errors.read_text()[:6000]
     compiled = set((tmp_path / "compiled.txt").read_text().split())
     assert {"_steered_norm_kernel", "_encode", "_select", "_decode", "_gather", "_tile_clamps", "_capture_rows_kernel",
-            "_step_index_kernel", "_segment_add_kernel", "_ar_norm_kernel", "_write_runs_kernel"} <= compiled, (compiled, (proc.stdout + proc.stderr)[-3000:])
+            "_step_index_kernel", "_segment_add_kernel", "_ar_norm_kernel", "_write_runs_kernel"} <= compiled, (compiled, output[-3000:])
     # one compile each for every launch the tests make (every count of runs, index slices at any offset:
     # test_capture_kernels_take_one_compile_for_every_step): what start-up compiles, every step reuses
     compiles = (tmp_path / "compiles.txt").read_text().split()

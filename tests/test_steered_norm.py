@@ -5,23 +5,19 @@ and the Triton kernels (run by Triton's interpreter) and the registered ops agre
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests import background_runs
 from vllm_steer.kernels.steered_rms_norm import op
 from vllm_steer.kernels.steered_rms_norm.naive import steered_norm_naive
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NORMS = ("RMSNorm", "GemmaRMSNorm")
 R = 6  # table rows, row 0 the zero row
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +110,9 @@ def test_registered_op_is_the_reference_on_cpu(vllm_norm):
 def test_triton_kernels_match_reference_under_the_interpreter():
     """The Triton kernels against their references, on CPU, in a process where Triton runs its
     interpreter (TRITON_INTERPRET=1 must be set before Triton is first imported)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "interpreted")],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, tail
+    rc, output, _ = background_runs.result("interpreted")  # started with the session (tests/background_runs.py)
+    tail = output[-3000:]
+    assert rc == 0, tail
     m = re.search(r"(\d+) passed", tail)
     assert m and int(m.group(1)) >= 55 and "skipped" not in tail and "failed" not in tail, tail
 

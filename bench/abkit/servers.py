@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -388,6 +389,14 @@ class Server:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         return ""
+
+    def jit_compiles(self) -> list[str]:
+        """Kernels vLLM's JIT monitor saw compiled after the warm-up, from the whole log (the monitor warns once a
+        kernel; our kernels launched outside the forward compile at start-up, s40: none is expected)."""
+        with contextlib.suppress(OSError):
+            return sorted(set(re.findall(r"JIT compilation during inference: (\w+)",
+                                         self.log_path.read_text(errors="replace"))))
+        return []
 
     def alive(self) -> bool:
         if self.proc is not None:  # our child

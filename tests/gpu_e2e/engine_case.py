@@ -37,9 +37,6 @@ BACKEND = os.environ.get("VLLM_STEER_E2E_BACKEND") or None
 # the largest batch a CUDA graph replays (unset: vLLM's default, 128 here): a small one runs the prompts' prefill
 # eagerly, so capture is planned by the forward's first capturing op (runtime.capture.CaptureRuntime.defer_step)
 GRAPH_MAX = int(os.environ.get("VLLM_STEER_E2E_GRAPH_MAX", "0")) or None
-# VLLM_STEER_E2E_JIT_ERROR=1: engines fail on any kernel compiled after their warmup (vLLM's --jit-monitor-mode
-# error): our kernels launched outside the forward are compiled at start-up (s40), this checks it on a GPU
-JIT_ERROR = os.environ.get("VLLM_STEER_E2E_JIT_ERROR", "") not in ("", "0")
 # the e2e modules' pytestmark: CUDA, or the CPU smoke mode
 needs_device = pytest.mark.skipif(not CPU and not torch.cuda.is_available(),
                                   reason="needs CUDA (or VLLM_STEER_E2E_DEVICE=cpu for the CPU smoke run)")
@@ -236,8 +233,6 @@ def make_llm(path: Path, steer: dict | None, mem: float = 0.30):
         kw["distributed_executor_backend"] = BACKEND
     if GRAPH_MAX is not None and not CPU:
         kw["compilation_config"] = {"max_cudagraph_capture_size": GRAPH_MAX}
-    if JIT_ERROR:
-        kw["jit_monitor_mode"] = "error"
     if steer is not None:
         kw["additional_config"] = {"steer": steer}
     return LLM(**kw)

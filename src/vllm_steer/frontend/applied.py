@@ -70,6 +70,10 @@ def watch_refusal(collector: Any) -> None:
                 refusal = decode(choice.stop_reason) if choice.finish_reason == "error" else None
                 if refusal is not None:
                     holder["refused"] = refusal
+            # the wrapper and the collector hold each other (the bound ``put``): unwrapped at the last output,
+            # the request's objects are freed when it ends, not by the API process's next cyclic collection
+            # (s41: ~20 objects a capturing request, generation-2 pauses of 22-34 ms under load)
+            del collector.put
         put(output)
 
     collector.put = put_watching

@@ -204,3 +204,6 @@ class SteeringResponseMiddleware:
             await self.app(scope, receive, wrapped_send)
         finally:
             close_holder(token)
+            # wrapped_send calls itself (its closure holds it): without this the request's scope, headers and
+            # holder would wait for the API process's cyclic collector (s41: generation-2 pauses under load)
+            del wrapped_send
