@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Issue 40's give-back C, its first measure: the one-shot all-reduce + add + RMSNorm kernel
-(``kernels/allreduce_norm``) against what a steered norm costs under TP today (vLLM's all-reduce, here NCCL's, then the
+(``kernels/allreduce_norm``), and the steered norm with that all-reduce in its launch as a server runs it (s41: the
+served idle norm cost ~2.2 µs more than stock's where this kernel costs 0.5 µs more; ``steered_ar_*``), against what a steered norm costs under TP today (vLLM's all-reduce, here NCCL's, then the
 norm: ``vllm._custom_ops.fused_add_rms_norm`` stands in for ours, the same bytes) and the all-reduce alone, on two
 GPUs of one node, µs a call at decode and small prefill sizes. Each variant is a CUDA graph of ``--calls`` calls
 (what a decode step replays), timed by events after a warm replay; the median of ``--rounds`` replays.
@@ -57,6 +58,7 @@ def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int)
         ops = None
 
     from vllm_steer.kernels.allreduce_norm.triton import ArNormWorkspace, allreduce_add_rms_norm
+    from vllm_steer.kernels.steered_rms_norm.triton import steered_norm_triton
 
     dev = torch.device("cuda", rank)
     ws = ArNormWorkspace(max(ns), d, torch.bfloat16, dev, dist.group.WORLD)
@@ -79,8 +81,27 @@ def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int)
         def nccl_alone():
             dist.all_reduce(y)
 
+        # what a server runs (steered_norm_plain_ar): the steered norm with the all-reduce in its launch, both slots'
+        # tables installed, idle (flags off: enabled_idle) and steering every token (per_request_n16); and that norm
+        # alone on an already reduced stream (the norm's own share)
+        index = torch.arange(n, device=dev, dtype=torch.int32) % 16 + 1
+        table = (torch.randn(17, d, device=dev) * 0.1).to(torch.bfloat16)
+        table[0] = 0
+        off, on = torch.zeros(1, dtype=torch.uint8, device=dev), torch.ones(1, dtype=torch.uint8, device=dev)
+
+        def steered_ar_idle():
+            steered_norm_triton(x, residual, weight, EPS, 0.0, index, vec_a=(table, off), vec_b=(table, off), ar=ws)
+
+        def steered_ar_n16():
+            steered_norm_triton(x, residual, weight, EPS, 0.0, index, vec_a=(table, on), vec_b=(table, on), ar=ws)
+
+        def steered_alone_idle():
+            steered_norm_triton(y, residual, weight, EPS, 0.0, index, vec_a=(table, off), vec_b=(table, off))
+
         row = {"n": n, "d": d}
-        variants = [("fused_one_shot", fused), ("nccl_then_norm", nccl_then_norm), ("nccl_alone", nccl_alone)]
+        variants = [("fused_one_shot", fused), ("steered_ar_idle", steered_ar_idle), ("steered_ar_n16", steered_ar_n16),
+                    ("steered_alone_idle", steered_alone_idle), ("nccl_then_norm", nccl_then_norm),
+                    ("nccl_alone", nccl_alone)]
         if fi is not None:
             fi_out, fi_res = torch.empty_like(x), torch.empty_like(x)
 
@@ -137,7 +158,8 @@ def main() -> None:
     print("µs a call (CUDA graph of {} calls; rank 0 | rank 1)".format(args.calls))
     for r0, r1 in zip(*ranks):
         print(f"N={r0['n']:5d} D={r0['d']}  " + "  ".join(
-            f"{k} {r0[k]:7.2f} | {r1[k]:7.2f}" for k in ("fused_one_shot", "flashinfer_fused", "nccl_then_norm",
+            f"{k} {r0[k]:7.2f} | {r1[k]:7.2f}" for k in ("fused_one_shot", "steered_ar_idle", "steered_ar_n16",
+                                                          "steered_alone_idle", "flashinfer_fused", "nccl_then_norm",
                                                           "nccl_alone") if k in r0))
     if args.out:
         with open(args.out, "w") as fh:

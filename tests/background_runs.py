@@ -6,6 +6,7 @@ owns them. Run alone, a test starts its run when it asks for the result (the sam
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,9 +83,11 @@ def result(name: str, timeout_s: float = 900) -> tuple[int, str, Path]:
 
 
 def stop_all() -> None:
-    """At the session's end: no run outlives it (a session stopped early, a failed owner)."""
+    """At the session's end: no run outlives it (a session stopped early, a failed owner), nor its folder."""
     for run in _runs.values():
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
         run.log.close()
+        shutil.rmtree(run.out, ignore_errors=True)
+    _runs.clear()
