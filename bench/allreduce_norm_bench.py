@@ -98,10 +98,28 @@ def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int)
         def steered_alone_idle():
             steered_norm_triton(y, residual, weight, EPS, 0.0, index, vec_a=(table, off), vec_b=(table, off))
 
+        # in context: each call after the GEMM that makes x (o_proj's shard: [N, D / world] @ [D / world, D]), as in
+        # a decoder layer; FlashInfer launches with PDL (its prologue overlaps the GEMM's tail), ours do not: a
+        # difference 64 back-to-back calls of one kernel cannot show
+        a = torch.randn(n, d // world, device=dev).to(torch.bfloat16)
+        w_o = (torch.randn(d // world, d, device=dev) * 0.02).to(torch.bfloat16)
+
+        def gemm():
+            torch.mm(a, w_o, out=x)
+
+        def gemm_fused_one_shot():
+            gemm()
+            fused()
+
+        def gemm_steered_ar_idle():
+            gemm()
+            steered_ar_idle()
+
         row = {"n": n, "d": d}
         variants = [("fused_one_shot", fused), ("steered_ar_idle", steered_ar_idle), ("steered_ar_n16", steered_ar_n16),
                     ("steered_alone_idle", steered_alone_idle), ("nccl_then_norm", nccl_then_norm),
-                    ("nccl_alone", nccl_alone)]
+                    ("nccl_alone", nccl_alone), ("gemm", gemm), ("gemm_fused_one_shot", gemm_fused_one_shot),
+                    ("gemm_steered_ar_idle", gemm_steered_ar_idle)]
         if fi is not None:
             fi_out, fi_res = torch.empty_like(x), torch.empty_like(x)
 
@@ -112,7 +130,11 @@ def _rank(rank: int, world: int, ns: list[int], d: int, calls: int, rounds: int)
                                     norm_out=fi_out, residual_in=residual, rms_gamma=weight, rms_eps=EPS,
                                     fp32_acc=True)
 
-            variants.append(("flashinfer_fused", flashinfer_fused))
+            def gemm_flashinfer():
+                gemm()
+                flashinfer_fused()
+
+            variants += [("flashinfer_fused", flashinfer_fused), ("gemm_flashinfer", gemm_flashinfer)]
         for name, fn in (v for v in variants if ops is not None or v[0] != "nccl_then_norm"):
             dist.barrier()
             row[name] = round(_graph_us(fn, calls, rounds), 2)
@@ -160,7 +182,8 @@ def main() -> None:
         print(f"N={r0['n']:5d} D={r0['d']}  " + "  ".join(
             f"{k} {r0[k]:7.2f} | {r1[k]:7.2f}" for k in ("fused_one_shot", "steered_ar_idle", "steered_ar_n16",
                                                           "steered_alone_idle", "flashinfer_fused", "nccl_then_norm",
-                                                          "nccl_alone") if k in r0))
+                                                          "nccl_alone", "gemm", "gemm_fused_one_shot",
+                                                          "gemm_steered_ar_idle", "gemm_flashinfer") if k in r0))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), "ranks": ranks}, fh, indent=1)
