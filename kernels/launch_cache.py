@@ -84,13 +84,14 @@ class CachedLauncher:
         self.cache: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int,
-                 num_stages: int | None = None, spec: tuple | None = None) -> None:
+                 num_stages: int | None = None, spec: tuple | None = None, launch_pdl: bool = False) -> None:
         """``spec``: the caller's own key of the runtime arguments' specialization, in place of ``spec_of(args)``
         (None: ``spec_of``): it must differ wherever ``spec_of(args)`` would (a dtype, a pointer's 16-byte alignment, an
-        int's class); a finer one (raw int values) only costs a pass through Triton per new value."""
+        int's class); a finer one (raw int values) only costs a pass through Triton per new value. ``launch_pdl``:
+        Triton's compile option (a programmatic dependent launch; the compiled launcher carries it)."""
         if (given := len(args) + len(constexprs)) < len(self.names):
             constexprs += self.tails.get(given, ())  # () where unknown: Triton's own path fills them
-        key = (spec_of(args) if spec is None else spec, constexprs, num_warps, num_stages)
+        key = (spec_of(args) if spec is None else spec, constexprs, num_warps, num_stages, launch_pdl)
         launch = self.cache.get(key) if CachedLauncher.direct else None
         if launch is not None:
             try:
@@ -100,6 +101,8 @@ class CachedLauncher:
                 self._off(e)
         named = dict(zip(self.names[len(args):], constexprs))
         stages = {} if num_stages is None else {"num_stages": num_stages}
+        if launch_pdl:
+            stages["launch_pdl"] = True
         kernel = self.fn[grid](*args, **named, num_warps=num_warps, **stages)
         if CachedLauncher.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
             try:

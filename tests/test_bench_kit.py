@@ -875,3 +875,33 @@ def test_a_server_reports_the_kernels_vllm_saw_compiled_while_serving(tmp_path):
         "(EngineCore pid=1) WARNING 11-29 [jit_monitor.py:135] Triton kernel JIT compilation during inference:"
         " kernel_unified_attention. This causes a latency spike; ...\n")
     assert server.jit_compiles() == ["_write_runs_kernel", "kernel_unified_attention"]
+
+
+def test_the_pdl_servers_are_their_twins_with_programmatic_dependent_launches(tmp_path):
+    """steer_pdl / steer_capture_pdl start as steer / steer_capture (same steer block, own ports) with
+    VLLM_STEER_NORM_PDL=1; their arms send their twins' traffic against stock, and the graph phase profiles
+    steer_pdl at n16 beside steer."""
+    from types import SimpleNamespace
+
+    from abkit.runner import GRAPH_PLAN
+    from abkit.servers import PORT_OFFSETS, Pool, Server
+
+    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
+                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
+                           peer_wheel=None, reuse_servers=False, port_base=9000)
+    pool = Pool(args, tmp_path, tmp_path)
+    seen = {}
+    for name in ("steer", "steer_pdl", "steer_capture", "steer_capture_pdl"):
+        s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
+        pool.prepare(s)
+        seen[name] = (s.env().get("VLLM_STEER_NORM_PDL"), s.command()[s.command().index("--additional-config") + 1])
+    assert seen["steer_pdl"] == ("1", seen["steer"][1]) and seen["steer"][0] is None
+    assert seen["steer_capture_pdl"] == ("1", seen["steer_capture"][1]) and seen["steer_capture"][0] is None
+    assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
+    for arm, twin in (("enabled_idle_pdl", "enabled_idle"), ("per_request_n16_pdl", "per_request_n16"),
+                      ("capture_idle_pdl", "capture_idle")):
+        a, b = ARMS[arm], ARMS[twin]
+        assert (a["kind"], a.get("n_configs"), a["server"], a.get("ref", "stock")) == \
+            (b["kind"], b.get("n_configs"), b["server"] + "_pdl", "stock")
+    graphed = {(server, kind) for _, server, kind, n in GRAPH_PLAN if n == 16}
+    assert {("steer_pdl", "plain"), ("steer_pdl", "per_request"), ("steer", "plain")} <= graphed

@@ -17,6 +17,8 @@ def test_every_kernel_the_interpreted_tests_launch_compiles_for_an_h100():
     compiled = set((tmp_path / "compiled.txt").read_text().split())
     assert {"_steered_norm_kernel", "_encode", "_select", "_decode", "_gather", "_tile_clamps", "_capture_rows_kernel",
             "_step_index_kernel", "_segment_add_kernel", "_ar_norm_kernel", "_write_runs_kernel"} <= compiled, (compiled, output[-3000:])
+    # VLLM_STEER_NORM_PDL's launch (test_a_programmatic_dependent_launch_matches_the_reference): PDL, and it waits
+    assert "_steered_norm_kernel" in (tmp_path / "pdl.txt").read_text().split()
     # one compile each for every launch the tests make (every count of runs, index slices at any offset:
     # test_capture_kernels_take_one_compile_for_every_step): what start-up compiles, every step reuses
     compiles = (tmp_path / "compiles.txt").read_text().split()

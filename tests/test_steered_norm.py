@@ -206,3 +206,34 @@ def test_plain_op_is_the_full_op_on_cpu(monkeypatch, tables, captured):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     if captured:
         assert torch.equal(pools[0], pools[1]) and pools[0].any()
+
+
+@pytest.mark.parametrize("kind", ["vectors", "fp8", "projections"])
+def test_a_programmatic_dependent_launch_passes_every_constexpr_up_to_its_flag(monkeypatch, kind):
+    """``pdl=True``: the launch carries Triton's ``launch_pdl`` and the kernel's PDL constexpr, every constexpr
+    before it given (the launcher passes them by position: a short tuple would set the wrong ones); ``pdl=False``
+    launches as before (no PDL, no extra constexprs)."""
+    from vllm_steer.kernels.steered_rms_norm import triton as tri
+
+    seen = []
+
+    def launch(grid, args, constexprs, num_warps, num_stages=None, spec=None, launch_pdl=False):
+        names = tri._steered_norm_kernel.arg_names
+        seen.append((dict(zip(names[len(args):], constexprs)), len(args) + len(constexprs) == len(names), launch_pdl))
+
+    monkeypatch.setattr(tri, "_KERNEL", launch)
+    monkeypatch.setattr(tri, "_PDL_OK", True)
+    x, r, (ta, tb), index = _case(4, 64, torch.bfloat16, seed=40)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    kw = {"vec_a": (ta, _on()), "vec_b": (tb, _on())}
+    if kind == "fp8":
+        kw["quant"] = (torch.empty(4, 64, dtype=torch.float8_e4m3fn), torch.empty(4, 1), 2)
+    if kind == "projections":
+        kw["proj_a"] = (torch.ones(R, dtype=torch.int32), torch.ones(R, 1, 64), torch.zeros(R, 1, 2))
+    for pdl in (True, False):
+        tri.steered_norm_triton(x, r, w, 1e-5, 0.0, index, pdl=pdl, **kw)
+    (on, full, pdl_on), (off, _, pdl_off) = seen
+    assert full and pdl_on and on["PDL"] is True and on["AR"] == 0 and on["EARLY"] == off["EARLY"]
+    assert on["QUANT"] == (2 if kind == "fp8" else 0) and on["PROJ_A"] == (kind == "projections")
+    assert not pdl_off and "PDL" not in off
+    assert {k: v for k, v in on.items() if k in off} == off  # the same kernel otherwise

@@ -89,6 +89,11 @@ ARMS = {
     # issue 40's give-back C (steer_arnorm: VLLM_STEER_AR_NORM=1): the all-reduce inside the steered norm at TP >= 2
     "enabled_idle_arnorm": dict(server="steer_arnorm", kind="plain", ref="stock"),
     "per_request_n16_arnorm": dict(server="steer_arnorm", kind="per_request", n_configs=16, ref="stock"),
+    # every steered norm a programmatic dependent launch (steer_pdl / steer_capture_pdl: VLLM_STEER_NORM_PDL=1),
+    # against stock like their twins (the same trials: the twin's row is the A/B)
+    "enabled_idle_pdl": dict(server="steer_pdl", kind="plain", ref="stock"),
+    "per_request_n16_pdl": dict(server="steer_pdl", kind="per_request", n_configs=16, ref="stock"),
+    "capture_idle_pdl": dict(server="steer_capture_pdl", kind="plain", ref="stock"),
     # capture (steer.capture: activations): idle, and every request reading post_mlp of 3 layers at every
     # generated token (rows copied to the host each step, reduced to the last one per site)
     "capture_idle": dict(server="steer_capture", kind="plain"),

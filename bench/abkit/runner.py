@@ -49,7 +49,10 @@ GRAPH_PLAN = [  # (label, server, kind of traffic, requests: each its own config
     ("stock_nofuse / unsteered", "stock_nofuse", "plain", 4),
     ("stock_nofuse / unsteered n16", "stock_nofuse", "plain", 16),
     ("steer_arnorm / unsteered n16 (enabled_idle_arnorm)", "steer_arnorm", "plain", 16),
-    ("steer_arnorm / per_request_n16_arnorm", "steer_arnorm", "per_request", 16)]
+    ("steer_arnorm / per_request_n16_arnorm", "steer_arnorm", "per_request", 16),
+    # every steered norm a programmatic dependent launch (steer_pdl: VLLM_STEER_NORM_PDL=1)
+    ("steer_pdl / unsteered n16 (enabled_idle_pdl)", "steer_pdl", "plain", 16),
+    ("steer_pdl / per_request_n16_pdl", "steer_pdl", "per_request", 16)]
 # the request counts the graph phase profiles (GRAPH_NS, e.g. "16": the n16 rows alone)
 GRAPH_NS = tuple(int(v) for v in os.environ.get("GRAPH_NS", "4,16").split(",") if v)
 # issue 37 (prefill capture ~4% behind stock, vLLM's extract_hidden_states ~0): (label, arm) profiled under the arm's

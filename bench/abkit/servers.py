@@ -63,13 +63,18 @@ STEER_SERVERS = {"steer": STEER_BLOCK, "steer_multi": STEER_BLOCK,
                  "steer_fp8u": STEER_BLOCK,
                  # issue 40's give-back C (SERVER_ENV: VLLM_STEER_AR_NORM=1, runtime/allreduce_fusion.py): at TP >= 2
                  # the TP all-reduce inside each plain steered norm's launch
-                 "steer_arnorm": STEER_BLOCK}
+                 "steer_arnorm": STEER_BLOCK,
+                 # steer and steer_capture with every steered norm a programmatic dependent launch (SERVER_ENV:
+                 # VLLM_STEER_NORM_PDL=1, kernels/steered_rms_norm: its start-up overlaps the kernel before it, as
+                 # FlashInfer's fused all-reduce + norm does for stock at TP >= 2)
+                 "steer_pdl": STEER_BLOCK}
+STEER_SERVERS["steer_capture_pdl"] = STEER_SERVERS["steer_capture"]
 PORT_OFFSETS = {"stock": 0, "disabled": 1, "steer": 2, "stock_multi": 5, "steer_multi": 6,
                 "sae": 7, "sae_full": 8, "steer_one": 9, "steer_rows4": 10, "steer_mlp": 11, "hotwire": 12,
                 "sae_serial": 13, "steer_cond": 14, "steer_capture": 15, "steer_capture_fs": 16, "extract_hs": 17,
                 "steer_proj": 18, "transcoder": 19, "sae_topk": 20, "steer_late": 21, "steer_proj_late": 22,
                 "steer_fp8u": 24, "stock_nofuse": 25, "steer_arnorm": 26, "steer_capture_fs_pre": 27,
-                "steer_capture_fs_nogate": 28}
+                "steer_capture_fs_nogate": 28, "steer_pdl": 29, "steer_capture_pdl": 30}
 CAPTURE_FS_SERVER, EXTRACT_SERVER = "steer_capture_fs", "extract_hs"
 # steer_capture_fs as before s37: every capture plan made before the forward (VLLM_STEER_CAPTURE_IN_FORWARD=0), the
 # notifier and reader never waiting for the next launch (VLLM_STEER_CAPTURE_GATE=0); _nogate: only those never waiting
@@ -85,6 +90,7 @@ TC_SERVER, TC_PREFIX = "transcoder", "ab_tc_"  # steer + a transcoder at each of
 SERVER_ENV = {"sae_serial": {"VLLM_STEER_SAE_SPLIT_MAX": "1"}, "steer_late": {"VLLM_STEER_NORM_EARLY": "0"},
               "steer_proj_late": {"VLLM_STEER_NORM_EARLY": "0"},
               "steer_fp8u": {"VLLM_STEER_FP8_NORM_QUANT": "0"}, "steer_arnorm": {"VLLM_STEER_AR_NORM": "1"},
+              "steer_pdl": {"VLLM_STEER_NORM_PDL": "1"}, "steer_capture_pdl": {"VLLM_STEER_NORM_PDL": "1"},
               CAPTURE_FS_PRE: {"VLLM_STEER_CAPTURE_IN_FORWARD": "0", "VLLM_STEER_CAPTURE_GATE": "0"},
               CAPTURE_FS_NOGATE: {"VLLM_STEER_CAPTURE_GATE": "0"},
               "sae": {"VLLM_STEER_SAE_TILED": "1"}}  # the tiled prefill clamps (off by default: sae_serial is the A/B)

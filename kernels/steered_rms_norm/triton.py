@@ -45,6 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.4: programmatic dependent launch (PDL)
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: PDL stays off
+    gdc_wait = None
+
 from vllm_steer.kernels.allreduce_norm.lamport import epoch_base, flip_epoch, pull_sum, push_row
 from vllm_steer.kernels.host_math import next_power_of_2
 from vllm_steer.kernels.launch_cache import CachedLauncher, spec_of
@@ -408,6 +413,10 @@ def _steered_norm_kernel(
     UE8M0: tl.constexpr = False,  # QUANT 3: scales rounded up to powers of two (DeepGEMM's UE8M0 on Hopper)
     AR: tl.constexpr = 0,  # > 0: the TP group's size; x is this rank's partial (vLLM's all-reduce is in the launch:
     # each token's row pushed to every rank, the ranks' rows summed in rank order in float32; one program a token)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (``PDL``): the programs start while the
+    # kernel before (the GEMM that makes x) drains, and wait for it (griddepcontrol.wait) before their first read of
+    # what it or any later launch wrote (the stream, the residual, the gate, the exchange); what they read first
+    # (the weight, the capture plans) no kernel of the step writes after the step's first kernels
 ):
     """The steered norm of one site: the features its flags turn on, in the order of ``naive._staged``
     (per slot: capture, gate, SAE clamps, projections, vectors), then vLLM's RMSNorm, then a transcoder's
@@ -423,6 +432,8 @@ def _steered_norm_kernel(
     # Every load the plain path needs is issued here, the weight's too (as Inductor's fused add +
     # RMSNorm does): issued after the reduction, its latency would add to every launch.
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0, eviction_policy="evict_last")
+    if PDL:
+        gdc_wait()
     if AR > 0:  # this rank's partial row out to every rank first, the residual's load in flight while the peers' land
         p_bufs, p_flags, ar_rank, ar_max_t = ar
         ar_epoch, ar_base = epoch_base(p_flags, ar_max_t, AR, D)
@@ -635,6 +646,17 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
 # (bench/kernels_bench.py, the default rows against ``*_late``: 64 launches a step, steered 191.6 -> 168.2 µs at
 # N16, projections idle 161.9 -> 153.8); VLLM_STEER_NORM_EARLY=0 takes the late path, for A/B runs.
 EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "1") != "0"
+# PDL (VLLM_STEER_NORM_PDL=1, off by default, not yet measured; s41): every launch a programmatic dependent launch,
+# as FlashInfer's fused all-reduce + norm (stock's at TP >= 2) is launched: its start-up overlaps the end of the
+# kernel before it. Never under Triton's interpreter (it cannot run griddepcontrol).
+def _interpreted() -> bool:
+    """Triton runs its interpreter (its knob, which a test process may set apart from ``TRITON_INTERPRET``)."""
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_PDL_OK = gdc_wait is not None and not _interpreted()  # read once: never per launch
+PDL = os.environ.get("VLLM_STEER_NORM_PDL", "0") == "1" and _PDL_OK
 _KERNEL = CachedLauncher(_steered_norm_kernel)
 
 
@@ -668,6 +690,7 @@ def steered_norm_triton(
     ar=None,  # an allreduce_norm.ArNormWorkspace: x is this TP rank's partial, all-reduced in the launch (every rank
     # of the group calls it alike); one program a token (no split SAE walk), no full packs or tiled clamps (they
     # read x before the launch)
+    pdl: bool | None = None,  # a programmatic dependent launch (None: VLLM_STEER_NORM_PDL; never interpreted)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.steered_norm_naive`` for clamp-only SAE packs, one launch: each feature's descriptor is
     passed to the kernel as a tuple (empty while its constexpr flag is off, so the compiled kernel takes
@@ -754,8 +777,7 @@ def steered_norm_triton(
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, bool(sa), bool(sb),
                             32, split, bool(cond_desc), cap_a, cap_b, bool(pa), bool(pb), bool(tcd), bool(fa),
                             bool(fb), bool(ftc), EARLY if early is None else early)
-        if world:
-            flags += (0, 0, False, world)
+        tail = (0, 0, False, world)  # QUANT, GROUP, UE8M0, AR
     else:  # vectors and capture only (the other descriptors empty, their flags off)
         qd = qflags = ()
         if quant:
@@ -774,10 +796,12 @@ def steered_norm_triton(
         flags = shape[0] + (residual is not None, weight_offset != 0.0, shape[1], has_a, has_b, False, False, 32, 1,
                             False, cap_a, cap_b, False, False, False, False, False, False,
                             EARLY if early is None else early) + qflags
-        if world:
-            flags += (0, 0, False)[len(qflags):] + (world,)
+        tail = (0, 0, False)[len(qflags):] + (world,)  # the rest of QUANT, GROUP, UE8M0, then AR
         split = 1
-    _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec)
+    if PDL if pdl is None else pdl and _PDL_OK:
+        _KERNEL((n, split), args, flags + tail + (True,), shape[2], None, None if ptrs & 15 else spec, launch_pdl=True)
+    else:
+        _KERNEL((n, split), args, flags + tail if world else flags, shape[2], None, None if ptrs & 15 else spec)
     return out, res_out
 
 

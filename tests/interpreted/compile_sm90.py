@@ -2,7 +2,9 @@
 for an H100 (sm_90: Triton's own ptxas, a CUDA driver stood in for) and never launched, so a kernel that would not
 compile on the GPU lane fails here, before a GPU session's time is spent on it. The tests' own asserts then fail
 (nothing ran): only what this plugin writes counts. ``VLLM_STEER_SM90_OUT`` names a folder: ``compiled.txt`` (a
-kernel name per compile call), ``compiles.txt`` (a kernel name per compile: Triton's cache missed) and ``errors.txt`` (one block per distinct failure, with its traceback).
+kernel name per compile call), ``compiles.txt`` (a kernel name per compile: Triton's cache missed), ``pdl.txt`` (a kernel
+name per programmatic dependent launch compiled with its wait) and ``errors.txt`` (one block per distinct failure, with
+its traceback).
 
 Run it in a process of its own, without ``TRITON_INTERPRET`` set (Triton decorates its library once, at import):
 the plugin turns the interpreter off and then sets the variable for the tests' skip marks and full_triton's
@@ -52,6 +54,12 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         if shared > SHARED_MAX:
             _error(f"{self.__name__}: needs {shared} bytes of shared memory, an H100 has {SHARED_MAX} "
                    f"(constexprs {kwargs})")
+        if kwargs.get("launch_pdl"):  # a programmatic dependent launch: launched so, and it waits (griddepcontrol)
+            if kernel.metadata.launch_pdl and "griddepcontrol.wait" in kernel.asm["ptx"]:
+                with open(OUT / "pdl.txt", "a") as f:
+                    f.write(self.__name__ + "\n")
+            else:
+                _error(f"{self.__name__}: launch_pdl asked, the kernel has no PDL launch or no griddepcontrol.wait")
         return kernel
     except Exception as e:  # noqa: BLE001 - every failure is the answer
         _error(f"{self.__name__}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")

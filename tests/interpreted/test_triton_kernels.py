@@ -134,6 +134,21 @@ def test_triton_conditional_sae_kernel_matches_reference(interpreted, split):
     assert not torch.allclose(got[1][gated], plain[1][gated], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("kind", ["vectors", "sae"])
+def test_a_programmatic_dependent_launch_matches_the_reference(interpreted, kind):
+    """``pdl=True`` (VLLM_STEER_NORM_PDL): under the interpreter the plain launch (it cannot run griddepcontrol); in
+    ``compile_sm90``'s run this launch compiles the kernel with its wait and ``launch_pdl`` for an H100."""
+    norm, _ = interpreted
+    x, r, (ta, tb), index = _case(7, 80, torch.bfloat16, seed=12)
+    w = torch.ones(80, dtype=torch.bfloat16)
+    extra = {"sae_a": clamp_pack(80, 5, seed=13, jumprelu=True), "split": 1} if kind == "sae" else {}
+    got = norm.steered_norm_triton(x, r, w, 1e-5, 0.0, index, **_vecs("ab", ta, tb), **extra, pdl=True)
+    want = steered_norm_naive(x, r, w, 1e-5, 0.0, index, **_vecs("ab", ta, tb),
+                              **{k: v for k, v in extra.items() if k != "split"})
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, **_SAE_TOL[torch.bfloat16])
+
+
 def test_triton_idle_flag_skips_the_table(interpreted):
     norm, _ = interpreted
     x, r, (ta, _), index = _case(4, 32, torch.float32, seed=11)
