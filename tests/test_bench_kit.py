@@ -578,25 +578,33 @@ def test_gpu_lanes_pin_each_lane_and_pack_every_result(tmp_path):
     assert "lane lost: started again" in (lanes / "d.log").read_text() and _lane_ended(lanes / "d.log")
 
 
-def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path):
-    """Issue 38's A/B of the steered norm's late path against its default, EARLY: steer_late / steer_proj_late start
-    as steer / steer_proj (same steer block, own ports) with VLLM_STEER_NORM_EARLY=0 in their environment (the twins
-    without it: EARLY), each *_late arm sends its twin's traffic, compared with it (project_n16_late with
-    per_request_n16_late), and the graph phase profiles both servers at n16."""
+def _server_envs(tmp_path, names: tuple[str, ...], var: str) -> dict[str, tuple]:
+    """Each GPU server's (value of ``var`` in its environment, its --additional-config), as the pool starts it."""
     from types import SimpleNamespace
 
-    from abkit.runner import GRAPH_PLAN
-    from abkit.servers import PORT_OFFSETS, STEER_SERVERS, Pool, Server
+    from abkit.servers import Pool, Server
 
     args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
                            enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
                            peer_wheel=None, reuse_servers=False, port_base=9000)
     pool = Pool(args, tmp_path, tmp_path)
     envs = {}
-    for name in ("steer", "steer_proj", "steer_late", "steer_proj_late"):
+    for name in names:
         s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
         pool.prepare(s)
-        envs[name] = (s.env().get("VLLM_STEER_NORM_EARLY"), s.command()[s.command().index("--additional-config") + 1])
+        envs[name] = (s.env().get(var), s.command()[s.command().index("--additional-config") + 1])
+    return envs
+
+
+def test_the_late_path_servers_are_their_twins_with_the_kernel_flag_off(tmp_path):
+    """Issue 38's A/B of the steered norm's late path against its default, EARLY: steer_late / steer_proj_late start
+    as steer / steer_proj (same steer block, own ports) with VLLM_STEER_NORM_EARLY=0 in their environment (the twins
+    without it: EARLY), each *_late arm sends its twin's traffic, compared with it (project_n16_late with
+    per_request_n16_late), and the graph phase profiles both servers at n16."""
+    from abkit.runner import GRAPH_PLAN
+    from abkit.servers import PORT_OFFSETS, STEER_SERVERS
+
+    envs = _server_envs(tmp_path, ("steer", "steer_proj", "steer_late", "steer_proj_late"), "VLLM_STEER_NORM_EARLY")
     assert envs["steer_late"] == ("0", envs["steer"][1]) and envs["steer"][0] is None
     assert envs["steer_proj_late"] == ("0", envs["steer_proj"][1]) and envs["steer_proj"][0] is None
     assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
@@ -881,20 +889,10 @@ def test_the_pdl_servers_are_their_twins_with_programmatic_dependent_launches(tm
     """steer_pdl / steer_capture_pdl start as steer / steer_capture (same steer block, own ports) with
     VLLM_STEER_NORM_PDL=1; their arms send their twins' traffic against stock, and the graph phase profiles
     steer_pdl at n16 beside steer."""
-    from types import SimpleNamespace
-
     from abkit.runner import GRAPH_PLAN
-    from abkit.servers import PORT_OFFSETS, Pool, Server
+    from abkit.servers import PORT_OFFSETS
 
-    args = SimpleNamespace(launcher="gpu", dtype="bfloat16", max_model_len=64, max_num_seqs=4, tp=1, gpu_mem=0.2,
-                           enforce_eager=False, profile_servers=False, cache_root=str(tmp_path), api_servers=1,
-                           peer_wheel=None, reuse_servers=False, port_base=9000)
-    pool = Pool(args, tmp_path, tmp_path)
-    seen = {}
-    for name in ("steer", "steer_pdl", "steer_capture", "steer_capture_pdl"):
-        s = Server(name, pool.ports[name], args, tmp_path, tmp_path)
-        pool.prepare(s)
-        seen[name] = (s.env().get("VLLM_STEER_NORM_PDL"), s.command()[s.command().index("--additional-config") + 1])
+    seen = _server_envs(tmp_path, ("steer", "steer_pdl", "steer_capture", "steer_capture_pdl"), "VLLM_STEER_NORM_PDL")
     assert seen["steer_pdl"] == ("1", seen["steer"][1]) and seen["steer"][0] is None
     assert seen["steer_capture_pdl"] == ("1", seen["steer_capture"][1]) and seen["steer_capture"][0] is None
     assert len(set(PORT_OFFSETS.values())) == len(PORT_OFFSETS)
