@@ -62,10 +62,6 @@ PATCHES: tuple[Patch, ...] = (
           "vllm_steer.frontend.applied_output",
           "LLM outputs say what was applied: a steered request's state sets RequestOutput.steering (the HTTP field); "
           "RequestOutput gains a class attribute steering = None", "vLLM outputs carry plugin fields"),
-    Patch("vllm.v1.engine.output_processor:RequestState._new_request_output",
-          ("self", "external_req_id", "outputs", "finished"), "vllm_steer.frontend.applied_output",
-          "every RequestOutput a steered request's state builds carries its steering (a note on the state: no "
-          "per-request wrapper, whose cycle left each request to the cyclic collector)", "as above"),
     Patch("vllm.v1.engine.llm_engine:LLMEngine.__init__", ("self",), "vllm_steer.frontend.llm_preload",
           "an in-process LLM registers steer.modules once its engine is up, as the API server does at start-up",
           "vLLM has a post-start hook for plugins"),
@@ -325,6 +321,9 @@ USES: tuple[Use, ...] = (
             "as above, for n > 1 (the children's params are copies without it)"),
     *_attrs("vllm.v1.engine.output_processor:OutputProcessor", "request_states", "vllm_steer.frontend.applied_output",
             "the state the request's outputs are built by"),
+    Use("vllm.v1.engine.output_processor:RequestState", "_new_request_output", "method",
+        "vllm_steer.frontend.applied_output", "wrapped per steered request: every RequestOutput it builds",
+        ("self", "external_req_id", "outputs", "finished")),
     *_attrs("vllm.outputs:RequestOutput", "request_id", "vllm_steer.capture.collect",
             "LLM users' capture results are matched by it"),
     *_attrs("vllm.entrypoints.llm:LLM", "llm_engine", "vllm_steer.capture.collect",
