@@ -646,16 +646,16 @@ def split_buffers(device: torch.device, d: int) -> tuple[torch.Tensor, torch.Ten
 # (bench/kernels_bench.py, the default rows against ``*_late``: 64 launches a step, steered 191.6 -> 168.2 µs at
 # N16, projections idle 161.9 -> 153.8); VLLM_STEER_NORM_EARLY=0 takes the late path, for A/B runs.
 EARLY = os.environ.get("VLLM_STEER_NORM_EARLY", "1") != "0"
-# PDL (VLLM_STEER_NORM_PDL=1, off by default, not yet measured; s41): every launch a programmatic dependent launch,
-# as FlashInfer's fused all-reduce + norm (stock's at TP >= 2) is launched: its start-up overlaps the end of the
-# kernel before it. Never under Triton's interpreter (it cannot run griddepcontrol).
 def _interpreted() -> bool:
     """Triton runs its interpreter (its knob, which a test process may set apart from ``TRITON_INTERPRET``)."""
     knobs = getattr(triton, "knobs", None)
     return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_PDL_OK = gdc_wait is not None and not _interpreted()  # read once: never per launch
+# PDL (VLLM_STEER_NORM_PDL=1, off by default, not yet measured; s41): every launch a programmatic dependent launch,
+# as FlashInfer's fused all-reduce + norm (stock's at TP >= 2) is launched: its start-up overlaps the end of the
+# kernel before it. Never under Triton's interpreter (it cannot run griddepcontrol); both read once, not per launch.
+_PDL_OK = gdc_wait is not None and not _interpreted()
 PDL = os.environ.get("VLLM_STEER_NORM_PDL", "0") == "1" and _PDL_OK
 _KERNEL = CachedLauncher(_steered_norm_kernel)
 
@@ -798,10 +798,10 @@ def steered_norm_triton(
                             EARLY if early is None else early) + qflags
         tail = (0, 0, False)[len(qflags):] + (world,)  # the rest of QUANT, GROUP, UE8M0, then AR
         split = 1
-    if PDL if pdl is None else pdl and _PDL_OK:
-        _KERNEL((n, split), args, flags + tail + (True,), shape[2], None, None if ptrs & 15 else spec, launch_pdl=True)
-    else:
-        _KERNEL((n, split), args, flags + tail if world else flags, shape[2], None, None if ptrs & 15 else spec)
+    pdl = (PDL if pdl is None else pdl) and _PDL_OK
+    if world or pdl:  # the constexprs are passed by position: those before AR / PDL too
+        flags += tail + ((True,) if pdl else ())
+    _KERNEL((n, split), args, flags, shape[2], None, None if ptrs & 15 else spec, launch_pdl=pdl)
     return out, res_out
 
 
